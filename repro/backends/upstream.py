@@ -1,0 +1,48 @@
+"""Upstream FlashAttention-3 (torch.ops.flash_attn_3), e.g. from PyPI tokenspeed-fa3 or a folder."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import os
+import sys
+from pathlib import Path
+
+from repro.backends.base import BackendIdentity, BackendUnavailable, TorchOpsBackend, file_sha256
+from repro.layout import UPSTREAM
+
+ENV_VAR = "FA3_UPSTREAM_PATH"
+
+
+class UpstreamFa3(TorchOpsBackend):
+    name = "upstream"
+    flavor = UPSTREAM
+
+    def __init__(self, path: str | None = None) -> None:
+        path = path or os.environ.get(ENV_VAR)
+        if path:
+            if not Path(path, "flash_attn_3").is_dir():
+                raise BackendUnavailable(f"{path}: no flash_attn_3/ folder (set {ENV_VAR} to a tokenspeed-fa3 tree)")
+            sys.path.insert(0, str(path))
+        try:
+            import torch
+
+            mod = importlib.import_module("flash_attn_3._C")
+        except (ImportError, OSError) as e:
+            raise BackendUnavailable(
+                f"upstream FA3 not importable ({e}); pip install tokenspeed-fa3 or set {ENV_VAR}"
+            ) from e
+        self._ops = torch.ops.flash_attn_3
+        lib = Path(mod.__file__ or "")
+        version = "unknown"
+        package = "local folder" if path else "flash_attn_3"
+        for dist in ("tokenspeed-fa3", "flash-attn-3", "flash_attn_3"):
+            try:
+                version = md.version(dist)
+                package = dist
+                break
+            except md.PackageNotFoundError:
+                continue
+        if path and version == "unknown":
+            version = Path(path).name
+        self._identity = BackendIdentity("upstream", package, version, lib.name, file_sha256(lib))

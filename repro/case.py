@@ -1,0 +1,134 @@
+"""A case: what to run (CaseSpec) and what came of it (CaseResult, verdicts)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from repro.descriptors import AttnConfig, ConfigError
+from repro.scenarios import SCENARIOS, STRATEGIES, V2
+
+MODES = ("eager", "graph")
+SM_KINDS = ("full", "sm_margin", "mps", "green", "mig")
+
+CLEAN, OOB, CRASH, HANG, WRONG, ERROR, SKIP = "clean", "oob", "crash", "hang", "wrong-output", "error", "skip"
+VERDICTS = (CLEAN, OOB, CRASH, HANG, WRONG, ERROR, SKIP)
+FAULTS = (OOB, CRASH, HANG, WRONG)  # verdicts that mean "the bug is visible"
+
+
+@dataclass(frozen=True)
+class SmConfig:
+    """How the case restricts SMs. sms: the SM count FA3 should plan for (None = whole GPU or MIG slice)."""
+
+    kind: str = "full"
+    sms: int | None = None
+    mig_uuid: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in SM_KINDS:
+            raise ConfigError(f"unknown SM restriction {self.kind!r}; choose from {', '.join(SM_KINDS)}")
+        if self.kind in ("sm_margin", "mps", "green") and (self.sms is None or self.sms <= 0):
+            raise ConfigError(f"{self.kind} needs a positive SM count")
+
+    @property
+    def label(self) -> str:
+        if self.kind == "full":
+            return "sm-all"
+        if self.kind == "mig":
+            return f"mig-{(self.mig_uuid or 'slice')[-8:]}"
+        return f"{self.kind.replace('_', '')}{self.sms}"
+
+    @classmethod
+    def parse(cls, text: str) -> SmConfig:
+        """`full`, `sm_margin:16`, `mps:16`, `green:16`, `mig` or `mig:<uuid>`."""
+        kind, _, arg = text.partition(":")
+        if kind == "mig":
+            return cls("mig", None, arg or None)
+        if kind == "full":
+            return cls("full")
+        try:
+            return cls(kind, int(arg))
+        except ValueError:
+            raise ConfigError(f"bad SM configuration {text!r}: use full, sm_margin:N, mps:N, green:N or mig[:uuid]") from None
+
+
+@dataclass(frozen=True)
+class CaseSpec:
+    backend: str
+    strategy: str
+    mode: str = "eager"
+    scenario: str = V2
+    sm: SmConfig = field(default_factory=SmConfig)
+    cfg: AttnConfig = field(default_factory=AttnConfig)
+    poison: str | None = None
+    sanitizer: bool = False
+    pair: tuple[str, str] | None = None
+    backend_path: str | None = None
+    timeout_s: float = 120.0
+    seed: int = 0
+    rep: int = 0  # repeat index: same case, run again
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"unknown strategy {self.strategy!r}; choose from {', '.join(STRATEGIES)}")
+        if self.mode not in MODES:
+            raise ConfigError(f"unknown mode {self.mode!r}; choose from {', '.join(MODES)}")
+        if self.scenario not in SCENARIOS:
+            raise ConfigError(f"unknown scenario {self.scenario!r}; choose from {', '.join(SCENARIOS)}")
+        if self.timeout_s <= 0:
+            raise ConfigError("timeout must be positive")
+
+    @property
+    def case_id(self) -> str:
+        parts = [
+            "stale_metadata", self.backend, self.scenario, self.strategy, self.sm.label, self.mode,
+            f"splits{self.cfg.num_splits}", f"h{self.cfg.num_heads_q}-{self.cfg.num_heads_kv}x{self.cfg.head_dim}",
+        ]
+        if self.poison:
+            parts.append(f"poison-{self.poison}")
+        if self.sanitizer:
+            parts.append("memcheck")
+        if self.rep:
+            parts.append(f"rep{self.rep}")
+        return "-".join(parts)
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["cfg"] = self.cfg.to_dict()
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text: str) -> CaseSpec:
+        d = json.loads(text)
+        d["cfg"] = AttnConfig.from_dict(d["cfg"])
+        d["sm"] = SmConfig(**d["sm"])
+        if d.get("pair"):
+            d["pair"] = tuple(d["pair"])
+        return cls(**d)
+
+
+@dataclass
+class CaseResult:
+    case_id: str
+    verdict: str
+    reason: str
+    kernel: str | None = None  # combine | main | prepare | other | None
+    descriptor: str | None = None  # descriptor of the pass that faulted or went wrong
+    stale_fields: dict[str, int] = field(default_factory=dict)  # differing entries per field, over all passes
+    first_diffs: list[str] = field(default_factory=list)
+    findings: list[dict] = field(default_factory=list)
+    max_abs_err: float | None = None
+    sms_reported: int | None = None
+    sms_planned: int | None = None
+    wall_s: float = 0.0
+    returncode: int | None = None
+    backend_identity: dict | None = None
+    spec: dict | None = None
+    log_tail: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def detected(self) -> bool:
+        return self.verdict in FAULTS

@@ -1,0 +1,176 @@
+"""`python -m repro doctor | run | matrix`. Bad input: one line on stderr and exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from repro.case import CaseSpec, SmConfig
+from repro.descriptors import AttnConfig, ConfigError
+from repro.scenarios import SCENARIOS, STRATEGIES, V2
+
+EXIT_BAD_INPUT = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2
+        sys.stderr.write(f"repro: error: {message}\n")
+        raise SystemExit(EXIT_BAD_INPUT)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x)
+    except ValueError:
+        raise ConfigError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _add_cfg(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("attention shape")
+    d = AttnConfig()
+    g.add_argument("--q-heads", type=int, default=d.num_heads_q)
+    g.add_argument("--kv-heads", type=int, default=d.num_heads_kv)
+    g.add_argument("--head-dim", type=int, default=d.head_dim)
+    g.add_argument("--page-size", type=int, default=d.page_size)
+    g.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    g.add_argument("--spec-tokens", type=int, default=d.num_speculative_tokens)
+    g.add_argument("--capture-sizes", default=",".join(map(str, d.capture_sizes)))
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--window", type=int, default=-1, help="sliding window (left); -1 = none")
+    g.add_argument("--non-causal", action="store_true")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per case process")
+    p.add_argument("--poison", default=None, help="none, zero, minus-one, int-max, int-min, splits-33 or an int32")
+    p.add_argument("--sanitizer", action="store_true", help="run under compute-sanitizer memcheck")
+    p.add_argument("--out", default="results/latest", help="folder for logs and reports")
+
+
+def _cfg(a: argparse.Namespace, splits: int) -> AttnConfig:
+    return AttnConfig(num_heads_q=a.q_heads, num_heads_kv=a.kv_heads, head_dim=a.head_dim, page_size=a.page_size,
+                      max_model_len=a.max_model_len, causal=not a.non_causal, window_left=a.window,
+                      num_splits=splits, num_speculative_tokens=a.spec_tokens, capture_sizes=_ints(a.capture_sizes),
+                      max_num_seqs=a.max_num_seqs)
+
+
+def _check_paths(backend_path: str | None) -> None:
+    if backend_path and not os.path.exists(backend_path):
+        raise ConfigError(f"{backend_path}: no such file or folder")
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    from repro.runner import run_case
+    from repro.smcontrol import Unavailable, maybe_mps
+
+    _check_paths(a.backend_path)
+    sm = SmConfig.parse(a.sm)
+    if sm.kind == "sm_margin" and sm.sms and sm.sms > 132 * 4:
+        raise ConfigError(f"impossible SM count {sm.sms}")
+    pair = (a.built_for, a.launched) if a.scenario == "pair" else None
+    spec = CaseSpec(a.backend, a.strategy, a.mode, a.scenario, sm, _cfg(a, a.num_splits), a.poison, a.sanitizer, pair,
+                    a.backend_path, a.timeout)
+    try:
+        with maybe_mps(sm.kind == "mps") as mps:
+            res = run_case(spec, a.out, mps)
+    except Unavailable as e:
+        print(f"skip: {e}")
+        return 0
+    print(f"{res.verdict}: {res.case_id}\n  {res.reason}")
+    if res.kernel:
+        print(f"  kernel: {res.kernel}")
+    if res.stale_fields:
+        print(f"  stale fields: {res.stale_fields}")
+    for d in res.first_diffs:
+        print(f"  {d}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(res.to_dict(), indent=1) + "\n")
+    return 0 if res.verdict in ("clean", "skip") else 1
+
+
+def cmd_matrix(a: argparse.Namespace) -> int:
+    from repro import environment, report
+    from repro.matrix import MatrixOptions, build_specs, run_matrix, text_progress
+
+    opts = MatrixOptions(backends=tuple(a.backends.split(",")), strategies=tuple(a.strategies.split(",")),
+                         sms=tuple(a.sms.split(",")), modes=tuple(a.modes.split(",")), splits=_ints(a.splits),
+                         poison=None if a.poison in (None, "none") else a.poison, sanitizer=a.sanitizer,
+                         timeout_s=a.timeout, repeat=a.repeat, cfg=_cfg(a, 32))
+    for b in opts.backends:
+        if b not in ("upstream", "vllm"):
+            raise ConfigError(f"unknown backend {b!r}; choose from upstream, vllm")
+    for s in opts.strategies:
+        if s not in STRATEGIES:
+            raise ConfigError(f"unknown strategy {s!r}")
+    specs = build_specs(opts)
+    if a.dry_run:
+        for s in specs:
+            print(s.case_id)
+        return 0
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment.collect()
+    run = run_matrix(specs, out / "logs", jobs=a.jobs, progress=None if a.quiet else text_progress)
+    md = report.markdown(run, env, title=a.title)
+    (out / "verdicts.md").write_text(md)
+    report.write_json(run, a.json or out / "results.json", env)
+    report.heatmap(run, out / "heatmap.png")
+    print(md)
+    blind = run.blind_controls()
+    if blind:
+        print(f"HARNESS BLIND: {len(blind)} positive control(s) not detected in this environment: "
+              + ", ".join(s.case_id for s, _ in blind[:5]), file=sys.stderr)
+    return 1 if run.failures() else 0
+
+
+def cmd_doctor(a: argparse.Namespace) -> int:
+    from repro.doctor import doctor
+
+    print(doctor())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m repro", description="Stale FA3 attention-metadata reproducer and regression harness")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    sub.add_parser("doctor", help="what this machine can run, and how to fix what is missing")
+    r = sub.add_parser("run", help="run one case")
+    r.add_argument("--backend", choices=("upstream", "vllm"), required=True)
+    r.add_argument("--backend-path", help="upstream: folder with flash_attn_3/; vllm: path to _vllm_fa3_C*.so")
+    r.add_argument("--strategy", choices=STRATEGIES, default="stale")
+    r.add_argument("--mode", choices=("eager", "graph"), default="eager")
+    r.add_argument("--scenario", choices=SCENARIOS, default=V2)
+    r.add_argument("--sm", default="full", help="full, sm_margin:N, mps:N, green:N, mig[:uuid]")
+    r.add_argument("--num-splits", type=int, default=32)
+    r.add_argument("--built-for", default="t4r1", help="pair scenario: descriptor the buffers hold")
+    r.add_argument("--launched", default="t32r8", help="pair scenario: descriptor launched")
+    r.add_argument("--json", help="write the result here")
+    _add_cfg(r)
+    m = sub.add_parser("matrix", help="run the parametrized case set in parallel and write reports")
+    m.add_argument("--backends", default="upstream,vllm")
+    m.add_argument("--strategies", default="stale,fresh")
+    m.add_argument("--sms", default="sm_margin:16,mps:16,full")
+    m.add_argument("--modes", default="eager,graph")
+    m.add_argument("--splits", default="32,0")
+    m.add_argument("--repeat", type=int, default=1)
+    m.add_argument("--jobs", type=int, default=6)
+    m.add_argument("--json", help="machine-readable result path (default OUT/results.json)")
+    m.add_argument("--title", default="Stale-metadata verdicts")
+    m.add_argument("--dry-run", action="store_true", help="list case ids only")
+    m.add_argument("--quiet", action="store_true")
+    _add_cfg(m)
+    m.set_defaults(poison="int-max")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    try:
+        return {"doctor": cmd_doctor, "run": cmd_run, "matrix": cmd_matrix}[a.cmd](a)
+    except ConfigError as e:
+        sys.stderr.write(f"repro: error: {e}\n")
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        sys.stderr.write("repro: interrupted\n")
+        return 130

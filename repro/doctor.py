@@ -1,0 +1,47 @@
+"""`python -m repro doctor`: GPU, SMs, MIG slices, MPS, compute-sanitizer, FA3 backends, and fixes."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+from repro.sanitizer import find_sanitizer
+from repro.smcontrol import Unavailable, enumerate_gpus
+
+
+def _probe_backend(name: str) -> str:
+    code = (f"from repro.backends import load_backend\n"
+            f"try:\n    print('ok', load_backend({name!r}).identity().short())\n"
+            f"except Exception as e:\n    print('missing', e)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    return (r.stdout.strip() or r.stderr.strip().splitlines()[-1] if (r.stdout or r.stderr) else "no answer")
+
+
+def doctor() -> str:
+    from repro.environment import gpu_facts
+
+    lines = []
+    facts = gpu_facts()
+    lines.append(f"torch:             {facts.get('torch') or 'not installed (pip install torch)'} (CUDA {facts.get('cuda')})")
+    if facts.get("gpu"):
+        lines.append(f"GPU:               {facts['gpu']}, {facts['sms']} SMs, compute capability {facts['capability']}")
+        if facts.get("capability") != "9.0":
+            lines.append("                   FA3 needs Hopper (9.0): GPU cases will skip")
+    else:
+        lines.append("GPU:               none visible; GPU cases skip. `python -m repro matrix --dry-run` lists them")
+    try:
+        gpus = enumerate_gpus()
+        for g in gpus:
+            lines.append(f"NVML GPU {g.index}:        {g.name} MIG {'on' if g.mig_mode else 'off'}, {len(g.slices)} slices")
+            for s in g.slices:
+                lines.append(f"  slice {s.index}: {s.profile} {s.sms} SMs {s.memory_mib} MiB {s.uuid}")
+    except Unavailable as e:
+        lines.append(f"NVML:              {e}")
+    mps = shutil.which("nvidia-cuda-mps-control")
+    lines.append(f"MPS:               {mps or 'nvidia-cuda-mps-control not found: MPS cases skip'}")
+    san = find_sanitizer()
+    lines.append(f"compute-sanitizer: {san or 'not found: install the CUDA toolkit or put it on PATH'}")
+    for b in ("upstream", "vllm"):
+        lines.append(f"FA3 {b:<9}      {_probe_backend(b)}")
+    return "\n".join(lines)

@@ -1,0 +1,106 @@
+"""Verdict tables for people (Markdown), results for machines (JSON), and an optional heatmap image."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from repro.case import CaseResult, CaseSpec
+from repro.matrix import MatrixRun, expectation, meets
+
+MARK = {True: "ok", False: "FAIL", None: "skip"}
+
+
+def _fields(r: CaseResult) -> str:
+    if not r.stale_fields:
+        return "-"
+    return ", ".join(f"{k.replace('scheduler_metadata.', 'md.')}:{v}" for k, v in sorted(r.stale_fields.items()))
+
+
+def rows(run: MatrixRun) -> list[dict]:
+    out = []
+    for s, r in run.results:
+        exp = expectation(s)
+        out.append({
+            "case": s.case_id, "backend": s.backend, "strategy": s.strategy, "sm": s.sm.label, "mode": s.mode,
+            "splits": s.cfg.num_splits, "poison": s.poison or "none", "sanitizer": s.sanitizer,
+            "verdict": r.verdict, "kernel": r.kernel or "-", "descriptor": r.descriptor or "-",
+            "expected": exp, "ok": meets(exp, r.verdict), "stale_fields": r.stale_fields,
+            "sms_planned": r.sms_planned, "sms_reported": r.sms_reported, "wall_s": r.wall_s, "reason": r.reason,
+        })
+    return out
+
+
+def markdown(run: MatrixRun, env: dict | None = None, title: str = "Verdicts") -> str:
+    lines = [f"# {title}", ""]
+    if env:
+        lines += ["| environment | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in env.items()] + [""]
+    counts = Counter(r.verdict for _, r in run.results)
+    fails = run.failures()
+    lines.append(f"{len(run.results)} cases in {run.wall_s:.1f} s; " + ", ".join(f"{k}: {v}" for k, v in counts.items())
+                 + f"; {len(fails)} unexpected; first positive control after {run.first_positive_s} s.")
+    lines += ["", "| case | verdict | kernel | descriptor | SMs planned | expected | | stale fields | s |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows(run):
+        lines.append(f"| {row['case']} | **{row['verdict']}** | {row['kernel']} | {row['descriptor']} | "
+                     f"{row['sms_planned'] or '-'} | {row['expected']} | {MARK[row['ok']]} | "
+                     f"{_fields(next(r for s, r in run.results if s.case_id == row['case']))} | {row['wall_s']:.0f} |")
+    lines += ["", "Reasons:", ""]
+    seen = set()
+    for s, r in run.results:
+        if s.case_id not in seen:
+            seen.add(s.case_id)
+            lines.append(f"- `{s.case_id}`: {r.reason}")
+    return "\n".join(lines) + "\n"
+
+
+def write_json(run: MatrixRun, path: str | Path, env: dict | None = None) -> None:
+    ids = {r["backend"]: None for r in rows(run)}
+    for _, r in run.results:
+        if r.backend_identity:
+            ids[r.backend_identity["name"]] = r.backend_identity
+    doc = {"environment": env or {}, "backends": ids, "wall_s": run.wall_s, "first_positive_s": run.first_positive_s,
+           "cases": [{**row, "result": r.to_dict()} for row, (_, r) in zip(rows(run), run.results)]}
+    Path(path).write_text(json.dumps(doc, indent=1, default=str) + "\n")
+
+
+def load_json(path: str | Path) -> MatrixRun:
+    doc = json.loads(Path(path).read_text())
+    results = []
+    for c in doc["cases"]:
+        r = CaseResult(**c["result"])
+        results.append((CaseSpec.from_json(json.dumps(r.spec)), r))
+    return MatrixRun(results, doc["wall_s"], doc.get("first_positive_s"))
+
+
+def heatmap(run: MatrixRun, path: str | Path) -> bool:
+    """Verdicts by case group (rows) and SM configuration (columns). False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    order = ["clean", "wrong-output", "oob", "crash", "hang", "error", "skip"]
+    colors = ["#4caf50", "#ffc107", "#f44336", "#b71c1c", "#6a1b9a", "#607d8b", "#e0e0e0"]
+    cols = sorted({s.sm.label for s, _ in run.results})
+    rws = sorted({f"{s.backend}/{s.strategy}/{s.mode}/s{s.cfg.num_splits}" for s, _ in run.results})
+    grid = [[order.index("skip")] * len(cols) for _ in rws]
+    for s, r in run.results:
+        grid[rws.index(f"{s.backend}/{s.strategy}/{s.mode}/s{s.cfg.num_splits}")][cols.index(s.sm.label)] = order.index(r.verdict)
+    from matplotlib.colors import ListedColormap
+
+    fig, ax = plt.subplots(figsize=(2 + 1.4 * len(cols), 1 + 0.35 * len(rws)))
+    ax.imshow(grid, cmap=ListedColormap(colors), vmin=0, vmax=len(order) - 1, aspect="auto")
+    ax.set_xticks(range(len(cols)), cols)
+    ax.set_yticks(range(len(rws)), rws)
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            ax.text(j, i, order[v], ha="center", va="center", fontsize=7)
+    ax.set_title("verdict by case group and SM configuration")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

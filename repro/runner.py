@@ -1,0 +1,153 @@
+"""Case runner: every case in its own process, always under a timeout, optionally under compute-sanitizer.
+
+The verdict comes from the process: the worker's result line, the sanitizer log, the exit status, the clock."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from repro.case import CLEAN, CRASH, ERROR, HANG, OOB, SKIP, WRONG, CaseResult, CaseSpec
+from repro.sanitizer import find_sanitizer, parse_log, sanitizer_command, sanitizer_env
+from repro.smcontrol import MpsDaemon, Unavailable
+from repro.worker import PASS_TAG, RESULT_TAG, SKIP_TAG
+
+_CRASH_MARKERS = ("illegal memory access", "an illegal instruction", "misaligned address", "unspecified launch failure",
+                  "CUDA error", "cudaErrorIllegalAddress", "CUDA_ERROR_ILLEGAL_ADDRESS")
+
+
+@functools.lru_cache(maxsize=1)
+def device_sm_count() -> int:
+    """SMs of GPU 0 as an unrestricted CUDA process sees them (probed in a child: the parent never touches CUDA)."""
+    code = "import torch; print(torch.cuda.get_device_properties(0).multi_processor_count)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        raise Unavailable(f"no CUDA device: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
+    return int(r.stdout.strip().splitlines()[-1])
+
+
+def _tagged(text: str, tag: str) -> list[dict]:
+    out = []
+    for line in text.splitlines():
+        if line.startswith(tag + " "):
+            try:
+                out.append(json.loads(line[len(tag) + 1 :]))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def classify(spec: CaseSpec, output: str, returncode: int | None, timed_out: bool, sanitizer_log: str | None,
+             wall_s: float) -> CaseResult:
+    """Turn what a case process left behind into a verdict. Pure: the CPU tier tests it on recorded outputs."""
+    passes = _tagged(output, PASS_TAG)
+    results = _tagged(output, RESULT_TAG)
+    skips = _tagged(output, SKIP_TAG)
+    last = passes[-1]["descriptor"] if passes else None
+    report = parse_log(sanitizer_log) if sanitizer_log else None
+    findings = report.findings if report else []
+    tail = "\n".join(output.strip().splitlines()[-15:])
+    res = CaseResult(case_id=spec.case_id, verdict=ERROR, reason="", returncode=returncode, wall_s=round(wall_s, 2),
+                     spec=json.loads(spec.to_json()), log_tail=tail)
+    if results:
+        r = results[-1]
+        res.stale_fields, res.first_diffs = r.get("stale_fields", {}), r.get("first_diffs", [])
+        res.max_abs_err, res.sms_reported, res.sms_planned = r.get("max_abs_err"), r.get("sms_reported"), r.get("sms_planned")
+        res.backend_identity = r.get("backend_identity")
+    elif passes:  # no result (crash, hang): what the launches so far were given
+        for p in passes:
+            for k, v in p.get("stale_fields", {}).items():
+                res.stale_fields[k] = res.stale_fields.get(k, 0) + v
+            res.first_diffs += [f"{p['descriptor']}: {x}" for x in p.get("first_diffs", [])][: 3 - len(res.first_diffs)]
+    res.findings = [f.to_dict() for f in findings]
+    if skips and not results:
+        res.verdict, res.reason = SKIP, skips[-1]["reason"]
+        return res
+    if timed_out:
+        res.verdict, res.descriptor = HANG, last
+        res.reason = f"no exit within {spec.timeout_s:g} s (last launch: {last})"
+        return res
+    if findings:
+        f = findings[0]
+        res.verdict, res.kernel, res.descriptor = OOB, f.role, last if not results else None
+        res.reason = f"memcheck: {f}" + (f" (+{len(findings) - 1} more groups)" if len(findings) > 1 else "")
+        return res
+    crash = next((m for m in _CRASH_MARKERS if m in output), None)
+    if not results and (crash or (returncode or 0) != 0):
+        res.descriptor = last
+        if crash:
+            res.verdict = CRASH
+            res.kernel = "combine" if "combine" in output else ("main" if re.search(r"flash_fwd_launch|flash_fwd", output) else None)
+            line = next((ln for ln in output.splitlines() if crash in ln), crash)
+            res.reason = f"{line.strip()[:200]} (during {last})"
+        else:
+            res.verdict, res.reason = ERROR, f"exit status {returncode} without a result: {tail[-300:]}"
+        return res
+    if results:
+        r = results[-1]
+        if r.get("wrong"):
+            res.verdict, res.descriptor = WRONG, r.get("worst_descriptor")
+            res.reason = f"max |out - reference| = {r['max_abs_err']:.3g} at {r.get('worst_descriptor')}"
+        else:
+            res.verdict = CLEAN
+            res.reason = f"{r.get('passes')} passes, max |out - reference| = {r.get('max_abs_err', 0):.3g}"
+        if returncode not in (0, None) and res.verdict == CLEAN:
+            res.verdict, res.reason = ERROR, f"result printed but exit status {returncode}"
+    return res
+
+
+def worker_env(spec: CaseSpec, mps: MpsDaemon | None, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env["PYTHONUNBUFFERED"] = "1"
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    if spec.sm.kind == "mig":
+        if not spec.sm.mig_uuid:
+            raise Unavailable("no MIG slice given (mig:<uuid>) and none pinned to this worker")
+        env["CUDA_VISIBLE_DEVICES"] = spec.sm.mig_uuid
+    if spec.sm.kind == "mps":
+        if mps is None:
+            raise Unavailable("MPS case without an MPS daemon")
+        env.update(mps.client_env(spec.sm.sms or 0, device_sm_count()))
+    if spec.sanitizer:
+        env = sanitizer_env(env)
+    return env
+
+
+def run_case(spec: CaseSpec, log_dir: str | Path, mps: MpsDaemon | None = None) -> CaseResult:
+    """Run one case in a fresh process under its timeout and classify it. Never raises for a faulting case."""
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    try:
+        env = worker_env(spec, mps)
+    except Unavailable as e:
+        return CaseResult(spec.case_id, SKIP, str(e), spec=json.loads(spec.to_json()))
+    cmd = [sys.executable, "-m", "repro.worker", spec.to_json()]
+    san_log = None
+    if spec.sanitizer:
+        exe = find_sanitizer()
+        if not exe:
+            return CaseResult(spec.case_id, SKIP, "compute-sanitizer not found (install the CUDA toolkit)",
+                              spec=json.loads(spec.to_json()))
+        san_log = log_dir / f"{spec.case_id}.memcheck.log"
+        cmd = sanitizer_command(exe, str(san_log), kernel_filter="flash") + cmd
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+                            start_new_session=True)
+    timed_out = False
+    try:
+        out, _ = proc.communicate(timeout=spec.timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+    (log_dir / f"{spec.case_id}.out.log").write_text(out or "")
+    log_text = san_log.read_text(errors="replace") if san_log and san_log.exists() else None
+    return classify(spec, out or "", proc.returncode, timed_out, log_text, time.time() - t0)

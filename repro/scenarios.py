@@ -1,0 +1,81 @@
+"""Scenarios at the attention layer and the stale / fresh metadata strategies.
+
+A scenario yields the draft's passes in order: (descriptor, stage, metadata the pass gets). Builds happen lazily,
+so a fresh rebuild lands in the buffers right before its pass, exactly as in vLLM's capture loop."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from repro.builder import AttnMetadata, MetadataBuilder
+from repro.descriptors import AttnConfig, BatchDescriptor, ConfigError, full_decode_descriptors
+
+STALE = "stale"
+FRESH = "fresh"
+STRATEGIES = (STALE, FRESH)
+PAIR = "pair"
+V2 = "v2-capture"
+SCENARIOS = (PAIR, V2)
+WARMUP = "warmup"
+CAPTURE = "capture"
+
+
+@dataclass
+class Pass:
+    descriptor: BatchDescriptor
+    stage: str  # warmup (eager pass before capture) or capture
+    metadata: AttnMetadata
+
+
+def check_strategy(strategy: str) -> None:
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
+
+
+def v2_capture_sequence(builder: MetadataBuilder, strategy: str,
+                        descriptors: list[BatchDescriptor] | None = None) -> Iterator[Pass]:
+    """vLLM V2: the target builds every FULL descriptor largest first (warmup build + capture build), then the draft
+    runs each descriptor's warmup and capture. stale: the draft reuses the target's saved states (before PR #48261);
+    fresh: the draft rebuilds through the same buffers for every pass (after the fix)."""
+    check_strategy(strategy)
+    descs = descriptors or full_decode_descriptors(builder.cfg)
+    saved: dict[BatchDescriptor, tuple[AttnMetadata, AttnMetadata]] = {}
+    for d in descs:
+        warm = builder.build(d)
+        cap = builder.build(d)
+        saved[d] = (warm, cap)
+    for d in descs:
+        if strategy == STALE:
+            warm, cap = saved[d]
+            yield Pass(d, WARMUP, warm)
+            yield Pass(d, CAPTURE, cap)
+        else:
+            yield Pass(d, WARMUP, builder.build(d))
+            yield Pass(d, CAPTURE, builder.build(d))
+
+
+def pair_sequence(builder: MetadataBuilder, strategy: str, built_for: BatchDescriptor,
+                  launched: BatchDescriptor) -> Iterator[Pass]:
+    """Views saved when `launched` was built, buffers then overwritten by a build for `built_for` (stale);
+    or a rebuild for `launched` right before its launch (fresh)."""
+    check_strategy(strategy)
+    saved = builder.build(launched)
+    builder.build(built_for)
+    for stage in (WARMUP, CAPTURE):
+        yield Pass(launched, stage, saved if strategy == STALE else builder.build(launched))
+
+
+def passes_for(scenario: str, builder: MetadataBuilder, strategy: str, pair: tuple[str, str] | None = None,
+               cfg: AttnConfig | None = None) -> Iterator[Pass]:
+    from repro.descriptors import descriptor_from_label
+
+    cfg = cfg or builder.cfg
+    if scenario == V2:
+        return v2_capture_sequence(builder, strategy)
+    if scenario == PAIR:
+        if not pair:
+            raise ConfigError("the pair scenario needs --built-for and --launched descriptors")
+        a, b = (descriptor_from_label(x, cfg.decode_query_len) for x in pair)
+        return pair_sequence(builder, strategy, a, b)
+    raise ConfigError(f"unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}")

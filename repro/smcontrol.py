@@ -1,0 +1,180 @@
+"""SM restriction the machine provides: an MPS daemon owned by the run, MIG slices through NVML, green contexts."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+# H200 MIG profiles -> SMs per slice (bug.md)
+H200_MIG_SMS = {"1g.18gb": 16, "1g.35gb": 26, "2g.35gb": 32, "3g.71gb": 60, "4g.71gb": 64}
+
+
+class Unavailable(RuntimeError):
+    """This machine cannot provide the configuration; the message is the skip reason."""
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    name: str
+    uuid: str
+    sms: int | None
+    mig_mode: bool
+    slices: tuple[MigSlice, ...] = ()
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class MigSlice:
+    gpu_index: int
+    index: int
+    uuid: str
+    profile: str
+    sms: int | None
+    memory_mib: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _s(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def enumerate_gpus(nvml: Any = None) -> list[GpuInfo]:
+    """GPUs and their MIG slices through NVML (module pynvml from nvidia-ml-py). `nvml` may be a stand-in for tests.
+    Raises Unavailable when NVML is missing or finds no driver."""
+    if nvml is None:
+        try:
+            import pynvml as nvml  # type: ignore[no-redef]
+        except ImportError as e:
+            raise Unavailable("nvidia-ml-py is not installed (pip install nvidia-ml-py)") from e
+    try:
+        nvml.nvmlInit()
+    except Exception as e:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        raise Unavailable(f"NVML unavailable: {e}") from e
+    try:
+        gpus = []
+        for i in range(nvml.nvmlDeviceGetCount()):
+            h = nvml.nvmlDeviceGetHandleByIndex(i)
+            try:
+                cur, _pending = nvml.nvmlDeviceGetMigMode(h)
+            except Exception:
+                cur = 0
+            slices = []
+            if cur:
+                for j in range(nvml.nvmlDeviceGetMaxMigDeviceCount(h)):
+                    try:
+                        m = nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, j)
+                    except Exception:
+                        continue
+                    attrs = nvml.nvmlDeviceGetAttributes(m)
+                    mem = nvml.nvmlDeviceGetMemoryInfo(m).total // (1 << 20)
+                    name = _s(nvml.nvmlDeviceGetName(m))
+                    profile = name.split("MIG ")[-1] if "MIG " in name else name
+                    slices.append(MigSlice(i, j, _s(nvml.nvmlDeviceGetUUID(m)), profile,
+                                           int(attrs.multiprocessorCount), int(mem)))
+            gpus.append(GpuInfo(i, _s(nvml.nvmlDeviceGetName(h)), _s(nvml.nvmlDeviceGetUUID(h)), None, bool(cur),
+                                tuple(slices)))
+        return gpus
+    finally:
+        with contextlib.suppress(Exception):
+            nvml.nvmlShutdown()
+
+
+def mps_granted_sms(pct: int, total: int) -> int:
+    """SMs an MPS client gets for an active-thread percentage: total * pct / 100 rounded down to an even count
+    (measured on a 132-SM H200: 12% -> 14, 13% -> 16, 25% -> 32, 50% -> 66)."""
+    return max(2, (total * pct // 100) // 2 * 2)
+
+
+def mps_percentage(sms: int, total: int) -> int:
+    """Smallest active-thread percentage that grants at least `sms` SMs (the worker verifies the exact count)."""
+    if not 0 < sms <= total:
+        raise Unavailable(f"cannot give {sms} SMs on a {total}-SM GPU")
+    for pct in range(1, 101):
+        if mps_granted_sms(pct, total) >= sms:
+            return pct
+    return 100
+
+
+class MpsDaemon:
+    """An MPS control daemon owned by this run: started in private pipe/log folders, stopped on exit or Ctrl-C."""
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="repro-mps-")
+        self.env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(self.dir, "pipe"),
+                    "CUDA_MPS_LOG_DIRECTORY": os.path.join(self.dir, "log")}
+        self.running = False
+        self._old_int = None
+
+    def start(self) -> MpsDaemon:
+        exe = shutil.which("nvidia-cuda-mps-control")
+        if not exe:
+            raise Unavailable("nvidia-cuda-mps-control not found (MPS needs the NVIDIA driver utilities)")
+        for d in self.env.values():
+            os.makedirs(d, exist_ok=True)
+        env = {**os.environ, **self.env}
+        r = subprocess.run([exe, "-d"], env=env, capture_output=True, text=True, timeout=30)
+        if r.returncode != 0:
+            raise Unavailable(f"MPS daemon did not start: {r.stderr.strip() or r.returncode}")
+        self.running = True
+        self._old_int = signal.getsignal(signal.SIGINT)
+
+        def on_int(signum, frame):  # stop the daemon, then behave as Ctrl-C normally does
+            self.stop()
+            raise KeyboardInterrupt
+
+        with contextlib.suppress(ValueError):  # not in the main thread
+            signal.signal(signal.SIGINT, on_int)
+        return self
+
+    def client_env(self, sms: int, total: int) -> dict[str, str]:
+        return {**self.env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(mps_percentage(sms, total))}
+
+    def stop(self) -> None:
+        if not self.running:
+            return
+        self.running = False
+        exe = shutil.which("nvidia-cuda-mps-control") or "nvidia-cuda-mps-control"
+        with contextlib.suppress(Exception):
+            subprocess.run([exe], input="quit\n", env={**os.environ, **self.env}, text=True, timeout=30,
+                           capture_output=True)
+        if self._old_int is not None:
+            with contextlib.suppress(ValueError):
+                signal.signal(signal.SIGINT, self._old_int)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> MpsDaemon:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def maybe_mps(needed: bool) -> Iterator[MpsDaemon | None]:
+    if not needed:
+        yield None
+        return
+    with MpsDaemon() as d:
+        yield d
+
+
+def green_contexts_available() -> str | None:
+    """None when torch offers green contexts, else the reason."""
+    try:
+        from torch.cuda import green_contexts  # noqa: F401
+    except Exception as e:
+        return f"torch has no green contexts ({e})"
+    return None

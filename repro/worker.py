@@ -1,0 +1,137 @@
+"""Runs ONE case inside its own process (a memory error poisons the CUDA context): `python -m repro.worker SPEC`.
+
+Prints progress lines `REPRO_PASS <json>` before every launch (so a crash or hang names its descriptor) and one
+`REPRO_RESULT <json>` at the end. The parent (repro.runner) adds the process-level verdict."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from repro.backends.base import BackendUnavailable
+from repro.case import CaseSpec
+from repro.smcontrol import Unavailable
+
+PASS_TAG, RESULT_TAG, SKIP_TAG = "REPRO_PASS", "REPRO_RESULT", "REPRO_SKIP"
+WRONG_TOL = 0.05
+
+
+def emit(tag: str, obj: dict) -> None:
+    print(f"{tag} {json.dumps(obj)}", flush=True)
+
+
+def sm_setup(spec: CaseSpec, torch) -> tuple[int, int, object | None]:
+    """(SMs the device reports, sm_margin to pass to FA3, green-context stream or None)."""
+    props = torch.cuda.get_device_properties(0)
+    reported = props.multi_processor_count
+    if spec.sm.kind == "sm_margin":
+        if spec.sm.sms > reported:
+            raise Unavailable(f"asked for {spec.sm.sms} SMs but the device has {reported}")
+        return reported, reported - spec.sm.sms, None
+    if spec.sm.kind == "mps" and reported != spec.sm.sms:
+        raise Unavailable(f"MPS client reports {reported} SMs, expected {spec.sm.sms}")
+    if spec.sm.kind == "green":
+        try:
+            from torch.cuda import green_contexts
+        except ImportError as e:
+            raise Unavailable(f"torch {torch.__version__} has no green contexts") from e
+        ctx = green_contexts.GreenContext.create(spec.sm.sms, 0)
+        ctx.set_context()
+        return reported, 0, ctx
+    return reported, 0, None
+
+
+def run_case(spec: CaseSpec) -> dict:
+    import torch
+
+    from repro.backends import load_backend
+    from repro.builder import MetadataBuilder
+    from repro.poison import parse_poison
+    from repro.reference import paged_attention_reference
+    from repro.scenarios import CAPTURE, WARMUP, passes_for
+    from repro.staleness import diff_snapshots, summarize
+
+    torch.manual_seed(spec.seed)
+    reported, margin, _green = sm_setup(spec, torch)
+    backend = load_backend(spec.backend, spec.backend_path)
+    cfg = spec.cfg
+    poison = parse_poison(spec.poison)
+    dev = torch.device("cuda", 0)
+    builder = MetadataBuilder(backend, cfg, dev, sm_margin=margin, poison=poison)
+    shadow = MetadataBuilder(backend, cfg, dev, sm_margin=margin, poison=poison)  # fresh reference, own buffers
+    pages = builder.num_pages
+    k_cache = torch.randn(pages, cfg.page_size, cfg.num_heads_kv, cfg.head_dim, device=dev, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    stage_wanted = WARMUP if spec.mode == "eager" else CAPTURE
+    pool = torch.cuda.graph_pool_handle()
+    stale_fields: dict[str, int] = {}
+    first_diffs: list[str] = []
+    worst, worst_desc = 0.0, None
+    n_passes = 0
+    for p in passes_for(spec.scenario, builder, spec.strategy, spec.pair):
+        if p.stage != stage_wanted:
+            continue
+        d, md = p.descriptor, p.metadata
+        fresh = shadow.build(d)
+        seen_snap, fresh_snap = md.snapshot(), fresh.snapshot()
+        diffs = diff_snapshots(md, seen_snap, fresh_snap)
+        for k, v in summarize(diffs).items():
+            stale_fields[k] = stale_fields.get(k, 0) + v
+        first_diffs += [f"{d.label}: {x}" for x in diffs[: max(0, 3 - len(first_diffs))]]
+        holder = builder.last_build
+        emit(PASS_TAG, {"descriptor": d.label, "stage": p.stage, "view_build": md.build_id,
+                        "buffer_holds": holder[1].label if holder else None, "stale_entries": len(diffs),
+                        "stale_fields": summarize(diffs), "first_diffs": [str(x) for x in diffs[:2]]})
+        q = torch.randn(d.num_tokens, cfg.num_heads_q, cfg.head_dim, device=dev, dtype=torch.bfloat16)
+        out = torch.zeros_like(q)
+
+        def fwd() -> None:
+            backend.forward(q, k_cache, v_cache, out=out, cu_seqlens_q=md.query_start_loc, seqused_k=md.seq_lens,
+                            max_seqlen_q=md.max_query_len, max_seqlen_k=md.max_seq_len, block_table=md.block_table,
+                            causal=cfg.causal, window=cfg.window, scheduler_metadata=md.scheduler_metadata,
+                            num_splits=md.num_splits, sm_margin=margin)
+
+        if spec.mode == "eager":
+            fwd()
+        else:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                fwd()
+            g.replay()
+        torch.cuda.synchronize()
+        ref = paged_attention_reference(q, k_cache, v_cache, fresh_snap["query_start_loc"], fresh_snap["seq_lens"],
+                                        fresh.block_table, cfg.causal, cfg.window_left)
+        err = float((out.float() - ref).abs().max().nan_to_num(float("inf")))
+        if err > worst:
+            worst, worst_desc = err, d.label
+        n_passes += 1
+    return {
+        "passes": n_passes, "max_abs_err": worst, "worst_descriptor": worst_desc, "wrong": worst > WRONG_TOL,
+        "stale_fields": stale_fields, "first_diffs": first_diffs, "sms_reported": reported,
+        "sms_planned": reported - margin, "backend_identity": backend.identity().to_dict(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = CaseSpec.from_json(argv[0] if argv[0] != "-" else sys.stdin.read())
+    t0 = time.time()
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise Unavailable("no CUDA device visible to this process")
+        res = run_case(spec)
+    except (BackendUnavailable, Unavailable) as e:
+        emit(SKIP_TAG, {"reason": str(e)})
+        return 0
+    res["wall_s"] = round(time.time() - t0, 3)
+    res["pid"] = os.getpid()
+    emit(RESULT_TAG, res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
