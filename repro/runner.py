@@ -79,6 +79,10 @@ def classify(spec: CaseSpec, output: str, returncode: int | None, timed_out: boo
         res.verdict, res.kernel, res.descriptor = OOB, f.role, last if not results else None
         res.reason = f"memcheck: {f}" + (f" (+{len(findings) - 1} more groups)" if len(findings) > 1 else "")
         return res
+    if not results and "busy or unavailable" in output:
+        res.verdict, res.descriptor = ERROR, last
+        res.reason = "the GPU refused this process (busy or unavailable): another client faulted it; rerun alone"
+        return res
     crash = next((m for m in _CRASH_MARKERS if m in output), None)
     if not results and (crash or (returncode or 0) != 0):
         res.descriptor = last

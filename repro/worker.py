@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         if not torch.cuda.is_available():
+            if os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"):  # the MPS server failed: not a skip
+                raise RuntimeError("MPS client found no CUDA device (the MPS server is down or faulted)")
             raise Unavailable("no CUDA device visible to this process")
         res = run_case(spec)
     except (BackendUnavailable, Unavailable) as e:
