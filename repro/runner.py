@@ -19,6 +19,7 @@ from repro.sanitizer import find_sanitizer, parse_log, sanitizer_command, saniti
 from repro.smcontrol import MpsDaemon, Unavailable
 from repro.worker import PASS_TAG, RESULT_TAG, SKIP_TAG
 
+EARLY_STOP_GRACE_S = 3.0
 _CRASH_MARKERS = ("illegal memory access", "an illegal instruction", "misaligned address", "unspecified launch failure",
                   "CUDA error", "cudaErrorIllegalAddress", "CUDA_ERROR_ILLEGAL_ADDRESS")
 
@@ -70,7 +71,7 @@ def classify(spec: CaseSpec, output: str, returncode: int | None, timed_out: boo
     if skips and not results:
         res.verdict, res.reason = SKIP, skips[-1]["reason"]
         return res
-    if timed_out:
+    if timed_out and not findings:
         res.verdict, res.descriptor = HANG, last
         res.reason = f"no exit within {spec.timeout_s:g} s (last launch: {last})"
         return res
@@ -78,6 +79,8 @@ def classify(spec: CaseSpec, output: str, returncode: int | None, timed_out: boo
         f = findings[0]
         res.verdict, res.kernel, res.descriptor = OOB, f.role, last if not results else None
         res.reason = f"memcheck: {f}" + (f" (+{len(findings) - 1} more groups)" if len(findings) > 1 else "")
+        if timed_out:
+            res.reason += f"; then no exit within {spec.timeout_s:g} s"
         return res
     if not results and "busy or unavailable" in output:
         res.verdict, res.descriptor = ERROR, last
@@ -143,15 +146,41 @@ def run_case(spec: CaseSpec, log_dir: str | Path, mps: MpsDaemon | None = None) 
                               spec=json.loads(spec.to_json()))
         san_log = log_dir / f"{spec.case_id}.memcheck.log"
         cmd = sanitizer_command(exe, str(san_log), kernel_filter="flash") + cmd
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
-                            start_new_session=True)
-    timed_out = False
-    try:
-        out, _ = proc.communicate(timeout=spec.timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-    (log_dir / f"{spec.case_id}.out.log").write_text(out or "")
+    out_path = log_dir / f"{spec.case_id}.out.log"
+    timed_out, stopped_early = False, False
+    with open(out_path, "w") as out_file:
+        proc = subprocess.Popen(cmd, stdout=out_file, stderr=subprocess.STDOUT, env=env, text=True,
+                                start_new_session=True)
+        first_finding: float | None = None
+        while True:
+            try:
+                proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.time()
+            if san_log is not None and first_finding is None and _has_finding(san_log):
+                first_finding = now
+            if first_finding is not None and now - first_finding > EARLY_STOP_GRACE_S:
+                stopped_early = True  # memcheck already named the fault; a stale case may never finish
+            elif now - t0 > spec.timeout_s:
+                timed_out = True
+            else:
+                continue
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            break
+    out = out_path.read_text(errors="replace")
     log_text = san_log.read_text(errors="replace") if san_log and san_log.exists() else None
-    return classify(spec, out or "", proc.returncode, timed_out, log_text, time.time() - t0)
+    res = classify(spec, out, proc.returncode, timed_out, log_text, time.time() - t0)
+    if stopped_early:
+        res.reason += f" (stopped {EARLY_STOP_GRACE_S:g} s after the first memcheck finding)"
+    return res
+
+
+def _has_finding(path: Path) -> bool:
+    try:
+        with open(path, errors="replace") as f:
+            return "Invalid " in f.read(1 << 16)
+    except OSError:
+        return False

@@ -13,8 +13,18 @@ _ACCESS = re.compile(r"Invalid (__global__|__shared__|__local__) (read|write) of
 _AT = re.compile(r"^\s*at (.+?)\+0x[0-9a-f]+", re.I)
 _WHERE = re.compile(r"is ([\d,]+) bytes (after|before) the nearest allocation at 0x[0-9a-f]+ of size ([\d,]+) bytes")
 _INSIDE = re.compile(r"is inside the nearest allocation at 0x[0-9a-f]+ of size ([\d,]+) bytes")
+_FRAME = re.compile(r"^\s*Device Frame: ?(.+?)(?:\+0x[0-9a-f]+)?(?: in \S+:\d+)?$")
 _SUMMARY = re.compile(r"ERROR SUMMARY: ([\d,]+) error")
 _API = re.compile(r"Program hit (\w+) \(error \d+\) due to \"([^\"]+)\" on CUDA API call to (\w+)")
+
+
+_KERNEL_NAMES = re.compile(r"(FlashAttnFwdCombine|FlashAttnFwdSm\d+|prepare_varlen_num_blocks_kernel|flash_fwd_combine\w*)")
+
+
+def short_kernel(name: str) -> str:
+    """The FA3 class or kernel a long templated name is about."""
+    m = _KERNEL_NAMES.search(name)
+    return m[1] if m else name[:48]
 
 
 def kernel_role(name: str) -> str:
@@ -48,7 +58,7 @@ class Finding:
             where = f", {self.bytes_off} bytes {self.relation} a {self.alloc_size}-byte allocation"
         elif self.relation == "inside":
             where = f", inside a {self.alloc_size}-byte allocation"
-        return f"{self.role} kernel {self.kernel[:60]}: {self.access}{where} x{self.count}"
+        return f"{self.role} kernel {short_kernel(self.kernel)}: {self.access}{where} x{self.count}"
 
 
 @dataclass
@@ -89,12 +99,14 @@ def parse_log(text: str) -> SanitizerReport:
             close()
             cur = {"access": f"{m[1].strip('_')} {m[2]} of {m[3]} bytes"}
         elif cur is not None and "kernel" not in cur and (m := _AT.match(line)):
-            cur["kernel"] = m[1].strip()
+            cur["kernel"] = cur["at"] = m[1].strip()
+        elif cur is not None and (m := _FRAME.match(line)):
+            cur["kernel"] = m[1].strip()  # the outermost device frame is the kernel itself
         elif cur is not None and (m := _WHERE.search(line)):
             cur.update(relation=m[2], off=_num(m[1]), alloc=_num(m[3]))
         elif cur is not None and (m := _INSIDE.search(line)):
             cur.update(relation="inside", alloc=_num(m[1]))
-        elif m := _SUMMARY.search(line):
+        elif (m := _SUMMARY.search(line)) and summary is None:
             summary = _num(m[1])
         elif m := _API.search(line):
             api.append(f"{m[3]}: {m[2]}")
