@@ -31,6 +31,7 @@ class AttnMetadata:
     max_query_len: int
     max_seq_len: int
     num_splits: int
+    config: AttnConfig
     poisoned_entries: int = 0
 
     def snapshot(self) -> dict[str, list[int]]:
@@ -45,8 +46,14 @@ class AttnMetadata:
 class MetadataBuilder:
     """One attention group's builder: persistent buffers sized for the engine's max batch."""
 
-    def __init__(self, backend: Fa3Backend, cfg: AttnConfig, device: Any = "cpu", sm_margin: int = 0,
-                 poison: Poison | None = None) -> None:
+    def __init__(
+        self,
+        backend: Fa3Backend,
+        cfg: AttnConfig,
+        device: Any = "cpu",
+        sm_margin: int = 0,
+        poison: Poison | None = None,
+    ) -> None:
         import torch
 
         self.backend, self.cfg, self.device, self.sm_margin, self.poison = backend, cfg, device, sm_margin, poison
@@ -69,7 +76,9 @@ class MetadataBuilder:
         import torch
 
         if desc.num_reqs > self.cfg.max_batch:
-            raise ConfigError(f"descriptor {desc.label} needs {desc.num_reqs} requests, over max batch {self.cfg.max_batch}")
+            raise ConfigError(
+                f"descriptor {desc.label} needs {desc.num_reqs} requests, over max batch {self.cfg.max_batch}"
+            )
         lens = torch.tensor(desc.query_lens(), dtype=torch.int32)
         self.seq_lens.zero_()
         self.seq_lens[: desc.num_reqs] = lens.to(self.device)
@@ -92,14 +101,26 @@ class MetadataBuilder:
         b = desc.num_reqs
         qsl, seq_lens = self.query_start_loc[: b + 1], self.seq_lens[:b]
         md = self.backend.scheduler_metadata(
-            batch_size=b, max_seqlen_q=desc.max_query_len, max_seqlen_k=self.cfg.max_model_len,
-            num_heads_q=self.cfg.num_heads_q, num_heads_kv=self.cfg.num_heads_kv, head_dim=self.cfg.head_dim,
-            cache_seqlens=seq_lens, cu_seqlens_q=qsl, page_size=self.cfg.page_size, causal=self.cfg.causal,
-            window=self.cfg.window, num_splits=self.cfg.num_splits, sm_margin=self.sm_margin, dtype=torch.bfloat16,
+            batch_size=b,
+            max_seqlen_q=desc.max_query_len,
+            max_seqlen_k=self.cfg.max_model_len,
+            num_heads_q=self.cfg.num_heads_q,
+            num_heads_kv=self.cfg.num_heads_kv,
+            head_dim=self.cfg.head_dim,
+            cache_seqlens=seq_lens,
+            cu_seqlens_q=qsl,
+            page_size=self.cfg.page_size,
+            causal=self.cfg.causal,
+            window=self.cfg.window,
+            num_splits=self.cfg.num_splits,
+            sm_margin=self.sm_margin,
+            dtype=torch.bfloat16,
         )
         n = md.numel()
         if n > self.scheduler_metadata.numel():
-            raise ConfigError(f"metadata for {desc.label} has {n} ints, over vLLM's buffer of {self.scheduler_metadata.numel()}")
+            raise ConfigError(
+                f"metadata for {desc.label} has {n} ints, over vLLM's buffer of {self.scheduler_metadata.numel()}"
+            )
         layout = self.layout_for(desc, n)
         poisoned = self.poison.apply(md, layout) if self.poison else 0
         self.scheduler_metadata[:n] = md
@@ -107,9 +128,17 @@ class MetadataBuilder:
         build_id = next(_build_ids)
         self.builds.append((build_id, desc))
         return AttnMetadata(
-            descriptor=desc, build_id=build_id, query_start_loc=qsl, seq_lens=seq_lens,
-            block_table=self.block_table[:b], scheduler_metadata=self.scheduler_metadata[:n], layout=layout,
-            max_query_len=desc.max_query_len, max_seq_len=self.cfg.max_model_len, num_splits=self.cfg.num_splits,
+            descriptor=desc,
+            build_id=build_id,
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_table=self.block_table[:b],
+            scheduler_metadata=self.scheduler_metadata[:n],
+            layout=layout,
+            max_query_len=desc.max_query_len,
+            max_seq_len=self.cfg.max_model_len,
+            num_splits=self.cfg.num_splits,
+            config=self.cfg,
             poisoned_entries=poisoned,
         )
 

@@ -47,9 +47,12 @@ class SmConfig:
         if kind == "full":
             return cls("full")
         try:
-            return cls(kind, int(arg))
+            sms = int(arg)
         except ValueError:
-            raise ConfigError(f"bad SM configuration {text!r}: use full, sm_margin:N, mps:N, green:N or mig[:uuid]") from None
+            raise ConfigError(
+                f"bad SM configuration {text!r}: use full, sm_margin:N, mps:N, green:N or mig[:uuid]"
+            ) from None
+        return cls(kind, sms)
 
 
 @dataclass(frozen=True)
@@ -75,14 +78,23 @@ class CaseSpec:
             raise ConfigError(f"unknown mode {self.mode!r}; choose from {', '.join(MODES)}")
         if self.scenario not in SCENARIOS:
             raise ConfigError(f"unknown scenario {self.scenario!r}; choose from {', '.join(SCENARIOS)}")
+        from repro.poison import parse_poison
+
+        parse_poison(self.poison)
         if self.timeout_s <= 0:
             raise ConfigError("timeout must be positive")
 
     @property
     def case_id(self) -> str:
         parts = [
-            "stale_metadata", self.backend, self.scenario, self.strategy, self.sm.label, self.mode,
-            f"splits{self.cfg.num_splits}", f"h{self.cfg.num_heads_q}-{self.cfg.num_heads_kv}x{self.cfg.head_dim}",
+            "stale_metadata",
+            self.backend,
+            self.scenario,
+            self.strategy,
+            self.sm.label,
+            self.mode,
+            f"splits{self.cfg.num_splits}",
+            f"h{self.cfg.num_heads_q}-{self.cfg.num_heads_kv}x{self.cfg.head_dim}",
         ]
         if self.poison:
             parts.append(f"poison-{self.poison}")

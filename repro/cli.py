@@ -48,10 +48,19 @@ def _add_cfg(p: argparse.ArgumentParser) -> None:
 
 
 def _cfg(a: argparse.Namespace, splits: int) -> AttnConfig:
-    return AttnConfig(num_heads_q=a.q_heads, num_heads_kv=a.kv_heads, head_dim=a.head_dim, page_size=a.page_size,
-                      max_model_len=a.max_model_len, causal=not a.non_causal, window_left=a.window,
-                      num_splits=splits, num_speculative_tokens=a.spec_tokens, capture_sizes=_ints(a.capture_sizes),
-                      max_num_seqs=a.max_num_seqs)
+    return AttnConfig(
+        num_heads_q=a.q_heads,
+        num_heads_kv=a.kv_heads,
+        head_dim=a.head_dim,
+        page_size=a.page_size,
+        max_model_len=a.max_model_len,
+        causal=not a.non_causal,
+        window_left=a.window,
+        num_splits=splits,
+        num_speculative_tokens=a.spec_tokens,
+        capture_sizes=_ints(a.capture_sizes),
+        max_num_seqs=a.max_num_seqs,
+    )
 
 
 def _check_paths(backend_path: str | None) -> None:
@@ -68,8 +77,19 @@ def cmd_run(a: argparse.Namespace) -> int:
     if sm.kind == "sm_margin" and sm.sms and sm.sms > 132 * 4:
         raise ConfigError(f"impossible SM count {sm.sms}")
     pair = (a.built_for, a.launched) if a.scenario == "pair" else None
-    spec = CaseSpec(a.backend, a.strategy, a.mode, a.scenario, sm, _cfg(a, a.num_splits), a.poison, a.sanitizer, pair,
-                    a.backend_path, a.timeout)
+    spec = CaseSpec(
+        a.backend,
+        a.strategy,
+        a.mode,
+        a.scenario,
+        sm,
+        _cfg(a, a.num_splits),
+        a.poison,
+        a.sanitizer,
+        pair,
+        a.backend_path,
+        a.timeout,
+    )
     try:
         with maybe_mps(sm.kind == "mps") as mps:
             res = run_case(spec, a.out, mps)
@@ -92,10 +112,21 @@ def cmd_matrix(a: argparse.Namespace) -> int:
     from repro import environment, report
     from repro.matrix import MatrixOptions, build_specs, run_matrix, text_progress
 
-    opts = MatrixOptions(backends=tuple(a.backends.split(",")), strategies=tuple(a.strategies.split(",")),
-                         sms=tuple(a.sms.split(",")), modes=tuple(a.modes.split(",")), splits=_ints(a.splits),
-                         poison=None if a.poison in (None, "none") else a.poison, sanitizer=a.sanitizer,
-                         timeout_s=a.timeout, repeat=a.repeat, cfg=_cfg(a, 32))
+    def items(text: str) -> tuple[str, ...]:
+        return tuple(x for x in text.split(",") if x)
+
+    opts = MatrixOptions(
+        backends=items(a.backends),
+        strategies=items(a.strategies),
+        sms=items(a.sms),
+        modes=items(a.modes),
+        splits=_ints(a.splits),
+        poison=None if a.poison in (None, "none") else a.poison,
+        sanitizer=a.sanitizer,
+        timeout_s=a.timeout,
+        repeat=a.repeat,
+        cfg=_cfg(a, 32),
+    )
     for b in opts.backends:
         if b not in ("upstream", "vllm"):
             raise ConfigError(f"unknown backend {b!r}; choose from upstream, vllm")
@@ -118,8 +149,11 @@ def cmd_matrix(a: argparse.Namespace) -> int:
     print(md)
     blind = run.blind_controls()
     if blind:
-        print(f"HARNESS BLIND: {len(blind)} positive control(s) not detected in this environment: "
-              + ", ".join(s.case_id for s, _ in blind[:5]), file=sys.stderr)
+        print(
+            f"HARNESS BLIND: {len(blind)} positive control(s) not detected in this environment: "
+            + ", ".join(s.case_id for s, _ in blind[:5]),
+            file=sys.stderr,
+        )
     return 1 if run.failures() else 0
 
 

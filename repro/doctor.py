@@ -11,11 +11,13 @@ from repro.smcontrol import Unavailable, enumerate_gpus
 
 
 def _probe_backend(name: str) -> str:
-    code = (f"from repro.backends import load_backend\n"
-            f"try:\n    print('ok', load_backend({name!r}).identity().short())\n"
-            f"except Exception as e:\n    print('missing', e)")
+    code = (
+        f"from repro.backends import load_backend\n"
+        f"try:\n    print('ok', load_backend({name!r}).identity().short())\n"
+        f"except Exception as e:\n    print('missing', e)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    return (r.stdout.strip() or r.stderr.strip().splitlines()[-1] if (r.stdout or r.stderr) else "no answer")
+    return r.stdout.strip() or r.stderr.strip().splitlines()[-1] if (r.stdout or r.stderr) else "no answer"
 
 
 def doctor() -> str:
@@ -23,7 +25,9 @@ def doctor() -> str:
 
     lines = []
     facts = gpu_facts()
-    lines.append(f"torch:             {facts.get('torch') or 'not installed (pip install torch)'} (CUDA {facts.get('cuda')})")
+    lines.append(
+        f"torch:             {facts.get('torch') or 'not installed (pip install torch)'} (CUDA {facts.get('cuda')})"
+    )
     if facts.get("gpu"):
         lines.append(f"GPU:               {facts['gpu']}, {facts['sms']} SMs, compute capability {facts['capability']}")
         if facts.get("capability") != "9.0":
@@ -33,7 +37,9 @@ def doctor() -> str:
     try:
         gpus = enumerate_gpus()
         for g in gpus:
-            lines.append(f"NVML GPU {g.index}:        {g.name} MIG {'on' if g.mig_mode else 'off'}, {len(g.slices)} slices")
+            lines.append(
+                f"NVML GPU {g.index}:        {g.name} MIG {'on' if g.mig_mode else 'off'}, {len(g.slices)} slices"
+            )
             for s in g.slices:
                 lines.append(f"  slice {s.index}: {s.profile} {s.sms} SMs {s.memory_mib} MiB {s.uuid}")
     except Unavailable as e:

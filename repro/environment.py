@@ -21,13 +21,15 @@ def _cmd(args: list[str]) -> str | None:
 
 def gpu_facts() -> dict:
     """Probed in a child process so the caller never initializes CUDA."""
-    code = ("import json, torch\n"
-            "d = {'torch': torch.__version__, 'cuda': torch.version.cuda, 'gpu': None}\n"
-            "if torch.cuda.is_available():\n"
-            "    p = torch.cuda.get_device_properties(0)\n"
-            "    d.update(gpu=p.name, sms=p.multi_processor_count, capability=f'{p.major}.{p.minor}',\n"
-            "             memory_gib=round(p.total_memory / 2**30, 1))\n"
-            "print(json.dumps(d))")
+    code = (
+        "import json, torch\n"
+        "d = {'torch': torch.__version__, 'cuda': torch.version.cuda, 'gpu': None}\n"
+        "if torch.cuda.is_available():\n"
+        "    p = torch.cuda.get_device_properties(0)\n"
+        "    d.update(gpu=p.name, sms=p.multi_processor_count, capability=f'{p.major}.{p.minor}',\n"
+        "             memory_gib=round(p.total_memory / 2**30, 1))\n"
+        "print(json.dumps(d))"
+    )
     out = _cmd([sys.executable, "-c", code])
     import json
 
@@ -35,8 +37,11 @@ def gpu_facts() -> dict:
 
 
 def collect(argv: list[str] | None = None) -> dict:
-    env = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "python": platform.python_version(),
-           "command": shlex.join(["python", "-m", "repro", *(argv if argv is not None else sys.argv[1:])])}
+    env = {
+        "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "command": shlex.join(["python", "-m", "repro", *(argv if argv is not None else sys.argv[1:])]),
+    }
     env.update(gpu_facts())
     smi = _cmd(["nvidia-smi", "--query-gpu=driver_version,mig.mode.current", "--format=csv,noheader"])
     if smi:

@@ -39,8 +39,14 @@ def expectation(spec: CaseSpec) -> str:
     padding: measured to fault every run); `detected`: stale, so at least wrong output; `clean`: fresh."""
     if spec.strategy == FRESH:
         return "clean"
-    if (spec.backend == "vllm" and spec.poison == "int-max" and spec.cfg.num_splits == 32 and spec.mode == "eager"
-            and spec.sm.kind in ("sm_margin", "mps", "mig") and (spec.sm.sms or 16) <= 16):
+    if (
+        spec.backend == "vllm"
+        and spec.poison == "int-max"
+        and spec.cfg.num_splits == 32
+        and spec.mode == "eager"
+        and spec.sm.kind in ("sm_margin", "mps", "mig")
+        and (spec.sm.sms or 16) <= 16
+    ):
         return "fault"
     return "detected"
 
@@ -64,8 +70,18 @@ def build_specs(opts: MatrixOptions) -> list[CaseSpec]:
                 for mode in opts.modes:
                     for splits in opts.splits:
                         cfg = opts.cfg.with_(num_splits=splits)
-                        specs.append(CaseSpec(backend, strategy, mode, sm=SmConfig.parse(sm), cfg=cfg,
-                                              poison=opts.poison, sanitizer=opts.sanitizer, timeout_s=opts.timeout_s))
+                        specs.append(
+                            CaseSpec(
+                                backend,
+                                strategy,
+                                mode,
+                                sm=SmConfig.parse(sm),
+                                cfg=cfg,
+                                poison=opts.poison,
+                                sanitizer=opts.sanitizer,
+                                timeout_s=opts.timeout_s,
+                            )
+                        )
     if not specs:
         raise ConfigError("the matrix is empty: every axis needs at least one value")
     # Positive controls first: a blind harness shows up in the first minute.
@@ -86,8 +102,12 @@ class MatrixRun:
         return [(s, r) for s, r in self.failures() if expectation(s) != "clean"]
 
 
-def run_matrix(specs: Iterable[CaseSpec], log_dir: str | Path, jobs: int = 4,
-               progress: Callable[[int, int, CaseSpec, CaseResult], None] | None = None) -> MatrixRun:
+def run_matrix(
+    specs: Iterable[CaseSpec],
+    log_dir: str | Path,
+    jobs: int = 4,
+    progress: Callable[[int, int, CaseSpec, CaseResult], None] | None = None,
+) -> MatrixRun:
     """Run cases in parallel processes; MPS cases in a phase of their own, under one daemon owned by the run."""
     specs = list(specs)
     t0 = time.time()
@@ -124,5 +144,7 @@ def run_matrix(specs: Iterable[CaseSpec], log_dir: str | Path, jobs: int = 4,
 def text_progress(n: int, total: int, spec: CaseSpec, res: CaseResult) -> None:
     width = 24
     fill = int(width * n / total)
-    sys.stderr.write(f"[{'#' * fill}{'.' * (width - fill)}] {n}/{total} {res.verdict:<12} {spec.case_id} ({res.wall_s:.0f}s)\n")
+    sys.stderr.write(
+        f"[{'#' * fill}{'.' * (width - fill)}] {n}/{total} {res.verdict:<12} {spec.case_id} ({res.wall_s:.0f}s)\n"
+    )
     sys.stderr.flush()

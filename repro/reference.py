@@ -5,8 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 
-def paged_attention_reference(q: Any, k_cache: Any, v_cache: Any, query_start_loc: list[int], seq_lens: list[int],
-                              block_table: Any, causal: bool, window_left: int = -1) -> Any:
+def paged_attention_reference(
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    block_table: Any,
+    causal: bool,
+    window_left: int = -1,
+) -> Any:
     """q [T, Hq, d]; caches [pages, page, Hkv, d]. Causal is aligned bottom-right as FA3 does. Returns fp32 [T, Hq, d]."""
     import torch
 

@@ -22,13 +22,28 @@ def rows(run: MatrixRun) -> list[dict]:
     out = []
     for s, r in run.results:
         exp = expectation(s)
-        out.append({
-            "case": s.case_id, "backend": s.backend, "strategy": s.strategy, "sm": s.sm.label, "mode": s.mode,
-            "splits": s.cfg.num_splits, "poison": s.poison or "none", "sanitizer": s.sanitizer,
-            "verdict": r.verdict, "kernel": r.kernel or "-", "descriptor": r.descriptor or "-",
-            "expected": exp, "ok": meets(exp, r.verdict), "stale_fields": r.stale_fields,
-            "sms_planned": r.sms_planned, "sms_reported": r.sms_reported, "wall_s": r.wall_s, "reason": r.reason,
-        })
+        out.append(
+            {
+                "case": s.case_id,
+                "backend": s.backend,
+                "strategy": s.strategy,
+                "sm": s.sm.label,
+                "mode": s.mode,
+                "splits": s.cfg.num_splits,
+                "poison": s.poison or "none",
+                "sanitizer": s.sanitizer,
+                "verdict": r.verdict,
+                "kernel": r.kernel or "-",
+                "descriptor": r.descriptor or "-",
+                "expected": exp,
+                "ok": meets(exp, r.verdict),
+                "stale_fields": r.stale_fields,
+                "sms_planned": r.sms_planned,
+                "sms_reported": r.sms_reported,
+                "wall_s": r.wall_s,
+                "reason": r.reason,
+            }
+        )
     return out
 
 
@@ -38,14 +53,22 @@ def markdown(run: MatrixRun, env: dict | None = None, title: str = "Verdicts") -
         lines += ["| environment | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in env.items()] + [""]
     counts = Counter(r.verdict for _, r in run.results)
     fails = run.failures()
-    lines.append(f"{len(run.results)} cases in {run.wall_s:.1f} s; " + ", ".join(f"{k}: {v}" for k, v in counts.items())
-                 + f"; {len(fails)} unexpected; first positive control after {run.first_positive_s} s.")
-    lines += ["", "| case | verdict | kernel | descriptor | SMs planned | expected | | stale fields | s |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines.append(
+        f"{len(run.results)} cases in {run.wall_s:.1f} s; "
+        + ", ".join(f"{k}: {v}" for k, v in counts.items())
+        + f"; {len(fails)} unexpected; first positive control after {run.first_positive_s} s."
+    )
+    lines += [
+        "",
+        "| case | verdict | kernel | descriptor | SMs planned | expected | | stale fields | s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows(run):
-        lines.append(f"| {row['case']} | **{row['verdict']}** | {row['kernel']} | {row['descriptor']} | "
-                     f"{row['sms_planned'] or '-'} | {row['expected']} | {MARK[row['ok']]} | "
-                     f"{_fields(next(r for s, r in run.results if s.case_id == row['case']))} | {row['wall_s']:.0f} |")
+        lines.append(
+            f"| {row['case']} | **{row['verdict']}** | {row['kernel']} | {row['descriptor']} | "
+            f"{row['sms_planned'] or '-'} | {row['expected']} | {MARK[row['ok']]} | "
+            f"{_fields(next(r for s, r in run.results if s.case_id == row['case']))} | {row['wall_s']:.0f} |"
+        )
     lines += ["", "Reasons:", ""]
     seen = set()
     for s, r in run.results:
@@ -60,8 +83,13 @@ def write_json(run: MatrixRun, path: str | Path, env: dict | None = None) -> Non
     for _, r in run.results:
         if r.backend_identity:
             ids[r.backend_identity["name"]] = r.backend_identity
-    doc = {"environment": env or {}, "backends": ids, "wall_s": run.wall_s, "first_positive_s": run.first_positive_s,
-           "cases": [{**row, "result": r.to_dict()} for row, (_, r) in zip(rows(run), run.results)]}
+    doc = {
+        "environment": env or {},
+        "backends": ids,
+        "wall_s": run.wall_s,
+        "first_positive_s": run.first_positive_s,
+        "cases": [{**row, "result": r.to_dict()} for row, (_, r) in zip(rows(run), run.results)],
+    }
     Path(path).write_text(json.dumps(doc, indent=1, default=str) + "\n")
 
 
@@ -89,7 +117,9 @@ def heatmap(run: MatrixRun, path: str | Path) -> bool:
     rws = sorted({f"{s.backend}/{s.strategy}/{s.mode}/s{s.cfg.num_splits}" for s, _ in run.results})
     grid = [[order.index("skip")] * len(cols) for _ in rws]
     for s, r in run.results:
-        grid[rws.index(f"{s.backend}/{s.strategy}/{s.mode}/s{s.cfg.num_splits}")][cols.index(s.sm.label)] = order.index(r.verdict)
+        grid[rws.index(f"{s.backend}/{s.strategy}/{s.mode}/s{s.cfg.num_splits}")][cols.index(s.sm.label)] = order.index(
+            r.verdict
+        )
     from matplotlib.colors import ListedColormap
 
     fig, ax = plt.subplots(figsize=(2 + 1.4 * len(cols), 1 + 0.35 * len(rws)))

@@ -20,8 +20,15 @@ from repro.smcontrol import MpsDaemon, Unavailable
 from repro.worker import PASS_TAG, RESULT_TAG, SKIP_TAG
 
 EARLY_STOP_GRACE_S = 3.0
-_CRASH_MARKERS = ("illegal memory access", "an illegal instruction", "misaligned address", "unspecified launch failure",
-                  "CUDA error", "cudaErrorIllegalAddress", "CUDA_ERROR_ILLEGAL_ADDRESS")
+_CRASH_MARKERS = (
+    "illegal memory access",
+    "an illegal instruction",
+    "misaligned address",
+    "unspecified launch failure",
+    "CUDA error",
+    "cudaErrorIllegalAddress",
+    "CUDA_ERROR_ILLEGAL_ADDRESS",
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -45,8 +52,9 @@ def _tagged(text: str, tag: str) -> list[dict]:
     return out
 
 
-def classify(spec: CaseSpec, output: str, returncode: int | None, timed_out: bool, sanitizer_log: str | None,
-             wall_s: float) -> CaseResult:
+def classify(
+    spec: CaseSpec, output: str, returncode: int | None, timed_out: bool, sanitizer_log: str | None, wall_s: float
+) -> CaseResult:
     """Turn what a case process left behind into a verdict. Pure: the CPU tier tests it on recorded outputs."""
     passes = _tagged(output, PASS_TAG)
     results = _tagged(output, RESULT_TAG)
@@ -55,12 +63,23 @@ def classify(spec: CaseSpec, output: str, returncode: int | None, timed_out: boo
     report = parse_log(sanitizer_log) if sanitizer_log else None
     findings = report.findings if report else []
     tail = "\n".join(output.strip().splitlines()[-15:])
-    res = CaseResult(case_id=spec.case_id, verdict=ERROR, reason="", returncode=returncode, wall_s=round(wall_s, 2),
-                     spec=json.loads(spec.to_json()), log_tail=tail)
+    res = CaseResult(
+        case_id=spec.case_id,
+        verdict=ERROR,
+        reason="",
+        returncode=returncode,
+        wall_s=round(wall_s, 2),
+        spec=json.loads(spec.to_json()),
+        log_tail=tail,
+    )
     if results:
         r = results[-1]
         res.stale_fields, res.first_diffs = r.get("stale_fields", {}), r.get("first_diffs", [])
-        res.max_abs_err, res.sms_reported, res.sms_planned = r.get("max_abs_err"), r.get("sms_reported"), r.get("sms_planned")
+        res.max_abs_err, res.sms_reported, res.sms_planned = (
+            r.get("max_abs_err"),
+            r.get("sms_reported"),
+            r.get("sms_planned"),
+        )
         res.backend_identity = r.get("backend_identity")
     elif passes:  # no result (crash, hang): what the launches so far were given
         for p in passes:
@@ -91,7 +110,11 @@ def classify(spec: CaseSpec, output: str, returncode: int | None, timed_out: boo
         res.descriptor = last
         if crash:
             res.verdict = CRASH
-            res.kernel = "combine" if "combine" in output else ("main" if re.search(r"flash_fwd_launch|flash_fwd", output) else None)
+            res.kernel = (
+                "combine"
+                if "combine" in output
+                else ("main" if re.search(r"flash_fwd_launch|flash_fwd", output) else None)
+            )
             line = next((ln for ln in output.splitlines() if crash in ln), crash)
             res.reason = f"{line.strip()[:200]} (during {last})"
         else:
@@ -116,9 +139,11 @@ def worker_env(spec: CaseSpec, mps: MpsDaemon | None, base: dict[str, str] | Non
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if spec.sm.kind == "mig":
-        if not spec.sm.mig_uuid:
+        pinned = env.get("REPRO_PINNED_DEVICE", "")
+        uuid = spec.sm.mig_uuid or (pinned if pinned.startswith("MIG-") else None)
+        if not uuid:
             raise Unavailable("no MIG slice given (mig:<uuid>) and none pinned to this worker")
-        env["CUDA_VISIBLE_DEVICES"] = spec.sm.mig_uuid
+        env["CUDA_VISIBLE_DEVICES"] = uuid
     if spec.sm.kind == "mps":
         if mps is None:
             raise Unavailable("MPS case without an MPS daemon")
@@ -142,15 +167,20 @@ def run_case(spec: CaseSpec, log_dir: str | Path, mps: MpsDaemon | None = None) 
     if spec.sanitizer:
         exe = find_sanitizer()
         if not exe:
-            return CaseResult(spec.case_id, SKIP, "compute-sanitizer not found (install the CUDA toolkit)",
-                              spec=json.loads(spec.to_json()))
+            return CaseResult(
+                spec.case_id,
+                SKIP,
+                "compute-sanitizer not found (install the CUDA toolkit)",
+                spec=json.loads(spec.to_json()),
+            )
         san_log = log_dir / f"{spec.case_id}.memcheck.log"
         cmd = sanitizer_command(exe, str(san_log), kernel_filter="flash") + cmd
     out_path = log_dir / f"{spec.case_id}.out.log"
     timed_out, stopped_early = False, False
     with open(out_path, "w") as out_file:
-        proc = subprocess.Popen(cmd, stdout=out_file, stderr=subprocess.STDOUT, env=env, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=out_file, stderr=subprocess.STDOUT, env=env, text=True, start_new_session=True
+        )
         first_finding: float | None = None
         while True:
             try:

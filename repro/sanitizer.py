@@ -18,7 +18,9 @@ _SUMMARY = re.compile(r"ERROR SUMMARY: ([\d,]+) error")
 _API = re.compile(r"Program hit (\w+) \(error \d+\) due to \"([^\"]+)\" on CUDA API call to (\w+)")
 
 
-_KERNEL_NAMES = re.compile(r"(FlashAttnFwdCombine|FlashAttnFwdSm\d+|prepare_varlen_num_blocks_kernel|flash_fwd_combine\w*)")
+_KERNEL_NAMES = re.compile(
+    r"(FlashAttnFwdCombine|FlashAttnFwdSm\d+|prepare_varlen_num_blocks_kernel|flash_fwd_combine\w*)"
+)
 
 
 def short_kernel(name: str) -> str:
@@ -111,9 +113,7 @@ def parse_log(text: str) -> SanitizerReport:
         elif m := _API.search(line):
             api.append(f"{m[3]}: {m[2]}")
     close()
-    findings = [
-        Finding(k[0], kernel_role(k[0]), k[1], k[2], off, k[3], n) for k, (off, n) in groups.items()
-    ]
+    findings = [Finding(k[0], kernel_role(k[0]), k[1], k[2], off, k[3], n) for k, (off, n) in groups.items()]
     return SanitizerReport(findings, summary, api)
 
 
@@ -128,8 +128,19 @@ def find_sanitizer() -> str | None:
 
 
 def sanitizer_command(exe: str, log_file: str, kernel_filter: str | None = None, print_limit: int = 200) -> list[str]:
-    cmd = [exe, "--tool", "memcheck", "--error-exitcode", str(ERROR_EXITCODE), "--log-file", log_file,
-           "--print-limit", str(print_limit), "--destroy-on-device-error", "kernel"]
+    cmd = [
+        exe,
+        "--tool",
+        "memcheck",
+        "--error-exitcode",
+        str(ERROR_EXITCODE),
+        "--log-file",
+        log_file,
+        "--print-limit",
+        str(print_limit),
+        "--destroy-on-device-error",
+        "kernel",
+    ]
     if kernel_filter:
         cmd += ["--kernel-name", f"kns={kernel_filter}"]
     return cmd

@@ -33,8 +33,9 @@ def check_strategy(strategy: str) -> None:
         raise ConfigError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
 
 
-def v2_capture_sequence(builder: MetadataBuilder, strategy: str,
-                        descriptors: list[BatchDescriptor] | None = None) -> Iterator[Pass]:
+def v2_capture_sequence(
+    builder: MetadataBuilder, strategy: str, descriptors: list[BatchDescriptor] | None = None
+) -> Iterator[Pass]:
     """vLLM V2: the target builds every FULL descriptor largest first (warmup build + capture build), then the draft
     runs each descriptor's warmup and capture. stale: the draft reuses the target's saved states (before PR #48261);
     fresh: the draft rebuilds through the same buffers for every pass (after the fix)."""
@@ -55,8 +56,9 @@ def v2_capture_sequence(builder: MetadataBuilder, strategy: str,
             yield Pass(d, CAPTURE, builder.build(d))
 
 
-def pair_sequence(builder: MetadataBuilder, strategy: str, built_for: BatchDescriptor,
-                  launched: BatchDescriptor) -> Iterator[Pass]:
+def pair_sequence(
+    builder: MetadataBuilder, strategy: str, built_for: BatchDescriptor, launched: BatchDescriptor
+) -> Iterator[Pass]:
     """Views saved when `launched` was built, buffers then overwritten by a build for `built_for` (stale);
     or a rebuild for `launched` right before its launch (fresh)."""
     check_strategy(strategy)
@@ -66,8 +68,13 @@ def pair_sequence(builder: MetadataBuilder, strategy: str, built_for: BatchDescr
         yield Pass(launched, stage, saved if strategy == STALE else builder.build(launched))
 
 
-def passes_for(scenario: str, builder: MetadataBuilder, strategy: str, pair: tuple[str, str] | None = None,
-               cfg: AttnConfig | None = None) -> Iterator[Pass]:
+def passes_for(
+    scenario: str,
+    builder: MetadataBuilder,
+    strategy: str,
+    pair: tuple[str, str] | None = None,
+    cfg: AttnConfig | None = None,
+) -> Iterator[Pass]:
     from repro.descriptors import descriptor_from_label
 
     cfg = cfg or builder.cfg

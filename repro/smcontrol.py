@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import shutil
 import signal
@@ -82,10 +81,12 @@ def enumerate_gpus(nvml: Any = None) -> list[GpuInfo]:
                     mem = nvml.nvmlDeviceGetMemoryInfo(m).total // (1 << 20)
                     name = _s(nvml.nvmlDeviceGetName(m))
                     profile = name.split("MIG ")[-1] if "MIG " in name else name
-                    slices.append(MigSlice(i, j, _s(nvml.nvmlDeviceGetUUID(m)), profile,
-                                           int(attrs.multiprocessorCount), int(mem)))
-            gpus.append(GpuInfo(i, _s(nvml.nvmlDeviceGetName(h)), _s(nvml.nvmlDeviceGetUUID(h)), None, bool(cur),
-                                tuple(slices)))
+                    slices.append(
+                        MigSlice(i, j, _s(nvml.nvmlDeviceGetUUID(m)), profile, int(attrs.multiprocessorCount), int(mem))
+                    )
+            gpus.append(
+                GpuInfo(i, _s(nvml.nvmlDeviceGetName(h)), _s(nvml.nvmlDeviceGetUUID(h)), None, bool(cur), tuple(slices))
+            )
         return gpus
     finally:
         with contextlib.suppress(Exception):
@@ -113,8 +114,10 @@ class MpsDaemon:
 
     def __init__(self) -> None:
         self.dir = tempfile.mkdtemp(prefix="repro-mps-")
-        self.env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(self.dir, "pipe"),
-                    "CUDA_MPS_LOG_DIRECTORY": os.path.join(self.dir, "log")}
+        self.env = {
+            "CUDA_MPS_PIPE_DIRECTORY": os.path.join(self.dir, "pipe"),
+            "CUDA_MPS_LOG_DIRECTORY": os.path.join(self.dir, "log"),
+        }
         self.running = False
         self._old_int = None
 
@@ -148,8 +151,9 @@ class MpsDaemon:
         self.running = False
         exe = shutil.which("nvidia-cuda-mps-control") or "nvidia-cuda-mps-control"
         with contextlib.suppress(Exception):
-            subprocess.run([exe], input="quit\n", env={**os.environ, **self.env}, text=True, timeout=30,
-                           capture_output=True)
+            subprocess.run(
+                [exe], input="quit\n", env={**os.environ, **self.env}, text=True, timeout=30, capture_output=True
+            )
         if self._old_int is not None:
             with contextlib.suppress(ValueError):
                 signal.signal(signal.SIGINT, self._old_int)

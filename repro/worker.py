@@ -43,6 +43,27 @@ def sm_setup(spec: CaseSpec, torch) -> tuple[int, int, object | None]:
     return reported, 0, None
 
 
+def launch(backend, q, k_cache, v_cache, out, md, sm_margin: int) -> None:
+    """vLLM's FA3 forward: host parameters of the batch being launched, device data from the metadata views."""
+    cfg = md.config
+    backend.forward(
+        q,
+        k_cache,
+        v_cache,
+        out=out,
+        cu_seqlens_q=md.query_start_loc,
+        seqused_k=md.seq_lens,
+        max_seqlen_q=md.max_query_len,
+        max_seqlen_k=md.max_seq_len,
+        block_table=md.block_table,
+        causal=cfg.causal,
+        window=cfg.window,
+        scheduler_metadata=md.scheduler_metadata,
+        num_splits=md.num_splits,
+        sm_margin=sm_margin,
+    )
+
+
 def run_case(spec: CaseSpec) -> dict:
     import torch
 
@@ -81,36 +102,53 @@ def run_case(spec: CaseSpec) -> dict:
             stale_fields[k] = stale_fields.get(k, 0) + v
         first_diffs += [f"{d.label}: {x}" for x in diffs[: max(0, 3 - len(first_diffs))]]
         holder = builder.last_build
-        emit(PASS_TAG, {"descriptor": d.label, "stage": p.stage, "view_build": md.build_id,
-                        "buffer_holds": holder[1].label if holder else None, "stale_entries": len(diffs),
-                        "stale_fields": summarize(diffs), "first_diffs": [str(x) for x in diffs[:2]]})
+        emit(
+            PASS_TAG,
+            {
+                "descriptor": d.label,
+                "stage": p.stage,
+                "view_build": md.build_id,
+                "buffer_holds": holder[1].label if holder else None,
+                "stale_entries": len(diffs),
+                "stale_fields": summarize(diffs),
+                "first_diffs": [str(x) for x in diffs[:2]],
+            },
+        )
         q = torch.randn(d.num_tokens, cfg.num_heads_q, cfg.head_dim, device=dev, dtype=torch.bfloat16)
         out = torch.zeros_like(q)
 
-        def fwd() -> None:
-            backend.forward(q, k_cache, v_cache, out=out, cu_seqlens_q=md.query_start_loc, seqused_k=md.seq_lens,
-                            max_seqlen_q=md.max_query_len, max_seqlen_k=md.max_seq_len, block_table=md.block_table,
-                            causal=cfg.causal, window=cfg.window, scheduler_metadata=md.scheduler_metadata,
-                            num_splits=md.num_splits, sm_margin=margin)
-
         if spec.mode == "eager":
-            fwd()
+            launch(backend, q, k_cache, v_cache, out, md, margin)
         else:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
-                fwd()
+                launch(backend, q, k_cache, v_cache, out, md, margin)
             g.replay()
         torch.cuda.synchronize()
-        ref = paged_attention_reference(q, k_cache, v_cache, fresh_snap["query_start_loc"], fresh_snap["seq_lens"],
-                                        fresh.block_table, cfg.causal, cfg.window_left)
+        ref = paged_attention_reference(
+            q,
+            k_cache,
+            v_cache,
+            fresh_snap["query_start_loc"],
+            fresh_snap["seq_lens"],
+            fresh.block_table,
+            cfg.causal,
+            cfg.window_left,
+        )
         err = float((out.float() - ref).abs().max().nan_to_num(float("inf")))
         if err > worst:
             worst, worst_desc = err, d.label
         n_passes += 1
     return {
-        "passes": n_passes, "max_abs_err": worst, "worst_descriptor": worst_desc, "wrong": worst > WRONG_TOL,
-        "stale_fields": stale_fields, "first_diffs": first_diffs, "sms_reported": reported,
-        "sms_planned": reported - margin, "backend_identity": backend.identity().to_dict(),
+        "passes": n_passes,
+        "max_abs_err": worst,
+        "worst_descriptor": worst_desc,
+        "wrong": worst > WRONG_TOL,
+        "stale_fields": stale_fields,
+        "first_diffs": first_diffs,
+        "sms_reported": reported,
+        "sms_planned": reported - margin,
+        "backend_identity": backend.identity().to_dict(),
     }
 
 

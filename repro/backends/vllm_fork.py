@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import importlib.metadata as md
 import os
 import re

@@ -1,0 +1,61 @@
+"""Verdicts from what case processes left behind on the H200 (recorded outputs and memcheck logs)."""
+
+from repro.case import CLEAN, CRASH, ERROR, HANG, OOB, SKIP, WRONG, CaseSpec, SmConfig
+from repro.descriptors import AttnConfig
+from repro.runner import classify
+
+SPEC = CaseSpec("vllm", "stale", "eager", sm=SmConfig("sm_margin", 16), poison="int-max", timeout_s=90)
+
+
+def _out(fixtures, name):
+    return (fixtures / "outputs" / name).read_text()
+
+
+def test_crash_names_descriptor_and_stale_fields(fixtures):
+    r = classify(SPEC, _out(fixtures, "crash-vllm-16sm-intmax.out.log"), 1, False, None, 7.6)
+    assert r.verdict == CRASH and r.descriptor == "t32r8"
+    assert "during t32r8" in r.reason
+    assert r.stale_fields["query_start_loc"] > 0 and r.first_diffs
+
+
+def test_clean(fixtures):
+    r = classify(SPEC, _out(fixtures, "clean-vllm-16sm.out.log"), 0, False, None, 6.0)
+    assert r.verdict == CLEAN and r.sms_planned == 16 and r.sms_reported == 132
+    assert r.backend_identity["version"] == "0.25.1"
+
+
+def test_wrong_output_is_silent_garbage(fixtures):
+    r = classify(SPEC, _out(fixtures, "wrong-vllm-132sm.out.log"), 0, False, None, 6.0)
+    assert r.verdict == WRONG and r.max_abs_err > 0.05 and r.descriptor
+
+
+def test_oob_from_memcheck_log_names_the_combine_kernel(fixtures):
+    spec = CaseSpec(
+        "upstream", "stale", "eager", sm=SmConfig("sm_margin", 16), cfg=AttnConfig(num_splits=0), sanitizer=True
+    )
+    log = (fixtures / "memcheck" / "combine-oob-upstream-16sm-nopoison.log").read_text()
+    r = classify(spec, _out(fixtures, "oob-combine-upstream.out.log"), -9, False, log, 9.0)
+    assert r.verdict == OOB and r.kernel == "combine" and r.descriptor == "t64r16"
+    assert "FlashAttnFwdCombine" in r.reason
+
+
+def test_findings_win_over_timeout(fixtures):
+    log = (fixtures / "memcheck" / "main-oob-vllm-16sm-intmax.log").read_text()
+    r = classify(SPEC, 'REPRO_PASS {"descriptor": "t32r8"}\n', -9, True, log, 90)
+    assert r.verdict == OOB and r.kernel == "main" and "no exit within" in r.reason
+
+
+def test_hang_without_findings():
+    r = classify(SPEC, 'REPRO_PASS {"descriptor": "t48r12", "stale_fields": {"seq_lens": 3}}\n', -9, True, None, 90)
+    assert r.verdict == HANG and r.descriptor == "t48r12" and r.stale_fields == {"seq_lens": 3}
+
+
+def test_mps_server_down_is_an_error_not_a_skip(fixtures):
+    r = classify(SPEC, _out(fixtures, "error-mps-busy.out.log"), 1, False, None, 3.0)
+    assert r.verdict == ERROR and "busy or unavailable" in r.reason
+
+
+def test_skip_and_unknown_failure():
+    assert classify(SPEC, 'REPRO_SKIP {"reason": "no GPU"}\n', 0, False, None, 1).verdict == SKIP
+    r = classify(SPEC, "Traceback...\nValueError: boom\n", 1, False, None, 1)
+    assert r.verdict == ERROR and "exit status 1" in r.reason

@@ -1,0 +1,53 @@
+"""CLI: bad input is one line and exit code 2; doctor works without a GPU; dry runs list readable ids."""
+
+import subprocess
+import sys
+
+import pytest
+
+from repro.cli import main
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", "repro", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (["run", "--backend", "nope"], "invalid choice"),
+        (["run", "--backend", "vllm", "--backend-path", "/nonexistent/_vllm_fa3_C.so"], "no such file"),
+        (["run", "--backend", "vllm", "--sm", "mps:0"], "positive SM count"),
+        (["run", "--backend", "vllm", "--sm", "sm_margin:x"], "bad SM configuration"),
+        (["run", "--backend", "vllm", "--head-dim", "100"], "head_dim"),
+        (["run", "--backend", "vllm", "--poison", "banana"], "bad poison"),
+        (["matrix", "--backends", "flash2"], "unknown backend"),
+        (["matrix", "--splits", "a,b"], "comma-separated"),
+        (["matrix", "--dry-run", "--modes", ""], "matrix is empty"),
+    ],
+)
+def test_bad_input_one_line_exit_2(args, msg):
+    r = _run(*args)
+    assert r.returncode == 2, r.stderr
+    assert msg in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_doctor_without_gpu_exits_0():
+    r = _run("doctor")
+    assert r.returncode == 0
+    assert "GPU:" in r.stdout and "compute-sanitizer" in r.stdout and "FA3 vllm" in r.stdout
+
+
+def test_matrix_dry_run_lists_default_ids(capsys):
+    assert main(["matrix", "--dry-run"]) == 0
+    ids = capsys.readouterr().out.split()
+    assert len(ids) == 48 and all(i.startswith("stale_metadata-") for i in ids)
+    # positive controls first
+    assert ids[0] == "stale_metadata-vllm-v2-capture-stale-smmargin16-eager-splits32-h32-8x128-poison-int-max"
+
+
+def test_run_without_gpu_is_a_skip_with_reason(tmp_path, capsys):
+    rc = main(["run", "--backend", "vllm", "--out", str(tmp_path), "--timeout", "60"])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.startswith("skip:")

@@ -1,0 +1,79 @@
+"""The memcheck parser on logs recorded on the H200 (excerpts of runs recorded in results/)."""
+
+from repro.sanitizer import (
+    ERROR_EXITCODE,
+    kernel_role,
+    parse_log,
+    sanitizer_command,
+    sanitizer_env,
+    short_kernel,
+)
+
+
+def _log(fixtures, name):
+    return (fixtures / "memcheck" / name).read_text()
+
+
+def test_combine_over_read_past_lse_accum(fixtures):
+    rep = parse_log(_log(fixtures, "combine-oob-upstream-16sm-nopoison.log"))
+    assert len(rep.findings) == 1
+    f = rep.findings[0]
+    assert f.role == "combine" and short_kernel(f.kernel) == "FlashAttnFwdCombine"
+    assert f.access == "global read of 4 bytes"
+    # fp32 lse_accum [S=2, H=32, total_q=64] = 16 KiB: the combine reads splits past S
+    assert (f.relation, f.alloc_size) == ("after", 16384)
+    assert f.bytes_off == 261 and f.count == 6
+    assert rep.first_role() == "combine" and rep.has_errors
+
+
+def test_main_kernel_writes_with_error_summary(fixtures):
+    rep = parse_log(_log(fixtures, "main-oob-vllm-16sm-intmax.log"))
+    assert rep.error_summary == 258  # first summary line, not "58 errors were not printed"
+    f = rep.findings[0]
+    assert f.role == "main" and short_kernel(f.kernel) == "FlashAttnFwdSm90"
+    assert f.access == "global write of 4 bytes" and f.relation == "before" and f.alloc_size == 65536
+
+
+def test_main_kernel_read_with_thousands_separators(fixtures):
+    f = parse_log(_log(fixtures, "main-oob-upstream-132sm-intmax.log")).findings[0]
+    assert f.access == "global read of 16 bytes"
+    assert f.bytes_off == 8_796_066_349_137 and f.alloc_size == 196_608
+    assert "FlashAttnFwdSm90" in str(f)
+
+
+def test_clean_log(fixtures):
+    rep = parse_log(_log(fixtures, "clean-fresh.log"))
+    assert rep.findings == [] and rep.error_summary == 0 and not rep.has_errors
+
+
+def test_inside_and_api_error_variants():
+    text = "\n".join(
+        [
+            "========= Invalid __global__ read of size 8 bytes",
+            "=========     at flash::FlashAttnFwdCombine<int>::operator()+0x10 in x.h:3",
+            "=========     Address 0x10 is inside the nearest allocation at 0x0 of size 1,024 bytes",
+            '========= Program hit cudaErrorIllegalAddress (error 700) due to "an illegal memory access was encountered" on CUDA API call to cudaStreamSynchronize.',
+            "========= ERROR SUMMARY: 2 errors",
+        ]
+    )
+    rep = parse_log(text)
+    assert rep.findings[0].relation == "inside" and rep.findings[0].alloc_size == 1024
+    assert rep.findings[0].role == "combine"
+    assert rep.api_errors == ["cudaStreamSynchronize: an illegal memory access was encountered"]
+    assert rep.error_summary == 2
+
+
+def test_kernel_roles():
+    assert kernel_role("void flash::prepare_varlen_num_blocks_kernel<1, true>(int)") == "prepare"
+    assert kernel_role("cutlass::device_kernel<flash::FlashAttnFwdSm90<...>>") == "main"
+    assert kernel_role("void at::native::vectorized_elementwise_kernel") == "other"
+
+
+def test_command_and_environment():
+    cmd = sanitizer_command("cs", "/tmp/x.log", kernel_filter="flash")
+    assert cmd[:3] == ["cs", "--tool", "memcheck"]
+    assert cmd[cmd.index("--error-exitcode") + 1] == str(ERROR_EXITCODE)
+    assert cmd[cmd.index("--kernel-name") + 1] == "kns=flash"
+    env = sanitizer_env({"PYTORCH_NO_CUDA_MEMORY_CACHING": "0", "A": "1"})
+    assert "PYTORCH_NO_CUDA_MEMORY_CACHING" not in env  # any value disables caching and breaks capture
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "backend:cudaMallocAsync" and env["A"] == "1"

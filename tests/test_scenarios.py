@@ -1,0 +1,73 @@
+"""Strategy semantics: under stale, the draft pass for descriptor D gets views whose buffers hold another
+descriptor's build; under fresh, never."""
+
+import pytest
+
+from repro.builder import MetadataBuilder
+from repro.descriptors import AttnConfig, ConfigError, full_decode_descriptors
+from repro.scenarios import CAPTURE, FRESH, STALE, WARMUP, pair_sequence, passes_for, v2_capture_sequence
+from repro.staleness import diff_snapshots
+
+CFG = AttnConfig()
+
+
+def _holder(builder):
+    return builder.last_build[1]
+
+
+def test_v2_stale_views_hold_the_targets_last_build(replay):
+    b = MetadataBuilder(replay, CFG)
+    shadow = MetadataBuilder(replay, CFG)
+    descs = full_decode_descriptors(CFG)
+    stale_passes = 0
+    for p in v2_capture_sequence(b, STALE):
+        assert _holder(b) == descs[-1]  # the target's smallest FULL descriptor, built last
+        diffs = diff_snapshots(p.metadata, p.metadata.snapshot(), shadow.build(p.descriptor).snapshot())
+        if p.descriptor != descs[-1]:
+            assert diffs, p.descriptor
+            stale_passes += 1
+        else:
+            assert not diffs
+    assert stale_passes == 2 * (len(descs) - 1)
+
+
+def test_v2_fresh_views_always_hold_their_own_build(replay):
+    b = MetadataBuilder(replay, CFG)
+    shadow = MetadataBuilder(replay, CFG)
+    stages = []
+    for p in v2_capture_sequence(b, FRESH):
+        assert _holder(b) == p.descriptor
+        assert p.metadata.build_id == b.last_build[0]
+        assert diff_snapshots(p.metadata, p.metadata.snapshot(), shadow.build(p.descriptor).snapshot()) == []
+        stages.append(p.stage)
+    assert stages[:2] == [WARMUP, CAPTURE]
+
+
+def test_v2_order_and_build_count(replay):
+    b = MetadataBuilder(replay, CFG)
+    descs = full_decode_descriptors(CFG)
+    seen = [(p.descriptor, p.stage) for p in v2_capture_sequence(b, STALE)]
+    assert seen == [(d, s) for d in descs for s in (WARMUP, CAPTURE)]
+    assert len(b.builds) == 2 * len(descs)  # the target's warmup + capture builds only
+
+
+def test_pair_stale_and_fresh(replay):
+    from repro.descriptors import BatchDescriptor
+
+    a, l_ = BatchDescriptor(4, 1, 4), BatchDescriptor(32, 8, 4)
+    b = MetadataBuilder(replay, CFG)
+    stale = list(pair_sequence(b, STALE, a, l_))
+    assert all(p.descriptor == l_ for p in stale) and _holder(b) == a
+    b2 = MetadataBuilder(replay, CFG)
+    fresh = list(pair_sequence(b2, FRESH, a, l_))
+    assert _holder(b2) == l_ and fresh[-1].metadata.build_id == b2.last_build[0]
+
+
+def test_bad_scenario_and_strategy(replay):
+    b = MetadataBuilder(replay, CFG)
+    with pytest.raises(ConfigError):
+        list(passes_for("nope", b, STALE))
+    with pytest.raises(ConfigError):
+        list(passes_for("v2-capture", b, "sometimes"))
+    with pytest.raises(ConfigError, match="built-for"):
+        list(passes_for("pair", b, STALE))

@@ -1,0 +1,120 @@
+"""MIG enumeration through a stand-in NVML, MPS percentages, and xdist pinning."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from repro.pinning import PINNED_VAR, apply_pin, choose_pin, worker_index
+from repro.smcontrol import (
+    GpuInfo,
+    MigSlice,
+    Unavailable,
+    enumerate_gpus,
+    mps_granted_sms,
+    mps_percentage,
+)
+
+
+class FakeNvml:
+    """Two H200s: GPU 0 split into 1g.18gb slices (16 SMs each), GPU 1 without MIG."""
+
+    def __init__(self, fail=False):
+        self.fail, self.shut = fail, False
+
+    def nvmlInit(self):
+        if self.fail:
+            raise RuntimeError("NVML Shared Library Not Found")
+
+    def nvmlShutdown(self):
+        self.shut = True
+
+    def nvmlDeviceGetCount(self):
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return ("gpu", i)
+
+    def nvmlDeviceGetMigMode(self, h):
+        return (1, 1) if h[1] == 0 else (0, 0)
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, h):
+        return 7
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, h, j):
+        if j >= 3:
+            raise RuntimeError("NVML_ERROR_NOT_FOUND")
+        return ("mig", h[1], j)
+
+    def nvmlDeviceGetAttributes(self, m):
+        return SimpleNamespace(multiprocessorCount=16)
+
+    def nvmlDeviceGetMemoryInfo(self, m):
+        return SimpleNamespace(total=18 * 1024**3)
+
+    def nvmlDeviceGetName(self, h):
+        return b"NVIDIA H200 MIG 1g.18gb" if h[0] == "mig" else b"NVIDIA H200"
+
+    def nvmlDeviceGetUUID(self, h):
+        return f"MIG-{h[1]}-{h[2]}" if h[0] == "mig" else f"GPU-{h[1]}"
+
+
+def test_enumerate_mig_slices():
+    nv = FakeNvml()
+    gpus = enumerate_gpus(nv)
+    assert [g.mig_mode for g in gpus] == [True, False]
+    assert [s.uuid for s in gpus[0].slices] == ["MIG-0-0", "MIG-0-1", "MIG-0-2"]
+    assert {(s.profile, s.sms, s.memory_mib) for s in gpus[0].slices} == {("1g.18gb", 16, 18432)}
+    assert nv.shut
+
+
+def test_nvml_missing_is_unavailable():
+    with pytest.raises(Unavailable, match="NVML unavailable"):
+        enumerate_gpus(FakeNvml(fail=True))
+
+
+@pytest.mark.parametrize("pct, sms", [(12, 14), (13, 16), (25, 32), (50, 66)])
+def test_mps_grant_matches_h200_measurements(pct, sms):
+    assert mps_granted_sms(pct, 132) == sms
+
+
+def test_mps_percentage_for_requested_sms():
+    assert mps_percentage(16, 132) == 13
+    assert mps_percentage(32, 132) == 25
+    assert mps_granted_sms(mps_percentage(26, 132), 132) >= 26
+    with pytest.raises(Unavailable):
+        mps_percentage(200, 132)
+
+
+def _gpus():
+    return enumerate_gpus(FakeNvml())
+
+
+def test_xdist_workers_pin_to_mig_slices_round_robin():
+    env = {}
+    pins = [choose_pin(f"gw{i}", env, _gpus) for i in range(4)]
+    assert [p.device for p in pins] == ["MIG-0-0", "MIG-0-1", "MIG-0-2", "MIG-0-0"]
+    assert pins[0].kind == "mig" and pins[0].sms == 16
+
+
+def test_pinning_without_mig_uses_whole_gpus():
+    gpus = [GpuInfo(0, "H200", "GPU-a", 132, False), GpuInfo(1, "H200", "GPU-b", 132, False)]
+    assert choose_pin("gw1", {}, lambda: gpus).device == "GPU-b"
+
+
+def test_pinning_respects_user_and_override_and_main_process():
+    assert worker_index("master") is None and choose_pin("", {}, _gpus) is None
+    assert choose_pin("gw0", {"CUDA_VISIBLE_DEVICES": "3"}, _gpus) is None
+    assert choose_pin("gw1", {"REPRO_DEVICES": "MIG-x, MIG-y"}, _gpus).device == "MIG-y"
+
+    def nothing():
+        raise Unavailable("no NVML")
+
+    assert choose_pin("gw0", {}, nothing) is None
+    env = {}
+    apply_pin(choose_pin("gw2", {}, _gpus), env)
+    assert env == {"CUDA_VISIBLE_DEVICES": "MIG-0-2", PINNED_VAR: "MIG-0-2"}
+
+
+def test_mig_slice_record():
+    s = MigSlice(0, 1, "MIG-u", "1g.35gb", 26, 35000)
+    assert s.to_dict()["sms"] == 26
