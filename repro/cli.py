@@ -164,6 +164,18 @@ def cmd_doctor(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(a: argparse.Namespace) -> int:
+    from repro.benchmark import benchmark_markdown
+
+    for path in (a.plain, a.memcheck):
+        _check_paths(path)
+    md = benchmark_markdown(a.plain, a.memcheck)
+    if a.out:
+        Path(a.out).write_text(md)
+    print(md)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m repro", description="Stale FA3 attention-metadata reproducer and regression harness")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -194,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--quiet", action="store_true")
     _add_cfg(m)
     m.set_defaults(poison="int-max")
+    b = sub.add_parser("bench", help="benchmark numbers from a plain and a memcheck matrix run (results.json)")
+    b.add_argument("plain")
+    b.add_argument("memcheck")
+    b.add_argument("--out", help="write the Markdown here")
     return p
 
 
@@ -201,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
     try:
-        return {"doctor": cmd_doctor, "run": cmd_run, "matrix": cmd_matrix}[a.cmd](a)
+        return {"doctor": cmd_doctor, "run": cmd_run, "matrix": cmd_matrix, "bench": cmd_bench}[a.cmd](a)
     except ConfigError as e:
         sys.stderr.write(f"repro: error: {e}\n")
         return EXIT_BAD_INPUT

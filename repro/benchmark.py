@@ -1,0 +1,67 @@
+"""Benchmark numbers from recorded matrix runs: throughput, time to the first positive control, and the
+compute-sanitizer overhead per case (the same case ids with and without memcheck)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from repro.matrix import MatrixRun
+from repro.report import load_json
+
+
+def summarize(run: MatrixRun) -> dict:
+    walls = [r.wall_s for _, r in run.results]
+    return {
+        "cases": len(walls),
+        "wall_s": run.wall_s,
+        "cases_per_min": round(60 * len(walls) / run.wall_s, 1) if run.wall_s else None,
+        "mean_case_s": round(statistics.mean(walls), 2) if walls else None,
+        "max_case_s": max(walls) if walls else None,
+        "first_positive_s": run.first_positive_s,
+    }
+
+
+def sanitizer_overhead(plain: MatrixRun, sanitized: MatrixRun) -> dict:
+    """Per-case wall time under memcheck against the same case without it (matched by case id)."""
+    base = {s.case_id: r.wall_s for s, r in plain.results}
+    pairs = [
+        (base[s.case_id.replace("-memcheck", "")], r.wall_s)
+        for s, r in sanitized.results
+        if s.case_id.replace("-memcheck", "") in base
+    ]
+    if not pairs:
+        return {"matched": 0}
+    return {
+        "matched": len(pairs),
+        "plain_mean_s": round(statistics.mean(p for p, _ in pairs), 2),
+        "memcheck_mean_s": round(statistics.mean(m for _, m in pairs), 2),
+        "overhead_mean_s": round(statistics.mean(m - p for p, m in pairs), 2),
+        "ratio_median": round(statistics.median(m / p for p, m in pairs if p > 0), 2),
+    }
+
+
+def benchmark_markdown(plain_path: str | Path, sanitized_path: str | Path) -> str:
+    plain, san = load_json(plain_path), load_json(sanitized_path)
+    a, b, o = summarize(plain), summarize(san), sanitizer_overhead(plain, san)
+    lines = [
+        "# Benchmark: the default matrix",
+        "",
+        f"Plain: `{plain_path}`; memcheck: `{sanitized_path}`.",
+        "",
+        "| run | cases | wall s | cases/min | mean case s | max case s | first positive s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, s in (("plain", a), ("memcheck", b)):
+        lines.append(
+            f"| {name} | {s['cases']} | {s['wall_s']} | {s['cases_per_min']} | {s['mean_case_s']} | "
+            f"{s['max_case_s']} | {s['first_positive_s']} |"
+        )
+    lines += [
+        "",
+        f"Sanitizer overhead per case ({o.get('matched')} matched cases): "
+        f"{o.get('plain_mean_s')} s -> {o.get('memcheck_mean_s')} s mean, "
+        f"+{o.get('overhead_mean_s')} s, median ratio {o.get('ratio_median')}x.",
+        "",
+    ]
+    return "\n".join(lines)
