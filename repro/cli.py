@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -108,9 +109,72 @@ def cmd_run(a: argparse.Namespace) -> int:
     return 0 if res.verdict in ("clean", "skip") else 1
 
 
+def _gpu_present() -> bool:
+    from repro.runner import device_sm_count
+    from repro.smcontrol import Unavailable
+
+    try:
+        device_sm_count()
+    except (Unavailable, OSError, subprocess.SubprocessError, ValueError):
+        return False
+    return True
+
+
+def cmd_model_matrix(a: argparse.Namespace, reason: str) -> int:
+    from repro.model import predict
+
+    poison = None if a.poison in (None, "none") else a.poison
+    backends = tuple(x for x in a.backends.split(",") if x)
+    for b in backends:
+        if b not in ("upstream", "vllm"):
+            raise ConfigError(f"unknown backend {b!r}; choose from upstream, vllm")
+    sms = _ints(a.model_sms)
+    if not sms or min(sms) <= 0 or max(sms) > predict.H200_SMS:
+        raise ConfigError(f"model SM counts must be in 1..{predict.H200_SMS}")
+    cases, seconds = predict.predict_matrix(
+        backends=backends, sms=sms, splits=_ints(a.splits), poison=poison, cfg=_cfg(a, 32)
+    )
+    md = f"{reason}\n\n" + predict.markdown(cases, seconds, poison)
+    if a.out:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "predicted.md").write_text(md)
+    if a.json:
+        Path(a.json).write_text(
+            json.dumps(
+                [{"case": c.case_id, "descriptor": c.descriptor, **c.prediction.to_dict()} for c in cases], indent=1
+            )
+            + "\n"
+        )
+    print(md)
+    return 0
+
+
+def cmd_agree(a: argparse.Namespace) -> int:
+    from repro.model.agreement import compare, markdown
+
+    for p in a.results:
+        _check_paths(p)
+    rows = compare(a.results)
+    md = markdown(rows, a.results)
+    if a.out:
+        Path(a.out).write_text(md)
+    print(md)
+    return 0 if all(r.verdict_agrees for r in rows) else 1
+
+
 def cmd_matrix(a: argparse.Namespace) -> int:
     from repro import environment, report
     from repro.matrix import MatrixOptions, build_specs, run_matrix, text_progress
+
+    if a.model:
+        return cmd_model_matrix(a, "Backend: the CPU model (--model).")
+    if not a.dry_run and not _gpu_present():
+        if a.gpu_only:
+            raise ConfigError("no CUDA GPU visible (--gpu-only)")
+        return cmd_model_matrix(
+            a, "No GPU here: these are the CPU model's predictions for an H200 (use --gpu-only to refuse)."
+        )
 
     def items(text: str) -> tuple[str, ...]:
         return tuple(x for x in text.split(",") if x)
@@ -204,8 +268,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--title", default="Stale-metadata verdicts")
     m.add_argument("--dry-run", action="store_true", help="list case ids only")
     m.add_argument("--quiet", action="store_true")
+    m.add_argument("--model", action="store_true", help="predict with the CPU model instead of running kernels")
+    m.add_argument("--model-sms", default="16,26,32,60,132", help="SM counts the model predicts for")
+    m.add_argument("--gpu-only", action="store_true", help="fail instead of predicting when no GPU is present")
     _add_cfg(m)
     m.set_defaults(poison="int-max")
+    g = sub.add_parser("agree", help="the CPU model's verdicts against recorded GPU results (results.json ...)")
+    g.add_argument("results", nargs="+")
+    g.add_argument("--out", help="write the Markdown here")
     b = sub.add_parser("bench", help="benchmark numbers from a plain and a memcheck matrix run (results.json)")
     b.add_argument("plain")
     b.add_argument("memcheck")
@@ -217,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
     try:
-        return {"doctor": cmd_doctor, "run": cmd_run, "matrix": cmd_matrix, "bench": cmd_bench}[a.cmd](a)
+        return {"doctor": cmd_doctor, "run": cmd_run, "matrix": cmd_matrix, "bench": cmd_bench, "agree": cmd_agree}[
+            a.cmd
+        ](a)
     except ConfigError as e:
         sys.stderr.write(f"repro: error: {e}\n")
         return EXIT_BAD_INPUT

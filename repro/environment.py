@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -50,5 +51,6 @@ def collect(argv: list[str] | None = None) -> dict:
     san = find_sanitizer()
     if san:
         ver = _cmd([san, "--version"]) or ""
-        env["compute_sanitizer"] = next((ln.split()[-1] for ln in ver.splitlines() if "Version" in ln), ver[:40])
+        m = re.search(r"Version (\S+)", ver)
+        env["compute_sanitizer"] = m[1] if m else ver.strip()[:60]
     return env

@@ -1,0 +1,1 @@
+"""CPU models of FA3: the scheduler metadata it computes (scheduler.py) and what its kernels read (reads.py)."""
