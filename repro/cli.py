@@ -121,7 +121,7 @@ def _gpu_present() -> bool:
 
 
 def cmd_model_matrix(a: argparse.Namespace, reason: str) -> int:
-    from repro.model import predict
+    from repro.fa3_model import predict
 
     poison = None if a.poison in (None, "none") else a.poison
     backends = tuple(x for x in a.backends.split(",") if x)
@@ -151,7 +151,7 @@ def cmd_model_matrix(a: argparse.Namespace, reason: str) -> int:
 
 
 def cmd_agree(a: argparse.Namespace) -> int:
-    from repro.model.agreement import compare, markdown
+    from repro.fa3_model.agreement import compare, markdown
 
     for p in a.results:
         _check_paths(p)

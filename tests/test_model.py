@@ -7,9 +7,9 @@ import pytest
 from repro.backends.replay import load_records
 from repro.descriptors import AttnConfig
 from repro.layout import UPSTREAM, VLLM, metadata_layout
-from repro.model.predict import predict_case, predict_matrix
-from repro.model.reads import combine_max_splits, predict_launch
-from repro.model.scheduler import PAD, SchedulerInputs, num_splits_heuristic, scheduler_metadata
+from repro.fa3_model.predict import predict_case, predict_matrix
+from repro.fa3_model.reads import combine_max_splits, predict_launch
+from repro.fa3_model.scheduler import PAD, SchedulerInputs, num_splits_heuristic, scheduler_metadata
 
 
 def _inputs(header, r):
@@ -124,7 +124,7 @@ def test_model_matrix_benchmark_under_10_s():
 def test_agreement_with_recorded_gpu_runs():
     from pathlib import Path
 
-    from repro.model.agreement import compare
+    from repro.fa3_model.agreement import compare
 
     root = Path(__file__).parent.parent / "results"
     rows = compare(

@@ -13,8 +13,8 @@ from repro.backends.base import BackendIdentity
 from repro.builder import MetadataBuilder
 from repro.descriptors import AttnConfig
 from repro.layout import UPSTREAM, VLLM
-from repro.model.reads import Prediction, predict_launch
-from repro.model.scheduler import PAD, SchedulerInputs, host_plan, scheduler_metadata
+from repro.fa3_model.reads import Prediction, predict_launch
+from repro.fa3_model.scheduler import PAD, SchedulerInputs, host_plan, scheduler_metadata
 from repro.poison import parse_poison
 from repro.scenarios import FRESH, STALE, WARMUP, v2_capture_sequence
 from repro.staleness import diff_snapshots
@@ -24,13 +24,13 @@ MODEL_SMS = (16, 26, 32, 60, 132)
 
 
 class ModelBackend:
-    """Scheduler metadata from repro.model.scheduler on CPU tensors; no forward."""
+    """Scheduler metadata from repro.fa3_model.scheduler on CPU tensors; no forward."""
 
     def __init__(self, flavor: str, pad_value: int = 0, num_sms: int = H200_SMS) -> None:
         self.flavor, self.name, self.pad_value, self.num_sms = flavor, f"model-{flavor}", pad_value, num_sms
 
     def identity(self) -> BackendIdentity:
-        return BackendIdentity(self.name, "repro.model", "1", "-", "-")
+        return BackendIdentity(self.name, "repro.fa3_model", "1", "-", "-")
 
     def inputs(
         self,
