@@ -71,21 +71,31 @@ class MetadataBuilder:
     def num_pages(self) -> int:
         return self.block_table.numel()
 
-    def make_dummy(self, desc: BatchDescriptor) -> None:
-        """InputBatch.make_dummy: writes the descriptor's dummy batch INTO the persistent input buffers."""
+    def write_batch(self, desc: BatchDescriptor, seq_lens: list[int]) -> None:
+        """Write a batch's query_start_loc (padded with num_tokens) and seq_lens (zero past the batch) INTO the
+        persistent buffers, as the runtime and make_dummy both do."""
         import torch
 
         if desc.num_reqs > self.cfg.max_batch:
             raise ConfigError(
                 f"descriptor {desc.label} needs {desc.num_reqs} requests, over max batch {self.cfg.max_batch}"
             )
+        if len(seq_lens) != desc.num_reqs:
+            raise ValueError(f"{len(seq_lens)} seq_lens for {desc.num_reqs} requests")
+        if max(seq_lens) > self.cfg.max_model_len:
+            raise ConfigError(f"sequence of {max(seq_lens)} tokens over max_model_len {self.cfg.max_model_len}")
         lens = torch.tensor(desc.query_lens(), dtype=torch.int32)
-        self.seq_lens.zero_()
-        self.seq_lens[: desc.num_reqs] = lens.to(self.device)
+        sl = torch.zeros(self.cfg.max_batch, dtype=torch.int32)
+        sl[: desc.num_reqs] = torch.tensor(seq_lens, dtype=torch.int32)
+        self.seq_lens.copy_(sl.to(self.device))
         qsl = torch.full((self.cfg.max_batch + 1,), desc.num_tokens, dtype=torch.int32)
         qsl[0] = 0
         qsl[1 : desc.num_reqs + 1] = torch.cumsum(lens, 0)
         self.query_start_loc.copy_(qsl.to(self.device))
+
+    def make_dummy(self, desc: BatchDescriptor) -> None:
+        """InputBatch.make_dummy: seq_lens = query lens, written INTO the persistent input buffers."""
+        self.write_batch(desc, desc.query_lens())
 
     def layout_for(self, desc: BatchDescriptor, size: int) -> MetadataLayout:
         is_causal, is_local = effective_causal(
@@ -95,9 +105,17 @@ class MetadataBuilder:
 
     def build(self, desc: BatchDescriptor) -> AttnMetadata:
         """prepare_inputs_to_capture + FlashAttentionMetadataBuilder.build for a FULL uniform-decode descriptor."""
+        self.make_dummy(desc)
+        return self._build(desc)
+
+    def build_runtime(self, desc: BatchDescriptor, seq_lens: list[int]) -> AttnMetadata:
+        """The runtime build that refreshes the persistent buffers before a replay (real context lengths)."""
+        self.write_batch(desc, seq_lens)
+        return self._build(desc)
+
+    def _build(self, desc: BatchDescriptor) -> AttnMetadata:
         import torch
 
-        self.make_dummy(desc)
         b = desc.num_reqs
         qsl, seq_lens = self.query_start_loc[: b + 1], self.seq_lens[:b]
         md = self.backend.scheduler_metadata(

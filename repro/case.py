@@ -12,8 +12,9 @@ MODES = ("eager", "graph")
 SM_KINDS = ("full", "sm_margin", "mps", "green", "mig")
 
 CLEAN, OOB, CRASH, HANG, WRONG, ERROR, SKIP = "clean", "oob", "crash", "hang", "wrong-output", "error", "skip"
-VERDICTS = (CLEAN, OOB, CRASH, HANG, WRONG, ERROR, SKIP)
-FAULTS = (OOB, CRASH, HANG, WRONG)  # verdicts that mean "the bug is visible"
+STALE_AUDIT = "stale-audit"  # ran clean, but a pass was given another batch's metadata (seen by the audit)
+VERDICTS = (CLEAN, OOB, CRASH, HANG, WRONG, STALE_AUDIT, ERROR, SKIP)
+FAULTS = (OOB, CRASH, HANG, WRONG, STALE_AUDIT)  # verdicts that mean "the bug is visible"
 
 
 @dataclass(frozen=True)

@@ -263,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--modes", default="eager,graph")
     m.add_argument("--splits", default="32,0")
     m.add_argument("--repeat", type=int, default=1)
+    m.add_argument(
+        "--scenario", choices=SCENARIOS, default=V2, help="attention layer (v2-capture) or models (spec-decode)"
+    )
     m.add_argument("--jobs", type=int, default=6)
     m.add_argument("--json", help="machine-readable result path (default OUT/results.json)")
     m.add_argument("--title", default="Stale-metadata verdicts")

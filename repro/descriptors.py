@@ -89,10 +89,19 @@ class BatchDescriptor:
     num_tokens: int
     num_reqs: int
     uniform_token_count: int = field(default=1, compare=False)
+    lens: tuple[int, ...] = field(default=(), compare=False)  # non-uniform query lengths (prompt prefill)
 
     def __post_init__(self) -> None:
         if self.num_reqs <= 0 or self.num_tokens < self.num_reqs:
             raise ConfigError(f"bad descriptor: {self.num_tokens} tokens for {self.num_reqs} requests")
+        if self.lens and (len(self.lens) != self.num_reqs or sum(self.lens) != self.num_tokens):
+            raise ConfigError(
+                f"query lengths {self.lens} do not make {self.num_tokens} tokens in {self.num_reqs} requests"
+            )
+
+    @classmethod
+    def varlen(cls, lens: list[int]) -> BatchDescriptor:
+        return cls(sum(lens), len(lens), 0, tuple(lens))
 
     @property
     def label(self) -> str:
@@ -100,6 +109,8 @@ class BatchDescriptor:
 
     def query_lens(self) -> list[int]:
         """make_dummy: every request gets num_tokens // num_reqs, the last also the remainder."""
+        if self.lens:
+            return list(self.lens)
         base = self.num_tokens // self.num_reqs
         lens = [base] * self.num_reqs
         lens[-1] += self.num_tokens % self.num_reqs

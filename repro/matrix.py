@@ -12,7 +12,7 @@ from pathlib import Path
 from repro.case import CLEAN, CRASH, FAULTS, HANG, OOB, SKIP, CaseResult, CaseSpec, SmConfig
 from repro.descriptors import AttnConfig, ConfigError
 from repro.runner import run_case
-from repro.scenarios import FRESH, STALE
+from repro.scenarios import FRESH, STALE, V2
 from repro.smcontrol import Unavailable, maybe_mps
 
 DEFAULT_SMS = ("sm_margin:16", "mps:16", "full")
@@ -31,6 +31,7 @@ class MatrixOptions:
     sanitizer: bool = False
     timeout_s: float = 120.0
     repeat: int = 1
+    scenario: str = V2
     cfg: AttnConfig = AttnConfig()
 
 

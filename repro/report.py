@@ -111,8 +111,8 @@ def heatmap(run: MatrixRun, path: str | Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    order = ["clean", "wrong-output", "oob", "crash", "hang", "error", "skip"]
-    colors = ["#4caf50", "#ffc107", "#f44336", "#b71c1c", "#6a1b9a", "#607d8b", "#e0e0e0"]
+    order = ["clean", "stale-audit", "wrong-output", "oob", "crash", "hang", "error", "skip"]
+    colors = ["#4caf50", "#8bc34a", "#ffc107", "#f44336", "#b71c1c", "#6a1b9a", "#607d8b", "#e0e0e0"]
     cols = sorted({s.sm.label for s, _ in run.results})
     rws = sorted({f"{s.backend}/{s.strategy}/{s.mode}/s{s.cfg.num_splits}" for s, _ in run.results})
     grid = [[order.index("skip")] * len(cols) for _ in rws]

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from repro.case import CLEAN, CRASH, ERROR, HANG, OOB, SKIP, WRONG, CaseResult, CaseSpec
+from repro.case import CLEAN, CRASH, ERROR, HANG, OOB, SKIP, STALE_AUDIT, WRONG, CaseResult, CaseSpec
 from repro.sanitizer import find_sanitizer, parse_log, sanitizer_command, sanitizer_env
 from repro.smcontrol import MpsDaemon, Unavailable
 from repro.worker import PASS_TAG, RESULT_TAG, SKIP_TAG
@@ -125,9 +125,17 @@ def classify(
         if r.get("wrong"):
             res.verdict, res.descriptor = WRONG, r.get("worst_descriptor")
             res.reason = f"max |out - reference| = {r['max_abs_err']:.3g} at {r.get('worst_descriptor')}"
+        elif res.stale_fields:
+            res.verdict = STALE_AUDIT
+            res.reason = "no fault this run, but passes ran on another batch's metadata: " + ", ".join(
+                f"{k}={v}" for k, v in sorted(res.stale_fields.items())
+            )
+            res.descriptor = res.first_diffs[0].split(":")[0] if res.first_diffs else None
         else:
             res.verdict = CLEAN
-            res.reason = f"{r.get('passes')} passes, max |out - reference| = {r.get('max_abs_err', 0):.3g}"
+            res.reason = (
+                r.get("summary") or f"{r.get('passes')} passes, max |out - reference| = {r.get('max_abs_err', 0):.3g}"
+            )
         if returncode not in (0, None) and res.verdict == CLEAN:
             res.verdict, res.reason = ERROR, f"result printed but exit status {returncode}"
     return res

@@ -16,7 +16,8 @@ FRESH = "fresh"
 STRATEGIES = (STALE, FRESH)
 PAIR = "pair"
 V2 = "v2-capture"
-SCENARIOS = (PAIR, V2)
+SPEC = "spec-decode"  # target + draft models, capture runner and decoding loop (repro.spec)
+SCENARIOS = (PAIR, V2, SPEC)
 WARMUP = "warmup"
 CAPTURE = "capture"
 

@@ -71,7 +71,7 @@ def run_case(spec: CaseSpec) -> dict:
     from repro.builder import MetadataBuilder
     from repro.poison import parse_poison
     from repro.reference import paged_attention_reference
-    from repro.scenarios import CAPTURE, WARMUP, passes_for
+    from repro.scenarios import CAPTURE, SPEC, WARMUP, passes_for
     from repro.staleness import diff_snapshots, summarize
 
     torch.manual_seed(spec.seed)
@@ -79,6 +79,12 @@ def run_case(spec: CaseSpec) -> dict:
     backend = load_backend(spec.backend, spec.backend_path)
     cfg = spec.cfg
     poison = parse_poison(spec.poison)
+    if spec.scenario == SPEC:
+        from repro.spec.case import run_spec_case
+
+        res = run_spec_case(spec, backend, margin, poison, lambda ev: emit(PASS_TAG, ev))
+        res.update(sms_reported=reported, sms_planned=reported - margin, backend_identity=backend.identity().to_dict())
+        return res
     dev = torch.device("cuda", 0)
     builder = MetadataBuilder(backend, cfg, dev, sm_margin=margin, poison=poison)
     shadow = MetadataBuilder(backend, cfg, dev, sm_margin=margin, poison=poison)  # fresh reference, own buffers

@@ -6,10 +6,10 @@ import pytest
 
 from repro.backends.replay import load_records
 from repro.descriptors import AttnConfig
-from repro.layout import UPSTREAM, VLLM, metadata_layout
 from repro.fa3_model.predict import predict_case, predict_matrix
 from repro.fa3_model.reads import combine_max_splits, predict_launch
 from repro.fa3_model.scheduler import PAD, SchedulerInputs, num_splits_heuristic, scheduler_metadata
+from repro.layout import UPSTREAM, VLLM, metadata_layout
 
 
 def _inputs(header, r):

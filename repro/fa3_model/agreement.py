@@ -7,8 +7,8 @@ from pathlib import Path
 
 from repro.case import CRASH, ERROR, HANG, OOB, SKIP
 from repro.descriptors import AttnConfig
-from repro.layout import UPSTREAM, VLLM
 from repro.fa3_model.predict import H200_SMS, predict_case
+from repro.layout import UPSTREAM, VLLM
 from repro.report import load_json
 
 

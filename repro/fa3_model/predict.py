@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from repro.backends.base import BackendIdentity
 from repro.builder import MetadataBuilder
 from repro.descriptors import AttnConfig
-from repro.layout import UPSTREAM, VLLM
 from repro.fa3_model.reads import Prediction, predict_launch
 from repro.fa3_model.scheduler import PAD, SchedulerInputs, host_plan, scheduler_metadata
+from repro.layout import UPSTREAM, VLLM
 from repro.poison import parse_poison
 from repro.scenarios import FRESH, STALE, WARMUP, v2_capture_sequence
 from repro.staleness import diff_snapshots
