@@ -189,6 +189,7 @@ def cmd_matrix(a: argparse.Namespace) -> int:
         sanitizer=a.sanitizer,
         timeout_s=a.timeout,
         repeat=a.repeat,
+        scenario=a.scenario,
         cfg=_cfg(a, 32),
     )
     for b in opts.backends:

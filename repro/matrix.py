@@ -76,6 +76,7 @@ def build_specs(opts: MatrixOptions) -> list[CaseSpec]:
                                 backend,
                                 strategy,
                                 mode,
+                                opts.scenario,
                                 sm=SmConfig.parse(sm),
                                 cfg=cfg,
                                 poison=opts.poison,
