@@ -46,6 +46,10 @@ def _run(spec: CaseSpec, record_property) -> None:
         res = run_case(spec, LOG_DIR, mps)
     exp = expectation(spec)
     for k, v in (
+        ("xdist_worker", os.environ.get("PYTEST_XDIST_WORKER", "main")),
+        ("pinned_device", os.environ.get("REPRO_PINNED_DEVICE")),
+        ("gpu_uuid", res.gpu_uuid),
+        ("wall_s", res.wall_s),
         ("verdict", res.verdict),
         ("kernel", res.kernel),
         ("descriptor", res.descriptor),

@@ -136,6 +136,7 @@ class CaseResult:
     wall_s: float = 0.0
     returncode: int | None = None
     backend_identity: dict | None = None
+    gpu_uuid: str | None = None  # the GPU the case process ran on, read inside it
     spec: dict | None = None
     log_tail: str = ""
 

@@ -241,6 +241,18 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_xdist(a: argparse.Namespace) -> int:
+    from repro.xdist_report import check_junit, markdown
+
+    _check_paths(a.junit)
+    rep = check_junit(a.junit, a.workers)
+    md = markdown(rep, a.junit)
+    if a.out:
+        Path(a.out).write_text(md)
+    print(md)
+    return 0 if rep.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m repro", description="Stale FA3 attention-metadata reproducer and regression harness")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -280,6 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("agree", help="the CPU model's verdicts against recorded GPU results (results.json ...)")
     g.add_argument("results", nargs="+")
     g.add_argument("--out", help="write the Markdown here")
+    x = sub.add_parser("xdist-report", help="check from a JUnit XML that each xdist worker had a GPU of its own")
+    x.add_argument("junit")
+    x.add_argument("--workers", type=int, help="number of workers expected")
+    x.add_argument("--out", help="write the Markdown here")
     b = sub.add_parser("bench", help="benchmark numbers from a plain and a memcheck matrix run (results.json)")
     b.add_argument("plain")
     b.add_argument("memcheck")
@@ -291,9 +307,14 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
     try:
-        return {"doctor": cmd_doctor, "run": cmd_run, "matrix": cmd_matrix, "bench": cmd_bench, "agree": cmd_agree}[
-            a.cmd
-        ](a)
+        return {
+            "doctor": cmd_doctor,
+            "run": cmd_run,
+            "matrix": cmd_matrix,
+            "bench": cmd_bench,
+            "agree": cmd_agree,
+            "xdist-report": cmd_xdist,
+        }[a.cmd](a)
     except ConfigError as e:
         sys.stderr.write(f"repro: error: {e}\n")
         return EXIT_BAD_INPUT

@@ -17,7 +17,7 @@ from pathlib import Path
 from repro.case import CLEAN, CRASH, ERROR, HANG, OOB, SKIP, STALE_AUDIT, WRONG, CaseResult, CaseSpec
 from repro.sanitizer import find_sanitizer, parse_log, sanitizer_command, sanitizer_env
 from repro.smcontrol import MpsDaemon, Unavailable
-from repro.worker import PASS_TAG, RESULT_TAG, SKIP_TAG
+from repro.worker import DEVICE_TAG, PASS_TAG, RESULT_TAG, SKIP_TAG
 
 EARLY_STOP_GRACE_S = 3.0
 _CRASH_MARKERS = (
@@ -86,6 +86,9 @@ def classify(
             for k, v in p.get("stale_fields", {}).items():
                 res.stale_fields[k] = res.stale_fields.get(k, 0) + v
             res.first_diffs += [f"{p['descriptor']}: {x}" for x in p.get("first_diffs", [])][: 3 - len(res.first_diffs)]
+    devices = _tagged(output, DEVICE_TAG)
+    if devices:
+        res.gpu_uuid = devices[-1].get("gpu_uuid")
     res.findings = [f.to_dict() for f in findings]
     if skips and not results:
         res.verdict, res.reason = SKIP, skips[-1]["reason"]

@@ -14,7 +14,7 @@ from repro.backends.base import BackendUnavailable
 from repro.case import CaseSpec
 from repro.smcontrol import Unavailable
 
-PASS_TAG, RESULT_TAG, SKIP_TAG = "REPRO_PASS", "REPRO_RESULT", "REPRO_SKIP"
+PASS_TAG, RESULT_TAG, SKIP_TAG, DEVICE_TAG = "REPRO_PASS", "REPRO_RESULT", "REPRO_SKIP", "REPRO_DEVICE"
 WRONG_TOL = 0.05
 
 
@@ -75,6 +75,14 @@ def run_case(spec: CaseSpec) -> dict:
     from repro.staleness import diff_snapshots, summarize
 
     torch.manual_seed(spec.seed)
+    # where this process really runs, read inside it before any launch (a crash later still names the GPU)
+    emit(
+        DEVICE_TAG,
+        {
+            "gpu_uuid": str(torch.cuda.get_device_properties(0).uuid),
+            "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        },
+    )
     reported, margin, _green = sm_setup(spec, torch)
     backend = load_backend(spec.backend, spec.backend_path)
     cfg = spec.cfg
