@@ -253,6 +253,28 @@ def cmd_xdist(a: argparse.Namespace) -> int:
     return 0 if rep.ok else 1
 
 
+def cmd_bisect(a: argparse.Namespace) -> int:
+    from repro.vllm_integration.bisect import run_bisect
+    from repro.vllm_integration.source_check import check_tree
+
+    _check_paths(a.vllm)
+    if not os.path.isdir(os.path.join(a.vllm, ".git")):
+        raise ConfigError(f"{a.vllm}: not a git checkout")
+    if a.check == "gate" and not a.gate_cmd:
+        raise ConfigError("--check gate needs a gate command after --")
+    if a.status:
+        v = check_tree(a.vllm)
+        print(f"{v.verdict}: {v.reason}" + (f" (layout {v.layout})" if v.layout else ""))
+        return {"good": 0, "bad": 1}.get(v.verdict, 125)
+    first, log = run_bisect(a.vllm, a.good, a.bad, a.check, [x for x in a.gate_cmd if x != "--"] or None, a.overlay)
+    print(log[-4000:])
+    if first:
+        print(f"first bad commit: {first}")
+        return 0
+    print("bisect found no first bad commit (see the log above)", file=sys.stderr)
+    return 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m repro", description="Stale FA3 attention-metadata reproducer and regression harness")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -296,6 +318,16 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("junit")
     x.add_argument("--workers", type=int, help="number of workers expected")
     x.add_argument("--out", help="write the Markdown here")
+    bi = sub.add_parser("bisect", help="git bisect a vLLM checkout for the stale-metadata capture defect")
+    bi.add_argument("--vllm", required=True, help="path of the vLLM git checkout")
+    bi.add_argument("--good", default="HEAD~1")
+    bi.add_argument("--bad", default="HEAD")
+    bi.add_argument("--check", choices=("source", "gate"), default="source")
+    bi.add_argument(
+        "--overlay", help="installed vllm package folder: reuse its compiled extensions (Python-only changes)"
+    )
+    bi.add_argument("--status", action="store_true", help="only check the current commit (exit 0/1/125)")
+    bi.add_argument("gate_cmd", nargs=argparse.REMAINDER, help="-- command for --check gate")
     b = sub.add_parser("bench", help="benchmark numbers from a plain and a memcheck matrix run (results.json)")
     b.add_argument("plain")
     b.add_argument("memcheck")
@@ -314,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             "bench": cmd_bench,
             "agree": cmd_agree,
             "xdist-report": cmd_xdist,
+            "bisect": cmd_bisect,
         }[a.cmd](a)
     except ConfigError as e:
         sys.stderr.write(f"repro: error: {e}\n")

@@ -1,0 +1,1 @@
+"""vLLM integration: the capture-time freshness auditor (a vLLM plugin), source checks, bisect, the end-to-end gate."""

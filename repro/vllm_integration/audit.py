@@ -1,0 +1,114 @@
+"""Freshness auditor core: remembers what every metadata build wrote, and at each eager forward checks that the
+persistent buffers the metadata's views point at still hold it.
+
+A view whose buffer was overwritten by a later build is stale: exactly the defect of vLLM PR #48261, and it is
+detected on any GPU at any SM count, without waiting for an out-of-bounds read."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from repro.layout import VLLM, effective_causal, layout_from_size
+
+FIELDS = ("query_start_loc", "seq_lens", "scheduler_metadata")
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    descriptor: str  # t<tokens>r<reqs> of the metadata being used
+    buffer: str
+    field: str  # decoded field for scheduler_metadata
+    index: int  # first differing index within the field
+    built: int
+    now: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return (
+            f"stale attention metadata for {self.descriptor}: {self.buffer}.{self.field}[{self.index}] "
+            f"is {self.now}, the build wrote {self.built}"
+        )
+
+
+@dataclass
+class _Build:
+    descriptor: str
+    values: dict[str, list[int]]
+    shape: dict[str, Any]
+
+
+@dataclass
+class FreshnessAuditor:
+    flavor: str = VLLM
+    builds: dict[int, _Build] = field(default_factory=dict)
+    mismatches: list[Mismatch] = field(default_factory=list)
+    checks: int = 0
+
+    def record_build(
+        self, key: int, descriptor: str, views: dict[str, Any], shape: dict[str, Any] | None = None
+    ) -> None:
+        """Right after a build: copy what its views show (they point into persistent buffers)."""
+        self.builds[key] = _Build(descriptor, {k: _ints(v) for k, v in views.items() if v is not None}, shape or {})
+
+    def check(self, key: int, views: dict[str, Any]) -> list[Mismatch]:
+        """Before a forward: do the views still show what their build wrote? Returns (and keeps) the mismatches."""
+        b = self.builds.get(key)
+        if b is None:
+            return []
+        self.checks += 1
+        found = []
+        for name, built in b.values.items():
+            now = _ints(views.get(name))
+            if now == built:
+                continue
+            i = next((j for j, (x, y) in enumerate(zip(built, now)) if x != y), min(len(built), len(now)))
+            fname, fi = self._field(name, b, len(built), i)
+            found.append(
+                Mismatch(
+                    b.descriptor, name, fname, fi, built[i] if i < len(built) else -1, now[i] if i < len(now) else -1
+                )
+            )
+        self.mismatches += found
+        return found
+
+    def _field(self, name: str, b: _Build, size: int, index: int) -> tuple[str, int]:
+        if name != "scheduler_metadata" or "num_reqs" not in b.shape:
+            return name, index
+        s = b.shape
+        try:
+            is_causal, is_local = effective_causal(
+                s.get("causal", True),
+                s.get("window_left", -1),
+                s.get("max_query_len", 1),
+                s.get("max_seq_len", 1 << 30),
+                s.get("head_dim", 128),
+                True,
+            )
+            lay = layout_from_size(self.flavor, s["num_reqs"], size, is_causal, is_local)
+        except (ValueError, KeyError):
+            return name, index
+        if index >= lay.semaphore_offset:
+            return "semaphore", 0
+        vec, i = divmod(index, lay.batch_rounded)
+        return lay.vectors[vec], i
+
+    def report(self) -> str:
+        if not self.mismatches:
+            return f"freshness audit: {self.checks} checks, every view held its own build"
+        first = self.mismatches[0]
+        descs = sorted({m.descriptor for m in self.mismatches})
+        return (
+            f"freshness audit: {len(self.mismatches)} stale fields in {self.checks} checks "
+            f"(descriptors {', '.join(descs)}); first: {first}"
+        )
+
+
+def _ints(v: Any) -> list[int]:
+    if v is None:
+        return []
+    if hasattr(v, "detach"):
+        return [int(x) for x in v.detach().to("cpu").reshape(-1).tolist()]
+    return [int(x) for x in v]

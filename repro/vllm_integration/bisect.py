@@ -1,0 +1,118 @@
+"""Bisect vLLM for the stale-metadata capture defect.
+
+`python -m repro bisect --vllm PATH --good REV --bad REV [--check source|gate]` drives `git bisect run` with
+`python -m repro.vllm_integration.bisect step ...`, whose exit status git understands: 0 good, 1 bad, 125
+untestable. `--check source` reads the checkout (no GPU); `--check gate` runs the end-to-end gate, optionally over an
+installed wheel's compiled extensions (`--overlay`) when only Python changed between the commits."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from repro.vllm_integration.source_check import BAD, GOOD, check_tree
+
+EXIT = {GOOD: 0, BAD: 1}
+UNTESTABLE_EXIT = 125
+
+
+def build_overlay(checkout: str | Path, installed_pkg: str | Path, dest: str | Path) -> Path:
+    """A `vllm` package at dest/vllm: the checkout's Python sources, plus every compiled extension (*.so) of the
+    installed wheel at the same relative path. Put dest first on PYTHONPATH."""
+    src, inst, dest = Path(checkout) / "vllm", Path(installed_pkg), Path(dest)
+    if not src.is_dir():
+        raise FileNotFoundError(f"{checkout}: no vllm/ package")
+    if not inst.is_dir():
+        raise FileNotFoundError(f"{installed_pkg}: not an installed vllm package folder")
+    out = dest / "vllm"
+    shutil.copytree(src, out, ignore=shutil.ignore_patterns("*.so", "__pycache__"), dirs_exist_ok=True)
+    n = 0
+    for so in inst.rglob("*.so"):
+        target = out / so.relative_to(inst)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if not target.exists():
+            target.symlink_to(so.resolve())
+            n += 1
+    if n == 0:
+        raise FileNotFoundError(f"{installed_pkg}: no compiled extensions to overlay")
+    return out
+
+
+def step(repo: str, check: str, gate_cmd: list[str] | None = None, overlay: str | None = None) -> int:
+    """One `git bisect run` step on the checkout's current commit."""
+    if check == "source":
+        v = check_tree(repo)
+        print(f"[repro bisect] {v.verdict}: {v.reason}" + (f" (layout {v.layout})" if v.layout else ""), flush=True)
+        return EXIT.get(v.verdict, UNTESTABLE_EXIT)
+    if check == "gate":
+        if not gate_cmd:
+            print("[repro bisect] untestable: no gate command", flush=True)
+            return UNTESTABLE_EXIT
+        env = dict(os.environ)
+        tmp = None
+        if overlay:
+            tmp = tempfile.mkdtemp(prefix="repro-overlay-")
+            try:
+                build_overlay(repo, overlay, tmp)
+            except FileNotFoundError as e:
+                print(f"[repro bisect] untestable: {e}", flush=True)
+                return UNTESTABLE_EXIT
+            env["PYTHONPATH"] = tmp + os.pathsep + env.get("PYTHONPATH", "")
+        try:
+            r = subprocess.run(gate_cmd, env=env)
+        finally:
+            if tmp:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return r.returncode if r.returncode in (0, 1) else UNTESTABLE_EXIT
+    print(f"[repro bisect] unknown check {check!r}", flush=True)
+    return UNTESTABLE_EXIT
+
+
+def run_bisect(
+    repo: str, good: str, bad: str, check: str = "source", gate_cmd: list[str] | None = None, overlay: str | None = None
+) -> tuple[str | None, str]:
+    """git bisect over the checkout; returns (first bad commit or None, git's log). Leaves the checkout reset."""
+
+    def git(*args: str, check_rc: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True, check=check_rc)
+
+    git("bisect", "reset", check_rc=False)
+    git("bisect", "start", bad, good)
+    cmd = [sys.executable, "-m", "repro.vllm_integration.bisect", "step", "--repo", repo, "--check", check]
+    if overlay:
+        cmd += ["--overlay", overlay]
+    if gate_cmd:
+        cmd += ["--", *gate_cmd]
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run(["git", "-C", repo, "bisect", "run", *cmd], capture_output=True, text=True, env=env)
+    log = r.stdout + r.stderr
+    first = None
+    for line in log.splitlines():
+        if line.endswith("is the first bad commit"):
+            first = line.split()[0]
+    git("bisect", "reset", check_rc=False)
+    return first, log
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m repro.vllm_integration.bisect")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("step", help="one bisect step: exit 0 good, 1 bad, 125 untestable")
+    s.add_argument("--repo", default=".")
+    s.add_argument("--check", choices=("source", "gate"), default="source")
+    s.add_argument("--overlay", help="installed vllm package folder whose compiled extensions to reuse")
+    s.add_argument("gate", nargs=argparse.REMAINDER)
+    a = p.parse_args(argv)
+    gate = [x for x in a.gate if x != "--"] or None
+    return step(a.repo, a.check, gate, a.overlay)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

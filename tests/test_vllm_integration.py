@@ -1,0 +1,224 @@
+"""vLLM integration on CPU: the freshness auditor (core and plugin glue on a stand-in backend module), the source
+check and `git bisect run` over a synthetic vLLM-like history, the overlay, the gate's model configs."""
+
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from repro.builder import MetadataBuilder
+from repro.descriptors import AttnConfig, BatchDescriptor
+from repro.fa3_model.predict import ModelBackend
+from repro.vllm_integration import plugin
+from repro.vllm_integration.audit import FreshnessAuditor
+from repro.vllm_integration.bisect import UNTESTABLE_EXIT, build_overlay, run_bisect, step
+from repro.vllm_integration.gate import write_models
+from repro.vllm_integration.source_check import BAD, GOOD, UNTESTABLE, check_tree
+
+CFG = AttnConfig()
+
+
+def _views(md):
+    return {"query_start_loc": md.query_start_loc, "seq_lens": md.seq_lens, "scheduler_metadata": md.scheduler_metadata}
+
+
+def test_auditor_flags_views_overwritten_by_a_later_build():
+    b = MetadataBuilder(ModelBackend("vllm"), CFG)
+    aud = FreshnessAuditor()
+    big = b.build(BatchDescriptor(32, 8, 4))
+    aud.record_build(1, "t32r8", _views(big), {"num_reqs": 8, "max_query_len": 4, "max_seq_len": 4096})
+    assert aud.check(1, _views(big)) == []  # nothing rebuilt yet
+    b.build(BatchDescriptor(4, 1, 4))  # the target's last build overwrites the buffers
+    found = aud.check(1, _views(big))
+    assert {m.buffer for m in found} == {"query_start_loc", "seq_lens", "scheduler_metadata"}
+    qsl = next(m for m in found if m.buffer == "query_start_loc")
+    assert (qsl.index, qsl.built, qsl.now) == (2, 8, 4)
+    md = next(m for m in found if m.buffer == "scheduler_metadata")
+    assert md.field in ("prepare_seqlen_q", "num_splits_dynamic", "num_nheads_in_l2", "semaphore")
+    assert "stale attention metadata for t32r8" in str(found[0]) and "stale fields" in aud.report()
+
+
+def test_auditor_is_quiet_for_fresh_builds():
+    b = MetadataBuilder(ModelBackend("vllm"), CFG)
+    aud = FreshnessAuditor()
+    for i, d in enumerate([BatchDescriptor(32, 8, 4), BatchDescriptor(4, 1, 4)]):
+        md = b.build(d)
+        aud.record_build(i, d.label, _views(md))
+        assert aud.check(i, _views(md)) == []
+    assert aud.check(99, {}) == [] and "every view held its own build" in aud.report()
+
+
+def test_plugin_wraps_a_backend_module(monkeypatch):
+    """The glue, on a stand-in with the names vLLM's flash_attn module has."""
+    bufs = {"query_start_loc": torch.zeros(5, dtype=torch.int32), "seq_lens": torch.zeros(4, dtype=torch.int32)}
+
+    class Meta:
+        def __init__(self, n):
+            self.query_start_loc, self.seq_lens = bufs["query_start_loc"][: n + 1], bufs["seq_lens"][:n]
+            self.scheduler_metadata, self.num_actual_tokens, self.max_query_len = None, 4 * n, 4
+
+    class FlashAttentionMetadataBuilder:
+        def build(self, n):
+            bufs["query_start_loc"][: n + 1] = torch.arange(n + 1) * 4
+            bufs["seq_lens"][:n] = 4
+            bufs["seq_lens"][n:] = 0
+            return Meta(n)
+
+    class FlashAttentionImpl:
+        def forward(self, layer, q, k, v, kv_cache, attn_metadata, output=None):
+            return "ran"
+
+    mod = types.SimpleNamespace(
+        __name__="fake_flash_attn",
+        FlashAttentionMetadataBuilder=FlashAttentionMetadataBuilder,
+        FlashAttentionImpl=FlashAttentionImpl,
+    )
+    monkeypatch.setattr(plugin, "AUDITOR", FreshnessAuditor())
+    plugin.install(mod)
+    builder, impl = FlashAttentionMetadataBuilder(), FlashAttentionImpl()
+    saved = builder.build(3)
+    assert impl.forward(None, 0, 0, 0, None, saved) == "ran" and not plugin.AUDITOR.mismatches
+    builder.build(1)  # overwrites the persistent buffers
+    impl.forward(None, 0, 0, 0, None, saved)
+    assert plugin.AUDITOR.mismatches and plugin.AUDITOR.mismatches[0].descriptor == "t12r3"
+
+
+def test_register_is_inert_unless_enabled(monkeypatch):
+    monkeypatch.delenv("REPRO_AUDIT", raising=False)
+    plugin.register()  # must not import vllm or patch anything
+
+
+MANAGER_BAD = """
+class PrefillSpeculatorCudaGraphManager(CudaGraphManager):
+    def capture(self, forward_fn, attn_states, progress_bar_desc="x"):
+        def create_forward_fn(desc, warmup):
+            pair = attn_states[desc]
+            state = pair.warmup if warmup else pair.captured
+            return forward_fn, state
+        super().capture(create_forward_fn, progress_bar_desc)
+"""
+MANAGER_GOOD = """
+class SpeculatorCudaGraphManager(CudaGraphManager):
+    def capture(self, forward_fn, model_state, input_buffers, block_tables, attn_groups, kv_cache_config):
+        def create_forward_fn(desc, warmup):
+            md = prepare_inputs_to_capture(desc.num_reqs, desc.num_tokens, model_state, input_buffers)
+            return lambda mode: forward_fn(md, mode)
+        super().capture(create_forward_fn)
+"""
+
+
+def _tree(root: Path, layout: str, manager: str | None) -> None:
+    (root / "vllm").mkdir(parents=True, exist_ok=True)
+    (root / "vllm" / "__init__.py").write_text("")
+    if manager is None:
+        return
+    d = root / "vllm/v1/worker/gpu/spec_decode" / layout
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "cudagraph_utils.py").write_text(manager)
+
+
+@pytest.mark.parametrize("layout", ["autoregressive", "target_dependent_ar"])
+def test_source_check_good_bad_and_layouts(tmp_path, layout):
+    _tree(tmp_path / "bad", layout, MANAGER_BAD)
+    _tree(tmp_path / "good", layout, MANAGER_GOOD)
+    bad, good = check_tree(tmp_path / "bad"), check_tree(tmp_path / "good")
+    assert bad.verdict == BAD and "PrefillSpeculatorCudaGraphManager.capture" in bad.reason and bad.layout == layout
+    assert good.verdict == GOOD and good.layout == layout
+
+
+def test_source_check_untestable(tmp_path):
+    assert check_tree(tmp_path).verdict == UNTESTABLE  # no vllm/
+    _tree(tmp_path / "old", "autoregressive", None)
+    v = check_tree(tmp_path / "old")
+    assert v.verdict == UNTESTABLE and "no V2 model runner" in v.reason
+    assert step(str(tmp_path / "old"), "source") == UNTESTABLE_EXIT
+    _tree(tmp_path / "broken", "autoregressive", "def capture(:\n")
+    assert check_tree(tmp_path / "broken").verdict == UNTESTABLE
+
+
+def _git(repo, *args):
+    subprocess.run(
+        ["git", "-C", str(repo), *args],
+        check=True,
+        capture_output=True,
+        env={
+            "GIT_AUTHOR_NAME": "t",
+            "GIT_AUTHOR_EMAIL": "t@t",
+            "GIT_COMMITTER_NAME": "t",
+            "GIT_COMMITTER_EMAIL": "t@t",
+            "PATH": "/usr/bin:/bin",
+        },
+    )
+
+
+def test_git_bisect_run_finds_the_commit_that_introduced_reuse(tmp_path):
+    repo = tmp_path / "vllm-repo"
+    _tree(repo, "autoregressive", MANAGER_GOOD)
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "good 1")
+    shas = []
+    for i, manager in enumerate(
+        [MANAGER_GOOD + f"\n# {i}\n" for i in range(2)]
+        + [MANAGER_BAD]
+        + [MANAGER_BAD + f"\n# later {i}\n" for i in range(3)]
+    ):
+        (repo / "vllm/v1/worker/gpu/spec_decode/autoregressive/cudagraph_utils.py").write_text(manager)
+        _git(repo, "commit", "-qam", f"change {i}")
+        shas.append(
+            subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        )
+    first, log = run_bisect(str(repo), "HEAD~5", "HEAD")
+    assert first == shas[2], log
+    # the checkout is left as it was
+    assert (
+        subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        == shas[-1]
+    )
+
+
+def test_bisect_step_exit_codes_from_the_command_line(tmp_path):
+    _tree(tmp_path / "bad", "autoregressive", MANAGER_BAD)
+    _tree(tmp_path / "good", "autoregressive", MANAGER_GOOD)
+    run = lambda p: (
+        subprocess.run(
+            [sys.executable, "-m", "repro.vllm_integration.bisect", "step", "--repo", str(p)],  # noqa: E731
+            capture_output=True,
+            text=True,
+        ).returncode
+    )
+    assert (run(tmp_path / "good"), run(tmp_path / "bad"), run(tmp_path)) == (0, 1, 125)
+
+
+def test_gate_step_maps_exit_codes(tmp_path):
+    ok = [sys.executable, "-c", "raise SystemExit(0)"]
+    bad = [sys.executable, "-c", "raise SystemExit(1)"]
+    weird = [sys.executable, "-c", "raise SystemExit(7)"]
+    assert [step(str(tmp_path), "gate", c) for c in (ok, bad, weird)] == [0, 1, 125]
+    assert step(str(tmp_path), "gate", None) == 125
+
+
+def test_overlay_combines_checkout_python_with_installed_extensions(tmp_path):
+    _tree(tmp_path / "co", "autoregressive", MANAGER_GOOD)
+    inst = tmp_path / "site" / "vllm"
+    (inst / "vllm_flash_attn").mkdir(parents=True)
+    (inst / "_C.abi3.so").write_bytes(b"\x7fELF")
+    (inst / "vllm_flash_attn" / "_vllm_fa3_C.abi3.so").write_bytes(b"\x7fELF")
+    (inst / "__init__.py").write_text("# installed, must not win")
+    out = build_overlay(tmp_path / "co", inst, tmp_path / "ov")
+    assert (out / "_C.abi3.so").is_symlink() and (out / "vllm_flash_attn" / "_vllm_fa3_C.abi3.so").exists()
+    assert (out / "__init__.py").read_text() == ""  # the checkout's Python
+    assert (out / "v1/worker/gpu/spec_decode/autoregressive/cudagraph_utils.py").exists()
+    with pytest.raises(FileNotFoundError):
+        build_overlay(tmp_path / "co", tmp_path / "nowhere", tmp_path / "ov2")
+
+
+def test_gate_writes_local_target_and_eagle_configs(tmp_path):
+    t, d = write_models(tmp_path)
+    tc, dc = json.loads((t / "config.json").read_text()), json.loads((d / "config.json").read_text())
+    assert tc["hidden_size"] // tc["num_attention_heads"] == tc["head_dim"] == 128
+    assert dc["num_hidden_layers"] == 1 and dc["architectures"] == ["EagleLlamaForCausalLM"]
