@@ -275,6 +275,21 @@ def cmd_bisect(a: argparse.Namespace) -> int:
     return 1
 
 
+def cmd_vllm_check(a: argparse.Namespace) -> int:
+    from repro.vllm_integration.compat import check_source
+
+    rows = []
+    for path in a.sources:
+        _check_paths(path)
+        c = check_source(path)
+        rows.append(c.to_dict())
+        print(f"{c.source}: {c.verdict} ({c.layout or '-'}): {c.reason}")
+        print(f"  auditor hooks: {'ok' if c.plugin_ok else 'MISSING'}: {'; '.join(c.plugin_notes)}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m repro", description="Stale FA3 attention-metadata reproducer and regression harness")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -328,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bi.add_argument("--status", action="store_true", help="only check the current commit (exit 0/1/125)")
     bi.add_argument("gate_cmd", nargs=argparse.REMAINDER, help="-- command for --check gate")
+    vc = sub.add_parser("vllm-check", help="source verdict and auditor hooks of vLLM checkouts or wheels (no import)")
+    vc.add_argument("sources", nargs="+")
+    vc.add_argument("--json")
     b = sub.add_parser("bench", help="benchmark numbers from a plain and a memcheck matrix run (results.json)")
     b.add_argument("plain")
     b.add_argument("memcheck")
@@ -347,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             "agree": cmd_agree,
             "xdist-report": cmd_xdist,
             "bisect": cmd_bisect,
+            "vllm-check": cmd_vllm_check,
         }[a.cmd](a)
     except ConfigError as e:
         sys.stderr.write(f"repro: error: {e}\n")

@@ -184,13 +184,11 @@ def test_git_bisect_run_finds_the_commit_that_introduced_reuse(tmp_path):
 def test_bisect_step_exit_codes_from_the_command_line(tmp_path):
     _tree(tmp_path / "bad", "autoregressive", MANAGER_BAD)
     _tree(tmp_path / "good", "autoregressive", MANAGER_GOOD)
-    run = lambda p: (
-        subprocess.run(
-            [sys.executable, "-m", "repro.vllm_integration.bisect", "step", "--repo", str(p)],  # noqa: E731
-            capture_output=True,
-            text=True,
-        ).returncode
-    )
+
+    def run(p):
+        cmd = [sys.executable, "-m", "repro.vllm_integration.bisect", "step", "--repo", str(p)]
+        return subprocess.run(cmd, capture_output=True, text=True).returncode
+
     assert (run(tmp_path / "good"), run(tmp_path / "bad"), run(tmp_path)) == (0, 1, 125)
 
 
