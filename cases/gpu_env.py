@@ -1,39 +1,60 @@
-"""What the GPU cases need from this machine, probed once per session in child processes (never in pytest's own
-process, so xdist pinning stays in force)."""
+"""What the GPU cases need from this machine, probed ONCE per session in one child process (never in pytest's own
+process, so xdist pinning stays in force, and cheap, so each extra xdist worker pays one probe, not four)."""
 
 from __future__ import annotations
 
 import functools
+import json
 import subprocess
 import sys
 
 from repro.sanitizer import find_sanitizer
-from repro.smcontrol import Unavailable
 
-
-@functools.cache
-def gpu_skip_reason() -> str | None:
-    from repro.runner import device_sm_count
-
+_PROBE = """
+import json
+out = {}
+try:
+    import torch
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        out["sms"], out["capability"] = p.multi_processor_count, [p.major, p.minor]
+    else:
+        out["gpu_error"] = "torch sees no CUDA device"
+except Exception as e:
+    out["gpu_error"] = f"{type(e).__name__}: {e}"
+from repro.backends import load_backend
+for name in ("upstream", "vllm"):
     try:
-        device_sm_count()
-    except (Unavailable, subprocess.SubprocessError, OSError) as e:
-        return f"no CUDA GPU: {e}"
-    code = "import torch; p = torch.cuda.get_device_properties(0); print(p.major, p.minor)"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    if r.stdout.split()[:1] != ["9"]:
-        return f"FA3 needs a Hopper GPU (compute capability 9.x), found {r.stdout.strip()}"
+        load_backend(name)
+        out[name] = None
+    except Exception as e:
+        out[name] = str(e)
+print(json.dumps(out))
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def probe() -> dict:
+    r = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300)
+    try:
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        err = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"gpu_error": f"probe failed: {err}", "upstream": err, "vllm": err}
+
+
+def gpu_skip_reason() -> str | None:
+    p = probe()
+    if "gpu_error" in p:
+        return f"no CUDA GPU: {p['gpu_error']}"
+    if p["capability"][0] != 9:
+        return f"FA3 needs a Hopper GPU (compute capability 9.x), found {p['capability']}"
     return None
 
 
-@functools.cache
 def backend_skip_reason(name: str) -> str | None:
-    code = f"from repro.backends import load_backend\nload_backend({name!r})\n"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
-    if r.returncode == 0:
-        return None
-    last = (r.stderr.strip().splitlines() or ["unknown error"])[-1]
-    return f"FA3 backend {name!r} unavailable: {last}"
+    err = probe().get(name)
+    return f"FA3 backend {name!r} unavailable: {err}" if err else None
 
 
 def sanitizer_skip_reason() -> str | None:
