@@ -45,3 +45,10 @@ def test_device_line_is_read_even_when_the_case_crashes():
     out = 'REPRO_DEVICE {"gpu_uuid": "c84e-1"}\nREPRO_PASS {"descriptor": "t32r8"}\nCUDA error: an illegal memory access\n'
     r = classify(spec, out, 1, False, None, 3.0)
     assert r.verdict == "crash" and r.gpu_uuid == "c84e-1"
+
+
+def test_recorded_one_gpu_run_is_flagged_as_shared():
+    """Negative control recorded on one H200: two workers, one GPU. Crashing cases named their GPU too."""
+    rep = check_junit(RECORDED.parent / "h200-xdist-1gpu" / "junit-1gpu-n2.xml", expect_workers=2)
+    assert not rep.ok and any("share GPU" in p for p in rep.problems)
+    assert rep.cases == {"gw0": 4, "gw1": 4}  # all 8 cases, the 4 crashing ones included
