@@ -32,7 +32,28 @@ class AttnMetadata:
     max_seq_len: int
     num_splits: int
     config: AttnConfig
+    request: dict  # the get_scheduler_metadata call that built it
     poisoned_entries: int = 0
+
+    def launch(self, backend: Any, q: Any, k_cache: Any, v_cache: Any, out: Any, sm_margin: int) -> None:
+        """vLLM's FA3 forward: host parameters of the batch this was built for, device data from the views."""
+        cfg = self.config
+        backend.forward(
+            q,
+            k_cache,
+            v_cache,
+            out=out,
+            cu_seqlens_q=self.query_start_loc,
+            seqused_k=self.seq_lens,
+            max_seqlen_q=self.max_query_len,
+            max_seqlen_k=self.max_seq_len,
+            block_table=self.block_table,
+            causal=cfg.causal,
+            window=cfg.window,
+            scheduler_metadata=self.scheduler_metadata,
+            num_splits=self.num_splits,
+            sm_margin=sm_margin,
+        )
 
     def snapshot(self) -> dict[str, list[int]]:
         """Contents the views show right now (copied to the host)."""
@@ -118,7 +139,7 @@ class MetadataBuilder:
 
         b = desc.num_reqs
         qsl, seq_lens = self.query_start_loc[: b + 1], self.seq_lens[:b]
-        md = self.backend.scheduler_metadata(
+        request = dict(
             batch_size=b,
             max_seqlen_q=desc.max_query_len,
             max_seqlen_k=self.cfg.max_model_len,
@@ -134,6 +155,9 @@ class MetadataBuilder:
             sm_margin=self.sm_margin,
             dtype=torch.bfloat16,
         )
+        md = self.backend.scheduler_metadata(**request)
+        # keep what the call saw: the views it got are rewritten by the next build
+        request.update(cache_seqlens=seq_lens.clone(), cu_seqlens_q=qsl.clone())
         n = md.numel()
         if n > self.scheduler_metadata.numel():
             raise ConfigError(
@@ -157,6 +181,7 @@ class MetadataBuilder:
             max_seq_len=self.cfg.max_model_len,
             num_splits=self.cfg.num_splits,
             config=self.cfg,
+            request=request,
             poisoned_entries=poisoned,
         )
 

@@ -43,27 +43,6 @@ def sm_setup(spec: CaseSpec, torch) -> tuple[int, int, object | None]:
     return reported, 0, None
 
 
-def launch(backend, q, k_cache, v_cache, out, md, sm_margin: int) -> None:
-    """vLLM's FA3 forward: host parameters of the batch being launched, device data from the metadata views."""
-    cfg = md.config
-    backend.forward(
-        q,
-        k_cache,
-        v_cache,
-        out=out,
-        cu_seqlens_q=md.query_start_loc,
-        seqused_k=md.seq_lens,
-        max_seqlen_q=md.max_query_len,
-        max_seqlen_k=md.max_seq_len,
-        block_table=md.block_table,
-        causal=cfg.causal,
-        window=cfg.window,
-        scheduler_metadata=md.scheduler_metadata,
-        num_splits=md.num_splits,
-        sm_margin=sm_margin,
-    )
-
-
 def run_case(spec: CaseSpec) -> dict:
     import torch
 
@@ -132,11 +111,11 @@ def run_case(spec: CaseSpec) -> dict:
         out = torch.zeros_like(q)
 
         if spec.mode == "eager":
-            launch(backend, q, k_cache, v_cache, out, md, margin)
+            md.launch(backend, q, k_cache, v_cache, out, margin)
         else:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
-                launch(backend, q, k_cache, v_cache, out, md, margin)
+                md.launch(backend, q, k_cache, v_cache, out, margin)
             g.replay()
         torch.cuda.synchronize()
         ref = paged_attention_reference(

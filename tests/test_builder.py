@@ -1,6 +1,7 @@
 """Builder and views on CPU tensors, with FA3's real answers replayed from the H200 recordings."""
 
 import pytest
+import torch
 
 from repro.builder import MetadataBuilder
 from repro.descriptors import AttnConfig, BatchDescriptor, ConfigError, full_decode_descriptors
@@ -97,3 +98,25 @@ def test_unrecorded_call_is_a_clear_error(replay):
     b = MetadataBuilder(replay, CFG.with_(num_heads_q=48))
     with pytest.raises(KeyError, match="no recorded metadata"):
         b.build(BatchDescriptor(4, 1, 4))
+
+
+def test_launch_passes_the_builds_views_and_host_parameters(replay):
+    """AttnMetadata.launch is the one FA3 forward call (worker and models); check what reaches the backend."""
+    b = MetadataBuilder(replay, CFG)
+    md = b.build(BatchDescriptor(32, 8, 4))
+    seen = {}
+
+    class Recorder:
+        def forward(self, q, k, v, **kw):
+            seen.update(kw, q=q)
+
+    q = torch.zeros(32, 32, 128)
+    md.launch(Recorder(), q, None, None, "out", 116)
+    assert seen["q"] is q and seen["out"] == "out" and seen["sm_margin"] == 116
+    assert seen["scheduler_metadata"].data_ptr() == b.scheduler_metadata.data_ptr()
+    assert seen["cu_seqlens_q"].data_ptr() == b.query_start_loc.data_ptr()
+    assert (seen["max_seqlen_q"], seen["max_seqlen_k"], seen["num_splits"], seen["causal"]) == (4, 4096, 32, True)
+    assert seen["window"] == (-1, -1) and seen["block_table"].shape == (8, CFG.max_blocks_per_seq)
+    # the request is a copy: a later build does not rewrite what this build was asked for
+    b.build(BatchDescriptor(4, 1, 4))
+    assert md.request["cu_seqlens_q"].tolist() == [0, 4, 8, 12, 16, 20, 24, 28, 32]

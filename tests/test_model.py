@@ -13,22 +13,7 @@ from repro.layout import UPSTREAM, VLLM, metadata_layout
 
 
 def _inputs(header, r):
-    return SchedulerInputs(
-        header["backend"]["name"],
-        tuple(r["query_start_loc"]),
-        tuple(r["seq_lens"]),
-        r["max_seqlen_q"],
-        r["max_seqlen_k"],
-        r["num_heads_q"],
-        r["num_heads_kv"],
-        r["head_dim"],
-        r["page_size"],
-        r["causal"],
-        r["window_left"],
-        r["num_splits"],
-        r["sm_margin"],
-        header["sms"],
-    )
+    return SchedulerInputs.from_record(header, r)
 
 
 def first_difference(model, gpu, layout):

@@ -11,24 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from repro.backends.base import BackendIdentity, BackendUnavailable
-
-
-def _key(batch, qsl, seq_lens, max_seqlen_q, max_seqlen_k, hq, hkv, d, page, causal, window_left, splits, margin):
-    return (
-        batch,
-        tuple(qsl),
-        tuple(seq_lens),
-        max_seqlen_q,
-        max_seqlen_k,
-        hq,
-        hkv,
-        d,
-        page,
-        bool(causal),
-        window_left,
-        splits,
-        margin,
-    )
+from repro.fa3_model.scheduler import SchedulerInputs
 
 
 def load_records(path: str | Path) -> tuple[dict, list[dict]]:
@@ -48,24 +31,7 @@ class ReplayBackend:
         self._identity = BackendIdentity(
             self.name, ident["package"], ident["version"], ident["library"], ident["sha256"]
         )
-        self._table = {
-            _key(
-                r["batch"],
-                r["query_start_loc"],
-                r["seq_lens"],
-                r["max_seqlen_q"],
-                r["max_seqlen_k"],
-                r["num_heads_q"],
-                r["num_heads_kv"],
-                r["head_dim"],
-                r["page_size"],
-                r["causal"],
-                r["window_left"],
-                r["num_splits"],
-                r["sm_margin"],
-            ): r
-            for r in self.records
-        }
+        self._table = {SchedulerInputs.from_record(self.header, r): r for r in self.records}
 
     @property
     def sms(self) -> int:
@@ -74,45 +40,15 @@ class ReplayBackend:
     def identity(self) -> BackendIdentity:
         return self._identity
 
-    def scheduler_metadata(
-        self,
-        *,
-        batch_size,
-        max_seqlen_q,
-        max_seqlen_k,
-        num_heads_q,
-        num_heads_kv,
-        head_dim,
-        cache_seqlens,
-        cu_seqlens_q,
-        page_size,
-        causal,
-        window,
-        num_splits,
-        sm_margin,
-        dtype,
-    ) -> Any:
+    def scheduler_metadata(self, **call: Any) -> Any:
         import torch
 
-        key = _key(
-            batch_size,
-            cu_seqlens_q.tolist(),
-            cache_seqlens.tolist(),
-            max_seqlen_q,
-            max_seqlen_k,
-            num_heads_q,
-            num_heads_kv,
-            head_dim,
-            page_size,
-            causal,
-            window[0],
-            num_splits,
-            sm_margin,
-        )
-        rec = self._table.get(key)
+        rec = self._table.get(SchedulerInputs.from_call(self.flavor, self.sms, **call))
         if rec is None:
-            raise KeyError(f"no recorded metadata for b={batch_size} splits={num_splits} margin={sm_margin}")
-        return torch.tensor(rec["metadata"], dtype=torch.int32, device=cache_seqlens.device)
+            raise KeyError(
+                f"no recorded metadata for b={call['batch_size']} splits={call['num_splits']} margin={call['sm_margin']}"
+            )
+        return torch.tensor(rec["metadata"], dtype=torch.int32, device=call["cache_seqlens"].device)
 
     def forward(self, *a: Any, **k: Any) -> Any:
         raise BackendUnavailable("the replay backend has no kernels")

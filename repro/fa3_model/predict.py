@@ -32,40 +32,8 @@ class ModelBackend:
     def identity(self) -> BackendIdentity:
         return BackendIdentity(self.name, "repro.fa3_model", "1", "-", "-")
 
-    def inputs(
-        self,
-        *,
-        batch_size,
-        max_seqlen_q,
-        max_seqlen_k,
-        num_heads_q,
-        num_heads_kv,
-        head_dim,
-        cache_seqlens,
-        cu_seqlens_q,
-        page_size,
-        causal,
-        window,
-        num_splits,
-        sm_margin,
-        dtype=None,
-    ) -> SchedulerInputs:
-        return SchedulerInputs(
-            self.flavor,
-            tuple(cu_seqlens_q.tolist()),
-            tuple(cache_seqlens.tolist()),
-            max_seqlen_q,
-            max_seqlen_k,
-            num_heads_q,
-            num_heads_kv,
-            head_dim,
-            page_size,
-            causal,
-            window[0],
-            num_splits,
-            sm_margin,
-            self.num_sms,
-        )
+    def inputs(self, **call) -> SchedulerInputs:
+        return SchedulerInputs.from_call(self.flavor, self.num_sms, **call)
 
     def scheduler_metadata(self, **kw):
         import torch
@@ -111,23 +79,7 @@ def predict_case(
         fresh = shadow.build(d)
         seen = md.snapshot()
         stale = len(diff_snapshots(md, seen, fresh.snapshot()))
-        launch = host_plan(
-            backend.inputs(
-                batch_size=d.num_reqs,
-                max_seqlen_q=d.max_query_len,
-                max_seqlen_k=cfg.max_model_len,
-                num_heads_q=cfg.num_heads_q,
-                num_heads_kv=cfg.num_heads_kv,
-                head_dim=cfg.head_dim,
-                cache_seqlens=fresh.seq_lens,
-                cu_seqlens_q=fresh.query_start_loc,
-                page_size=cfg.page_size,
-                causal=cfg.causal,
-                window=cfg.window,
-                num_splits=cfg.num_splits,
-                sm_margin=margin,
-            )
-        )
+        launch = host_plan(backend.inputs(**fresh.request))  # the S the launch allocates for
         pred = predict_launch(
             seen["scheduler_metadata"],
             md.layout,

@@ -59,22 +59,7 @@ class ForwardContext:
             )
             return out.to(q.dtype)
         out = torch.empty_like(q)
-        self.backend.forward(
-            q,
-            k_cache,
-            v_cache,
-            out=out,
-            cu_seqlens_q=md.query_start_loc,
-            seqused_k=md.seq_lens,
-            max_seqlen_q=md.max_query_len,
-            max_seqlen_k=md.max_seq_len,
-            block_table=md.block_table,
-            causal=md.config.causal,
-            window=md.config.window,
-            scheduler_metadata=md.scheduler_metadata,
-            num_splits=md.num_splits,
-            sm_margin=self.sm_margin,
-        )
+        md.launch(self.backend, q, k_cache, v_cache, out, self.sm_margin)
         return out
 
 
