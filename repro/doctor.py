@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from repro.sanitizer import find_sanitizer
-from repro.smcontrol import Unavailable, enumerate_gpus
+from repro.smcontrol import Unavailable, enumerate_gpus, green_contexts_available
 
 
 def _probe_backend(name: str) -> str:
@@ -44,6 +44,8 @@ def doctor() -> str:
                 lines.append(f"  slice {s.index}: {s.profile} {s.sms} SMs {s.memory_mib} MiB {s.uuid}")
     except Unavailable as e:
         lines.append(f"NVML:              {e}")
+    green = green_contexts_available()
+    lines.append(f"green contexts:    {'available in torch' if green is None else green}")
     mps = shutil.which("nvidia-cuda-mps-control")
     lines.append(f"MPS:               {mps or 'nvidia-cuda-mps-control not found: MPS cases skip'}")
     san = find_sanitizer()

@@ -12,9 +12,6 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-# H200 MIG profiles -> SMs per slice (bug.md)
-H200_MIG_SMS = {"1g.18gb": 16, "1g.35gb": 26, "2g.35gb": 32, "3g.71gb": 60, "4g.71gb": 64}
-
 
 class Unavailable(RuntimeError):
     """This machine cannot provide the configuration; the message is the skip reason."""
