@@ -33,7 +33,9 @@ def doctor() -> str:
         if facts.get("capability") != "9.0":
             lines.append("                   FA3 needs Hopper (9.0): GPU cases will skip")
     else:
-        lines.append("GPU:               none visible; GPU cases skip. `python -m repro matrix --dry-run` lists them")
+        lines.append(
+            "GPU:               none visible; GPU cases skip; `python -m repro matrix` predicts with the CPU model"
+        )
     try:
         gpus = enumerate_gpus()
         for g in gpus:
