@@ -70,21 +70,30 @@ def _check_paths(backend_path: str | None) -> None:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
+    from repro.descriptors import descriptor_from_label
     from repro.runner import run_case
     from repro.smcontrol import Unavailable, maybe_mps
 
     _check_paths(a.backend_path)
     sm = SmConfig.parse(a.sm)
-    if sm.kind == "sm_margin" and sm.sms and sm.sms > 132 * 4:
-        raise ConfigError(f"impossible SM count {sm.sms}")
+    cfg = _cfg(a, a.num_splits)
     pair = (a.built_for, a.launched) if a.scenario == "pair" else None
+    for label in pair or ():
+        d = descriptor_from_label(label, cfg.decode_query_len)
+        if d.num_reqs > cfg.max_batch:
+            raise ConfigError(f"descriptor {label} has {d.num_reqs} requests, over the max batch {cfg.max_batch}")
+    if sm.sms and _gpu_present():
+        from repro.runner import device_sm_count
+
+        if sm.sms > device_sm_count():
+            raise ConfigError(f"impossible SM count {sm.sms}: this GPU has {device_sm_count()}")
     spec = CaseSpec(
         a.backend,
         a.strategy,
         a.mode,
         a.scenario,
         sm,
-        _cfg(a, a.num_splits),
+        cfg,
         a.poison,
         a.sanitizer,
         pair,

@@ -22,6 +22,12 @@ def _run(*args):
         (["run", "--backend", "vllm", "--head-dim", "100"], "head_dim"),
         (["run", "--backend", "vllm", "--poison", "banana"], "bad poison"),
         (["matrix", "--backends", "flash2"], "unknown backend"),
+        (["run", "--backend", "vllm", "--scenario", "pair", "--launched", "t400r100"], "over the max batch"),
+        (["run", "--backend", "vllm", "--scenario", "pair", "--launched", "tXr"], "bad descriptor"),
+        (["bisect", "--vllm", "/nonexistent"], "no such file"),
+        (["agree", "/nonexistent.json"], "no such file"),
+        (["matrix", "--model", "--model-sms", "0,16"], "model SM counts"),
+        (["matrix", "--gpu-only", "--quiet"], "no CUDA GPU"),
         (["matrix", "--splits", "a,b"], "comma-separated"),
         (["matrix", "--dry-run", "--modes", ""], "matrix is empty"),
     ],
@@ -51,3 +57,9 @@ def test_run_without_gpu_is_a_skip_with_reason(tmp_path, capsys):
     rc = main(["run", "--backend", "vllm", "--out", str(tmp_path), "--timeout", "60"])
     out = capsys.readouterr().out
     assert rc == 0 and out.startswith("skip:")
+
+
+def test_matrix_without_gpu_prints_the_models_predictions(capsys):
+    assert main(["matrix", "--poison", "none", "--model-sms", "16,132"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("No GPU here") and "| upstream | stale | 16 | 0 | **oob** | combine | t64r16 |" in out
