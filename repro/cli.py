@@ -176,8 +176,10 @@ def cmd_matrix(a: argparse.Namespace) -> int:
     from repro import environment, report
     from repro.matrix import MatrixOptions, build_specs, run_matrix, text_progress
 
-    if a.model:
-        return cmd_model_matrix(a, "Backend: the CPU model (--model).")
+    if a.backend is not None and a.backend != "model":
+        raise ConfigError(f"--backend takes only 'model' (use --backends for FA3 builds), got {a.backend!r}")
+    if a.model or a.backend == "model":
+        return cmd_model_matrix(a, "Backend: the CPU model.")
     if not a.dry_run and not _gpu_present():
         if a.gpu_only:
             raise ConfigError("no CUDA GPU visible (--gpu-only)")
@@ -331,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dry-run", action="store_true", help="list case ids only")
     m.add_argument("--quiet", action="store_true")
     m.add_argument("--model", action="store_true", help="predict with the CPU model instead of running kernels")
+    m.add_argument("--backend", help="'model': the same as --model")
     m.add_argument("--model-sms", default="16,26,32,60,132", help="SM counts the model predicts for")
     m.add_argument("--gpu-only", action="store_true", help="fail instead of predicting when no GPU is present")
     _add_cfg(m)

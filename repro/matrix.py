@@ -35,13 +35,19 @@ class MatrixOptions:
     cfg: AttnConfig = AttnConfig()
 
 
+MEASURED_SHAPE = AttnConfig()  # the shape the fault was measured with (results/h200-*)
+
+
 def expectation(spec: CaseSpec) -> str:
     """`fault`: a positive control that must show a memory fault (vLLM's kernels and parameters, 16 SMs, poisoned
-    padding: measured to fault every run); `detected`: stale, so at least wrong output; `clean`: fresh."""
+    padding, the measured shape: faulted in every recorded run); `detected`: stale, so at least wrong output or the
+    capture audit; `clean`: fresh."""
     if spec.strategy == FRESH:
         return "clean"
     if (
-        spec.backend == "vllm"
+        spec.cfg.with_(num_splits=32) == MEASURED_SHAPE
+        and spec.scenario != "pair"
+        and spec.backend == "vllm"
         and spec.poison == "int-max"
         and spec.cfg.num_splits == 32
         and spec.mode == "eager"

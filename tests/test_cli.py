@@ -28,6 +28,7 @@ def _run(*args):
         (["agree", "/nonexistent.json"], "no such file"),
         (["matrix", "--model", "--model-sms", "0,16"], "model SM counts"),
         (["matrix", "--gpu-only", "--quiet"], "no CUDA GPU"),
+        (["matrix", "--backend", "vllm"], "takes only 'model'"),
         (["matrix", "--splits", "a,b"], "comma-separated"),
         (["matrix", "--dry-run", "--modes", ""], "matrix is empty"),
     ],
@@ -63,3 +64,8 @@ def test_matrix_without_gpu_prints_the_models_predictions(capsys):
     assert main(["matrix", "--poison", "none", "--model-sms", "16,132"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("No GPU here") and "| upstream | stale | 16 | 0 | **oob** | combine | t64r16 |" in out
+
+
+def test_matrix_backend_model(capsys):
+    assert main(["matrix", "--backend", "model", "--model-sms", "16"]) == 0
+    assert "Backend: the CPU model." in capsys.readouterr().out

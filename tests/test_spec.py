@@ -123,3 +123,23 @@ def test_forward_context_records_builds():
     for i in range(2):
         run.target_kv[i][0].zero_()
     assert ctx.attend(0, q).shape == q.shape and ctx.seen == [md.build_id]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 1)])
+@pytest.mark.parametrize("page", [16, 32])
+def test_speculative_decoding_sweep(k, heads, page):
+    """Speculative tokens x GQA ratio x page size: always the target's own greedy tokens."""
+    m = ModelConfig(vocab=128, hidden=128, layers=1, q_heads=heads[0], kv_heads=heads[1], head_dim=64, intermediate=256)
+    a = m.attn_config(
+        page_size=page,
+        max_model_len=128,
+        num_speculative_tokens=k,
+        capture_sizes=(2, 4, 8),
+        max_num_seqs=4,
+        num_splits=32,
+    )
+    run = SpecDecodeRunner(m, a, None, ModelBackend("upstream"), "cpu", strategy=STALE, use_graphs=False)
+    ev = run.capture()
+    assert any(e.stale for e in ev) == (len(run.verify_descs) > 1)
+    assert run.generate(PROMPTS, 8).tokens == run.greedy_reference(PROMPTS, 8)
