@@ -11,6 +11,7 @@ from pathlib import Path
 
 from repro.case import CaseSpec, SmConfig
 from repro.descriptors import AttnConfig, ConfigError
+from repro.redact import redact
 from repro.scenarios import SCENARIOS, STRATEGIES, V2
 
 EXIT_BAD_INPUT = 2
@@ -147,7 +148,7 @@ def cmd_model_matrix(a: argparse.Namespace, reason: str) -> int:
     if a.out:
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "predicted.md").write_text(md)
+        (out / "predicted.md").write_text(redact(md))
     if a.json:
         Path(a.json).write_text(
             json.dumps(
@@ -167,7 +168,7 @@ def cmd_agree(a: argparse.Namespace) -> int:
     rows = compare(a.results)
     md = markdown(rows, a.results)
     if a.out:
-        Path(a.out).write_text(md)
+        Path(a.out).write_text(redact(md))
     print(md)
     return 0 if all(r.verdict_agrees for r in rows) else 1
 
@@ -247,7 +248,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         _check_paths(path)
     md = benchmark_markdown(a.plain, a.memcheck)
     if a.out:
-        Path(a.out).write_text(md)
+        Path(a.out).write_text(redact(md))
     print(md)
     return 0
 
@@ -259,7 +260,7 @@ def cmd_xdist(a: argparse.Namespace) -> int:
     rep = check_junit(a.junit, a.workers)
     md = markdown(rep, a.junit)
     if a.out:
-        Path(a.out).write_text(md)
+        Path(a.out).write_text(redact(md))
     print(md)
     return 0 if rep.ok else 1
 
@@ -298,6 +299,16 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
         print(f"  auditor hooks: {'ok' if c.plugin_ok else 'MISSING'}: {'; '.join(c.plugin_notes)}")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+def cmd_redact(a: argparse.Namespace) -> int:
+    from repro.redact import redact_tree
+
+    for path in a.paths:
+        _check_paths(path)
+    changed = redact_tree(a.paths)
+    print(f"redacted {len(changed)} file(s)")
     return 0
 
 
@@ -358,6 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     vc = sub.add_parser("vllm-check", help="source verdict and auditor hooks of vLLM checkouts or wheels (no import)")
     vc.add_argument("sources", nargs="+")
     vc.add_argument("--json")
+    rd = sub.add_parser("redact", help="replace machine paths in recorded results with <repo>/, <path>/ ...")
+    rd.add_argument("paths", nargs="+")
     b = sub.add_parser("bench", help="benchmark numbers from a plain and a memcheck matrix run (results.json)")
     b.add_argument("plain")
     b.add_argument("memcheck")
@@ -378,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             "xdist-report": cmd_xdist,
             "bisect": cmd_bisect,
             "vllm-check": cmd_vllm_check,
+            "redact": cmd_redact,
         }[a.cmd](a)
     except ConfigError as e:
         sys.stderr.write(f"repro: error: {e}\n")

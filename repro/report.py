@@ -8,6 +8,7 @@ from pathlib import Path
 
 from repro.case import CaseResult, CaseSpec
 from repro.matrix import MatrixRun, expectation, meets
+from repro.redact import redact
 
 MARK = {True: "ok", False: "FAIL", None: "skip"}
 
@@ -75,7 +76,7 @@ def markdown(run: MatrixRun, env: dict | None = None, title: str = "Verdicts") -
         if s.case_id not in seen:
             seen.add(s.case_id)
             lines.append(f"- `{s.case_id}`: {r.reason}")
-    return "\n".join(lines) + "\n"
+    return redact("\n".join(lines)) + "\n"
 
 
 def write_json(run: MatrixRun, path: str | Path, env: dict | None = None) -> None:
@@ -90,7 +91,7 @@ def write_json(run: MatrixRun, path: str | Path, env: dict | None = None) -> Non
         "first_positive_s": run.first_positive_s,
         "cases": [{**row, "result": r.to_dict()} for row, (_, r) in zip(rows(run), run.results)],
     }
-    Path(path).write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    Path(path).write_text(redact(json.dumps(doc, indent=1, default=str)) + "\n")
 
 
 def load_json(path: str | Path) -> MatrixRun:

@@ -1,0 +1,47 @@
+"""Keeps machine paths out of what the harness records: every absolute path becomes `<repo>/…` (this project's
+files), `<site-packages>/…` (installed packages) or `<path>/basename`. Applied when reports are written, and by
+`python -m repro redact FILES…` to records written before this existed (verdicts and numbers are untouched)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+PROJECT_DIRS = {"repro", "cases", "tests", "results", ".gpu", "scratch", ".ci"}
+_PATH = re.compile(
+    r"(?<!<repo>)(?<!<path>)(?<!<site-packages>)(?:(?<=^)|(?<=[\s\"'(=:`\[,>]))/(?:[\w.+@-]+/)+[\w.+@-]*", re.M
+)
+SUFFIXES = (".json", ".md", ".xml", ".txt", ".log")
+
+
+def _one(m: re.Match) -> str:
+    path = m.group(0)
+    parts = path.strip("/").split("/")
+    if "site-packages" in parts:
+        return "<site-packages>/" + "/".join(parts[parts.index("site-packages") + 1 :])
+    for i, p in enumerate(parts):
+        if p in PROJECT_DIRS and i > 0:
+            return "<repo>/" + "/".join(parts[i:])
+    return "<path>/" + parts[-1] if parts[-1] else "<path>/"
+
+
+def redact(text: str) -> str:
+    return _PATH.sub(_one, text)
+
+
+def redact_file(path: str | Path) -> bool:
+    """Rewrite one record in place; True when something changed."""
+    p = Path(path)
+    text = p.read_text(errors="replace")
+    new = redact(text)
+    if new != text:
+        p.write_text(new)
+    return new != text
+
+
+def redact_tree(paths: list[str | Path]) -> list[Path]:
+    changed = []
+    for root in map(Path, paths):
+        files = [root] if root.is_file() else sorted(f for f in root.rglob("*") if f.suffix in SUFFIXES)
+        changed += [f for f in files if redact_file(f)]
+    return changed

@@ -1,0 +1,44 @@
+"""Machine paths never reach recorded results."""
+
+import subprocess
+from pathlib import Path
+
+from repro.redact import redact, redact_tree
+
+ROOT = Path(__file__).parent.parent
+
+
+def test_paths_become_placeholders():
+    assert redact('File "/a/b/main/repro/worker.py", line 3') == 'File "<repo>/repro/worker.py", line 3'
+    assert redact("--out /x/out/plain --jobs 8") == "--out <path>/plain --jobs 8"
+    assert redact("/x/.venv/lib/python3.12/site-packages/torch/a.py:1") == "<site-packages>/torch/a.py:1"
+    assert redact('<skipped message="m">/a/main/cases/t.py:44') == '<skipped message="m"><repo>/cases/t.py:44'
+
+
+def test_text_that_is_not_a_path_is_kept():
+    for t in ("16/16 stale/fresh", "see https://docs.nvidia.com/cuda/x.html", "t32r8", "a 1/2 b", "0x7f/0x10"):
+        assert redact(t) == t
+
+
+def test_redact_tree_rewrites_only_records(tmp_path):
+    (tmp_path / "r.json").write_text('{"cmd": "python -m repro --out /m/out/x"}')
+    (tmp_path / "keep.bin").write_text("/m/out/x")
+    assert redact_tree([tmp_path]) == [tmp_path / "r.json"]
+    assert "<path>/x" in (tmp_path / "r.json").read_text() and (tmp_path / "keep.bin").read_text() == "/m/out/x"
+
+
+def test_committed_records_hold_no_machine_paths():
+    files = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "results", "tests/fixtures"], capture_output=True, text=True
+    ).stdout.split()
+    assert files, "no committed records found"
+    for f in files:
+        p = ROOT / f
+        if p.suffix in (".json", ".md", ".xml", ".txt", ".log"):
+            text = p.read_text(errors="replace")
+            assert redact(text) == text, f"{f} holds a machine path"
+
+
+def test_redaction_is_idempotent():
+    once = redact('File "/a/main/repro/x.py" and /o/out/plain and /v/site-packages/t/a.py')
+    assert redact(once) == once
