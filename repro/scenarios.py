@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from repro.builder import AttnMetadata, MetadataBuilder
-from repro.descriptors import AttnConfig, BatchDescriptor, ConfigError, full_decode_descriptors
+from repro.descriptors import BatchDescriptor, ConfigError, descriptor_from_label, full_decode_descriptors
 
 STALE = "stale"
 FRESH = "fresh"
@@ -74,16 +74,13 @@ def passes_for(
     builder: MetadataBuilder,
     strategy: str,
     pair: tuple[str, str] | None = None,
-    cfg: AttnConfig | None = None,
 ) -> Iterator[Pass]:
-    from repro.descriptors import descriptor_from_label
-
-    cfg = cfg or builder.cfg
+    """The draft passes of an attention-layer scenario (spec-decode runs through repro.spec instead)."""
     if scenario == V2:
         return v2_capture_sequence(builder, strategy)
     if scenario == PAIR:
         if not pair:
             raise ConfigError("the pair scenario needs --built-for and --launched descriptors")
-        a, b = (descriptor_from_label(x, cfg.decode_query_len) for x in pair)
+        a, b = (descriptor_from_label(x, builder.cfg.decode_query_len) for x in pair)
         return pair_sequence(builder, strategy, a, b)
     raise ConfigError(f"unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}")
