@@ -143,6 +143,11 @@ class CaseResult:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def skipped(cls, spec: CaseSpec, reason: str) -> CaseResult:
+        """A case this machine cannot run: carries its spec like every other result (reports reload it)."""
+        return cls(spec.case_id, SKIP, reason, spec=json.loads(spec.to_json()))
+
     @property
     def detected(self) -> bool:
         return self.verdict in FAULTS

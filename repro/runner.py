@@ -172,18 +172,13 @@ def run_case(spec: CaseSpec, log_dir: str | Path, mps: MpsDaemon | None = None) 
     try:
         env = worker_env(spec, mps)
     except Unavailable as e:
-        return CaseResult(spec.case_id, SKIP, str(e), spec=json.loads(spec.to_json()))
+        return CaseResult.skipped(spec, str(e))
     cmd = [sys.executable, "-m", "repro.worker", spec.to_json()]
     san_log = None
     if spec.sanitizer:
         exe = find_sanitizer()
         if not exe:
-            return CaseResult(
-                spec.case_id,
-                SKIP,
-                "compute-sanitizer not found (install the CUDA toolkit)",
-                spec=json.loads(spec.to_json()),
-            )
+            return CaseResult.skipped(spec, "compute-sanitizer not found (install the CUDA toolkit)")
         san_log = log_dir / f"{spec.case_id}.memcheck.log"
         cmd = sanitizer_command(exe, str(san_log), kernel_filter="flash") + cmd
     out_path = log_dir / f"{spec.case_id}.out.log"

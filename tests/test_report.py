@@ -65,3 +65,13 @@ def test_build_specs_repeats_and_orders():
     assert specs[0].strategy == "stale" and specs[-1].strategy == "fresh"
     assert specs[1].case_id.endswith("-rep1")
     assert len({s.case_id for s in specs}) == 6
+
+
+def test_skipped_results_reload_from_json(tmp_path):
+    from repro.case import CaseResult
+    from repro.matrix import MatrixRun
+
+    spec = _spec(sm=SmConfig("mps", 16))
+    report.write_json(MatrixRun([(spec, CaseResult.skipped(spec, "no MPS"))], 1.0, None), tmp_path / "r.json")
+    ((s, r),) = report.load_json(tmp_path / "r.json").results
+    assert s == spec and r.verdict == "skip" and r.reason == "no MPS"
