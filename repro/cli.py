@@ -30,6 +30,24 @@ def _ints(text: str) -> tuple[int, ...]:
         raise ConfigError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _items(text: str) -> tuple[str, ...]:
+    return tuple(x for x in text.split(",") if x)
+
+
+def _backends(text: str) -> tuple[str, ...]:
+    from repro.backends import BACKENDS
+
+    names = _items(text)
+    for b in names:
+        if b not in BACKENDS:
+            raise ConfigError(f"unknown backend {b!r}; choose from {', '.join(BACKENDS)}")
+    return names
+
+
+def _poison(a: argparse.Namespace) -> str | None:
+    return None if a.poison in (None, "none") else a.poison
+
+
 def _add_cfg(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("attention shape")
     d = AttnConfig()
@@ -133,11 +151,8 @@ def _gpu_present() -> bool:
 def cmd_model_matrix(a: argparse.Namespace, reason: str) -> int:
     from repro.fa3_model import predict
 
-    poison = None if a.poison in (None, "none") else a.poison
-    backends = tuple(x for x in a.backends.split(",") if x)
-    for b in backends:
-        if b not in ("upstream", "vllm"):
-            raise ConfigError(f"unknown backend {b!r}; choose from upstream, vllm")
+    poison = _poison(a)
+    backends = _backends(a.backends)
     sms = _ints(a.model_sms)
     if not sms or min(sms) <= 0 or max(sms) > predict.H200_SMS:
         raise ConfigError(f"model SM counts must be in 1..{predict.H200_SMS}")
@@ -188,25 +203,19 @@ def cmd_matrix(a: argparse.Namespace) -> int:
             a, "No GPU here: these are the CPU model's predictions for an H200 (use --gpu-only to refuse)."
         )
 
-    def items(text: str) -> tuple[str, ...]:
-        return tuple(x for x in text.split(",") if x)
-
     opts = MatrixOptions(
-        backends=items(a.backends),
-        strategies=items(a.strategies),
-        sms=items(a.sms),
-        modes=items(a.modes),
+        backends=_backends(a.backends),
+        strategies=_items(a.strategies),
+        sms=_items(a.sms),
+        modes=_items(a.modes),
         splits=_ints(a.splits),
-        poison=None if a.poison in (None, "none") else a.poison,
+        poison=_poison(a),
         sanitizer=a.sanitizer,
         timeout_s=a.timeout,
         repeat=a.repeat,
         scenario=a.scenario,
         cfg=_cfg(a, 32),
     )
-    for b in opts.backends:
-        if b not in ("upstream", "vllm"):
-            raise ConfigError(f"unknown backend {b!r}; choose from upstream, vllm")
     for s in opts.strategies:
         if s not in STRATEGIES:
             raise ConfigError(f"unknown strategy {s!r}")
