@@ -197,15 +197,8 @@ class SpecDecodeRunner:
         if max(len(p) for p in prompts) + max_new + q >= self.acfg.max_model_len:
             raise ConfigError("prompt + max_new exceeds max_model_len")
         t0 = time.perf_counter()
-        # prompt prefill (eager, variable lengths)
+        h, first, last, pd = self._prefill(prompts)
         lens = [len(p) for p in prompts]
-        pd = BatchDescriptor.varlen(lens)
-        self._load([t for p in prompts for t in p], [list(range(n)) for n in lens])
-        with torch.inference_mode():
-            md = self.builder.build_runtime(pd, lens)
-            h, logits = self._target_fwd(md)
-        last = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(r)], device=self.device)
-        first = logits[last].argmax(-1).tolist()
         seqs = [list(p) + [t] for p, t in zip(prompts, first)]
         # the draft's first proposals: its prefill over the prompts (EAGLE: token p+1 with hidden p)
         self._load([t for s in seqs for t in s[1:]], [list(range(n)) for n in lens])
@@ -259,18 +252,24 @@ class SpecDecodeRunner:
                 drafts[i].append(t)
         return drafts
 
+    def _prefill(self, prompts: list[list[int]]):
+        """The target's eager prompt prefill (variable lengths): hidden states, each request's first token, the
+        rows of the prompts' last positions, and the batch descriptor."""
+        lens = [len(p) for p in prompts]
+        pd = BatchDescriptor.varlen(lens)
+        self._load([t for p in prompts for t in p], [list(range(n)) for n in lens])
+        with torch.inference_mode():
+            h, logits = self._target_fwd(self.builder.build_runtime(pd, lens))
+        last = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(prompts))], device=self.device)
+        return h, logits[last].argmax(-1).tolist(), last, pd
+
     def greedy_reference(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
         """Plain greedy decoding with the target alone, eager: what speculative decoding must reproduce."""
         r = len(prompts)
         lens = [len(p) for p in prompts]
-        seqs = [list(p) for p in prompts]
-        pd = BatchDescriptor.varlen(lens)
-        self._load([t for p in prompts for t in p], [list(range(n)) for n in lens])
+        _, first, _, _ = self._prefill(prompts)
+        seqs = [list(p) + [t] for p, t in zip(prompts, first)]
         with torch.inference_mode():
-            _, logits = self._target_fwd(self.builder.build_runtime(pd, lens))
-            last = [sum(lens[: i + 1]) - 1 for i in range(r)]
-            for i, t in enumerate(logits[last].argmax(-1).tolist()):
-                seqs[i].append(t)
             dd = BatchDescriptor(r, r, 1)
             for _ in range(max_new - 1):
                 pos = [[len(s) - 1] for s in seqs]
