@@ -1,41 +1,69 @@
-"""End-to-end gate against an installed vLLM (marker vllm): V2 runner, EAGLE with 3 speculative tokens, FULL CUDA
-graphs, FLASH_ATTN (FA3), with the freshness auditor. Skipped with the reason when vllm or a GPU is missing."""
+"""The vLLM gate as pytest cases (markers gpu and vllm; ids contain stale_metadata): every vLLM build found (the
+installed vllm, REPRO_VLLM=LABEL=PREFIX,..., REPRO_VLLM_CONTROL=LABEL=PREFIX,...) x detection mode (REPRO_GATE_MODES,
+default audit,plain; see repro/vllm_integration/gate_run.py), each case in its own process under a timeout.
+
+A build under test must come back clean and produce the greedy tokens of its own reference run (no speculative
+decoding, no CUDA graphs, same SM configuration). A control (known bad) must be detected: a fault, a hang or wrong
+tokens, or in the audit mode the auditor's stale views; a control that comes back clean FAILS as HARNESS BLIND.
+
+    REPRO_VLLM_CONTROL=0.25.1=/opt/vllm-0.25.1 python -m pytest -m vllm cases/test_vllm_gate.py"""
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 
 from cases.gpu_env import gpu_skip_reason
-from repro.vllm_integration.gate import gate_env
+from repro.case import SKIP
+from repro.smcontrol import maybe_mps
+from repro.vllm_integration.builds import CONTROL, find_builds
+from repro.vllm_integration.gate_run import (
+    DEFAULT_MODES,
+    GateCase,
+    apply_reference,
+    meets,
+    parse_modes,
+    reference_for,
+    result_line,
+    run_attributed,
+    run_case,
+)
+
+LOG_DIR = Path(os.environ.get("REPRO_LOG_DIR", "results/latest/pytest-logs")) / "vllm-gate"
+BUILDS = find_builds()
+MODES = parse_modes(os.environ.get("REPRO_GATE_MODES", ",".join(DEFAULT_MODES)))
+PARAMS = [pytest.param(b, m, id=f"{b.label}-{b.role}-{m.label}") for b in BUILDS for m in MODES] or [
+    pytest.param(None, None, id="no-build")
+]
+_references: dict = {}  # (build, SM configuration) -> (reference result, its RESULT line)
 
 
 @pytest.mark.gpu
 @pytest.mark.vllm
-def test_stale_metadata_vllm_gate(tmp_path, record_property):
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vllm is not installed (pip install vllm); the gate runs vLLM's own V2 model runner")
+@pytest.mark.parametrize("build,mode", PARAMS)
+def test_stale_metadata_vllm_gate(build, mode, record_property):
+    if build is None:
+        pytest.skip("no vLLM build: pip install vllm, or set REPRO_VLLM / REPRO_VLLM_CONTROL to LABEL=PREFIX")
     reason = gpu_skip_reason()
     if reason:
         pytest.skip(reason)
-    audit = tmp_path / "audit.json"
-    env = gate_env(os.environ, str(audit))
-    r = subprocess.run(
-        [sys.executable, "-m", "repro.vllm_integration.gate", "--out", str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    record_property("returncode", r.returncode)
-    assert audit.exists(), f"the auditor plugin did not run (is this package installed?): {r.stderr[-2000:]}"
-    report = json.loads(audit.read_text())
-    record_property("audit", report["summary"])
-    assert report["checks"] > 0, "the auditor saw no forward: it cannot vouch for this build"
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert not report["mismatches"], report["summary"]
+    case = GateCase(build, mode)
+    with maybe_mps(mode.sm.kind == "mps") as mps:
+        ref_case = reference_for(case)
+        key = (build, mode.sm)
+        if key not in _references:
+            ref = run_case(ref_case, BUILDS, LOG_DIR, mps)
+            _references[key] = (ref, result_line(LOG_DIR, ref_case))
+        res, _ = run_attributed(case, BUILDS, LOG_DIR, mps)
+    ref, ref_out = _references[key]
+    apply_reference(res, result_line(LOG_DIR, case), ref, ref_out)
+    for k in ("verdict", "evidence", "kernel", "descriptor", "vllm_version", "wall_s"):
+        record_property(k, getattr(res, k))
+    if res.verdict == SKIP:
+        pytest.skip(res.reason)
+    if build.role == CONTROL:
+        assert meets(case, res), f"HARNESS BLIND: control vLLM {build.label} came back {res.verdict}: {res.reason}"
+    else:
+        assert meets(case, res), f"vLLM {build.label} ({mode.name}): {res.verdict}: {res.reason}"

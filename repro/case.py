@@ -137,6 +137,8 @@ class CaseResult:
     returncode: int | None = None
     backend_identity: dict | None = None
     gpu_uuid: str | None = None  # the GPU the case process ran on, read inside it
+    vllm_version: str | None = None  # the vLLM build under test (gate cases only)
+    evidence: str | None = None  # what the verdict rests on (fault, memcheck finding, audit, token comparison)
     spec: dict | None = None
     log_tail: str = ""
 

@@ -311,6 +311,52 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gate(a: argparse.Namespace) -> int:
+    """Exit 0: every build under test clean and every control caught; 1: a build under test is affected (or could not
+    be vouched for); 3: HARNESS BLIND (a control missed, or none ran); 2: bad input."""
+    from dataclasses import replace
+
+    from repro.environment import collect
+    from repro.vllm_integration import gate_report
+    from repro.vllm_integration.builds import CONTROL, UNDER_TEST, find_builds, parse_builds
+    from repro.vllm_integration.gate_run import parse_modes, run_gate
+
+    modes = parse_modes(a.modes)
+    if a.repeat < 1 or a.jobs < 1 or a.timeout <= 0:
+        raise ConfigError("--repeat and --jobs must be at least 1, --timeout positive")
+    builds = find_builds(include_installed=not a.no_installed)
+    builds += parse_builds(",".join(a.vllm), UNDER_TEST, "--vllm") + parse_builds(
+        ",".join(a.control), CONTROL, "--control"
+    )
+    if a.installed_label:
+        builds = [replace(b, label=a.installed_label) if b.prefix is None else b for b in builds]
+    if not builds:
+        raise ConfigError("no vLLM build to test: install vllm, or name builds with --vllm / --control LABEL=PREFIX")
+    if a.dry_run:
+        from repro.vllm_integration.gate_run import plan
+
+        for c in plan(builds, modes, a.repeat, a.timeout):
+            print(c.case_id)
+        return 0
+    out = Path(a.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: exists and is not a folder")
+
+    def progress(c, r) -> None:
+        print(f"[gate] {c.case_id}: {r.verdict} ({r.wall_s:.0f} s) {r.evidence or ''} {r.reason[:160]}", flush=True)
+
+    run = run_gate(builds, modes, Path(a.logs) if a.logs else out / "logs", a.repeat, a.jobs, a.timeout, progress)
+    written = gate_report.write(run, out, collect())
+    print(gate_report.markdown(run).split("\n| case |")[0])
+    print(f"written: {', '.join(str(p) for p in written)}")
+    if run.affected():
+        return 1
+    blind = run.blind()
+    if a.no_control:
+        blind = [b for b in blind if not b.startswith("no known-bad control")]
+    return 3 if blind else 0
+
+
 def cmd_redact(a: argparse.Namespace) -> int:
     from repro.redact import redact_tree
 
@@ -378,6 +424,32 @@ def build_parser() -> argparse.ArgumentParser:
     vc = sub.add_parser("vllm-check", help="source verdict and auditor hooks of vLLM checkouts or wheels (no import)")
     vc.add_argument("sources", nargs="+")
     vc.add_argument("--json")
+    gt = sub.add_parser("gate", help="is this vLLM build affected? real vLLM, every detection mode, one table")
+    gt.add_argument(
+        "--modes",
+        default="audit,plain",
+        help="audit, plain, mps:N, sm_margin:N, poison:FILL, memcheck[:async] (default audit,plain)",
+    )
+    gt.add_argument("--vllm", action="append", default=[], help="LABEL=PREFIX: a build under test (also REPRO_VLLM)")
+    gt.add_argument(
+        "--control",
+        action="append",
+        default=[],
+        help="LABEL=PREFIX: a known-bad build the gate must catch (also REPRO_VLLM_CONTROL)",
+    )
+    gt.add_argument("--no-installed", action="store_true", help="leave out the vllm this Python imports")
+    gt.add_argument("--installed-label", help="case-id label of the installed vllm (default: its version)")
+    gt.add_argument(
+        "--no-control", action="store_true", help="answer for the builds alone (bisect steps): no control needed"
+    )
+    gt.add_argument("--repeat", type=int, default=1, help="repetitions of every case (default 1)")
+    gt.add_argument("--jobs", type=int, default=3, help="cases at a time, MPS cases aside (default 3)")
+    gt.add_argument("--timeout", type=float, default=300.0, help="seconds per case process (default 300)")
+    gt.add_argument(
+        "--out", default="gate-results", help="folder for verdicts.md, results.json, logs/ (default ./gate-results)"
+    )
+    gt.add_argument("--logs", help="folder for each case's output and logs (default OUT/logs)")
+    gt.add_argument("--dry-run", action="store_true", help="list case ids only")
     rd = sub.add_parser("redact", help="replace machine paths in recorded results with <repo>/, <path>/ ...")
     rd.add_argument("paths", nargs="+")
     b = sub.add_parser("bench", help="benchmark numbers from a plain and a memcheck matrix run (results.json)")
@@ -401,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
             "bisect": cmd_bisect,
             "vllm-check": cmd_vllm_check,
             "redact": cmd_redact,
+            "gate": cmd_gate,
         }[a.cmd](a)
     except ConfigError as e:
         sys.stderr.write(f"repro: error: {e}\n")

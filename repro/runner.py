@@ -4,6 +4,7 @@ The verdict comes from the process: the worker's result line, the sanitizer log,
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -12,12 +13,13 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from repro.case import CLEAN, CRASH, ERROR, HANG, OOB, SKIP, STALE_AUDIT, WRONG, CaseResult, CaseSpec
 from repro.sanitizer import find_sanitizer, parse_log, sanitizer_command, sanitizer_env
 from repro.smcontrol import MpsDaemon, Unavailable
-from repro.worker import DEVICE_TAG, PASS_TAG, RESULT_TAG, SKIP_TAG
+from repro.tags import DEVICE_TAG, PASS_TAG, RESULT_TAG, SKIP_TAG
 
 EARLY_STOP_GRACE_S = 3.0
 _CRASH_MARKERS = (
@@ -168,7 +170,6 @@ def run_case(spec: CaseSpec, log_dir: str | Path, mps: MpsDaemon | None = None) 
     """Run one case in a fresh process under its timeout and classify it. Never raises for a faulting case."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
     try:
         env = worker_env(spec, mps)
     except Unavailable as e:
@@ -182,36 +183,60 @@ def run_case(spec: CaseSpec, log_dir: str | Path, mps: MpsDaemon | None = None) 
         san_log = log_dir / f"{spec.case_id}.memcheck.log"
         cmd = sanitizer_command(exe, str(san_log), kernel_filter="flash") + cmd
     out_path = log_dir / f"{spec.case_id}.out.log"
+    run = supervise(cmd, env, out_path, spec.timeout_s, san_log)
+    out = out_path.read_text(errors="replace")
+    log_text = san_log.read_text(errors="replace") if san_log and san_log.exists() else None
+    res = classify(spec, out, run.returncode, run.timed_out, log_text, run.wall_s)
+    if run.stopped_early:
+        res.reason += f" (stopped {EARLY_STOP_GRACE_S:g} s after the first memcheck finding)"
+    return res
+
+
+@dataclass
+class ProcessRun:
+    returncode: int | None
+    timed_out: bool
+    stopped_early: bool  # killed EARLY_STOP_GRACE_S after memcheck's first finding
+    wall_s: float
+
+
+def supervise(
+    cmd: list[str], env: dict[str, str], out_path: Path, timeout_s: float, san_log: Path | None = None
+) -> ProcessRun:
+    """Run one case process in a session of its own, stdout and stderr into out_path; kill the whole session at the
+    timeout, or a few seconds after memcheck's first finding (a stale case may never finish)."""
+    t0 = time.time()
     timed_out, stopped_early = False, False
     with open(out_path, "w") as out_file:
         proc = subprocess.Popen(
             cmd, stdout=out_file, stderr=subprocess.STDOUT, env=env, text=True, start_new_session=True
         )
         first_finding: float | None = None
-        while True:
-            try:
-                proc.wait(timeout=0.5)
+        try:
+            while True:
+                try:
+                    proc.wait(timeout=0.5)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                now = time.time()
+                if san_log is not None and first_finding is None and _has_finding(san_log):
+                    first_finding = now
+                if first_finding is not None and now - first_finding > EARLY_STOP_GRACE_S:
+                    stopped_early = True
+                elif now - t0 > timeout_s:
+                    timed_out = True
+                else:
+                    continue
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
                 break
-            except subprocess.TimeoutExpired:
-                pass
-            now = time.time()
-            if san_log is not None and first_finding is None and _has_finding(san_log):
-                first_finding = now
-            if first_finding is not None and now - first_finding > EARLY_STOP_GRACE_S:
-                stopped_early = True  # memcheck already named the fault; a stale case may never finish
-            elif now - t0 > spec.timeout_s:
-                timed_out = True
-            else:
-                continue
-            os.killpg(proc.pid, signal.SIGKILL)
+        except BaseException:  # Ctrl-C or an error in the parent: leave no orphan behind
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            break
-    out = out_path.read_text(errors="replace")
-    log_text = san_log.read_text(errors="replace") if san_log and san_log.exists() else None
-    res = classify(spec, out, proc.returncode, timed_out, log_text, time.time() - t0)
-    if stopped_early:
-        res.reason += f" (stopped {EARLY_STOP_GRACE_S:g} s after the first memcheck finding)"
-    return res
+            raise
+    return ProcessRun(proc.returncode, timed_out, stopped_early, time.time() - t0)
 
 
 def _has_finding(path: Path) -> bool:

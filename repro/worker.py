@@ -13,8 +13,8 @@ import time
 from repro.backends.base import BackendUnavailable
 from repro.case import CaseSpec
 from repro.smcontrol import Unavailable
+from repro.tags import DEVICE_TAG, PASS_TAG, RESULT_TAG, SKIP_TAG
 
-PASS_TAG, RESULT_TAG, SKIP_TAG, DEVICE_TAG = "REPRO_PASS", "REPRO_RESULT", "REPRO_SKIP", "REPRO_DEVICE"
 WRONG_TOL = 0.05
 
 

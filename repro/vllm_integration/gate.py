@@ -1,9 +1,16 @@
-"""End-to-end gate: vLLM's real V2 model runner with EAGLE speculative decoding and FULL CUDA graphs, one process
-per case, on a tiny local Llama (no hub: load_format dummy, skip_tokenizer_init, token-id prompts).
+"""One gate case process: vLLM's own V2 model runner on a tiny local Llama (no hub: dummy weights redrawn with margins
+by the plugin, no tokenizer, token-id prompts), bf16, FLASH_ATTN (FA3 on Hopper), engine in-process.
 
-`python -m repro.vllm_integration.gate --out DIR` is the case process. The auditor plugin (REPRO_AUDIT=1) reports
-stale metadata; the runner's verdict logic (crash markers, sanitizer logs, timeout) applies to its output.
-Not yet run on a GPU (see the issue notes): treat its verdicts as unverified until results/ holds a run."""
+  python -m repro.vllm_integration.gate --out DIR                 speculative run: EAGLE draft, 3 speculative tokens,
+                                                                  FULL_AND_PIECEWISE CUDA graphs, vLLM's default
+                                                                  capture sizes (the configuration under test)
+  python -m repro.vllm_integration.gate --out DIR --reference     the same prompts, greedy, no speculative decoding,
+                                                                  no CUDA graphs (enforce_eager): the gate's reference
+
+Prints `REPRO_DEVICE` (the GPU and the SM count this process sees) and `REPRO_RESULT` (tokens; with --reference the
+top-2 log-probability margin of every generated token) lines; the parent (repro.vllm_integration.gate_run) turns the
+process's output into a verdict. The plugin features (audit, sm_margin, poison, weights) come from the environment,
+loaded by vLLM through the entry point."""
 
 from __future__ import annotations
 
@@ -11,7 +18,10 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
+
+from repro.tags import DEVICE_TAG, RESULT_TAG
 
 TARGET = {
     "architectures": ["LlamaForCausalLM"],
@@ -33,6 +43,8 @@ TARGET = {
 }
 DRAFT = {**TARGET, "architectures": ["EagleLlamaForCausalLM"], "num_hidden_layers": 1}
 PROMPTS = [[11, 12, 13, 14, 15, 16, 17], [21, 22, 23], [31, 32, 33, 34, 35], [41, 42, 43, 44]]
+SPEC_TOKENS = 3
+MAX_NEW = 16
 
 
 def write_models(root: str | Path) -> tuple[Path, Path]:
@@ -46,56 +58,75 @@ def write_models(root: str | Path) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
-def gate_env(base: dict[str, str], audit_file: str) -> dict[str, str]:
-    env = dict(base)
-    env.update(
-        VLLM_USE_V2_MODEL_RUNNER="1",
-        REPRO_AUDIT="1",
-        REPRO_AUDIT_FILE=audit_file,
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        HF_HUB_OFFLINE="1",
-    )
-    return env
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m repro.vllm_integration.gate")
-    p.add_argument("--out", required=True)
-    p.add_argument("--spec-tokens", type=int, default=3)
-    p.add_argument("--max-new", type=int, default=16)
-    a = p.parse_args(argv)
-    target, draft = write_models(a.out)
-    from vllm import LLM, SamplingParams  # imported here: the parent never needs vllm
-
-    llm = LLM(
+def llm_kwargs(target: Path, draft: Path, reference: bool, spec_tokens: int, gpu_memory: float) -> dict:
+    """The LLM(...) arguments of a gate run. Reference: no speculative decoding, no CUDA graphs."""
+    kw = dict(
         model=str(target),
         load_format="dummy",
         skip_tokenizer_init=True,
         dtype="bfloat16",
         max_model_len=1024,
-        gpu_memory_utilization=0.3,
+        gpu_memory_utilization=gpu_memory,
         attention_backend="FLASH_ATTN",
-        compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"},
-        speculative_config={"method": "eagle", "model": str(draft), "num_speculative_tokens": a.spec_tokens},
+        seed=0,
     )
-    outs = llm.generate(
-        [{"prompt_token_ids": t} for t in PROMPTS],
-        SamplingParams(temperature=0.0, max_tokens=a.max_new, detokenize=False),
+    if reference:
+        kw["enforce_eager"] = True
+    else:
+        kw["compilation_config"] = {"cudagraph_mode": "FULL_AND_PIECEWISE"}
+        kw["speculative_config"] = {"method": "eagle", "model": str(draft), "num_speculative_tokens": spec_tokens}
+    return kw
+
+
+def top2_margin(logprobs: dict | None) -> float | None:
+    """log p(top-1) - log p(top-2) at one position, from vLLM's per-token logprobs dict (None when absent)."""
+    if not logprobs or len(logprobs) < 2:
+        return None
+    vals = sorted((lp.logprob if hasattr(lp, "logprob") else float(lp) for lp in logprobs.values()), reverse=True)
+    return round(vals[0] - vals[1], 5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m repro.vllm_integration.gate")
+    p.add_argument("--out", required=True)
+    p.add_argument("--reference", action="store_true")
+    p.add_argument("--spec-tokens", type=int, default=SPEC_TOKENS)
+    p.add_argument("--max-new", type=int, default=MAX_NEW)
+    p.add_argument("--gpu-memory", type=float, default=0.12)
+    a = p.parse_args(argv)
+    t0 = time.time()
+    import torch
+
+    if torch.cuda.is_available():
+        prop = torch.cuda.get_device_properties(0)
+        print(f"{DEVICE_TAG} " + json.dumps({"gpu": prop.name, "sms": prop.multi_processor_count}), flush=True)
+    import vllm
+    from vllm import LLM, SamplingParams  # imported here: the parent never needs vllm
+
+    t_import = time.time()
+    target, draft = write_models(a.out)
+    llm = LLM(**llm_kwargs(target, draft, a.reference, a.spec_tokens, a.gpu_memory))
+    t_engine = time.time()
+    params = SamplingParams(
+        temperature=0.0, max_tokens=a.max_new, detokenize=False, ignore_eos=True, logprobs=2 if a.reference else None
     )
+    outs = llm.generate([{"prompt_token_ids": t} for t in PROMPTS], params)
+    t_done = time.time()
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    print(
-        "REPRO_RESULT "
-        + json.dumps(
-            {
-                "passes": len(tokens),
-                "wrong": False,
-                "max_abs_err": 0.0,
-                "tokens": tokens,
-                "summary": f"{len(tokens)} requests decoded",
-            }
-        ),
-        flush=True,
-    )
+    margins = [[top2_margin(lp) for lp in (o.outputs[0].logprobs or [])] for o in outs] if a.reference else None
+    result = {
+        "vllm_version": vllm.__version__,
+        "reference": a.reference,
+        "tokens": tokens,
+        "margins": margins,
+        "timing_s": {
+            "import": round(t_import - t0, 1),
+            "engine": round(t_engine - t_import, 1),
+            "generate": round(t_done - t_engine, 1),
+        },
+        "summary": f"{len(tokens)} requests x {a.max_new} tokens decoded",
+    }
+    print(f"{RESULT_TAG} " + json.dumps(result), flush=True)
     return 0
 
 

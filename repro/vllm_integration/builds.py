@@ -1,0 +1,109 @@
+"""The vLLM builds a gate run tests, found without importing vLLM.
+
+- the installed `vllm` (whatever `import vllm` finds in this environment), under test;
+- REPRO_VLLM=LABEL=PREFIX[,LABEL=PREFIX...]: more builds under test, each a folder holding a `vllm` package (a
+  site-packages folder, an unpacked bundle, an overlay made by `repro.vllm_integration.bisect`);
+- REPRO_VLLM_CONTROL=LABEL=PREFIX[,...]: known-bad controls (e.g. 0.25.1), which the gate must catch.
+
+Builds under test must come back clean; a control that comes back clean makes the run HARNESS BLIND."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from repro.descriptors import ConfigError
+
+UNDER_TEST, CONTROL = "under-test", "control"
+BUILDS_ENV, CONTROL_ENV = "REPRO_VLLM", "REPRO_VLLM_CONTROL"
+_LABEL = re.compile(r"^[A-Za-z0-9._+-]+$")
+
+
+@dataclass(frozen=True)
+class VllmBuild:
+    label: str  # what the case id shows: the version, or the name given in the environment
+    prefix: str | None  # folder to put first on PYTHONPATH; None: the installed vllm
+    role: str = UNDER_TEST
+    version: str | None = None  # read from the build's own files
+
+    @property
+    def package_dir(self) -> Path | None:
+        if self.prefix is not None:
+            return Path(self.prefix) / "vllm"
+        spec = importlib.util.find_spec("vllm")
+        return Path(spec.origin).parent if spec and spec.origin else None
+
+    def to_dict(self) -> dict:
+        return {"label": self.label, "prefix": self.prefix, "role": self.role, "version": self.version}
+
+
+def read_version(prefix: str | Path) -> str | None:
+    """The version a prefix's vllm package declares: its dist-info, else vllm/_version.py."""
+    prefix = Path(prefix)
+    for dist in sorted(prefix.glob("vllm-*.dist-info")):
+        meta = dist / "METADATA"
+        if meta.exists():
+            m = re.search(r"^Version: (\S+)", meta.read_text(errors="replace"), re.M)
+            if m:
+                return m[1]
+    ver = prefix / "vllm" / "_version.py"
+    if ver.exists():
+        m = re.search(r"""(?:__version__|version)\s*(?::\s*str)?\s*=\s*['"]([^'"]+)['"]""", ver.read_text())
+        if m:
+            return m[1]
+    return None
+
+
+def parse_builds(text: str, role: str, variable: str) -> list[VllmBuild]:
+    """LABEL=PREFIX[,LABEL=PREFIX...]; every prefix must hold a vllm package."""
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        label, sep, prefix = item.partition("=")
+        if not sep or not label or not prefix:
+            raise ConfigError(f"{variable}: {item!r} is not LABEL=PREFIX (e.g. 0.25.1=/opt/vllm-0.25.1)")
+        if not _LABEL.match(label):
+            raise ConfigError(f"{variable}: label {label!r} may hold letters, digits and . _ + - only")
+        if not (Path(prefix) / "vllm" / "__init__.py").exists():
+            raise ConfigError(f"{variable}: {prefix} holds no vllm package ({prefix}/vllm/__init__.py missing)")
+        out.append(VllmBuild(label, str(Path(prefix).resolve()), role, read_version(prefix)))
+    return out
+
+
+def installed_build() -> VllmBuild | None:
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    try:
+        version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    return VllmBuild(version or "installed", None, UNDER_TEST, version)
+
+
+def find_builds(environ: dict[str, str] | None = None, include_installed: bool = True) -> list[VllmBuild]:
+    env = os.environ if environ is None else environ
+    named = parse_builds(env.get(BUILDS_ENV, ""), UNDER_TEST, BUILDS_ENV)
+    named += parse_builds(env.get(CONTROL_ENV, ""), CONTROL, CONTROL_ENV)
+    inst = installed_build() if include_installed else None
+    if inst is not None and str(inst.package_dir.parent.resolve()) in {b.prefix for b in named}:
+        inst = None  # the "installed" vllm is one of the named prefixes, already on PYTHONPATH
+    builds = ([inst] if inst else []) + named
+    labels = [(b.label, b.role) for b in builds]
+    dup = {x for x in labels if labels.count(x) > 1}
+    if dup:
+        raise ConfigError(f"two vLLM builds share the label {sorted(dup)[0][0]!r}: give them distinct labels")
+    return builds
+
+
+def build_pythonpath(build: VllmBuild, all_builds: list[VllmBuild], current: str | None) -> str:
+    """PYTHONPATH for a case of `build`: its prefix first, every other build's prefix removed (never two vLLMs)."""
+    others = {b.prefix for b in all_builds if b.prefix and b.prefix != build.prefix}
+    parts = [p for p in (current or "").split(os.pathsep) if p and str(Path(p).resolve()) not in others]
+    if build.prefix:
+        parts = [build.prefix] + [p for p in parts if str(Path(p).resolve()) != build.prefix]
+    return os.pathsep.join(parts)

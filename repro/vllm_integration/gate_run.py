@@ -1,0 +1,510 @@
+"""The vLLM gate: every vLLM build x detection mode as its own process (repro.vllm_integration.gate) under a timeout,
+classified by the same verdict code as the attention-layer cases (repro.runner.classify), then compared with the
+build's own reference run in the same SM configuration.
+
+Detection modes (`--modes`, each a case parameter):
+  audit            the freshness auditor, loaded by vLLM through the plugin's entry point, full GPU
+  plain            nothing added; a crash is rerun once with CUDA_LAUNCH_BLOCKING=1 to name the kernel
+  mps:N            an MPS daemon owned by the run gives the case N SMs (the process must report N)
+  sm_margin:N      the plugin passes sm_margin = SMs - N to vLLM's get_scheduler_metadata and FA3 forward
+  poison:FILL      the plugin fills the scheduler-metadata entries FA3 never writes (repro.poison names)
+  memcheck         compute-sanitizer memcheck, caching allocator (works with torch.compile); recorded, not gating
+  memcheck:async   the same with cudaMallocAsync (what the attention-layer cases use); recorded, not gating
+
+Builds under test must be `clean` in every mode and repetition; a control build (known bad) must be detected with
+kernel evidence (fault, hang, wrong tokens) in every gating mode, or by the audit in the audit mode, else the run is
+HARNESS BLIND."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from repro.case import CLEAN, CRASH, ERROR, HANG, OOB, SKIP, STALE_AUDIT, WRONG, CaseResult, SmConfig
+from repro.descriptors import ConfigError
+from repro.poison import parse_poison
+from repro.runner import _tagged, classify, device_sm_count, supervise
+from repro.sanitizer import find_sanitizer, sanitizer_command, sanitizer_env
+from repro.smcontrol import MpsDaemon, Unavailable
+from repro.tags import DEVICE_TAG, RESULT_TAG
+from repro.vllm_integration.builds import CONTROL, UNDER_TEST, VllmBuild, build_pythonpath
+from repro.vllm_integration.plugin import AUDIT_TAG, PLUGIN_TAG
+
+DEFAULT_MODES = ("audit", "plain")
+ALL_MODES = ("audit", "plain", "mps:16", "sm_margin:16", "poison:int-max", "memcheck")
+KERNEL_EVIDENCE = (CRASH, OOB, HANG, WRONG)  # what a gating control must show outside the audit mode
+TIE_MARGIN = 0.1  # nats: a reference token whose top-2 margin is below this is a tie, not a reference
+MIN_COVERAGE = 0.5  # a comparison that covers less than this share of the tokens cannot vouch for a build
+BASE_ENV = {
+    "VLLM_USE_V2_MODEL_RUNNER": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine in the case process: one process, one CUDA context
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",  # the V2 sampler probes FlashInfer otherwise
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "PYTHONUNBUFFERED": "1",
+    "REPRO_WEIGHTS": "margin",
+}
+
+
+@dataclass(frozen=True)
+class GateMode:
+    name: str
+    audit: bool = False
+    sm: SmConfig = field(default_factory=SmConfig)
+    poison: str | None = None
+    sanitizer: str | None = None  # None, "caching" or "async"
+
+    @property
+    def gating(self) -> bool:
+        """Memcheck is recorded, not gating: on real vLLM it misses the fault (see results/)."""
+        return self.sanitizer is None
+
+    @property
+    def label(self) -> str:
+        return self.name.replace("sm_margin:", "smmargin").replace(":", "-").replace("mps-", "mps")
+
+    @classmethod
+    def parse(cls, text: str) -> GateMode:
+        kind, _, arg = text.strip().partition(":")
+        if kind == "audit" and not arg:
+            return cls("audit", audit=True)
+        if kind == "plain" and not arg:
+            return cls("plain")
+        if kind in ("mps", "sm_margin"):
+            sm = SmConfig.parse(text.strip())
+            return cls(f"{kind}:{sm.sms}", sm=sm)
+        if kind == "poison" and arg:
+            p = parse_poison(arg)
+            if p is None:
+                raise ConfigError("poison:none is the plain mode")
+            return cls(f"poison:{p.name}", poison=p.name)
+        if kind == "memcheck" and arg in ("", "caching", "async"):
+            return cls("memcheck" + (":async" if arg == "async" else ""), sanitizer=arg or "caching")
+        raise ConfigError(
+            f"unknown gate mode {text!r}: use audit, plain, mps:N, sm_margin:N, poison:FILL, memcheck or memcheck:async"
+        )
+
+
+def parse_modes(text: str) -> tuple[GateMode, ...]:
+    modes = tuple(GateMode.parse(x) for x in text.split(",") if x.strip())
+    if not modes:
+        raise ConfigError("no gate modes given")
+    return modes
+
+
+@dataclass(frozen=True)
+class GateCase:
+    build: VllmBuild
+    mode: GateMode
+    reference: bool = False
+    rep: int = 0
+    launch_blocking: bool = False
+    timeout_s: float = 300.0
+
+    @property
+    def case_id(self) -> str:
+        what = f"reference-{self.mode.sm.label}" if self.reference else self.mode.label
+        parts = ["stale_metadata", "vllm", self.build.label, self.build.role, what]
+        if self.rep:
+            parts.append(f"rep{self.rep}")
+        if self.launch_blocking:
+            parts.append("launch-blocking")
+        return "-".join(parts)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def reference_for(case: GateCase) -> GateCase:
+    return GateCase(
+        case.build, GateMode(f"reference-{case.mode.sm.label}", sm=case.mode.sm), True, 0, False, case.timeout_s
+    )
+
+
+def case_env(
+    case: GateCase,
+    builds: list[VllmBuild],
+    audit_file: Path,
+    mps: MpsDaemon | None,
+    total_sms: Callable[[], int],
+    base: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment of one gate case process. Raises Unavailable when the machine cannot give the mode."""
+    env = dict(os.environ if base is None else base)
+    for k in ("REPRO_AUDIT", "REPRO_AUDIT_FILE", "REPRO_SM_MARGIN", "REPRO_POISON", "CUDA_LAUNCH_BLOCKING"):
+        env.pop(k, None)
+    env.update(BASE_ENV)
+    root = str(Path(__file__).resolve().parents[2])
+    path = build_pythonpath(case.build, builds, env.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (path, root) if p)
+    # torch.compile artifacts of concurrent cases must not share one folder; inductor's own cache locks itself
+    env["VLLM_CACHE_ROOT"] = str(audit_file.parent / f"{case.case_id}.vllm-cache")
+    mode = case.mode
+    if mode.audit and not case.reference:
+        env.update(REPRO_AUDIT="1", REPRO_AUDIT_FILE=str(audit_file))
+    if mode.poison and not case.reference:
+        env["REPRO_POISON"] = mode.poison
+    if mode.sm.kind == "sm_margin":
+        total = total_sms()
+        if mode.sm.sms > total:
+            raise ConfigError(f"sm_margin:{mode.sm.sms}: this GPU has {total} SMs")
+        env["REPRO_SM_MARGIN"] = str(total - mode.sm.sms)
+    elif mode.sm.kind == "mps":
+        if mps is None:
+            raise Unavailable("MPS case without an MPS daemon")
+        env.update(mps.client_env(mode.sm.sms, total_sms()))
+    elif mode.sm.kind != "full":
+        raise ConfigError(f"gate SM restriction {mode.sm.kind!r} is not supported (full, mps:N, sm_margin:N)")
+    if mode.sanitizer and not case.reference:
+        if mode.sanitizer == "async":
+            env = sanitizer_env(env)
+        else:  # torch's caching allocator: inductor's launcher fails under memcheck with cudaMallocAsync
+            env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    if case.launch_blocking:
+        env["CUDA_LAUNCH_BLOCKING"] = "1"
+    return env
+
+
+def run_case(
+    case: GateCase,
+    builds: list[VllmBuild],
+    log_dir: str | Path,
+    mps: MpsDaemon | None = None,
+    total_sms: Callable[[], int] = device_sm_count,
+) -> CaseResult:
+    """One gate case in its own process; never raises for a faulting case."""
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    audit_file = log_dir / f"{case.case_id}.audit.json"
+    try:
+        env = case_env(case, builds, audit_file, mps, total_sms)
+    except Unavailable as e:
+        return _skipped(case, str(e))
+    model_dir = log_dir / f"{case.case_id}.models"
+    cmd = [sys.executable, "-m", "repro.vllm_integration.gate", "--out", str(model_dir)]
+    if case.reference:
+        cmd.append("--reference")
+    san_log = None
+    if case.mode.sanitizer and not case.reference:
+        exe = find_sanitizer()
+        if not exe:
+            return _skipped(case, "compute-sanitizer not found (install the CUDA toolkit)")
+        san_log = log_dir / f"{case.case_id}.memcheck.log"
+        cmd = sanitizer_command(exe, str(san_log), kernel_filter="flash") + cmd
+    out_path = log_dir / f"{case.case_id}.out.log"
+    run = supervise(cmd, env, out_path, case.timeout_s, san_log)
+    out = out_path.read_text(errors="replace")
+    log_text = san_log.read_text(errors="replace") if san_log and san_log.exists() else None
+    res = classify(case, out, run.returncode, run.timed_out, log_text, run.wall_s)
+    annotate(res, case, out, audit_file if audit_file.exists() else None)
+    return res
+
+
+def run_attributed(
+    case: GateCase, builds: list[VllmBuild], log_dir: str | Path, mps: MpsDaemon | None = None
+) -> tuple[CaseResult, tuple[GateCase, CaseResult] | None]:
+    """run_case, and for a crash in the plain mode (first repetition) a rerun with CUDA_LAUNCH_BLOCKING=1 that names
+    the faulting kernel: (result, (rerun case, rerun result) or None)."""
+    res = run_case(case, builds, log_dir, mps)
+    if res.verdict != CRASH or case.mode.name != "plain" or case.rep or case.reference:
+        return res, None
+    rc = GateCase(case.build, case.mode, False, case.rep, True, case.timeout_s)
+    rerun = run_case(rc, builds, log_dir, mps)
+    res.kernel = rerun.kernel if rerun.verdict == CRASH else None
+    if res.kernel:
+        res.evidence = f"fault in the {res.kernel} kernel (named by a CUDA_LAUNCH_BLOCKING=1 rerun)"
+    return res, (rc, rerun)
+
+
+def _skipped(case: GateCase, reason: str) -> CaseResult:
+    return CaseResult(case.case_id, SKIP, reason, spec=json.loads(case.to_json()), vllm_version=case.build.version)
+
+
+def kernel_from_trace(output: str) -> str | None:
+    """With CUDA_LAUNCH_BLOCKING=1 the error surfaces at the launch that faulted: FA3's launch templates name it."""
+    if "flash_fwd_combine" in output or "combine_launch_template" in output:
+        return "combine"
+    if "flash_fwd_launch_template" in output or "flash_api" in output:
+        return "main"
+    return None
+
+
+def annotate(res: CaseResult, case: GateCase, output: str, audit_file: Path | None) -> None:
+    """Gate-specific evidence on top of the shared classification: plugin, MPS SM count, audit findings, kernel."""
+    results = _tagged(output, RESULT_TAG)
+    res.vllm_version = (results[-1].get("vllm_version") if results else None) or case.build.version
+    plugin = _tagged(output, PLUGIN_TAG)
+    errors = [p["error"] for p in plugin if "error" in p]
+    installed = {p["installed"] for p in plugin if "installed" in p}
+    needed = {"weights"} | ({"audit"} if case.mode.audit and not case.reference else set())
+    if (case.mode.sm.kind == "sm_margin") or (case.mode.poison and not case.reference):
+        needed.add("fa3")
+    if res.verdict == CRASH:
+        res.kernel = kernel_from_trace(output) if case.launch_blocking else None
+    audit = _audit_evidence(output, audit_file)
+    if audit["stale"]:
+        res.stale_fields = audit["fields"]
+        res.first_diffs = audit["first"]
+    evidence = []
+    if res.verdict in (CRASH, HANG, OOB):
+        evidence.append(
+            {CRASH: "fault", HANG: "hang", OOB: "memcheck"}[res.verdict]
+            + (f" in the {res.kernel} kernel" if res.kernel else "")
+        )
+    if case.mode.sanitizer and res.verdict not in (OOB, SKIP):
+        evidence.append("memcheck: no finding")
+    if case.mode.audit and not case.reference:
+        evidence.append(f"audit: {audit['stale']} stale fields in {audit['checks']} checks")
+    res.evidence = "; ".join(evidence) or None
+    missing = needed - installed
+    if res.verdict == SKIP:
+        return
+    if errors or (missing and (results or plugin)):
+        what = "; ".join(errors) or (
+            f"plugin features {sorted(missing)} not installed: vLLM did not load the repro plugin through its entry "
+            "point (python -m pip install -e <this project> in the environment that runs vLLM)"
+        )
+        res.verdict, res.reason = ERROR, f"{what} (case verdict would have been {res.verdict}: {res.reason})"
+        return
+    devices = _tagged(output, DEVICE_TAG)
+    if case.mode.sm.kind == "mps" and devices and devices[-1].get("sms") != case.mode.sm.sms:
+        res.verdict = ERROR
+        res.reason = f"MPS gave this process {devices[-1].get('sms')} SMs, the case asked for {case.mode.sm.sms}"
+        return
+    if res.verdict == CLEAN and audit["stale"]:
+        res.verdict = STALE_AUDIT
+        res.reason = f"no fault this run, but the auditor caught stale views: {audit['first'][0]}"
+        res.descriptor = audit["descriptor"]
+    elif audit["stale"] and res.verdict in (CRASH, HANG):
+        res.reason += f"; the auditor caught stale views before it: {audit['first'][0]}"
+        res.descriptor = res.descriptor or audit["descriptor"]
+
+
+def _audit_evidence(output: str, audit_file: Path | None) -> dict:
+    lines = _tagged(output, AUDIT_TAG)
+    stale = [x["stale"] for x in lines if "stale" in x and isinstance(x["stale"], dict)]
+    checks = 0
+    if audit_file is not None:
+        try:
+            report = json.loads(audit_file.read_text())
+            checks = int(report.get("checks", 0))
+            stale = report.get("mismatches", stale) or stale
+        except (OSError, ValueError):
+            pass
+    summaries = [x for x in lines if "checks" in x]
+    if summaries:
+        checks = max(checks, int(summaries[-1]["checks"]))
+    fields: dict[str, int] = {}
+    for m in stale:
+        key = f"{m['buffer']}.{m['field']}" if m["field"] != m["buffer"] else m["buffer"]
+        fields[key] = fields.get(key, 0) + 1
+    first = [
+        f"{m['descriptor']}: {m['buffer']}.{m['field']}[{m['index']}] is {m['now']}, the build wrote {m['built']}"
+        for m in stale[:3]
+    ]
+    return {
+        "stale": len(stale),
+        "checks": checks,
+        "fields": fields,
+        "first": first,
+        "descriptor": stale[0]["descriptor"] if stale else None,
+    }
+
+
+@dataclass
+class TokenCheck:
+    compared: int = 0  # positions compared (up to the first tie or difference of each request)
+    total: int = 0
+    ties: int = 0  # requests whose comparison stopped at a near-tied reference token
+    wrong: list[str] = field(default_factory=list)
+    worst_margin: float | None = None  # largest reference margin among the wrong tokens (nats)
+
+    @property
+    def coverage(self) -> float:
+        return self.compared / self.total if self.total else 0.0
+
+    def describe(self) -> str:
+        s = f"tokens: {self.compared} of {self.total} compared equal to the reference"
+        if self.ties:
+            s += f", {self.ties} request(s) stopped at a near tie (< {TIE_MARGIN} nats)"
+        if self.wrong:
+            s += f"; {len(self.wrong)} differ where the reference was decided: {self.wrong[0]}"
+        return s
+
+
+def compare_tokens(
+    tokens: list[list[int]], ref_tokens: list[list[int]], ref_margins: list[list[float | None]] | None
+) -> TokenCheck:
+    """Greedy tokens of the speculative, graph-captured run against the reference. A difference where the reference's
+    top-2 log-probability margin is below TIE_MARGIN is a tie (numerics may pick either): the request stops being
+    compared there. A difference where the reference was decided is wrong output; the margin is the measured error."""
+    c = TokenCheck(total=sum(len(r) for r in ref_tokens))
+    for i, (got, want) in enumerate(zip(tokens, ref_tokens)):
+        margins = ref_margins[i] if ref_margins and i < len(ref_margins) else []
+        for j, w in enumerate(want):
+            g = got[j] if j < len(got) else None
+            if g == w:
+                c.compared += 1
+                continue
+            m = margins[j] if j < len(margins) else None
+            if m is not None and m < TIE_MARGIN:
+                c.ties += 1
+            else:
+                c.wrong.append(f"request {i} token {j}: {g}, reference {w} (reference margin {m} nats)")
+                if m is not None:
+                    c.worst_margin = max(c.worst_margin or 0.0, m)
+            break
+    return c
+
+
+def apply_reference(res: CaseResult, out: dict | None, ref: CaseResult, ref_out: dict | None) -> None:
+    """Turn a finished speculative case into wrong-output, or refuse to vouch for it, from its reference.
+    out, ref_out: the RESULT lines of the two processes (result_line)."""
+    if res.verdict not in (CLEAN, STALE_AUDIT):
+        return
+    if ref.verdict != CLEAN or not ref_out or not out:
+        res.verdict = ERROR
+        res.reason = f"no reference to compare with ({ref.case_id}: {ref.verdict}: {ref.reason[:200]})"
+        return
+    chk = compare_tokens(out["tokens"], ref_out["tokens"], ref_out.get("margins"))
+    res.evidence = "; ".join(x for x in (res.evidence, chk.describe()) if x)
+    if chk.wrong:
+        res.verdict, res.max_abs_err = WRONG, chk.worst_margin
+        res.reason = f"greedy tokens differ from the reference where it was decided: {chk.wrong[0]}"
+    elif chk.coverage < MIN_COVERAGE and res.verdict == CLEAN:
+        res.verdict = ERROR
+        res.reason = f"the reference comparison covered {chk.compared} of {chk.total} tokens: too many near ties"
+
+
+def expected(case: GateCase) -> str:
+    if case.build.role == UNDER_TEST:
+        return "clean"
+    return "detected" if case.mode.gating else "recorded"
+
+
+def meets(case: GateCase, res: CaseResult) -> bool:
+    exp = expected(case)
+    if exp == "clean":
+        return res.verdict == CLEAN
+    if exp == "recorded":
+        return res.verdict not in (ERROR, SKIP)
+    return res.verdict in KERNEL_EVIDENCE or (case.mode.audit and res.verdict == STALE_AUDIT)
+
+
+@dataclass
+class GateRun:
+    cases: list[tuple[GateCase, CaseResult]] = field(default_factory=list)
+    references: list[tuple[GateCase, CaseResult]] = field(default_factory=list)
+    attributions: list[tuple[GateCase, CaseResult]] = field(default_factory=list)  # launch-blocking reruns
+    wall_s: float = 0.0
+    build_wall_s: dict[str, float] = field(default_factory=dict)
+
+    def affected(self) -> list[tuple[GateCase, CaseResult]]:
+        return [(c, r) for c, r in self.cases if c.build.role == UNDER_TEST and not meets(c, r)]
+
+    def blind(self) -> list[str]:
+        """Why the run cannot vouch for anything: controls missing or not detected."""
+        controls = [(c, r) for c, r in self.cases if c.build.role == CONTROL and c.mode.gating]
+        if not controls:
+            return ["no known-bad control build ran in a gating mode (set REPRO_VLLM_CONTROL=0.25.1=<prefix>)"]
+        out = []
+        for c, r in controls:
+            if not meets(c, r):
+                out.append(f"{c.case_id}: control came back {r.verdict} ({r.reason[:160]})")
+        return out
+
+    @property
+    def passed(self) -> bool:
+        return not self.affected() and not self.blind()
+
+
+def plan(builds: list[VllmBuild], modes: tuple[GateMode, ...], repeat: int, timeout_s: float) -> list[GateCase]:
+    if repeat < 1:
+        raise ConfigError("--repeat must be at least 1")
+    return [GateCase(b, m, rep=r, timeout_s=timeout_s) for b in builds for m in modes for r in range(repeat)]
+
+
+def run_gate(
+    builds: list[VllmBuild],
+    modes: tuple[GateMode, ...],
+    log_dir: str | Path,
+    repeat: int = 1,
+    jobs: int = 3,
+    timeout_s: float = 300.0,
+    progress: Callable[[GateCase, CaseResult], None] | None = None,
+) -> GateRun:
+    """Every case, references included; non-MPS cases `jobs` at a time, MPS cases one at a time under one daemon
+    owned by the run (a faulting MPS client can take the server's other clients down)."""
+    if not builds:
+        raise ConfigError("no vLLM build to test: install vllm, or set REPRO_VLLM / REPRO_VLLM_CONTROL")
+    cases = plan(builds, modes, repeat, timeout_s)
+    refs = list(dict.fromkeys(reference_for(c) for c in cases))
+    run = GateRun()
+    lock = threading.Lock()
+    starts: dict[str, list[float]] = {}
+    outputs: dict[str, dict | None] = {}
+    t0 = time.time()
+
+    def one(c: GateCase, mps: MpsDaemon | None) -> None:
+        t = time.time()
+        res, attribution = run_attributed(c, builds, log_dir, mps)
+        out = result_line(log_dir, c)
+        with lock:
+            outputs[c.case_id] = out
+            (run.references if c.reference else run.cases).append((c, res))
+            if attribution:
+                run.attributions.append(attribution)
+            span = starts.setdefault(c.build.label, [t, t])
+            span[0], span[1] = min(span[0], t), max(span[1], time.time())
+        if progress:
+            progress(c, res)
+
+    everything = refs + cases
+    serial = [c for c in everything if c.mode.sm.kind == "mps"]
+    parallel = [c for c in everything if c.mode.sm.kind != "mps"]
+
+    def serial_part() -> None:
+        if not serial:
+            return
+        try:
+            with MpsDaemon() as mps:
+                for c in serial:
+                    one(c, mps)
+        except Unavailable as e:
+            for c in serial:
+                res = _skipped(c, str(e))
+                with lock:
+                    (run.references if c.reference else run.cases).append((c, res))
+
+    mps_thread = threading.Thread(target=serial_part, daemon=True)
+    mps_thread.start()
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        list(pool.map(lambda c: one(c, None), parallel))
+    mps_thread.join()
+    ref_by_key = {(c.build, c.mode.sm): (c, r) for c, r in run.references}
+    for c, r in run.cases:
+        rc, rr = ref_by_key[(c.build, c.mode.sm)]
+        apply_reference(r, outputs.get(c.case_id), rr, outputs.get(rc.case_id))
+    order = {c.case_id: i for i, c in enumerate(cases)}
+    run.cases.sort(key=lambda cr: order[cr[0].case_id])
+    run.wall_s = round(time.time() - t0, 1)
+    run.build_wall_s = {k: round(v[1] - v[0], 1) for k, v in starts.items()}
+    return run
+
+
+def result_line(log_dir: str | Path, case: GateCase) -> dict | None:
+    """The RESULT line a finished case process printed (tokens, margins, version, timing), or None."""
+    try:
+        found = _tagged((Path(log_dir) / f"{case.case_id}.out.log").read_text(errors="replace"), RESULT_TAG)
+    except OSError:
+        return None
+    return found[-1] if found else None
