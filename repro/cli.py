@@ -312,14 +312,16 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
 
 
 def cmd_gate(a: argparse.Namespace) -> int:
-    """Exit 0: every build under test clean and every control caught; 1: a build under test is affected (or could not
-    be vouched for); 3: HARNESS BLIND (a control missed, or none ran); 2: bad input."""
+    """Exit 0: every build under test clean and every control caught; 1: a build under test is affected (a fault, a
+    hang, wrong tokens or stale views); 4: a build under test could not be vouched for (a case errored or skipped);
+    3: HARNESS BLIND (a control missed, or none ran); 2: bad input. A bisect step maps 0 and 1 through, the rest to
+    125 (untestable)."""
     from dataclasses import replace
 
     from repro.environment import collect
     from repro.vllm_integration import gate_report
     from repro.vllm_integration.builds import CONTROL, UNDER_TEST, find_builds, parse_builds
-    from repro.vllm_integration.gate_run import parse_modes, run_gate
+    from repro.vllm_integration.gate_run import EXIT, parse_modes, run_gate
 
     modes = parse_modes(a.modes)
     if a.repeat < 1 or a.jobs < 1 or a.timeout <= 0:
@@ -346,15 +348,10 @@ def cmd_gate(a: argparse.Namespace) -> int:
         print(f"[gate] {c.case_id}: {r.verdict} ({r.wall_s:.0f} s) {r.evidence or ''} {r.reason[:160]}", flush=True)
 
     run = run_gate(builds, modes, Path(a.logs) if a.logs else out / "logs", a.repeat, a.jobs, a.timeout, progress)
-    written = gate_report.write(run, out, collect())
-    print(gate_report.markdown(run).split("\n| case |")[0])
+    written = gate_report.write(run, out, collect(), need_control=not a.no_control)
+    print(gate_report.markdown(run, need_control=not a.no_control).split("\n| case |")[0])
     print(f"written: {', '.join(str(p) for p in written)}")
-    if run.affected():
-        return 1
-    blind = run.blind()
-    if a.no_control:
-        blind = [b for b in blind if not b.startswith("no known-bad control")]
-    return 3 if blind else 0
+    return EXIT[run.outcome(need_control=not a.no_control)]
 
 
 def cmd_redact(a: argparse.Namespace) -> int:

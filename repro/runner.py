@@ -121,7 +121,7 @@ def classify(
                 else ("main" if re.search(r"flash_fwd_launch|flash_fwd", output) else None)
             )
             line = next((ln for ln in output.splitlines() if crash in ln), crash)
-            res.reason = f"{line.strip()[:200]} (during {last})"
+            res.reason = line.strip()[:200] + (f" (during {last})" if last else "")
         else:
             res.verdict, res.reason = ERROR, f"exit status {returncode} without a result: {tail[-300:]}"
         return res

@@ -5,7 +5,8 @@ persistent buffers and runs forwards with it, and decodes greedy tokens with per
 
 Behaviours (`behaviour` argument): good (fresh metadata), stale-crash (the draft reuses an overwritten build, then an
 illegal memory access; with CUDA_LAUNCH_BLOCKING=1 the error names flash_fwd_combine), stale-quiet (reuses it, no
-fault), wrong (tokens of the speculative run differ from the reference at a decided position)."""
+fault), wrong (tokens of the speculative run differ from the reference at a decided position), broken (the
+speculative engine fails to start, no fault)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ class LLM:
         self.model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
         DummyModelLoader(None).load_weights(self.model, None)
         self.spec = "speculative_config" in kw
+        if BEHAVIOUR == "broken" and self.spec:
+            raise RuntimeError("Engine core initialization failed")
 
     def generate(self, prompts, params):
         from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl, FlashAttentionMetadataBuilder

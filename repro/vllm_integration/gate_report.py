@@ -8,7 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from repro.redact import redact
-from repro.vllm_integration.gate_run import GateRun, expected, meets
+from repro.vllm_integration.gate_run import NO_CONTROL, GateRun, expected, meets
 from repro.vllm_integration.source_check import check_tree
 
 RESULTS_KIND = "vllm-gate"
@@ -73,11 +73,11 @@ def build_summary(run: GateRun) -> list[dict]:
     return out
 
 
-def markdown(run: GateRun, env: dict | None = None) -> str:
+def markdown(run: GateRun, env: dict | None = None, need_control: bool = True) -> str:
     lines = ["# vLLM gate: is this vLLM build affected by the stale-metadata capture bug?", ""]
     if env:
         lines += ["| environment | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in env.items()] + [""]
-    verdict = "PASS" if run.passed else ("AFFECTED" if run.affected() else "HARNESS BLIND")
+    verdict = run.outcome(need_control)
     lines += [
         f"**Gate: {verdict}** ({len(run.cases)} cases, {len(run.references)} references, {run.wall_s:.0f} s wall)",
         "",
@@ -92,7 +92,8 @@ def markdown(run: GateRun, env: dict | None = None) -> str:
             f"{'ok' if s['ok'] else 'FAIL'} |"
         )
     for why in run.blind():
-        lines.append(f"\nHARNESS BLIND: {why}")
+        if need_control or not why.startswith(NO_CONTROL):
+            lines.append(f"\nHARNESS BLIND: {why}")
     lines += [
         "",
         "| case | verdict | evidence | kernel | descriptor | expected | | s |",
@@ -108,11 +109,12 @@ def markdown(run: GateRun, env: dict | None = None) -> str:
     return redact("\n".join(lines)) + "\n"
 
 
-def to_json(run: GateRun, env: dict | None = None) -> dict:
+def to_json(run: GateRun, env: dict | None = None, need_control: bool = True) -> dict:
     results = {c.case_id: r.to_dict() for pairs in (run.cases, run.references, run.attributions) for c, r in pairs}
     return {
         "kind": RESULTS_KIND,
         "environment": env or {},
+        "outcome": run.outcome(need_control),
         "passed": run.passed,
         "affected": [c.case_id for c, _ in run.affected()],
         "blind": run.blind(),
@@ -122,10 +124,10 @@ def to_json(run: GateRun, env: dict | None = None) -> dict:
     }
 
 
-def write(run: GateRun, out_dir: str | Path, env: dict | None = None) -> list[Path]:
+def write(run: GateRun, out_dir: str | Path, env: dict | None = None, need_control: bool = True) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     md, js = out / "verdicts.md", out / "results.json"
-    md.write_text(markdown(run, env))
-    js.write_text(redact(json.dumps(to_json(run, env), indent=1, default=str)) + "\n")
+    md.write_text(markdown(run, env, need_control))
+    js.write_text(redact(json.dumps(to_json(run, env, need_control), indent=1, default=str)) + "\n")
     return [md, js]

@@ -41,7 +41,10 @@ DEFAULT_MODES = ("audit", "plain")
 ALL_MODES = ("audit", "plain", "mps:16", "sm_margin:16", "poison:int-max", "memcheck")
 KERNEL_EVIDENCE = (CRASH, OOB, HANG, WRONG)  # what a gating control must show outside the audit mode
 TIE_MARGIN = 0.1  # nats: a reference token whose top-2 margin is below this is a tie, not a reference
-MIN_COVERAGE = 0.5  # a comparison that covers less than this share of the tokens cannot vouch for a build
+MIN_COVERAGE = 0.5
+PASS, AFFECTED, BLIND, CANNOT_VOUCH = "PASS", "AFFECTED", "HARNESS BLIND", "CANNOT VOUCH"
+EXIT = {PASS: 0, AFFECTED: 1, BLIND: 3, CANNOT_VOUCH: 4}  # 2 is bad input; a bisect step maps 3 and 4 to 125
+NO_CONTROL = "no known-bad control build ran in a gating mode"  # a comparison that covers less than this share of the tokens cannot vouch for a build
 BASE_ENV = {
     "VLLM_USE_V2_MODEL_RUNNER": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine in the case process: one process, one CUDA context
@@ -122,6 +125,13 @@ class GateCase:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> GateCase:
+        """The inverse of to_json (results.json keeps it as each result's spec)."""
+        mode = dict(d["mode"])
+        mode["sm"] = SmConfig(**mode["sm"])
+        return cls(**{**d, "build": VllmBuild(**d["build"]), "mode": GateMode(**mode)})
 
 
 def reference_for(case: GateCase) -> GateCase:
@@ -415,7 +425,7 @@ class GateRun:
         """Why the run cannot vouch for anything: controls missing or not detected."""
         controls = [(c, r) for c, r in self.cases if c.build.role == CONTROL and c.mode.gating]
         if not controls:
-            return ["no known-bad control build ran in a gating mode (set REPRO_VLLM_CONTROL=0.25.1=<prefix>)"]
+            return [NO_CONTROL + " (set REPRO_VLLM_CONTROL=0.25.1=<prefix>)"]
         out = []
         for c, r in controls:
             if not meets(c, r):
@@ -425,6 +435,17 @@ class GateRun:
     @property
     def passed(self) -> bool:
         return not self.affected() and not self.blind()
+
+    def outcome(self, need_control: bool = True) -> str:
+        """AFFECTED (a build under test showed the bug), CANNOT VOUCH (one of its cases errored or skipped),
+        HARNESS BLIND (a control missed, or none ran while one is needed) or PASS; EXIT maps them to exit codes."""
+        affected = self.affected()
+        if any(r.verdict not in (ERROR, SKIP) for _, r in affected):
+            return AFFECTED
+        if affected:
+            return CANNOT_VOUCH
+        blind = [b for b in self.blind() if need_control or not b.startswith(NO_CONTROL)]
+        return BLIND if blind else PASS
 
 
 def plan(builds: list[VllmBuild], modes: tuple[GateMode, ...], repeat: int, timeout_s: float) -> list[GateCase]:
