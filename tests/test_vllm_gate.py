@@ -175,3 +175,23 @@ def test_gate_case_ids_name_build_role_mode():
     c = GateCase(b, GateMode.parse("mps:16"), rep=2)
     assert c.case_id == "stale_metadata-vllm-0.25.1-control-mps16-rep2"
     assert json.loads(c.to_json())["mode"]["sm"] == {"kind": "mps", "sms": 16, "mig_uuid": None}
+
+
+def test_fresh_prefill_capture_rewrites_the_two_spots_once(tmp_path):
+    from repro.vllm_integration.bisect import SPECULATOR, fresh_prefill_capture, main
+
+    tree = tmp_path / "tree"
+    spec = tree / SPECULATOR
+    spec.parent.mkdir(parents=True)
+    spec.write_text(
+        "class S:\n    def init(self):\n        self.prefill_cudagraph_manager = PrefillSpeculatorCudaGraphManager(\n"
+        "            cfg)\n\n    def capture(self, attn_states):\n        self.prefill_cudagraph_manager.capture(\n"
+        "            self._prefill,\n            attn_states,\n            progress_bar_desc='p',\n        )\n"
+    )
+    (tree / "vllm" / "ext.so").write_text("binary")
+    out = fresh_prefill_capture(tree, tmp_path / "fixed")
+    text = (out / SPECULATOR).read_text()
+    assert "DecodeSpeculatorCudaGraphManager(" in text and "attn_states," not in text
+    assert "self._prefill, self.model_state, self.input_buffers" in text and not (out / "vllm" / "ext.so").exists()
+    compile(text, "speculator.py", "exec")
+    assert main(["fresh-prefill-capture", str(out), str(tmp_path / "again")]) == 2  # already fixed: no match

@@ -130,6 +130,17 @@ def test_source_check_good_bad_and_layouts(tmp_path, layout):
     assert good.verdict == GOOD and good.layout == layout
 
 
+def test_source_check_follows_the_call_sites(tmp_path):
+    """A capture that takes saved states is bad only while some call hands it saved states (a fix may leave it dead)."""
+    _tree(tmp_path, "autoregressive", MANAGER_BAD + MANAGER_GOOD)
+    speculator = tmp_path / "vllm/v1/worker/gpu/spec_decode/autoregressive/speculator.py"
+    speculator.write_text("def capture(self, attn_states):\n    self.prefill.capture(self._prefill, attn_states)\n")
+    assert check_tree(tmp_path).verdict == BAD
+    speculator.write_text("def capture(self):\n    self.prefill.capture(self._prefill, self.model_state)\n")
+    v = check_tree(tmp_path)
+    assert v.verdict == GOOD and any("never called with saved states" in e for e in v.evidence)
+
+
 def test_source_check_untestable(tmp_path):
     assert check_tree(tmp_path).verdict == UNTESTABLE  # no vllm/
     _tree(tmp_path / "old", "autoregressive", None)

@@ -43,6 +43,44 @@ def build_overlay(checkout: str | Path, installed_pkg: str | Path, dest: str | P
     return out
 
 
+SPECULATOR = "vllm/v1/worker/gpu/spec_decode/autoregressive/speculator.py"
+# The smallest change at the spot the source check points at (0.24-0.25 layout): the draft-prefill graph manager
+# becomes the decode manager class, whose capture builds dummy inputs and metadata for every pass, and its capture
+# is handed what to build from instead of the target's saved attention states. Run on the H200: results/h200-vllm.
+FRESH_PREFILL_CAPTURE = (
+    (
+        r"self\.prefill_cudagraph_manager = PrefillSpeculatorCudaGraphManager\(",
+        "self.prefill_cudagraph_manager = DecodeSpeculatorCudaGraphManager(",
+    ),
+    (
+        r"self\.prefill_cudagraph_manager\.capture\(\s*self\._prefill,\s*attn_states,",
+        "self.prefill_cudagraph_manager.capture(self._prefill, self.model_state, self.input_buffers, "
+        "self.block_tables, self.attn_groups, self.kv_cache_config,",
+    ),
+)
+
+
+def fresh_prefill_capture(tree: str | Path, dest: str | Path) -> Path:
+    """Copy tree/vllm (Python only) to dest/vllm with FRESH_PREFILL_CAPTURE applied; each rewrite must match once.
+    Use dest as the checkout of an overlay (`step --repo dest --overlay <installed vllm>`)."""
+    import re
+
+    src, dest = Path(tree), Path(dest)
+    shutil.copytree(
+        src / "vllm", dest / "vllm", ignore=shutil.ignore_patterns("*.so", "__pycache__"), dirs_exist_ok=True
+    )
+    path = dest / SPECULATOR
+    if not path.exists():
+        raise FileNotFoundError(f"{tree}: no {SPECULATOR} (only the 0.24-0.25 layout is known)")
+    text = path.read_text()
+    for pattern, repl in FRESH_PREFILL_CAPTURE:
+        text, n = re.subn(pattern, repl, text)
+        if n != 1:
+            raise ValueError(f"{SPECULATOR}: {pattern!r} matched {n} times, expected once")
+    path.write_text(text)
+    return dest
+
+
 def step(repo: str, check: str, gate_cmd: list[str] | None = None, overlay: str | None = None) -> int:
     """One `git bisect run` step on the checkout's current commit."""
     if check == "source":
@@ -109,7 +147,19 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--check", choices=("source", "gate"), default="source")
     s.add_argument("--overlay", help="installed vllm package folder whose compiled extensions to reuse")
     s.add_argument("gate", nargs=argparse.REMAINDER)
+    f = sub.add_parser(
+        "fresh-prefill-capture", help="copy a tree's vllm/ with the one-call fix of the draft prefill capture"
+    )
+    f.add_argument("tree")
+    f.add_argument("dest")
     a = p.parse_args(argv)
+    if a.cmd == "fresh-prefill-capture":
+        try:
+            print(fresh_prefill_capture(a.tree, a.dest))
+        except (FileNotFoundError, ValueError) as e:
+            print(f"[repro bisect] {e}", file=sys.stderr)
+            return 2
+        return 0
     gate = [x for x in a.gate if x != "--"] or None
     return step(a.repo, a.check, gate, a.overlay)
 
