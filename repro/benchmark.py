@@ -42,7 +42,14 @@ def sanitizer_overhead(plain: MatrixRun, sanitized: MatrixRun) -> dict:
 
 
 def benchmark_markdown(plain_path: str | Path, sanitized_path: str | Path) -> str:
+    from repro.descriptors import ConfigError
+
     plain, san = load_json(plain_path), load_json(sanitized_path)
+    for path, run in ((plain_path, plain), (sanitized_path, san)):
+        if not run.results:
+            raise ConfigError(f"{path}: holds no cases")
+        if run.source != "gpu":
+            raise ConfigError(f"{path}: holds CPU-model predictions; the benchmark needs GPU runs")
     a, b, o = summarize(plain), summarize(san), sanitizer_overhead(plain, san)
     lines = [
         "# Benchmark: the default matrix",

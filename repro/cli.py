@@ -14,7 +14,12 @@ from repro.descriptors import AttnConfig, ConfigError
 from repro.redact import redact
 from repro.scenarios import SCENARIOS, STRATEGIES, V2
 
+DEFAULT_POISON = "int-max"
+DEFAULT_SMS = "sm_margin:16,mps:16,full"
+DEFAULT_MODES = "eager,graph"
+
 EXIT_BAD_INPUT = 2
+EXIT_NOT_RUN = 4  # the case could not run on this machine (no GPU, no MPS...): neither clean nor affected
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,20 +56,29 @@ def _poison(a: argparse.Namespace) -> str | None:
 def _add_cfg(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("attention shape")
     d = AttnConfig()
-    g.add_argument("--q-heads", type=int, default=d.num_heads_q)
-    g.add_argument("--kv-heads", type=int, default=d.num_heads_kv)
-    g.add_argument("--head-dim", type=int, default=d.head_dim)
-    g.add_argument("--page-size", type=int, default=d.page_size)
-    g.add_argument("--max-model-len", type=int, default=d.max_model_len)
-    g.add_argument("--spec-tokens", type=int, default=d.num_speculative_tokens)
-    g.add_argument("--capture-sizes", default=",".join(map(str, d.capture_sizes)))
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    g.add_argument("--window", type=int, default=-1, help="sliding window (left); -1 = none")
-    g.add_argument("--non-causal", action="store_true")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds per case process")
-    p.add_argument("--poison", default=None, help="none, zero, minus-one, int-max, int-min, splits-33 or an int32")
-    p.add_argument("--sanitizer", action="store_true", help="run under compute-sanitizer memcheck")
-    p.add_argument("--out", default="results/latest", help="folder for logs and reports")
+    g.add_argument("--q-heads", type=int, default=d.num_heads_q, help="query heads (default %(default)s)")
+    g.add_argument("--kv-heads", type=int, default=d.num_heads_kv, help="key/value heads (default %(default)s)")
+    g.add_argument("--head-dim", type=int, default=d.head_dim, help="head dimension (default %(default)s)")
+    g.add_argument("--page-size", type=int, default=d.page_size, help="KV cache page size (default %(default)s)")
+    g.add_argument("--max-model-len", type=int, default=d.max_model_len, help="(default %(default)s)")
+    g.add_argument("--spec-tokens", type=int, default=d.num_speculative_tokens, help="(default %(default)s)")
+    g.add_argument(
+        "--capture-sizes",
+        default=",".join(map(str, d.capture_sizes)),
+        help="CUDA-graph capture sizes (default %(default)s)",
+    )
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="(default %(default)s)")
+    g.add_argument("--window", type=int, default=-1, help="sliding window (left); -1 = none (default)")
+    g.add_argument("--non-causal", action="store_true", help="non-causal attention (default: causal)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per case process (default %(default)s)")
+    p.add_argument(
+        "--poison",
+        default=DEFAULT_POISON,
+        help="fill of the entries FA3 never writes: none, zero, minus-one, int-max, int-min, splits-33 or an int32 "
+        "(default %(default)s: the fill that made stale faults repeatable on the H200)",
+    )
+    p.add_argument("--sanitizer", action="store_true", help="run under compute-sanitizer memcheck (default off)")
+    p.add_argument("--out", help="folder for logs and reports (default: a new folder under the system temp folder)")
 
 
 def _cfg(a: argparse.Namespace, splits: int) -> AttnConfig:
@@ -88,12 +102,54 @@ def _check_paths(backend_path: str | None) -> None:
         raise ConfigError(f"{backend_path}: no such file or folder")
 
 
+def _out_dir(path: str | None, kind: str) -> Path:
+    """The folder a command writes into: the one asked for (created), or a new one under the temp folder."""
+    import tempfile
+
+    if path is None:
+        return Path(tempfile.mkdtemp(prefix=f"repro-{kind}-"))
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {path}: exists and is not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out {path}: cannot create it ({e.strerror or e})") from None
+    return out
+
+
+def _check_out_file(path: str | None, flag: str = "--json") -> None:
+    """Fail before any work when a report file cannot be written; leaves nothing behind."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{flag} {path}: is a folder; give a file name")
+    existed = p.exists()
+    try:
+        with open(p, "a"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot write it ({e.strerror or e})") from None
+    if not existed:
+        p.unlink()
+
+
+def _poison_arg(text: str | None) -> str | None:
+    """`none` and no poison mean the same case (no suffix in its id)."""
+    from repro.poison import parse_poison
+
+    p = parse_poison(text)
+    return p.name if p else None
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     from repro.descriptors import descriptor_from_label
     from repro.runner import run_case
     from repro.smcontrol import Unavailable, maybe_mps
 
     _check_paths(a.backend_path)
+    _check_out_file(a.json)
     sm = SmConfig.parse(a.sm)
     cfg = _cfg(a, a.num_splits)
     pair = (a.built_for, a.launched) if a.scenario == "pair" else None
@@ -113,18 +169,27 @@ def cmd_run(a: argparse.Namespace) -> int:
         a.scenario,
         sm,
         cfg,
-        a.poison,
+        _poison_arg(a.poison),
         a.sanitizer,
         pair,
         a.backend_path,
         a.timeout,
     )
+    if not _gpu_present():
+        print(
+            f"skip: no CUDA GPU here, {spec.case_id} cannot run. For the CPU model's prediction of such cases: "
+            "python -m repro matrix --model",
+            file=sys.stderr,
+        )
+        return EXIT_NOT_RUN
+    out = _out_dir(a.out, "run")
     try:
         with maybe_mps(sm.kind == "mps") as mps:
-            res = run_case(spec, a.out, mps)
+            res = run_case(spec, out, mps)
     except Unavailable as e:
-        print(f"skip: {e}")
-        return 0
+        print(f"skip: {e}", file=sys.stderr)
+        return EXIT_NOT_RUN
+    print(f"logs: {out}")
     print(f"{res.verdict}: {res.case_id}\n  {res.reason}")
     if res.kernel:
         print(f"  kernel: {res.kernel}")
@@ -134,7 +199,9 @@ def cmd_run(a: argparse.Namespace) -> int:
         print(f"  {d}")
     if a.json:
         Path(a.json).write_text(json.dumps(res.to_dict(), indent=1) + "\n")
-    return 0 if res.verdict in ("clean", "skip") else 1
+    if res.verdict == "skip":
+        return EXIT_NOT_RUN
+    return 0 if res.verdict == "clean" else 1
 
 
 def _gpu_present() -> bool:
@@ -148,98 +215,132 @@ def _gpu_present() -> bool:
     return True
 
 
-def cmd_model_matrix(a: argparse.Namespace, reason: str) -> int:
-    from repro.fa3_model import predict
-
-    poison = _poison(a)
-    backends = _backends(a.backends)
-    sms = _ints(a.model_sms)
-    if not sms or min(sms) <= 0 or max(sms) > predict.H200_SMS:
-        raise ConfigError(f"model SM counts must be in 1..{predict.H200_SMS}")
-    cases, seconds = predict.predict_matrix(
-        backends=backends, sms=sms, splits=_ints(a.splits), poison=poison, cfg=_cfg(a, 32)
-    )
-    md = f"{reason}\n\n" + predict.markdown(cases, seconds, poison)
-    if a.out:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "predicted.md").write_text(redact(md))
-    if a.json:
-        Path(a.json).write_text(
-            json.dumps(
-                [{"case": c.case_id, "descriptor": c.descriptor, **c.prediction.to_dict()} for c in cases], indent=1
-            )
-            + "\n"
-        )
-    print(md)
-    return 0
-
-
 def cmd_agree(a: argparse.Namespace) -> int:
     from repro.fa3_model.agreement import compare, markdown
+    from repro.report import MODEL, load_json
 
     for p in a.results:
         _check_paths(p)
-    rows = compare(a.results)
-    md = markdown(rows, a.results)
+    _check_out_file(a.out, "--out")
+    runs = {p: load_json(p) for p in a.results}  # one line, exit 2, for anything that is not a results.json
+    measured = [p for p, run in runs.items() if run.source != MODEL]
+    for p in a.results:
+        if p not in measured:
+            print(f"note: {p} holds CPU-model predictions, not GPU verdicts: left out", file=sys.stderr)
+    if not measured:
+        raise ConfigError("no GPU run to compare with: give results.json files of GPU runs (e.g. results/h200-*/)")
+    rows = compare(measured)
+    md = markdown(rows, measured)
     if a.out:
         Path(a.out).write_text(redact(md))
     print(md)
     return 0 if all(r.verdict_agrees for r in rows) else 1
 
 
+def _model_specs(a: argparse.Namespace, opts, specs: list[CaseSpec]) -> list[CaseSpec]:
+    """The cases the CPU model predicts, or ConfigError naming the flag it cannot honour."""
+    from dataclasses import replace
+
+    from repro.fa3_model.predict import H200_SMS, model_sms
+    from repro.matrix import build_specs
+
+    if opts.scenario != V2:
+        raise ConfigError(f"the CPU model predicts --scenario {V2} only; run --scenario {opts.scenario} on a GPU")
+    if a.modes is not None and "graph" in opts.modes:
+        raise ConfigError("the CPU model predicts the eager warmups only: use --modes eager, or run graph on a GPU")
+    if opts.repeat > 1:
+        raise ConfigError("the CPU model is deterministic: --repeat needs a GPU")
+    if a.sms is None:  # the model's own SM list
+        sms = _ints(a.model_sms)
+        if not sms or min(sms) <= 0 or max(sms) > H200_SMS:
+            raise ConfigError(f"model SM counts must be in 1..{H200_SMS}")
+        labels = tuple("full" if n == H200_SMS else f"sm_margin:{n}" for n in sms)
+        specs = build_specs(replace(opts, sms=labels))
+    for s in specs:
+        model_sms(s)
+    return [s for s in specs if s.mode == "eager"]
+
+
 def cmd_matrix(a: argparse.Namespace) -> int:
     from repro import environment, report
-    from repro.matrix import MatrixOptions, build_specs, run_matrix, text_progress
+    from repro.matrix import MatrixOptions, MatrixRun, build_specs, run_matrix, text_progress
 
     if a.backend is not None and a.backend != "model":
         raise ConfigError(f"--backend takes only 'model' (use --backends for FA3 builds), got {a.backend!r}")
-    if a.model or a.backend == "model":
-        return cmd_model_matrix(a, "Backend: the CPU model.")
-    if not a.dry_run and not _gpu_present():
-        if a.gpu_only:
-            raise ConfigError("no CUDA GPU visible (--gpu-only)")
-        return cmd_model_matrix(
-            a, "No GPU here: these are the CPU model's predictions for an H200 (use --gpu-only to refuse)."
-        )
-
+    if a.repeat < 1:
+        raise ConfigError("--repeat must be at least 1")
+    if a.jobs < 1:
+        raise ConfigError("--jobs must be at least 1")
     opts = MatrixOptions(
         backends=_backends(a.backends),
         strategies=_items(a.strategies),
-        sms=_items(a.sms),
-        modes=_items(a.modes),
+        sms=_items(a.sms if a.sms is not None else DEFAULT_SMS),
+        modes=_items(a.modes if a.modes is not None else DEFAULT_MODES),
         splits=_ints(a.splits),
-        poison=_poison(a),
+        poison=_poison_arg(a.poison),
         sanitizer=a.sanitizer,
         timeout_s=a.timeout,
         repeat=a.repeat,
-        scenario=a.scenario,
+        scenario=a.scenario or V2,
         cfg=_cfg(a, 32),
     )
-    for s in opts.strategies:
-        if s not in STRATEGIES:
-            raise ConfigError(f"unknown strategy {s!r}")
-    specs = build_specs(opts)
+    for st in opts.strategies:
+        if st not in STRATEGIES:
+            raise ConfigError(f"unknown strategy {st!r}; choose from {', '.join(STRATEGIES)}")
+    specs = build_specs(opts)  # validates every axis, GPU or not
+    model = a.model or a.backend == "model"
+    if not model and not a.dry_run and not _gpu_present():
+        if a.gpu_only:
+            raise ConfigError("no CUDA GPU visible (--gpu-only)")
+        model = True
+        banner = "No GPU here: these are the CPU model's predictions for an H200 (use --gpu-only to refuse)."
+    else:
+        banner = "Backend: the CPU model."
+    if model:
+        specs = _model_specs(a, opts, specs)
     if a.dry_run:
         for s in specs:
             print(s.case_id)
         return 0
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    _check_out_file(a.json)
+    out = _out_dir(a.out, "matrix") if (a.out or not model) else None
     env = environment.collect()
-    run = run_matrix(specs, out / "logs", jobs=a.jobs, progress=None if a.quiet else text_progress)
-    md = report.markdown(run, env, title=a.title)
-    (out / "verdicts.md").write_text(md)
-    report.write_json(run, a.json or out / "results.json", env)
-    report.heatmap(run, out / "heatmap.png")
-    print(md)
+    if model:
+        import time
+
+        from repro.fa3_model.predict import predict_specs
+
+        t0 = time.time()
+        run = MatrixRun(predict_specs(specs), round(time.time() - t0, 2), None, source=report.MODEL)
+        title = f"{a.title} (predicted by the CPU model)"
+    else:
+        run = run_matrix(specs, out / "logs", jobs=a.jobs, progress=None if a.quiet else text_progress)
+        title = a.title
+    md = report.markdown(run, env, title=title)
+    if out is not None:
+        (out / "verdicts.md").write_text(md)
+        report.write_json(run, out / "results.json", env)
+        report.heatmap(run, out / "heatmap.png")
+    if a.json:
+        report.write_json(run, a.json, env)
+    print((banner + "\n\n" if model else "") + md)
+    if out is not None:
+        print(f"reports: {out}")
     blind = run.blind_controls()
-    if blind:
+    if blind and not model:
         print(
             f"HARNESS BLIND: {len(blind)} positive control(s) not detected in this environment: "
             + ", ".join(s.case_id for s, _ in blind[:5]),
             file=sys.stderr,
         )
+    if a.gate and not model:
+        why = report.gate_failures(run)
+        if why:
+            print(f"GATE FAILED: {why[0]}" + (f" (+{len(why) - 1} more)" if len(why) > 1 else ""), file=sys.stderr)
+            return 1
+    if a.gate and model:
+        print("GATE FAILED: no GPU, so no kernel evidence: the CPU model cannot pass a gate", file=sys.stderr)
+        return 1
     return 1 if run.failures() else 0
 
 
@@ -255,6 +356,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
     for path in (a.plain, a.memcheck):
         _check_paths(path)
+    _check_out_file(a.out, "--out")
     md = benchmark_markdown(a.plain, a.memcheck)
     if a.out:
         Path(a.out).write_text(redact(md))
@@ -266,6 +368,7 @@ def cmd_xdist(a: argparse.Namespace) -> int:
     from repro.xdist_report import check_junit, markdown
 
     _check_paths(a.junit)
+    _check_out_file(a.out, "--out")
     rep = check_junit(a.junit, a.workers)
     md = markdown(rep, a.junit)
     if a.out:
@@ -283,6 +386,14 @@ def cmd_bisect(a: argparse.Namespace) -> int:
         raise ConfigError(f"{a.vllm}: not a git checkout")
     if a.check == "gate" and not a.gate_cmd:
         raise ConfigError("--check gate needs a gate command after --")
+    for flag, rev in (("--good", a.good), ("--bad", a.bad)):
+        r = subprocess.run(
+            ["git", "-C", a.vllm, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+            capture_output=True,
+            text=True,
+        )
+        if r.returncode != 0:
+            raise ConfigError(f"{flag} {rev}: git knows no such commit in {a.vllm} (git rev-parse --verify failed)")
     if a.status:
         v = check_tree(a.vllm)
         print(f"{v.verdict}: {v.reason}" + (f" (layout {v.layout})" if v.layout else ""))
@@ -292,7 +403,7 @@ def cmd_bisect(a: argparse.Namespace) -> int:
     if first:
         print(f"first bad commit: {first}")
         return 0
-    print("bisect found no first bad commit (see the log above)", file=sys.stderr)
+    print("bisect found no first bad commit: git's log is printed above", file=sys.stderr)
     return 1
 
 
@@ -302,13 +413,16 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
     rows = []
     for path in a.sources:
         _check_paths(path)
+    _check_out_file(a.json)
+    for path in a.sources:
         c = check_source(path)
         rows.append(c.to_dict())
         print(f"{c.source}: {c.verdict} ({c.layout or '-'}): {c.reason}")
         print(f"  auditor hooks: {'ok' if c.plugin_ok else 'MISSING'}: {'; '.join(c.plugin_notes)}")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
-    return 0
+    verdicts = {r["verdict"] for r in rows}
+    return 1 if "bad" in verdicts else (125 if "untestable" in verdicts else 0)
 
 
 def cmd_gate(a: argparse.Namespace) -> int:
@@ -340,9 +454,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
         for c in plan(builds, modes, a.repeat, a.timeout):
             print(c.case_id)
         return 0
-    out = Path(a.out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out}: exists and is not a folder")
+    out = _out_dir(a.out, "gate")
 
     def progress(c, r) -> None:
         print(f"[gate] {c.case_id}: {r.verdict} ({r.wall_s:.0f} s) {r.evidence or ''} {r.reason[:160]}", flush=True)
@@ -381,26 +493,38 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", help="write the result here")
     _add_cfg(r)
     m = sub.add_parser("matrix", help="run the parametrized case set in parallel and write reports")
-    m.add_argument("--backends", default="upstream,vllm")
-    m.add_argument("--strategies", default="stale,fresh")
-    m.add_argument("--sms", default="sm_margin:16,mps:16,full")
-    m.add_argument("--modes", default="eager,graph")
-    m.add_argument("--splits", default="32,0")
-    m.add_argument("--repeat", type=int, default=1)
+    m.add_argument("--backends", default="upstream,vllm", help="FA3 builds: upstream, vllm (default %(default)s)")
+    m.add_argument("--strategies", default="stale,fresh", help="metadata strategies (default %(default)s)")
     m.add_argument(
-        "--scenario", choices=SCENARIOS, default=V2, help="attention layer (v2-capture) or models (spec-decode)"
+        "--sms", help=f"SM restrictions: full, sm_margin:N, mps:N, green:N, mig[:uuid] (default {DEFAULT_SMS})"
     )
-    m.add_argument("--jobs", type=int, default=6)
-    m.add_argument("--json", help="machine-readable result path (default OUT/results.json)")
-    m.add_argument("--title", default="Stale-metadata verdicts")
+    m.add_argument(
+        "--modes", help=f"eager (the draft's warmup), graph (captured and replayed) (default {DEFAULT_MODES})"
+    )
+    m.add_argument("--splits", default="32,0", help="FA3 num_splits values; 0 = FA3's heuristic (default %(default)s)")
+    m.add_argument("--repeat", type=int, default=1, help="runs of every case, at least 1 (default %(default)s)")
+    m.add_argument(
+        "--scenario", choices=SCENARIOS, help=f"attention layer ({V2}, default), pair, or spec-decode (models)"
+    )
+    m.add_argument("--jobs", type=int, default=6, help="cases at a time, MPS cases aside (default %(default)s)")
+    m.add_argument("--json", help="also write the machine-readable result here")
+    m.add_argument("--title", default="Stale-metadata verdicts", help="report title (default %(default)r)")
     m.add_argument("--dry-run", action="store_true", help="list case ids only")
-    m.add_argument("--quiet", action="store_true")
+    m.add_argument("--quiet", action="store_true", help="no progress lines")
     m.add_argument("--model", action="store_true", help="predict with the CPU model instead of running kernels")
     m.add_argument("--backend", help="'model': the same as --model")
-    m.add_argument("--model-sms", default="16,26,32,60,132", help="SM counts the model predicts for")
+    m.add_argument(
+        "--model-sms",
+        default="16,26,32,60,132",
+        help="SM counts the model predicts for without --sms (default %(default)s)",
+    )
     m.add_argument("--gpu-only", action="store_true", help="fail instead of predicting when no GPU is present")
+    m.add_argument(
+        "--gate",
+        action="store_true",
+        help="strict: fail unless every control ran and every positive control showed kernel evidence",
+    )
     _add_cfg(m)
-    m.set_defaults(poison="int-max")
     g = sub.add_parser("agree", help="the CPU model's verdicts against recorded GPU results (results.json ...)")
     g.add_argument("results", nargs="+")
     g.add_argument("--out", help="write the Markdown here")
@@ -418,7 +542,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bi.add_argument("--status", action="store_true", help="only check the current commit (exit 0/1/125)")
     bi.add_argument("gate_cmd", nargs=argparse.REMAINDER, help="-- command for --check gate")
-    vc = sub.add_parser("vllm-check", help="source verdict and auditor hooks of vLLM checkouts or wheels (no import)")
+    vc = sub.add_parser(
+        "vllm-check",
+        help="source verdict and auditor hooks of vLLM checkouts or wheels (no import); exit 0 good, 1 bad, 125 untestable",
+    )
     vc.add_argument("sources", nargs="+")
     vc.add_argument("--json")
     gt = sub.add_parser("gate", help="is this vLLM build affected? real vLLM, every detection mode, one table")

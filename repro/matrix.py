@@ -101,6 +101,7 @@ class MatrixRun:
     results: list[tuple[CaseSpec, CaseResult]]
     wall_s: float
     first_positive_s: float | None
+    source: str = "gpu"  # gpu: kernels ran; model: the CPU model predicted the verdicts
 
     def failures(self) -> list[tuple[CaseSpec, CaseResult]]:
         return [(s, r) for s, r in self.results if meets(expectation(s), r.verdict) is False]

@@ -11,6 +11,8 @@ from repro.matrix import MatrixRun, expectation, meets
 from repro.redact import redact
 
 MARK = {True: "ok", False: "FAIL", None: "skip"}
+GPU, MODEL = "gpu", "model"  # results.json "source": kernels ran, or the CPU model predicted
+SCHEMA = 2
 
 
 def _fields(r: CaseResult) -> str:
@@ -57,7 +59,8 @@ def markdown(run: MatrixRun, env: dict | None = None, title: str = "Verdicts") -
     lines.append(
         f"{len(run.results)} cases in {run.wall_s:.1f} s; "
         + ", ".join(f"{k}: {v}" for k, v in counts.items())
-        + f"; {len(fails)} unexpected; first positive control after {run.first_positive_s} s."
+        + f"; {len(fails)} unexpected"
+        + (f"; first positive control after {run.first_positive_s} s." if run.first_positive_s is not None else ".")
     )
     lines += [
         "",
@@ -85,6 +88,8 @@ def write_json(run: MatrixRun, path: str | Path, env: dict | None = None) -> Non
         if r.backend_identity:
             ids[r.backend_identity["name"]] = r.backend_identity
     doc = {
+        "schema": SCHEMA,
+        "source": run.source,
         "environment": env or {},
         "backends": ids,
         "wall_s": run.wall_s,
@@ -95,12 +100,41 @@ def write_json(run: MatrixRun, path: str | Path, env: dict | None = None) -> Non
 
 
 def load_json(path: str | Path) -> MatrixRun:
-    doc = json.loads(Path(path).read_text())
-    results = []
-    for c in doc["cases"]:
-        r = CaseResult(**c["result"])
-        results.append((CaseSpec.from_json(json.dumps(r.spec)), r))
-    return MatrixRun(results, doc["wall_s"], doc.get("first_positive_s"))
+    """A results.json written by `matrix` (GPU run or model prediction); ConfigError, one line, when it is not one."""
+    from repro.descriptors import ConfigError
+
+    try:
+        doc = json.loads(Path(path).read_text())
+        if not isinstance(doc, dict) or not isinstance(doc.get("cases"), list):
+            raise ValueError("no 'cases' list")
+        results = []
+        for c in doc["cases"]:
+            r = CaseResult(**c["result"])
+            results.append((CaseSpec.from_json(json.dumps(r.spec)), r))
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it ({e.strerror or e})") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path}: not a results.json written by python -m repro matrix ({e})") from None
+    return MatrixRun(results, doc.get("wall_s", 0.0), doc.get("first_positive_s"), doc.get("source", GPU))
+
+
+def gate_failures(run: MatrixRun) -> list[str]:
+    """Why a strict gate must fail: a control that skipped or errored, or a positive control without kernel evidence
+    (the capture audit alone does not count)."""
+    from repro.case import ERROR, SKIP, STALE_AUDIT
+
+    why = []
+    for s, r in run.results:
+        exp = expectation(s)
+        if r.verdict in (SKIP, ERROR):
+            why.append(f"{s.case_id}: {r.verdict}: {r.reason[:160]}")
+        elif exp != "clean" and (r.verdict == STALE_AUDIT or not meets(exp, r.verdict)):
+            why.append(f"{s.case_id}: positive control came back {r.verdict} (no kernel evidence)")
+        elif exp == "clean" and not meets(exp, r.verdict):
+            why.append(f"{s.case_id}: negative control came back {r.verdict}")
+    if not run.results:
+        why.append("no case ran")
+    return why
 
 
 def heatmap(run: MatrixRun, path: str | Path) -> bool:

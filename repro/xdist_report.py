@@ -32,7 +32,14 @@ class PinningReport:
 
 
 def check_junit(path: str | Path, expect_workers: int | None = None) -> PinningReport:
-    root = ET.parse(path).getroot()
+    from repro.descriptors import ConfigError
+
+    try:
+        root = ET.parse(path).getroot()
+    except ET.ParseError as e:
+        raise ConfigError(f"{path}: not a JUnit XML file ({e})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it ({e.strerror or e})") from None
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     rep = PinningReport(sum(float(s.get("time", 0)) for s in suites))
     workers: dict[str, set[str]] = defaultdict(set)

@@ -9,7 +9,7 @@ from repro.case import CRASH, ERROR, HANG, OOB, SKIP
 from repro.descriptors import AttnConfig
 from repro.fa3_model.predict import H200_SMS, predict_case
 from repro.layout import UPSTREAM, VLLM
-from repro.report import load_json
+from repro.report import MODEL, load_json
 
 
 @dataclass
@@ -40,6 +40,8 @@ def compare(paths: list[str | Path]) -> list[Agreement]:
     flavors = {"upstream": UPSTREAM, "vllm": VLLM}
     for path in paths:
         run = load_json(path)
+        if run.source == MODEL:  # predictions: nothing measured to compare with
+            continue
         for s, r in run.results:
             if s.mode != "eager" or s.scenario != "v2-capture" or s.sm.kind not in ("sm_margin", "mps", "full"):
                 continue

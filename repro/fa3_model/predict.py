@@ -135,3 +135,44 @@ def markdown(cases: list[ModelCase], seconds: float, poison: str | None) -> str:
             f"{c.descriptor or '-'} | {p.reason[:140]} |"
         )
     return "\n".join(lines) + "\n"
+
+
+MODEL_SM_KINDS = ("full", "sm_margin", "mps")
+
+
+def model_sms(spec) -> int:
+    """The SM count FA3 plans for in a case the model can predict (ConfigError for the others)."""
+    from repro.descriptors import ConfigError
+
+    if spec.sm.kind not in MODEL_SM_KINDS:
+        raise ConfigError(
+            f"the CPU model predicts {', '.join(MODEL_SM_KINDS)} SM configurations, not {spec.sm.kind!r}: "
+            "run that case on a GPU"
+        )
+    return spec.sm.sms or H200_SMS
+
+
+def predict_specs(specs) -> list:
+    """[(spec, CaseResult)] for eager v2-capture cases: the same result schema as a GPU run, verdicts predicted."""
+    import json
+
+    from repro.case import CaseResult
+
+    flavors = {"upstream": UPSTREAM, "vllm": VLLM}
+    out = []
+    for s in specs:
+        t0 = time.perf_counter()
+        pred, desc = predict_case(flavors[s.backend], s.strategy, model_sms(s), s.cfg, s.poison, s.sanitizer)
+        res = CaseResult(
+            s.case_id,
+            pred.verdict,
+            f"predicted: {pred.reason}",
+            kernel=pred.kernel,
+            descriptor=desc,
+            sms_planned=model_sms(s),
+            wall_s=round(time.perf_counter() - t0, 3),
+            spec=json.loads(s.to_json()),
+            evidence="CPU model",
+        )
+        out.append((s, res))
+    return out

@@ -120,7 +120,12 @@ def run_bisect(
         return subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True, check=check_rc)
 
     git("bisect", "reset", check_rc=False)
-    git("bisect", "start", bad, good)
+    started = git("bisect", "start", bad, good, check_rc=False)
+    if started.returncode != 0:
+        from repro.descriptors import ConfigError
+
+        git("bisect", "reset", check_rc=False)
+        raise ConfigError(f"git bisect start {bad} {good} failed: {started.stderr.strip().splitlines()[-1:]}")
     cmd = [sys.executable, "-m", "repro.vllm_integration.bisect", "step", "--repo", repo, "--check", check]
     if overlay:
         cmd += ["--overlay", overlay]
