@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 
 import pytest
 
 from cases.gpu_env import backend_skip_reason, gpu_skip_reason, sanitizer_skip_reason
+from repro import pytest_gate
 from repro.case import SKIP, CaseSpec, SmConfig
 from repro.descriptors import AttnConfig
 from repro.matrix import MEMORY_FAULTS, expectation, meets
 from repro.runner import run_case
 from repro.smcontrol import maybe_mps
 
-LOG_DIR = os.environ.get("REPRO_LOG_DIR", "results/latest/pytest-logs")
+LOG_DIR = os.environ.get("REPRO_LOG_DIR") or os.path.join(tempfile.gettempdir(), "repro-pytest-logs")
 BACKENDS = [pytest.param(b, id=b) for b in ("vllm", "upstream")]
 STRATEGIES = [pytest.param("stale", id="stale"), pytest.param("fresh", id="fresh")]
 SMS = [
@@ -61,6 +63,8 @@ def _run(spec: CaseSpec, record_property) -> None:
     if res.verdict == SKIP:
         pytest.skip(res.reason)
     ok = meets(exp, res.verdict)
+    if ok and exp != "clean" and pytest_gate.enabled() and res.verdict not in pytest_gate.KERNEL_EVIDENCE:
+        pytest.fail(f"GATE: positive control detected only by the harness's audit ({res.verdict}), no kernel evidence")
     if not ok and exp != "clean":
         pytest.fail(
             f"HARNESS BLIND in this environment: positive control expected "

@@ -11,6 +11,7 @@ tokens, or in the audit mode the auditor's stale views; a control that comes bac
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from repro.vllm_integration.gate_run import (
     DEFAULT_MODES,
     GateCase,
     apply_reference,
+    expected,
     meets,
     parse_modes,
     reference_for,
@@ -31,7 +33,7 @@ from repro.vllm_integration.gate_run import (
     run_case,
 )
 
-LOG_DIR = Path(os.environ.get("REPRO_LOG_DIR", "results/latest/pytest-logs")) / "vllm-gate"
+LOG_DIR = Path(os.environ.get("REPRO_LOG_DIR") or Path(tempfile.gettempdir()) / "repro-pytest-logs") / "vllm-gate"
 BUILDS = find_builds()
 MODES = parse_modes(os.environ.get("REPRO_GATE_MODES", ",".join(DEFAULT_MODES)))
 PARAMS = [pytest.param(b, m, id=f"{b.label}-{b.role}-{m.label}") for b in BUILDS for m in MODES] or [
@@ -61,6 +63,8 @@ def test_stale_metadata_vllm_gate(build, mode, record_property):
     apply_reference(res, result_line(LOG_DIR, case), ref, ref_out)
     for k in ("verdict", "evidence", "kernel", "descriptor", "vllm_version", "wall_s"):
         record_property(k, getattr(res, k))
+    record_property("role", build.role)
+    record_property("expected", expected(case))
     if res.verdict == SKIP:
         pytest.skip(res.reason)
     if build.role == CONTROL:

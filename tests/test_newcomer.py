@@ -107,3 +107,9 @@ def test_matrix_help_names_every_default():
 def test_vllm_check_exit_codes(tmp_path):
     r = _repro("vllm-check", str(tmp_path))
     assert r.returncode == 125 and "untestable" in r.stdout
+
+
+def test_matrix_gate_without_gpu_fails(tmp_path):
+    r = _repro("matrix", "--gate", "--model-sms", "16", cwd=tmp_path)
+    _no_traceback(r)
+    assert r.returncode == 1 and "GATE FAILED" in r.stderr
