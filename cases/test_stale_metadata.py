@@ -13,11 +13,12 @@ import pytest
 
 from cases.gpu_env import backend_skip_reason, gpu_skip_reason, sanitizer_skip_reason
 from repro import pytest_gate
-from repro.case import SKIP, CaseSpec, SmConfig
+from repro.case import CaseSpec, SmConfig
 from repro.descriptors import AttnConfig
-from repro.matrix import MEMORY_FAULTS, expectation, meets
+from repro.matrix import expectation
 from repro.runner import run_case
 from repro.smcontrol import maybe_mps
+from repro.verdicts import MEMORY_FAULTS, SKIP, satisfies
 
 LOG_DIR = os.environ.get("REPRO_LOG_DIR") or os.path.join(tempfile.gettempdir(), "repro-pytest-logs")
 BACKENDS = [pytest.param(b, id=b) for b in ("vllm", "upstream")]
@@ -62,7 +63,7 @@ def _run(spec: CaseSpec, record_property) -> None:
         record_property(k, v)
     if res.verdict == SKIP:
         pytest.skip(res.reason)
-    ok = meets(exp, res.verdict)
+    ok = satisfies(exp, res.verdict)
     if ok and exp != "clean" and pytest_gate.enabled() and res.verdict not in pytest_gate.KERNEL_EVIDENCE:
         pytest.fail(f"GATE: positive control detected only by the harness's audit ({res.verdict}), no kernel evidence")
     if not ok and exp != "clean":

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from cases.gpu_env import gpu_skip_reason
-from repro.case import SKIP
 from repro.smcontrol import maybe_mps
+from repro.verdicts import SKIP
 from repro.vllm_integration.builds import CONTROL, find_builds
 from repro.vllm_integration.gate_run import (
     DEFAULT_MODES,

@@ -7,14 +7,10 @@ from dataclasses import asdict, dataclass, field
 
 from repro.descriptors import AttnConfig, ConfigError
 from repro.scenarios import SCENARIOS, STRATEGIES, V2
+from repro.verdicts import FAULTS, SKIP  # the taxonomy lives in repro.verdicts
 
 MODES = ("eager", "graph")
 SM_KINDS = ("full", "sm_margin", "mps", "green", "mig")
-
-CLEAN, OOB, CRASH, HANG, WRONG, ERROR, SKIP = "clean", "oob", "crash", "hang", "wrong-output", "error", "skip"
-STALE_AUDIT = "stale-audit"  # ran clean, but a pass was given another batch's metadata (seen by the audit)
-VERDICTS = (CLEAN, OOB, CRASH, HANG, WRONG, STALE_AUDIT, ERROR, SKIP)
-FAULTS = (OOB, CRASH, HANG, WRONG, STALE_AUDIT)  # verdicts that mean "the bug is visible"
 
 
 @dataclass(frozen=True)

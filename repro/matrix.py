@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -9,15 +10,15 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from repro.case import CLEAN, CRASH, FAULTS, HANG, OOB, SKIP, CaseResult, CaseSpec, SmConfig
+from repro.case import CaseResult, CaseSpec, SmConfig
 from repro.descriptors import AttnConfig, ConfigError
 from repro.runner import run_case
 from repro.scenarios import FRESH, STALE, V2
 from repro.smcontrol import Unavailable, maybe_mps
+from repro.verdicts import OOB, SKIP, WRONG, satisfies
 
 DEFAULT_SMS = ("sm_margin:16", "mps:16", "full")
 DEFAULT_POISON = "int-max"
-MEMORY_FAULTS = (OOB, CRASH, HANG)
 
 
 @dataclass(frozen=True)
@@ -35,37 +36,43 @@ class MatrixOptions:
     cfg: AttnConfig = AttnConfig()
 
 
-MEASURED_SHAPE = AttnConfig()  # the shape the fault was measured with (results/h200-*)
+# Where the CPU model cannot decide: what was measured on the H200 (results/), by (scenario, SM kind, poisoned).
+MEASURED = {
+    ("spec-decode", "int-max"): "fault",  # results/h200-spec: stale crashed 4/4 in the draft prefill's warmup
+    ("spec-decode", None): "audit",  # results/h200-spec-nopoison: stale-audit 4/4, tokens equal
+    ("pair", "int-max"): "detected",  # results/h200-pytest-gpu: the pair case was caught
+    ("green", None): "detected",  # results/h200-green: stale wrong-output at 16 SMs
+}
+
+
+@functools.lru_cache(maxsize=4096)
+def _model_verdict(backend: str, strategy: str, sms: int, cfg: AttnConfig, poison: str | None, sanitizer: bool) -> str:
+    from repro.fa3_model.predict import predict_case
+    from repro.layout import UPSTREAM, VLLM
+
+    pred, _ = predict_case({"upstream": UPSTREAM, "vllm": VLLM}[backend], strategy, sms, cfg, poison, sanitizer)
+    return pred.verdict
 
 
 def expectation(spec: CaseSpec) -> str:
-    """`fault`: a positive control that must show a memory fault (vLLM's kernels and parameters, 16 SMs, poisoned
-    padding, the measured shape: faulted in every recorded run); `detected`: stale, so at least wrong output or the
-    capture audit; `clean`: fresh."""
+    """What a control must show (repro.verdicts.satisfies): `clean` for fresh metadata; for stale, from the CPU model
+    where it decides (eager and graph v2-capture cases at sm_margin, MPS or the whole GPU): a predicted out-of-bounds
+    read -> `fault` (eager) or `detected` (graph), predicted wrong output -> `detected`, predicted clean -> `audit`
+    (the kernels cannot show it; the audit may). Elsewhere from MEASURED, else `audit`: no claim the GPU did not
+    back. The model assumes never-written entries hold the poison value, or 0 without poison."""
     if spec.strategy == FRESH:
         return "clean"
-    if (
-        spec.cfg == MEASURED_SHAPE
-        and spec.scenario != "pair"
-        and spec.backend == "vllm"
-        and spec.poison == "int-max"
-        and spec.mode == "eager"
-        and spec.sm.kind in ("sm_margin", "mps", "mig")
-        and (spec.sm.sms or 16) <= 16
-    ):
-        return "fault"
-    return "detected"
+    if spec.scenario == V2 and spec.sm.kind in ("full", "sm_margin", "mps"):
+        from repro.fa3_model.predict import H200_SMS
 
-
-def meets(expect: str, verdict: str) -> bool | None:
-    """None when the case did not run (skip): neither pass nor fail."""
-    if verdict == SKIP:
-        return None
-    if expect == "clean":
-        return verdict == CLEAN
-    if expect == "fault":
-        return verdict in MEMORY_FAULTS
-    return verdict in FAULTS
+        verdict = _model_verdict(
+            spec.backend, spec.strategy, spec.sm.sms or H200_SMS, spec.cfg, spec.poison, spec.sanitizer
+        )
+        if verdict == OOB:
+            return "fault" if spec.mode == "eager" else "detected"
+        return "detected" if verdict == WRONG else "audit"
+    key = spec.scenario if spec.scenario != V2 else spec.sm.kind
+    return MEASURED.get((key, spec.poison), "audit")
 
 
 def build_specs(opts: MatrixOptions) -> list[CaseSpec]:
@@ -92,7 +99,7 @@ def build_specs(opts: MatrixOptions) -> list[CaseSpec]:
     if not specs:
         raise ConfigError("the matrix is empty: every axis needs at least one value")
     # Positive controls first: a blind harness shows up in the first minute.
-    specs.sort(key=lambda s: {"fault": 0, "detected": 1, "clean": 2}[expectation(s)])
+    specs.sort(key=lambda s: {"fault": 0, "detected": 1, "audit": 2, "clean": 3}[expectation(s)])
     return [replace(s, rep=k) for s in specs for k in range(opts.repeat)]
 
 
@@ -104,7 +111,7 @@ class MatrixRun:
     source: str = "gpu"  # gpu: kernels ran; model: the CPU model predicted the verdicts
 
     def failures(self) -> list[tuple[CaseSpec, CaseResult]]:
-        return [(s, r) for s, r in self.results if meets(expectation(s), r.verdict) is False]
+        return [(s, r) for s, r in self.results if satisfies(expectation(s), r.verdict) is False]
 
     def blind_controls(self) -> list[tuple[CaseSpec, CaseResult]]:
         return [(s, r) for s, r in self.failures() if expectation(s) != "clean"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from repro.case import CRASH, HANG, OOB, WRONG
+from repro.verdicts import CRASH, HANG, OOB, WRONG
 
 ENV = "REPRO_GATE"
 KERNEL_EVIDENCE = (OOB, CRASH, HANG, WRONG)

@@ -7,8 +7,9 @@ from collections import Counter
 from pathlib import Path
 
 from repro.case import CaseResult, CaseSpec
-from repro.matrix import MatrixRun, expectation, meets
+from repro.matrix import MatrixRun, expectation
 from repro.redact import redact
+from repro.verdicts import satisfies
 
 MARK = {True: "ok", False: "FAIL", None: "skip"}
 GPU, MODEL = "gpu", "model"  # results.json "source": kernels ran, or the CPU model predicted
@@ -36,10 +37,11 @@ def rows(run: MatrixRun) -> list[dict]:
                 "poison": s.poison or "none",
                 "sanitizer": s.sanitizer,
                 "verdict": r.verdict,
+                "evidence": r.evidence or "-",
                 "kernel": r.kernel or "-",
                 "descriptor": r.descriptor or "-",
                 "expected": exp,
-                "ok": meets(exp, r.verdict),
+                "ok": satisfies(exp, r.verdict),
                 "stale_fields": r.stale_fields,
                 "sms_planned": r.sms_planned,
                 "sms_reported": r.sms_reported,
@@ -64,12 +66,12 @@ def markdown(run: MatrixRun, env: dict | None = None, title: str = "Verdicts") -
     )
     lines += [
         "",
-        "| case | verdict | kernel | descriptor | SMs planned | expected | | stale fields | s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| case | verdict | evidence | kernel | descriptor | SMs planned | expected | | stale fields | s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows(run):
         lines.append(
-            f"| {row['case']} | **{row['verdict']}** | {row['kernel']} | {row['descriptor']} | "
+            f"| {row['case']} | **{row['verdict']}** | {row['evidence']} | {row['kernel']} | {row['descriptor']} | "
             f"{row['sms_planned'] or '-'} | {row['expected']} | {MARK[row['ok']]} | "
             f"{_fields(next(r for s, r in run.results if s.case_id == row['case']))} | {row['wall_s']:.0f} |"
         )
@@ -121,16 +123,16 @@ def load_json(path: str | Path) -> MatrixRun:
 def gate_failures(run: MatrixRun) -> list[str]:
     """Why a strict gate must fail: a control that skipped or errored, or a positive control without kernel evidence
     (the capture audit alone does not count)."""
-    from repro.case import ERROR, SKIP, STALE_AUDIT
+    from repro.verdicts import ERROR, SKIP, STALE_AUDIT
 
     why = []
     for s, r in run.results:
         exp = expectation(s)
         if r.verdict in (SKIP, ERROR):
             why.append(f"{s.case_id}: {r.verdict}: {r.reason[:160]}")
-        elif exp != "clean" and (r.verdict == STALE_AUDIT or not meets(exp, r.verdict)):
+        elif exp != "clean" and (r.verdict == STALE_AUDIT or not satisfies(exp, r.verdict)):
             why.append(f"{s.case_id}: positive control came back {r.verdict} (no kernel evidence)")
-        elif exp == "clean" and not meets(exp, r.verdict):
+        elif exp == "clean" and not satisfies(exp, r.verdict):
             why.append(f"{s.case_id}: negative control came back {r.verdict}")
     if not run.results:
         why.append("no case ran")

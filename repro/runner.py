@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -16,21 +14,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from repro.case import CLEAN, CRASH, ERROR, HANG, OOB, SKIP, STALE_AUDIT, WRONG, CaseResult, CaseSpec
-from repro.sanitizer import find_sanitizer, parse_log, sanitizer_command, sanitizer_env
+from repro.case import CaseResult, CaseSpec
+from repro.sanitizer import find_sanitizer, sanitizer_command, sanitizer_env
 from repro.smcontrol import MpsDaemon, Unavailable
-from repro.tags import DEVICE_TAG, PASS_TAG, RESULT_TAG, SKIP_TAG
+from repro.verdicts import classify
 
 EARLY_STOP_GRACE_S = 3.0
-_CRASH_MARKERS = (
-    "illegal memory access",
-    "an illegal instruction",
-    "misaligned address",
-    "unspecified launch failure",
-    "CUDA error",
-    "cudaErrorIllegalAddress",
-    "CUDA_ERROR_ILLEGAL_ADDRESS",
-)
 
 
 @functools.lru_cache(maxsize=1)
@@ -41,109 +30,6 @@ def device_sm_count() -> int:
     if r.returncode != 0:
         raise Unavailable(f"no CUDA device: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
     return int(r.stdout.strip().splitlines()[-1])
-
-
-def _tagged(text: str, tag: str) -> list[dict]:
-    out = []
-    for line in text.splitlines():
-        if line.startswith(tag + " "):
-            try:
-                out.append(json.loads(line[len(tag) + 1 :]))
-            except json.JSONDecodeError:
-                continue
-    return out
-
-
-def classify(
-    spec: CaseSpec, output: str, returncode: int | None, timed_out: bool, sanitizer_log: str | None, wall_s: float
-) -> CaseResult:
-    """Turn what a case process left behind into a verdict. Pure: the CPU tier tests it on recorded outputs."""
-    passes = _tagged(output, PASS_TAG)
-    results = _tagged(output, RESULT_TAG)
-    skips = _tagged(output, SKIP_TAG)
-    last = passes[-1]["descriptor"] if passes else None
-    report = parse_log(sanitizer_log) if sanitizer_log else None
-    findings = report.findings if report else []
-    tail = "\n".join(output.strip().splitlines()[-15:])
-    res = CaseResult(
-        case_id=spec.case_id,
-        verdict=ERROR,
-        reason="",
-        returncode=returncode,
-        wall_s=round(wall_s, 2),
-        spec=json.loads(spec.to_json()),
-        log_tail=tail,
-    )
-    if results:
-        r = results[-1]
-        res.stale_fields, res.first_diffs = r.get("stale_fields", {}), r.get("first_diffs", [])
-        res.max_abs_err, res.sms_reported, res.sms_planned = (
-            r.get("max_abs_err"),
-            r.get("sms_reported"),
-            r.get("sms_planned"),
-        )
-        res.backend_identity = r.get("backend_identity")
-    elif passes:  # no result (crash, hang): what the launches so far were given
-        for p in passes:
-            for k, v in p.get("stale_fields", {}).items():
-                res.stale_fields[k] = res.stale_fields.get(k, 0) + v
-            res.first_diffs += [f"{p['descriptor']}: {x}" for x in p.get("first_diffs", [])][: 3 - len(res.first_diffs)]
-    devices = _tagged(output, DEVICE_TAG)
-    if devices:
-        res.gpu_uuid = devices[-1].get("gpu_uuid")
-    res.findings = [f.to_dict() for f in findings]
-    if skips and not results:
-        res.verdict, res.reason = SKIP, skips[-1]["reason"]
-        return res
-    if timed_out and not findings:
-        res.verdict, res.descriptor = HANG, last
-        res.reason = f"no exit within {spec.timeout_s:g} s (last launch: {last})"
-        return res
-    if findings:
-        f = findings[0]
-        res.verdict, res.kernel, res.descriptor = OOB, f.role, last if not results else None
-        res.reason = f"memcheck: {f}" + (f" (+{len(findings) - 1} more groups)" if len(findings) > 1 else "")
-        if timed_out:
-            res.reason += f"; then no exit within {spec.timeout_s:g} s"
-        return res
-    if not results and "busy or unavailable" in output:
-        res.verdict, res.descriptor = ERROR, last
-        res.reason = "the GPU refused this process (busy or unavailable): another client faulted it; rerun alone"
-        return res
-    crash = next((m for m in _CRASH_MARKERS if m in output), None)
-    if not results and (crash or (returncode or 0) != 0):
-        res.descriptor = last
-        if crash:
-            res.verdict = CRASH
-            res.kernel = (
-                "combine"
-                if "combine" in output
-                else ("main" if re.search(r"flash_fwd_launch|flash_fwd", output) else None)
-            )
-            line = next((ln for ln in output.splitlines() if crash in ln), crash)
-            res.reason = line.strip()[:200] + (f" (during {last})" if last else "")
-        else:
-            res.verdict, res.reason = ERROR, f"exit status {returncode} without a result: {tail[-300:]}"
-        return res
-    if results:
-        r = results[-1]
-        if r.get("wrong"):
-            res.verdict, res.descriptor = WRONG, r.get("worst_descriptor")
-            res.reason = f"max |out - reference| = {r['max_abs_err']:.3g} at {r.get('worst_descriptor')}"
-        elif res.stale_fields:
-            res.verdict = STALE_AUDIT
-            res.reason = "no fault this run, but passes ran on another batch's metadata: " + ", ".join(
-                f"{k}={v}" for k, v in sorted(res.stale_fields.items())
-            )
-            res.descriptor = res.first_diffs[0].split(":")[0] if res.first_diffs else None
-        else:
-            res.verdict = CLEAN
-            res.reason = (
-                r.get("summary") or f"{r.get('passes')} passes, max |out - reference| = {r.get('max_abs_err', 0):.3g}"
-            )
-        if returncode not in (0, None) and res.verdict == CLEAN:
-            res.verdict, res.reason = ERROR, f"result printed but exit status {returncode}"
-    return res
 
 
 def worker_env(spec: CaseSpec, mps: MpsDaemon | None, base: dict[str, str] | None = None) -> dict[str, str]:

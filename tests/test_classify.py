@@ -1,8 +1,8 @@
 """Verdicts from what case processes left behind on the H200 (recorded outputs and memcheck logs)."""
 
-from repro.case import CLEAN, CRASH, ERROR, HANG, OOB, SKIP, WRONG, CaseSpec, SmConfig
+from repro.case import CaseSpec, SmConfig
 from repro.descriptors import AttnConfig
-from repro.runner import classify
+from repro.verdicts import CLEAN, CRASH, ERROR, HANG, LAUNCH_FAIL, OOB, SKIP, WRONG, classify
 
 SPEC = CaseSpec("vllm", "stale", "eager", sm=SmConfig("sm_margin", 16), poison="int-max", timeout_s=90)
 
@@ -59,3 +59,27 @@ def test_skip_and_unknown_failure():
     assert classify(SPEC, 'REPRO_SKIP {"reason": "no GPU"}\n', 0, False, None, 1).verdict == SKIP
     r = classify(SPEC, "Traceback...\nValueError: boom\n", 1, False, None, 1)
     assert r.verdict == ERROR and "exit status 1" in r.reason
+
+
+def test_launch_failure_is_detection_with_the_kernel_not_an_error():
+    """A kernel launch that fails on stale metadata (CUTLASS's status from the combine's launch check) is evidence
+    from the kernel, not a harness error. The line is written after FA3's launch check; no real log of it has been
+    recorded on the H200 yet."""
+    out = (
+        'REPRO_PASS {"descriptor": "t64r16"}\n'
+        "RuntimeError: CUDA error (hopper/flash_fwd_combine_launch_template.h:60): Error Internal\n"
+    )
+    r = classify(SPEC, out, 1, False, None, 2.0)
+    assert r.verdict == LAUNCH_FAIL and r.kernel == "combine" and r.descriptor == "t64r16"
+    assert r.evidence.startswith("failed kernel launch")
+
+
+def test_a_bare_cuda_error_is_not_a_memory_fault():
+    r = classify(SPEC, "torch.AcceleratorError: CUDA error: out of memory\n", 1, False, None, 2.0)
+    assert r.verdict == ERROR
+
+
+def test_every_verdict_says_what_it_rests_on(fixtures):
+    r = classify(SPEC, _out(fixtures, "crash-vllm-16sm-intmax.out.log"), 1, False, None, 7.6)
+    assert r.verdict == CRASH and r.evidence.startswith("CUDA memory fault: operation not supported")
+    assert classify(SPEC, 'REPRO_PASS {"descriptor": "t8r2"}\n', -9, True, None, 90).evidence == "timeout: 90 s"

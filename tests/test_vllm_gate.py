@@ -11,10 +11,11 @@ import types
 import pytest
 import torch
 
-from repro.case import CLEAN, CRASH, ERROR, STALE_AUDIT, WRONG, CaseResult
+from repro.case import CaseResult
 from repro.cli import main as cli
 from repro.descriptors import ConfigError
 from repro.poison import parse_poison
+from repro.verdicts import CLEAN, CRASH, ERROR, STALE_AUDIT, WRONG
 from repro.vllm_integration import plugin
 from repro.vllm_integration.builds import CONTROL, UNDER_TEST, build_pythonpath, find_builds, parse_builds
 from repro.vllm_integration.gate_run import (

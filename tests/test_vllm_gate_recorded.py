@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from repro.case import CLEAN, CRASH, ERROR
-from repro.runner import _tagged, classify
 from repro.tags import RESULT_TAG
-from repro.vllm_integration.gate_run import GateCase, compare_tokens, kernel_from_trace
+from repro.verdicts import CLEAN, CRASH, ERROR, classify, kernel_in, tagged
+from repro.vllm_integration.gate_run import GateCase, compare_tokens
 from repro.vllm_integration.plugin import AUDIT_TAG
 
 RECORDS = sorted((Path(__file__).resolve().parent.parent / "results" / "h200-vllm").glob("*/results.json"))
@@ -20,7 +19,7 @@ ROWS = [(p.parent.name, c) for p in RECORDS for c in json.loads(p.read_text())["
 
 
 def _result(tail: str) -> dict | None:
-    found = _tagged(tail, RESULT_TAG)
+    found = tagged(tail, RESULT_TAG)
     return found[-1] if found else None
 
 
@@ -41,7 +40,7 @@ def test_recorded_output_classifies_as_recorded(run, row):
     elif r["verdict"] == CLEAN:
         assert res.verdict == CLEAN and _result(r["log_tail"])["tokens"]
     if row["kind"] == "attribution":
-        assert kernel_from_trace(r["log_tail"]) in (None, "combine")
+        assert kernel_in(r["log_tail"]) in (None, "combine")
 
 
 def test_recorded_0_26_0_tokens_match_the_reference_up_to_ties():
@@ -65,7 +64,7 @@ def test_recorded_audit_counts_stale_views_on_0_25_1_only():
     for _, c in ROWS:
         if c["mode"] != "audit" or c["kind"] != "case":
             continue
-        summary = [x for x in _tagged(c["result"]["log_tail"], AUDIT_TAG) if "checks" in x][-1]
+        summary = [x for x in tagged(c["result"]["log_tail"], AUDIT_TAG) if "checks" in x][-1]
         assert summary["checks"] > 0
         if c["build"] == "0.25.1":
             assert summary["stale"] > 100 and c["verdict"] == CRASH

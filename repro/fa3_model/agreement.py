@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from repro.case import CRASH, ERROR, HANG, OOB, SKIP
 from repro.descriptors import AttnConfig
 from repro.fa3_model.predict import H200_SMS, predict_case
 from repro.layout import UPSTREAM, VLLM
 from repro.report import MODEL, load_json
+from repro.verdicts import CRASH, ERROR, HANG, OOB, SKIP
 
 
 @dataclass

@@ -27,19 +27,33 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from repro.case import CLEAN, CRASH, ERROR, HANG, OOB, SKIP, STALE_AUDIT, WRONG, CaseResult, SmConfig
+from repro.case import CaseResult, SmConfig
 from repro.descriptors import ConfigError
 from repro.poison import parse_poison
-from repro.runner import _tagged, classify, device_sm_count, supervise
+from repro.runner import device_sm_count, supervise
 from repro.sanitizer import find_sanitizer, sanitizer_command, sanitizer_env
 from repro.smcontrol import MpsDaemon, Unavailable
 from repro.tags import DEVICE_TAG, RESULT_TAG
+from repro.verdicts import (
+    CLEAN,
+    CRASH,
+    ERROR,
+    HANG,
+    KERNEL_EVIDENCE,
+    OOB,
+    SKIP,
+    STALE_AUDIT,
+    WRONG,
+    classify,
+    kernel_in,
+    satisfies,
+    tagged,
+)
 from repro.vllm_integration.builds import CONTROL, UNDER_TEST, VllmBuild, build_pythonpath
 from repro.vllm_integration.plugin import AUDIT_TAG, PLUGIN_TAG
 
 DEFAULT_MODES = ("audit", "plain")
 ALL_MODES = ("audit", "plain", "mps:16", "sm_margin:16", "poison:int-max", "memcheck")
-KERNEL_EVIDENCE = (CRASH, OOB, HANG, WRONG)  # what a gating control must show outside the audit mode
 TIE_MARGIN = 0.1  # nats: a reference token whose top-2 margin is below this is a tie, not a reference
 MIN_COVERAGE = 0.5
 PASS, AFFECTED, BLIND, CANNOT_VOUCH = "PASS", "AFFECTED", "HARNESS BLIND", "CANNOT VOUCH"
@@ -239,37 +253,25 @@ def _skipped(case: GateCase, reason: str) -> CaseResult:
     return CaseResult(case.case_id, SKIP, reason, spec=json.loads(case.to_json()), vllm_version=case.build.version)
 
 
-def kernel_from_trace(output: str) -> str | None:
-    """With CUDA_LAUNCH_BLOCKING=1 the error surfaces at the launch that faulted: FA3's launch templates name it."""
-    if "flash_fwd_combine" in output or "combine_launch_template" in output:
-        return "combine"
-    if "flash_fwd_launch_template" in output or "flash_api" in output:
-        return "main"
-    return None
-
-
 def annotate(res: CaseResult, case: GateCase, output: str, audit_file: Path | None) -> None:
     """Gate-specific evidence on top of the shared classification: plugin, MPS SM count, audit findings, kernel."""
-    results = _tagged(output, RESULT_TAG)
+    results = tagged(output, RESULT_TAG)
     res.vllm_version = (results[-1].get("vllm_version") if results else None) or case.build.version
-    plugin = _tagged(output, PLUGIN_TAG)
+    plugin = tagged(output, PLUGIN_TAG)
     errors = [p["error"] for p in plugin if "error" in p]
     installed = {p["installed"] for p in plugin if "installed" in p}
     needed = {"weights"} | ({"audit"} if case.mode.audit and not case.reference else set())
     if (case.mode.sm.kind == "sm_margin") or (case.mode.poison and not case.reference):
         needed.add("fa3")
     if res.verdict == CRASH:
-        res.kernel = kernel_from_trace(output) if case.launch_blocking else None
+        res.kernel = kernel_in(output) if case.launch_blocking else None  # without it the error surfaces anywhere
     audit = _audit_evidence(output, audit_file)
     if audit["stale"]:
         res.stale_fields = audit["fields"]
         res.first_diffs = audit["first"]
     evidence = []
-    if res.verdict in (CRASH, HANG, OOB):
-        evidence.append(
-            {CRASH: "fault", HANG: "hang", OOB: "memcheck"}[res.verdict]
-            + (f" in the {res.kernel} kernel" if res.kernel else "")
-        )
+    if res.verdict in KERNEL_EVIDENCE:
+        evidence.append(res.evidence + (f", {res.kernel} kernel" if res.kernel else ""))
     if case.mode.sanitizer and res.verdict not in (OOB, SKIP):
         evidence.append("memcheck: no finding")
     if case.mode.audit and not case.reference:
@@ -285,7 +287,7 @@ def annotate(res: CaseResult, case: GateCase, output: str, audit_file: Path | No
         )
         res.verdict, res.reason = ERROR, f"{what} (case verdict would have been {res.verdict}: {res.reason})"
         return
-    devices = _tagged(output, DEVICE_TAG)
+    devices = tagged(output, DEVICE_TAG)
     if case.mode.sm.kind == "mps" and devices and devices[-1].get("sms") != case.mode.sm.sms:
         res.verdict = ERROR
         res.reason = f"MPS gave this process {devices[-1].get('sms')} SMs, the case asked for {case.mode.sm.sms}"
@@ -300,7 +302,7 @@ def annotate(res: CaseResult, case: GateCase, output: str, audit_file: Path | No
 
 
 def _audit_evidence(output: str, audit_file: Path | None) -> dict:
-    lines = _tagged(output, AUDIT_TAG)
+    lines = tagged(output, AUDIT_TAG)
     stale = [x["stale"] for x in lines if "stale" in x and isinstance(x["stale"], dict)]
     checks = 0
     if audit_file is not None:
@@ -396,18 +398,20 @@ def apply_reference(res: CaseResult, out: dict | None, ref: CaseResult, ref_out:
 
 
 def expected(case: GateCase) -> str:
+    """clean (a build under test), detected (a control: kernel evidence), audit (a control in the audit mode: the
+    auditor's stale views count too) or recorded (memcheck on a control: what it finds is recorded, not required)."""
     if case.build.role == UNDER_TEST:
         return "clean"
-    return "detected" if case.mode.gating else "recorded"
+    if not case.mode.gating:
+        return "recorded"
+    return "audit" if case.mode.audit else "detected"
 
 
 def meets(case: GateCase, res: CaseResult) -> bool:
     exp = expected(case)
-    if exp == "clean":
-        return res.verdict == CLEAN
     if exp == "recorded":
         return res.verdict not in (ERROR, SKIP)
-    return res.verdict in KERNEL_EVIDENCE or (case.mode.audit and res.verdict == STALE_AUDIT)
+    return bool(satisfies(exp, res.verdict))
 
 
 @dataclass
@@ -525,7 +529,7 @@ def run_gate(
 def result_line(log_dir: str | Path, case: GateCase) -> dict | None:
     """The RESULT line a finished case process printed (tokens, margins, version, timing), or None."""
     try:
-        found = _tagged((Path(log_dir) / f"{case.case_id}.out.log").read_text(errors="replace"), RESULT_TAG)
+        found = tagged((Path(log_dir) / f"{case.case_id}.out.log").read_text(errors="replace"), RESULT_TAG)
     except OSError:
         return None
     return found[-1] if found else None

@@ -1,0 +1,183 @@
+"""The one verdict module: the taxonomy, what evidence each verdict rests on, how a case process's output becomes a
+verdict, and what satisfies each kind of control.
+
+| verdict | evidence it rests on |
+|---|---|
+| oob | a compute-sanitizer memcheck finding (the kernel named from the report) |
+| crash | a CUDA memory-fault code in the process output (illegal address / instruction, misaligned address, unspecified
+  launch failure); the kernel when the output names it |
+| launch-failure | a kernel launch that failed (CUTLASS "Error Internal", invalid configuration, too many resources);
+  the kernel named from the failing launch check |
+| hang | no exit within the case timeout and no memcheck finding: a hang is its own class, never a memory fault |
+| wrong-output | the case ran, its output differs from the reference beyond the tolerance (the error is measured) |
+| stale-audit | the case ran clean, but the harness's metadata audit saw another batch's metadata (bookkeeping only) |
+| error | the harness could not run the case as asked; never counted as clean or as detection |
+| skip | the machine cannot provide what the case needs |
+
+Controls: `fault` needs a memory fault (oob or crash); `detected` needs kernel evidence (oob, crash, launch-failure,
+hang, wrong-output); `audit` (stale cases whose kernels the CPU model predicts cannot show it) accepts the audit too;
+`clean` needs clean."""
+
+from __future__ import annotations
+
+import json
+import re
+
+CLEAN, OOB, CRASH, HANG, WRONG, ERROR, SKIP = "clean", "oob", "crash", "hang", "wrong-output", "error", "skip"
+LAUNCH_FAIL = "launch-failure"
+STALE_AUDIT = "stale-audit"
+VERDICTS = (CLEAN, OOB, CRASH, LAUNCH_FAIL, HANG, WRONG, STALE_AUDIT, ERROR, SKIP)
+MEMORY_FAULTS = (OOB, CRASH)
+KERNEL_EVIDENCE = (OOB, CRASH, LAUNCH_FAIL, HANG, WRONG)
+FAULTS = (*KERNEL_EVIDENCE, STALE_AUDIT)  # "the bug is visible", by any evidence
+EXPECTATIONS = ("fault", "detected", "audit", "clean")
+EVIDENCE = {
+    OOB: "memcheck finding",
+    CRASH: "CUDA memory fault",
+    LAUNCH_FAIL: "failed kernel launch",
+    HANG: "timeout",
+    WRONG: "output vs reference",
+    STALE_AUDIT: "harness audit only",
+    CLEAN: "output = reference",
+    ERROR: "none (harness error)",
+    SKIP: "none (did not run)",
+}
+FAULT_MARKERS = (  # the CUDA error codes of a kernel's bad memory access; a bare "CUDA error" is not one
+    "illegal memory access",
+    "an illegal instruction",
+    "misaligned address",
+    "unspecified launch failure",
+    "operation not supported on global/shared address space",  # cudaErrorInvalidAddressSpace, seen on the H200
+    "hardware stack error",
+    "cudaErrorIllegalAddress",
+    "cudaErrorInvalidAddressSpace",
+    "cudaErrorMisalignedAddress",
+    "CUDA_ERROR_ILLEGAL_ADDRESS",
+)
+LAUNCH_MARKERS = (
+    "Error Internal",
+    "invalid configuration argument",
+    "too many resources requested for launch",
+    "cudaErrorLaunchFailure",
+    "invalid device function",
+)
+
+
+def satisfies(expect: str, verdict: str) -> bool | None:
+    """Does a verdict meet a control's expectation? None when the case did not run (skip)."""
+    if verdict == SKIP:
+        return None
+    if expect == "clean":
+        return verdict == CLEAN
+    if expect == "fault":
+        return verdict in MEMORY_FAULTS
+    if expect == "audit":
+        return verdict in FAULTS
+    return verdict in KERNEL_EVIDENCE
+
+
+def tagged(text: str, tag: str) -> list[dict]:
+    """The JSON objects of every `<tag> <json>` line (repro.tags)."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith(tag + " "):
+            try:
+                out.append(json.loads(line[len(tag) + 1 :]))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def kernel_in(text: str) -> str | None:
+    """combine or main, when a fault or launch-check line names FA3's kernel or its launch template."""
+    if re.search(r"combine", text, re.I):
+        return "combine"
+    if re.search(r"flash_fwd_launch|FlashAttnFwdSm|flash_fwd", text):
+        return "main"
+    return None
+
+
+def classify(spec, output: str, returncode: int | None, timed_out: bool, sanitizer_log: str | None, wall_s: float):
+    """Turn what a case process left behind into a verdict with its evidence. Pure: the CPU tier tests it on
+    recorded outputs. `spec` needs case_id, timeout_s and to_json() (CaseSpec, the vLLM gate's GateCase)."""
+    from repro.case import CaseResult
+    from repro.sanitizer import parse_log
+    from repro.tags import DEVICE_TAG, PASS_TAG, RESULT_TAG, SKIP_TAG
+
+    passes, results, skips = tagged(output, PASS_TAG), tagged(output, RESULT_TAG), tagged(output, SKIP_TAG)
+    last = passes[-1]["descriptor"] if passes else None
+    findings = parse_log(sanitizer_log).findings if sanitizer_log else []
+    tail = "\n".join(output.strip().splitlines()[-15:])
+    res = CaseResult(spec.case_id, ERROR, "", returncode=returncode, wall_s=round(wall_s, 2), log_tail=tail)
+    res.spec = json.loads(spec.to_json())
+    if results:
+        r = results[-1]
+        res.stale_fields, res.first_diffs = r.get("stale_fields", {}), r.get("first_diffs", [])
+        res.max_abs_err, res.sms_reported, res.sms_planned = (
+            r.get("max_abs_err"),
+            r.get("sms_reported"),
+            r.get("sms_planned"),
+        )
+        res.backend_identity = r.get("backend_identity")
+    elif passes:  # no result (crash, hang): what the launches so far were given
+        for p in passes:
+            for k, v in p.get("stale_fields", {}).items():
+                res.stale_fields[k] = res.stale_fields.get(k, 0) + v
+            res.first_diffs += [f"{p['descriptor']}: {x}" for x in p.get("first_diffs", [])][: 3 - len(res.first_diffs)]
+    devices = tagged(output, DEVICE_TAG)
+    if devices:
+        res.gpu_uuid = devices[-1].get("gpu_uuid")
+    res.findings = [f.to_dict() for f in findings]
+    during = f" (during {last})" if last else ""
+
+    def done(verdict: str, reason: str, evidence: str, descriptor: str | None = None) -> CaseResult:
+        res.verdict, res.reason, res.descriptor = verdict, reason, descriptor
+        res.evidence = f"{EVIDENCE[verdict]}: {evidence}" if evidence else EVIDENCE[verdict]
+        return res
+
+    if skips and not results:
+        return done(SKIP, skips[-1]["reason"], "")
+    if findings:
+        f = findings[0]
+        res.kernel = f.role
+        more = f" (+{len(findings) - 1} more groups)" if len(findings) > 1 else ""
+        reason = f"memcheck: {f}{more}" + (f"; then no exit within {spec.timeout_s:g} s" if timed_out else "")
+        return done(OOB, reason, f"{f.role} kernel, {f.access}", None if results else last)
+    if timed_out:
+        return done(HANG, f"no exit within {spec.timeout_s:g} s (last launch: {last})", f"{spec.timeout_s:g} s", last)
+    if not results and "busy or unavailable" in output:
+        reason = "the GPU refused this process (busy or unavailable): another client faulted it; rerun alone"
+        return done(ERROR, reason, "", last)
+    if not results:
+        lines = output.splitlines()
+        fault = next((ln for ln in lines if any(m in ln for m in FAULT_MARKERS)), None)
+        launch = next((ln for ln in lines if any(m in ln for m in LAUNCH_MARKERS)), None)
+        if fault:
+            res.kernel = kernel_in(fault) or kernel_in(output)
+            return done(CRASH, fault.strip()[:200] + during, _marker(fault, FAULT_MARKERS), last)
+        if launch:
+            res.kernel = kernel_in(launch) or kernel_in(output)
+            return done(LAUNCH_FAIL, launch.strip()[:200] + during, _marker(launch, LAUNCH_MARKERS), last)
+        if (returncode or 0) != 0:
+            return done(ERROR, f"exit status {returncode} without a result: {tail[-300:]}", "", last)
+        return done(ERROR, "no result line", "", last)
+    r = results[-1]
+    if r.get("wrong"):
+        err = r.get("max_abs_err")
+        tol = r.get("tolerance")
+        where = r.get("worst_descriptor")
+        reason = f"max |out - reference| = {err:.3g} at {where}" + (f" (tolerance {tol:.3g})" if tol else "")
+        return done(WRONG, reason, f"max error {err:.3g}", where)
+    if res.stale_fields:
+        reason = "no fault this run, but passes ran on another batch's metadata: " + ", ".join(
+            f"{k}={v}" for k, v in sorted(res.stale_fields.items())
+        )
+        return done(STALE_AUDIT, reason, "", res.first_diffs[0].split(":")[0] if res.first_diffs else None)
+    if returncode not in (0, None):
+        return done(ERROR, f"result printed but exit status {returncode}", "")
+    summary = r.get("summary") or f"{r.get('passes')} passes, max |out - reference| = {r.get('max_abs_err', 0):.3g}"
+    return done(CLEAN, summary, "")
+
+
+def _marker(line: str, markers: tuple[str, ...]) -> str:
+    return next(m for m in markers if m in line)
