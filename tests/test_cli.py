@@ -64,7 +64,7 @@ def test_run_without_gpu_is_a_skip_a_script_can_test(tmp_path, capsys):
 def test_matrix_without_gpu_prints_the_models_predictions(capsys):
     assert main(["matrix", "--poison", "none", "--model-sms", "16,132", "--sanitizer"]) == 0
     out = capsys.readouterr().out
-    row = "| stale_metadata-upstream-v2-capture-stale-smmargin16-eager-splits0-h32-8x128-memcheck | **oob** | combine |"
+    row = "| stale_metadata-upstream-v2-capture-stale-smmargin16-eager-splits0-h32-8x128-memcheck | **oob** | CPU model | combine |"
     assert out.startswith("No GPU here") and row in out
 
 
