@@ -28,6 +28,12 @@ def pytest_configure(config):
         _evidence = pytest_gate.Evidence()
 
 
+def pytest_collection_modifyitems(config, items):
+    from cases.gpu_env import mark_unrunnable
+
+    mark_unrunnable(items)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cases.test_stale_metadata import _run
+from cases.controls import run_control
 from repro.case import CaseSpec, SmConfig
 from repro.descriptors import AttnConfig
 
@@ -51,4 +51,4 @@ def test_stale_metadata_spec_decode(
         poison="int-max",
         timeout_s=300,
     )
-    _run(spec, record_property)
+    run_control(spec, record_property)

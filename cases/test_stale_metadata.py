@@ -5,22 +5,12 @@ comes back clean FAILS with "harness blind": this environment cannot see the bug
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-
 import pytest
 
-from cases.gpu_env import backend_skip_reason, gpu_skip_reason, sanitizer_skip_reason
-from repro import pytest_gate
+from cases.controls import run_control
 from repro.case import CaseSpec, SmConfig
 from repro.descriptors import AttnConfig
-from repro.matrix import expectation
-from repro.runner import run_case
-from repro.smcontrol import maybe_mps
-from repro.verdicts import MEMORY_FAULTS, SKIP, satisfies
 
-LOG_DIR = os.environ.get("REPRO_LOG_DIR") or os.path.join(tempfile.gettempdir(), "repro-pytest-logs")
 BACKENDS = [pytest.param(b, id=b) for b in ("vllm", "upstream")]
 STRATEGIES = [pytest.param("stale", id="stale"), pytest.param("fresh", id="fresh")]
 SMS = [
@@ -31,49 +21,6 @@ SMS = [
 ]
 MODES = [pytest.param("eager", id="eager"), pytest.param("graph", id="graph")]
 SPLITS = [pytest.param(32, id="splits32"), pytest.param(0, id="splits0")]
-
-
-def _run(spec: CaseSpec, record_property) -> None:
-    for reason in (
-        gpu_skip_reason(),
-        backend_skip_reason(spec.backend),
-        sanitizer_skip_reason() if spec.sanitizer else None,
-    ):
-        if reason:
-            pytest.skip(reason)
-    if spec.sm.kind == "mps" and not shutil.which("nvidia-cuda-mps-control"):
-        pytest.skip("nvidia-cuda-mps-control not found")
-    if spec.sm.kind == "mig" and not os.environ.get("REPRO_PINNED_DEVICE", "").startswith("MIG-"):
-        pytest.skip("no MIG slice pinned to this worker (run with -n <slices> on a MIG runner)")
-    with maybe_mps(spec.sm.kind == "mps") as mps:
-        res = run_case(spec, LOG_DIR, mps)
-    exp = expectation(spec)
-    for k, v in (
-        ("xdist_worker", os.environ.get("PYTEST_XDIST_WORKER", "main")),
-        ("pinned_device", os.environ.get("REPRO_PINNED_DEVICE")),
-        ("gpu_uuid", res.gpu_uuid),
-        ("wall_s", res.wall_s),
-        ("verdict", res.verdict),
-        ("kernel", res.kernel),
-        ("descriptor", res.descriptor),
-        ("expected", exp),
-        ("reason", res.reason),
-        ("stale_fields", res.stale_fields),
-    ):
-        record_property(k, v)
-    if res.verdict == SKIP:
-        pytest.skip(res.reason)
-    ok = satisfies(exp, res.verdict)
-    if ok and exp != "clean" and pytest_gate.enabled() and res.verdict not in pytest_gate.KERNEL_EVIDENCE:
-        pytest.fail(f"GATE: positive control detected only by the harness's audit ({res.verdict}), no kernel evidence")
-    if not ok and exp != "clean":
-        pytest.fail(
-            f"HARNESS BLIND in this environment: positive control expected "
-            f"{'a memory fault' if exp == 'fault' else 'detection'}, got {res.verdict}: {res.reason}"
-        )
-    assert ok, f"negative control not clean: {res.verdict} at {res.descriptor}: {res.reason}"
-    if exp == "fault":
-        assert res.verdict in MEMORY_FAULTS
 
 
 @pytest.mark.gpu
@@ -93,7 +40,7 @@ def test_stale_metadata_v2_capture(backend, strategy, sm, mode, splits, record_p
         poison="int-max",
         timeout_s=120,
     )
-    _run(spec, record_property)
+    run_control(spec, record_property)
 
 
 @pytest.mark.gpu
@@ -111,7 +58,7 @@ def test_stale_metadata_memcheck_16sm(backend, strategy, record_property):
         sanitizer=True,
         timeout_s=180,
     )
-    _run(spec, record_property)
+    run_control(spec, record_property)
 
 
 @pytest.mark.gpu
@@ -128,4 +75,4 @@ def test_stale_metadata_pair(strategy, record_property):
         sm=SmConfig.parse("sm_margin:16"),
         timeout_s=120,
     )
-    _run(spec, record_property)
+    run_control(spec, record_property)

@@ -42,7 +42,7 @@ class Evidence:
         if report.when != "call":
             return
         props = dict(report.user_properties)
-        if props.get("expected") in ("fault", "detected") or props.get("role") == "control":
+        if props.get("expected") in ("fault", "detected", "audit") or props.get("role") == "control":
             self.controls += 1
             if props.get("verdict") in KERNEL_EVIDENCE:
                 self.with_kernel_evidence += 1
