@@ -60,12 +60,17 @@ def run_case(spec: CaseSpec, log_dir: str | Path, mps: MpsDaemon | None = None) 
         env = worker_env(spec, mps)
     except Unavailable as e:
         return CaseResult.skipped(spec, str(e))
-    cmd = [sys.executable, "-m", "repro.worker", spec.to_json()]
+    return run_process(spec, [sys.executable, "-m", "repro.worker", spec.to_json()], env, log_dir, spec.sanitizer)[0]
+
+
+def run_process(spec, cmd: list[str], env: dict[str, str], log_dir: Path, sanitizer: bool) -> tuple[CaseResult, str]:
+    """One case process (under memcheck when asked), supervised and classified: (result, the process's output).
+    `spec` needs case_id, timeout_s and to_json() (CaseSpec, the vLLM gate's GateCase)."""
     san_log = None
-    if spec.sanitizer:
+    if sanitizer:
         exe = find_sanitizer()
         if not exe:
-            return CaseResult.skipped(spec, "compute-sanitizer not found (install the CUDA toolkit)")
+            return CaseResult.skipped(spec, "compute-sanitizer not found (install the CUDA toolkit)"), ""
         san_log = log_dir / f"{spec.case_id}.memcheck.log"
         cmd = sanitizer_command(exe, str(san_log), kernel_filter="flash") + cmd
     out_path = log_dir / f"{spec.case_id}.out.log"
@@ -75,7 +80,7 @@ def run_case(spec: CaseSpec, log_dir: str | Path, mps: MpsDaemon | None = None) 
     res = classify(spec, out, run.returncode, run.timed_out, log_text, run.wall_s)
     if run.stopped_early:
         res.reason += f" (stopped {EARLY_STOP_GRACE_S:g} s after the first memcheck finding)"
-    return res
+    return res, out
 
 
 @dataclass

@@ -30,8 +30,8 @@ from pathlib import Path
 from repro.case import CaseResult, SmConfig
 from repro.descriptors import ConfigError
 from repro.poison import parse_poison
-from repro.runner import device_sm_count, supervise
-from repro.sanitizer import find_sanitizer, sanitizer_command, sanitizer_env
+from repro.runner import device_sm_count, run_process
+from repro.sanitizer import sanitizer_env
 from repro.smcontrol import MpsDaemon, Unavailable
 from repro.tags import DEVICE_TAG, RESULT_TAG
 from repro.verdicts import (
@@ -44,7 +44,6 @@ from repro.verdicts import (
     SKIP,
     STALE_AUDIT,
     WRONG,
-    classify,
     kernel_in,
     satisfies,
     tagged,
@@ -217,18 +216,10 @@ def run_case(
     cmd = [sys.executable, "-m", "repro.vllm_integration.gate", "--out", str(model_dir)]
     if case.reference:
         cmd.append("--reference")
-    san_log = None
-    if case.mode.sanitizer and not case.reference:
-        exe = find_sanitizer()
-        if not exe:
-            return _skipped(case, "compute-sanitizer not found (install the CUDA toolkit)")
-        san_log = log_dir / f"{case.case_id}.memcheck.log"
-        cmd = sanitizer_command(exe, str(san_log), kernel_filter="flash") + cmd
-    out_path = log_dir / f"{case.case_id}.out.log"
-    run = supervise(cmd, env, out_path, case.timeout_s, san_log)
-    out = out_path.read_text(errors="replace")
-    log_text = san_log.read_text(errors="replace") if san_log and san_log.exists() else None
-    res = classify(case, out, run.returncode, run.timed_out, log_text, run.wall_s)
+    res, out = run_process(case, cmd, env, log_dir, bool(case.mode.sanitizer) and not case.reference)
+    if res.verdict == SKIP:
+        res.vllm_version = case.build.version
+        return res
     annotate(res, case, out, audit_file if audit_file.exists() else None)
     return res
 
@@ -250,7 +241,9 @@ def run_attributed(
 
 
 def _skipped(case: GateCase, reason: str) -> CaseResult:
-    return CaseResult(case.case_id, SKIP, reason, spec=json.loads(case.to_json()), vllm_version=case.build.version)
+    res = CaseResult.skipped(case, reason)
+    res.vllm_version = case.build.version
+    return res
 
 
 def annotate(res: CaseResult, case: GateCase, output: str, audit_file: Path | None) -> None:
