@@ -12,7 +12,6 @@ from pathlib import Path
 
 from repro.case import CaseResult, CaseSpec, SmConfig
 from repro.descriptors import AttnConfig, ConfigError
-from repro.runner import run_case
 from repro.scenarios import FRESH, STALE, V2
 from repro.smcontrol import Unavailable, maybe_mps
 from repro.verdicts import OOB, SKIP, WRONG, satisfies
@@ -124,6 +123,8 @@ def run_matrix(
     progress: Callable[[int, int, CaseSpec, CaseResult], None] | None = None,
 ) -> MatrixRun:
     """Run cases in parallel processes; MPS cases afterwards, one at a time, each under a daemon of its own."""
+    from repro.runner import run_case  # here: the CPU model and the reports need this module, not the GPU runner
+
     specs = list(specs)
     t0 = time.time()
     first_pos: list[float] = []

@@ -8,8 +8,9 @@ from repro.backends.replay import load_records
 from repro.descriptors import AttnConfig
 from repro.fa3_model.predict import predict_case, predict_matrix
 from repro.fa3_model.reads import combine_max_splits, predict_launch
-from repro.fa3_model.scheduler import PAD, SchedulerInputs, num_splits_heuristic, scheduler_metadata
+from repro.fa3_model.scheduler import PAD, num_splits_heuristic, scheduler_metadata
 from repro.layout import UPSTREAM, VLLM, metadata_layout
+from repro.scheduler_inputs import SchedulerInputs
 
 
 def _inputs(header, r):
@@ -117,3 +118,15 @@ def test_agreement_with_recorded_gpu_runs():
     )
     assert len(rows) >= 30
     assert all(r.verdict_agrees for r in rows)
+
+
+def test_the_cpu_model_does_not_import_the_gpu_runner():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, repro.fa3_model.agreement, repro.fa3_model.predict, repro.report\n"
+        "print(sorted(m for m in ('repro.runner', 'repro.worker', 'repro.backends.upstream') if m in sys.modules))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "[]", r.stderr

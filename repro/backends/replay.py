@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from repro.backends.base import BackendIdentity, BackendUnavailable
-from repro.fa3_model.scheduler import SchedulerInputs
+from repro.scheduler_inputs import SchedulerInputs
 
 
 def load_records(path: str | Path) -> tuple[dict, list[dict]]:

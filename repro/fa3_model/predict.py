@@ -13,10 +13,11 @@ from repro.backends.base import BackendIdentity
 from repro.builder import MetadataBuilder
 from repro.descriptors import AttnConfig
 from repro.fa3_model.reads import Prediction, predict_launch
-from repro.fa3_model.scheduler import PAD, SchedulerInputs, host_plan, scheduler_metadata
+from repro.fa3_model.scheduler import PAD, host_plan, scheduler_metadata
 from repro.layout import UPSTREAM, VLLM
 from repro.poison import parse_poison
 from repro.scenarios import FRESH, STALE, WARMUP, v2_capture_sequence
+from repro.scheduler_inputs import SchedulerInputs
 from repro.staleness import diff_snapshots
 
 H200_SMS = 132
