@@ -45,31 +45,32 @@ MEASURED = {
 
 
 @functools.lru_cache(maxsize=4096)
-def _model_verdict(backend: str, strategy: str, sms: int, cfg: AttnConfig, poison: str | None, sanitizer: bool) -> str:
-    from repro.fa3_model.predict import predict_case
+def _model_outcomes(
+    backend: str, strategy: str, sms: int, cfg: AttnConfig, poison: str | None, sanitizer: bool
+) -> tuple[str, ...]:
+    from repro.fa3_model.predict import predict_outcomes
     from repro.layout import UPSTREAM, VLLM
 
-    pred, _ = predict_case({"upstream": UPSTREAM, "vllm": VLLM}[backend], strategy, sms, cfg, poison, sanitizer)
-    return pred.verdict
+    return predict_outcomes({"upstream": UPSTREAM, "vllm": VLLM}[backend], strategy, sms, cfg, poison, sanitizer)
 
 
 def expectation(spec: CaseSpec) -> str:
     """What a control must show (repro.verdicts.satisfies): `clean` for fresh metadata; for stale, from the CPU model
-    where it decides (eager and graph v2-capture cases at sm_margin, MPS or the whole GPU): a predicted out-of-bounds
-    read -> `fault` (eager) or `detected` (graph), predicted wrong output -> `detected`, predicted clean -> `audit`
-    (the kernels cannot show it; the audit may). Elsewhere from MEASURED, else `audit`: no claim the GPU did not
-    back. The model assumes never-written entries hold the poison value, or 0 without poison."""
+    where it decides (eager and graph v2-capture cases at sm_margin, MPS or the whole GPU), over every padding it
+    cannot rule out (the poison, or unknown padding without one): only out-of-bounds reads -> `fault` (eager) or
+    `detected` (graph), only reads or wrong output -> `detected`, a clean outcome possible -> `audit` (the kernels
+    may not show it; the audit will). Elsewhere from MEASURED, else `audit`: no claim the GPU did not back."""
     if spec.strategy == FRESH:
         return "clean"
     if spec.scenario == V2 and spec.sm.kind in ("full", "sm_margin", "mps"):
         from repro.fa3_model.predict import H200_SMS
 
-        verdict = _model_verdict(
-            spec.backend, spec.strategy, spec.sm.sms or H200_SMS, spec.cfg, spec.poison, spec.sanitizer
+        outcomes = set(
+            _model_outcomes(spec.backend, spec.strategy, spec.sm.sms or H200_SMS, spec.cfg, spec.poison, spec.sanitizer)
         )
-        if verdict == OOB:
+        if outcomes == {OOB}:
             return "fault" if spec.mode == "eager" else "detected"
-        return "detected" if verdict == WRONG else "audit"
+        return "detected" if outcomes <= {OOB, WRONG} else "audit"
     key = spec.scenario if spec.scenario != V2 else spec.sm.kind
     return MEASURED.get((key, spec.poison), "audit")
 

@@ -130,3 +130,14 @@ def test_the_cpu_model_does_not_import_the_gpu_runner():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.stdout.strip() == "[]", r.stderr
+
+
+def test_unknown_padding_gives_the_outcomes_the_model_cannot_rule_out():
+    from repro.fa3_model.predict import predict_outcomes
+    from repro.layout import UPSTREAM, VLLM
+
+    cfg = AttnConfig(num_splits=32)
+    assert predict_outcomes(VLLM, "stale", 16, cfg, "int-max") == ("oob",)  # known padding: one verdict
+    unknown = predict_outcomes(UPSTREAM, "stale", 16, cfg, None)
+    assert len(unknown) > 1 and "wrong-output" in unknown  # zero padding alone would have claimed one
+    assert predict_outcomes(VLLM, "fresh", 16, cfg, None) == ("clean",)  # fresh metadata reads no padding

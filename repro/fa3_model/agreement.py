@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from repro.descriptors import AttnConfig
-from repro.fa3_model.predict import H200_SMS, predict_case
+from repro.fa3_model.predict import H200_SMS, predict_case, predict_outcomes
 from repro.layout import UPSTREAM, VLLM
 from repro.report import MODEL, load_json
 from repro.verdicts import CRASH, ERROR, HANG, OOB, SKIP
@@ -21,11 +21,13 @@ class Agreement:
     model: str
     model_kernel: str | None
     model_descriptor: str | None
+    model_outcomes: tuple[str, ...] = ()  # what the model cannot rule out (unknown padding: several)
 
     @property
     def verdict_agrees(self) -> bool:
+        """The GPU's verdict is one the model could not rule out (a crash or hang counts as the predicted read)."""
         gpu = "oob" if self.gpu in (OOB, CRASH, HANG) else self.gpu
-        return gpu == self.model
+        return gpu in (self.model_outcomes or (self.model,))
 
     @property
     def kernel_agrees(self) -> bool | None:
@@ -50,7 +52,10 @@ def compare(paths: list[str | Path]) -> list[Agreement]:
             sms = s.sm.sms or H200_SMS
             cfg = AttnConfig.from_dict({**s.cfg.to_dict()})
             pred, desc = predict_case(flavors[s.backend], s.strategy, sms, cfg, s.poison, s.sanitizer)
-            out.append(Agreement(s.case_id, r.verdict, r.kernel, r.descriptor, pred.verdict, pred.kernel, desc))
+            outcomes = predict_outcomes(flavors[s.backend], s.strategy, sms, cfg, s.poison, s.sanitizer)
+            out.append(
+                Agreement(s.case_id, r.verdict, r.kernel, r.descriptor, pred.verdict, pred.kernel, desc, outcomes)
+            )
     return out
 
 
@@ -63,10 +68,13 @@ def markdown(rows: list[Agreement], sources: list[str]) -> str:
         "Sources: " + ", ".join(f"`{s}`" for s in sources),
         "",
         f"Verdicts agree in {v} of {len(rows)} cases; the faulting kernel agrees in {sum(k)} of {len(k)} "
-        "cases where memcheck named one.",
+        "cases where memcheck named one. Padding is the recorded poison; without one it is unknown and the model "
+        f"gives every verdict it cannot rule out ({sum(len(r.model_outcomes) > 1 for r in rows)} cases with "
+        "more than one).",
         "",
-        "| case | GPU | GPU kernel | GPU descriptor | model | model kernel | model descriptor | agrees |",
-        "|---|---|---|---|---|---|---|---|",
+        "| case | GPU | GPU kernel | GPU descriptor | model (padding 0) | model can't rule out | model kernel | "
+        "model descriptor | agrees |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         mark = (
@@ -76,6 +84,6 @@ def markdown(rows: list[Agreement], sources: list[str]) -> str:
         )
         lines.append(
             f"| {r.case_id} | {r.gpu} | {r.gpu_kernel or '-'} | {r.gpu_descriptor or '-'} | {r.model} | "
-            f"{r.model_kernel or '-'} | {r.model_descriptor or '-'} | {mark} |"
+            f"{', '.join(r.model_outcomes) or r.model} | {r.model_kernel or '-'} | {r.model_descriptor or '-'} | {mark} |"
         )
     return "\n".join(lines) + "\n"
