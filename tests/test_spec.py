@@ -143,3 +143,19 @@ def test_speculative_decoding_sweep(k, heads, page):
     ev = run.capture()
     assert any(e.stale for e in ev) == (len(run.verify_descs) > 1)
     assert run.generate(PROMPTS, 8).tokens == run.greedy_reference(PROMPTS, 8)
+
+
+def test_graph_vs_eager_comparison_sees_draft_proposals_the_tokens_hide():
+    """compare_runs on two CPU runs: identical runs agree exactly; a run whose draft proposed other tokens (what stale
+    draft metadata does) is wrong output even though greedy verification gives the same tokens."""
+    from repro.spec.runner import compare_runs
+
+    a, b = _runner(FRESH).generate(PROMPTS, 8), _runner(FRESH).generate(PROMPTS, 8)
+    same = compare_runs(a, b)
+    assert same["tokens_equal"] and same["steps"] > 0 and not same["wrong"] and same["max_logit_err"] == 0.0
+    b.proposals[0] = [[t + 1 for t in row] for row in b.proposals[0]]
+    moved = compare_runs(a, b)
+    assert moved["wrong"] and moved["tokens_equal"] and moved["first_proposal_diff"] == 0
+    b.proposals[0] = a.proposals[0]
+    b.verify_logits[1] = b.verify_logits[1] + 0.5
+    assert compare_runs(a, b)["max_logit_err"] == pytest.approx(0.5, abs=1e-3) and compare_runs(a, b)["wrong"]

@@ -28,7 +28,7 @@ def model_config(spec: CaseSpec) -> ModelConfig:
 def run_spec_case(spec: CaseSpec, backend: Any, margin: int, poison: Any, emit, max_new: int = 32) -> dict:
     import torch
 
-    from repro.spec.runner import SpecDecodeRunner
+    from repro.spec.runner import SpecDecodeRunner, compare_runs
 
     mcfg = model_config(spec)
     dev = torch.device("cuda", 0)
@@ -67,18 +67,23 @@ def run_spec_case(spec: CaseSpec, backend: Any, margin: int, poison: Any, emit, 
     ref = eager.generate(PROMPTS, max_new)
     greedy = eager.greedy_reference(PROMPTS, max_new)
     same = graph.tokens == ref.tokens
+    cmp = compare_runs(graph, ref)
     return {
         "passes": len(events),
-        "max_abs_err": 0.0 if same else 1.0,
+        "max_abs_err": cmp["max_logit_err"],
+        "tolerance": cmp["logit_tolerance"],
         "worst_descriptor": None,
-        "wrong": not same,
+        "wrong": cmp["wrong"],
+        "comparison": cmp,
         "stale_fields": {"draft_prefill_stale_passes": len(stale_passes)} if stale_passes else {},
         "first_diffs": [
             f"{e.descriptor.label}: {e.model} {e.stage} ran on buffers holding {e.buffer_holds.label}"
             for e in stale_passes[:3]
         ],
         "summary": (
-            f"graph tokens {'==' if same else '!='} eager tokens ({len(PROMPTS)}x{max_new}); "
+            f"graph tokens {'==' if same else '!='} eager tokens ({len(PROMPTS)}x{max_new}); draft proposals differ "
+            f"in {cmp['proposal_steps_differ']} of {cmp['steps']} verify steps; max |target logits graph - eager| "
+            f"{cmp['max_logit_err']:.3g}; "
             f"{graph.replays} replays; acceptance {graph.accepted}/{graph.proposed}; "
             f"graph {graph.tokens_per_s:.0f} tok/s vs eager {ref.tokens_per_s:.0f} tok/s; "
             f"greedy target-only {'equal' if greedy == ref.tokens else 'differs (bf16 batch shapes)'}"

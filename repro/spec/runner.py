@@ -49,6 +49,8 @@ class DecodeResult:
     replays: int = 0
     generated: int = 0
     events: list = field(default_factory=list)
+    proposals: list = field(default_factory=list)  # per verify step: each request's k draft tokens
+    verify_logits: list = field(default_factory=list)  # per verify step: the target's logits (CPU, fp32)
 
     @property
     def tokens_per_s(self) -> float:
@@ -207,6 +209,7 @@ class SpecDecodeRunner:
             dh, dl = self._draft_fwd(self.builder.build_runtime(pd, lens))
         drafts = self._propose(dl[last].argmax(-1).tolist(), dh[last], [n for n in lens], dd)
         steps = accepted = proposed = 0
+        trace_props, trace_logits = [], []
         while min(len(s) - n for s, n in zip(seqs, lens)) < max_new:
             L = [len(s) - 1 for s in seqs]  # position of each request's last token
             ids = [t for i in range(r) for t in [seqs[i][-1], *drafts[i]]]
@@ -214,6 +217,8 @@ class SpecDecodeRunner:
             sl = [L[i] + q for i in range(r)]
             self._load(ids, pos)
             th, tl = self._run("target", vd, sl)
+            trace_props.append([list(d) for d in drafts])
+            trace_logits.append(tl[: r * q].float().cpu())
             g = tl[: r * q].argmax(-1).view(r, q).tolist()
             acc = []
             for i in range(r):
@@ -234,7 +239,9 @@ class SpecDecodeRunner:
         out = [s[n : n + max_new] for s, n in zip(seqs, lens)]
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        return DecodeResult(out, steps, accepted, proposed, time.perf_counter() - t0, self.replays, r * max_new)
+        res = DecodeResult(out, steps, accepted, proposed, time.perf_counter() - t0, self.replays, r * max_new)
+        res.proposals, res.verify_logits = trace_props, trace_logits
+        return res
 
     def _propose(
         self, first: list[int], hidden: torch.Tensor, start: list[int], dd: BatchDescriptor
@@ -278,3 +285,34 @@ class SpecDecodeRunner:
                 for i, t in enumerate(logits[:r].argmax(-1).tolist()):
                     seqs[i].append(t)
         return [s[n:] for s, n in zip(seqs, lens)]
+
+
+LOGIT_RTOL = 1e-2  # of the largest logit: bf16 rounding of one accumulation order against another
+
+
+def compare_runs(graph: DecodeResult, eager: DecodeResult) -> dict:
+    """What the kernels produced in a graph-replay run against an eager run of the same prompts: tokens, the draft's
+    proposals at every verify step, and the target's verify logits at the steps both runs fed the same tokens.
+    Stale draft metadata shows up as different proposals even where the target's verification hides it in the tokens.
+    Fresh metadata runs the same kernels on the same metadata: proposals and tokens must be equal, logits within
+    LOGIT_RTOL of the largest logit."""
+    steps = min(len(graph.proposals), len(eager.proposals))
+    differ = [s for s in range(steps) if graph.proposals[s] != eager.proposals[s]]
+    same_inputs = [
+        s for s in range(steps) if s not in differ and graph.verify_logits[s].shape == eager.verify_logits[s].shape
+    ]
+    logit_err = max(
+        (float((graph.verify_logits[s] - eager.verify_logits[s]).abs().max()) for s in same_inputs), default=0.0
+    )
+    scale = max((float(eager.verify_logits[s].abs().max()) for s in same_inputs), default=0.0)
+    tol = LOGIT_RTOL * scale
+    tokens_equal = graph.tokens == eager.tokens
+    return {
+        "tokens_equal": tokens_equal,
+        "steps": steps,
+        "proposal_steps_differ": len(differ),
+        "first_proposal_diff": differ[0] if differ else None,
+        "max_logit_err": logit_err,
+        "logit_tolerance": tol,
+        "wrong": not tokens_equal or bool(differ) or len(graph.proposals) != len(eager.proposals) or logit_err > tol,
+    }
