@@ -20,6 +20,7 @@ SPEC = "spec-decode"  # target + draft models, capture runner and decoding loop 
 SCENARIOS = (PAIR, V2, SPEC)
 WARMUP = "warmup"
 CAPTURE = "capture"
+TARGET, DRAFT_PREFILL = "target", "draft-prefill"
 
 
 @dataclass
@@ -27,6 +28,7 @@ class Pass:
     descriptor: BatchDescriptor
     stage: str  # warmup (eager pass before capture) or capture
     metadata: AttnMetadata
+    model: str = DRAFT_PREFILL  # whose pass: the target's or the draft's prefill
 
 
 def check_strategy(strategy: str) -> None:
@@ -35,17 +37,26 @@ def check_strategy(strategy: str) -> None:
 
 
 def v2_capture_sequence(
-    builder: MetadataBuilder, strategy: str, descriptors: list[BatchDescriptor] | None = None
+    builder: MetadataBuilder,
+    strategy: str,
+    descriptors: list[BatchDescriptor] | None = None,
+    with_target: bool = False,
 ) -> Iterator[Pass]:
     """vLLM V2: the target builds every FULL descriptor largest first (warmup build + capture build), then the draft
     runs each descriptor's warmup and capture. stale: the draft reuses the target's saved states (before PR #48261);
-    fresh: the draft rebuilds through the same buffers for every pass (after the fix)."""
+    fresh: the draft rebuilds through the same buffers for every pass (after the fix). with_target: the target's own
+    passes are yielded too, each right after its build (the model runner in repro.spec runs them); the attention
+    layer runs the draft's only. The one capture sequence of the project."""
     check_strategy(strategy)
     descs = descriptors or full_decode_descriptors(builder.cfg)
     saved: dict[BatchDescriptor, tuple[AttnMetadata, AttnMetadata]] = {}
     for d in descs:
         warm = builder.build(d)
+        if with_target:
+            yield Pass(d, WARMUP, warm, TARGET)
         cap = builder.build(d)
+        if with_target:
+            yield Pass(d, CAPTURE, cap, TARGET)
         saved[d] = (warm, cap)
     for d in descs:
         if strategy == STALE:

@@ -16,7 +16,7 @@ import torch
 
 from repro.builder import AttnMetadata, MetadataBuilder
 from repro.descriptors import AttnConfig, BatchDescriptor, ConfigError, full_decode_descriptors
-from repro.scenarios import FRESH, STALE, check_strategy
+from repro.scenarios import FRESH, check_strategy, v2_capture_sequence
 from repro.spec.models import EagleDraft, ForwardContext, ModelConfig, TargetModel
 
 
@@ -143,21 +143,8 @@ class SpecDecodeRunner:
             self.graphs[(model, d)] = Graph(g, out)
 
     def capture(self) -> list[CaptureEvent]:
-        saved: dict[BatchDescriptor, tuple[AttnMetadata, AttnMetadata]] = {}
-        for d in self.verify_descs:
-            warm = self.builder.build(d)
-            self._pass("target", d, "warmup", warm)
-            cap = self.builder.build(d)
-            self._pass("target", d, "capture", cap)
-            saved[d] = (warm, cap)
-        for d in self.verify_descs:
-            if self.strategy == STALE:
-                warm, cap = saved[d]
-                self._pass("draft-prefill", d, "warmup", warm)
-                self._pass("draft-prefill", d, "capture", cap)
-            else:
-                self._pass("draft-prefill", d, "warmup", self.builder.build(d))
-                self._pass("draft-prefill", d, "capture", self.builder.build(d))
+        for p in v2_capture_sequence(self.builder, self.strategy, self.verify_descs, with_target=True):
+            self._pass(p.model, p.descriptor, p.stage, p.metadata)
         for d in self.decode_descs:
             self._pass("draft-decode", d, "warmup", self.builder.build(d))
             self._pass("draft-decode", d, "capture", self.builder.build(d))
