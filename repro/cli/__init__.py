@@ -1,0 +1,37 @@
+"""`python -m repro <subcommand>`: a thin entry; each subcommand lives in its own module of this package (run,
+matrix, gate/bisect/vllm-check in vllm, doctor/agree/bench/xdist-report/redact in reports; shared pieces in common).
+Bad input: one line on stderr and exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from repro.cli import matrix, reports, run, vllm
+from repro.cli.common import EXIT_BAD_INPUT, _Parser
+from repro.descriptors import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m repro", description="Stale FA3 attention-metadata reproducer and regression harness")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    for module in (reports, run, matrix, vllm):
+        module.add_parsers(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    try:
+        return a.func(a)
+    except ConfigError as e:
+        sys.stderr.write(f"repro: error: {e}\n")
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        sys.stderr.write("repro: interrupted\n")
+        return 130
+    except BrokenPipeError:  # output piped into head & co.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

@@ -1,0 +1,147 @@
+"""What the subcommands share: defaults, the one-line-error parser, list and path parsing, output folders and files
+that fail before any work, the attention-shape flags."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from repro.descriptors import AttnConfig, ConfigError
+
+DEFAULT_POISON = "int-max"
+DEFAULT_SMS = "sm_margin:16,mps:16,full"
+DEFAULT_MODES = "eager,graph"
+
+EXIT_BAD_INPUT = 2
+EXIT_NOT_RUN = 4  # the case could not run on this machine (no GPU, no MPS...): neither clean nor affected
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2
+        sys.stderr.write(f"repro: error: {message}\n")
+        raise SystemExit(EXIT_BAD_INPUT)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x)
+    except ValueError:
+        raise ConfigError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _items(text: str) -> tuple[str, ...]:
+    return tuple(x for x in text.split(",") if x)
+
+
+def _backends(text: str) -> tuple[str, ...]:
+    from repro.backends import BACKENDS
+
+    names = _items(text)
+    for b in names:
+        if b not in BACKENDS:
+            raise ConfigError(f"unknown backend {b!r}; choose from {', '.join(BACKENDS)}")
+    return names
+
+
+def _add_cfg(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("attention shape")
+    d = AttnConfig()
+    g.add_argument("--q-heads", type=int, default=d.num_heads_q, help="query heads (default %(default)s)")
+    g.add_argument("--kv-heads", type=int, default=d.num_heads_kv, help="key/value heads (default %(default)s)")
+    g.add_argument("--head-dim", type=int, default=d.head_dim, help="head dimension (default %(default)s)")
+    g.add_argument("--page-size", type=int, default=d.page_size, help="KV cache page size (default %(default)s)")
+    g.add_argument("--max-model-len", type=int, default=d.max_model_len, help="(default %(default)s)")
+    g.add_argument("--spec-tokens", type=int, default=d.num_speculative_tokens, help="(default %(default)s)")
+    g.add_argument(
+        "--capture-sizes",
+        default=",".join(map(str, d.capture_sizes)),
+        help="CUDA-graph capture sizes (default %(default)s)",
+    )
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="(default %(default)s)")
+    g.add_argument("--window", type=int, default=-1, help="sliding window (left); -1 = none (default)")
+    g.add_argument("--non-causal", action="store_true", help="non-causal attention (default: causal)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per case process (default %(default)s)")
+    p.add_argument(
+        "--poison",
+        default=DEFAULT_POISON,
+        help="fill of the entries FA3 never writes: none, zero, minus-one, int-max, int-min, splits-33 or an int32 "
+        "(default %(default)s: the fill that made stale faults repeatable on the H200)",
+    )
+    p.add_argument("--sanitizer", action="store_true", help="run under compute-sanitizer memcheck (default off)")
+    p.add_argument("--out", help="folder for logs and reports (default: a new folder under the system temp folder)")
+
+
+def _cfg(a: argparse.Namespace, splits: int) -> AttnConfig:
+    return AttnConfig(
+        num_heads_q=a.q_heads,
+        num_heads_kv=a.kv_heads,
+        head_dim=a.head_dim,
+        page_size=a.page_size,
+        max_model_len=a.max_model_len,
+        causal=not a.non_causal,
+        window_left=a.window,
+        num_splits=splits,
+        num_speculative_tokens=a.spec_tokens,
+        capture_sizes=_ints(a.capture_sizes),
+        max_num_seqs=a.max_num_seqs,
+    )
+
+
+def _check_paths(backend_path: str | None) -> None:
+    if backend_path and not os.path.exists(backend_path):
+        raise ConfigError(f"{backend_path}: no such file or folder")
+
+
+def _out_dir(path: str | None, kind: str) -> Path:
+    """The folder a command writes into: the one asked for (created), or a new one under the temp folder."""
+    import tempfile
+
+    if path is None:
+        return Path(tempfile.mkdtemp(prefix=f"repro-{kind}-"))
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {path}: exists and is not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out {path}: cannot create it ({e.strerror or e})") from None
+    return out
+
+
+def _check_out_file(path: str | None, flag: str = "--json") -> None:
+    """Fail before any work when a report file cannot be written; leaves nothing behind."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{flag} {path}: is a folder; give a file name")
+    existed = p.exists()
+    try:
+        with open(p, "a"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot write it ({e.strerror or e})") from None
+    if not existed:
+        p.unlink()
+
+
+def _poison_arg(text: str | None) -> str | None:
+    """`none` and no poison mean the same case (no suffix in its id)."""
+    from repro.poison import parse_poison
+
+    p = parse_poison(text)
+    return p.name if p else None
+
+
+def _gpu_present() -> bool:
+    from repro.runner import device_sm_count
+    from repro.smcontrol import Unavailable
+
+    try:
+        device_sm_count()
+    except (Unavailable, OSError, subprocess.SubprocessError, ValueError):
+        return False
+    return True

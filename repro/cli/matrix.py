@@ -1,0 +1,167 @@
+"""`python -m repro matrix`: the parametrized case set on a GPU, or the CPU model's prediction of it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from repro.case import CaseSpec
+from repro.cli.common import (
+    DEFAULT_MODES,
+    DEFAULT_SMS,
+    _add_cfg,
+    _backends,
+    _cfg,
+    _check_out_file,
+    _gpu_present,
+    _ints,
+    _items,
+    _out_dir,
+    _poison_arg,
+)
+from repro.descriptors import ConfigError
+from repro.scenarios import SCENARIOS, STRATEGIES, V2
+
+
+def add_parsers(sub) -> None:
+    m = sub.add_parser("matrix", help="run the parametrized case set in parallel and write reports")
+    m.add_argument("--backends", default="upstream,vllm", help="FA3 builds: upstream, vllm (default %(default)s)")
+    m.add_argument("--strategies", default="stale,fresh", help="metadata strategies (default %(default)s)")
+    m.add_argument(
+        "--sms", help=f"SM restrictions: full, sm_margin:N, mps:N, green:N, mig[:uuid] (default {DEFAULT_SMS})"
+    )
+    m.add_argument(
+        "--modes", help=f"eager (the draft's warmup), graph (captured and replayed) (default {DEFAULT_MODES})"
+    )
+    m.add_argument("--splits", default="32,0", help="FA3 num_splits values; 0 = FA3's heuristic (default %(default)s)")
+    m.add_argument("--repeat", type=int, default=1, help="runs of every case, at least 1 (default %(default)s)")
+    m.add_argument(
+        "--scenario", choices=SCENARIOS, help=f"attention layer ({V2}, default), pair, or spec-decode (models)"
+    )
+    m.add_argument("--jobs", type=int, default=6, help="cases at a time, MPS cases aside (default %(default)s)")
+    m.add_argument("--json", help="also write the machine-readable result here")
+    m.add_argument("--title", default="Stale-metadata verdicts", help="report title (default %(default)r)")
+    m.add_argument("--dry-run", action="store_true", help="list case ids only")
+    m.add_argument("--quiet", action="store_true", help="no progress lines")
+    m.add_argument("--model", action="store_true", help="predict with the CPU model instead of running kernels")
+    m.add_argument("--backend", help="'model': the same as --model")
+    m.add_argument(
+        "--model-sms",
+        default="16,26,32,60,132",
+        help="SM counts the model predicts for without --sms (default %(default)s)",
+    )
+    m.add_argument("--gpu-only", action="store_true", help="fail instead of predicting when no GPU is present")
+    m.add_argument(
+        "--gate",
+        action="store_true",
+        help="strict: fail unless every control ran and every positive control showed kernel evidence",
+    )
+    _add_cfg(m)
+    sub.choices["matrix"].set_defaults(func=cmd_matrix)
+
+
+def _model_specs(a: argparse.Namespace, opts, specs: list[CaseSpec]) -> list[CaseSpec]:
+    """The cases the CPU model predicts, or ConfigError naming the flag it cannot honour."""
+    from dataclasses import replace
+
+    from repro.fa3_model.predict import H200_SMS, model_sms
+    from repro.matrix import build_specs
+
+    if opts.scenario != V2:
+        raise ConfigError(f"the CPU model predicts --scenario {V2} only; run --scenario {opts.scenario} on a GPU")
+    if a.modes is not None and "graph" in opts.modes:
+        raise ConfigError("the CPU model predicts the eager warmups only: use --modes eager, or run graph on a GPU")
+    if opts.repeat > 1:
+        raise ConfigError("the CPU model is deterministic: --repeat needs a GPU")
+    if a.sms is None:  # the model's own SM list
+        sms = _ints(a.model_sms)
+        if not sms or min(sms) <= 0 or max(sms) > H200_SMS:
+            raise ConfigError(f"model SM counts must be in 1..{H200_SMS}")
+        labels = tuple("full" if n == H200_SMS else f"sm_margin:{n}" for n in sms)
+        specs = build_specs(replace(opts, sms=labels))
+    for s in specs:
+        model_sms(s)
+    return [s for s in specs if s.mode == "eager"]
+
+
+def cmd_matrix(a: argparse.Namespace) -> int:
+    from repro import environment, report
+    from repro.matrix import MatrixOptions, MatrixRun, build_specs, run_matrix, text_progress
+
+    if a.backend is not None and a.backend != "model":
+        raise ConfigError(f"--backend takes only 'model' (use --backends for FA3 builds), got {a.backend!r}")
+    if a.repeat < 1:
+        raise ConfigError("--repeat must be at least 1")
+    if a.jobs < 1:
+        raise ConfigError("--jobs must be at least 1")
+    opts = MatrixOptions(
+        backends=_backends(a.backends),
+        strategies=_items(a.strategies),
+        sms=_items(a.sms if a.sms is not None else DEFAULT_SMS),
+        modes=_items(a.modes if a.modes is not None else DEFAULT_MODES),
+        splits=_ints(a.splits),
+        poison=_poison_arg(a.poison),
+        sanitizer=a.sanitizer,
+        timeout_s=a.timeout,
+        repeat=a.repeat,
+        scenario=a.scenario or V2,
+        cfg=_cfg(a, 32),
+    )
+    for st in opts.strategies:
+        if st not in STRATEGIES:
+            raise ConfigError(f"unknown strategy {st!r}; choose from {', '.join(STRATEGIES)}")
+    specs = build_specs(opts)  # validates every axis, GPU or not
+    model = a.model or a.backend == "model"
+    if not model and not a.dry_run and not _gpu_present():
+        if a.gpu_only:
+            raise ConfigError("no CUDA GPU visible (--gpu-only)")
+        model = True
+        banner = "No GPU here: these are the CPU model's predictions for an H200 (use --gpu-only to refuse)."
+    else:
+        banner = "Backend: the CPU model."
+    if model:
+        specs = _model_specs(a, opts, specs)
+    if a.dry_run:
+        for s in specs:
+            print(s.case_id)
+        return 0
+    _check_out_file(a.json)
+    out = _out_dir(a.out, "matrix") if (a.out or not model) else None
+    env = environment.collect()
+    if model:
+        import time
+
+        from repro.fa3_model.predict import predict_specs
+
+        t0 = time.time()
+        run = MatrixRun(predict_specs(specs), round(time.time() - t0, 2), None, source=report.MODEL)
+        title = f"{a.title} (predicted by the CPU model)"
+    else:
+        run = run_matrix(specs, out / "logs", jobs=a.jobs, progress=None if a.quiet else text_progress)
+        title = a.title
+    md = report.markdown(run, env, title=title)
+    if out is not None:
+        (out / "verdicts.md").write_text(md)
+        report.write_json(run, out / "results.json", env)
+        report.heatmap(run, out / "heatmap.png")
+    if a.json:
+        report.write_json(run, a.json, env)
+    print((banner + "\n\n" if model else "") + md)
+    if out is not None:
+        print(f"reports: {out}")
+    blind = run.blind_controls()
+    if blind and not model:
+        print(
+            f"HARNESS BLIND: {len(blind)} positive control(s) not detected in this environment: "
+            + ", ".join(s.case_id for s, _ in blind[:5]),
+            file=sys.stderr,
+        )
+    if a.gate and not model:
+        why = report.gate_failures(run)
+        if why:
+            print(f"GATE FAILED: {why[0]}" + (f" (+{len(why) - 1} more)" if len(why) > 1 else ""), file=sys.stderr)
+            return 1
+    if a.gate and model:
+        print("GATE FAILED: no GPU, so no kernel evidence: the CPU model cannot pass a gate", file=sys.stderr)
+        return 1
+    return 1 if run.failures() else 0

@@ -1,0 +1,98 @@
+"""`python -m repro doctor | agree | bench | xdist-report | redact`: what a machine can run, and reports over recorded results."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from repro.cli.common import _check_out_file, _check_paths
+from repro.descriptors import ConfigError
+from repro.redact import redact
+
+
+def add_parsers(sub) -> None:
+    sub.add_parser("doctor", help="what this machine can run, and how to fix what is missing")
+    g = sub.add_parser("agree", help="the CPU model's verdicts against recorded GPU results (results.json ...)")
+    g.add_argument("results", nargs="+")
+    g.add_argument("--out", help="write the Markdown here")
+    x = sub.add_parser("xdist-report", help="check from a JUnit XML that each xdist worker had a GPU of its own")
+    x.add_argument("junit")
+    x.add_argument("--workers", type=int, help="number of workers expected")
+    x.add_argument("--out", help="write the Markdown here")
+    rd = sub.add_parser("redact", help="replace machine paths in recorded results with <repo>/, <path>/ ...")
+    rd.add_argument("paths", nargs="+")
+    b = sub.add_parser("bench", help="benchmark numbers from a plain and a memcheck matrix run (results.json)")
+    b.add_argument("plain")
+    b.add_argument("memcheck")
+    b.add_argument("--out", help="write the Markdown here")
+    sub.choices["doctor"].set_defaults(func=cmd_doctor)
+    sub.choices["agree"].set_defaults(func=cmd_agree)
+    sub.choices["bench"].set_defaults(func=cmd_bench)
+    sub.choices["xdist-report"].set_defaults(func=cmd_xdist)
+    sub.choices["redact"].set_defaults(func=cmd_redact)
+
+
+def cmd_doctor(a: argparse.Namespace) -> int:
+    from repro.doctor import doctor
+
+    print(doctor())
+    return 0
+
+
+def cmd_agree(a: argparse.Namespace) -> int:
+    from repro.fa3_model.agreement import compare, markdown
+    from repro.report import MODEL, load_json
+
+    for p in a.results:
+        _check_paths(p)
+    _check_out_file(a.out, "--out")
+    runs = {p: load_json(p) for p in a.results}  # one line, exit 2, for anything that is not a results.json
+    measured = [p for p, run in runs.items() if run.source != MODEL]
+    for p in a.results:
+        if p not in measured:
+            print(f"note: {p} holds CPU-model predictions, not GPU verdicts: left out", file=sys.stderr)
+    if not measured:
+        raise ConfigError("no GPU run to compare with: give results.json files of GPU runs (e.g. results/h200-*/)")
+    rows = compare(measured)
+    md = markdown(rows, measured)
+    if a.out:
+        Path(a.out).write_text(redact(md))
+    print(md)
+    return 0 if all(r.verdict_agrees for r in rows) else 1
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from repro.benchmark import benchmark_markdown
+
+    for path in (a.plain, a.memcheck):
+        _check_paths(path)
+    _check_out_file(a.out, "--out")
+    md = benchmark_markdown(a.plain, a.memcheck)
+    if a.out:
+        Path(a.out).write_text(redact(md))
+    print(md)
+    return 0
+
+
+def cmd_xdist(a: argparse.Namespace) -> int:
+    from repro.xdist_report import check_junit, markdown
+
+    _check_paths(a.junit)
+    _check_out_file(a.out, "--out")
+    rep = check_junit(a.junit, a.workers)
+    md = markdown(rep, a.junit)
+    if a.out:
+        Path(a.out).write_text(redact(md))
+    print(md)
+    return 0 if rep.ok else 1
+
+
+def cmd_redact(a: argparse.Namespace) -> int:
+    from repro.redact import redact_tree
+
+    for path in a.paths:
+        _check_paths(path)
+    changed = redact_tree(a.paths)
+    print(f"redacted {len(changed)} file(s)")
+    return 0

@@ -1,0 +1,99 @@
+"""`python -m repro run`: one attention-layer case."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from repro.case import CaseSpec, SmConfig
+from repro.cli.common import (
+    EXIT_NOT_RUN,
+    _add_cfg,
+    _cfg,
+    _check_out_file,
+    _check_paths,
+    _gpu_present,
+    _out_dir,
+    _poison_arg,
+)
+from repro.descriptors import ConfigError
+from repro.scenarios import SCENARIOS, STRATEGIES, V2
+
+
+def add_parsers(sub) -> None:
+    r = sub.add_parser("run", help="run one case")
+    r.add_argument("--backend", choices=("upstream", "vllm"), required=True)
+    r.add_argument("--backend-path", help="upstream: folder with flash_attn_3/; vllm: path to _vllm_fa3_C*.so")
+    r.add_argument("--strategy", choices=STRATEGIES, default="stale")
+    r.add_argument("--mode", choices=("eager", "graph"), default="eager")
+    r.add_argument("--scenario", choices=SCENARIOS, default=V2)
+    r.add_argument("--sm", default="full", help="full, sm_margin:N, mps:N, green:N, mig[:uuid]")
+    r.add_argument("--num-splits", type=int, default=32)
+    r.add_argument("--built-for", default="t4r1", help="pair scenario: descriptor the buffers hold")
+    r.add_argument("--launched", default="t32r8", help="pair scenario: descriptor launched")
+    r.add_argument("--json", help="write the result here")
+    _add_cfg(r)
+    sub.choices["run"].set_defaults(func=cmd_run)
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    from repro.descriptors import descriptor_from_label
+    from repro.runner import run_case
+    from repro.smcontrol import Unavailable, maybe_mps
+
+    _check_paths(a.backend_path)
+    _check_out_file(a.json)
+    sm = SmConfig.parse(a.sm)
+    cfg = _cfg(a, a.num_splits)
+    pair = (a.built_for, a.launched) if a.scenario == "pair" else None
+    for label in pair or ():
+        d = descriptor_from_label(label, cfg.decode_query_len)
+        if d.num_reqs > cfg.max_batch:
+            raise ConfigError(f"descriptor {label} has {d.num_reqs} requests, over the max batch {cfg.max_batch}")
+    if sm.sms and _gpu_present():
+        from repro.runner import device_sm_count
+
+        if sm.sms > device_sm_count():
+            raise ConfigError(f"impossible SM count {sm.sms}: this GPU has {device_sm_count()}")
+    spec = CaseSpec(
+        a.backend,
+        a.strategy,
+        a.mode,
+        a.scenario,
+        sm,
+        cfg,
+        _poison_arg(a.poison),
+        a.sanitizer,
+        pair,
+        a.backend_path,
+        a.timeout,
+    )
+    if not _gpu_present():
+        print(
+            f"skip: no CUDA GPU here, {spec.case_id} cannot run. For the CPU model's prediction of such cases: "
+            "python -m repro matrix --model",
+            file=sys.stderr,
+        )
+        return EXIT_NOT_RUN
+    out = _out_dir(a.out, "run")
+    try:
+        with maybe_mps(sm.kind == "mps") as mps:
+            res = run_case(spec, out, mps)
+    except Unavailable as e:
+        print(f"skip: {e}", file=sys.stderr)
+        return EXIT_NOT_RUN
+    print(f"logs: {out}")
+    print(f"{res.verdict}: {res.case_id}\n  {res.reason}")
+    if res.kernel:
+        print(f"  kernel: {res.kernel}")
+    if res.stale_fields:
+        print(f"  stale fields: {res.stale_fields}")
+    for d in res.first_diffs:
+        print(f"  {d}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(res.to_dict(), indent=1) + "\n")
+    if res.verdict == "skip":
+        return EXIT_NOT_RUN
+    return 0 if res.verdict == "clean" else 1

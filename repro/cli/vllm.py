@@ -1,0 +1,150 @@
+"""`python -m repro gate | bisect | vllm-check`: real vLLM builds: the gate, bisecting, the source check."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from repro.cli.common import _check_out_file, _check_paths, _out_dir
+from repro.descriptors import ConfigError
+
+
+def add_parsers(sub) -> None:
+    bi = sub.add_parser("bisect", help="git bisect a vLLM checkout for the stale-metadata capture defect")
+    bi.add_argument("--vllm", required=True, help="path of the vLLM git checkout")
+    bi.add_argument("--good", default="HEAD~1")
+    bi.add_argument("--bad", default="HEAD")
+    bi.add_argument("--check", choices=("source", "gate"), default="source")
+    bi.add_argument(
+        "--overlay", help="installed vllm package folder: reuse its compiled extensions (Python-only changes)"
+    )
+    bi.add_argument("--status", action="store_true", help="only check the current commit (exit 0/1/125)")
+    bi.add_argument("gate_cmd", nargs=argparse.REMAINDER, help="-- command for --check gate")
+    vc = sub.add_parser(
+        "vllm-check",
+        help="source verdict and auditor hooks of vLLM checkouts or wheels (no import); exit 0 good, 1 bad, 125 untestable",
+    )
+    vc.add_argument("sources", nargs="+")
+    vc.add_argument("--json")
+    gt = sub.add_parser("gate", help="is this vLLM build affected? real vLLM, every detection mode, one table")
+    gt.add_argument(
+        "--modes",
+        default="audit,plain",
+        help="audit, plain, mps:N, sm_margin:N, poison:FILL, memcheck[:async] (default audit,plain)",
+    )
+    gt.add_argument("--vllm", action="append", default=[], help="LABEL=PREFIX: a build under test (also REPRO_VLLM)")
+    gt.add_argument(
+        "--control",
+        action="append",
+        default=[],
+        help="LABEL=PREFIX: a known-bad build the gate must catch (also REPRO_VLLM_CONTROL)",
+    )
+    gt.add_argument("--no-installed", action="store_true", help="leave out the vllm this Python imports")
+    gt.add_argument("--installed-label", help="case-id label of the installed vllm (default: its version)")
+    gt.add_argument(
+        "--no-control", action="store_true", help="answer for the builds alone (bisect steps): no control needed"
+    )
+    gt.add_argument("--repeat", type=int, default=1, help="repetitions of every case (default 1)")
+    gt.add_argument("--jobs", type=int, default=3, help="cases at a time, MPS cases aside (default 3)")
+    gt.add_argument("--timeout", type=float, default=300.0, help="seconds per case process (default 300)")
+    gt.add_argument(
+        "--out", help="folder for verdicts.md, results.json, logs/ (default: a new folder under the temp folder)"
+    )
+    gt.add_argument("--logs", help="folder for each case's output and logs (default OUT/logs)")
+    gt.add_argument("--dry-run", action="store_true", help="list case ids only")
+    sub.choices["bisect"].set_defaults(func=cmd_bisect)
+    sub.choices["vllm-check"].set_defaults(func=cmd_vllm_check)
+    sub.choices["gate"].set_defaults(func=cmd_gate)
+
+
+def cmd_gate(a: argparse.Namespace) -> int:
+    """Exit 0: every build under test clean and every control caught; 1: a build under test is affected (a fault, a
+    hang, wrong tokens or stale views); 4: a build under test could not be vouched for (a case errored or skipped);
+    3: HARNESS BLIND (a control missed, or none ran); 2: bad input. A bisect step maps 0 and 1 through, the rest to
+    125 (untestable)."""
+    from dataclasses import replace
+
+    from repro.environment import collect
+    from repro.vllm_integration import gate_report
+    from repro.vllm_integration.builds import CONTROL, UNDER_TEST, find_builds, parse_builds
+    from repro.vllm_integration.gate_run import EXIT, parse_modes, run_gate
+
+    modes = parse_modes(a.modes)
+    if a.repeat < 1 or a.jobs < 1 or a.timeout <= 0:
+        raise ConfigError("--repeat and --jobs must be at least 1, --timeout positive")
+    builds = find_builds(include_installed=not a.no_installed)
+    builds += parse_builds(",".join(a.vllm), UNDER_TEST, "--vllm") + parse_builds(
+        ",".join(a.control), CONTROL, "--control"
+    )
+    if a.installed_label:
+        builds = [replace(b, label=a.installed_label) if b.prefix is None else b for b in builds]
+    if not builds:
+        raise ConfigError("no vLLM build to test: install vllm, or name builds with --vllm / --control LABEL=PREFIX")
+    if a.dry_run:
+        from repro.vllm_integration.gate_run import plan
+
+        for c in plan(builds, modes, a.repeat, a.timeout):
+            print(c.case_id)
+        return 0
+    out = _out_dir(a.out, "gate")
+
+    def progress(c, r) -> None:
+        print(f"[gate] {c.case_id}: {r.verdict} ({r.wall_s:.0f} s) {r.evidence or ''} {r.reason[:160]}", flush=True)
+
+    run = run_gate(builds, modes, Path(a.logs) if a.logs else out / "logs", a.repeat, a.jobs, a.timeout, progress)
+    written = gate_report.write(run, out, collect(), need_control=not a.no_control)
+    print(gate_report.markdown(run, need_control=not a.no_control).split("\n| case |")[0])
+    print(f"written: {', '.join(str(p) for p in written)}")
+    return EXIT[run.outcome(need_control=not a.no_control)]
+
+
+def cmd_bisect(a: argparse.Namespace) -> int:
+    from repro.vllm_integration.bisect import run_bisect
+    from repro.vllm_integration.source_check import check_tree
+
+    _check_paths(a.vllm)
+    if not os.path.isdir(os.path.join(a.vllm, ".git")):
+        raise ConfigError(f"{a.vllm}: not a git checkout")
+    if a.check == "gate" and not a.gate_cmd:
+        raise ConfigError("--check gate needs a gate command after --")
+    for flag, rev in (("--good", a.good), ("--bad", a.bad)):
+        r = subprocess.run(
+            ["git", "-C", a.vllm, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+            capture_output=True,
+            text=True,
+        )
+        if r.returncode != 0:
+            raise ConfigError(f"{flag} {rev}: git knows no such commit in {a.vllm} (git rev-parse --verify failed)")
+    if a.status:
+        v = check_tree(a.vllm)
+        print(f"{v.verdict}: {v.reason}" + (f" (layout {v.layout})" if v.layout else ""))
+        return {"good": 0, "bad": 1}.get(v.verdict, 125)
+    first, log = run_bisect(a.vllm, a.good, a.bad, a.check, [x for x in a.gate_cmd if x != "--"] or None, a.overlay)
+    print(log[-4000:])
+    if first:
+        print(f"first bad commit: {first}")
+        return 0
+    print("bisect found no first bad commit: git's log is printed above", file=sys.stderr)
+    return 1
+
+
+def cmd_vllm_check(a: argparse.Namespace) -> int:
+    from repro.vllm_integration.compat import check_source
+
+    rows = []
+    for path in a.sources:
+        _check_paths(path)
+    _check_out_file(a.json)
+    for path in a.sources:
+        c = check_source(path)
+        rows.append(c.to_dict())
+        print(f"{c.source}: {c.verdict} ({c.layout or '-'}): {c.reason}")
+        print(f"  auditor hooks: {'ok' if c.plugin_ok else 'MISSING'}: {'; '.join(c.plugin_notes)}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
+    verdicts = {r["verdict"] for r in rows}
+    return 1 if "bad" in verdicts else (125 if "untestable" in verdicts else 0)
