@@ -113,3 +113,14 @@ def test_matrix_gate_without_gpu_fails(tmp_path):
     r = _repro("matrix", "--gate", "--model-sms", "16", cwd=tmp_path)
     _no_traceback(r)
     assert r.returncode == 1 and "GATE FAILED" in r.stderr
+
+
+def test_bisect_names_a_revision_git_does_not_know(tmp_path):
+    repo = tmp_path / "vllm-src"
+    (repo / "vllm").mkdir(parents=True)
+    (repo / "vllm" / "__init__.py").write_text("")
+    for cmd in (["init", "-q"], ["add", "."], ["-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm", "x"]):
+        subprocess.run(["git", "-C", str(repo), *cmd], check=True, capture_output=True)
+    r = _repro("bisect", "--vllm", str(repo), "--good", "nosuchtag")
+    _no_traceback(r)
+    assert r.returncode == 2 and "--good nosuchtag: git knows no such commit" in r.stderr
