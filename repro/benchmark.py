@@ -72,3 +72,33 @@ def benchmark_markdown(plain_path: str | Path, sanitized_path: str | Path) -> st
         "",
     ]
     return "\n".join(lines)
+
+
+def compare_executors(specs, log_dir: str | Path, jobs: int) -> tuple[str, dict]:
+    """The same matrix run twice in one command, a fresh interpreter per case, then cases forked from a pre-imported
+    server (repro.executor): wall, throughput, time to the first positive control, and the verdict diff (must be
+    empty). Returns (Markdown, numbers)."""
+    from repro.executor import ForkServer
+    from repro.matrix import run_matrix
+
+    runs = {}
+    for name, executor in (("process", None), ("forkserver", ForkServer())):
+        runs[name] = run_matrix(specs, Path(log_dir) / name, jobs=jobs, executor=executor)
+    a, b = (summarize(runs[n]) for n in ("process", "forkserver"))
+    va = {s.case_id: r.verdict for s, r in runs["process"].results}
+    vb = {s.case_id: r.verdict for s, r in runs["forkserver"].results}
+    diff = sorted(f"{k}: {va[k]} -> {vb.get(k)}" for k in va if va[k] != vb.get(k))
+    lines = [
+        "# Benchmark: case execution paths, side by side on one matrix",
+        "",
+        "| path | cases | wall s | cases/min | mean case s | max case s | first positive s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, s in (("process", a), ("forkserver", b)):
+        lines.append(
+            f"| {name} | {s['cases']} | {s['wall_s']} | {s['cases_per_min']} | {s['mean_case_s']} | "
+            f"{s['max_case_s']} | {s['first_positive_s']} |"
+        )
+    lines += ["", f"Verdict diff: {len(diff)} case(s)" + (":" if diff else " (the paths agree)")]
+    lines += [f"- {d}" for d in diff]
+    return "\n".join(lines) + "\n", {"process": a, "forkserver": b, "verdict_diff": diff}

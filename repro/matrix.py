@@ -122,6 +122,7 @@ def run_matrix(
     log_dir: str | Path,
     jobs: int = 4,
     progress: Callable[[int, int, CaseSpec, CaseResult], None] | None = None,
+    executor=None,
 ) -> MatrixRun:
     """Run cases in parallel processes; MPS cases afterwards, one at a time, each under a daemon of its own."""
     from repro.runner import run_case  # here: the CPU model and the reports need this module, not the GPU runner
@@ -143,13 +144,13 @@ def run_matrix(
             progress(len(done), len(specs), s, r)
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futs = {pool.submit(run_case, s, log_dir): s for s in plain}
+        futs = {pool.submit(run_case, s, log_dir, None, executor): s for s in plain}
         for f in as_completed(futs):
             record(futs[f], f.result())
     for s in mps_cases:
         try:
             with maybe_mps(True) as mps:
-                r = run_case(s, log_dir, mps)
+                r = run_case(s, log_dir, mps, executor)
         except Unavailable as e:
             r = CaseResult.skipped(s, str(e))
         record(s, r)

@@ -52,7 +52,7 @@ def worker_env(spec: CaseSpec, mps: MpsDaemon | None, base: dict[str, str] | Non
     return env
 
 
-def run_case(spec: CaseSpec, log_dir: str | Path, mps: MpsDaemon | None = None) -> CaseResult:
+def run_case(spec: CaseSpec, log_dir: str | Path, mps: MpsDaemon | None = None, executor=None) -> CaseResult:
     """Run one case in a fresh process under its timeout and classify it. Never raises for a faulting case."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -60,12 +60,22 @@ def run_case(spec: CaseSpec, log_dir: str | Path, mps: MpsDaemon | None = None) 
         env = worker_env(spec, mps)
     except Unavailable as e:
         return CaseResult.skipped(spec, str(e))
-    return run_process(spec, [sys.executable, "-m", "repro.worker", spec.to_json()], env, log_dir, spec.sanitizer)[0]
+    cmd = [sys.executable, "-m", "repro.worker", spec.to_json()]
+    return run_process(spec, cmd, env, log_dir, spec.sanitizer, executor, ("repro.worker:main", [spec.to_json()]))[0]
 
 
-def run_process(spec, cmd: list[str], env: dict[str, str], log_dir: Path, sanitizer: bool) -> tuple[CaseResult, str]:
+def run_process(
+    spec, cmd: list[str], env: dict[str, str], log_dir: Path, sanitizer: bool, executor=None, target=None
+) -> tuple[CaseResult, str]:
     """One case process (under memcheck when asked), supervised and classified: (result, the process's output).
-    `spec` needs case_id, timeout_s and to_json() (CaseSpec, the vLLM gate's GateCase)."""
+    `spec` needs case_id, timeout_s and to_json() (CaseSpec, the vLLM gate's GateCase). With an executor
+    (repro.executor) and a target (`module:function`, argv), the case is forked from it instead of started as cmd;
+    memcheck cases always run as cmd under compute-sanitizer."""
+    out_path = log_dir / f"{spec.case_id}.out.log"
+    if executor is not None and target is not None and not sanitizer:
+        run = executor.run(target[0], target[1], env, out_path, spec.timeout_s)
+        out = out_path.read_text(errors="replace") if out_path.exists() else ""
+        return classify(spec, out, run.returncode, run.timed_out, None, run.wall_s), out
     san_log = None
     if sanitizer:
         exe = find_sanitizer()
@@ -73,7 +83,6 @@ def run_process(spec, cmd: list[str], env: dict[str, str], log_dir: Path, saniti
             return CaseResult.skipped(spec, "compute-sanitizer not found (install the CUDA toolkit)"), ""
         san_log = log_dir / f"{spec.case_id}.memcheck.log"
         cmd = sanitizer_command(exe, str(san_log), kernel_filter="flash") + cmd
-    out_path = log_dir / f"{spec.case_id}.out.log"
     run = supervise(cmd, env, out_path, spec.timeout_s, san_log)
     out = out_path.read_text(errors="replace")
     log_text = san_log.read_text(errors="replace") if san_log and san_log.exists() else None

@@ -39,6 +39,18 @@ def add_parsers(sub) -> None:
         "--scenario", choices=SCENARIOS, help=f"attention layer ({V2}, default), pair, or spec-decode (models)"
     )
     m.add_argument("--jobs", type=int, default=6, help="cases at a time, MPS cases aside (default %(default)s)")
+    m.add_argument(
+        "--compare-executors",
+        action="store_true",
+        help="benchmark: run the matrix under both executors in one command and diff the verdicts (GPU)",
+    )
+    m.add_argument(
+        "--executor",
+        choices=("process", "forkserver"),
+        default="process",
+        help="process: a fresh interpreter per case; forkserver: cases forked from a server that imported torch once "
+        "(default %(default)s)",
+    )
     m.add_argument("--json", help="also write the machine-readable result here")
     m.add_argument("--title", default="Stale-metadata verdicts", help="report title (default %(default)r)")
     m.add_argument("--dry-run", action="store_true", help="list case ids only")
@@ -137,7 +149,19 @@ def cmd_matrix(a: argparse.Namespace) -> int:
         run = MatrixRun(predict_specs(specs), round(time.time() - t0, 2), None, source=report.MODEL)
         title = f"{a.title} (predicted by the CPU model)"
     else:
-        run = run_matrix(specs, out / "logs", jobs=a.jobs, progress=None if a.quiet else text_progress)
+        from repro.executor import make_executor
+
+        if a.compare_executors:
+            from repro.benchmark import compare_executors
+
+            md_bench, _ = compare_executors(specs, out / "logs", a.jobs)
+            (out / "executors.md").write_text(md_bench)
+            print(md_bench + f"\nreports: {out}")
+            return 0
+        executor = make_executor(a.executor)
+        run = run_matrix(
+            specs, out / "logs", jobs=a.jobs, progress=None if a.quiet else text_progress, executor=executor
+        )
         title = a.title
     md = report.markdown(run, env, title=title)
     if out is not None:

@@ -1,0 +1,76 @@
+"""The forkserver executor's process management with stand-in workers: output to the case's log, the case's own
+environment, exit codes, a timeout that kills the case and what it started, and the runner's verdicts on top."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from repro.case import CaseSpec
+from repro.executor import ForkServer, make_executor
+from repro.runner import run_process
+from repro.verdicts import CLEAN, CRASH, ERROR, HANG
+
+
+@pytest.fixture(scope="module")
+def server():
+    return ForkServer(preload=("tests.standin_worker",))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def test_output_environment_and_exit_code(server, tmp_path):
+    out = tmp_path / "c.out.log"
+    run = server.run("tests.standin_worker:clean", ["x"], {**os.environ, "STANDIN_ENV": "mine"}, out, 60)
+    text = out.read_text()
+    assert run.returncode == 0 and not run.timed_out and "stand-in x" in text and "env mine" in text
+    assert f"pid {os.getpid()}" not in text  # its own process
+
+
+def test_timeout_kills_the_case_and_its_children(server, tmp_path):
+    pidfile = tmp_path / "grandchild.pid"
+    t0 = time.time()
+    run = server.run("tests.standin_worker:hang", [str(pidfile)], dict(os.environ), tmp_path / "h.log", 3)
+    assert run.timed_out and time.time() - t0 < 30
+    grandchild = int(pidfile.read_text())
+    for _ in range(50):
+        if not _alive(grandchild):
+            break
+        time.sleep(0.1)
+    assert not _alive(grandchild)  # no orphan left behind
+
+
+def test_verdicts_through_the_runner(server, tmp_path):
+    spec = CaseSpec("vllm", "stale", timeout_s=3)
+    env = dict(os.environ)
+    verdicts = {}
+    for fn in ("clean", "crash", "boom", "hang"):
+        argv = [str(tmp_path / "pid")] if fn == "hang" else ["y"]
+        res, _ = run_process(spec, [], env, tmp_path, False, server, (f"tests.standin_worker:{fn}", argv))
+        verdicts[fn] = res.verdict
+    assert verdicts == {"clean": CLEAN, "crash": CRASH, "boom": ERROR, "hang": HANG}
+
+
+def test_executor_names():
+    assert make_executor("process") is None and isinstance(make_executor("forkserver"), ForkServer)
+    with pytest.raises(Exception, match="unknown executor"):
+        make_executor("threads")
+
+
+def test_both_paths_side_by_side_give_the_same_verdicts(tmp_path):
+    """The benchmark's machinery on a machine without a GPU: every case skips on both paths, the diff is empty."""
+    from repro.benchmark import compare_executors
+
+    specs = [CaseSpec("vllm", "stale", timeout_s=120), CaseSpec("vllm", "fresh", timeout_s=120)]
+    md, numbers = compare_executors(specs, tmp_path, jobs=2)
+    assert numbers["verdict_diff"] == [] and numbers["forkserver"]["cases"] == 2
+    assert "| forkserver | 2 |" in md and "the paths agree" in md
