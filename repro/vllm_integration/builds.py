@@ -90,7 +90,8 @@ def find_builds(environ: dict[str, str] | None = None, include_installed: bool =
     named = parse_builds(env.get(BUILDS_ENV, ""), UNDER_TEST, BUILDS_ENV)
     named += parse_builds(env.get(CONTROL_ENV, ""), CONTROL, CONTROL_ENV)
     inst = installed_build() if include_installed else None
-    if inst is not None and str(inst.package_dir.parent.resolve()) in {b.prefix for b in named}:
+    pkg = inst.package_dir if inst is not None else None
+    if pkg is not None and str(pkg.parent.resolve()) in {b.prefix for b in named}:
         inst = None  # the "installed" vllm is one of the named prefixes, already on PYTHONPATH
     builds = ([inst] if inst else []) + named
     labels = [(b.label, b.role) for b in builds]
