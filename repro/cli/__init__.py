@@ -9,13 +9,13 @@ import os
 import sys
 
 from repro.cli import matrix, reports, run, vllm
-from repro.cli.common import EXIT_BAD_INPUT, _Parser
+from repro.cli.common import EXIT_BAD_INPUT, Parser
 from repro.descriptors import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m repro", description="Stale FA3 attention-metadata reproducer and regression harness")
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    p = Parser(prog="python -m repro", description="Stale FA3 attention-metadata reproducer and regression harness")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
     for module in (reports, run, matrix, vllm):
         module.add_parsers(sub)
     return p

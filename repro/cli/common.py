@@ -19,34 +19,34 @@ EXIT_BAD_INPUT = 2
 EXIT_NOT_RUN = 4  # the case could not run on this machine (no GPU, no MPS...): neither clean nor affected
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2
         sys.stderr.write(f"repro: error: {message}\n")
         raise SystemExit(EXIT_BAD_INPUT)
 
 
-def _ints(text: str) -> tuple[int, ...]:
+def parse_ints(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x)
     except ValueError:
         raise ConfigError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def _items(text: str) -> tuple[str, ...]:
+def parse_items(text: str) -> tuple[str, ...]:
     return tuple(x for x in text.split(",") if x)
 
 
-def _backends(text: str) -> tuple[str, ...]:
+def parse_backends(text: str) -> tuple[str, ...]:
     from repro.backends import BACKENDS
 
-    names = _items(text)
+    names = parse_items(text)
     for b in names:
         if b not in BACKENDS:
             raise ConfigError(f"unknown backend {b!r}; choose from {', '.join(BACKENDS)}")
     return names
 
 
-def _add_cfg(p: argparse.ArgumentParser) -> None:
+def add_shape_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("attention shape")
     d = AttnConfig()
     g.add_argument("--q-heads", type=int, default=d.num_heads_q, help="query heads (default %(default)s)")
@@ -74,7 +74,7 @@ def _add_cfg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="folder for logs and reports (default: a new folder under the system temp folder)")
 
 
-def _cfg(a: argparse.Namespace, splits: int) -> AttnConfig:
+def shape_config(a: argparse.Namespace, splits: int) -> AttnConfig:
     return AttnConfig(
         num_heads_q=a.q_heads,
         num_heads_kv=a.kv_heads,
@@ -85,17 +85,17 @@ def _cfg(a: argparse.Namespace, splits: int) -> AttnConfig:
         window_left=a.window,
         num_splits=splits,
         num_speculative_tokens=a.spec_tokens,
-        capture_sizes=_ints(a.capture_sizes),
+        capture_sizes=parse_ints(a.capture_sizes),
         max_num_seqs=a.max_num_seqs,
     )
 
 
-def _check_paths(backend_path: str | None) -> None:
+def check_exists(backend_path: str | None) -> None:
     if backend_path and not os.path.exists(backend_path):
         raise ConfigError(f"{backend_path}: no such file or folder")
 
 
-def _out_dir(path: str | None, kind: str) -> Path:
+def out_dir(path: str | None, kind: str) -> Path:
     """The folder a command writes into: the one asked for (created), or a new one under the temp folder."""
     import tempfile
 
@@ -111,7 +111,7 @@ def _out_dir(path: str | None, kind: str) -> Path:
     return out
 
 
-def _check_out_file(path: str | None, flag: str = "--json") -> None:
+def check_out_file(path: str | None, flag: str = "--json") -> None:
     """Fail before any work when a report file cannot be written; leaves nothing behind."""
     if path is None:
         return
@@ -128,7 +128,7 @@ def _check_out_file(path: str | None, flag: str = "--json") -> None:
         p.unlink()
 
 
-def _poison_arg(text: str | None) -> str | None:
+def poison_arg(text: str | None) -> str | None:
     """`none` and no poison mean the same case (no suffix in its id)."""
     from repro.poison import parse_poison
 
@@ -136,7 +136,7 @@ def _poison_arg(text: str | None) -> str | None:
     return p.name if p else None
 
 
-def _gpu_present() -> bool:
+def gpu_present() -> bool:
     from repro.runner import device_sm_count
     from repro.smcontrol import Unavailable
 

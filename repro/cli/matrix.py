@@ -9,15 +9,15 @@ from repro.case import CaseSpec
 from repro.cli.common import (
     DEFAULT_MODES,
     DEFAULT_SMS,
-    _add_cfg,
-    _backends,
-    _cfg,
-    _check_out_file,
-    _gpu_present,
-    _ints,
-    _items,
-    _out_dir,
-    _poison_arg,
+    add_shape_args,
+    check_out_file,
+    gpu_present,
+    out_dir,
+    parse_backends,
+    parse_ints,
+    parse_items,
+    poison_arg,
+    shape_config,
 )
 from repro.descriptors import ConfigError
 from repro.scenarios import SCENARIOS, STRATEGIES, V2
@@ -68,7 +68,7 @@ def add_parsers(sub) -> None:
         action="store_true",
         help="strict: fail unless every control ran and every positive control showed kernel evidence",
     )
-    _add_cfg(m)
+    add_shape_args(m)
     sub.choices["matrix"].set_defaults(func=cmd_matrix)
 
 
@@ -86,7 +86,7 @@ def _model_specs(a: argparse.Namespace, opts, specs: list[CaseSpec]) -> list[Cas
     if opts.repeat > 1:
         raise ConfigError("the CPU model is deterministic: --repeat needs a GPU")
     if a.sms is None:  # the model's own SM list
-        sms = _ints(a.model_sms)
+        sms = parse_ints(a.model_sms)
         if not sms or min(sms) <= 0 or max(sms) > H200_SMS:
             raise ConfigError(f"model SM counts must be in 1..{H200_SMS}")
         labels = tuple("full" if n == H200_SMS else f"sm_margin:{n}" for n in sms)
@@ -107,24 +107,24 @@ def cmd_matrix(a: argparse.Namespace) -> int:
     if a.jobs < 1:
         raise ConfigError("--jobs must be at least 1")
     opts = MatrixOptions(
-        backends=_backends(a.backends),
-        strategies=_items(a.strategies),
-        sms=_items(a.sms if a.sms is not None else DEFAULT_SMS),
-        modes=_items(a.modes if a.modes is not None else DEFAULT_MODES),
-        splits=_ints(a.splits),
-        poison=_poison_arg(a.poison),
+        backends=parse_backends(a.backends),
+        strategies=parse_items(a.strategies),
+        sms=parse_items(a.sms if a.sms is not None else DEFAULT_SMS),
+        modes=parse_items(a.modes if a.modes is not None else DEFAULT_MODES),
+        splits=parse_ints(a.splits),
+        poison=poison_arg(a.poison),
         sanitizer=a.sanitizer,
         timeout_s=a.timeout,
         repeat=a.repeat,
         scenario=a.scenario or V2,
-        cfg=_cfg(a, 32),
+        cfg=shape_config(a, 32),
     )
     for st in opts.strategies:
         if st not in STRATEGIES:
             raise ConfigError(f"unknown strategy {st!r}; choose from {', '.join(STRATEGIES)}")
     specs = build_specs(opts)  # validates every axis, GPU or not
     model = a.model or a.backend == "model"
-    if not model and not a.dry_run and not _gpu_present():
+    if not model and not a.dry_run and not gpu_present():
         if a.gpu_only:
             raise ConfigError("no CUDA GPU visible (--gpu-only)")
         model = True
@@ -137,8 +137,8 @@ def cmd_matrix(a: argparse.Namespace) -> int:
         for s in specs:
             print(s.case_id)
         return 0
-    _check_out_file(a.json)
-    out = _out_dir(a.out, "matrix") if (a.out or not model) else None
+    check_out_file(a.json)
+    out = out_dir(a.out, "matrix") if (a.out or not model) else None
     env = environment.collect()
     if model:
         import time

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from repro.cli.common import _check_out_file, _check_paths
+from repro.cli.common import check_exists, check_out_file
 from repro.descriptors import ConfigError
 from repro.redact import redact
 
@@ -45,8 +45,8 @@ def cmd_agree(a: argparse.Namespace) -> int:
     from repro.report import MODEL, load_json
 
     for p in a.results:
-        _check_paths(p)
-    _check_out_file(a.out, "--out")
+        check_exists(p)
+    check_out_file(a.out, "--out")
     runs = {p: load_json(p) for p in a.results}  # one line, exit 2, for anything that is not a results.json
     measured = [p for p, run in runs.items() if run.source != MODEL]
     for p in a.results:
@@ -66,8 +66,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from repro.benchmark import benchmark_markdown
 
     for path in (a.plain, a.memcheck):
-        _check_paths(path)
-    _check_out_file(a.out, "--out")
+        check_exists(path)
+    check_out_file(a.out, "--out")
     md = benchmark_markdown(a.plain, a.memcheck)
     if a.out:
         Path(a.out).write_text(redact(md))
@@ -78,8 +78,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
 def cmd_xdist(a: argparse.Namespace) -> int:
     from repro.xdist_report import check_junit, markdown
 
-    _check_paths(a.junit)
-    _check_out_file(a.out, "--out")
+    check_exists(a.junit)
+    check_out_file(a.out, "--out")
     rep = check_junit(a.junit, a.workers)
     md = markdown(rep, a.junit)
     if a.out:
@@ -92,7 +92,7 @@ def cmd_redact(a: argparse.Namespace) -> int:
     from repro.redact import redact_tree
 
     for path in a.paths:
-        _check_paths(path)
+        check_exists(path)
     changed = redact_tree(a.paths)
     print(f"redacted {len(changed)} file(s)")
     return 0

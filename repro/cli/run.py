@@ -10,13 +10,13 @@ from pathlib import Path
 from repro.case import CaseSpec, SmConfig
 from repro.cli.common import (
     EXIT_NOT_RUN,
-    _add_cfg,
-    _cfg,
-    _check_out_file,
-    _check_paths,
-    _gpu_present,
-    _out_dir,
-    _poison_arg,
+    add_shape_args,
+    check_exists,
+    check_out_file,
+    gpu_present,
+    out_dir,
+    poison_arg,
+    shape_config,
 )
 from repro.descriptors import ConfigError
 from repro.scenarios import SCENARIOS, STRATEGIES, V2
@@ -34,7 +34,7 @@ def add_parsers(sub) -> None:
     r.add_argument("--built-for", default="t4r1", help="pair scenario: descriptor the buffers hold")
     r.add_argument("--launched", default="t32r8", help="pair scenario: descriptor launched")
     r.add_argument("--json", help="write the result here")
-    _add_cfg(r)
+    add_shape_args(r)
     sub.choices["run"].set_defaults(func=cmd_run)
 
 
@@ -43,16 +43,16 @@ def cmd_run(a: argparse.Namespace) -> int:
     from repro.runner import run_case
     from repro.smcontrol import Unavailable, maybe_mps
 
-    _check_paths(a.backend_path)
-    _check_out_file(a.json)
+    check_exists(a.backend_path)
+    check_out_file(a.json)
     sm = SmConfig.parse(a.sm)
-    cfg = _cfg(a, a.num_splits)
+    cfg = shape_config(a, a.num_splits)
     pair = (a.built_for, a.launched) if a.scenario == "pair" else None
     for label in pair or ():
         d = descriptor_from_label(label, cfg.decode_query_len)
         if d.num_reqs > cfg.max_batch:
             raise ConfigError(f"descriptor {label} has {d.num_reqs} requests, over the max batch {cfg.max_batch}")
-    if sm.sms and _gpu_present():
+    if sm.sms and gpu_present():
         from repro.runner import device_sm_count
 
         if sm.sms > device_sm_count():
@@ -64,20 +64,20 @@ def cmd_run(a: argparse.Namespace) -> int:
         a.scenario,
         sm,
         cfg,
-        _poison_arg(a.poison),
+        poison_arg(a.poison),
         a.sanitizer,
         pair,
         a.backend_path,
         a.timeout,
     )
-    if not _gpu_present():
+    if not gpu_present():
         print(
             f"skip: no CUDA GPU here, {spec.case_id} cannot run. For the CPU model's prediction of such cases: "
             "python -m repro matrix --model",
             file=sys.stderr,
         )
         return EXIT_NOT_RUN
-    out = _out_dir(a.out, "run")
+    out = out_dir(a.out, "run")
     try:
         with maybe_mps(sm.kind == "mps") as mps:
             res = run_case(spec, out, mps)

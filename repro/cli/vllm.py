@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from repro.cli.common import _check_out_file, _check_paths, _out_dir
+from repro.cli.common import check_exists, check_out_file, out_dir
 from repro.descriptors import ConfigError
 
 
@@ -90,7 +90,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
         for c in plan(builds, modes, a.repeat, a.timeout):
             print(c.case_id)
         return 0
-    out = _out_dir(a.out, "gate")
+    out = out_dir(a.out, "gate")
 
     def progress(c, r) -> None:
         print(f"[gate] {c.case_id}: {r.verdict} ({r.wall_s:.0f} s) {r.evidence or ''} {r.reason[:160]}", flush=True)
@@ -106,7 +106,7 @@ def cmd_bisect(a: argparse.Namespace) -> int:
     from repro.vllm_integration.bisect import run_bisect
     from repro.vllm_integration.source_check import check_tree
 
-    _check_paths(a.vllm)
+    check_exists(a.vllm)
     if not os.path.isdir(os.path.join(a.vllm, ".git")):
         raise ConfigError(f"{a.vllm}: not a git checkout")
     if a.check == "gate" and not a.gate_cmd:
@@ -137,8 +137,8 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
 
     rows = []
     for path in a.sources:
-        _check_paths(path)
-    _check_out_file(a.json)
+        check_exists(path)
+    check_out_file(a.json)
     for path in a.sources:
         c = check_source(path)
         rows.append(c.to_dict())
