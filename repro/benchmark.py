@@ -9,10 +9,14 @@ from pathlib import Path
 from repro.matrix import MatrixRun
 from repro.report import load_json
 
+PHASES = ("start_s", "import_s", "cuda_init_s", "work_s", "teardown_s")
+
 
 def summarize(run: MatrixRun) -> dict:
     walls = [r.wall_s for _, r in run.results]
+    phased = [r.phases for _, r in run.results if r.phases and "start_s" in r.phases]
     return {
+        "phases_mean_s": {k: round(statistics.mean(p[k] for p in phased), 3) for k in PHASES} if phased else None,
         "cases": len(walls),
         "wall_s": run.wall_s,
         "cases_per_min": round(60 * len(walls) / run.wall_s, 1) if run.wall_s else None,
@@ -99,6 +103,11 @@ def compare_executors(specs, log_dir: str | Path, jobs: int) -> tuple[str, dict]
             f"| {name} | {s['cases']} | {s['wall_s']} | {s['cases_per_min']} | {s['mean_case_s']} | "
             f"{s['max_case_s']} | {s['first_positive_s']} |"
         )
+    lines += ["", "Mean seconds per case process, by phase (cases that reached CUDA):", ""]
+    lines += ["| path | " + " | ".join(PHASES) + " |", "|---|" + "---|" * len(PHASES)]
+    for name, s in (("process", a), ("forkserver", b)):
+        ph = s["phases_mean_s"] or {}
+        lines.append(f"| {name} | " + " | ".join(str(ph.get(k, "-")) for k in PHASES) + " |")
     lines += ["", f"Verdict diff: {len(diff)} case(s)" + (":" if diff else " (the paths agree)")]
     lines += [f"- {d}" for d in diff]
     return "\n".join(lines) + "\n", {"process": a, "forkserver": b, "verdict_diff": diff}

@@ -135,6 +135,7 @@ class CaseResult:
     gpu_uuid: str | None = None  # the GPU the case process ran on, read inside it
     vllm_version: str | None = None  # the vLLM build under test (gate cases only)
     evidence: str | None = None  # what the verdict rests on (fault, memcheck finding, audit, token comparison)
+    phases: dict | None = None  # seconds per phase of the case process: start, import, cuda_init, work, teardown
     spec: dict | None = None
     log_tail: str = ""
 

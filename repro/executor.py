@@ -67,7 +67,7 @@ class ForkServer:
         except BaseException:  # Ctrl-C in the parent: no orphan case left running
             _kill(proc)
             raise
-        return ProcessRun(proc.exitcode, timed_out, False, time.time() - t0)
+        return ProcessRun(proc.exitcode, timed_out, False, time.time() - t0, t0)
 
 
 def _kill(proc) -> None:

@@ -75,7 +75,8 @@ def run_process(
     if executor is not None and target is not None and not sanitizer:
         run = executor.run(target[0], target[1], env, out_path, spec.timeout_s)
         out = out_path.read_text(errors="replace") if out_path.exists() else ""
-        return classify(spec, out, run.returncode, run.timed_out, None, run.wall_s), out
+        res = classify(spec, out, run.returncode, run.timed_out, None, run.wall_s)
+        return with_process_phases(res, run), out
     san_log = None
     if sanitizer:
         exe = find_sanitizer()
@@ -89,7 +90,24 @@ def run_process(
     res = classify(spec, out, run.returncode, run.timed_out, log_text, run.wall_s)
     if run.stopped_early:
         res.reason += f" (stopped {EARLY_STOP_GRACE_S:g} s after the first memcheck finding)"
-    return res, out
+    return with_process_phases(res, run), out
+
+
+def with_process_phases(res: CaseResult, run: ProcessRun) -> CaseResult:
+    """Complete the worker's phases (import, CUDA init, work) with what only the parent sees: process start (until
+    the worker's main ran) and teardown (after its work, until the parent saw it exit)."""
+    p = res.phases
+    if p and "main_at" in p and run.started_at:
+        end = run.started_at + run.wall_s
+        done = p["main_at"] + p["import_s"] + p["cuda_init_s"] + p["work_s"]
+        res.phases = {
+            "start_s": round(p["main_at"] - run.started_at, 3),
+            "import_s": p["import_s"],
+            "cuda_init_s": p["cuda_init_s"],
+            "work_s": p["work_s"],
+            "teardown_s": round(end - done, 3),
+        }
+    return res
 
 
 @dataclass
@@ -98,6 +116,7 @@ class ProcessRun:
     timed_out: bool
     stopped_early: bool  # killed EARLY_STOP_GRACE_S after memcheck's first finding
     wall_s: float
+    started_at: float = 0.0  # when the parent started the process (time.time())
 
 
 def supervise(
@@ -136,7 +155,7 @@ def supervise(
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise
-    return ProcessRun(proc.returncode, timed_out, stopped_early, time.time() - t0)
+    return ProcessRun(proc.returncode, timed_out, stopped_early, time.time() - t0, t0)
 
 
 def _has_finding(path: Path) -> bool:

@@ -119,6 +119,7 @@ def classify(spec, output: str, returncode: int | None, timed_out: bool, sanitiz
             r.get("sms_planned"),
         )
         res.backend_identity = r.get("backend_identity")
+        res.phases = r.get("phases")
     elif passes:  # no result (crash, hang): what the launches so far were given
         for p in passes:
             for k, v in p.get("stale_fields", {}).items():

@@ -28,3 +28,13 @@ def crash(argv):
 
 def boom(argv):
     raise ValueError("stand-in failure")
+
+
+def phased(argv):
+    import json
+
+    t0 = time.time()
+    time.sleep(0.2)
+    phases = {"main_at": t0, "import_s": 0.05, "cuda_init_s": 0.05, "work_s": 0.1}
+    print("REPRO_RESULT " + json.dumps({"passes": 1, "max_abs_err": 0.0, "wrong": False, "phases": phases}))
+    return 0

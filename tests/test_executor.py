@@ -74,3 +74,12 @@ def test_both_paths_side_by_side_give_the_same_verdicts(tmp_path):
     md, numbers = compare_executors(specs, tmp_path, jobs=2)
     assert numbers["verdict_diff"] == [] and numbers["forkserver"]["cases"] == 2
     assert "| forkserver | 2 |" in md and "the paths agree" in md
+
+
+def test_phases_split_a_case_process_for_the_benchmark(server, tmp_path):
+    spec = CaseSpec("vllm", "fresh", timeout_s=60)
+    res, _ = run_process(spec, [], dict(os.environ), tmp_path, False, server, ("tests.standin_worker:phased", []))
+    p = res.phases
+    assert res.verdict == CLEAN and set(p) == {"start_s", "import_s", "cuda_init_s", "work_s", "teardown_s"}
+    assert p["start_s"] >= 0 and p["teardown_s"] >= 0
+    assert abs(sum(p.values()) - res.wall_s) < 0.05  # the phases account for the whole process
