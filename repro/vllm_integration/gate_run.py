@@ -465,6 +465,14 @@ def run_gate(
     if not builds:
         raise ConfigError("no vLLM build to test: install vllm, or set REPRO_VLLM / REPRO_VLLM_CONTROL")
     cases = plan(builds, modes, repeat, timeout_s)
+    asked = [m.sm.sms for m in modes if m.sm.kind in ("sm_margin", "mps")]
+    if asked:
+        try:
+            total = device_sm_count()
+        except Unavailable:
+            total = None  # no GPU: those cases skip with the reason
+        if total is not None and max(asked) > total:
+            raise ConfigError(f"a mode asks for {max(asked)} SMs; this GPU has {total}")
     refs = list(dict.fromkeys(reference_for(c) for c in cases))
     run = GateRun()
     lock = threading.Lock()
