@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import os
 
-from repro.verdicts import CRASH, HANG, OOB, WRONG
+from repro.verdicts import KERNEL_EVIDENCE
 
 ENV = "REPRO_GATE"
-KERNEL_EVIDENCE = (OOB, CRASH, HANG, WRONG)
 GPU_MARKERS = ("gpu", "vllm")
 
 
