@@ -78,36 +78,55 @@ def benchmark_markdown(plain_path: str | Path, sanitized_path: str | Path) -> st
     return "\n".join(lines)
 
 
-def compare_executors(specs, log_dir: str | Path, jobs: int) -> tuple[str, dict]:
-    """The same matrix run twice in one command, a fresh interpreter per case, then cases forked from a pre-imported
-    server (repro.executor): wall, throughput, time to the first positive control, and the verdict diff (must be
-    empty). Returns (Markdown, numbers)."""
-    from repro.executor import ForkServer
+# The execution paths the benchmark puts side by side: (executor, MPS daemon policy).
+PATHS = {
+    "old": ("process", "per-case"),  # a fresh interpreter per case, an MPS daemon per MPS case
+    "new": ("forkserver", "shared"),  # cases forked from a pre-imported server, one MPS daemon, clean cases batched
+}
+
+
+def compare_executors(specs, out_dir: str | Path, jobs: int, progress=None) -> tuple[str, dict[str, MatrixRun]]:
+    """The same matrix run on both paths (PATHS) in one command: wall, throughput, time to the first positive
+    control, the per-case split by phase, and the verdict diff (must be empty). Returns (Markdown, runs by path);
+    each path's logs go to out_dir/<path>/logs."""
+    from repro.executor import make_executor
     from repro.matrix import run_matrix
 
-    runs = {}
-    for name, executor in (("process", None), ("forkserver", ForkServer())):
-        runs[name] = run_matrix(specs, Path(log_dir) / name, jobs=jobs, executor=executor)
-    a, b = (summarize(runs[n]) for n in ("process", "forkserver"))
-    va = {s.case_id: r.verdict for s, r in runs["process"].results}
-    vb = {s.case_id: r.verdict for s, r in runs["forkserver"].results}
+    specs = list(specs)
+    runs: dict[str, MatrixRun] = {}
+    for name, (executor, mps_daemon) in PATHS.items():
+        runs[name] = run_matrix(
+            specs,
+            Path(out_dir) / name / "logs",
+            jobs=jobs,
+            progress=progress,
+            executor=make_executor(executor),
+            mps_daemon=mps_daemon,
+        )
+    sums = {n: summarize(r) for n, r in runs.items()}
+    va = {s.case_id: r.verdict for s, r in runs["old"].results}
+    vb = {s.case_id: r.verdict for s, r in runs["new"].results}
     diff = sorted(f"{k}: {va[k]} -> {vb.get(k)}" for k in va if va[k] != vb.get(k))
+    reruns = [s.case_id for s, r in runs["new"].results if "rerun alone" in r.reason]
     lines = [
-        "# Benchmark: case execution paths, side by side on one matrix",
+        "## Case execution paths, side by side on one matrix",
         "",
-        "| path | cases | wall s | cases/min | mean case s | max case s | first positive s |",
-        "|---|---|---|---|---|---|---|",
+        "| path | executor | MPS daemon | cases | wall s | cases/min | mean case s | max case s | first positive s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, s in (("process", a), ("forkserver", b)):
+    for name, s in sums.items():
+        executor, mps_daemon = PATHS[name]
         lines.append(
-            f"| {name} | {s['cases']} | {s['wall_s']} | {s['cases_per_min']} | {s['mean_case_s']} | "
-            f"{s['max_case_s']} | {s['first_positive_s']} |"
+            f"| {name} | {executor} | {mps_daemon} | {s['cases']} | {s['wall_s']} | {s['cases_per_min']} | "
+            f"{s['mean_case_s']} | {s['max_case_s']} | {s['first_positive_s']} |"
         )
     lines += ["", "Mean seconds per case process, by phase (cases that reached CUDA):", ""]
     lines += ["| path | " + " | ".join(PHASES) + " |", "|---|" + "---|" * len(PHASES)]
-    for name, s in (("process", a), ("forkserver", b)):
+    for name, s in sums.items():
         ph = s["phases_mean_s"] or {}
         lines.append(f"| {name} | " + " | ".join(str(ph.get(k, "-")) for k in PHASES) + " |")
+    lines += ["", f"MPS cases rerun alone on the new path: {len(reruns)}"]
+    lines += [f"- {c}" for c in reruns]
     lines += ["", f"Verdict diff: {len(diff)} case(s)" + (":" if diff else " (the paths agree)")]
     lines += [f"- {d}" for d in diff]
-    return "\n".join(lines) + "\n", {"process": a, "forkserver": b, "verdict_diff": diff}
+    return "\n".join(lines) + "\n", runs

@@ -17,7 +17,7 @@ import time
 import traceback
 from pathlib import Path
 
-PRELOAD = ("torch", "repro.worker")
+PRELOAD = ("torch", "repro.worker", "repro.backends.preload")
 
 
 def _child(target: str, argv: list[str], env: dict[str, str], out_path: str) -> None:
@@ -77,6 +77,7 @@ def _kill(proc) -> None:
 
 
 EXECUTORS = ("process", "forkserver")
+DEFAULT_EXECUTOR = "process"
 
 
 def make_executor(name: str) -> ForkServer | None:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from repro.case import CaseResult, CaseSpec, SmConfig
 from repro.descriptors import AttnConfig, ConfigError
+from repro.mps_cases import PER_CASE, run_mps_cases
 from repro.scenarios import FRESH, STALE, V2
-from repro.smcontrol import Unavailable, maybe_mps
 from repro.verdicts import OOB, SKIP, WRONG, satisfies
 
 DEFAULT_SMS = ("sm_margin:16", "mps:16", "full")
@@ -123,16 +123,17 @@ def run_matrix(
     jobs: int = 4,
     progress: Callable[[int, int, CaseSpec, CaseResult], None] | None = None,
     executor=None,
+    mps_daemon: str = PER_CASE,
 ) -> MatrixRun:
-    """Run cases in parallel processes; MPS cases afterwards, one at a time, each under a daemon of its own."""
+    """Run cases in parallel processes; then the MPS cases, under MPS daemons as `mps_daemon` says
+    (repro.mps_cases: per-case, or one shared daemon with only expected-clean cases as concurrent clients)."""
     from repro.runner import run_case  # here: the CPU model and the reports need this module, not the GPU runner
 
     specs = list(specs)
     t0 = time.time()
     first_pos: list[float] = []
     done: list[tuple[CaseSpec, CaseResult]] = []
-    # MPS: one client's fatal fault takes the server down with every client attached, so MPS cases run one at a
-    # time, each under a daemon of its own (measured on the H200: concurrent clients failed with "device busy").
+    # MPS cases after the others: an MPS server and plain processes at once were refused on the H200 ("device busy")
     plain = [s for s in specs if s.sm.kind != "mps"]
     mps_cases = [s for s in specs if s.sm.kind == "mps"]
 
@@ -147,12 +148,13 @@ def run_matrix(
         futs = {pool.submit(run_case, s, log_dir, None, executor): s for s in plain}
         for f in as_completed(futs):
             record(futs[f], f.result())
-    for s in mps_cases:
-        try:
-            with maybe_mps(True) as mps:
-                r = run_case(s, log_dir, mps, executor)
-        except Unavailable as e:
-            r = CaseResult.skipped(s, str(e))
+    for s, r in run_mps_cases(
+        mps_cases,
+        lambda s, daemon: run_case(s, log_dir, daemon, executor),
+        mps_daemon,
+        jobs,
+        may_share=lambda s: s.sanitizer or expectation(s) == "clean",
+    ):
         record(s, r)
     order = {id(s): k for k, s in enumerate(specs)}
     done.sort(key=lambda sr: order[id(sr[0])])

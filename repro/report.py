@@ -52,10 +52,16 @@ def rows(run: MatrixRun) -> list[dict]:
     return out
 
 
-def markdown(run: MatrixRun, env: dict | None = None, title: str = "Verdicts") -> str:
+def header(title: str, env: dict | None = None) -> list[str]:
+    """A report's title and its environment table (machine, GPU, driver, versions, command)."""
     lines = [f"# {title}", ""]
     if env:
         lines += ["| environment | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in env.items()] + [""]
+    return lines
+
+
+def markdown(run: MatrixRun, env: dict | None = None, title: str = "Verdicts") -> str:
+    lines = header(title, env)
     counts = Counter(r.verdict for _, r in run.results)
     fails = run.failures()
     lines.append(

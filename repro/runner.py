@@ -5,7 +5,6 @@ The verdict comes from the process: the worker's result line, the sanitizer log,
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import signal
 import subprocess
@@ -16,20 +15,10 @@ from pathlib import Path
 
 from repro.case import CaseResult, CaseSpec
 from repro.sanitizer import find_sanitizer, sanitizer_command, sanitizer_env
-from repro.smcontrol import MpsDaemon, Unavailable
+from repro.smcontrol import MpsDaemon, Unavailable, device_sm_count
 from repro.verdicts import classify
 
 EARLY_STOP_GRACE_S = 3.0
-
-
-@functools.lru_cache(maxsize=1)
-def device_sm_count() -> int:
-    """SMs of GPU 0 as an unrestricted CUDA process sees them (probed in a child: the parent never touches CUDA)."""
-    code = "import torch; print(torch.cuda.get_device_properties(0).multi_processor_count)"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    if r.returncode != 0:
-        raise Unavailable(f"no CUDA device: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
-    return int(r.stdout.strip().splitlines()[-1])
 
 
 def worker_env(spec: CaseSpec, mps: MpsDaemon | None, base: dict[str, str] | None = None) -> dict[str, str]:

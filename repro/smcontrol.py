@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -106,6 +108,16 @@ def mps_percentage(sms: int, total: int) -> int:
     return 100
 
 
+@functools.lru_cache(maxsize=1)
+def device_sm_count() -> int:
+    """SMs of GPU 0 as an unrestricted CUDA process sees them (probed in a child: the parent never touches CUDA)."""
+    code = "import torch; print(torch.cuda.get_device_properties(0).multi_processor_count)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        raise Unavailable(f"no CUDA device: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
+    return int(r.stdout.strip().splitlines()[-1])
+
+
 class MpsDaemon:
     """An MPS control daemon owned by this run: started in private pipe/log folders, stopped on exit or Ctrl-C."""
 
@@ -179,3 +191,62 @@ def green_contexts_available() -> str | None:
     except Exception as e:
         return f"torch has no green contexts ({e})"
     return None
+
+
+_PROBE_CLIENT = """
+import sys, time, torch
+n = torch.cuda.get_device_properties(0).multi_processor_count
+a = torch.randn(2048, 2048, device="cuda")
+t0 = time.time()
+while time.time() - t0 < float(sys.argv[1]):
+    a = (a @ a).tanh()
+torch.cuda.synchronize()
+print("ok", n, flush=True)
+"""
+
+
+def probe_coexistence(hold_s: float = 4.0, sms: int = 16) -> dict[str, str]:
+    """Can an MPS client and a plain CUDA process use the GPU at the same time? Both orders are tried (the plain
+    process first, then the MPS client first); each entry is 'ok <SMs seen>' or the process's last error line."""
+    import time
+
+    total = device_sm_count()
+    found: dict[str, str] = {}
+    with MpsDaemon() as daemon:
+        mps_env = {**os.environ, **daemon.client_env(sms, total)}
+        plain_env = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_MPS_")}
+        for order in (("plain", "mps"), ("mps", "plain")):
+            procs = {}
+            for who in order:
+                env = mps_env if who == "mps" else plain_env
+                procs[who] = subprocess.Popen(
+                    [sys.executable, "-c", _PROBE_CLIENT, str(hold_s)],
+                    env=env,
+                    text=True,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                )
+                time.sleep(1.5)  # the first holds its context while the second starts
+            for who, p in procs.items():
+                try:
+                    out, _ = p.communicate(timeout=60 + hold_s)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    out = "timed out"
+                lines = [ln for ln in out.strip().splitlines() if ln.strip()]
+                found[f"{order[0]} first: {who}"] = lines[-1] if lines else f"exit {p.returncode}"
+    return found
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--probe-coexistence"]:
+        sys.exit("usage: python -m repro.smcontrol --probe-coexistence")
+    try:
+        found = probe_coexistence()
+    except Unavailable as e:
+        sys.exit(f"cannot probe: {e}")
+    for k, v in found.items():
+        print(f"{k}: {v}")
+    both = all(v.startswith("ok") for v in found.values())
+    print("MPS clients and plain processes coexist:", "yes" if both else "no")
+    sys.exit(0 if both else 1)

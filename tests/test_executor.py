@@ -71,9 +71,10 @@ def test_both_paths_side_by_side_give_the_same_verdicts(tmp_path):
     from repro.benchmark import compare_executors
 
     specs = [CaseSpec("vllm", "stale", timeout_s=120), CaseSpec("vllm", "fresh", timeout_s=120)]
-    md, numbers = compare_executors(specs, tmp_path, jobs=2)
-    assert numbers["verdict_diff"] == [] and numbers["forkserver"]["cases"] == 2
-    assert "| forkserver | 2 |" in md and "the paths agree" in md
+    md, runs = compare_executors(specs, tmp_path, jobs=2)
+    assert set(runs) == {"old", "new"} and len(runs["new"].results) == 2
+    assert "| new | forkserver | shared | 2 |" in md and "the paths agree" in md
+    assert (tmp_path / "old" / "logs").is_dir() and (tmp_path / "new" / "logs").is_dir()
 
 
 def test_phases_split_a_case_process_for_the_benchmark(server, tmp_path):

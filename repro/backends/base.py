@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,6 +40,14 @@ class BackendIdentity:
 
 
 def file_sha256(path: str | Path) -> str:
+    """First 16 hex digits of a file's SHA-256, hashed once per process for an unchanged file (a forkserver that
+    hashed the FA3 libraries before forking spares every case the read of a few hundred MB)."""
+    st = Path(path).stat()
+    return _sha256(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):

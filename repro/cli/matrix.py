@@ -20,6 +20,9 @@ from repro.cli.common import (
     shape_config,
 )
 from repro.descriptors import ConfigError
+from repro.executor import DEFAULT_EXECUTOR, EXECUTORS
+from repro.mps_cases import DEFAULT_MPS_DAEMON, MPS_DAEMON_POLICIES
+from repro.redact import redact
 from repro.scenarios import SCENARIOS, STRATEGIES, V2
 
 
@@ -42,14 +45,21 @@ def add_parsers(sub) -> None:
     m.add_argument(
         "--compare-executors",
         action="store_true",
-        help="benchmark: run the matrix under both executors in one command and diff the verdicts (GPU)",
+        help="benchmark: run the matrix on the old path (a fresh interpreter per case, an MPS daemon per case) and "
+        "the new one (forkserver, one shared MPS daemon) in one command, and diff the verdicts (GPU)",
     )
     m.add_argument(
         "--executor",
-        choices=("process", "forkserver"),
-        default="process",
-        help="process: a fresh interpreter per case; forkserver: cases forked from a server that imported torch once "
-        "(default %(default)s)",
+        choices=EXECUTORS,
+        help="process: a fresh interpreter per case; forkserver: cases forked from a server that imported torch and "
+        f"the FA3 libraries once (default {DEFAULT_EXECUTOR})",
+    )
+    m.add_argument(
+        "--mps-daemon",
+        choices=MPS_DAEMON_POLICIES,
+        help="per-case: each MPS case alone under a daemon of its own; shared: one daemon, positive controls one at "
+        "a time, expected-clean cases as concurrent clients, a batch with any fault rerun case by case "
+        f"(default {DEFAULT_MPS_DAEMON})",
     )
     m.add_argument("--json", help="also write the machine-readable result here")
     m.add_argument("--title", default="Stale-metadata verdicts", help="report title (default %(default)r)")
@@ -85,6 +95,13 @@ def _model_specs(a: argparse.Namespace, opts, specs: list[CaseSpec]) -> list[Cas
         raise ConfigError("the CPU model predicts the eager warmups only: use --modes eager, or run graph on a GPU")
     if opts.repeat > 1:
         raise ConfigError("the CPU model is deterministic: --repeat needs a GPU")
+    for flag, given in (
+        ("--executor", a.executor),
+        ("--mps-daemon", a.mps_daemon),
+        ("--compare-executors", a.compare_executors or None),
+    ):
+        if given is not None:
+            raise ConfigError(f"{flag} chooses how case processes run on a GPU; the CPU model runs none")
     if a.sms is None:  # the model's own SM list
         sms = parse_ints(a.model_sms)
         if not sms or min(sms) <= 0 or max(sms) > H200_SMS:
@@ -154,13 +171,22 @@ def cmd_matrix(a: argparse.Namespace) -> int:
         if a.compare_executors:
             from repro.benchmark import compare_executors
 
-            md_bench, _ = compare_executors(specs, out / "logs", a.jobs)
-            (out / "executors.md").write_text(md_bench)
+            if a.executor or a.mps_daemon:
+                raise ConfigError("--compare-executors runs both paths; leave out --executor and --mps-daemon")
+            md_bench, runs = compare_executors(specs, out, a.jobs, progress=None if a.quiet else text_progress)
+            (out / "executors.md").write_text(redact("\n".join(report.header(a.title, env))) + "\n" + md_bench)
+            for name, path_run in runs.items():
+                report.write_json(path_run, out / name / "results.json", env)
+                (out / name / "verdicts.md").write_text(report.markdown(path_run, env, title=f"{a.title} ({name})"))
             print(md_bench + f"\nreports: {out}")
-            return 0
-        executor = make_executor(a.executor)
+            return 1 if runs["new"].failures() or runs["old"].failures() else 0
         run = run_matrix(
-            specs, out / "logs", jobs=a.jobs, progress=None if a.quiet else text_progress, executor=executor
+            specs,
+            out / "logs",
+            jobs=a.jobs,
+            progress=None if a.quiet else text_progress,
+            executor=make_executor(a.executor or DEFAULT_EXECUTOR),
+            mps_daemon=a.mps_daemon or DEFAULT_MPS_DAEMON,
         )
         title = a.title
     md = report.markdown(run, env, title=title)

@@ -1,0 +1,92 @@
+"""How the MPS cases of a matrix share MPS daemons.
+
+Under MPS one client's fatal GPU fault is delivered to every client attached to the same server, and the server
+takes no new client until all of them have exited (NVIDIA's MPS guide, "error containment"); two MPS servers cannot
+share a GPU. So a case's verdict must come from a run in which no other client could have faulted it:
+
+- `per-case`: every MPS case alone under a daemon of its own, started and stopped around it (the old path).
+- `shared`: one daemon for the whole MPS group. Cases that may fault run one at a time under it; cases that may
+  share (expected clean, or under memcheck, whose findings are made by the client's own instrumentation before any
+  access faults) run `jobs` at a time as concurrent clients. In a batch only verdicts no other client can cause are
+  kept (TRUSTED_IN_BATCH: clean, skip, oob); when a batch of several has any other verdict, each such case reruns
+  alone under a daemon of its own, after the shared one stopped. A case run alone under the shared daemon that ended in a harness error (the server was still
+  recovering from the previous client's fault, say) reruns the same way. The rerun's verdict is the case's; its
+  reason says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+from repro.case import CaseResult, CaseSpec
+from repro.smcontrol import MpsDaemon, Unavailable
+from repro.verdicts import CLEAN, ERROR, OOB, SKIP
+
+PER_CASE, SHARED = "per-case", "shared"
+MPS_DAEMON_POLICIES = (PER_CASE, SHARED)
+DEFAULT_MPS_DAEMON = PER_CASE
+
+# A client that finished clean, skipped, or had memcheck's instrumentation catch its own access: no other client's
+# fault can produce these. Anything else in a batch (a fault code, a hang, an error) may have come from a neighbour.
+TRUSTED_IN_BATCH = (CLEAN, SKIP, OOB)
+
+RunOne = Callable[[CaseSpec, MpsDaemon], CaseResult]
+
+
+def run_mps_cases(
+    specs: list[CaseSpec],
+    run_one: RunOne,
+    policy: str = PER_CASE,
+    jobs: int = 4,
+    may_share: Callable[[CaseSpec], bool] = lambda s: False,
+    daemon_factory: Callable[[], MpsDaemon] = MpsDaemon,
+) -> Iterator[tuple[CaseSpec, CaseResult]]:
+    """Yield (spec, result) for every MPS case, in the order the verdicts become final."""
+    if policy not in MPS_DAEMON_POLICIES:
+        raise ValueError(f"unknown MPS daemon policy {policy!r}; choose from {', '.join(MPS_DAEMON_POLICIES)}")
+    if policy == PER_CASE:
+        for s in specs:
+            yield s, _alone(s, run_one, daemon_factory)
+        return
+    alone = [s for s in specs if not may_share(s)]
+    shared = [s for s in specs if may_share(s)]
+    rerun: list[tuple[CaseSpec, str]] = []
+    try:
+        daemon = daemon_factory().start()
+    except Unavailable as e:
+        for s in specs:
+            yield s, CaseResult.skipped(s, str(e))
+        return
+    try:
+        for s in alone:
+            r = run_one(s, daemon)
+            if r.verdict == ERROR:
+                rerun.append((s, f"ended in an error under the shared MPS daemon ({r.reason[:120]})"))
+            else:
+                yield s, r
+        size = max(1, jobs)
+        for k in range(0, len(shared), size):
+            batch = shared[k : k + size]
+            with ThreadPoolExecutor(max_workers=len(batch)) as pool:
+                results = list(pool.map(lambda s: run_one(s, daemon), batch))
+            troubled = len(batch) > 1 and any(r.verdict not in TRUSTED_IN_BATCH for r in results)
+            for s, r in zip(batch, results):
+                if troubled and r.verdict not in TRUSTED_IN_BATCH:
+                    rerun.append((s, f"{r.verdict} in a batch of {len(batch)} MPS clients"))
+                else:
+                    yield s, r
+    finally:
+        daemon.stop()
+    for s, why in rerun:
+        r = _alone(s, run_one, daemon_factory)
+        r.reason = f"{r.reason} (rerun alone: {why})".strip()
+        yield s, r
+
+
+def _alone(spec: CaseSpec, run_one: RunOne, daemon_factory: Callable[[], MpsDaemon]) -> CaseResult:
+    try:
+        with daemon_factory() as daemon:
+            return run_one(spec, daemon)
+    except Unavailable as e:
+        return CaseResult.skipped(spec, str(e))

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU evidence runs recorded under results/, one step per call on the device machine (run from the repository
+# root, with the FA3 bundles in .gpu/ when present). Each step writes its reports under $OUT/<step>.
+#   bash scripts/gpu-evidence.sh executors|default|memcheck|spec|mps-probe [extra matrix flags]
+set -u
+step=${1:?usage: gpu-evidence.sh executors|default|memcheck|spec|mps-probe [matrix flags]}
+shift
+OUT=${OUT:-out}
+export PYTHONUNBUFFERED=1
+if [ -d .gpu ] && [ -z "${FA3_UPSTREAM_PATH:-}" ]; then eval "$(bash .gpu/unpack.sh .gpu)"; fi
+py=$(command -v python3 || command -v python)
+work=$(mktemp -d /tmp/evidence.XXXX)
+
+keep() {  # copy a run's reports (not its logs) to $OUT/<step>
+  mkdir -p "$OUT/$step"
+  for f in verdicts.md results.json heatmap.png executors.md; do [ -e "$work/$f" ] && cp "$work/$f" "$OUT/$step/"; done
+  for d in old new; do
+    [ -d "$work/$d" ] || continue
+    mkdir -p "$OUT/$step/$d"
+    cp "$work/$d"/verdicts.md "$work/$d"/results.json "$OUT/$step/$d/" 2>/dev/null
+  done
+}
+
+case $step in
+  executors)  # #12: the old and the new execution path side by side on the default matrix
+    timeout 580 "$py" -m repro matrix --quiet --compare-executors --jobs 8 --out "$work" \
+      --title 'Default matrix, old and new execution paths, H200' "$@"; rc=$?; keep ;;
+  default)  # the default matrix with the default execution path
+    timeout 580 "$py" -m repro matrix --quiet --gate --jobs 8 --out "$work" --title 'Default matrix, H200' "$@"
+    rc=$?; keep ;;
+  memcheck)  # the default matrix under compute-sanitizer memcheck
+    timeout 580 "$py" -m repro matrix --quiet --gate --sanitizer --jobs 12 --out "$work" \
+      --title 'Default matrix under compute-sanitizer memcheck, H200' "$@"; rc=$?; keep ;;
+  spec)  # spec-decode models, draft warmup and graph replay
+    timeout 580 "$py" -m repro matrix --quiet --scenario spec-decode --modes eager,graph --splits 32 \
+      --sms sm_margin:16,full --jobs 8 --timeout 240 --out "$work" --title 'Spec-decode models, H200' "$@"
+    rc=$?; keep ;;
+  mps-probe)  # can an MPS client and a plain CUDA process use the GPU at the same time?
+    timeout 120 "$py" -m repro.smcontrol --probe-coexistence | tee "$OUT/mps-probe.txt"; rc=${PIPESTATUS[0]} ;;
+  *) echo "unknown step $step" >&2; exit 2 ;;
+esac
+rm -rf "$work"
+exit $rc

@@ -1,0 +1,153 @@
+"""How MPS cases share daemons (repro.mps_cases), with a stand-in daemon and stand-in cases: never two daemons at
+once, positive controls alone, expected-clean cases as concurrent clients, and a batch with a fault rerun case by
+case under a daemon of its own."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from repro.case import CaseResult, CaseSpec, SmConfig
+from repro.mps_cases import PER_CASE, SHARED, run_mps_cases
+from repro.smcontrol import Unavailable
+from repro.verdicts import CLEAN, CRASH, ERROR, SKIP
+
+
+class Daemons:
+    """Stand-in MPS daemons that record starts and stops and fail the test if two ever run at once."""
+
+    def __init__(self, fail_start: bool = False) -> None:
+        self.started = 0
+        self.running = 0
+        self.fail_start = fail_start
+        self.lock = threading.Lock()
+
+    def __call__(self):
+        outer = self
+
+        class Daemon:
+            def start(self):
+                if outer.fail_start:
+                    raise Unavailable("nvidia-cuda-mps-control not found")
+                with outer.lock:
+                    assert outer.running == 0, "two MPS daemons at once"
+                    outer.running += 1
+                    outer.started += 1
+                    self.n = outer.started
+                return self
+
+            def stop(self):
+                with outer.lock:
+                    outer.running -= 1
+
+            def __enter__(self):
+                return self.start()
+
+            def __exit__(self, *exc):
+                self.stop()
+
+        return Daemon()
+
+
+def _spec(strategy: str, k: int) -> CaseSpec:
+    return CaseSpec("upstream", strategy, sm=SmConfig.parse("mps:16"), seed=k)
+
+
+class Cases:
+    """Stand-in case runs: `outcome(spec, daemon_number, clients_now)` decides the verdict."""
+
+    def __init__(self, outcome) -> None:
+        self.outcome = outcome
+        self.clients = 0
+        self.most_clients = 0
+        self.ran: list[tuple[int, int]] = []  # (seed, daemon number)
+        self.lock = threading.Lock()
+
+    def __call__(self, spec: CaseSpec, daemon) -> CaseResult:
+        with self.lock:
+            self.clients += 1
+            self.most_clients = max(self.most_clients, self.clients)
+            now = self.clients
+        time.sleep(0.05)
+        verdict = self.outcome(spec, daemon.n, now)
+        with self.lock:
+            self.clients -= 1
+            self.ran.append((spec.seed, daemon.n))
+        r = CaseResult(spec.case_id, verdict, f"stand-in {verdict}")
+        return r
+
+
+def _expected_clean(s: CaseSpec) -> bool:
+    return s.strategy == "fresh"
+
+
+def test_per_case_starts_a_daemon_for_every_case():
+    daemons, cases = Daemons(), Cases(lambda s, d, n: CLEAN)
+    specs = [_spec("fresh", k) for k in range(3)]
+    out = list(run_mps_cases(specs, cases, PER_CASE, jobs=4, daemon_factory=daemons))
+    assert [r.verdict for _, r in out] == [CLEAN] * 3 and daemons.started == 3 and cases.most_clients == 1
+
+
+def test_shared_daemon_positive_controls_alone_clean_cases_together():
+    daemons = Daemons()
+    cases = Cases(lambda s, d, n: CRASH if s.strategy == "stale" else CLEAN)
+    specs = [_spec("stale", 0), _spec("stale", 1)] + [_spec("fresh", k) for k in range(2, 8)]
+    out = dict((s.seed, r) for s, r in run_mps_cases(specs, cases, SHARED, 3, _expected_clean, daemons))
+    assert daemons.started == 1 and daemons.running == 0
+    assert out[0].verdict == out[1].verdict == CRASH
+    assert all(out[k].verdict == CLEAN for k in range(2, 8))
+    assert cases.most_clients == 3  # the clean cases ran 3 at a time
+    assert [seed for seed, _ in cases.ran[:2]] == [0, 1]  # positive controls first, one at a time
+
+
+def test_a_batch_with_a_fault_reruns_its_faulted_cases_alone():
+    """A clean case that faults only because another client of its batch did: alone, it is clean again."""
+    daemons = Daemons()
+
+    def outcome(s, daemon, clients_now):
+        if s.seed == 3:
+            return CRASH  # a real fault: it faults alone too
+        return CRASH if daemon == 1 and s.seed in (2, 4) else CLEAN  # taken down with it in the shared batch
+
+    cases = Cases(outcome)
+    specs = [_spec("fresh", k) for k in range(2, 6)]
+    out = dict((s.seed, r) for s, r in run_mps_cases(specs, cases, SHARED, 4, _expected_clean, daemons))
+    assert {k: r.verdict for k, r in out.items()} == {2: CLEAN, 3: CRASH, 4: CLEAN, 5: CLEAN}
+    assert "rerun alone: crash in a batch of 4 MPS clients" in out[2].reason
+    assert "rerun alone" in out[3].reason and "rerun alone" not in out[5].reason
+    assert daemons.started == 4  # the shared one, then one for each of the three reruns
+
+
+def test_an_error_under_the_shared_daemon_reruns_alone():
+    daemons = Daemons()
+    cases = Cases(lambda s, d, n: ERROR if d == 1 else CRASH)
+    out = list(run_mps_cases([_spec("stale", 0)], cases, SHARED, 4, _expected_clean, daemons))
+    assert out[0][1].verdict == CRASH and "rerun alone: ended in an error" in out[0][1].reason
+
+
+def test_no_daemon_every_case_skips_with_the_reason():
+    for policy in (PER_CASE, SHARED):
+        cases = Cases(lambda s, d, n: CLEAN)
+        out = list(
+            run_mps_cases([_spec("stale", 0), _spec("fresh", 1)], cases, policy, 2, _expected_clean, Daemons(True))
+        )
+        assert [r.verdict for _, r in out] == [SKIP, SKIP] and "mps-control not found" in out[0][1].reason
+        assert cases.ran == []
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="per-case, shared"):
+        list(run_mps_cases([_spec("fresh", 0)], Cases(lambda s, d, n: CLEAN), "pooled"))
+
+
+def test_memcheck_findings_in_a_batch_are_kept_other_faults_rerun():
+    """An oob verdict is memcheck's finding in that client's own kernels: kept. A fault code without a finding in the
+    same batch may be a neighbour's: rerun alone."""
+    daemons = Daemons()
+    cases = Cases(lambda s, d, n: {0: "oob", 1: CRASH}.get(s.seed, CLEAN) if d == 1 else "oob")
+    specs = [_spec("stale", k) for k in range(3)]
+    out = dict((s.seed, r) for s, r in run_mps_cases(specs, cases, SHARED, 3, lambda s: True, daemons))
+    assert {k: r.verdict for k, r in out.items()} == {0: "oob", 1: "oob", 2: CLEAN}
+    assert "rerun alone" in out[1].reason and "rerun alone" not in out[0].reason
