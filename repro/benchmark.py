@@ -14,7 +14,7 @@ PHASES = ("start_s", "import_s", "cuda_init_s", "work_s", "teardown_s")
 
 def summarize(run: MatrixRun) -> dict:
     walls = [r.wall_s for _, r in run.results]
-    phased = [r.phases for _, r in run.results if r.phases and "start_s" in r.phases]
+    phased = [r.phases for _, r in run.results if r.phases and all(k in r.phases for k in PHASES)]
     return {
         "phases_mean_s": {k: round(statistics.mean(p[k] for p in phased), 3) for k in PHASES} if phased else None,
         "cases": len(walls),
@@ -125,6 +125,11 @@ def compare_executors(specs, out_dir: str | Path, jobs: int, progress=None) -> t
     for name, s in sums.items():
         ph = s["phases_mean_s"] or {}
         lines.append(f"| {name} | " + " | ".join(str(ph.get(k, "-")) for k in PHASES) + " |")
+    lines += ["", "The first positive control on each path, and where its process's time went:", ""]
+    for name, run in runs.items():
+        first = next((r for s, r in run.results if s.case_id == run.first_positive_case), None)
+        ph = ", ".join(f"{k} {v}" for k, v in (first.phases or {}).items()) if first else "-"
+        lines.append(f"- {name}: {run.first_positive_case or 'none'} after {run.first_positive_s} s ({ph})")
     lines += ["", f"MPS cases rerun alone on the new path: {len(reruns)}"]
     lines += [f"- {c}" for c in reruns]
     lines += ["", f"Verdict diff: {len(diff)} case(s)" + (":" if diff else " (the paths agree)")]

@@ -77,7 +77,7 @@ def _kill(proc) -> None:
 
 
 EXECUTORS = ("process", "forkserver")
-DEFAULT_EXECUTOR = "process"
+DEFAULT_EXECUTOR = "forkserver"
 
 
 def make_executor(name: str) -> ForkServer | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -109,6 +110,7 @@ class MatrixRun:
     wall_s: float
     first_positive_s: float | None
     source: str = "gpu"  # gpu: kernels ran; model: the CPU model predicted the verdicts
+    first_positive_case: str | None = None  # the case behind first_positive_s
 
     def failures(self) -> list[tuple[CaseSpec, CaseResult]]:
         return [(s, r) for s, r in self.results if satisfies(expectation(s), r.verdict) is False]
@@ -125,40 +127,64 @@ def run_matrix(
     executor=None,
     mps_daemon: str = PER_CASE,
 ) -> MatrixRun:
-    """Run cases in parallel processes; then the MPS cases, under MPS daemons as `mps_daemon` says
-    (repro.mps_cases: per-case, or one shared daemon with only expected-clean cases as concurrent clients)."""
+    """Run cases in parallel processes, and the MPS cases under MPS daemons as `mps_daemon` says (repro.mps_cases).
+    per-case: the MPS cases after the others, each under a daemon of its own. shared: one daemon, its cases beside
+    the others (an MPS client and plain CUDA processes ran side by side on the H200: results/h200-mps-probe)."""
     from repro.runner import run_case  # here: the CPU model and the reports need this module, not the GPU runner
 
     specs = list(specs)
     t0 = time.time()
-    first_pos: list[float] = []
+    first_pos: list[tuple[float, str]] = []
     done: list[tuple[CaseSpec, CaseResult]] = []
-    # MPS cases after the others: an MPS server and plain processes at once were refused on the H200 ("device busy")
+    lock = threading.Lock()
     plain = [s for s in specs if s.sm.kind != "mps"]
     mps_cases = [s for s in specs if s.sm.kind == "mps"]
+    log_dir = Path(log_dir)
 
     def record(s: CaseSpec, r: CaseResult) -> None:
-        done.append((s, r))
-        if not first_pos and expectation(s) != "clean" and r.verdict != SKIP:
-            first_pos.append(time.time() - t0)
-        if progress:
-            progress(len(done), len(specs), s, r)
+        with lock:
+            done.append((s, r))
+            if not first_pos and expectation(s) != "clean" and r.verdict != SKIP:
+                first_pos.append((time.time() - t0, s.case_id))
+            if progress:
+                progress(len(done), len(specs), s, r)
 
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+    def set_aside(s: CaseSpec) -> None:  # a batch attempt's logs, kept beside the rerun's
+        for suffix in (".out.log", ".memcheck.log"):
+            f = log_dir / f"{s.case_id}{suffix}"
+            if f.exists():
+                f.replace(log_dir / f"{s.case_id}.batch{suffix}")
+
+    def mps_group() -> None:
+        for s, r in run_mps_cases(
+            mps_cases,
+            lambda s, daemon: run_case(s, log_dir, daemon, executor),
+            mps_daemon,
+            jobs,
+            may_share=lambda s: expectation(s) == "clean",
+            before_rerun=set_aside,
+        ):
+            record(s, r)
+
+    beside = mps_daemon != PER_CASE and mps_cases
+    with ThreadPoolExecutor(max_workers=max(1, jobs) + (1 if beside else 0)) as pool:
+        group = pool.submit(mps_group) if beside else None
         futs = {pool.submit(run_case, s, log_dir, None, executor): s for s in plain}
         for f in as_completed(futs):
             record(futs[f], f.result())
-    for s, r in run_mps_cases(
-        mps_cases,
-        lambda s, daemon: run_case(s, log_dir, daemon, executor),
-        mps_daemon,
-        jobs,
-        may_share=lambda s: s.sanitizer or expectation(s) == "clean",
-    ):
-        record(s, r)
+        if group is not None:
+            group.result()
+    if not beside:
+        mps_group()
     order = {id(s): k for k, s in enumerate(specs)}
     done.sort(key=lambda sr: order[id(sr[0])])
-    return MatrixRun(done, round(time.time() - t0, 2), round(first_pos[0], 2) if first_pos else None)
+    first = first_pos[0] if first_pos else (None, None)
+    return MatrixRun(
+        done,
+        round(time.time() - t0, 2),
+        round(first[0], 2) if first[0] is not None else None,
+        first_positive_case=first[1],
+    )
 
 
 def text_progress(n: int, total: int, spec: CaseSpec, res: CaseResult) -> None:

@@ -5,13 +5,15 @@ takes no new client until all of them have exited (NVIDIA's MPS guide, "error co
 share a GPU. So a case's verdict must come from a run in which no other client could have faulted it:
 
 - `per-case`: every MPS case alone under a daemon of its own, started and stopped around it (the old path).
-- `shared`: one daemon for the whole MPS group. Cases that may fault run one at a time under it; cases that may
-  share (expected clean, or under memcheck, whose findings are made by the client's own instrumentation before any
-  access faults) run `jobs` at a time as concurrent clients. In a batch only verdicts no other client can cause are
-  kept (TRUSTED_IN_BATCH: clean, skip, oob); when a batch of several has any other verdict, each such case reruns
-  alone under a daemon of its own, after the shared one stopped. A case run alone under the shared daemon that ended in a harness error (the server was still
-  recovering from the previous client's fault, say) reruns the same way. The rerun's verdict is the case's; its
-  reason says so.
+- `shared`: one daemon for the whole MPS group. Cases that may fault run one at a time under it; cases expected
+  clean run `jobs` at a time as concurrent clients. In a batch only verdicts no other client can cause are kept
+  (TRUSTED_IN_BATCH: clean, skip, and oob, memcheck's finding in the client's own kernels); when a batch of several
+  has any other verdict, each such case reruns alone under a daemon of its own, after the shared one stopped. A case
+  run alone under the shared daemon that ended in a harness error (the server still recovering from the previous
+  client's fault, say) reruns the same way. The rerun's verdict is the case's; its reason keeps the first attempt's.
+  Measured on the H200 (results/h200-memcheck-executors): 16 memcheck MPS cases, stale ones included, as batches of
+  12 clients: 11 had to rerun alone (a neighbour's memcheck stop reached them as an error, a crash or a failed
+  launch), so cases that may fault are not batched, under memcheck either.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from repro.verdicts import CLEAN, ERROR, OOB, SKIP
 
 PER_CASE, SHARED = "per-case", "shared"
 MPS_DAEMON_POLICIES = (PER_CASE, SHARED)
-DEFAULT_MPS_DAEMON = PER_CASE
+DEFAULT_MPS_DAEMON = SHARED
 
 # A client that finished clean, skipped, or had memcheck's instrumentation catch its own access: no other client's
 # fault can produce these. Anything else in a batch (a fault code, a hang, an error) may have come from a neighbour.
@@ -41,8 +43,10 @@ def run_mps_cases(
     jobs: int = 4,
     may_share: Callable[[CaseSpec], bool] = lambda s: False,
     daemon_factory: Callable[[], MpsDaemon] = MpsDaemon,
+    before_rerun: Callable[[CaseSpec], None] = lambda s: None,
 ) -> Iterator[tuple[CaseSpec, CaseResult]]:
-    """Yield (spec, result) for every MPS case, in the order the verdicts become final."""
+    """Yield (spec, result) for every MPS case, in the order the verdicts become final. `before_rerun` is called
+    for a case about to rerun alone (to keep the first attempt's logs)."""
     if policy not in MPS_DAEMON_POLICIES:
         raise ValueError(f"unknown MPS daemon policy {policy!r}; choose from {', '.join(MPS_DAEMON_POLICIES)}")
     if policy == PER_CASE:
@@ -62,7 +66,7 @@ def run_mps_cases(
         for s in alone:
             r = run_one(s, daemon)
             if r.verdict == ERROR:
-                rerun.append((s, f"ended in an error under the shared MPS daemon ({r.reason[:120]})"))
+                rerun.append((s, f"ended in an error under the shared MPS daemon: {r.reason[:160]}"))
             else:
                 yield s, r
         size = max(1, jobs)
@@ -73,12 +77,13 @@ def run_mps_cases(
             troubled = len(batch) > 1 and any(r.verdict not in TRUSTED_IN_BATCH for r in results)
             for s, r in zip(batch, results):
                 if troubled and r.verdict not in TRUSTED_IN_BATCH:
-                    rerun.append((s, f"{r.verdict} in a batch of {len(batch)} MPS clients"))
+                    rerun.append((s, f"{r.verdict} in a batch of {len(batch)} MPS clients: {r.reason[:160]}"))
                 else:
                     yield s, r
     finally:
         daemon.stop()
     for s, why in rerun:
+        before_rerun(s)
         r = _alone(s, run_one, daemon_factory)
         r.reason = f"{r.reason} (rerun alone: {why})".strip()
         yield s, r

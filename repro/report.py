@@ -102,6 +102,7 @@ def write_json(run: MatrixRun, path: str | Path, env: dict | None = None) -> Non
         "backends": ids,
         "wall_s": run.wall_s,
         "first_positive_s": run.first_positive_s,
+        "first_positive_case": run.first_positive_case,
         "cases": [{**row, "result": r.to_dict()} for row, (_, r) in zip(rows(run), run.results)],
     }
     Path(path).write_text(redact(json.dumps(doc, indent=1, default=str)) + "\n")
@@ -123,7 +124,13 @@ def load_json(path: str | Path) -> MatrixRun:
         raise ConfigError(f"{path}: cannot read it ({e.strerror or e})") from None
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{path}: not a results.json written by python -m repro matrix ({e})") from None
-    return MatrixRun(results, doc.get("wall_s", 0.0), doc.get("first_positive_s"), doc.get("source", GPU))
+    return MatrixRun(
+        results,
+        doc.get("wall_s", 0.0),
+        doc.get("first_positive_s"),
+        doc.get("source", GPU),
+        doc.get("first_positive_case"),
+    )
 
 
 def gate_failures(run: MatrixRun) -> list[str]:

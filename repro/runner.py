@@ -84,18 +84,20 @@ def run_process(
 
 def with_process_phases(res: CaseResult, run: ProcessRun) -> CaseResult:
     """Complete the worker's phases (import, CUDA init, work) with what only the parent sees: process start (until
-    the worker's main ran) and teardown (after its work, until the parent saw it exit)."""
+    the worker's main ran) and teardown (after its work, until the parent saw it exit). A process that ended without
+    a result (a fault) reported only its start-up: everything after CUDA init is `rest_s` (work and the teardown)."""
     p = res.phases
     if p and "main_at" in p and run.started_at:
         end = run.started_at + run.wall_s
-        done = p["main_at"] + p["import_s"] + p["cuda_init_s"] + p["work_s"]
-        res.phases = {
-            "start_s": round(p["main_at"] - run.started_at, 3),
-            "import_s": p["import_s"],
-            "cuda_init_s": p["cuda_init_s"],
-            "work_s": p["work_s"],
-            "teardown_s": round(end - done, 3),
-        }
+        ready = p["main_at"] + p["import_s"] + p["cuda_init_s"]
+        phases = {"start_s": round(p["main_at"] - run.started_at, 3), "import_s": p["import_s"]}
+        phases["cuda_init_s"] = p["cuda_init_s"]
+        if "work_s" in p:
+            phases["work_s"] = p["work_s"]
+            phases["teardown_s"] = round(end - ready - p["work_s"], 3)
+        else:
+            phases["rest_s"] = round(end - ready, 3)
+        res.phases = phases
     return res
 
 

@@ -238,15 +238,56 @@ def probe_coexistence(hold_s: float = 4.0, sms: int = 16) -> dict[str, str]:
     return found
 
 
+_PROBE_FAULT = """
+import torch
+x = torch.arange(4, device="cuda")
+print(x[torch.tensor([1 << 20], device="cuda")].sum().item(), flush=True)  # an out-of-range index: a device fault
+"""
+
+
+def probe_containment(hold_s: float = 6.0, sms: int = 16) -> dict[str, str]:
+    """What a healthy MPS client sees when another client of the same daemon faults (NVIDIA: every client of the
+    server gets the fault). Returns the last line of the faulting client and of its neighbour."""
+    import time
+
+    found: dict[str, str] = {}
+    with MpsDaemon() as daemon:
+        env = {**os.environ, **daemon.client_env(sms, device_sm_count())}
+        procs = {}
+        for who, code in (("neighbour", _PROBE_CLIENT), ("faulting client", _PROBE_FAULT)):
+            procs[who] = subprocess.Popen(
+                [sys.executable, "-c", code, str(hold_s)],
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+            time.sleep(2.0)  # the neighbour is at work when the fault comes
+        for who, p in procs.items():
+            try:
+                out, _ = p.communicate(timeout=60 + hold_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out = "timed out"
+            lines = [ln for ln in out.strip().splitlines() if ln.strip()]
+            found[who] = f"exit {p.returncode}: " + (lines[-1] if lines else "")
+    return found
+
+
 if __name__ == "__main__":
     if sys.argv[1:] != ["--probe-coexistence"]:
         sys.exit("usage: python -m repro.smcontrol --probe-coexistence")
     try:
         found = probe_coexistence()
+        contained = probe_containment()
     except Unavailable as e:
         sys.exit(f"cannot probe: {e}")
     for k, v in found.items():
         print(f"{k}: {v}")
     both = all(v.startswith("ok") for v in found.values())
     print("MPS clients and plain processes coexist:", "yes" if both else "no")
+    for k, v in contained.items():
+        print(f"MPS fault containment, {k}: {v}")
+    spared = contained["neighbour"].startswith("exit 0: ok")
+    print("a healthy MPS client survives a neighbour's fault:", "yes" if spared else "no")
     sys.exit(0 if both else 1)

@@ -128,6 +128,8 @@ def classify(spec, output: str, returncode: int | None, timed_out: bool, sanitiz
     devices = tagged(output, DEVICE_TAG)
     if devices:
         res.gpu_uuid = devices[-1].get("gpu_uuid")
+        if res.phases is None:  # no result line (a crash, a hang): the start-up phases the process reported
+            res.phases = devices[-1].get("phases")
     res.findings = [f.to_dict() for f in findings]
     during = f" (during {last})" if last else ""
 

@@ -52,14 +52,6 @@ def run_case(spec: CaseSpec) -> dict:
     from repro.staleness import diff_snapshots, summarize
 
     torch.manual_seed(spec.seed)
-    # where this process really runs, read inside it before any launch (a crash later still names the GPU)
-    emit(
-        DEVICE_TAG,
-        {
-            "gpu_uuid": str(torch.cuda.get_device_properties(0).uuid),
-            "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-        },
-    )
     reported, margin, _green = sm_setup(spec, torch)
     backend = load_backend(spec.backend, spec.backend_path)
     cfg = spec.cfg
@@ -151,18 +143,24 @@ def main(argv: list[str] | None = None) -> int:
             raise Unavailable("no CUDA device visible to this process")
         torch.cuda.init()
         t_cuda = time.time()
+        # where this process runs and how long it took to get there, before any launch: a case that crashes
+        # later still names its GPU and has its start-up phases (repro.benchmark)
+        phases = {"main_at": t0, "import_s": round(t_import - t0, 3), "cuda_init_s": round(t_cuda - t_import, 3)}
+        emit(
+            DEVICE_TAG,
+            {
+                "gpu_uuid": str(torch.cuda.get_device_properties(0).uuid),
+                "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "phases": phases,
+            },
+        )
         res = run_case(spec)
     except (BackendUnavailable, Unavailable) as e:
         emit(SKIP_TAG, {"reason": str(e)})
         return 0
     t_done = time.time()
     # where a case's time goes, for the benchmark (repro.benchmark); the parent adds process start and teardown
-    res["phases"] = {
-        "main_at": t0,
-        "import_s": round(t_import - t0, 3),
-        "cuda_init_s": round(t_cuda - t_import, 3),
-        "work_s": round(t_done - t_cuda, 3),
-    }
+    res["phases"] = {**phases, "work_s": round(t_done - t_cuda, 3)}
     res["wall_s"] = round(time.time() - t0, 3)
     res["pid"] = os.getpid()
     emit(RESULT_TAG, res)

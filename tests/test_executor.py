@@ -84,3 +84,22 @@ def test_phases_split_a_case_process_for_the_benchmark(server, tmp_path):
     assert res.verdict == CLEAN and set(p) == {"start_s", "import_s", "cuda_init_s", "work_s", "teardown_s"}
     assert p["start_s"] >= 0 and p["teardown_s"] >= 0
     assert abs(sum(p.values()) - res.wall_s) < 0.05  # the phases account for the whole process
+
+
+def test_a_faulting_case_keeps_its_start_up_phases(tmp_path):
+    """A case that crashes prints no result; the device line it printed after CUDA init still splits its time."""
+    import json
+
+    from repro.runner import ProcessRun, with_process_phases
+    from repro.verdicts import classify
+
+    t0 = 1000.0
+    out = (
+        'REPRO_DEVICE {"gpu_uuid": "GPU-1", "phases": '
+        + json.dumps({"main_at": t0 + 0.1, "import_s": 2.0, "cuda_init_s": 0.2})
+        + "}\ntorch.AcceleratorError: CUDA error: an illegal memory access was encountered\n"
+    )
+    spec = CaseSpec("vllm", "stale", timeout_s=60)
+    res = with_process_phases(classify(spec, out, 1, False, None, 3.0), ProcessRun(1, False, False, 3.0, t0))
+    assert res.verdict == CRASH and res.gpu_uuid == "GPU-1"
+    assert res.phases == {"start_s": 0.1, "import_s": 2.0, "cuda_init_s": 0.2, "rest_s": 0.7}
