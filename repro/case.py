@@ -127,6 +127,7 @@ class CaseResult:
     first_diffs: list[str] = field(default_factory=list)
     findings: list[dict] = field(default_factory=list)
     max_abs_err: float | None = None
+    tolerance: float | None = None  # the bound max_abs_err was held to (repro.reference.tolerance)
     sms_reported: int | None = None
     sms_planned: int | None = None
     wall_s: float = 0.0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from repro.verdicts import KERNEL_EVIDENCE
+from repro.verdicts import KERNEL_EVIDENCE, no_kernel_evidence
 
 ENV = "REPRO_GATE"
 GPU_MARKERS = ("gpu", "vllm")
@@ -47,9 +47,4 @@ class Evidence:
                 self.with_kernel_evidence += 1
 
     def failure(self) -> str | None:
-        if self.with_kernel_evidence:
-            return None
-        return (
-            f"GATE FAILED: no positive control produced kernel evidence ({self.controls} positive control(s) ran): "
-            "this environment cannot show that it sees the bug"
-        )
+        return no_kernel_evidence(self.controls, self.with_kernel_evidence)

@@ -134,21 +134,23 @@ def load_json(path: str | Path) -> MatrixRun:
 
 
 def gate_failures(run: MatrixRun) -> list[str]:
-    """Why a strict gate must fail: a control that skipped or errored, or a positive control without kernel evidence
-    (the capture audit alone does not count)."""
-    from repro.verdicts import ERROR, SKIP, STALE_AUDIT
+    """Why a strict gate must fail (repro.verdicts.gate_problem for each control, then no_kernel_evidence for the
+    run): a control that skipped or errored or missed its expectation, or no positive control with kernel evidence."""
+    from repro.verdicts import KERNEL_EVIDENCE, gate_problem, no_kernel_evidence
 
     why = []
+    positive = with_evidence = 0
     for s, r in run.results:
         exp = expectation(s)
-        if r.verdict in (SKIP, ERROR):
-            why.append(f"{s.case_id}: {r.verdict}: {r.reason[:160]}")
-        elif exp != "clean" and (r.verdict == STALE_AUDIT or not satisfies(exp, r.verdict)):
-            why.append(f"{s.case_id}: positive control came back {r.verdict} (no kernel evidence)")
-        elif exp == "clean" and not satisfies(exp, r.verdict):
-            why.append(f"{s.case_id}: negative control came back {r.verdict}")
+        if problem := gate_problem(exp, r.verdict):
+            why.append(f"{s.case_id}: {problem}: {r.reason[:160]}")
+        if exp != "clean":
+            positive += 1
+            with_evidence += r.verdict in KERNEL_EVIDENCE
     if not run.results:
         why.append("no case ran")
+    elif line := no_kernel_evidence(positive, with_evidence):
+        why.append(line)
     return why
 
 

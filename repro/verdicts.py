@@ -76,6 +76,30 @@ def satisfies(expect: str, verdict: str) -> bool | None:
     return verdict in KERNEL_EVIDENCE
 
 
+def gate_problem(expect: str, verdict: str) -> str | None:
+    """Why one control fails a strict gate, None when it passes: it did not run (skip, harness error), or its verdict
+    does not meet its expectation (`satisfies`; an audit control passes with the audit alone). A gate as a whole
+    also needs kernel evidence from at least one positive control: `no_kernel_evidence`. One rule for `pytest --gate`
+    (repro.pytest_gate) and `matrix --gate` (repro.report.gate_failures)."""
+    if verdict in (SKIP, ERROR):
+        return f"{verdict}: the gate has no evidence from this control"
+    if satisfies(expect, verdict):
+        return None
+    if expect == "clean":
+        return f"negative control came back {verdict}"
+    return f"positive control came back {verdict}, expected {expect}"
+
+
+def no_kernel_evidence(controls: int, with_evidence: int) -> str | None:
+    """The one line a gate fails with when no positive control showed kernel evidence (None when one did)."""
+    if with_evidence:
+        return None
+    return (
+        f"GATE FAILED: no positive control produced kernel evidence ({controls} positive control(s) ran): "
+        "this environment cannot show that it sees the bug"
+    )
+
+
 def tagged(text: str, tag: str) -> list[dict]:
     """The JSON objects of every `<tag> <json>` line (repro.tags)."""
     out = []
@@ -120,6 +144,7 @@ def classify(spec, output: str, returncode: int | None, timed_out: bool, sanitiz
         )
         res.backend_identity = r.get("backend_identity")
         res.phases = r.get("phases")
+        res.tolerance = r.get("tolerance")
     elif passes:  # no result (crash, hang): what the launches so far were given
         for p in passes:
             for k, v in p.get("stale_fields", {}).items():
@@ -175,10 +200,15 @@ def classify(spec, output: str, returncode: int | None, timed_out: bool, sanitiz
         reason = "no fault this run, but passes ran on another batch's metadata: " + ", ".join(
             f"{k}={v}" for k, v in sorted(res.stale_fields.items())
         )
+        if r.get("summary"):  # what the kernels' outputs showed (spec-decode: graph against eager)
+            reason += f"; outputs: {r['summary']}"
         return done(STALE_AUDIT, reason, "", res.first_diffs[0].split(":")[0] if res.first_diffs else None)
     if returncode not in (0, None):
         return done(ERROR, f"result printed but exit status {returncode}", "")
-    summary = r.get("summary") or f"{r.get('passes')} passes, max |out - reference| = {r.get('max_abs_err', 0):.3g}"
+    summary = r.get("summary") or (
+        f"{r.get('passes')} passes, max |out - reference| = {r.get('max_abs_err', 0):.3g}"
+        + (f" (tolerance {res.tolerance:.3g})" if res.tolerance else "")
+    )
     return done(CLEAN, summary, "")
 
 

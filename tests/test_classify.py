@@ -83,3 +83,13 @@ def test_every_verdict_says_what_it_rests_on(fixtures):
     r = classify(SPEC, _out(fixtures, "crash-vllm-16sm-intmax.out.log"), 1, False, None, 7.6)
     assert r.verdict == CRASH and r.evidence.startswith("CUDA memory fault: operation not supported")
     assert classify(SPEC, 'REPRO_PASS {"descriptor": "t8r2"}\n', -9, True, None, 90).evidence == "timeout: 90 s"
+
+
+def test_the_tolerance_a_result_was_held_to_is_kept_and_shown():
+    out = (
+        'REPRO_RESULT {"passes": 9, "max_abs_err": 0.0092, "tolerance": 0.0157, "wrong": false, '
+        '"stale_fields": {}, "first_diffs": []}\n'
+    )
+    r = classify(SPEC, out, 0, False, None, 1.0)
+    assert r.verdict == CLEAN and r.tolerance == 0.0157 and "(tolerance 0.0157)" in r.reason
+    assert r.to_dict()["tolerance"] == 0.0157

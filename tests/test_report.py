@@ -63,7 +63,11 @@ def test_expectations_come_from_the_model_or_a_measured_table():
     assert satisfies("audit", STALE_AUDIT)
 
 
-RECORDED = sorted(p for p in (Path(__file__).resolve().parent.parent / "results").glob("h200-*/results.json"))
+RECORDED = sorted(
+    p
+    for pattern in ("h200-*/results.json", "h200-*/old/results.json", "h200-*/new/results.json")
+    for p in (Path(__file__).resolve().parent.parent / "results").glob(pattern)
+)
 
 
 def test_every_recorded_gpu_run_meets_its_expectation():
@@ -99,3 +103,43 @@ def test_skipped_results_reload_from_json(tmp_path):
     report.write_json(MatrixRun([(spec, CaseResult.skipped(spec, "no MPS"))], 1.0, None), tmp_path / "r.json")
     ((s, r),) = report.load_json(tmp_path / "r.json").results
     assert s == spec and r.verdict == "skip" and r.reason == "no MPS"
+
+
+def test_recorded_execution_paths_agree_and_the_new_one_is_faster():
+    """results/h200-executors and h200-memcheck-executors: both paths in one command on the H200; the same verdicts,
+    the new path's wall time lower, its crashed first positive control split into start-up phases."""
+    from repro.benchmark import summarize
+
+    for name in ("h200-executors", "h200-memcheck-executors"):
+        old, new = (load_json(RESULTS / name / p / "results.json") for p in ("old", "new"))
+        assert [(s.case_id, r.verdict) for s, r in old.results] == [(s.case_id, r.verdict) for s, r in new.results]
+        assert new.wall_s < old.wall_s and summarize(new)["phases_mean_s"]["import_s"] >= 0
+        first = next(r for s, r in new.results if s.case_id == new.first_positive_case)
+        assert set(first.phases) == {"start_s", "import_s", "cuda_init_s", "rest_s"}
+    plain_new = load_json(RESULTS / "h200-executors" / "new" / "results.json")
+    assert plain_new.wall_s < 30 and summarize(plain_new)["phases_mean_s"]["import_s"] == 0.0  # forked: no import
+
+
+def test_recorded_memcheck_batches_needed_reruns():
+    """Why cases that may fault are not batched under MPS (repro.mps_cases): memcheck cases in batches of 12."""
+    run = load_json(RESULTS / "h200-memcheck-batched" / "new" / "results.json")
+    reruns = [r for s, r in run.results if "rerun alone" in r.reason]
+    assert len(reruns) == 11 and all("in a batch of 12 MPS clients" in r.reason for r in reruns)
+    assert run.failures() == []
+
+
+def test_matrix_gate_uses_the_one_gate_rule():
+    """matrix --gate on recorded runs: every control met and kernel evidence -> passes; audit controls met by the
+    audit alone pass one by one, but a run with no kernel evidence at all fails with the one line pytest --gate uses."""
+    from repro.report import gate_failures
+
+    assert gate_failures(load_json(RESULTS / "h200-executors" / "new" / "results.json")) == []
+    audit_only = load_json(RESULTS / "h200-spec-graph-nopoison" / "results.json")
+    assert {r.verdict for _, r in audit_only.results} == {STALE_AUDIT, CLEAN}
+    why = gate_failures(audit_only)
+    assert len(why) == 1 and why[0].startswith("GATE FAILED: no positive control produced kernel evidence (8 ")
+    run = load_json(RESULTS / "h200-executors" / "new" / "results.json")
+    run.results[0][1].verdict = "skip"
+    run.results[-1][1].verdict = CRASH  # a fresh case that faulted
+    why = gate_failures(run)
+    assert len(why) == 2 and "skip: the gate has no evidence" in why[0] and "negative control came back crash" in why[1]
