@@ -103,3 +103,27 @@ def test_a_faulting_case_keeps_its_start_up_phases(tmp_path):
     res = with_process_phases(classify(spec, out, 1, False, None, 3.0), ProcessRun(1, False, False, 3.0, t0))
     assert res.verdict == CRASH and res.gpu_uuid == "GPU-1"
     assert res.phases == {"start_s": 0.1, "import_s": 2.0, "cuda_init_s": 0.2, "rest_s": 0.7}
+
+
+def test_ctrl_c_in_the_parent_kills_the_case_and_its_children(server, tmp_path):
+    import signal
+
+    pidfile = tmp_path / "grandchild.pid"
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 3.0)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            server.run("tests.standin_worker:hang", [str(pidfile)], dict(os.environ), tmp_path / "c.log", 60)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    grandchild = int(pidfile.read_text())
+    for _ in range(50):
+        if not _alive(grandchild):
+            break
+        time.sleep(0.1)
+    assert not _alive(grandchild)  # nothing the case started outlives the interrupted run

@@ -151,3 +151,14 @@ def test_memcheck_findings_in_a_batch_are_kept_other_faults_rerun():
     out = dict((s.seed, r) for s, r in run_mps_cases(specs, cases, SHARED, 3, lambda s: True, daemons))
     assert {k: r.verdict for k, r in out.items()} == {0: "oob", 1: "oob", 2: CLEAN}
     assert "rerun alone" in out[1].reason and "rerun alone" not in out[0].reason
+
+
+def test_ctrl_c_stops_the_shared_daemon():
+    daemons = Daemons()
+
+    def interrupted(spec, daemon):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        list(run_mps_cases([_spec("stale", 0)], interrupted, SHARED, 2, _expected_clean, daemons))
+    assert daemons.started == 1 and daemons.running == 0  # no MPS daemon left behind
