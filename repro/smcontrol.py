@@ -205,36 +205,45 @@ print("ok", n, flush=True)
 """
 
 
+def _run_clients(clients: list[tuple[str, str, dict[str, str]]], hold_s: float, stagger_s: float) -> dict[str, str]:
+    """Start each (name, python code, environment) `stagger_s` after the previous one; the last line each printed
+    ('ok <SMs seen>' for _PROBE_CLIENT) or its exit status."""
+    import time
+
+    procs = {}
+    for name, code, env in clients:
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-c", code, str(hold_s)],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        time.sleep(stagger_s)  # the earlier client holds its context (and is at work) when the next starts
+    found = {}
+    for name, p in procs.items():
+        try:
+            out, _ = p.communicate(timeout=60 + hold_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out = "timed out"
+        lines = [ln for ln in out.strip().splitlines() if ln.strip()]
+        found[name] = lines[-1] if lines else f"exit {p.returncode}"
+    return found
+
+
 def probe_coexistence(hold_s: float = 4.0, sms: int = 16) -> dict[str, str]:
     """Can an MPS client and a plain CUDA process use the GPU at the same time? Both orders are tried (the plain
     process first, then the MPS client first); each entry is 'ok <SMs seen>' or the process's last error line."""
-    import time
-
-    total = device_sm_count()
     found: dict[str, str] = {}
     with MpsDaemon() as daemon:
-        mps_env = {**os.environ, **daemon.client_env(sms, total)}
-        plain_env = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_MPS_")}
+        env = {
+            "mps": {**os.environ, **daemon.client_env(sms, device_sm_count())},
+            "plain": {k: v for k, v in os.environ.items() if not k.startswith("CUDA_MPS_")},
+        }
         for order in (("plain", "mps"), ("mps", "plain")):
-            procs = {}
-            for who in order:
-                env = mps_env if who == "mps" else plain_env
-                procs[who] = subprocess.Popen(
-                    [sys.executable, "-c", _PROBE_CLIENT, str(hold_s)],
-                    env=env,
-                    text=True,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                )
-                time.sleep(1.5)  # the first holds its context while the second starts
-            for who, p in procs.items():
-                try:
-                    out, _ = p.communicate(timeout=60 + hold_s)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    out = "timed out"
-                lines = [ln for ln in out.strip().splitlines() if ln.strip()]
-                found[f"{order[0]} first: {who}"] = lines[-1] if lines else f"exit {p.returncode}"
+            seen = _run_clients([(who, _PROBE_CLIENT, env[who]) for who in order], hold_s, 1.5)
+            found.update({f"{order[0]} first: {who}": line for who, line in seen.items()})
     return found
 
 
@@ -247,31 +256,10 @@ print(x[torch.tensor([1 << 20], device="cuda")].sum().item(), flush=True)  # an 
 
 def probe_containment(hold_s: float = 6.0, sms: int = 16) -> dict[str, str]:
     """What a healthy MPS client sees when another client of the same daemon faults (NVIDIA: every client of the
-    server gets the fault). Returns the last line of the faulting client and of its neighbour."""
-    import time
-
-    found: dict[str, str] = {}
+    server gets the fault): the last line of the neighbour and of the faulting client."""
     with MpsDaemon() as daemon:
         env = {**os.environ, **daemon.client_env(sms, device_sm_count())}
-        procs = {}
-        for who, code in (("neighbour", _PROBE_CLIENT), ("faulting client", _PROBE_FAULT)):
-            procs[who] = subprocess.Popen(
-                [sys.executable, "-c", code, str(hold_s)],
-                env=env,
-                text=True,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-            )
-            time.sleep(2.0)  # the neighbour is at work when the fault comes
-        for who, p in procs.items():
-            try:
-                out, _ = p.communicate(timeout=60 + hold_s)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                out = "timed out"
-            lines = [ln for ln in out.strip().splitlines() if ln.strip()]
-            found[who] = f"exit {p.returncode}: " + (lines[-1] if lines else "")
-    return found
+        return _run_clients([("neighbour", _PROBE_CLIENT, env), ("faulting client", _PROBE_FAULT, env)], hold_s, 2.0)
 
 
 if __name__ == "__main__":
@@ -288,6 +276,6 @@ if __name__ == "__main__":
     print("MPS clients and plain processes coexist:", "yes" if both else "no")
     for k, v in contained.items():
         print(f"MPS fault containment, {k}: {v}")
-    spared = contained["neighbour"].startswith("exit 0: ok")
+    spared = contained["neighbour"].startswith("ok")
     print("a healthy MPS client survives a neighbour's fault:", "yes" if spared else "no")
     sys.exit(0 if both else 1)

@@ -22,7 +22,6 @@ import repro.worker  # noqa: E402, F401
 
 lap("import repro.worker")
 from repro.backends import load_backend  # noqa: E402
-
 from repro.backends.base import _sha256  # noqa: E402
 from repro.backends.vllm_fork import find_vllm_libs  # noqa: E402
 

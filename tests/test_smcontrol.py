@@ -118,3 +118,13 @@ def test_pinning_respects_user_and_override_and_main_process():
 def test_mig_slice_record():
     s = MigSlice(0, 1, "MIG-u", "1g.35gb", 26, 35000)
     assert s.to_dict()["sms"] == 26
+
+
+def test_probe_clients_report_their_last_line_or_exit_status():
+    import os
+
+    from repro.smcontrol import _run_clients
+
+    env = dict(os.environ)
+    seen = _run_clients([("a", "print('warming'); print('ok 16')", env), ("b", "import sys; sys.exit(3)", env)], 0, 0)
+    assert seen == {"a": "ok 16", "b": "exit 3"}
