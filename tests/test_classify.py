@@ -93,3 +93,14 @@ def test_the_tolerance_a_result_was_held_to_is_kept_and_shown():
     r = classify(SPEC, out, 0, False, None, 1.0)
     assert r.verdict == CLEAN and r.tolerance == 0.0157 and "(tolerance 0.0157)" in r.reason
     assert r.to_dict()["tolerance"] == 0.0157
+
+
+def test_a_client_refused_after_its_mps_neighbour_faulted(fixtures):
+    """Recorded on the H200 (scripts/mps-neighbour-faults.py): stale memcheck cases as one batch of MPS clients; this
+    one was refused the GPU before its first launch. An error with its start-up phases, never a verdict on the case,
+    and not one repro.mps_cases keeps from a batch."""
+    from repro.mps_cases import TRUSTED_IN_BATCH
+
+    r = classify(SPEC, _out(fixtures, "mps-neighbour-busy-memcheck.out.log"), 1, False, None, 6.0)
+    assert r.verdict == ERROR and "another client faulted it; rerun alone" in r.reason
+    assert r.phases["import_s"] > 0 and r.gpu_uuid and r.verdict not in TRUSTED_IN_BATCH
