@@ -103,6 +103,12 @@ def compare_executors(specs, out_dir: str | Path, jobs: int, progress=None) -> t
             executor=make_executor(executor),
             mps_daemon=mps_daemon,
         )
+    return paths_markdown(runs), runs
+
+
+def paths_markdown(runs: dict[str, MatrixRun]) -> str:
+    """The side-by-side table of two execution paths' runs of one matrix ("old" and "new", PATHS): wall,
+    throughput, per-phase split, the first positive control and its phases, MPS reruns, and the verdict diff."""
     sums = {n: summarize(r) for n, r in runs.items()}
     va = {s.case_id: r.verdict for s, r in runs["old"].results}
     vb = {s.case_id: r.verdict for s, r in runs["new"].results}
@@ -115,7 +121,7 @@ def compare_executors(specs, out_dir: str | Path, jobs: int, progress=None) -> t
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in sums.items():
-        executor, mps_daemon = PATHS[name]
+        executor, mps_daemon = PATHS.get(name, ("-", "-"))
         lines.append(
             f"| {name} | {executor} | {mps_daemon} | {s['cases']} | {s['wall_s']} | {s['cases_per_min']} | "
             f"{s['mean_case_s']} | {s['max_case_s']} | {s['first_positive_s']} |"
@@ -134,4 +140,17 @@ def compare_executors(specs, out_dir: str | Path, jobs: int, progress=None) -> t
     lines += [f"- {c}" for c in reruns]
     lines += ["", f"Verdict diff: {len(diff)} case(s)" + (":" if diff else " (the paths agree)")]
     lines += [f"- {d}" for d in diff]
-    return "\n".join(lines) + "\n", runs
+    return "\n".join(lines) + "\n"
+
+
+def paths_from_files(old: str | Path, new: str | Path) -> str:
+    """paths_markdown for two recorded results.json of the same matrix: the old path's, then the new path's."""
+    from repro.descriptors import ConfigError
+
+    runs = {"old": load_json(old), "new": load_json(new)}
+    for path, run in zip((old, new), runs.values()):
+        if run.source != "gpu" or not run.results:
+            raise ConfigError(f"{path}: holds no GPU run")
+    if sorted(s.case_id for s, _ in runs["old"].results) != sorted(s.case_id for s, _ in runs["new"].results):
+        raise ConfigError(f"{old} and {new} hold different matrices: the paths must run the same cases")
+    return paths_markdown(runs)

@@ -143,3 +143,23 @@ def test_matrix_gate_uses_the_one_gate_rule():
     run.results[-1][1].verdict = CRASH  # a fresh case that faulted
     why = gate_failures(run)
     assert len(why) == 2 and "skip: the gate has no evidence" in why[0] and "negative control came back crash" in why[1]
+
+
+@pytest.mark.parametrize("name", ["h200-executors", "h200-memcheck-executors"])
+def test_bench_paths_renders_what_the_gpu_run_printed(name):
+    """`bench --paths OLD NEW` on the recorded runs gives the very table `matrix --compare-executors` wrote there."""
+    from repro.benchmark import paths_from_files
+
+    md = paths_from_files(RESULTS / name / "old" / "results.json", RESULTS / name / "new" / "results.json")
+    recorded = (RESULTS / name / "executors.md").read_text()
+    assert md == recorded[recorded.index("## Case execution paths") :]
+
+
+def test_bench_paths_refuses_different_matrices():
+    from repro.benchmark import paths_from_files
+    from repro.descriptors import ConfigError
+
+    with pytest.raises(ConfigError, match="different matrices"):
+        paths_from_files(
+            RESULTS / "h200-executors" / "old" / "results.json", RESULTS / "h200-spec-graph" / "results.json"
+        )

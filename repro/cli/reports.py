@@ -22,9 +22,14 @@ def add_parsers(sub) -> None:
     x.add_argument("--out", help="write the Markdown here")
     rd = sub.add_parser("redact", help="replace machine paths in recorded results with <repo>/, <path>/ ...")
     rd.add_argument("paths", nargs="+")
-    b = sub.add_parser("bench", help="benchmark numbers from a plain and a memcheck matrix run (results.json)")
-    b.add_argument("plain")
-    b.add_argument("memcheck")
+    b = sub.add_parser(
+        "bench",
+        help="benchmark numbers from recorded matrix runs (results.json): a plain and a memcheck run, or with --paths "
+        "the old and the new execution path of one matrix (to run both paths now: matrix --compare-executors)",
+    )
+    b.add_argument("plain", nargs="?")
+    b.add_argument("memcheck", nargs="?")
+    b.add_argument("--paths", nargs=2, metavar=("OLD", "NEW"), help="results.json of the old path, then the new")
     b.add_argument("--out", help="write the Markdown here")
     sub.choices["doctor"].set_defaults(func=cmd_doctor)
     sub.choices["agree"].set_defaults(func=cmd_agree)
@@ -63,12 +68,15 @@ def cmd_agree(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from repro.benchmark import benchmark_markdown
+    from repro.benchmark import benchmark_markdown, paths_from_files
 
-    for path in (a.plain, a.memcheck):
+    given = [p for p in (a.plain, a.memcheck) if p]
+    if bool(a.paths) == bool(given) or (given and len(given) != 2):
+        raise ConfigError("give two results.json (PLAIN MEMCHECK) or --paths OLD NEW, one of the two")
+    for path in a.paths or given:
         check_exists(path)
     check_out_file(a.out, "--out")
-    md = benchmark_markdown(a.plain, a.memcheck)
+    md = paths_from_files(*a.paths) if a.paths else benchmark_markdown(a.plain, a.memcheck)
     if a.out:
         Path(a.out).write_text(redact(md))
     print(md)
