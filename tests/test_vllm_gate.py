@@ -116,6 +116,7 @@ def test_gate_command_exit_codes_and_report(tmp_path, fakes, capsys):
     assert "**Gate: PASS**" in (out / "verdicts.md").read_text()
     assert cli([*args, "--vllm", f"0.26.0={fakes['good']}"]) == 3  # no control: HARNESS BLIND
     assert cli([*args, "--vllm", f"0.26.0={fakes['good']}", "--no-control"]) == 0  # a bisect step's answer
+    assert json.loads((out / "results.json").read_text())["passed"]  # the report agrees with the exit code
     assert cli([*args, "--vllm", f"x={fakes['stale-crash']}", "--no-control"]) == 1  # affected
     broken = str(write_fake_vllm(tmp_path / "broken", "0.27.0", "broken"))
     assert cli([*args, "--vllm", f"y={broken}", "--control", f"0.25.1={fakes['stale-crash']}"]) == 4  # cannot vouch

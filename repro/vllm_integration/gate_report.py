@@ -8,7 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from repro.redact import redact
-from repro.vllm_integration.gate_run import NO_CONTROL, GateRun, expected, meets
+from repro.vllm_integration.gate_run import NO_CONTROL, PASS, GateRun, expected, meets
 from repro.vllm_integration.source_check import check_tree
 
 RESULTS_KIND = "vllm-gate"
@@ -115,7 +115,7 @@ def to_json(run: GateRun, env: dict | None = None, need_control: bool = True) ->
         "kind": RESULTS_KIND,
         "environment": env or {},
         "outcome": run.outcome(need_control),
-        "passed": run.passed,
+        "passed": run.outcome(need_control) == PASS,
         "affected": [c.case_id for c, _ in run.affected()],
         "blind": run.blind(),
         "wall_s": run.wall_s,

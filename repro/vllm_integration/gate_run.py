@@ -429,10 +429,6 @@ class GateRun:
                 out.append(f"{c.case_id}: control came back {r.verdict} ({r.reason[:160]})")
         return out
 
-    @property
-    def passed(self) -> bool:
-        return not self.affected() and not self.blind()
-
     def outcome(self, need_control: bool = True) -> str:
         """AFFECTED (a build under test showed the bug), CANNOT VOUCH (one of its cases errored or skipped),
         HARNESS BLIND (a control missed, or none ran while one is needed) or PASS; EXIT maps them to exit codes."""
