@@ -141,6 +141,9 @@ def cmd_matrix(a: argparse.Namespace) -> int:
             raise ConfigError(f"unknown strategy {st!r}; choose from {', '.join(STRATEGIES)}")
     specs = build_specs(opts)  # validates every axis, GPU or not
     model = a.model or a.backend == "model"
+    import time
+
+    t_probe = time.time()
     if not model and not a.dry_run and not gpu_present():
         if a.gpu_only:
             raise ConfigError("no CUDA GPU visible (--gpu-only)")
@@ -158,8 +161,6 @@ def cmd_matrix(a: argparse.Namespace) -> int:
     out = out_dir(a.out, "matrix") if (a.out or not model) else None
     env = environment.collect()
     if model:
-        import time
-
         from repro.fa3_model.predict import predict_specs
 
         t0 = time.time()
@@ -173,7 +174,12 @@ def cmd_matrix(a: argparse.Namespace) -> int:
 
             if a.executor or a.mps_daemon:
                 raise ConfigError("--compare-executors runs both paths; leave out --executor and --mps-daemon")
+            probe_s = time.time() - t_probe  # before either path: the GPU probe (a child that imports torch)
             md_bench, runs = compare_executors(specs, out, a.jobs, progress=None if a.quiet else text_progress)
+            md_bench += (
+                f"\nBefore either path the command spent {probe_s:.1f} s finding the GPU (a child process that imports "
+                "torch); the times above count from each path's start.\n"
+            )
             (out / "executors.md").write_text(redact("\n".join(report.header(a.title, env))) + "\n" + md_bench)
             for name, path_run in runs.items():
                 report.write_json(path_run, out / name / "results.json", env)
