@@ -2,6 +2,8 @@
 # The GPU evidence runs recorded under results/, one step per call on the device machine (run from the repository
 # root, with the FA3 bundles in .gpu/ when present). Each step writes its reports under $OUT/<step>.
 #   bash scripts/gpu-evidence.sh executors|default|memcheck|spec|mps-probe [extra matrix flags]
+# The device brings back at most 8 files from $OUT per call: executors writes 5, default/memcheck/spec 3 each, the
+# probe 1. Plan a call's steps within that (a step whose files are cut is lost with the machine).
 set -u
 step=${1:?usage: gpu-evidence.sh executors|default|memcheck|spec|mps-probe [matrix flags]}
 shift
