@@ -45,15 +45,21 @@ def sanitizer_overhead(plain: MatrixRun, sanitized: MatrixRun) -> dict:
     }
 
 
-def benchmark_markdown(plain_path: str | Path, sanitized_path: str | Path) -> str:
+def recorded_gpu_run(path: str | Path) -> MatrixRun:
+    """A recorded results.json that holds GPU cases, or ConfigError saying what it holds instead."""
     from repro.descriptors import ConfigError
 
-    plain, san = load_json(plain_path), load_json(sanitized_path)
-    for path, run in ((plain_path, plain), (sanitized_path, san)):
-        if not run.results:
-            raise ConfigError(f"{path}: holds no cases")
-        if run.source != "gpu":
-            raise ConfigError(f"{path}: holds CPU-model predictions; the benchmark needs GPU runs")
+    run = load_json(path)
+    if not run.results:
+        raise ConfigError(f"{path}: holds no cases")
+    if run.source != "gpu":
+        raise ConfigError(f"{path}: holds CPU-model predictions; the benchmark needs GPU runs")
+    return run
+
+
+def benchmark_markdown(plain_path: str | Path, sanitized_path: str | Path) -> str:
+
+    plain, san = recorded_gpu_run(plain_path), recorded_gpu_run(sanitized_path)
     a, b, o = summarize(plain), summarize(san), sanitizer_overhead(plain, san)
     lines = [
         "# Benchmark: the default matrix",
@@ -147,10 +153,7 @@ def paths_from_files(old: str | Path, new: str | Path) -> str:
     """paths_markdown for two recorded results.json of the same matrix: the old path's, then the new path's."""
     from repro.descriptors import ConfigError
 
-    runs = {"old": load_json(old), "new": load_json(new)}
-    for path, run in zip((old, new), runs.values()):
-        if run.source != "gpu" or not run.results:
-            raise ConfigError(f"{path}: holds no GPU run")
+    runs = {"old": recorded_gpu_run(old), "new": recorded_gpu_run(new)}
     if sorted(s.case_id for s, _ in runs["old"].results) != sorted(s.case_id for s, _ in runs["new"].results):
         raise ConfigError(f"{old} and {new} hold different matrices: the paths must run the same cases")
     return paths_markdown(runs)

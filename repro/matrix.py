@@ -130,7 +130,7 @@ def run_matrix(
     """Run cases in parallel processes, and the MPS cases under MPS daemons as `mps_daemon` says (repro.mps_cases).
     per-case: the MPS cases after the others, each under a daemon of its own. shared: one daemon, its cases beside
     the others (an MPS client and plain CUDA processes ran side by side on the H200: results/h200-mps-probe)."""
-    from repro.runner import run_case  # here: the CPU model and the reports need this module, not the GPU runner
+    from repro.runner import run_case, set_aside_logs  # here: the CPU model and reports import this module
 
     specs = list(specs)
     t0 = time.time()
@@ -149,12 +149,6 @@ def run_matrix(
             if progress:
                 progress(len(done), len(specs), s, r)
 
-    def set_aside(s: CaseSpec) -> None:  # a batch attempt's logs, kept beside the rerun's
-        for suffix in (".out.log", ".memcheck.log"):
-            f = log_dir / f"{s.case_id}{suffix}"
-            if f.exists():
-                f.replace(log_dir / f"{s.case_id}.batch{suffix}")
-
     def mps_group() -> None:
         for s, r in run_mps_cases(
             mps_cases,
@@ -162,7 +156,7 @@ def run_matrix(
             mps_daemon,
             jobs,
             may_share=lambda s: expectation(s) == "clean",
-            before_rerun=set_aside,
+            before_rerun=lambda s: set_aside_logs(log_dir, s.case_id, "batch"),  # kept beside the rerun's
         ):
             record(s, r)
 

@@ -11,7 +11,7 @@ share a GPU. So a case's verdict must come from a run in which no other client c
   has any other verdict, each such case reruns alone under a daemon of its own, after the shared one stopped. A case
   run alone under the shared daemon that ended in a harness error (the server still recovering from the previous
   client's fault, say) reruns the same way. The rerun's verdict is the case's; its reason keeps the first attempt's.
-  Measured on the H200 (results/h200-memcheck-executors): 16 memcheck MPS cases, stale ones included, as batches of
+  Measured on the H200 (results/h200-memcheck-batched): 16 memcheck MPS cases, stale ones included, as batches of
   12 clients: 11 had to rerun alone (a neighbour's memcheck stop reached them as an error, a crash or a failed
   launch), so cases that may fault are not batched, under memcheck either.
 """

@@ -53,6 +53,22 @@ def run_case(spec: CaseSpec, log_dir: str | Path, mps: MpsDaemon | None = None, 
     return run_process(spec, cmd, env, log_dir, spec.sanitizer, executor, ("repro.worker:main", [spec.to_json()]))[0]
 
 
+LOG_SUFFIXES = (".out.log", ".memcheck.log")  # a case process's output, and memcheck's log when it ran under it
+
+
+def case_logs(log_dir: Path, case_id: str) -> tuple[Path, Path]:
+    """Where a case process's output and its memcheck log go."""
+    out, memcheck = (Path(log_dir) / f"{case_id}{suffix}" for suffix in LOG_SUFFIXES)
+    return out, memcheck
+
+
+def set_aside_logs(log_dir: Path, case_id: str, attempt: str) -> None:
+    """Keep an attempt's logs as <case>.<attempt>.out.log / .memcheck.log before the case runs again."""
+    for f, suffix in zip(case_logs(log_dir, case_id), LOG_SUFFIXES):
+        if f.exists():
+            f.replace(Path(log_dir) / f"{case_id}.{attempt}{suffix}")
+
+
 def run_process(
     spec, cmd: list[str], env: dict[str, str], log_dir: Path, sanitizer: bool, executor=None, target=None
 ) -> tuple[CaseResult, str]:
@@ -60,7 +76,7 @@ def run_process(
     `spec` needs case_id, timeout_s and to_json() (CaseSpec, the vLLM gate's GateCase). With an executor
     (repro.executor) and a target (`module:function`, argv), the case is forked from it instead of started as cmd;
     memcheck cases always run as cmd under compute-sanitizer."""
-    out_path = log_dir / f"{spec.case_id}.out.log"
+    out_path, memcheck_log = case_logs(log_dir, spec.case_id)
     if executor is not None and target is not None and not sanitizer:
         run = executor.run(target[0], target[1], env, out_path, spec.timeout_s)
         out = out_path.read_text(errors="replace") if out_path.exists() else ""
@@ -71,7 +87,7 @@ def run_process(
         exe = find_sanitizer()
         if not exe:
             return CaseResult.skipped(spec, "compute-sanitizer not found (install the CUDA toolkit)"), ""
-        san_log = log_dir / f"{spec.case_id}.memcheck.log"
+        san_log = memcheck_log
         cmd = sanitizer_command(exe, str(san_log), kernel_filter="flash") + cmd
     run = supervise(cmd, env, out_path, spec.timeout_s, san_log)
     out = out_path.read_text(errors="replace")
@@ -90,8 +106,11 @@ def with_process_phases(res: CaseResult, run: ProcessRun) -> CaseResult:
     if p and "main_at" in p and run.started_at:
         end = run.started_at + run.wall_s
         ready = p["main_at"] + p["import_s"] + p["cuda_init_s"]
-        phases = {"start_s": round(p["main_at"] - run.started_at, 3), "import_s": p["import_s"]}
-        phases["cuda_init_s"] = p["cuda_init_s"]
+        phases = {
+            "start_s": round(p["main_at"] - run.started_at, 3),
+            "import_s": p["import_s"],
+            "cuda_init_s": p["cuda_init_s"],
+        }
         if "work_s" in p:
             phases["work_s"] = p["work_s"]
             phases["teardown_s"] = round(end - ready - p["work_s"], 3)

@@ -162,3 +162,13 @@ def test_ctrl_c_stops_the_shared_daemon():
     with pytest.raises(KeyboardInterrupt):
         list(run_mps_cases([_spec("stale", 0)], interrupted, SHARED, 2, _expected_clean, daemons))
     assert daemons.started == 1 and daemons.running == 0  # no MPS daemon left behind
+
+
+def test_a_batch_attempts_logs_are_set_aside_for_the_rerun(tmp_path):
+    from repro.runner import case_logs, set_aside_logs
+
+    out, memcheck = case_logs(tmp_path, "c1")
+    out.write_text("batch attempt")
+    set_aside_logs(tmp_path, "c1", "batch")  # no memcheck log: only the output moves
+    assert not out.exists() and (tmp_path / "c1.batch.out.log").read_text() == "batch attempt"
+    assert not (tmp_path / "c1.batch.memcheck.log").exists() and memcheck.name == "c1.memcheck.log"

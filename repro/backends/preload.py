@@ -12,13 +12,11 @@ from repro.backends import load_backend
 from repro.backends.upstream import ENV_VAR as UPSTREAM_ENV
 from repro.backends.vllm_fork import find_vllm_libs
 
-LOADED: list[str] = []
-
 
 def preload() -> list[str]:
     """Names of the backends loaded (upstream when its folder is named or flash_attn_3 is installed; vllm only for a
     library path in the environment: importing the vllm package is not worth its time in a case)."""
-    wanted = []
+    wanted, loaded = [], []
     if os.environ.get(UPSTREAM_ENV) or importlib.util.find_spec("flash_attn_3") is not None:
         wanted.append("upstream")
     if find_vllm_libs():
@@ -26,8 +24,8 @@ def preload() -> list[str]:
     for name in wanted:
         with contextlib.suppress(Exception):
             load_backend(name).identity()
-            LOADED.append(name)
-    return LOADED
+            loaded.append(name)
+    return loaded
 
 
 preload()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from repro.case import CaseSpec
 from repro.cli.common import (
@@ -141,8 +142,6 @@ def cmd_matrix(a: argparse.Namespace) -> int:
             raise ConfigError(f"unknown strategy {st!r}; choose from {', '.join(STRATEGIES)}")
     specs = build_specs(opts)  # validates every axis, GPU or not
     model = a.model or a.backend == "model"
-    import time
-
     t_probe = time.time()
     if not model and not a.dry_run and not gpu_present():
         if a.gpu_only:

@@ -30,7 +30,7 @@ from pathlib import Path
 from repro.case import CaseResult, SmConfig
 from repro.descriptors import ConfigError
 from repro.poison import parse_poison
-from repro.runner import device_sm_count, run_process
+from repro.runner import case_logs, device_sm_count, run_process
 from repro.sanitizer import sanitizer_env
 from repro.smcontrol import MpsDaemon, Unavailable
 from repro.tags import DEVICE_TAG, RESULT_TAG
@@ -526,7 +526,7 @@ def run_gate(
 def result_line(log_dir: str | Path, case: GateCase) -> dict | None:
     """The RESULT line a finished case process printed (tokens, margins, version, timing), or None."""
     try:
-        found = tagged((Path(log_dir) / f"{case.case_id}.out.log").read_text(errors="replace"), RESULT_TAG)
+        found = tagged(case_logs(log_dir, case.case_id)[0].read_text(errors="replace"), RESULT_TAG)
     except OSError:
         return None
     return found[-1] if found else None
