@@ -106,7 +106,7 @@ def compare_executors(specs, out_dir: str | Path, jobs: int, progress=None) -> t
             Path(out_dir) / name / "logs",
             jobs=jobs,
             progress=progress,
-            executor=make_executor(executor),
+            executor=make_executor(executor, jobs),
             mps_daemon=mps_daemon,
         )
     return paths_markdown(runs), runs

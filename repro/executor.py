@@ -1,28 +1,43 @@
-"""Case processes forked from a server that imported torch and the harness once (Python's forkserver), instead of a
-fresh `python -m repro.worker` per case. The server never touches CUDA, so every case still gets a CUDA context of
-its own (a sticky CUDA error cannot leak into another case); what a case saves is the interpreter start and the
-imports. Opt-in (`matrix --executor forkserver`); memcheck cases always run as their own program under
-compute-sanitizer. Each forked case runs in a process session of its own, so a timeout or Ctrl-C kills it with
-everything it started."""
+"""How case processes start when they need not start from nothing (`matrix --executor forkserver`, the default).
+
+- Plain cases are forked from a server that imported torch and the harness once (Python's forkserver), instead of a
+  fresh `python -m repro.worker` per case. The server never touches CUDA, so every case still gets a CUDA context of
+  its own (a sticky CUDA error cannot leak into another case); what a case saves is the interpreter start and the
+  imports. Each forked case runs in a process session of its own, so a timeout or Ctrl-C kills it with everything
+  it started.
+- Memcheck cases each need a compute-sanitizer of their own: one sanitizer over a forking server reports every
+  process's errors into one log, without saying which process made them, under one print limit (tried on the H200).
+  So a memcheck case still runs as its own sanitized program, but one started AHEAD of its case (WarmPool): it
+  imports torch and the FA3 libraries under compute-sanitizer while other cases run, then waits on stdin for the one
+  case it will run. The case's environment reaches it before CUDA starts (MPS, the GPU to use); what must be fixed
+  at import time (the allocator, the Python path) must equal the environment it was started with, or the case runs
+  in a fresh program as before."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import multiprocessing
 import os
+import shutil
 import signal
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 PRELOAD = ("torch", "repro.worker", "repro.backends.preload")
 
 
-def _child(target: str, argv: list[str], env: dict[str, str], out_path: str) -> None:
-    os.setsid()
-    fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+def _child(target: str, argv: list[str], env: dict[str, str], out_path: str, new_session: bool = True) -> None:
+    if new_session:
+        os.setsid()
+    fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
@@ -48,14 +63,18 @@ class ForkServer:
 
     name = "forkserver"
 
-    def __init__(self, preload: tuple[str, ...] = PRELOAD) -> None:
+    def __init__(self, preload: tuple[str, ...] = PRELOAD, spares: int = 4) -> None:
         self.ctx = multiprocessing.get_context("forkserver")
         self.ctx.set_forkserver_preload(list(preload))
+        self.preload = preload
+        self.spares = spares  # memcheck processes kept started ahead (prepare), normally the matrix's jobs
+        self.warm: WarmPool | None = None
 
     def run(self, target: str, argv: list[str], env: dict[str, str], out_path: Path, timeout_s: float):
         from repro.runner import ProcessRun
 
         t0 = time.time()
+        Path(out_path).write_bytes(b"")
         proc = self.ctx.Process(target=_child, args=(target, argv, dict(env), str(out_path)), daemon=False)
         proc.start()
         timed_out = False
@@ -69,6 +88,17 @@ class ForkServer:
             raise
         return ProcessRun(proc.exitcode, timed_out, False, time.time() - t0, t0)
 
+    def prepare(self, specs, launch_env: dict[str, str]) -> None:
+        """Start memcheck processes ahead of the sanitized cases among `specs` (at most one per case)."""
+        n = sum(1 for s in specs if getattr(s, "sanitizer", False))
+        if n and self.warm is None:
+            self.warm = WarmPool(launch_env, spares=self.spares, budget=n, preload=self.preload)
+
+    def close(self) -> None:
+        if self.warm is not None:
+            self.warm.close()
+            self.warm = None
+
 
 def _kill(proc) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -76,16 +106,136 @@ def _kill(proc) -> None:
     proc.join()
 
 
+# Variables a warm process applies before CUDA starts; any other difference from its start-up environment (the
+# allocator, the Python path, the FA3 libraries it preloaded) needs a program started for the case.
+LATE_VARS = frozenset(
+    {"CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"}
+)
+
+
+def fits(env: dict[str, str], launch_env: dict[str, str]) -> bool:
+    """Can a process started with `launch_env` run a case that asks for `env`?"""
+    keys = (set(env) | set(launch_env)) - LATE_VARS
+    return all(env.get(k) == launch_env.get(k) for k in keys)
+
+
+@dataclass
+class Warm:
+    """A sanitized case process started ahead of its case, waiting on stdin."""
+
+    proc: subprocess.Popen
+    memcheck_log: Path  # where its compute-sanitizer writes
+    startup_log: Path  # what it printed before its case (import warnings, or why it failed)
+    launch_env: dict[str, str]
+
+    def start_case(self, target: str, argv: list[str], env: dict[str, str], out_path: Path) -> float:
+        """Hand it its case; returns when it was handed (the case's clock starts there)."""
+        t0 = time.time()
+        Path(out_path).write_bytes(self.startup_log.read_bytes() if self.startup_log.exists() else b"")
+        request = {"target": target, "argv": argv, "env": env, "launch_env": self.launch_env, "out": str(out_path)}
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.close()
+        except (BrokenPipeError, OSError):  # it died while starting: its startup log says why
+            pass
+        return t0
+
+
+class WarmPool:
+    """Sanitized case processes (compute-sanitizer over `python -m repro.executor`) started ahead of their cases:
+    `spares` of them ready at any time, at most `budget` started in all (then one starts when asked). Each runs one
+    case. close() kills the ones never used."""
+
+    def __init__(self, launch_env: dict[str, str], spares: int, budget: int, preload: tuple[str, ...] = PRELOAD):
+        from repro.sanitizer import find_sanitizer
+
+        self.exe = find_sanitizer()
+        self.launch_env = dict(launch_env)
+        self.preload = preload
+        self.dir = Path(tempfile.mkdtemp(prefix="repro-warm-"))
+        self.ready: list[Warm] = []
+        self.budget = budget
+        self.started = 0
+        self.lock = threading.Lock()
+        self.closed = False
+        if self.exe:
+            for _ in range(min(spares, budget)):
+                self.ready.append(self._start())
+
+    def _start(self) -> Warm:
+        from repro.sanitizer import sanitizer_command
+
+        k = self.started
+        self.started += 1
+        log, startup = self.dir / f"{k}.memcheck.log", self.dir / f"{k}.startup.log"
+        cmd = sanitizer_command(self.exe, str(log), kernel_filter="flash")
+        cmd += [sys.executable, "-m", "repro.executor", "warm", ",".join(self.preload)]
+        with open(startup, "w") as f:
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env=self.launch_env,
+                text=True,
+                start_new_session=True,
+            )
+        return Warm(proc, log, startup, self.launch_env)
+
+    def take(self, env: dict[str, str]) -> Warm | None:
+        """A started process for a case with this environment, a fresh one started in its place; None when the
+        environment does not fit (or there is no compute-sanitizer)."""
+        if not self.exe or not fits(env, self.launch_env):
+            return None
+        with self.lock:
+            if self.closed:
+                return None
+            w = self.ready.pop(0) if self.ready else self._start()
+            if self.started < self.budget:
+                self.ready.append(self._start())
+            return w
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            left, self.ready = self.ready, []
+        for w in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(w.proc.pid, signal.SIGKILL)
+            w.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _warm_main(preload: list[str]) -> None:
+    """A warm process: import, wait for one case on stdin, run it with the case's environment plus what
+    compute-sanitizer added to this process's (its injection), in this process (under the sanitizer)."""
+    for module in preload:
+        importlib.import_module(module)
+    line = sys.stdin.readline()
+    if not line.strip():
+        os._exit(0)  # the pool closed before handing it a case
+    req = json.loads(line)
+    launch = req["launch_env"]
+    injected = {k: v for k, v in os.environ.items() if launch.get(k) != v}
+    _child(req["target"], req["argv"], {**req["env"], **injected}, req["out"], new_session=False)
+
+
 EXECUTORS = ("process", "forkserver")
 DEFAULT_EXECUTOR = "forkserver"
 
 
-def make_executor(name: str) -> ForkServer | None:
-    """None: a fresh interpreter per case (the default); forkserver: ForkServer."""
+def make_executor(name: str, jobs: int = 4) -> ForkServer | None:
+    """None: a fresh interpreter per case; forkserver: ForkServer (`jobs` memcheck processes started ahead)."""
     from repro.descriptors import ConfigError
 
     if name == "process":
         return None
     if name == "forkserver":
-        return ForkServer()
+        return ForkServer(spares=jobs)
     raise ConfigError(f"unknown executor {name!r}; choose from {', '.join(EXECUTORS)}")
+
+
+if __name__ == "__main__":  # python -m repro.executor warm MODULE,MODULE: a WarmPool process
+    if sys.argv[1:2] != ["warm"]:
+        sys.exit("usage: python -m repro.executor warm MODULE[,MODULE...] (started by WarmPool)")
+    _warm_main([m for m in sys.argv[2].split(",") if m] if len(sys.argv) > 2 else [])

@@ -130,10 +130,12 @@ def run_matrix(
     """Run cases in parallel processes, and the MPS cases under MPS daemons as `mps_daemon` says (repro.mps_cases).
     per-case: the MPS cases after the others, each under a daemon of its own. shared: one daemon, its cases beside
     the others (an MPS client and plain CUDA processes ran side by side on the H200: results/h200-mps-probe)."""
-    from repro.runner import run_case, set_aside_logs  # here: the CPU model and reports import this module
+    from repro.runner import memcheck_launch_env, run_case, set_aside_logs  # here: the CPU model imports this module
 
     specs = list(specs)
     t0 = time.time()
+    if executor is not None:
+        executor.prepare(specs, memcheck_launch_env())  # memcheck processes start importing now
     first_pos: list[tuple[float, str]] = []
     done: list[tuple[CaseSpec, CaseResult]] = []
     lock = threading.Lock()
@@ -156,20 +158,24 @@ def run_matrix(
             mps_daemon,
             jobs,
             may_share=lambda s: expectation(s) == "clean",
-            before_rerun=lambda s: set_aside_logs(log_dir, s.case_id, "batch"),  # kept beside the rerun's
+            before_rerun=lambda s, attempt: set_aside_logs(log_dir, s.case_id, attempt),  # kept beside the rerun's
         ):
             record(s, r)
 
     beside = mps_daemon != PER_CASE and mps_cases
-    with ThreadPoolExecutor(max_workers=max(1, jobs) + (1 if beside else 0)) as pool:
-        group = pool.submit(mps_group) if beside else None
-        futs = {pool.submit(run_case, s, log_dir, None, executor): s for s in plain}
-        for f in as_completed(futs):
-            record(futs[f], f.result())
-        if group is not None:
-            group.result()
-    if not beside:
-        mps_group()
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, jobs) + (1 if beside else 0)) as pool:
+            group = pool.submit(mps_group) if beside else None
+            futs = {pool.submit(run_case, s, log_dir, None, executor): s for s in plain}
+            for f in as_completed(futs):
+                record(futs[f], f.result())
+            if group is not None:
+                group.result()
+        if not beside:
+            mps_group()
+    finally:
+        if executor is not None:
+            executor.close()  # no memcheck process started ahead outlives the run
     order = {id(s): k for k, s in enumerate(specs)}
     done.sort(key=lambda sr: order[id(sr[0])])
     first = first_pos[0] if first_pos else (None, None)

@@ -10,7 +10,9 @@ share a GPU. So a case's verdict must come from a run in which no other client c
   (TRUSTED_IN_BATCH: clean, skip, and oob, memcheck's finding in the client's own kernels); when a batch of several
   has any other verdict, each such case reruns alone under a daemon of its own, after the shared one stopped. A case
   run alone under the shared daemon that ended in a harness error (the server still recovering from the previous
-  client's fault, say) reruns the same way. The rerun's verdict is the case's; its reason keeps the first attempt's.
+  client's fault, say) reruns the same way; but one the server refused (a client whose process never ran: the server
+  takes none while it recovers from the previous client's fault) first runs again under the same daemon after a
+  pause, up to len(REFUSED_WAITS_S) times. The rerun's verdict is the case's; its reason keeps the first attempt's.
   Measured on the H200 (results/h200-memcheck-batched): 16 memcheck MPS cases, stale ones included, as batches of
   12 clients: 11 had to rerun alone (a neighbour's memcheck stop reached them as an error, a crash or a failed
   launch), so cases that may fault are not batched, under memcheck either.
@@ -18,12 +20,13 @@ share a GPU. So a case's verdict must come from a run in which no other client c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from repro.case import CaseResult, CaseSpec
 from repro.smcontrol import MpsDaemon, Unavailable
-from repro.verdicts import CLEAN, ERROR, OOB, SKIP
+from repro.verdicts import CLEAN, ERROR, OOB, SKIP, refused
 
 PER_CASE, SHARED = "per-case", "shared"
 MPS_DAEMON_POLICIES = (PER_CASE, SHARED)
@@ -32,6 +35,10 @@ DEFAULT_MPS_DAEMON = SHARED
 # A client that finished clean, skipped, or had memcheck's instrumentation catch its own access: no other client's
 # fault can produce these. Anything else in a batch (a fault code, a hang, an error) may have come from a neighbour.
 TRUSTED_IN_BATCH = (CLEAN, SKIP, OOB)
+
+# Pauses before a refused case runs again under the same daemon (the H200's server took 3 of 8 stale memcheck cases'
+# successors only after a rerun: results/h200-memcheck-executors).
+REFUSED_WAITS_S = (0.5, 1.0, 2.0, 4.0)
 
 RunOne = Callable[[CaseSpec, MpsDaemon], CaseResult]
 
@@ -43,10 +50,11 @@ def run_mps_cases(
     jobs: int = 4,
     may_share: Callable[[CaseSpec], bool] = lambda s: False,
     daemon_factory: Callable[[], MpsDaemon] = MpsDaemon,
-    before_rerun: Callable[[CaseSpec], None] = lambda s: None,
+    before_rerun: Callable[[CaseSpec, str], None] = lambda s, attempt: None,
+    refused_waits: Sequence[float] = REFUSED_WAITS_S,
 ) -> Iterator[tuple[CaseSpec, CaseResult]]:
-    """Yield (spec, result) for every MPS case, in the order the verdicts become final. `before_rerun` is called
-    for a case about to rerun alone (to keep the first attempt's logs)."""
+    """Yield (spec, result) for every MPS case, in the order the verdicts become final. `before_rerun(spec, name)`
+    is called for a case about to run again, with a name for the attempt before (to keep its logs)."""
     if policy not in MPS_DAEMON_POLICIES:
         raise ValueError(f"unknown MPS daemon policy {policy!r}; choose from {', '.join(MPS_DAEMON_POLICIES)}")
     if policy == PER_CASE:
@@ -55,7 +63,7 @@ def run_mps_cases(
         return
     alone = [s for s in specs if not may_share(s)]
     shared = [s for s in specs if may_share(s)]
-    rerun: list[tuple[CaseSpec, str]] = []
+    rerun: list[tuple[CaseSpec, str, str]] = []  # (case, why, a name for the attempt before)
     try:
         daemon = daemon_factory().start()
     except Unavailable as e:
@@ -65,8 +73,15 @@ def run_mps_cases(
     try:
         for s in alone:
             r = run_one(s, daemon)
+            for k, pause in enumerate(refused_waits):
+                if not refused(r):
+                    break
+                before_rerun(s, f"refused{k + 1}")
+                time.sleep(pause)
+                r = run_one(s, daemon)
+                r.reason = f"{r.reason} (ran after {k + 1} refusal(s) while the MPS server recovered)".strip()
             if r.verdict == ERROR:
-                rerun.append((s, f"ended in an error under the shared MPS daemon: {r.reason[:160]}"))
+                rerun.append((s, f"ended in an error under the shared MPS daemon: {r.reason[:160]}", "shared"))
             else:
                 yield s, r
         size = max(1, jobs)
@@ -77,13 +92,13 @@ def run_mps_cases(
             troubled = len(batch) > 1 and any(r.verdict not in TRUSTED_IN_BATCH for r in results)
             for s, r in zip(batch, results):
                 if troubled and r.verdict not in TRUSTED_IN_BATCH:
-                    rerun.append((s, f"{r.verdict} in a batch of {len(batch)} MPS clients: {r.reason[:160]}"))
+                    rerun.append((s, f"{r.verdict} in a batch of {len(batch)} MPS clients: {r.reason[:160]}", "batch"))
                 else:
                     yield s, r
     finally:
         daemon.stop()
-    for s, why in rerun:
-        before_rerun(s)
+    for s, why, attempt in rerun:
+        before_rerun(s, attempt)
         r = _alone(s, run_one, daemon_factory)
         r.reason = f"{r.reason} (rerun alone: {why})".strip()
         yield s, r

@@ -14,18 +14,31 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from repro.case import CaseResult, CaseSpec
-from repro.sanitizer import find_sanitizer, sanitizer_command, sanitizer_env
+from repro.sanitizer import find_sanitizer, first_finding_complete, sanitizer_command, sanitizer_env
 from repro.smcontrol import MpsDaemon, Unavailable, device_sm_count
 from repro.verdicts import classify
 
-EARLY_STOP_GRACE_S = 3.0
+# A memcheck case is stopped this long after memcheck finished writing its first error (a stale case may never end
+# and its verdict rests on that first error); the grace only lets the error count grow.
+EARLY_STOP_GRACE_S = 0.5
 
 
-def worker_env(spec: CaseSpec, mps: MpsDaemon | None, base: dict[str, str] | None = None) -> dict[str, str]:
+def _process_env(base: dict[str, str] | None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     env["PYTHONUNBUFFERED"] = "1"
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def memcheck_launch_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment memcheck case processes start with before they know their case (repro.executor.WarmPool):
+    worker_env's for a case on the whole GPU."""
+    return sanitizer_env(_process_env(base))
+
+
+def worker_env(spec: CaseSpec, mps: MpsDaemon | None, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = _process_env(base)
     if spec.sm.kind == "mig":
         pinned = env.get("REPRO_PINNED_DEVICE", "")
         uuid = spec.sm.mig_uuid or (pinned if pinned.startswith("MIG-") else None)
@@ -75,7 +88,8 @@ def run_process(
     """One case process (under memcheck when asked), supervised and classified: (result, the process's output).
     `spec` needs case_id, timeout_s and to_json() (CaseSpec, the vLLM gate's GateCase). With an executor
     (repro.executor) and a target (`module:function`, argv), the case is forked from it instead of started as cmd;
-    memcheck cases always run as cmd under compute-sanitizer."""
+    memcheck cases run under compute-sanitizer, in a process the executor started ahead (its WarmPool) where the
+    environment fits, else as cmd."""
     out_path, memcheck_log = case_logs(log_dir, spec.case_id)
     if executor is not None and target is not None and not sanitizer:
         run = executor.run(target[0], target[1], env, out_path, spec.timeout_s)
@@ -83,18 +97,27 @@ def run_process(
         res = classify(spec, out, run.returncode, run.timed_out, None, run.wall_s)
         return with_process_phases(res, run), out
     san_log = None
+    warm = None
     if sanitizer:
         exe = find_sanitizer()
         if not exe:
             return CaseResult.skipped(spec, "compute-sanitizer not found (install the CUDA toolkit)"), ""
         san_log = memcheck_log
+        pool = getattr(executor, "warm", None)
+        warm = pool.take(env) if pool is not None and target is not None else None
         cmd = sanitizer_command(exe, str(san_log), kernel_filter="flash") + cmd
-    run = supervise(cmd, env, out_path, spec.timeout_s, san_log)
+    if warm is not None:
+        t0 = warm.start_case(target[0], target[1], env, out_path)
+        run = watch(warm.proc, t0, spec.timeout_s, warm.memcheck_log)
+        if warm.memcheck_log.exists():
+            warm.memcheck_log.replace(san_log)
+    else:
+        run = supervise(cmd, env, out_path, spec.timeout_s, san_log)
     out = out_path.read_text(errors="replace")
     log_text = san_log.read_text(errors="replace") if san_log and san_log.exists() else None
     res = classify(spec, out, run.returncode, run.timed_out, log_text, run.wall_s)
     if run.stopped_early:
-        res.reason += f" (stopped {EARLY_STOP_GRACE_S:g} s after the first memcheck finding)"
+        res.reason += f" (stopped {EARLY_STOP_GRACE_S:g} s after memcheck's first complete finding)"
     return with_process_phases(res, run), out
 
 
@@ -132,45 +155,50 @@ class ProcessRun:
 def supervise(
     cmd: list[str], env: dict[str, str], out_path: Path, timeout_s: float, san_log: Path | None = None
 ) -> ProcessRun:
-    """Run one case process in a session of its own, stdout and stderr into out_path; kill the whole session at the
-    timeout, or a few seconds after memcheck's first finding (a stale case may never finish)."""
+    """Run one case process in a session of its own, stdout and stderr into out_path, and watch it."""
     t0 = time.time()
-    timed_out, stopped_early = False, False
     with open(out_path, "w") as out_file:
         proc = subprocess.Popen(
             cmd, stdout=out_file, stderr=subprocess.STDOUT, env=env, text=True, start_new_session=True
         )
-        first_finding: float | None = None
-        try:
-            while True:
-                try:
-                    proc.wait(timeout=0.5)
-                    break
-                except subprocess.TimeoutExpired:
-                    pass
-                now = time.time()
-                if san_log is not None and first_finding is None and _has_finding(san_log):
-                    first_finding = now
-                if first_finding is not None and now - first_finding > EARLY_STOP_GRACE_S:
-                    stopped_early = True
-                elif now - t0 > timeout_s:
-                    timed_out = True
-                else:
-                    continue
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    return watch(proc, t0, timeout_s, san_log)
+
+
+def watch(proc: subprocess.Popen, t0: float, timeout_s: float, san_log: Path | None = None) -> ProcessRun:
+    """Wait for a case process (the leader of its own session); kill the whole session at the timeout, or
+    EARLY_STOP_GRACE_S after memcheck finished writing its first error to san_log (a stale case may never finish)."""
+    timed_out, stopped_early = False, False
+    first_finding: float | None = None
+    try:
+        while True:
+            try:
+                proc.wait(timeout=0.1)
                 break
-        except BaseException:  # Ctrl-C or an error in the parent: leave no orphan behind
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.time()
+            if san_log is not None and first_finding is None and _has_finding(san_log):
+                first_finding = now
+            if first_finding is not None and now - first_finding > EARLY_STOP_GRACE_S:
+                stopped_early = True
+            elif now - t0 > timeout_s:
+                timed_out = True
+            else:
+                continue
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            raise
+            break
+    except BaseException:  # Ctrl-C or an error in the parent: leave no orphan behind
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
     return ProcessRun(proc.returncode, timed_out, stopped_early, time.time() - t0, t0)
 
 
 def _has_finding(path: Path) -> bool:
     try:
         with open(path, errors="replace") as f:
-            return "Invalid " in f.read(1 << 16)
+            return first_finding_complete(f.read(1 << 18))
     except OSError:
         return False

@@ -117,6 +117,15 @@ def parse_log(text: str) -> SanitizerReport:
     return SanitizerReport(findings, summary, api)
 
 
+_BLOCK_END = re.compile(r"\n=+ *\n")  # memcheck ends each error's block with a bare "=========" line
+
+
+def first_finding_complete(text: str) -> bool:
+    """Has memcheck finished writing its first error (the access, the kernel, where it points)?"""
+    i = text.find("Invalid ")
+    return i >= 0 and _BLOCK_END.search(text, i) is not None
+
+
 def find_sanitizer() -> str | None:
     path = shutil.which("compute-sanitizer")
     if path:

@@ -22,6 +22,10 @@ from __future__ import annotations
 
 import json
 import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from repro.case import CaseResult
 
 CLEAN, OOB, CRASH, HANG, WRONG, ERROR, SKIP = "clean", "oob", "crash", "hang", "wrong-output", "error", "skip"
 LAUNCH_FAIL = "launch-failure"
@@ -121,6 +125,16 @@ def kernel_in(text: str) -> str | None:
     return None
 
 
+# How a process the GPU would not take is reported: under MPS, the server refuses new clients while it recovers from
+# a client's fault (NVIDIA's MPS guide, "error containment").
+REFUSED = "the GPU refused this process (busy or unavailable)"
+
+
+def refused(res: CaseResult) -> bool:
+    """Did the case never run because the GPU (an MPS server still recovering) refused its process?"""
+    return res.verdict == ERROR and res.reason.startswith(REFUSED)
+
+
 def classify(spec, output: str, returncode: int | None, timed_out: bool, sanitizer_log: str | None, wall_s: float):
     """Turn what a case process left behind into a verdict with its evidence. Pure: the CPU tier tests it on
     recorded outputs. `spec` needs case_id, timeout_s and to_json() (CaseSpec, the vLLM gate's GateCase)."""
@@ -174,8 +188,7 @@ def classify(spec, output: str, returncode: int | None, timed_out: bool, sanitiz
     if timed_out:
         return done(HANG, f"no exit within {spec.timeout_s:g} s (last launch: {last})", f"{spec.timeout_s:g} s", last)
     if not results and "busy or unavailable" in output:
-        reason = "the GPU refused this process (busy or unavailable): another client faulted it; rerun alone"
-        return done(ERROR, reason, "", last)
+        return done(ERROR, f"{REFUSED}: another client faulted it; rerun alone", "", last)
     if not results:
         lines = output.splitlines()
         fault = next((ln for ln in lines if any(m in ln for m in FAULT_MARKERS)), None)

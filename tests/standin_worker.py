@@ -10,7 +10,8 @@ import time
 
 def clean(argv):
     print('REPRO_RESULT {"passes": 1, "max_abs_err": 0.0, "wrong": false, "summary": "stand-in ' + argv[0] + '"}')
-    print("env", os.environ.get("STANDIN_ENV"), "pid", os.getpid())
+    print("env", os.environ.get("STANDIN_ENV"), "pid", os.getpid(), "injected", os.environ.get("NV_SANITIZER_STANDIN"))
+    print("gpu", os.environ.get("CUDA_VISIBLE_DEVICES"))
     return 0
 
 
@@ -38,3 +39,20 @@ def phased(argv):
     phases = {"main_at": t0, "import_s": 0.05, "cuda_init_s": 0.05, "work_s": 0.1}
     print("REPRO_RESULT " + json.dumps({"passes": 1, "max_abs_err": 0.0, "wrong": False, "phases": phases}))
     return 0
+
+
+def memcheck_finding(argv):
+    """Write a recorded memcheck log (argv[0]) to the stand-in sanitizer's log: its first error cut in the middle,
+    a pause, the rest; then hang as a stale case may."""
+    text = open(argv[0]).read()
+    first = text.index("Invalid ")
+    cut = text.index("nearest allocation", first)
+    with open(os.environ["STANDIN_SANITIZER_LOG"], "a") as log:
+        log.write(text[:cut])
+        log.flush()
+        print("wrote half", time.time(), flush=True)
+        time.sleep(float(argv[1]))
+        log.write(text[cut:])
+        log.flush()
+        print("wrote all", time.time(), flush=True)
+    time.sleep(600)

@@ -4,14 +4,16 @@ environment, exit codes, a timeout that kills the case and what it started, and 
 from __future__ import annotations
 
 import os
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from repro.case import CaseSpec
-from repro.executor import ForkServer, make_executor
-from repro.runner import run_process
-from repro.verdicts import CLEAN, CRASH, ERROR, HANG
+from repro.executor import ForkServer, WarmPool, make_executor
+from repro.runner import case_logs, memcheck_launch_env, run_process
+from repro.verdicts import CLEAN, CRASH, ERROR, HANG, OOB
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +129,100 @@ def test_ctrl_c_in_the_parent_kills_the_case_and_its_children(server, tmp_path):
             break
         time.sleep(0.1)
     assert not _alive(grandchild)  # nothing the case started outlives the interrupted run
+
+
+# Memcheck processes started ahead of their cases (WarmPool), under a stand-in compute-sanitizer.
+
+STANDIN = ("tests.standin_worker",)
+
+
+@pytest.fixture
+def standin_sanitizer(tmp_path, monkeypatch):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    exe = bindir / "compute-sanitizer"
+    script = Path(__file__).with_name("standin_sanitizer.py")
+    exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@"\n')
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    return exe
+
+
+def _group_alive(pgid: int) -> bool:
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def _memcheck_spec():
+    return CaseSpec("vllm", "stale", sanitizer=True, timeout_s=30)
+
+
+def test_a_warm_process_runs_its_case_with_the_case_environment(standin_sanitizer, tmp_path):
+    server = ForkServer(preload=STANDIN, spares=1)
+    spec = _memcheck_spec()
+    server.prepare([spec], memcheck_launch_env())
+    env = {**memcheck_launch_env(), "CUDA_VISIBLE_DEVICES": "7"}  # applied before CUDA starts: it fits
+    try:
+        res, out = run_process(
+            spec, ["not", "used"], env, tmp_path, True, server, ("tests.standin_worker:clean", ["w"])
+        )
+    finally:
+        server.close()
+    assert res.verdict == CLEAN and "stand-in w" in out
+    assert "gpu 7" in out and "injected injected" in out  # the case's variable, and the sanitizer's injection kept
+    _, memcheck = case_logs(tmp_path, spec.case_id)
+    assert memcheck.read_text().startswith(
+        "========= COMPUTE-SANITIZER"
+    )  # the warm process's log, under the case's name
+
+
+def test_memcheck_case_stops_once_the_first_error_is_written_whole(standin_sanitizer, tmp_path, fixtures):
+    server = ForkServer(preload=STANDIN, spares=1)
+    spec = _memcheck_spec()
+    server.prepare([spec], memcheck_launch_env())
+    log = fixtures / "memcheck" / "combine-oob-upstream-16sm-nopoison.log"
+    try:
+        target = ("tests.standin_worker:memcheck_finding", [str(log), "1.5"])
+        res, out = run_process(spec, [], memcheck_launch_env(), tmp_path, True, server, target)
+    finally:
+        server.close()
+    assert res.verdict == OOB and res.kernel == "combine"
+    assert "wrote all" in out and "stopped 0.5 s after memcheck's first complete finding" in res.reason
+    assert 1.5 <= res.wall_s < 1.5 + 5  # not on the half-written error, and not at the 30 s timeout
+
+
+def test_a_case_whose_environment_does_not_fit_runs_as_a_program_of_its_own(standin_sanitizer, tmp_path):
+    server = ForkServer(preload=STANDIN, spares=1)
+    spec = _memcheck_spec()
+    server.prepare([spec], memcheck_launch_env())
+    env = {**memcheck_launch_env(), "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # fixed at import
+    cmd = [sys.executable, "-c", "print('a program of its own')"]
+    try:
+        started = server.warm.started
+        res, out = run_process(spec, cmd, env, tmp_path, True, server, ("tests.standin_worker:clean", ["w"]))
+        assert server.warm.started == started and "a program of its own" in out
+    finally:
+        server.close()
+
+
+def test_pool_starts_no_more_than_its_cases_and_close_leaves_no_process(standin_sanitizer):
+    pool = WarmPool(memcheck_launch_env(), spares=2, budget=3, preload=STANDIN)
+    env = memcheck_launch_env()
+    taken = [pool.take(env) for _ in range(3)]
+    assert pool.started == 3 and not pool.ready  # 2 ahead, 1 more when the first was taken, none after
+    assert pool.take(env) is not None and pool.started == 4  # past the budget: started when asked
+    spare = WarmPool(memcheck_launch_env(), spares=2, budget=5, preload=STANDIN)
+    pids = [w.proc.pid for w in spare.ready]
+    spare.close()
+    pool.close()
+    assert pool.take(env) is None
+    for w in taken:
+        w.proc.stdin.close()  # an empty request: the process ends without a case
+        w.proc.wait(timeout=30)
+    assert not any(_group_alive(p) for p in pids)  # the sanitizer and the process under it are gone

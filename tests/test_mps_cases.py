@@ -172,3 +172,49 @@ def test_a_batch_attempts_logs_are_set_aside_for_the_rerun(tmp_path):
     set_aside_logs(tmp_path, "c1", "batch")  # no memcheck log: only the output moves
     assert not out.exists() and (tmp_path / "c1.batch.out.log").read_text() == "batch attempt"
     assert not (tmp_path / "c1.batch.memcheck.log").exists() and memcheck.name == "c1.memcheck.log"
+
+
+def test_a_case_the_recovering_server_refused_runs_again_under_the_same_daemon(fixtures):
+    """The refusal is classified from a recorded H200 output (a client the MPS server turned away while it
+    recovered); the case then runs again under the shared daemon, not under a daemon of its own."""
+    from repro.verdicts import classify, refused
+
+    recorded = (fixtures / "outputs" / "mps-neighbour-busy-memcheck.out.log").read_text()
+    daemons, attempts, set_aside = Daemons(), [], []
+
+    def run_one(spec, daemon):
+        attempts.append(daemon.n)
+        if len(attempts) <= 2:
+            return classify(spec, recorded, 1, False, None, 1.0)  # the server still recovering
+        return CaseResult(spec.case_id, CRASH, "stand-in crash")
+
+    out = list(
+        run_mps_cases(
+            [_spec("stale", 0)],
+            run_one,
+            SHARED,
+            2,
+            _expected_clean,
+            daemons,
+            before_rerun=lambda s, attempt: set_aside.append(attempt),
+            refused_waits=(0.01, 0.01, 0.01),
+        )
+    )
+    r = out[0][1]
+    assert refused(classify(_spec("stale", 0), recorded, 1, False, None, 1.0))
+    assert r.verdict == CRASH and "after 2 refusal(s)" in r.reason
+    assert attempts == [1, 1, 1] and daemons.started == 1  # the same daemon every time
+    assert set_aside == ["refused1", "refused2"]
+
+
+def test_a_case_refused_every_time_reruns_under_a_daemon_of_its_own(fixtures):
+    from repro.verdicts import classify
+
+    recorded = (fixtures / "outputs" / "mps-neighbour-busy-memcheck.out.log").read_text()
+    daemons = Daemons()
+
+    def run_one(spec, daemon):
+        return classify(spec, recorded, 1, False, None, 1.0) if daemon.n == 1 else CaseResult(spec.case_id, CLEAN, "")
+
+    out = list(run_mps_cases([_spec("stale", 0)], run_one, SHARED, 2, _expected_clean, daemons, refused_waits=(0.01,)))
+    assert out[0][1].verdict == CLEAN and daemons.started == 2 and "rerun alone: ended in an error" in out[0][1].reason

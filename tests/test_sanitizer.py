@@ -1,5 +1,7 @@
 """The memcheck parser on logs recorded on the H200 (excerpts of runs recorded in results/)."""
 
+import re
+
 from repro.sanitizer import (
     ERROR_EXITCODE,
     kernel_role,
@@ -77,3 +79,22 @@ def test_command_and_environment():
     env = sanitizer_env({"PYTORCH_NO_CUDA_MEMORY_CACHING": "0", "A": "1"})
     assert "PYTORCH_NO_CUDA_MEMORY_CACHING" not in env  # any value disables caching and breaks capture
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "backend:cudaMallocAsync" and env["A"] == "1"
+
+
+def test_first_finding_is_complete_only_once_its_block_ended(fixtures):
+    """The early stop of a memcheck case waits for the first error's whole block: cut before its device frames, the
+    parser would name the copy helper (role `other`) instead of the combine kernel."""
+    from repro.sanitizer import first_finding_complete
+
+    for log in sorted((fixtures / "memcheck").glob("*oob*.log")):
+        text = log.read_text()
+        first = text.index("Invalid ")
+        end = re.compile(r"\n=+ *\n").search(text, first).start()  # the bare line that ends the first block
+        for cut in (first + 10, text.index("nearest allocation", first), end):
+            assert not first_finding_complete(text[:cut]), (log.name, cut)
+        assert first_finding_complete(text[: text.index("\n", end + 1) + 1]), log.name
+        whole = parse_log(text[: text.index("\n", end + 1) + 1]).findings[0]
+        assert whole == parse_log(text).findings[0].__class__(**{**whole.to_dict(), "count": 1})
+    cut = _log(fixtures, "combine-oob-upstream-16sm-nopoison.log")
+    assert parse_log(cut[: cut.index("Device Frame")]).findings[0].role == "other"
+    assert not first_finding_complete((fixtures / "memcheck" / "clean-fresh.log").read_text())

@@ -190,7 +190,7 @@ def cmd_matrix(a: argparse.Namespace) -> int:
             out / "logs",
             jobs=a.jobs,
             progress=None if a.quiet else text_progress,
-            executor=make_executor(a.executor or DEFAULT_EXECUTOR),
+            executor=make_executor(a.executor or DEFAULT_EXECUTOR, a.jobs),
             mps_daemon=a.mps_daemon or DEFAULT_MPS_DAEMON,
         )
         title = a.title
