@@ -137,6 +137,7 @@ class CaseResult:
     vllm_version: str | None = None  # the vLLM build under test (gate cases only)
     evidence: str | None = None  # what the verdict rests on (fault, memcheck finding, audit, token comparison)
     phases: dict | None = None  # seconds per phase of the case process: start, import, cuda_init, work, teardown
+    started_at: float | None = None  # when its process was started or handed the case (epoch s): a run's timeline
     spec: dict | None = None
     log_tail: str = ""
 

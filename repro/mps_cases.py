@@ -73,13 +73,17 @@ def run_mps_cases(
     try:
         for s in alone:
             r = run_one(s, daemon)
+            refusals = []  # how long each refused attempt took
             for k, pause in enumerate(refused_waits):
                 if not refused(r):
                     break
+                refusals.append(f"{r.wall_s:.1f} s")
                 before_rerun(s, f"refused{k + 1}")
                 time.sleep(pause)
                 r = run_one(s, daemon)
-                r.reason = f"{r.reason} (ran after {k + 1} refusal(s) while the MPS server recovered)".strip()
+            if refusals:
+                why = f"ran after {len(refusals)} refusal(s) ({', '.join(refusals)}) while the MPS server recovered"
+                r.reason = f"{r.reason} ({why})".strip()
             if r.verdict == ERROR:
                 rerun.append((s, f"ended in an error under the shared MPS daemon: {r.reason[:160]}", "shared"))
             else:

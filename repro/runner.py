@@ -125,6 +125,7 @@ def with_process_phases(res: CaseResult, run: ProcessRun) -> CaseResult:
     """Complete the worker's phases (import, CUDA init, work) with what only the parent sees: process start (until
     the worker's main ran) and teardown (after its work, until the parent saw it exit). A process that ended without
     a result (a fault) reported only its start-up: everything after CUDA init is `rest_s` (work and the teardown)."""
+    res.started_at = run.started_at or None
     p = res.phases
     if p and "main_at" in p and run.started_at:
         end = run.started_at + run.wall_s
