@@ -92,7 +92,8 @@ class ForkServer:
         """Start memcheck processes ahead of the sanitized cases among `specs` (at most one per case)."""
         n = sum(1 for s in specs if getattr(s, "sanitizer", False))
         if n and self.warm is None:
-            self.warm = WarmPool(launch_env, spares=self.spares, budget=n, preload=self.preload)
+            # two more than its cases: a case the MPS server refused runs again in a process of its own
+            self.warm = WarmPool(launch_env, spares=self.spares, budget=n + 2, preload=self.preload)
 
     def close(self) -> None:
         if self.warm is not None:
@@ -119,6 +120,9 @@ def fits(env: dict[str, str], launch_env: dict[str, str]) -> bool:
     return all(env.get(k) == launch_env.get(k) for k in keys)
 
 
+READY_LINE = "REPRO_WARM_READY"  # a warm process printed it once its imports were done
+
+
 @dataclass
 class Warm:
     """A sanitized case process started ahead of its case, waiting on stdin."""
@@ -127,6 +131,15 @@ class Warm:
     memcheck_log: Path  # where its compute-sanitizer writes
     startup_log: Path  # what it printed before its case (import warnings, or why it failed)
     launch_env: dict[str, str]
+    ready: bool = False
+
+    def importing(self) -> bool:
+        """Still importing (alive and not yet READY_LINE)?"""
+        if not self.ready and self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                self.ready = READY_LINE in self.startup_log.read_text(errors="replace")
+            return not self.ready
+        return False
 
     def start_case(self, target: str, argv: list[str], env: dict[str, str], out_path: Path) -> float:
         """Hand it its case; returns when it was handed (the case's clock starts there)."""
@@ -142,25 +155,36 @@ class Warm:
 
 
 class WarmPool:
-    """Sanitized case processes (compute-sanitizer over `python -m repro.executor`) started ahead of their cases:
-    `spares` of them ready at any time, at most `budget` started in all (then one starts when asked). Each runs one
-    case. close() kills the ones never used."""
+    """Sanitized case processes (compute-sanitizer over `python -m repro.executor warm`) started ahead of their
+    cases: up to `spares` waiting at any time, at most `budget` started in all (past it, one starts when a case asks),
+    and no more than `max_importing` importing at once (every import is seconds of CPU: started all at once they slow
+    each other down; measured on the H200, 25 at once took ~10 s each instead of ~4). Each runs one case; close()
+    kills the ones never used."""
 
-    def __init__(self, launch_env: dict[str, str], spares: int, budget: int, preload: tuple[str, ...] = PRELOAD):
+    def __init__(
+        self,
+        launch_env: dict[str, str],
+        spares: int,
+        budget: int,
+        preload: tuple[str, ...] = PRELOAD,
+        max_importing: int | None = None,
+    ):
         from repro.sanitizer import find_sanitizer
 
         self.exe = find_sanitizer()
         self.launch_env = dict(launch_env)
         self.preload = preload
         self.dir = Path(tempfile.mkdtemp(prefix="repro-warm-"))
-        self.ready: list[Warm] = []
-        self.budget = budget
+        self.spares, self.budget = spares, budget
+        self.max_importing = max_importing or max(2, (os.cpu_count() or 2) // 2)
+        self.spare: list[Warm] = []  # started, not yet given a case
+        self.importing: list[Warm] = []  # started, imports not done (given a case or not)
         self.started = 0
         self.lock = threading.Lock()
         self.closed = False
         if self.exe:
-            for _ in range(min(spares, budget)):
-                self.ready.append(self._start())
+            self.top_up()
+            threading.Thread(target=self._keep_topped_up, daemon=True).start()
 
     def _start(self) -> Warm:
         from repro.sanitizer import sanitizer_command
@@ -180,25 +204,46 @@ class WarmPool:
                 text=True,
                 start_new_session=True,
             )
-        return Warm(proc, log, startup, self.launch_env)
+        w = Warm(proc, log, startup, self.launch_env)
+        self.importing.append(w)
+        return w
+
+    def top_up(self) -> None:
+        """Start spares while fewer than `spares` wait, the budget allows and few enough are importing."""
+        with self.lock:
+            self.importing = [w for w in self.importing if w.importing()]
+            while (
+                not self.closed
+                and len(self.spare) < self.spares
+                and self.started < self.budget
+                and len(self.importing) < self.max_importing
+            ):
+                self.spare.append(self._start())
+
+    def _keep_topped_up(self) -> None:
+        while not self.closed:
+            self.top_up()
+            time.sleep(0.1)
 
     def take(self, env: dict[str, str]) -> Warm | None:
-        """A started process for a case with this environment, a fresh one started in its place; None when the
-        environment does not fit (or there is no compute-sanitizer)."""
+        """A started process for a case with this environment (one done importing first, else the oldest, else one
+        started now); None when the environment does not fit (or there is no compute-sanitizer)."""
         if not self.exe or not fits(env, self.launch_env):
             return None
         with self.lock:
             if self.closed:
                 return None
-            w = self.ready.pop(0) if self.ready else self._start()
-            if self.started < self.budget:
-                self.ready.append(self._start())
-            return w
+            done = [w for w in self.spare if not w.importing()]
+            if done or self.spare:
+                w = (done or self.spare)[0]
+                self.spare.remove(w)
+                return w
+            return self._start()
 
     def close(self) -> None:
         with self.lock:
             self.closed = True
-            left, self.ready = self.ready, []
+            left, self.spare = self.spare, []
         for w in left:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(w.proc.pid, signal.SIGKILL)
@@ -211,6 +256,7 @@ def _warm_main(preload: list[str]) -> None:
     compute-sanitizer added to this process's (its injection), in this process (under the sanitizer)."""
     for module in preload:
         importlib.import_module(module)
+    print(READY_LINE, flush=True)
     line = sys.stdin.readline()
     if not line.strip():
         os._exit(0)  # the pool closed before handing it a case

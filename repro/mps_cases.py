@@ -12,7 +12,8 @@ share a GPU. So a case's verdict must come from a run in which no other client c
   run alone under the shared daemon that ended in a harness error (the server still recovering from the previous
   client's fault, say) reruns the same way; but one the server refused (a client whose process never ran: the server
   takes none while it recovers from the previous client's fault) first runs again under the same daemon after a
-  pause, up to len(REFUSED_WAITS_S) times. The rerun's verdict is the case's; its reason keeps the first attempt's.
+  pause, up to len(REFUSED_WAITS_S) times. Before each case that runs alone and each batch, the shared daemon is
+  asked whether its server is still recovering from a fault (MpsDaemon.wait_ready), so that refusals are rare. The rerun's verdict is the case's; its reason keeps the first attempt's.
   Measured on the H200 (results/h200-memcheck-batched): 16 memcheck MPS cases, stale ones included, as batches of
   12 clients: 11 had to rerun alone (a neighbour's memcheck stop reached them as an error, a crash or a failed
   launch), so cases that may fault are not batched, under memcheck either.
@@ -72,7 +73,10 @@ def run_mps_cases(
         return
     try:
         for s in alone:
+            waited, states = daemon.wait_ready()  # the previous case may have faulted the server
             r = run_one(s, daemon)
+            if states:
+                r.reason = f"{r.reason} (started after {waited:g} s waiting for the MPS server: {states[0]})".strip()
             refusals = []  # how long each refused attempt took
             for k, pause in enumerate(refused_waits):
                 if not refused(r):
@@ -91,6 +95,7 @@ def run_mps_cases(
         size = max(1, jobs)
         for k in range(0, len(shared), size):
             batch = shared[k : k + size]
+            daemon.wait_ready()
             with ThreadPoolExecutor(max_workers=len(batch)) as pool:
                 results = list(pool.map(lambda s: run_one(s, daemon), batch))
             troubled = len(batch) > 1 and any(r.verdict not in TRUSTED_IN_BATCH for r in results)

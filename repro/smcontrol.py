@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -176,6 +177,35 @@ class MpsDaemon:
         with contextlib.suppress(ValueError):  # not in the main thread
             signal.signal(signal.SIGINT, on_int)
         return self
+
+    def command(self, line: str) -> str:
+        """One command to the control daemon (get_server_list, get_server_status PID, ...); its answer."""
+        exe = shutil.which("nvidia-cuda-mps-control") or "nvidia-cuda-mps-control"
+        r = subprocess.run(
+            [exe], input=line + "\n", env={**os.environ, **self.env}, text=True, capture_output=True, timeout=10
+        )
+        return r.stdout.strip()
+
+    def faulted_servers(self) -> list[str]:
+        """`PID: status` of the servers in FAULT state (a server recovering from a client's fatal fault refuses
+        new clients: they fail after ~5 s with "busy or unavailable", measured on the H200)."""
+        out = []
+        for pid in self.command("get_server_list").split():
+            if pid.isdigit() and "FAULT" in (status := self.command(f"get_server_status {pid}")):
+                out.append(f"{pid}: {status}")
+        return out
+
+    def wait_ready(self, timeout_s: float = 15.0, poll_s: float = 0.1) -> tuple[float, list[str]]:
+        """Wait until no server of this daemon is recovering (the next client will be taken), at most timeout_s:
+        (seconds waited, the states seen while waiting)."""
+        t0, seen = time.time(), []
+        while self.running and time.time() - t0 < timeout_s:
+            bad = self.faulted_servers()
+            if not bad:
+                break
+            seen = seen or bad
+            time.sleep(poll_s)
+        return round(time.time() - t0, 2), seen
 
     def client_env(self, sms: int, total: int) -> dict[str, str]:
         return {**self.env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(mps_percentage(sms, total))}

@@ -215,10 +215,12 @@ def test_pool_starts_no_more_than_its_cases_and_close_leaves_no_process(standin_
     pool = WarmPool(memcheck_launch_env(), spares=2, budget=3, preload=STANDIN)
     env = memcheck_launch_env()
     taken = [pool.take(env) for _ in range(3)]
-    assert pool.started == 3 and not pool.ready  # 2 ahead, 1 more when the first was taken, none after
-    assert pool.take(env) is not None and pool.started == 4  # past the budget: started when asked
+    pool.top_up()
+    assert pool.started == 3 and not pool.spare  # 2 ahead, 1 more once the first was taken, none past the budget
+    taken.append(pool.take(env))  # past the budget: started when asked
+    assert pool.started == 4
     spare = WarmPool(memcheck_launch_env(), spares=2, budget=5, preload=STANDIN)
-    pids = [w.proc.pid for w in spare.ready]
+    pids = [w.proc.pid for w in spare.spare]
     spare.close()
     pool.close()
     assert pool.take(env) is None
@@ -226,3 +228,20 @@ def test_pool_starts_no_more_than_its_cases_and_close_leaves_no_process(standin_
         w.proc.stdin.close()  # an empty request: the process ends without a case
         w.proc.wait(timeout=30)
     assert not any(_group_alive(p) for p in pids)  # the sanitizer and the process under it are gone
+
+
+def test_pool_imports_no_more_than_max_importing_at_once(standin_sanitizer):
+    pool = WarmPool(memcheck_launch_env(), spares=6, budget=6, preload=STANDIN, max_importing=2)
+    try:
+        assert pool.started == 2  # two importing: the rest wait
+        seen_ready = False
+        for _ in range(300):
+            pool.top_up()
+            seen_ready = seen_ready or any(w.ready for w in pool.spare)
+            if pool.started == 6:
+                break
+            time.sleep(0.05)
+        assert pool.started == 6 and seen_ready  # more started as the first finished importing
+        assert len([w for w in pool.spare if w.importing()]) <= 2
+    finally:
+        pool.close()

@@ -4,6 +4,7 @@ case under a daemon of its own."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -23,6 +24,8 @@ class Daemons:
         self.running = 0
         self.fail_start = fail_start
         self.lock = threading.Lock()
+        self.readiness_checks = 0
+        self.recovering: list[tuple[float, list[str]]] = []  # what wait_ready answers, in turn (then: ready)
 
     def __call__(self):
         outer = self
@@ -41,6 +44,10 @@ class Daemons:
             def stop(self):
                 with outer.lock:
                     outer.running -= 1
+
+            def wait_ready(self):
+                outer.readiness_checks += 1
+                return outer.recovering.pop(0) if outer.recovering else (0.0, [])
 
             def __enter__(self):
                 return self.start()
@@ -218,3 +225,45 @@ def test_a_case_refused_every_time_reruns_under_a_daemon_of_its_own(fixtures):
 
     out = list(run_mps_cases([_spec("stale", 0)], run_one, SHARED, 2, _expected_clean, daemons, refused_waits=(0.01,)))
     assert out[0][1].verdict == CLEAN and daemons.started == 2 and "rerun alone: ended in an error" in out[0][1].reason
+
+
+def test_each_case_alone_waits_for_a_recovering_server_first():
+    daemons = Daemons()
+    daemons.recovering = [(0.0, []), (1.2, ["4242: FAULT"])]
+    cases = Cases(lambda s, d, n: CRASH if s.strategy == "stale" else CLEAN)
+    specs = [_spec("stale", 0), _spec("stale", 1), _spec("fresh", 2), _spec("fresh", 3)]
+    out = dict((s.seed, r) for s, r in run_mps_cases(specs, cases, SHARED, 4, _expected_clean, daemons))
+    assert daemons.readiness_checks == 3  # before each case alone, and before the batch
+    assert "started after 1.2 s waiting for the MPS server: 4242: FAULT" in out[1].reason
+    assert "waiting" not in out[0].reason and "waiting" not in out[2].reason
+
+
+def test_the_daemon_reports_a_server_in_fault_until_it_recovers(tmp_path, monkeypatch):
+    """MpsDaemon.wait_ready against a stand-in control program: FAULT twice, then ACTIVE."""
+    import sys
+
+    from repro.smcontrol import MpsDaemon
+
+    state = tmp_path / "asked"
+    control = tmp_path / "nvidia-cuda-mps-control"
+    control.write_text(
+        f"""#!{sys.executable}
+import sys
+line = sys.stdin.read().strip()
+if line == "get_server_list":
+    print(4242)
+elif line == "get_server_status 4242":
+    with open({str(state)!r}, "a") as f:
+        f.write("x")
+    print("FAULT" if len(open({str(state)!r}).read()) <= 2 else "ACTIVE")
+"""
+    )
+    control.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    daemon = MpsDaemon()
+    daemon.running = True  # as if started: only its commands are exercised
+    waited, seen = daemon.wait_ready(timeout_s=10, poll_s=0.01)
+    assert seen == ["4242: FAULT"] and 0 < waited < 10 and len(state.read_text()) == 3
+    waited, seen = daemon.wait_ready(timeout_s=10)
+    assert seen == [] and waited < 2  # ACTIVE: no wait beyond asking
+    daemon.running = False
