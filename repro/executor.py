@@ -35,6 +35,8 @@ PRELOAD = ("torch", "repro.worker", "repro.backends.preload")
 
 
 def _child(target: str, argv: list[str], env: dict[str, str], out_path: str, new_session: bool = True) -> None:
+    """Become the case process: own session, output to out_path, the case's environment, run, exit."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a server that ignores Ctrl-C forked it
     if new_session:
         os.setsid()
     fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -58,17 +60,36 @@ def _child(target: str, argv: list[str], env: dict[str, str], out_path: str, new
         os._exit(code)
 
 
-class ForkServer:
+class MemcheckAhead:
+    """What every executor does for memcheck cases: start their processes ahead of them (WarmPool)."""
+
+    def __init__(self, preload: tuple[str, ...], spares: int) -> None:
+        self.preload = preload
+        self.spares = spares  # memcheck processes kept started ahead (prepare), normally the matrix's jobs
+        self.warm: WarmPool | None = None
+
+    def prepare(self, specs, launch_env: dict[str, str]) -> None:
+        """Start memcheck processes ahead of the sanitized cases among `specs`."""
+        n = sum(1 for s in specs if getattr(s, "sanitizer", False))
+        if n and self.warm is None:
+            # two more than its cases: a case the MPS server refused runs again in a process of its own
+            self.warm = WarmPool(launch_env, spares=self.spares, budget=n + 2, preload=self.preload)
+
+    def close(self) -> None:
+        if self.warm is not None:
+            self.warm.close()
+            self.warm = None
+
+
+class ForkServer(MemcheckAhead):
     """Runs `module:function(argv)` in a forked case process, output to a file, under a timeout."""
 
     name = "forkserver"
 
     def __init__(self, preload: tuple[str, ...] = PRELOAD, spares: int = 4) -> None:
+        super().__init__(preload, spares)
         self.ctx = multiprocessing.get_context("forkserver")
         self.ctx.set_forkserver_preload(list(preload))
-        self.preload = preload
-        self.spares = spares  # memcheck processes kept started ahead (prepare), normally the matrix's jobs
-        self.warm: WarmPool | None = None
 
     def run(self, target: str, argv: list[str], env: dict[str, str], out_path: Path, timeout_s: float):
         from repro.runner import ProcessRun
@@ -87,18 +108,6 @@ class ForkServer:
             _kill(proc)
             raise
         return ProcessRun(proc.exitcode, timed_out, False, time.time() - t0, t0)
-
-    def prepare(self, specs, launch_env: dict[str, str]) -> None:
-        """Start memcheck processes ahead of the sanitized cases among `specs` (at most one per case)."""
-        n = sum(1 for s in specs if getattr(s, "sanitizer", False))
-        if n and self.warm is None:
-            # two more than its cases: a case the MPS server refused runs again in a process of its own
-            self.warm = WarmPool(launch_env, spares=self.spares, budget=n + 2, preload=self.preload)
-
-    def close(self) -> None:
-        if self.warm is not None:
-            self.warm.close()
-            self.warm = None
 
 
 def _kill(proc) -> None:
@@ -266,19 +275,35 @@ def _warm_main(preload: list[str]) -> None:
     _child(req["target"], req["argv"], {**req["env"], **injected}, req["out"], new_session=False)
 
 
-EXECUTORS = ("process", "forkserver")
-DEFAULT_EXECUTOR = "forkserver"
+EXECUTORS = ("process", "forkserver", "server")
+DEFAULT_EXECUTOR = "forkserver"  # or the repro server, when one runs this very code (default_executor)
 
 
-def make_executor(name: str, jobs: int = 4) -> ForkServer | None:
-    """None: a fresh interpreter per case; forkserver: ForkServer (`jobs` memcheck processes started ahead)."""
+def make_executor(name: str, jobs: int = 4) -> MemcheckAhead | None:
+    """None: a fresh interpreter per case; forkserver: ForkServer; server: a running repro server (repro.server);
+    each with `jobs` memcheck processes started ahead."""
     from repro.descriptors import ConfigError
 
     if name == "process":
         return None
     if name == "forkserver":
         return ForkServer(spares=jobs)
+    if name == "server":
+        from repro.server import ServerExecutor, socket_path, usable
+
+        facts, why = usable()
+        if facts is None:
+            raise ConfigError(f"--executor server: {why}")
+        return ServerExecutor(socket_path(), facts, spares=jobs)
     raise ConfigError(f"unknown executor {name!r}; choose from {', '.join(EXECUTORS)}")
+
+
+def default_executor(jobs: int = 4) -> MemcheckAhead:
+    """The repro server when one runs this code (its cases start without importing anything), else a forkserver."""
+    from repro.server import ServerExecutor, socket_path, usable
+
+    facts, _ = usable()
+    return ServerExecutor(socket_path(), facts, spares=jobs) if facts else ForkServer(spares=jobs)
 
 
 if __name__ == "__main__":  # python -m repro.executor warm MODULE,MODULE: a WarmPool process

@@ -111,6 +111,8 @@ class MatrixRun:
     first_positive_s: float | None
     source: str = "gpu"  # gpu: kernels ran; model: the CPU model predicted the verdicts
     first_positive_case: str | None = None  # the case behind first_positive_s
+    started_at: float | None = None  # when the run started (epoch s)
+    setup_s: float | None = None  # from the command's start to the run's (set by the command that ran it)
 
     def failures(self) -> list[tuple[CaseSpec, CaseResult]]:
         return [(s, r) for s, r in self.results if satisfies(expectation(s), r.verdict) is False]
@@ -184,6 +186,7 @@ def run_matrix(
         round(time.time() - t0, 2),
         round(first[0], 2) if first[0] is not None else None,
         first_positive_case=first[1],
+        started_at=t0,
     )
 
 

@@ -68,7 +68,12 @@ def markdown(run: MatrixRun, env: dict | None = None, title: str = "Verdicts") -
         f"{len(run.results)} cases in {run.wall_s:.1f} s; "
         + ", ".join(f"{k}: {v}" for k, v in counts.items())
         + f"; {len(fails)} unexpected"
-        + (f"; first positive control after {run.first_positive_s} s." if run.first_positive_s is not None else ".")
+        + (f"; first positive control after {run.first_positive_s} s" if run.first_positive_s is not None else "")
+        + (
+            f" ({run.first_positive_s + run.setup_s:.2f} s after the command started)."
+            if run.first_positive_s is not None and run.setup_s is not None
+            else "."
+        )
     )
     lines += [
         "",
@@ -103,6 +108,7 @@ def write_json(run: MatrixRun, path: str | Path, env: dict | None = None) -> Non
         "wall_s": run.wall_s,
         "first_positive_s": run.first_positive_s,
         "first_positive_case": run.first_positive_case,
+        "setup_s": run.setup_s,
         "cases": [{**row, "result": r.to_dict()} for row, (_, r) in zip(rows(run), run.results)],
     }
     Path(path).write_text(redact(json.dumps(doc, indent=1, default=str)) + "\n")
@@ -130,6 +136,7 @@ def load_json(path: str | Path) -> MatrixRun:
         doc.get("first_positive_s"),
         doc.get("source", GPU),
         doc.get("first_positive_case"),
+        setup_s=doc.get("setup_s"),
     )
 
 

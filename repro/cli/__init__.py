@@ -1,5 +1,5 @@
 """`python -m repro <subcommand>`: a thin entry; each subcommand lives in its own module of this package (run,
-matrix, gate/bisect/vllm-check in vllm, doctor/agree/bench/xdist-report/redact in reports; shared pieces in common).
+matrix, gate/bisect/vllm-check in vllm, doctor/agree/bench/xdist-report/redact in reports, serve; shared pieces in common).
 Bad input: one line on stderr and exit code 2, no traceback."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import argparse
 import os
 import sys
 
-from repro.cli import matrix, reports, run, vllm
+from repro.cli import matrix, reports, run, serve, vllm
 from repro.cli.common import EXIT_BAD_INPUT, Parser
 from repro.descriptors import ConfigError
 
@@ -16,7 +16,7 @@ from repro.descriptors import ConfigError
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m repro", description="Stale FA3 attention-metadata reproducer and regression harness")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
-    for module in (reports, run, matrix, vllm):
+    for module in (reports, run, matrix, serve, vllm):
         module.add_parsers(sub)
     return p
 

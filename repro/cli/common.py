@@ -7,6 +7,7 @@ import argparse
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from repro.descriptors import AttnConfig, ConfigError
@@ -145,3 +146,19 @@ def gpu_present() -> bool:
     except (Unavailable, OSError, subprocess.SubprocessError, ValueError):
         return False
     return True
+
+
+_IMPORTED_AT = time.time()
+
+
+def command_started_at() -> float:
+    """When this process started (epoch s): from the kernel's process table where there is one (the interpreter's
+    own start-up included), else when this module was imported."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, clock ticks after boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED_AT

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from repro.case import CaseSpec
 from repro.cli.common import (
@@ -12,6 +13,7 @@ from repro.cli.common import (
     DEFAULT_SMS,
     add_shape_args,
     check_out_file,
+    command_started_at,
     gpu_present,
     out_dir,
     parse_backends,
@@ -52,8 +54,9 @@ def add_parsers(sub) -> None:
     m.add_argument(
         "--executor",
         choices=EXECUTORS,
-        help="process: a fresh interpreter per case; forkserver: cases forked from a server that imported torch and "
-        f"the FA3 libraries once (default {DEFAULT_EXECUTOR})",
+        help="process: a fresh interpreter per case; forkserver: cases forked from a server this command starts, "
+        "that imported torch and the FA3 libraries once; server: from the repro server (`python -m repro serve`), "
+        f"which outlives commands (default: the server when one runs this code, else {DEFAULT_EXECUTOR})",
     )
     m.add_argument(
         "--mps-daemon",
@@ -158,7 +161,8 @@ def cmd_matrix(a: argparse.Namespace) -> int:
         return 0
     check_out_file(a.json)
     out = out_dir(a.out, "matrix") if (a.out or not model) else None
-    env = environment.collect()
+    # the environment table's facts come from a child that imports torch (seconds): gathered beside the run
+    facts = ThreadPoolExecutor(max_workers=1).submit(environment.collect)
     if model:
         from repro.fa3_model.predict import predict_specs
 
@@ -166,34 +170,40 @@ def cmd_matrix(a: argparse.Namespace) -> int:
         run = MatrixRun(predict_specs(specs), round(time.time() - t0, 2), None, source=report.MODEL)
         title = f"{a.title} (predicted by the CPU model)"
     else:
-        from repro.executor import make_executor
+        from repro.executor import default_executor, make_executor
 
         if a.compare_executors:
             from repro.benchmark import compare_executors
 
             if a.executor or a.mps_daemon:
                 raise ConfigError("--compare-executors runs both paths; leave out --executor and --mps-daemon")
-            probe_s = time.time() - t_probe  # before either path: the GPU probe (a child that imports torch)
+            probe_s = time.time() - t_probe  # before either path: the GPU probe (the CUDA driver, in a child)
             md_bench, runs = compare_executors(specs, out, a.jobs, progress=None if a.quiet else text_progress)
             md_bench += (
-                f"\nBefore either path the command spent {probe_s:.1f} s finding the GPU (a child process that imports "
-                "torch); the times above count from each path's start.\n"
+                f"\nBefore either path the command spent {probe_s:.1f} s finding the GPU (the CUDA driver's SM count, "
+                "asked in a child process); the times above count from each path's start.\n"
             )
+            env = facts.result()
             (out / "executors.md").write_text(redact("\n".join(report.header(a.title, env))) + "\n" + md_bench)
             for name, path_run in runs.items():
                 report.write_json(path_run, out / name / "results.json", env)
                 (out / name / "verdicts.md").write_text(report.markdown(path_run, env, title=f"{a.title} ({name})"))
             print(md_bench + f"\nreports: {out}")
             return 1 if runs["new"].failures() or runs["old"].failures() else 0
+        executor = make_executor(a.executor, a.jobs) if a.executor else default_executor(a.jobs)
+        if getattr(executor, "name", "") == "server":
+            print(f"cases forked by the repro server (pid {executor.facts['pid']})", file=sys.stderr)
         run = run_matrix(
             specs,
             out / "logs",
             jobs=a.jobs,
             progress=None if a.quiet else text_progress,
-            executor=make_executor(a.executor or DEFAULT_EXECUTOR, a.jobs),
+            executor=executor,
             mps_daemon=a.mps_daemon or DEFAULT_MPS_DAEMON,
         )
+        run.setup_s = round(run.started_at - command_started_at(), 2)  # CLI, GPU probe, executor start-up
         title = a.title
+    env = facts.result()
     md = report.markdown(run, env, title=title)
     if out is not None:
         (out / "verdicts.md").write_text(md)

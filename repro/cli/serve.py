@@ -1,0 +1,63 @@
+"""`python -m repro serve`: start, stop or show the repro server that outlives commands (repro.server)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from repro import server
+
+
+def add_parsers(sub) -> None:
+    s = sub.add_parser(
+        "serve",
+        help="keep torch and the FA3 libraries imported between commands (matrix forks its cases from it)",
+        description="Starts the repro server in the background, or says it already runs this code. Commands use it "
+        "when its fingerprint (the harness's sources, interpreter, FA3 libraries) equals theirs.",
+    )
+    what = s.add_mutually_exclusive_group()
+    what.add_argument("--stop", action="store_true", help="stop the server")
+    what.add_argument("--status", action="store_true", help="say whether one runs, and whether this code")
+    s.add_argument(
+        "--idle",
+        type=float,
+        default=server.DEFAULT_IDLE_S,
+        help="seconds without a request after which it stops (default %(default)g)",
+    )
+    s.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from repro.descriptors import ConfigError
+
+    path = server.socket_path()
+    if path is None:
+        raise ConfigError(f"{server.SOCKET_ENV}=off: no server to {'stop' if a.stop else 'use'}")
+    if a.idle <= 0:
+        raise ConfigError("--idle must be positive")
+    facts = server.running(path)
+    if a.stop:
+        print(f"stopped the repro server (pid {facts['pid']})" if server.stop(path) else f"no repro server at {path}")
+        return 0
+    fits = facts is not None and facts["fingerprint"] == server.code_fingerprint()
+    if a.status:
+        if facts is None:
+            print(f"no repro server at {path}")
+        else:
+            age = time.time() - facts["started"]
+            print(
+                f"repro server at {path}: pid {facts['pid']}, up {age:.0f} s, "
+                + ("runs this code" if fits else "runs other code than this command: `serve` restarts it")
+            )
+        return 0
+    if fits:
+        print(f"the repro server at {path} (pid {facts['pid']}) already runs this code")
+        return 0
+    if facts is not None:
+        server.stop(path)
+    facts = server.start(path, a.idle)
+    print(
+        f"repro server at {path}: pid {facts['pid']}, imports took {facts['preload_s']:g} s; "
+        f"it stops after {a.idle:g} s idle or with `python -m repro serve --stop`"
+    )
+    return 0

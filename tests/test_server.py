@@ -1,0 +1,155 @@
+"""The repro server that outlives commands (repro.server), with stand-in case workers: cases forked with their own
+environment and session, exit codes, timeouts and a command that goes away kill the case and what it started, idle
+stop, the fingerprint that keeps a server of other code from being used, and the CLI around it."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from repro import server
+from repro.case import CaseSpec
+from repro.runner import run_process
+from repro.verdicts import CLEAN, CRASH, ERROR, HANG
+
+STANDIN = ("tests.standin_worker",)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _gone(pid: int, within_s: float = 10) -> bool:
+    for _ in range(int(within_s / 0.1)):
+        if not _alive(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture
+def sock(tmp_path, monkeypatch):
+    path = tmp_path / "s" / "server.sock"
+    monkeypatch.setenv(server.SOCKET_ENV, str(path))
+    return path
+
+
+@pytest.fixture
+def running(sock):
+    facts = server.start(sock, idle_s=60, preload=STANDIN)
+    yield server.ServerExecutor(sock, facts)
+    server.stop(sock)
+
+
+def test_cases_forked_with_their_environment_and_exit_codes(running, tmp_path):
+    out = tmp_path / "c.out.log"
+    run = running.run("tests.standin_worker:clean", ["x"], {**os.environ, "STANDIN_ENV": "mine"}, out, 60)
+    text = out.read_text()
+    assert run.returncode == 0 and not run.timed_out and "stand-in x" in text and "env mine" in text
+    assert f"pid {running.facts['pid']}" not in text  # a process of its own, not the server
+    assert running.run("tests.standin_worker:crash", ["y"], dict(os.environ), out, 60).returncode == 1
+
+
+def test_verdicts_through_the_runner(running, tmp_path):
+    spec = CaseSpec("vllm", "stale", timeout_s=3)
+    verdicts = {}
+    for fn in ("clean", "crash", "boom", "hang"):
+        argv = [str(tmp_path / "pid")] if fn == "hang" else ["y"]
+        res, _ = run_process(spec, [], dict(os.environ), tmp_path, False, running, (f"tests.standin_worker:{fn}", argv))
+        verdicts[fn] = res.verdict
+    assert verdicts == {"clean": CLEAN, "crash": CRASH, "boom": ERROR, "hang": HANG}
+    assert _gone(int((tmp_path / "pid").read_text()))  # the hung case's grandchild went with it
+
+
+def test_a_command_that_goes_away_takes_its_case_with_it(running, sock, tmp_path):
+    pidfile = tmp_path / "grandchild.pid"
+    request = {"op": "run", "target": "tests.standin_worker:hang", "argv": [str(pidfile)], "env": dict(os.environ)}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(sock))
+        s.sendall((json.dumps({**request, "out": str(tmp_path / "h.log")}) + "\n").encode())
+        pid = json.loads(s.makefile("r").readline())["pid"]
+        for _ in range(100):
+            if pidfile.exists() and pidfile.read_text():
+                break
+            time.sleep(0.05)
+    assert _gone(pid) and _gone(int(pidfile.read_text()))
+    assert server.running(sock)["pid"] == running.facts["pid"]  # the server itself carries on
+
+
+def test_idle_server_stops_and_removes_its_socket(sock):
+    facts = server.start(sock, idle_s=0.5, preload=STANDIN)
+    assert _gone(facts["pid"]) and not sock.exists()
+    assert server.running(sock) is None
+
+
+def test_a_server_of_other_code_is_not_used(running, sock, monkeypatch):
+    from repro.executor import ForkServer, default_executor
+
+    facts, why = server.usable(sock)
+    assert facts is None and "runs other code" in why  # started with other preloads than a command uses
+    monkeypatch.setattr(server, "code_fingerprint", lambda *a: running.facts["fingerprint"])
+    facts, why = server.usable(sock)
+    assert facts["pid"] == running.facts["pid"] and why == ""
+    assert isinstance(default_executor(), server.ServerExecutor)
+    monkeypatch.setattr(server, "code_fingerprint", lambda *a: "edited")
+    assert isinstance(default_executor(), ForkServer)
+
+
+def test_an_edit_changes_the_fingerprint():
+    f = server.Path(server.__file__)
+    st = f.stat()
+    before = server.code_fingerprint()
+    try:
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+        assert server.code_fingerprint() != before
+    finally:
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert server.code_fingerprint() == before
+
+
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "repro", *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_executor_server_without_one_is_refused_in_one_line(sock):
+    from repro.descriptors import ConfigError
+    from repro.executor import make_executor
+
+    with pytest.raises(ConfigError, match=r"--executor server: no repro server at .* \(start one: python -m repro"):
+        make_executor("server")
+
+
+def test_cli_without_a_server(sock):
+    env = {**os.environ, server.SOCKET_ENV: str(sock)}
+    r = _cli("serve", "--status", env=env)
+    assert r.returncode == 0 and "no repro server at" in r.stdout
+    r = _cli("serve", "--stop", env=env)
+    assert r.returncode == 0 and "no repro server" in r.stdout
+    r = _cli("serve", "--idle", "0", env=env)
+    assert r.returncode == 2 and "--idle must be positive" in r.stderr
+    r = _cli("serve", env={**os.environ, server.SOCKET_ENV: "off"})
+    assert r.returncode == 2 and "REPRO_SERVER=off" in r.stderr
+
+
+def test_cli_starts_and_stops_a_server(sock):
+    env = {**os.environ, server.SOCKET_ENV: str(sock)}
+    r = _cli("serve", "--idle", "60", env=env)
+    assert r.returncode == 0 and "repro server at" in r.stdout, r.stderr
+    try:
+        r = _cli("serve", "--status", env=env)
+        assert "runs this code" in r.stdout
+        assert "already runs this code" in _cli("serve", env=env).stdout
+    finally:
+        r = _cli("serve", "--stop", env=env)
+    assert "stopped the repro server" in r.stdout and not sock.exists()
