@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU evidence runs recorded under results/, one step per call on the device machine (run from the repository
 # root, with the FA3 bundles in .gpu/ when present). Each step writes its reports under $OUT/<step>.
-#   bash scripts/gpu-evidence.sh executors|default|memcheck|spec|mps-probe [extra matrix flags]
-# The device brings back at most 8 files from $OUT per call: executors writes 5, default/memcheck/spec 3 each, the
+#   bash scripts/gpu-evidence.sh executors|default|served|memcheck|spec|mps-probe [extra matrix flags]
+# The device brings back at most 8 files from $OUT per call: executors writes 5, default/served/memcheck/spec 3 each, the
 # probe 1. Plan a call's steps within that (a step whose files are cut is lost with the machine).
 set -u
-step=${1:?usage: gpu-evidence.sh executors|default|memcheck|spec|mps-probe [matrix flags]}
+step=${1:?usage: gpu-evidence.sh executors|default|served|memcheck|spec|mps-probe [matrix flags]}
 shift
 OUT=${OUT:-out}
 export PYTHONUNBUFFERED=1
@@ -30,6 +30,11 @@ case $step in
   default)  # the default matrix with the default execution path
     timeout 580 "$py" -m repro matrix --quiet --gate --jobs 8 --out "$work" --title 'Default matrix, H200' "$@"
     rc=$?; keep ;;
+  served)  # #12: the default matrix, its cases forked by a repro server started before it (`repro serve`)
+    "$py" -m repro serve --idle 600 || exit 1
+    timeout 580 "$py" -m repro matrix --quiet --gate --jobs 8 --out "$work" \
+      --title 'Default matrix, cases forked by a running repro server, H200' "$@"; rc=$?
+    "$py" -m repro serve --stop; keep ;;
   memcheck)  # the default matrix under compute-sanitizer memcheck
     timeout 580 "$py" -m repro matrix --quiet --gate --sanitizer --jobs 12 --out "$work" \
       --title 'Default matrix under compute-sanitizer memcheck, H200' "$@"; rc=$?; keep ;;
