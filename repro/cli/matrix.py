@@ -119,7 +119,7 @@ def _model_specs(a: argparse.Namespace, opts, specs: list[CaseSpec]) -> list[Cas
 
 def cmd_matrix(a: argparse.Namespace) -> int:
     from repro import environment, report
-    from repro.matrix import MatrixOptions, MatrixRun, build_specs, run_matrix, text_progress
+    from repro.matrix import MatrixOptions, MatrixRun, build_specs, expectation, run_matrix, text_progress
 
     if a.backend is not None and a.backend != "model":
         raise ConfigError(f"--backend takes only 'model' (use --backends for FA3 builds), got {a.backend!r}")
@@ -161,8 +161,11 @@ def cmd_matrix(a: argparse.Namespace) -> int:
         return 0
     check_out_file(a.json)
     out = out_dir(a.out, "matrix") if (a.out or not model) else None
-    # the environment table's facts come from a child that imports torch (seconds): gathered beside the run
-    facts = ThreadPoolExecutor(max_workers=1).submit(environment.collect)
+    # Beside the run: the environment table's facts (a child that imports torch) and the controls' expectations (the
+    # CPU model imports torch here): seconds each, which the first case need not wait for.
+    beside = ThreadPoolExecutor(max_workers=2)
+    facts = beside.submit(environment.collect)
+    beside.submit(lambda: [expectation(s) for s in specs])
     if model:
         from repro.fa3_model.predict import predict_specs
 
