@@ -88,33 +88,49 @@ def benchmark_markdown(plain_path: str | Path, sanitized_path: str | Path) -> st
 PATHS = {
     "old": ("process", "per-case"),  # a fresh interpreter per case, an MPS daemon per MPS case
     "new": ("forkserver", "shared"),  # cases forked from a pre-imported server, one MPS daemon, clean cases batched
+    "served": ("server", "shared"),  # as new, from a repro server already running (`repro serve`, repro.server)
 }
 
 
 def compare_executors(specs, out_dir: str | Path, jobs: int, progress=None) -> tuple[str, dict[str, MatrixRun]]:
-    """The same matrix run on both paths (PATHS) in one command: wall, throughput, time to the first positive
-    control, the per-case split by phase, and the verdict diff (must be empty). Returns (Markdown, runs by path);
-    each path's logs go to out_dir/<path>/logs."""
+    """The same matrix run on every path (PATHS) in one command: wall, throughput, time to the first positive
+    control, the per-case split by phase, and the verdict diffs (must be empty). The served path gets a repro server
+    of its own (a private socket), started before its clock starts, as `repro serve` is once for many commands; how
+    long that took is said apart. Returns (Markdown, runs by path); each path's logs go to out_dir/<path>/logs."""
+    import shutil
+    import tempfile
+    import time
+
+    from repro import server
     from repro.executor import make_executor
     from repro.matrix import run_matrix
 
     specs = list(specs)
     runs: dict[str, MatrixRun] = {}
+    notes = []
     for name, (executor, mps_daemon) in PATHS.items():
-        runs[name] = run_matrix(
-            specs,
-            Path(out_dir) / name / "logs",
-            jobs=jobs,
-            progress=progress,
-            executor=make_executor(executor, jobs),
-            mps_daemon=mps_daemon,
-        )
-    return paths_markdown(runs), runs
+        sock = None
+        if executor == "server":
+            sock = Path(tempfile.mkdtemp(prefix="repro-bench-")) / "server.sock"
+            t0 = time.time()
+            ex = server.ServerExecutor(sock, server.start(sock, idle_s=600), spares=jobs)
+            notes.append(f"The {name} path's server took {time.time() - t0:.1f} s to start (before that path's clock).")
+        else:
+            ex = make_executor(executor, jobs)
+        try:
+            runs[name] = run_matrix(
+                specs, Path(out_dir) / name / "logs", jobs=jobs, progress=progress, executor=ex, mps_daemon=mps_daemon
+            )
+        finally:
+            if sock is not None:
+                server.stop(sock)
+                shutil.rmtree(sock.parent, ignore_errors=True)
+    return paths_markdown(runs) + "".join(f"\n{n}\n" for n in notes), runs
 
 
 def paths_markdown(runs: dict[str, MatrixRun]) -> str:
-    """The side-by-side table of two execution paths' runs of one matrix ("old" and "new", PATHS): wall,
-    throughput, per-phase split, the first positive control and its phases, MPS reruns, and the verdict diff."""
+    """The side-by-side table of execution paths' runs of one matrix ("old", "new" and any more of PATHS): wall,
+    throughput, per-phase split, the first positive control and its phases, MPS reruns, and the verdict diffs."""
     sums = {n: summarize(r) for n, r in runs.items()}
     va = {s.case_id: r.verdict for s, r in runs["old"].results}
     vb = {s.case_id: r.verdict for s, r in runs["new"].results}
@@ -146,6 +162,13 @@ def paths_markdown(runs: dict[str, MatrixRun]) -> str:
     lines += [f"- {c}" for c in reruns]
     lines += ["", f"Verdict diff: {len(diff)} case(s)" + (":" if diff else " (the paths agree)")]
     lines += [f"- {d}" for d in diff]
+    for name in (n for n in runs if n not in ("old", "new")):  # further paths: against the old one
+        vc = {s.case_id: r.verdict for s, r in runs[name].results}
+        more = sorted(f"{k}: {va[k]} -> {vc.get(k)}" for k in va if va[k] != vc.get(k))
+        again = [s.case_id for s, r in runs[name].results if "rerun alone" in r.reason]
+        lines += ["", f"MPS cases rerun alone on the {name} path: {len(again)}"] + [f"- {c}" for c in again]
+        lines += ["", f"Verdict diff, old -> {name}: {len(more)} case(s)" + (":" if more else " (the paths agree)")]
+        lines += [f"- {d}" for d in more]
     return "\n".join(lines) + "\n"
 
 

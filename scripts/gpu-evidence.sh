@@ -2,7 +2,7 @@
 # The GPU evidence runs recorded under results/, one step per call on the device machine (run from the repository
 # root, with the FA3 bundles in .gpu/ when present). Each step writes its reports under $OUT/<step>.
 #   bash scripts/gpu-evidence.sh executors|default|served|memcheck|spec|mps-probe [extra matrix flags]
-# The device brings back at most 8 files from $OUT per call: executors writes 5, default/served/memcheck/spec 3 each, the
+# The device brings back at most 8 files from $OUT per call: executors writes 7, default/served/memcheck/spec 3 each, the
 # probe 1. Plan a call's steps within that (a step whose files are cut is lost with the machine).
 set -u
 step=${1:?usage: gpu-evidence.sh executors|default|served|memcheck|spec|mps-probe [matrix flags]}
@@ -16,7 +16,7 @@ work=$(mktemp -d /tmp/evidence.XXXX)
 keep() {  # copy a run's reports (not its logs) to $OUT/<step>
   mkdir -p "$OUT/$step"
   for f in verdicts.md results.json heatmap.png executors.md; do [ -e "$work/$f" ] && cp "$work/$f" "$OUT/$step/"; done
-  for d in old new; do
+  for d in old new served; do
     [ -d "$work/$d" ] || continue
     mkdir -p "$OUT/$step/$d"
     cp "$work/$d"/verdicts.md "$work/$d"/results.json "$OUT/$step/$d/" 2>/dev/null
@@ -24,7 +24,7 @@ keep() {  # copy a run's reports (not its logs) to $OUT/<step>
 }
 
 case $step in
-  executors)  # #12: the old and the new execution path side by side on the default matrix
+  executors)  # #12: the old, new and served execution paths side by side on the default matrix
     timeout 580 "$py" -m repro matrix --quiet --compare-executors --jobs 8 --out "$work" \
       --title 'Default matrix, old and new execution paths, H200' "$@"; rc=$?; keep ;;
   default)  # the default matrix with the default execution path

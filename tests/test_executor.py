@@ -74,9 +74,11 @@ def test_both_paths_side_by_side_give_the_same_verdicts(tmp_path):
 
     specs = [CaseSpec("vllm", "stale", timeout_s=120), CaseSpec("vllm", "fresh", timeout_s=120)]
     md, runs = compare_executors(specs, tmp_path, jobs=2)
-    assert set(runs) == {"old", "new"} and len(runs["new"].results) == 2
-    assert "| new | forkserver | shared | 2 |" in md and "the paths agree" in md
-    assert (tmp_path / "old" / "logs").is_dir() and (tmp_path / "new" / "logs").is_dir()
+    assert set(runs) == {"old", "new", "served"} and len(runs["served"].results) == 2
+    assert "| new | forkserver | shared | 2 |" in md and "| served | server | shared | 2 |" in md
+    assert "Verdict diff: 0 case(s) (the paths agree)" in md and "Verdict diff, old -> served: 0 case(s)" in md
+    assert "The served path's server took" in md
+    assert all((tmp_path / p / "logs").is_dir() for p in runs)
 
 
 def test_phases_split_a_case_process_for_the_benchmark(server, tmp_path):

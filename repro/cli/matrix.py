@@ -194,8 +194,10 @@ def cmd_matrix(a: argparse.Namespace) -> int:
             print(md_bench + f"\nreports: {out}")
             return 1 if runs["new"].failures() or runs["old"].failures() else 0
         executor = make_executor(a.executor, a.jobs) if a.executor else default_executor(a.jobs)
+        started_by = {"server": f"the repro server (pid {executor.facts['pid']})", "forkserver": "a forkserver"}
+        how = started_by.get(getattr(executor, "name", ""), "a fresh interpreter each")
         if getattr(executor, "name", "") == "server":
-            print(f"cases forked by the repro server (pid {executor.facts['pid']})", file=sys.stderr)
+            print(f"cases forked by {how}", file=sys.stderr)
         run = run_matrix(
             specs,
             out / "logs",
@@ -207,6 +209,8 @@ def cmd_matrix(a: argparse.Namespace) -> int:
         run.setup_s = round(run.started_at - command_started_at(), 2)  # CLI, GPU probe, executor start-up
         title = a.title
     env = facts.result()
+    if not model:
+        env["cases started by"] = how
     md = report.markdown(run, env, title=title)
     if out is not None:
         (out / "verdicts.md").write_text(md)
