@@ -120,6 +120,20 @@ def test_agreement_with_recorded_gpu_runs():
     assert all(r.verdict_agrees for r in rows)
 
 
+def test_agreement_with_memcheck_that_destroys_the_faulting_context():
+    """results/h200-memcheck-warm (memcheck with --destroy-on-device-error context, stopped at the first whole error):
+    the verdicts and the kernel memcheck named first still agree with the model, on both execution paths."""
+    from pathlib import Path
+
+    from repro.fa3_model.agreement import compare
+
+    root = Path(__file__).parent.parent / "results" / "h200-memcheck-warm"
+    rows = compare([root / "old" / "results.json", root / "new" / "results.json"])
+    assert len(rows) == 48 and all(r.verdict_agrees for r in rows)  # the eager cases the model covers, both paths
+    named = [r for r in rows if r.kernel_agrees is not None]
+    assert len(named) == 24 and all(r.kernel_agrees for r in named)
+
+
 def test_the_cpu_model_does_not_import_the_gpu_runner():
     import subprocess
     import sys

@@ -110,7 +110,7 @@ def test_recorded_execution_paths_agree_and_the_new_one_is_faster():
     the new path's wall time lower, its crashed first positive control split into start-up phases."""
     from repro.benchmark import summarize
 
-    for name in ("h200-executors", "h200-memcheck-executors"):
+    for name in ("h200-executors", "h200-memcheck-executors", "h200-memcheck-warm", "h200-executors-served"):
         old, new = (load_json(RESULTS / name / p / "results.json") for p in ("old", "new"))
         assert [(s.case_id, r.verdict) for s, r in old.results] == [(s.case_id, r.verdict) for s, r in new.results]
         assert new.wall_s < old.wall_s and summarize(new)["phases_mean_s"]["import_s"] >= 0
@@ -118,6 +118,35 @@ def test_recorded_execution_paths_agree_and_the_new_one_is_faster():
         assert set(first.phases) == {"start_s", "import_s", "cuda_init_s", "rest_s"}
     plain_new = load_json(RESULTS / "h200-executors" / "new" / "results.json")
     assert plain_new.wall_s < 30 and summarize(plain_new)["phases_mean_s"]["import_s"] == 0.0  # forked: no import
+
+
+def test_recorded_memcheck_processes_started_ahead():
+    """results/h200-memcheck-warm: memcheck cases in processes started ahead of them (WarmPool), stopped once their
+    first error was written whole, the MPS server never refusing a client (memcheck destroys the faulting context):
+    48 cases in under 60 s, no MPS case rerun or refused, the verdicts and kernels of the old path."""
+    old, new = (load_json(RESULTS / "h200-memcheck-warm" / p / "results.json") for p in ("old", "new"))
+    assert new.wall_s < 60 < old.wall_s and new.failures() == []
+    assert [(s.case_id, r.verdict, r.kernel) for s, r in old.results] == [
+        (s.case_id, r.verdict, r.kernel) for s, r in new.results
+    ]
+    assert not any("rerun alone" in r.reason or "refusal" in r.reason for _, r in new.results)
+    stale = [r for s, r in new.results if s.strategy == "stale"]
+    assert len(stale) == 24 and all("after memcheck's first complete finding" in r.reason for r in stale)
+    waited = [r.phases["start_s"] for _, r in new.results if r.phases]
+    assert max(waited) > 1 and min(waited) < 0.1  # the first ones waited for their imports, later ones found them done
+
+
+def test_recorded_served_path_shows_the_first_verdict_within_3_s():
+    """results/h200-executors-served: three paths in one command; results/h200-default-served and -cold: the first
+    positive control counted from the command's start, with and without a repro server running."""
+    runs = {p: load_json(RESULTS / "h200-executors-served" / p / "results.json") for p in ("old", "new", "served")}
+    verdicts = {p: [(s.case_id, r.verdict) for s, r in run.results] for p, run in runs.items()}
+    assert verdicts["old"] == verdicts["new"] == verdicts["served"]
+    assert runs["served"].first_positive_s < 3 < runs["new"].first_positive_s < runs["old"].first_positive_s
+    assert runs["served"].wall_s < runs["new"].wall_s < 30
+    served, cold = (load_json(RESULTS / f"h200-default-{p}" / "results.json") for p in ("served", "cold"))
+    assert served.first_positive_s + served.setup_s < 3 < cold.first_positive_s + cold.setup_s
+    assert served.failures() == cold.failures() == []
 
 
 def test_recorded_memcheck_batches_needed_reruns():

@@ -183,7 +183,7 @@ def cmd_matrix(a: argparse.Namespace) -> int:
             probe_s = time.time() - t_probe  # before either path: the GPU probe (the CUDA driver, in a child)
             md_bench, runs = compare_executors(specs, out, a.jobs, progress=None if a.quiet else text_progress)
             md_bench += (
-                f"\nBefore either path the command spent {probe_s:.1f} s finding the GPU (the CUDA driver's SM count, "
+                f"\nBefore any path the command spent {probe_s:.1f} s finding the GPU (the CUDA driver's SM count, "
                 "asked in a child process); the times above count from each path's start.\n"
             )
             env = facts.result()
