@@ -187,12 +187,16 @@ def _ask(path: Path, request: dict, timeout_s: float = 5.0) -> dict | None:
 def running(path: Path | None = None) -> dict | None:
     """The facts of the server listening at `path` (default: socket_path()), or None."""
     path = path or socket_path()
-    return _ask(path, {"op": "ping"}) if path and path.exists() else None
+    if not path or not path.exists() or path.parent.stat().st_uid != os.getuid():
+        return None  # none, or another user's folder: never hand cases (and their environment) to it
+    return _ask(path, {"op": "ping"})
 
 
 def start(path: Path, idle_s: float = DEFAULT_IDLE_S, preload: tuple[str, ...] = PRELOAD) -> dict:
     """Start a server in the background (a session of its own) and wait until it answers."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.parent.stat().st_uid != os.getuid():
+        raise ConfigError(f"{path.parent} belongs to another user: choose a socket with {SOCKET_ENV}=/path/to.sock")
     log = path.with_suffix(".log")
     cmd = [sys.executable, "-m", "repro.server", str(path), str(idle_s), ",".join(preload)]
     env = dict(os.environ)

@@ -14,20 +14,12 @@ from repro.case import CaseSpec
 from repro.executor import ForkServer, WarmPool, make_executor
 from repro.runner import case_logs, memcheck_launch_env, run_process
 from repro.verdicts import CLEAN, CRASH, ERROR, HANG, OOB
+from tests.processes import gone, group_alive
 
 
 @pytest.fixture(scope="module")
 def server():
     return ForkServer(preload=("tests.standin_worker",))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
 
 
 def test_output_environment_and_exit_code(server, tmp_path):
@@ -43,12 +35,7 @@ def test_timeout_kills_the_case_and_its_children(server, tmp_path):
     t0 = time.time()
     run = server.run("tests.standin_worker:hang", [str(pidfile)], dict(os.environ), tmp_path / "h.log", 3)
     assert run.timed_out and time.time() - t0 < 30
-    grandchild = int(pidfile.read_text())
-    for _ in range(50):
-        if not _alive(grandchild):
-            break
-        time.sleep(0.1)
-    assert not _alive(grandchild)  # no orphan left behind
+    assert gone(int(pidfile.read_text()))  # no orphan left behind
 
 
 def test_verdicts_through_the_runner(server, tmp_path):
@@ -125,12 +112,7 @@ def test_ctrl_c_in_the_parent_kills_the_case_and_its_children(server, tmp_path):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
-    grandchild = int(pidfile.read_text())
-    for _ in range(50):
-        if not _alive(grandchild):
-            break
-        time.sleep(0.1)
-    assert not _alive(grandchild)  # nothing the case started outlives the interrupted run
+    assert gone(int(pidfile.read_text()))  # nothing the case started outlives the interrupted run
 
 
 # Memcheck processes started ahead of their cases (WarmPool), under a stand-in compute-sanitizer.
@@ -148,17 +130,6 @@ def standin_sanitizer(tmp_path, monkeypatch):
     exe.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
     return exe
-
-
-def _group_alive(pgid: int) -> bool:
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
 
 
 def _memcheck_spec():
@@ -229,7 +200,7 @@ def test_pool_starts_no_more_than_its_cases_and_close_leaves_no_process(standin_
     for w in taken:
         w.proc.stdin.close()  # an empty request: the process ends without a case
         w.proc.wait(timeout=30)
-    assert not any(_group_alive(p) for p in pids)  # the sanitizer and the process under it are gone
+    assert not any(group_alive(p) for p in pids)  # the sanitizer and the process under it are gone
 
 
 def test_pool_imports_no_more_than_max_importing_at_once(standin_sanitizer):

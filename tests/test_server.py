@@ -17,25 +17,9 @@ from repro import server
 from repro.case import CaseSpec
 from repro.runner import run_process
 from repro.verdicts import CLEAN, CRASH, ERROR, HANG
+from tests.processes import gone
 
 STANDIN = ("tests.standin_worker",)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _gone(pid: int, within_s: float = 10) -> bool:
-    for _ in range(int(within_s / 0.1)):
-        if not _alive(pid):
-            return True
-        time.sleep(0.1)
-    return False
 
 
 @pytest.fixture
@@ -69,7 +53,7 @@ def test_verdicts_through_the_runner(running, tmp_path):
         res, _ = run_process(spec, [], dict(os.environ), tmp_path, False, running, (f"tests.standin_worker:{fn}", argv))
         verdicts[fn] = res.verdict
     assert verdicts == {"clean": CLEAN, "crash": CRASH, "boom": ERROR, "hang": HANG}
-    assert _gone(int((tmp_path / "pid").read_text()))  # the hung case's grandchild went with it
+    assert gone(int((tmp_path / "pid").read_text()))  # the hung case's grandchild went with it
 
 
 def test_a_command_that_goes_away_takes_its_case_with_it(running, sock, tmp_path):
@@ -83,13 +67,13 @@ def test_a_command_that_goes_away_takes_its_case_with_it(running, sock, tmp_path
             if pidfile.exists() and pidfile.read_text():
                 break
             time.sleep(0.05)
-    assert _gone(pid) and _gone(int(pidfile.read_text()))
+    assert gone(pid) and gone(int(pidfile.read_text()))
     assert server.running(sock)["pid"] == running.facts["pid"]  # the server itself carries on
 
 
 def test_idle_server_stops_and_removes_its_socket(sock):
     facts = server.start(sock, idle_s=0.5, preload=STANDIN)
-    assert _gone(facts["pid"]) and not sock.exists()
+    assert gone(facts["pid"]) and not sock.exists()
     assert server.running(sock) is None
 
 
