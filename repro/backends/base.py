@@ -216,3 +216,14 @@ class TorchOpsBackend:
             sm_margin=sm_margin,
         )
         return res[0]
+
+
+def same_library(loaded: str | Path | None, wanted: str | Path, what: str) -> None:
+    """A process holds one build of a library: a case forked from a server that preloaded another build than the
+    one it names must not run the preloaded kernels under the named build's identity. BackendUnavailable says so."""
+    if loaded is None or Path(loaded).resolve() == Path(wanted).resolve():
+        return
+    raise BackendUnavailable(
+        f"this process already loaded {what} from {loaded}, not {wanted}: run it in a process of its own "
+        "(--executor process), or name that build in the environment the server or forkserver started with"
+    )

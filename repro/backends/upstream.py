@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from repro.backends.base import BackendIdentity, BackendUnavailable, TorchOpsBackend, file_sha256
+from repro.backends.base import BackendIdentity, BackendUnavailable, TorchOpsBackend, file_sha256, same_library
 from repro.layout import UPSTREAM
 
 ENV_VAR = "FA3_UPSTREAM_PATH"
@@ -23,6 +23,14 @@ class UpstreamFa3(TorchOpsBackend):
         if path:
             if not Path(path, "flash_attn_3").is_dir():
                 raise BackendUnavailable(f"{path}: no flash_attn_3/ folder (set {ENV_VAR} to a tokenspeed-fa3 tree)")
+            loaded = sys.modules.get("flash_attn_3")
+            if loaded is not None:  # imported before this case (a preloading server): from this folder, or none
+                pkg_dir = (
+                    Path(loaded.__file__).parent
+                    if getattr(loaded, "__file__", None)
+                    else Path(next(iter(getattr(loaded, "__path__", [])), "."))
+                )
+                same_library(pkg_dir.parent, path, "upstream FA3")
             sys.path.insert(0, str(path))
         try:
             import torch

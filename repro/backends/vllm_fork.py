@@ -5,9 +5,10 @@ from __future__ import annotations
 import importlib.metadata as md
 import os
 import re
+import sys
 from pathlib import Path
 
-from repro.backends.base import BackendIdentity, BackendUnavailable, TorchOpsBackend, file_sha256
+from repro.backends.base import BackendIdentity, BackendUnavailable, TorchOpsBackend, file_sha256, same_library
 from repro.layout import VLLM
 
 ENV_VAR = "FA3_VLLM_LIB"
@@ -25,6 +26,15 @@ def find_vllm_libs() -> dict[str, str]:
 def _version_from_path(path: str) -> str:
     m = re.search(r"vllm[-_](\d+\.\d+\.\d+)", path)
     return m.group(1) if m else "unknown"
+
+
+def _loaded_lib(torch) -> str | None:
+    """The _vllm_fa3_C library this process loaded, where it can tell."""
+    for path in getattr(torch.ops, "loaded_libraries", ()):
+        if "_vllm_fa3_C" in os.path.basename(path):
+            return path
+    mod = sys.modules.get("vllm.vllm_flash_attn._vllm_fa3_C")
+    return getattr(mod, "__file__", None)
 
 
 class VllmFa3(TorchOpsBackend):
@@ -45,6 +55,8 @@ class VllmFa3(TorchOpsBackend):
                     torch.ops.load_library(lib)
                 except OSError as e:
                     raise BackendUnavailable(f"cannot load {lib}: {e}") from e
+            else:  # loaded before this case (a preloading server): the build it names, or none of it
+                same_library(_loaded_lib(torch), lib, "vLLM's FA3")
             version, package = _version_from_path(lib), "vllm (library path)"
         else:
             try:
