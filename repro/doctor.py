@@ -54,4 +54,14 @@ def doctor() -> str:
     lines.append(f"compute-sanitizer: {san or 'not found: install the CUDA toolkit or put it on PATH'}")
     for b in ("upstream", "vllm"):
         lines.append(f"FA3 {b:<9}      {_probe_backend(b)}")
+    lines.append(f"repro server:      {_server_line()}")
     return "\n".join(lines)
+
+
+def _server_line() -> str:
+    from repro import server
+
+    facts, why = server.usable()
+    if facts:
+        return f"pid {facts['pid']}, runs this code: matrix forks its cases from it"
+    return why if "other code" in why or "=off" in why else "none (`python -m repro serve`: verdicts in seconds)"

@@ -137,3 +137,16 @@ def test_cli_starts_and_stops_a_server(sock):
     finally:
         r = _cli("serve", "--stop", env=env)
     assert "stopped the repro server" in r.stdout and not sock.exists()
+
+
+def test_doctor_says_whether_a_server_runs_this_code(sock, monkeypatch):
+    from repro.doctor import _server_line
+
+    assert _server_line().startswith("none (`python -m repro serve`")
+    facts = server.start(sock, idle_s=60, preload=STANDIN)
+    try:
+        assert "runs other code" in _server_line()  # started with other preloads than a command uses
+        monkeypatch.setattr(server, "code_fingerprint", lambda *a: facts["fingerprint"])
+        assert _server_line() == f"pid {facts['pid']}, runs this code: matrix forks its cases from it"
+    finally:
+        server.stop(sock)
