@@ -5,8 +5,11 @@
   its own (a sticky CUDA error cannot leak into another case); what a case saves is the interpreter start and the
   imports. Each forked case runs in a process session of its own, so a timeout or Ctrl-C kills it with everything
   it started.
-- Memcheck cases each need a compute-sanitizer of their own: one sanitizer over a forking server reports every
-  process's errors into one log, without saying which process made them, under one print limit (tried on the H200).
+- Or from the repro server, which outlives the command (repro.server, `python -m repro serve`).
+- Memcheck cases each need a compute-sanitizer of their own. One sanitizer over a forking server does follow the
+  forked children (`--target-processes all`, tried on the H200 with compute-sanitizer 2025.3), but writes every
+  process's errors into one log (`--log-file %p` is the sanitizer's pid), without saying which process made them,
+  under one print limit for all.
   So a memcheck case still runs as its own sanitized program, but one started AHEAD of its case (WarmPool): it
   imports torch and the FA3 libraries under compute-sanitizer while other cases run, then waits on stdin for the one
   case it will run. The case's environment reaches it before CUDA starts (MPS, the GPU to use); what must be fixed
