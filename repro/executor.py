@@ -88,6 +88,7 @@ class ForkServer(MemcheckAhead):
     """Runs `module:function(argv)` in a forked case process, output to a file, under a timeout."""
 
     name = "forkserver"
+    started_by = "a forkserver"  # for reports: what started the cases
 
     def __init__(self, preload: tuple[str, ...] = PRELOAD, spares: int = 4) -> None:
         super().__init__(preload, spares)
@@ -113,9 +114,14 @@ class ForkServer(MemcheckAhead):
         return ProcessRun(proc.exitcode, timed_out, False, time.time() - t0, t0)
 
 
-def _kill(proc) -> None:
+def kill_group(pid: int) -> None:
+    """SIGKILL a case process's session (it leads one) with everything it started; gone already is fine."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _kill(proc) -> None:
+    kill_group(proc.pid)
     proc.join()
 
 
@@ -257,8 +263,7 @@ class WarmPool:
             self.closed = True
             left, self.spare = self.spare, []
         for w in left:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(w.proc.pid, signal.SIGKILL)
+            kill_group(w.proc.pid)
             w.proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -292,21 +297,20 @@ def make_executor(name: str, jobs: int = 4) -> MemcheckAhead | None:
     if name == "forkserver":
         return ForkServer(spares=jobs)
     if name == "server":
-        from repro.server import ServerExecutor, socket_path, usable
+        from repro.server import server_executor
 
-        facts, why = usable()
-        if facts is None:
+        served, why = server_executor(jobs)
+        if served is None:
             raise ConfigError(f"--executor server: {why}")
-        return ServerExecutor(socket_path(), facts, spares=jobs)
+        return served
     raise ConfigError(f"unknown executor {name!r}; choose from {', '.join(EXECUTORS)}")
 
 
 def default_executor(jobs: int = 4) -> MemcheckAhead:
     """The repro server when one runs this code (its cases start without importing anything), else a forkserver."""
-    from repro.server import ServerExecutor, socket_path, usable
+    from repro.server import server_executor
 
-    facts, _ = usable()
-    return ServerExecutor(socket_path(), facts, spares=jobs) if facts else ForkServer(spares=jobs)
+    return server_executor(jobs)[0] or ForkServer(spares=jobs)
 
 
 if __name__ == "__main__":  # python -m repro.executor warm MODULE,MODULE: a WarmPool process

@@ -13,7 +13,8 @@ share a GPU. So a case's verdict must come from a run in which no other client c
   client's fault, say) reruns the same way; but one the server refused (a client whose process never ran: the server
   takes none while it recovers from the previous client's fault) first runs again under the same daemon after a
   pause, up to len(REFUSED_WAITS_S) times. Before each case that runs alone and each batch, the shared daemon is
-  asked whether its server is still recovering from a fault (MpsDaemon.wait_ready), so that refusals are rare. The rerun's verdict is the case's; its reason keeps the first attempt's.
+  asked whether its server is still recovering from a fault (MpsDaemon.wait_ready), so that refusals are rare. The
+  rerun's verdict is the case's; its reason keeps the first attempt's.
   Measured on the H200 (results/h200-memcheck-batched): 16 memcheck MPS cases, stale ones included, as batches of
   12 clients: 11 had to rerun alone (a neighbour's memcheck stop reached them as an error, a crash or a failed
   launch), so cases that may fault are not batched, under memcheck either.

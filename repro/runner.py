@@ -4,9 +4,7 @@ The verdict comes from the process: the worker's result line, the sanitizer log,
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from repro.case import CaseResult, CaseSpec
+from repro.executor import kill_group
 from repro.sanitizer import find_sanitizer, first_finding_complete, sanitizer_command, sanitizer_env
 from repro.smcontrol import MpsDaemon, Unavailable, device_sm_count
 from repro.verdicts import classify
@@ -186,12 +185,11 @@ def watch(proc: subprocess.Popen, t0: float, timeout_s: float, san_log: Path | N
                 timed_out = True
             else:
                 continue
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_group(proc.pid)
             proc.wait()
             break
     except BaseException:  # Ctrl-C or an error in the parent: leave no orphan behind
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_group(proc.pid)
         proc.wait()
         raise
     return ProcessRun(proc.returncode, timed_out, stopped_early, time.time() - t0, t0)

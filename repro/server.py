@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from repro.descriptors import ConfigError
-from repro.executor import PRELOAD, MemcheckAhead, _child
+from repro.executor import PRELOAD, MemcheckAhead, _child, kill_group
 
 SOCKET_ENV = "REPRO_SERVER"  # the socket to use instead of the default one, or "off": never use a server
 DEFAULT_IDLE_S = 1800.0
@@ -100,8 +100,7 @@ def serve(path: Path, idle_s: float, preload: tuple[str, ...]) -> None:
                     conn = key.fileobj
                     pid = next((p for p, c in cases.items() if c is conn), None)
                     if pid is not None:
-                        with contextlib.suppress(ProcessLookupError, PermissionError):
-                            os.killpg(pid, signal.SIGKILL)
+                        kill_group(pid)
                         cases[pid] = None
                     sel.unregister(conn)
                     conn.close()
@@ -112,8 +111,7 @@ def serve(path: Path, idle_s: float, preload: tuple[str, ...]) -> None:
                 return
     finally:
         for pid in cases:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
+            kill_group(pid)
         srv.close()
         with contextlib.suppress(FileNotFoundError):
             if path.exists() and path.is_socket():
@@ -239,6 +237,7 @@ class ServerExecutor(MemcheckAhead):
     def __init__(self, path: Path, facts: dict, spares: int = 4) -> None:
         super().__init__(PRELOAD, spares)
         self.path, self.facts = path, facts
+        self.started_by = f"the repro server (pid {facts['pid']})"  # for reports: what started the cases
 
     def run(self, target: str, argv: list[str], env: dict[str, str], out_path: Path, timeout_s: float):
         from repro.runner import ProcessRun
@@ -260,12 +259,12 @@ class ServerExecutor(MemcheckAhead):
                         code = _answer(lines).get("exit")
                     except TimeoutError:
                         timed_out = True
-                        _kill_group(pid)
+                        kill_group(pid)
                         s.settimeout(30)
                         code = _answer(lines).get("exit")
             except BaseException as e:  # Ctrl-C in the command: the case goes too (and the server sees it leave)
                 if pid is not None:
-                    _kill_group(pid)
+                    kill_group(pid)
                 if not isinstance(e, OSError):
                     raise
         if pid is None or (code is None and not timed_out):  # the server went away: the case's outcome is unknown
@@ -279,9 +278,10 @@ def _answer(lines) -> dict:
     return json.loads(line) if line.strip() else {}
 
 
-def _kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
+def server_executor(jobs: int = 4) -> tuple[ServerExecutor | None, str]:
+    """(an executor for the server this command may use, "") or (None, why not)."""
+    facts, why = usable()
+    return (ServerExecutor(socket_path(), facts, spares=jobs) if facts else None), why
 
 
 def usable(path: Path | None = None) -> tuple[dict | None, str]:

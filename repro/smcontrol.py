@@ -178,11 +178,11 @@ class MpsDaemon:
             signal.signal(signal.SIGINT, on_int)
         return self
 
-    def command(self, line: str) -> str:
-        """One command to the control daemon (get_server_list, get_server_status PID, ...); its answer."""
+    def command(self, line: str, timeout_s: float = 10) -> str:
+        """One command to the control daemon (get_server_list, get_server_status PID, quit, ...); its answer."""
         exe = shutil.which("nvidia-cuda-mps-control") or "nvidia-cuda-mps-control"
         r = subprocess.run(
-            [exe], input=line + "\n", env={**os.environ, **self.env}, text=True, capture_output=True, timeout=10
+            [exe], input=line + "\n", env={**os.environ, **self.env}, text=True, capture_output=True, timeout=timeout_s
         )
         return r.stdout.strip()
 
@@ -214,11 +214,8 @@ class MpsDaemon:
         if not self.running:
             return
         self.running = False
-        exe = shutil.which("nvidia-cuda-mps-control") or "nvidia-cuda-mps-control"
         with contextlib.suppress(Exception):
-            subprocess.run(
-                [exe], input="quit\n", env={**os.environ, **self.env}, text=True, timeout=30, capture_output=True
-            )
+            self.command("quit", timeout_s=30)
         if self._old_int is not None:
             with contextlib.suppress(ValueError):
                 signal.signal(signal.SIGINT, self._old_int)

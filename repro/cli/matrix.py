@@ -194,9 +194,8 @@ def cmd_matrix(a: argparse.Namespace) -> int:
             print(md_bench + f"\nreports: {out}")
             return 1 if runs["new"].failures() or runs["old"].failures() else 0
         executor = make_executor(a.executor, a.jobs) if a.executor else default_executor(a.jobs)
-        started_by = {"server": f"the repro server (pid {executor.facts['pid']})", "forkserver": "a forkserver"}
-        how = started_by.get(getattr(executor, "name", ""), "a fresh interpreter each")
-        if getattr(executor, "name", "") == "server":
+        how = executor.started_by if executor is not None else "a fresh interpreter each"
+        if executor is not None and executor.name == "server":
             print(f"cases forked by {how}", file=sys.stderr)
         run = run_matrix(
             specs,
