@@ -88,6 +88,7 @@ def serve(path: Path, idle_s: float, preload: tuple[str, ...]) -> None:
     sel.register(srv, selectors.EVENT_READ)
     cases: dict[int, socket.socket] = {}  # pid -> the connection waiting for its exit
     last = time.time()
+    asked_to_stop = False
     try:
         while path.exists():
             for key, _ in sel.select(timeout=0.05):
@@ -95,6 +96,7 @@ def serve(path: Path, idle_s: float, preload: tuple[str, ...]) -> None:
                     conn, _ = srv.accept()
                     last = time.time()
                     if _request(conn, srv, sel, cases, facts) == "stop":
+                        asked_to_stop = True  # the command that asked tidies up (stop()), after the socket went
                         return
                 else:  # a waiting client closed its connection (Ctrl-C, timeout): its case goes with it
                     conn = key.fileobj
@@ -116,6 +118,8 @@ def serve(path: Path, idle_s: float, preload: tuple[str, ...]) -> None:
         with contextlib.suppress(FileNotFoundError):
             if path.exists() and path.is_socket():
                 path.unlink()
+        if sys.exc_info()[0] is None and not asked_to_stop:  # idle; after an exception the log keeps the traceback
+            tidy(path)
 
 
 def _request(conn, srv, sel, cases, facts) -> str | None:
@@ -207,7 +211,11 @@ def start(path: Path, idle_s: float = DEFAULT_IDLE_S, preload: tuple[str, ...] =
     t0 = time.time()
     while time.time() - t0 < START_TIMEOUT_S:
         if proc.poll() is not None:
-            tail = log.read_text(errors="replace").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+            try:
+                text = log.read_text(errors="replace")
+            except OSError:  # it ran and stopped (idle) before this loop saw it answer: its log went with it
+                text = ""
+            tail = text.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
             raise ConfigError(f"the repro server did not start: {tail[0]}")
         facts = running(path)
         if facts and facts["pid"] == proc.pid:
@@ -218,7 +226,8 @@ def start(path: Path, idle_s: float = DEFAULT_IDLE_S, preload: tuple[str, ...] =
 
 
 def stop(path: Path) -> dict | None:
-    """Stop the server at `path`; its facts, or None when none ran."""
+    """Stop the server at `path` and remove what it left (its log, the default socket folder when empty); its facts,
+    or None when none ran."""
     facts = running(path)
     if facts:
         _ask(path, {"op": "stop"})
@@ -226,7 +235,18 @@ def stop(path: Path) -> dict | None:
             if not path.exists():
                 break
             time.sleep(0.05)
+    if not path.exists():
+        tidy(path)
     return facts
+
+
+def tidy(path: Path) -> None:
+    """Remove a stopped server's log, and the default socket folder (repro-<uid>) once it is empty."""
+    with contextlib.suppress(OSError):
+        path.with_suffix(".log").unlink()
+    if path.parent.name == f"repro-{os.getuid()}":
+        with contextlib.suppress(OSError):
+            path.parent.rmdir()
 
 
 class ServerExecutor(MemcheckAhead):

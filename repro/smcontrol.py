@@ -146,14 +146,12 @@ def _sm_count(cuda_env: tuple[tuple[str, str], ...]) -> int:
 
 
 class MpsDaemon:
-    """An MPS control daemon owned by this run: started in private pipe/log folders, stopped on exit or Ctrl-C."""
+    """An MPS control daemon owned by this run: started in private pipe/log folders, stopped on exit or Ctrl-C. The
+    folders exist from start() until stop() (or a start that failed): constructing one writes nothing."""
 
     def __init__(self) -> None:
-        self.dir = tempfile.mkdtemp(prefix="repro-mps-")
-        self.env = {
-            "CUDA_MPS_PIPE_DIRECTORY": os.path.join(self.dir, "pipe"),
-            "CUDA_MPS_LOG_DIRECTORY": os.path.join(self.dir, "log"),
-        }
+        self.dir: str | None = None
+        self.env: dict[str, str] = {}  # the pipe and log folders, once started
         self.running = False
         self._old_int = None
 
@@ -161,12 +159,21 @@ class MpsDaemon:
         exe = shutil.which("nvidia-cuda-mps-control")
         if not exe:
             raise Unavailable("nvidia-cuda-mps-control not found (MPS needs the NVIDIA driver utilities)")
-        for d in self.env.values():
-            os.makedirs(d, exist_ok=True)
-        env = {**os.environ, **self.env}
-        r = subprocess.run([exe, "-d"], env=env, capture_output=True, text=True, timeout=30)
-        if r.returncode != 0:
-            raise Unavailable(f"MPS daemon did not start: {r.stderr.strip() or r.returncode}")
+        self.dir = tempfile.mkdtemp(prefix="repro-mps-")
+        self.env = {
+            "CUDA_MPS_PIPE_DIRECTORY": os.path.join(self.dir, "pipe"),
+            "CUDA_MPS_LOG_DIRECTORY": os.path.join(self.dir, "log"),
+        }
+        try:
+            for d in self.env.values():
+                os.makedirs(d, exist_ok=True)
+            env = {**os.environ, **self.env}
+            r = subprocess.run([exe, "-d"], env=env, capture_output=True, text=True, timeout=30)
+            if r.returncode != 0:
+                raise Unavailable(f"MPS daemon did not start: {r.stderr.strip() or r.returncode}")
+        except BaseException:
+            self._remove_dir()
+            raise
         self.running = True
         self._old_int = signal.getsignal(signal.SIGINT)
 
@@ -211,15 +218,20 @@ class MpsDaemon:
         return {**self.env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(mps_percentage(sms, total))}
 
     def stop(self) -> None:
-        if not self.running:
-            return
-        self.running = False
-        with contextlib.suppress(Exception):
-            self.command("quit", timeout_s=30)
-        if self._old_int is not None:
-            with contextlib.suppress(ValueError):
-                signal.signal(signal.SIGINT, self._old_int)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.running:
+            self.running = False
+            with contextlib.suppress(Exception):
+                self.command("quit", timeout_s=30)
+            if self._old_int is not None:
+                with contextlib.suppress(ValueError):
+                    signal.signal(signal.SIGINT, self._old_int)
+                self._old_int = None
+        self._remove_dir()
+
+    def _remove_dir(self) -> None:
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
 
     def __enter__(self) -> MpsDaemon:
         return self.start()
@@ -315,14 +327,18 @@ def probe_containment(hold_s: float = 6.0, sms: int = 16) -> dict[str, str]:
         return _run_clients([("neighbour", _PROBE_CLIENT, env), ("faulting client", _PROBE_FAULT, env)], hold_s, 2.0)
 
 
-if __name__ == "__main__":
-    if sys.argv[1:] != ["--probe-coexistence"]:
-        sys.exit("usage: python -m repro.smcontrol --probe-coexistence")
+def main(argv: list[str]) -> int:
+    """`python -m repro.smcontrol --probe-coexistence`; exit codes as README's table says (2 bad input, 4 no GPU or
+    MPS to probe, 1 they do not coexist)."""
+    if argv != ["--probe-coexistence"]:
+        sys.stderr.write("repro.smcontrol: error: usage: python -m repro.smcontrol --probe-coexistence\n")
+        return 2
     try:
         found = probe_coexistence()
         contained = probe_containment()
     except Unavailable as e:
-        sys.exit(f"cannot probe: {e}")
+        sys.stderr.write(f"repro.smcontrol: cannot run here: {e}\n")
+        return 4
     for k, v in found.items():
         print(f"{k}: {v}")
     both = all(v.startswith("ok") for v in found.values())
@@ -331,4 +347,8 @@ if __name__ == "__main__":
         print(f"MPS fault containment, {k}: {v}")
     spared = contained["neighbour"].startswith("ok")
     print("a healthy MPS client survives a neighbour's fault:", "yes" if spared else "no")
-    sys.exit(0 if both else 1)
+    return 0 if both else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
