@@ -46,21 +46,36 @@ def doctor() -> str:
                 lines.append(f"  slice {s.index}: {s.profile} {s.sms} SMs {s.memory_mib} MiB {s.uuid}")
     except Unavailable as e:
         lines.append(f"NVML:              {e}")
-    green = green_contexts_available()
-    lines.append(f"green contexts:    {'available in torch' if green is None else green}")
+    lines.append(f"green contexts:    {_green_line(facts)}")
     mps = shutil.which("nvidia-cuda-mps-control")
     lines.append(f"MPS:               {mps or 'nvidia-cuda-mps-control not found: MPS cases skip'}")
     san = find_sanitizer()
     lines.append(f"compute-sanitizer: {san or 'not found: install the CUDA toolkit or put it on PATH'}")
     for b in ("upstream", "vllm"):
         lines.append(f"FA3 {b:<9}      {_probe_backend(b)}")
-    lines.append(f"repro server:      {_server_line()}")
+    can_run = bool(facts.get("gpu")) and facts.get("capability") == "9.0"
+    lines.append(f"repro server:      {_server_line(can_run)}")
     return "\n".join(lines)
 
 
-def _server_line() -> str:
+def _green_line(facts: dict) -> str:
+    """Green contexts need torch's CUDA build and a GPU; a CPU-only torch has the module but cannot make one."""
+    if facts.get("torch") and not facts.get("cuda"):
+        return f"not available: torch {facts['torch']} is a CPU-only build (green:N cases skip)"
+    if not facts.get("gpu"):
+        return "not available: no CUDA GPU visible (green:N cases skip)"
+    green = green_contexts_available()
+    return "available in torch" if green is None else green
+
+
+def _server_line(can_run: bool = True) -> str:
+    """The repro server: whether one runs this code; recommended only where GPU cases can run."""
     from repro import server
 
+    if not can_run:
+        facts, _ = server.usable()
+        held = f"pid {facts['pid']} runs, but " if facts else ""
+        return f"{held}of no use here: no GPU case runs on this machine (the CPU model needs no server)"
     facts, why = server.usable()
     if facts:
         return f"pid {facts['pid']}, runs this code: matrix forks its cases from it"

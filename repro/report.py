@@ -188,7 +188,11 @@ def heatmap(run: MatrixRun, path: str | Path) -> bool:
     for i, row in enumerate(grid):
         for j, v in enumerate(row):
             ax.text(j, i, order[v], ha="center", va="center", fontsize=7)
-    ax.set_title("verdict by case group and SM configuration")
+    ax.set_title(
+        "predicted by the CPU model (no kernels ran): verdict by case group and SM count"
+        if run.source == MODEL
+        else "verdict by case group and SM configuration"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 from repro import server
+from repro.cli.common import gpu_present
 
 
 def add_parsers(sub) -> None:
@@ -55,6 +57,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
         return 0
     if facts is not None:
         server.stop(path)
+    if not gpu_present():
+        print(
+            "note: no CUDA GPU here: no case runs on this machine, so a server is of no use to it "
+            "(matrix predicts with the CPU model, which needs none); starting it anyway",
+            file=sys.stderr,
+        )
     facts = server.start(path, a.idle)
     print(
         f"repro server at {path}: pid {facts['pid']}, imports took {facts['preload_s']:g} s; "
