@@ -27,7 +27,6 @@ def _run(*args):
         (["bisect", "--vllm", "/nonexistent"], "no such file"),
         (["agree", "/nonexistent.json"], "no such file"),
         (["matrix", "--model", "--model-sms", "0,16"], "model SM counts"),
-        (["matrix", "--gpu-only", "--quiet"], "no CUDA GPU"),
         (["matrix", "--backend", "vllm"], "takes only 'model'"),
         (["matrix", "--splits", "a,b"], "comma-separated"),
         (["matrix", "--dry-run", "--modes", ""], "matrix is empty"),

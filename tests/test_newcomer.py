@@ -4,8 +4,11 @@ one line on stderr for bad input, never a traceback, nothing written where nobod
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,6 +34,7 @@ def files(tmp_path):
     (tmp_path / "obj.json").write_text("{}")
     (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "corrupt.xml").write_text("<testsuite><testcase")
+    (tmp_path / "garbage.whl").write_text("not a zip archive")
     (tmp_path / "folder").mkdir()
     return tmp_path
 
@@ -59,6 +63,15 @@ BAD = [
     (["run", "--backend", "vllm", "--poison", "banana"], "bad poison"),
     (["gate", "--modes", "bogus", "--vllm", "x=/nonexistent"], "unknown gate mode"),
     (["gate", "--no-installed", "--vllm", "x=/nonexistent"], "holds no vllm package"),
+    # issue 20, second round: tracebacks, and impossible input that was accepted
+    (["matrix", "--kv-heads", "0"], "--kv-heads must be positive"),
+    (["run", "--backend", "vllm", "--q-heads", "-1"], "--q-heads must be positive"),
+    (["vllm-check", "@garbage.whl"], "not a wheel (not a zip archive)"),
+    (["vllm-check", "@empty.json"], "neither a vLLM checkout folder nor a wheel"),
+    (["matrix", "--sms", "sm_margin:200"], "impossible SM count"),
+    (["matrix", "--model-sms", "200"], "model SM counts must be in 1..132"),
+    (["xdist-report", "@corrupt.xml", "--workers", "-1"], "--workers must be at least 1"),
+    (["run", "--backend", "vllm", "--out", "/proc/x"], "--out /proc/x: cannot create it"),
 ]
 
 
@@ -128,3 +141,183 @@ def test_bisect_names_a_revision_git_does_not_know(tmp_path):
     r = _repro("bisect", "--vllm", str(repo), "--good", "nosuchtag")
     _no_traceback(r)
     assert r.returncode == 2 and "--good nosuchtag: git knows no such commit" in r.stderr
+
+
+# ---- issue 20, second round
+
+
+def _one_line_nothing_written(r, tmp_path, before, code, msg):
+    _no_traceback(r)
+    assert r.returncode == code, (r.returncode, r.stderr)
+    assert len(r.stderr.strip().splitlines()) == 1 and msg in r.stderr, r.stderr
+    assert set(tmp_path.rglob("*")) == before
+
+
+def _fake_vllm(prefix: Path, compiled: bool) -> Path:
+    """A folder holding a `vllm` package; with a compiled extension it looks like a real (GPU) build."""
+    (prefix / "vllm").mkdir(parents=True)
+    (prefix / "vllm" / "__init__.py").write_text('__version__ = "0.25.1"\n')
+    if compiled:
+        (prefix / "vllm" / "_C.abi3.so").write_bytes(b"\x7fELF")
+    return prefix
+
+
+def test_could_not_run_here_is_exit_4_in_one_line(tmp_path):
+    """Exit 4 (could not run here) at once, one line, nothing written: matrix --gpu-only, gate without a GPU (before
+    any case runs) or without a vLLM build."""
+    out = tmp_path / "out"
+    build = _fake_vllm(tmp_path / "vllm-0.25.1", compiled=True)
+    before = set(tmp_path.rglob("*"))
+    r = _repro("matrix", "--gpu-only", "--out", str(out), cwd=tmp_path)
+    _one_line_nothing_written(r, tmp_path, before, 4, "cannot run here: no CUDA GPU visible (--gpu-only)")
+    r = _repro("gate", "--no-installed", "--control", f"0.25.1={build}", "--out", str(out), cwd=tmp_path)
+    _one_line_nothing_written(r, tmp_path, before, 4, "cannot run here: no CUDA GPU visible")
+    assert "[gate]" not in r.stdout  # no case ran
+    r = _repro("gate", "--no-installed", cwd=tmp_path)
+    _one_line_nothing_written(r, tmp_path, before, 4, "cannot run here: no vLLM build to test")
+    r = _repro("gate", "--no-installed", "--control", f"0.25.1={build}", "--dry-run", cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.split()  # listing the cases needs no GPU
+
+
+@pytest.mark.skipif(shutil.which("nvidia-cuda-mps-control") is not None, reason="MPS is here: the probe would run")
+def test_probe_coexistence_without_mps_is_exit_4(tmp_path):
+    before = set(tmp_path.rglob("*"))
+    r = subprocess.run(
+        [sys.executable, "-m", "repro.smcontrol", "--probe-coexistence"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    _one_line_nothing_written(r, tmp_path, before, 4, "cannot run here: nvidia-cuda-mps-control not found")
+    r = subprocess.run([sys.executable, "-m", "repro.smcontrol", "--bogus"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_bisect_on_a_repo_without_vllm_is_bad_input_at_once(tmp_path):
+    repo = tmp_path / "not-vllm"
+    (repo / "src").mkdir(parents=True)
+    (repo / "src" / "x.py").write_text("")
+    for cmd in (["init", "-q"], ["add", "."], ["-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm", "x"]):
+        subprocess.run(["git", "-C", str(repo), *cmd], check=True, capture_output=True)
+    r = _repro("bisect", "--vllm", str(repo), "--good", "HEAD", "--bad", "HEAD")
+    _no_traceback(r)
+    assert r.returncode == 2 and "not a vLLM checkout (no vllm/ package at --bad HEAD)" in r.stderr
+    assert "bisect" not in subprocess.run(["git", "-C", str(repo), "status"], capture_output=True, text=True).stdout
+    r = _repro("bisect", "--vllm", str(repo), "--good", "HEAD", "--status")
+    assert r.returncode == 125 and "untestable" in r.stdout
+
+
+def test_every_exit_code_is_in_the_readme_table():
+    """README's "Exit codes" table is EXIT_CODES, and the modules with codes of their own use the table's values."""
+    from repro.cli import common
+    from repro.vllm_integration import bisect, gate_run
+
+    text = (ROOT / "README.md").read_text().split("## Exit codes", 1)[1].split("\n## ", 1)[0]
+    table = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`") and cells[1].isdigit():
+            table.setdefault(cells[0].strip("`"), {})[int(cells[1])] = cells[2]
+    assert table == common.EXIT_CODES
+    assert set(gate_run.EXIT.values()) | {common.EXIT_BAD_INPUT} == set(common.EXIT_CODES["gate"])
+    assert gate_run.EXIT[gate_run.BLIND] == common.EXIT_BLIND
+    assert {*bisect.EXIT.values(), bisect.UNTESTABLE_EXIT, common.EXIT_BAD_INPUT} == set(
+        common.EXIT_CODES["repro.vllm_integration.bisect step"]
+    )
+    assert bisect.UNTESTABLE_EXIT == common.EXIT_UNTESTABLE
+    names = set(build_parser_commands())
+    assert names <= set(table), names - set(table)  # every subcommand has its row
+
+
+def build_parser_commands():
+    from repro.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "cmd")
+    return sub.choices
+
+
+def test_mps_daemon_writes_nothing_until_started_and_removes_its_folder(tmp_path, monkeypatch):
+    from repro.smcontrol import MpsDaemon, Unavailable
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))  # no nvidia-cuda-mps-control
+    d = MpsDaemon()
+    assert not any(tmp_path.iterdir()) and d.env == {}
+    with pytest.raises(Unavailable):
+        d.start()
+    d.stop()
+    assert not any(tmp_path.iterdir())
+    (tmp_path / "bin").mkdir()
+    fail = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    fail.write_text("#!/bin/sh\necho 'cannot start' >&2\nexit 1\n")
+    fail.chmod(0o755)
+    with pytest.raises(Unavailable, match="did not start: cannot start"), MpsDaemon():
+        pass
+    assert [p.name for p in tmp_path.iterdir()] == ["bin"]  # the failed start removed its folder
+
+
+def test_serve_on_cpu_says_it_is_of_no_use_and_stop_leaves_nothing(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "REPRO_SERVER"}
+    env["XDG_RUNTIME_DIR"] = str(tmp_path)  # the default socket folder: tmp_path/repro-<uid>/
+    run = lambda *a: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "repro", "serve", *a], capture_output=True, text=True, timeout=180, cwd=ROOT, env=env
+    )
+    r = run("--idle", "60")
+    try:
+        _no_traceback(r)
+        assert r.returncode == 0 and "repro server at" in r.stdout, r.stderr
+        assert r.stderr.startswith("note: no CUDA GPU here") and "of no use" in r.stderr
+        assert (tmp_path / f"repro-{os.getuid()}" / "server.log").exists()
+    finally:
+        r = run("--stop")
+    assert r.returncode == 0 and "stopped the repro server" in r.stdout
+    assert not any(tmp_path.iterdir())  # no socket, no server.log, no repro-<uid>/
+
+
+def test_doctor_on_cpu_torch_promises_no_green_contexts_and_no_server():
+    r = _repro("doctor")
+    _no_traceback(r)
+    green = next(ln for ln in r.stdout.splitlines() if ln.startswith("green contexts:"))
+    server = next(ln for ln in r.stdout.splitlines() if ln.startswith("repro server:"))
+    assert r.returncode == 0 and "not available" in green, green
+    assert "of no use here" in server and "python -m repro serve" not in server, server
+
+
+def test_heatmap_of_a_prediction_says_so(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    from repro import report
+    from repro.case import CaseResult, CaseSpec
+    from repro.matrix import MatrixRun
+
+    titles = []
+    monkeypatch.setattr(Axes, "set_title", lambda self, t, *a, **k: titles.append(t))
+    results = [(CaseSpec("vllm", "stale"), CaseResult("c", "clean", ""))]
+    assert report.heatmap(MatrixRun(results, 0.1, None, source=report.MODEL), tmp_path / "m.png")
+    assert report.heatmap(MatrixRun(results, 0.1, None, source=report.GPU), tmp_path / "g.png")
+    assert titles[0].startswith("predicted by the CPU model (no kernels ran)")
+    assert "predicted" not in titles[1]
+
+
+def test_version():
+    r = _repro("--version")
+    assert r.returncode == 0 and r.stdout.startswith("python -m repro ") and not r.stderr
+
+
+def test_every_option_and_positional_has_help_and_shows_its_default():
+    import argparse
+
+    for name, sub in build_parser_commands().items():
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            what = f"{name} {'/'.join(action.option_strings) or action.dest}"
+            assert action.help, f"{what}: no help"
+            trivial = action.default in (None, False, [], argparse.SUPPRESS)
+            assert trivial or "default" in action.help, f"{what}: default {action.default!r} not shown"
+        r = _repro(name, "--help")
+        assert r.returncode == 0 and not r.stderr, name

@@ -8,13 +8,20 @@ import argparse
 import os
 import sys
 
+from repro import __version__
 from repro.cli import matrix, reports, run, serve, vllm
-from repro.cli.common import EXIT_BAD_INPUT, Parser
+from repro.cli.common import EXIT_BAD_INPUT, EXIT_INTERRUPTED, Parser
 from repro.descriptors import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m repro", description="Stale FA3 attention-metadata reproducer and regression harness")
+    p = Parser(
+        prog="python -m repro",
+        description="Stale FA3 attention-metadata reproducer and regression harness. Exit codes: 0 clean or as "
+        "expected, 1 the bug is visible (or an expectation failed), 2 bad input, 4 could not run here; gate: 3 "
+        "HARNESS BLIND; bisect, vllm-check: 125 untestable (README: Exit codes).",
+    )
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
     for module in (reports, run, matrix, serve, vllm):
         module.add_parsers(sub)
@@ -31,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         sys.stderr.write("repro: interrupted\n")
-        return 130
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # output piped into head & co.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

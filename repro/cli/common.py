@@ -16,8 +16,53 @@ DEFAULT_POISON = "int-max"
 DEFAULT_SMS = "sm_margin:16,mps:16,full"
 DEFAULT_MODES = "eager,graph"
 
-EXIT_BAD_INPUT = 2
-EXIT_NOT_RUN = 4  # the case could not run on this machine (no GPU, no MPS...): neither clean nor affected
+# Exit codes, the same meaning in every command (README "Exit codes" shows EXIT_CODES; tests/test_newcomer.py checks
+# that the two agree and that the modules with codes of their own use these values).
+EXIT_OK = 0  # clean, as expected
+EXIT_BUG = 1  # the bug is visible, or an expectation failed
+EXIT_BAD_INPUT = 2  # bad input: one line on stderr, nothing written
+EXIT_BLIND = 3  # gate only: HARNESS BLIND, a known-bad control came back clean (or none ran)
+EXIT_NOT_RUN = 4  # could not run here (no GPU, no MPS, no vLLM build...): neither clean nor affected
+EXIT_UNTESTABLE = 125  # bisect and vllm-check only: git bisect's "skip this commit" (the source cannot be judged)
+EXIT_INTERRUPTED = 130  # Ctrl-C
+
+# command -> {exit code: what it means there}; codes not listed never come from that command.
+EXIT_CODES: dict[str, dict[int, str]] = {
+    "run": {0: "the case is clean", 1: "any other verdict", 2: "bad input", 4: "no GPU, MPS or FA3 build for it"},
+    "matrix": {
+        0: "every case as expected (with --gate: the gate passed)",
+        1: "a case not as expected, HARNESS BLIND, or --gate failed (always without a GPU)",
+        2: "bad input (also what the CPU model cannot predict)",
+        4: "--gpu-only without a GPU",
+    },
+    "gate": {
+        0: "PASS",
+        1: "AFFECTED",
+        2: "bad input",
+        3: "HARNESS BLIND",
+        4: "CANNOT VOUCH, no GPU, or no vLLM build",
+    },
+    "bisect": {
+        0: "found the first bad commit (--status: this commit is good)",
+        1: "no first bad commit found (--status: this commit is bad)",
+        2: "bad input (not a git checkout, unknown revision, no vllm/ at --bad)",
+        125: "only untestable commits were left (--status: this commit is untestable)",
+    },
+    "vllm-check": {0: "every source good", 1: "a source is bad", 2: "bad input", 125: "a source is untestable"},
+    "agree": {0: "every verdict agrees", 1: "a verdict disagrees", 2: "bad input"},
+    "xdist-report": {0: "every worker on a GPU of its own", 1: "a worker shared or changed GPUs", 2: "bad input"},
+    "bench": {0: "written", 2: "bad input"},
+    "redact": {0: "done", 2: "bad input"},
+    "doctor": {0: "always (it reports what is missing)"},
+    "serve": {0: "started, running, stopped or status shown", 2: "bad input, or the server did not start"},
+    "repro.smcontrol --probe-coexistence": {
+        0: "MPS clients and plain processes coexist",
+        1: "they do not",
+        2: "bad input",
+        4: "no GPU or MPS to probe",
+    },
+    "repro.vllm_integration.bisect step": {0: "good", 1: "bad", 2: "bad input", 125: "untestable"},
+}
 
 
 class Parser(argparse.ArgumentParser):
@@ -54,14 +99,23 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-heads", type=int, default=d.num_heads_kv, help="key/value heads (default %(default)s)")
     g.add_argument("--head-dim", type=int, default=d.head_dim, help="head dimension (default %(default)s)")
     g.add_argument("--page-size", type=int, default=d.page_size, help="KV cache page size (default %(default)s)")
-    g.add_argument("--max-model-len", type=int, default=d.max_model_len, help="(default %(default)s)")
-    g.add_argument("--spec-tokens", type=int, default=d.num_speculative_tokens, help="(default %(default)s)")
+    g.add_argument(
+        "--max-model-len", type=int, default=d.max_model_len, help="longest sequence, in tokens (default %(default)s)"
+    )
+    g.add_argument(
+        "--spec-tokens",
+        type=int,
+        default=d.num_speculative_tokens,
+        help="speculative tokens per request: each decode step has 1 + this many query tokens (default %(default)s)",
+    )
     g.add_argument(
         "--capture-sizes",
         default=",".join(map(str, d.capture_sizes)),
         help="CUDA-graph capture sizes (default %(default)s)",
     )
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="(default %(default)s)")
+    g.add_argument(
+        "--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests in a batch (default %(default)s)"
+    )
     g.add_argument("--window", type=int, default=-1, help="sliding window (left); -1 = none (default)")
     g.add_argument("--non-causal", action="store_true", help="non-causal attention (default: causal)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per case process (default %(default)s)")
@@ -76,6 +130,18 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
 
 
 def shape_config(a: argparse.Namespace, splits: int) -> AttnConfig:
+    for flag, value in (
+        ("--q-heads", a.q_heads),
+        ("--kv-heads", a.kv_heads),
+        ("--head-dim", a.head_dim),
+        ("--page-size", a.page_size),
+        ("--max-model-len", a.max_model_len),
+        ("--max-num-seqs", a.max_num_seqs),
+    ):
+        if value <= 0:
+            raise ConfigError(f"{flag} must be positive, got {value}")
+    if a.spec_tokens < 0:
+        raise ConfigError(f"--spec-tokens must be >= 0, got {a.spec_tokens}")
     return AttnConfig(
         num_heads_q=a.q_heads,
         num_heads_kv=a.kv_heads,
@@ -110,6 +176,34 @@ def out_dir(path: str | None, kind: str) -> Path:
     except OSError as e:
         raise ConfigError(f"--out {path}: cannot create it ({e.strerror or e})") from None
     return out
+
+
+def check_out_dir(path: str | None, flag: str = "--out") -> None:
+    """Fail before any work when the folder cannot be made or written into; leaves nothing behind (out_dir makes it
+    later, once there is something to write)."""
+    import tempfile
+
+    if path is None:
+        return
+    p = Path(path).absolute()
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{flag} {path}: exists and is not a folder")
+    missing = p
+    while not missing.parent.exists():
+        missing = missing.parent
+    try:
+        if p.exists():
+            with tempfile.TemporaryFile(dir=p):
+                pass
+        else:
+            p.mkdir(parents=True)
+            for d in [p, *p.parents]:  # remove what was made, the deepest first
+                d.rmdir()
+                if d == missing:
+                    break
+    except OSError as e:
+        what = "write into it" if p.exists() else "create it"
+        raise ConfigError(f"{flag} {path}: cannot {what} ({e.strerror or e})") from None
 
 
 def check_out_file(path: str | None, flag: str = "--json") -> None:

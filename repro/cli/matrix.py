@@ -11,7 +11,9 @@ from repro.case import CaseSpec
 from repro.cli.common import (
     DEFAULT_MODES,
     DEFAULT_SMS,
+    EXIT_NOT_RUN,
     add_shape_args,
+    check_out_dir,
     check_out_file,
     command_started_at,
     gpu_present,
@@ -113,8 +115,21 @@ def _model_specs(a: argparse.Namespace, opts, specs: list[CaseSpec]) -> list[Cas
         labels = tuple("full" if n == H200_SMS else f"sm_margin:{n}" for n in sms)
         specs = build_specs(replace(opts, sms=labels))
     for s in specs:
-        model_sms(s)
+        if model_sms(s) > H200_SMS:  # as --model-sms refuses it: the model predicts for an H200
+            raise ConfigError(
+                f"--sms {s.sm.kind}:{s.sm.sms}: impossible SM count, the model predicts for an H200 ({H200_SMS} SMs)"
+            )
     return [s for s in specs if s.mode == "eager"]
+
+
+def _check_sms_fit(specs: list[CaseSpec]) -> None:
+    """On a GPU: an SM count over the GPU's is bad input (as `run --sm` says), before any case runs."""
+    from repro.runner import device_sm_count
+
+    total = device_sm_count()
+    for s in specs:
+        if s.sm.sms and s.sm.sms > total:
+            raise ConfigError(f"--sms {s.sm.kind}:{s.sm.sms}: impossible SM count, this GPU has {total}")
 
 
 def cmd_matrix(a: argparse.Namespace) -> int:
@@ -148,18 +163,22 @@ def cmd_matrix(a: argparse.Namespace) -> int:
     t_probe = time.time()
     if not model and not a.dry_run and not gpu_present():
         if a.gpu_only:
-            raise ConfigError("no CUDA GPU visible (--gpu-only)")
+            print("repro: cannot run here: no CUDA GPU visible (--gpu-only)", file=sys.stderr)
+            return EXIT_NOT_RUN
         model = True
         banner = "No GPU here: these are the CPU model's predictions for an H200 (use --gpu-only to refuse)."
     else:
         banner = "Backend: the CPU model."
     if model:
         specs = _model_specs(a, opts, specs)
+    elif not a.dry_run:
+        _check_sms_fit(specs)
     if a.dry_run:
         for s in specs:
             print(s.case_id)
         return 0
     check_out_file(a.json)
+    check_out_dir(a.out)
     out = out_dir(a.out, "matrix") if (a.out or not model) else None
     # Beside the run: the environment table's facts (a child that imports torch) and the controls' expectations (the
     # CPU model imports torch here): seconds each, which the first case need not wait for.

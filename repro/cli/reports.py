@@ -14,23 +14,25 @@ from repro.redact import redact
 def add_parsers(sub) -> None:
     sub.add_parser("doctor", help="what this machine can run, and how to fix what is missing")
     g = sub.add_parser("agree", help="the CPU model's verdicts against recorded GPU results (results.json ...)")
-    g.add_argument("results", nargs="+")
-    g.add_argument("--out", help="write the Markdown here")
+    g.add_argument(
+        "results", nargs="+", help="results.json files written by matrix (GPU runs; predictions are left out)"
+    )
+    g.add_argument("--out", help="write the Markdown here (default: print it only)")
     x = sub.add_parser("xdist-report", help="check from a JUnit XML that each xdist worker had a GPU of its own")
-    x.add_argument("junit")
-    x.add_argument("--workers", type=int, help="number of workers expected")
-    x.add_argument("--out", help="write the Markdown here")
+    x.add_argument("junit", help="JUnit XML of a pytest -n N -m gpu run (--junitxml)")
+    x.add_argument("--workers", type=int, help="number of workers expected, at least 1 (default: any number)")
+    x.add_argument("--out", help="write the Markdown here (default: print it only)")
     rd = sub.add_parser("redact", help="replace machine paths in recorded results with <repo>/, <path>/ ...")
-    rd.add_argument("paths", nargs="+")
+    rd.add_argument("paths", nargs="+", help="files or folders to rewrite in place")
     b = sub.add_parser(
         "bench",
         help="benchmark numbers from recorded matrix runs (results.json): a plain and a memcheck run, or with --paths "
         "the old and the new execution path of one matrix (to run both paths now: matrix --compare-executors)",
     )
-    b.add_argument("plain", nargs="?")
-    b.add_argument("memcheck", nargs="?")
+    b.add_argument("plain", nargs="?", help="results.json of a matrix run without the sanitizer")
+    b.add_argument("memcheck", nargs="?", help="results.json of the same matrix under memcheck (--sanitizer)")
     b.add_argument("--paths", nargs=2, metavar=("OLD", "NEW"), help="results.json of the old path, then the new")
-    b.add_argument("--out", help="write the Markdown here")
+    b.add_argument("--out", help="write the Markdown here (default: print it only)")
     sub.choices["doctor"].set_defaults(func=cmd_doctor)
     sub.choices["agree"].set_defaults(func=cmd_agree)
     sub.choices["bench"].set_defaults(func=cmd_bench)
@@ -86,6 +88,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
 def cmd_xdist(a: argparse.Namespace) -> int:
     from repro.xdist_report import check_junit, markdown
 
+    if a.workers is not None and a.workers < 1:
+        raise ConfigError(f"--workers must be at least 1, got {a.workers}")
     check_exists(a.junit)
     check_out_file(a.out, "--out")
     rep = check_junit(a.junit, a.workers)

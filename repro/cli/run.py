@@ -12,6 +12,7 @@ from repro.cli.common import (
     EXIT_NOT_RUN,
     add_shape_args,
     check_exists,
+    check_out_dir,
     check_out_file,
     gpu_present,
     out_dir,
@@ -24,16 +25,46 @@ from repro.scenarios import SCENARIOS, STRATEGIES, V2
 
 def add_parsers(sub) -> None:
     r = sub.add_parser("run", help="run one case")
-    r.add_argument("--backend", choices=("upstream", "vllm"), required=True)
-    r.add_argument("--backend-path", help="upstream: folder with flash_attn_3/; vllm: path to _vllm_fa3_C*.so")
-    r.add_argument("--strategy", choices=STRATEGIES, default="stale")
-    r.add_argument("--mode", choices=("eager", "graph"), default="eager")
-    r.add_argument("--scenario", choices=SCENARIOS, default=V2)
-    r.add_argument("--sm", default="full", help="full, sm_margin:N, mps:N, green:N, mig[:uuid]")
-    r.add_argument("--num-splits", type=int, default=32)
-    r.add_argument("--built-for", default="t4r1", help="pair scenario: descriptor the buffers hold")
-    r.add_argument("--launched", default="t32r8", help="pair scenario: descriptor launched")
-    r.add_argument("--json", help="write the result here")
+    r.add_argument(
+        "--backend",
+        choices=("upstream", "vllm"),
+        required=True,
+        help="FA3 build: upstream (flash_attn_3 from PyPI tokenspeed-fa3) or vllm (vLLM's _vllm_fa3_C) (required)",
+    )
+    r.add_argument(
+        "--backend-path",
+        help="upstream: folder with flash_attn_3/; vllm: path to _vllm_fa3_C*.so (default: the installed one)",
+    )
+    r.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default="stale",
+        help="stale: the draft reuses the target's metadata views (the bug); fresh: rebuilt per pass (default %(default)s)",
+    )
+    r.add_argument(
+        "--mode",
+        choices=("eager", "graph"),
+        default="eager",
+        help="eager: the draft's warmup pass; graph: captured into a CUDA graph and replayed (default %(default)s)",
+    )
+    r.add_argument(
+        "--scenario",
+        choices=SCENARIOS,
+        default=V2,
+        help="v2-capture: vLLM's capture order; pair: built for --built-for, launched as --launched; spec-decode: "
+        "target and draft models (default %(default)s)",
+    )
+    r.add_argument(
+        "--sm", default="full", help="SMs: full, sm_margin:N, mps:N, green:N, mig[:uuid] (default %(default)s)"
+    )
+    r.add_argument(
+        "--num-splits", type=int, default=32, help="FA3 num_splits; 0 = FA3's heuristic (default %(default)s)"
+    )
+    r.add_argument(
+        "--built-for", default="t4r1", help="pair scenario: descriptor the buffers hold (default %(default)s)"
+    )
+    r.add_argument("--launched", default="t32r8", help="pair scenario: descriptor launched (default %(default)s)")
+    r.add_argument("--json", help="write the result here (default: none)")
     add_shape_args(r)
     sub.choices["run"].set_defaults(func=cmd_run)
 
@@ -45,6 +76,7 @@ def cmd_run(a: argparse.Namespace) -> int:
 
     check_exists(a.backend_path)
     check_out_file(a.json)
+    check_out_dir(a.out)
     sm = SmConfig.parse(a.sm)
     cfg = shape_config(a, a.num_splits)
     pair = (a.built_for, a.launched) if a.scenario == "pair" else None

@@ -7,41 +7,63 @@ import json
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
-from repro.cli.common import check_exists, check_out_file, out_dir
+from repro.cli.common import (
+    EXIT_BUG,
+    EXIT_NOT_RUN,
+    EXIT_OK,
+    EXIT_UNTESTABLE,
+    check_exists,
+    check_out_dir,
+    check_out_file,
+    gpu_present,
+    out_dir,
+)
 from repro.descriptors import ConfigError
 
 
 def add_parsers(sub) -> None:
     bi = sub.add_parser("bisect", help="git bisect a vLLM checkout for the stale-metadata capture defect")
-    bi.add_argument("--vllm", required=True, help="path of the vLLM git checkout")
-    bi.add_argument("--good", default="HEAD~1")
-    bi.add_argument("--bad", default="HEAD")
-    bi.add_argument("--check", choices=("source", "gate"), default="source")
+    bi.add_argument("--vllm", required=True, help="path of the vLLM git checkout (required)")
+    bi.add_argument("--good", default="HEAD~1", help="a revision without the defect (default %(default)s)")
+    bi.add_argument("--bad", default="HEAD", help="a revision with the defect (default %(default)s)")
     bi.add_argument(
-        "--overlay", help="installed vllm package folder: reuse its compiled extensions (Python-only changes)"
+        "--check",
+        choices=("source", "gate"),
+        default="source",
+        help="source: read each commit's Python (no GPU); gate: run the gate command given after -- "
+        "(default %(default)s)",
     )
-    bi.add_argument("--status", action="store_true", help="only check the current commit (exit 0/1/125)")
-    bi.add_argument("gate_cmd", nargs=argparse.REMAINDER, help="-- command for --check gate")
+    bi.add_argument(
+        "--overlay",
+        help="installed vllm package folder: reuse its compiled extensions (Python-only changes) (default: none)",
+    )
+    bi.add_argument(
+        "--status", action="store_true", help="only check the current commit (exit 0 good, 1 bad, 125 untestable)"
+    )
+    bi.add_argument("gate_cmd", nargs=argparse.REMAINDER, help="-- command for --check gate (default: none)")
     vc = sub.add_parser(
         "vllm-check",
         help="source verdict and auditor hooks of vLLM checkouts or wheels (no import); exit 0 good, 1 bad, 125 untestable",
     )
-    vc.add_argument("sources", nargs="+")
-    vc.add_argument("--json")
+    vc.add_argument("sources", nargs="+", help="vLLM checkout folders or .whl files")
+    vc.add_argument("--json", help="also write the verdicts here as JSON (default: none)")
     gt = sub.add_parser("gate", help="is this vLLM build affected? real vLLM, every detection mode, one table")
     gt.add_argument(
         "--modes",
         default="audit,plain",
         help="audit, plain, mps:N, sm_margin:N, poison:FILL, memcheck[:async] (default audit,plain)",
     )
-    gt.add_argument("--vllm", action="append", default=[], help="LABEL=PREFIX: a build under test (also REPRO_VLLM)")
+    gt.add_argument(
+        "--vllm", action="append", default=[], help="LABEL=PREFIX: a build under test (also REPRO_VLLM; default: none)"
+    )
     gt.add_argument(
         "--control",
         action="append",
         default=[],
-        help="LABEL=PREFIX: a known-bad build the gate must catch (also REPRO_VLLM_CONTROL)",
+        help="LABEL=PREFIX: a known-bad build the gate must catch (also REPRO_VLLM_CONTROL; default: none)",
     )
     gt.add_argument("--no-installed", action="store_true", help="leave out the vllm this Python imports")
     gt.add_argument("--installed-label", help="case-id label of the installed vllm (default: its version)")
@@ -63,9 +85,9 @@ def add_parsers(sub) -> None:
 
 def cmd_gate(a: argparse.Namespace) -> int:
     """Exit 0: every build under test clean and every control caught; 1: a build under test is affected (a fault, a
-    hang, wrong tokens or stale views); 4: a build under test could not be vouched for (a case errored or skipped);
-    3: HARNESS BLIND (a control missed, or none ran); 2: bad input. A bisect step maps 0 and 1 through, the rest to
-    125 (untestable)."""
+    hang, wrong tokens or stale views); 4: a build under test could not be vouched for (a case errored or skipped),
+    or the gate cannot run here (no GPU, no vLLM build), said in one line before any case runs; 3: HARNESS BLIND (a
+    control missed, or none ran); 2: bad input. A bisect step maps 0 and 1 through, the rest to 125 (untestable)."""
     from dataclasses import replace
 
     from repro.environment import collect
@@ -83,13 +105,27 @@ def cmd_gate(a: argparse.Namespace) -> int:
     if a.installed_label:
         builds = [replace(b, label=a.installed_label) if b.prefix is None else b for b in builds]
     if not builds:
-        raise ConfigError("no vLLM build to test: install vllm, or name builds with --vllm / --control LABEL=PREFIX")
+        print(
+            "repro: cannot run here: no vLLM build to test: install vllm, or name builds with --vllm / --control "
+            "LABEL=PREFIX",
+            file=sys.stderr,
+        )
+        return EXIT_NOT_RUN
     if a.dry_run:
         from repro.vllm_integration.gate_run import plan
 
         for c in plan(builds, modes, a.repeat, a.timeout):
             print(c.case_id)
         return 0
+    check_out_dir(a.out)
+    check_out_dir(a.logs, "--logs")
+    if not gpu_present() and _need_gpu(builds):
+        print(
+            "repro: cannot run here: no CUDA GPU visible, and vLLM's cases run on one "
+            "(without a GPU: `python -m repro vllm-check` reads a build's sources)",
+            file=sys.stderr,
+        )
+        return EXIT_NOT_RUN
     out = out_dir(a.out, "gate")
 
     def progress(c, r) -> None:
@@ -100,6 +136,16 @@ def cmd_gate(a: argparse.Namespace) -> int:
     print(gate_report.markdown(run, need_control=not a.no_control).split("\n| case |")[0])
     print(f"written: {', '.join(str(p) for p in written)}")
     return EXIT[run.outcome(need_control=not a.no_control)]
+
+
+def _need_gpu(builds) -> bool:
+    """Whether a build's cases need a GPU: a real vLLM ships compiled CUDA extensions (vllm/_C.abi3.so, ...); a
+    pure-Python stand-in (tests/fake_vllm.py, for the CPU tests) runs its cases without one."""
+    for b in builds:
+        pkg = b.package_dir
+        if pkg is None or next(pkg.glob("*.so"), None) or next(pkg.glob("*/*.so"), None):
+            return True
+    return False
 
 
 def cmd_bisect(a: argparse.Namespace) -> int:
@@ -122,14 +168,20 @@ def cmd_bisect(a: argparse.Namespace) -> int:
     if a.status:
         v = check_tree(a.vllm)
         print(f"{v.verdict}: {v.reason}" + (f" (layout {v.layout})" if v.layout else ""))
-        return {"good": 0, "bad": 1}.get(v.verdict, 125)
+        return {"good": EXIT_OK, "bad": EXIT_BUG}.get(v.verdict, EXIT_UNTESTABLE)
+    has_pkg = subprocess.run(["git", "-C", a.vllm, "cat-file", "-e", f"{a.bad}:vllm"], capture_output=True)
+    if has_pkg.returncode != 0:
+        raise ConfigError(f"{a.vllm}: not a vLLM checkout (no vllm/ package at --bad {a.bad})")
     first, log = run_bisect(a.vllm, a.good, a.bad, a.check, [x for x in a.gate_cmd if x != "--"] or None, a.overlay)
     print(log[-4000:])
     if first:
         print(f"first bad commit: {first}")
-        return 0
+        return EXIT_OK
+    if "only 'skip'ped commits left" in log:
+        print("bisect found no first bad commit: every commit left was untestable (git's log above)", file=sys.stderr)
+        return EXIT_UNTESTABLE
     print("bisect found no first bad commit: git's log is printed above", file=sys.stderr)
-    return 1
+    return EXIT_BUG
 
 
 def cmd_vllm_check(a: argparse.Namespace) -> int:
@@ -138,6 +190,12 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
     rows = []
     for path in a.sources:
         check_exists(path)
+        if os.path.isdir(path):
+            continue
+        if not path.endswith(".whl"):
+            raise ConfigError(f"{path}: neither a vLLM checkout folder nor a wheel (.whl)")
+        if not zipfile.is_zipfile(path):
+            raise ConfigError(f"{path}: not a wheel (not a zip archive)")
     check_out_file(a.json)
     for path in a.sources:
         c = check_source(path)
@@ -147,4 +205,4 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
     verdicts = {r["verdict"] for r in rows}
-    return 1 if "bad" in verdicts else (125 if "untestable" in verdicts else 0)
+    return EXIT_BUG if "bad" in verdicts else (EXIT_UNTESTABLE if "untestable" in verdicts else EXIT_OK)

@@ -63,8 +63,12 @@ def plugin_compat(root: Path) -> tuple[bool, list[str]]:
 
 def check_source(path: str | Path) -> Compat:
     """A checkout folder, or a vllm wheel (its Python files are read from the archive)."""
+    from repro.descriptors import ConfigError
+
     path = Path(path)
     if path.suffix == ".whl":
+        if not zipfile.is_zipfile(path):
+            raise ConfigError(f"{path}: not a wheel (not a zip archive)")
         with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(path) as z:
             for name in z.namelist():
                 if name.startswith("vllm/") and name.endswith(".py"):
