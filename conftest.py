@@ -1,5 +1,6 @@
-"""Pins each pytest-xdist worker to its own GPU or MIG slice before anything initializes CUDA, records verdicts as
-JUnit properties, and applies the strict gate (--gate / REPRO_GATE=1, logic in repro/pytest_gate.py)."""
+"""Pins each pytest-xdist worker to its own GPU or MIG slice before anything initializes CUDA, gives each run its own
+log folder and each process one case executor, and applies the strict gate (--gate / REPRO_GATE=1; logic in
+repro/pytest_gate.py, the rule in repro/policy.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,19 @@ import pytest
 
 from repro import pytest_gate
 from repro.pinning import apply_pin, choose_pin
+from repro.pytest_cases import close_case_executor, start_run_logs
 
 _evidence: pytest_gate.Evidence | None = None  # set in a gate run
 
 
 def pytest_addoption(parser):
     parser.addoption("--gate", action="store_true", help="strict gate: skipped GPU cases and missing evidence fail")
+    parser.addoption(
+        "--gate-require",
+        default=None,
+        help="features this runner must cover (mig,mps,vllm,sanitizer): their cases fail instead of being reported "
+        "not applicable (default: REPRO_GATE_REQUIRE, else mig on a MIG runner)",
+    )
 
 
 def pytest_configure(config):
@@ -22,10 +30,16 @@ def pytest_configure(config):
     pin = choose_pin(worker, os.environ)
     apply_pin(pin)
     config._repro_pin = pin
+    start_run_logs(worker)
     global _evidence
     if pytest_gate.enabled(config):
+        try:
+            needed = pytest_gate.required(config)
+        except ValueError as e:
+            raise pytest.UsageError(str(e)) from None
         os.environ[pytest_gate.ENV] = "1"  # the cases (and xdist workers) read it
-        _evidence = pytest_gate.Evidence()
+        config._repro_required = needed
+        _evidence = pytest_gate.Evidence(needed)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -38,7 +52,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     if pytest_gate.enabled(item.config):
-        pytest_gate.skipped_to_failure(item, outcome.get_result())
+        pytest_gate.skipped_to_failure(item, outcome.get_result(), getattr(item.config, "_repro_required", frozenset()))
 
 
 def pytest_runtest_logreport(report):
@@ -46,10 +60,21 @@ def pytest_runtest_logreport(report):
         _evidence.add(report)
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _evidence is None or hasattr(config, "workerinput"):
+        return
+    lines, why = _evidence.summary()
+    terminalreporter.section("repro gate")
+    for line in lines:
+        terminalreporter.line(line)
+    if why:
+        terminalreporter.line(why, red=True)
+
+
 def pytest_sessionfinish(session, exitstatus):
+    close_case_executor()
     if _evidence is None or hasattr(session.config, "workerinput"):
         return  # not a gate run, or an xdist worker (the controller decides)
-    why = _evidence.failure()
+    _, why = _evidence.summary()
     if why:
-        session.config.get_terminal_writer().line(why, red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

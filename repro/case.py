@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
@@ -83,6 +84,8 @@ class CaseSpec:
 
     @property
     def case_id(self) -> str:
+        """Every parameter that changes what runs, so no two different cases share an id (or a log file); the
+        attention config adds only what differs from AttnConfig's defaults, so the default matrix keeps its ids."""
         parts = [
             "stale_metadata",
             self.backend,
@@ -93,8 +96,15 @@ class CaseSpec:
             f"splits{self.cfg.num_splits}",
             f"h{self.cfg.num_heads_q}-{self.cfg.num_heads_kv}x{self.cfg.head_dim}",
         ]
+        parts += self.cfg.id_parts()
+        if self.pair:
+            parts.append(f"pair-{self.pair[0]}-{self.pair[1]}")
         if self.poison:
             parts.append(f"poison-{self.poison}")
+        if self.seed:
+            parts.append(f"seed{self.seed}")
+        if self.backend_path:
+            parts.append("build-" + hashlib.sha1(self.backend_path.encode()).hexdigest()[:8])
         if self.sanitizer:
             parts.append("memcheck")
         if self.rep:
@@ -136,6 +146,7 @@ class CaseResult:
     gpu_uuid: str | None = None  # the GPU the case process ran on, read inside it
     vllm_version: str | None = None  # the vLLM build under test (gate cases only)
     evidence: str | None = None  # what the verdict rests on (fault, memcheck finding, audit, token comparison)
+    expected: str | None = None  # the control's expectation (repro.policy), fixed before the case was judged
     phases: dict | None = None  # seconds per phase of the case process: start, import, cuda_init, work, teardown
     started_at: float | None = None  # when its process was started or handed the case (epoch s): a run's timeline
     spec: dict | None = None

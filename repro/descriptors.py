@@ -45,6 +45,21 @@ class AttnConfig:
             if not ok:
                 raise ConfigError(msg)
 
+    def id_parts(self) -> list[str]:
+        """Case-id parts for every field that differs from the defaults (heads, head size and splits are always in
+        the id: repro.case.CaseSpec.case_id)."""
+        default = AttnConfig()
+        labels = (
+            ("page_size", lambda v: f"page{v}"),
+            ("max_model_len", lambda v: f"len{v}"),
+            ("causal", lambda v: "causal" if v else "noncausal"),
+            ("window_left", lambda v: f"win{v}"),
+            ("num_speculative_tokens", lambda v: f"k{v}"),
+            ("capture_sizes", lambda v: "cap" + "_".join(str(x) for x in v)),
+            ("max_num_seqs", lambda v: f"seqs{v}"),
+        )
+        return [label(getattr(self, f)) for f, label in labels if getattr(self, f) != getattr(default, f)]
+
     @property
     def decode_query_len(self) -> int:
         return 1 + self.num_speculative_tokens

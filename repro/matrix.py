@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import sys
 import threading
 import time
@@ -13,9 +12,11 @@ from pathlib import Path
 
 from repro.case import CaseResult, CaseSpec, SmConfig
 from repro.descriptors import AttnConfig, ConfigError
+from repro.expectations import expectation, positive_control
 from repro.mps_cases import PER_CASE, run_mps_cases
+from repro.policy import satisfies
 from repro.scenarios import FRESH, STALE, V2
-from repro.verdicts import OOB, SKIP, WRONG, satisfies
+from repro.verdicts import SKIP
 
 DEFAULT_SMS = ("sm_margin:16", "mps:16", "full")
 DEFAULT_POISON = "int-max"
@@ -36,50 +37,17 @@ class MatrixOptions:
     cfg: AttnConfig = AttnConfig()
 
 
-# Where the CPU model cannot decide: what was measured on the H200 (results/), by (scenario, SM kind, poisoned).
-MEASURED = {
-    ("spec-decode", "int-max"): "fault",  # results/h200-spec: stale crashed 4/4 in the draft prefill's warmup
-    ("spec-decode", None): "audit",  # results/h200-spec-nopoison: stale-audit 4/4, tokens equal
-    ("pair", "int-max"): "detected",  # results/h200-pytest-gpu: the pair case was caught
-    ("green", None): "detected",  # results/h200-green: stale wrong-output at 16 SMs
-}
+def expected_of(spec: CaseSpec, res: CaseResult) -> str:
+    """The expectation a result was held to: the stored one (records keep theirs), else today's (attached once)."""
+    if res.expected is None:
+        res.expected = expectation(spec)
+    return res.expected
 
 
-@functools.lru_cache(maxsize=4096)
-def _model_outcomes(
-    backend: str, strategy: str, sms: int, cfg: AttnConfig, poison: str | None, sanitizer: bool
-) -> tuple[str, ...]:
-    from repro.fa3_model.predict import predict_outcomes
-    from repro.layout import UPSTREAM, VLLM
-
-    return predict_outcomes({"upstream": UPSTREAM, "vllm": VLLM}[backend], strategy, sms, cfg, poison, sanitizer)
-
-
-def expectation(spec: CaseSpec) -> str:
-    """What a control must show (repro.verdicts.satisfies): `clean` for fresh metadata; for stale, from the CPU model
-    where it decides (eager and graph v2-capture cases at sm_margin, MPS or the whole GPU), over every padding it
-    cannot rule out (the poison, or unknown padding without one): only out-of-bounds reads -> `fault` (eager) or
-    `detected` (graph), only reads or wrong output -> `detected`, a clean outcome possible -> `audit` (the kernels
-    may not show it; the audit will). Elsewhere from MEASURED, else `audit`: no claim the GPU did not back."""
-    if not positive_control(spec):
-        return "clean"
-    if spec.scenario == V2 and spec.sm.kind in ("full", "sm_margin", "mps"):
-        from repro.fa3_model.predict import H200_SMS
-
-        outcomes = set(
-            _model_outcomes(spec.backend, spec.strategy, spec.sm.sms or H200_SMS, spec.cfg, spec.poison, spec.sanitizer)
-        )
-        if outcomes == {OOB}:
-            return "fault" if spec.mode == "eager" else "detected"
-        return "detected" if outcomes <= {OOB, WRONG} else "audit"
-    key = spec.scenario if spec.scenario != V2 else spec.sm.kind
-    return MEASURED.get((key, spec.poison), "audit")
-
-
-def positive_control(spec: CaseSpec) -> bool:
-    """Must the case show the bug (stale metadata), whatever expectation() says it must show? Known without the CPU
-    model, which imports torch (seconds, before any case could start)."""
-    return spec.strategy != FRESH
+def attach_expectations(results: Iterable[tuple[CaseSpec, CaseResult]], expected: dict[str, str]) -> None:
+    for s, r in results:
+        if r.expected is None:
+            r.expected = expected.get(s.case_id) or expectation(s)
 
 
 def run_order(spec: CaseSpec) -> int:
@@ -89,6 +57,11 @@ def run_order(spec: CaseSpec) -> int:
 
 
 def build_specs(opts: MatrixOptions) -> list[CaseSpec]:
+    for axis in ("backends", "strategies", "sms", "modes", "splits"):
+        values = getattr(opts, axis)
+        dups = sorted({str(v) for v in values if values.count(v) > 1})
+        if dups:
+            raise ConfigError(f"--{axis}: {', '.join(dups)} given twice (one case id each; use --repeat to run again)")
     specs = []
     for backend in opts.backends:
         for strategy in opts.strategies:
@@ -111,6 +84,9 @@ def build_specs(opts: MatrixOptions) -> list[CaseSpec]:
                         )
     if not specs:
         raise ConfigError("the matrix is empty: every axis needs at least one value")
+    ids = [s.case_id for s in specs]
+    if len(set(ids)) != len(ids):  # e.g. sm_margin:132 and full on an H200 differ in name only
+        raise ConfigError(f"two cases share one id: {next(i for i in ids if ids.count(i) > 1)}")
     specs.sort(key=run_order)
 
     return [replace(s, rep=k) for s in specs for k in range(opts.repeat)]
@@ -127,7 +103,8 @@ class MatrixRun:
     setup_s: float | None = None  # from the command's start to the run's (set by the command that ran it)
 
     def failures(self) -> list[tuple[CaseSpec, CaseResult]]:
-        return [(s, r) for s, r in self.results if satisfies(expectation(s), r.verdict) is False]
+        """Cases whose verdict missed the expectation stored in their result."""
+        return [(s, r) for s, r in self.results if satisfies(expected_of(s, r), r.verdict) is False]
 
     def blind_controls(self) -> list[tuple[CaseSpec, CaseResult]]:
         return [(s, r) for s, r in self.failures() if positive_control(s)]
@@ -148,6 +125,10 @@ def run_matrix(
 
     specs = list(specs)
     t0 = time.time()
+    expected: dict[str, str] = {}
+    # the controls' expectations, beside the cases (the CPU model imports torch: seconds no case need wait for)
+    expecting = threading.Thread(target=lambda: expected.update({s.case_id: expectation(s) for s in specs}))
+    expecting.start()
     if executor is not None:
         executor.prepare(specs, memcheck_launch_env())  # memcheck processes start importing now
     first_pos: list[tuple[float, str]] = []
@@ -192,6 +173,8 @@ def run_matrix(
             executor.close()  # no memcheck process started ahead outlives the run
     order = {id(s): k for k, s in enumerate(specs)}
     done.sort(key=lambda sr: order[id(sr[0])])
+    expecting.join()
+    attach_expectations(done, expected)
     first = first_pos[0] if first_pos else (None, None)
     return MatrixRun(
         done,

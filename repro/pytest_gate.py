@@ -1,18 +1,27 @@
-"""The strict gate for pytest (`--gate`, or REPRO_GATE=1): what a CI gate on MIG runners must not let through.
+"""The strict gate for pytest (`--gate`, or REPRO_GATE=1), and how a GPU case is reported to it. The rule is
+repro.policy's (the same for `matrix --gate` and `repro gate`); this module turns pytest reports into its Controls.
 
-In a gate run a GPU case that skipped fails (a gate that could not run its controls has shown nothing), a positive
-control passes only with kernel evidence (a memory fault, a hang, wrong output; the capture audit alone is not
-enough), and the session fails with one line when no positive control produced kernel evidence. The plain CPU tier
-(no --gate) is unaffected. conftest.py holds the thin hooks; the logic is here."""
+In a gate run:
+- a GPU case that skipped because this machine lacks what it needs (no GPU, no FA3 build) fails: a gate that could
+  not run its controls has shown nothing;
+- a case whose configuration cannot exist on this runner (MIG on a GPU without MIG, MPS without its control
+  daemon, memcheck without compute-sanitizer, a vLLM case with no build named) is NOT APPLICABLE: listed in the
+  summary with its reason, and a failure only when the run requires that feature (`--gate-require mig,mps,vllm`,
+  REPRO_GATE_REQUIRE; on a MIG runner `mig` is required by default);
+- each gating mode needs evidence from its own positive controls (repro.policy.decide).
+conftest.py holds the thin hooks."""
 
 from __future__ import annotations
 
 import os
 
-from repro.verdicts import KERNEL_EVIDENCE, no_kernel_evidence
+from repro.policy import REQUIRE_ENV, Control, GateDecision, decide, parse_requirements
 
 ENV = "REPRO_GATE"
 GPU_MARKERS = ("gpu", "vllm")
+NOT_APPLICABLE = "not applicable here: "  # the skip reason's prefix for a configuration this runner cannot have
+# user properties a case records (cases/controls.py, cases/test_vllm_gate.py)
+PROPS = ("verdict", "expected", "gate_mode", "not_applicable", "needs", "reason")
 
 
 def enabled(config=None) -> bool:
@@ -21,30 +30,77 @@ def enabled(config=None) -> bool:
     return os.environ.get(ENV) == "1"
 
 
-def skipped_to_failure(item, report) -> None:
-    """A skipped GPU case fails a gate run, with the skip's reason."""
+def required(config=None, environ=os.environ) -> frozenset[str]:
+    """The features this run must cover: --gate-require, else REPRO_GATE_REQUIRE, else `mig` on a MIG runner."""
+    given = config.getoption("gate_require", default=None) if config is not None else None
+    text = given if given is not None else environ.get(REQUIRE_ENV)
+    if text is None:
+        devices = environ.get("REPRO_DEVICES", "") + "," + environ.get("CUDA_VISIBLE_DEVICES", "")
+        return frozenset({"mig"}) if "MIG-" in devices else frozenset()
+    return parse_requirements(text)
+
+
+def not_applicable(reason: str, needs: str, record_property) -> str:
+    """Record that a case cannot exist on this runner; returns the skip reason to raise with."""
+    record_property("not_applicable", reason)
+    record_property("needs", needs)
+    return NOT_APPLICABLE + reason
+
+
+def skipped_to_failure(item, report, needed: frozenset[str]) -> None:
+    """In a gate run a skipped GPU case fails with the skip's reason, unless it is not applicable here and its feature
+    is not required."""
     if not report.skipped or not any(item.get_closest_marker(m) for m in GPU_MARKERS):
+        return
+    props = dict(report.user_properties)
+    if props.get("not_applicable") and props.get("needs") not in needed:
         return
     reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
     report.outcome = "failed"
-    report.longrepr = f"GATE: {item.nodeid} could not run here, so the gate has no evidence from it: {reason}"
+    why = "required by this run" if props.get("not_applicable") else "could not run here"
+    report.longrepr = f"GATE: {item.nodeid} {why}, so the gate has no evidence from it: {reason}"
 
 
 class Evidence:
-    """Counts positive controls that passed with kernel evidence (from the cases' recorded properties)."""
+    """The controls of a gate session, gathered from the cases' recorded properties (one per call report)."""
 
-    def __init__(self) -> None:
-        self.controls = 0
-        self.with_kernel_evidence = 0
+    def __init__(self, needed: frozenset[str] = frozenset()) -> None:
+        self.needed = needed
+        self.controls: list[Control] = []
+        self.unreported: list[str] = []  # GPU cases that ended without recording a verdict (a skip before the run)
 
     def add(self, report) -> None:
-        if report.when != "call":
+        if report.when != "call" and not (report.when == "setup" and report.skipped):
             return
         props = dict(report.user_properties)
-        if props.get("expected") in ("fault", "detected", "audit") or props.get("role") == "control":
-            self.controls += 1
-            if props.get("verdict") in KERNEL_EVIDENCE:
-                self.with_kernel_evidence += 1
+        if "expected" not in props and not props.get("not_applicable"):
+            if report.when == "call" or report.skipped:
+                self.unreported.append(report.nodeid)
+            return
+        self.controls.append(
+            Control(
+                report.nodeid,
+                props.get("expected") or "clean",
+                props.get("verdict") or "skip",
+                props.get("gate_mode") or "eager",
+                str(props.get("reason") or ""),
+                props.get("not_applicable"),
+                props.get("needs"),
+            )
+        )
 
-    def failure(self) -> str | None:
-        return no_kernel_evidence(self.controls, self.with_kernel_evidence)
+    def decision(self) -> GateDecision:
+        return decide(self.controls, self.needed)
+
+    def summary(self) -> tuple[list[str], str | None]:
+        """(lines for the terminal summary, the one failure line or None)."""
+        d = self.decision()
+        lines = d.summary()
+        if self.unreported:
+            lines.append(f"  {len(self.unreported)} GPU case(s) could not run here (no verdict): {self.unreported[0]}")
+        why = d.failures[-1] if d.failures and d.failures[-1].startswith("GATE FAILED") else None
+        if why is None and d.failures:
+            why = f"GATE FAILED: {len(d.failures)} control(s) failed, first: {d.failures[0]}"
+        if why is None and self.unreported:
+            why = f"GATE FAILED: {len(self.unreported)} GPU case(s) could not run here"
+        return lines, why

@@ -7,11 +7,15 @@ from collections import Counter
 from pathlib import Path
 
 from repro.case import CaseResult, CaseSpec
-from repro.matrix import MatrixRun, expectation
+from repro.expectations import gate_mode
+from repro.matrix import MatrixRun, expected_of
+from repro.policy import Control, GateDecision, decide, satisfies
 from repro.redact import redact
-from repro.verdicts import satisfies
+from repro.verdicts import KERNEL_EVIDENCE, VERDICTS
 
 MARK = {True: "ok", False: "FAIL", None: "skip"}
+NOT_ATTRIBUTED = "not attributed"  # kernel evidence whose faulting line named no kernel (memcheck or a
+# CUDA_LAUNCH_BLOCKING=1 rerun names it: `matrix --sanitizer`)
 GPU, MODEL = "gpu", "model"  # results.json "source": kernels ran, or the CPU model predicted
 SCHEMA = 2
 
@@ -25,7 +29,7 @@ def _fields(r: CaseResult) -> str:
 def rows(run: MatrixRun) -> list[dict]:
     out = []
     for s, r in run.results:
-        exp = expectation(s)
+        exp = expected_of(s, r)
         out.append(
             {
                 "case": s.case_id,
@@ -38,7 +42,7 @@ def rows(run: MatrixRun) -> list[dict]:
                 "sanitizer": s.sanitizer,
                 "verdict": r.verdict,
                 "evidence": r.evidence or "-",
-                "kernel": r.kernel or "-",
+                "kernel": r.kernel or (NOT_ATTRIBUTED if r.verdict in KERNEL_EVIDENCE else "-"),
                 "descriptor": r.descriptor or "-",
                 "expected": exp,
                 "ok": satisfies(exp, r.verdict),
@@ -125,6 +129,8 @@ def load_json(path: str | Path) -> MatrixRun:
         results = []
         for c in doc["cases"]:
             r = CaseResult(**c["result"])
+            if r.expected is None and c.get("expected"):  # older records kept it in the row only
+                r.expected = c["expected"]
             results.append((CaseSpec.from_json(json.dumps(r.spec)), r))
     except OSError as e:
         raise ConfigError(f"{path}: cannot read it ({e.strerror or e})") from None
@@ -140,25 +146,34 @@ def load_json(path: str | Path) -> MatrixRun:
     )
 
 
-def gate_failures(run: MatrixRun) -> list[str]:
-    """Why a strict gate must fail (repro.verdicts.gate_problem for each control, then no_kernel_evidence for the
-    run): a control that skipped or errored or missed its expectation, or no positive control with kernel evidence."""
-    from repro.verdicts import KERNEL_EVIDENCE, gate_problem, no_kernel_evidence
+def gate_decision(run: MatrixRun, required: frozenset[str] = frozenset()) -> GateDecision:
+    """The strict gate over a matrix run (repro.policy.decide), each case in its gating mode."""
+    controls = [
+        Control(s.case_id, expected_of(s, r), r.verdict, gate_mode(s), r.reason, not_applicable=None)
+        for s, r in run.results
+    ]
+    return decide(controls, required)
 
-    why = []
-    positive = with_evidence = 0
-    for s, r in run.results:
-        exp = expectation(s)
-        if problem := gate_problem(exp, r.verdict):
-            why.append(f"{s.case_id}: {problem}: {r.reason[:160]}")
-        if exp != "clean":
-            positive += 1
-            with_evidence += r.verdict in KERNEL_EVIDENCE
+
+def gate_failures(run: MatrixRun) -> list[str]:
+    """Why a strict gate must fail (repro.policy.decide); [] when it passes."""
     if not run.results:
-        why.append("no case ran")
-    elif line := no_kernel_evidence(positive, with_evidence):
-        why.append(line)
-    return why
+        return ["no case ran"]
+    return gate_decision(run).failures
+
+
+VERDICT_COLORS = {  # one per verdict of repro.verdicts.VERDICTS (a CPU test renders each)
+    "clean": "#4caf50",
+    "oob": "#f44336",
+    "crash": "#b71c1c",
+    "launch-failure": "#e65100",
+    "hang": "#6a1b9a",
+    "wrong-output": "#ffc107",
+    "stale-audit": "#8bc34a",
+    "cannot-vouch": "#90a4ae",
+    "error": "#607d8b",
+    "skip": "#e0e0e0",
+}
 
 
 def heatmap(run: MatrixRun, path: str | Path) -> bool:
@@ -170,8 +185,8 @@ def heatmap(run: MatrixRun, path: str | Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    order = ["clean", "stale-audit", "wrong-output", "oob", "crash", "hang", "error", "skip"]
-    colors = ["#4caf50", "#8bc34a", "#ffc107", "#f44336", "#b71c1c", "#6a1b9a", "#607d8b", "#e0e0e0"]
+    order = list(VERDICTS)
+    colors = [VERDICT_COLORS[v] for v in order]
     cols = sorted({s.sm.label for s, _ in run.results})
     rws = sorted({f"{s.backend}/{s.strategy}/{s.mode}/s{s.cfg.num_splits}" for s, _ in run.results})
     grid = [[order.index("skip")] * len(cols) for _ in rws]

@@ -1,4 +1,5 @@
-"""The strict gate (--gate): on a machine without a GPU the GPU tier must fail, not pass; without --gate it skips."""
+"""The strict gate (--gate): on a machine without a GPU the GPU tier must fail, not pass; without --gate it skips.
+A configuration this runner cannot have is not applicable (listed, not a failure) unless the run requires it."""
 
 from __future__ import annotations
 
@@ -7,14 +8,17 @@ import sys
 import types
 from pathlib import Path
 
+import pytest
+
 from repro import pytest_gate
+from repro.policy import parse_requirements
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _pytest(*args):
+def _pytest(*args, env=None):
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-k", "stale_metadata and pair"]
-    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
 
 
 def test_gate_fails_where_the_gpu_tier_only_skips():
@@ -22,18 +26,71 @@ def test_gate_fails_where_the_gpu_tier_only_skips():
     assert plain.returncode == 0 and "skipped" in plain.stdout
     gate = _pytest("--gate")
     assert gate.returncode == 1
-    assert "GATE FAILED: no positive control produced kernel evidence" in gate.stdout
     assert "could not run here" in gate.stdout
+    last = [ln for ln in gate.stdout.splitlines() if ln.startswith("GATE FAILED")]
+    assert last and "no positive control ran" in last[-1]  # one clear line, in the gate's own summary section
+    assert "repro gate" in gate.stdout and "0 control(s) ran" in gate.stdout
 
 
-def _report(verdict, expected, when="call"):
-    return types.SimpleNamespace(when=when, user_properties=[("verdict", verdict), ("expected", expected)])
+def test_unknown_requirement_is_a_usage_error():
+    r = _pytest("--gate", "--gate-require", "mig,bogus")
+    assert r.returncode == 4 and "unknown gate requirement" in r.stderr + r.stdout
 
 
-def test_evidence_needs_a_positive_control_with_kernel_evidence():
+def _report(verdict, expected, mode="eager", when="call", na=None, needs=None, skipped=False):
+    props = [("verdict", verdict), ("expected", expected), ("gate_mode", mode)]
+    if na:
+        props += [("not_applicable", na), ("needs", needs)]
+    return types.SimpleNamespace(when=when, user_properties=props, nodeid=f"case-{verdict}-{mode}", skipped=skipped)
+
+
+def test_each_mode_needs_kernel_evidence_of_its_own():
     ev = pytest_gate.Evidence()
-    for r in (_report("stale-audit", "detected"), _report("clean", "clean"), _report("crash", "fault", "setup")):
+    for r in (_report("stale-audit", "audit"), _report("clean", "clean"), _report("crash", "fault", when="setup")):
         ev.add(r)
-    assert ev.controls == 1 and ev.failure()  # the audit alone is not evidence from a kernel
+    assert len(ev.controls) == 2
+    _, why = ev.summary()
+    assert why and "mode eager" in why  # the attention-layer audit is bookkeeping, not a kernel's evidence
     ev.add(_report("wrong-output", "detected"))
-    assert ev.failure() is None
+    assert ev.summary()[1] is None
+    ev.add(_report("stale-audit", "audit", mode="graph"))  # graph has controls, none with kernel evidence
+    assert "mode graph" in ev.summary()[1]
+
+
+def test_not_applicable_is_listed_unless_required():
+    mig = _report("skip", "fault", na="no MIG slice pinned to this worker", needs="mig", skipped=True)
+    ev = pytest_gate.Evidence()
+    for r in (mig, _report("crash", "fault"), _report("clean", "clean")):
+        ev.add(r)
+    lines, why = ev.summary()
+    assert why is None and any("not applicable (1): no MIG slice" in ln for ln in lines)
+    strict = pytest_gate.Evidence(frozenset({"mig"}))
+    for r in (mig, _report("crash", "fault"), _report("clean", "clean")):
+        strict.add(r)
+    assert "required (mig)" in strict.summary()[1]
+
+
+def test_required_features_default_to_mig_on_a_mig_runner():
+    assert pytest_gate.required(None, {"REPRO_DEVICES": "MIG-a,MIG-b"}) == {"mig"}
+    assert pytest_gate.required(None, {}) == frozenset()
+    assert pytest_gate.required(None, {"REPRO_GATE_REQUIRE": "mps,vllm", "REPRO_DEVICES": "MIG-a"}) == {"mps", "vllm"}
+    with pytest.raises(ValueError, match="unknown gate requirement"):
+        parse_requirements("mig,gpus")
+
+
+def test_skipped_case_fails_a_gate_unless_not_applicable():
+    item = types.SimpleNamespace(get_closest_marker=lambda m: m == "gpu", nodeid="cases/x.py::t")
+
+    def skipped(props):
+        return types.SimpleNamespace(skipped=True, user_properties=props, longrepr=("f", 1, "Skipped: why"))
+
+    r = skipped([])
+    pytest_gate.skipped_to_failure(item, r, frozenset())
+    assert r.outcome == "failed" and "could not run here" in r.longrepr
+    na = [("not_applicable", "MIG off"), ("needs", "mig")]
+    r = skipped(na)
+    pytest_gate.skipped_to_failure(item, r, frozenset())
+    assert not hasattr(r, "outcome")  # stays skipped
+    r = skipped(na)
+    pytest_gate.skipped_to_failure(item, r, frozenset({"mig"}))
+    assert r.outcome == "failed" and "required by this run" in r.longrepr

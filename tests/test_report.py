@@ -6,9 +6,11 @@ import pytest
 
 from repro import report
 from repro.case import CaseSpec, SmConfig
-from repro.matrix import MatrixOptions, build_specs, expectation
+from repro.expectations import expectation
+from repro.matrix import MatrixOptions, build_specs
+from repro.policy import satisfies
 from repro.report import load_json
-from repro.verdicts import CLEAN, CRASH, HANG, LAUNCH_FAIL, OOB, STALE_AUDIT, WRONG, satisfies
+from repro.verdicts import CLEAN, CRASH, HANG, LAUNCH_FAIL, OOB, STALE_AUDIT, WRONG
 
 RESULTS = Path(__file__).parent.parent / "results"
 
@@ -165,8 +167,17 @@ def test_matrix_gate_uses_the_one_gate_rule():
     assert gate_failures(load_json(RESULTS / "h200-executors" / "new" / "results.json")) == []
     audit_only = load_json(RESULTS / "h200-spec-graph-nopoison" / "results.json")
     assert {r.verdict for _, r in audit_only.results} == {STALE_AUDIT, CLEAN}
-    why = gate_failures(audit_only)
-    assert len(why) == 1 and why[0].startswith("GATE FAILED: no positive control produced kernel evidence (8 ")
+    why = gate_failures(audit_only)  # each mode (eager, graph) needs its own kernel evidence: two lines
+    assert len(why) == 2 and all(w.startswith("GATE FAILED: mode ") for w in why)
+    assert {w.split(":")[1].strip() for w in why} == {"mode eager", "mode graph"}
+    eager_only = load_json(RESULTS / "h200-executors" / "new" / "results.json")
+    for s, r in eager_only.results:
+        if s.mode == "graph" and r.expected != "clean":
+            r.verdict, r.expected = STALE_AUDIT, "audit"  # graph controls met one by one by the audit alone
+    assert gate_failures(eager_only) == [
+        "GATE FAILED: mode graph: none of its 12 positive control(s) produced kernel evidence: this environment "
+        "cannot show that this mode sees the bug"
+    ]
     run = load_json(RESULTS / "h200-executors" / "new" / "results.json")
     run.results[0][1].verdict = "skip"
     run.results[-1][1].verdict = CRASH  # a fresh case that faulted

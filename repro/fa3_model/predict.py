@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from repro.backends.base import BackendIdentity
 from repro.builder import MetadataBuilder
 from repro.descriptors import AttnConfig
+from repro.expectations import MODEL_SM_KINDS
 from repro.fa3_model.reads import Prediction, predict_launch
 from repro.fa3_model.scheduler import PAD, host_plan, scheduler_metadata
 from repro.layout import UPSTREAM, VLLM
@@ -55,11 +56,12 @@ class ModelCase:
 
     @property
     def case_id(self) -> str:
-        sm = "sm-all" if self.sms == H200_SMS else f"smmargin{self.sms}"
-        tail = f"-poison-{self.poison}" if self.poison else ""
-        return (
-            f"stale_metadata-{self.backend}-v2-capture-{self.strategy}-{sm}-eager-splits{self.splits}-h32-8x128{tail}"
-        )
+        from repro.case import CaseSpec, SmConfig
+
+        sm = SmConfig("full") if self.sms == H200_SMS else SmConfig("sm_margin", self.sms)
+        return CaseSpec(
+            self.backend, self.strategy, sm=sm, cfg=AttnConfig(num_splits=self.splits), poison=self.poison
+        ).case_id
 
 
 def predict_case(
@@ -138,7 +140,6 @@ def markdown(cases: list[ModelCase], seconds: float, poison: str | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-MODEL_SM_KINDS = ("full", "sm_margin", "mps")
 # What never-written entries may hold when nothing fills them: the recorded fixtures show leftovers of earlier builds
 # (small split and block counts), freshly allocated memory can hold anything; these stand for that range.
 UNKNOWN_PADDING = ("0", "-1", "1", "2", "8", "33", "1048576", "int-max", "int-min")

@@ -1,0 +1,180 @@
+"""The control policy, in one place for `matrix --gate`, `pytest --gate` and `repro gate`: what each control must show,
+which evidence meets it, which modes gate, and what a gate run needs from its controls.
+
+Expectations (stored in each result before its case runs; repro.expectations computes them for attention-layer
+cases, repro.vllm_integration.gate_run for vLLM builds):
+
+| expectation | met by | used for |
+|---|---|---|
+| `fault` | the kernels failed: oob, crash, launch-failure | stale eager cases the CPU model says read out of bounds |
+| `detected` | kernel evidence: oob, crash, launch-failure, hang, wrong-output | stale cases whose kernels must show it |
+| `audit` | kernel evidence, or stale-audit | stale cases whose kernels may not show it (listed in `AUDIT_CONTROLS`) |
+| `clean` | clean | fresh metadata; vLLM builds under test |
+| `recorded` | any verdict but error, skip, cannot-vouch | memcheck on real vLLM: recorded, never gating |
+
+What a gate run needs (`decide`):
+1. Every applicable control ran and met its expectation (skip, error and cannot-vouch meet none).
+2. A control that cannot exist on this runner (MIG on a GPU without MIG, a vLLM case with no build named) is not
+   applicable: listed with its reason, not a failure, unless the run requires that feature (`REQUIREMENTS`).
+3. Each gating mode (the group a control belongs to: eager, graph, memcheck, or a vLLM gate mode) needs evidence
+   from its OWN positive controls: kernel evidence, or for the modes in `ENGINE_AUDIT_MODES` the engine's own
+   metadata caught stale by the auditor. The attention-layer stale-audit is the harness's bookkeeping: it meets an
+   `audit` control but never counts as a mode's evidence.
+4. At least one positive control ran."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from repro.verdicts import (
+    CANNOT_VOUCH,
+    CLEAN,
+    ERROR,
+    KERNEL_EVIDENCE,
+    LAUNCH_FAIL,
+    MEMORY_FAULTS,
+    SKIP,
+    STALE_AUDIT,
+)
+
+FAULT, DETECTED, AUDIT, EXPECT_CLEAN, RECORDED = "fault", "detected", "audit", "clean", "recorded"
+MEETS: dict[str, tuple[str, ...]] = {
+    # A launch that fails after stale metadata is the kernels failing too: upstream FA3's combine launch check reports
+    # "Error Internal" there on the H200 (results/h200-launch-failures), where other configurations crash.
+    FAULT: (*MEMORY_FAULTS, LAUNCH_FAIL),
+    DETECTED: KERNEL_EVIDENCE,
+    AUDIT: (*KERNEL_EVIDENCE, STALE_AUDIT),
+    EXPECT_CLEAN: (CLEAN,),
+    RECORDED: (CLEAN, *KERNEL_EVIDENCE, STALE_AUDIT),
+}
+EXPECTATIONS = tuple(MEETS)
+NO_EVIDENCE = (SKIP, ERROR, CANNOT_VOUCH)  # a control with one of these showed nothing either way
+
+# Controls allowed to pass on the audit alone, and why (each row is a place where the kernels may stay silent).
+AUDIT_CONTROLS = {
+    "model: clean possible": "stale v2-capture cases where the CPU model finds a padding under which the kernels read "
+    "nothing out of bounds and compute the right output",
+    "unmeasured": "stale cases in a configuration no GPU run has measured (green contexts with a poison, MIG): no "
+    "claim the GPU did not back",
+    "spec-decode unpoisoned": "results/h200-spec-nopoison: stale-audit 4 of 4, tokens equal",
+    "vllm audit mode": "the auditor reads vLLM's own metadata objects at capture time (evidence from the engine)",
+}
+# Gate modes whose stale-audit comes from the engine's own metadata (vLLM's), not the harness's builder.
+ENGINE_AUDIT_MODES = ("audit",)
+
+# Features a runner can be told it must cover; absent ones are then failures instead of "not applicable".
+REQUIREMENTS = {
+    "mig": "a MIG slice pinned to each worker (REPRO_PINNED_DEVICE=MIG-...)",
+    "mps": "nvidia-cuda-mps-control and an MPS daemon the run can start",
+    "vllm": "a vLLM build named (REPRO_VLLM, or vllm installed)",
+    "sanitizer": "compute-sanitizer (the CUDA toolkit)",
+}
+REQUIRE_ENV = "REPRO_GATE_REQUIRE"
+
+
+def satisfies(expect: str, verdict: str) -> bool | None:
+    """Does a verdict meet a control's expectation? None when the case did not run (skip)."""
+    if expect not in MEETS:
+        raise ValueError(f"unknown expectation {expect!r}; one of {', '.join(EXPECTATIONS)}")
+    if verdict == SKIP:
+        return None
+    return verdict in MEETS[expect]
+
+
+def is_positive(expect: str) -> bool:
+    return expect in (FAULT, DETECTED, AUDIT)
+
+
+def counts_as_evidence(verdict: str, mode: str) -> bool:
+    """Does this verdict, from a positive control of `mode`, show that the mode sees the bug?"""
+    return verdict in KERNEL_EVIDENCE or (verdict == STALE_AUDIT and mode in ENGINE_AUDIT_MODES)
+
+
+def parse_requirements(text: str | None) -> frozenset[str]:
+    """`mig,mps,vllm` -> the features a gate run must cover; ValueError names an unknown one."""
+    names = {x.strip() for x in (text or "").split(",") if x.strip()}
+    unknown = names - set(REQUIREMENTS)
+    if unknown:
+        raise ValueError(f"unknown gate requirement(s) {sorted(unknown)}; choose from {', '.join(REQUIREMENTS)}")
+    return frozenset(names)
+
+
+@dataclass(frozen=True)
+class Control:
+    """One case as a gate sees it."""
+
+    case_id: str
+    expected: str
+    verdict: str
+    mode: str  # the gating mode it belongs to (eager, graph, memcheck, or a vLLM gate mode)
+    reason: str = ""
+    not_applicable: str | None = None  # why this configuration cannot exist on this runner
+    needs: str | None = None  # the REQUIREMENTS feature whose absence made it not applicable
+
+    @property
+    def gating(self) -> bool:
+        return self.expected != RECORDED
+
+
+@dataclass
+class GateDecision:
+    failures: list[str] = field(default_factory=list)
+    not_applicable: list[tuple[str, str]] = field(default_factory=list)  # (case, reason)
+    ran: int = 0
+    evidence: dict[str, tuple[int, int]] = field(default_factory=dict)  # mode -> (positive controls, with evidence)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def summary(self) -> list[str]:
+        """Lines for a person: what ran, what each mode's controls showed, what was not applicable and why."""
+        lines = [f"gate: {self.ran} control(s) ran; {len(self.not_applicable)} not applicable here"]
+        for mode, (pos, ev) in sorted(self.evidence.items()):
+            lines.append(f"  mode {mode}: {ev} of {pos} positive control(s) showed evidence")
+        by_reason: dict[str, list[str]] = {}
+        for case, why in self.not_applicable:
+            by_reason.setdefault(why, []).append(case)
+        for why, cases in by_reason.items():
+            lines.append(f"  not applicable ({len(cases)}): {why}")
+        return lines
+
+
+def problem(expect: str, verdict: str) -> str | None:
+    """Why one control fails a gate, None when it passes."""
+    if verdict in NO_EVIDENCE:
+        return f"{verdict}: the gate has no evidence from this control"
+    if satisfies(expect, verdict):
+        return None
+    if expect == EXPECT_CLEAN:
+        return f"negative control came back {verdict}"
+    return f"positive control came back {verdict}, expected {expect} ({', '.join(MEETS[expect])})"
+
+
+def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) -> GateDecision:
+    """The gate's decision over every control of a run (rules 1-4 of this module's docstring)."""
+    d = GateDecision()
+    for c in controls:
+        if c.not_applicable is not None:
+            if c.needs and c.needs in required:
+                d.failures.append(f"{c.case_id}: required ({c.needs}) but {c.not_applicable}")
+            else:
+                d.not_applicable.append((c.case_id, c.not_applicable))
+            continue
+        d.ran += 1
+        if c.gating and (why := problem(c.expected, c.verdict)):
+            d.failures.append(f"{c.case_id}: {why}: {c.reason[:160]}")
+        if c.gating and is_positive(c.expected):
+            pos, ev = d.evidence.get(c.mode, (0, 0))
+            d.evidence[c.mode] = (pos + 1, ev + counts_as_evidence(c.verdict, c.mode))
+    for mode, (pos, ev) in sorted(d.evidence.items()):
+        if not ev:
+            what = "kernel evidence" + (" or the engine's audit" if mode in ENGINE_AUDIT_MODES else "")
+            d.failures.append(
+                f"GATE FAILED: mode {mode}: none of its {pos} positive control(s) produced {what}: "
+                "this environment cannot show that this mode sees the bug"
+            )
+    if not d.evidence:
+        d.failures.append("GATE FAILED: no positive control ran: this environment cannot show that it sees the bug")
+    return d
