@@ -5,6 +5,8 @@ repro/pytest_gate.py, the rule in repro/policy.py)."""
 from __future__ import annotations
 
 import os
+import sys
+import time
 
 import pytest
 
@@ -17,6 +19,7 @@ _evidence: pytest_gate.Evidence | None = None  # set in a gate run
 
 def pytest_addoption(parser):
     parser.addoption("--gate", action="store_true", help="strict gate: skipped GPU cases and missing evidence fail")
+    parser.addoption("--gate-report", default=None, help="folder for the gate's report (gate.md, gate.json)")
     parser.addoption(
         "--gate-require",
         default=None,
@@ -26,6 +29,7 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    config._repro_t0 = time.time()
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     pin = choose_pin(worker, os.environ)
     apply_pin(pin)
@@ -78,3 +82,7 @@ def pytest_sessionfinish(session, exitstatus):
     _, why = _evidence.summary()
     if why:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if session.config.getoption("gate_report"):
+        _evidence.write_report(
+            session.config.getoption("gate_report"), time.time() - session.config._repro_t0, sys.argv
+        )

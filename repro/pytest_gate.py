@@ -70,12 +70,11 @@ class Evidence:
         self.unreported: list[str] = []  # GPU cases that ended without recording a verdict (a skip before the run)
 
     def add(self, report) -> None:
-        if report.when != "call" and not (report.when == "setup" and report.skipped):
+        if report.when not in ("setup", "call") or (report.when == "setup" and report.passed):
             return
         props = dict(report.user_properties)
         if "expected" not in props and not props.get("not_applicable"):
-            if report.when == "call" or report.skipped:
-                self.unreported.append(report.nodeid)
+            self.unreported.append(report.nodeid)  # skipped (or failed) before its case could run
             return
         self.controls.append(
             Control(
@@ -91,6 +90,43 @@ class Evidence:
 
     def decision(self) -> GateDecision:
         return decide(self.controls, self.needed)
+
+    def write_report(self, folder, wall_s: float, argv: list[str]) -> None:
+        """gate.md and gate.json in `folder`: command, environment, the decision, one row per control."""
+        import json
+        from pathlib import Path
+
+        from repro.environment import collect
+        from repro.report import header
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        env = collect(argv)
+        d = self.decision()
+        lines, why = self.summary()
+        outcome = why or "GATE PASSED"
+        md = header("pytest GPU tier (--gate)", env) + [f"**{outcome}** in {wall_s:.1f} s", "", *lines, ""]
+        md += ["| case | mode | expected | verdict | reason |", "|---|---|---|---|---|"]
+        for c in self.controls:
+            verdict = "not applicable" if c.not_applicable else c.verdict
+            why_row = c.not_applicable or c.reason
+            md.append(f"| {c.case_id} | {c.mode} | {c.expected} | **{verdict}** | {why_row[:200]} |")
+        if d.failures:
+            md += ["", "Failures:", ""] + [f"- {f}" for f in d.failures]
+        (folder / "gate.md").write_text("\n".join(md) + "\n")
+        doc = {
+            "outcome": outcome,
+            "passed": why is None,
+            "wall_s": round(wall_s, 1),
+            "environment": env,
+            "required": sorted(self.needed),
+            "failures": d.failures,
+            "not_applicable": d.not_applicable,
+            "evidence_by_mode": {m: {"positive": p, "with_evidence": e} for m, (p, e) in d.evidence.items()},
+            "controls": [c.__dict__ for c in self.controls],
+            "unreported": self.unreported,
+        }
+        (folder / "gate.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
 
     def summary(self) -> tuple[list[str], str | None]:
         """(lines for the terminal summary, the one failure line or None)."""

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU evidence runs recorded under results/, one step per call on the device machine (run from the repository
 # root, with the FA3 bundles in .gpu/ when present). Each step writes its reports under $OUT/<step>.
-#   bash scripts/gpu-evidence.sh executors|default|served|memcheck|spec|mps-probe [extra matrix flags]
+#   bash scripts/gpu-evidence.sh executors|default|served|memcheck|spec|mps-probe|ci-line|launch-sweep [extra flags]
 # The device brings back at most 8 files from $OUT per call: executors writes 7, default/served/memcheck/spec 3 each, the
 # probe 1. Plan a call's steps within that (a step whose files are cut is lost with the machine).
 set -u
@@ -42,6 +42,24 @@ case $step in
     timeout 580 "$py" -m repro matrix --quiet --scenario spec-decode --modes eager,graph --splits 32 \
       --sms sm_margin:16,full --jobs 8 --timeout 240 --out "$work" --title 'Spec-decode models, H200' "$@"
     rc=$?; keep ;;
+  ci-line)  # the README's CI-gate pytest line, every GPU case, with its JUnit XML and the gate's own report
+    mkdir -p "$OUT/$step"
+    t0=$(date +%s)
+    REPRO_LOG_DIR="$work/logs" timeout 580 "$py" -m pytest -m gpu -k stale_metadata -n "${WORKERS:-8}" --gate \
+      -q -p no:cacheprovider --gate-report="$OUT/$step" --junitxml="$OUT/$step/junit.xml" "$@" >"$OUT/$step/pytest.txt" 2>&1
+    rc=$?
+    echo "wall: $(($(date +%s) - t0)) s, exit $rc" >>"$OUT/$step/pytest.txt"; tail -n 25 "$OUT/$step/pytest.txt" ;;
+  launch-sweep)  # stale vs fresh across speculative tokens x page size x SM count: where do launches fail?
+    for k in ${SWEEP_K:-1 2 5 7}; do for page in ${SWEEP_PAGE:-16 64}; do
+      timeout 200 "$py" -m repro matrix --quiet --jobs 8 --modes eager --splits 0,32 \
+        --sms sm_margin:16,sm_margin:26,sm_margin:60,full --spec-tokens "$k" --page-size "$page" \
+        --out "$work/k$k-page$page" --title "Launch-failure sweep k=$k page=$page, H200" "$@" >/dev/null 2>&1
+      echo "k=$k page=$page: exit $?"
+    done; done
+    mkdir -p "$OUT/$step"
+    "$py" scripts/sweep-summary.py "$work" >"$OUT/$step/summary.md"; rc=$?
+    (cd "$work" && tar czf "$OUT/$step/runs.tar.gz" --exclude='*.vllm-cache' .)
+    cat "$OUT/$step/summary.md" ;;
   mps-probe)  # can an MPS client and a plain CUDA process use the GPU at the same time?
     timeout 120 "$py" -m repro.smcontrol --probe-coexistence | tee "$OUT/mps-probe.txt"; rc=${PIPESTATUS[0]} ;;
   *) echo "unknown step $step" >&2; exit 2 ;;

@@ -134,7 +134,7 @@ def _check_sms_fit(specs: list[CaseSpec]) -> None:
 
 def cmd_matrix(a: argparse.Namespace) -> int:
     from repro import environment, report
-    from repro.matrix import MatrixOptions, MatrixRun, build_specs, expectation, run_matrix, text_progress
+    from repro.matrix import MatrixOptions, MatrixRun, attach_expectations, build_specs, run_matrix, text_progress
 
     if a.backend is not None and a.backend != "model":
         raise ConfigError(f"--backend takes only 'model' (use --backends for FA3 builds), got {a.backend!r}")
@@ -180,16 +180,16 @@ def cmd_matrix(a: argparse.Namespace) -> int:
     check_out_file(a.json)
     check_out_dir(a.out)
     out = out_dir(a.out, "matrix") if (a.out or not model) else None
-    # Beside the run: the environment table's facts (a child that imports torch) and the controls' expectations (the
-    # CPU model imports torch here): seconds each, which the first case need not wait for.
-    beside = ThreadPoolExecutor(max_workers=2)
+    # Beside the run: the environment table's facts (a child that imports torch; run_matrix computes the controls'
+    # expectations beside its cases): seconds, which the first case need not wait for.
+    beside = ThreadPoolExecutor(max_workers=1)
     facts = beside.submit(environment.collect)
-    beside.submit(lambda: [expectation(s) for s in specs])
     if model:
         from repro.fa3_model.predict import predict_specs
 
         t0 = time.time()
         run = MatrixRun(predict_specs(specs), round(time.time() - t0, 2), None, source=report.MODEL)
+        attach_expectations(run.results, {})
         title = f"{a.title} (predicted by the CPU model)"
     else:
         from repro.executor import default_executor, make_executor
