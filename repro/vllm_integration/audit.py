@@ -46,6 +46,7 @@ class FreshnessAuditor:
     builds: dict[int, _Build] = field(default_factory=dict)
     mismatches: list[Mismatch] = field(default_factory=list)
     checks: int = 0
+    views: int = 0  # views compared over all checks (query_start_loc, seq_lens, scheduler_metadata each count one)
 
     def record_build(
         self, key: int, descriptor: str, views: dict[str, Any], shape: dict[str, Any] | None = None
@@ -53,12 +54,16 @@ class FreshnessAuditor:
         """Right after a build: copy what its views show (they point into persistent buffers)."""
         self.builds[key] = _Build(descriptor, {k: _ints(v) for k, v in views.items() if v is not None}, shape or {})
 
+    def knows(self, key: int) -> bool:
+        return key in self.builds
+
     def check(self, key: int, views: dict[str, Any]) -> list[Mismatch]:
         """Before a forward: do the views still show what their build wrote? Returns (and keeps) the mismatches."""
         b = self.builds.get(key)
         if b is None:
             return []
         self.checks += 1
+        self.views += len(b.values)
         found = []
         for name, built in b.values.items():
             now = _ints(views.get(name))

@@ -7,8 +7,10 @@ by the plugin, no tokenizer, token-id prompts), bf16, FLASH_ATTN (FA3 on Hopper)
   python -m repro.vllm_integration.gate --out DIR --reference     the same prompts, greedy, no speculative decoding,
                                                                   no CUDA graphs (enforce_eager): the gate's reference
 
-Prints `REPRO_DEVICE` (the GPU and the SM count this process sees) and `REPRO_RESULT` (tokens; with --reference the
-top-2 log-probability margin of every generated token) lines; the parent (repro.vllm_integration.gate_run) turns the
+Prints `REPRO_DEVICE` (the GPU and the SM count this process sees), `REPRO_ENGINE` (the engine's resolved
+configuration: model runner, attention backend and FA version, cudagraph mode, speculative method and k; the plugin's
+coverage counters; acceptance counts where vLLM exposes them) and `REPRO_RESULT` (tokens; with --reference the top-2
+log-probability margin of every generated token) lines; the parent (repro.vllm_integration.gate_run) turns the
 process's output into a verdict. The plugin features (audit, sm_margin, poison, weights) come from the environment,
 loaded by vLLM through the entry point."""
 
@@ -21,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from repro.tags import DEVICE_TAG, RESULT_TAG
+from repro.tags import DEVICE_TAG, ENGINE_TAG, RESULT_TAG
 
 TARGET = {
     "architectures": ["LlamaForCausalLM"],
@@ -76,6 +78,7 @@ def llm_kwargs(target: Path, draft: Path, reference: bool, spec_tokens: int, gpu
     if reference:
         kw["enforce_eager"] = True
     else:
+        kw["disable_log_stats"] = False  # LLM.get_metrics(): the speculative-decoding acceptance counters
         kw["compilation_config"] = {"cudagraph_mode": "FULL_AND_PIECEWISE"}
         kw["speculative_config"] = {"method": "eagle", "model": str(draft), "num_speculative_tokens": spec_tokens}
     return kw
@@ -87,6 +90,60 @@ def top2_margin(logprobs: dict | None) -> float | None:
         return None
     vals = sorted((lp.logprob if hasattr(lp, "logprob") else float(lp) for lp in logprobs.values()), reverse=True)
     return round(vals[0] - vals[1], 5)
+
+
+def _name(x) -> str | None:
+    if x is None:
+        return None
+    return str(getattr(x, "name", None) or x)
+
+
+def resolved_engine(llm) -> dict:
+    """What the engine resolved, read from its config after start-up (in-process engine: the config the model runner
+    updated) and from the plugin's counters (the attention impl that ran, its FA version, the runner seen capturing).
+    A value vLLM does not expose here is None, never guessed."""
+    from repro.vllm_integration import plugin
+
+    counters = plugin.snapshot()
+    engine = getattr(llm, "llm_engine", None)
+    cfg = getattr(engine, "vllm_config", None)
+    comp = getattr(cfg, "compilation_config", None)
+    spec = getattr(cfg, "speculative_config", None)
+    attn_cfg = getattr(cfg, "attention_config", None)
+    runner = counters.get("runner")
+    if runner is None:  # no capture put the runner on the stack: the module the worker imported
+        for mod in ("vllm.v1.worker.gpu.model_runner", "vllm.v1.worker.gpu_model_runner"):
+            if mod in sys.modules:
+                runner = f"{mod} (imported; no capture seen)"
+                break
+    versions = counters.get("fa_versions") or {}
+    return {
+        "model_runner": runner,
+        "model_runner_v2": bool(runner) and str(runner).startswith("vllm.v1.worker.gpu."),
+        "attention_backend_requested": _name(getattr(attn_cfg, "backend", None)),
+        "attention_backend": "FLASH_ATTN" if counters.get("attention_forwards") else None,
+        "fa_version": next(iter(versions)) if len(versions) == 1 else (sorted(versions) or None),
+        "cudagraph_mode": _name(getattr(comp, "cudagraph_mode", None)),
+        "speculative_method": getattr(spec, "method", None) if spec is not None else None,
+        "num_speculative_tokens": getattr(spec, "num_speculative_tokens", None) if spec is not None else 0,
+        "counters": counters,
+    }
+
+
+def acceptance(llm) -> dict:
+    """vLLM's speculative-decoding counters (LLM.get_metrics, with stats logging on), or why they are not there."""
+    try:
+        metrics = llm.get_metrics()
+    except Exception as e:  # old vLLM, stats off: said, not guessed
+        return {"unavailable": f"{type(e).__name__}: {e}"[:200]}
+    out = {}
+    for m in metrics:
+        name = str(getattr(m, "name", ""))
+        if "spec_decode" not in name:
+            continue
+        value = getattr(m, "value", None)
+        out[name.removeprefix("vllm:")] = value if value is not None else getattr(m, "values", None)
+    return out or {"unavailable": "no spec_decode metric in LLM.get_metrics()"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     outs = llm.generate([{"prompt_token_ids": t} for t in PROMPTS], params)
     t_done = time.time()
+    if not a.reference:
+        engine = resolved_engine(llm)
+        engine["acceptance"] = acceptance(llm)
+        print(f"{ENGINE_TAG} " + json.dumps(engine, default=str), flush=True)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     margins = [[top2_margin(lp) for lp in (o.outputs[0].logprobs or [])] for o in outs] if a.reference else None
     result = {
