@@ -1,5 +1,6 @@
-"""The gate's answer for people (verdicts.md: per build, is it affected, and the evidence per mode) and for machines
-(results.json: the same rows, every case's full result, environment and command)."""
+"""The gate's answer for people (verdicts.md: per build, is it affected, and the evidence per mode; what vLLM resolved
+and what the hooks counted, per build and per case, so a PASS shows what it checked) and for machines (results.json:
+the same rows, every case's full result, environment and command)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from repro.policy import NO_EVIDENCE
 from repro.redact import redact
-from repro.vllm_integration.gate_run import NO_CONTROL, PASS, GateRun, expected, meets
+from repro.verdicts import FAULTS
+from repro.vllm_integration.gate_run import PASS, GateRun, expected, meets
 from repro.vllm_integration.source_check import check_tree
 
 RESULTS_KIND = "vllm-gate"
@@ -32,14 +35,91 @@ def rows(run: GateRun) -> list[dict]:
                     "evidence": r.evidence or "-",
                     "kernel": r.kernel or "-",
                     "descriptor": r.descriptor or "-",
-                    "expected": expected(c) if kind == "case" else "-",
+                    "expected": (r.expected or expected(c)) if kind == "case" else "-",
                     "ok": meets(c, r) if kind == "case" else None,
+                    "engine": (r.backend_identity or {}).get("engine"),
+                    "counters": (r.backend_identity or {}).get("counters"),
+                    "acceptance": (r.backend_identity or {}).get("acceptance"),
                     "stale_fields": r.stale_fields,
                     "wall_s": r.wall_s,
                     "reason": r.reason,
                 }
             )
     return out
+
+
+COUNTS = ("checks", "views_checked", "attention_forwards", "sched_calls", "sched_sm_margin", "fwd_sm_margin")
+COUNTS += ("poison_calls", "entries_poisoned")
+PER_KIND = ("captures", "captures_with_attention", "captures_audited", "captures_stale")
+CONFIG = ("model_runner", "model_runner_v2", "attention_backend", "fa_version", "cudagraph_mode")
+CONFIG += ("speculative_method", "num_speculative_tokens")
+
+
+def coverage(pairs) -> dict:
+    """The counters summed over cases, the resolved configuration values seen (a set per key) and the acceptance
+    counters summed: what a build's cases checked."""
+    counts: dict = {k: 0 for k in COUNTS}
+    kinds: dict = {k: {} for k in PER_KIND}
+    fa: dict = {}
+    config: dict = {k: [] for k in CONFIG}
+    acc: dict = {}
+    reported = 0
+    for _, r in pairs:
+        ident = r.backend_identity or {}
+        c, e = ident.get("counters") or {}, ident.get("engine") or {}
+        if not (c or e):
+            continue
+        reported += 1
+        for k in COUNTS:
+            counts[k] += int(c.get(k) or 0)
+        for k in PER_KIND:
+            for kind, n in (c.get(k) or {}).items():
+                kinds[k][kind] = kinds[k].get(kind, 0) + n
+        for v, n in (c.get("fa_versions") or {}).items():
+            fa[v] = fa.get(v, 0) + n
+        for k in CONFIG:
+            if e.get(k) not in config[k]:
+                config[k].append(e.get(k))
+        for k, v in (ident.get("acceptance") or {}).items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                acc[k] = acc.get(k, 0) + v
+            elif k == "unavailable":
+                acc.setdefault(k, v)
+    return {"cases_reporting": reported, **counts, **kinds, "fa_versions": fa, "config": config, "acceptance": acc}
+
+
+def _kinds(d: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "0"
+
+
+def _captures(c: dict) -> str:
+    """captures per kind as `kind total/with attention/audited/stale`."""
+    kinds = sorted(set(c.get("captures") or {}) | set(c.get("captures_audited") or {}))
+    parts = []
+    for k in kinds:
+        nums = [(c.get(name) or {}).get(k, 0) for name in PER_KIND]
+        parts.append(f"{k} {nums[0]}/{nums[1]}/{nums[2]}/{nums[3]}")
+    return "; ".join(parts) or "none"
+
+
+def _config(e: dict | None) -> str:
+    if not e:
+        return "-"
+    runner = "V2" if e.get("model_runner_v2") else f"not V2 ({e.get('model_runner')})"
+    fa = e.get("fa_version")
+    return (
+        f"{runner}, {e.get('attention_backend') or 'no FLASH_ATTN forward'} FA{fa if fa is not None else '?'}, "
+        f"{e.get('cudagraph_mode')}, {e.get('speculative_method')} k={e.get('num_speculative_tokens')}"
+    )
+
+
+def _acceptance(a: dict | None) -> str:
+    if not a:
+        return "-"
+    if "unavailable" in a and len(a) == 1:
+        return f"not exposed ({a['unavailable'][:60]})"
+    keys = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+    return ", ".join(f"{k.removeprefix('spec_decode_num_')} {a[k]}" for k in keys if k in a) or "-"
 
 
 def build_summary(run: GateRun) -> list[dict]:
@@ -53,8 +133,8 @@ def build_summary(run: GateRun) -> list[dict]:
         modes: dict[str, list[str]] = defaultdict(list)
         for c, r in pairs:
             modes[c.mode.name].append(r.verdict)
-        detected = sorted(m for m, vs in modes.items() if any(v not in ("clean", "error", "skip") for v in vs))
-        unsure = sorted(m for m, vs in modes.items() if any(v in ("error", "skip") for v in vs))
+        detected = sorted(m for m, vs in modes.items() if any(v in FAULTS for v in vs))
+        unsure = sorted(m for m, vs in modes.items() if any(v in NO_EVIDENCE for v in vs))
         src = check_tree(b.prefix) if b.prefix else None
         out.append(
             {
@@ -68,6 +148,7 @@ def build_summary(run: GateRun) -> list[dict]:
                 "source_check": src.verdict if src else "-",
                 "wall_s": run.build_wall_s.get(label),
                 "ok": all(meets(c, r) for c, r in pairs),
+                "coverage": coverage(pairs),
             }
         )
     return out
@@ -91,9 +172,44 @@ def markdown(run: GateRun, env: dict | None = None, need_control: bool = True) -
             f"{', '.join(s['detected_in']) or '-'} | {per_mode} | {s['source_check']} | {s['wall_s']} | "
             f"{'ok' if s['ok'] else 'FAIL'} |"
         )
-    for why in run.blind():
-        if need_control or not why.startswith(NO_CONTROL):
-            lines.append(f"\nHARNESS BLIND: {why}")
+    for why in run.blind(need_control):
+        lines.append(f"\nHARNESS BLIND: {why}")
+    for c, r in run.not_vouched():
+        lines.append(f"\nCANNOT VOUCH: {c.case_id}: {r.reason[:300]}")
+    lines += [""] + run.decision(need_control).summary()
+    lines += [
+        "",
+        "What each build's cases checked (sums over its cases; captures per graph kind as "
+        "total/with an attention forward/audited at capture end/stale):",
+        "",
+        "| build | configuration seen | captures per kind | audit checks | views checked | attention forwards "
+        "(FA version) | sm_margin calls (sched/fwd) | entries poisoned | acceptance |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in build_summary(run):
+        cov = s["coverage"]
+        seen = "; ".join(f"{k} {'/'.join(str(v) for v in vs)}" for k, vs in cov["config"].items() if vs)
+        lines.append(
+            f"| {s['build']} | {seen or '-'} | {_captures(cov)} | {cov['checks']} | {cov['views_checked']} | "
+            f"{cov['attention_forwards']} ({_kinds(cov['fa_versions'])}) | {cov['sched_sm_margin']}/"
+            f"{cov['fwd_sm_margin']} | {cov['entries_poisoned']} | {_acceptance(cov['acceptance'])} |"
+        )
+    lines += [
+        "",
+        "| case | configuration | captures per kind | checks | views | forwards | sm_margin sched/fwd | poisoned | "
+        "acceptance |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows(run):
+        if row["kind"] != "case":
+            continue
+        c = row["counters"] or {}
+        lines.append(
+            f"| {row['case']} | {_config(row['engine'])} | {_captures(c)} | {c.get('checks', '-')} | "
+            f"{c.get('views_checked', '-')} | {c.get('attention_forwards', '-')} ({_kinds(c.get('fa_versions') or {})})"
+            f" | {c.get('sched_sm_margin', '-')}/{c.get('fwd_sm_margin', '-')} | {c.get('entries_poisoned', '-')} | "
+            f"{_acceptance(row['acceptance'])} |"
+        )
     lines += [
         "",
         "| case | verdict | evidence | kernel | descriptor | expected | | s |",
@@ -117,7 +233,9 @@ def to_json(run: GateRun, env: dict | None = None, need_control: bool = True) ->
         "outcome": run.outcome(need_control),
         "passed": run.outcome(need_control) == PASS,
         "affected": [c.case_id for c, _ in run.affected()],
-        "blind": run.blind(),
+        "cannot_vouch": [c.case_id for c, _ in run.not_vouched()],
+        "blind": run.blind(need_control),
+        "decision": run.decision(need_control).summary(),
         "wall_s": run.wall_s,
         "builds": build_summary(run),
         "cases": [{**row, "result": results[row["case"]]} for row in rows(run)],

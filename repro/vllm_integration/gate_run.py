@@ -27,37 +27,37 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from repro import policy
 from repro.case import CaseResult, SmConfig
 from repro.descriptors import ConfigError
 from repro.poison import parse_poison
 from repro.runner import case_logs, device_sm_count, run_process
 from repro.sanitizer import sanitizer_env
 from repro.smcontrol import MpsDaemon, Unavailable
-from repro.tags import DEVICE_TAG, RESULT_TAG
+from repro.tags import AUDIT_TAG, COUNTERS_TAG, DEVICE_TAG, ENGINE_TAG, PLUGIN_TAG, RESULT_TAG
+from repro.verdicts import CANNOT_VOUCH as NOT_VOUCHED
 from repro.verdicts import (
     CLEAN,
     CRASH,
     ERROR,
+    FAULTS,
     HANG,
     KERNEL_EVIDENCE,
     OOB,
     SKIP,
     STALE_AUDIT,
     WRONG,
-    kernel_in,
-    satisfies,
     tagged,
 )
-from repro.vllm_integration.builds import CONTROL, UNDER_TEST, VllmBuild, build_pythonpath
-from repro.vllm_integration.plugin import AUDIT_TAG, PLUGIN_TAG
+from repro.vllm_integration.builds import UNDER_TEST, VllmBuild, build_pythonpath
 
 DEFAULT_MODES = ("audit", "plain")
 ALL_MODES = ("audit", "plain", "mps:16", "sm_margin:16", "poison:int-max", "memcheck")
 TIE_MARGIN = 0.1  # nats: a reference token whose top-2 margin is below this is a tie, not a reference
-MIN_COVERAGE = 0.5
+MIN_COVERAGE = 0.5  # a comparison that covers less than this share of the tokens cannot vouch for a build
 PASS, AFFECTED, BLIND, CANNOT_VOUCH = "PASS", "AFFECTED", "HARNESS BLIND", "CANNOT VOUCH"
 EXIT = {PASS: 0, AFFECTED: 1, BLIND: 3, CANNOT_VOUCH: 4}  # 2 is bad input; a bisect step maps 3 and 4 to 125
-NO_CONTROL = "no known-bad control build ran in a gating mode"  # a comparison that covers less than this share of the tokens cannot vouch for a build
+NO_CONTROL = "no known-bad control build ran in a gating mode"
 BASE_ENV = {
     "VLLM_USE_V2_MODEL_RUNNER": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine in the case process: one process, one CUDA context
@@ -163,7 +163,14 @@ def case_env(
 ) -> dict[str, str]:
     """The environment of one gate case process. Raises Unavailable when the machine cannot give the mode."""
     env = dict(os.environ if base is None else base)
-    for k in ("REPRO_AUDIT", "REPRO_AUDIT_FILE", "REPRO_SM_MARGIN", "REPRO_POISON", "CUDA_LAUNCH_BLOCKING"):
+    for k in (
+        "REPRO_AUDIT",
+        "REPRO_AUDIT_FILE",
+        "REPRO_PROBE",
+        "REPRO_SM_MARGIN",
+        "REPRO_POISON",
+        "CUDA_LAUNCH_BLOCKING",
+    ):
         env.pop(k, None)
     env.update(BASE_ENV)
     root = str(Path(__file__).resolve().parents[2])
@@ -172,6 +179,8 @@ def case_env(
     # torch.compile artifacts of concurrent cases must not share one folder; inductor's own cache locks itself
     env["VLLM_CACHE_ROOT"] = str(audit_file.parent / f"{case.case_id}.vllm-cache")
     mode = case.mode
+    if not case.reference:
+        env["REPRO_PROBE"] = "1"  # coverage counters in every case but the references
     if mode.audit and not case.reference:
         env.update(REPRO_AUDIT="1", REPRO_AUDIT_FILE=str(audit_file))
     if mode.poison and not case.reference:
@@ -217,6 +226,8 @@ def run_case(
     if case.reference:
         cmd.append("--reference")
     res, out = run_process(case, cmd, env, log_dir, bool(case.mode.sanitizer) and not case.reference)
+    if not case.reference:
+        res.expected = expected(case)  # fixed before the case is judged
     if res.verdict == SKIP:
         res.vllm_version = case.build.version
         return res
@@ -243,21 +254,41 @@ def run_attributed(
 def _skipped(case: GateCase, reason: str) -> CaseResult:
     res = CaseResult.skipped(case, reason)
     res.vllm_version = case.build.version
+    if not case.reference:
+        res.expected = expected(case)
     return res
 
 
 def annotate(res: CaseResult, case: GateCase, output: str, audit_file: Path | None) -> None:
-    """Gate-specific evidence on top of the shared classification: plugin, MPS SM count, audit findings, kernel."""
+    """Gate-specific evidence on top of the shared classification: plugin, MPS SM count, audit findings, kernel, and
+    what the engine resolved and counted (res.backend_identity: {"engine": ..., "counters": ..., "acceptance": ...})."""
     results = tagged(output, RESULT_TAG)
     res.vllm_version = (results[-1].get("vllm_version") if results else None) or case.build.version
     plugin = tagged(output, PLUGIN_TAG)
-    errors = [p["error"] for p in plugin if "error" in p]
+    # an install error of any hook, under any of the plugin's tags, reaches the verdict
+    errors = [
+        str(p["error"]) for tag in (PLUGIN_TAG, AUDIT_TAG, COUNTERS_TAG) for p in tagged(output, tag) if "error" in p
+    ]
     installed = {p["installed"] for p in plugin if "installed" in p}
-    needed = {"weights"} | ({"audit"} if case.mode.audit and not case.reference else set())
+    needed = {"weights"}
+    if not case.reference:
+        needed.add("probe")
+    if case.mode.audit and not case.reference:
+        needed.add("audit")
     if (case.mode.sm.kind == "sm_margin") or (case.mode.poison and not case.reference):
         needed.add("fa3")
-    if res.verdict == CRASH:
-        res.kernel = kernel_in(output) if case.launch_blocking else None  # without it the error surfaces anywhere
+    if res.verdict == CRASH and not case.launch_blocking:
+        res.kernel = None  # without CUDA_LAUNCH_BLOCKING=1 the error surfaces at any later call: not attributed
+    # with it, classify named the kernel from the first fault line only (never from the whole output)
+    engine = tagged(output, ENGINE_TAG)
+    counters = tagged(output, COUNTERS_TAG)
+    if engine or counters:
+        e = dict(engine[-1]) if engine else {}
+        res.backend_identity = {
+            "engine": {k: v for k, v in e.items() if k not in ("counters", "acceptance")},
+            "counters": e.get("counters") or (counters[-1] if counters else {}),
+            "acceptance": e.get("acceptance"),
+        }
     audit = _audit_evidence(output, audit_file)
     if audit["stale"]:
         res.stale_fields = audit["fields"]
@@ -292,6 +323,75 @@ def annotate(res: CaseResult, case: GateCase, output: str, audit_file: Path | No
     elif audit["stale"] and res.verdict in (CRASH, HANG):
         res.reason += f"; the auditor caught stale views before it: {audit['first'][0]}"
         res.descriptor = res.descriptor or audit["descriptor"]
+
+
+FULL_MODES = ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+
+
+def not_fired(case: GateCase, identity: dict | None) -> list[str]:
+    """What this case exists to exercise and did not: the engine's resolved configuration (V2 runner, FLASH_ATTN with
+    FA3, FULL graphs, speculative decoding) and the mode's own counter (audit checks, sm_margin calls, poisoned
+    entries), from what the case process reported. Empty when everything fired."""
+    if case.reference:
+        return []
+    if not identity or not identity.get("engine"):
+        return ["the case process reported no engine configuration and no counters (no REPRO_ENGINE line)"]
+    e, c = identity["engine"], identity.get("counters") or {}
+    out = []
+    if not e.get("model_runner_v2"):
+        out.append(f"not the V2 model runner (runner: {e.get('model_runner') or 'none seen'})")
+    if not c.get("attention_forwards"):
+        out.append(
+            "no attention forward went through FlashAttentionImpl.forward, the hooked path (another attention "
+            f"backend, or renamed classes; requested {e.get('attention_backend_requested')})"
+        )
+    else:
+        versions = c.get("fa_versions") or {}
+        if set(versions) != {"3"}:
+            out.append(f"FlashAttention version {', '.join(sorted(versions)) or 'unknown'}, not FA3")
+    mode = e.get("cudagraph_mode")
+    if mode not in FULL_MODES:
+        out.append(f"cudagraph mode {mode}: no FULL CUDA graphs")
+    elif not sum((c.get("captures_with_attention") or {}).values()):
+        out.append(f"cudagraph mode {mode}, but no CUDA graph capture ran an attention forward (no FULL graph seen)")
+    if not e.get("speculative_method") or not e.get("num_speculative_tokens"):
+        out.append(
+            f"no speculative decoding (method {e.get('speculative_method')}, k {e.get('num_speculative_tokens')})"
+        )
+    else:
+        acc = identity.get("acceptance") or {}
+        drafts = acc.get("spec_decode_num_drafts")
+        if isinstance(drafts, (int, float)) and drafts == 0:
+            out.append("speculative decoding configured, but vLLM counted 0 drafts")
+    if case.mode.audit and not c.get("checks"):
+        out.append("the freshness auditor made 0 checks")
+    if case.mode.sm.kind == "sm_margin":
+        if not c.get("sched_sm_margin"):
+            out.append("no get_scheduler_metadata call received the injected sm_margin")
+        if not c.get("fwd_sm_margin"):
+            out.append("no FA3 forward (torch.ops._vllm_fa3_C.fwd) received the injected sm_margin")
+    if case.mode.poison and not c.get("entries_poisoned"):
+        out.append(
+            f"0 scheduler-metadata entries poisoned ({c.get('sched_calls', 0)} get_scheduler_metadata calls seen)"
+        )
+    return out
+
+
+def vouch(case: GateCase, res: CaseResult) -> None:
+    """A case that would be clean or stale-audit, but whose feature did not fire, is cannot-vouch with the reason;
+    a crash, a hang or wrong tokens stay evidence."""
+    if case.reference or res.verdict not in (CLEAN, STALE_AUDIT):
+        return
+    missing = not_fired(case, res.backend_identity)
+    if missing:
+        res.reason = f"{'; '.join(missing)} (case verdict would have been {res.verdict}: {res.reason[:200]})"
+        res.verdict = NOT_VOUCHED
+
+
+def finish(case: GateCase, res: CaseResult, out: dict | None, ref: CaseResult, ref_out: dict | None) -> None:
+    """Judge a finished case: its reference comparison, then what fired (vouch)."""
+    apply_reference(res, out, ref, ref_out)
+    vouch(case, res)
 
 
 def _audit_evidence(output: str, audit_file: Path | None) -> dict:
@@ -391,20 +491,19 @@ def apply_reference(res: CaseResult, out: dict | None, ref: CaseResult, ref_out:
 
 
 def expected(case: GateCase) -> str:
-    """clean (a build under test), detected (a control: kernel evidence), audit (a control in the audit mode: the
-    auditor's stale views count too) or recorded (memcheck on a control: what it finds is recorded, not required)."""
+    """The policy expectation (repro.policy) of a gate case: clean (a build under test), detected (a control: kernel
+    evidence), audit (a control in the audit mode: the auditor's stale views from the engine count too) or recorded
+    (memcheck on a control: what it finds is recorded, not required)."""
     if case.build.role == UNDER_TEST:
-        return "clean"
+        return policy.EXPECT_CLEAN
     if not case.mode.gating:
-        return "recorded"
-    return "audit" if case.mode.audit else "detected"
+        return policy.RECORDED
+    return policy.AUDIT if case.mode.audit else policy.DETECTED
 
 
 def meets(case: GateCase, res: CaseResult) -> bool:
-    exp = expected(case)
-    if exp == "recorded":
-        return res.verdict not in (ERROR, SKIP)
-    return bool(satisfies(exp, res.verdict))
+    """Does the case meet its expectation (the one stored in the result, else computed)? repro.policy.problem."""
+    return policy.problem(res.expected or expected(case), res.verdict) is None
 
 
 @dataclass
@@ -415,30 +514,52 @@ class GateRun:
     wall_s: float = 0.0
     build_wall_s: dict[str, float] = field(default_factory=dict)
 
+    def controls(self) -> list[policy.Control]:
+        """Every case as the policy sees it: mode = the gate mode's name."""
+        return [
+            policy.Control(c.case_id, r.expected or expected(c), r.verdict, c.mode.name, r.reason)
+            for c, r in self.cases
+        ]
+
+    def decision(self, need_control: bool = True) -> policy.GateDecision:
+        """repro.policy.decide over every case; without need_control (a bisect step answering for its build alone)
+        the missing positive control is not a failure."""
+        d = policy.decide(self.controls())
+        if not need_control:
+            d.failures = [f for f in d.failures if "no positive control ran" not in f]
+        return d
+
     def affected(self) -> list[tuple[GateCase, CaseResult]]:
+        """Builds under test whose case did not come back clean (the bug, or no answer)."""
         return [(c, r) for c, r in self.cases if c.build.role == UNDER_TEST and not meets(c, r)]
 
-    def blind(self) -> list[str]:
-        """Why the run cannot vouch for anything: controls missing or not detected."""
-        controls = [(c, r) for c, r in self.cases if c.build.role == CONTROL and c.mode.gating]
-        if not controls:
-            return [NO_CONTROL + " (set REPRO_VLLM_CONTROL=0.25.1=<prefix>)"]
+    def not_vouched(self) -> list[tuple[GateCase, CaseResult]]:
+        """Cases (under test or control) whose checked feature did not fire."""
+        return [(c, r) for c, r in self.cases if r.verdict == NOT_VOUCHED]
+
+    def blind(self, need_control: bool = True) -> list[str]:
+        """Why the controls cannot vouch for the run: the policy's failures that are not about a build under test."""
+        under = {c.case_id for c, _ in self.cases if c.build.role == UNDER_TEST}
         out = []
-        for c, r in controls:
-            if not meets(c, r):
-                out.append(f"{c.case_id}: control came back {r.verdict} ({r.reason[:160]})")
+        for f in self.decision(need_control).failures:
+            if f.split(":")[0] in under:
+                continue
+            if "no positive control ran" in f:
+                f = f"{NO_CONTROL} (set REPRO_VLLM_CONTROL=0.25.1=<prefix>): {f}"
+            out.append(f)
         return out
 
     def outcome(self, need_control: bool = True) -> str:
-        """AFFECTED (a build under test showed the bug), CANNOT VOUCH (one of its cases errored or skipped),
-        HARNESS BLIND (a control missed, or none ran while one is needed) or PASS; EXIT maps them to exit codes."""
+        """AFFECTED (a build under test showed the bug), CANNOT VOUCH (a case's checked feature did not fire, or a
+        build under test errored or skipped), HARNESS BLIND (repro.policy.decide failed on the controls: a control
+        missed, or a gating mode has no evidence from its own control, or none ran while one is needed) or PASS;
+        EXIT maps them to exit codes."""
         affected = self.affected()
-        if any(r.verdict not in (ERROR, SKIP) for _, r in affected):
+        if any(r.verdict in FAULTS for _, r in affected):
             return AFFECTED
-        if affected:
+        if affected or self.not_vouched():
             return CANNOT_VOUCH
-        blind = [b for b in self.blind() if need_control or not b.startswith(NO_CONTROL)]
-        return BLIND if blind else PASS
+        return BLIND if self.blind(need_control) else PASS
 
 
 def plan(builds: list[VllmBuild], modes: tuple[GateMode, ...], repeat: int, timeout_s: float) -> list[GateCase]:
@@ -515,7 +636,7 @@ def run_gate(
     ref_by_key = {(c.build, c.mode.sm): (c, r) for c, r in run.references}
     for c, r in run.cases:
         rc, rr = ref_by_key[(c.build, c.mode.sm)]
-        apply_reference(r, outputs.get(c.case_id), rr, outputs.get(rc.case_id))
+        finish(c, r, outputs.get(c.case_id), rr, outputs.get(rc.case_id))
     order = {c.case_id: i for i, c in enumerate(cases)}
     run.cases.sort(key=lambda cr: order[cr[0].case_id])
     run.wall_s = round(time.time() - t0, 1)
