@@ -1,22 +1,68 @@
 """A stand-in `vllm` package written into a prefix folder, for the gate's CPU tier: the same module paths, class and
 function names the repro plugin patches, and an LLM that does what vLLM does that matters here: it loads the
-general plugins through their entry points, loads dummy weights with DummyModelLoader, builds attention metadata into
-persistent buffers and runs forwards with it, and decodes greedy tokens with per-token logprobs.
+general plugins through their entry points, loads dummy weights with DummyModelLoader, resolves an engine
+configuration (llm_engine.vllm_config: cudagraph mode, speculative config), has a V2 model runner capture FULL CUDA
+graphs (target decode, then the speculator's draft prefill and draft decode managers) through torch.cuda.graph (a CPU
+stand-in when there is no GPU), builds attention metadata into persistent buffers (calling get_scheduler_metadata, as
+vLLM's FA3 path does), runs forwards through FlashAttentionImpl.forward (FA version 3, calling
+torch.ops._vllm_fa3_C.fwd), decodes greedy tokens with per-token logprobs and exposes spec-decode counters through
+LLM.get_metrics.
 
-Behaviours (`behaviour` argument): good (fresh metadata), stale-crash (the draft reuses an overwritten build, then an
-illegal memory access; with CUDA_LAUNCH_BLOCKING=1 the error names flash_fwd_combine), stale-quiet (reuses it, no
-fault), wrong (tokens of the speculative run differ from the reference at a decided position), broken (the
-speculative engine fails to start, no fault)."""
+Behaviours (`behaviour` argument):
+  good           fresh metadata everywhere
+  stale-crash    the draft prefill capture reuses an overwritten target build, then an illegal memory access; with
+                 CUDA_LAUNCH_BLOCKING=1 the faulting line names flash_fwd_combine_launch_template.h, as on the H200
+  stale-quiet    reuses it, no fault
+  wrong          tokens of the speculative run differ from the reference at a decided position
+  broken         the speculative engine fails to start, no fault
+Builds that hook nothing (the gate must not vouch for them):
+  renamed        the backend classes are FlashAttnMetadataBuilder / FlashAttnImpl
+  no-forward     the runner never calls FlashAttentionImpl.forward (it calls forward_impl)
+  no-sched       the builder never calls get_scheduler_metadata
+  other-backend  attention runs through a TritonAttentionImpl (another backend)
+  fa2            FlashAttentionImpl reports FA version 2
+  no-spec        the engine resolves no speculative decoding
+  piecewise      the engine resolves PIECEWISE graphs: no FULL graph
+  v1-runner      the model runner is the V1 one (vllm/v1/worker/gpu_model_runner.py)"""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+BEHAVIOURS = (
+    "good",
+    "stale-crash",
+    "stale-quiet",
+    "wrong",
+    "broken",
+    "renamed",
+    "no-forward",
+    "no-sched",
+    "other-backend",
+    "fa2",
+    "no-spec",
+    "piecewise",
+    "v1-runner",
+)
 
 INIT = """
 import importlib.metadata, json, os, sys
 import torch
 __version__ = "{version}"
 BEHAVIOUR = "{behaviour}"
+
+if not torch.cuda.is_available():  # a CPU stand-in for torch.cuda.graph: records nothing, runs the block
+    class _CpuGraph:
+        def __init__(self, cuda_graph=None, pool=None, stream=None, **kw):
+            self.cuda_graph = cuda_graph
+
+        def __enter__(self):
+            return None
+
+        def __exit__(self, *exc):
+            return False
+
+    torch.cuda.graph = _CpuGraph
 
 
 class SamplingParams:
@@ -39,6 +85,21 @@ class _Output:
         self.outputs = [_Completion(token_ids, logprobs)]
 
 
+class _Mode:
+    def __init__(self, name):
+        self.name = name
+
+
+class _Ns:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+class _Metric:
+    def __init__(self, name, value):
+        self.name, self.value = name, value
+
+
 class LLM:
     def __init__(self, **kw):
         for ep in importlib.metadata.entry_points(group="vllm.general_plugins"):
@@ -46,23 +107,40 @@ class LLM:
         from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
         self.model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
         DummyModelLoader(None).load_weights(self.model, None)
-        self.spec = "speculative_config" in kw
+        self.spec = "speculative_config" in kw and BEHAVIOUR != "no-spec"
         if BEHAVIOUR == "broken" and self.spec:
             raise RuntimeError("Engine core initialization failed")
+        mode = "NONE" if kw.get("enforce_eager") else kw.get("compilation_config", {{}}).get("cudagraph_mode", "NONE")
+        if BEHAVIOUR == "piecewise" and mode != "NONE":
+            mode = "PIECEWISE"
+        spec = None
+        if self.spec:
+            sc = kw["speculative_config"]
+            spec = _Ns(method=sc["method"], num_speculative_tokens=sc["num_speculative_tokens"])
+        config = _Ns(
+            compilation_config=_Ns(cudagraph_mode=_Mode(mode)),
+            speculative_config=spec,
+            attention_config=_Ns(backend=_Mode(kw.get("attention_backend") or "FLASH_ATTN")),
+        )
+        self.llm_engine = _Ns(vllm_config=config)
+        if BEHAVIOUR == "v1-runner":
+            from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+        else:
+            from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+        self.runner = GPUModelRunner(self.spec, mode)
+        self.runner.capture_model()
+
+    def get_metrics(self):
+        if not self.spec:
+            return []
+        return [
+            _Metric("vllm:spec_decode_num_drafts", 16),
+            _Metric("vllm:spec_decode_num_draft_tokens", 48),
+            _Metric("vllm:spec_decode_num_accepted_tokens", 30),
+        ]
 
     def generate(self, prompts, params):
-        from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl, FlashAttentionMetadataBuilder
-        b, impl = FlashAttentionMetadataBuilder(), FlashAttentionImpl()
-        if self.spec:
-            saved = b.build(8)  # target capture, largest first
-            b.build(1)          # ... the target's last build overwrites the persistent buffers
-            md = saved if BEHAVIOUR.startswith("stale") else b.build(8)
-            impl.forward(None, None, None, None, None, md)  # the draft's eager warmup
-            if BEHAVIOUR == "stale-crash":
-                if os.environ.get("CUDA_LAUNCH_BLOCKING") == "1":
-                    print("  File flash_fwd_combine_launch_template.h, line 60", file=sys.stderr)
-                print("torch.AcceleratorError: CUDA error: an illegal memory access was encountered", file=sys.stderr)
-                sys.exit(1)
+        self.runner.execute_model(8)
         out = []
         for i, p in enumerate(prompts):
             toks = [(p["prompt_token_ids"][-1] * 7 + j) % 4096 for j in range(params.max_tokens)]
@@ -73,13 +151,137 @@ class LLM:
         return out
 """
 
+BACKEND = """
+from vllm.v1.attention.backends import flash_attn
+if BEHAVIOUR == "other-backend":
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl as Impl
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadataBuilder as Builder
+elif BEHAVIOUR == "renamed":
+    Impl, Builder = flash_attn.FlashAttnImpl, flash_attn.FlashAttnMetadataBuilder
+else:
+    Impl, Builder = flash_attn.FlashAttentionImpl, flash_attn.FlashAttentionMetadataBuilder
+
+
+def forward(impl, md):
+    if BEHAVIOUR == "no-forward":
+        return impl.forward_impl(None, None, None, None, None, md)
+    return impl.forward(None, None, None, None, None, md)
+"""
+
+CUDAGRAPH_UTILS = """
+import torch
+
+
+class CudaGraphManager:
+    def __init__(self, mode):
+        self.full = mode in ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+
+    def capture(self, create_forward_fn, progress_bar_desc="Capturing CUDA graphs"):
+        if not self.full:
+            return
+        for n in (8, 1):  # larger graphs first
+            run = create_forward_fn(n, True)
+            run()  # warm-up, eager
+            run = create_forward_fn(n, False)
+            with torch.cuda.graph(object(), None):
+                run()
+"""
+
+MODEL_RUNNER = """
+import os, sys
+import vllm
+from vllm.v1.worker.gpu._backend import Builder, Impl, forward
+from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+BEHAVIOUR = vllm.BEHAVIOUR
+
+
+class GPUModelRunner:
+    def __init__(self, spec, mode):
+        self.builder, self.impl = Builder(), Impl()
+        self.cudagraph_manager = CudaGraphManager(mode)
+        self.speculator = None
+        if spec:
+            from vllm.v1.worker.gpu.spec_decode.autoregressive.speculator import Speculator
+            self.speculator = Speculator(self.builder, self.impl, mode)
+
+    def capture_model(self):
+        saved = {}
+
+        def create(n, warmup):
+            md = self.builder.build(n)
+            saved[n] = md
+            return lambda: forward(self.impl, md)
+
+        self.cudagraph_manager.capture(create, "Capturing decode CUDA graphs (FULL)")
+        if self.speculator is not None and self.cudagraph_manager.full:
+            self.speculator.capture(saved)
+
+    def execute_model(self, n):
+        forward(self.impl, self.builder.build(n))
+"""
+
+SPECULATOR = """
+import os, sys
+import vllm
+from vllm.v1.worker.gpu._backend import forward
+from vllm.v1.worker.gpu.spec_decode.autoregressive.cudagraph_utils import SpeculatorCudaGraphManager
+BEHAVIOUR = vllm.BEHAVIOUR
+
+
+class Speculator:
+    def __init__(self, builder, impl, mode):
+        self.builder, self.impl = builder, impl
+        self.prefill_cudagraph_manager = SpeculatorCudaGraphManager(mode)
+        self.decode_cudagraph_manager = SpeculatorCudaGraphManager(mode)
+
+    def capture(self, attn_states):
+        def prefill(n, warmup):
+            # stale builds reuse the target's saved metadata, whose buffers the target's later builds overwrote
+            md = attn_states[n] if BEHAVIOUR.startswith("stale") else self.builder.build(n)
+
+            def run():
+                forward(self.impl, md)
+                if BEHAVIOUR == "stale-crash":
+                    if os.environ.get("CUDA_LAUNCH_BLOCKING") == "1":
+                        print("Capturing prefill CUDA graphs (FULL):  49%| 24/49 CUDA error "
+                              "(flash_fwd_combine_launch_template.h:60): an illegal memory access was encountered",
+                              file=sys.stderr)
+                    else:
+                        print("torch.AcceleratorError: CUDA error: an illegal memory access was encountered",
+                              file=sys.stderr)
+                    sys.exit(1)
+
+            return run
+
+        def decode(n, warmup):
+            md = self.builder.build(n)
+            return lambda: forward(self.impl, md)
+
+        self.prefill_cudagraph_manager.capture(prefill, progress_bar_desc="Capturing prefill CUDA graphs")
+        self.decode_cudagraph_manager.capture(decode, progress_bar_desc="Capturing draft decode CUDA graphs")
+"""
+
+SPEC_CUDAGRAPH = """
+from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+
+
+class SpeculatorCudaGraphManager(CudaGraphManager):
+    def capture(self, forward_fn, progress_bar_desc="Capturing CUDA graphs"):
+        super().capture(forward_fn, progress_bar_desc)
+"""
+
 FLASH_ATTN = """
 import torch
-BUF = {"query_start_loc": torch.zeros(17, dtype=torch.int32), "seq_lens": torch.zeros(16, dtype=torch.int32)}
+import vllm
+import vllm.vllm_flash_attn._vllm_fa3_C  # noqa: F401  registers torch.ops._vllm_fa3_C
+BEHAVIOUR = vllm.BEHAVIOUR
+SIZES = {sizes}  # FA3 scheduler-metadata size for a batch of n (repro.layout)
+BUF = {{"query_start_loc": torch.zeros(17, dtype=torch.int32), "seq_lens": torch.zeros(16, dtype=torch.int32)}}
 
 
-def get_scheduler_metadata(**kw):
-    return None
+def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, headdim, causal, page_size, window_size=None,
+                           sm_margin=0):
+    return torch.full((SIZES[batch_size],), 5, dtype=torch.int32)
 
 
 class FlashAttentionMetadata:
@@ -94,12 +296,53 @@ class FlashAttentionMetadataBuilder:
         BUF["query_start_loc"][n + 1 :] = 0
         BUF["seq_lens"][:n] = 100 + n
         BUF["seq_lens"][n:] = 0
-        return FlashAttentionMetadata(n)
+        md = FlashAttentionMetadata(n)
+        if BEHAVIOUR != "no-sched":
+            get_scheduler_metadata(batch_size=n, max_seqlen_q=4, max_seqlen_k=100 + n, headdim=128, causal=True,
+                                   page_size=16, window_size=None)
+        return md
 
 
 class FlashAttentionImpl:
+    def __init__(self):
+        self.vllm_flash_attn_version = 2 if BEHAVIOUR == "fa2" else 3
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None):
+        return torch.ops._vllm_fa3_C.fwd(torch.zeros(1), 0)
+
+    forward_impl = forward
+
+
+if BEHAVIOUR == "renamed":
+    FlashAttnMetadataBuilder, FlashAttnImpl = FlashAttentionMetadataBuilder, FlashAttentionImpl
+    del FlashAttentionMetadataBuilder, FlashAttentionImpl
+"""
+
+TRITON_ATTN = """
+from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadata, BUF
+import torch
+
+
+class TritonAttentionMetadataBuilder:
+    def build(self, n):
+        BUF["seq_lens"][:n] = 100 + n
+        return FlashAttentionMetadata(n)
+
+
+class TritonAttentionImpl:
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None):
         return output
+
+    forward_impl = forward
+"""
+
+FA3_OPS = """
+import torch
+
+# torch.ops._vllm_fa3_C.fwd with sm_margin at vLLM's argument position (a CPU kernel that returns its input)
+LIB = torch.library.Library("_vllm_fa3_C", "DEF")
+LIB.define("fwd(Tensor q, int sm_margin) -> Tensor")
+LIB.impl("fwd", lambda q, sm_margin: q.clone(), "CompositeExplicitAutograd")
 """
 
 LOADER = """
@@ -114,14 +357,32 @@ class DummyModelLoader:
 
 
 def write_fake_vllm(prefix: str | Path, version: str, behaviour: str) -> Path:
+    from repro.layout import VLLM, metadata_layout
+
+    if behaviour not in BEHAVIOURS:
+        raise ValueError(f"unknown stand-in behaviour {behaviour!r}")
     prefix = Path(prefix)
+    sizes = {n: metadata_layout(VLLM, n, 1, True, False).size for n in (1, 8)}
     files = {
         "vllm/__init__.py": INIT.format(version=version, behaviour=behaviour),
         "vllm/_version.py": f'__version__ = "{version}"\n',
         "vllm/v1/__init__.py": "",
         "vllm/v1/attention/__init__.py": "",
         "vllm/v1/attention/backends/__init__.py": "",
-        "vllm/v1/attention/backends/flash_attn.py": FLASH_ATTN,
+        "vllm/v1/attention/backends/flash_attn.py": FLASH_ATTN.format(sizes=sizes),
+        "vllm/v1/attention/backends/triton_attn.py": TRITON_ATTN,
+        "vllm/vllm_flash_attn/__init__.py": "",
+        "vllm/vllm_flash_attn/_vllm_fa3_C.py": FA3_OPS,
+        "vllm/v1/worker/__init__.py": "",
+        "vllm/v1/worker/gpu/__init__.py": "",
+        "vllm/v1/worker/gpu/_backend.py": "import vllm\nBEHAVIOUR = vllm.BEHAVIOUR\n" + BACKEND,
+        "vllm/v1/worker/gpu/cudagraph_utils.py": CUDAGRAPH_UTILS,
+        "vllm/v1/worker/gpu/model_runner.py": MODEL_RUNNER,
+        "vllm/v1/worker/gpu_model_runner.py": MODEL_RUNNER,
+        "vllm/v1/worker/gpu/spec_decode/__init__.py": "",
+        "vllm/v1/worker/gpu/spec_decode/autoregressive/__init__.py": "",
+        "vllm/v1/worker/gpu/spec_decode/autoregressive/speculator.py": SPECULATOR,
+        "vllm/v1/worker/gpu/spec_decode/autoregressive/cudagraph_utils.py": SPEC_CUDAGRAPH,
         "vllm/model_executor/__init__.py": "",
         "vllm/model_executor/model_loader/__init__.py": "",
         "vllm/model_executor/model_loader/dummy_loader.py": LOADER,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import subprocess
+import sys
 import types
 
 import pytest
@@ -15,15 +17,18 @@ from repro.case import CaseResult
 from repro.cli import main as cli
 from repro.descriptors import ConfigError
 from repro.poison import parse_poison
-from repro.verdicts import CLEAN, CRASH, ERROR, STALE_AUDIT, WRONG
+from repro.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, STALE_AUDIT, WRONG, classify
 from repro.vllm_integration import plugin
 from repro.vllm_integration.builds import CONTROL, UNDER_TEST, build_pythonpath, find_builds, parse_builds
 from repro.vllm_integration.gate_run import (
     GateCase,
     GateMode,
+    annotate,
     apply_reference,
     compare_tokens,
+    not_fired,
     parse_modes,
+    run_case,
     run_gate,
 )
 from tests.fake_vllm import write_fake_vllm
@@ -90,7 +95,13 @@ def test_gate_end_to_end_on_stand_in_builds(tmp_path, fakes):
     run = run_gate(builds, parse_modes("audit,plain"), tmp_path / "logs", jobs=4, timeout_s=120)
     v = _verdicts(run)
     assert v["good-under-test-audit"].verdict == CLEAN, v["good-under-test-audit"].reason
-    assert "audit: 0 stale fields in 1 checks" in v["good-under-test-audit"].evidence
+    assert "audit: 0 stale fields in 13 checks" in v["good-under-test-audit"].evidence
+    ident = v["good-under-test-audit"].backend_identity
+    kinds = ("target decode", "draft prefill", "draft decode")
+    assert {k: ident["counters"]["captures_audited"][k] for k in kinds} == dict.fromkeys(kinds, 2)
+    assert ident["engine"]["model_runner_v2"] and ident["engine"]["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    assert ident["acceptance"]["spec_decode_num_accepted_tokens"] == 30
+    assert all(r.expected == ("clean" if "under-test" in c.case_id else r.expected) for c, r in run.cases)
     assert "tokens: 64 of 64 compared equal" in v["good-under-test-plain"].evidence
     assert v["wrong-under-test-plain"].verdict == WRONG and v["wrong-under-test-plain"].max_abs_err == 2.4
     crash = v["crash-control-plain"]
@@ -101,7 +112,8 @@ def test_gate_end_to_end_on_stand_in_builds(tmp_path, fakes):
     assert v["quiet-control-plain"].verdict == CLEAN
     assert {c.case_id.rsplit("-", 1)[1] for c, _ in run.affected() if "-wrong-" in c.case_id} == {"audit", "plain"}
     assert len(run.affected()) == 2
-    assert run.blind() and "quiet-control-plain" in run.blind()[0]  # a control that came back clean
+    assert any("quiet-control-plain" in b for b in run.blind())  # a control that came back clean
+    assert v["quiet-control-audit"].expected == "audit" and v["crash-control-plain"].expected == "detected"
     assert all(r.vllm_version in ("0.25.1", "0.26.0") for _, r in run.cases)
 
 
@@ -113,7 +125,13 @@ def test_gate_command_exit_codes_and_report(tmp_path, fakes, capsys):
     doc = json.loads((out / "results.json").read_text())
     assert doc["kind"] == "vllm-gate" and doc["passed"]
     assert {b["build"]: b["affected"] for b in doc["builds"]} == {"0.26.0": False, "0.25.1": True}
-    assert "**Gate: PASS**" in (out / "verdicts.md").read_text()
+    md = (out / "verdicts.md").read_text()
+    assert "**Gate: PASS**" in md and "draft prefill 2/2/0/0" in md  # captures per kind: total/attention/audited/stale
+    cov = {b["build"]: b["coverage"] for b in doc["builds"]}["0.26.0"]
+    assert cov["config"]["model_runner_v2"] == [True] and cov["config"]["fa_version"] == ["3"]
+    assert cov["captures_with_attention"] == {"target decode": 2, "draft prefill": 2, "draft decode": 2}
+    case = next(c for c in doc["cases"] if c["case"].endswith("0.26.0-under-test-plain"))
+    assert case["engine"]["speculative_method"] == "eagle" and case["counters"]["attention_forwards"] > 0
     assert cli([*args, "--vllm", f"0.26.0={fakes['good']}"]) == 3  # no control: HARNESS BLIND
     assert cli([*args, "--vllm", f"0.26.0={fakes['good']}", "--no-control"]) == 0  # a bisect step's answer
     assert json.loads((out / "results.json").read_text())["passed"]  # the report agrees with the exit code
@@ -197,3 +215,114 @@ def test_fresh_prefill_capture_rewrites_the_two_spots_once(tmp_path):
     assert "self._prefill, self.model_state, self.input_buffers" in text and not (out / "vllm" / "ext.so").exists()
     compile(text, "speculator.py", "exec")
     assert main(["fresh-prefill-capture", str(out), str(tmp_path / "again")]) == 2  # already fixed: no match
+
+
+HOOK_NOTHING = {  # stand-in behaviour -> what the cannot-vouch reason must name
+    "no-forward": "no attention forward went through FlashAttentionImpl.forward",
+    "other-backend": "no attention forward went through FlashAttentionImpl.forward",
+    "fa2": "FlashAttention version 2, not FA3",
+    "no-spec": "no speculative decoding",
+    "piecewise": "cudagraph mode PIECEWISE: no FULL CUDA graphs",
+    "v1-runner": "not the V2 model runner",
+}
+
+
+@needs_entry_point
+@pytest.mark.parametrize("behaviour", sorted(HOOK_NOTHING))
+def test_builds_that_hook_nothing_cannot_be_vouched_for_through_the_cli(tmp_path, behaviour):
+    """`python -m repro gate` as a subprocess: a stand-in whose checked features never fire is CANNOT VOUCH, exit 4,
+    never PASS; the report names what did not fire."""
+    prefix = write_fake_vllm(tmp_path / behaviour, "0.26.0", behaviour)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "repro", "gate", "--no-installed", "--no-control", "--modes", "audit,plain"]
+    p = subprocess.run(
+        [*cmd, "--vllm", f"x={prefix}", "--out", str(out), "--jobs", "2"], capture_output=True, text=True
+    )
+    assert p.returncode == 4, p.stdout[-2000:] + p.stderr[-2000:]
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["outcome"] == "CANNOT VOUCH" and len(doc["cannot_vouch"]) == 2
+    for c in doc["cases"]:
+        if c["kind"] == "case":
+            assert c["verdict"] == CANNOT_VOUCH and HOOK_NOTHING[behaviour] in c["reason"], c["reason"]
+    if behaviour in ("no-forward", "other-backend"):
+        audit = next(c for c in doc["cases"] if c["case"].endswith("-audit"))
+        assert "the freshness auditor made 0 checks" in audit["reason"]
+    assert "CANNOT VOUCH" in (out / "verdicts.md").read_text()
+
+
+@needs_entry_point
+def test_renamed_backend_classes_and_no_scheduler_call_through_the_cli(tmp_path):
+    """Renamed classes: the hooks cannot go in, every case is an error naming them; no get_scheduler_metadata call:
+    the poison mode poisoned nothing. Both exit 4 with a control that is caught."""
+    renamed = write_fake_vllm(tmp_path / "renamed", "0.26.0", "renamed")
+    nosched = write_fake_vllm(tmp_path / "nosched", "0.26.0", "no-sched")
+    crash = write_fake_vllm(tmp_path / "crash", "0.25.1", "stale-crash")
+    base = [sys.executable, "-m", "repro", "gate", "--no-installed", "--jobs", "2", "--control", f"old={crash}"]
+    for prefix, modes, verdict, why in (
+        (renamed, "audit", ERROR, "FlashAttentionImpl"),
+        (nosched, "poison:int-max", CANNOT_VOUCH, "0 scheduler-metadata entries poisoned (0 get_scheduler_metadata"),
+    ):
+        out = tmp_path / f"out-{prefix.name}"
+        p = subprocess.run(
+            [*base, "--modes", modes, "--vllm", f"x={prefix}", "--out", str(out)], capture_output=True, text=True
+        )
+        assert p.returncode == 4, p.stdout[-2000:] + p.stderr[-2000:]
+        doc = json.loads((out / "results.json").read_text())
+        mine = next(c for c in doc["cases"] if c["kind"] == "case" and c["build"] == "x")
+        assert doc["outcome"] == "CANNOT VOUCH" and mine["verdict"] == verdict and why in mine["reason"], mine
+
+
+@needs_entry_point
+def test_a_control_that_hooks_nothing_is_cannot_vouch_not_blind(tmp_path, fakes):
+    nospec = str(write_fake_vllm(tmp_path / "nospec", "0.25.1", "no-spec"))
+    args = ["gate", "--no-installed", "--modes", "plain", "--out", str(tmp_path / "out"), "--jobs", "2"]
+    assert cli([*args, "--vllm", f"new={fakes['good']}", "--control", f"old={nospec}"]) == 4
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert doc["outcome"] == "CANNOT VOUCH" and doc["cannot_vouch"] == ["stale_metadata-vllm-old-control-plain"]
+
+
+@needs_entry_point
+def test_sm_margin_counts_the_calls_that_received_it(tmp_path, fakes):
+    """sm_margin needs a GPU's SM count: given here. A healthy stand-in counts every scheduler and FA3 call; one whose
+    builder never calls get_scheduler_metadata cannot be vouched for."""
+    nosched = str(write_fake_vllm(tmp_path / "nosched", "0.26.0", "no-sched"))
+    mode = GateMode.parse("sm_margin:16")
+    for prefix, fired in ((fakes["good"], True), (nosched, False)):
+        (build,) = parse_builds(f"x={prefix}", UNDER_TEST, "REPRO_VLLM")
+        case = GateCase(build, mode, timeout_s=120)
+        res = run_case(case, [build], tmp_path / "logs" / str(fired), total_sms=lambda: 132)
+        assert res.verdict == CLEAN, res.reason
+        c = res.backend_identity["counters"]
+        missing = not_fired(case, res.backend_identity)
+        if fired:
+            assert c["sched_sm_margin"] == c["sched_calls"] > 0 and c["fwd_sm_margin"] > 0 and not missing
+        else:
+            assert c["sched_sm_margin"] == 0 and any("get_scheduler_metadata" in m for m in missing)
+
+
+def test_an_install_error_under_the_audit_tag_is_an_error_verdict(tmp_path):
+    """Any hook's install error reaches the verdict, whichever of the plugin's tags printed it."""
+    (build,) = parse_builds(f"x={write_fake_vllm(tmp_path / 'v', '0.26.0', 'good')}", UNDER_TEST, "REPRO_VLLM")
+    case = GateCase(build, GateMode.parse("audit"))
+    out = "\n".join(
+        [
+            'REPRO_PLUGIN {"installed": "probe"}',
+            'REPRO_PLUGIN {"installed": "audit"}',
+            'REPRO_PLUGIN {"installed": "weights"}',
+            'REPRO_AUDIT {"error": "flash_attn: FlashAttentionMetadataBuilder/FlashAttentionImpl not found"}',
+            'REPRO_RESULT {"tokens": [[1]], "summary": "1 request"}',
+        ]
+    )
+    res = classify(case, out, 0, False, None, 1.0)
+    assert res.verdict == CLEAN
+    annotate(res, case, out, None)
+    assert res.verdict == ERROR and "not found" in res.reason
+
+
+def test_the_kernel_comes_from_the_faulting_line_only(tmp_path):
+    (build,) = parse_builds(f"x={write_fake_vllm(tmp_path / 'v', '0.25.1', 'good')}", CONTROL, "REPRO_VLLM")
+    case = GateCase(build, GateMode.parse("plain"), launch_blocking=True)
+    out = "loading flash_fwd_combine_launch_template.h\nCUDA error (flash_fwd_launch_template.h:9): an illegal memory access"
+    res = classify(case, out, 1, False, None, 1.0)
+    annotate(res, case, out, None)
+    assert res.kernel == "main"  # not "combine", which an unrelated line names

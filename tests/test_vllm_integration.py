@@ -87,9 +87,81 @@ def test_plugin_wraps_a_backend_module(monkeypatch):
     assert plugin.AUDITOR.mismatches and plugin.AUDITOR.mismatches[0].descriptor == "t12r3"
 
 
-def test_register_is_inert_unless_enabled(monkeypatch):
-    monkeypatch.delenv("REPRO_AUDIT", raising=False)
+def test_register_is_inert_unless_enabled(monkeypatch, capsys):
+    for var in ("REPRO_AUDIT", "REPRO_PROBE", "REPRO_SM_MARGIN", "REPRO_POISON", "REPRO_WEIGHTS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    before, graph = set(plugin._installed), torch.cuda.graph
     plugin.register()  # must not import vllm or patch anything
+    assert "vllm" not in sys.modules and plugin._installed == before and torch.cuda.graph is graph
+    assert capsys.readouterr().err == ""
+
+
+def test_register_announces_only_what_installed(monkeypatch, capsys):
+    """A backend module without the hooked classes: an error line, and no `installed` line for the auditor."""
+    fake = types.ModuleType("vllm.v1.attention.backends.flash_attn")
+    for name in ("vllm", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.backends"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    monkeypatch.setattr(sys.modules["vllm.v1.attention.backends"], "flash_attn", fake, raising=False)
+    monkeypatch.setattr(plugin, "_installed", set())
+    monkeypatch.setenv("REPRO_AUDIT", "1")
+    monkeypatch.delenv("REPRO_WEIGHTS", raising=False)
+    plugin.register()
+    lines = [json.loads(x.split(" ", 1)[1]) for x in capsys.readouterr().err.splitlines() if x.startswith("REPRO_")]
+    assert lines and all("error" in x for x in lines), lines
+    assert "FlashAttentionImpl" in lines[0]["error"] and not plugin._installed
+
+
+def test_capture_kinds_come_from_the_vllm_objects_on_the_stack(monkeypatch):
+    """torch.cuda.graph wrapped: each capture counted under the kind its manager, owner attribute and text say."""
+    monkeypatch.setattr(plugin, "COUNTERS", plugin.new_counters())
+
+    class FakeGraph:
+        def __init__(self, *a, **k):
+            pass
+
+        def __enter__(self):
+            return None
+
+        def __exit__(self, *exc):
+            return False
+
+    cuda = types.SimpleNamespace(graph=FakeGraph)
+    plugin.install_capture_tracker(cuda)
+
+    class CudaGraphManager:
+        def capture(self, progress_bar_desc):
+            with cuda.graph():
+                pass
+
+    class PrefillSpeculatorCudaGraphManager(CudaGraphManager):
+        pass
+
+    class EagleSpeculator:
+        def __init__(self):
+            self.prefill_cudagraph_manager = PrefillSpeculatorCudaGraphManager()
+            self.decode_cudagraph_manager = CudaGraphManager()
+
+        def capture(self):
+            self.prefill_cudagraph_manager.capture("Capturing prefill CUDA graphs")
+            self.decode_cudagraph_manager.capture("Capturing CUDA graphs")
+
+    class GPUModelRunner:
+        def __init__(self):
+            self.cudagraph_manager = CudaGraphManager()
+
+        def capture_model(self):
+            self.cudagraph_manager.capture("Capturing decode CUDA graphs (FULL)")
+            EagleSpeculator().capture()
+
+    GPUModelRunner().capture_model()
+    with cuda.graph():  # nothing of vLLM's on the stack
+        pass
+    assert plugin.COUNTERS["captures"] == {
+        "target decode": 1, "draft prefill": 1, "draft decode": 1, plugin.UNKNOWN_KIND: 1
+    }  # fmt: skip
+    assert plugin.COUNTERS["runner"].endswith(".GPUModelRunner") and not plugin.COUNTERS["captures_with_attention"]
 
 
 MANAGER_BAD = """
