@@ -78,7 +78,7 @@ def coverage(pairs) -> dict:
         for v, n in (c.get("fa_versions") or {}).items():
             fa[v] = fa.get(v, 0) + n
         for k in CONFIG:
-            if e.get(k) not in config[k]:
+            if e.get(k) is not None and e.get(k) not in config[k]:
                 config[k].append(e.get(k))
         for k, v in (ident.get("acceptance") or {}).items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -190,7 +190,7 @@ def markdown(run: GateRun, env: dict | None = None, need_control: bool = True) -
         cov = s["coverage"]
         seen = "; ".join(f"{k} {'/'.join(str(v) for v in vs)}" for k, vs in cov["config"].items() if vs)
         lines.append(
-            f"| {s['build']} | {seen or '-'} | {_captures(cov)} | {cov['checks']} | {cov['views_checked']} | "
+            f"| {s['build']} | {seen or 'not reported (no case reached generate)'} | {_captures(cov)} | {cov['checks']} | {cov['views_checked']} | "
             f"{cov['attention_forwards']} ({_kinds(cov['fa_versions'])}) | {cov['sched_sm_margin']}/"
             f"{cov['fwd_sm_margin']} | {cov['entries_poisoned']} | {_acceptance(cov['acceptance'])} |"
         )
