@@ -97,6 +97,7 @@ class Evidence:
         from pathlib import Path
 
         from repro.environment import collect
+        from repro.redact import redact
         from repro.report import header
 
         folder = Path(folder)
@@ -113,7 +114,7 @@ class Evidence:
             md.append(f"| {c.case_id} | {c.mode} | {c.expected} | **{verdict}** | {why_row[:200]} |")
         if d.failures:
             md += ["", "Failures:", ""] + [f"- {f}" for f in d.failures]
-        (folder / "gate.md").write_text("\n".join(md) + "\n")
+        (folder / "gate.md").write_text(redact("\n".join(md)) + "\n")
         doc = {
             "outcome": outcome,
             "passed": why is None,
@@ -126,7 +127,7 @@ class Evidence:
             "controls": [c.__dict__ for c in self.controls],
             "unreported": self.unreported,
         }
-        (folder / "gate.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        (folder / "gate.json").write_text(redact(json.dumps(doc, indent=1, default=str)) + "\n")
 
     def summary(self) -> tuple[list[str], str | None]:
         """(lines for the terminal summary, the one failure line or None)."""

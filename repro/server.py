@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from repro.descriptors import ConfigError
-from repro.executor import PRELOAD, MemcheckAhead, _child, kill_group
+from repro.executor import PRELOAD, MemcheckAhead, _child, exit_code, kill_group
 
 SOCKET_ENV = "REPRO_SERVER"  # the socket to use instead of the default one, or "off": never use a server
 DEFAULT_IDLE_S = 1800.0
@@ -290,7 +290,7 @@ class ServerExecutor(MemcheckAhead):
         if pid is None or (code is None and not timed_out):  # the server went away: the case's outcome is unknown
             with open(out_path, "a") as f:
                 f.write(f"the repro server at {self.path} stopped answering (case process {pid})\n")
-        return ProcessRun(code, timed_out, False, time.time() - t0, t0)
+        return ProcessRun(exit_code(code, out_path), timed_out, False, time.time() - t0, t0)
 
 
 def _answer(lines) -> dict:

@@ -48,7 +48,8 @@ case $step in
     REPRO_LOG_DIR="$work/logs" timeout 580 "$py" -m pytest -m gpu -k stale_metadata -n "${WORKERS:-8}" --gate \
       -q -p no:cacheprovider --gate-report="$OUT/$step" --junitxml="$OUT/$step/junit.xml" "$@" >"$OUT/$step/pytest.txt" 2>&1
     rc=$?
-    echo "wall: $(($(date +%s) - t0)) s, exit $rc" >>"$OUT/$step/pytest.txt"; tail -n 25 "$OUT/$step/pytest.txt" ;;
+    echo "wall: $(($(date +%s) - t0)) s, exit $rc" >>"$OUT/$step/pytest.txt"
+    "$py" -m repro redact "$OUT/$step"/* >/dev/null; tail -n 25 "$OUT/$step/pytest.txt" ;;
   launch-sweep)  # stale vs fresh across speculative tokens x page size x SM count: where do launches fail?
     for k in ${SWEEP_K:-1 2 5 7}; do for page in ${SWEEP_PAGE:-16 64}; do
       timeout 200 "$py" -m repro matrix --quiet --jobs 8 --modes eager --splits 0,32 \
@@ -58,6 +59,7 @@ case $step in
     done; done
     mkdir -p "$OUT/$step"
     "$py" scripts/sweep-summary.py "$work" >"$OUT/$step/summary.md"; rc=$?
+    "$py" -m repro redact "$work"/*/logs/*.log >/dev/null
     (cd "$work" && tar czf "$OUT/$step/runs.tar.gz" --exclude='*.vllm-cache' .)
     cat "$OUT/$step/summary.md" ;;
   mps-probe)  # can an MPS client and a plain CUDA process use the GPU at the same time?
