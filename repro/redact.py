@@ -25,7 +25,12 @@ def _one(m: re.Match) -> str:
     return "<path>/" + parts[-1] if parts[-1] else "<path>/"
 
 
-def redact(text: str) -> str:
+def redact(text: str, xml: bool = False) -> str:
+    """Paths replaced; in XML (JUnit) the markers are escaped so the file stays well-formed."""
+    if xml:
+        for marker in ("repo", "path", "site-packages"):  # markers an earlier redaction wrote unescaped
+            text = text.replace(f"<{marker}>/", f"&lt;{marker}&gt;/")
+        return _PATH.sub(lambda m: _one(m).replace("<", "&lt;").replace(">", "&gt;"), text)
     return _PATH.sub(_one, text)
 
 
@@ -33,7 +38,7 @@ def redact_file(path: str | Path) -> bool:
     """Rewrite one record in place; True when something changed."""
     p = Path(path)
     text = p.read_text(errors="replace")
-    new = redact(text)
+    new = redact(text, xml=p.suffix == ".xml")
     if new != text:
         p.write_text(new)
     return new != text

@@ -17,6 +17,7 @@ from repro.verdicts import CLEAN, ERROR, LAUNCH_FAIL, VERDICTS, classify
 
 ROOT = Path(__file__).resolve().parent.parent
 SWEEP = ROOT / "results" / "h200-launch-failures"
+SWEEP2 = ROOT / "results" / "h200-launch-failures-2"  # the same sweep after the exit-status fix
 
 
 def _one_of_each() -> MatrixRun:
@@ -81,6 +82,20 @@ def test_recorded_sweep_meets_its_stored_expectations(run_name):
     controls = [Control(s.case_id, r.expected, r.verdict, s.mode, r.reason) for s, r in run.results if r not in
                 [m for _, m in misses]]  # fmt: skip
     assert decide(controls).passed
+
+
+@pytest.mark.parametrize("run_name", sorted(p.parent.name for p in SWEEP2.glob("*/results.json")))
+def test_second_sweep_passes_a_gate_with_its_hang_as_a_disagreement(run_name):
+    """After the exit-status fix: no harness error; one stale vLLM-fork case hung where the model expected a fault:
+    kernel evidence (the gate passes) of another kind (listed as a disagreement, `matrix` counts it unexpected)."""
+    run = report.load_json(SWEEP2 / run_name / "results.json")
+    assert not [r for _, r in run.results if r.verdict == ERROR]
+    d = decide([Control(s.case_id, r.expected, r.verdict, s.mode, r.reason) for s, r in run.results])
+    assert d.passed, d.failures
+    hangs = [(s, r) for s, r in run.results if r.verdict == "hang"]
+    assert len(d.disagreements) == len(hangs) == len(run.failures()) == (1 if run_name == "k5-page64" else 0)
+    for s, _ in hangs:
+        assert s.strategy == "stale" and s.backend == "vllm"
 
 
 def test_kernel_comes_from_the_faulting_line_only():

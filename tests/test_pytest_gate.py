@@ -41,7 +41,9 @@ def _report(verdict, expected, mode="eager", when="call", na=None, needs=None, s
     props = [("verdict", verdict), ("expected", expected), ("gate_mode", mode)]
     if na:
         props += [("not_applicable", na), ("needs", needs)]
-    return types.SimpleNamespace(when=when, user_properties=props, nodeid=f"case-{verdict}-{mode}", skipped=skipped)
+    return types.SimpleNamespace(
+        when=when, user_properties=props, nodeid=f"case-{verdict}-{mode}", skipped=skipped, passed=not skipped
+    )
 
 
 def test_each_mode_needs_kernel_evidence_of_its_own():
