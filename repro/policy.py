@@ -192,3 +192,21 @@ def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) 
     if not d.evidence:
         d.failures.append("GATE FAILED: no positive control ran: this environment cannot show that it sees the bug")
     return d
+
+
+def markdown() -> str:
+    """The rule as README shows it (a CPU test keeps README's copy equal to this)."""
+    why = {
+        FAULT: "the kernels failed: a memory fault, or a launch that failed after stale metadata",
+        DETECTED: "kernel evidence",
+        AUDIT: "kernel evidence, or the capture-time audit's stale views",
+        EXPECT_CLEAN: "ran, output equals the reference, nothing stale",
+        RECORDED: "anything that ran (memcheck on real vLLM: recorded, never gating)",
+    }
+    lines = ["| expectation | met by | meaning |", "|---|---|---|"]
+    lines += [f"| `{e}` | {', '.join(f'`{v}`' for v in MEETS[e])} | {why[e]} |" for e in EXPECTATIONS]
+    lines += ["", "| audit control | why the audit alone may meet it |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in AUDIT_CONTROLS.items()]
+    lines += ["", "| requirement (`--gate-require`) | what the runner must have |", "|---|---|"]
+    lines += [f"| `{k}` | {v} |" for k, v in REQUIREMENTS.items()]
+    return "\n".join(lines)
