@@ -12,7 +12,7 @@ import pytest
 
 from repro import pytest_gate
 from repro.pinning import apply_pin, choose_pin
-from repro.pytest_cases import close_case_executor, start_run_logs
+from repro.pytest_cases import close_case_executor, start_run_logs, warm_up
 
 _evidence: pytest_gate.Evidence | None = None  # set in a gate run
 
@@ -49,7 +49,12 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     from cases.gpu_env import mark_unrunnable
 
-    mark_unrunnable(items)
+    runnable = mark_unrunnable(items)
+    runs_cases = hasattr(config, "workerinput") or not config.getoption("numprocesses", default=None)
+    specs = (i.callspec.params["spec"] for i in runnable if hasattr(i, "callspec") and "spec" in i.callspec.params)
+    first = next(specs, None)
+    if runs_cases and first is not None:  # an xdist controller runs no case: nothing to warm there
+        warm_up(first)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -61,12 +61,13 @@ def sanitizer_skip_reason() -> str | None:
     return None if find_sanitizer() else "compute-sanitizer not found (CUDA toolkit)"
 
 
-def mark_unrunnable(items) -> None:
+def mark_unrunnable(items) -> list:
     """At collection: every GPU case gets a skip mark with the reason when this machine has no usable GPU (probed
-    once per process, only when GPU cases were collected)."""
+    once per process, only when GPU cases were collected). Returns the GPU cases that can run here."""
     import pytest
 
     gpu_items = [i for i in items if i.get_closest_marker("gpu")]
     reason = gpu_skip_reason() if gpu_items else None
     for item in gpu_items if reason else ():
         item.add_marker(pytest.mark.skip(reason=reason))
+    return [i for i in gpu_items if not reason]

@@ -114,6 +114,12 @@ class ForkServer(MemcheckAhead):
         self.ctx = multiprocessing.get_context("forkserver")
         self.ctx.set_forkserver_preload(list(preload))
 
+    def start(self) -> None:
+        """Start the server (it imports the preloaded modules) now instead of at the first case."""
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
     def run(self, target: str, argv: list[str], env: dict[str, str], out_path: Path, timeout_s: float):
         from repro.runner import ProcessRun
 

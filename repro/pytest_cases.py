@@ -4,13 +4,16 @@ imported torch and the FA3 libraries once, or the repro server when one runs thi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 RUN_ENV = "REPRO_RUN_LOG_DIR"  # set once by the controller; xdist workers inherit it
 _executor = None
+_lock = threading.Lock()
 
 
 def start_run_logs(worker: str, environ=os.environ) -> Path:
@@ -31,14 +34,38 @@ def log_dir() -> Path:
 def case_executor():
     """This process's executor, started at its first GPU case (a forkserver, or the repro server running this code);
     REPRO_EXECUTOR=process gives each case a fresh interpreter."""
-    global _executor
     if os.environ.get("REPRO_EXECUTOR") == "process":
         return None
+    with _lock:
+        return _executor or _start_executor()
+
+
+def _start_executor():
+    global _executor
     if _executor is None:
         from repro.executor import default_executor
 
         _executor = default_executor(jobs=1)
     return _executor
+
+
+def warm_up(first_spec) -> threading.Thread:
+    """In the background, while pytest collects and schedules: start this process's executor (the forkserver imports
+    torch and the FA3 libraries) and import the CPU model the expectations need, so the first case waits for
+    neither (each was ~4 s per xdist worker on the H200)."""
+
+    def work() -> None:
+        with contextlib.suppress(Exception):  # the first case reports whatever fails here, with its reason
+            from repro.expectations import expectation
+
+            expectation(first_spec)
+            ex = case_executor()
+            if ex is not None and hasattr(ex, "start"):
+                ex.start()
+
+    t = threading.Thread(target=work, name="repro-warm-up", daemon=True)
+    t.start()
+    return t
 
 
 def close_case_executor() -> None:
