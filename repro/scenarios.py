@@ -16,7 +16,7 @@ FRESH = "fresh"
 STRATEGIES = (STALE, FRESH)
 PAIR = "pair"
 V2 = "v2-capture"
-SPEC = "spec-decode"  # target + draft models, capture runner and decoding loop (repro.spec)
+SPEC = "spec-decode"  # target + draft models, capture runner and decoding loop (repro.specdecode)
 SCENARIOS = (PAIR, V2, SPEC)
 WARMUP = "warmup"
 CAPTURE = "capture"
@@ -45,7 +45,7 @@ def v2_capture_sequence(
     """vLLM V2: the target builds every FULL descriptor largest first (warmup build + capture build), then the draft
     runs each descriptor's warmup and capture. stale: the draft reuses the target's saved states (before PR #48261);
     fresh: the draft rebuilds through the same buffers for every pass (after the fix). with_target: the target's own
-    passes are yielded too, each right after its build (the model runner in repro.spec runs them); the attention
+    passes are yielded too, each right after its build (the model runner in repro.specdecode runs them); the attention
     layer runs the draft's only. The one capture sequence of the project."""
     check_strategy(strategy)
     descs = descriptors or full_decode_descriptors(builder.cfg)
@@ -86,7 +86,7 @@ def passes_for(
     strategy: str,
     pair: tuple[str, str] | None = None,
 ) -> Iterator[Pass]:
-    """The draft passes of an attention-layer scenario (spec-decode runs through repro.spec instead)."""
+    """The draft passes of an attention-layer scenario (spec-decode runs through repro.specdecode instead)."""
     if scenario == V2:
         return v2_capture_sequence(builder, strategy)
     if scenario == PAIR:

@@ -57,7 +57,7 @@ def run_case(spec: CaseSpec) -> dict:
     cfg = spec.cfg
     poison = parse_poison(spec.poison)
     if spec.scenario == SPEC:
-        from repro.spec.case import run_spec_case
+        from repro.specdecode.case import run_spec_case
 
         res = run_spec_case(spec, backend, margin, poison, lambda ev: emit(PASS_TAG, ev))
         res.update(sms_reported=reported, sms_planned=reported - margin, backend_identity=backend.identity().to_dict())

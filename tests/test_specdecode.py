@@ -7,8 +7,8 @@ import torch
 from repro.descriptors import ConfigError
 from repro.fa3_model.predict import ModelBackend
 from repro.scenarios import FRESH, STALE
-from repro.spec.models import EagleDraft, ForwardContext, ModelConfig, TargetModel, rotary
-from repro.spec.runner import SpecDecodeRunner
+from repro.specdecode.models import EagleDraft, ForwardContext, ModelConfig, TargetModel, rotary
+from repro.specdecode.runner import SpecDecodeRunner
 
 MCFG = ModelConfig(vocab=256, hidden=256, layers=2, q_heads=4, kv_heads=2, head_dim=64, intermediate=512)
 ACFG = MCFG.attn_config(
@@ -148,7 +148,7 @@ def test_speculative_decoding_sweep(k, heads, page):
 def test_graph_vs_eager_comparison_sees_draft_proposals_the_tokens_hide():
     """compare_runs on two CPU runs: identical runs agree exactly; a run whose draft proposed other tokens (what stale
     draft metadata does) is wrong output even though greedy verification gives the same tokens."""
-    from repro.spec.runner import compare_runs
+    from repro.specdecode.runner import compare_runs
 
     a, b = _runner(FRESH).generate(PROMPTS, 8), _runner(FRESH).generate(PROMPTS, 8)
     same = compare_runs(a, b)

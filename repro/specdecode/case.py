@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from repro.case import CaseSpec
-from repro.spec.models import ModelConfig
+from repro.specdecode.models import ModelConfig
 
 PROMPTS = [[11, 12, 13, 14, 15, 16, 17], [21, 22, 23], [31, 32, 33, 34, 35], [41, 42, 43, 44]]
 
@@ -28,7 +28,7 @@ def model_config(spec: CaseSpec) -> ModelConfig:
 def run_spec_case(spec: CaseSpec, backend: Any, margin: int, poison: Any, emit, max_new: int = 32) -> dict:
     import torch
 
-    from repro.spec.runner import SpecDecodeRunner, compare_runs
+    from repro.specdecode.runner import SpecDecodeRunner, compare_runs
 
     mcfg = model_config(spec)
     dev = torch.device("cuda", 0)

@@ -17,7 +17,7 @@ import torch
 from repro.builder import AttnMetadata, MetadataBuilder
 from repro.descriptors import AttnConfig, BatchDescriptor, ConfigError, full_decode_descriptors
 from repro.scenarios import FRESH, check_strategy, v2_capture_sequence
-from repro.spec.models import EagleDraft, ForwardContext, ModelConfig, TargetModel
+from repro.specdecode.models import EagleDraft, ForwardContext, ModelConfig, TargetModel
 
 
 @dataclass
