@@ -55,17 +55,40 @@ def test_executor_names():
         make_executor("threads")
 
 
-def test_both_paths_side_by_side_give_the_same_verdicts(tmp_path):
-    """The benchmark's machinery on a machine without a GPU: every case skips on both paths, the diff is empty."""
-    from repro.benchmark import compare_executors
+def test_both_paths_side_by_side_give_the_same_verdicts(tmp_path, monkeypatch):
+    """The benchmark's machinery, every path (process, forkserver, repro server) on one matrix whose cases end in
+    different verdicts on any machine: no CUDA device visible while an MPS client's variable is set is an error the
+    worker raises in the case process (only if the case's environment reached it), a MIG case with no slice is a skip
+    the parent decides. Each path must give each case its own verdict; the diff is then computed, and a changed
+    verdict shows up in it."""
+    from repro.benchmark import compare_executors, paths_markdown
+    from repro.case import SmConfig
+    from repro.verdicts import SKIP
 
-    specs = [CaseSpec("vllm", "stale", timeout_s=120), CaseSpec("vllm", "fresh", timeout_s=120)]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU for the case processes, GPU machine or not
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50")  # the worker: an MPS client without a device
+    specs = [
+        CaseSpec("vllm", "stale", timeout_s=120),
+        CaseSpec("vllm", "fresh", timeout_s=120),
+        CaseSpec("vllm", "stale", sm=SmConfig("mig"), timeout_s=120),
+    ]
+    want = {specs[0].case_id: ERROR, specs[1].case_id: ERROR, specs[2].case_id: SKIP}
     md, runs = compare_executors(specs, tmp_path, jobs=2)
-    assert set(runs) == {"old", "new", "served"} and len(runs["served"].results) == 2
-    assert "| new | forkserver | shared | 2 |" in md and "| served | server | shared | 2 |" in md
+    assert set(runs) == {"old", "new", "served"}
+    for path, run in runs.items():
+        assert {s.case_id: r.verdict for s, r in run.results} == want, path
+        for case_id in (specs[0].case_id, specs[1].case_id):  # the worker's own error, in the case's log
+            assert "MPS client found no CUDA device" in (tmp_path / path / "logs" / f"{case_id}.out.log").read_text()
+    assert "| new | forkserver | shared | 3 |" in md and "| served | server | shared | 3 |" in md
     assert "Verdict diff: 0 case(s) (the paths agree)" in md and "Verdict diff, old -> served: 0 case(s)" in md
     assert "The served path's server took" in md
-    assert all((tmp_path / p / "logs").is_dir() for p in runs)
+    # the diff comes from the verdicts: one case changed on the new path, another on the served one
+    runs["new"].results[0][1].verdict = CRASH
+    served = next(r for s, r in runs["served"].results if s.case_id == specs[2].case_id)
+    served.verdict = CLEAN
+    diff = paths_markdown(runs)
+    assert f"Verdict diff: 1 case(s):\n- {runs['new'].results[0][0].case_id}: error -> crash\n" in diff
+    assert f"Verdict diff, old -> served: 1 case(s):\n- {specs[2].case_id}: skip -> clean\n" in diff
 
 
 def test_phases_split_a_case_process_for_the_benchmark(server, tmp_path):
@@ -81,8 +104,8 @@ def test_a_faulting_case_keeps_its_start_up_phases(tmp_path):
     """A case that crashes prints no result; the device line it printed after CUDA init still splits its time."""
     import json
 
+    from repro.classify import classify
     from repro.runner import ProcessRun, with_process_phases
-    from repro.verdicts import classify
 
     t0 = 1000.0
     out = (
