@@ -27,8 +27,9 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from repro.case import CaseResult, CaseSpec
+from repro.classify import refused
 from repro.smcontrol import MpsDaemon, Unavailable
-from repro.verdicts import CLEAN, ERROR, OOB, SKIP, refused
+from repro.verdicts import CLEAN, ERROR, OOB, SKIP
 
 PER_CASE, SHARED = "per-case", "shared"
 MPS_DAEMON_POLICIES = (PER_CASE, SHARED)

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from repro.case import CaseResult, CaseSpec
+from repro.classify import classify
 from repro.executor import kill_group
 from repro.sanitizer import find_sanitizer, first_finding_complete, sanitizer_command, sanitizer_env
 from repro.smcontrol import MpsDaemon, Unavailable, device_sm_count
-from repro.verdicts import classify
 
 # A memcheck case is stopped this long after memcheck finished writing its first error (a stale case may never end
 # and its verdict rests on that first error); the grace only lets the error count grow.

@@ -1,8 +1,14 @@
 """Verdicts from what case processes left behind on the H200 (recorded outputs and memcheck logs)."""
 
+import json
+from pathlib import Path
+
+import pytest
+
 from repro.case import CaseSpec, SmConfig
+from repro.classify import classify
 from repro.descriptors import AttnConfig
-from repro.verdicts import CLEAN, CRASH, ERROR, HANG, LAUNCH_FAIL, OOB, SKIP, WRONG, classify
+from repro.verdicts import CLEAN, CRASH, ERROR, HANG, LAUNCH_FAIL, OOB, SKIP, WRONG
 
 SPEC = CaseSpec("vllm", "stale", "eager", sm=SmConfig("sm_margin", 16), poison="int-max", timeout_s=90)
 
@@ -61,17 +67,41 @@ def test_skip_and_unknown_failure():
     assert r.verdict == ERROR and "exit status 1" in r.reason
 
 
-def test_launch_failure_is_detection_with_the_kernel_not_an_error():
-    """A kernel launch that fails on stale metadata (CUTLASS's status from the combine's launch check) is evidence
-    from the kernel, not a harness error. The line is written after FA3's launch check; no real log of it has been
-    recorded on the H200 yet."""
-    out = (
-        'REPRO_PASS {"descriptor": "t64r16"}\n'
-        "RuntimeError: CUDA error (hopper/flash_fwd_combine_launch_template.h:60): Error Internal\n"
-    )
-    r = classify(SPEC, out, 1, False, None, 2.0)
-    assert r.verdict == LAUNCH_FAIL and r.kernel == "combine" and r.descriptor == "t64r16"
-    assert r.evidence.startswith("failed kernel launch")
+LAUNCH_SWEEP = Path(__file__).resolve().parent.parent / "results" / "h200-launch-failures-2"
+LAUNCH_LOGS = sorted(p for p in LAUNCH_SWEEP.glob("*/logs/*.out.log") if "CUTLASS error (" in p.read_text())
+
+
+def _recorded(log: Path) -> dict:
+    """The result results.json recorded for the case whose output `log` is."""
+    case_id = log.name.removesuffix(".out.log")
+    doc = json.loads((log.parent.parent / "results.json").read_text())
+    return next(c["result"] for c in doc["cases"] if c["case"] == case_id)
+
+
+def test_the_launch_sweep_printed_fa3_launch_errors():
+    """results/h200-launch-failures-2: 32 stale cases whose process printed FA3's `CUTLASS error (%s:%d): %s`."""
+    assert len(LAUNCH_LOGS) == 32
+
+
+@pytest.mark.parametrize("log", LAUNCH_LOGS, ids=lambda p: f"{p.parent.parent.name}-{p.name[15:-8]}")
+def test_launch_failure_is_detection_with_the_kernel_not_an_error(log):
+    """A kernel launch that failed on stale metadata (the line FA3 printed on the H200, from the combine's launch check)
+    is evidence from the kernel, not a harness error: its combine kernel named from that line, its descriptor the last
+    one the process announced before it, as recorded."""
+    out = log.read_text()
+    rec = _recorded(log)
+    spec = CaseSpec.from_json(json.dumps(rec["spec"]))
+    r = classify(spec, out, rec["returncode"], False, None, rec["wall_s"])
+    line = next(ln for ln in out.splitlines() if ln.startswith("CUTLASS error ("))
+    last_pass = [json.loads(ln.split(" ", 1)[1]) for ln in out.splitlines() if ln.startswith("REPRO_PASS ")][-1]
+    assert r.verdict == LAUNCH_FAIL == rec["verdict"] and rec["returncode"] != 0
+    assert r.kernel == "combine" and "combine" in line  # the launch template FA3 named
+    assert r.descriptor == last_pass["descriptor"] == rec["descriptor"]
+    assert r.evidence == f"failed kernel launch: {line.rsplit('): ', 1)[1]}" == rec["evidence"]
+    assert r.reason.startswith(line)
+    # without that line the same process is no kernel evidence at all: an error of the harness
+    rest = "\n".join(ln for ln in out.splitlines() if not ln.startswith("CUTLASS error ("))
+    assert classify(spec, rest, rec["returncode"], False, None, rec["wall_s"]).verdict == ERROR
 
 
 def test_a_bare_cuda_error_is_not_a_memory_fault():

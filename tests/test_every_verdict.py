@@ -11,9 +11,10 @@ import pytest
 
 from repro import report
 from repro.case import CaseSpec
+from repro.classify import classify
 from repro.matrix import MatrixRun
 from repro.policy import Control, decide, satisfies
-from repro.verdicts import CLEAN, ERROR, LAUNCH_FAIL, VERDICTS, classify
+from repro.verdicts import CLEAN, ERROR, LAUNCH_FAIL, VERDICTS
 
 ROOT = Path(__file__).resolve().parent.parent
 SWEEP = ROOT / "results" / "h200-launch-failures"

@@ -184,7 +184,7 @@ def test_a_batch_attempts_logs_are_set_aside_for_the_rerun(tmp_path):
 def test_a_case_the_recovering_server_refused_runs_again_under_the_same_daemon(fixtures):
     """The refusal is classified from a recorded H200 output (a client the MPS server turned away while it
     recovered); the case then runs again under the shared daemon, not under a daemon of its own."""
-    from repro.verdicts import classify, refused
+    from repro.classify import classify, refused
 
     recorded = (fixtures / "outputs" / "mps-neighbour-busy-memcheck.out.log").read_text()
     daemons, attempts, set_aside = Daemons(), [], []
@@ -215,7 +215,7 @@ def test_a_case_the_recovering_server_refused_runs_again_under_the_same_daemon(f
 
 
 def test_a_case_refused_every_time_reruns_under_a_daemon_of_its_own(fixtures):
-    from repro.verdicts import classify
+    from repro.classify import classify
 
     recorded = (fixtures / "outputs" / "mps-neighbour-busy-memcheck.out.log").read_text()
     daemons = Daemons()

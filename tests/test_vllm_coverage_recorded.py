@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from repro import smcontrol
+from repro.classify import classify, tagged
 from repro.policy import decide
 from repro.tags import AUDIT_TAG, COUNTERS_TAG, ENGINE_TAG
-from repro.verdicts import CANNOT_VOUCH, CLEAN, CRASH, classify, tagged
+from repro.verdicts import CANNOT_VOUCH, CLEAN, CRASH
 from repro.vllm_integration import gate_report, gate_run
 from repro.vllm_integration.builds import VllmBuild
 from repro.vllm_integration.gate_run import EXIT, GateCase, parse_modes, run_gate

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from repro.case import CaseResult
+from repro.classify import classify
 from repro.cli import main as cli
 from repro.descriptors import ConfigError
 from repro.poison import parse_poison
-from repro.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, STALE_AUDIT, WRONG, classify
+from repro.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, STALE_AUDIT, WRONG
 from repro.vllm_integration import plugin
 from repro.vllm_integration.builds import CONTROL, UNDER_TEST, build_pythonpath, find_builds, parse_builds
 from repro.vllm_integration.gate_run import (

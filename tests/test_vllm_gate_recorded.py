@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from repro.classify import classify, kernel_in, tagged
 from repro.tags import RESULT_TAG
-from repro.verdicts import CLEAN, CRASH, ERROR, classify, kernel_in, tagged
+from repro.verdicts import CLEAN, CRASH, ERROR
 from repro.vllm_integration.gate_run import GateCase, compare_tokens
 from repro.vllm_integration.plugin import AUDIT_TAG
 

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from repro.case import CaseSpec
-from repro.verdicts import classify
+from repro.classify import classify
 from repro.xdist_report import check_junit
 
 RECORDED = Path(__file__).parent.parent / "results" / "h200x2-xdist"

@@ -1,5 +1,5 @@
 """The vLLM gate: every vLLM build x detection mode as its own process (repro.vllm_integration.gate) under a timeout,
-classified by the same verdict code as the attention-layer cases (repro.runner.classify), then compared with the
+classified by the same verdict code as the attention-layer cases (repro.classify), then compared with the
 build's own reference run in the same SM configuration.
 
 Detection modes (`--modes`, each a case parameter):
@@ -29,6 +29,7 @@ from pathlib import Path
 
 from repro import policy
 from repro.case import CaseResult, SmConfig
+from repro.classify import tagged
 from repro.descriptors import ConfigError
 from repro.poison import parse_poison
 from repro.runner import case_logs, device_sm_count, run_process
@@ -47,7 +48,6 @@ from repro.verdicts import (
     SKIP,
     STALE_AUDIT,
     WRONG,
-    tagged,
 )
 from repro.vllm_integration.builds import UNDER_TEST, VllmBuild, build_pythonpath
 
