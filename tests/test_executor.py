@@ -104,8 +104,8 @@ def test_a_faulting_case_keeps_its_start_up_phases(tmp_path):
     """A case that crashes prints no result; the device line it printed after CUDA init still splits its time."""
     import json
 
+    from repro.classify import classify
     from repro.runner import ProcessRun, with_process_phases
-    from repro.verdicts import classify
 
     t0 = 1000.0
     out = (
