@@ -11,6 +11,7 @@ from pathlib import Path
 from repro.policy import NO_EVIDENCE
 from repro.redact import redact
 from repro.verdicts import FAULTS
+from repro.vllm_integration import release_range
 from repro.vllm_integration.gate_run import PASS, GateRun, expected, meets
 from repro.vllm_integration.source_check import check_tree
 
@@ -172,6 +173,7 @@ def markdown(run: GateRun, env: dict | None = None, need_control: bool = True) -
             f"{', '.join(s['detected_in']) or '-'} | {per_mode} | {s['source_check']} | {s['wall_s']} | "
             f"{'ok' if s['ok'] else 'FAIL'} |"
         )
+    lines += [""] + release_range.markdown(build_summary(run))
     for why in run.blind(need_control):
         lines.append(f"\nHARNESS BLIND: {why}")
     for c, r in run.not_vouched():
@@ -238,6 +240,7 @@ def to_json(run: GateRun, env: dict | None = None, need_control: bool = True) ->
         "decision": run.decision(need_control).summary(),
         "wall_s": run.wall_s,
         "builds": build_summary(run),
+        "release_range": release_range.to_json(build_summary(run)),
         "cases": [{**row, "result": results[row["case"]]} for row in rows(run)],
     }
 
