@@ -102,8 +102,8 @@ def compare_executors(specs, out_dir: str | Path, jobs: int, progress=None) -> t
     import time
 
     from repro import server
-    from repro.executor import make_executor
     from repro.matrix import run_matrix
+    from repro.runner import make_executor
 
     specs = list(specs)
     runs: dict[str, MatrixRun] = {}

@@ -24,62 +24,18 @@ import json
 import multiprocessing
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from repro.process import ProcessRun, exit_code, kill_group, run_child
+from repro.sanitizer import find_sanitizer, sanitizer_command
+
 PRELOAD = ("torch", "repro.worker", "repro.backends.preload")
-
-
-def _child(target: str, argv: list[str], env: dict[str, str], out_path: str, new_session: bool = True) -> None:
-    """Become the case process: own session, output to out_path, the case's environment, run, exit."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # a server that ignores Ctrl-C forked it
-    if new_session:
-        os.setsid()
-    fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    os.environ.clear()
-    os.environ.update(env)  # before anything initializes CUDA: device pinning, MPS, allocator settings
-    module, _, func = target.partition(":")
-    code = 1
-    try:
-        code = getattr(importlib.import_module(module), func)(argv) or 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        with contextlib.suppress(Exception):  # the parent's own record of how it ended (ForkServer.run)
-            Path(out_path + EXIT_SUFFIX).write_text(str(code))
-        os._exit(code)
-
-
-EXIT_SUFFIX = ".exit"  # beside a forked case's output: the exit code the case process ended with
-LOST_STATUS = 255  # what multiprocessing reports when the forkserver's report of a child's exit was lost
-
-
-def exit_code(exitcode: int | None, out_path: Path) -> int | None:
-    """A forked case's exit code. multiprocessing says 255 when it could not read the child's status from the
-    forkserver (seen on the H200: 2 of 256 clean cases with their result printed, results/h200-launch-failures); the
-    code the child wrote itself before exiting is then the truth. No file: the child never got there (killed)."""
-    side = Path(str(out_path) + EXIT_SUFFIX)
-    try:
-        written = int(side.read_text())
-    except (OSError, ValueError):
-        written = None
-    side.unlink(missing_ok=True)
-    return written if exitcode == LOST_STATUS and written is not None else exitcode
 
 
 class MemcheckAhead:
@@ -121,11 +77,9 @@ class ForkServer(MemcheckAhead):
         forkserver.ensure_running()
 
     def run(self, target: str, argv: list[str], env: dict[str, str], out_path: Path, timeout_s: float):
-        from repro.runner import ProcessRun
-
         t0 = time.time()
         Path(out_path).write_bytes(b"")
-        proc = self.ctx.Process(target=_child, args=(target, argv, dict(env), str(out_path)), daemon=False)
+        proc = self.ctx.Process(target=run_child, args=(target, argv, dict(env), str(out_path)), daemon=False)
         proc.start()
         timed_out = False
         try:
@@ -137,12 +91,6 @@ class ForkServer(MemcheckAhead):
             _kill(proc)
             raise
         return ProcessRun(exit_code(proc.exitcode, out_path), timed_out, False, time.time() - t0, t0)
-
-
-def kill_group(pid: int) -> None:
-    """SIGKILL a case process's session (it leads one) with everything it started; gone already is fine."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
 
 
 def _kill(proc) -> None:
@@ -212,8 +160,6 @@ class WarmPool:
         preload: tuple[str, ...] = PRELOAD,
         max_importing: int | None = None,
     ):
-        from repro.sanitizer import find_sanitizer
-
         self.exe = find_sanitizer()
         self.launch_env = dict(launch_env)
         self.preload = preload
@@ -230,8 +176,6 @@ class WarmPool:
             threading.Thread(target=self._keep_topped_up, daemon=True).start()
 
     def _start(self) -> Warm:
-        from repro.sanitizer import sanitizer_command
-
         k = self.started
         self.started += 1
         log, startup = self.dir / f"{k}.memcheck.log", self.dir / f"{k}.startup.log"
@@ -305,37 +249,7 @@ def _warm_main(preload: list[str]) -> None:
     req = json.loads(line)
     launch = req["launch_env"]
     injected = {k: v for k, v in os.environ.items() if launch.get(k) != v}
-    _child(req["target"], req["argv"], {**req["env"], **injected}, req["out"], new_session=False)
-
-
-EXECUTORS = ("process", "forkserver", "server")
-DEFAULT_EXECUTOR = "forkserver"  # or the repro server, when one runs this very code (default_executor)
-
-
-def make_executor(name: str, jobs: int = 4) -> MemcheckAhead | None:
-    """None: a fresh interpreter per case; forkserver: ForkServer; server: a running repro server (repro.server);
-    each with `jobs` memcheck processes started ahead."""
-    from repro.descriptors import ConfigError
-
-    if name == "process":
-        return None
-    if name == "forkserver":
-        return ForkServer(spares=jobs)
-    if name == "server":
-        from repro.server import server_executor
-
-        served, why = server_executor(jobs)
-        if served is None:
-            raise ConfigError(f"--executor server: {why}")
-        return served
-    raise ConfigError(f"unknown executor {name!r}; choose from {', '.join(EXECUTORS)}")
-
-
-def default_executor(jobs: int = 4) -> MemcheckAhead:
-    """The repro server when one runs this code (its cases start without importing anything), else a forkserver."""
-    from repro.server import server_executor
-
-    return server_executor(jobs)[0] or ForkServer(spares=jobs)
+    run_child(req["target"], req["argv"], {**req["env"], **injected}, req["out"], new_session=False)
 
 
 if __name__ == "__main__":  # python -m repro.executor warm MODULE,MODULE: a WarmPool process

@@ -43,7 +43,7 @@ def case_executor():
 def _start_executor():
     global _executor
     if _executor is None:
-        from repro.executor import default_executor
+        from repro.runner import default_executor
 
         _executor = default_executor(jobs=1)
     return _executor

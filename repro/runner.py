@@ -1,6 +1,7 @@
 """Case runner: every case in its own process, always under a timeout, optionally under compute-sanitizer.
 
-The verdict comes from the process: the worker's result line, the sanitizer log, the exit status, the clock."""
+The verdict comes from the process: the worker's result line, the sanitizer log, the exit status, the clock. What
+starts the processes: make_executor / default_executor (a forkserver, repro.executor; or the repro server)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from repro.case import CaseResult, CaseSpec
 from repro.classify import classify
-from repro.executor import kill_group
+from repro.descriptors import ConfigError
+from repro.executor import ForkServer, MemcheckAhead
+from repro.process import ProcessRun, kill_group
 from repro.sanitizer import find_sanitizer, first_finding_complete, sanitizer_command, sanitizer_env
+from repro.server import server_executor
 from repro.smcontrol import MpsDaemon, Unavailable, device_sm_count
 
 # A memcheck case is stopped this long after memcheck finished writing its first error (a stale case may never end
@@ -143,15 +146,6 @@ def with_process_phases(res: CaseResult, run: ProcessRun) -> CaseResult:
     return res
 
 
-@dataclass
-class ProcessRun:
-    returncode: int | None
-    timed_out: bool
-    stopped_early: bool  # killed EARLY_STOP_GRACE_S after memcheck's first finding
-    wall_s: float
-    started_at: float = 0.0  # when the parent started the process (time.time())
-
-
 def supervise(
     cmd: list[str], env: dict[str, str], out_path: Path, timeout_s: float, san_log: Path | None = None
 ) -> ProcessRun:
@@ -201,3 +195,27 @@ def _has_finding(path: Path) -> bool:
             return first_finding_complete(f.read(1 << 18))
     except OSError:
         return False
+
+
+EXECUTORS = ("process", "forkserver", "server")
+DEFAULT_EXECUTOR = "forkserver"  # or the repro server, when one runs this very code (default_executor)
+
+
+def make_executor(name: str, jobs: int = 4) -> MemcheckAhead | None:
+    """None: a fresh interpreter per case; forkserver: ForkServer; server: a running repro server (repro.server);
+    each with `jobs` memcheck processes started ahead."""
+    if name == "process":
+        return None
+    if name == "forkserver":
+        return ForkServer(spares=jobs)
+    if name == "server":
+        served, why = server_executor(jobs)
+        if served is None:
+            raise ConfigError(f"--executor server: {why}")
+        return served
+    raise ConfigError(f"unknown executor {name!r}; choose from {', '.join(EXECUTORS)}")
+
+
+def default_executor(jobs: int = 4) -> MemcheckAhead:
+    """The repro server when one runs this code (its cases start without importing anything), else a forkserver."""
+    return server_executor(jobs)[0] or ForkServer(spares=jobs)

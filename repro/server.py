@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 
 from repro.descriptors import ConfigError
-from repro.executor import PRELOAD, MemcheckAhead, _child, exit_code, kill_group
+from repro.executor import PRELOAD, MemcheckAhead
+from repro.process import ProcessRun, exit_code, kill_group, run_child
 
 SOCKET_ENV = "REPRO_SERVER"  # the socket to use instead of the default one, or "off": never use a server
 DEFAULT_IDLE_S = 1800.0
@@ -147,7 +148,7 @@ def _request(conn, srv, sel, cases, facts) -> str | None:
                 if c is not None:
                     c.close()
             conn.close()
-        _child(req["target"], req["argv"], req["env"], req["out"])  # never returns
+        run_child(req["target"], req["argv"], req["env"], req["out"])  # never returns
     conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
     conn.settimeout(None)
     cases[pid] = conn
@@ -260,8 +261,6 @@ class ServerExecutor(MemcheckAhead):
         self.started_by = f"the repro server (pid {facts['pid']})"  # for reports: what started the cases
 
     def run(self, target: str, argv: list[str], env: dict[str, str], out_path: Path, timeout_s: float):
-        from repro.runner import ProcessRun
-
         t0 = time.time()
         Path(out_path).write_bytes(b"")
         request = {"op": "run", "target": target, "argv": argv, "env": dict(env), "out": str(out_path)}

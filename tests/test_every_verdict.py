@@ -74,7 +74,7 @@ def test_recorded_launch_failures_are_classified_from_their_faulting_line():
 @pytest.mark.parametrize("run_name", sorted(p.parent.name for p in SWEEP.glob("*/results.json")))
 def test_recorded_sweep_meets_its_stored_expectations(run_name):
     """Launch failures meet the stale eager controls' `fault` (the kernels failed); the only misses are the two clean
-    cases whose exit status the forkserver lost (exit 255 after the result: repro.executor.exit_code, fixed since)."""
+    cases whose exit status the forkserver lost (exit 255 after the result: repro.process.exit_code, fixed since)."""
     run = report.load_json(SWEEP / run_name / "results.json")
     misses = run.failures()
     assert all(r.verdict == ERROR and "exit status 255" in r.reason and s.strategy == "fresh" for s, r in misses)

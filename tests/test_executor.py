@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from repro.case import CaseSpec
-from repro.executor import ForkServer, WarmPool, make_executor
-from repro.runner import case_logs, memcheck_launch_env, run_process
+from repro.executor import ForkServer, WarmPool
+from repro.runner import case_logs, make_executor, memcheck_launch_env, run_process
 from repro.verdicts import CLEAN, CRASH, ERROR, HANG, OOB
 from tests.processes import gone, group_alive
 
@@ -105,7 +105,8 @@ def test_a_faulting_case_keeps_its_start_up_phases(tmp_path):
     import json
 
     from repro.classify import classify
-    from repro.runner import ProcessRun, with_process_phases
+    from repro.process import ProcessRun
+    from repro.runner import with_process_phases
 
     t0 = 1000.0
     out = (
@@ -247,7 +248,7 @@ def test_a_lost_exit_status_is_read_from_what_the_case_wrote(tmp_path):
     """multiprocessing reports 255 when the forkserver's report of a child's exit is lost (2 of 256 clean cases on
     the H200 with their result printed: results/h200-launch-failures); the code the case wrote wins then, and only
     then; a case killed before writing keeps 255."""
-    from repro.executor import EXIT_SUFFIX, LOST_STATUS, exit_code
+    from repro.process import EXIT_SUFFIX, LOST_STATUS, exit_code
 
     out = tmp_path / "case.out.log"
     side = tmp_path / ("case.out.log" + EXIT_SUFFIX)
@@ -259,7 +260,7 @@ def test_a_lost_exit_status_is_read_from_what_the_case_wrote(tmp_path):
 
 
 def test_forked_case_leaves_its_exit_code_only_transiently(tmp_path):
-    from repro.executor import EXIT_SUFFIX, ForkServer
+    from repro.process import EXIT_SUFFIX
 
     fs = ForkServer(preload=("tests.standin_worker",), spares=0)
     try:

@@ -78,7 +78,8 @@ def test_idle_server_stops_and_removes_its_socket(sock):
 
 
 def test_a_server_of_other_code_is_not_used(running, sock, monkeypatch):
-    from repro.executor import ForkServer, default_executor
+    from repro.executor import ForkServer
+    from repro.runner import default_executor
 
     facts, why = server.usable(sock)
     assert facts is None and "runs other code" in why  # started with other preloads than a command uses
@@ -108,7 +109,7 @@ def _cli(*args, env=None):
 
 def test_executor_server_without_one_is_refused_in_one_line(sock):
     from repro.descriptors import ConfigError
-    from repro.executor import make_executor
+    from repro.runner import make_executor
 
     with pytest.raises(ConfigError, match=r"--executor server: no repro server at .* \(start one: python -m repro"):
         make_executor("server")

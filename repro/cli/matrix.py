@@ -25,9 +25,9 @@ from repro.cli.common import (
     shape_config,
 )
 from repro.descriptors import ConfigError
-from repro.executor import DEFAULT_EXECUTOR, EXECUTORS
 from repro.mps_cases import DEFAULT_MPS_DAEMON, MPS_DAEMON_POLICIES
 from repro.redact import redact
+from repro.runner import DEFAULT_EXECUTOR, EXECUTORS
 from repro.scenarios import SCENARIOS, STRATEGIES, V2
 
 
@@ -192,7 +192,7 @@ def cmd_matrix(a: argparse.Namespace) -> int:
         attach_expectations(run.results, {})
         title = f"{a.title} (predicted by the CPU model)"
     else:
-        from repro.executor import default_executor, make_executor
+        from repro.runner import default_executor, make_executor
 
         if a.compare_executors:
             from repro.benchmark import compare_executors
