@@ -1,8 +1,12 @@
 """The wheel/checkout checker on synthetic trees (the real-wheel results are recorded in results/)."""
 
 import json
+import os
+import re
 import zipfile
 from pathlib import Path
+
+import pytest
 
 from repro.vllm_integration.compat import check_source, plugin_compat
 
@@ -65,8 +69,63 @@ def test_missing_hooks_are_named(tmp_path):
     assert any("arguments differ" in n for n in notes) and any("lacks scheduler_metadata" in n for n in notes)
 
 
-def test_recorded_real_wheels():
-    rows = json.loads((Path(__file__).parent.parent / "results" / "vllm-source-check.json").read_text())
-    verdicts = {r["source"].split("-")[1]: r["verdict"] for r in rows}
-    assert verdicts == {"0.24.0": "bad", "0.25.1": "bad", "0.26.0": "good"}
-    assert all(r["plugin_ok"] for r in rows)
+RECORDED = json.loads((Path(__file__).parent.parent / "results" / "vllm-source-check.json").read_text())
+BAD_WHERE = re.compile(r": (vllm/\S+\.py):(\d+) (\w+)\.capture reuses saved attention states \((\w+)\)$")
+
+
+def _version(row: dict) -> str:
+    return row["source"].split("-")[1]
+
+
+def _tree_as_recorded(root: Path, row: dict) -> Path:
+    """A tree shaped as the record says the wheel is: for a bad wheel, the manager class it names with its `capture`
+    taking the saved states argument at the file and line it names; for a good one, a capture that builds its inputs."""
+    _make(root)
+    m = BAD_WHERE.search(row["reason"])
+    if m:
+        rel, line, cls, arg = m[1], int(m[2]), m[3], m[4]
+        text = (
+            "\n" * (line - 2)
+            + f"class {cls}(CudaGraphManager):\n    def capture(self, forward_fn, {arg}):\n        pass\n"
+        )
+    else:
+        rel = "vllm/v1/worker/gpu/spec_decode/autoregressive/cudagraph_utils.py"
+        text = (
+            "class PrefillSpeculatorCudaGraphManager(CudaGraphManager):\n"
+            "    def capture(self, forward_fn, prepare_inputs_to_capture):\n"
+            "        prepare_inputs_to_capture()\n"
+        )
+    (root / rel).parent.mkdir(parents=True, exist_ok=True)
+    (root / rel).write_text(text)
+    return root
+
+
+@pytest.mark.parametrize("row", RECORDED, ids=_version)
+def test_the_checker_states_what_was_recorded_for_a_tree_shaped_like_the_wheel(tmp_path, row):
+    """results/vllm-source-check.json: today's checker, on a tree with what the record says each wheel holds (the
+    manager, file, line and argument its reason names; the plugin's hooks), gives the recorded row but its source."""
+    got = check_source(_tree_as_recorded(tmp_path / "tree", row)).to_dict()
+    assert {**got, "source": row["source"]} == row
+
+
+def test_the_recorded_source_verdicts_agree_with_the_gpu_gate():
+    """The static verdicts against what the real-vLLM gate measured on the H200 (results/h200-vllm-coverage): a
+    build the gate found affected is `bad`, one it passed is `good`; 0.24.0 predates that run."""
+    gate = json.loads((Path(__file__).parent.parent / "results" / "h200-vllm-coverage" / "results.json").read_text())
+    measured = {b["vllm_version"]: b["affected"] for b in gate["builds"]}
+    assert measured == {"0.26.0": False, "0.25.1": True}
+    verdicts = {_version(r): r["verdict"] for r in RECORDED}
+    assert {v: verdicts[v] for v in measured} == {v: "bad" if hit else "good" for v, hit in measured.items()}
+    assert all(r["plugin_ok"] for r in RECORDED)
+
+
+WHEELS = os.environ.get("REPRO_VLLM_WHEELS")  # a folder holding the real wheels the record names
+
+
+@pytest.mark.parametrize("row", RECORDED, ids=_version)
+def test_recorded_real_wheels(row):
+    """The record re-made from the real wheel, when a folder of them is named (REPRO_VLLM_WHEELS)."""
+    wheel = Path(WHEELS or "/nonexistent") / row["source"]
+    if not wheel.is_file():
+        pytest.skip(f"{row['source']} not in REPRO_VLLM_WHEELS ({WHEELS})")
+    assert check_source(wheel).to_dict() == row
