@@ -10,3 +10,4 @@ PLUGIN_TAG = "REPRO_PLUGIN"  # a plugin feature installed, or an install error (
 AUDIT_TAG = "REPRO_AUDIT"  # the freshness auditor: stale views found, and its summary at exit
 COUNTERS_TAG = "REPRO_COUNTERS"  # the plugin's counters (captures per graph kind, checks, hook calls), at exit
 ENGINE_TAG = "REPRO_ENGINE"  # the engine's resolved configuration, the counters and acceptance, after generate
+TAGS = (PASS_TAG, RESULT_TAG, SKIP_TAG, DEVICE_TAG, PLUGIN_TAG, AUDIT_TAG, COUNTERS_TAG, ENGINE_TAG)  # repro.channel

@@ -5,19 +5,15 @@ Prints progress lines `REPRO_PASS <json>` before every launch (so a crash or han
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 
 from repro.backends.base import BackendUnavailable
 from repro.case import CaseSpec
+from repro.channel import emit
 from repro.smcontrol import Unavailable
 from repro.tags import DEVICE_TAG, PASS_TAG, RESULT_TAG, SKIP_TAG
-
-
-def emit(tag: str, obj: dict) -> None:
-    print(f"{tag} {json.dumps(obj)}", flush=True)
 
 
 def sm_setup(spec: CaseSpec, torch) -> tuple[int, int, object | None]:

@@ -94,7 +94,8 @@ def test_register_is_inert_unless_enabled(monkeypatch, capsys):
     before, graph = set(plugin._installed), torch.cuda.graph
     plugin.register()  # must not import vllm or patch anything
     assert "vllm" not in sys.modules and plugin._installed == before and torch.cuda.graph is graph
-    assert capsys.readouterr().err == ""
+    printed = capsys.readouterr()
+    assert printed.out == printed.err == ""
 
 
 def test_register_announces_only_what_installed(monkeypatch, capsys):
@@ -108,7 +109,7 @@ def test_register_announces_only_what_installed(monkeypatch, capsys):
     monkeypatch.setenv("REPRO_AUDIT", "1")
     monkeypatch.delenv("REPRO_WEIGHTS", raising=False)
     plugin.register()
-    lines = [json.loads(x.split(" ", 1)[1]) for x in capsys.readouterr().err.splitlines() if x.startswith("REPRO_")]
+    lines = [json.loads(x.split(" ", 1)[1]) for x in capsys.readouterr().out.splitlines() if x.startswith("REPRO_")]
     assert lines and all("error" in x for x in lines), lines
     assert "FlashAttentionImpl" in lines[0]["error"] and not plugin._installed
 

@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from repro.channel import emit
 from repro.tags import DEVICE_TAG, ENGINE_TAG, RESULT_TAG
 
 TARGET = {
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if torch.cuda.is_available():
         prop = torch.cuda.get_device_properties(0)
-        print(f"{DEVICE_TAG} " + json.dumps({"gpu": prop.name, "sms": prop.multi_processor_count}), flush=True)
+        emit(DEVICE_TAG, {"gpu": prop.name, "sms": prop.multi_processor_count})
     import vllm
     from vllm import LLM, SamplingParams  # imported here: the parent never needs vllm
 
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.reference:
         engine = resolved_engine(llm)
         engine["acceptance"] = acceptance(llm)
-        print(f"{ENGINE_TAG} " + json.dumps(engine, default=str), flush=True)
+        emit(ENGINE_TAG, engine)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     margins = [[top2_margin(lp) for lp in (o.outputs[0].logprobs or [])] for o in outs] if a.reference else None
     result = {
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "summary": f"{len(tokens)} requests x {a.max_new} tokens decoded",
     }
-    print(f"{RESULT_TAG} " + json.dumps(result), flush=True)
+    emit(RESULT_TAG, result)
     return 0
 
 

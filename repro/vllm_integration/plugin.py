@@ -39,6 +39,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from repro.channel import emit
 from repro.tags import AUDIT_TAG, COUNTERS_TAG, PLUGIN_TAG
 from repro.vllm_integration.audit import FreshnessAuditor
 
@@ -106,8 +107,7 @@ def _label(md: Any) -> str:
 
 
 def _emit(obj: dict, tag: str = AUDIT_TAG) -> None:
-    sys.stderr.write(f"{tag} {json.dumps(obj)}\n")
-    sys.stderr.flush()
+    emit(tag, obj)  # the structured channel (repro.channel); a tagged line when the process has none
 
 
 # --- CUDA graph captures and their kind ---------------------------------------------------------------------------
