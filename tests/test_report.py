@@ -1,5 +1,6 @@
 """Reports rendered from runs recorded on the H200, and the expectation rules."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -7,7 +8,7 @@ import pytest
 from repro import report
 from repro.case import CaseSpec, SmConfig
 from repro.expectations import expectation
-from repro.matrix import MatrixOptions, build_specs
+from repro.matrix import MatrixOptions, MatrixRun, build_specs
 from repro.policy import satisfies
 from repro.report import load_json
 from repro.verdicts import CLEAN, CRASH, HANG, LAUNCH_FAIL, OOB, STALE_AUDIT, WRONG
@@ -69,6 +70,7 @@ RECORDED = sorted(
     p
     for pattern in ("h200-*/results.json", "h200-*/old/results.json", "h200-*/new/results.json")
     for p in (Path(__file__).resolve().parent.parent / "results").glob(pattern)
+    if json.loads(p.read_text()).get("kind") != "vllm-gate"  # matrix runs; real-vLLM gate records have their tests
 )
 
 
@@ -107,82 +109,177 @@ def test_skipped_results_reload_from_json(tmp_path):
     assert s == spec and r.verdict == "skip" and r.reason == "no MPS"
 
 
-def test_recorded_execution_paths_agree_and_the_new_one_is_faster():
-    """results/h200-executors and h200-memcheck-executors: both paths in one command on the H200; the same verdicts,
-    the new path's wall time lower, its crashed first positive control split into start-up phases."""
-    from repro.benchmark import summarize
+def _raw(path: Path) -> list[dict]:
+    """The case rows of a results.json as written, read without the harness's loader."""
+    return json.loads(Path(path).read_text())["cases"]
+
+
+def _changed(path: Path, tmp_path: Path, change) -> MatrixRun:
+    """A copy of a recorded results.json with change(row) applied to every case row (its result too), loaded."""
+    doc = json.loads(Path(path).read_text())
+    for row in doc["cases"]:
+        change(row)
+    out = tmp_path / f"{path.parent.name}-changed.json"
+    out.write_text(json.dumps(doc))
+    return load_json(out)
+
+
+def _set_verdict(row: dict, verdict: str) -> None:
+    row["verdict"] = row["result"]["verdict"] = verdict
+
+
+POSITIVE = ("fault", "detected", "audit")
+
+
+def test_recorded_execution_paths_agree_and_the_new_one_is_faster(tmp_path):
+    """results/h200-executors and h200-memcheck-executors: both paths in one command on the H200. The verdict diff
+    and the per-phase means the benchmark computes, against counts made here from the raw rows; one verdict changed
+    in a copy shows in the diff. The new path's wall time is lower, its crashed first positive control split into
+    start-up phases."""
+    from repro.benchmark import PHASES, paths_markdown, summarize
 
     for name in ("h200-executors", "h200-memcheck-executors", "h200-memcheck-warm", "h200-executors-served"):
-        old, new = (load_json(RESULTS / name / p / "results.json") for p in ("old", "new"))
-        assert [(s.case_id, r.verdict) for s, r in old.results] == [(s.case_id, r.verdict) for s, r in new.results]
-        assert new.wall_s < old.wall_s and summarize(new)["phases_mean_s"]["import_s"] >= 0
-        first = next(r for s, r in new.results if s.case_id == new.first_positive_case)
-        assert set(first.phases) == {"start_s", "import_s", "cuda_init_s", "rest_s"}
+        paths = {p: RESULTS / name / p / "results.json" for p in ("old", "new")}
+        raw = {p: {c["case"]: c["result"] for c in _raw(f)} for p, f in paths.items()}
+        differ = sorted(k for k in raw["old"] if raw["old"][k]["verdict"] != raw["new"].get(k, {}).get("verdict"))
+        old, new = (load_json(f) for f in paths.values())
+        md = paths_markdown({"old": old, "new": new})
+        assert f"Verdict diff: {len(differ)} case(s)" in md and differ == [], name
+        phased = [r["phases"] for r in raw["new"].values() if r.get("phases") and all(k in r["phases"] for k in PHASES)]
+        means = summarize(new)["phases_mean_s"]
+        for k in PHASES:
+            assert means[k] == pytest.approx(sum(ph[k] for ph in phased) / len(phased), abs=1e-3), (name, k)
+        assert summarize(new)["cases"] == len(raw["new"]) and new.wall_s < old.wall_s
+        first = raw["new"][new.first_positive_case]
+        assert set(first["phases"]) == {"start_s", "import_s", "cuda_init_s", "rest_s"}
+        gone = next(k for k in sorted(raw["new"]) if raw["old"][k]["verdict"] != CLEAN)
+        changed = _changed(paths["new"], tmp_path, lambda c, k=gone: c["case"] == k and _set_verdict(c, CLEAN))
+        md = paths_markdown({"old": old, "new": changed})  # one case turned clean on the new path: the diff names it
+        assert f"Verdict diff: 1 case(s):\n- {gone}: {raw['old'][gone]['verdict']} -> clean\n" in md
     plain_new = load_json(RESULTS / "h200-executors" / "new" / "results.json")
     assert plain_new.wall_s < 30 and summarize(plain_new)["phases_mean_s"]["import_s"] == 0.0  # forked: no import
 
 
-def test_recorded_memcheck_processes_started_ahead():
+def test_recorded_memcheck_processes_started_ahead(tmp_path):
     """results/h200-memcheck-warm: memcheck cases in processes started ahead of them (WarmPool), stopped once their
-    first error was written whole, the MPS server never refusing a client (memcheck destroys the faulting context):
-    48 cases in under 60 s, no MPS case rerun or refused, the verdicts and kernels of the old path."""
+    first error was written whole, the MPS server never refusing a client. failures() against the raw rows (none
+    recorded not ok; with every positive control turned clean in a copy, exactly the positive controls counted here),
+    the reruns the paths table counts against the raw reasons, the verdicts and kernels of the old path."""
+    from repro.benchmark import paths_markdown
+
+    path = RESULTS / "h200-memcheck-warm" / "new" / "results.json"
+    raw = _raw(path)
     old, new = (load_json(RESULTS / "h200-memcheck-warm" / p / "results.json") for p in ("old", "new"))
-    assert new.wall_s < 60 < old.wall_s and new.failures() == []
+    assert new.wall_s < 60 < old.wall_s
+    assert len(new.failures()) == sum(not c["ok"] for c in raw) == 0
+    positives = sorted(c["case"] for c in raw if c["expected"] in POSITIVE)
+    blind = _changed(path, tmp_path, lambda c: c["expected"] in POSITIVE and _set_verdict(c, CLEAN))
+    assert sorted(s.case_id for s, _ in blind.failures()) == positives and len(positives) == 24
     assert [(s.case_id, r.verdict, r.kernel) for s, r in old.results] == [
-        (s.case_id, r.verdict, r.kernel) for s, r in new.results
+        (c["case"], c["result"]["verdict"], c["result"]["kernel"]) for c in raw
     ]
-    assert not any("rerun alone" in r.reason or "refusal" in r.reason for _, r in new.results)
-    stale = [r for s, r in new.results if s.strategy == "stale"]
-    assert len(stale) == 24 and all("after memcheck's first complete finding" in r.reason for r in stale)
+    reruns = sum("rerun alone" in c["result"]["reason"] for c in raw)
+    assert f"MPS cases rerun alone on the new path: {reruns}" in paths_markdown({"old": old, "new": new})
+    assert reruns == 0 and not any("refusal" in c["result"]["reason"] for c in raw)
+    stale = [c for c in raw if c["strategy"] == "stale"]
+    assert len(stale) == 24 and all("after memcheck's first complete finding" in c["reason"] for c in stale)
     waited = [r.phases["start_s"] for _, r in new.results if r.phases]
     assert max(waited) > 1 and min(waited) < 0.1  # the first ones waited for their imports, later ones found them done
 
 
 def test_recorded_served_path_shows_the_first_verdict_within_3_s():
     """results/h200-executors-served: three paths in one command; results/h200-default-served and -cold: the first
-    positive control counted from the command's start, with and without a repro server running."""
-    runs = {p: load_json(RESULTS / "h200-executors-served" / p / "results.json") for p in ("old", "new", "served")}
-    verdicts = {p: [(s.case_id, r.verdict) for s, r in run.results] for p, run in runs.items()}
-    assert verdicts["old"] == verdicts["new"] == verdicts["served"]
+    positive control counted from the command's start, with and without a repro server running. The paths' diffs
+    against the raw rows; failures() against the raw ok flags; the first positive case is a positive control that
+    showed kernel evidence in the raw rows."""
+    from repro.benchmark import paths_markdown
+
+    files = {p: RESULTS / "h200-executors-served" / p / "results.json" for p in ("old", "new", "served")}
+    runs = {p: load_json(f) for p, f in files.items()}
+    raw = {p: {c["case"]: c["result"]["verdict"] for c in _raw(f)} for p, f in files.items()}
+    md = paths_markdown(runs)
+    for p, diff in (("new", "Verdict diff:"), ("served", "Verdict diff, old -> served:")):
+        n = sum(raw["old"][k] != raw[p].get(k) for k in raw["old"])
+        assert f"{diff} {n} case(s)" in md and n == 0
     assert runs["served"].first_positive_s < 3 < runs["new"].first_positive_s < runs["old"].first_positive_s
     assert runs["served"].wall_s < runs["new"].wall_s < 30
+    for p in ("served", "cold"):
+        f = RESULTS / f"h200-default-{p}" / "results.json"
+        run, rows = load_json(f), {c["case"]: c for c in _raw(f)}
+        assert len(run.failures()) == sum(not c["ok"] for c in rows.values()) == 0
+        first = rows[run.first_positive_case]
+        assert first["expected"] in POSITIVE and first["verdict"] in (OOB, CRASH, LAUNCH_FAIL, HANG, WRONG)
     served, cold = (load_json(RESULTS / f"h200-default-{p}" / "results.json") for p in ("served", "cold"))
     assert served.first_positive_s + served.setup_s < 3 < cold.first_positive_s + cold.setup_s
-    assert served.failures() == cold.failures() == []
 
 
 def test_recorded_memcheck_batches_needed_reruns():
-    """Why cases that may fault are not batched under MPS (repro.mps_cases): memcheck cases in batches of 12."""
-    run = load_json(RESULTS / "h200-memcheck-batched" / "new" / "results.json")
-    reruns = [r for s, r in run.results if "rerun alone" in r.reason]
-    assert len(reruns) == 11 and all("in a batch of 12 MPS clients" in r.reason for r in reruns)
-    assert run.failures() == []
+    """Why cases that may fault are not batched under MPS (repro.mps_cases): memcheck cases in batches of 12. The
+    cases the paths table lists as rerun alone are those whose raw reason says so."""
+    from repro.benchmark import paths_markdown
+
+    path = RESULTS / "h200-memcheck-batched" / "new" / "results.json"
+    raw = _raw(path)
+    rerun = [c["case"] for c in raw if "rerun alone" in c["result"]["reason"]]
+    run = load_json(path)
+    md = paths_markdown({"old": run, "new": run})
+    listed = md.split("MPS cases rerun alone on the new path: ", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert listed[0] == str(len(rerun)) == "11" and listed[1:] == [f"- {c}" for c in rerun]
+    assert all("in a batch of 12 MPS clients" in raw_c["result"]["reason"] for raw_c in raw if raw_c["case"] in rerun)
+    assert len(run.failures()) == sum(not c["ok"] for c in raw) == 0
 
 
-def test_matrix_gate_uses_the_one_gate_rule():
+def test_matrix_gate_uses_the_one_gate_rule(tmp_path):
     """matrix --gate on recorded runs: every control met and kernel evidence -> passes; audit controls met by the
-    audit alone pass one by one, but a run with no kernel evidence at all fails with the one line pytest --gate uses."""
-    from repro.report import gate_failures
+    audit alone pass one by one, but a mode with no kernel evidence at all fails with the one line pytest --gate uses.
+    The positive controls per mode the decision counts, against counts made here from the raw rows."""
+    from repro.report import gate_decision, gate_failures
 
-    assert gate_failures(load_json(RESULTS / "h200-executors" / "new" / "results.json")) == []
-    audit_only = load_json(RESULTS / "h200-spec-graph-nopoison" / "results.json")
+    path = RESULTS / "h200-executors" / "new" / "results.json"
+    raw = _raw(path)
+
+    def mode(c: dict) -> str:
+        return "memcheck" if c["sanitizer"] else c["mode"]
+
+    evidence = (OOB, CRASH, LAUNCH_FAIL, HANG, WRONG)
+    want = {}
+    for c in raw:
+        if c["expected"] in POSITIVE:
+            pos, ev = want.get(mode(c), (0, 0))
+            want[mode(c)] = (pos + 1, ev + (c["result"]["verdict"] in evidence))
+    d = gate_decision(load_json(path))
+    assert d.evidence == want and d.failures == [] and d.ran == len(raw)
+    audit_path = RESULTS / "h200-spec-graph-nopoison" / "results.json"
+    audit_only = load_json(audit_path)
     assert {r.verdict for _, r in audit_only.results} == {STALE_AUDIT, CLEAN}
-    why = gate_failures(audit_only)  # each mode (eager, graph) needs its own kernel evidence: two lines
-    assert len(why) == 2 and all(w.startswith("GATE FAILED: mode ") for w in why)
-    assert {w.split(":")[1].strip() for w in why} == {"mode eager", "mode graph"}
-    eager_only = load_json(RESULTS / "h200-executors" / "new" / "results.json")
-    for s, r in eager_only.results:
-        if s.mode == "graph" and r.expected != "clean":
-            r.verdict, r.expected = STALE_AUDIT, "audit"  # graph controls met one by one by the audit alone
-    assert gate_failures(eager_only) == [
-        "GATE FAILED: mode graph: none of its 12 positive control(s) produced kernel evidence: this environment "
-        "cannot show that this mode sees the bug"
+    why = gate_failures(audit_only)  # each mode (eager, graph) needs its own kernel evidence: one line each
+    modes = sorted({mode(c) for c in _raw(audit_path) if c["expected"] in POSITIVE})
+    assert sorted(w.split(":")[1].strip() for w in why) == [f"mode {m}" for m in modes] == ["mode eager", "mode graph"]
+    graph_positive = sum(1 for c in raw if mode(c) == "graph" and c["expected"] != "clean")
+
+    def audit_alone(c: dict) -> None:  # graph controls met one by one by the audit alone
+        if mode(c) == "graph" and c["expected"] != "clean":
+            _set_verdict(c, STALE_AUDIT)
+            c["expected"] = c["result"]["expected"] = "audit"
+
+    assert gate_failures(_changed(path, tmp_path, audit_alone)) == [
+        f"GATE FAILED: mode graph: none of its {graph_positive} positive control(s) produced kernel evidence: this "
+        "environment cannot show that this mode sees the bug"
     ]
-    run = load_json(RESULTS / "h200-executors" / "new" / "results.json")
-    run.results[0][1].verdict = "skip"
-    run.results[-1][1].verdict = CRASH  # a fresh case that faulted
-    why = gate_failures(run)
-    assert len(why) == 2 and "skip: the gate has no evidence" in why[0] and "negative control came back crash" in why[1]
+    first, last = raw[0]["case"], raw[-1]["case"]
+    assert raw[-1]["expected"] == "clean" and raw[0]["expected"] in POSITIVE
+
+    def skip_and_crash(c: dict) -> None:
+        if c["case"] == first:
+            _set_verdict(c, "skip")
+        elif c["case"] == last:
+            _set_verdict(c, CRASH)  # a fresh case that faulted
+
+    why = gate_failures(_changed(path, tmp_path, skip_and_crash))
+    assert why == [
+        f"{first}: skip: the gate has no evidence from this control: {raw[0]['result']['reason'][:160]}",
+        f"{last}: negative control came back crash: {raw[-1]['result']['reason'][:160]}",
+    ]
 
 
 @pytest.mark.parametrize("name", ["h200-executors", "h200-memcheck-executors"])
