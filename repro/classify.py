@@ -1,5 +1,7 @@
-"""How a case process's output becomes a verdict (the taxonomy: repro.verdicts): its tagged lines (repro.tags), its
-exit status, the clock and compute-sanitizer's findings, read once into a CaseResult with its evidence."""
+"""How a case process's output becomes a verdict (the taxonomy: repro.verdicts): its records (the structured channel,
+repro.channel), its exit status, the clock and compute-sanitizer's findings, read once into a CaseResult with its
+evidence. Later steps (the vLLM gate's reference comparison, attribution rerun, coverage check) never edit that record:
+they make a new one that says what changed it (repro.case.revise)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import json
 import re
 
 from repro.case import CaseResult
+from repro.channel import Channel
 from repro.sanitizer import parse_log
 from repro.tags import DEVICE_TAG, PASS_TAG, RESULT_TAG, SKIP_TAG
 from repro.verdicts import CLEAN, CRASH, ERROR, EVIDENCE, HANG, LAUNCH_FAIL, OOB, SKIP, STALE_AUDIT, WRONG
@@ -64,10 +67,22 @@ def refused(res: CaseResult) -> bool:
     return res.verdict == ERROR and res.reason.startswith(REFUSED)
 
 
-def classify(spec, output: str, returncode: int | None, timed_out: bool, sanitizer_log: str | None, wall_s: float):
-    """Turn what a case process left behind into a verdict with its evidence. Pure: the CPU tier tests it on
-    recorded outputs. `spec` needs case_id, timeout_s and to_json() (CaseSpec, the vLLM gate's GateCase)."""
-    passes, results, skips = tagged(output, PASS_TAG), tagged(output, RESULT_TAG), tagged(output, SKIP_TAG)
+def classify(
+    spec,
+    output: str,
+    returncode: int | None,
+    timed_out: bool,
+    sanitizer_log: str | None,
+    wall_s: float,
+    channel: Channel | None = None,
+):
+    """Turn what a case process left behind into a verdict with its evidence, once: its records (the structured
+    channel, repro.channel; for a log recorded before the channel, the tagged lines of its output), its exit, the
+    clock and memcheck's findings. The free-form output is read for one thing only: the line a fault or a failed
+    launch was reported on (and the kernel that line names). Pure: the CPU tier tests it on recorded outputs.
+    `spec` needs case_id, timeout_s and to_json() (CaseSpec, the vLLM gate's GateCase)."""
+    ch = channel if channel is not None else Channel.from_output(output)
+    passes, results, skips = ch.of(PASS_TAG), ch.of(RESULT_TAG), ch.of(SKIP_TAG)
     last = passes[-1]["descriptor"] if passes else None
     findings = parse_log(sanitizer_log).findings if sanitizer_log else []
     tail = "\n".join(output.strip().splitlines()[-15:])
@@ -89,7 +104,7 @@ def classify(spec, output: str, returncode: int | None, timed_out: bool, sanitiz
             for k, v in p.get("stale_fields", {}).items():
                 res.stale_fields[k] = res.stale_fields.get(k, 0) + v
             res.first_diffs += [f"{p['descriptor']}: {x}" for x in p.get("first_diffs", [])][: 3 - len(res.first_diffs)]
-    devices = tagged(output, DEVICE_TAG)
+    devices = ch.of(DEVICE_TAG)
     if devices:
         res.gpu_uuid = devices[-1].get("gpu_uuid")
         if res.phases is None:  # no result line (a crash, a hang): the start-up phases the process reported
@@ -143,6 +158,8 @@ def classify(spec, output: str, returncode: int | None, timed_out: bool, sanitiz
         return done(STALE_AUDIT, reason, "", res.first_diffs[0].split(":")[0] if res.first_diffs else None)
     if returncode not in (0, None):
         return done(ERROR, f"result printed but exit status {returncode}", "")
+    if ch.problems:  # a record that could not be read: the result cannot be trusted to be whole
+        return done(ERROR, "; ".join(ch.errors())[:300], "")
     summary = r.get("summary") or (
         f"{r.get('passes')} passes, max |out - reference| = {r.get('max_abs_err', 0):.3g}"
         + (f" (tolerance {res.tolerance:.3g})" if res.tolerance else "")

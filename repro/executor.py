@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from repro.channel import ENV as CHANNEL_ENV
 from repro.process import ProcessRun, exit_code, kill_group, run_child
 from repro.sanitizer import find_sanitizer, sanitizer_command
 
@@ -102,6 +103,7 @@ def _kill(proc) -> None:
 # allocator, the Python path, the FA3 libraries it preloaded) needs a program started for the case.
 LATE_VARS = frozenset(
     {"CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"}
+    | {CHANNEL_ENV}  # read when the case emits its first record
 )
 
 

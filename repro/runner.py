@@ -12,6 +12,9 @@ import time
 from pathlib import Path
 
 from repro.case import CaseResult, CaseSpec
+from repro.channel import ENV as CHANNEL_ENV
+from repro.channel import Channel
+from repro.channel import path_for as channel_path
 from repro.classify import classify
 from repro.descriptors import ConfigError
 from repro.executor import ForkServer, MemcheckAhead
@@ -93,10 +96,13 @@ def run_process(
     memcheck cases run under compute-sanitizer, in a process the executor started ahead (its WarmPool) where the
     environment fits, else as cmd."""
     out_path, memcheck_log = case_logs(log_dir, spec.case_id)
+    records = channel_path(out_path)  # the case's structured channel (repro.channel), beside its log
+    records.unlink(missing_ok=True)
+    env = {**env, CHANNEL_ENV: str(records)}
     if executor is not None and target is not None and not sanitizer:
         run = executor.run(target[0], target[1], env, out_path, spec.timeout_s)
         out = out_path.read_text(errors="replace") if out_path.exists() else ""
-        res = classify(spec, out, run.returncode, run.timed_out, None, run.wall_s)
+        res = classify(spec, out, run.returncode, run.timed_out, None, run.wall_s, Channel.read(records))
         return with_process_phases(res, run), out
     san_log = None
     warm = None
@@ -117,7 +123,7 @@ def run_process(
         run = supervise(cmd, env, out_path, spec.timeout_s, san_log)
     out = out_path.read_text(errors="replace")
     log_text = san_log.read_text(errors="replace") if san_log and san_log.exists() else None
-    res = classify(spec, out, run.returncode, run.timed_out, log_text, run.wall_s)
+    res = classify(spec, out, run.returncode, run.timed_out, log_text, run.wall_s, Channel.read(records))
     if run.stopped_early:
         res.reason += f" (stopped {EARLY_STOP_GRACE_S:g} s after memcheck's first complete finding)"
     return with_process_phases(res, run), out
