@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from repro.descriptors import AttnConfig, ConfigError
 from repro.scenarios import SCENARIOS, STRATEGIES, V2
@@ -151,6 +151,16 @@ class CaseResult:
     started_at: float | None = None  # when its process was started or handed the case (epoch s): a run's timeline
     spec: dict | None = None
     log_tail: str = ""
+    history: list[dict] = field(default_factory=list)  # the later steps that made this record from earlier ones
+
+    def revised(self, step: str, why: str, **changes) -> CaseResult:
+        """A new record from a later step (the vLLM gate's reference comparison, attribution rerun, coverage check),
+        saying what changed and why; this one is left as it was (classify builds the first record, once)."""
+        new = replace(self, **changes, history=list(self.history))
+        changed = {k: [getattr(self, k), v] for k, v in changes.items() if getattr(self, k) != v}
+        if changed:
+            new.history.append({"step": step, "why": why, "changed": changed})
+        return new
 
     def to_dict(self) -> dict:
         return asdict(self)

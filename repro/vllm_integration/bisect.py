@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,14 +22,58 @@ EXIT = {GOOD: 0, BAD: 1}
 UNTESTABLE_EXIT = 125
 
 
+class AbiMismatch(FileNotFoundError):
+    """The Python sources and the compiled parts of an overlay were built for different torch releases."""
+
+
+_TORCH_PIN = re.compile(r"^\s*(?:Requires-Dist:\s*)?torch\s*==\s*([\w.+]+)", re.M)
+
+
+def torch_pin(tree: str | Path) -> tuple[str | None, str]:
+    """The torch release a vLLM tree was built for, and where that was read: a checkout's requirements/cuda.txt (or
+    the older requirements-cuda.txt, or requirements/common.txt), or an installed package's vllm-*.dist-info/METADATA
+    beside it. (None, what was looked at) when none says."""
+    root = Path(tree)
+    pkg_parent = root.parent if root.name == "vllm" else root
+    candidates = [pkg_parent / "requirements" / "cuda.txt", pkg_parent / "requirements-cuda.txt"]
+    candidates += [pkg_parent / "requirements" / "common.txt"]
+    candidates += sorted(pkg_parent.glob("vllm-*.dist-info/METADATA"))
+    for f in candidates:
+        try:
+            m = _TORCH_PIN.search(f.read_text(errors="replace"))
+        except OSError:
+            continue
+        if m:
+            return m.group(1), str(f.relative_to(pkg_parent))
+    return None, "no torch pin in requirements/ or a dist-info beside the package"
+
+
+def abi_problem(checkout: str | Path, installed_pkg: str | Path) -> str | None:
+    """Why an overlay's compiled parts cannot serve its Python sources, or None. vLLM's extensions link against one
+    torch release (the wheels pin it exactly: 0.23.0, 0.25.1 and 0.26.0 all `torch==2.11.0`; 0.27 and later 2.13 or
+    2.14): sources pinned to another torch call a libtorch the .so files were not built for. A side whose pin cannot
+    be read is not refused (the gate's own cases then show whether the overlay runs)."""
+    want, where_src = torch_pin(checkout)
+    have, where_so = torch_pin(Path(installed_pkg))
+    if want and have and want != have:
+        return (
+            f"ABI mismatch: the sources pin torch {want} ({where_src}), the compiled parts were built for torch {have} "
+            f"({where_so}); overlay them on a build of the same torch release"
+        )
+    return None
+
+
 def build_overlay(checkout: str | Path, installed_pkg: str | Path, dest: str | Path) -> Path:
     """A `vllm` package at dest/vllm: the checkout's Python sources, plus every compiled extension (*.so) of the
-    installed wheel at the same relative path. Put dest first on PYTHONPATH."""
+    installed wheel at the same relative path. Put dest first on PYTHONPATH. Refused (AbiMismatch) when the two sides
+    pin different torch releases (abi_problem)."""
     src, inst, dest = Path(checkout) / "vllm", Path(installed_pkg), Path(dest)
     if not src.is_dir():
         raise FileNotFoundError(f"{checkout}: no vllm/ package")
     if not inst.is_dir():
         raise FileNotFoundError(f"{installed_pkg}: not an installed vllm package folder")
+    if why := abi_problem(checkout, inst):
+        raise AbiMismatch(why)
     out = dest / "vllm"
     shutil.copytree(src, out, ignore=shutil.ignore_patterns("*.so", "__pycache__"), dirs_exist_ok=True)
     n = 0

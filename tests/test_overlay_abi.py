@@ -1,0 +1,77 @@
+"""An overlay (one release's Python sources over another build's compiled parts) is refused when the two sides were
+built for different torch releases; the pins are read where vLLM writes them."""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from repro.vllm_integration.bisect import UNTESTABLE_EXIT, AbiMismatch, abi_problem, build_overlay, step, torch_pin
+
+
+def _checkout(root: Path, torch: str | None, layout: str = "requirements/cuda.txt") -> Path:
+    (root / "vllm").mkdir(parents=True)
+    (root / "vllm" / "__init__.py").write_text("__version__ = 'x'\n")
+    if torch:
+        (root / layout).parent.mkdir(parents=True, exist_ok=True)
+        (root / layout).write_text(f"-r common.txt\nnumba == 0.61.2\ntorch=={torch}\ntorchaudio=={torch}\n")
+    return root
+
+
+def _installed(site: Path, torch: str | None) -> Path:
+    pkg = site / "vllm"
+    (pkg / "vllm_flash_attn").mkdir(parents=True)
+    (pkg / "_C.abi3.so").write_bytes(b"\x7fELF")
+    if torch:
+        info = site / "vllm-0.26.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.4\nName: vllm\nVersion: 0.26.0\nRequires-Dist: torch=={torch}\n"
+        )
+    return pkg
+
+
+def test_pins_are_read_from_a_checkout_and_an_installed_package(tmp_path):
+    assert torch_pin(_checkout(tmp_path / "co", "2.13.0"))[0] == "2.13.0"
+    assert torch_pin(_checkout(tmp_path / "old", "2.5.1", "requirements-cuda.txt"))[0] == "2.5.1"
+    assert torch_pin(_installed(tmp_path / "site", "2.11.0")) == ("2.11.0", "vllm-0.26.0.dist-info/METADATA")
+    assert torch_pin(tmp_path / "nothing")[0] is None
+
+
+def test_an_overlay_across_torch_releases_is_refused(tmp_path):
+    co = _checkout(tmp_path / "co", "2.13.0")
+    inst = _installed(tmp_path / "site", "2.11.0")
+    why = abi_problem(co, inst)
+    assert why and "torch 2.13.0" in why and "torch 2.11.0" in why
+    with pytest.raises(AbiMismatch, match="ABI mismatch"):
+        build_overlay(co, inst, tmp_path / "ov")
+    assert not (tmp_path / "ov" / "vllm").exists()
+
+
+def test_same_torch_or_an_unknown_pin_is_overlaid(tmp_path):
+    inst = _installed(tmp_path / "site", "2.11.0")
+    assert build_overlay(_checkout(tmp_path / "co", "2.11.0"), inst, tmp_path / "ov").is_dir()
+    assert abi_problem(_checkout(tmp_path / "nopin", None), inst) is None
+
+
+def test_a_bisect_step_on_a_mismatched_commit_is_untestable(tmp_path, capsys):
+    co = _checkout(tmp_path / "co", "2.14.0")
+    inst = _installed(tmp_path / "site", "2.11.0")
+    assert step(str(co), "gate", ["true"], str(inst)) == UNTESTABLE_EXIT
+    assert "ABI mismatch" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not os.environ.get("REPRO_VLLM_WHEELS"), reason="REPRO_VLLM_WHEELS names no folder of vLLM wheels")
+def test_release_wheels_pin_the_torch_the_h200_has(tmp_path):
+    """0.23.0, 0.25.1 and 0.26.0 (the releases run on the H200) all pin torch 2.11.0: their overlays are allowed."""
+    pins = {}
+    for whl in sorted(Path(os.environ["REPRO_VLLM_WHEELS"]).glob("vllm-*.whl")):
+        with zipfile.ZipFile(whl) as z:
+            meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+            (tmp_path / whl.name / Path(meta).parent).mkdir(parents=True)
+            (tmp_path / whl.name / meta).write_bytes(z.read(meta))
+        pins[whl.name.split("-")[1]] = torch_pin(tmp_path / whl.name)[0]
+    assert pins and set(pins.values()) == {"2.11.0"}, pins
