@@ -12,7 +12,7 @@ import time
 from repro.backends.base import BackendUnavailable
 from repro.case import CaseSpec
 from repro.channel import emit
-from repro.smcontrol import Unavailable
+from repro.smcontrol import Unavailable, mps_sm_mismatch
 from repro.tags import DEVICE_TAG, PASS_TAG, RESULT_TAG, SKIP_TAG
 
 
@@ -24,8 +24,8 @@ def sm_setup(spec: CaseSpec, torch) -> tuple[int, int, object | None]:
         if spec.sm.sms > reported:
             raise Unavailable(f"asked for {spec.sm.sms} SMs but the device has {reported}")
         return reported, reported - spec.sm.sms, None
-    if spec.sm.kind == "mps" and reported != spec.sm.sms:  # the machine has MPS, it did not do as asked: an error
-        raise RuntimeError(f"MPS client reports {reported} SMs, expected {spec.sm.sms}")
+    if why := mps_sm_mismatch(spec.sm, reported):
+        raise RuntimeError(why)
     if spec.sm.kind == "green":
         try:
             from torch.cuda import green_contexts

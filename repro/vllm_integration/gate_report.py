@@ -10,6 +10,7 @@ from pathlib import Path
 
 from repro.policy import NO_EVIDENCE
 from repro.redact import redact
+from repro.report import header
 from repro.verdicts import FAULTS
 from repro.vllm_integration import release_range
 from repro.vllm_integration.gate_run import PASS, GateRun, expected, meets
@@ -156,9 +157,7 @@ def build_summary(run: GateRun) -> list[dict]:
 
 
 def markdown(run: GateRun, env: dict | None = None, need_control: bool = True) -> str:
-    lines = ["# vLLM gate: is this vLLM build affected by the stale-metadata capture bug?", ""]
-    if env:
-        lines += ["| environment | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in env.items()] + [""]
+    lines = header("vLLM gate: is this vLLM build affected by the stale-metadata capture bug?", env)
     verdict = run.outcome(need_control)
     lines += [
         f"**Gate: {verdict}** ({len(run.cases)} cases, {len(run.references)} references, {run.wall_s:.0f} s wall)",

@@ -34,7 +34,7 @@ from repro.descriptors import ConfigError
 from repro.poison import parse_poison
 from repro.runner import case_logs, device_sm_count, run_process
 from repro.sanitizer import sanitizer_env
-from repro.smcontrol import MpsDaemon, Unavailable
+from repro.smcontrol import MpsDaemon, Unavailable, mps_sm_mismatch
 from repro.tags import AUDIT_TAG, COUNTERS_TAG, DEVICE_TAG, ENGINE_TAG, PLUGIN_TAG, RESULT_TAG
 from repro.verdicts import CANNOT_VOUCH as NOT_VOUCHED
 from repro.verdicts import (
@@ -312,9 +312,8 @@ def annotate(res: CaseResult, case: GateCase, output: str, audit_file: Path | No
         res.verdict, res.reason = ERROR, f"{what} (case verdict would have been {res.verdict}: {res.reason})"
         return
     devices = tagged(output, DEVICE_TAG)
-    if case.mode.sm.kind == "mps" and devices and devices[-1].get("sms") != case.mode.sm.sms:
-        res.verdict = ERROR
-        res.reason = f"MPS gave this process {devices[-1].get('sms')} SMs, the case asked for {case.mode.sm.sms}"
+    if devices and (why := mps_sm_mismatch(case.mode.sm, devices[-1].get("sms"))):
+        res.verdict, res.reason = ERROR, why
         return
     if res.verdict == CLEAN and audit["stale"]:
         res.verdict = STALE_AUDIT
