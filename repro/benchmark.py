@@ -3,11 +3,17 @@ compute-sanitizer overhead per case (the same case ids with and without memcheck
 
 from __future__ import annotations
 
+import shutil
 import statistics
+import tempfile
+import time
 from pathlib import Path
 
-from repro.matrix import MatrixRun
+from repro import server
+from repro.descriptors import ConfigError
+from repro.matrix import MatrixRun, run_matrix
 from repro.report import load_json
+from repro.runner import make_executor
 
 PHASES = ("start_s", "import_s", "cuda_init_s", "work_s", "teardown_s")
 
@@ -47,7 +53,6 @@ def sanitizer_overhead(plain: MatrixRun, sanitized: MatrixRun) -> dict:
 
 def recorded_gpu_run(path: str | Path) -> MatrixRun:
     """A recorded results.json that holds GPU cases, or ConfigError saying what it holds instead."""
-    from repro.descriptors import ConfigError
 
     run = load_json(path)
     if not run.results:
@@ -97,13 +102,6 @@ def compare_executors(specs, out_dir: str | Path, jobs: int, progress=None) -> t
     control, the per-case split by phase, and the verdict diffs (must be empty). The served path gets a repro server
     of its own (a private socket), started before its clock starts, as `repro serve` is once for many commands; how
     long that took is said apart. Returns (Markdown, runs by path); each path's logs go to out_dir/<path>/logs."""
-    import shutil
-    import tempfile
-    import time
-
-    from repro import server
-    from repro.matrix import run_matrix
-    from repro.runner import make_executor
 
     specs = list(specs)
     runs: dict[str, MatrixRun] = {}
@@ -174,7 +172,6 @@ def paths_markdown(runs: dict[str, MatrixRun]) -> str:
 
 def paths_from_files(old: str | Path, new: str | Path) -> str:
     """paths_markdown for two recorded results.json of the same matrix: the old path's, then the new path's."""
-    from repro.descriptors import ConfigError
 
     runs = {"old": recorded_gpu_run(old), "new": recorded_gpu_run(new)}
     if sorted(s.case_id for s, _ in runs["old"].results) != sorted(s.case_id for s, _ in runs["new"].results):

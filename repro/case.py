@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 
 from repro.descriptors import AttnConfig, ConfigError
+from repro.poison import parse_poison
 from repro.scenarios import SCENARIOS, STRATEGIES, V2
 from repro.verdicts import FAULTS, SKIP  # the taxonomy lives in repro.verdicts
 
@@ -76,7 +77,6 @@ class CaseSpec:
             raise ConfigError(f"unknown mode {self.mode!r}; choose from {', '.join(MODES)}")
         if self.scenario not in SCENARIOS:
             raise ConfigError(f"unknown scenario {self.scenario!r}; choose from {', '.join(SCENARIOS)}")
-        from repro.poison import parse_poison
 
         parse_poison(self.poison)
         if self.timeout_s <= 0:

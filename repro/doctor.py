@@ -6,6 +6,8 @@ import shutil
 import subprocess
 import sys
 
+from repro import server
+from repro.environment import gpu_facts
 from repro.sanitizer import find_sanitizer
 from repro.smcontrol import Unavailable, enumerate_gpus, green_contexts_available
 
@@ -21,7 +23,6 @@ def _probe_backend(name: str) -> str:
 
 
 def doctor() -> str:
-    from repro.environment import gpu_facts
 
     lines = []
     facts = gpu_facts()
@@ -70,7 +71,6 @@ def _green_line(facts: dict) -> str:
 
 def _server_line(can_run: bool = True) -> str:
     """The repro server: whether one runs this code; recommended only where GPU cases can run."""
-    from repro import server
 
     if not can_run:
         facts, _ = server.usable()

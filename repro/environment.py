@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import platform
 import re
 import shlex
@@ -32,7 +33,6 @@ def gpu_facts() -> dict:
         "print(json.dumps(d))"
     )
     out = _cmd([sys.executable, "-c", code])
-    import json
 
     return json.loads(out.splitlines()[-1]) if out else {"torch": None, "gpu": None}
 

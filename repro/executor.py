@@ -37,6 +37,8 @@ from repro.process import ProcessRun, exit_code, kill_group, run_child
 from repro.sanitizer import find_sanitizer, sanitizer_command
 
 PRELOAD = ("torch", "repro.worker", "repro.backends.preload")
+EXECUTORS = ("process", "forkserver", "server")  # what make_executor (repro.runner) can start cases with
+DEFAULT_EXECUTOR = "forkserver"  # or the repro server, when one runs this very code (repro.runner.default_executor)
 
 
 class MemcheckAhead:

@@ -8,6 +8,7 @@ import functools
 
 from repro.case import CaseSpec
 from repro.descriptors import AttnConfig
+from repro.layout import UPSTREAM, VLLM
 from repro.policy import AUDIT, DETECTED, EXPECT_CLEAN, FAULT
 from repro.scenarios import FRESH, V2
 from repro.verdicts import OOB, WRONG
@@ -26,8 +27,7 @@ MODEL_SM_KINDS = ("full", "sm_margin", "mps")  # where the CPU model knows the S
 def _model_outcomes(
     backend: str, strategy: str, sms: int, cfg: AttnConfig, poison: str | None, sanitizer: bool
 ) -> tuple[str, ...]:
-    from repro.fa3_model.predict import predict_outcomes
-    from repro.layout import UPSTREAM, VLLM
+    from repro.fa3_model.predict import predict_outcomes  # here: the CPU model imports this module (and numpy)
 
     return predict_outcomes({"upstream": UPSTREAM, "vllm": VLLM}[backend], strategy, sms, cfg, poison, sanitizer)
 
@@ -45,7 +45,7 @@ def expectation(spec: CaseSpec) -> str:
     if not positive_control(spec):
         return EXPECT_CLEAN
     if spec.scenario == V2 and spec.sm.kind in MODEL_SM_KINDS:
-        from repro.fa3_model.predict import H200_SMS
+        from repro.fa3_model.predict import H200_SMS  # here: as above
 
         outcomes = set(
             _model_outcomes(spec.backend, spec.strategy, spec.sm.sms or H200_SMS, spec.cfg, spec.poison, spec.sanitizer)

@@ -12,6 +12,7 @@ import json
 import random
 import sys
 
+from repro.backends import load_backend
 from repro.descriptors import AttnConfig, full_decode_descriptors
 from repro.layout import effective_causal, layout_from_size
 
@@ -140,8 +141,6 @@ def random_calls(n: int, seed: int, margins: list[int]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     import torch
-
-    from repro.backends import load_backend
 
     p = argparse.ArgumentParser(prog="python -m repro.record")
     p.add_argument("out")

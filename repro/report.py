@@ -7,6 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 from repro.case import CaseResult, CaseSpec
+from repro.descriptors import ConfigError
 from repro.expectations import gate_mode
 from repro.matrix import MatrixRun, expected_of
 from repro.policy import Control, GateDecision, decide, satisfies
@@ -120,7 +121,6 @@ def write_json(run: MatrixRun, path: str | Path, env: dict | None = None) -> Non
 
 def load_json(path: str | Path) -> MatrixRun:
     """A results.json written by `matrix` (GPU run or model prediction); ConfigError, one line, when it is not one."""
-    from repro.descriptors import ConfigError
 
     try:
         doc = json.loads(Path(path).read_text())

@@ -17,7 +17,7 @@ from repro.channel import Channel
 from repro.channel import path_for as channel_path
 from repro.classify import classify
 from repro.descriptors import ConfigError
-from repro.executor import ForkServer, MemcheckAhead
+from repro.executor import EXECUTORS, ForkServer, MemcheckAhead
 from repro.process import ProcessRun, kill_group
 from repro.sanitizer import find_sanitizer, first_finding_complete, sanitizer_command, sanitizer_env
 from repro.server import server_executor
@@ -201,10 +201,6 @@ def _has_finding(path: Path) -> bool:
             return first_finding_complete(f.read(1 << 18))
     except OSError:
         return False
-
-
-EXECUTORS = ("process", "forkserver", "server")
-DEFAULT_EXECUTOR = "forkserver"  # or the repro server, when one runs this very code (default_executor)
 
 
 def make_executor(name: str, jobs: int = 4) -> MemcheckAhead | None:

@@ -282,7 +282,6 @@ print("ok", n, flush=True)
 def _run_clients(clients: list[tuple[str, str, dict[str, str]]], hold_s: float, stagger_s: float) -> dict[str, str]:
     """Start each (name, python code, environment) `stagger_s` after the previous one; the last line each printed
     ('ok <SMs seen>' for _PROBE_CLIENT) or its exit status."""
-    import time
 
     procs = {}
     for name, code, env in clients:

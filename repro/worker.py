@@ -9,10 +9,16 @@ import os
 import sys
 import time
 
+from repro.backends import load_backend
 from repro.backends.base import BackendUnavailable
+from repro.builder import MetadataBuilder
 from repro.case import CaseSpec
 from repro.channel import emit
+from repro.poison import parse_poison
+from repro.reference import paged_attention_reference, tolerance
+from repro.scenarios import CAPTURE, SPEC, WARMUP, passes_for
 from repro.smcontrol import Unavailable, mps_sm_mismatch
+from repro.staleness import diff_snapshots, summarize
 from repro.tags import DEVICE_TAG, PASS_TAG, RESULT_TAG, SKIP_TAG
 
 
@@ -40,20 +46,13 @@ def sm_setup(spec: CaseSpec, torch) -> tuple[int, int, object | None]:
 def run_case(spec: CaseSpec) -> dict:
     import torch
 
-    from repro.backends import load_backend
-    from repro.builder import MetadataBuilder
-    from repro.poison import parse_poison
-    from repro.reference import paged_attention_reference, tolerance
-    from repro.scenarios import CAPTURE, SPEC, WARMUP, passes_for
-    from repro.staleness import diff_snapshots, summarize
-
     torch.manual_seed(spec.seed)
     reported, margin, _green = sm_setup(spec, torch)
     backend = load_backend(spec.backend, spec.backend_path)
     cfg = spec.cfg
     poison = parse_poison(spec.poison)
     if spec.scenario == SPEC:
-        from repro.specdecode.case import run_spec_case
+        from repro.specdecode.case import run_spec_case  # imports torch (the models): spec-decode cases only
 
         res = run_spec_case(spec, backend, margin, poison, lambda ev: emit(PASS_TAG, ev))
         res.update(sms_reported=reported, sms_planned=reported - margin, backend_identity=backend.identity().to_dict())

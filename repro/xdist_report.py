@@ -10,6 +10,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from repro.descriptors import ConfigError
+
 
 def _norm(uuid: str | None) -> str | None:
     if not uuid:
@@ -32,7 +34,6 @@ class PinningReport:
 
 
 def check_junit(path: str | Path, expect_workers: int | None = None) -> PinningReport:
-    from repro.descriptors import ConfigError
 
     try:
         root = ET.parse(path).getroot()

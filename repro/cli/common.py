@@ -7,10 +7,14 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+from repro.backends import BACKENDS
 from repro.descriptors import AttnConfig, ConfigError
+from repro.poison import parse_poison
+from repro.smcontrol import Unavailable, device_sm_count
 
 DEFAULT_POISON = "int-max"
 DEFAULT_SMS = "sm_margin:16,mps:16,full"
@@ -83,7 +87,6 @@ def parse_items(text: str) -> tuple[str, ...]:
 
 
 def parse_backends(text: str) -> tuple[str, ...]:
-    from repro.backends import BACKENDS
 
     names = parse_items(text)
     for b in names:
@@ -164,7 +167,6 @@ def check_exists(backend_path: str | None) -> None:
 
 def out_dir(path: str | None, kind: str) -> Path:
     """The folder a command writes into: the one asked for (created), or a new one under the temp folder."""
-    import tempfile
 
     if path is None:
         return Path(tempfile.mkdtemp(prefix=f"repro-{kind}-"))
@@ -181,7 +183,6 @@ def out_dir(path: str | None, kind: str) -> Path:
 def check_out_dir(path: str | None, flag: str = "--out") -> None:
     """Fail before any work when the folder cannot be made or written into; leaves nothing behind (out_dir makes it
     later, once there is something to write)."""
-    import tempfile
 
     if path is None:
         return
@@ -225,16 +226,12 @@ def check_out_file(path: str | None, flag: str = "--json") -> None:
 
 def poison_arg(text: str | None) -> str | None:
     """`none` and no poison mean the same case (no suffix in its id)."""
-    from repro.poison import parse_poison
 
     p = parse_poison(text)
     return p.name if p else None
 
 
 def gpu_present() -> bool:
-    from repro.runner import device_sm_count
-    from repro.smcontrol import Unavailable
-
     try:
         device_sm_count()
     except (Unavailable, OSError, subprocess.SubprocessError, ValueError):

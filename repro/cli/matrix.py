@@ -6,7 +6,10 @@ import argparse
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
+from repro import environment, report
+from repro.benchmark import compare_executors
 from repro.case import CaseSpec
 from repro.cli.common import (
     DEFAULT_MODES,
@@ -25,9 +28,11 @@ from repro.cli.common import (
     shape_config,
 )
 from repro.descriptors import ConfigError
+from repro.executor import DEFAULT_EXECUTOR, EXECUTORS
+from repro.matrix import MatrixOptions, MatrixRun, attach_expectations, build_specs, run_matrix, text_progress
 from repro.mps_cases import DEFAULT_MPS_DAEMON, MPS_DAEMON_POLICIES
 from repro.redact import redact
-from repro.runner import DEFAULT_EXECUTOR, EXECUTORS
+from repro.runner import default_executor, device_sm_count, make_executor
 from repro.scenarios import SCENARIOS, STRATEGIES, V2
 
 
@@ -90,10 +95,8 @@ def add_parsers(sub) -> None:
 
 def _model_specs(a: argparse.Namespace, opts, specs: list[CaseSpec]) -> list[CaseSpec]:
     """The cases the CPU model predicts, or ConfigError naming the flag it cannot honour."""
-    from dataclasses import replace
 
-    from repro.fa3_model.predict import H200_SMS, model_sms
-    from repro.matrix import build_specs
+    from repro.fa3_model.predict import H200_SMS, model_sms  # the CPU model (numpy): for --model only
 
     if opts.scenario != V2:
         raise ConfigError(f"the CPU model predicts --scenario {V2} only; run --scenario {opts.scenario} on a GPU")
@@ -124,7 +127,6 @@ def _model_specs(a: argparse.Namespace, opts, specs: list[CaseSpec]) -> list[Cas
 
 def _check_sms_fit(specs: list[CaseSpec]) -> None:
     """On a GPU: an SM count over the GPU's is bad input (as `run --sm` says), before any case runs."""
-    from repro.runner import device_sm_count
 
     total = device_sm_count()
     for s in specs:
@@ -133,8 +135,6 @@ def _check_sms_fit(specs: list[CaseSpec]) -> None:
 
 
 def cmd_matrix(a: argparse.Namespace) -> int:
-    from repro import environment, report
-    from repro.matrix import MatrixOptions, MatrixRun, attach_expectations, build_specs, run_matrix, text_progress
 
     if a.backend is not None and a.backend != "model":
         raise ConfigError(f"--backend takes only 'model' (use --backends for FA3 builds), got {a.backend!r}")
@@ -185,18 +185,14 @@ def cmd_matrix(a: argparse.Namespace) -> int:
     beside = ThreadPoolExecutor(max_workers=1)
     facts = beside.submit(environment.collect)
     if model:
-        from repro.fa3_model.predict import predict_specs
+        from repro.fa3_model.predict import predict_specs  # the CPU model (numpy): for --model only
 
         t0 = time.time()
         run = MatrixRun(predict_specs(specs), round(time.time() - t0, 2), None, source=report.MODEL)
         attach_expectations(run.results, {})
         title = f"{a.title} (predicted by the CPU model)"
     else:
-        from repro.runner import default_executor, make_executor
-
         if a.compare_executors:
-            from repro.benchmark import compare_executors
-
             if a.executor or a.mps_daemon:
                 raise ConfigError("--compare-executors runs both paths; leave out --executor and --mps-daemon")
             probe_s = time.time() - t_probe  # before either path: the GPU probe (the CUDA driver, in a child)

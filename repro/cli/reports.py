@@ -6,9 +6,14 @@ import argparse
 import sys
 from pathlib import Path
 
+from repro.benchmark import benchmark_markdown, paths_from_files
 from repro.cli.common import check_exists, check_out_file
 from repro.descriptors import ConfigError
-from repro.redact import redact
+from repro.doctor import doctor
+from repro.redact import redact, redact_tree
+from repro.report import MODEL, load_json
+from repro.xdist_report import check_junit
+from repro.xdist_report import markdown as junit_markdown
 
 
 def add_parsers(sub) -> None:
@@ -41,15 +46,13 @@ def add_parsers(sub) -> None:
 
 
 def cmd_doctor(a: argparse.Namespace) -> int:
-    from repro.doctor import doctor
 
     print(doctor())
     return 0
 
 
 def cmd_agree(a: argparse.Namespace) -> int:
-    from repro.fa3_model.agreement import compare, markdown
-    from repro.report import MODEL, load_json
+    from repro.fa3_model.agreement import compare, markdown  # the CPU model (numpy): for agree only
 
     for p in a.results:
         check_exists(p)
@@ -70,7 +73,6 @@ def cmd_agree(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from repro.benchmark import benchmark_markdown, paths_from_files
 
     given = [p for p in (a.plain, a.memcheck) if p]
     if bool(a.paths) == bool(given) or (given and len(given) != 2):
@@ -86,14 +88,13 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 def cmd_xdist(a: argparse.Namespace) -> int:
-    from repro.xdist_report import check_junit, markdown
 
     if a.workers is not None and a.workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {a.workers}")
     check_exists(a.junit)
     check_out_file(a.out, "--out")
     rep = check_junit(a.junit, a.workers)
-    md = markdown(rep, a.junit)
+    md = junit_markdown(rep, a.junit)
     if a.out:
         Path(a.out).write_text(redact(md))
     print(md)
@@ -101,7 +102,6 @@ def cmd_xdist(a: argparse.Namespace) -> int:
 
 
 def cmd_redact(a: argparse.Namespace) -> int:
-    from repro.redact import redact_tree
 
     for path in a.paths:
         check_exists(path)

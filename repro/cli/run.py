@@ -19,8 +19,10 @@ from repro.cli.common import (
     poison_arg,
     shape_config,
 )
-from repro.descriptors import ConfigError
+from repro.descriptors import ConfigError, descriptor_from_label
+from repro.runner import device_sm_count, run_case
 from repro.scenarios import SCENARIOS, STRATEGIES, V2
+from repro.smcontrol import Unavailable, maybe_mps
 
 
 def add_parsers(sub) -> None:
@@ -70,9 +72,6 @@ def add_parsers(sub) -> None:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    from repro.descriptors import descriptor_from_label
-    from repro.runner import run_case
-    from repro.smcontrol import Unavailable, maybe_mps
 
     check_exists(a.backend_path)
     check_out_file(a.json)
@@ -85,8 +84,6 @@ def cmd_run(a: argparse.Namespace) -> int:
         if d.num_reqs > cfg.max_batch:
             raise ConfigError(f"descriptor {label} has {d.num_reqs} requests, over the max batch {cfg.max_batch}")
     if sm.sms and gpu_present():
-        from repro.runner import device_sm_count
-
         if sm.sms > device_sm_count():
             raise ConfigError(f"impossible SM count {sm.sms}: this GPU has {device_sm_count()}")
     spec = CaseSpec(

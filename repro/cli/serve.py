@@ -8,6 +8,7 @@ import time
 
 from repro import server
 from repro.cli.common import gpu_present
+from repro.descriptors import ConfigError
 
 
 def add_parsers(sub) -> None:
@@ -30,7 +31,6 @@ def add_parsers(sub) -> None:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from repro.descriptors import ConfigError
 
     path = server.socket_path()
     if path is None:

@@ -6,12 +6,14 @@ assumption: on a GPU they hold whatever the allocation held)."""
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 
 from repro.backends.base import BackendIdentity
 from repro.builder import MetadataBuilder
-from repro.descriptors import AttnConfig
+from repro.case import CaseResult, CaseSpec, SmConfig
+from repro.descriptors import AttnConfig, ConfigError
 from repro.expectations import MODEL_SM_KINDS
 from repro.fa3_model.reads import Prediction, predict_launch
 from repro.fa3_model.scheduler import PAD, host_plan, scheduler_metadata
@@ -56,7 +58,6 @@ class ModelCase:
 
     @property
     def case_id(self) -> str:
-        from repro.case import CaseSpec, SmConfig
 
         sm = SmConfig("full") if self.sms == H200_SMS else SmConfig("sm_margin", self.sms)
         return CaseSpec(
@@ -156,7 +157,6 @@ def predict_outcomes(
 
 def model_sms(spec) -> int:
     """The SM count FA3 plans for in a case the model can predict (ConfigError for the others)."""
-    from repro.descriptors import ConfigError
 
     if spec.sm.kind not in MODEL_SM_KINDS:
         raise ConfigError(
@@ -168,9 +168,6 @@ def model_sms(spec) -> int:
 
 def predict_specs(specs) -> list:
     """[(spec, CaseResult)] for eager v2-capture cases: the same result schema as a GPU run, verdicts predicted."""
-    import json
-
-    from repro.case import CaseResult
 
     flavors = {"upstream": UPSTREAM, "vllm": VLLM}
     out = []

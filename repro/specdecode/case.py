@@ -28,7 +28,7 @@ def model_config(spec: CaseSpec) -> ModelConfig:
 def run_spec_case(spec: CaseSpec, backend: Any, margin: int, poison: Any, emit, max_new: int = 32) -> dict:
     import torch
 
-    from repro.specdecode.runner import SpecDecodeRunner, compare_runs
+    from repro.specdecode.runner import SpecDecodeRunner, compare_runs  # imports torch: in the case process only
 
     mcfg = model_config(spec)
     dev = torch.device("cuda", 0)
