@@ -64,7 +64,7 @@ def test_stale_metadata_vllm_gate(build, mode, record_property):
             _references[key] = (ref, result_line(LOG_DIR, ref_case))
         res, _ = run_attributed(case, BUILDS, LOG_DIR, mps)
     ref, ref_out = _references[key]
-    finish(case, res, result_line(LOG_DIR, case), ref, ref_out)  # the reference comparison, then what fired
+    res = finish(case, res, result_line(LOG_DIR, case), ref, ref_out)  # the reference comparison, then what fired
     for k in ("verdict", "evidence", "kernel", "descriptor", "vllm_version", "wall_s"):
         record_property(k, getattr(res, k))
     record_property("role", build.role)

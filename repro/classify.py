@@ -35,18 +35,6 @@ LAUNCH_MARKERS = (
 )
 
 
-def tagged(text: str, tag: str) -> list[dict]:
-    """The JSON objects of every `<tag> <json>` line (repro.tags)."""
-    out = []
-    for line in text.splitlines():
-        if line.startswith(tag + " "):
-            try:
-                out.append(json.loads(line[len(tag) + 1 :]))
-            except json.JSONDecodeError:
-                continue
-    return out
-
-
 def kernel_in(text: str) -> str | None:
     """combine or main, when ONE line (the faulting line, a launch check, a memcheck header) names FA3's kernel or its
     launch template; never a whole log (a log names both kernels in unrelated lines)."""

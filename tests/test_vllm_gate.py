@@ -81,11 +81,11 @@ def test_token_comparison_stops_at_ties_and_flags_decided_differences():
     assert (ok.compared, ok.ties, ok.wrong) == (6, 1, [])  # a difference at a near tie stops that request
     bad = compare_tokens([[1, 2, 3, 4], [5, 6, 0, 8]], ref, margins)
     assert bad.wrong and bad.worst_margin == 1.0 and "request 1 token 2" in bad.wrong[0]
-    res = CaseResult("c", CLEAN, "")
-    apply_reference(res, {"tokens": [[1, 2, 9, 9], [5, 0, 0, 0]]}, CaseResult("r", CLEAN, ""), {"tokens": ref})
-    assert res.verdict == WRONG
-    res = CaseResult("c", CLEAN, "")
-    apply_reference(res, {"tokens": ref}, CaseResult("r", CRASH, "boom"), None)
+    first = CaseResult("c", CLEAN, "")
+    res = apply_reference(first, {"tokens": [[1, 2, 9, 9], [5, 0, 0, 0]]}, CaseResult("r", CLEAN, ""), {"tokens": ref})
+    assert res.verdict == WRONG and first.verdict == CLEAN  # a new record; the first one stays as classify made it
+    assert res.history[-1]["step"] == "reference comparison" and res.history[-1]["changed"]["verdict"] == [CLEAN, WRONG]
+    res = apply_reference(first, {"tokens": ref}, CaseResult("r", CRASH, "boom"), None)
     assert res.verdict == ERROR and "no reference" in res.reason  # never clean without a reference
 
 
@@ -316,14 +316,13 @@ def test_an_install_error_under_the_audit_tag_is_an_error_verdict(tmp_path):
     )
     res = classify(case, out, 0, False, None, 1.0)
     assert res.verdict == CLEAN
-    annotate(res, case, out, None)
-    assert res.verdict == ERROR and "not found" in res.reason
+    res = annotate(res, case, out, None)
+    assert res.verdict == ERROR and "not found" in res.reason and res.history[-1]["step"] == "plugin"
 
 
 def test_the_kernel_comes_from_the_faulting_line_only(tmp_path):
     (build,) = parse_builds(f"x={write_fake_vllm(tmp_path / 'v', '0.25.1', 'good')}", CONTROL, "REPRO_VLLM")
     case = GateCase(build, GateMode.parse("plain"), launch_blocking=True)
     out = "loading flash_fwd_combine_launch_template.h\nCUDA error (flash_fwd_launch_template.h:9): an illegal memory access"
-    res = classify(case, out, 1, False, None, 1.0)
-    annotate(res, case, out, None)
+    res = annotate(classify(case, out, 1, False, None, 1.0), case, out, None)
     assert res.kernel == "main"  # not "combine", which an unrelated line names

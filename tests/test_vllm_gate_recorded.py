@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from repro.classify import classify, kernel_in, tagged
+from repro.channel import Channel
+from repro.classify import classify, kernel_in
 from repro.tags import RESULT_TAG
 from repro.verdicts import CLEAN, CRASH, ERROR
 from repro.vllm_integration.gate_run import GateCase, compare_tokens
@@ -20,7 +21,7 @@ ROWS = [(p.parent.name, c) for p in RECORDS for c in json.loads(p.read_text())["
 
 
 def _result(tail: str) -> dict | None:
-    found = tagged(tail, RESULT_TAG)
+    found = Channel.from_output(tail).of(RESULT_TAG)
     return found[-1] if found else None
 
 
@@ -68,7 +69,7 @@ def test_recorded_audit_counts_stale_views_on_0_25_1_only():
     for _, c in ROWS:
         if c["mode"] != "audit" or c["kind"] != "case":
             continue
-        summary = [x for x in tagged(c["result"]["log_tail"], AUDIT_TAG) if "checks" in x][-1]
+        summary = [x for x in Channel.from_output(c["result"]["log_tail"]).of(AUDIT_TAG) if "checks" in x][-1]
         assert summary["checks"] > 0
         if c["build"] == "0.25.1":
             assert summary["stale"] > 100 and c["verdict"] == CRASH

@@ -24,12 +24,12 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from repro import policy
 from repro.case import CaseResult, SmConfig
-from repro.classify import tagged
+from repro.channel import Channel
 from repro.descriptors import ConfigError
 from repro.poison import parse_poison
 from repro.runner import case_logs, device_sm_count, run_process
@@ -231,8 +231,8 @@ def run_case(
     if res.verdict == SKIP:
         res.vllm_version = case.build.version
         return res
-    annotate(res, case, out, audit_file if audit_file.exists() else None)
-    return res
+    ch = Channel.of_case(case_logs(log_dir, case.case_id)[0], out)
+    return annotate(res, case, ch, audit_file if audit_file.exists() else None)
 
 
 def run_attributed(
@@ -245,9 +245,14 @@ def run_attributed(
         return res, None
     rc = GateCase(case.build, case.mode, False, case.rep, True, case.timeout_s)
     rerun = run_case(rc, builds, log_dir, mps)
-    res.kernel = rerun.kernel if rerun.verdict == CRASH else None
-    if res.kernel:
-        res.evidence = f"fault in the {res.kernel} kernel (named by a CUDA_LAUNCH_BLOCKING=1 rerun)"
+    kernel = rerun.kernel if rerun.verdict == CRASH else None
+    if kernel:
+        res = res.revised(
+            "attribution rerun",
+            f"{rc.case_id} crashed in the {kernel} kernel's launch check",
+            kernel=kernel,
+            evidence=f"fault in the {kernel} kernel (named by a CUDA_LAUNCH_BLOCKING=1 rerun)",
+        )
     return res, (rc, rerun)
 
 
@@ -259,16 +264,15 @@ def _skipped(case: GateCase, reason: str) -> CaseResult:
     return res
 
 
-def annotate(res: CaseResult, case: GateCase, output: str, audit_file: Path | None) -> None:
-    """Gate-specific evidence on top of the shared classification: plugin, MPS SM count, audit findings, kernel, and
-    what the engine resolved and counted (res.backend_identity: {"engine": ..., "counters": ..., "acceptance": ...})."""
-    results = tagged(output, RESULT_TAG)
-    res.vllm_version = (results[-1].get("vllm_version") if results else None) or case.build.version
-    plugin = tagged(output, PLUGIN_TAG)
-    # an install error of any hook, under any of the plugin's tags, reaches the verdict
-    errors = [
-        str(p["error"]) for tag in (PLUGIN_TAG, AUDIT_TAG, COUNTERS_TAG) for p in tagged(output, tag) if "error" in p
-    ]
+def annotate(res: CaseResult, case: GateCase, output: str | Channel, audit_file: Path | None) -> CaseResult:
+    """The gate's record of a case: the shared classification completed with what the gate case process and the
+    plugin inside vLLM reported on the channel (version, engine configuration and counters in backend_identity:
+    {"engine", "counters", "acceptance"}, the auditor's stale views, the evidence line), then revised where that
+    changes the verdict (an install error of any hook under any tag, an MPS SM count other than asked, stale views
+    behind a clean run). `output`: the case's Channel, or a log's text (records written before the channel)."""
+    ch = output if isinstance(output, Channel) else Channel.from_output(output)
+    result = ch.last(RESULT_TAG) or {}
+    plugin = ch.of(PLUGIN_TAG)
     installed = {p["installed"] for p in plugin if "installed" in p}
     needed = {"weights"}
     if not case.reference:
@@ -277,51 +281,60 @@ def annotate(res: CaseResult, case: GateCase, output: str, audit_file: Path | No
         needed.add("audit")
     if (case.mode.sm.kind == "sm_margin") or (case.mode.poison and not case.reference):
         needed.add("fa3")
-    if res.verdict == CRASH and not case.launch_blocking:
-        res.kernel = None  # without CUDA_LAUNCH_BLOCKING=1 the error surfaces at any later call: not attributed
-    # with it, classify named the kernel from the first fault line only (never from the whole output)
-    engine = tagged(output, ENGINE_TAG)
-    counters = tagged(output, COUNTERS_TAG)
+    engine, counters = ch.last(ENGINE_TAG), ch.last(COUNTERS_TAG)
+    identity = res.backend_identity
     if engine or counters:
-        e = dict(engine[-1]) if engine else {}
-        res.backend_identity = {
+        e = dict(engine or {})
+        identity = {
             "engine": {k: v for k, v in e.items() if k not in ("counters", "acceptance")},
-            "counters": e.get("counters") or (counters[-1] if counters else {}),
+            "counters": e.get("counters") or counters or {},
             "acceptance": e.get("acceptance"),
         }
-    audit = _audit_evidence(output, audit_file)
-    if audit["stale"]:
-        res.stale_fields = audit["fields"]
-        res.first_diffs = audit["first"]
+    audit = _audit_evidence(ch, audit_file)
+    # without CUDA_LAUNCH_BLOCKING=1 a crash surfaces at any later call: not attributed (with it, classify named the
+    # kernel from the first fault line only)
+    kernel = None if res.verdict == CRASH and not case.launch_blocking else res.kernel
     evidence = []
     if res.verdict in KERNEL_EVIDENCE:
-        evidence.append(res.evidence + (f", {res.kernel} kernel" if res.kernel else ""))
+        evidence.append(res.evidence + (f", {kernel} kernel" if kernel else ""))
     if case.mode.sanitizer and res.verdict not in (OOB, SKIP):
         evidence.append("memcheck: no finding")
     if case.mode.audit and not case.reference:
         evidence.append(f"audit: {audit['stale']} stale fields in {audit['checks']} checks")
-    res.evidence = "; ".join(evidence) or None
-    missing = needed - installed
+    res = replace(
+        res,
+        vllm_version=result.get("vllm_version") or case.build.version,
+        kernel=kernel,
+        backend_identity=identity,
+        stale_fields=audit["fields"] if audit["stale"] else res.stale_fields,
+        first_diffs=audit["first"] if audit["stale"] else res.first_diffs,
+        evidence="; ".join(evidence) or None,
+    )
     if res.verdict == SKIP:
-        return
-    if errors or (missing and (results or plugin)):
+        return res
+    errors = ch.errors()  # an install error of any hook, under any tag, reaches the verdict
+    missing = needed - installed
+    if errors or (missing and (result or plugin)):
         what = "; ".join(errors) or (
             f"plugin features {sorted(missing)} not installed: vLLM did not load the repro plugin through its entry "
             "point (python -m pip install -e <this project> in the environment that runs vLLM)"
         )
-        res.verdict, res.reason = ERROR, f"{what} (case verdict would have been {res.verdict}: {res.reason})"
-        return
-    devices = tagged(output, DEVICE_TAG)
+        why = f"{what} (case verdict would have been {res.verdict}: {res.reason})"
+        return res.revised("plugin", "a hook reported an error or was not installed", verdict=ERROR, reason=why)
+    devices = ch.of(DEVICE_TAG)
     if devices and (why := mps_sm_mismatch(case.mode.sm, devices[-1].get("sms"))):
-        res.verdict, res.reason = ERROR, why
-        return
+        return res.revised("MPS SM count", why, verdict=ERROR, reason=why)
     if res.verdict == CLEAN and audit["stale"]:
-        res.verdict = STALE_AUDIT
-        res.reason = f"no fault this run, but the auditor caught stale views: {audit['first'][0]}"
-        res.descriptor = audit["descriptor"]
-    elif audit["stale"] and res.verdict in (CRASH, HANG):
-        res.reason += f"; the auditor caught stale views before it: {audit['first'][0]}"
-        res.descriptor = res.descriptor or audit["descriptor"]
+        why = f"no fault this run, but the auditor caught stale views: {audit['first'][0]}"
+        return res.revised("audit", why, verdict=STALE_AUDIT, reason=why, descriptor=audit["descriptor"])
+    if audit["stale"] and res.verdict in (CRASH, HANG):
+        return res.revised(
+            "audit",
+            "the auditor saw stale views before the fault",
+            reason=res.reason + f"; the auditor caught stale views before it: {audit['first'][0]}",
+            descriptor=res.descriptor or audit["descriptor"],
+        )
+    return res
 
 
 FULL_MODES = ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
@@ -376,25 +389,25 @@ def not_fired(case: GateCase, identity: dict | None) -> list[str]:
     return out
 
 
-def vouch(case: GateCase, res: CaseResult) -> None:
-    """A case that would be clean or stale-audit, but whose feature did not fire, is cannot-vouch with the reason;
-    a crash, a hang or wrong tokens stay evidence."""
+def vouch(case: GateCase, res: CaseResult) -> CaseResult:
+    """A case that would be clean or stale-audit, but whose feature did not fire, becomes cannot-vouch with the
+    reason (a new record); a crash, a hang or wrong tokens stay evidence."""
     if case.reference or res.verdict not in (CLEAN, STALE_AUDIT):
-        return
+        return res
     missing = not_fired(case, res.backend_identity)
-    if missing:
-        res.reason = f"{'; '.join(missing)} (case verdict would have been {res.verdict}: {res.reason[:200]})"
-        res.verdict = NOT_VOUCHED
+    if not missing:
+        return res
+    reason = f"{'; '.join(missing)} (case verdict would have been {res.verdict}: {res.reason[:200]})"
+    return res.revised("coverage", "; ".join(missing), verdict=NOT_VOUCHED, reason=reason)
 
 
-def finish(case: GateCase, res: CaseResult, out: dict | None, ref: CaseResult, ref_out: dict | None) -> None:
-    """Judge a finished case: its reference comparison, then what fired (vouch)."""
-    apply_reference(res, out, ref, ref_out)
-    vouch(case, res)
+def finish(case: GateCase, res: CaseResult, out: dict | None, ref: CaseResult, ref_out: dict | None) -> CaseResult:
+    """Judge a finished case: its reference comparison, then what fired (vouch); each a new record."""
+    return vouch(case, apply_reference(res, out, ref, ref_out))
 
 
-def _audit_evidence(output: str, audit_file: Path | None) -> dict:
-    lines = tagged(output, AUDIT_TAG)
+def _audit_evidence(ch: Channel, audit_file: Path | None) -> dict:
+    lines = ch.of(AUDIT_TAG)
     stale = [x["stale"] for x in lines if "stale" in x and isinstance(x["stale"], dict)]
     checks = 0
     if audit_file is not None:
@@ -470,23 +483,25 @@ def compare_tokens(
     return c
 
 
-def apply_reference(res: CaseResult, out: dict | None, ref: CaseResult, ref_out: dict | None) -> None:
-    """Turn a finished speculative case into wrong-output, or refuse to vouch for it, from its reference.
-    out, ref_out: the RESULT lines of the two processes (result_line)."""
+def apply_reference(res: CaseResult, out: dict | None, ref: CaseResult, ref_out: dict | None) -> CaseResult:
+    """A finished speculative case judged against its reference (a new record): wrong-output where the greedy tokens
+    differ where the reference was decided, error without a reference or with too many near ties.
+    out, ref_out: the RESULT records of the two processes (result_line)."""
     if res.verdict not in (CLEAN, STALE_AUDIT):
-        return
+        return res
+    step = "reference comparison"
     if ref.verdict != CLEAN or not ref_out or not out:
-        res.verdict = ERROR
-        res.reason = f"no reference to compare with ({ref.case_id}: {ref.verdict}: {ref.reason[:200]})"
-        return
+        why = f"no reference to compare with ({ref.case_id}: {ref.verdict}: {ref.reason[:200]})"
+        return res.revised(step, why, verdict=ERROR, reason=why)
     chk = compare_tokens(out["tokens"], ref_out["tokens"], ref_out.get("margins"))
-    res.evidence = "; ".join(x for x in (res.evidence, chk.describe()) if x)
+    evidence = "; ".join(x for x in (res.evidence, chk.describe()) if x)
     if chk.wrong:
-        res.verdict, res.max_abs_err = WRONG, chk.worst_margin
-        res.reason = f"greedy tokens differ from the reference where it was decided: {chk.wrong[0]}"
-    elif chk.coverage < MIN_COVERAGE and res.verdict == CLEAN:
-        res.verdict = ERROR
-        res.reason = f"the reference comparison covered {chk.compared} of {chk.total} tokens: too many near ties"
+        why = f"greedy tokens differ from the reference where it was decided: {chk.wrong[0]}"
+        return res.revised(step, why, verdict=WRONG, max_abs_err=chk.worst_margin, reason=why, evidence=evidence)
+    if chk.coverage < MIN_COVERAGE and res.verdict == CLEAN:
+        why = f"the reference comparison covered {chk.compared} of {chk.total} tokens: too many near ties"
+        return res.revised(step, why, verdict=ERROR, reason=why, evidence=evidence)
+    return res.revised(step, chk.describe(), evidence=evidence)
 
 
 def expected(case: GateCase) -> str:
@@ -633,9 +648,11 @@ def run_gate(
         list(pool.map(lambda c: one(c, None), parallel))
     mps_thread.join()
     ref_by_key = {(c.build, c.mode.sm): (c, r) for c, r in run.references}
+    judged = []
     for c, r in run.cases:
         rc, rr = ref_by_key[(c.build, c.mode.sm)]
-        finish(c, r, outputs.get(c.case_id), rr, outputs.get(rc.case_id))
+        judged.append((c, finish(c, r, outputs.get(c.case_id), rr, outputs.get(rc.case_id))))
+    run.cases = judged
     order = {c.case_id: i for i, c in enumerate(cases)}
     run.cases.sort(key=lambda cr: order[cr[0].case_id])
     run.wall_s = round(time.time() - t0, 1)
@@ -644,9 +661,5 @@ def run_gate(
 
 
 def result_line(log_dir: str | Path, case: GateCase) -> dict | None:
-    """The RESULT line a finished case process printed (tokens, margins, version, timing), or None."""
-    try:
-        found = tagged(case_logs(log_dir, case.case_id)[0].read_text(errors="replace"), RESULT_TAG)
-    except OSError:
-        return None
-    return found[-1] if found else None
+    """The RESULT record a finished case process wrote (tokens, margins, version, timing), or None."""
+    return Channel.of_case(case_logs(log_dir, case.case_id)[0]).last(RESULT_TAG)
