@@ -119,6 +119,15 @@ def write_json(run: MatrixRun, path: str | Path, env: dict | None = None) -> Non
     Path(path).write_text(redact(json.dumps(doc, indent=1, default=str)) + "\n")
 
 
+def is_vllm_gate_record(path: str | Path) -> bool:
+    """A results.json written by `repro gate` (kind vllm-gate), not by `matrix`."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and doc.get("kind") == "vllm-gate"
+
+
 def load_json(path: str | Path) -> MatrixRun:
     """A results.json written by `matrix` (GPU run or model prediction); ConfigError, one line, when it is not one."""
 

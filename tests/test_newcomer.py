@@ -333,11 +333,11 @@ REGENERATE = "python -m repro agree results/*/results.json --out results/model-a
 def test_model_agreement_summary_is_what_agree_writes_now(monkeypatch):
     from repro.fa3_model.agreement import compare, markdown
     from repro.redact import redact
-    from repro.report import MODEL, load_json
+    from repro.report import MODEL, is_vllm_gate_record, load_json
 
     monkeypatch.chdir(ROOT)  # the summary names its sources as results/...
     paths = sorted(str(p.relative_to(ROOT)) for p in RESULTS.glob("*/results.json"))
-    paths = [p for p in paths if json.loads((ROOT / p).read_text()).get("kind") != "vllm-gate"]  # real-vLLM gate runs
+    paths = [p for p in paths if not is_vllm_gate_record(ROOT / p)]  # `agree` leaves real-vLLM gate records out too
     measured = [p for p in paths if load_json(p).source != MODEL]
     assert len(measured) >= 17
     text = (RESULTS / "model-agreement.md").read_text()

@@ -11,7 +11,7 @@ from repro.cli.common import check_exists, check_out_file
 from repro.descriptors import ConfigError
 from repro.doctor import doctor
 from repro.redact import redact, redact_tree
-from repro.report import MODEL, load_json
+from repro.report import MODEL, is_vllm_gate_record, load_json
 from repro.xdist_report import check_junit
 from repro.xdist_report import markdown as junit_markdown
 
@@ -57,9 +57,13 @@ def cmd_agree(a: argparse.Namespace) -> int:
     for p in a.results:
         check_exists(p)
     check_out_file(a.out, "--out")
-    runs = {p: load_json(p) for p in a.results}  # one line, exit 2, for anything that is not a results.json
+    gate_runs = [p for p in a.results if is_vllm_gate_record(p)]
+    for p in gate_runs:
+        print(f"note: {p} is a real-vLLM gate record (no attention-layer cases): left out", file=sys.stderr)
+    given = [p for p in a.results if p not in gate_runs]
+    runs = {p: load_json(p) for p in given}  # one line, exit 2, for anything that is not a results.json
     measured = [p for p, run in runs.items() if run.source != MODEL]
-    for p in a.results:
+    for p in given:
         if p not in measured:
             print(f"note: {p} holds CPU-model predictions, not GPU verdicts: left out", file=sys.stderr)
     if not measured:
