@@ -46,6 +46,16 @@ def pytest_configure(config):
         _evidence = pytest_gate.Evidence(needed)
 
 
+def pytest_sessionstart(session):
+    """A gate run on a machine where no GPU case can run stops here with one line (before xdist starts workers),
+    instead of one error block per case."""
+    if _evidence is not None and not hasattr(session.config, "workerinput"):
+        from cases.gpu_env import gpu_skip_reason
+
+        if why := gpu_skip_reason():
+            pytest.exit(pytest_gate.no_gpu_line(why), returncode=pytest.ExitCode.TESTS_FAILED)
+
+
 def pytest_collection_modifyitems(config, items):
     from cases.gpu_env import mark_unrunnable
 

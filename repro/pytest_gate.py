@@ -47,6 +47,11 @@ def not_applicable(reason: str, needs: str, record_property) -> str:
     return NOT_APPLICABLE + reason
 
 
+def no_gpu_line(reason: str) -> str:
+    """The one line a gate run stops with where no GPU case can run (no GPU, no Hopper)."""
+    return f"GATE FAILED: no GPU case can run here ({reason}), so the gate has no evidence"
+
+
 def skipped_to_failure(item, report, needed: frozenset[str]) -> None:
     """In a gate run a skipped GPU case fails with the skip's reason, unless it is not applicable here and its feature
     is not required."""
