@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import subprocess
 import sys
 
@@ -33,8 +34,19 @@ print(json.dumps(out))
 """
 
 
+PROBE_ENV = "REPRO_GPU_PROBE"  # the controller's probe, handed to the xdist workers it starts (one probe a run)
+
+
 @functools.lru_cache(maxsize=1)
 def probe() -> dict:
+    if os.environ.get(PROBE_ENV):
+        return json.loads(os.environ[PROBE_ENV])
+    out = _probe()
+    os.environ[PROBE_ENV] = json.dumps(out)
+    return out
+
+
+def _probe() -> dict:
     r = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300)
     try:
         return json.loads(r.stdout.strip().splitlines()[-1])
