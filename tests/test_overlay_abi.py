@@ -57,11 +57,14 @@ def test_same_torch_or_an_unknown_pin_is_overlaid(tmp_path):
     assert abi_problem(_checkout(tmp_path / "nopin", None), inst) is None
 
 
-def test_a_bisect_step_on_a_mismatched_commit_is_untestable(tmp_path, capsys):
+def test_a_bisect_step_on_a_mismatched_commit_is_untestable(tmp_path, capsys, monkeypatch):
     co = _checkout(tmp_path / "co", "2.14.0")
     inst = _installed(tmp_path / "site", "2.11.0")
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
     assert step(str(co), "gate", ["true"], str(inst)) == UNTESTABLE_EXIT
     assert "ABI mismatch" in capsys.readouterr().out
+    assert list((tmp_path / "tmp").iterdir()) == []  # the overlay folder it made is gone
 
 
 @pytest.mark.skipif(not os.environ.get("REPRO_VLLM_WHEELS"), reason="REPRO_VLLM_WHEELS names no folder of vLLM wheels")

@@ -142,7 +142,8 @@ def step(repo: str, check: str, gate_cmd: list[str] | None = None, overlay: str 
             tmp = tempfile.mkdtemp(prefix="repro-overlay-")
             try:
                 build_overlay(repo, overlay, tmp)
-            except FileNotFoundError as e:
+            except FileNotFoundError as e:  # AbiMismatch too
+                shutil.rmtree(tmp, ignore_errors=True)
                 print(f"[repro bisect] untestable: {e}", flush=True)
                 return UNTESTABLE_EXIT
             env["PYTHONPATH"] = tmp + os.pathsep + env.get("PYTHONPATH", "")
