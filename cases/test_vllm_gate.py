@@ -1,6 +1,6 @@
 """The vLLM gate as pytest cases (markers gpu and vllm; ids contain stale_metadata): every vLLM build found (the
 installed vllm, REPRO_VLLM=LABEL=PREFIX,..., REPRO_VLLM_CONTROL=LABEL=PREFIX,...) x detection mode (REPRO_GATE_MODES,
-default audit,plain; see repro/vllm_integration/gate_run.py), each case in its own process under a timeout.
+default audit,plain; see repro/vllm_integration/gate_case.py), each case in its own process under a timeout.
 
 A build under test must come back clean and produce the greedy tokens of its own reference run (no speculative
 decoding, no CUDA graphs, same SM configuration). A control (known bad) must be detected: a fault, a hang or wrong
@@ -23,18 +23,9 @@ from repro.pytest_gate import not_applicable
 from repro.smcontrol import maybe_mps
 from repro.verdicts import SKIP
 from repro.vllm_integration.builds import CONTROL, find_builds
-from repro.vllm_integration.gate_run import (
-    DEFAULT_MODES,
-    GateCase,
-    expected,
-    finish,
-    meets,
-    parse_modes,
-    reference_for,
-    result_line,
-    run_attributed,
-    run_case,
-)
+from repro.vllm_integration.gate_case import DEFAULT_MODES, GateCase, expected, parse_modes, reference_for
+from repro.vllm_integration.gate_judge import finish, meets
+from repro.vllm_integration.gate_run import result_line, run_attributed, run_case
 
 BUILDS = find_builds()
 MODES = parse_modes(os.environ.get("REPRO_GATE_MODES", ",".join(DEFAULT_MODES)))

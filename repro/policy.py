@@ -2,7 +2,7 @@
 which evidence meets it, which modes gate, and what a gate run needs from its controls.
 
 Expectations (stored in each result before its case runs; repro.expectations computes them for attention-layer
-cases, repro.vllm_integration.gate_run for vLLM builds):
+cases, repro.vllm_integration.gate_case for vLLM builds):
 
 | expectation | met by | used for |
 |---|---|---|

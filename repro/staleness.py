@@ -1,10 +1,48 @@
-"""Stale-view diff: which fields a metadata view shows differ from a fresh build of the batch being launched."""
+"""Stale-view diff: which fields a metadata view shows differ from a fresh build of the batch being launched; and the
+one way every stale entry is named and counted (the attention-layer cases here, the freshness auditor inside vLLM
+(repro.vllm_integration.audit) and the gate's summary of it (repro.vllm_integration.gate_judge)).
+
+Imports nothing at run time beyond the standard library: the auditor inside vLLM uses it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-from repro.builder import AttnMetadata
+if TYPE_CHECKING:  # a type only: keeps this module importable with nothing of repro's run-time stack
+    from repro.builder import AttnMetadata
+
+
+def field_key(buffer: str, field: str) -> str:
+    """The name stale entries are counted under: `buffer.field` for a decoded field of a buffer (the vectors of
+    scheduler_metadata), the buffer's own name for a plain buffer (its field is the buffer)."""
+    return buffer if field == buffer else f"{buffer}.{field}"
+
+
+def count_fields(entries: Iterable[tuple[str, str]]) -> dict[str, int]:
+    """Stale entries per field: (buffer, field) pairs counted under field_key, in the order first seen.
+
+    What one entry is differs by caller, on purpose: diff_snapshots gives every differing entry (it has the fresh
+    build's whole contents at the launch layout), the auditor inside vLLM one entry per stale view and check (its
+    first differing index: it has only what the view's own build wrote, checked on every forward, and a layout
+    inferred from the buffer's size). So a gate record counts stale views per field, an attention-layer record
+    differing entries per field, under the same names."""
+    counts: dict[str, int] = {}
+    for buffer, field in entries:
+        key = field_key(buffer, field)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def entry_name(buffer: str, field: str, index: int) -> str:
+    """One entry of a view: `buffer.field[index]`."""
+    return f"{buffer}.{field}[{index}]"
+
+
+def stale_entry(descriptor: str, buffer: str, field: str, index: int, now: int, built: int) -> str:
+    """A stale entry the auditor found, in words: what the view shows now against what its build wrote."""
+    return f"{descriptor}: {entry_name(buffer, field, index)} is {now}, the build wrote {built}"
 
 
 @dataclass(frozen=True)
@@ -19,7 +57,7 @@ class FieldDiff:
         return asdict(self)
 
     def __str__(self) -> str:
-        return f"{self.buffer}.{self.field}[{self.index}]: {self.seen} (fresh {self.fresh})"
+        return f"{entry_name(self.buffer, self.field, self.index)}: {self.seen} (fresh {self.fresh})"
 
 
 def diff_snapshots(used: AttnMetadata, seen: dict[str, list[int]], fresh: dict[str, list[int]]) -> list[FieldDiff]:
@@ -40,8 +78,4 @@ def diff_snapshots(used: AttnMetadata, seen: dict[str, list[int]], fresh: dict[s
 
 def summarize(diffs: list[FieldDiff]) -> dict[str, int]:
     """Differing entries per field."""
-    counts: dict[str, int] = {}
-    for d in diffs:
-        key = f"{d.buffer}.{d.field}" if d.buffer == "scheduler_metadata" else d.buffer
-        counts[key] = counts.get(key, 0) + 1
-    return counts
+    return count_fields((d.buffer, d.field) for d in diffs)

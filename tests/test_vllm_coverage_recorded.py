@@ -25,7 +25,8 @@ from repro.tags import AUDIT_TAG, COUNTERS_TAG, ENGINE_TAG
 from repro.verdicts import CANNOT_VOUCH, CLEAN, CRASH
 from repro.vllm_integration import gate_report, gate_run
 from repro.vllm_integration.builds import VllmBuild
-from repro.vllm_integration.gate_run import EXIT, GateCase, parse_modes, run_gate
+from repro.vllm_integration.gate_case import GateCase, parse_modes
+from repro.vllm_integration.gate_run import EXIT, run_gate
 
 RECORD = Path(__file__).resolve().parent.parent / "results" / "h200-vllm-coverage"
 LOGS = RECORD / "logs"

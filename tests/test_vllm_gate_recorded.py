@@ -13,7 +13,8 @@ from repro.channel import Channel
 from repro.classify import classify, kernel_in
 from repro.tags import RESULT_TAG
 from repro.verdicts import CLEAN, CRASH, ERROR
-from repro.vllm_integration.gate_run import GateCase, compare_tokens
+from repro.vllm_integration.gate_case import GateCase
+from repro.vllm_integration.gate_judge import compare_tokens
 from repro.vllm_integration.plugin import AUDIT_TAG
 
 RECORDS = sorted((Path(__file__).resolve().parent.parent / "results" / "h200-vllm").glob("*/results.json"))

@@ -19,8 +19,9 @@ from repro.classify import classify
 from repro.tags import TAGS
 from repro.verdicts import CLEAN, ERROR
 from repro.vllm_integration import gate_run, release_range
+from repro.vllm_integration.gate_case import GateCase, parse_modes
 from repro.vllm_integration.gate_report import build_summary
-from repro.vllm_integration.gate_run import GateCase, parse_modes, run_gate
+from repro.vllm_integration.gate_run import run_gate
 
 RECORD = Path(__file__).resolve().parent.parent / "results" / "h200-vllm-release-range"
 LOGS = RECORD / "logs"

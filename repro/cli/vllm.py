@@ -93,7 +93,8 @@ def cmd_gate(a: argparse.Namespace) -> int:
     from repro.environment import collect
     from repro.vllm_integration import gate_report
     from repro.vllm_integration.builds import CONTROL, UNDER_TEST, find_builds, parse_builds
-    from repro.vllm_integration.gate_run import EXIT, parse_modes, run_gate
+    from repro.vllm_integration.gate_case import parse_modes
+    from repro.vllm_integration.gate_run import EXIT, run_gate
 
     modes = parse_modes(a.modes)
     if a.repeat < 1 or a.jobs < 1 or a.timeout <= 0:

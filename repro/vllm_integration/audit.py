@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from repro.layout import VLLM, effective_causal, layout_from_size
+from repro.staleness import stale_entry
 
 FIELDS = ("query_start_loc", "seq_lens", "scheduler_metadata")
 
@@ -27,9 +28,8 @@ class Mismatch:
         return asdict(self)
 
     def __str__(self) -> str:
-        return (
-            f"stale attention metadata for {self.descriptor}: {self.buffer}.{self.field}[{self.index}] "
-            f"is {self.now}, the build wrote {self.built}"
+        return "stale attention metadata for " + stale_entry(
+            self.descriptor, self.buffer, self.field, self.index, self.now, self.built
         )
 
 

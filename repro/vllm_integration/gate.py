@@ -10,9 +10,9 @@ by the plugin, no tokenizer, token-id prompts), bf16, FLASH_ATTN (FA3 on Hopper)
 Prints `REPRO_DEVICE` (the GPU and the SM count this process sees), `REPRO_ENGINE` (the engine's resolved
 configuration: model runner, attention backend and FA version, cudagraph mode, speculative method and k; the plugin's
 coverage counters; acceptance counts where vLLM exposes them) and `REPRO_RESULT` (tokens; with --reference the top-2
-log-probability margin of every generated token) lines; the parent (repro.vllm_integration.gate_run) turns the
-process's output into a verdict. The plugin features (audit, sm_margin, poison, weights) come from the environment,
-loaded by vLLM through the entry point."""
+log-probability margin of every generated token) lines; the parent (repro.vllm_integration.gate_run, through
+gate_judge) turns the process's output into a verdict. The plugin features (audit, sm_margin, poison, weights) come
+from the environment, loaded by vLLM through the entry point."""
 
 from __future__ import annotations
 

@@ -13,7 +13,9 @@ from repro.redact import redact
 from repro.report import header
 from repro.verdicts import FAULTS
 from repro.vllm_integration import release_range
-from repro.vllm_integration.gate_run import PASS, GateRun, expected, meets
+from repro.vllm_integration.gate_case import expected
+from repro.vllm_integration.gate_judge import meets
+from repro.vllm_integration.gate_run import PASS, GateRun
 from repro.vllm_integration.source_check import check_tree
 
 RESULTS_KIND = "vllm-gate"

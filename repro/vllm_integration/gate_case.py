@@ -1,0 +1,191 @@
+"""What a vLLM gate case is and the environment it runs in: a vLLM build x a detection mode (x a repetition), its
+reference (the same build in the same SM configuration, no speculative decoding), the environment of its process, and
+the expectation (repro.policy) fixed before it runs.
+
+Detection modes (`--modes`, each a case parameter):
+  audit            the freshness auditor, loaded by vLLM through the plugin's entry point, full GPU
+  plain            nothing added; a crash is rerun once with CUDA_LAUNCH_BLOCKING=1 to name the kernel
+  mps:N            an MPS daemon owned by the run gives the case N SMs (the process must report N)
+  sm_margin:N      the plugin passes sm_margin = SMs - N to vLLM's get_scheduler_metadata and FA3 forward
+  poison:FILL      the plugin fills the scheduler-metadata entries FA3 never writes (repro.poison names)
+  memcheck         compute-sanitizer memcheck, caching allocator (works with torch.compile); recorded, not gating
+  memcheck:async   the same with cudaMallocAsync (what the attention-layer cases use); recorded, not gating
+
+Builds under test must be `clean` in every mode and repetition; a control build (known bad) must be detected with
+kernel evidence (fault, hang, wrong tokens) in every gating mode, or by the audit in the audit mode (`expected`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from repro import policy
+from repro.case import SmConfig
+from repro.descriptors import ConfigError
+from repro.poison import parse_poison
+from repro.sanitizer import sanitizer_env
+from repro.smcontrol import MpsDaemon, Unavailable
+from repro.vllm_integration.builds import UNDER_TEST, VllmBuild, build_pythonpath
+
+DEFAULT_MODES = ("audit", "plain")
+ALL_MODES = ("audit", "plain", "mps:16", "sm_margin:16", "poison:int-max", "memcheck")
+BASE_ENV = {
+    "VLLM_USE_V2_MODEL_RUNNER": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine in the case process: one process, one CUDA context
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",  # the V2 sampler probes FlashInfer otherwise
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "PYTHONUNBUFFERED": "1",
+    "REPRO_WEIGHTS": "margin",
+}
+
+
+@dataclass(frozen=True)
+class GateMode:
+    name: str
+    audit: bool = False
+    sm: SmConfig = field(default_factory=SmConfig)
+    poison: str | None = None
+    sanitizer: str | None = None  # None, "caching" or "async"
+
+    @property
+    def gating(self) -> bool:
+        """Memcheck is recorded, not gating: on real vLLM it misses the fault (see results/)."""
+        return self.sanitizer is None
+
+    @property
+    def label(self) -> str:
+        return self.name.replace("sm_margin:", "smmargin").replace(":", "-").replace("mps-", "mps")
+
+    @classmethod
+    def parse(cls, text: str) -> GateMode:
+        kind, _, arg = text.strip().partition(":")
+        if kind == "audit" and not arg:
+            return cls("audit", audit=True)
+        if kind == "plain" and not arg:
+            return cls("plain")
+        if kind in ("mps", "sm_margin"):
+            sm = SmConfig.parse(text.strip())
+            return cls(f"{kind}:{sm.sms}", sm=sm)
+        if kind == "poison" and arg:
+            p = parse_poison(arg)
+            if p is None:
+                raise ConfigError("poison:none is the plain mode")
+            return cls(f"poison:{p.name}", poison=p.name)
+        if kind == "memcheck" and arg in ("", "caching", "async"):
+            return cls("memcheck" + (":async" if arg == "async" else ""), sanitizer=arg or "caching")
+        raise ConfigError(
+            f"unknown gate mode {text!r}: use audit, plain, mps:N, sm_margin:N, poison:FILL, memcheck or memcheck:async"
+        )
+
+
+def parse_modes(text: str) -> tuple[GateMode, ...]:
+    modes = tuple(GateMode.parse(x) for x in text.split(",") if x.strip())
+    if not modes:
+        raise ConfigError("no gate modes given")
+    return modes
+
+
+@dataclass(frozen=True)
+class GateCase:
+    build: VllmBuild
+    mode: GateMode
+    reference: bool = False
+    rep: int = 0
+    launch_blocking: bool = False
+    timeout_s: float = 300.0
+
+    @property
+    def case_id(self) -> str:
+        what = f"reference-{self.mode.sm.label}" if self.reference else self.mode.label
+        parts = ["stale_metadata", "vllm", self.build.label, self.build.role, what]
+        if self.rep:
+            parts.append(f"rep{self.rep}")
+        if self.launch_blocking:
+            parts.append("launch-blocking")
+        return "-".join(parts)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> GateCase:
+        """The inverse of to_json (results.json keeps it as each result's spec)."""
+        mode = dict(d["mode"])
+        mode["sm"] = SmConfig(**mode["sm"])
+        return cls(**{**d, "build": VllmBuild(**d["build"]), "mode": GateMode(**mode)})
+
+
+def reference_for(case: GateCase) -> GateCase:
+    return GateCase(
+        case.build, GateMode(f"reference-{case.mode.sm.label}", sm=case.mode.sm), True, 0, False, case.timeout_s
+    )
+
+
+def case_env(
+    case: GateCase,
+    builds: list[VllmBuild],
+    audit_file: Path,
+    mps: MpsDaemon | None,
+    total_sms: Callable[[], int],
+    base: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment of one gate case process. Raises Unavailable when the machine cannot give the mode."""
+    env = dict(os.environ if base is None else base)
+    for k in (
+        "REPRO_AUDIT",
+        "REPRO_AUDIT_FILE",
+        "REPRO_PROBE",
+        "REPRO_SM_MARGIN",
+        "REPRO_POISON",
+        "CUDA_LAUNCH_BLOCKING",
+    ):
+        env.pop(k, None)
+    env.update(BASE_ENV)
+    root = str(Path(__file__).resolve().parents[2])
+    path = build_pythonpath(case.build, builds, env.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (path, root) if p)
+    # torch.compile artifacts of concurrent cases must not share one folder; inductor's own cache locks itself
+    env["VLLM_CACHE_ROOT"] = str(audit_file.parent / f"{case.case_id}.vllm-cache")
+    mode = case.mode
+    if not case.reference:
+        env["REPRO_PROBE"] = "1"  # coverage counters in every case but the references
+    if mode.audit and not case.reference:
+        env.update(REPRO_AUDIT="1", REPRO_AUDIT_FILE=str(audit_file))
+    if mode.poison and not case.reference:
+        env["REPRO_POISON"] = mode.poison
+    if mode.sm.kind == "sm_margin":
+        total = total_sms()
+        if mode.sm.sms > total:
+            raise ConfigError(f"sm_margin:{mode.sm.sms}: this GPU has {total} SMs")
+        env["REPRO_SM_MARGIN"] = str(total - mode.sm.sms)
+    elif mode.sm.kind == "mps":
+        if mps is None:
+            raise Unavailable("MPS case without an MPS daemon")
+        env.update(mps.client_env(mode.sm.sms, total_sms()))
+    elif mode.sm.kind != "full":
+        raise ConfigError(f"gate SM restriction {mode.sm.kind!r} is not supported (full, mps:N, sm_margin:N)")
+    if mode.sanitizer and not case.reference:
+        if mode.sanitizer == "async":
+            env = sanitizer_env(env)
+        else:  # torch's caching allocator: inductor's launcher fails under memcheck with cudaMallocAsync
+            env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    if case.launch_blocking:
+        env["CUDA_LAUNCH_BLOCKING"] = "1"
+    return env
+
+
+def expected(case: GateCase) -> str:
+    """The policy expectation (repro.policy) of a gate case: clean (a build under test), detected (a control: kernel
+    evidence), audit (a control in the audit mode: the auditor's stale views from the engine count too) or recorded
+    (memcheck on a control: what it finds is recorded, not required)."""
+    if case.build.role == UNDER_TEST:
+        return policy.EXPECT_CLEAN
+    if not case.mode.gating:
+        return policy.RECORDED
+    return policy.AUDIT if case.mode.audit else policy.DETECTED

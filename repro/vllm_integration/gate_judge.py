@@ -1,0 +1,263 @@
+"""How a finished gate case process becomes its record: the shared classification (repro.classify) completed with
+what the case process and the plugin inside vLLM reported (annotate), compared with the build's reference run
+(apply_reference, compare_tokens), and checked for what it exists to exercise having fired (not_fired, vouch). Each
+step returns a new record through CaseResult.revised that says what changed it; `finish` is the order they run in,
+`meets` the policy's answer for the final record."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from repro import policy
+from repro.case import CaseResult
+from repro.channel import Channel
+from repro.smcontrol import mps_sm_mismatch
+from repro.staleness import count_fields, stale_entry
+from repro.tags import AUDIT_TAG, COUNTERS_TAG, DEVICE_TAG, ENGINE_TAG, PLUGIN_TAG, RESULT_TAG
+from repro.verdicts import CANNOT_VOUCH as NOT_VOUCHED
+from repro.verdicts import CLEAN, CRASH, ERROR, HANG, KERNEL_EVIDENCE, OOB, SKIP, STALE_AUDIT, WRONG
+from repro.vllm_integration.gate_case import GateCase, expected
+
+TIE_MARGIN = 0.1  # nats: a reference token whose top-2 margin is below this is a tie, not a reference
+MIN_COVERAGE = 0.5  # a comparison that covers less than this share of the tokens cannot vouch for a build
+FULL_MODES = ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+
+
+def annotate(res: CaseResult, case: GateCase, output: str | Channel, audit_file: Path | None) -> CaseResult:
+    """The gate's record of a case: the shared classification completed with what the gate case process and the
+    plugin inside vLLM reported on the channel (version, engine configuration and counters in backend_identity:
+    {"engine", "counters", "acceptance"}, the auditor's stale views, the evidence line), then revised where that
+    changes the verdict (an install error of any hook under any tag, an MPS SM count other than asked, stale views
+    behind a clean run). `output`: the case's Channel, or a log's text (records written before the channel)."""
+    ch = output if isinstance(output, Channel) else Channel.from_output(output)
+    result = ch.last(RESULT_TAG) or {}
+    plugin = ch.of(PLUGIN_TAG)
+    installed = {p["installed"] for p in plugin if "installed" in p}
+    needed = {"weights"}
+    if not case.reference:
+        needed.add("probe")
+    if case.mode.audit and not case.reference:
+        needed.add("audit")
+    if (case.mode.sm.kind == "sm_margin") or (case.mode.poison and not case.reference):
+        needed.add("fa3")
+    engine, counters = ch.last(ENGINE_TAG), ch.last(COUNTERS_TAG)
+    identity = res.backend_identity
+    if engine or counters:
+        e = dict(engine or {})
+        identity = {
+            "engine": {k: v for k, v in e.items() if k not in ("counters", "acceptance")},
+            "counters": e.get("counters") or counters or {},
+            "acceptance": e.get("acceptance"),
+        }
+    audit = _audit_evidence(ch, audit_file)
+    # without CUDA_LAUNCH_BLOCKING=1 a crash surfaces at any later call: not attributed (with it, classify named the
+    # kernel from the first fault line only)
+    kernel = None if res.verdict == CRASH and not case.launch_blocking else res.kernel
+    evidence = []
+    if res.verdict in KERNEL_EVIDENCE:
+        evidence.append(res.evidence + (f", {kernel} kernel" if kernel else ""))
+    if case.mode.sanitizer and res.verdict not in (OOB, SKIP):
+        evidence.append("memcheck: no finding")
+    if case.mode.audit and not case.reference:
+        evidence.append(f"audit: {audit['stale']} stale fields in {audit['checks']} checks")
+    res = replace(
+        res,
+        vllm_version=result.get("vllm_version") or case.build.version,
+        kernel=kernel,
+        backend_identity=identity,
+        stale_fields=audit["fields"] if audit["stale"] else res.stale_fields,
+        first_diffs=audit["first"] if audit["stale"] else res.first_diffs,
+        evidence="; ".join(evidence) or None,
+    )
+    if res.verdict == SKIP:
+        return res
+    errors = ch.errors()  # an install error of any hook, under any tag, reaches the verdict
+    missing = needed - installed
+    if errors or (missing and (result or plugin)):
+        what = "; ".join(errors) or (
+            f"plugin features {sorted(missing)} not installed: vLLM did not load the repro plugin through its entry "
+            "point (python -m pip install -e <this project> in the environment that runs vLLM)"
+        )
+        why = f"{what} (case verdict would have been {res.verdict}: {res.reason})"
+        return res.revised("plugin", "a hook reported an error or was not installed", verdict=ERROR, reason=why)
+    devices = ch.of(DEVICE_TAG)
+    if devices and (why := mps_sm_mismatch(case.mode.sm, devices[-1].get("sms"))):
+        return res.revised("MPS SM count", why, verdict=ERROR, reason=why)
+    if res.verdict == CLEAN and audit["stale"]:
+        why = f"no fault this run, but the auditor caught stale views: {audit['first'][0]}"
+        return res.revised("audit", why, verdict=STALE_AUDIT, reason=why, descriptor=audit["descriptor"])
+    if audit["stale"] and res.verdict in (CRASH, HANG):
+        return res.revised(
+            "audit",
+            "the auditor saw stale views before the fault",
+            reason=res.reason + f"; the auditor caught stale views before it: {audit['first'][0]}",
+            descriptor=res.descriptor or audit["descriptor"],
+        )
+    return res
+
+
+def _audit_evidence(ch: Channel, audit_file: Path | None) -> dict:
+    """What the auditor reported for the case: its mismatches (the audit file, else the AUDIT records), checks, stale
+    views per field, the first three in words and the first one's descriptor."""
+    lines = ch.of(AUDIT_TAG)
+    stale = [x["stale"] for x in lines if "stale" in x and isinstance(x["stale"], dict)]
+    checks = 0
+    if audit_file is not None:
+        try:
+            report = json.loads(audit_file.read_text())
+            checks = int(report.get("checks", 0))
+            stale = report.get("mismatches", stale) or stale
+        except (OSError, ValueError):
+            pass
+    summaries = [x for x in lines if "checks" in x]
+    if summaries:
+        checks = max(checks, int(summaries[-1]["checks"]))
+    fields = count_fields((m["buffer"], m["field"]) for m in stale)  # stale views per field: see count_fields
+    first = [stale_entry(m["descriptor"], m["buffer"], m["field"], m["index"], m["now"], m["built"]) for m in stale[:3]]
+    return {
+        "stale": len(stale),
+        "checks": checks,
+        "fields": fields,
+        "first": first,
+        "descriptor": stale[0]["descriptor"] if stale else None,
+    }
+
+
+def not_fired(case: GateCase, identity: dict | None) -> list[str]:
+    """What this case exists to exercise and did not: the engine's resolved configuration (V2 runner, FLASH_ATTN with
+    FA3, FULL graphs, speculative decoding) and the mode's own counter (audit checks, sm_margin calls, poisoned
+    entries), from what the case process reported. Empty when everything fired."""
+    if case.reference:
+        return []
+    if not identity or not identity.get("engine"):
+        return ["the case process reported no engine configuration and no counters (no REPRO_ENGINE line)"]
+    e, c = identity["engine"], identity.get("counters") or {}
+    out = []
+    if not e.get("model_runner_v2"):
+        out.append(f"not the V2 model runner (runner: {e.get('model_runner') or 'none seen'})")
+    if not c.get("attention_forwards"):
+        out.append(
+            "no attention forward went through FlashAttentionImpl.forward, the hooked path (another attention "
+            f"backend, or renamed classes; requested {e.get('attention_backend_requested')})"
+        )
+    else:
+        versions = c.get("fa_versions") or {}
+        if set(versions) != {"3"}:
+            out.append(f"FlashAttention version {', '.join(sorted(versions)) or 'unknown'}, not FA3")
+    mode = e.get("cudagraph_mode")
+    if mode not in FULL_MODES:
+        out.append(f"cudagraph mode {mode}: no FULL CUDA graphs")
+    elif not sum((c.get("captures_with_attention") or {}).values()):
+        out.append(f"cudagraph mode {mode}, but no CUDA graph capture ran an attention forward (no FULL graph seen)")
+    if not e.get("speculative_method") or not e.get("num_speculative_tokens"):
+        out.append(
+            f"no speculative decoding (method {e.get('speculative_method')}, k {e.get('num_speculative_tokens')})"
+        )
+    else:
+        acc = identity.get("acceptance") or {}
+        drafts = acc.get("spec_decode_num_drafts")
+        if isinstance(drafts, (int, float)) and drafts == 0:
+            out.append("speculative decoding configured, but vLLM counted 0 drafts")
+    if case.mode.audit and not c.get("checks"):
+        out.append("the freshness auditor made 0 checks")
+    if case.mode.sm.kind == "sm_margin":
+        if not c.get("sched_sm_margin"):
+            out.append("no get_scheduler_metadata call received the injected sm_margin")
+        if not c.get("fwd_sm_margin"):
+            out.append("no FA3 forward (torch.ops._vllm_fa3_C.fwd) received the injected sm_margin")
+    if case.mode.poison and not c.get("entries_poisoned"):
+        out.append(
+            f"0 scheduler-metadata entries poisoned ({c.get('sched_calls', 0)} get_scheduler_metadata calls seen)"
+        )
+    return out
+
+
+def vouch(case: GateCase, res: CaseResult) -> CaseResult:
+    """A case that would be clean or stale-audit, but whose feature did not fire, becomes cannot-vouch with the
+    reason (a new record); a crash, a hang or wrong tokens stay evidence."""
+    if case.reference or res.verdict not in (CLEAN, STALE_AUDIT):
+        return res
+    missing = not_fired(case, res.backend_identity)
+    if not missing:
+        return res
+    reason = f"{'; '.join(missing)} (case verdict would have been {res.verdict}: {res.reason[:200]})"
+    return res.revised("coverage", "; ".join(missing), verdict=NOT_VOUCHED, reason=reason)
+
+
+@dataclass
+class TokenCheck:
+    compared: int = 0  # positions compared (up to the first tie or difference of each request)
+    total: int = 0
+    ties: int = 0  # requests whose comparison stopped at a near-tied reference token
+    wrong: list[str] = field(default_factory=list)
+    worst_margin: float | None = None  # largest reference margin among the wrong tokens (nats)
+
+    @property
+    def coverage(self) -> float:
+        return self.compared / self.total if self.total else 0.0
+
+    def describe(self) -> str:
+        s = f"tokens: {self.compared} of {self.total} compared equal to the reference"
+        if self.ties:
+            s += f", {self.ties} request(s) stopped at a near tie (< {TIE_MARGIN} nats)"
+        if self.wrong:
+            s += f"; {len(self.wrong)} differ where the reference was decided: {self.wrong[0]}"
+        return s
+
+
+def compare_tokens(
+    tokens: list[list[int]], ref_tokens: list[list[int]], ref_margins: list[list[float | None]] | None
+) -> TokenCheck:
+    """Greedy tokens of the speculative, graph-captured run against the reference. A difference where the reference's
+    top-2 log-probability margin is below TIE_MARGIN is a tie (numerics may pick either): the request stops being
+    compared there. A difference where the reference was decided is wrong output; the margin is the measured error."""
+    c = TokenCheck(total=sum(len(r) for r in ref_tokens))
+    for i, (got, want) in enumerate(zip(tokens, ref_tokens)):
+        margins = ref_margins[i] if ref_margins and i < len(ref_margins) else []
+        for j, w in enumerate(want):
+            g = got[j] if j < len(got) else None
+            if g == w:
+                c.compared += 1
+                continue
+            m = margins[j] if j < len(margins) else None
+            if m is not None and m < TIE_MARGIN:
+                c.ties += 1
+            else:
+                c.wrong.append(f"request {i} token {j}: {g}, reference {w} (reference margin {m} nats)")
+                if m is not None:
+                    c.worst_margin = max(c.worst_margin or 0.0, m)
+            break
+    return c
+
+
+def apply_reference(res: CaseResult, out: dict | None, ref: CaseResult, ref_out: dict | None) -> CaseResult:
+    """A finished speculative case judged against its reference (a new record): wrong-output where the greedy tokens
+    differ where the reference was decided, error without a reference or with too many near ties.
+    out, ref_out: the RESULT records of the two processes (result_line)."""
+    if res.verdict not in (CLEAN, STALE_AUDIT):
+        return res
+    step = "reference comparison"
+    if ref.verdict != CLEAN or not ref_out or not out:
+        why = f"no reference to compare with ({ref.case_id}: {ref.verdict}: {ref.reason[:200]})"
+        return res.revised(step, why, verdict=ERROR, reason=why)
+    chk = compare_tokens(out["tokens"], ref_out["tokens"], ref_out.get("margins"))
+    evidence = "; ".join(x for x in (res.evidence, chk.describe()) if x)
+    if chk.wrong:
+        why = f"greedy tokens differ from the reference where it was decided: {chk.wrong[0]}"
+        return res.revised(step, why, verdict=WRONG, max_abs_err=chk.worst_margin, reason=why, evidence=evidence)
+    if chk.coverage < MIN_COVERAGE and res.verdict == CLEAN:
+        why = f"the reference comparison covered {chk.compared} of {chk.total} tokens: too many near ties"
+        return res.revised(step, why, verdict=ERROR, reason=why, evidence=evidence)
+    return res.revised(step, chk.describe(), evidence=evidence)
+
+
+def finish(case: GateCase, res: CaseResult, out: dict | None, ref: CaseResult, ref_out: dict | None) -> CaseResult:
+    """Judge a finished case: its reference comparison, then what fired (vouch); each a new record."""
+    return vouch(case, apply_reference(res, out, ref, ref_out))
+
+
+def meets(case: GateCase, res: CaseResult) -> bool:
+    """Does the case meet its expectation (the one stored in the result, else computed)? repro.policy.problem."""
+    return policy.problem(res.expected or expected(case), res.verdict) is None
