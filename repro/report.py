@@ -43,7 +43,8 @@ def rows(run: MatrixRun) -> list[dict]:
                 "sanitizer": s.sanitizer,
                 "verdict": r.verdict,
                 "evidence": r.evidence or "-",
-                "kernel": r.kernel or (NOT_ATTRIBUTED if r.verdict in KERNEL_EVIDENCE else "-"),
+                # a prediction names the kernel it predicts faults, or none (predicted wrong output: no fault)
+                "kernel": r.kernel or (NOT_ATTRIBUTED if r.verdict in KERNEL_EVIDENCE and run.source != MODEL else "-"),
                 "descriptor": r.descriptor or "-",
                 "expected": exp,
                 "ok": satisfies(exp, r.verdict),
@@ -82,7 +83,7 @@ def markdown(run: MatrixRun, env: dict | None = None, title: str = "Verdicts") -
     )
     lines += [
         "",
-        "| case | verdict | evidence | kernel | descriptor | SMs planned | expected | | stale fields | s |",
+        "| case | verdict | evidence | kernel | descriptor | SMs planned | expected | met? | stale fields | s |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows(run):
@@ -91,6 +92,7 @@ def markdown(run: MatrixRun, env: dict | None = None, title: str = "Verdicts") -
             f"{row['sms_planned'] or '-'} | {row['expected']} | {MARK[row['ok']]} | "
             f"{_fields(next(r for s, r in run.results if s.case_id == row['case']))} | {row['wall_s']:.0f} |"
         )
+    lines += ["", *legend(run)]
     lines += ["", "Reasons:", ""]
     seen = set()
     for s, r in run.results:
@@ -98,6 +100,50 @@ def markdown(run: MatrixRun, env: dict | None = None, title: str = "Verdicts") -
             seen.add(s.case_id)
             lines.append(f"- `{s.case_id}`: {r.reason}")
     return redact("\n".join(lines)) + "\n"
+
+
+def legend(run: MatrixRun) -> list[str]:
+    """What the table's columns and words mean, for the rows this table has (one bullet each)."""
+    model = run.source == MODEL
+    lines = [
+        "What the columns mean:",
+        "",
+        "- **met?**: does the verdict meet the expectation fixed before the case ran (`fault`: oob, crash or "
+        "launch-failure; `detected`: any kernel evidence, wrong output included; `clean`: clean; all of them: "
+        "repro/policy.py)? ok, FAIL, or skip (the case did not run).",
+        "- **descriptor**: the batch descriptor (tokens `t`, requests `r`) of the pass where the verdict arose.",
+        "- **stale fields**: per buffer and decoded metadata field (`md.` = scheduler_metadata), the entries that "
+        "differ from a fresh build for the same descriptor, summed over the passes that ran"
+        + (" up to the predicted fault" if model else "")
+        + "; `-`: none differed.",
+    ]
+    if any(s.strategy == "fresh" for s, _ in run.results):
+        lines.append(
+            "- **fresh** rows: the fresh strategy builds metadata for every pass, so no pass runs on stale metadata "
+            "(stale fields `-`, `clean` expected); they show the harness does not fault on correct metadata."
+        )
+    if model:
+        lines.append(
+            "- Every row here is a **prediction of the CPU model**: no kernel ran. `oob` is the out-of-bounds read the "
+            "model predicts (on a GPU, `oob` is a compute-sanitizer memcheck finding; without `--sanitizer` such a "
+            "read shows as `crash`, a CUDA memory fault); `kernel` is the kernel the model predicts reads out of "
+            "bounds first (`-`: none)."
+        )
+        if any(r.kernel == "main" for _, r in run.results):
+            lines.append(
+                "- Why `main` and not the split-KV combine kernel: without `--sanitizer`, upstream's combine over-read "
+                "stays inside PyTorch's 2 MiB allocator segment and goes unseen, so the main kernel, sent out of bounds "
+                "by metadata values no batch has, faults first (with `--sanitizer` memcheck sees the combine over-read "
+                "where the launch's split count is below the combine's kMaxSplits: `combine`); vLLM's fork faults in "
+                "its main kernel first either way (measured on an H200)."
+            )
+    if any(row["kernel"] == NOT_ATTRIBUTED for row in rows(run)):
+        lines.append(
+            f"- kernel **{NOT_ATTRIBUTED}**: the evidence names no kernel. A crash's faulting line (CUDA's error "
+            "message) names none: `--sanitizer` (memcheck) or the vLLM gate's CUDA_LAUNCH_BLOCKING=1 rerun names it; "
+            "wrong output or a hang names none either."
+        )
+    return lines
 
 
 def write_json(run: MatrixRun, path: str | Path, env: dict | None = None) -> None:

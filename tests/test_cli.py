@@ -46,7 +46,7 @@ def test_doctor_without_gpu_exits_0():
 
 
 def test_matrix_dry_run_lists_default_ids(capsys):
-    assert main(["matrix", "--dry-run"]) == 0
+    assert main(["matrix", "--dry-run", "--gpu-only"]) == 0  # the GPU matrix, GPU here or not
     ids = capsys.readouterr().out.split()
     assert len(ids) == 48 and all(i.startswith("stale_metadata-") for i in ids)
     # positive controls first
@@ -63,7 +63,7 @@ def test_run_without_gpu_is_a_skip_a_script_can_test(tmp_path, capsys):
 def test_matrix_without_gpu_prints_the_models_predictions(capsys):
     assert main(["matrix", "--poison", "none", "--model-sms", "16,132", "--sanitizer"]) == 0
     out = capsys.readouterr().out
-    row = "| stale_metadata-upstream-v2-capture-stale-smmargin16-eager-splits0-h32-8x128-memcheck | **oob** | CPU model | combine |"
+    row = "| stale_metadata-upstream-v2-capture-stale-smmargin16-eager-splits0-h32-8x128-memcheck | **oob** | CPU model: out-of-bounds read predicted | combine |"
     assert out.startswith("No GPU here") and row in out
 
 

@@ -342,8 +342,15 @@ def test_model_agreement_summary_is_what_agree_writes_now(monkeypatch):
     assert len(measured) >= 17
     text = (RESULTS / "model-agreement.md").read_text()
     assert redact(markdown(compare(measured), measured)) == text, f"results/model-agreement.md is stale: {REGENERATE}"
-    numbers = re.search(r"Verdicts agree in (\d+) of (\d+) cases; the faulting kernel agrees in (\d+) of (\d+)", text)
-    quoted = "{} of {} verdicts agree; the faulting kernel agrees in {} of {} memcheck cases".format(*numbers.groups())
+    numbers = re.search(
+        r"Verdicts agree in (\d+) of (\d+) cases; the faulting kernel agrees in (\d+) of (\d+) .*? "
+        r"Descriptors agree in (\d+) of (\d+) cases",
+        text,
+    )
+    quoted = (
+        "{} of {} verdicts agree; the faulting kernel agrees in {} of {} memcheck cases; "
+        "descriptors agree in {} of {} cases where the GPU named one"
+    ).format(*numbers.groups())
     assert quoted in (RESULTS / "README.md").read_text(), f"results/README.md should say: {quoted}"
 
 
@@ -375,3 +382,86 @@ def test_xdist_summary_quotes_the_junit_suite_times():
     assert f"took {two:.1f} s against {one:.1f} s for 16 on one worker" in readme
     for n, seconds in ((1, one), (2, two)):
         assert f"Suite time {seconds:.1f} s." in (RESULTS / "h200x2-xdist" / f"xdist-n{n}.md").read_text()
+
+
+# ---- issue 20 item 6: --dry-run lists what the command would run here
+
+
+def test_dry_run_lists_exactly_what_the_run_runs_here(tmp_path):
+    dry = _repro("matrix", "--dry-run", cwd=tmp_path)
+    _no_traceback(dry)
+    assert dry.returncode == 0 and len(dry.stderr.strip().splitlines()) == 1, dry.stderr
+    ids = dry.stdout.split()
+    if "the GPU matrix" in dry.stderr:  # a GPU here: the GPU matrix is what runs
+        assert dry.stderr.startswith(f"dry run: {len(ids)} cases, the GPU matrix (kernels run") and len(ids) == 48
+        return
+    assert dry.stderr.startswith("dry run: 40 cases, the CPU model's predictions (no GPU here;"), dry.stderr
+    assert not any(tmp_path.iterdir())  # a dry run writes nothing
+    r = _repro("matrix", "--json", str(tmp_path / "m.json"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert ids == [c["case"] for c in json.loads((tmp_path / "m.json").read_text())["cases"]]
+    assert all("-eager-" in i for i in ids)  # the model predicts the eager warmups only
+    gpu = _repro("matrix", "--dry-run", "--gpu-only", cwd=tmp_path)  # the GPU matrix, listed where it cannot run
+    assert gpu.returncode == 0 and len(gpu.stdout.split()) == 48 and len(gpu.stderr.strip().splitlines()) == 1
+    assert "the GPU matrix (--gpu-only; no GPU here, so the run itself would exit 4)" in gpu.stderr
+    model = _repro("matrix", "--dry-run", "--model", "--sms", "full", cwd=tmp_path)
+    assert model.returncode == 0 and len(model.stdout.split()) == 8
+    assert model.stderr.startswith("dry run: 8 cases, the CPU model's predictions (--model;")
+    bad = _repro("matrix", "--dry-run", "--modes", "eager,graph", cwd=tmp_path)  # refused as the run refuses it
+    assert bad.returncode == 2 and "eager warmups only" in bad.stderr
+
+
+# ---- issue 20 item 9: the verdict table explains itself to a newcomer
+
+
+def test_predicted_table_names_its_columns_and_says_what_a_prediction_is(tmp_path):
+    r = _repro("matrix", "--model-sms", "16", "--json", str(tmp_path / "m.json"), cwd=tmp_path)
+    _no_traceback(r)
+    assert r.returncode == 0, r.stderr
+    header = next(ln for ln in r.stdout.splitlines() if ln.startswith("| case |"))
+    assert "| met? |" in header and "| |" not in header
+    cases = json.loads((tmp_path / "m.json").read_text())["cases"]
+    stale = [c for c in cases if c["strategy"] == "stale"]
+    fresh = [c for c in cases if c["strategy"] == "fresh"]
+    assert len(stale) == len(fresh) == 4
+    for c in stale:  # what the model knows: the entries that differ from a fresh build
+        assert c["verdict"] == "oob" and c["evidence"] == "CPU model: out-of-bounds read predicted"
+        assert c["stale_fields"] and "scheduler_metadata.num_splits_dynamic" in c["stale_fields"]
+        assert f"| {c['case']} | **oob** | CPU model: out-of-bounds read predicted |" in r.stdout
+        assert re.search(rf"\| {re.escape(c['case'])} \|.*\| ok \| [^|]*md\.num_splits_dynamic:\d+", r.stdout)
+    for c in fresh:
+        assert c["verdict"] == "clean" and c["stale_fields"] == {}
+        assert "no pass" not in c["reason"] and "fresh strategy builds metadata for every pass" in c["reason"]
+        assert c["evidence"] == "CPU model: clean run predicted"
+    legend = r.stdout.split("What the columns mean:", 1)[1].split("Reasons:", 1)[0]
+    assert "**met?**" in legend and "**stale fields**" in legend
+    assert "so no pass runs on stale metadata" in legend
+    assert "prediction of the CPU model" in legend and "compute-sanitizer memcheck finding" in legend
+    assert "Why `main` and not the split-KV combine kernel" in legend
+    assert "not attributed" not in legend  # the model names a kernel: no crash row to explain
+
+
+def test_gpu_table_says_why_a_crash_names_no_kernel():
+    from repro import report
+
+    run = report.load_json(H200_RUN)  # a GPU run without --sanitizer: its crashes name no kernel
+    md = report.markdown(run)
+    assert "| not attributed |" in md
+    legend = md.split("What the columns mean:", 1)[1].split("Reasons:", 1)[0]
+    line = next(ln for ln in legend.splitlines() if "not attributed" in ln)
+    assert "faulting line" in line and "--sanitizer" in line and "CUDA_LAUNCH_BLOCKING=1 rerun" in line
+    assert "prediction of the CPU model" not in legend
+
+
+def test_agree_reports_verdict_and_descriptor_agreement_apart():
+    from repro.fa3_model.agreement import Agreement, counts, markdown
+
+    rows = [
+        Agreement("a", "crash", None, "t48r12", "oob", "main", "t64r16", ("oob",)),  # one verdict, two passes
+        Agreement("b", "oob", "combine", "t64r16", "oob", "combine", "t64r16", ("oob",)),
+        Agreement("c", "clean", None, None, "clean", None, None, ("clean",)),  # a clean run names no pass
+    ]
+    assert counts(rows) == {"verdict": (3, 3), "descriptor": (1, 2), "kernel": (1, 1)}
+    md = markdown(rows, ["x.json"])
+    assert "Verdicts agree in 3 of 3 cases" in md and "Descriptors agree in 1 of 2 cases where the GPU named one" in md
+    assert "| a | crash | - | t48r12 | oob | oob | main | t64r16 | yes | NO | - |" in md

@@ -74,7 +74,11 @@ def add_parsers(sub) -> None:
     )
     m.add_argument("--json", help="also write the machine-readable result here")
     m.add_argument("--title", default="Stale-metadata verdicts", help="report title (default %(default)r)")
-    m.add_argument("--dry-run", action="store_true", help="list case ids only")
+    m.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="list the case ids this command would run here (the CPU model's cases without a GPU), nothing run",
+    )
     m.add_argument("--quiet", action="store_true", help="no progress lines")
     m.add_argument("--model", action="store_true", help="predict with the CPU model instead of running kernels")
     m.add_argument("--backend", help="'model': the same as --model")
@@ -161,19 +165,29 @@ def cmd_matrix(a: argparse.Namespace) -> int:
     specs = build_specs(opts)  # validates every axis, GPU or not
     model = a.model or a.backend == "model"
     t_probe = time.time()
-    if not model and not a.dry_run and not gpu_present():
-        if a.gpu_only:
+    gpu = None if model else gpu_present()  # with --model the GPU is not asked
+    if not model and not gpu:
+        if a.gpu_only and not a.dry_run:
             print("repro: cannot run here: no CUDA GPU visible (--gpu-only)", file=sys.stderr)
             return EXIT_NOT_RUN
-        model = True
+        model = not a.gpu_only  # --gpu-only --dry-run: the GPU matrix, listed where it cannot run
         banner = "No GPU here: these are the CPU model's predictions for an H200 (use --gpu-only to refuse)."
     else:
         banner = "Backend: the CPU model."
     if model:
         specs = _model_specs(a, opts, specs)
-    elif not a.dry_run:
+    elif gpu:
         _check_sms_fit(specs)
-    if a.dry_run:
+    if a.dry_run:  # exactly the cases this command would run here, and which path says so on stderr
+        if model:
+            why = "--model" if (a.model or a.backend == "model") else "no GPU here"
+            sms = "--sms" if a.sms is not None else f"--model-sms {a.model_sms}"
+            which = f"the CPU model's predictions ({why}; eager warmups only, SM counts of {sms})"
+        elif gpu:
+            which = "the GPU matrix (kernels run, each case in its own process)"
+        else:
+            which = "the GPU matrix (--gpu-only; no GPU here, so the run itself would exit 4)"
+        print(f"dry run: {len(specs)} cases, {which}", file=sys.stderr)
         for s in specs:
             print(s.case_id)
         return 0

@@ -30,6 +30,14 @@ class Agreement:
         return gpu in (self.model_outcomes or (self.model,))
 
     @property
+    def descriptor_agrees(self) -> bool | None:
+        """The pass where the verdict arose is the same (None where the GPU named none: a clean run names none).
+        Counted apart from the verdict: a crash at t48r12 and a predicted read at t64r16 are one verdict."""
+        if not self.gpu_descriptor:
+            return None
+        return self.gpu_descriptor == self.model_descriptor
+
+    @property
     def kernel_agrees(self) -> bool | None:
         if not self.gpu_kernel or self.gpu != OOB:
             return None
@@ -59,31 +67,45 @@ def compare(paths: list[str | Path]) -> list[Agreement]:
     return out
 
 
-def markdown(rows: list[Agreement], sources: list[str]) -> str:
-    v = sum(r.verdict_agrees for r in rows)
+def counts(rows: list[Agreement]) -> dict[str, tuple[int, int]]:
+    """(agreeing, compared) for verdicts (every case), descriptors (cases where the GPU named one) and kernels
+    (memcheck findings that named one): three numbers, never folded into one."""
+    d = [r.descriptor_agrees for r in rows if r.descriptor_agrees is not None]
     k = [r.kernel_agrees for r in rows if r.kernel_agrees is not None]
+    return {
+        "verdict": (sum(r.verdict_agrees for r in rows), len(rows)),
+        "descriptor": (sum(d), len(d)),
+        "kernel": (sum(k), len(k)),
+    }
+
+
+def _mark(value: bool | None) -> str:
+    return "-" if value is None else ("yes" if value else "NO")
+
+
+def markdown(rows: list[Agreement], sources: list[str]) -> str:
+    c = counts(rows)
+    (v, n), (d, dn), (k, kn) = c["verdict"], c["descriptor"], c["kernel"]
     lines = [
         "# CPU model against the H200",
         "",
         "Sources: " + ", ".join(f"`{s}`" for s in sources),
         "",
-        f"Verdicts agree in {v} of {len(rows)} cases; the faulting kernel agrees in {sum(k)} of {len(k)} "
-        "cases where memcheck named one. Padding is the recorded poison; without one it is unknown and the model "
-        f"gives every verdict it cannot rule out ({sum(len(r.model_outcomes) > 1 for r in rows)} cases with "
-        "more than one).",
+        f"Verdicts agree in {v} of {n} cases; the faulting kernel agrees in {k} of {kn} cases where memcheck named "
+        f"one. Descriptors agree in {d} of {dn} cases where the GPU named one (the pass where the verdict arose; a "
+        "clean run names none): counted apart, because equal verdicts can come from different passes (a crash at "
+        "t48r12 on the GPU, a predicted read at t64r16). A crash or hang counts as the predicted out-of-bounds read. "
+        "Padding is the recorded poison; without one it is unknown and the model gives every verdict it cannot rule "
+        f"out ({sum(len(r.model_outcomes) > 1 for r in rows)} cases with more than one).",
         "",
         "| case | GPU | GPU kernel | GPU descriptor | model (padding 0) | model can't rule out | model kernel | "
-        "model descriptor | agrees |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "model descriptor | verdict agrees | descriptor agrees | kernel agrees |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        mark = (
-            "yes"
-            if r.verdict_agrees and r.kernel_agrees is not False
-            else ("verdict only" if r.verdict_agrees else "NO")
-        )
         lines.append(
             f"| {r.case_id} | {r.gpu} | {r.gpu_kernel or '-'} | {r.gpu_descriptor or '-'} | {r.model} | "
-            f"{', '.join(r.model_outcomes) or r.model} | {r.model_kernel or '-'} | {r.model_descriptor or '-'} | {mark} |"
+            f"{', '.join(r.model_outcomes) or r.model} | {r.model_kernel or '-'} | {r.model_descriptor or '-'} | "
+            f"{_mark(r.verdict_agrees)} | {_mark(r.descriptor_agrees)} | {_mark(r.kernel_agrees)} |"
         )
     return "\n".join(lines) + "\n"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from repro.backends.base import BackendIdentity
 from repro.builder import MetadataBuilder
@@ -21,10 +21,17 @@ from repro.layout import UPSTREAM, VLLM
 from repro.poison import parse_poison
 from repro.scenarios import FRESH, STALE, WARMUP, v2_capture_sequence
 from repro.scheduler_inputs import SchedulerInputs
-from repro.staleness import diff_snapshots
+from repro.staleness import diff_snapshots, summarize
 
 H200_SMS = 132
 MODEL_SMS = (16, 26, 32, 60, 132)
+# The evidence column of a predicted row: what the model predicts, never a measurement (`oob` on a GPU is a memcheck
+# finding; here it is a read the model predicts goes out of bounds, with or without --sanitizer).
+MODEL_EVIDENCE = {
+    "oob": "CPU model: out-of-bounds read predicted",
+    "wrong-output": "CPU model: wrong output predicted",
+    "clean": "CPU model: clean run predicted",
+}
 
 
 class ModelBackend:
@@ -74,15 +81,21 @@ def predict_case(
     margin = H200_SMS - sms
     builder = MetadataBuilder(backend, cfg, sm_margin=margin, poison=p)
     shadow = MetadataBuilder(backend, cfg, sm_margin=margin, poison=p)
-    worst: tuple[Prediction, str | None] = (Prediction("clean", reason="no pass"), None)
+    worst: tuple[Prediction, str | None] = (Prediction("clean"), None)
     rank = {"clean": 0, "wrong-output": 1, "oob": 2}
+    fields: dict[str, int] = {}
+    passes = 0
     for ps in v2_capture_sequence(builder, strategy):
         if ps.stage != WARMUP:
             continue
         d, md = ps.descriptor, ps.metadata
         fresh = shadow.build(d)
         seen = md.snapshot()
-        stale = len(diff_snapshots(md, seen, fresh.snapshot()))
+        diffs = diff_snapshots(md, seen, fresh.snapshot())
+        stale = len(diffs)
+        for k, v in summarize(diffs).items():
+            fields[k] = fields.get(k, 0) + v
+        passes += 1
         launch = host_plan(backend.inputs(**fresh.request))  # the S the launch allocates for
         pred = predict_launch(
             seen["scheduler_metadata"],
@@ -99,7 +112,21 @@ def predict_case(
             worst = (pred, d.label)
             if pred.verdict == "oob":
                 break  # the process would have died here
-    return worst
+    pred, desc = worst
+    if desc is None:  # every eager warmup predicted clean: say what that rests on
+        pred = Prediction("clean", reason=_clean_reason(strategy, passes, fields))
+    return replace(pred, stale_fields=fields), desc
+
+
+def _clean_reason(strategy: str, passes: int, fields: dict[str, int]) -> str:
+    if not passes:
+        return "no eager warmup pass in this sequence"
+    if strategy == FRESH and not fields:
+        return (
+            f"the fresh strategy builds metadata for every pass, so none of the {passes} eager warmups runs on stale "
+            "metadata"
+        )
+    return f"all {passes} eager warmups run on metadata that reads in bounds and gives the reference output"
 
 
 def predict_matrix(
@@ -187,7 +214,8 @@ def predict_specs(specs) -> list:
             sms_planned=model_sms(s),
             wall_s=round(time.perf_counter() - t0, 3),
             spec=json.loads(s.to_json()),
-            evidence="CPU model",
+            evidence=MODEL_EVIDENCE[pred.verdict],
+            stale_fields=dict(pred.stale_fields),
         )
         out.append((s, res))
     return out

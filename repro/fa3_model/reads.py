@@ -36,6 +36,9 @@ class Prediction:
     byte_range: tuple[int, int] | None = None  # [first, last) byte offsets read, relative to its start
     alloc_bytes: int | None = None
     flags: list[str] = field(default_factory=list)
+    # differing entries per field (buffer or decoded metadata field) over the passes up to the deciding one, as a GPU
+    # run's CaseResult.stale_fields counts them; predict_case fills it
+    stale_fields: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
