@@ -215,7 +215,7 @@ def markdown(run: GateRun, env: dict | None = None, need_control: bool = True) -
         )
     lines += [
         "",
-        "| case | verdict | evidence | kernel | descriptor | expected | | s |",
+        "| case | verdict | evidence | kernel | descriptor | expected | met? | s |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows(run):
