@@ -11,6 +11,7 @@ import re
 from repro.case import CaseResult
 from repro.channel import Channel
 from repro.sanitizer import parse_log
+from repro.staleness import add_counts
 from repro.tags import DEVICE_TAG, PASS_TAG, RESULT_TAG, SKIP_TAG
 from repro.verdicts import CLEAN, CRASH, ERROR, EVIDENCE, HANG, LAUNCH_FAIL, OOB, SKIP, STALE_AUDIT, WRONG
 
@@ -89,8 +90,7 @@ def classify(
         res.tolerance = r.get("tolerance")
     elif passes:  # no result (crash, hang): what the launches so far were given
         for p in passes:
-            for k, v in p.get("stale_fields", {}).items():
-                res.stale_fields[k] = res.stale_fields.get(k, 0) + v
+            add_counts(res.stale_fields, p.get("stale_fields", {}))
             res.first_diffs += [f"{p['descriptor']}: {x}" for x in p.get("first_diffs", [])][: 3 - len(res.first_diffs)]
     devices = ch.of(DEVICE_TAG)
     if devices:

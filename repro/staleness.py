@@ -35,6 +35,13 @@ def count_fields(entries: Iterable[tuple[str, str]]) -> dict[str, int]:
     return counts
 
 
+def add_counts(total: dict[str, int], more: dict[str, int]) -> dict[str, int]:
+    """Stale-entry counts of one more pass added into `total` (in place; returned for chaining)."""
+    for k, v in more.items():
+        total[k] = total.get(k, 0) + v
+    return total
+
+
 def entry_name(buffer: str, field: str, index: int) -> str:
     """One entry of a view: `buffer.field[index]`."""
     return f"{buffer}.{field}[{index}]"

@@ -18,7 +18,7 @@ from repro.poison import parse_poison
 from repro.reference import paged_attention_reference, tolerance
 from repro.scenarios import CAPTURE, SPEC, WARMUP, passes_for
 from repro.smcontrol import Unavailable, mps_sm_mismatch
-from repro.staleness import diff_snapshots, summarize
+from repro.staleness import add_counts, diff_snapshots, summarize
 from repro.tags import DEVICE_TAG, PASS_TAG, RESULT_TAG, SKIP_TAG
 
 
@@ -76,8 +76,7 @@ def run_case(spec: CaseSpec) -> dict:
         fresh = shadow.build(d)
         seen_snap, fresh_snap = md.snapshot(), fresh.snapshot()
         diffs = diff_snapshots(md, seen_snap, fresh_snap)
-        for k, v in summarize(diffs).items():
-            stale_fields[k] = stale_fields.get(k, 0) + v
+        add_counts(stale_fields, summarize(diffs))
         first_diffs += [f"{d.label}: {x}" for x in diffs[: max(0, 3 - len(first_diffs))]]
         holder = builder.last_build
         emit(

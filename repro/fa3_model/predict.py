@@ -21,7 +21,7 @@ from repro.layout import UPSTREAM, VLLM
 from repro.poison import parse_poison
 from repro.scenarios import FRESH, STALE, WARMUP, v2_capture_sequence
 from repro.scheduler_inputs import SchedulerInputs
-from repro.staleness import diff_snapshots, summarize
+from repro.staleness import add_counts, diff_snapshots, summarize
 
 H200_SMS = 132
 MODEL_SMS = (16, 26, 32, 60, 132)
@@ -93,8 +93,7 @@ def predict_case(
         seen = md.snapshot()
         diffs = diff_snapshots(md, seen, fresh.snapshot())
         stale = len(diffs)
-        for k, v in summarize(diffs).items():
-            fields[k] = fields.get(k, 0) + v
+        add_counts(fields, summarize(diffs))
         passes += 1
         launch = host_plan(backend.inputs(**fresh.request))  # the S the launch allocates for
         pred = predict_launch(
