@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 
 from repro.policy import REQUIRE_ENV, Control, GateDecision, decide, parse_requirements
+from repro.smcontrol import Unavailable, enumerate_gpus
 
 ENV = "REPRO_GATE"
 GPU_MARKERS = ("gpu", "vllm")
@@ -30,14 +31,21 @@ def enabled(config=None) -> bool:
     return os.environ.get(ENV) == "1"
 
 
-def required(config=None, environ=os.environ) -> frozenset[str]:
-    """The features this run must cover: --gate-require, else REPRO_GATE_REQUIRE, else `mig` on a MIG runner."""
+def required(config=None, environ=os.environ, discover=enumerate_gpus) -> frozenset[str]:
+    """The features this run must cover: --gate-require, else REPRO_GATE_REQUIRE, else `mig` on a MIG runner (MIG
+    slices named in REPRO_DEVICES / CUDA_VISIBLE_DEVICES, or found by NVML: the slices conftest pins workers to)."""
     given = config.getoption("gate_require", default=None) if config is not None else None
     text = given if given is not None else environ.get(REQUIRE_ENV)
-    if text is None:
-        devices = environ.get("REPRO_DEVICES", "") + "," + environ.get("CUDA_VISIBLE_DEVICES", "")
-        return frozenset({"mig"}) if "MIG-" in devices else frozenset()
-    return parse_requirements(text)
+    if text is not None:
+        return parse_requirements(text)
+    devices = environ.get("REPRO_DEVICES", "") + "," + environ.get("CUDA_VISIBLE_DEVICES", "")
+    if "MIG-" in devices:
+        return frozenset({"mig"})
+    try:
+        mig = any(g.slices for g in discover())
+    except Unavailable:  # no NVML, no driver: not a MIG runner as far as anyone can tell
+        mig = False
+    return frozenset({"mig"}) if mig else frozenset()
 
 
 def not_applicable(reason: str, needs: str, record_property) -> str:

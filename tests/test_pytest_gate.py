@@ -72,8 +72,17 @@ def test_not_applicable_is_listed_unless_required():
 
 
 def test_required_features_default_to_mig_on_a_mig_runner():
-    assert pytest_gate.required(None, {"REPRO_DEVICES": "MIG-a,MIG-b"}) == {"mig"}
-    assert pytest_gate.required(None, {}) == frozenset()
+    from repro.smcontrol import GpuInfo, MigSlice, Unavailable
+
+    def no_nvml():
+        raise Unavailable("NVML unavailable")
+
+    assert pytest_gate.required(None, {"REPRO_DEVICES": "MIG-a,MIG-b"}, no_nvml) == {"mig"}
+    assert pytest_gate.required(None, {}, no_nvml) == frozenset()
+    full = [GpuInfo(0, "NVIDIA H200", "GPU-1", 132, False)]
+    sliced = [GpuInfo(0, "NVIDIA H200", "GPU-1", 132, True, (MigSlice(0, 0, "MIG-1", "1g.18gb", 16, 16384),))]
+    assert pytest_gate.required(None, {}, lambda: full) == frozenset()
+    assert pytest_gate.required(None, {}, lambda: sliced) == {"mig"}  # NVML finds slices: a MIG runner
     assert pytest_gate.required(None, {"REPRO_GATE_REQUIRE": "mps,vllm", "REPRO_DEVICES": "MIG-a"}) == {"mps", "vllm"}
     with pytest.raises(ValueError, match="unknown gate requirement"):
         parse_requirements("mig,gpus")
