@@ -34,10 +34,13 @@ def emit(tag: str, data: dict) -> None:
     if not path:
         print(f"{tag} {json.dumps(data, default=str)}", flush=True)
         return
-    line = json.dumps({"schema": SCHEMA, "tag": tag, "pid": os.getpid(), "data": data}, default=str) + "\n"
+    # a leading newline: a record another writer left cut short (killed mid-write) cannot swallow this one
+    line = "\n" + json.dumps({"schema": SCHEMA, "tag": tag, "pid": os.getpid(), "data": data}, default=str) + "\n"
+    buf = memoryview(line.encode())
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, line.encode())
+        while buf:  # a short write (a full disk, a signal) continues, never leaves half a record unnoticed
+            buf = buf[os.write(fd, buf) :]
     finally:
         os.close(fd)
 

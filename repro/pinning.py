@@ -58,6 +58,9 @@ def choose_pin(
 
 def apply_pin(pin: Pin | None, env: MutableMapping[str, str] = os.environ) -> None:
     if pin is None:
+        visible = env.get("CUDA_VISIBLE_DEVICES", "")
+        if visible.startswith("MIG-") and "," not in visible:  # the user pinned this process to one slice
+            env.setdefault(PINNED_VAR, visible)
         return
     env["CUDA_VISIBLE_DEVICES"] = pin.device
     env[PINNED_VAR] = pin.device

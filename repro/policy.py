@@ -179,17 +179,23 @@ def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) 
             d.failures.append(f"{c.case_id}: {why}: {c.reason[:160]}")
         elif c.gating and disagrees(c.expected, c.verdict):
             d.disagreements.append(f"{c.case_id}: {c.verdict}, the expectation was {c.expected}")
-        if c.gating and is_positive(c.expected):
+        if c.gating:
             pos, ev = d.evidence.get(c.mode, (0, 0))
-            d.evidence[c.mode] = (pos + 1, ev + counts_as_evidence(c.verdict, c.mode))
+            if is_positive(c.expected):
+                pos, ev = pos + 1, ev + counts_as_evidence(c.verdict, c.mode)
+            d.evidence[c.mode] = (pos, ev)
     for mode, (pos, ev) in sorted(d.evidence.items()):
-        if not ev:
+        if not pos:  # only negative controls in this mode: nothing shows that the mode could see the bug
+            d.failures.append(
+                f"GATE FAILED: mode {mode}: no positive control ran in it, so a clean answer there shows nothing"
+            )
+        elif not ev:
             what = "kernel evidence" + (" or the engine's audit" if mode in ENGINE_AUDIT_MODES else "")
             d.failures.append(
                 f"GATE FAILED: mode {mode}: none of its {pos} positive control(s) produced {what}: "
                 "this environment cannot show that this mode sees the bug"
             )
-    if not d.evidence:
+    if not any(pos for pos, _ in d.evidence.values()):
         d.failures.append("GATE FAILED: no positive control ran: this environment cannot show that it sees the bug")
     return d
 

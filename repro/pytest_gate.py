@@ -39,8 +39,8 @@ def required(config=None, environ=os.environ, discover=enumerate_gpus) -> frozen
     if text is not None:
         return parse_requirements(text)
     devices = environ.get("REPRO_DEVICES", "") + "," + environ.get("CUDA_VISIBLE_DEVICES", "")
-    if "MIG-" in devices:
-        return frozenset({"mig"})
+    if devices.strip(","):  # the run names its devices: they alone say whether it is a MIG runner
+        return frozenset({"mig"}) if "MIG-" in devices else frozenset()
     try:
         mig = any(g.slices for g in discover())
     except Unavailable:  # no NVML, no driver: not a MIG runner as far as anyone can tell
@@ -83,6 +83,11 @@ class Evidence:
         self.unreported: list[str] = []  # GPU cases that ended without recording a verdict (a skip before the run)
 
     def add(self, report) -> None:
+        if report.failed and report.when not in ("setup", "call", "teardown"):
+            self.unreported.append(report.nodeid)  # an xdist worker crashed in this case (when "???")
+            return
+        if not any(m in getattr(report, "keywords", {}) for m in GPU_MARKERS):
+            return  # a CPU test: not a control
         if report.when not in ("setup", "call") or (report.when == "setup" and report.passed):
             return
         props = dict(report.user_properties)

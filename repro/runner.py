@@ -13,6 +13,7 @@ from pathlib import Path
 
 from repro.case import CaseResult, CaseSpec
 from repro.channel import ENV as CHANNEL_ENV
+from repro.channel import SUFFIX as CHANNEL_SUFFIX
 from repro.channel import Channel
 from repro.channel import path_for as channel_path
 from repro.classify import classify
@@ -81,8 +82,10 @@ def case_logs(log_dir: Path, case_id: str) -> tuple[Path, Path]:
 
 
 def set_aside_logs(log_dir: Path, case_id: str, attempt: str) -> None:
-    """Keep an attempt's logs as <case>.<attempt>.out.log / .memcheck.log before the case runs again."""
-    for f, suffix in zip(case_logs(log_dir, case_id), LOG_SUFFIXES):
+    """Keep an attempt's logs as <case>.<attempt>.out.log / .memcheck.log / .channel.jsonl before the case runs
+    again."""
+    out, memcheck = case_logs(log_dir, case_id)
+    for f, suffix in ((out, ".out.log"), (memcheck, ".memcheck.log"), (channel_path(out), CHANNEL_SUFFIX)):
         if f.exists():
             f.replace(Path(log_dir) / f"{case_id}.{attempt}{suffix}")
 
@@ -98,6 +101,7 @@ def run_process(
     out_path, memcheck_log = case_logs(log_dir, spec.case_id)
     records = channel_path(out_path)  # the case's structured channel (repro.channel), beside its log
     records.unlink(missing_ok=True)
+    memcheck_log.unlink(missing_ok=True)  # a memcheck log of an earlier run into this folder is not this run's
     env = {**env, CHANNEL_ENV: str(records)}
     if executor is not None and target is not None and not sanitizer:
         run = executor.run(target[0], target[1], env, out_path, spec.timeout_s)

@@ -24,6 +24,7 @@ def _checkout(root: Path, torch: str | None, layout: str = "requirements/cuda.tx
 def _installed(site: Path, torch: str | None) -> Path:
     pkg = site / "vllm"
     (pkg / "vllm_flash_attn").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
     (pkg / "_C.abi3.so").write_bytes(b"\x7fELF")
     if torch:
         info = site / "vllm-0.26.0.dist-info"
@@ -78,3 +79,21 @@ def test_release_wheels_pin_the_torch_the_h200_has(tmp_path):
             (tmp_path / whl.name / meta).write_bytes(z.read(meta))
         pins[whl.name.split("-")[1]] = torch_pin(tmp_path / whl.name)[0]
     assert pins and set(pins.values()) == {"2.11.0"}, pins
+
+
+def test_a_checkout_named_vllm_is_read_as_a_checkout(tmp_path):
+    """`git clone .../vllm` gives a checkout named vllm: its own requirements pin it (it is no package folder)."""
+    co = _checkout(tmp_path / "vllm", "2.13.0")
+    assert torch_pin(co)[0] == "2.13.0"
+    assert abi_problem(co, _installed(tmp_path / "site", "2.11.0"))
+
+
+def test_a_step_that_breaks_is_untestable_not_bad(tmp_path, monkeypatch, capsys):
+    from repro.vllm_integration import bisect
+
+    def broken(*a, **k):
+        raise PermissionError("overlay folder not writable")
+
+    monkeypatch.setattr(bisect, "step", broken)
+    assert bisect.main(["step", "--repo", str(tmp_path), "--check", "gate", "--", "true"]) == UNTESTABLE_EXIT
+    assert "untestable: PermissionError" in capsys.readouterr().out

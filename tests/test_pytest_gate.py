@@ -3,6 +3,7 @@ A configuration this runner cannot have is not applicable (listed, not a failure
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import types
@@ -10,17 +11,23 @@ from pathlib import Path
 
 import pytest
 
+from cases.gpu_env import gpu_skip_reason
 from repro import pytest_gate
 from repro.policy import parse_requirements
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _pytest(*args, env=None):
+def _pytest(*args):
+    """A child pytest run of its own: not this run's xdist worker, log folder or GPU probe."""
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "REPRO_RUN_LOG", "REPRO_GPU_PROBE"))
+    }
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-k", "stale_metadata and pair"]
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
 
 
+@pytest.mark.skipif(gpu_skip_reason() is None, reason="a usable GPU is here: the GPU tier runs instead of skipping")
 def test_gate_fails_where_the_gpu_tier_only_skips():
     plain = _pytest()
     assert plain.returncode == 0 and "skipped" in plain.stdout
@@ -41,7 +48,13 @@ def _report(verdict, expected, mode="eager", when="call", na=None, needs=None, s
     if na:
         props += [("not_applicable", na), ("needs", needs)]
     return types.SimpleNamespace(
-        when=when, user_properties=props, nodeid=f"case-{verdict}-{mode}", skipped=skipped, passed=not skipped
+        when=when,
+        user_properties=props,
+        nodeid=f"case-{verdict}-{mode}",
+        skipped=skipped,
+        passed=not skipped,
+        failed=False,
+        keywords={"gpu": 1, "stale_metadata": 1},
     )
 
 
@@ -104,3 +117,34 @@ def test_skipped_case_fails_a_gate_unless_not_applicable():
     r = skipped(na)
     pytest_gate.skipped_to_failure(item, r, frozenset({"mig"}))
     assert r.outcome == "failed" and "required by this run" in r.longrepr
+
+
+def test_a_mode_with_only_negative_controls_fails_the_gate():
+    """vLLM installed, no control named: the audit and plain cases are clean negatives only; the attention-layer
+    controls must not stand in for them (repro gate says HARNESS BLIND there too)."""
+    ev = pytest_gate.Evidence()
+    for r in (_report("crash", "fault"), _report("clean", "clean"), _report("clean", "clean", mode="audit")):
+        ev.add(r)
+    _, why = ev.summary()
+    assert why and "mode audit: no positive control ran" in why
+
+
+def test_cpu_tests_and_crashed_workers_in_a_gate_run():
+    ev = pytest_gate.Evidence()
+    cpu = types.SimpleNamespace(**{**vars(_report("clean", "clean")), "keywords": {"test_redact": 1}})
+    ev.add(cpu)
+    assert ev.controls == [] and ev.unreported == []  # a CPU test is no control, and no missing one
+    crashed = types.SimpleNamespace(**{**vars(_report("crash", "fault")), "when": "???", "failed": True})
+    ev.add(crashed)
+    assert ev.unreported == [crashed.nodeid]  # an xdist worker that died in a case: the gate has no verdict from it
+
+
+def test_a_user_pinned_mig_slice_counts_as_pinned():
+    from repro.pinning import PINNED_VAR, apply_pin, choose_pin
+
+    env = {"CUDA_VISIBLE_DEVICES": "MIG-1234-abcd"}
+    apply_pin(choose_pin("", env), env)
+    assert env[PINNED_VAR] == "MIG-1234-abcd"
+    assert pytest_gate.required(None, env, lambda: []) == {"mig"}
+    full = {"REPRO_DEVICES": "GPU-1,GPU-2"}  # the run names full GPUs: MIG slices elsewhere on the host do not count
+    assert pytest_gate.required(None, full, lambda: [object()]) == frozenset()

@@ -61,3 +61,14 @@ def test_versions_order_numerically():
     assert sorted(["0.26.0", "0.9.2", "0.25.1", None, "0.10.0"], key=version_key) == [
         "0.9.2", "0.10.0", "0.25.1", "0.26.0", None,
     ]  # fmt: skip
+
+
+def test_prereleases_and_dev_builds_order_by_pep_440():
+    order = ["0.10.2.dev5+gabc", "0.25.1", "0.26.0rc1", "0.26.0", "0.26.0.post1", "not-a-version", None]
+    assert sorted(reversed(order), key=version_key) == order
+    rows = _builds("h200-vllm-coverage")
+    rows = [
+        {**rows[0], "build": "0.26.0rc1", "vllm_version": "0.26.0rc1"},
+        {**rows[1], "build": "x", "vllm_version": "0.26.0"},
+    ]
+    assert markdown(rows)  # renders (two versions with different numbers of parts once crashed the report)

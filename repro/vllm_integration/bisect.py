@@ -34,7 +34,7 @@ def torch_pin(tree: str | Path) -> tuple[str | None, str]:
     the older requirements-cuda.txt, or requirements/common.txt), or an installed package's vllm-*.dist-info/METADATA
     beside it. (None, what was looked at) when none says."""
     root = Path(tree)
-    pkg_parent = root.parent if root.name == "vllm" else root
+    pkg_parent = root.parent if (root / "__init__.py").is_file() else root  # the package, or the tree holding it
     candidates = [pkg_parent / "requirements" / "cuda.txt", pkg_parent / "requirements-cuda.txt"]
     candidates += [pkg_parent / "requirements" / "common.txt"]
     candidates += sorted(pkg_parent.glob("vllm-*.dist-info/METADATA"))
@@ -212,7 +212,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     gate = [x for x in a.gate if x != "--"] or None
-    return step(a.repo, a.check, gate, a.overlay)
+    try:
+        return step(a.repo, a.check, gate, a.overlay)
+    except Exception as e:  # exit 1 would tell git bisect "bad": a step that broke has shown nothing
+        print(f"[repro bisect] untestable: {type(e).__name__}: {e}", flush=True)
+        return UNTESTABLE_EXIT
 
 
 if __name__ == "__main__":

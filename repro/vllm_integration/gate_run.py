@@ -47,6 +47,7 @@ def run_case(
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     audit_file = log_dir / f"{case.case_id}.audit.json"
+    audit_file.unlink(missing_ok=True)  # an earlier run into this folder must not lend this case its mismatches
     try:
         env = case_env(case, builds, audit_file, mps, total_sms)
     except Unavailable as e:

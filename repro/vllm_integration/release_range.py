@@ -9,15 +9,21 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from packaging.version import InvalidVersion, Version
+
 GOOD, BAD, UNSURE = "good", "bad", "cannot vouch"
 
 
 def version_key(version: str | None) -> tuple:
-    """0.25.1 < 0.26.0 < 0.26.0rc1+g1234 (dev and local tails after the release); unknown versions last."""
+    """PEP 440 order (0.26.0rc1 < 0.26.0 < 0.26.1.dev5+g1234); a version it cannot parse by its numbers after the
+    parsed ones; unknown versions last."""
     if not version:
-        return (1,)
-    nums = [int(x) for x in re.findall(r"\d+", version.split("+")[0])[:4]]
-    return (0, *nums, version)
+        return (2,)
+    try:
+        return (0, Version(version))
+    except InvalidVersion:
+        nums = [int(x) for x in re.findall(r"\d+", version.split("+")[0])[:4]]
+        return (1, tuple(nums + [0] * (4 - len(nums))), version)
 
 
 @dataclass(frozen=True)
