@@ -19,8 +19,8 @@ What a gate run needs (`decide`):
 2. A control that cannot exist on this runner (MIG on a GPU without MIG, a vLLM case with no build named) is not
    applicable: listed with its reason, not a failure, unless the run requires that feature (`REQUIREMENTS`).
 3. Each gating mode (the group a control belongs to: eager, graph, memcheck, or a vLLM gate mode) needs evidence
-   from its OWN positive controls (a mode that ran only negative controls fails): kernel evidence, or for the modes in `ENGINE_AUDIT_MODES` the engine's own
-   metadata caught stale by the auditor. The attention-layer stale-audit is the harness's bookkeeping: it meets an
+   from its OWN positive controls (a mode that ran only negative controls fails): kernel evidence, or for the modes
+   in `ENGINE_AUDIT_MODES` the engine's own metadata caught stale by the auditor. The attention-layer stale-audit is the harness's bookkeeping: it meets an
    `audit` control but never counts as a mode's evidence.
 4. At least one positive control ran."""
 
