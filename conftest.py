@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from cases.gpu_env import gpu_skip_reason, mark_unrunnable
 from repro import pytest_gate
 from repro.pinning import apply_pin, choose_pin
 from repro.pytest_cases import close_case_executor, start_run_logs, warm_up
@@ -50,15 +51,11 @@ def pytest_sessionstart(session):
     """A gate run on a machine where no GPU case can run stops here with one line (before xdist starts workers),
     instead of one error block per case."""
     if _evidence is not None and not hasattr(session.config, "workerinput"):
-        from cases.gpu_env import gpu_skip_reason
-
         if why := gpu_skip_reason():
             pytest.exit(pytest_gate.no_gpu_line(why), returncode=pytest.ExitCode.TESTS_FAILED)
 
 
 def pytest_collection_modifyitems(config, items):
-    from cases.gpu_env import mark_unrunnable
-
     runnable = mark_unrunnable(items)
     runs_cases = hasattr(config, "workerinput") or not config.getoption("numprocesses", default=None)
     specs = (i.callspec.params["spec"] for i in runnable if hasattr(i, "callspec") and "spec" in i.callspec.params)

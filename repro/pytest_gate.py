@@ -13,9 +13,14 @@ conftest.py holds the thin hooks."""
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
+from repro import environment
 from repro.policy import REQUIRE_ENV, Control, GateDecision, decide, parse_requirements
+from repro.redact import redact
+from repro.report import header
 from repro.smcontrol import Unavailable, enumerate_gpus
 
 ENV = "REPRO_GATE"
@@ -111,18 +116,11 @@ class Evidence:
 
     def write_report(self, folder, wall_s: float, argv: list[str]) -> None:
         """gate.md and gate.json in `folder`: command, environment, the decision, one row per control."""
-        import json
-        from pathlib import Path
-
-        from repro.environment import collect
-        from repro.redact import redact
-        from repro.report import header
-
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        env = collect(argv)
+        env = environment.collect(argv)
         d = self.decision()
-        lines, why = self.summary()
+        lines, why = self.summary(d)
         outcome = why or "GATE PASSED"
         md = header("pytest GPU tier (--gate)", env) + [f"**{outcome}** in {wall_s:.1f} s", "", *lines, ""]
         md += ["| case | mode | expected | verdict | reason |", "|---|---|---|---|---|"]
@@ -147,9 +145,9 @@ class Evidence:
         }
         (folder / "gate.json").write_text(redact(json.dumps(doc, indent=1, default=str)) + "\n")
 
-    def summary(self) -> tuple[list[str], str | None]:
-        """(lines for the terminal summary, the one failure line or None)."""
-        d = self.decision()
+    def summary(self, d: GateDecision | None = None) -> tuple[list[str], str | None]:
+        """(lines for the terminal summary, the one failure line or None), from `d` when already decided."""
+        d = d or self.decision()
         lines = d.summary()
         if self.unreported:
             lines.append(f"  {len(self.unreported)} GPU case(s) could not run here (no verdict): {self.unreported[0]}")

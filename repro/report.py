@@ -165,13 +165,16 @@ def write_json(run: MatrixRun, path: str | Path, env: dict | None = None) -> Non
     Path(path).write_text(redact(json.dumps(doc, indent=1, default=str)) + "\n")
 
 
+VLLM_GATE_KIND = "vllm-gate"  # the "kind" of a results.json written by repro.vllm_integration.gate_report
+
+
 def is_vllm_gate_record(path: str | Path) -> bool:
-    """A results.json written by `repro gate` (kind vllm-gate), not by `matrix`."""
+    """A results.json written by `repro gate` (kind VLLM_GATE_KIND), not by `matrix`."""
     try:
         doc = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(doc, dict) and doc.get("kind") == "vllm-gate"
+    return isinstance(doc, dict) and doc.get("kind") == VLLM_GATE_KIND
 
 
 def load_json(path: str | Path) -> MatrixRun:

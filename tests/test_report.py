@@ -10,7 +10,7 @@ from repro.case import CaseSpec, SmConfig
 from repro.expectations import expectation
 from repro.matrix import MatrixOptions, MatrixRun, build_specs
 from repro.policy import satisfies
-from repro.report import load_json
+from repro.report import is_vllm_gate_record, load_json
 from repro.verdicts import CLEAN, CRASH, HANG, LAUNCH_FAIL, OOB, STALE_AUDIT, WRONG
 
 RESULTS = Path(__file__).parent.parent / "results"
@@ -70,7 +70,7 @@ RECORDED = sorted(
     p
     for pattern in ("h200-*/results.json", "h200-*/old/results.json", "h200-*/new/results.json")
     for p in (Path(__file__).resolve().parent.parent / "results").glob(pattern)
-    if json.loads(p.read_text()).get("kind") != "vllm-gate"  # matrix runs; real-vLLM gate records have their tests
+    if not is_vllm_gate_record(p)  # matrix runs; real-vLLM gate records have their tests
 )
 
 

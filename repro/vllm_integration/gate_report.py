@@ -10,7 +10,7 @@ from pathlib import Path
 
 from repro.policy import NO_EVIDENCE
 from repro.redact import redact
-from repro.report import header
+from repro.report import VLLM_GATE_KIND, header
 from repro.verdicts import FAULTS
 from repro.vllm_integration import release_range
 from repro.vllm_integration.gate_case import expected
@@ -18,7 +18,7 @@ from repro.vllm_integration.gate_judge import meets
 from repro.vllm_integration.gate_run import PASS, GateRun
 from repro.vllm_integration.source_check import check_tree
 
-RESULTS_KIND = "vllm-gate"
+RESULTS_KIND = VLLM_GATE_KIND
 
 
 def rows(run: GateRun) -> list[dict]:
