@@ -43,7 +43,7 @@ EXIT_CODES: dict[str, dict[int, str]] = {
         0: "PASS",
         1: "AFFECTED",
         2: "bad input",
-        3: "HARNESS BLIND",
+        3: "HARNESS BLIND (--compare-paths: also when the paths' verdicts differ)",
         4: "CANNOT VOUCH, no GPU, or no vLLM build",
     },
     "bisect": {

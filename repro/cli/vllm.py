@@ -11,6 +11,7 @@ import zipfile
 from pathlib import Path
 
 from repro.cli.common import (
+    EXIT_BLIND,
     EXIT_BUG,
     EXIT_NOT_RUN,
     EXIT_OK,
@@ -77,6 +78,20 @@ def add_parsers(sub) -> None:
         "--out", help="folder for verdicts.md, results.json, logs/ (default: a new folder under the temp folder)"
     )
     gt.add_argument("--logs", help="folder for each case's output and logs (default OUT/logs)")
+    gt.add_argument(
+        "--cache-dir",
+        help="where each build's vLLM caches and reference runs are kept, keyed by the build's fingerprint "
+        "(default: REPRO_CACHE_DIR, else ~/.cache/repro)",
+    )
+    gt.add_argument(
+        "--no-cache", action="store_true", help="the old path: every case cold, every reference run (default: off)"
+    )
+    gt.add_argument(
+        "--compare-paths",
+        action="store_true",
+        help="benchmark: the old path, then the new path cold (an empty cache folder: --cache-dir, default "
+        "OUT/cache) and warm, in one command; writes paths.md/paths.json, exit 3 when the paths' verdicts differ",
+    )
     gt.add_argument("--dry-run", action="store_true", help="list case ids only")
     sub.choices["bisect"].set_defaults(func=cmd_bisect)
     sub.choices["vllm-check"].set_defaults(func=cmd_vllm_check)
@@ -93,10 +108,13 @@ def cmd_gate(a: argparse.Namespace) -> int:
     from repro.environment import collect
     from repro.vllm_integration import gate_report
     from repro.vllm_integration.builds import CONTROL, UNDER_TEST, find_builds, parse_builds
+    from repro.vllm_integration.gate_cache import GateCache, default_root
     from repro.vllm_integration.gate_case import parse_modes
     from repro.vllm_integration.gate_run import EXIT, run_gate
 
     modes = parse_modes(a.modes)
+    if a.compare_paths and (a.no_cache or a.repeat != 1):
+        raise ConfigError("--compare-paths runs both paths once each: leave out --no-cache and --repeat")
     if a.repeat < 1 or a.jobs < 1 or a.timeout <= 0:
         raise ConfigError("--repeat and --jobs must be at least 1, --timeout positive")
     builds = find_builds(include_installed=not a.no_installed)
@@ -132,7 +150,11 @@ def cmd_gate(a: argparse.Namespace) -> int:
     def progress(c, r) -> None:
         print(f"[gate] {c.case_id}: {r.verdict} ({r.wall_s:.0f} s) {r.evidence or ''} {r.reason[:160]}", flush=True)
 
-    run = run_gate(builds, modes, Path(a.logs) if a.logs else out / "logs", a.repeat, a.jobs, a.timeout, progress)
+    logs = Path(a.logs) if a.logs else out / "logs"
+    if a.compare_paths:
+        return _compare_paths(a, builds, modes, out, logs, progress)
+    cache = None if a.no_cache else GateCache(Path(a.cache_dir) if a.cache_dir else default_root())
+    run = run_gate(builds, modes, logs, a.repeat, a.jobs, a.timeout, progress, cache)
     written = gate_report.write(run, out, collect(), need_control=not a.no_control)
     print(gate_report.markdown(run, need_control=not a.no_control).split("\n| case |")[0])
     print(f"written: {', '.join(str(p) for p in written)}")
@@ -207,3 +229,32 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
         Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
     verdicts = {r["verdict"] for r in rows}
     return EXIT_BUG if "bad" in verdicts else (EXIT_UNTESTABLE if "untestable" in verdicts else EXIT_OK)
+
+
+def _compare_paths(a: argparse.Namespace, builds, modes, out: Path, logs: Path, progress) -> int:
+    """`gate --compare-paths`: old path, new path cold, new path warm; each path's gate report in OUT/<path>/,
+    the side-by-side table in OUT/paths.md and paths.json. Exit: the warm run's gate exit code, or 3 when a case's
+    verdict differs between the paths (the new path cannot stand in for the old)."""
+    from repro import report
+    from repro.environment import collect
+    from repro.redact import redact
+    from repro.vllm_integration import gate_bench, gate_report
+    from repro.vllm_integration.gate_run import EXIT, NEW_WARM, compare_paths
+
+    runs = compare_paths(
+        builds, modes, logs, Path(a.cache_dir) if a.cache_dir else out / "cache", a.jobs, a.timeout, progress
+    )
+    env = collect()
+    for name, run in runs.items():
+        sub = out / name.replace(" ", "").replace("(", "-").replace(")", "")
+        gate_report.write(run, sub, env, need_control=not a.no_control)
+    md = gate_bench.compare_markdown(runs)
+    (out / "paths.md").write_text(redact("\n".join(report.header("vLLM gate: old and new path", env))) + "\n" + md)
+    (out / "paths.json").write_text(json.dumps({"environment": env, "paths": gate_bench.compare_json(runs)}, indent=1))
+    print(md.split("### Phases")[0])
+    verdicts = {n: {c.case_id: r.verdict for c, r in r_.cases} for n, r_ in runs.items()}
+    if gate_bench.verdict_diff(verdicts):
+        print("repro: the paths' verdicts differ (listed in paths.md): the new path cannot stand in for the old")
+        return EXIT_BLIND
+    print(f"written: {out / 'paths.md'}, {out / 'paths.json'}")
+    return EXIT[runs[NEW_WARM].outcome(need_control=not a.no_control)]

@@ -188,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             "import": round(t_import - t0, 1),
             "engine": round(t_engine - t_import, 1),
             "generate": round(t_done - t_engine, 1),
+            "main_at": round(t0, 3),  # epoch s: the parent adds process start and teardown (gate_bench.phases)
+            "done_at": round(time.time(), 3),
         },
         "summary": f"{len(tokens)} requests x {a.max_new} tokens decoded",
     }

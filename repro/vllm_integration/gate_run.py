@@ -10,6 +10,7 @@ PASS; EXIT maps them to exit codes."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 import threading
 import time
@@ -22,12 +23,15 @@ from repro import policy
 from repro.case import CaseResult
 from repro.channel import Channel
 from repro.descriptors import ConfigError
+from repro.environment import gpu_facts
 from repro.runner import case_logs, device_sm_count, run_process
 from repro.smcontrol import MpsDaemon, Unavailable
-from repro.tags import RESULT_TAG
+from repro.tags import COUNTERS_TAG, RESULT_TAG
 from repro.verdicts import CANNOT_VOUCH as NOT_VOUCHED
-from repro.verdicts import CRASH, FAULTS, SKIP
+from repro.verdicts import CLEAN, CRASH, FAULTS, SKIP
+from repro.vllm_integration import gate_bench
 from repro.vllm_integration.builds import UNDER_TEST, VllmBuild
+from repro.vllm_integration.gate_cache import GateCache
 from repro.vllm_integration.gate_case import GateCase, GateMode, case_env, expected, reference_for
 from repro.vllm_integration.gate_judge import annotate, finish, meets
 
@@ -42,8 +46,11 @@ def run_case(
     log_dir: str | Path,
     mps: MpsDaemon | None = None,
     total_sms: Callable[[], int] = device_sm_count,
+    cache: GateCache | None = None,
 ) -> CaseResult:
-    """One gate case in its own process; never raises for a faulting case."""
+    """One gate case in its own process; never raises for a faulting case. With a cache (the new path), the case's
+    VLLM_CACHE_ROOT starts as a copy of its build's shared one, and a speculative case that got past torch.compile
+    publishes its own when the build has none; without (the old path) every case starts cold."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     audit_file = log_dir / f"{case.case_id}.audit.json"
@@ -52,6 +59,10 @@ def run_case(
         env = case_env(case, builds, audit_file, mps, total_sms)
     except Unavailable as e:
         return _skipped(case, str(e))
+    private = Path(env["VLLM_CACHE_ROOT"])
+    vllm_cache = "private"
+    if cache is not None:
+        vllm_cache = "warm" if cache.seed(case.build, private) else "cold"
     model_dir = log_dir / f"{case.case_id}.models"
     cmd = [sys.executable, "-m", "repro.vllm_integration.gate", "--out", str(model_dir)]
     if case.reference:
@@ -63,19 +74,32 @@ def run_case(
         res.vllm_version = case.build.version
         return res
     ch = Channel.of_case(case_logs(log_dir, case.case_id)[0], out)
+    res.phases = {
+        **gate_bench.phases(out, ch.last(RESULT_TAG), res.started_at, res.wall_s),
+        "vllm_cache": vllm_cache,
+    }
+    counters = ch.last(COUNTERS_TAG) or {}
+    if cache is not None and not case.reference and sum((counters.get("captures") or {}).values()):
+        if cache.publish(case.build, private):  # captures ran: torch.compile had finished and saved
+            res.phases["vllm_cache"] += ", published"
+    shutil.rmtree(private, ignore_errors=True)  # a copy of the shared cache, or published: not evidence
     return annotate(res, case, ch, audit_file if audit_file.exists() else None)
 
 
 def run_attributed(
-    case: GateCase, builds: list[VllmBuild], log_dir: str | Path, mps: MpsDaemon | None = None
+    case: GateCase,
+    builds: list[VllmBuild],
+    log_dir: str | Path,
+    mps: MpsDaemon | None = None,
+    cache: GateCache | None = None,
 ) -> tuple[CaseResult, tuple[GateCase, CaseResult] | None]:
     """run_case, and for a crash in the plain mode (first repetition) a rerun with CUDA_LAUNCH_BLOCKING=1 that names
     the faulting kernel: (result, (rerun case, rerun result) or None)."""
-    res = run_case(case, builds, log_dir, mps)
+    res = run_case(case, builds, log_dir, mps, cache=cache)
     if res.verdict != CRASH or case.mode.name != "plain" or case.rep or case.reference:
         return res, None
     rc = GateCase(case.build, case.mode, False, case.rep, True, case.timeout_s)
-    rerun = run_case(rc, builds, log_dir, mps)
+    rerun = run_case(rc, builds, log_dir, mps, cache=cache)
     kernel = rerun.kernel if rerun.verdict == CRASH else None
     if kernel:
         res = res.revised(
@@ -165,9 +189,12 @@ def run_gate(
     jobs: int = 3,
     timeout_s: float = 300.0,
     progress: Callable[[GateCase, CaseResult], None] | None = None,
+    cache: GateCache | None = None,
 ) -> GateRun:
     """Every case, references included; non-MPS cases `jobs` at a time, MPS cases one at a time under one daemon
-    owned by the run (a faulting MPS client can take the server's other clients down)."""
+    owned by the run (a faulting MPS client can take the server's other clients down). With a cache (the new path,
+    repro.vllm_integration.gate_cache) the cases share their build's vLLM caches and a reference kept for the build's
+    fingerprint, SM configuration, GPU and gate code is used instead of running it again; without, the old path."""
     if not builds:
         raise ConfigError("no vLLM build to test: install vllm, or set REPRO_VLLM / REPRO_VLLM_CONTROL")
     cases = plan(builds, modes, repeat, timeout_s)
@@ -186,10 +213,22 @@ def run_gate(
     outputs: dict[str, dict | None] = {}
     t0 = time.time()
 
+    gpu = gpu_identity() if cache is not None else ""
+
     def one(c: GateCase, mps: MpsDaemon | None) -> None:
         t = time.time()
-        res, attribution = run_attributed(c, builds, log_dir, mps)
-        out = result_line(log_dir, c)
+        kept = cache.load_reference(c.build, c.mode.sm.label, gpu) if cache is not None and c.reference else None
+        if kept is not None:
+            res, attribution, out = (
+                kept_reference(c, kept, cache.reference_path(c.build, c.mode.sm.label, gpu)),
+                None,
+                kept["result"],
+            )
+        else:
+            res, attribution = run_attributed(c, builds, log_dir, mps, cache)
+            out = result_line(log_dir, c)
+            if cache is not None and c.reference and res.verdict == CLEAN and out and out.get("tokens"):
+                cache.store_reference(c.build, c.mode.sm.label, gpu, out, res.to_dict())
         with lock:
             outputs[c.case_id] = out
             (run.references if c.reference else run.cases).append((c, res))
@@ -235,6 +274,46 @@ def run_gate(
     return run
 
 
+def gpu_identity() -> str:
+    """The GPU a kept reference is for: its name and SM count (probed in a child; 'no GPU' without one)."""
+    facts = gpu_facts()
+    return f"{facts.get('gpu')} {facts.get('sms')} SMs" if facts.get("gpu") else "no GPU"
+
+
+def kept_reference(case: GateCase, kept: dict, path: Path) -> CaseResult:
+    """The reference case's record from the cache: the stored clean result, its history saying where it came from."""
+    return CaseResult(**kept["case"]).revised(
+        "reference cache",
+        f"reference run of {kept.get('stored')} kept for this build ({path})",
+        phases={"wall": 0.0, "vllm_cache": "reference kept"},
+    )
+
+
 def result_line(log_dir: str | Path, case: GateCase) -> dict | None:
     """The RESULT record a finished case process wrote (tokens, margins, version, timing), or None."""
     return Channel.of_case(case_logs(log_dir, case.case_id)[0]).last(RESULT_TAG)
+
+
+OLD_PATH, NEW_COLD, NEW_WARM = "old", "new (cold)", "new (warm)"
+
+
+def compare_paths(
+    builds: list[VllmBuild],
+    modes: tuple[GateMode, ...],
+    log_dir: str | Path,
+    cache_root: str | Path,
+    jobs: int = 3,
+    timeout_s: float = 300.0,
+    progress: Callable[[GateCase, CaseResult], None] | None = None,
+) -> dict[str, GateRun]:
+    """The same gate three times, one after the other: the old path (every case cold, every reference run), the new
+    path on an empty cache folder (cold), and the new path again on what that run left (warm). cache_root must be
+    empty or absent: a cold run is only cold there. Logs of each path in their own sub-folder."""
+    cache_root = Path(cache_root)
+    if cache_root.exists() and any(cache_root.iterdir()):
+        raise ConfigError(f"{cache_root}: the cold run needs an empty cache folder")
+    runs = {}
+    for name, cache in ((OLD_PATH, None), (NEW_COLD, GateCache(cache_root)), (NEW_WARM, GateCache(cache_root))):
+        sub = Path(log_dir) / name.replace(" ", "").replace("(", "-").replace(")", "")
+        runs[name] = run_gate(builds, modes, sub, 1, jobs, timeout_s, progress, cache)
+    return runs

@@ -1,0 +1,194 @@
+"""What the vLLM gate keeps between its cases and its runs, per build: vLLM's own caches (the model-info records its
+model registry would otherwise make in a subprocess that imports vLLM again, and the torch.compile artifacts) and the
+build's reference run. Everything is keyed by the build's fingerprint, so two builds never share a cache and a
+changed build (any Python file, any compiled extension) starts a cold one.
+
+Layout: ROOT/vllm-gate/<fingerprint>/
+  build.json          what the fingerprint covered (label, version, prefix, file counts, torch), for a person
+  vllm-cache/         a VLLM_CACHE_ROOT published by a case that got past torch.compile (its probe counted captures);
+                      each case runs in a private copy of it (never two processes writing one folder)
+  references/<key>.json  a clean reference run: RESULT record and verdict; <key> also covers the SM configuration, the
+                      GPU and the gate's own model, prompts and weights code (repro.vllm_integration.gate, plugin)
+
+ROOT is REPRO_CACHE_DIR, else ~/.cache/repro. vLLM checks what it loads itself: model-info records carry the hash of
+their model file, AOT artifacts are loaded only when the traced sources are unchanged, anything else compiles again."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from repro.vllm_integration.builds import VllmBuild
+
+CACHE_ENV = "REPRO_CACHE_DIR"
+VLLM_CACHE = "vllm-cache"
+_EDGE = 1 << 20  # bytes read from each end of a compiled extension
+_GATE_SOURCES = ("gate.py", "plugin.py")  # the gate's model, prompts and weights: a reference depends on them
+
+
+def default_root() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "repro")
+
+
+def _torch_version() -> str:
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def package_fingerprint(pkg: Path) -> tuple[str, dict]:
+    """sha256 over a vllm package folder: the path and content of every Python file, and the path, size and first and
+    last MiB of every compiled extension (a different build of a .so differs there: its build id and symbol tables);
+    plus the torch release and Python version the cases run with. (hex digest, what it covered)."""
+    h = hashlib.sha256()
+    py = so = 0
+    for p in sorted(pkg.rglob("*")):
+        if not p.is_file() or "__pycache__" in p.parts:
+            continue
+        rel = p.relative_to(pkg).as_posix()
+        if p.suffix == ".py":
+            h.update(b"py\0" + rel.encode() + b"\0" + p.read_bytes() + b"\0")
+            py += 1
+        elif p.suffix == ".so" or ".so." in p.name:
+            size = p.stat().st_size
+            with p.open("rb") as f:
+                head = f.read(_EDGE)
+                f.seek(max(0, size - _EDGE))
+                tail = f.read(_EDGE)
+            h.update(b"so\0" + rel.encode() + b"\0" + str(size).encode() + b"\0" + head + tail + b"\0")
+            so += 1
+    torch, python = _torch_version(), f"{sys.version_info.major}.{sys.version_info.minor}"
+    h.update(f"torch={torch}\0python={python}".encode())
+    return h.hexdigest(), {"python_files": py, "compiled_extensions": so, "torch": torch, "python": python}
+
+
+def gate_code_fingerprint() -> str:
+    """The gate's model configuration, prompts and weights code: a cached reference is for one version of them."""
+    here = Path(__file__).parent
+    h = hashlib.sha256()
+    for name in _GATE_SOURCES:
+        h.update(name.encode() + b"\0" + (here / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class GateCache:
+    """One cache root. `fingerprints` memoises each build's fingerprint for the run (a build does not change under a
+    running gate; a new run fingerprints again)."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root)
+        self._fp: dict[str, str] = {}
+        self._lock = threading.Lock()  # the gate's case threads ask for fingerprints at once
+
+    @classmethod
+    def default(cls) -> GateCache:
+        return cls(default_root())
+
+    def fingerprint(self, build: VllmBuild) -> str:
+        key = build.prefix or "<installed>"
+        with self._lock:
+            return self._fp.get(key) or self._fingerprint(build, key)
+
+    def _fingerprint(self, build: VllmBuild, key: str) -> str:
+        pkg = build.package_dir
+        if pkg is None or not pkg.is_dir():
+            raise FileNotFoundError(f"vLLM build {build.label}: no vllm package folder to fingerprint")
+        digest, covered = package_fingerprint(pkg)
+        self._fp[key] = digest[:20]
+        d = self.build_dir_for(digest[:20])
+        d.mkdir(parents=True, exist_ok=True)
+        info = d / "build.json"
+        if not info.exists():
+            _write_json(info, {**build.to_dict(), **covered, "fingerprint": digest, "created": _now()})
+        return self._fp[key]
+
+    def build_dir_for(self, fingerprint: str) -> Path:
+        return self.root / "vllm-gate" / fingerprint
+
+    def build_dir(self, build: VllmBuild) -> Path:
+        return self.build_dir_for(self.fingerprint(build))
+
+    # --- vLLM's own caches ----------------------------------------------------------------------------------------
+
+    def seed(self, build: VllmBuild, case_cache: Path) -> bool:
+        """Give a case its private VLLM_CACHE_ROOT: a copy of the build's published one (True), or an empty folder
+        (False: the case runs cold)."""
+        shared = self.build_dir(build) / VLLM_CACHE
+        if case_cache.exists():
+            shutil.rmtree(case_cache)
+        if not shared.is_dir():
+            case_cache.mkdir(parents=True)
+            return False
+        shutil.copytree(shared, case_cache, symlinks=True)
+        return True
+
+    def publish(self, build: VllmBuild, case_cache: Path) -> bool:
+        """Make a case's VLLM_CACHE_ROOT the build's shared one when there is none yet (copy, then one rename: a
+        reader sees all of it or nothing). Call only for a case that got past torch.compile. True when published."""
+        shared = self.build_dir(build) / VLLM_CACHE
+        if shared.exists() or not case_cache.is_dir() or not any(case_cache.iterdir()):
+            return False
+        tmp = Path(tempfile.mkdtemp(prefix=".publish-", dir=shared.parent))
+        try:
+            shutil.copytree(case_cache, tmp / "c", symlinks=True)
+            os.rename(tmp / "c", shared)
+            return True
+        except OSError:  # another case published first
+            return False
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    # --- references -----------------------------------------------------------------------------------------------
+
+    def reference_path(self, build: VllmBuild, sm_label: str, gpu: str) -> Path:
+        key = hashlib.sha256(f"{sm_label}\0{gpu}\0{gate_code_fingerprint()}".encode()).hexdigest()[:16]
+        return self.build_dir(build) / "references" / f"{key}.json"
+
+    def load_reference(self, build: VllmBuild, sm_label: str, gpu: str) -> dict | None:
+        """A stored reference ({"result": RESULT record, "case": CaseResult dict, "stored": when, ...}) or None."""
+        p = self.reference_path(build, sm_label, gpu)
+        try:
+            d = json.loads(p.read_text())
+        except (OSError, ValueError):
+            return None
+        return d if isinstance(d, dict) and d.get("result", {}).get("tokens") else None
+
+    def store_reference(self, build: VllmBuild, sm_label: str, gpu: str, result: dict, case: dict) -> Path:
+        p = self.reference_path(build, sm_label, gpu)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        _write_json(
+            p,
+            {
+                "result": result,
+                "case": case,
+                "sm": sm_label,
+                "gpu": gpu,
+                "gate_code": gate_code_fingerprint(),
+                "stored": _now(),
+            },
+        )
+        return p
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    """Written whole or not at all (a temporary file of this process and thread, then one rename)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    os.replace(tmp, path)

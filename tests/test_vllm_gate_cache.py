@@ -1,0 +1,133 @@
+"""The vLLM gate's new path (repro.vllm_integration.gate_cache, gate_bench): the cache keys (two builds never share a
+cache, a changed build invalidates it), what a case gets from and gives to its build's cache, kept references, the
+phase split read from real H200 logs, and the old/new comparison end to end on stand-in builds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from repro.verdicts import CLEAN
+from repro.vllm_integration import gate_bench
+from repro.vllm_integration.builds import CONTROL, UNDER_TEST, parse_builds
+from repro.vllm_integration.gate_cache import VLLM_CACHE, GateCache, package_fingerprint
+from repro.vllm_integration.gate_case import parse_modes
+from repro.vllm_integration.gate_run import NEW_COLD, NEW_WARM, OLD_PATH, compare_paths, run_gate
+from tests.fake_vllm import write_fake_vllm
+
+RECORDED = Path(__file__).parent.parent / "results" / "h200-vllm-release-range" / "logs"
+
+
+def _build(tmp_path: Path, name: str, behaviour: str = "good", version: str = "0.26.0"):
+    prefix = write_fake_vllm(tmp_path / name, version, behaviour)
+    return parse_builds(f"{name}={prefix}", UNDER_TEST, "REPRO_VLLM")[0]
+
+
+def test_two_builds_never_share_a_cache_and_a_change_invalidates_it(tmp_path):
+    good, crash = _build(tmp_path, "good"), _build(tmp_path, "crash", "stale-crash", "0.25.1")
+    same = _build(tmp_path, "copy")  # the same files in another folder: the same build
+    cache = GateCache(tmp_path / "c")
+    assert cache.fingerprint(good) != cache.fingerprint(crash)
+    assert cache.fingerprint(good) == cache.fingerprint(same)
+    assert json.loads((cache.build_dir(good) / "build.json").read_text())["python_files"] > 5
+    pkg = Path(good.prefix) / "vllm"
+    before, _ = package_fingerprint(pkg)
+    (pkg / "v1" / "worker" / "gpu" / "model_runner.py").write_text("# one line changed\n", "utf-8")
+    assert package_fingerprint(pkg)[0] != before  # a Python file
+    so = pkg / "_C.abi3.so"
+    so.write_bytes(b"\x7fELF" + bytes(3 << 20))
+    with_so, _ = package_fingerprint(pkg)
+    data = bytearray(so.read_bytes())
+    data[-10] = 1  # the end of a compiled extension (its symbol tables, its build id)
+    so.write_bytes(bytes(data))
+    assert package_fingerprint(pkg)[0] != with_so
+    assert GateCache(tmp_path / "c").fingerprint(good) != cache.fingerprint(same)  # a new run fingerprints again
+
+
+def test_a_case_gets_a_private_copy_and_the_first_complete_cache_is_published_once(tmp_path):
+    build = _build(tmp_path, "good")
+    cache = GateCache(tmp_path / "c")
+    mine = tmp_path / "case1"
+    assert cache.seed(build, mine) is False and mine.is_dir() and not any(mine.iterdir())  # cold
+    assert cache.publish(build, mine) is False  # nothing compiled: nothing to share
+    (mine / "torch_compile_cache").mkdir()
+    (mine / "torch_compile_cache" / "artifact").write_text("one")
+    assert cache.publish(build, mine) is True
+    other = tmp_path / "case2"
+    (other / "torch_compile_cache").mkdir(parents=True)
+    (other / "torch_compile_cache" / "artifact").write_text("two")
+    assert cache.publish(build, other) is False  # the first one stays
+    third = tmp_path / "case3"
+    assert cache.seed(build, third) is True
+    assert (third / "torch_compile_cache" / "artifact").read_text() == "one"
+    (third / "torch_compile_cache" / "artifact").write_text("changed by the case")
+    assert (cache.build_dir(build) / VLLM_CACHE / "torch_compile_cache" / "artifact").read_text() == "one"
+    assert cache.seed(_build(tmp_path, "crash", "stale-crash", "0.25.1"), tmp_path / "case4") is False
+
+
+def test_phases_from_a_real_h200_case():
+    """0.26.0's plain case of the release-range run: vLLM's config and model-registry inspection 38 s (two
+    subprocesses that import vLLM again, what the shared model-info cache saves), torch.compile 9.98 + 2.96 s, graph
+    capture 3 s; the rest from the case's own RESULT record."""
+    from repro.channel import Channel
+    from repro.tags import RESULT_TAG
+
+    log = (RECORDED / "stale_metadata-vllm-0.26.0-under-test-plain.out.log").read_text()
+    result = Channel.read(RECORDED / "stale_metadata-vllm-0.26.0-under-test-plain.channel.jsonl").last(RESULT_TAG)
+    lp = gate_bench.log_phases(log)
+    assert (lp["config_s"], lp["compile_s"], lp["capture_s"], lp["compile_loaded"]) == (38.0, 12.94, 3.0, 0)
+    p = gate_bench.phases(log, result, None, 110.0)
+    assert p["import"] == 23.0 and p["engine"] == 80.5 and p["decode"] == 0.1
+    assert p["engine_rest"] == pytest.approx(80.5 - 38.0 - 12.94 - 3.0, abs=0.1)
+    assert "start" not in p and "teardown" not in p  # that record has no main_at/done_at: absent, not guessed
+    crash = (RECORDED / "stale_metadata-vllm-0.25.1-control-plain.out.log").read_text()
+    cp = gate_bench.phases(crash, None, None, 120.0)
+    assert "import" not in cp and cp["compile"] > 0 and "capture" not in cp  # crashed inside the capture
+
+
+def test_phases_add_process_start_and_teardown():
+    result = {"timing_s": {"import": 10.0, "engine": 30.0, "generate": 1.0, "main_at": 1000.5, "done_at": 1042.0}}
+    p = gate_bench.phases("", result, 1000.0, 45.0)
+    assert (p["start"], p["teardown"], p["engine_rest"]) == (0.5, 3.0, 30.0)
+
+
+def test_verdict_differences_are_listed():
+    diff = gate_bench.verdict_diff({"old": {"a": "crash", "b": "clean"}, "new": {"a": "crash", "b": "stale-audit"}})
+    assert diff == ["b: old clean, new stale-audit"]
+    assert gate_bench.verdict_diff({"old": {"a": "crash"}, "new": {}}) == ["a: old crash, new not run"]
+
+
+def test_kept_references_and_warm_caches_give_the_same_verdicts(tmp_path):
+    builds = [_build(tmp_path, "good")]
+    builds += parse_builds(f"crash={write_fake_vllm(tmp_path / 'crash', '0.25.1', 'stale-crash')}", CONTROL, "x")
+    cache = GateCache(tmp_path / "c")
+    modes = parse_modes("audit,plain")
+    first = run_gate(builds, modes, tmp_path / "l1", jobs=4, timeout_s=120, cache=cache)
+    second = run_gate(builds, modes, tmp_path / "l2", jobs=4, timeout_s=120, cache=GateCache(tmp_path / "c"))
+    assert [(c.case_id, r.verdict) for c, r in first.cases] == [(c.case_id, r.verdict) for c, r in second.cases]
+    assert first.outcome() == second.outcome() == "PASS"
+    assert all(r.verdict == CLEAN and not r.history for _, r in first.references)
+    for _, r in second.references:  # run once, then kept for the build's fingerprint
+        assert r.verdict == CLEAN and r.history[-1]["step"] == "reference cache"
+        assert r.phases["vllm_cache"] == "reference kept"
+    assert {r.phases["vllm_cache"] for _, r in first.cases} == {"cold"}  # the stand-in compiles nothing to share
+    ref = next(r for c, r in second.cases if c.case_id.endswith("good-under-test-plain"))
+    assert "tokens: 64 of 64 compared equal" in ref.evidence  # judged against the kept reference's tokens
+    (Path(builds[0].prefix) / "vllm" / "_version.py").write_text('__version__ = "0.26.0+local"\n')
+    third = run_gate(builds[:1], parse_modes("plain"), tmp_path / "l3", timeout_s=120, cache=GateCache(tmp_path / "c"))
+    assert not third.references[0][1].history  # a changed build: its reference runs again
+
+
+def test_compare_paths_runs_old_cold_and_warm_with_no_verdict_difference(tmp_path):
+    builds = [_build(tmp_path, "good")]
+    builds += parse_builds(f"crash={write_fake_vllm(tmp_path / 'crash', '0.25.1', 'stale-crash')}", CONTROL, "x")
+    runs = compare_paths(builds, parse_modes("plain"), tmp_path / "logs", tmp_path / "cache", jobs=4, timeout_s=120)
+    assert list(runs) == [OLD_PATH, NEW_COLD, NEW_WARM]
+    md = gate_bench.compare_markdown(runs)
+    assert "### Verdict differences between the paths: 0" in md
+    assert "| new (warm) | PASS |" in md and "reference kept" in md
+    assert md.count("-control-plain-launch-blocking |") == 3  # the attribution rerun on every path
+    with pytest.raises(Exception, match="empty cache folder"):
+        compare_paths(builds, parse_modes("plain"), tmp_path / "logs2", tmp_path / "cache")
