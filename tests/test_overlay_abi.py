@@ -4,6 +4,7 @@ built for different torch releases; the pins are read where vLLM writes them."""
 from __future__ import annotations
 
 import os
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -97,3 +98,40 @@ def test_a_step_that_breaks_is_untestable_not_bad(tmp_path, monkeypatch, capsys)
     monkeypatch.setattr(bisect, "step", broken)
     assert bisect.main(["step", "--repo", str(tmp_path), "--check", "gate", "--", "true"]) == UNTESTABLE_EXIT
     assert "untestable: PermissionError" in capsys.readouterr().out
+
+
+def test_an_overlay_whose_sources_need_an_extension_the_build_lacks_is_refused(tmp_path):
+    """0.23.0's platforms/cuda.py imports vllm._C at module level; 0.24 and later ship _C_stable_libtorch only: 0.23.0's
+    sources over 0.25.1's compiled parts are refused, 0.24.0's and 0.25.0's allowed (the same torch, the same
+    extension modules)."""
+    co = _checkout(tmp_path / "co", "2.11.0")
+    (co / "vllm" / "platforms").mkdir()
+    (co / "vllm" / "platforms" / "cuda.py").write_text(
+        "import torch\nimport vllm._C  # noqa\nimport vllm.envs\ntry:\n    import vllm._flashmla_C\nexcept ImportError:\n"
+        "    pass\n\ndef f():\n    import vllm._moe_C\n"
+    )
+    (co / "vllm" / "envs.py").write_text("")
+    inst = _installed(tmp_path / "site", "2.11.0")
+    (inst / "_C.abi3.so").rename(inst / "_C_stable_libtorch.abi3.so")
+    why = abi_problem(co, inst)
+    assert why and "vllm._C (imported by vllm/platforms/cuda.py)" in why
+    assert "_flashmla" not in why and "_moe_C" not in why  # under a try, inside a function: optional
+    (inst / "_C.abi3.so").write_bytes(b"\x7fELF")
+    assert abi_problem(co, inst) is None
+
+
+def test_an_overlay_build_takes_the_sources_version_and_the_base_dependencies(tmp_path):
+    from repro.vllm_integration.builds import overlay_build
+    from tests.fake_vllm import write_fake_vllm
+
+    base = write_fake_vllm(tmp_path / "base", "0.25.1", "good")
+    (base / "vllm" / "_C_stable_libtorch.abi3.so").write_bytes(b"\x7fELF")
+    (base / "somedep").mkdir()
+    src = tmp_path / "src"
+    shutil.copytree(base / "vllm", src / "vllm", ignore=shutil.ignore_patterns("*.so"))
+    (src / "vllm" / "_version.py").write_text('__version__ = "0.24.0"\n')
+    b = overlay_build("0.24.0", src, base, tmp_path / "ov")
+    assert b.version == "0.24.0" and b.label == "0.24.0" and b.role == "under-test"
+    dest = Path(b.prefix)
+    assert (dest / "somedep").is_symlink() and (dest / "vllm" / "_C_stable_libtorch.abi3.so").is_symlink()
+    assert not (dest / "vllm").is_symlink()  # the sources, copied

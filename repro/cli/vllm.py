@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -66,6 +67,14 @@ def add_parsers(sub) -> None:
         default=[],
         help="LABEL=PREFIX: a known-bad build the gate must catch (also REPRO_VLLM_CONTROL; default: none)",
     )
+    gt.add_argument(
+        "--overlay",
+        action="append",
+        default=[],
+        help="LABEL=SOURCES@BASE: a build under test made of a release's Python sources (a folder holding vllm/) over "
+        "the compiled parts and dependencies of the build at BASE; refused when their torch pins or required "
+        "extension modules differ (default: none)",
+    )
     gt.add_argument("--no-installed", action="store_true", help="leave out the vllm this Python imports")
     gt.add_argument("--installed-label", help="case-id label of the installed vllm (default: its version)")
     gt.add_argument(
@@ -121,6 +130,16 @@ def cmd_gate(a: argparse.Namespace) -> int:
     builds += parse_builds(",".join(a.vllm), UNDER_TEST, "--vllm") + parse_builds(
         ",".join(a.control), CONTROL, "--control"
     )
+    if a.overlay:
+        from repro.vllm_integration.bisect import AbiMismatch
+        from repro.vllm_integration.builds import parse_overlays
+
+        check_out_dir(a.out)
+        dest = Path(a.out) / "overlays" if a.out else Path(tempfile.mkdtemp(prefix="repro-overlays-"))
+        try:
+            builds += parse_overlays(a.overlay, dest)
+        except AbiMismatch as e:
+            raise ConfigError(f"--overlay: {e}") from None
     if a.installed_label:
         builds = [replace(b, label=a.installed_label) if b.prefix is None else b for b in builds]
     if not builds:

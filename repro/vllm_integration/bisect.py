@@ -48,6 +48,37 @@ def torch_pin(tree: str | Path) -> tuple[str | None, str]:
     return None, "no torch pin in requirements/ or a dist-info beside the package"
 
 
+_TOP_IMPORT = re.compile(r"^(?:import (vllm\.[\w.]+)|from (vllm\.[\w.]+) import )", re.M)
+
+
+def required_extensions(src_pkg: str | Path) -> dict[str, str]:
+    """The compiled extension modules a vllm package's Python sources import unconditionally: `import vllm.X` or
+    `from vllm.X import ...` at module level (in column 0: not under a try, not in a function) where the sources hold
+    no vllm/X.py or vllm/X/ package. {module: first file importing it}."""
+    src = Path(src_pkg)
+    out: dict[str, str] = {}
+    for path in sorted(src.rglob("*.py")):
+        for m in _TOP_IMPORT.finditer(path.read_text(errors="replace")):
+            name = m[1] or m[2]
+            rel = Path(*name.split(".")[1:])
+            if (src / rel).with_suffix(".py").exists() or (src / rel).is_dir():
+                continue
+            out.setdefault(name, str(path.relative_to(src.parent)))
+    return out
+
+
+def missing_extensions(src_pkg: str | Path, compiled_pkg: str | Path) -> list[str]:
+    """Required extension modules (required_extensions) the compiled side has no .so for: 'module (imported by
+    file)'."""
+    comp = Path(compiled_pkg)
+    missing = []
+    for mod, where in sorted(required_extensions(src_pkg).items()):
+        rel = Path(*mod.split(".")[1:])
+        if not list((comp / rel.parent).glob(f"{rel.name}.*so")):
+            missing.append(f"{mod} (imported by {where})")
+    return missing
+
+
 def abi_problem(checkout: str | Path, installed_pkg: str | Path) -> str | None:
     """Why an overlay's compiled parts cannot serve its Python sources, or None. vLLM's extensions link against one
     torch release (the wheels pin it exactly: 0.23.0, 0.25.1 and 0.26.0 all `torch==2.11.0`; 0.27 and later 2.13 or
@@ -59,6 +90,13 @@ def abi_problem(checkout: str | Path, installed_pkg: str | Path) -> str | None:
         return (
             f"ABI mismatch: the sources pin torch {want} ({where_src}), the compiled parts were built for torch {have} "
             f"({where_so}); overlay them on a build of the same torch release"
+        )
+    src_pkg = Path(checkout) / "vllm" if (Path(checkout) / "vllm").is_dir() else Path(checkout)
+    missing = missing_extensions(src_pkg, installed_pkg)
+    if missing:
+        return (
+            f"ABI mismatch: the sources import compiled extensions the other build does not have: {', '.join(missing)}; "
+            "overlay them on a build with the same extension modules"
         )
     return None
 

@@ -13,6 +13,7 @@ import importlib.metadata
 import importlib.util
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,3 +109,46 @@ def build_pythonpath(build: VllmBuild, all_builds: list[VllmBuild], current: str
     if build.prefix:
         parts = [build.prefix] + [p for p in parts if str(Path(p).resolve()) != build.prefix]
     return os.pathsep.join(parts)
+
+
+def overlay_build(label: str, sources: str | Path, base: str | Path, dest_root: str | Path) -> VllmBuild:
+    """A build under test made of one release's Python sources over another build's compiled parts: `sources` holds
+    a vllm/ package (a checkout, or a wheel's files without its .so, with its vllm-*.dist-info when it has one),
+    `base` a build prefix (vllm/ with its compiled extensions, and the packages it needs beside it). At
+    dest_root/label: vllm/ = the sources plus base's .so files (repro.vllm_integration.bisect.build_overlay, refused
+    with AbiMismatch when the torch pins or the required extension modules differ), every other entry of base
+    linked (its dependencies), and the sources' dist-info. ConfigError for a missing folder or label."""
+    from repro.vllm_integration.bisect import build_overlay  # bisect's overlay, shared: one home for it
+
+    if not _LABEL.match(label):
+        raise ConfigError(f"--overlay: label {label!r} may hold letters, digits and . _ + - only")
+    src, base = Path(sources), Path(base)
+    if not (src / "vllm" / "__init__.py").exists():
+        raise ConfigError(f"--overlay {label}: {src} holds no vllm/ package of sources")
+    if not (base / "vllm" / "__init__.py").exists():
+        raise ConfigError(f"--overlay {label}: {base} holds no vllm package to take the compiled parts from")
+    dest = Path(dest_root) / label
+    if dest.exists():
+        shutil.rmtree(dest)
+    build_overlay(src, base / "vllm", dest)
+    for entry in base.iterdir():
+        if entry.name == "vllm" or entry.name.startswith("vllm-") and entry.name.endswith(".dist-info"):
+            continue
+        (dest / entry.name).symlink_to(entry.resolve())
+    for info in src.glob("vllm-*.dist-info"):
+        shutil.copytree(info, dest / info.name)
+    return VllmBuild(label, str(dest.resolve()), UNDER_TEST, read_version(dest))
+
+
+def parse_overlays(items: list[str], dest_root: str | Path) -> list[VllmBuild]:
+    """--overlay LABEL=SOURCES@BASE items, each made into a build (overlay_build)."""
+    out = []
+    for item in items:
+        label, sep, rest = item.partition("=")
+        sources, at, base = rest.rpartition("@")
+        if not sep or not at or not label or not sources or not base:
+            raise ConfigError(
+                f"--overlay: {item!r} is not LABEL=SOURCES@BASE (e.g. 0.24.0=/src/vllm-0.24.0@/opt/v0251)"
+            )
+        out.append(overlay_build(label, sources, base, dest_root))
+    return out
