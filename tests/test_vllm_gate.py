@@ -211,8 +211,8 @@ def test_fresh_prefill_capture_rewrites_the_two_spots_once(tmp_path):
 
 
 HOOK_NOTHING = {  # stand-in behaviour -> what the cannot-vouch reason must name
-    "no-forward": "no attention forward went through FlashAttentionImpl.forward",
-    "other-backend": "no attention forward went through FlashAttentionImpl.forward",
+    "no-forward": "no attention forward went through the hooked FLASH_ATTN impl",
+    "other-backend": "no attention forward went through the hooked FLASH_ATTN impl",
     "fa2": "FlashAttention version 2, not FA3",
     "no-spec": "no speculative decoding",
     "piecewise": "cudagraph mode PIECEWISE: no FULL CUDA graphs",

@@ -59,6 +59,12 @@ def add_parsers(sub) -> None:
         help="audit, plain, mps:N, sm_margin:N, poison:FILL, memcheck[:async] (default audit,plain)",
     )
     gt.add_argument(
+        "--backends",
+        default="FLASH_ATTN",
+        help="vLLM attention backends, each a case parameter: FLASH_ATTN, TRITON_ATTN, FLASHINFER... "
+        "(sm_margin and poison modes: FLASH_ATTN only) (default %(default)s)",
+    )
+    gt.add_argument(
         "--vllm", action="append", default=[], help="LABEL=PREFIX: a build under test (also REPRO_VLLM; default: none)"
     )
     gt.add_argument(
@@ -118,10 +124,11 @@ def cmd_gate(a: argparse.Namespace) -> int:
     from repro.vllm_integration import gate_report
     from repro.vllm_integration.builds import CONTROL, UNDER_TEST, find_builds, parse_builds
     from repro.vllm_integration.gate_cache import GateCache, default_root
-    from repro.vllm_integration.gate_case import parse_modes
+    from repro.vllm_integration.gate_case import parse_backends, parse_modes
     from repro.vllm_integration.gate_run import EXIT, run_gate
 
     modes = parse_modes(a.modes)
+    backends = parse_backends(a.backends)
     if a.compare_paths and (a.no_cache or a.repeat != 1):
         raise ConfigError("--compare-paths runs both paths once each: leave out --no-cache and --repeat")
     if a.repeat < 1 or a.jobs < 1 or a.timeout <= 0:
@@ -152,7 +159,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
     if a.dry_run:
         from repro.vllm_integration.gate_run import plan
 
-        for c in plan(builds, modes, a.repeat, a.timeout):
+        for c in plan(builds, modes, a.repeat, a.timeout, backends):
             print(c.case_id)
         return 0
     check_out_dir(a.out)
@@ -171,9 +178,9 @@ def cmd_gate(a: argparse.Namespace) -> int:
 
     logs = Path(a.logs) if a.logs else out / "logs"
     if a.compare_paths:
-        return _compare_paths(a, builds, modes, out, logs, progress)
+        return _compare_paths(a, builds, modes, backends, out, logs, progress)
     cache = None if a.no_cache else GateCache(Path(a.cache_dir) if a.cache_dir else default_root())
-    run = run_gate(builds, modes, logs, a.repeat, a.jobs, a.timeout, progress, cache)
+    run = run_gate(builds, modes, logs, a.repeat, a.jobs, a.timeout, progress, cache, backends)
     written = gate_report.write(run, out, collect(), need_control=not a.no_control)
     print(gate_report.markdown(run, need_control=not a.no_control).split("\n| case |")[0])
     print(f"written: {', '.join(str(p) for p in written)}")
@@ -250,7 +257,7 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
     return EXIT_BUG if "bad" in verdicts else (EXIT_UNTESTABLE if "untestable" in verdicts else EXIT_OK)
 
 
-def _compare_paths(a: argparse.Namespace, builds, modes, out: Path, logs: Path, progress) -> int:
+def _compare_paths(a: argparse.Namespace, builds, modes, backends, out: Path, logs: Path, progress) -> int:
     """`gate --compare-paths`: old path, new path cold, new path warm; each path's gate report in OUT/<path>/,
     the side-by-side table in OUT/paths.md and paths.json. Exit: the warm run's gate exit code, or 3 when a case's
     verdict differs between the paths (the new path cannot stand in for the old)."""
@@ -258,21 +265,18 @@ def _compare_paths(a: argparse.Namespace, builds, modes, out: Path, logs: Path, 
     from repro.environment import collect
     from repro.redact import redact
     from repro.vllm_integration import gate_bench, gate_report
-    from repro.vllm_integration.gate_run import EXIT, NEW_WARM, compare_paths
+    from repro.vllm_integration.gate_run import EXIT, NEW_WARM, compare_paths, path_folder
 
-    runs = compare_paths(
-        builds, modes, logs, Path(a.cache_dir) if a.cache_dir else out / "cache", a.jobs, a.timeout, progress
-    )
+    cache_root = Path(a.cache_dir) if a.cache_dir else out / "cache"
+    runs = compare_paths(builds, modes, logs, cache_root, a.jobs, a.timeout, progress, backends)
     env = collect()
     for name, run in runs.items():
-        sub = out / name.replace(" ", "").replace("(", "-").replace(")", "")
-        gate_report.write(run, sub, env, need_control=not a.no_control)
+        gate_report.write(run, out / path_folder(name), env, need_control=not a.no_control)
     md = gate_bench.compare_markdown(runs)
     (out / "paths.md").write_text(redact("\n".join(report.header("vLLM gate: old and new path", env))) + "\n" + md)
     (out / "paths.json").write_text(json.dumps({"environment": env, "paths": gate_bench.compare_json(runs)}, indent=1))
     print(md.split("### Phases")[0])
-    verdicts = {n: {c.case_id: r.verdict for c, r in r_.cases} for n, r_ in runs.items()}
-    if gate_bench.verdict_diff(verdicts):
+    if gate_bench.verdict_diff(gate_bench.path_verdicts(runs)):
         print("repro: the paths' verdicts differ (listed in paths.md): the new path cannot stand in for the old")
         return EXIT_BLIND
     print(f"written: {out / 'paths.md'}, {out / 'paths.json'}")

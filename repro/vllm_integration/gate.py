@@ -62,7 +62,9 @@ def write_models(root: str | Path) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
-def llm_kwargs(target: Path, draft: Path, reference: bool, spec_tokens: int, gpu_memory: float) -> dict:
+def llm_kwargs(
+    target: Path, draft: Path, reference: bool, spec_tokens: int, gpu_memory: float, backend: str = "FLASH_ATTN"
+) -> dict:
     """The LLM(...) arguments of a gate run. Reference: no speculative decoding, no CUDA graphs."""
     kw = dict(
         model=str(target),
@@ -73,7 +75,7 @@ def llm_kwargs(target: Path, draft: Path, reference: bool, spec_tokens: int, gpu
         gpu_memory_utilization=gpu_memory,
         # a fixed KV cache skips vLLM's memory profiling, whose check fails when a concurrent case frees memory
         kv_cache_memory_bytes=KV_CACHE_BYTES,
-        attention_backend="FLASH_ATTN",
+        attention_backend=backend,
         seed=0,
     )
     if reference:
@@ -99,6 +101,14 @@ def _name(x) -> str | None:
     return str(getattr(x, "name", None) or x)
 
 
+def _backend_seen(counters: dict) -> str | None:
+    """The attention backend whose forwards the plugin counted most (its `backends` counter), None when none ran."""
+    seen = {k: v for k, v in (counters.get("backends") or {}).items() if v}
+    if seen:
+        return max(seen, key=seen.get)
+    return "FLASH_ATTN" if counters.get("attention_forwards") else None  # a plugin that counts FA forwards only
+
+
 def resolved_engine(llm) -> dict:
     """What the engine resolved, read from its config after start-up (in-process engine: the config the model runner
     updated) and from the plugin's counters (the attention impl that ran, its FA version, the runner seen capturing).
@@ -122,7 +132,7 @@ def resolved_engine(llm) -> dict:
         "model_runner": runner,
         "model_runner_v2": bool(runner) and str(runner).startswith("vllm.v1.worker.gpu."),
         "attention_backend_requested": _name(getattr(attn_cfg, "backend", None)),
-        "attention_backend": "FLASH_ATTN" if counters.get("attention_forwards") else None,
+        "attention_backend": _backend_seen(counters),
         "fa_version": next(iter(versions)) if len(versions) == 1 else (sorted(versions) or None),
         "cudagraph_mode": _name(getattr(comp, "cudagraph_mode", None)),
         "speculative_method": getattr(spec, "method", None) if spec is not None else None,
@@ -153,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reference", action="store_true")
     p.add_argument("--spec-tokens", type=int, default=SPEC_TOKENS)
     p.add_argument("--max-new", type=int, default=MAX_NEW)
+    p.add_argument("--attention-backend", default="FLASH_ATTN", help="vLLM's attention backend (default %(default)s)")
     p.add_argument("--gpu-memory", type=float, default=0.1, help="share of GPU memory that must be free at start")
     a = p.parse_args(argv)
     t0 = time.time()
@@ -166,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t_import = time.time()
     target, draft = write_models(a.out)
-    llm = LLM(**llm_kwargs(target, draft, a.reference, a.spec_tokens, a.gpu_memory))
+    llm = LLM(**llm_kwargs(target, draft, a.reference, a.spec_tokens, a.gpu_memory, a.attention_backend))
     t_engine = time.time()
     params = SamplingParams(
         temperature=0.0, max_tokens=a.max_new, detokenize=False, ignore_eos=True, logprobs=2 if a.reference else None

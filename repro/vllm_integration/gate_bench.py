@@ -133,12 +133,6 @@ def _caches(ph: dict | None) -> str:
     return (ph or {}).get("vllm_cache", "-")
 
 
-def build_walls(run) -> dict[str, float]:
-    """Per build: seconds from its first case's start to its last case's end (reference, modes and the attribution
-    rerun of a crash), as the run measured them."""
-    return dict(run.build_wall_s)
-
-
 def compare_markdown(runs: dict) -> str:
     """The paths side by side ({path: GateRun}, in the order run): outcome, wall, each build's wall against the goals
     (warm < 60 s, cold < 120 s per build), every case's phases and the verdict differences."""
@@ -147,7 +141,7 @@ def compare_markdown(runs: dict) -> str:
     lines.append("| path | outcome | wall s | " + " | ".join(f"{b} s" for b in labels) + " |")
     lines.append("|---|---|---|" + "---|" * len(labels))
     for name, run in runs.items():
-        walls = build_walls(run)
+        walls = run.build_wall_s
         cells = " | ".join(_fmt(walls.get(b)) for b in labels)
         lines.append(f"| {name} | {run.outcome()} | {_fmt(run.wall_s)} | {cells} |")
     lines.append("")
@@ -155,7 +149,7 @@ def compare_markdown(runs: dict) -> str:
         goal = PER_BUILD_GOAL_WARM_S if "warm" in name else PER_BUILD_GOAL_COLD_S if "cold" in name else None
         if goal is None:
             continue
-        for b, w in sorted(build_walls(run).items()):
+        for b, w in sorted(run.build_wall_s.items()):
             met = "met" if w < goal else "NOT met"
             lines.append(f"- {name}: build {b} {w:.1f} s (goal < {goal:.0f} s): {met}")
     lines.append("")
@@ -164,11 +158,16 @@ def compare_markdown(runs: dict) -> str:
         for c, r in [*run.references, *run.cases, *run.attributions]:
             rows.append((name, c.case_id, r.verdict, r.phases, _caches(r.phases)))
     lines += ["### Phases per case process (seconds)", ""] + phase_table(rows)
-    verdicts = {n: {c.case_id: r.verdict for c, r in [*run.cases, *run.attributions]} for n, run in runs.items()}
-    diff = verdict_diff(verdicts)
+    diff = verdict_diff(path_verdicts(runs))
     lines += ["", f"### Verdict differences between the paths: {len(diff)}", ""]
     lines += [f"- {d}" for d in diff] or ["none: every case has the same verdict on every path"]
     return "\n".join(lines) + "\n"
+
+
+def path_verdicts(runs: dict) -> dict[str, dict[str, str]]:
+    """{path: {case id: verdict}} over the cases and the attribution reruns (references aside: a kept one is the
+    same record)."""
+    return {n: {c.case_id: r.verdict for c, r in [*run.cases, *run.attributions]} for n, run in runs.items()}
 
 
 def compare_json(runs: dict) -> dict:
@@ -176,7 +175,7 @@ def compare_json(runs: dict) -> dict:
         name: {
             "outcome": run.outcome(),
             "wall_s": run.wall_s,
-            "build_wall_s": build_walls(run),
+            "build_wall_s": run.build_wall_s,
             "cases": {
                 c.case_id: {"verdict": r.verdict, "phases": r.phases}
                 for c, r in [*run.references, *run.cases, *run.attributions]

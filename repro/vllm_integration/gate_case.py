@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from repro import policy
@@ -91,6 +92,22 @@ def parse_modes(text: str) -> tuple[GateMode, ...]:
     return modes
 
 
+DEFAULT_BACKEND = "FLASH_ATTN"
+FA3_ONLY = ("sm_margin", "poison")  # modes that hook FA3's own calls
+
+
+def parse_backends(text: str) -> tuple[str, ...]:
+    """--backends FLASH_ATTN,TRITON_ATTN,...: vLLM attention backend names (as vLLM spells them), each a case
+    parameter like the modes."""
+    names = tuple(dict.fromkeys(x.strip().upper() for x in text.split(",") if x.strip()))
+    if not names:
+        raise ConfigError("no attention backend given")
+    bad = [n for n in names if not re.fullmatch(r"[A-Z][A-Z0-9_]*", n)]
+    if bad:
+        raise ConfigError(f"attention backend {bad[0]!r}: use vLLM's names, e.g. FLASH_ATTN, TRITON_ATTN, FLASHINFER")
+    return names
+
+
 @dataclass(frozen=True)
 class GateCase:
     build: VllmBuild
@@ -99,11 +116,14 @@ class GateCase:
     rep: int = 0
     launch_blocking: bool = False
     timeout_s: float = 300.0
+    backend: str = DEFAULT_BACKEND  # vLLM's attention backend (attention_backend=...)
 
     @property
     def case_id(self) -> str:
         what = f"reference-{self.mode.sm.label}" if self.reference else self.mode.label
         parts = ["stale_metadata", "vllm", self.build.label, self.build.role, what]
+        if self.backend != DEFAULT_BACKEND:  # FLASH_ATTN ids stay as recorded
+            parts.insert(4, self.backend.lower())
         if self.rep:
             parts.append(f"rep{self.rep}")
         if self.launch_blocking:
@@ -122,9 +142,9 @@ class GateCase:
 
 
 def reference_for(case: GateCase) -> GateCase:
-    return GateCase(
-        case.build, GateMode(f"reference-{case.mode.sm.label}", sm=case.mode.sm), True, 0, False, case.timeout_s
-    )
+    """The reference of a case: the same build, backend and SM configuration, no speculative decoding."""
+    mode = GateMode(f"reference-{case.mode.sm.label}", sm=case.mode.sm)
+    return replace(case, mode=mode, reference=True, rep=0, launch_blocking=False)
 
 
 def case_env(
@@ -143,10 +163,12 @@ def case_env(
         "REPRO_PROBE",
         "REPRO_SM_MARGIN",
         "REPRO_POISON",
+        "REPRO_ATTENTION_BACKEND",
         "CUDA_LAUNCH_BLOCKING",
     ):
         env.pop(k, None)
     env.update(BASE_ENV)
+    env["REPRO_ATTENTION_BACKEND"] = case.backend
     root = str(Path(__file__).resolve().parents[2])
     path = build_pythonpath(case.build, builds, env.get("PYTHONPATH"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (path, root) if p)

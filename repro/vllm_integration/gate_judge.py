@@ -18,7 +18,7 @@ from repro.staleness import count_fields, stale_entry
 from repro.tags import AUDIT_TAG, COUNTERS_TAG, DEVICE_TAG, ENGINE_TAG, PLUGIN_TAG, RESULT_TAG
 from repro.verdicts import CANNOT_VOUCH as NOT_VOUCHED
 from repro.verdicts import CLEAN, CRASH, ERROR, HANG, KERNEL_EVIDENCE, OOB, SKIP, STALE_AUDIT, WRONG
-from repro.vllm_integration.gate_case import GateCase, expected
+from repro.vllm_integration.gate_case import DEFAULT_BACKEND, GateCase, expected
 
 TIE_MARGIN = 0.1  # nats: a reference token whose top-2 margin is below this is a tie, not a reference
 MIN_COVERAGE = 0.5  # a comparison that covers less than this share of the tokens cannot vouch for a build
@@ -137,12 +137,15 @@ def not_fired(case: GateCase, identity: dict | None) -> list[str]:
     out = []
     if not e.get("model_runner_v2"):
         out.append(f"not the V2 model runner (runner: {e.get('model_runner') or 'none seen'})")
-    if not c.get("attention_forwards"):
+    backend = case.backend
+    by_backend = c.get("backends") or ({DEFAULT_BACKEND: c.get("attention_forwards", 0)} if "backends" not in c else {})
+    if not by_backend.get(backend):
+        seen = ", ".join(f"{k} {v}" for k, v in by_backend.items() if v) or "none"
         out.append(
-            "no attention forward went through FlashAttentionImpl.forward, the hooked path (another attention "
-            f"backend, or renamed classes; requested {e.get('attention_backend_requested')})"
+            f"no attention forward went through the hooked {backend} impl (forwards counted per backend: {seen}; "
+            f"requested {e.get('attention_backend_requested')}: another backend, or renamed classes)"
         )
-    else:
+    elif backend == DEFAULT_BACKEND:
         versions = c.get("fa_versions") or {}
         if set(versions) != {"3"}:
             out.append(f"FlashAttention version {', '.join(sorted(versions)) or 'unknown'}, not FA3")

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from repro import policy
@@ -32,7 +32,15 @@ from repro.verdicts import CLEAN, CRASH, FAULTS, SKIP
 from repro.vllm_integration import gate_bench
 from repro.vllm_integration.builds import UNDER_TEST, VllmBuild
 from repro.vllm_integration.gate_cache import GateCache
-from repro.vllm_integration.gate_case import GateCase, GateMode, case_env, expected, reference_for
+from repro.vllm_integration.gate_case import (
+    DEFAULT_BACKEND,
+    FA3_ONLY,
+    GateCase,
+    GateMode,
+    case_env,
+    expected,
+    reference_for,
+)
 from repro.vllm_integration.gate_judge import annotate, finish, meets
 
 PASS, AFFECTED, BLIND, CANNOT_VOUCH = "PASS", "AFFECTED", "HARNESS BLIND", "CANNOT VOUCH"
@@ -65,6 +73,7 @@ def run_case(
         vllm_cache = "warm" if cache.seed(case.build, private) else "cold"
     model_dir = log_dir / f"{case.case_id}.models"
     cmd = [sys.executable, "-m", "repro.vllm_integration.gate", "--out", str(model_dir)]
+    cmd += ["--attention-backend", case.backend]
     if case.reference:
         cmd.append("--reference")
     res, out = run_process(case, cmd, env, log_dir, bool(case.mode.sanitizer) and not case.reference)
@@ -98,7 +107,7 @@ def run_attributed(
     res = run_case(case, builds, log_dir, mps, cache=cache)
     if res.verdict != CRASH or case.mode.name != "plain" or case.rep or case.reference:
         return res, None
-    rc = GateCase(case.build, case.mode, False, case.rep, True, case.timeout_s)
+    rc = replace(case, launch_blocking=True)
     rerun = run_case(rc, builds, log_dir, mps, cache=cache)
     kernel = rerun.kernel if rerun.verdict == CRASH else None
     if kernel:
@@ -175,10 +184,27 @@ class GateRun:
         return BLIND if self.blind(need_control) else PASS
 
 
-def plan(builds: list[VllmBuild], modes: tuple[GateMode, ...], repeat: int, timeout_s: float) -> list[GateCase]:
+def plan(
+    builds: list[VllmBuild],
+    modes: tuple[GateMode, ...],
+    repeat: int,
+    timeout_s: float,
+    backends: tuple[str, ...] = (DEFAULT_BACKEND,),
+) -> list[GateCase]:
+    """Every case: build x attention backend x mode x repetition. sm_margin and poison hook FA3's own calls: with
+    another backend they are refused."""
     if repeat < 1:
         raise ConfigError("--repeat must be at least 1")
-    return [GateCase(b, m, rep=r, timeout_s=timeout_s) for b in builds for m in modes for r in range(repeat)]
+    fa3_only = [m.name for m in modes if m.name.split(":")[0] in FA3_ONLY]
+    if fa3_only and any(b != DEFAULT_BACKEND for b in backends):
+        raise ConfigError(f"mode {fa3_only[0]} hooks FA3's calls: run it with --backends {DEFAULT_BACKEND} only")
+    return [
+        GateCase(b, m, rep=r, timeout_s=timeout_s, backend=be)
+        for b in builds
+        for be in backends
+        for m in modes
+        for r in range(repeat)
+    ]
 
 
 def run_gate(
@@ -190,6 +216,7 @@ def run_gate(
     timeout_s: float = 300.0,
     progress: Callable[[GateCase, CaseResult], None] | None = None,
     cache: GateCache | None = None,
+    backends: tuple[str, ...] = (DEFAULT_BACKEND,),
 ) -> GateRun:
     """Every case, references included; non-MPS cases `jobs` at a time, MPS cases one at a time under one daemon
     owned by the run (a faulting MPS client can take the server's other clients down). With a cache (the new path,
@@ -197,7 +224,7 @@ def run_gate(
     fingerprint, SM configuration, GPU and gate code is used instead of running it again; without, the old path."""
     if not builds:
         raise ConfigError("no vLLM build to test: install vllm, or set REPRO_VLLM / REPRO_VLLM_CONTROL")
-    cases = plan(builds, modes, repeat, timeout_s)
+    cases = plan(builds, modes, repeat, timeout_s, backends)
     asked = [m.sm.sms for m in modes if m.sm.kind in ("sm_margin", "mps")]
     if asked:
         try:
@@ -217,10 +244,10 @@ def run_gate(
 
     def one(c: GateCase, mps: MpsDaemon | None) -> None:
         t = time.time()
-        kept = cache.load_reference(c.build, c.mode.sm.label, gpu) if cache is not None and c.reference else None
+        kept = cache.load_reference(c.build, _ref_key(c), gpu) if cache is not None and c.reference else None
         if kept is not None:
             res, attribution, out = (
-                kept_reference(c, kept, cache.reference_path(c.build, c.mode.sm.label, gpu)),
+                kept_reference(c, kept, cache.reference_path(c.build, _ref_key(c), gpu)),
                 None,
                 kept["result"],
             )
@@ -228,7 +255,7 @@ def run_gate(
             res, attribution = run_attributed(c, builds, log_dir, mps, cache)
             out = result_line(log_dir, c)
             if cache is not None and c.reference and res.verdict == CLEAN and out and out.get("tokens"):
-                cache.store_reference(c.build, c.mode.sm.label, gpu, out, res.to_dict())
+                cache.store_reference(c.build, _ref_key(c), gpu, out, res.to_dict())
         with lock:
             outputs[c.case_id] = out
             (run.references if c.reference else run.cases).append((c, res))
@@ -239,7 +266,7 @@ def run_gate(
         if progress:
             progress(c, res)
 
-    everything = refs + cases
+    everything = cases + refs  # speculative cases first: they publish the vLLM caches the references then load
     serial = [c for c in everything if c.mode.sm.kind == "mps"]
     parallel = [c for c in everything if c.mode.sm.kind != "mps"]
 
@@ -261,10 +288,10 @@ def run_gate(
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         list(pool.map(lambda c: one(c, None), parallel))
     mps_thread.join()
-    ref_by_key = {(c.build, c.mode.sm): (c, r) for c, r in run.references}
+    ref_by_key = {(c.build, c.backend, c.mode.sm): (c, r) for c, r in run.references}
     judged = []
     for c, r in run.cases:
-        rc, rr = ref_by_key[(c.build, c.mode.sm)]
+        rc, rr = ref_by_key[(c.build, c.backend, c.mode.sm)]
         judged.append((c, finish(c, r, outputs.get(c.case_id), rr, outputs.get(rc.case_id))))
     run.cases = judged
     order = {c.case_id: i for i, c in enumerate(cases)}
@@ -272,6 +299,11 @@ def run_gate(
     run.wall_s = round(time.time() - t0, 1)
     run.build_wall_s = {k: round(v[1] - v[0], 1) for k, v in starts.items()}
     return run
+
+
+def _ref_key(case: GateCase) -> str:
+    """What a kept reference is for, besides its build, GPU and the gate's code: backend and SM configuration."""
+    return f"{case.backend}/{case.mode.sm.label}"
 
 
 def gpu_identity() -> str:
@@ -297,6 +329,11 @@ def result_line(log_dir: str | Path, case: GateCase) -> dict | None:
 OLD_PATH, NEW_COLD, NEW_WARM = "old", "new (cold)", "new (warm)"
 
 
+def path_folder(name: str) -> str:
+    """The folder name of a path's logs and report: old, new-cold, new-warm."""
+    return name.replace(" ", "").replace("(", "-").replace(")", "")
+
+
 def compare_paths(
     builds: list[VllmBuild],
     modes: tuple[GateMode, ...],
@@ -305,6 +342,7 @@ def compare_paths(
     jobs: int = 3,
     timeout_s: float = 300.0,
     progress: Callable[[GateCase, CaseResult], None] | None = None,
+    backends: tuple[str, ...] = (DEFAULT_BACKEND,),
 ) -> dict[str, GateRun]:
     """The same gate three times, one after the other: the old path (every case cold, every reference run), the new
     path on an empty cache folder (cold), and the new path again on what that run left (warm). cache_root must be
@@ -314,6 +352,6 @@ def compare_paths(
         raise ConfigError(f"{cache_root}: the cold run needs an empty cache folder")
     runs = {}
     for name, cache in ((OLD_PATH, None), (NEW_COLD, GateCache(cache_root)), (NEW_WARM, GateCache(cache_root))):
-        sub = Path(log_dir) / name.replace(" ", "").replace("(", "-").replace(")", "")
-        runs[name] = run_gate(builds, modes, sub, 1, jobs, timeout_s, progress, cache)
+        sub = Path(log_dir) / path_folder(name)
+        runs[name] = run_gate(builds, modes, sub, 1, jobs, timeout_s, progress, cache, backends)
     return runs
