@@ -52,12 +52,20 @@ MAX_NEW = 16
 
 
 def write_models(root: str | Path) -> tuple[Path, Path]:
+    """The target and draft model folders (config.json each) under root; a config already there with the same text is
+    left alone, a changed one replaced whole (one rename): concurrent cases may share the folder. vLLM's
+    compile-cache key includes the model's path, so the cases of one build share one folder (the gate cache's)."""
     root = Path(root)
     paths = []
     for name, cfg in (("target", TARGET), ("draft", DRAFT)):
         d = root / name
         d.mkdir(parents=True, exist_ok=True)
-        (d / "config.json").write_text(json.dumps(cfg, indent=1))
+        text = json.dumps(cfg, indent=1)
+        cfg_file = d / "config.json"
+        if not cfg_file.exists() or cfg_file.read_text() != text:
+            tmp = d / f".config.json.{os.getpid()}"
+            tmp.write_text(text)
+            os.replace(tmp, cfg_file)
         paths.append(d)
     return paths[0], paths[1]
 

@@ -71,7 +71,8 @@ def run_case(
     vllm_cache = "private"
     if cache is not None:
         vllm_cache = "warm" if cache.seed(case.build, private) else "cold"
-    model_dir = log_dir / f"{case.case_id}.models"
+    # the models' folder is part of vLLM's compile-cache key: one folder per build on the new path
+    model_dir = cache.build_dir(case.build) / "models" if cache is not None else log_dir / f"{case.case_id}.models"
     cmd = [sys.executable, "-m", "repro.vllm_integration.gate", "--out", str(model_dir)]
     cmd += ["--attention-backend", case.backend]
     if case.reference:
