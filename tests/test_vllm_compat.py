@@ -89,7 +89,8 @@ def _tree_as_recorded(root: Path, row: dict) -> Path:
             + f"class {cls}(CudaGraphManager):\n    def capture(self, forward_fn, {arg}):\n        pass\n"
         )
     else:
-        rel = "vllm/v1/worker/gpu/spec_decode/autoregressive/cudagraph_utils.py"
+        rel = f"vllm/v1/worker/gpu/spec_decode/{row['layout']}/cudagraph_utils.py"
+        (root / "vllm/v1/worker/gpu/spec_decode/autoregressive/cudagraph_utils.py").unlink()  # _make's bad manager
         text = (
             "class PrefillSpeculatorCudaGraphManager(CudaGraphManager):\n"
             "    def capture(self, forward_fn, prepare_inputs_to_capture):\n"
@@ -103,7 +104,8 @@ def _tree_as_recorded(root: Path, row: dict) -> Path:
 @pytest.mark.parametrize("row", RECORDED, ids=_version)
 def test_the_checker_states_what_was_recorded_for_a_tree_shaped_like_the_wheel(tmp_path, row):
     """results/vllm-source-check.json: today's checker, on a tree with what the record says each wheel holds (the
-    manager, file, line and argument its reason names; the plugin's hooks), gives the recorded row but its source."""
+    manager, file, line and argument its reason names, or its layout's folder; the plugin's hooks), gives the recorded
+    row but its source."""
     got = check_source(_tree_as_recorded(tmp_path / "tree", row)).to_dict()
     assert {**got, "source": row["source"]} == row
 

@@ -2,7 +2,10 @@
 persistent buffers the metadata's views point at still hold it.
 
 A view whose buffer was overwritten by a later build is stale: exactly the defect of vLLM PR #48261, and it is
-detected on any GPU at any SM count, without waiting for an out-of-bounds read."""
+detected on any GPU at any SM count, without waiting for an out-of-bounds read. Which views a backend's metadata
+has is repro.vllm_integration.backend_fields' business; this core compares whatever views it is handed, by name
+(FA3's scheduler_metadata decoded into its vectors, any other view by flat index). A refresh (vLLM's in-place
+draft-decode update, run eagerly) makes what the views show now the new reference."""
 
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ from typing import Any
 from repro.layout import VLLM, effective_causal, layout_from_size
 from repro.staleness import stale_entry
 
-FIELDS = ("query_start_loc", "seq_lens", "scheduler_metadata")
+FIELDS = ("query_start_loc", "seq_lens", "scheduler_metadata")  # FA3's views: what the auditor checked first
+Number = int | float  # bool tensors read as ints; floating tensors (none checked in vLLM's tables today) as floats
 
 
 @dataclass(frozen=True)
@@ -20,9 +24,9 @@ class Mismatch:
     descriptor: str  # t<tokens>r<reqs> of the metadata being used
     buffer: str
     field: str  # decoded field for scheduler_metadata
-    index: int  # first differing index within the field
-    built: int
-    now: int
+    index: int  # first differing index within the field (flat index for a view of more than one dimension)
+    built: Number
+    now: Number
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -36,7 +40,7 @@ class Mismatch:
 @dataclass
 class _Build:
     descriptor: str
-    values: dict[str, list[int]]
+    values: dict[str, list[Number]]
     shape: dict[str, Any]
 
 
@@ -46,26 +50,41 @@ class FreshnessAuditor:
     builds: dict[int, _Build] = field(default_factory=dict)
     mismatches: list[Mismatch] = field(default_factory=list)
     checks: int = 0
-    views: int = 0  # views compared over all checks (query_start_loc, seq_lens, scheduler_metadata each count one)
+    views: int = 0  # views compared over all checks (each view of a metadata object counts one per check)
+    refreshes: int = 0  # eager draft-decode refreshes that became their metadata's new reference
 
     def record_build(
         self, key: int, descriptor: str, views: dict[str, Any], shape: dict[str, Any] | None = None
     ) -> None:
-        """Right after a build: copy what its views show (they point into persistent buffers)."""
+        """Right after a build: copy what its views show (they point into persistent buffers). Copies to the host:
+        never call it while a CUDA graph is being captured."""
         self.builds[key] = _Build(descriptor, {k: _ints(v) for k, v in views.items() if v is not None}, shape or {})
+
+    def refresh(self, key: int, views: dict[str, Any]) -> bool:
+        """After an eager in-place refresh of a recorded build's metadata (vLLM's update_draft_decode_metadata and
+        the draft step around it): what the views show now is what the next forward must see. False when the build
+        is not known. Copies to the host, like record_build."""
+        b = self.builds.get(key)
+        if b is None:
+            return False
+        b.values = {k: _ints(v) for k, v in views.items() if v is not None}
+        self.refreshes += 1
+        return True
 
     def knows(self, key: int) -> bool:
         return key in self.builds
 
-    def check(self, key: int, views: dict[str, Any]) -> list[Mismatch]:
-        """Before a forward: do the views still show what their build wrote? Returns (and keeps) the mismatches."""
+    def check(self, key: int, views: dict[str, Any], skip: frozenset[str] | set[str] = frozenset()) -> list[Mismatch]:
+        """Before a forward: do the views still show what their build wrote? Returns (and keeps) the mismatches.
+        `skip`: views not to compare (rewritten by an in-graph refresh, their contents the graph's to compute)."""
         b = self.builds.get(key)
         if b is None:
             return []
         self.checks += 1
-        self.views += len(b.values)
+        compared = {k: v for k, v in b.values.items() if k not in skip}
+        self.views += len(compared)
         found = []
-        for name, built in b.values.items():
+        for name, built in compared.items():
             now = _ints(views.get(name))
             if now == built:
                 continue
@@ -111,9 +130,11 @@ class FreshnessAuditor:
         )
 
 
-def _ints(v: Any) -> list[int]:
+def _ints(v: Any) -> list[Number]:
+    """A view's contents on the host, flat (ints, or floats for a floating tensor). Synchronises with the device."""
     if v is None:
         return []
     if hasattr(v, "detach"):
-        return [int(x) for x in v.detach().to("cpu").reshape(-1).tolist()]
-    return [int(x) for x in v]
+        flat = v.detach().to("cpu").reshape(-1)
+        return [x if isinstance(x, float) else int(x) for x in flat.tolist()]
+    return [x if isinstance(x, float) else int(x) for x in v]

@@ -163,6 +163,11 @@ def not_fired(case: GateCase, identity: dict | None) -> list[str]:
         drafts = acc.get("spec_decode_num_drafts")
         if isinstance(drafts, (int, float)) and drafts == 0:
             out.append("speculative decoding configured, but vLLM counted 0 drafts")
+    if c.get("spec_layout_known") is False:  # older records lack the key: not read as unknown
+        out.append(
+            f"speculative-decoding layout {c.get('spec_layout') or 'none found'} is not one the auditor knows "
+            "(plugin.KNOWN_SPEC_LAYOUTS)"
+        )
     if case.mode.audit and not c.get("checks"):
         out.append("the freshness auditor made 0 checks")
     if case.mode.sm.kind == "sm_margin":

@@ -1,16 +1,26 @@
 """The harness inside vLLM, as a general plugin (entry point group `vllm.general_plugins`). vLLM loads it in every
 process it starts; each feature is off unless its environment variable turns it on:
 
-- REPRO_PROBE=1           coverage counters (every gate case but the references): FlashAttentionImpl.forward calls and
-                          the FA version of the impl that made them, and every CUDA graph capture (torch.cuda.graph)
+- REPRO_ATTENTION_BACKEND=NAME  the attention backend the probe and the auditor hook, named as vLLM names it
+                          (FLASH_ATTN when unset; TRITON_ATTN, FLASHINFER, or any backend vLLM's registry knows: see
+                          repro.vllm_integration.backend_fields). Set it to the backend the engine is asked to use
+                          (LLM(attention_backend=NAME)): the hooks go on that backend's classes only, and a backend
+                          whose classes are not found is an error line, never a silent clean run.
+- REPRO_PROBE=1           coverage counters (every gate case but the references): the backend impl's forward calls
+                          (per backend) and, for FLASH_ATTN, the FA version of the impl that made them, and every CUDA graph capture (torch.cuda.graph)
                           with its graph kind (target decode, target mixed, draft prefill, draft decode, read from the
                           vLLM objects on the capture's call stack; "unknown kind" when none says) and whether an
                           attention forward ran inside it (a FULL graph). The model runner class seen capturing.
-- REPRO_AUDIT=1           freshness auditor (implies the probe): wraps FlashAttentionMetadataBuilder.build (record what
-                          each build's views show) and FlashAttentionImpl.forward (before every eager forward, check
-                          they still show it); at the end of every capture, the metadata its attention forwards used
-                          is checked too (what the graph baked in). Findings go to stderr as `REPRO_AUDIT <json>`
-                          lines and, at exit, to REPRO_AUDIT_FILE.
+- REPRO_AUDIT=1           freshness auditor (implies the probe): wraps the backend's <X>MetadataBuilder.build and
+                          build_for_cudagraph_capture (record what every tensor of each build's metadata shows, by the
+                          backend's field table) and <X>Impl.forward (before every eager forward, check they still
+                          show it); at the end of every capture, the metadata its attention forwards used is checked
+                          too (what the graph baked in). Nothing is copied to the host while a graph is captured.
+                          Where the builder has update_draft_decode_metadata (vLLM 0.28 on: the fused draft loop
+                          refreshes the draft-decode metadata in place, inside the captured graph), an eager refresh
+                          becomes the metadata's new reference, and a refresh inside a capture marks the fields it
+                          rewrites as the graph's to compute (not compared at that capture's end). Findings go to
+                          stderr as `REPRO_AUDIT <json>` lines and, at exit, to REPRO_AUDIT_FILE.
 - REPRO_SM_MARGIN=N       FA3 plans and launches for N fewer SMs: sm_margin passed to vLLM's get_scheduler_metadata
                           and to every torch.ops._vllm_fa3_C.fwd call (vLLM itself always passes 0). Counted per call.
 - REPRO_POISON=<fill>     the entries FA3's get_scheduler_metadata never writes are filled (repro.poison) before vLLM
@@ -24,8 +34,11 @@ process it starts; each feature is off unless its environment variable turns it 
 Each feature that installed is announced as a `REPRO_PLUGIN {"installed": ...}` line, and only then; a hook that
 could not be installed is a `REPRO_PLUGIN {"error": ...}` line (the gate turns either into the case's verdict). The
 counters (COUNTERS) are printed at exit as `REPRO_COUNTERS <json>`; the gate process prints them with the engine's
-configuration after generate (repro.vllm_integration.gate). Written against the names in
-vllm/v1/attention/backends/flash_attn.py; anything not found is reported, never guessed."""
+configuration after generate (repro.vllm_integration.gate). With the probe on, the counters also name the
+speculative-decoding layout of the vLLM that loaded the plugin (`spec_layout`, read from its files as
+repro.vllm_integration.source_check does) and whether the auditor knows it (`spec_layout_known`: a layout the
+recorded wheels show, KNOWN_SPEC_LAYOUTS); a gate must not vouch for a run whose layout it does not know. Written
+against the names in vllm/v1/attention/backends/ (backend_fields); anything not found is reported, never guessed."""
 
 from __future__ import annotations
 
@@ -42,9 +55,22 @@ from typing import Any
 from repro.channel import emit
 from repro.tags import AUDIT_TAG, COUNTERS_TAG, PLUGIN_TAG
 from repro.vllm_integration.audit import FreshnessAuditor
+from repro.vllm_integration.backend_fields import (
+    DEFAULT_BACKEND,
+    FLASH_ATTN,
+    BackendFields,
+    backend_for,
+    find_classes,
+    tensor_fields,
+    unlisted,
+)
 
 ENV, FILE_ENV, PROBE_ENV = "REPRO_AUDIT", "REPRO_AUDIT_FILE", "REPRO_PROBE"
 SM_MARGIN_ENV, POISON_ENV, WEIGHTS_ENV = "REPRO_SM_MARGIN", "REPRO_POISON", "REPRO_WEIGHTS"
+BACKEND_ENV = "REPRO_ATTENTION_BACKEND"
+# the V2 speculative-decoding layouts the auditor was checked against (the recorded wheels 0.23.0-0.33.0,
+# results/vllm-versions.json; a CPU test keeps the two equal): another layout cannot be vouched for
+KNOWN_SPEC_LAYOUTS = ("autoregressive", "target_dependent_ar")
 AUDITOR = FreshnessAuditor()
 _installed: set[str] = set()
 UNKNOWN_KIND = "unknown kind"
@@ -58,8 +84,17 @@ def new_counters() -> dict[str, Any]:
         "captures_stale": {},  # kind -> of those, captures with stale views
         "checks": 0,  # auditor checks (eager forwards and capture ends)
         "views_checked": 0,  # views compared over those checks
-        "attention_forwards": 0,  # FlashAttentionImpl.forward calls, eager and captured
-        "fa_versions": {},  # FA version of the impl ("3", or "unknown") -> forwards
+        "attention_forwards": 0,  # hooked <X>Impl.forward calls, eager and captured, every backend together
+        "backends": {},  # attention backend name -> its hooked forwards
+        "fa_versions": {},  # FLASH_ATTN only: FA version of the impl ("3", or "unknown") -> forwards
+        "fields_unlisted": {},  # backend -> tensor fields its table does not list (checked by the rule)
+        "fields_not_checked": {},  # backend -> {field: why} for the tensors a metadata object showed and not checked
+        "builds_in_graph": 0,  # builds that returned inside a capture (not recorded: no host copy during capture)
+        "draft_refreshes": 0,  # eager update_draft_decode_metadata calls that became their metadata's reference
+        "draft_refreshes_in_graph": 0,  # ... called inside a capture (the refreshed fields are the graph's)
+        "captures_refreshed_in_graph": {},  # kind -> captures whose metadata was refreshed inside them
+        "spec_layout": None,  # V2 spec-decode layout of the vLLM that loaded the plugin (source_check.spec_layout)
+        "spec_layout_known": None,  # is it one of KNOWN_SPEC_LAYOUTS (None: not looked at, the probe is off)
         "sched_calls": 0,  # get_scheduler_metadata calls (fa3 hooks installed)
         "sched_sm_margin": 0,  # ... that received the injected sm_margin
         "fwd_sm_margin": 0,  # torch.ops._vllm_fa3_C.fwd calls that received it
@@ -87,17 +122,36 @@ def _bump(name: str, key: str | None = None, n: int = 1) -> None:
         COUNTERS[name][key] = COUNTERS[name].get(key, 0) + n
 
 
-def _views(md: Any) -> dict[str, Any]:
-    return {name: getattr(md, name, None) for name in ("query_start_loc", "seq_lens", "scheduler_metadata")}
+def _views(md: Any, spec: BackendFields = FLASH_ATTN) -> dict[str, Any]:
+    """The tensors of a metadata object the auditor compares, by field path (backend_fields.tensor_fields); what the
+    backend's table does not list, or a tensor that is not checked, is noted in the counters."""
+    views, skipped = tensor_fields(md, spec)
+    new = [p for p in unlisted(views, spec) if p not in COUNTERS["fields_unlisted"].get(spec.name, [])]
+    if new:
+        COUNTERS["fields_unlisted"][spec.name] = sorted({*COUNTERS["fields_unlisted"].get(spec.name, []), *new})
+    if skipped:
+        COUNTERS["fields_not_checked"].setdefault(spec.name, {}).update(skipped)
+    return views
+
+
+def _num_reqs(md: Any) -> int | None:
+    qsl = getattr(md, "query_start_loc", None)
+    if qsl is not None and hasattr(qsl, "shape"):
+        return qsl.shape[0] - 1
+    parts = [getattr(md, k, None) for k in ("num_decodes", "num_prefills")]  # FlashInfer
+    if all(isinstance(p, int) for p in parts):
+        return sum(parts)
+    seq = getattr(md, "seq_lens", None)
+    return seq.shape[0] if seq is not None and hasattr(seq, "shape") else None
 
 
 def _shape(md: Any) -> dict[str, Any]:
-    qsl = getattr(md, "query_start_loc", None)
     return {
-        "num_reqs": (qsl.shape[0] - 1) if qsl is not None else None,
+        "num_reqs": _num_reqs(md),
         "max_query_len": getattr(md, "max_query_len", 1),
         "max_seq_len": getattr(md, "max_seq_len", 1 << 30),
-        "causal": getattr(md, "causal", True),
+        # a per-request tensor of causal flags names no one layout: the decoding of FA3's fields assumes causal
+        "causal": causal if isinstance(causal := getattr(md, "causal", True), bool) else True,
     }
 
 
@@ -117,7 +171,9 @@ def _emit(obj: dict, tag: str = AUDIT_TAG) -> None:
 class _Capture:
     kind: str
     forwards: int = 0
-    metadata: dict[int, Any] = field(default_factory=dict)  # id -> the metadata objects its attention forwards used
+    # id -> (metadata object its attention forwards used, its backend's table)
+    metadata: dict[int, tuple[Any, BackendFields]] = field(default_factory=dict)
+    refreshed: set[int] = field(default_factory=set)  # ids of the metadata refreshed in place inside this capture
 
 
 _CAPTURES: list[_Capture] = []
@@ -200,10 +256,15 @@ def _finish_capture(cap: _Capture, failed: bool) -> None:
         _bump("captures_with_attention", cap.kind)
     if failed or not _AUDIT_ON["on"]:
         return
-    known = [md for key, md in cap.metadata.items() if AUDITOR.knows(key)]
+    known = [(md, spec) for key, (md, spec) in cap.metadata.items() if AUDITOR.knows(key)]
+    if cap.refreshed:
+        _bump("captures_refreshed_in_graph", cap.kind)
     stale = False
-    for md in known:
-        for m in AUDITOR.check(id(md), _views(md)):
+    for md, spec in known:
+        views = _views(md, spec)
+        # a field an in-graph refresh rewrote holds what the graph will compute at replay, not what the build wrote
+        skip = {p for p in views if spec.refreshed(p)} if id(md) in cap.refreshed else set()
+        for m in AUDITOR.check(id(md), views, skip):
             stale = True
             _emit({"stale": m.to_dict(), "message": str(m), "capture": cap.kind})
     if known:
@@ -212,26 +273,29 @@ def _finish_capture(cap: _Capture, failed: bool) -> None:
         _bump("captures_stale", cap.kind)
 
 
-def _wrap_forward(impl_cls: Any) -> None:
-    """Count every FlashAttentionImpl.forward (and its FA version); with the auditor on, check the metadata of every
-    eager forward, and hand a capture's metadata to that capture."""
+def _wrap_forward(impl_cls: Any, spec: BackendFields = FLASH_ATTN) -> None:
+    """Count every <X>Impl.forward (per backend; FLASH_ATTN's also by FA version); with the auditor on, check the
+    metadata of every eager forward, and hand a capture's metadata to that capture."""
     if getattr(impl_cls.forward, "_repro_wrapped", False):
         return
     orig_forward = impl_cls.forward
 
+    @functools.wraps(orig_forward)
     def forward(
         self, layer: Any, query: Any, key: Any, value: Any, kv_cache: Any, attn_metadata: Any, *a: Any, **k: Any
     ):
         _bump("attention_forwards")
-        version = getattr(self, "vllm_flash_attn_version", None)
-        _bump("fa_versions", str(version) if version is not None else "unknown")
+        _bump("backends", spec.name)
+        if spec.name == FLASH_ATTN.name:
+            version = getattr(self, "vllm_flash_attn_version", None)
+            _bump("fa_versions", str(version) if version is not None else "unknown")
         if _CAPTURES:
             cap = _CAPTURES[-1]
             cap.forwards += 1
             if attn_metadata is not None:
-                cap.metadata.setdefault(id(attn_metadata), attn_metadata)
+                cap.metadata.setdefault(id(attn_metadata), (attn_metadata, spec))
         elif _AUDIT_ON["on"] and attn_metadata is not None and not _capturing():
-            for m in AUDITOR.check(id(attn_metadata), _views(attn_metadata)):
+            for m in AUDITOR.check(id(attn_metadata), _views(attn_metadata, spec)):
                 _emit({"stale": m.to_dict(), "message": str(m)})
         return orig_forward(self, layer, query, key, value, kv_cache, attn_metadata, *a, **k)
 
@@ -239,13 +303,22 @@ def _wrap_forward(impl_cls: Any) -> None:
     impl_cls.forward = forward
 
 
-def install_probe(module: Any, cuda: Any = None) -> bool:
-    """The coverage counters on a flash_attn backend module (and torch.cuda, or a stand-in). False (and an error
-    line) when the backend's FlashAttentionImpl is not there."""
-    impl_cls = getattr(module, "FlashAttentionImpl", None)
-    if impl_cls is None or not callable(getattr(impl_cls, "forward", None)):
-        _emit({"error": f"{module.__name__}: FlashAttentionImpl.forward not found: nothing to count"}, PLUGIN_TAG)
+def _classes(module: Any, spec: BackendFields) -> tuple[Any, Any] | None:
+    """The backend's builder and impl classes, or None after an error line saying what is missing."""
+    try:
+        return find_classes(module, spec)
+    except LookupError as e:
+        _emit({"error": f"attention backend {spec.name}: {e}"}, PLUGIN_TAG)
+        return None
+
+
+def install_probe(module: Any, cuda: Any = None, spec: BackendFields = FLASH_ATTN) -> bool:
+    """The coverage counters on an attention backend module (and torch.cuda, or a stand-in). False (and an error
+    line) when the backend's classes are not there."""
+    found = _classes(module, spec)
+    if found is None:
         return False
+    impl_cls = found[1]
     if cuda is None:
         import torch
 
@@ -253,36 +326,104 @@ def install_probe(module: Any, cuda: Any = None) -> bool:
     if getattr(cuda, "graph", None) is None:
         _emit({"error": "torch.cuda.graph not found: CUDA graph captures cannot be counted"}, PLUGIN_TAG)
         return False
-    _wrap_forward(impl_cls)
+    _wrap_forward(impl_cls, spec)
     install_capture_tracker(cuda)
+    COUNTERS["backends"].setdefault(spec.name, 0)
     _installed.add("probe")
     return True
 
 
-def install(module: Any, cuda: Any = None) -> bool:
-    """Install the freshness auditor on a flash_attn backend module (passed in so tests can hand it a stand-in).
+def _record(builder: Any, md: Any, spec: BackendFields) -> None:
+    """What a build's metadata shows, recorded; a build that returns inside a capture is counted, not copied."""
+    if md is None:
+        return
+    if _CAPTURES or _capturing():
+        _bump("builds_in_graph")
+        return
+    shape = _shape(md)
+    shape["head_dim"] = getattr(builder, "headdim", 128)
+    AUDITOR.record_build(id(md), _label(md), _views(md, spec), shape)
+
+
+def _wrap_builder(builder_cls: Any, spec: BackendFields) -> list[str]:
+    """Record every build (build, and build_for_cudagraph_capture, which may change what build wrote: TRITON_ATTN
+    fills seq_lens with 1); follow every update_draft_decode_metadata. Returns the methods wrapped."""
+    done = []
+    for name in ("build", "build_for_cudagraph_capture"):
+        orig = getattr(builder_cls, name, None)
+        if orig is None or getattr(orig, "_repro_wrapped", False):
+            continue
+
+        def recorded(self: Any, *args: Any, _orig: Any = orig, **kwargs: Any) -> Any:
+            md = _orig(self, *args, **kwargs)
+            _record(self, md, spec)
+            return md
+
+        functools.update_wrapper(recorded, orig)
+        recorded._repro_wrapped = True  # type: ignore[attr-defined]
+        setattr(builder_cls, name, recorded)
+        done.append(name)
+    orig_update = getattr(builder_cls, "update_draft_decode_metadata", None)
+    if orig_update is not None and not getattr(orig_update, "_repro_wrapped", False):
+
+        @functools.wraps(orig_update)
+        def update_draft_decode_metadata(self: Any, metadata: Any, *args: Any, **kwargs: Any) -> Any:
+            out = orig_update(self, metadata, *args, **kwargs)
+            _refreshed(metadata, spec)
+            return out
+
+        update_draft_decode_metadata._repro_wrapped = True  # type: ignore[attr-defined]
+        builder_cls.update_draft_decode_metadata = update_draft_decode_metadata
+        done.append("update_draft_decode_metadata")
+    return done
+
+
+def _refreshed(md: Any, spec: BackendFields) -> None:
+    """After vLLM refreshed a metadata object in place: inside a capture, its refreshed fields become the graph's
+    to compute (marked on the capture, nothing copied); outside, what it shows now is its new reference."""
+    if md is None:
+        return
+    if _CAPTURES or _capturing():
+        _bump("draft_refreshes_in_graph")
+        if _CAPTURES:
+            _CAPTURES[-1].refreshed.add(id(md))
+        return
+    if AUDITOR.refresh(id(md), _views(md, spec)):
+        _bump("draft_refreshes")
+
+
+def install(module: Any, cuda: Any = None, spec: BackendFields = FLASH_ATTN) -> bool:
+    """Install the freshness auditor on an attention backend module (passed in so tests can hand it a stand-in).
     False, with a REPRO_PLUGIN error line, when the backend's classes are not there."""
-    builder_cls = getattr(module, "FlashAttentionMetadataBuilder", None)
-    impl_cls = getattr(module, "FlashAttentionImpl", None)
-    if builder_cls is None or impl_cls is None:
-        _emit({"error": f"{module.__name__}: FlashAttentionMetadataBuilder/FlashAttentionImpl not found"}, PLUGIN_TAG)
+    found = _classes(module, spec)
+    if found is None:
         return False
-    orig_build = builder_cls.build
-
-    def build(self, *args: Any, **kwargs: Any):
-        md = orig_build(self, *args, **kwargs)
-        shape = _shape(md)
-        shape["head_dim"] = getattr(self, "headdim", 128)
-        AUDITOR.record_build(id(md), _label(md), _views(md), shape)
-        return md
-
-    builder_cls.build = build
-    _wrap_forward(impl_cls)
+    builder_cls, impl_cls = found
+    _wrap_builder(builder_cls, spec)
+    _wrap_forward(impl_cls, spec)
     if cuda is not None:
         install_capture_tracker(cuda)
     _AUDIT_ON["on"] = True
     _installed.add("audit")
     return True
+
+
+def spec_layout_of(vllm_root: str | os.PathLike | None) -> tuple[str | None, bool]:
+    """(the V2 speculative-decoding layout of the vLLM installed at vllm_root, the folder holding vllm/; whether the
+    auditor knows it). Read from the files, never imported (repro.vllm_integration.source_check.spec_layout)."""
+    from pathlib import Path
+
+    from repro.vllm_integration.source_check import spec_layout
+
+    layout = spec_layout(Path(vllm_root)) if vllm_root is not None else None
+    return layout, layout in KNOWN_SPEC_LAYOUTS
+
+
+def _installed_vllm_root() -> str | None:
+    """The folder holding the vllm package that loaded the plugin (None when it has no files: a stand-in)."""
+    vllm = sys.modules.get("vllm")
+    paths = list(getattr(vllm, "__path__", None) or [])
+    return os.path.dirname(paths[0]) if paths else None
 
 
 def install_fa3_hooks(module: Any, ops: Any, sm_margin: int = 0, poison: Any = None) -> list[str]:
@@ -444,6 +585,10 @@ def requested(environ: dict[str, str] | None = None) -> dict[str, Any]:
     if weights not in ("", "dummy", "margin"):
         raise ValueError(f"{WEIGHTS_ENV}={weights!r}: expected margin or dummy")
     out["weights"] = weights == "margin"
+    backend = env.get(BACKEND_ENV, "") or DEFAULT_BACKEND
+    if not backend.replace("_", "").isalnum() or backend.upper() != backend:
+        raise ValueError(f"{BACKEND_ENV}={backend!r}: expected a vLLM attention backend name such as FLASH_ATTN")
+    out["attention_backend"] = backend
     return out
 
 
@@ -457,21 +602,27 @@ def register() -> None:
         return
     if not (want["probe"] or want["sm_margin"] or want["poison"] or want["weights"]):
         return
-    try:
-        from vllm.v1.attention.backends import flash_attn
-    except ImportError as e:
-        _emit({"error": f"cannot import vLLM's FlashAttention backend: {e}"}, PLUGIN_TAG)
-        return
-    if want["probe"] and "probe" not in _installed:
-        if install_probe(flash_attn):
-            atexit.register(_write_counters)
-            _emit({"installed": "probe"}, PLUGIN_TAG)
-    if want["audit"] and "audit" not in _installed:
-        if install(flash_attn):
-            atexit.register(_write_report)
-            _emit({"installed": "audit"}, PLUGIN_TAG)
+    if want["probe"] and "probe" not in _installed or want["audit"] and "audit" not in _installed:
+        import importlib
+
+        try:
+            spec = backend_for(want["attention_backend"])
+            backend = importlib.import_module(spec.module)
+        except (ImportError, KeyError) as e:
+            _emit({"error": f"cannot import vLLM's attention backend {want['attention_backend']}: {e}"}, PLUGIN_TAG)
+            return
+        COUNTERS["spec_layout"], COUNTERS["spec_layout_known"] = spec_layout_of(_installed_vllm_root())
+        if want["probe"] and "probe" not in _installed:
+            if install_probe(backend, spec=spec):
+                atexit.register(_write_counters)
+                _emit({"installed": "probe", "backend": spec.name}, PLUGIN_TAG)
+        if want["audit"] and "audit" not in _installed:
+            if install(backend, spec=spec):
+                atexit.register(_write_report)
+                _emit({"installed": "audit", "backend": spec.name}, PLUGIN_TAG)
     if (want["sm_margin"] or want["poison"]) and "fa3" not in _installed:
         import torch
+        from vllm.v1.attention.backends import flash_attn
 
         try:
             import vllm.vllm_flash_attn._vllm_fa3_C  # noqa: F401  registers torch.ops._vllm_fa3_C
