@@ -12,7 +12,7 @@ import pytest
 from repro.verdicts import CLEAN
 from repro.vllm_integration import gate_bench
 from repro.vllm_integration.builds import CONTROL, UNDER_TEST, parse_builds
-from repro.vllm_integration.gate_cache import VLLM_CACHE, GateCache, package_fingerprint
+from repro.vllm_integration.gate_cache import COLD, VLLM_CACHE, WARM, WRITER, GateCache, package_fingerprint
 from repro.vllm_integration.gate_case import parse_modes
 from repro.vllm_integration.gate_run import NEW_COLD, NEW_WARM, OLD_PATH, compare_paths, run_gate
 from tests.fake_vllm import write_fake_vllm
@@ -46,25 +46,38 @@ def test_two_builds_never_share_a_cache_and_a_change_invalidates_it(tmp_path):
     assert GateCache(tmp_path / "c").fingerprint(good) != cache.fingerprint(same)  # a new run fingerprints again
 
 
-def test_a_case_gets_a_private_copy_and_the_first_complete_cache_is_published_once(tmp_path):
+def test_one_writer_compiles_into_the_build_folder_and_later_cases_use_it_in_place(tmp_path):
+    """vLLM's AOT record names its artifacts by absolute path (a copied cache failed to load on the H200: 'No such
+    file or directory: .../artifact_compile_range_1_16384_subgraph_0'), so the build's folder is written in place by
+    one case and used in place by the cases after it."""
     build = _build(tmp_path, "good")
     cache = GateCache(tmp_path / "c")
-    mine = tmp_path / "case1"
-    assert cache.seed(build, mine) is False and mine.is_dir() and not any(mine.iterdir())  # cold
-    assert cache.publish(build, mine) is False  # nothing compiled: nothing to share
-    (mine / "torch_compile_cache").mkdir()
-    (mine / "torch_compile_cache" / "artifact").write_text("one")
-    assert cache.publish(build, mine) is True
-    other = tmp_path / "case2"
-    (other / "torch_compile_cache").mkdir(parents=True)
-    (other / "torch_compile_cache" / "artifact").write_text("two")
-    assert cache.publish(build, other) is False  # the first one stays
-    third = tmp_path / "case3"
-    assert cache.seed(build, third) is True
-    assert (third / "torch_compile_cache" / "artifact").read_text() == "one"
-    (third / "torch_compile_cache" / "artifact").write_text("changed by the case")
-    assert (cache.build_dir(build) / VLLM_CACHE / "torch_compile_cache" / "artifact").read_text() == "one"
-    assert cache.seed(_build(tmp_path, "crash", "stale-crash", "0.25.1"), tmp_path / "case4") is False
+    shared = cache.build_dir(build) / VLLM_CACHE
+    root, state = cache.case_cache(build, tmp_path / "p1")
+    assert (root, state) == (shared, WRITER) and root.is_dir()
+    root2, state2 = cache.case_cache(build, tmp_path / "p2")  # a case started while the writer compiles
+    assert (root2, state2) == (tmp_path / "p2", COLD) and not any(root2.iterdir())
+    ref_root, ref_state = cache.case_cache(build, tmp_path / "p3", may_write=False)  # a reference compiles nothing
+    assert ref_state == COLD
+    (shared / "torch_compile_cache").mkdir()
+    cache.release(build, compiled=True)
+    assert cache.case_cache(build, tmp_path / "p4") == (shared, WARM)
+    assert GateCache(tmp_path / "c").case_cache(build, tmp_path / "p5") == (shared, WARM)  # the next gate run
+
+
+def test_a_writer_that_never_compiled_leaves_nothing_and_a_dead_claim_is_taken_over(tmp_path):
+    build = _build(tmp_path, "good")
+    cache = GateCache(tmp_path / "c")
+    shared = cache.build_dir(build) / VLLM_CACHE
+    assert cache.case_cache(build, tmp_path / "p1")[1] == WRITER
+    (shared / "half-written").write_text("x")
+    cache.release(build, compiled=False)  # e.g. a hang killed before torch.compile finished
+    assert not shared.exists()
+    assert cache.case_cache(build, tmp_path / "p2")[1] == WRITER and not (shared / "half-written").exists()
+    (cache.build_dir(build) / "vllm-cache.claim").write_text("999999999")  # a gate run that was killed
+    assert GateCache(tmp_path / "c").case_cache(build, tmp_path / "p3")[1] == WRITER
+    other = _build(tmp_path, "crash", "stale-crash", "0.25.1")
+    assert cache.case_cache(other, tmp_path / "p4")[0] == cache.build_dir(other) / VLLM_CACHE  # its own folder
 
 
 def test_phases_from_a_real_h200_case():
@@ -112,7 +125,8 @@ def test_kept_references_and_warm_caches_give_the_same_verdicts(tmp_path):
     for _, r in second.references:  # run once, then kept for the build's fingerprint
         assert r.verdict == CLEAN and r.history[-1]["step"] == "reference cache"
         assert r.phases["vllm_cache"] == "reference kept"
-    assert {r.phases["vllm_cache"] for _, r in first.cases} == {"cold"}  # the stand-in compiles nothing to share
+    assert {r.phases["vllm_cache"] for _, r in first.cases} <= {WRITER, COLD}
+    assert {r.phases["vllm_cache"] for _, r in second.cases} == {WARM}  # the stand-in's captures ran: compiled
     ref = next(r for c, r in second.cases if c.case_id.endswith("good-under-test-plain"))
     assert "tokens: 64 of 64 compared equal" in ref.evidence  # judged against the kept reference's tokens
     (Path(builds[0].prefix) / "vllm" / "_version.py").write_text('__version__ = "0.26.0+local"\n')
@@ -131,3 +145,13 @@ def test_compare_paths_runs_old_cold_and_warm_with_no_verdict_difference(tmp_pat
     assert md.count("-control-plain-launch-blocking |") == 3  # the attribution rerun on every path
     with pytest.raises(Exception, match="empty cache folder"):
         compare_paths(builds, parse_modes("plain"), tmp_path / "logs2", tmp_path / "cache")
+
+
+def test_compare_paths_can_leave_out_the_old_path_but_warm_needs_cold(tmp_path):
+    builds = [_build(tmp_path, "good")]
+    with pytest.raises(Exception, match="the warm run needs the cold one"):
+        compare_paths(builds, parse_modes("plain"), tmp_path / "l", tmp_path / "c", paths=(NEW_WARM,))
+    runs = compare_paths(
+        builds, parse_modes("plain"), tmp_path / "l", tmp_path / "c", timeout_s=120, paths=(NEW_COLD, NEW_WARM)
+    )
+    assert list(runs) == [NEW_COLD, NEW_WARM]

@@ -107,6 +107,11 @@ def add_parsers(sub) -> None:
         help="benchmark: the old path, then the new path cold (an empty cache folder: --cache-dir, default "
         "OUT/cache) and warm, in one command; writes paths.md/paths.json, exit 3 when the paths' verdicts differ",
     )
+    gt.add_argument(
+        "--paths",
+        default="old,new-cold,new-warm",
+        help="with --compare-paths: which paths to run, in this order (default %(default)s)",
+    )
     gt.add_argument("--dry-run", action="store_true", help="list case ids only")
     sub.choices["bisect"].set_defaults(func=cmd_bisect)
     sub.choices["vllm-check"].set_defaults(func=cmd_vllm_check)
@@ -259,16 +264,22 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
 
 def _compare_paths(a: argparse.Namespace, builds, modes, backends, out: Path, logs: Path, progress) -> int:
     """`gate --compare-paths`: old path, new path cold, new path warm; each path's gate report in OUT/<path>/,
-    the side-by-side table in OUT/paths.md and paths.json. Exit: the warm run's gate exit code, or 3 when a case's
+    the side-by-side table in OUT/paths.md and paths.json. Exit: the last path's gate exit code, or 3 when a case's
     verdict differs between the paths (the new path cannot stand in for the old)."""
     from repro import report
     from repro.environment import collect
     from repro.redact import redact
     from repro.vllm_integration import gate_bench, gate_report
-    from repro.vllm_integration.gate_run import EXIT, NEW_WARM, compare_paths, path_folder
+    from repro.vllm_integration.gate_run import EXIT, PATHS, compare_paths, path_folder
 
     cache_root = Path(a.cache_dir) if a.cache_dir else out / "cache"
-    runs = compare_paths(builds, modes, logs, cache_root, a.jobs, a.timeout, progress, backends)
+    by_folder = {path_folder(p): p for p in PATHS}
+    asked = [x.strip() for x in a.paths.split(",") if x.strip()]
+    if not asked or any(x not in by_folder for x in asked):
+        raise ConfigError(f"--paths {a.paths}: pick from {', '.join(by_folder)}")
+    runs = compare_paths(
+        builds, modes, logs, cache_root, a.jobs, a.timeout, progress, backends, tuple(by_folder[x] for x in asked)
+    )
     env = collect()
     for name, run in runs.items():
         gate_report.write(run, out / path_folder(name), env, need_control=not a.no_control)
@@ -280,4 +291,4 @@ def _compare_paths(a: argparse.Namespace, builds, modes, backends, out: Path, lo
         print("repro: the paths' verdicts differ (listed in paths.md): the new path cannot stand in for the old")
         return EXIT_BLIND
     print(f"written: {out / 'paths.md'}, {out / 'paths.json'}")
-    return EXIT[runs[NEW_WARM].outcome(need_control=not a.no_control)]
+    return EXIT[list(runs.values())[-1].outcome(need_control=not a.no_control)]

@@ -5,8 +5,9 @@ changed build (any Python file, any compiled extension) starts a cold one.
 
 Layout: ROOT/vllm-gate/<fingerprint>/
   build.json          what the fingerprint covered (label, version, prefix, file counts, torch), for a person
-  vllm-cache/         a VLLM_CACHE_ROOT published by a case that got past torch.compile (its probe counted captures);
-                      each case runs in a private copy of it (never two processes writing one folder)
+  vllm-cache/         the build's VLLM_CACHE_ROOT, written in place by one case (vllm-cache.claim holds its process
+                      id; cases running meanwhile get an empty folder of their own) and used in place by later cases
+                      once that case got past torch.compile (vllm-cache.complete; its probe counted captures)
   references/<key>.json  a clean reference run: RESULT record and verdict; <key> also covers the SM configuration, the
                       GPU and the gate's own model, prompts and weights code (repro.vllm_integration.gate, plugin)
 
@@ -21,7 +22,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -31,6 +31,8 @@ from repro.vllm_integration.builds import VllmBuild
 
 CACHE_ENV = "REPRO_CACHE_DIR"
 VLLM_CACHE = "vllm-cache"
+COMPLETE, CLAIM = "vllm-cache.complete", "vllm-cache.claim"  # markers beside it
+WARM, WRITER, COLD = "warm", "cold, writer", "cold"  # what a case's VLLM_CACHE_ROOT is (case_cache)
 _EDGE = 1 << 20  # bytes read from each end of a compiled extension
 _GATE_SOURCES = ("gate.py", "plugin.py")  # the gate's model, prompts and weights: a reference depends on them
 
@@ -122,34 +124,38 @@ class GateCache:
         return self.build_dir_for(self.fingerprint(build))
 
     # --- vLLM's own caches ----------------------------------------------------------------------------------------
+    # vLLM's compiled artifacts name their folder by absolute path (the AOT record points at its artifact files), so
+    # a cache cannot be copied or moved: the build's one folder is written in place by one case (the writer) and
+    # used in place by every later case once the writer has finished compiling (the `complete` marker).
 
-    def seed(self, build: VllmBuild, case_cache: Path) -> bool:
-        """Give a case its private VLLM_CACHE_ROOT: a copy of the build's published one (True), or an empty folder
-        (False: the case runs cold)."""
-        shared = self.build_dir(build) / VLLM_CACHE
-        if case_cache.exists():
-            shutil.rmtree(case_cache)
-        if not shared.is_dir():
-            case_cache.mkdir(parents=True)
-            return False
-        shutil.copytree(shared, case_cache, symlinks=True)
-        return True
+    def case_cache(self, build: VllmBuild, private: Path, may_write: bool = True) -> tuple[Path, str]:
+        """The VLLM_CACHE_ROOT for a case of `build` and what it is: (the build's folder, WARM) once complete;
+        (the build's folder, WRITER) for the first case that may write (a speculative case: it compiles) while no
+        other case holds the claim; else (`private`, an empty folder of its own, COLD). A WRITER must call
+        release()."""
+        d = self.build_dir(build)
+        shared, done, claim = d / VLLM_CACHE, d / COMPLETE, d / CLAIM
+        with self._lock:
+            if done.exists() and shared.is_dir():
+                return shared, WARM
+            if may_write and _claim(claim):
+                shutil.rmtree(shared, ignore_errors=True)  # what a writer that never finished left
+                shared.mkdir(parents=True)
+                return shared, WRITER
+        shutil.rmtree(private, ignore_errors=True)
+        private.mkdir(parents=True)
+        return private, COLD
 
-    def publish(self, build: VllmBuild, case_cache: Path) -> bool:
-        """Make a case's VLLM_CACHE_ROOT the build's shared one when there is none yet (copy, then one rename: a
-        reader sees all of it or nothing). Call only for a case that got past torch.compile. True when published."""
-        shared = self.build_dir(build) / VLLM_CACHE
-        if shared.exists() or not case_cache.is_dir() or not any(case_cache.iterdir()):
-            return False
-        tmp = Path(tempfile.mkdtemp(prefix=".publish-", dir=shared.parent))
-        try:
-            shutil.copytree(case_cache, tmp / "c", symlinks=True)
-            os.rename(tmp / "c", shared)
-            return True
-        except OSError:  # another case published first
-            return False
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    def release(self, build: VllmBuild, compiled: bool) -> None:
+        """The writer's case ended: its folder is the build's cache when it got past torch.compile (`compiled`: its
+        probe counted captures), else it is removed; the claim is given up either way."""
+        d = self.build_dir(build)
+        with self._lock:
+            if compiled:
+                (d / COMPLETE).write_text(_now())
+            else:
+                shutil.rmtree(d / VLLM_CACHE, ignore_errors=True)
+            (d / CLAIM).unlink(missing_ok=True)
 
     # --- references -----------------------------------------------------------------------------------------------
 
@@ -181,6 +187,26 @@ class GateCache:
             },
         )
         return p
+
+
+def _claim(path: Path) -> bool:
+    """Take the writer's claim (a file made with O_EXCL, holding this process's id); a claim whose process is gone is
+    taken over. True when this process now holds it."""
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                pid = int(path.read_text().strip() or 0)
+                os.kill(pid, 0)
+                return False  # held by a live process (this one's other case, or another gate run)
+            except (OSError, ValueError):
+                path.unlink(missing_ok=True)  # its process is gone: take it over
+                continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return True
+    return False
 
 
 def _now() -> str:

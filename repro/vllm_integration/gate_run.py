@@ -31,7 +31,7 @@ from repro.verdicts import CANNOT_VOUCH as NOT_VOUCHED
 from repro.verdicts import CLEAN, CRASH, FAULTS, SKIP
 from repro.vllm_integration import gate_bench
 from repro.vllm_integration.builds import UNDER_TEST, VllmBuild
-from repro.vllm_integration.gate_cache import GateCache
+from repro.vllm_integration.gate_cache import WRITER, GateCache
 from repro.vllm_integration.gate_case import (
     DEFAULT_BACKEND,
     FA3_ONLY,
@@ -70,7 +70,8 @@ def run_case(
     private = Path(env["VLLM_CACHE_ROOT"])
     vllm_cache = "private"
     if cache is not None:
-        vllm_cache = "warm" if cache.seed(case.build, private) else "cold"
+        root, vllm_cache = cache.case_cache(case.build, private, may_write=not case.reference)
+        env["VLLM_CACHE_ROOT"] = str(root)
     # the models' folder is part of vLLM's compile-cache key: one folder per build on the new path
     model_dir = cache.build_dir(case.build) / "models" if cache is not None else log_dir / f"{case.case_id}.models"
     cmd = [sys.executable, "-m", "repro.vllm_integration.gate", "--out", str(model_dir)]
@@ -78,21 +79,19 @@ def run_case(
     if case.reference:
         cmd.append("--reference")
     res, out = run_process(case, cmd, env, log_dir, bool(case.mode.sanitizer) and not case.reference)
+    ch = Channel.of_case(case_logs(log_dir, case.case_id)[0], out)
+    if vllm_cache == WRITER:  # captures ran: torch.compile had finished and saved into the build's folder
+        cache.release(case.build, bool(sum(((ch.last(COUNTERS_TAG) or {}).get("captures") or {}).values())))
+    shutil.rmtree(private, ignore_errors=True)  # a case's own cold cache: not evidence
     if not case.reference:
         res.expected = expected(case)  # fixed before the case is judged
     if res.verdict == SKIP:
         res.vllm_version = case.build.version
         return res
-    ch = Channel.of_case(case_logs(log_dir, case.case_id)[0], out)
     res.phases = {
         **gate_bench.phases(out, ch.last(RESULT_TAG), res.started_at, res.wall_s),
         "vllm_cache": vllm_cache,
     }
-    counters = ch.last(COUNTERS_TAG) or {}
-    if cache is not None and not case.reference and sum((counters.get("captures") or {}).values()):
-        if cache.publish(case.build, private):  # captures ran: torch.compile had finished and saved
-            res.phases["vllm_cache"] += ", published"
-    shutil.rmtree(private, ignore_errors=True)  # a copy of the shared cache, or published: not evidence
     return annotate(res, case, ch, audit_file if audit_file.exists() else None)
 
 
@@ -328,6 +327,7 @@ def result_line(log_dir: str | Path, case: GateCase) -> dict | None:
 
 
 OLD_PATH, NEW_COLD, NEW_WARM = "old", "new (cold)", "new (warm)"
+PATHS = (OLD_PATH, NEW_COLD, NEW_WARM)
 
 
 def path_folder(name: str) -> str:
@@ -344,15 +344,21 @@ def compare_paths(
     timeout_s: float = 300.0,
     progress: Callable[[GateCase, CaseResult], None] | None = None,
     backends: tuple[str, ...] = (DEFAULT_BACKEND,),
+    paths: tuple[str, ...] = PATHS,
 ) -> dict[str, GateRun]:
-    """The same gate three times, one after the other: the old path (every case cold, every reference run), the new
-    path on an empty cache folder (cold), and the new path again on what that run left (warm). cache_root must be
-    empty or absent: a cold run is only cold there. Logs of each path in their own sub-folder."""
+    """The same gate on each path, one after the other: the old path (every case cold, every reference run), the new
+    path on an empty cache folder (cold), and the new path again on what that run left (warm); `paths` picks some of
+    them, in that order. cache_root must be empty or absent: a cold run is only cold there. Logs of each path in their
+    own sub-folder."""
     cache_root = Path(cache_root)
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown or not paths or NEW_WARM in paths and NEW_COLD not in paths:
+        raise ConfigError(f"paths {list(paths)}: pick from {list(PATHS)}; the warm run needs the cold one before it")
     if cache_root.exists() and any(cache_root.iterdir()):
         raise ConfigError(f"{cache_root}: the cold run needs an empty cache folder")
     runs = {}
-    for name, cache in ((OLD_PATH, None), (NEW_COLD, GateCache(cache_root)), (NEW_WARM, GateCache(cache_root))):
+    for name in (p for p in PATHS if p in paths):
+        cache = None if name == OLD_PATH else GateCache(cache_root)
         sub = Path(log_dir) / path_folder(name)
         runs[name] = run_gate(builds, modes, sub, 1, jobs, timeout_s, progress, cache, backends)
     return runs
