@@ -110,11 +110,11 @@ def _config(e: dict | None) -> str:
     if not e:
         return "-"
     runner = "V2" if e.get("model_runner_v2") else f"not V2 ({e.get('model_runner')})"
-    fa = e.get("fa_version")
-    return (
-        f"{runner}, {e.get('attention_backend') or 'no FLASH_ATTN forward'} FA{fa if fa is not None else '?'}, "
-        f"{e.get('cudagraph_mode')}, {e.get('speculative_method')} k={e.get('num_speculative_tokens')}"
-    )
+    backend = e.get("attention_backend") or "no hooked attention forward"
+    if backend == "FLASH_ATTN":  # the FA version is FLASH_ATTN's alone
+        fa = e.get("fa_version")
+        backend += f" FA{fa if fa is not None else '?'}"
+    return f"{runner}, {backend}, {e.get('cudagraph_mode')}, {e.get('speculative_method')} k={e.get('num_speculative_tokens')}"
 
 
 def _acceptance(a: dict | None) -> str:
