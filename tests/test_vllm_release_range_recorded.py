@@ -7,21 +7,16 @@ logs hold no record at all (they went to the channel), and a channel line cut sh
 from __future__ import annotations
 
 import json
-import re
-import shutil
 from pathlib import Path
 
 import pytest
 
-from repro import smcontrol
 from repro.channel import Channel, path_for
-from repro.classify import classify
 from repro.tags import TAGS
 from repro.verdicts import CLEAN, ERROR
-from repro.vllm_integration import gate_run, release_range
-from repro.vllm_integration.gate_case import GateCase, parse_modes
+from repro.vllm_integration import release_range
 from repro.vllm_integration.gate_report import build_summary
-from repro.vllm_integration.gate_run import run_gate
+from tests import recorded_gate
 
 RECORD = Path(__file__).resolve().parent.parent / "results" / "h200-vllm-release-range"
 LOGS = RECORD / "logs"
@@ -30,30 +25,7 @@ ROWS = {row["case"]: row for row in DOC["cases"]}
 
 
 def replay(monkeypatch, tmp_path: Path, edit_channel=None):
-    monkeypatch.setattr(smcontrol, "_sm_count", lambda env: int(DOC["environment"]["sms"]))
-
-    def recorded_process(case, cmd, env, log_dir, sanitizer, executor=None, target=None):
-        r = ROWS[case.case_id]["result"]
-        out_log = Path(log_dir) / f"{case.case_id}.out.log"
-        out = (LOGS / out_log.name).read_text(errors="replace")
-        out_log.write_text(out)
-        records = (LOGS / path_for(out_log).name).read_text()
-        if edit_channel is not None:
-            records = edit_channel(case.case_id, records)
-        path_for(out_log).write_text(records)
-        audit = LOGS / f"{case.case_id}.audit.json"
-        if audit.exists():
-            shutil.copy(audit, Path(log_dir) / audit.name)
-        ch = Channel.read(path_for(out_log))
-        return classify(case, out, r["returncode"], False, None, r["wall_s"], ch), out
-
-    monkeypatch.setattr(gate_run, "run_process", recorded_process)
-    builds = {}
-    for row in DOC["cases"]:
-        b = GateCase.from_dict(row["result"]["spec"]).build
-        builds.setdefault(b.label, b)
-    modes = parse_modes(re.search(r"--modes (\S+)", DOC["environment"]["command"])[1])
-    return run_gate(list(builds.values()), modes, tmp_path / "logs", jobs=4, timeout_s=240.0)
+    return recorded_gate.replay(monkeypatch, tmp_path, RECORD, edit_channel)[2]
 
 
 def test_records_went_to_the_channel_not_the_log():

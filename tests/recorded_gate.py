@@ -1,0 +1,52 @@
+"""Replaying a recorded real-vLLM gate run (results/h200-vllm-*) on a CPU: run_gate with each case process replaced by
+what it left in the record (its free-form log, its channel file, its audit file), so classify, annotate, the
+attribution rerun, the reference comparison, the coverage check and repro.policy run as they ran on the H200."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+from repro import smcontrol
+from repro.channel import Channel, path_for
+from repro.classify import classify
+from repro.vllm_integration import gate_run
+from repro.vllm_integration.gate_case import GateCase, parse_backends, parse_modes
+from repro.vllm_integration.gate_run import run_gate
+
+
+def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None):
+    """(the record's results.json, its rows by case id, the replayed GateRun, every replayed result by case id);
+    edit_channel(case_id, text) may change a case's channel records on the way."""
+    doc = json.loads((record / "results.json").read_text())
+    rows = {row["case"]: row for row in doc["cases"]}
+    logs = record / "logs"
+    monkeypatch.setattr(smcontrol, "_sm_count", lambda env: int(doc["environment"]["sms"]))
+
+    def recorded_process(case, cmd, env, log_dir, sanitizer, executor=None, target=None):
+        r = rows[case.case_id]["result"]
+        out_log = Path(log_dir) / f"{case.case_id}.out.log"
+        out = (logs / out_log.name).read_text(errors="replace")
+        out_log.write_text(out)
+        records = (logs / path_for(out_log).name).read_text()
+        if edit_channel is not None:
+            records = edit_channel(case.case_id, records)
+        path_for(out_log).write_text(records)
+        audit = logs / f"{case.case_id}.audit.json"
+        if audit.exists():
+            shutil.copy(audit, Path(log_dir) / audit.name)
+        return classify(case, out, r["returncode"], False, None, r["wall_s"], Channel.read(path_for(out_log))), out
+
+    monkeypatch.setattr(gate_run, "run_process", recorded_process)
+    builds = {}
+    for row in doc["cases"]:
+        b = GateCase.from_dict(row["result"]["spec"]).build
+        builds.setdefault(b.label, b)
+    command = doc["environment"]["command"]
+    modes = parse_modes(re.search(r"--modes (\S+)", command)[1])
+    backends = parse_backends(m[1]) if (m := re.search(r"--backends (\S+)", command)) else ("FLASH_ATTN",)
+    run = run_gate(list(builds.values()), modes, tmp_path / "logs", jobs=4, timeout_s=240.0, backends=backends)
+    got = {c.case_id: r for pairs in (run.cases, run.references, run.attributions) for c, r in pairs}
+    return doc, rows, run, got
