@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from repro.verdicts import CLEAN
-from repro.vllm_integration import gate_bench
+from repro.vllm_integration import gate_bench, gate_report
 from repro.vllm_integration.builds import CONTROL, UNDER_TEST, parse_builds
 from repro.vllm_integration.gate_cache import COLD, VLLM_CACHE, WARM, WRITER, GateCache, package_fingerprint
 from repro.vllm_integration.gate_case import parse_modes
+from repro.vllm_integration.gate_report import build_summary
 from repro.vllm_integration.gate_run import NEW_COLD, NEW_WARM, OLD_PATH, compare_paths, run_gate
 from tests.fake_vllm import write_fake_vllm
 
@@ -127,6 +128,9 @@ def test_kept_references_and_warm_caches_give_the_same_verdicts(tmp_path):
         assert r.phases["vllm_cache"] == "reference kept"
     assert {r.phases["vllm_cache"] for _, r in first.cases} <= {WRITER, COLD}
     assert {r.phases["vllm_cache"] for _, r in second.cases} == {WARM}  # the stand-in's captures ran: compiled
+    assert [(b["build"], b["caches"]) for b in build_summary(first)] == [("good", "cold"), ("crash", "cold")]
+    assert [b["caches"] for b in build_summary(second)] == ["warm", "warm"]
+    assert "| 0.26.0 | **no** |" in gate_report.markdown(second) and "(warm) | ok |" in gate_report.markdown(second)
     ref = next(r for c, r in second.cases if c.case_id.endswith("good-under-test-plain"))
     assert "tokens: 64 of 64 compared equal" in ref.evidence  # judged against the kept reference's tokens
     (Path(builds[0].prefix) / "vllm" / "_version.py").write_text('__version__ = "0.26.0+local"\n')

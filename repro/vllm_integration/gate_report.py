@@ -11,7 +11,7 @@ from pathlib import Path
 from repro.policy import NO_EVIDENCE
 from repro.redact import redact
 from repro.report import VLLM_GATE_KIND, header
-from repro.verdicts import FAULTS
+from repro.verdicts import FAULTS, SKIP
 from repro.vllm_integration import release_range
 from repro.vllm_integration.gate_case import expected
 from repro.vllm_integration.gate_judge import meets
@@ -126,6 +126,19 @@ def _acceptance(a: dict | None) -> str:
     return ", ".join(f"{k.removeprefix('spec_decode_num_')} {a[k]}" for k in keys if k in a) or "-"
 
 
+def caches(run: GateRun, label: str) -> str:
+    """Whether a build's cases ran warm (every case on the build's complete vLLM cache, its reference kept), cold
+    (a case compiled, or the reference ran), or on the old path (no cache): what its wall time means."""
+    states = [
+        (r.phases or {}).get("vllm_cache")
+        for c, r in [*run.cases, *run.references, *run.attributions]
+        if c.build.label == label and r.verdict != SKIP  # a skipped case ran nothing
+    ]
+    if not states or any(s in (None, "private") for s in states):
+        return "old path"
+    return "warm" if all(s in ("warm", "reference kept") for s in states) else "cold"
+
+
 def build_summary(run: GateRun) -> list[dict]:
     """One line per build: affected or not, in which modes, with how many repetitions."""
     by_build: dict[str, list] = defaultdict(list)
@@ -151,6 +164,7 @@ def build_summary(run: GateRun) -> list[dict]:
                 "modes": {m: vs for m, vs in modes.items()},
                 "source_check": src.verdict if src else "-",
                 "wall_s": run.build_wall_s.get(label),
+                "caches": caches(run, label),
                 "ok": all(meets(c, r) for c, r in pairs),
                 "coverage": coverage(pairs),
             }
@@ -165,13 +179,15 @@ def markdown(run: GateRun, env: dict | None = None, need_control: bool = True) -
         f"**Gate: {verdict}** ({len(run.cases)} cases, {len(run.references)} references, {run.wall_s:.0f} s wall)",
         "",
     ]
-    lines += ["| build | role | vLLM | affected | detected in | verdicts per mode | source check | wall s | ok |"]
+    lines += [
+        "| build | role | vLLM | affected | detected in | verdicts per mode | source check | wall s (caches) | ok |"
+    ]
     lines += ["|---|---|---|---|---|---|---|---|---|"]
     for s in build_summary(run):
         per_mode = "; ".join(f"{m}: {', '.join(vs)}" for m, vs in s["modes"].items())
         lines.append(
             f"| {s['build']} | {s['role']} | {s['vllm_version']} | **{'yes' if s['affected'] else 'no'}** | "
-            f"{', '.join(s['detected_in']) or '-'} | {per_mode} | {s['source_check']} | {s['wall_s']} | "
+            f"{', '.join(s['detected_in']) or '-'} | {per_mode} | {s['source_check']} | {s['wall_s']} ({s['caches']}) | "
             f"{'ok' if s['ok'] else 'FAIL'} |"
         )
     lines += [""] + release_range.markdown(build_summary(run))
