@@ -16,6 +16,7 @@ their model file, AOT artifacts are loaded only when the traced sources are unch
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -33,6 +34,7 @@ CACHE_ENV = "REPRO_CACHE_DIR"
 VLLM_CACHE = "vllm-cache"
 COMPLETE, CLAIM = "vllm-cache.complete", "vllm-cache.claim"  # markers beside it
 WARM, WRITER, COLD = "warm", "cold, writer", "cold"  # what a case's VLLM_CACHE_ROOT is (case_cache)
+PRIVATE, KEPT = "private", "reference kept"  # the old path (no cache); a reference not run, its kept record used
 _EDGE = 1 << 20  # bytes read from each end of a compiled extension
 _GATE_SOURCES = ("gate.py", "plugin.py")  # the gate's model, prompts and weights: a reference depends on them
 
@@ -74,6 +76,7 @@ def package_fingerprint(pkg: Path) -> tuple[str, dict]:
     return h.hexdigest(), {"python_files": py, "compiled_extensions": so, "torch": torch, "python": python}
 
 
+@functools.cache
 def gate_code_fingerprint() -> str:
     """The gate's model configuration, prompts and weights code: a cached reference is for one version of them."""
     here = Path(__file__).parent
@@ -85,7 +88,7 @@ def gate_code_fingerprint() -> str:
 
 @dataclass
 class GateCache:
-    """One cache root. `fingerprints` memoises each build's fingerprint for the run (a build does not change under a
+    """One cache root. Each build's fingerprint is computed once per GateCache (a build does not change under a
     running gate; a new run fingerprints again)."""
 
     root: Path
@@ -94,10 +97,6 @@ class GateCache:
         self.root = Path(self.root)
         self._fp: dict[str, str] = {}
         self._lock = threading.Lock()  # the gate's case threads ask for fingerprints at once
-
-    @classmethod
-    def default(cls) -> GateCache:
-        return cls(default_root())
 
     def fingerprint(self, build: VllmBuild) -> str:
         key = build.prefix or "<installed>"
@@ -164,13 +163,14 @@ class GateCache:
         return self.build_dir(build) / "references" / f"{key}.json"
 
     def load_reference(self, build: VllmBuild, sm_label: str, gpu: str) -> dict | None:
-        """A stored reference ({"result": RESULT record, "case": CaseResult dict, "stored": when, ...}) or None."""
+        """A stored reference ({"result": RESULT record, "case": CaseResult dict, "stored": when, ..., "path": the
+        file it was read from}) or None."""
         p = self.reference_path(build, sm_label, gpu)
         try:
             d = json.loads(p.read_text())
         except (OSError, ValueError):
             return None
-        return d if isinstance(d, dict) and d.get("result", {}).get("tokens") else None
+        return {**d, "path": str(p)} if isinstance(d, dict) and d.get("result", {}).get("tokens") else None
 
     def store_reference(self, build: VllmBuild, sm_label: str, gpu: str, result: dict, case: dict) -> Path:
         p = self.reference_path(build, sm_label, gpu)

@@ -13,6 +13,7 @@ from repro.redact import redact
 from repro.report import VLLM_GATE_KIND, header
 from repro.verdicts import FAULTS, SKIP
 from repro.vllm_integration import release_range
+from repro.vllm_integration.gate_cache import COLD, KEPT, PRIVATE, WARM
 from repro.vllm_integration.gate_case import expected
 from repro.vllm_integration.gate_judge import meets
 from repro.vllm_integration.gate_run import PASS, GateRun
@@ -134,9 +135,9 @@ def caches(run: GateRun, label: str) -> str:
         for c, r in [*run.cases, *run.references, *run.attributions]
         if c.build.label == label and r.verdict != SKIP  # a skipped case ran nothing
     ]
-    if not states or any(s in (None, "private") for s in states):
+    if not states or any(s in (None, PRIVATE) for s in states):
         return "old path"
-    return "warm" if all(s in ("warm", "reference kept") for s in states) else "cold"
+    return WARM if all(s in (WARM, KEPT) for s in states) else COLD
 
 
 def build_summary(run: GateRun) -> list[dict]:

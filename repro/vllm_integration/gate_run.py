@@ -31,7 +31,7 @@ from repro.verdicts import CANNOT_VOUCH as NOT_VOUCHED
 from repro.verdicts import CLEAN, CRASH, FAULTS, SKIP
 from repro.vllm_integration import gate_bench
 from repro.vllm_integration.builds import UNDER_TEST, VllmBuild
-from repro.vllm_integration.gate_cache import WRITER, GateCache
+from repro.vllm_integration.gate_cache import KEPT, PRIVATE, WRITER, GateCache
 from repro.vllm_integration.gate_case import (
     DEFAULT_BACKEND,
     FA3_ONLY,
@@ -57,8 +57,8 @@ def run_case(
     cache: GateCache | None = None,
 ) -> CaseResult:
     """One gate case in its own process; never raises for a faulting case. With a cache (the new path), the case's
-    VLLM_CACHE_ROOT starts as a copy of its build's shared one, and a speculative case that got past torch.compile
-    publishes its own when the build has none; without (the old path) every case starts cold."""
+    VLLM_CACHE_ROOT is its build's folder (used in place once complete, or written by this case as the build's one
+    writer) or an empty folder of its own (GateCache.case_cache); without (the old path) every case starts cold."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     audit_file = log_dir / f"{case.case_id}.audit.json"
@@ -68,7 +68,7 @@ def run_case(
     except Unavailable as e:
         return _skipped(case, str(e))
     private = Path(env["VLLM_CACHE_ROOT"])
-    vllm_cache = "private"
+    vllm_cache = PRIVATE
     if cache is not None:
         root, vllm_cache = cache.case_cache(case.build, private, may_write=not case.reference)
         env["VLLM_CACHE_ROOT"] = str(root)
@@ -246,11 +246,7 @@ def run_gate(
         t = time.time()
         kept = cache.load_reference(c.build, _ref_key(c), gpu) if cache is not None and c.reference else None
         if kept is not None:
-            res, attribution, out = (
-                kept_reference(c, kept, cache.reference_path(c.build, _ref_key(c), gpu)),
-                None,
-                kept["result"],
-            )
+            res, attribution, out = kept_reference(c, kept), None, kept["result"]
         else:
             res, attribution = run_attributed(c, builds, log_dir, mps, cache)
             out = result_line(log_dir, c)
@@ -266,7 +262,7 @@ def run_gate(
         if progress:
             progress(c, res)
 
-    everything = cases + refs  # speculative cases first: they publish the vLLM caches the references then load
+    everything = cases + refs  # speculative cases first: one of them writes the build's vLLM cache the rest then use
     serial = [c for c in everything if c.mode.sm.kind == "mps"]
     parallel = [c for c in everything if c.mode.sm.kind != "mps"]
 
@@ -312,12 +308,13 @@ def gpu_identity() -> str:
     return f"{facts.get('gpu')} {facts.get('sms')} SMs" if facts.get("gpu") else "no GPU"
 
 
-def kept_reference(case: GateCase, kept: dict, path: Path) -> CaseResult:
-    """The reference case's record from the cache: the stored clean result, its history saying where it came from."""
+def kept_reference(case: GateCase, kept: dict) -> CaseResult:
+    """The reference case's record from the cache (GateCache.load_reference): the stored clean result, its history
+    saying where it came from."""
     return CaseResult(**kept["case"]).revised(
         "reference cache",
-        f"reference run of {kept.get('stored')} kept for this build ({path})",
-        phases={"wall": 0.0, "vllm_cache": "reference kept"},
+        f"reference run of {kept.get('stored')} kept for this build ({kept['path']})",
+        phases={"wall": 0.0, "vllm_cache": KEPT},
     )
 
 
