@@ -41,6 +41,9 @@ from repro.verdicts import (
 )
 
 FAULT, DETECTED, AUDIT, EXPECT_CLEAN, RECORDED = "fault", "detected", "audit", "clean", "recorded"
+# kinds of positive control a vLLM gate mode can rely on: a second installation known to be bad, or the build under
+# test with the defect re-created inside it (repro.vllm_integration.inject)
+KNOWN_BAD, SELF_CONTROL = "known-bad build", "self-control"
 MEETS: dict[str, tuple[str, ...]] = {
     # A launch that fails after stale metadata is the kernels failing too: upstream FA3's combine launch check reports
     # "Error Internal" there on the H200 (results/h200-launch-failures), where other configurations crash.
@@ -113,6 +116,7 @@ class Control:
     reason: str = ""
     not_applicable: str | None = None  # why this configuration cannot exist on this runner
     needs: str | None = None  # the REQUIREMENTS feature whose absence made it not applicable
+    kind: str | None = None  # a positive control's kind where it matters (vLLM gate: known-bad build, self-control)
 
     @property
     def gating(self) -> bool:
@@ -131,6 +135,8 @@ class GateDecision:
     not_applicable: list[tuple[str, str]] = field(default_factory=list)  # (case, reason)
     ran: int = 0
     evidence: dict[str, tuple[int, int]] = field(default_factory=dict)  # mode -> (positive controls, with evidence)
+    # mode -> control kind -> (positive controls, with evidence): which kind of control each mode relied on
+    evidence_by_kind: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -140,7 +146,13 @@ class GateDecision:
         """Lines for a person: what ran, what each mode's controls showed, what was not applicable and why."""
         lines = [f"gate: {self.ran} control(s) ran; {len(self.not_applicable)} not applicable here"]
         for mode, (pos, ev) in sorted(self.evidence.items()):
-            lines.append(f"  mode {mode}: {ev} of {pos} positive control(s) showed evidence")
+            kinds = self.evidence_by_kind.get(mode) or {}
+            if set(kinds) <= {KNOWN_BAD}:  # the one kind every gate had before self controls: nothing to tell apart
+                kinds = {}
+            how = "; ".join(f"{k}: {e} of {p}" for k, (p, e) in sorted(kinds.items()))
+            lines.append(
+                f"  mode {mode}: {ev} of {pos} positive control(s) showed evidence" + (f" ({how})" if how else "")
+            )
         for x in self.disagreements:
             lines.append(f"  evidence of another kind than expected (not gating): {x}")
         by_reason: dict[str, list[str]] = {}
@@ -182,7 +194,11 @@ def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) 
         if c.gating:
             pos, ev = d.evidence.get(c.mode, (0, 0))
             if is_positive(c.expected):
-                pos, ev = pos + 1, ev + counts_as_evidence(c.verdict, c.mode)
+                shown = counts_as_evidence(c.verdict, c.mode)
+                pos, ev = pos + 1, ev + shown
+                if c.kind is not None:
+                    kp, ke = d.evidence_by_kind.setdefault(c.mode, {}).get(c.kind, (0, 0))
+                    d.evidence_by_kind[c.mode][c.kind] = (kp + 1, ke + shown)
             d.evidence[c.mode] = (pos, ev)
     for mode, (pos, ev) in sorted(d.evidence.items()):
         if not pos:  # only negative controls in this mode: nothing shows that the mode could see the bug

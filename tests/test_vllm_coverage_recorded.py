@@ -70,7 +70,7 @@ def replay(monkeypatch, tmp_path: Path, edit=None):
         return classify(case, out, r["returncode"], False, None, r["wall_s"]), out
 
     monkeypatch.setattr(gate_run, "run_process", recorded_process)
-    return run_gate(_builds(), parse_modes(_modes()), tmp_path / "logs", jobs=4, timeout_s=240.0)
+    return run_gate(_builds(), parse_modes(_modes()), tmp_path / "logs", jobs=4, timeout_s=240.0, self_control="none")
 
 
 @pytest.fixture(scope="module")

@@ -117,7 +117,8 @@ def test_gate_command_exit_codes_and_report(tmp_path, fakes, capsys):
     assert cli([*args, "--vllm", f"0.26.0={fakes['good']}", "--control", f"0.25.1={fakes['stale-crash']}"]) == 0
     doc = json.loads((out / "results.json").read_text())
     assert doc["kind"] == "vllm-gate" and doc["passed"]
-    assert {b["build"]: b["affected"] for b in doc["builds"]} == {"0.26.0": False, "0.25.1": True}
+    affected = {b["build"]: b["affected"] for b in doc["builds"]}
+    assert affected == {"0.26.0": False, "0.25.1": True, "0.26.0 (self control)": True}
     md = (out / "verdicts.md").read_text()
     assert "**Gate: PASS**" in md and "draft prefill 2/2/0/0" in md  # captures per kind: total/attention/audited/stale
     cov = {b["build"]: b["coverage"] for b in doc["builds"]}["0.26.0"]
@@ -125,7 +126,11 @@ def test_gate_command_exit_codes_and_report(tmp_path, fakes, capsys):
     assert cov["captures_with_attention"] == {"target decode": 2, "draft prefill": 2, "draft decode": 2}
     case = next(c for c in doc["cases"] if c["case"].endswith("0.26.0-under-test-plain"))
     assert case["engine"]["speculative_method"] == "eagle" and case["counters"]["attention_forwards"] > 0
-    assert cli([*args, "--vllm", f"0.26.0={fakes['good']}"]) == 3  # no control: HARNESS BLIND
+    # no known-bad build: the build's own self control is the positive control (the re-created defect caught)
+    assert cli([*args, "--vllm", f"0.26.0={fakes['good']}"]) == 0
+    decision = json.loads((out / "results.json").read_text())["decision"]
+    assert any("mode plain: 1 of 1" in x and "self-control: 1 of 1" in x for x in decision), decision
+    assert cli([*args, "--vllm", f"0.26.0={fakes['good']}", "--self-control", "none"]) == 3  # no control: BLIND
     assert cli([*args, "--vllm", f"0.26.0={fakes['good']}", "--no-control"]) == 0  # a bisect step's answer
     assert json.loads((out / "results.json").read_text())["passed"]  # the report agrees with the exit code
     assert cli([*args, "--vllm", f"x={fakes['stale-crash']}", "--no-control"]) == 1  # affected
@@ -233,9 +238,9 @@ def test_builds_that_hook_nothing_cannot_be_vouched_for_through_the_cli(tmp_path
     )
     assert p.returncode == 4, p.stdout[-2000:] + p.stderr[-2000:]
     doc = json.loads((out / "results.json").read_text())
-    assert doc["outcome"] == "CANNOT VOUCH" and len(doc["cannot_vouch"]) == 2
+    assert doc["outcome"] == "CANNOT VOUCH" and len(doc["cannot_vouch"]) >= 2
     for c in doc["cases"]:
-        if c["kind"] == "case":
+        if c["kind"] == "case" and "self-control" not in c["case"]:
             assert c["verdict"] == CANNOT_VOUCH and HOOK_NOTHING[behaviour] in c["reason"], c["reason"]
     if behaviour in ("no-forward", "other-backend"):
         audit = next(c for c in doc["cases"] if c["case"].endswith("-audit"))

@@ -86,6 +86,13 @@ def add_parsers(sub) -> None:
     gt.add_argument(
         "--no-control", action="store_true", help="answer for the builds alone (bisect steps): no control needed"
     )
+    gt.add_argument(
+        "--self-control",
+        default="under-test",
+        choices=("under-test", "all", "none"),
+        help="which builds also run as their own positive control, the capture defect re-created inside them, in "
+        "every mode: under-test (every build under test), all (known-bad controls too), none (default %(default)s)",
+    )
     gt.add_argument("--repeat", type=int, default=1, help="repetitions of every case (default 1)")
     gt.add_argument("--jobs", type=int, default=3, help="cases at a time, MPS cases aside (default 3)")
     gt.add_argument("--timeout", type=float, default=300.0, help="seconds per case process (default 300)")
@@ -164,7 +171,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
     if a.dry_run:
         from repro.vllm_integration.gate_run import plan
 
-        for c in plan(builds, modes, a.repeat, a.timeout, backends):
+        for c in plan(builds, modes, a.repeat, a.timeout, backends, a.self_control):
             print(c.case_id)
         return 0
     check_out_dir(a.out)
@@ -185,7 +192,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
     if a.compare_paths:
         return _compare_paths(a, builds, modes, backends, out, logs, progress)
     cache = None if a.no_cache else GateCache(Path(a.cache_dir) if a.cache_dir else default_root())
-    run = run_gate(builds, modes, logs, a.repeat, a.jobs, a.timeout, progress, cache, backends)
+    run = run_gate(builds, modes, logs, a.repeat, a.jobs, a.timeout, progress, cache, backends, a.self_control)
     written = gate_report.write(run, out, collect(), need_control=not a.no_control)
     print(gate_report.markdown(run, need_control=not a.no_control).split("\n| case |")[0])
     print(f"written: {', '.join(str(p) for p in written)}")
@@ -278,7 +285,16 @@ def _compare_paths(a: argparse.Namespace, builds, modes, backends, out: Path, lo
     if not asked or any(x not in by_folder for x in asked):
         raise ConfigError(f"--paths {a.paths}: pick from {', '.join(by_folder)}")
     runs = compare_paths(
-        builds, modes, logs, cache_root, a.jobs, a.timeout, progress, backends, tuple(by_folder[x] for x in asked)
+        builds,
+        modes,
+        logs,
+        cache_root,
+        a.jobs,
+        a.timeout,
+        progress,
+        backends,
+        tuple(by_folder[x] for x in asked),
+        a.self_control,
     )
     env = collect()
     for name, run in runs.items():

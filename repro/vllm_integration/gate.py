@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -95,12 +96,30 @@ def llm_kwargs(
     return kw
 
 
+def _logprob_values(logprobs: dict | None) -> list[float]:
+    return [float(lp.logprob if hasattr(lp, "logprob") else lp) for lp in (logprobs or {}).values()]
+
+
 def top2_margin(logprobs: dict | None) -> float | None:
-    """log p(top-1) - log p(top-2) at one position, from vLLM's per-token logprobs dict (None when absent)."""
-    if not logprobs or len(logprobs) < 2:
+    """log p(top-1) - log p(top-2) at one position, from vLLM's per-token logprobs dict (None when absent or not
+    finite: NaN logits give NaN log-probabilities, and a NaN margin must never read as a decided token)."""
+    vals = _logprob_values(logprobs)
+    if len(vals) < 2 or not all(math.isfinite(v) for v in vals):
         return None
-    vals = sorted((lp.logprob if hasattr(lp, "logprob") else float(lp) for lp in logprobs.values()), reverse=True)
+    vals.sort(reverse=True)
     return round(vals[0] - vals[1], 5)
+
+
+def nonfinite_positions(outputs) -> list[str]:
+    """Positions whose returned log-probabilities are not all finite ("request i token j"): the logits were NaN or
+    inf there (a reference that must not be trusted)."""
+    bad = []
+    for i, o in enumerate(outputs):
+        for j, lp in enumerate(o.outputs[0].logprobs or []):
+            vals = _logprob_values(lp)
+            if not vals or not all(math.isfinite(v) for v in vals):
+                bad.append(f"request {i} token {j}")
+    return bad
 
 
 def _name(x) -> str | None:
@@ -177,9 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     import torch
 
+    device = None
     if torch.cuda.is_available():
         prop = torch.cuda.get_device_properties(0)
-        emit(DEVICE_TAG, {"gpu": prop.name, "sms": prop.multi_processor_count})
+        device = {"gpu": prop.name, "sms": prop.multi_processor_count}
+        emit(DEVICE_TAG, device)
     import vllm
     from vllm import LLM, SamplingParams  # imported here: the parent never needs vllm
 
@@ -192,10 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     outs = llm.generate([{"prompt_token_ids": t} for t in PROMPTS], params)
     t_done = time.time()
+    engine = resolved_engine(llm)  # the reference's too: the configuration it ran with is part of its validation
     if not a.reference:
-        engine = resolved_engine(llm)
         engine["acceptance"] = acceptance(llm)
-        emit(ENGINE_TAG, engine)
+    emit(ENGINE_TAG, engine)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     margins = [[top2_margin(lp) for lp in (o.outputs[0].logprobs or [])] for o in outs] if a.reference else None
     result = {
@@ -203,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         "reference": a.reference,
         "tokens": tokens,
         "margins": margins,
+        "nonfinite": nonfinite_positions(outs) if a.reference else None,
+        "device": device,
         "timing_s": {
             "import": round(t_import - t0, 1),
             "engine": round(t_engine - t_import, 1),

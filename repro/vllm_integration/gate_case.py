@@ -11,8 +11,11 @@ Detection modes (`--modes`, each a case parameter):
   memcheck         compute-sanitizer memcheck, caching allocator (works with torch.compile); recorded, not gating
   memcheck:async   the same with cudaMallocAsync (what the attention-layer cases use); recorded, not gating
 
-Builds under test must be `clean` in every mode and repetition; a control build (known bad) must be detected with
-kernel evidence (fault, hang, wrong tokens) in every gating mode, or by the audit in the audit mode (`expected`)."""
+Every mode also runs as a self control of a build (`inject`): the same build, engine, kernels and SM configuration
+with the capture defect re-created inside it (repro.vllm_integration.inject), a positive control that ran in this
+environment. Builds under test must be `clean` in every mode and repetition; a control (a known-bad build, or a
+self control) must be detected with kernel evidence (fault, hang, wrong tokens) in every gating mode, or by the audit
+in the audit mode (`expected`)."""
 
 from __future__ import annotations
 
@@ -27,9 +30,11 @@ from repro import policy
 from repro.case import SmConfig
 from repro.descriptors import ConfigError
 from repro.poison import parse_poison
+from repro.policy import KNOWN_BAD, SELF_CONTROL
 from repro.sanitizer import sanitizer_env
 from repro.smcontrol import MpsDaemon, Unavailable
 from repro.vllm_integration.builds import UNDER_TEST, VllmBuild, build_pythonpath
+from repro.vllm_integration.inject import INJECT_ENV
 
 DEFAULT_MODES = ("audit", "plain")
 ALL_MODES = ("audit", "plain", "mps:16", "sm_margin:16", "poison:int-max", "memcheck")
@@ -117,11 +122,25 @@ class GateCase:
     launch_blocking: bool = False
     timeout_s: float = 300.0
     backend: str = DEFAULT_BACKEND  # vLLM's attention backend (attention_backend=...)
+    inject: str | None = None  # the self control's injection (repro.vllm_integration.inject), None: the build as is
+
+    @property
+    def is_control(self) -> bool:
+        """A positive control: a known-bad build, or any build's self control."""
+        return self.inject is not None or self.build.role != UNDER_TEST
+
+    @property
+    def control_kind(self) -> str | None:
+        """What kind of positive control this case is (the report says which each mode relied on)."""
+        if self.inject is not None:
+            return SELF_CONTROL
+        return KNOWN_BAD if self.build.role != UNDER_TEST else None
 
     @property
     def case_id(self) -> str:
         what = f"reference-{self.mode.sm.label}" if self.reference else self.mode.label
-        parts = ["stale_metadata", "vllm", self.build.label, self.build.role, what]
+        role = SELF_CONTROL if self.inject is not None else self.build.role
+        parts = ["stale_metadata", "vllm", self.build.label, role, what]
         if self.backend != DEFAULT_BACKEND:  # FLASH_ATTN ids stay as recorded
             parts.insert(4, self.backend.lower())
         if self.rep:
@@ -142,9 +161,10 @@ class GateCase:
 
 
 def reference_for(case: GateCase) -> GateCase:
-    """The reference of a case: the same build, backend and SM configuration, no speculative decoding."""
+    """The reference of a case: the same build, backend and SM configuration, no speculative decoding, nothing
+    injected (a self control is judged against its build's own reference)."""
     mode = GateMode(f"reference-{case.mode.sm.label}", sm=case.mode.sm)
-    return replace(case, mode=mode, reference=True, rep=0, launch_blocking=False)
+    return replace(case, mode=mode, reference=True, rep=0, launch_blocking=False, inject=None)
 
 
 def case_env(
@@ -164,6 +184,7 @@ def case_env(
         "REPRO_SM_MARGIN",
         "REPRO_POISON",
         "REPRO_ATTENTION_BACKEND",
+        INJECT_ENV,
         "CUDA_LAUNCH_BLOCKING",
     ):
         env.pop(k, None)
@@ -181,6 +202,8 @@ def case_env(
         env.update(REPRO_AUDIT="1", REPRO_AUDIT_FILE=str(audit_file))
     if mode.poison and not case.reference:
         env["REPRO_POISON"] = mode.poison
+    if case.inject and not case.reference:
+        env[INJECT_ENV] = case.inject
     if mode.sm.kind == "sm_margin":
         total = total_sms()
         if mode.sm.sms > total:
@@ -206,8 +229,19 @@ def expected(case: GateCase) -> str:
     """The policy expectation (repro.policy) of a gate case: clean (a build under test), detected (a control: kernel
     evidence), audit (a control in the audit mode: the auditor's stale views from the engine count too) or recorded
     (memcheck on a control: what it finds is recorded, not required)."""
-    if case.build.role == UNDER_TEST:
+    if not case.is_control:
         return policy.EXPECT_CLEAN
     if not case.mode.gating:
         return policy.RECORDED
     return policy.AUDIT if case.mode.audit else policy.DETECTED
+
+
+SELF_CONTROL_CHOICES = ("under-test", "all", "none")
+
+
+def self_controls_for(build: VllmBuild, which: str) -> bool:
+    """Does this build get a self control: `under-test` (the default: every build under test), `all` (known-bad
+    builds too: the injection's fidelity beside the real defect) or `none`."""
+    if which not in SELF_CONTROL_CHOICES:
+        raise ConfigError(f"--self-control {which!r}: use {', '.join(SELF_CONTROL_CHOICES)}")
+    return which == "all" or which == "under-test" and build.role == UNDER_TEST

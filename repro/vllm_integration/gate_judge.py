@@ -7,6 +7,7 @@ step returns a new record through CaseResult.revised that says what changed it; 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -42,6 +43,8 @@ def annotate(res: CaseResult, case: GateCase, output: str | Channel, audit_file:
         needed.add("audit")
     if (case.mode.sm.kind == "sm_margin") or (case.mode.poison and not case.reference):
         needed.add("fa3")
+    if case.inject and not case.reference:
+        needed.add("inject")
     engine, counters = ch.last(ENGINE_TAG), ch.last(COUNTERS_TAG)
     identity = res.backend_identity
     if engine or counters:
@@ -51,6 +54,8 @@ def annotate(res: CaseResult, case: GateCase, output: str | Channel, audit_file:
             "counters": e.get("counters") or counters or {},
             "acceptance": e.get("acceptance"),
         }
+    if case.inject:  # the injection's own records, written as it wrote: they survive a fault or a hang after them
+        identity = {**(identity or {}), "injection": [p for p in plugin if "injection_wrote" in p]}
     audit = _audit_evidence(ch, audit_file)
     # without CUDA_LAUNCH_BLOCKING=1 a crash surfaces at any later call: not attributed (with it, classify named the
     # kernel from the first fault line only)
@@ -170,6 +175,14 @@ def not_fired(case: GateCase, identity: dict | None) -> list[str]:
         )
     if case.mode.audit and not c.get("checks"):
         out.append("the freshness auditor made 0 checks")
+    if case.inject and not any(v for k, v in (c.get("captures_injected") or {}).items() if k.startswith("draft")):
+        writes = c.get("inject_writes") or {}
+        out.append(
+            "the self control's injection reached no draft FULL capture (writes "
+            f"{', '.join(f'{k} {v}' for k, v in writes.items()) or 'none'}; target capture builds copied "
+            f"{c.get('inject_snapshots', 0)}; passes with nothing to write {c.get('inject_no_source') or 'none'}): "
+            "this layout or backend keeps the draft's capture out of its reach"
+        )
     if case.mode.sm.kind == "sm_margin":
         if not c.get("sched_sm_margin"):
             out.append("no get_scheduler_metadata call received the injected sm_margin")
@@ -184,14 +197,81 @@ def not_fired(case: GateCase, identity: dict | None) -> list[str]:
 
 def vouch(case: GateCase, res: CaseResult) -> CaseResult:
     """A case that would be clean or stale-audit, but whose feature did not fire, becomes cannot-vouch with the
-    reason (a new record); a crash, a hang or wrong tokens stay evidence."""
-    if case.reference or res.verdict not in (CLEAN, STALE_AUDIT):
+    reason (a new record); a crash, a hang or wrong tokens stay evidence, except in a self control whose injection
+    never wrote before it (its fault is then not the re-created defect's)."""
+    if case.reference:
         return res
-    missing = not_fired(case, res.backend_identity)
+    if res.verdict not in (CLEAN, STALE_AUDIT):
+        if not case.inject or (res.backend_identity or {}).get("injection"):
+            return res
+        missing = [f"the self control's injection never wrote before this {res.verdict}: not the re-created defect's"]
+    else:
+        missing = not_fired(case, res.backend_identity)
     if not missing:
         return res
     reason = f"{'; '.join(missing)} (case verdict would have been {res.verdict}: {res.reason[:200]})"
     return res.revised("coverage", "; ".join(missing), verdict=NOT_VOUCHED, reason=reason)
+
+
+DEGENERATE_MIN = 4  # tokens: a request of at least this many that repeats one token after the first is degenerate
+
+
+def reference_problems(case: GateCase, res: CaseResult, out: dict | None) -> list[str]:
+    """Why a finished reference run must not be trusted as ground truth, empty when it may: it decoded tokens, every
+    log-probability it returned is finite and every position has a top-2 margin, no request is one token repeated
+    (what NaN logits decode to), the engine ran as a reference (no CUDA graphs, no speculative decoding) and in its
+    case's SM configuration (MPS: the SM count the process saw, checked in annotate; sm_margin: the injected margin
+    reached get_scheduler_metadata and FA3's forward)."""
+    if not out or not out.get("tokens"):
+        return ["the reference run decoded no tokens"]
+    problems = []
+    nonfinite = out.get("nonfinite") or []
+    if nonfinite:
+        problems.append(
+            f"non-finite log-probabilities (NaN or inf logits) at {len(nonfinite)} position(s), first {nonfinite[0]}"
+        )
+    missing = [
+        f"request {i} token {j}"
+        for i, ms in enumerate(out.get("margins") or [[None] * len(t) for t in out["tokens"]])
+        for j, m in enumerate(ms)
+        if m is None or not math.isfinite(m)
+    ]
+    if missing and not nonfinite:
+        problems.append(f"no finite top-2 margin at {len(missing)} position(s), first {missing[0]}")
+    for i, toks in enumerate(out["tokens"]):
+        if len(toks) >= DEGENERATE_MIN and len(set(toks[1:])) == 1:
+            problems.append(f"request {i} decodes {toks[0]} then repeats {toks[1]} (a degenerate reference)")
+            break
+    identity = res.backend_identity or {}
+    e, c = identity.get("engine"), identity.get("counters") or {}
+    if "nonfinite" not in out:  # a record from before references reported their configuration: tokens only
+        return problems
+    if not e:
+        problems.append("the reference reported no engine configuration (no REPRO_ENGINE record)")
+    else:
+        if e.get("speculative_method") or e.get("num_speculative_tokens"):
+            problems.append(f"the reference ran speculative decoding ({e.get('speculative_method')})")
+        if e.get("cudagraph_mode") not in (None, "NONE"):
+            problems.append(f"the reference ran with CUDA graphs (cudagraph mode {e.get('cudagraph_mode')})")
+    if case.mode.sm.kind == "sm_margin" and not (c.get("sched_sm_margin") and c.get("fwd_sm_margin")):
+        problems.append(
+            f"the reference's SM configuration sm_margin:{case.mode.sm.sms} did not reach FA3 "
+            f"({c.get('sched_sm_margin', 0)} get_scheduler_metadata and {c.get('fwd_sm_margin', 0)} forward calls "
+            "received the margin)"
+        )
+    return problems
+
+
+def validate_reference(case: GateCase, res: CaseResult, out: dict | None) -> CaseResult:
+    """A clean reference run checked before it is trusted (reference_problems): a broken one becomes an error (a new
+    record), so every case judged against it cannot vouch instead of reading as wrong output."""
+    if res.verdict != CLEAN:
+        return res
+    problems = reference_problems(case, res, out)
+    if not problems:
+        return res.revised("reference validation", "finite, decided, configuration as its case's")
+    why = "reference not trusted: " + "; ".join(problems)
+    return res.revised("reference validation", why, verdict=ERROR, reason=why)
 
 
 @dataclass
@@ -249,6 +329,10 @@ def apply_reference(res: CaseResult, out: dict | None, ref: CaseResult, ref_out:
     step = "reference comparison"
     if ref.verdict != CLEAN or not ref_out or not out:
         why = f"no reference to compare with ({ref.case_id}: {ref.verdict}: {ref.reason[:200]})"
+        return res.revised(step, why, verdict=ERROR, reason=why)
+    sms, ref_sms = ((x.get("device") or {}).get("sms") for x in (out, ref_out))
+    if sms is not None and ref_sms is not None and sms != ref_sms:
+        why = f"the reference ran on {ref_sms} SMs, this case on {sms}: not the same SM configuration"
         return res.revised(step, why, verdict=ERROR, reason=why)
     chk = compare_tokens(out["tokens"], ref_out["tokens"], ref_out.get("margins"))
     evidence = "; ".join(x for x in (res.evidence, chk.describe()) if x)

@@ -8,7 +8,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from repro.policy import NO_EVIDENCE
+from repro.policy import NO_EVIDENCE, SELF_CONTROL
 from repro.redact import redact
 from repro.report import VLLM_GATE_KIND, header
 from repro.verdicts import FAULTS, SKIP
@@ -143,11 +143,12 @@ def caches(run: GateRun, label: str) -> str:
 def build_summary(run: GateRun) -> list[dict]:
     """One line per build: affected or not, in which modes, with how many repetitions."""
     by_build: dict[str, list] = defaultdict(list)
-    for c, r in run.cases:
-        by_build[c.build.label].append((c, r))
+    for c, r in run.cases:  # a build's self control is a row of its own: a positive control, never the build's answer
+        by_build[c.build.label + (" (self control)" if c.inject else "")].append((c, r))
     out = []
     for label, pairs in by_build.items():
         b = pairs[0][0].build
+        injected = pairs[0][0].inject is not None
         modes: dict[str, list[str]] = defaultdict(list)
         for c, r in pairs:
             modes[c.mode.name].append(r.verdict)
@@ -157,20 +158,25 @@ def build_summary(run: GateRun) -> list[dict]:
         out.append(
             {
                 "build": label,
-                "role": b.role,
+                "role": SELF_CONTROL if injected else b.role,
                 "vllm_version": next((r.vllm_version for _, r in pairs if r.vllm_version), b.version),
                 "affected": bool(detected),
                 "detected_in": detected,
                 "could_not_vouch": unsure,
                 "modes": {m: vs for m, vs in modes.items()},
                 "source_check": src.verdict if src else "-",
-                "wall_s": run.build_wall_s.get(label),
-                "caches": caches(run, label),
+                "wall_s": run.build_wall_s.get(b.label),
+                "caches": caches(run, b.label),
                 "ok": all(meets(c, r) for c, r in pairs),
                 "coverage": coverage(pairs),
             }
         )
     return out
+
+
+def releases_only(summaries: list[dict]) -> list[dict]:
+    """The builds as releases (the release range): self-control rows left out, they answer for the harness."""
+    return [s for s in summaries if s["role"] != SELF_CONTROL]
 
 
 def markdown(run: GateRun, env: dict | None = None, need_control: bool = True) -> str:
@@ -186,12 +192,16 @@ def markdown(run: GateRun, env: dict | None = None, need_control: bool = True) -
     lines += ["|---|---|---|---|---|---|---|---|---|"]
     for s in build_summary(run):
         per_mode = "; ".join(f"{m}: {', '.join(vs)}" for m, vs in s["modes"].items())
+        if s["role"] == SELF_CONTROL:  # a positive control: was the re-created defect caught?
+            answer = "defect re-created: caught" if s["affected"] else "defect re-created: NOT caught"
+        else:
+            answer = "yes" if s["affected"] else "no"
         lines.append(
-            f"| {s['build']} | {s['role']} | {s['vllm_version']} | **{'yes' if s['affected'] else 'no'}** | "
+            f"| {s['build']} | {s['role']} | {s['vllm_version']} | **{answer}** | "
             f"{', '.join(s['detected_in']) or '-'} | {per_mode} | {s['source_check']} | {s['wall_s']} ({s['caches']}) | "
             f"{'ok' if s['ok'] else 'FAIL'} |"
         )
-    lines += [""] + release_range.markdown(build_summary(run))
+    lines += [""] + release_range.markdown(releases_only(build_summary(run)))
     for why in run.blind(need_control):
         lines.append(f"\nHARNESS BLIND: {why}")
     for c, r in run.not_vouched():
@@ -258,7 +268,7 @@ def to_json(run: GateRun, env: dict | None = None, need_control: bool = True) ->
         "decision": run.decision(need_control).summary(),
         "wall_s": run.wall_s,
         "builds": build_summary(run),
-        "release_range": release_range.to_json(build_summary(run)),
+        "release_range": release_range.to_json(releases_only(build_summary(run))),
         "cases": [{**row, "result": results[row["case"]]} for row in rows(run)],
     }
 

@@ -30,7 +30,7 @@ from repro.tags import COUNTERS_TAG, RESULT_TAG
 from repro.verdicts import CANNOT_VOUCH as NOT_VOUCHED
 from repro.verdicts import CLEAN, CRASH, FAULTS, SKIP
 from repro.vllm_integration import gate_bench
-from repro.vllm_integration.builds import UNDER_TEST, VllmBuild
+from repro.vllm_integration.builds import VllmBuild
 from repro.vllm_integration.gate_cache import KEPT, PRIVATE, WRITER, GateCache
 from repro.vllm_integration.gate_case import (
     DEFAULT_BACKEND,
@@ -40,8 +40,10 @@ from repro.vllm_integration.gate_case import (
     case_env,
     expected,
     reference_for,
+    self_controls_for,
 )
-from repro.vllm_integration.gate_judge import annotate, finish, meets
+from repro.vllm_integration.gate_judge import annotate, finish, meets, validate_reference
+from repro.vllm_integration.inject import STALE_CAPTURE
 
 PASS, AFFECTED, BLIND, CANNOT_VOUCH = "PASS", "AFFECTED", "HARNESS BLIND", "CANNOT VOUCH"
 EXIT = {PASS: 0, AFFECTED: 1, BLIND: 3, CANNOT_VOUCH: 4}  # 2 is bad input; a bisect step maps 3 and 4 to 125
@@ -139,7 +141,7 @@ class GateRun:
     def controls(self) -> list[policy.Control]:
         """Every case as the policy sees it: mode = the gate mode's name."""
         return [
-            policy.Control(c.case_id, r.expected or expected(c), r.verdict, c.mode.name, r.reason)
+            policy.Control(c.case_id, r.expected or expected(c), r.verdict, c.mode.name, r.reason, kind=c.control_kind)
             for c, r in self.cases
         ]
 
@@ -153,7 +155,7 @@ class GateRun:
 
     def affected(self) -> list[tuple[GateCase, CaseResult]]:
         """Builds under test whose case did not come back clean (the bug, or no answer)."""
-        return [(c, r) for c, r in self.cases if c.build.role == UNDER_TEST and not meets(c, r)]
+        return [(c, r) for c, r in self.cases if not c.is_control and not meets(c, r)]
 
     def not_vouched(self) -> list[tuple[GateCase, CaseResult]]:
         """Cases (under test or control) whose checked feature did not fire."""
@@ -161,7 +163,7 @@ class GateRun:
 
     def blind(self, need_control: bool = True) -> list[str]:
         """Why the controls cannot vouch for the run: the policy's failures that are not about a build under test."""
-        under = {c.case_id for c, _ in self.cases if c.build.role == UNDER_TEST}
+        under = {c.case_id for c, _ in self.cases if not c.is_control}
         out = []
         for f in self.decision(need_control).failures:
             if f.split(":")[0] in under:
@@ -190,17 +192,20 @@ def plan(
     repeat: int,
     timeout_s: float,
     backends: tuple[str, ...] = (DEFAULT_BACKEND,),
+    self_control: str = "under-test",
 ) -> list[GateCase]:
-    """Every case: build x attention backend x mode x repetition. sm_margin and poison hook FA3's own calls: with
-    another backend they are refused."""
+    """Every case: build x attention backend x mode x repetition, and the self control of each build that gets one
+    (gate_case.self_controls_for) in every mode beside the build's own cases. sm_margin and poison hook FA3's own
+    calls: with another backend they are refused."""
     if repeat < 1:
         raise ConfigError("--repeat must be at least 1")
     fa3_only = [m.name for m in modes if m.name.split(":")[0] in FA3_ONLY]
     if fa3_only and any(b != DEFAULT_BACKEND for b in backends):
         raise ConfigError(f"mode {fa3_only[0]} hooks FA3's calls: run it with --backends {DEFAULT_BACKEND} only")
     return [
-        GateCase(b, m, rep=r, timeout_s=timeout_s, backend=be)
+        GateCase(b, m, rep=r, timeout_s=timeout_s, backend=be, inject=inj)
         for b in builds
+        for inj in ((None, STALE_CAPTURE) if self_controls_for(b, self_control) else (None,))
         for be in backends
         for m in modes
         for r in range(repeat)
@@ -217,6 +222,7 @@ def run_gate(
     progress: Callable[[GateCase, CaseResult], None] | None = None,
     cache: GateCache | None = None,
     backends: tuple[str, ...] = (DEFAULT_BACKEND,),
+    self_control: str = "under-test",
 ) -> GateRun:
     """Every case, references included; non-MPS cases `jobs` at a time, MPS cases one at a time under one daemon
     owned by the run (a faulting MPS client can take the server's other clients down). With a cache (the new path,
@@ -224,7 +230,7 @@ def run_gate(
     fingerprint, SM configuration, GPU and gate code is used instead of running it again; without, the old path."""
     if not builds:
         raise ConfigError("no vLLM build to test: install vllm, or set REPRO_VLLM / REPRO_VLLM_CONTROL")
-    cases = plan(builds, modes, repeat, timeout_s, backends)
+    cases = plan(builds, modes, repeat, timeout_s, backends, self_control)
     asked = [m.sm.sms for m in modes if m.sm.kind in ("sm_margin", "mps")]
     if asked:
         try:
@@ -250,6 +256,8 @@ def run_gate(
         else:
             res, attribution = run_attributed(c, builds, log_dir, mps, cache)
             out = result_line(log_dir, c)
+            if c.reference:
+                res = validate_reference(c, res, out)
             if cache is not None and c.reference and res.verdict == CLEAN and out and out.get("tokens"):
                 cache.store_reference(c.build, _ref_key(c), gpu, out, res.to_dict())
         with lock:
@@ -342,6 +350,7 @@ def compare_paths(
     progress: Callable[[GateCase, CaseResult], None] | None = None,
     backends: tuple[str, ...] = (DEFAULT_BACKEND,),
     paths: tuple[str, ...] = PATHS,
+    self_control: str = "under-test",
 ) -> dict[str, GateRun]:
     """The same gate on each path, one after the other: the old path (every case cold, every reference run), the new
     path on an empty cache folder (cold), and the new path again on what that run left (warm); `paths` picks some of
@@ -357,5 +366,5 @@ def compare_paths(
     for name in (p for p in PATHS if p in paths):
         cache = None if name == OLD_PATH else GateCache(cache_root)
         sub = Path(log_dir) / path_folder(name)
-        runs[name] = run_gate(builds, modes, sub, 1, jobs, timeout_s, progress, cache, backends)
+        runs[name] = run_gate(builds, modes, sub, 1, jobs, timeout_s, progress, cache, backends, self_control)
     return runs

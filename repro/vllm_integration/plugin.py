@@ -26,6 +26,9 @@ process it starts; each feature is off unless its environment variable turns it 
 - REPRO_POISON=<fill>     the entries FA3's get_scheduler_metadata never writes are filled (repro.poison) before vLLM
                           copies them into its persistent buffer, so a stale read does not depend on leftover memory.
                           The entries poisoned are counted.
+- REPRO_INJECT=stale-capture  the self control: the defect of vLLM 0.21.0-0.25.1 re-created inside this build (the
+                          draft's FULL captures run on buffers holding the target's last capture build;
+                          repro.vllm_integration.inject). Counted per capture kind (captures_injected).
 - REPRO_WEIGHTS=margin    dummy weights with margins: after vLLM's DummyModelLoader, every parameter is redrawn from a
                           per-name seed (norms 1, embeddings N(0,1), linear layers N(0, 1/fan_in)). vLLM's own dummy
                           weights (uniform +-1e-3, one seed per size) give near-tied logits and tokens that flip with
@@ -64,6 +67,7 @@ from repro.vllm_integration.backend_fields import (
     tensor_fields,
     unlisted,
 )
+from repro.vllm_integration.inject import INJECT_ENV, INJECTIONS, StaleCaptureInjector, capture_role, is_draft_frame
 
 ENV, FILE_ENV, PROBE_ENV = "REPRO_AUDIT", "REPRO_AUDIT_FILE", "REPRO_PROBE"
 SM_MARGIN_ENV, POISON_ENV, WEIGHTS_ENV = "REPRO_SM_MARGIN", "REPRO_POISON", "REPRO_WEIGHTS"
@@ -72,6 +76,7 @@ BACKEND_ENV = "REPRO_ATTENTION_BACKEND"
 # results/vllm-versions.json; a CPU test keeps the two equal): another layout cannot be vouched for
 KNOWN_SPEC_LAYOUTS = ("autoregressive", "target_dependent_ar")
 AUDITOR = FreshnessAuditor()
+_INJECTOR: dict[str, StaleCaptureInjector] = {}  # "on" -> the injector, when REPRO_INJECT asked for one
 _installed: set[str] = set()
 UNKNOWN_KIND = "unknown kind"
 
@@ -101,6 +106,9 @@ def new_counters() -> dict[str, Any]:
         "poison_calls": 0,  # scheduler-metadata buffers poisoned
         "entries_poisoned": 0,  # entries filled over all of them
         "runner": None,  # module.Class of the model runner seen on a capture's call stack
+        # the self control (REPRO_INJECT, repro.vllm_integration.inject): what it wrote and whether it reached
+        "captures_injected": {},  # kind -> captures whose attention forwards read buffers the injection wrote
+        "injected_forwards": 0,  # eager draft-capture forwards that ran right after an injection
     }
 
 
@@ -174,6 +182,7 @@ class _Capture:
     # id -> (metadata object its attention forwards used, its backend's table)
     metadata: dict[int, tuple[Any, BackendFields]] = field(default_factory=dict)
     refreshed: set[int] = field(default_factory=set)  # ids of the metadata refreshed in place inside this capture
+    injected: bool = False  # an attention forward of this capture read buffers the self control wrote
 
 
 _CAPTURES: list[_Capture] = []
@@ -196,7 +205,7 @@ def graph_kind(frame: Any, depth: int = 40) -> str:
         loc = f.f_locals
         obj = loc.get("self")
         cls = type(obj).__name__ if obj is not None else ""
-        if "spec_decode" in mod or any(w in cls for w in ("Speculator", "Eagle", "Drafter", "Proposer")):
+        if is_draft_frame(f):
             draft = True
         for k in ("progress_bar_desc", "desc"):
             if isinstance(loc.get(k), str):
@@ -234,6 +243,8 @@ def install_capture_tracker(cuda: Any) -> None:
 
         def __enter__(self):
             _CAPTURES.append(_Capture(graph_kind(sys._getframe(1))))
+            if "on" in _INJECTOR:  # before recording starts: nothing the injection writes is in the graph
+                _INJECTOR["on"].capture_begins(_CAPTURES[-1].kind)
             try:
                 return super().__enter__()
             except BaseException:
@@ -245,6 +256,8 @@ def install_capture_tracker(cuda: Any) -> None:
                 return super().__exit__(*exc)
             finally:
                 _finish_capture(_CAPTURES.pop(), failed=exc[0] is not None)
+                if "on" in _INJECTOR:
+                    _INJECTOR["on"].new_pass()
 
     graph.__name__, graph.__qualname__, graph.__doc__ = orig.__name__, orig.__qualname__, orig.__doc__
     cuda.graph = graph
@@ -254,6 +267,8 @@ def _finish_capture(cap: _Capture, failed: bool) -> None:
     _bump("captures", cap.kind)
     if cap.forwards:
         _bump("captures_with_attention", cap.kind)
+    if cap.injected and not failed:
+        _bump("captures_injected", cap.kind)
     if failed or not _AUDIT_ON["on"]:
         return
     known = [(md, spec) for key, (md, spec) in cap.metadata.items() if AUDITOR.knows(key)]
@@ -289,12 +304,19 @@ def _wrap_forward(impl_cls: Any, spec: BackendFields = FLASH_ATTN) -> None:
         if spec.name == FLASH_ATTN.name:
             version = getattr(self, "vllm_flash_attn_version", None)
             _bump("fa_versions", str(version) if version is not None else "unknown")
+        injector = _INJECTOR.get("on")
         if _CAPTURES:
             cap = _CAPTURES[-1]
             cap.forwards += 1
             if attn_metadata is not None:
                 cap.metadata.setdefault(id(attn_metadata), (attn_metadata, spec))
-        elif _AUDIT_ON["on"] and attn_metadata is not None and not _capturing():
+                if injector is not None and not cap.injected:
+                    cap.injected = injector.reached(tensor_fields(attn_metadata, spec)[0])
+        elif injector is not None and attn_metadata is not None and not _capturing():
+            if capture_role(sys._getframe(1)) == "draft":  # a draft capture's eager warmup pass
+                if injector.inject(id(attn_metadata), tensor_fields(attn_metadata, spec)[0], "draft warmup"):
+                    _bump("injected_forwards")
+        if not _CAPTURES and _AUDIT_ON["on"] and attn_metadata is not None and not _capturing():
             for m in AUDITOR.check(id(attn_metadata), _views(attn_metadata, spec)):
                 _emit({"stale": m.to_dict(), "message": str(m)})
         return orig_forward(self, layer, query, key, value, kv_cache, attn_metadata, *a, **k)
@@ -356,7 +378,10 @@ def _wrap_builder(builder_cls: Any, spec: BackendFields) -> list[str]:
 
         def recorded(self: Any, *args: Any, _orig: Any = orig, **kwargs: Any) -> Any:
             md = _orig(self, *args, **kwargs)
-            _record(self, md, spec)
+            if _AUDIT_ON["on"]:
+                _record(self, md, spec)
+            if "on" in _INJECTOR:  # after the auditor recorded what the build wrote
+                _after_build(md, spec)
             return md
 
         functools.update_wrapper(recorded, orig)
@@ -376,6 +401,42 @@ def _wrap_builder(builder_cls: Any, spec: BackendFields) -> list[str]:
         builder_cls.update_draft_decode_metadata = update_draft_decode_metadata
         done.append("update_draft_decode_metadata")
     return done
+
+
+def _after_build(md: Any, spec: BackendFields) -> None:
+    """The self control after a metadata build (outside any graph): a build in the target's capture leaves its
+    buffers' contents behind; a build in a draft capture gets them written over its own."""
+    if md is None or _CAPTURES or _capturing():
+        return
+    injector = _INJECTOR["on"]
+    role = capture_role(sys._getframe(2))
+    if role == "target":
+        injector.target_built(_label(md), tensor_fields(md, spec)[0])
+    elif role == "draft":
+        injector.new_pass()
+        injector.inject(id(md), tensor_fields(md, spec)[0], "draft build")
+
+
+def install_inject(module: Any, cuda: Any = None, spec: BackendFields = FLASH_ATTN) -> bool:
+    """The self control (repro.vllm_integration.inject) on an attention backend module (and torch.cuda, or a
+    stand-in): the builder's builds and the impl's forwards wrapped, the capture tracker installed. False, with an
+    error line, when the backend's classes are not there."""
+    found = _classes(module, spec)
+    if found is None:
+        return False
+    builder_cls, impl_cls = found
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda
+    if "build" not in _wrap_builder(builder_cls, spec) and not getattr(builder_cls.build, "_repro_wrapped", False):
+        _emit({"error": f"attention backend {spec.name}: {builder_cls.__name__}.build not found"}, PLUGIN_TAG)
+        return False
+    _wrap_forward(impl_cls, spec)
+    install_capture_tracker(cuda)
+    _INJECTOR["on"] = StaleCaptureInjector(COUNTERS, announce=lambda record: _emit(record, PLUGIN_TAG))
+    _installed.add("inject")
+    return True
 
 
 def _refreshed(md: Any, spec: BackendFields) -> None:
@@ -589,6 +650,10 @@ def requested(environ: dict[str, str] | None = None) -> dict[str, Any]:
     if not backend.replace("_", "").isalnum() or backend.upper() != backend:
         raise ValueError(f"{BACKEND_ENV}={backend!r}: expected a vLLM attention backend name such as FLASH_ATTN")
     out["attention_backend"] = backend
+    inject = env.get(INJECT_ENV, "")
+    if inject and inject not in INJECTIONS:
+        raise ValueError(f"{INJECT_ENV}={inject!r}: expected {' or '.join(INJECTIONS)}")
+    out["inject"] = inject or None
     return out
 
 
@@ -600,9 +665,10 @@ def register() -> None:
     except Exception as e:  # a bad variable must be visible, not silently ignored
         _emit({"error": str(e)}, PLUGIN_TAG)
         return
-    if not (want["probe"] or want["sm_margin"] or want["poison"] or want["weights"]):
+    if not (want["probe"] or want["sm_margin"] or want["poison"] or want["weights"] or want["inject"]):
         return
-    if want["probe"] and "probe" not in _installed or want["audit"] and "audit" not in _installed:
+    needs_backend = want["probe"] and "probe" not in _installed or want["audit"] and "audit" not in _installed
+    if needs_backend or want["inject"] and "inject" not in _installed:
         import importlib
 
         try:
@@ -620,6 +686,9 @@ def register() -> None:
             if install(backend, spec=spec):
                 atexit.register(_write_report)
                 _emit({"installed": "audit", "backend": spec.name}, PLUGIN_TAG)
+        if want["inject"] and "inject" not in _installed:
+            if install_inject(backend, spec=spec):
+                _emit({"installed": "inject", "injection": want["inject"], "backend": spec.name}, PLUGIN_TAG)
     if (want["sm_margin"] or want["poison"]) and "fa3" not in _installed:
         import torch
         from vllm.v1.attention.backends import flash_attn

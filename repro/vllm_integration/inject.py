@@ -1,0 +1,168 @@
+"""The self control: the capture defect of vLLM 0.21.0-0.25.1 re-created inside the build under test
+(REPRO_INJECT=stale-capture, installed by repro.vllm_integration.plugin).
+
+What those releases did: the draft model's FULL CUDA-graph capture ran (its eager warmup pass and its captured pass)
+on attention metadata whose views point into persistent buffers (query_start_loc, seq_lens, FA3's scheduler
+metadata) that held the contents of the target's LAST capture build, another batch descriptor. The injection
+re-creates exactly that state and nothing else:
+
+- every metadata build inside the TARGET's CudaGraphManager.capture leaves a device copy of the whole persistent
+  buffers behind its views (the fields repro.vllm_integration.backend_fields checks), so the last one is what the
+  target's capture left in them;
+- inside a DRAFT CudaGraphManager.capture (a speculator on the call stack), right after each of its metadata builds
+  (a fixed release builds fresh metadata for every pass), before the first eager attention forward of each pass on
+  metadata it did not build (a release that reuses saved metadata), and as a captured pass begins (before
+  torch.cuda.graph starts recording, so nothing of it is in the graph), those buffers are written back with that
+  copy. Same engine, kernels and SM configuration; replay untouched (the runtime build rewrites the buffers).
+
+It writes buffers and tells nobody: the auditor compares what the views show with what their build wrote, and the
+kernels read what they read. Its counters say whether it reached the draft's FULL captures (`captures_injected`): a
+self control it never reached is no control (the gate cannot vouch)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+INJECT_ENV = "REPRO_INJECT"
+STALE_CAPTURE = "stale-capture"
+INJECTIONS = (STALE_CAPTURE,)
+MAX_BUFFER_BYTES = 64 << 20  # a view into a larger allocation is not a metadata buffer: not copied
+DRAFT_WORDS = ("Speculator", "Eagle", "Drafter", "Proposer")
+
+
+def is_draft_frame(frame: Any) -> bool:
+    """A frame of the speculator: a spec_decode module, or a method of a Speculator/Eagle/Drafter/Proposer class."""
+    mod = str(frame.f_globals.get("__name__", ""))
+    obj = frame.f_locals.get("self")
+    cls = type(obj).__name__ if obj is not None else ""
+    return "spec_decode" in mod or any(w in cls for w in DRAFT_WORDS)
+
+
+def capture_role(frame: Any, depth: int = 60) -> str | None:
+    """'draft' or 'target' when the call stack is inside a CudaGraphManager's capture (a `capture` method of a class
+    named *CudaGraphManager*), by whether a speculator frame is on it; None outside every capture."""
+    in_capture, draft = False, False
+    f = frame
+    for _ in range(depth):
+        if f is None:
+            break
+        obj = f.f_locals.get("self")
+        if f.f_code.co_name == "capture" and obj is not None and "CudaGraphManager" in type(obj).__name__:
+            in_capture = True
+        draft = draft or is_draft_frame(f)
+        f = f.f_back
+    if not in_capture:
+        return None
+    return "draft" if draft else "target"
+
+
+def _storage_bytes(t: Any) -> Any:
+    """A uint8 tensor over the whole storage behind a tensor (the persistent buffer a view points into)."""
+    import torch  # only inside vLLM's process: the CPU tier's stand-ins hand real tensors too
+
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+@dataclass
+class StaleCaptureInjector:
+    """Holds the target's last capture contents and writes them into the draft's capture buffers (see the module)."""
+
+    counters: dict[str, Any]
+    # called with a record at the first write of each kind (draft build, draft warmup, capture begins), right away:
+    # a case that faults or hangs after it still says that the injection ran
+    announce: Callable[[dict], None] = lambda record: None
+    snapshots: dict[str, Any] = field(default_factory=dict)  # field path -> bytes of its whole buffer
+    source: str | None = None  # descriptor label of the target build the snapshots hold
+    last: list[tuple[Any, Any, int]] = field(default_factory=list)  # (destination bytes, snapshot, n) of the last write
+    written: set[int] = field(default_factory=set)  # storage pointers written since the last capture began or ended
+    injected: set[int] = field(default_factory=set)  # every storage pointer the injection ever wrote
+    done_ids: set[int] = field(default_factory=set)  # metadata objects injected in the current pass
+
+    def _bump(self, name: str, key: str | None = None, n: int = 1) -> None:
+        if key is None:
+            self.counters[name] = self.counters.get(name, 0) + n
+        else:
+            d = self.counters.setdefault(name, {})
+            d[key] = d.get(key, 0) + n
+
+    def target_built(self, label: str, views: dict[str, Any]) -> None:
+        """A build inside the target's capture returned (outside any graph): copy the whole buffers behind its views."""
+        snaps = {}
+        for path, t in views.items():
+            if t is None or not hasattr(t, "untyped_storage"):
+                continue
+            src = _storage_bytes(t)
+            if src.numel() > MAX_BUFFER_BYTES:
+                self._bump("inject_skipped_large", path)
+                continue
+            snaps[path] = src.clone()
+        if snaps:
+            self.snapshots, self.source = snaps, label
+            self._bump("inject_snapshots")
+
+    def new_pass(self) -> None:
+        """A capture began or ended, or metadata was built: the next pass's metadata is injected again."""
+        self.done_ids.clear()
+        self.written.clear()
+
+    def inject(self, md_id: int, views: dict[str, Any], when: str) -> bool:
+        """Write the target's last capture contents into the buffers behind these (draft) views; False when there is
+        nothing to write (no target capture seen, or no field in common)."""
+        if md_id in self.done_ids:
+            return True
+        self.done_ids.add(md_id)
+        if not self.snapshots:
+            self._bump("inject_no_source", when)
+            return False
+        writes, seen = [], set()
+        for path, t in views.items():
+            snap = self.snapshots.get(path)
+            if snap is None or t is None or not hasattr(t, "untyped_storage"):
+                continue
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen:
+                continue
+            seen.add(ptr)
+            dst = _storage_bytes(t)
+            n = min(dst.numel(), snap.numel())
+            writes.append((dst, snap, n))
+            self._bump("inject_fields", path)
+        if not writes:
+            self._bump("inject_no_source", when)
+            return False
+        self._write(writes)
+        self.last = writes
+        self._wrote(when, views)
+        return True
+
+    def _wrote(self, when: str, views: dict[str, Any]) -> None:
+        self._bump("inject_writes", when)
+        if self.counters["inject_writes"][when] == 1:
+            self.announce({"injection_wrote": when, "source": self.source, "fields": sorted(views)})
+
+    def _write(self, writes: list[tuple[Any, Any, int]]) -> None:
+        for dst, snap, n in writes:
+            dst[:n].copy_(snap[:n])
+            ptr = dst.untyped_storage().data_ptr()
+            self.written.add(ptr)
+            self.injected.add(ptr)
+            self._bump("inject_bytes", n=n)
+
+    def capture_begins(self, kind: str) -> None:
+        """Before a draft capture starts recording: the buffers of the last injection written again (a release that
+        builds nothing between its warmup and captured passes reuses the same buffers)."""
+        self.new_pass()
+        if not kind.startswith("draft"):
+            self.last = []  # a target capture: what the draft's last pass was given is not this pass's
+        elif self.last:
+            self._write(self.last)
+            self._wrote("capture begins", {})
+
+    def reached(self, views: dict[str, Any]) -> bool:
+        """Do these views point into a buffer the injection wrote?"""
+        return any(
+            t is not None and hasattr(t, "untyped_storage") and t.untyped_storage().data_ptr() in self.injected
+            for t in views.values()
+        )
