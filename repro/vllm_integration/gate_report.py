@@ -174,6 +174,49 @@ def build_summary(run: GateRun) -> list[dict]:
     return out
 
 
+def fidelity(run: GateRun) -> list[dict]:
+    """The injection's fidelity: per mode, every positive control side by side (known-bad builds as they are, and
+    self controls: builds with the defect re-created), with the verdict, the kernel, the first stale descriptor and
+    the stale fields. Empty unless both kinds ran."""
+    cases = [(c, r) for c, r in run.cases if c.is_control]
+    if len({c.control_kind for c, _ in cases}) < 2:
+        return []
+    return [
+        {
+            "mode": c.mode.name,
+            "control": f"{c.build.label} {'injected' if c.inject else 'as it is'}",
+            "kind": c.control_kind,
+            "verdict": r.verdict,
+            "kernel": r.kernel,
+            "descriptor": r.descriptor,
+            "stale_fields": r.stale_fields or {},
+            "evidence": r.evidence,
+        }
+        for c, r in sorted(cases, key=lambda cr: (cr[0].mode.name, cr[0].inject is not None, cr[0].build.label))
+    ]
+
+
+def fidelity_markdown(run: GateRun) -> list[str]:
+    rows_ = fidelity(run)
+    if not rows_:
+        return []
+    lines = [
+        "",
+        "Self control beside the real defect (per mode: each positive control's verdict, kernel named, first stale "
+        "descriptor, stale fields):",
+        "",
+        "| mode | control | verdict | kernel | first stale descriptor | stale fields |",
+        "|---|---|---|---|---|---|",
+    ]
+    for x in rows_:
+        fields = ", ".join(f"{k} {v}" for k, v in sorted(x["stale_fields"].items())) or "-"
+        lines.append(
+            f"| {x['mode']} | {x['control']} | {x['verdict']} | {x['kernel'] or '-'} | {x['descriptor'] or '-'} | "
+            f"{fields} |"
+        )
+    return lines
+
+
 def releases_only(summaries: list[dict]) -> list[dict]:
     """The builds as releases (the release range): self-control rows left out, they answer for the harness."""
     return [s for s in summaries if s["role"] != SELF_CONTROL]
@@ -207,6 +250,7 @@ def markdown(run: GateRun, env: dict | None = None, need_control: bool = True) -
     for c, r in run.not_vouched():
         lines.append(f"\nCANNOT VOUCH: {c.case_id}: {r.reason[:300]}")
     lines += [""] + run.decision(need_control).summary()
+    lines += fidelity_markdown(run)
     lines += [
         "",
         "What each build's cases checked (sums over its cases; captures per graph kind as "
@@ -270,6 +314,7 @@ def to_json(run: GateRun, env: dict | None = None, need_control: bool = True) ->
         "builds": build_summary(run),
         "release_range": release_range.to_json(releases_only(build_summary(run))),
         "cases": [{**row, "result": results[row["case"]]} for row in rows(run)],
+        "fidelity": fidelity(run),
     }
 
 
