@@ -37,9 +37,13 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None):
         audit = logs / f"{case.case_id}.audit.json"
         if audit.exists():
             shutil.copy(audit, Path(log_dir) / audit.name)
-        return classify(case, out, r["returncode"], False, None, r["wall_s"], Channel.read(path_for(out_log))), out
+        # a process the gate killed at its timeout (the record keeps its exit and wall time, not the flag)
+        timed_out = r["returncode"] in (-9, 137) and r["wall_s"] >= case.timeout_s - 0.5
+        ch = Channel.read(path_for(out_log))
+        return classify(case, out, r["returncode"], timed_out, None, r["wall_s"], ch), out
 
     monkeypatch.setattr(gate_run, "run_process", recorded_process)
+    monkeypatch.setattr(gate_run, "MpsDaemon", _RecordedMps)  # the MPS cases ran under the H200's daemon
     builds = {}
     for row in doc["cases"]:
         b = GateCase.from_dict(row["result"]["spec"]).build
@@ -47,9 +51,32 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None):
     command = doc["environment"]["command"]
     modes = parse_modes(re.search(r"--modes (\S+)", command)[1])
     backends = parse_backends(m[1]) if (m := re.search(r"--backends (\S+)", command)) else ("FLASH_ATTN",)
-    # recorded before the self control existed: the run as it was planned then
+    # the self controls as the command planned them (a record from before they existed has none)
+    if m := re.search(r"--self-control (\S+)", command):
+        self_control = m[1]
+    else:
+        self_control = "under-test" if any("-self-control-" in c for c in rows) else "none"
     run = run_gate(
-        list(builds.values()), modes, tmp_path / "logs", jobs=4, timeout_s=240.0, backends=backends, self_control="none"
+        list(builds.values()),
+        modes,
+        tmp_path / "logs",
+        jobs=4,
+        timeout_s=float(m[1]) if (m := re.search(r"--timeout (\S+)", command)) else 240.0,
+        backends=backends,
+        self_control=self_control,
     )
     got = {c.case_id: r for pairs in (run.cases, run.references, run.attributions) for c, r in pairs}
     return doc, rows, run, got
+
+
+class _RecordedMps:
+    """Stands in for the MPS daemon of the recorded run: its cases' processes are replayed, nothing starts."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def client_env(self, sms: int, total: int) -> dict[str, str]:
+        return {}

@@ -269,7 +269,10 @@ def validate_reference(case: GateCase, res: CaseResult, out: dict | None) -> Cas
         return res
     problems = reference_problems(case, res, out)
     if not problems:
-        return res.revised("reference validation", "finite, decided, configuration as its case's")
+        margins = [m for ms in (out or {}).get("margins") or [] for m in ms if m is not None]
+        smallest = f", smallest top-2 margin {min(margins):.3f} nats" if margins else ""
+        what = f"reference validated: {sum(len(t) for t in out['tokens'])} tokens finite and decided{smallest}"
+        return res.revised("reference validation", what, evidence="; ".join(x for x in (res.evidence, what) if x))
     why = "reference not trusted: " + "; ".join(problems)
     return res.revised("reference validation", why, verdict=ERROR, reason=why)
 

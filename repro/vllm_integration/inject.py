@@ -28,6 +28,9 @@ from typing import Any
 INJECT_ENV = "REPRO_INJECT"
 STALE_CAPTURE = "stale-capture"
 INJECTIONS = (STALE_CAPTURE,)
+# the views of the defect (vLLM PR #48261): per-request offsets, sequence lengths, FA3's AOT scheduler metadata; the
+# KV-cache addressing (block table, slot mapping) is not part of it
+INJECTED_FIELDS = ("query_start_loc", "seq_lens", "scheduler_metadata")
 MAX_BUFFER_BYTES = 64 << 20  # a view into a larger allocation is not a metadata buffer: not copied
 DRAFT_WORDS = ("Speculator", "Eagle", "Drafter", "Proposer")
 
@@ -87,11 +90,12 @@ class StaleCaptureInjector:
             d = self.counters.setdefault(name, {})
             d[key] = d.get(key, 0) + n
 
-    def target_built(self, label: str, views: dict[str, Any]) -> None:
-        """A build inside the target's capture returned (outside any graph): copy the whole buffers behind its views."""
+    def target_built(self, label: str, views: dict[str, Any]) -> bool:
+        """A build inside the target's capture returned (outside any graph): copy the whole buffers behind its views
+        (the defect's fields, INJECTED_FIELDS). True when something was copied."""
         snaps = {}
         for path, t in views.items():
-            if t is None or not hasattr(t, "untyped_storage"):
+            if t is None or not hasattr(t, "untyped_storage") or path.rsplit(".", 1)[-1] not in INJECTED_FIELDS:
                 continue
             src = _storage_bytes(t)
             if src.numel() > MAX_BUFFER_BYTES:
@@ -101,6 +105,21 @@ class StaleCaptureInjector:
         if snaps:
             self.snapshots, self.source = snaps, label
             self._bump("inject_snapshots")
+        return bool(snaps)
+
+    def fill_padding(self, layout: Any, poison_name: str) -> None:
+        """In the copy of FA3's scheduler metadata, the entries FA3 never writes (which vLLM copies into its buffer as
+        FA3 left them: leftover memory, what made the real defect fault) get a fixed fill (repro.poison), so the self
+        control does not depend on leftover memory either. A layout repro.layout does not know: left as copied."""
+        import torch
+
+        from repro.poison import parse_poison
+
+        snap = self.snapshots.get("scheduler_metadata")
+        if snap is None or layout is None:
+            return
+        ints = snap[: snap.numel() // 4 * 4].view(torch.int32)[: layout.size]
+        self._bump("inject_padding_filled", n=parse_poison(poison_name).apply(ints, layout))
 
     def new_pass(self) -> None:
         """A capture began or ended, or metadata was built: the next pass's metadata is injected again."""

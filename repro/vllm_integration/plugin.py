@@ -186,6 +186,7 @@ class _Capture:
 
 
 _CAPTURES: list[_Capture] = []
+_BUILD_DEPTH = [0]  # wrapped builds under way (one engine thread builds metadata)
 _AUDIT_ON = {"on": False}
 
 
@@ -377,7 +378,15 @@ def _wrap_builder(builder_cls: Any, spec: BackendFields) -> list[str]:
             continue
 
         def recorded(self: Any, *args: Any, _orig: Any = orig, **kwargs: Any) -> Any:
-            md = _orig(self, *args, **kwargs)
+            _BUILD_DEPTH[0] += 1
+            try:
+                md = _orig(self, *args, **kwargs)
+            finally:
+                _BUILD_DEPTH[0] -= 1
+            if _BUILD_DEPTH[
+                0
+            ]:  # a build called by another (build_for_cudagraph_capture -> build): the outer one counts
+                return md
             if _AUDIT_ON["on"]:
                 _record(self, md, spec)
             if "on" in _INJECTOR:  # after the auditor recorded what the build wrote
@@ -411,10 +420,30 @@ def _after_build(md: Any, spec: BackendFields) -> None:
     injector = _INJECTOR["on"]
     role = capture_role(sys._getframe(2))
     if role == "target":
-        injector.target_built(_label(md), tensor_fields(md, spec)[0])
+        if injector.target_built(_label(md), tensor_fields(md, spec)[0]):
+            injector.fill_padding(_sched_layout(md), POISON_FILL)
     elif role == "draft":
         injector.new_pass()
         injector.inject(id(md), tensor_fields(md, spec)[0], "draft build")
+
+
+POISON_FILL = "int-max"  # what the self control leaves in the scheduler-metadata entries FA3 never writes
+
+
+def _sched_layout(md: Any) -> Any:
+    """The FA3 scheduler-metadata layout of a build's metadata (vLLM's fork), None when it has none or it is not one
+    repro.layout knows."""
+    from repro.layout import VLLM, effective_causal, layout_from_size
+
+    sched = getattr(md, "scheduler_metadata", None)
+    s = _shape(md)
+    if sched is None or not hasattr(sched, "numel") or s["num_reqs"] is None:
+        return None
+    is_causal, is_local = effective_causal(s["causal"], -1, s["max_query_len"], s["max_seq_len"], 128, True)
+    try:
+        return layout_from_size(VLLM, s["num_reqs"], sched.numel(), is_causal, is_local)
+    except ValueError:
+        return None
 
 
 def install_inject(module: Any, cuda: Any = None, spec: BackendFields = FLASH_ATTN) -> bool:

@@ -1,0 +1,98 @@
+"""The self control on the H200, judged again on a CPU from its records: the defect re-created inside 0.26.0, 0.25.1
+and 0.33.0 (repro.vllm_integration.inject) beside 0.25.1 as it is, and a source mutant of 0.33.0 with PR #48261
+reverted in spirit. Every verdict comes back from the logs and channel files; the fidelity table and which kind of
+control each mode relied on are recomputed, not read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from repro.vllm_integration.gate_report import fidelity, markdown
+from repro.vllm_integration.gate_run import EXIT
+from tests.recorded_gate import replay
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+V = "stale_metadata-vllm-"
+
+
+def _same_verdicts(rows, got):
+    assert set(got) == set(rows)
+    for case_id, row in rows.items():
+        assert (got[case_id].verdict, got[case_id].kernel) == (row["verdict"], row["result"]["kernel"]), case_id
+
+
+def test_the_injection_reproduces_0251_as_it_is(monkeypatch, tmp_path):
+    doc, rows, run, got = replay(monkeypatch, tmp_path, RESULTS / "h200-selfcontrol-fidelity")
+    _same_verdicts(rows, got)
+    table = {(x["mode"], x["control"]): x for x in fidelity(run)}
+    for mode in ("audit", "plain", "mps:16"):  # 0.25.1 injected: what 0.25.1 as it is shows
+        real, injected = table[(mode, "0.25.1 as it is")], table[(mode, "0.25.1 injected")]
+        assert (injected["verdict"], injected["kernel"]) == (real["verdict"], real["kernel"]), mode
+        assert injected["stale_fields"] == real["stale_fields"] and injected["descriptor"] == real["descriptor"]
+    assert table[("plain", "0.25.1 injected")]["kernel"] == "combine"  # named by its launch-blocking rerun
+    assert table[("sm_margin:16", "0.25.1 injected")]["verdict"] == "hang"  # kernel evidence of another kind
+    fresh = table[("audit", "0.26.0 injected")]
+    assert fresh["verdict"] == "stale-audit" and fresh["descriptor"] == "t512r128"
+    assert set(fresh["stale_fields"]) == {"query_start_loc", "seq_lens", "scheduler_metadata.prepare_seqlen_q"}
+    assert table[("sm_margin:16", "0.26.0 injected")]["verdict"] == "crash"
+    # the self control of the fixed build is missed by the plain and MPS modes: the gate says so, it never passes
+    assert [table[(m, "0.26.0 injected")]["verdict"] for m in ("plain", "mps:16")] == ["clean", "clean"]
+    assert run.outcome() == doc["outcome"] == "HARNESS BLIND" and EXIT[run.outcome()] == 3
+    assert run.decision().summary() == doc["decision"]
+    plain = next(x for x in doc["decision"] if "mode plain:" in x)
+    assert "known-bad build: 1 of 1; self-control: 1 of 2" in plain
+    assert "0.26.0 (self control) | self-control | 0.26.0 | **defect re-created: caught**" in markdown(run)
+    injected = got[V + "0.26.0-self-control-audit"].backend_identity
+    assert injected["injection"] and injected["counters"]["captures_injected"] == {
+        "draft prefill": 49,
+        "draft decode": 51,
+    }
+
+
+def test_0330_with_its_self_control_and_a_source_mutant(monkeypatch, tmp_path):
+    doc, rows, run, got = replay(monkeypatch, tmp_path, RESULTS / "h200-vllm-0.33-selfcontrol")
+    _same_verdicts(rows, got)
+    assert [got[V + f"0.33.0-under-test-{m}"].verdict for m in ("audit", "smmargin16")] == ["clean", "clean"]
+    assert [got[V + f"0.33.0-self-control-{m}"].verdict for m in ("audit", "smmargin16")] == ["hang", "hang"]
+    mutant = got[V + "0.33.0-mutant-under-test-audit"]
+    assert mutant.verdict == "stale-audit" and mutant.descriptor
+    assert got[V + "0.33.0-mutant-under-test-smmargin16"].verdict == "clean"  # its kernels stayed silent
+    c = got[V + "0.33.0-under-test-audit"].backend_identity["counters"]
+    assert c["spec_layout"] == "target_dependent_ar" and c["spec_layout_known"]
+    assert c["draft_refreshes_in_graph"] > 0 and c["fa_versions"] == {"3": c["attention_forwards"]}
+    assert run.outcome() == doc["outcome"] == "AFFECTED"  # the mutant
+    audit = next(x for x in doc["decision"] if "mode audit:" in x)
+    assert "(self-control: 2 of 2)" in audit  # no known-bad build in torch 2.14's environment: the self controls
+    refs = {c.case_id: r for c, r in run.references}
+    assert all("reference validated: 64 tokens finite and decided" in r.evidence for r in refs.values())
+
+
+def test_a_broken_reference_is_never_ground_truth(monkeypatch, tmp_path):
+    """The mps:24 failure of the previous round, re-created on a real record: a reference whose log-probabilities are
+    NaN after its first token (the tokens then one id repeated) is an error, and the build's cases cannot vouch;
+    without the validation the same tokens read as wrong output, a false AFFECTED."""
+    ref_id = V + "0.33.0-under-test-reference-sm-all"
+
+    def nan_reference(case_id, text):
+        if case_id != ref_id:
+            return text
+        out = []
+        for line in text.splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                if rec["tag"] == "REPRO_RESULT":
+                    body = rec["data"]
+                    body["tokens"] = [[t[0]] + [1023] * (len(t) - 1) for t in body["tokens"]]
+                    body["margins"] = [[m[0]] + [None] * (len(m) - 1) for m in body["margins"]]
+                    body["nonfinite"] = [f"request {i} token {j}" for i in range(4) for j in range(1, 16)]
+                line = json.dumps(rec)
+            out.append(line)
+        return "\n".join(out) + "\n"
+
+    doc, rows, run, got = replay(monkeypatch, tmp_path, RESULTS / "h200-vllm-0.33-selfcontrol", nan_reference)
+    ref = got[ref_id]
+    assert ref.verdict == "error" and "non-finite log-probabilities" in ref.reason and "degenerate" in ref.reason
+    case = got[V + "0.33.0-under-test-audit"]
+    assert case.verdict == "error" and "no reference to compare with" in case.reason
+    assert V + "0.33.0-under-test-audit" not in {c.case_id for c, r in run.cases if r.verdict == "wrong-output"}
