@@ -128,9 +128,33 @@ def disagrees(expect: str, verdict: str) -> bool:
     return is_positive(expect) and verdict in KERNEL_EVIDENCE and not satisfies(expect, verdict)
 
 
+# Kinds of gate failure (Failure.kind): callers decide by kind, never by the message's words.
+CONTROL_FAILED, NOT_COVERED, MODE_WITHOUT_POSITIVE, MODE_WITHOUT_EVIDENCE, NO_POSITIVE = (
+    "control failed",
+    "required feature absent",
+    "mode without a positive control",
+    "mode without evidence",
+    "no positive control",
+)
+NEEDS_A_CONTROL = (MODE_WITHOUT_POSITIVE, NO_POSITIVE)  # failures that only say no positive control ran
+
+
+class Failure(str):
+    """One reason a gate fails: its text (what reports print and JSON keeps), its kind and, where one control failed,
+    that control's case id."""
+
+    kind: str
+    case_id: str | None
+
+    def __new__(cls, text: str, kind: str, case_id: str | None = None) -> Failure:
+        obj = super().__new__(cls, text)
+        obj.kind, obj.case_id = kind, case_id
+        return obj
+
+
 @dataclass
 class GateDecision:
-    failures: list[str] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
     disagreements: list[str] = field(default_factory=list)  # evidence of another kind than expected (not gating)
     not_applicable: list[tuple[str, str]] = field(default_factory=list)  # (case, reason)
     ran: int = 0
@@ -182,13 +206,15 @@ def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) 
     for c in controls:
         if c.not_applicable is not None:
             if c.needs and c.needs in required:
-                d.failures.append(f"{c.case_id}: required ({c.needs}) but {c.not_applicable}")
+                d.failures.append(
+                    Failure(f"{c.case_id}: required ({c.needs}) but {c.not_applicable}", NOT_COVERED, c.case_id)
+                )
             else:
                 d.not_applicable.append((c.case_id, c.not_applicable))
             continue
         d.ran += 1
         if c.gating and (why := problem(c.expected, c.verdict)):
-            d.failures.append(f"{c.case_id}: {why}: {c.reason[:160]}")
+            d.failures.append(Failure(f"{c.case_id}: {why}: {c.reason[:160]}", CONTROL_FAILED, c.case_id))
         elif c.gating and disagrees(c.expected, c.verdict):
             d.disagreements.append(f"{c.case_id}: {c.verdict}, the expectation was {c.expected}")
         if c.gating:
@@ -203,16 +229,26 @@ def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) 
     for mode, (pos, ev) in sorted(d.evidence.items()):
         if not pos:  # only negative controls in this mode: nothing shows that the mode could see the bug
             d.failures.append(
-                f"GATE FAILED: mode {mode}: no positive control ran in it, so a clean answer there shows nothing"
+                Failure(
+                    f"GATE FAILED: mode {mode}: no positive control ran in it, so a clean answer there shows nothing",
+                    MODE_WITHOUT_POSITIVE,
+                )
             )
         elif not ev:
             what = "kernel evidence" + (" or the engine's audit" if mode in ENGINE_AUDIT_MODES else "")
             d.failures.append(
-                f"GATE FAILED: mode {mode}: none of its {pos} positive control(s) produced {what}: "
-                "this environment cannot show that this mode sees the bug"
+                Failure(
+                    f"GATE FAILED: mode {mode}: none of its {pos} positive control(s) produced {what}: "
+                    "this environment cannot show that this mode sees the bug",
+                    MODE_WITHOUT_EVIDENCE,
+                )
             )
     if not any(pos for pos, _ in d.evidence.values()):
-        d.failures.append("GATE FAILED: no positive control ran: this environment cannot show that it sees the bug")
+        d.failures.append(
+            Failure(
+                "GATE FAILED: no positive control ran: this environment cannot show that it sees the bug", NO_POSITIVE
+            )
+        )
     return d
 
 

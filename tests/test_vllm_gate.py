@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import types
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,7 +21,14 @@ from repro.descriptors import ConfigError
 from repro.poison import parse_poison
 from repro.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, STALE_AUDIT, WRONG
 from repro.vllm_integration import plugin
-from repro.vllm_integration.builds import CONTROL, UNDER_TEST, build_pythonpath, find_builds, parse_builds
+from repro.vllm_integration.builds import (
+    CONTROL,
+    UNDER_TEST,
+    VllmBuild,
+    build_pythonpath,
+    find_builds,
+    parse_builds,
+)
 from repro.vllm_integration.gate_case import GateCase, GateMode, parse_modes
 from repro.vllm_integration.gate_judge import annotate, apply_reference, compare_tokens, not_fired
 from repro.vllm_integration.gate_run import run_case, run_gate
@@ -323,3 +331,29 @@ def test_the_kernel_comes_from_the_faulting_line_only(tmp_path):
     out = "loading flash_fwd_combine_launch_template.h\nCUDA error (flash_fwd_launch_template.h:9): an illegal memory access"
     res = annotate(classify(case, out, 1, False, None, 1.0), case, out, None)
     assert res.kernel == "main"  # not "combine", which an unrelated line names
+
+
+def test_the_gate_outcome_reads_failure_kinds_not_their_words(monkeypatch):
+    """Rewording a policy message must not change an outcome: GateRun decides by Failure.kind and case id."""
+    from repro import policy
+    from repro.vllm_integration.gate_run import GateRun
+
+    build = VllmBuild("0.26.0", None, UNDER_TEST, "0.26.0")
+    case = GateCase(build, GateMode.parse("plain"))
+    run = GateRun(cases=[(case, CaseResult(case.case_id, CLEAN, "", expected="clean"))])
+    assert run.outcome() == "HARNESS BLIND" and run.outcome(need_control=False) == "PASS"
+    kinds = {f.kind for f in run.decision().failures}
+    assert kinds == {policy.MODE_WITHOUT_POSITIVE, policy.NO_POSITIVE}
+    original = policy.decide
+
+    def reworded(controls, required=frozenset()):
+        d = original(controls, required)
+        d.failures = [policy.Failure("something else entirely", f.kind, f.case_id) for f in d.failures]
+        return d
+
+    monkeypatch.setattr(policy, "decide", reworded)
+    assert run.outcome() == "HARNESS BLIND" and run.outcome(need_control=False) == "PASS"
+    injected = replace(case, inject="stale-capture")
+    run.cases.append((injected, CaseResult(injected.case_id, CLEAN, "", expected="detected")))
+    assert run.outcome(need_control=False) == "HARNESS BLIND"  # a self control that missed is never a pass
+    assert run.blind(need_control=False)[0].startswith("something else entirely")

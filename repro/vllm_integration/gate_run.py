@@ -47,7 +47,7 @@ from repro.vllm_integration.inject import STALE_CAPTURE
 
 PASS, AFFECTED, BLIND, CANNOT_VOUCH = "PASS", "AFFECTED", "HARNESS BLIND", "CANNOT VOUCH"
 EXIT = {PASS: 0, AFFECTED: 1, BLIND: 3, CANNOT_VOUCH: 4}  # 2 is bad input; a bisect step maps 3 and 4 to 125
-NO_CONTROL = "no known-bad control build ran in a gating mode"
+NO_CONTROL = "no positive control ran in a gating mode"
 
 
 def run_case(
@@ -150,7 +150,7 @@ class GateRun:
         the missing positive control is not a failure."""
         d = policy.decide(self.controls())
         if not need_control:
-            d.failures = [f for f in d.failures if "no positive control ran" not in f]
+            d.failures = [f for f in d.failures if f.kind not in policy.NEEDS_A_CONTROL]
         return d
 
     def affected(self) -> list[tuple[GateCase, CaseResult]]:
@@ -166,10 +166,13 @@ class GateRun:
         under = {c.case_id for c, _ in self.cases if not c.is_control}
         out = []
         for f in self.decision(need_control).failures:
-            if f.split(":")[0] in under:
+            if f.case_id in under:
                 continue
-            if "no positive control ran" in f:
-                f = f"{NO_CONTROL} (set REPRO_VLLM_CONTROL=0.25.1=<prefix>): {f}"
+            if f.kind in policy.NEEDS_A_CONTROL:
+                f = (
+                    f"{NO_CONTROL} (a build's self control: --self-control under-test; a known-bad build: "
+                    f"--control 0.25.1=<prefix>): {f}"
+                )
             out.append(f)
         return out
 
