@@ -357,3 +357,16 @@ def test_the_gate_outcome_reads_failure_kinds_not_their_words(monkeypatch):
     run.cases.append((injected, CaseResult(injected.case_id, CLEAN, "", expected="detected")))
     assert run.outcome(need_control=False) == "HARNESS BLIND"  # a self control that missed is never a pass
     assert run.blind(need_control=False)[0].startswith("something else entirely")
+
+
+@needs_entry_point
+def test_the_report_of_a_build_that_gave_no_answer_and_of_no_control(tmp_path):
+    """A build whose every case errored is 'cannot tell', never 'affected no'; with --no-control the cases are not
+    counted as controls."""
+    broken = write_fake_vllm(tmp_path / "broken", "0.27.0", "broken")
+    out = tmp_path / "out"
+    args = ["gate", "--no-installed", "--modes", "plain", "--out", str(out), "--jobs", "2", "--no-control"]
+    assert cli([*args, "--vllm", f"y={broken}", "--self-control", "none"]) == 4
+    md = (out / "verdicts.md").read_text()
+    assert "| y | under-test | 0.27.0 | **cannot tell** |" in md
+    assert "gate: 1 case(s) ran; no positive control needed (--no-control)" in md and "control(s) ran" not in md

@@ -122,26 +122,34 @@ def test_kept_references_and_warm_caches_give_the_same_verdicts(tmp_path):
     second = run_gate(builds, modes, tmp_path / "l2", jobs=4, timeout_s=120, cache=GateCache(tmp_path / "c"))
     assert [(c.case_id, r.verdict) for c, r in first.cases] == [(c.case_id, r.verdict) for c, r in second.cases]
     assert first.outcome() == second.outcome() == "PASS"
-    assert all(r.verdict == CLEAN and not r.history for _, r in first.references)
+    assert all(
+        r.verdict == CLEAN and [h["step"] for h in r.history] == ["reference validation"] for _, r in first.references
+    )
     for _, r in second.references:  # run once, then kept for the build's fingerprint
         assert r.verdict == CLEAN and r.history[-1]["step"] == "reference cache"
         assert r.phases["vllm_cache"] == "reference kept"
     assert {r.phases["vllm_cache"] for _, r in first.cases} <= {WRITER, COLD}
     assert {r.phases["vllm_cache"] for _, r in second.cases} == {WARM}  # the stand-in's captures ran: compiled
-    assert [(b["build"], b["caches"]) for b in build_summary(first)] == [("good", "cold"), ("crash", "cold")]
-    assert [b["caches"] for b in build_summary(second)] == ["warm", "warm"]
+    # the self control shares its build's caches and reference: it runs beside the build's cases, never cold on its own
+    rows = [("good", "cold"), ("good (self control)", "cold"), ("crash", "cold")]
+    assert [(b["build"], b["caches"]) for b in build_summary(first)] == rows
+    assert [b["caches"] for b in build_summary(second)] == ["warm", "warm", "warm"]
+    assert len(second.references) == 2  # one per build: the self control is judged against its build's
     assert "| 0.26.0 | **no** |" in gate_report.markdown(second) and "(warm) | ok |" in gate_report.markdown(second)
     ref = next(r for c, r in second.cases if c.case_id.endswith("good-under-test-plain"))
     assert "tokens: 64 of 64 compared equal" in ref.evidence  # judged against the kept reference's tokens
     (Path(builds[0].prefix) / "vllm" / "_version.py").write_text('__version__ = "0.26.0+local"\n')
     third = run_gate(builds[:1], parse_modes("plain"), tmp_path / "l3", timeout_s=120, cache=GateCache(tmp_path / "c"))
-    assert not third.references[0][1].history  # a changed build: its reference runs again
+    # a changed build: its reference runs again (validated, not kept)
+    assert [h["step"] for h in third.references[0][1].history] == ["reference validation"]
 
 
 def test_compare_paths_runs_old_cold_and_warm_with_no_verdict_difference(tmp_path):
     builds = [_build(tmp_path, "good")]
     builds += parse_builds(f"crash={write_fake_vllm(tmp_path / 'crash', '0.25.1', 'stale-crash')}", CONTROL, "x")
-    runs = compare_paths(builds, parse_modes("plain"), tmp_path / "logs", tmp_path / "cache", jobs=4, timeout_s=120)
+    runs = compare_paths(
+        builds, parse_modes("plain"), tmp_path / "logs", tmp_path / "cache", jobs=4, timeout_s=120, self_control="none"
+    )
     assert list(runs) == [OLD_PATH, NEW_COLD, NEW_WARM]
     md = gate_bench.compare_markdown(runs)
     assert "### Verdict differences between the paths: 0" in md

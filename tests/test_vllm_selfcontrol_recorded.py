@@ -65,7 +65,7 @@ def test_0330_with_its_self_control_and_a_source_mutant(monkeypatch, tmp_path):
     audit = next(x for x in doc["decision"] if "mode audit:" in x)
     assert "(self-control: 2 of 2)" in audit  # no known-bad build in torch 2.14's environment: the self controls
     refs = {c.case_id: r for c, r in run.references}
-    assert all("reference validated: 64 tokens finite and decided" in r.evidence for r in refs.values())
+    assert all("reference validated: 64 tokens, finite, not degenerate" in r.evidence for r in refs.values())
 
 
 def test_a_broken_reference_is_never_ground_truth(monkeypatch, tmp_path):
@@ -96,3 +96,15 @@ def test_a_broken_reference_is_never_ground_truth(monkeypatch, tmp_path):
     case = got[V + "0.33.0-under-test-audit"]
     assert case.verdict == "error" and "no reference to compare with" in case.reason
     assert V + "0.33.0-under-test-audit" not in {c.case_id for c, r in run.cases if r.verdict == "wrong-output"}
+
+
+def test_the_mps24_reference_that_decoded_nan_is_an_error(monkeypatch, tmp_path):
+    """The H200's own broken reference (MPS at 24 SMs, results/h200-vllm-mps24-reference): NaN log-probabilities and
+    one id repeated. Judged again from its channel file, it is an error and the build cannot be vouched for there; the
+    same tokens read without validation would be wrong output (a false AFFECTED, as in the previous round)."""
+    doc, rows, run, got = replay(monkeypatch, tmp_path, RESULTS / "h200-vllm-mps24-reference")
+    _same_verdicts(rows, got)
+    ref = got[V + "0.26.0-under-test-reference-mps24"]
+    assert ref.verdict == "error" and "57 position(s)" in ref.reason and "repeats 1023" in ref.reason
+    assert got[V + "0.26.0-under-test-mps24"].verdict == "error"
+    assert run.outcome(need_control=False) == doc["outcome"] == "CANNOT VOUCH" and EXIT[doc["outcome"]] == 4

@@ -268,10 +268,12 @@ def validate_reference(case: GateCase, res: CaseResult, out: dict | None) -> Cas
     if res.verdict != CLEAN:
         return res
     problems = reference_problems(case, res, out)
+    if not problems and "nonfinite" not in (out or {}):
+        return res  # a record from before references reported their configuration: its tokens checked, nothing to add
     if not problems:
         margins = [m for ms in (out or {}).get("margins") or [] for m in ms if m is not None]
         smallest = f", smallest top-2 margin {min(margins):.3f} nats" if margins else ""
-        what = f"reference validated: {sum(len(t) for t in out['tokens'])} tokens finite and decided{smallest}"
+        what = f"reference validated: {sum(len(t) for t in out['tokens'])} tokens, finite, not degenerate{smallest}"
         return res.revised("reference validation", what, evidence="; ".join(x for x in (res.evidence, what) if x))
     why = "reference not trusted: " + "; ".join(problems)
     return res.revised("reference validation", why, verdict=ERROR, reason=why)

@@ -159,7 +159,8 @@ def build_summary(run: GateRun) -> list[dict]:
             {
                 "build": label,
                 "role": SELF_CONTROL if injected else b.role,
-                "vllm_version": next((r.vllm_version for _, r in pairs if r.vllm_version), b.version),
+                "vllm_version": next((r.vllm_version for _, r in pairs if r.vllm_version), b.version)
+                or "unknown (no case reported it)",
                 "affected": bool(detected),
                 "detected_in": detected,
                 "could_not_vouch": unsure,
@@ -237,6 +238,8 @@ def markdown(run: GateRun, env: dict | None = None, need_control: bool = True) -
         per_mode = "; ".join(f"{m}: {', '.join(vs)}" for m, vs in s["modes"].items())
         if s["role"] == SELF_CONTROL:  # a positive control: was the re-created defect caught?
             answer = "defect re-created: caught" if s["affected"] else "defect re-created: NOT caught"
+        elif not s["affected"] and s["could_not_vouch"] and len(s["could_not_vouch"]) == len(s["modes"]):
+            answer = "cannot tell"  # no case of the build gave an answer either way
         else:
             answer = "yes" if s["affected"] else "no"
         lines.append(
@@ -249,7 +252,10 @@ def markdown(run: GateRun, env: dict | None = None, need_control: bool = True) -
         lines.append(f"\nHARNESS BLIND: {why}")
     for c, r in run.not_vouched():
         lines.append(f"\nCANNOT VOUCH: {c.case_id}: {r.reason[:300]}")
-    lines += [""] + run.decision(need_control).summary()
+    summary = run.decision(need_control).summary()
+    if not need_control:  # the builds answer for themselves: their cases are not controls
+        summary[0] = f"gate: {len(run.cases)} case(s) ran; no positive control needed (--no-control)"
+    lines += [""] + summary
     lines += fidelity_markdown(run)
     lines += [
         "",
