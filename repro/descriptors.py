@@ -9,6 +9,11 @@ class ConfigError(ValueError):
     """Bad user input: the CLI turns it into a one-line error and exit code 2."""
 
 
+# No GPU this harness runs on holds more (an H200: 141 GB). A shape whose buffers need more is impossible: refused
+# before anything is allocated (the CPU model allocates the block table too).
+MAX_DEVICE_BYTES = 141 * 10**9
+
+
 def round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
@@ -44,6 +49,22 @@ class AttnConfig:
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
+        need = self.device_bytes()
+        if need > MAX_DEVICE_BYTES:
+            raise ConfigError(
+                f"this shape needs {need / 1e9:,.0f} GB of GPU memory (K and V caches for {self.max_batch} requests of "
+                f"{self.max_model_len} tokens with {self.num_heads_kv} KV heads x {self.head_dim}, and the queries), "
+                f"more than any GPU holds (an H200: {MAX_DEVICE_BYTES / 1e9:.0f} GB): lower --max-model-len, "
+                "--max-num-seqs, --capture-sizes, --page-size or the head counts"
+            )
+
+    def device_bytes(self) -> int:
+        """What a case of this shape allocates on the GPU, at least: K and V caches in bf16 (every request owns
+        max_blocks_per_seq pages), and a full batch's queries and output in bf16 with their fp32 reference."""
+        pages = self.max_batch * self.max_blocks_per_seq
+        kv = 2 * pages * self.page_size * self.num_heads_kv * self.head_dim * 2
+        q = self.max_batch * self.decode_query_len * self.num_heads_q * self.head_dim * (2 + 2 + 4)
+        return kv + q
 
     def id_parts(self) -> list[str]:
         """Case-id parts for every field that differs from the defaults (heads, head size and splits are always in

@@ -1,0 +1,70 @@
+"""Issue 28, the third newcomer round: bad input as a newcomer types it, each as a subprocess on a machine without a
+GPU. Every refusal is one line on stderr with the README's exit code (2 bad input, 4 could not run here), no
+traceback, and nothing written: not in the folder it runs in, not in the temp folder (TMPDIR points into tmp_path)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_newcomer import _no_traceback
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("REPRO_SERVER", "REPRO_VLLM", "REPRO_VLLM_CONTROL")}
+    return {**env, "TMPDIR": str(tmp), "XDG_RUNTIME_DIR": str(tmp), **extra}
+
+
+def _run(cmd: list[str], tmp_path: Path, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=_env(tmp_path, **env))
+
+
+def _tree(tmp_path: Path) -> set[Path]:
+    return {p for p in tmp_path.rglob("*") if "__pycache__" not in p.parts}
+
+
+def refused(cmd: list[str], tmp_path: Path, code: int, msg: str, timeout: float = 300, **env: str):
+    """Run `cmd` in tmp_path (TMPDIR inside it): one line on stderr holding `msg`, exit `code`, no traceback, nothing
+    new anywhere under tmp_path."""
+    _env(tmp_path)  # the temp folder exists before, so it is no change
+    before = _tree(tmp_path)
+    r = _run(cmd, tmp_path, timeout, **env)
+    _no_traceback(r)
+    assert r.returncode == code, (cmd, r.returncode, r.stderr[-2000:])
+    assert len(r.stderr.strip().splitlines()) == 1 and msg in r.stderr, (cmd, r.stderr[-2000:])
+    assert _tree(tmp_path) == before, sorted(map(str, _tree(tmp_path) - before))
+    return r
+
+
+def repro(*args: str) -> list[str]:
+    return [sys.executable, "-m", "repro", *args]
+
+
+# ---- item 1: impossible sizes are refused before anything is allocated
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("matrix", "--max-model-len", "99999999999"),
+        ("matrix", "--model", "--max-num-seqs", "99999999999"),
+        ("matrix", "--capture-sizes", "1,99999999999"),
+        ("matrix", "--q-heads", "99999999999", "--kv-heads", "1"),
+        ("matrix", "--page-size", "99999999999984"),
+        ("run", "--backend", "vllm", "--max-model-len", "99999999999"),
+    ],
+    ids=lambda a: " ".join(a),
+)
+def test_impossible_sizes_are_refused_before_allocating(tmp_path, args):
+    t0 = time.time()
+    refused(repro(*args), tmp_path, 2, "GB of GPU memory", timeout=120)
+    assert time.time() - t0 < 60  # refused, not an allocation that took the machine's memory
