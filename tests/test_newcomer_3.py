@@ -68,3 +68,15 @@ def test_impossible_sizes_are_refused_before_allocating(tmp_path, args):
     t0 = time.time()
     refused(repro(*args), tmp_path, 2, "GB of GPU memory", timeout=120)
     assert time.time() - t0 < 60  # refused, not an allocation that took the machine's memory
+
+
+# ---- item 2: a report file and the output folder on one path
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("matrix", "--model", "--json", "X", "--out", "X"), ("run", "--backend", "vllm", "--json", "./X", "--out", "X/")],
+    ids=lambda a: " ".join(a),
+)
+def test_json_and_out_on_one_path_are_refused(tmp_path, args):
+    refused(repro(*args), tmp_path, 2, "are one path: --json takes a file, --out a folder")

@@ -224,6 +224,15 @@ def check_out_file(path: str | None, flag: str = "--json") -> None:
         p.unlink()
 
 
+def check_file_and_folder(file: str | None, folder: str | None, file_flag: str = "--json", folder_flag: str = "--out"):
+    """A report file and an output folder must be two paths: the folder would be made, then the file not written."""
+    if file is not None and folder is not None and os.path.abspath(file) == os.path.abspath(folder):
+        raise ConfigError(
+            f"{file_flag} {file} and {folder_flag} {folder} are one path: {file_flag} takes a file, "
+            f"{folder_flag} a folder"
+        )
+
+
 def poison_arg(text: str | None) -> str | None:
     """`none` and no poison mean the same case (no suffix in its id)."""
 

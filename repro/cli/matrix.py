@@ -16,6 +16,7 @@ from repro.cli.common import (
     DEFAULT_SMS,
     EXIT_NOT_RUN,
     add_shape_args,
+    check_file_and_folder,
     check_out_dir,
     check_out_file,
     command_started_at,
@@ -191,6 +192,7 @@ def cmd_matrix(a: argparse.Namespace) -> int:
         for s in specs:
             print(s.case_id)
         return 0
+    check_file_and_folder(a.json, a.out)
     check_out_file(a.json)
     check_out_dir(a.out)
     out = out_dir(a.out, "matrix") if (a.out or not model) else None

@@ -12,6 +12,7 @@ from repro.cli.common import (
     EXIT_NOT_RUN,
     add_shape_args,
     check_exists,
+    check_file_and_folder,
     check_out_dir,
     check_out_file,
     gpu_present,
@@ -74,6 +75,7 @@ def add_parsers(sub) -> None:
 def cmd_run(a: argparse.Namespace) -> int:
 
     check_exists(a.backend_path)
+    check_file_and_folder(a.json, a.out)
     check_out_file(a.json)
     check_out_dir(a.out)
     sm = SmConfig.parse(a.sm)
