@@ -38,6 +38,7 @@ from repro.process import ProcessRun, exit_code, kill_group, run_child
 SOCKET_ENV = "REPRO_SERVER"  # the socket to use instead of the default one, or "off": never use a server
 DEFAULT_IDLE_S = 1800.0
 START_TIMEOUT_S = 120.0
+MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes, the last one NUL
 
 
 def socket_path() -> Path | None:
@@ -49,6 +50,15 @@ def socket_path() -> Path | None:
         return Path(chosen)
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     return Path(base) / f"repro-{os.getuid()}" / "server.sock"
+
+
+def check_socket_path(path: Path) -> None:
+    """ConfigError when no server could listen at `path`: a Unix socket's path holds at most 107 bytes."""
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        raise ConfigError(
+            f"{SOCKET_ENV}: {path} is {len(os.fsencode(path))} bytes long, over the {MAX_SOCKET_PATH} a Unix socket's "
+            "path may hold: choose a shorter one"
+        )
 
 
 def code_fingerprint(preload: tuple[str, ...] = PRELOAD) -> str:
@@ -197,7 +207,11 @@ def running(path: Path | None = None) -> dict | None:
 
 def start(path: Path, idle_s: float = DEFAULT_IDLE_S, preload: tuple[str, ...] = PRELOAD) -> dict:
     """Start a server in the background (a session of its own) and wait until it answers."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_socket_path(path)
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{SOCKET_ENV}: cannot make the socket's folder {path.parent} ({e.strerror or e})") from None
     if path.parent.stat().st_uid != os.getuid():
         raise ConfigError(f"{path.parent} belongs to another user: choose a socket with {SOCKET_ENV}=/path/to.sock")
     log = path.with_suffix(".log")

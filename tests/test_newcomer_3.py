@@ -80,3 +80,15 @@ def test_impossible_sizes_are_refused_before_allocating(tmp_path, args):
 )
 def test_json_and_out_on_one_path_are_refused(tmp_path, args):
     refused(repro(*args), tmp_path, 2, "are one path: --json takes a file, --out a folder")
+
+
+# ---- item 3: a socket path no server can listen at
+
+
+@pytest.mark.parametrize(
+    "sock, msg",
+    [("/proc/x/s.sock", "the socket's folder /proc/x: cannot create it"), ("@" + "a" * 120, "over the 107")],
+)
+def test_serve_at_a_socket_path_no_server_can_have(tmp_path, sock, msg):
+    sock = str(tmp_path / sock[1:] / "s.sock") if sock.startswith("@") else sock
+    refused(repro("serve", "--idle", "5"), tmp_path, 2, msg, REPRO_SERVER=sock)
