@@ -92,3 +92,23 @@ def test_json_and_out_on_one_path_are_refused(tmp_path, args):
 def test_serve_at_a_socket_path_no_server_can_have(tmp_path, sock, msg):
     sock = str(tmp_path / sock[1:] / "s.sock") if sock.startswith("@") else sock
     refused(repro("serve", "--idle", "5"), tmp_path, 2, msg, REPRO_SERVER=sock)
+
+
+# ---- item 4: nan and inf are no number of seconds
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("serve", "--idle", "nan"),
+        ("serve", "--idle", "inf"),
+        ("matrix", "--timeout", "nan"),
+        ("matrix", "--dry-run", "--timeout=-inf"),
+        ("run", "--backend", "vllm", "--timeout", "inf"),
+        ("gate", "--timeout", "nan", "--dry-run"),
+        ("gate", "--timeout", "0"),
+    ],
+    ids=lambda a: " ".join(a),
+)
+def test_nan_and_inf_are_refused_wherever_seconds_are_read(tmp_path, args):
+    refused(repro(*args), tmp_path, 2, "must be a positive, finite number of seconds")

@@ -4,6 +4,7 @@ that fail before any work, the attention-shape flags."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
@@ -75,6 +76,17 @@ class Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_BAD_INPUT)
 
 
+def seconds(text: str) -> float:
+    """argparse type of a duration: a positive, finite number of seconds (nan and inf are no duration)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text!r}")
+    return value
+
+
 def parse_ints(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x)
@@ -121,7 +133,7 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--window", type=int, default=-1, help="sliding window (left); -1 = none (default)")
     g.add_argument("--non-causal", action="store_true", help="non-causal attention (default: causal)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds per case process (default %(default)s)")
+    p.add_argument("--timeout", type=seconds, default=120.0, help="seconds per case process (default %(default)s)")
     p.add_argument(
         "--poison",
         default=DEFAULT_POISON,

@@ -22,6 +22,7 @@ from repro.cli.common import (
     check_out_file,
     gpu_present,
     out_dir,
+    seconds,
 )
 from repro.descriptors import ConfigError
 
@@ -95,7 +96,7 @@ def add_parsers(sub) -> None:
     )
     gt.add_argument("--repeat", type=int, default=1, help="repetitions of every case (default 1)")
     gt.add_argument("--jobs", type=int, default=3, help="cases at a time, MPS cases aside (default 3)")
-    gt.add_argument("--timeout", type=float, default=300.0, help="seconds per case process (default 300)")
+    gt.add_argument("--timeout", type=seconds, default=300.0, help="seconds per case process (default 300)")
     gt.add_argument(
         "--out", help="folder for verdicts.md, results.json, logs/ (default: a new folder under the temp folder)"
     )
