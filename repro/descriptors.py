@@ -41,6 +41,7 @@ class AttnConfig:
             (self.head_dim in (64, 96, 128, 192, 256), "head_dim must be one of 64, 96, 128, 192, 256"),
             (self.page_size > 0 and self.page_size % 16 == 0, "page_size must be a positive multiple of 16"),
             (self.max_model_len >= self.decode_query_len, "max_model_len is smaller than one decode step"),
+            (self.window_left >= -1, "window_left must be -1 (no window) or >= 0"),
             (self.num_splits >= 0, "num_splits must be >= 0 (0 = FA3 heuristic)"),
             (self.num_speculative_tokens >= 0, "num_speculative_tokens must be >= 0"),
             (len(self.capture_sizes) > 0 and min(self.capture_sizes) > 0, "capture_sizes must be positive"),

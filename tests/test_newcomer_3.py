@@ -112,3 +112,19 @@ def test_serve_at_a_socket_path_no_server_can_have(tmp_path, sock, msg):
 )
 def test_nan_and_inf_are_refused_wherever_seconds_are_read(tmp_path, args):
     refused(repro(*args), tmp_path, 2, "must be a positive, finite number of seconds")
+
+
+# ---- item 5: a window below -1 (FA3 runs it without one)
+
+
+@pytest.mark.parametrize("args", [("matrix", "--window", "-5"), ("run", "--backend", "vllm", "--window", "-2")])
+def test_window_below_minus_one_is_refused(tmp_path, args):
+    refused(repro(*args), tmp_path, 2, "--window must be -1 (no window) or >= 0")
+
+
+def test_window_minus_one_and_zero_are_cases():
+    from repro.descriptors import AttnConfig, ConfigError
+
+    assert not AttnConfig(window_left=-1).is_local and AttnConfig(window_left=0).is_local
+    with pytest.raises(ConfigError, match="window_left must be -1"):
+        AttnConfig(window_left=-5)

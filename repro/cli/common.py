@@ -157,6 +157,8 @@ def shape_config(a: argparse.Namespace, splits: int) -> AttnConfig:
             raise ConfigError(f"{flag} must be positive, got {value}")
     if a.spec_tokens < 0:
         raise ConfigError(f"--spec-tokens must be >= 0, got {a.spec_tokens}")
+    if a.window < -1:  # FA3 reads any negative left window as none: the case id would name a window it never had
+        raise ConfigError(f"--window must be -1 (no window) or >= 0, got {a.window}")
     return AttnConfig(
         num_heads_q=a.q_heads,
         num_heads_kv=a.kv_heads,
