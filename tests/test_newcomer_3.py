@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_newcomer import _no_traceback
+from tests.test_newcomer import _fake_vllm, _no_traceback
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -128,3 +128,30 @@ def test_window_minus_one_and_zero_are_cases():
     assert not AttnConfig(window_left=-1).is_local and AttnConfig(window_left=0).is_local
     with pytest.raises(ConfigError, match="window_left must be -1"):
         AttnConfig(window_left=-5)
+
+
+# ---- item 6: --overlay judged before anything is made; made only where its cases can run
+
+
+@pytest.mark.parametrize(
+    "overlay, code, msg",
+    [
+        ("bogus", 2, "is not LABEL=SOURCES@BASE"),
+        ("X=/nonexistent@/nonexistent", 2, "/nonexistent holds no vllm/ package of sources"),
+        ("X=@sources@/nonexistent", 2, "/nonexistent holds no vllm package to take the compiled parts from"),
+        ("X=@sources@@plain", 2, "has no compiled extensions to overlay"),
+        ("0.24.0=@sources@@base", 4, "cannot run here: no CUDA GPU visible"),
+    ],
+)
+def test_gate_overlay_is_judged_before_anything_is_made(tmp_path, overlay, code, msg):
+    _fake_vllm(tmp_path / "sources", compiled=False)
+    _fake_vllm(tmp_path / "plain", compiled=False)
+    _fake_vllm(tmp_path / "base", compiled=True)
+    overlay = overlay.replace("@sources", str(tmp_path / "sources")).replace("@base", str(tmp_path / "base"))
+    overlay = overlay.replace("@plain", str(tmp_path / "plain"))
+    refused(repro("gate", "--no-installed", "--overlay", overlay), tmp_path, code, msg)
+    if code == 4:  # listing its cases makes nothing either
+        before = _tree(tmp_path)
+        r = _run(repro("gate", "--no-installed", "--overlay", overlay, "--dry-run"), tmp_path)
+        assert r.returncode == 0 and "stale_metadata-vllm-0.24.0-under-test-audit" in r.stdout, r.stderr
+        assert _tree(tmp_path) == before

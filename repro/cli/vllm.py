@@ -135,7 +135,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
 
     from repro.environment import collect
     from repro.vllm_integration import gate_report
-    from repro.vllm_integration.builds import CONTROL, UNDER_TEST, find_builds, parse_builds
+    from repro.vllm_integration.builds import CONTROL, UNDER_TEST, find_builds, parse_builds, parse_overlays
     from repro.vllm_integration.gate_cache import GateCache, default_root
     from repro.vllm_integration.gate_case import parse_backends, parse_modes
     from repro.vllm_integration.gate_run import EXIT, run_gate
@@ -146,23 +146,14 @@ def cmd_gate(a: argparse.Namespace) -> int:
         raise ConfigError("--compare-paths runs both paths once each: leave out --no-cache and --repeat")
     if a.repeat < 1 or a.jobs < 1 or a.timeout <= 0:
         raise ConfigError("--repeat and --jobs must be at least 1, --timeout positive")
+    overlays = parse_overlays(a.overlay)  # judged here, made once the cases can run
     builds = find_builds(include_installed=not a.no_installed)
     builds += parse_builds(",".join(a.vllm), UNDER_TEST, "--vllm") + parse_builds(
         ",".join(a.control), CONTROL, "--control"
     )
-    if a.overlay:
-        from repro.vllm_integration.bisect import AbiMismatch
-        from repro.vllm_integration.builds import parse_overlays
-
-        check_out_dir(a.out)
-        dest = Path(a.out) / "overlays" if a.out else Path(tempfile.mkdtemp(prefix="repro-overlays-"))
-        try:
-            builds += parse_overlays(a.overlay, dest)
-        except AbiMismatch as e:
-            raise ConfigError(f"--overlay: {e}") from None
     if a.installed_label:
         builds = [replace(b, label=a.installed_label) if b.prefix is None else b for b in builds]
-    if not builds:
+    if not builds and not overlays:
         print(
             "repro: cannot run here: no vLLM build to test: install vllm, or name builds with --vllm / --control "
             "LABEL=PREFIX",
@@ -172,12 +163,12 @@ def cmd_gate(a: argparse.Namespace) -> int:
     if a.dry_run:
         from repro.vllm_integration.gate_run import plan
 
-        for c in plan(builds, modes, a.repeat, a.timeout, backends, a.self_control):
+        for c in plan(builds + [o.listed() for o in overlays], modes, a.repeat, a.timeout, backends, a.self_control):
             print(c.case_id)
         return 0
     check_out_dir(a.out)
     check_out_dir(a.logs, "--logs")
-    if not gpu_present() and _need_gpu(builds):
+    if not gpu_present() and (overlays or _need_gpu(builds)):  # an overlay holds its base's compiled extensions
         print(
             "repro: cannot run here: no CUDA GPU visible, and vLLM's cases run on one "
             "(without a GPU: `python -m repro vllm-check` reads a build's sources)",
@@ -185,6 +176,9 @@ def cmd_gate(a: argparse.Namespace) -> int:
         )
         return EXIT_NOT_RUN
     out = out_dir(a.out, "gate")
+    if overlays:
+        dest = out / "overlays" if a.out else Path(tempfile.mkdtemp(prefix="repro-overlays-"))
+        builds += [o.make(dest) for o in overlays]
 
     def progress(c, r) -> None:
         print(f"[gate] {c.case_id}: {r.verdict} ({r.wall_s:.0f} s) {r.evidence or ''} {r.reason[:160]}", flush=True)
