@@ -155,3 +155,24 @@ def test_gate_overlay_is_judged_before_anything_is_made(tmp_path, overlay, code,
         r = _run(repro("gate", "--no-installed", "--overlay", overlay, "--dry-run"), tmp_path)
         assert r.returncode == 0 and "stale_metadata-vllm-0.24.0-under-test-audit" in r.stdout, r.stderr
         assert _tree(tmp_path) == before
+
+
+# ---- item 7: --repeat is bounded (every repetition is planned and listed before any case runs)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("gate", "--repeat", "100000000", "--dry-run"), ("matrix", "--repeat", "100000000"), ("gate", "--repeat", "0")],
+    ids=lambda a: " ".join(a),
+)
+def test_repeat_is_bounded(tmp_path, args):
+    t0 = time.time()
+    refused(repro(*args), tmp_path, 2, "argument --repeat: must be 1 to 1000", timeout=60)
+    assert time.time() - t0 < 30
+
+
+def test_the_largest_repeat_lists_at_once(tmp_path):
+    build = _fake_vllm(tmp_path / "vllm-0.25.1", compiled=True)
+    t0 = time.time()
+    r = _run(repro("gate", "--no-installed", "--control", f"0.25.1={build}", "--repeat", "1000", "--dry-run"), tmp_path)
+    assert r.returncode == 0 and len(r.stdout.split()) == 2000 and time.time() - t0 < 60, r.stderr

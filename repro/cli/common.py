@@ -20,6 +20,7 @@ from repro.smcontrol import Unavailable, device_sm_count
 DEFAULT_POISON = "int-max"
 DEFAULT_SMS = "sm_margin:16,mps:16,full"
 DEFAULT_MODES = "eager,graph"
+MAX_REPEAT = 1000  # --repeat: every repetition is a case of its own, planned (and listed) before any runs
 
 # Exit codes, the same meaning in every command (README "Exit codes" shows EXIT_CODES; tests/test_newcomer.py checks
 # that the two agree and that the modules with codes of their own use these values).
@@ -84,6 +85,17 @@ def seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text!r}")
+    return value
+
+
+def repeats(text: str) -> int:
+    """argparse type of --repeat: 1 to MAX_REPEAT runs of every case (each one a case of its own, listed up front)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 1 <= value <= MAX_REPEAT:
+        raise argparse.ArgumentTypeError(f"must be 1 to {MAX_REPEAT}, got {text!r}")
     return value
 
 

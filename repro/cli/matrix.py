@@ -15,6 +15,7 @@ from repro.cli.common import (
     DEFAULT_MODES,
     DEFAULT_SMS,
     EXIT_NOT_RUN,
+    MAX_REPEAT,
     add_shape_args,
     check_file_and_folder,
     check_out_dir,
@@ -26,6 +27,7 @@ from repro.cli.common import (
     parse_ints,
     parse_items,
     poison_arg,
+    repeats,
     shape_config,
 )
 from repro.descriptors import ConfigError
@@ -48,7 +50,9 @@ def add_parsers(sub) -> None:
         "--modes", help=f"eager (the draft's warmup), graph (captured and replayed) (default {DEFAULT_MODES})"
     )
     m.add_argument("--splits", default="32,0", help="FA3 num_splits values; 0 = FA3's heuristic (default %(default)s)")
-    m.add_argument("--repeat", type=int, default=1, help="runs of every case, at least 1 (default %(default)s)")
+    m.add_argument(
+        "--repeat", type=repeats, default=1, help=f"runs of every case, 1 to {MAX_REPEAT} (default %(default)s)"
+    )
     m.add_argument(
         "--scenario", choices=SCENARIOS, help=f"attention layer ({V2}, default), pair, or spec-decode (models)"
     )
@@ -143,8 +147,6 @@ def cmd_matrix(a: argparse.Namespace) -> int:
 
     if a.backend is not None and a.backend != "model":
         raise ConfigError(f"--backend takes only 'model' (use --backends for FA3 builds), got {a.backend!r}")
-    if a.repeat < 1:
-        raise ConfigError("--repeat must be at least 1")
     if a.jobs < 1:
         raise ConfigError("--jobs must be at least 1")
     opts = MatrixOptions(

@@ -17,11 +17,13 @@ from repro.cli.common import (
     EXIT_NOT_RUN,
     EXIT_OK,
     EXIT_UNTESTABLE,
+    MAX_REPEAT,
     check_exists,
     check_out_dir,
     check_out_file,
     gpu_present,
     out_dir,
+    repeats,
     seconds,
 )
 from repro.descriptors import ConfigError
@@ -94,7 +96,9 @@ def add_parsers(sub) -> None:
         help="which builds also run as their own positive control, the capture defect re-created inside them, in "
         "every mode: under-test (every build under test), all (known-bad controls too), none (default %(default)s)",
     )
-    gt.add_argument("--repeat", type=int, default=1, help="repetitions of every case (default 1)")
+    gt.add_argument(
+        "--repeat", type=repeats, default=1, help=f"repetitions of every case, 1 to {MAX_REPEAT} (default 1)"
+    )
     gt.add_argument("--jobs", type=int, default=3, help="cases at a time, MPS cases aside (default 3)")
     gt.add_argument("--timeout", type=seconds, default=300.0, help="seconds per case process (default 300)")
     gt.add_argument(
