@@ -176,3 +176,30 @@ def test_the_largest_repeat_lists_at_once(tmp_path):
     t0 = time.time()
     r = _run(repro("gate", "--no-installed", "--control", f"0.25.1={build}", "--repeat", "1000", "--dry-run"), tmp_path)
     assert r.returncode == 0 and len(r.stdout.split()) == 2000 and time.time() - t0 < 60, r.stderr
+
+
+# ---- item 8: gate --modes / --backends: a value twice, a backend vLLM would not name so
+
+
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (("--modes", "audit,audit"), "--modes: audit given twice"),
+        (("--modes", "memcheck,memcheck:caching"), "--modes: memcheck given twice"),  # one mode, two spellings
+        (("--backends", "FLASH_ATTN,FLASH_ATTN"), "--backends: FLASH_ATTN given twice"),
+        (("--backends", "flash_attn,FLASH_ATTN"), "--backends: FLASH_ATTN given twice"),
+        (("--backends", "BOGUS_BACKEND"), "--backends: 'BOGUS_BACKEND' is neither a backend the auditor has a table"),
+    ],
+)
+def test_gate_refuses_a_value_twice_and_an_unknown_backend(tmp_path, args, msg):
+    build = _fake_vllm(tmp_path / "vllm-0.25.1", compiled=True)
+    refused(repro("gate", "--no-installed", "--control", f"0.25.1={build}", *args, "--dry-run"), tmp_path, 2, msg)
+
+
+def test_gate_takes_every_backend_vllm_names_so():
+    from repro.vllm_integration.backend_fields import known_name
+    from repro.vllm_integration.gate_case import parse_backends
+
+    names = "FLASH_ATTN,triton_attn,FLASHINFER,FLEX_ATTENTION,TREE_ATTN,CUTLASS_MLA,ROCM_AITER_UNIFIED_ATTN"
+    assert parse_backends(names)[:2] == ("FLASH_ATTN", "TRITON_ATTN")
+    assert not any(known_name(n) for n in ("BOGUS_BACKEND", "ATTN", "FLASH", "FLASH_ATTN_", "_ATTN", "FLASH__ATTN"))
