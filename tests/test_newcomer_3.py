@@ -203,3 +203,19 @@ def test_gate_takes_every_backend_vllm_names_so():
     names = "FLASH_ATTN,triton_attn,FLASHINFER,FLEX_ATTENTION,TREE_ATTN,CUTLASS_MLA,ROCM_AITER_UNIFIED_ATTN"
     assert parse_backends(names)[:2] == ("FLASH_ATTN", "TRITON_ATTN")
     assert not any(known_name(n) for n in ("BOGUS_BACKEND", "ATTN", "FLASH", "FLASH_ATTN_", "_ATTN", "FLASH__ATTN"))
+
+
+# ---- item 9: redact changes the paths and nothing else
+
+
+def test_redact_keeps_every_byte_but_the_paths(tmp_path):
+    odd = tmp_path / "odd.log"  # not UTF-8, CRLF line endings
+    odd.write_bytes(b"\x89 start\r\nlog at /home/u/scratch/x.log\r\n\xff\xfe \xc3 end\r\n")
+    png = tmp_path / "heatmap.png"  # binary: NUL bytes, and a path-like run inside
+    png.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00 /home/u/scratch/x.log \x00\xff")
+    before = png.read_bytes()
+    r = _run(repro("redact", str(odd), str(png)), tmp_path)
+    _no_traceback(r)
+    assert r.returncode == 0 and "redacted 1 file(s)" in r.stdout, r.stderr
+    assert odd.read_bytes() == b"\x89 start\r\nlog at <repo>/scratch/x.log\r\n\xff\xfe \xc3 end\r\n"
+    assert png.read_bytes() == before
