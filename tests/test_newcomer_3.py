@@ -219,3 +219,34 @@ def test_redact_keeps_every_byte_but_the_paths(tmp_path):
     assert r.returncode == 0 and "redacted 1 file(s)" in r.stdout, r.stderr
     assert odd.read_bytes() == b"\x89 start\r\nlog at <repo>/scratch/x.log\r\n\xff\xfe \xc3 end\r\n"
     assert png.read_bytes() == before
+
+
+# ---- item 10: the bisect step and repro.smcontrol as the README's table says
+
+
+def step(*args: str) -> list[str]:
+    return [sys.executable, "-m", "repro.vllm_integration.bisect", "step", *args]
+
+
+@pytest.mark.parametrize(
+    "cmd, msg",
+    [
+        (step("--repo", "/nonexistent"), "--repo /nonexistent: no such folder"),
+        (step("--repo", ".", "--overlay", "/nonexistent", "--check", "gate", "--", "true"), "--overlay /nonexistent"),
+        (step("--check", "bogus"), "argument --check: invalid choice: 'bogus'"),
+        (repro("bisect", "--vllm", ".", "--overlay", "/nonexistent"), "--overlay /nonexistent: no such folder"),
+    ],
+    ids=lambda c: " ".join(c[2:]) if isinstance(c, list) else c,
+)
+def test_bisect_step_bad_input_is_exit_2_in_one_line(tmp_path, cmd, msg):
+    refused(cmd, tmp_path, 2, msg)
+
+
+def test_bisect_step_and_smcontrol_explain_themselves(tmp_path):
+    r = _run(step("--help"), tmp_path)
+    assert r.returncode == 0 and not r.stderr
+    for flag in ("--repo", "--check", "--overlay"):
+        block = r.stdout.split(f"  {flag}", 1)[1].split("\n  -", 1)[0]
+        assert len(block.split()) > 3, (flag, block)  # a help text, not just the metavar
+    r = _run([sys.executable, "-m", "repro.smcontrol", "--help"], tmp_path)
+    assert r.returncode == 0 and not r.stderr and r.stdout.startswith("usage: python -m repro.smcontrol")

@@ -213,6 +213,8 @@ def cmd_bisect(a: argparse.Namespace) -> int:
     from repro.vllm_integration.source_check import check_tree
 
     check_exists(a.vllm)
+    if a.overlay is not None and not os.path.isdir(a.overlay):  # every step would exit 2, which git reads as "bad"
+        raise ConfigError(f"--overlay {a.overlay}: no such folder")
     if not os.path.isdir(os.path.join(a.vllm, ".git")):
         raise ConfigError(f"{a.vllm}: not a git checkout")
     if a.check == "gate" and not a.gate_cmd:
