@@ -250,3 +250,46 @@ def test_bisect_step_and_smcontrol_explain_themselves(tmp_path):
         assert len(block.split()) > 3, (flag, block)  # a help text, not just the metavar
     r = _run([sys.executable, "-m", "repro.smcontrol", "--help"], tmp_path)
     assert r.returncode == 0 and not r.stderr and r.stdout.startswith("usage: python -m repro.smcontrol")
+
+
+# ---- item 11: the gate's pytest options as pytest users type them
+
+
+def _pytest_cmd(*args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "gpu",
+        "-k",
+        "stale_metadata and pair",
+        *args,
+    ]
+
+
+def _pytest(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """A pytest run of its own in the checkout (not this run's xdist worker, log folder or GPU probe)."""
+    full = {k: v for k, v in _env(tmp_path, **env).items() if not k.startswith(("PYTEST_XDIST", "REPRO_RUN_LOG"))}
+    full = {k: v for k, v in full.items() if not k.startswith(("REPRO_GPU_PROBE", "REPRO_GATE"))} | env
+    return subprocess.run(_pytest_cmd(*args), capture_output=True, text=True, timeout=600, cwd=ROOT, env=full)
+
+
+def test_gate_report_with_a_space_roots_the_run_in_the_checkout(tmp_path):
+    """`--gate-report DIR` with DIR an existing folder outside the checkout: pytest picks its rootdir before any
+    plugin, so it took DIR for a test path ("unrecognized arguments: --gate --gate-report"); now the same run as
+    `--gate-report=DIR`."""
+    out = tmp_path / "gate-out"
+    out.mkdir()
+    spaced = _pytest(tmp_path, "--co", "--gate-report", str(out))
+    assert f"rootdir: {ROOT}" in spaced.stdout and "configfile: pyproject.toml" in spaced.stdout, spaced.stdout[:2000]
+    assert spaced.returncode == 0
+    for form in (("--gate-report", str(out)), (f"--gate-report={out}",)):
+        r = _pytest(tmp_path, "-q", "--gate", *form)
+        _no_traceback(r)
+        assert "unrecognized arguments" not in r.stderr, r.stderr
+        if "GATE FAILED: no GPU case can run here" in r.stdout + r.stderr:  # no GPU here: one line, exit 1
+            assert r.returncode == 1, (form, r.returncode, r.stderr)
+    assert not any(out.iterdir())  # the gate stopped before any case ran: no report to write
