@@ -9,7 +9,10 @@ test path there and the run is rooted in DIR, without pyproject.toml's settings.
 gate option's value given space-separated that names an existing path), the command starts again at once as
 `--gate-report=DIR`, the form pytest reads the same way at every stage.
 
-The gate itself: repro/pytest_gate.py and the hooks in conftest.py."""
+Bad input is what the project says it is (README "Exit codes"): `--gate-require bogus` (or a bad REPRO_GATE_REQUIRE
+in a gate run) is one line on stderr and exit 2, with or without --gate, before any case runs; pytest's own usage
+errors exit 4, which here means "could not run here". Without a gate run, --gate-require and --gate-report are
+ignored, and said to be. The gate itself: repro/pytest_gate.py and the hooks in conftest.py."""
 
 from __future__ import annotations
 
@@ -17,6 +20,9 @@ import os
 import sys
 
 import pytest
+
+GATE_ENV = "REPRO_GATE"  # repro.pytest_gate.ENV: REPRO_GATE=1 is --gate
+REQUIRE_ENV = "REPRO_GATE_REQUIRE"  # repro.policy.REQUIRE_ENV
 
 
 def pytest_addoption(parser):
@@ -61,6 +67,25 @@ def _restart_joined(config) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
-    """Before anything runs: the command restarted with the gate options joined, where pytest may have rooted it
-    in an option's value."""
+    """Judge the gate's options before anything runs: exit 2 with one line for a requirement no runner knows."""
     _restart_joined(config)
+    given = config.getoption("gate_require", default=None)
+    gating = config.getoption("gate", default=False) or os.environ.get(GATE_ENV) == "1"
+    text = given if given is not None else os.environ.get(REQUIRE_ENV) if gating else None
+    if text is not None:
+        from repro.cli.common import EXIT_BAD_INPUT
+        from repro.policy import parse_requirements
+
+        try:
+            parse_requirements(text)
+        except ValueError as e:
+            where = f"--gate-require {given}" if given is not None else f"{REQUIRE_ENV}={text}"
+            sys.stderr.write(f"repro: error: {where}: {e}\n")
+            return EXIT_BAD_INPUT
+    ignored = [f for f, v in (("--gate-require", given), ("--gate-report", config.getoption("gate_report"))) if v]
+    if ignored and not gating and not hasattr(config, "workerinput"):
+        sys.stderr.write(
+            f"repro: note: {' and '.join(ignored)} ignored: the gate's options take effect in a gate run only "
+            f"(--gate or {GATE_ENV}=1)\n"
+        )
+    return None

@@ -252,7 +252,7 @@ def test_bisect_step_and_smcontrol_explain_themselves(tmp_path):
     assert r.returncode == 0 and not r.stderr and r.stdout.startswith("usage: python -m repro.smcontrol")
 
 
-# ---- item 11: the gate's pytest options as pytest users type them
+# ---- items 11 and 12: the gate's pytest options as pytest users type them
 
 
 def _pytest_cmd(*args: str) -> list[str]:
@@ -285,7 +285,7 @@ def test_gate_report_with_a_space_roots_the_run_in_the_checkout(tmp_path):
     out.mkdir()
     spaced = _pytest(tmp_path, "--co", "--gate-report", str(out))
     assert f"rootdir: {ROOT}" in spaced.stdout and "configfile: pyproject.toml" in spaced.stdout, spaced.stdout[:2000]
-    assert spaced.returncode == 0
+    assert spaced.returncode == 0 and "ignored: the gate's options take effect in a gate run only" in spaced.stderr
     for form in (("--gate-report", str(out)), (f"--gate-report={out}",)):
         r = _pytest(tmp_path, "-q", "--gate", *form)
         _no_traceback(r)
@@ -293,3 +293,26 @@ def test_gate_report_with_a_space_roots_the_run_in_the_checkout(tmp_path):
         if "GATE FAILED: no GPU case can run here" in r.stdout + r.stderr:  # no GPU here: one line, exit 1
             assert r.returncode == 1, (form, r.returncode, r.stderr)
     assert not any(out.iterdir())  # the gate stopped before any case ran: no report to write
+
+
+@pytest.mark.parametrize(
+    "args, env, msg",
+    [
+        (("--gate-require", "bogus"), {}, "--gate-require bogus: unknown gate requirement"),
+        (("--gate", "--gate-require", "mig,bogus"), {}, "--gate-require mig,bogus: unknown gate requirement"),
+        (("--gate",), {"REPRO_GATE_REQUIRE": "bogus"}, "REPRO_GATE_REQUIRE=bogus: unknown gate requirement"),
+    ],
+)
+def test_gate_require_bogus_is_bad_input_with_or_without_gate(tmp_path, args, env, msg):
+    _env(tmp_path)  # the temp folder exists before
+    before = _tree(tmp_path)
+    r = _pytest(tmp_path, *args, **env)
+    _no_traceback(r)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and msg in r.stderr, (r.returncode, r.stderr)
+    assert _tree(tmp_path) == before
+
+
+def test_the_options_come_from_conftest_without_the_entry_point(tmp_path):
+    """A checkout used without `pip install -e .`: conftest.py loads the same plugin (registered once either way)."""
+    r = _pytest(tmp_path, "--co", "-q", "--gate-require", "bogus", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    assert r.returncode == 2 and "--gate-require bogus: unknown gate requirement" in r.stderr, r.stderr
