@@ -316,3 +316,31 @@ def test_the_options_come_from_conftest_without_the_entry_point(tmp_path):
     """A checkout used without `pip install -e .`: conftest.py loads the same plugin (registered once either way)."""
     r = _pytest(tmp_path, "--co", "-q", "--gate-require", "bogus", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     assert r.returncode == 2 and "--gate-require bogus: unknown gate requirement" in r.stderr, r.stderr
+
+
+# ---- item 13: every value judged before a build or a GPU is looked for
+
+
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (("gate", "--no-installed", "--out", "/proc/x"), "--out /proc/x: cannot create it"),
+        (("gate", "--no-installed", "--logs", "/proc/x"), "--logs /proc/x: cannot create it"),
+        (("gate", "--no-installed", "--cache-dir", "/proc/x"), "--cache-dir /proc/x: cannot create it"),
+        (("gate", "--no-installed", "--compare-paths", "--paths", "bogus"), "--paths bogus: pick each from old,"),
+        (("gate", "--no-installed", "--compare-paths", "--paths", "old,old"), "at most once"),
+        (("gate", "--no-installed", "--paths", "old"), "--paths old: picks the paths of --compare-paths"),
+        (("run", "--backend", "vllm", "--backend-path", "@notes.txt"), "not a shared library"),
+        (
+            ("run", "--backend", "vllm", "--backend-path", "@lib"),
+            "vllm takes vLLM's _vllm_fa3_C*.so file, not a folder",
+        ),
+        (("run", "--backend", "upstream", "--backend-path", "@lib"), "upstream takes a folder holding flash_attn_3/"),
+    ],
+    ids=lambda a: " ".join(a) if isinstance(a, tuple) else None,
+)
+def test_bad_values_are_judged_before_builds_or_a_gpu(tmp_path, args, msg):
+    (tmp_path / "notes.txt").write_text("not a library\n")
+    (tmp_path / "lib").mkdir()
+    args = [str(tmp_path / a[1:]) if a.startswith("@") else a for a in args]
+    refused(repro(*args), tmp_path, 2, msg)

@@ -121,8 +121,7 @@ def add_parsers(sub) -> None:
     )
     gt.add_argument(
         "--paths",
-        default="old,new-cold,new-warm",
-        help="with --compare-paths: which paths to run, in this order (default %(default)s)",
+        help="with --compare-paths: which paths to run, in this order (default old,new-cold,new-warm)",
     )
     gt.add_argument("--dry-run", action="store_true", help="list case ids only")
     sub.choices["bisect"].set_defaults(func=cmd_bisect)
@@ -150,6 +149,10 @@ def cmd_gate(a: argparse.Namespace) -> int:
         raise ConfigError("--compare-paths runs both paths once each: leave out --no-cache and --repeat")
     if a.repeat < 1 or a.jobs < 1 or a.timeout <= 0:
         raise ConfigError("--repeat and --jobs must be at least 1, --timeout positive")
+    paths = _parse_paths(a.paths, a.compare_paths)
+    check_out_dir(a.out)  # every value judged before the builds are looked for (no build, no GPU: exit 4)
+    check_out_dir(a.logs, "--logs")
+    check_out_dir(a.cache_dir, "--cache-dir")
     overlays = parse_overlays(a.overlay)  # judged here, made once the cases can run
     builds = find_builds(include_installed=not a.no_installed)
     builds += parse_builds(",".join(a.vllm), UNDER_TEST, "--vllm") + parse_builds(
@@ -170,8 +173,6 @@ def cmd_gate(a: argparse.Namespace) -> int:
         for c in plan(builds + [o.listed() for o in overlays], modes, a.repeat, a.timeout, backends, a.self_control):
             print(c.case_id)
         return 0
-    check_out_dir(a.out)
-    check_out_dir(a.logs, "--logs")
     if not gpu_present() and (overlays or _need_gpu(builds)):  # an overlay holds its base's compiled extensions
         print(
             "repro: cannot run here: no CUDA GPU visible, and vLLM's cases run on one "
@@ -189,7 +190,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
 
     logs = Path(a.logs) if a.logs else out / "logs"
     if a.compare_paths:
-        return _compare_paths(a, builds, modes, backends, out, logs, progress)
+        return _compare_paths(a, paths, builds, modes, backends, out, logs, progress)
     cache = None if a.no_cache else GateCache(Path(a.cache_dir) if a.cache_dir else default_root())
     run = run_gate(builds, modes, logs, a.repeat, a.jobs, a.timeout, progress, cache, backends, a.self_control)
     written = gate_report.write(run, out, collect(), need_control=not a.no_control)
@@ -270,7 +271,20 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
     return EXIT_BUG if "bad" in verdicts else (EXIT_UNTESTABLE if "untestable" in verdicts else EXIT_OK)
 
 
-def _compare_paths(a: argparse.Namespace, builds, modes, backends, out: Path, logs: Path, progress) -> int:
+def _parse_paths(text: str | None, compare: bool) -> tuple[str, ...]:
+    """--paths: the paths --compare-paths runs, in order (gate_run.PATHS by folder name); refused without it."""
+    from repro.vllm_integration.gate_run import PATHS, path_folder
+
+    if text is not None and not compare:
+        raise ConfigError(f"--paths {text}: picks the paths of --compare-paths; give --compare-paths too")
+    by_folder = {path_folder(p): p for p in PATHS}
+    asked = [x.strip() for x in (text or ",".join(by_folder)).split(",") if x.strip()]
+    if not asked or any(x not in by_folder for x in asked) or len(set(asked)) != len(asked):
+        raise ConfigError(f"--paths {text}: pick each from {', '.join(by_folder)} at most once")
+    return tuple(by_folder[x] for x in asked)
+
+
+def _compare_paths(a: argparse.Namespace, paths, builds, modes, backends, out: Path, logs: Path, progress) -> int:
     """`gate --compare-paths`: old path, new path cold, new path warm; each path's gate report in OUT/<path>/,
     the side-by-side table in OUT/paths.md and paths.json. Exit: the last path's gate exit code, or 3 when a case's
     verdict differs between the paths (the new path cannot stand in for the old)."""
@@ -278,25 +292,10 @@ def _compare_paths(a: argparse.Namespace, builds, modes, backends, out: Path, lo
     from repro.environment import collect
     from repro.redact import redact
     from repro.vllm_integration import gate_bench, gate_report
-    from repro.vllm_integration.gate_run import EXIT, PATHS, compare_paths, path_folder
+    from repro.vllm_integration.gate_run import EXIT, compare_paths, path_folder
 
     cache_root = Path(a.cache_dir) if a.cache_dir else out / "cache"
-    by_folder = {path_folder(p): p for p in PATHS}
-    asked = [x.strip() for x in a.paths.split(",") if x.strip()]
-    if not asked or any(x not in by_folder for x in asked):
-        raise ConfigError(f"--paths {a.paths}: pick from {', '.join(by_folder)}")
-    runs = compare_paths(
-        builds,
-        modes,
-        logs,
-        cache_root,
-        a.jobs,
-        a.timeout,
-        progress,
-        backends,
-        tuple(by_folder[x] for x in asked),
-        a.self_control,
-    )
+    runs = compare_paths(builds, modes, logs, cache_root, a.jobs, a.timeout, progress, backends, paths, a.self_control)
     env = collect()
     for name, run in runs.items():
         gate_report.write(run, out / path_folder(name), env, need_control=not a.no_control)
