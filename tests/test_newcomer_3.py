@@ -344,3 +344,28 @@ def test_bad_values_are_judged_before_builds_or_a_gpu(tmp_path, args, msg):
     (tmp_path / "lib").mkdir()
     args = [str(tmp_path / a[1:]) if a.startswith("@") else a for a in args]
     refused(repro(*args), tmp_path, 2, msg)
+
+
+# ---- item 14: vllm-check on a zip without vllm/ names the file given
+
+
+def test_vllm_check_of_a_zip_without_vllm_names_the_file(tmp_path):
+    import zipfile
+
+    whl = tmp_path / "random.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        z.writestr("other/__init__.py", "")
+    r = refused(repro("vllm-check", str(whl)), tmp_path, 2, f"{whl}: not a vLLM wheel (no vllm/ package inside)")
+    assert str(tmp_path / "tmp") not in r.stderr
+
+
+def test_vllm_check_names_the_wheel_when_its_tree_is_untestable(tmp_path):
+    import zipfile
+
+    from repro.vllm_integration.compat import check_source
+
+    whl = tmp_path / "vllm-9.9.9-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        z.writestr("other/__init__.py", "")
+    c = check_source(whl)  # the source check itself (the CLI refuses such a wheel before it)
+    assert c.verdict == "untestable" and c.source == whl.name and c.reason.startswith(f"{whl.name}: not a vLLM"), c

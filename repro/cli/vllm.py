@@ -259,6 +259,9 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
             raise ConfigError(f"{path}: neither a vLLM checkout folder nor a wheel (.whl)")
         if not zipfile.is_zipfile(path):
             raise ConfigError(f"{path}: not a wheel (not a zip archive)")
+        with zipfile.ZipFile(path) as z:
+            if not any(n.startswith("vllm/") for n in z.namelist()):
+                raise ConfigError(f"{path}: not a vLLM wheel (no vllm/ package inside)")
     check_out_file(a.json)
     for path in a.sources:
         c = check_source(path)
