@@ -369,3 +369,34 @@ def test_vllm_check_names_the_wheel_when_its_tree_is_untestable(tmp_path):
         z.writestr("other/__init__.py", "")
     c = check_source(whl)  # the source check itself (the CLI refuses such a wheel before it)
     assert c.verdict == "untestable" and c.source == whl.name and c.reason.startswith(f"{whl.name}: not a vLLM"), c
+
+
+# ---- item 16: with REPRO_VLLM_WHEELS, each wheel is held to its own recorded torch pin
+
+
+def _wheel(folder: Path, version: str, torch: str) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(folder / f"vllm-{version}-cp38-abi3-manylinux_2_28_x86_64.whl", "w") as z:
+        z.writestr(
+            f"vllm-{version}.dist-info/METADATA", f"Name: vllm\nVersion: {version}\nRequires-Dist: torch=={torch}\n"
+        )
+
+
+@pytest.mark.parametrize("pin_033, code", [("2.14.0", 0), ("2.11.0", 1)])
+def test_wheel_pins_are_each_held_to_their_record(tmp_path, pin_033, code):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "0.26.0", "2.11.0")
+    _wheel(wheels, "0.33.0", pin_033)  # the record says 2.14.0
+    test = "tests/test_overlay_abi.py::test_release_wheels_pin_the_torch_recorded_for_them"
+    full = {k: v for k, v in _env(tmp_path).items() if not k.startswith("PYTEST_XDIST")}
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**full, "REPRO_VLLM_WHEELS": str(wheels)},
+    )
+    assert r.returncode == code and ("1 passed" if code == 0 else "1 failed") in r.stdout, r.stdout[-2000:]

@@ -1,9 +1,8 @@
 """Which vLLM releases each feature of the harness supports, from what was recorded of their wheels on the CPU tier:
 results/vllm-source-check.json (the source check's verdict and layout, `python -m repro vllm-check WHEEL... --json`)
-and results/vllm-versions.json (each wheel's torch pin and the plugin facts of compat.plugin_facts, written by
-this module). `markdown()` is the
-README's table; a CPU test keeps the two equal, and re-derives the record from the real wheels when
-REPRO_VLLM_WHEELS names a folder of them.
+and results/vllm-versions.json (each wheel's torch pin and the plugin facts of compat.plugin_facts, written by this
+module). `markdown()` is the README's table; a CPU test keeps the two equal, and re-derives the record from the real
+wheels when REPRO_VLLM_WHEELS names a folder of them.
 
   python -m repro.vllm_integration.versions WHEEL... [--out results/vllm-versions.json]"""
 
