@@ -42,14 +42,16 @@ MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes, the last one NUL
 
 
 def socket_path() -> Path | None:
-    """Where this user's server listens (None: REPRO_SERVER=off)."""
+    """Where this user's server for this checkout listens (None: REPRO_SERVER=off): one socket per checkout (a hash
+    of its folder in the name), so `serve` in a second checkout never stops the first's server."""
     chosen = os.environ.get(SOCKET_ENV, "")
     if chosen == "off":
         return None
     if chosen:
         return Path(chosen)
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    return Path(base) / f"repro-{os.getuid()}" / "server.sock"
+    checkout = hashlib.sha256(str(Path(__file__).resolve().parent.parent).encode()).hexdigest()[:12]
+    return Path(base) / f"repro-{os.getuid()}" / f"server-{checkout}.sock"
 
 
 def check_socket_path(path: Path) -> None:

@@ -400,3 +400,32 @@ def test_wheel_pins_are_each_held_to_their_record(tmp_path, pin_033, code):
         env={**full, "REPRO_VLLM_WHEELS": str(wheels)},
     )
     assert r.returncode == code and ("1 passed" if code == 0 else "1 failed") in r.stdout, r.stdout[-2000:]
+
+
+# ---- item 17: a server per checkout
+
+
+def test_two_checkouts_keep_a_server_each(tmp_path):
+    """`serve` in a second checkout started its server on the first's socket, stopping the first's server."""
+    import shutil
+
+    other = tmp_path / "other-checkout"
+    shutil.copytree(ROOT / "repro", other / "repro", ignore=shutil.ignore_patterns("__pycache__"))
+    sock_dir = tmp_path / "tmp" / f"repro-{os.getuid()}"  # XDG_RUNTIME_DIR is tmp_path/tmp
+
+    def serve(checkout: Path, *args: str) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in _env(tmp_path).items() if k != "PYTHONPATH"}
+        cmd = [sys.executable, "-m", "repro", "serve", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=checkout, env=env)
+
+    try:
+        first, second = serve(ROOT, "--idle", "120"), serve(other, "--idle", "120")
+        assert first.returncode == 0 and second.returncode == 0, (first.stderr, second.stderr)
+        a, b = serve(ROOT, "--status").stdout, serve(other, "--status").stdout
+        assert "runs this code" in a and "runs this code" in b, (a, b)
+        assert a.split(":")[0] != b.split(":")[0]  # "repro server at <socket>": two sockets
+        assert len(list(sock_dir.glob("server-*.sock"))) == 2
+    finally:
+        stopped = [serve(ROOT, "--stop").stdout, serve(other, "--stop").stdout]
+    assert all("stopped the repro server" in s for s in stopped), stopped
+    assert not sock_dir.exists()  # both stopped: no socket, no log, no folder left
