@@ -5,7 +5,6 @@ repro/pytest_gate.py, the rule in repro/policy.py)."""
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import pytest
@@ -89,6 +88,7 @@ def pytest_sessionfinish(session, exitstatus):
     if why:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if session.config.getoption("gate_report"):
+        config = session.config
         _evidence.write_report(
-            session.config.getoption("gate_report"), time.time() - session.config._repro_t0, sys.argv
+            config.getoption("gate_report"), time.time() - config._repro_t0, list(config.invocation_params.args)
         )
