@@ -30,17 +30,13 @@ from repro.descriptors import ConfigError
 
 
 def add_parsers(sub) -> None:
+    from repro.vllm_integration.bisect import add_check_option
+
     bi = sub.add_parser("bisect", help="git bisect a vLLM checkout for the stale-metadata capture defect")
     bi.add_argument("--vllm", required=True, help="path of the vLLM git checkout (required)")
     bi.add_argument("--good", default="HEAD~1", help="a revision without the defect (default %(default)s)")
     bi.add_argument("--bad", default="HEAD", help="a revision with the defect (default %(default)s)")
-    bi.add_argument(
-        "--check",
-        choices=("source", "gate"),
-        default="source",
-        help="source: read each commit's Python (no GPU); gate: run the gate command given after -- "
-        "(default %(default)s)",
-    )
+    add_check_option(bi, "each commit's")
     bi.add_argument(
         "--overlay",
         help="installed vllm package folder: reuse its compiled extensions (Python-only changes) (default: none)",

@@ -228,6 +228,12 @@ def run_bisect(
     return first, log
 
 
+def add_check_option(p: argparse.ArgumentParser, whose: str) -> None:
+    """--check as `repro bisect` and the step take it."""
+    help_ = f"source: read {whose} Python (no GPU); gate: run the gate command given after -- (default %(default)s)"
+    p.add_argument("--check", choices=("source", "gate"), default="source", help=help_)
+
+
 def main(argv: list[str] | None = None) -> int:
     from repro.cli.common import EXIT_BAD_INPUT, Parser  # one line on stderr and exit 2 for bad input
 
@@ -235,13 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
     s = sub.add_parser("step", help="one bisect step: exit 0 good, 1 bad, 2 bad input, 125 untestable")
     s.add_argument("--repo", default=".", help="the vLLM checkout at the commit to judge (default: this folder)")
-    s.add_argument(
-        "--check",
-        choices=("source", "gate"),
-        default="source",
-        help="source: read the commit's Python (no GPU); gate: run the gate command given after -- "
-        "(default %(default)s)",
-    )
+    add_check_option(s, "the commit's")
     s.add_argument("--overlay", help="installed vllm package folder whose compiled extensions to reuse")
     s.add_argument("gate", nargs=argparse.REMAINDER, help="-- the gate command for --check gate")
     f = sub.add_parser(
