@@ -55,11 +55,14 @@ def socket_path() -> Path | None:
 
 
 def check_socket_path(path: Path) -> None:
-    """ConfigError when no server could listen at `path`: a Unix socket's path holds at most 107 bytes."""
+    """ConfigError when no server could listen at `path`: a Unix socket's path holds at most 107 bytes, and what is
+    there already must be a socket (a server replaces it: never a user's file)."""
+    if path.exists() and not path.is_socket():
+        raise ConfigError(f"{SOCKET_ENV}: {path} exists and is not a socket: choose a path for the server's socket")
     if len(os.fsencode(path)) > MAX_SOCKET_PATH:
         raise ConfigError(
-            f"{SOCKET_ENV}: {path} is {len(os.fsencode(path))} bytes long, over the {MAX_SOCKET_PATH} a Unix socket's "
-            "path may hold: choose a shorter one"
+            f"the server's socket {path} is {len(os.fsencode(path))} bytes long, over the {MAX_SOCKET_PATH} a Unix "
+            f"socket's path may hold: choose a shorter one with {SOCKET_ENV}=/path/to.sock"
         )
 
 
@@ -233,6 +236,7 @@ def start(path: Path, idle_s: float = DEFAULT_IDLE_S, preload: tuple[str, ...] =
             except OSError:  # it ran and stopped (idle) before this loop saw it answer: its log went with it
                 text = ""
             tail = text.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+            tidy(path)  # a refused start leaves nothing: its last line is in the message
             raise ConfigError(f"the repro server did not start: {tail[0]}")
         facts = running(path)
         if facts and facts["pid"] == proc.pid:

@@ -5,9 +5,12 @@ traceback, and nothing written: not in the folder it runs in, not in the temp fo
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -87,11 +90,17 @@ def test_json_and_out_on_one_path_are_refused(tmp_path, args):
 
 @pytest.mark.parametrize(
     "sock, msg",
-    [("/proc/x/s.sock", "the socket's folder /proc/x: cannot create it"), ("@" + "a" * 120, "over the 107")],
+    [
+        ("/proc/x/s.sock", "the socket's folder /proc/x: cannot create it"),
+        ("@" + "a" * 120 + "/s.sock", "bytes long, over the 107 a Unix socket's path may hold"),
+        ("@notes.txt", "notes.txt exists and is not a socket"),  # the server would have replaced the file
+    ],
 )
 def test_serve_at_a_socket_path_no_server_can_have(tmp_path, sock, msg):
-    sock = str(tmp_path / sock[1:] / "s.sock") if sock.startswith("@") else sock
+    (tmp_path / "notes.txt").write_text("a user's file\n")
+    sock = str(tmp_path / sock[1:]) if sock.startswith("@") else sock
     refused(repro("serve", "--idle", "5"), tmp_path, 2, msg, REPRO_SERVER=sock)
+    assert (tmp_path / "notes.txt").read_text() == "a user's file\n"
 
 
 # ---- item 4: nan and inf are no number of seconds
@@ -350,8 +359,6 @@ def test_bad_values_are_judged_before_builds_or_a_gpu(tmp_path, args, msg):
 
 
 def test_vllm_check_of_a_zip_without_vllm_names_the_file(tmp_path):
-    import zipfile
-
     whl = tmp_path / "random.whl"
     with zipfile.ZipFile(whl, "w") as z:
         z.writestr("other/__init__.py", "")
@@ -360,8 +367,6 @@ def test_vllm_check_of_a_zip_without_vllm_names_the_file(tmp_path):
 
 
 def test_vllm_check_names_the_wheel_when_its_tree_is_untestable(tmp_path):
-    import zipfile
-
     from repro.vllm_integration.compat import check_source
 
     whl = tmp_path / "vllm-9.9.9-py3-none-any.whl"
@@ -375,8 +380,6 @@ def test_vllm_check_names_the_wheel_when_its_tree_is_untestable(tmp_path):
 
 
 def _wheel(folder: Path, version: str, torch: str) -> None:
-    import zipfile
-
     with zipfile.ZipFile(folder / f"vllm-{version}-cp38-abi3-manylinux_2_28_x86_64.whl", "w") as z:
         z.writestr(
             f"vllm-{version}.dist-info/METADATA", f"Name: vllm\nVersion: {version}\nRequires-Dist: torch=={torch}\n"
@@ -407,14 +410,13 @@ def test_wheel_pins_are_each_held_to_their_record(tmp_path, pin_033, code):
 
 def test_two_checkouts_keep_a_server_each(tmp_path):
     """`serve` in a second checkout started its server on the first's socket, stopping the first's server."""
-    import shutil
-
     other = tmp_path / "other-checkout"
     shutil.copytree(ROOT / "repro", other / "repro", ignore=shutil.ignore_patterns("__pycache__"))
-    sock_dir = tmp_path / "tmp" / f"repro-{os.getuid()}"  # XDG_RUNTIME_DIR is tmp_path/tmp
+    runtime = Path(tempfile.mkdtemp(prefix="r28-"))  # short: a socket's path holds 107 bytes, tmp_path's are long
+    sock_dir = runtime / f"repro-{os.getuid()}"
 
     def serve(checkout: Path, *args: str) -> subprocess.CompletedProcess:
-        env = {k: v for k, v in _env(tmp_path).items() if k != "PYTHONPATH"}
+        env = {k: v for k, v in _env(tmp_path, XDG_RUNTIME_DIR=str(runtime)).items() if k != "PYTHONPATH"}
         cmd = [sys.executable, "-m", "repro", "serve", *args]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=checkout, env=env)
 
@@ -427,5 +429,8 @@ def test_two_checkouts_keep_a_server_each(tmp_path):
         assert len(list(sock_dir.glob("server-*.sock"))) == 2
     finally:
         stopped = [serve(ROOT, "--stop").stdout, serve(other, "--stop").stdout]
+    left = list(runtime.iterdir())
+    if not left:
+        runtime.rmdir()
     assert all("stopped the repro server" in s for s in stopped), stopped
-    assert not sock_dir.exists()  # both stopped: no socket, no log, no folder left
+    assert not left, left  # both stopped: no socket, no log, no repro-<uid>/ folder left
