@@ -50,7 +50,7 @@ def socket_path() -> Path | None:
     if chosen:
         return Path(chosen)
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    checkout = hashlib.sha256(str(Path(__file__).resolve().parent.parent).encode()).hexdigest()[:12]
+    checkout = hashlib.sha256(str(Path(__file__).resolve().parent.parent).encode()).hexdigest()[:8]
     return Path(base) / f"repro-{os.getuid()}" / f"server-{checkout}.sock"
 
 
