@@ -5,7 +5,6 @@ repro/pytest_gate.py, the rule in repro/policy.py)."""
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import pytest
@@ -18,15 +17,9 @@ from repro.pytest_cases import close_case_executor, start_run_logs, warm_up
 _evidence: pytest_gate.Evidence | None = None  # set in a gate run
 
 
-def pytest_addoption(parser):
-    parser.addoption("--gate", action="store_true", help="strict gate: skipped GPU cases and missing evidence fail")
-    parser.addoption("--gate-report", default=None, help="folder for the gate's report (gate.md, gate.json)")
-    parser.addoption(
-        "--gate-require",
-        default=None,
-        help="features this runner must cover (mig,mps,vllm,sanitizer): their cases fail instead of being reported "
-        "not applicable (default: REPRO_GATE_REQUIRE, else mig on a MIG runner)",
-    )
+# The gate's options (--gate, --gate-report, --gate-require): a plugin of their own, which pytest also loads from its
+# entry point (pyproject.toml) before it picks its rootdir; named here for a checkout without `pip install -e .`.
+pytest_plugins = ("repro.pytest_options",)
 
 
 def pytest_configure(config):
@@ -95,6 +88,7 @@ def pytest_sessionfinish(session, exitstatus):
     if why:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if session.config.getoption("gate_report"):
+        config = session.config
         _evidence.write_report(
-            session.config.getoption("gate_report"), time.time() - session.config._repro_t0, sys.argv
+            config.getoption("gate_report"), time.time() - config._repro_t0, list(config.invocation_params.args)
         )

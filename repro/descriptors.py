@@ -9,6 +9,11 @@ class ConfigError(ValueError):
     """Bad user input: the CLI turns it into a one-line error and exit code 2."""
 
 
+# No GPU this harness runs on holds more (an H200: 141 GB). A shape whose buffers need more is impossible: refused
+# before anything is allocated (the CPU model allocates the block table too).
+MAX_DEVICE_BYTES = 141 * 10**9
+
+
 def round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
@@ -36,6 +41,7 @@ class AttnConfig:
             (self.head_dim in (64, 96, 128, 192, 256), "head_dim must be one of 64, 96, 128, 192, 256"),
             (self.page_size > 0 and self.page_size % 16 == 0, "page_size must be a positive multiple of 16"),
             (self.max_model_len >= self.decode_query_len, "max_model_len is smaller than one decode step"),
+            (self.window_left >= -1, "window_left must be -1 (no window) or >= 0"),
             (self.num_splits >= 0, "num_splits must be >= 0 (0 = FA3 heuristic)"),
             (self.num_speculative_tokens >= 0, "num_speculative_tokens must be >= 0"),
             (len(self.capture_sizes) > 0 and min(self.capture_sizes) > 0, "capture_sizes must be positive"),
@@ -44,6 +50,22 @@ class AttnConfig:
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
+        need = self.device_bytes()
+        if need > MAX_DEVICE_BYTES:
+            raise ConfigError(
+                f"this shape needs {need / 1e9:,.0f} GB of GPU memory (K and V caches for {self.max_batch} requests of "
+                f"{self.max_model_len} tokens with {self.num_heads_kv} KV heads x {self.head_dim}, and the queries), "
+                f"more than any GPU holds (an H200: {MAX_DEVICE_BYTES / 1e9:.0f} GB): lower --max-model-len, "
+                "--max-num-seqs, --capture-sizes, --page-size or the head counts"
+            )
+
+    def device_bytes(self) -> int:
+        """What a case of this shape allocates on the GPU, at least: K and V caches in bf16 (every request owns
+        max_blocks_per_seq pages), and a full batch's queries and output in bf16 with their fp32 reference."""
+        pages = self.max_batch * self.max_blocks_per_seq
+        kv = 2 * pages * self.page_size * self.num_heads_kv * self.head_dim * 2
+        q = self.max_batch * self.decode_query_len * self.num_heads_q * self.head_dim * (2 + 2 + 4)
+        return kv + q
 
     def id_parts(self) -> list[str]:
         """Case-id parts for every field that differs from the defaults (heads, head size and splits are always in

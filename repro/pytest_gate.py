@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 
 from repro import environment
@@ -114,11 +115,13 @@ class Evidence:
     def decision(self) -> GateDecision:
         return decide(self.controls, self.needed)
 
-    def write_report(self, folder, wall_s: float, argv: list[str]) -> None:
-        """gate.md and gate.json in `folder`: command, environment, the decision, one row per control."""
+    def write_report(self, folder, wall_s: float, args: list[str]) -> None:
+        """gate.md and gate.json in `folder`: command (`python -m pytest` and pytest's `args`, as typed), environment,
+        the decision, one row per control."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        env = environment.collect(argv)
+        env = environment.collect()
+        env["command"] = shlex.join(["python", "-m", "pytest", *args])  # collect's own is a repro command
         d = self.decision()
         lines, why = self.summary(d)
         outcome = why or "GATE PASSED"

@@ -35,12 +35,17 @@ def redact(text: str, xml: bool = False) -> str:
 
 
 def redact_file(path: str | Path) -> bool:
-    """Rewrite one record in place; True when something changed."""
+    """Rewrite one record in place; True when something changed. Only the paths change: every other byte stays as
+    it was (bytes that are not UTF-8 pass through, line endings are kept), and a binary file (one with a NUL byte,
+    such as a PNG) is left untouched."""
     p = Path(path)
-    text = p.read_text(errors="replace")
+    data = p.read_bytes()
+    if b"\0" in data:
+        return False
+    text = data.decode("utf-8", "surrogateescape")
     new = redact(text, xml=p.suffix == ".xml")
     if new != text:
-        p.write_text(new)
+        p.write_bytes(new.encode("utf-8", "surrogateescape"))
     return new != text
 
 

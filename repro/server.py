@@ -38,17 +38,32 @@ from repro.process import ProcessRun, exit_code, kill_group, run_child
 SOCKET_ENV = "REPRO_SERVER"  # the socket to use instead of the default one, or "off": never use a server
 DEFAULT_IDLE_S = 1800.0
 START_TIMEOUT_S = 120.0
+MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes, the last one NUL
 
 
 def socket_path() -> Path | None:
-    """Where this user's server listens (None: REPRO_SERVER=off)."""
+    """Where this user's server for this checkout listens (None: REPRO_SERVER=off): one socket per checkout (a hash
+    of its folder in the name), so `serve` in a second checkout never stops the first's server."""
     chosen = os.environ.get(SOCKET_ENV, "")
     if chosen == "off":
         return None
     if chosen:
         return Path(chosen)
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    return Path(base) / f"repro-{os.getuid()}" / "server.sock"
+    checkout = hashlib.sha256(str(Path(__file__).resolve().parent.parent).encode()).hexdigest()[:8]
+    return Path(base) / f"repro-{os.getuid()}" / f"server-{checkout}.sock"
+
+
+def check_socket_path(path: Path) -> None:
+    """ConfigError when no server could listen at `path`: a Unix socket's path holds at most 107 bytes, and what is
+    there already must be a socket (a server replaces it: never a user's file)."""
+    if path.exists() and not path.is_socket():
+        raise ConfigError(f"{SOCKET_ENV}: {path} exists and is not a socket: choose a path for the server's socket")
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        raise ConfigError(
+            f"the server's socket {path} is {len(os.fsencode(path))} bytes long, over the {MAX_SOCKET_PATH} a Unix "
+            f"socket's path may hold: choose a shorter one with {SOCKET_ENV}=/path/to.sock"
+        )
 
 
 def code_fingerprint(preload: tuple[str, ...] = PRELOAD) -> str:
@@ -197,7 +212,11 @@ def running(path: Path | None = None) -> dict | None:
 
 def start(path: Path, idle_s: float = DEFAULT_IDLE_S, preload: tuple[str, ...] = PRELOAD) -> dict:
     """Start a server in the background (a session of its own) and wait until it answers."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_socket_path(path)
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{SOCKET_ENV}: cannot make the socket's folder {path.parent} ({e.strerror or e})") from None
     if path.parent.stat().st_uid != os.getuid():
         raise ConfigError(f"{path.parent} belongs to another user: choose a socket with {SOCKET_ENV}=/path/to.sock")
     log = path.with_suffix(".log")
@@ -217,6 +236,7 @@ def start(path: Path, idle_s: float = DEFAULT_IDLE_S, preload: tuple[str, ...] =
             except OSError:  # it ran and stopped (idle) before this loop saw it answer: its log went with it
                 text = ""
             tail = text.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+            tidy(path)  # a refused start leaves nothing: its last line is in the message
             raise ConfigError(f"the repro server did not start: {tail[0]}")
         facts = running(path)
         if facts and facts["pid"] == proc.pid:

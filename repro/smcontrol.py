@@ -338,8 +338,16 @@ def probe_containment(hold_s: float = 6.0, sms: int = 16) -> dict[str, str]:
 def main(argv: list[str]) -> int:
     """`python -m repro.smcontrol --probe-coexistence`; exit codes as README's table says (2 bad input, 4 no GPU or
     MPS to probe, 1 they do not coexist)."""
+    usage = "usage: python -m repro.smcontrol --probe-coexistence"
+    if argv in (["--help"], ["-h"]):
+        print(
+            f"{usage}\n\nProbes this GPU's MPS: whether MPS clients and plain processes run side by side, and whether "
+            "a healthy MPS client survives a neighbour's fault. Exit 0 they coexist, 1 they do not, 2 bad input, 4 no "
+            "GPU or MPS to probe."
+        )
+        return 0
     if argv != ["--probe-coexistence"]:
-        sys.stderr.write("repro.smcontrol: error: usage: python -m repro.smcontrol --probe-coexistence\n")
+        sys.stderr.write(f"repro.smcontrol: error: {usage}\n")
         return 2
     try:
         found = probe_coexistence()

@@ -54,9 +54,10 @@ def test_gate_report_renders_every_verdict(tmp_path, monkeypatch):
     monkeypatch.setattr("repro.environment.collect", lambda argv=None: {"command": "test"})
     ev = pytest_gate.Evidence()
     ev.controls = [Control(f"case-{v}", "detected", v, "eager", f"a {v} row") for v in VERDICTS]
-    ev.write_report(tmp_path, 1.0, ["pytest"])
+    ev.write_report(tmp_path, 1.0, ["-m", "gpu", "--gate", "--gate-report=out"])  # pytest's args, as typed
     md = (tmp_path / "gate.md").read_text()
     assert all(f"**{v}**" in md for v in VERDICTS)
+    assert "| command | python -m pytest -m gpu --gate --gate-report=out |" in md  # not `python -m repro <pytest>`
     assert json.loads((tmp_path / "gate.json").read_text())["passed"] is False
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import zipfile
 from pathlib import Path
 
 import pytest
 
+from repro.vllm_integration import versions
 from repro.vllm_integration.bisect import UNTESTABLE_EXIT, AbiMismatch, abi_problem, build_overlay, step, torch_pin
 
 
@@ -69,17 +69,26 @@ def test_a_bisect_step_on_a_mismatched_commit_is_untestable(tmp_path, capsys, mo
     assert list((tmp_path / "tmp").iterdir()) == []  # the overlay folder it made is gone
 
 
+H200_RELEASES = ("0.23.0", "0.24.0", "0.25.1", "0.26.0")  # run on the H200 with its torch 2.11.0 (results/h200-vllm*)
+RECORDED_PINS = {r["version"]: r["torch_pin"] for r in versions.load()}  # results/vllm-versions.json
+
+
+def test_the_releases_run_on_the_h200_pin_its_torch():
+    """0.23.0, 0.24.0 (an overlay on 0.25.1), 0.25.1 and 0.26.0 pin torch 2.11.0, the H200's: their overlays are
+    allowed; 0.27 and later pin 2.13 or newer (read, not run there)."""
+    assert {RECORDED_PINS[v] for v in H200_RELEASES} == {"2.11.0"}, RECORDED_PINS
+    later = {v: pin for v, pin in RECORDED_PINS.items() if versions.version_key(v) >= (0, 27)}
+    assert later and all(versions.version_key(pin) >= (2, 13) for pin in later.values()), later
+
+
 @pytest.mark.skipif(not os.environ.get("REPRO_VLLM_WHEELS"), reason="REPRO_VLLM_WHEELS names no folder of vLLM wheels")
-def test_release_wheels_pin_the_torch_the_h200_has(tmp_path):
-    """0.23.0, 0.25.1 and 0.26.0 (the releases run on the H200) all pin torch 2.11.0: their overlays are allowed."""
+def test_release_wheels_pin_the_torch_recorded_for_them():
+    """Each real wheel pins the torch its row records (0.33.0 pins 2.14.0, not the H200's 2.11.0)."""
     pins = {}
     for whl in sorted(Path(os.environ["REPRO_VLLM_WHEELS"]).glob("vllm-*.whl")):
-        with zipfile.ZipFile(whl) as z:
-            meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-            (tmp_path / whl.name / Path(meta).parent).mkdir(parents=True)
-            (tmp_path / whl.name / meta).write_bytes(z.read(meta))
-        pins[whl.name.split("-")[1]] = torch_pin(tmp_path / whl.name)[0]
-    assert pins and set(pins.values()) == {"2.11.0"}, pins
+        if (version := versions.wheel_version(whl)) in RECORDED_PINS:
+            pins[version] = versions.torch_pin_of(whl)
+    assert pins and pins == {v: RECORDED_PINS[v] for v in pins}, pins
 
 
 def test_a_checkout_named_vllm_is_read_as_a_checkout(tmp_path):

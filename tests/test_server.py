@@ -122,7 +122,7 @@ def test_cli_without_a_server(sock):
     r = _cli("serve", "--stop", env=env)
     assert r.returncode == 0 and "no repro server" in r.stdout
     r = _cli("serve", "--idle", "0", env=env)
-    assert r.returncode == 2 and "--idle must be positive" in r.stderr
+    assert r.returncode == 2 and "argument --idle: must be a positive, finite number of seconds" in r.stderr
     r = _cli("serve", env={**os.environ, server.SOCKET_ENV: "off"})
     assert r.returncode == 2 and "REPRO_SERVER=off" in r.stderr
 

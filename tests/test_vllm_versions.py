@@ -11,7 +11,7 @@ import pytest
 
 from repro.vllm_integration import versions
 from repro.vllm_integration.backend_fields import markdown as fields_markdown
-from repro.vllm_integration.compat import plugin_facts, source_facts
+from repro.vllm_integration.compat import plugin_facts
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 FACTS, SOURCES = versions.load(), versions.load(versions.SOURCE_FILE)
@@ -112,4 +112,4 @@ def test_recorded_facts_from_the_real_wheels(row):
     wheel = Path(WHEELS or "/nonexistent") / row["wheel"]
     if not wheel.is_file():
         pytest.skip(f"{row['wheel']} not in REPRO_VLLM_WHEELS ({WHEELS})")
-    assert {"wheel": row["wheel"], "version": row["version"], **source_facts(wheel)} == row
+    assert versions.row(wheel) == row

@@ -4,6 +4,7 @@ that fail before any work, the attention-shape flags."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from repro.smcontrol import Unavailable, device_sm_count
 DEFAULT_POISON = "int-max"
 DEFAULT_SMS = "sm_margin:16,mps:16,full"
 DEFAULT_MODES = "eager,graph"
+MAX_REPEAT = 1000  # --repeat: every repetition is a case of its own, planned (and listed) before any runs
 
 # Exit codes, the same meaning in every command (README "Exit codes" shows EXIT_CODES; tests/test_newcomer.py checks
 # that the two agree and that the modules with codes of their own use these values).
@@ -75,6 +77,28 @@ class Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_BAD_INPUT)
 
 
+def seconds(text: str) -> float:
+    """argparse type of a duration: a positive, finite number of seconds (nan and inf are no duration)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text!r}")
+    return value
+
+
+def repeats(text: str) -> int:
+    """argparse type of --repeat: 1 to MAX_REPEAT runs of every case (each one a case of its own, listed up front)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 1 <= value <= MAX_REPEAT:
+        raise argparse.ArgumentTypeError(f"must be 1 to {MAX_REPEAT}, got {text!r}")
+    return value
+
+
 def parse_ints(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x)
@@ -121,7 +145,7 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--window", type=int, default=-1, help="sliding window (left); -1 = none (default)")
     g.add_argument("--non-causal", action="store_true", help="non-causal attention (default: causal)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds per case process (default %(default)s)")
+    p.add_argument("--timeout", type=seconds, default=120.0, help="seconds per case process (default %(default)s)")
     p.add_argument(
         "--poison",
         default=DEFAULT_POISON,
@@ -145,6 +169,8 @@ def shape_config(a: argparse.Namespace, splits: int) -> AttnConfig:
             raise ConfigError(f"{flag} must be positive, got {value}")
     if a.spec_tokens < 0:
         raise ConfigError(f"--spec-tokens must be >= 0, got {a.spec_tokens}")
+    if a.window < -1:  # FA3 reads any negative left window as none: the case id would name a window it never had
+        raise ConfigError(f"--window must be -1 (no window) or >= 0, got {a.window}")
     return AttnConfig(
         num_heads_q=a.q_heads,
         num_heads_kv=a.kv_heads,
@@ -222,6 +248,15 @@ def check_out_file(path: str | None, flag: str = "--json") -> None:
         raise ConfigError(f"{flag} {path}: cannot write it ({e.strerror or e})") from None
     if not existed:
         p.unlink()
+
+
+def check_file_and_folder(file: str | None, folder: str | None, file_flag: str = "--json", folder_flag: str = "--out"):
+    """A report file and an output folder must be two paths: the folder would be made, then the file not written."""
+    if file is not None and folder is not None and os.path.abspath(file) == os.path.abspath(folder):
+        raise ConfigError(
+            f"{file_flag} {file} and {folder_flag} {folder} are one path: {file_flag} takes a file, "
+            f"{folder_flag} a folder"
+        )
 
 
 def poison_arg(text: str | None) -> str | None:

@@ -15,7 +15,9 @@ from repro.cli.common import (
     DEFAULT_MODES,
     DEFAULT_SMS,
     EXIT_NOT_RUN,
+    MAX_REPEAT,
     add_shape_args,
+    check_file_and_folder,
     check_out_dir,
     check_out_file,
     command_started_at,
@@ -25,6 +27,7 @@ from repro.cli.common import (
     parse_ints,
     parse_items,
     poison_arg,
+    repeats,
     shape_config,
 )
 from repro.descriptors import ConfigError
@@ -47,7 +50,9 @@ def add_parsers(sub) -> None:
         "--modes", help=f"eager (the draft's warmup), graph (captured and replayed) (default {DEFAULT_MODES})"
     )
     m.add_argument("--splits", default="32,0", help="FA3 num_splits values; 0 = FA3's heuristic (default %(default)s)")
-    m.add_argument("--repeat", type=int, default=1, help="runs of every case, at least 1 (default %(default)s)")
+    m.add_argument(
+        "--repeat", type=repeats, default=1, help=f"runs of every case, 1 to {MAX_REPEAT} (default %(default)s)"
+    )
     m.add_argument(
         "--scenario", choices=SCENARIOS, help=f"attention layer ({V2}, default), pair, or spec-decode (models)"
     )
@@ -142,8 +147,6 @@ def cmd_matrix(a: argparse.Namespace) -> int:
 
     if a.backend is not None and a.backend != "model":
         raise ConfigError(f"--backend takes only 'model' (use --backends for FA3 builds), got {a.backend!r}")
-    if a.repeat < 1:
-        raise ConfigError("--repeat must be at least 1")
     if a.jobs < 1:
         raise ConfigError("--jobs must be at least 1")
     opts = MatrixOptions(
@@ -191,6 +194,7 @@ def cmd_matrix(a: argparse.Namespace) -> int:
         for s in specs:
             print(s.case_id)
         return 0
+    check_file_and_folder(a.json, a.out)
     check_out_file(a.json)
     check_out_dir(a.out)
     out = out_dir(a.out, "matrix") if (a.out or not model) else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from repro.cli.common import (
     EXIT_NOT_RUN,
     add_shape_args,
     check_exists,
+    check_file_and_folder,
     check_out_dir,
     check_out_file,
     gpu_present,
@@ -71,9 +73,32 @@ def add_parsers(sub) -> None:
     sub.choices["run"].set_defaults(func=cmd_run)
 
 
+def check_backend_path(backend: str, path: str | None) -> None:
+    """--backend-path of the kind its backend loads (repro.backends): upstream a folder holding flash_attn_3/, vllm
+    vLLM's _vllm_fa3_C*.so, a shared library; judged before the GPU is looked for."""
+    if path is None:
+        return
+    check_exists(path)
+    if backend == "upstream" and not os.path.isdir(os.path.join(path, "flash_attn_3")):
+        raise ConfigError(
+            f"--backend-path {path}: upstream takes a folder holding flash_attn_3/ (a tokenspeed-fa3 tree)"
+        )
+    if backend == "vllm":
+        if not os.path.isfile(path):
+            raise ConfigError(f"--backend-path {path}: vllm takes vLLM's _vllm_fa3_C*.so file, not a folder")
+        try:
+            with open(path, "rb") as f:
+                head = f.read(4)
+        except OSError as e:
+            raise ConfigError(f"--backend-path {path}: cannot read it ({e.strerror or e})") from None
+        if head != b"\x7fELF":
+            raise ConfigError(f"--backend-path {path}: not a shared library (vllm takes vLLM's _vllm_fa3_C*.so)")
+
+
 def cmd_run(a: argparse.Namespace) -> int:
 
-    check_exists(a.backend_path)
+    check_backend_path(a.backend, a.backend_path)
+    check_file_and_folder(a.json, a.out)
     check_out_file(a.json)
     check_out_dir(a.out)
     sm = SmConfig.parse(a.sm)

@@ -7,7 +7,7 @@ import sys
 import time
 
 from repro import server
-from repro.cli.common import gpu_present
+from repro.cli.common import check_out_dir, gpu_present, seconds
 from repro.descriptors import ConfigError
 
 
@@ -23,7 +23,7 @@ def add_parsers(sub) -> None:
     what.add_argument("--status", action="store_true", help="say whether one runs, and whether this code")
     s.add_argument(
         "--idle",
-        type=float,
+        type=seconds,
         default=server.DEFAULT_IDLE_S,
         help="seconds without a request after which it stops (default %(default)g)",
     )
@@ -55,6 +55,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if fits:
         print(f"the repro server at {path} (pid {facts['pid']}) already runs this code")
         return 0
+    server.check_socket_path(path)
+    check_out_dir(str(path.parent), f"{server.SOCKET_ENV}: the socket's folder")
     if facts is not None:
         server.stop(path)
     if not gpu_present():

@@ -17,27 +17,26 @@ from repro.cli.common import (
     EXIT_NOT_RUN,
     EXIT_OK,
     EXIT_UNTESTABLE,
+    MAX_REPEAT,
     check_exists,
     check_out_dir,
     check_out_file,
     gpu_present,
     out_dir,
+    repeats,
+    seconds,
 )
 from repro.descriptors import ConfigError
 
 
 def add_parsers(sub) -> None:
+    from repro.vllm_integration.bisect import add_check_option
+
     bi = sub.add_parser("bisect", help="git bisect a vLLM checkout for the stale-metadata capture defect")
     bi.add_argument("--vllm", required=True, help="path of the vLLM git checkout (required)")
     bi.add_argument("--good", default="HEAD~1", help="a revision without the defect (default %(default)s)")
     bi.add_argument("--bad", default="HEAD", help="a revision with the defect (default %(default)s)")
-    bi.add_argument(
-        "--check",
-        choices=("source", "gate"),
-        default="source",
-        help="source: read each commit's Python (no GPU); gate: run the gate command given after -- "
-        "(default %(default)s)",
-    )
+    add_check_option(bi, "each commit's")
     bi.add_argument(
         "--overlay",
         help="installed vllm package folder: reuse its compiled extensions (Python-only changes) (default: none)",
@@ -93,9 +92,11 @@ def add_parsers(sub) -> None:
         help="which builds also run as their own positive control, the capture defect re-created inside them, in "
         "every mode: under-test (every build under test), all (known-bad controls too), none (default %(default)s)",
     )
-    gt.add_argument("--repeat", type=int, default=1, help="repetitions of every case (default 1)")
+    gt.add_argument(
+        "--repeat", type=repeats, default=1, help=f"repetitions of every case, 1 to {MAX_REPEAT} (default 1)"
+    )
     gt.add_argument("--jobs", type=int, default=3, help="cases at a time, MPS cases aside (default 3)")
-    gt.add_argument("--timeout", type=float, default=300.0, help="seconds per case process (default 300)")
+    gt.add_argument("--timeout", type=seconds, default=300.0, help="seconds per case process (default 300)")
     gt.add_argument(
         "--out", help="folder for verdicts.md, results.json, logs/ (default: a new folder under the temp folder)"
     )
@@ -116,8 +117,7 @@ def add_parsers(sub) -> None:
     )
     gt.add_argument(
         "--paths",
-        default="old,new-cold,new-warm",
-        help="with --compare-paths: which paths to run, in this order (default %(default)s)",
+        help="with --compare-paths: which paths to run, in this order (default old,new-cold,new-warm)",
     )
     gt.add_argument("--dry-run", action="store_true", help="list case ids only")
     sub.choices["bisect"].set_defaults(func=cmd_bisect)
@@ -134,7 +134,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
 
     from repro.environment import collect
     from repro.vllm_integration import gate_report
-    from repro.vllm_integration.builds import CONTROL, UNDER_TEST, find_builds, parse_builds
+    from repro.vllm_integration.builds import CONTROL, UNDER_TEST, find_builds, parse_builds, parse_overlays
     from repro.vllm_integration.gate_cache import GateCache, default_root
     from repro.vllm_integration.gate_case import parse_backends, parse_modes
     from repro.vllm_integration.gate_run import EXIT, run_gate
@@ -145,23 +145,18 @@ def cmd_gate(a: argparse.Namespace) -> int:
         raise ConfigError("--compare-paths runs both paths once each: leave out --no-cache and --repeat")
     if a.repeat < 1 or a.jobs < 1 or a.timeout <= 0:
         raise ConfigError("--repeat and --jobs must be at least 1, --timeout positive")
+    paths = _parse_paths(a.paths, a.compare_paths)
+    check_out_dir(a.out)  # every value judged before the builds are looked for (no build, no GPU: exit 4)
+    check_out_dir(a.logs, "--logs")
+    check_out_dir(a.cache_dir, "--cache-dir")
+    overlays = parse_overlays(a.overlay)  # judged here, made once the cases can run
     builds = find_builds(include_installed=not a.no_installed)
     builds += parse_builds(",".join(a.vllm), UNDER_TEST, "--vllm") + parse_builds(
         ",".join(a.control), CONTROL, "--control"
     )
-    if a.overlay:
-        from repro.vllm_integration.bisect import AbiMismatch
-        from repro.vllm_integration.builds import parse_overlays
-
-        check_out_dir(a.out)
-        dest = Path(a.out) / "overlays" if a.out else Path(tempfile.mkdtemp(prefix="repro-overlays-"))
-        try:
-            builds += parse_overlays(a.overlay, dest)
-        except AbiMismatch as e:
-            raise ConfigError(f"--overlay: {e}") from None
     if a.installed_label:
         builds = [replace(b, label=a.installed_label) if b.prefix is None else b for b in builds]
-    if not builds:
+    if not builds and not overlays:
         print(
             "repro: cannot run here: no vLLM build to test: install vllm, or name builds with --vllm / --control "
             "LABEL=PREFIX",
@@ -171,12 +166,10 @@ def cmd_gate(a: argparse.Namespace) -> int:
     if a.dry_run:
         from repro.vllm_integration.gate_run import plan
 
-        for c in plan(builds, modes, a.repeat, a.timeout, backends, a.self_control):
+        for c in plan(builds + [o.listed() for o in overlays], modes, a.repeat, a.timeout, backends, a.self_control):
             print(c.case_id)
         return 0
-    check_out_dir(a.out)
-    check_out_dir(a.logs, "--logs")
-    if not gpu_present() and _need_gpu(builds):
+    if not gpu_present() and (overlays or _need_gpu(builds)):  # an overlay holds its base's compiled extensions
         print(
             "repro: cannot run here: no CUDA GPU visible, and vLLM's cases run on one "
             "(without a GPU: `python -m repro vllm-check` reads a build's sources)",
@@ -184,13 +177,16 @@ def cmd_gate(a: argparse.Namespace) -> int:
         )
         return EXIT_NOT_RUN
     out = out_dir(a.out, "gate")
+    if overlays:
+        dest = out / "overlays" if a.out else Path(tempfile.mkdtemp(prefix="repro-overlays-"))
+        builds += [o.make(dest) for o in overlays]
 
     def progress(c, r) -> None:
         print(f"[gate] {c.case_id}: {r.verdict} ({r.wall_s:.0f} s) {r.evidence or ''} {r.reason[:160]}", flush=True)
 
     logs = Path(a.logs) if a.logs else out / "logs"
     if a.compare_paths:
-        return _compare_paths(a, builds, modes, backends, out, logs, progress)
+        return _compare_paths(a, paths, builds, modes, backends, out, logs, progress)
     cache = None if a.no_cache else GateCache(Path(a.cache_dir) if a.cache_dir else default_root())
     run = run_gate(builds, modes, logs, a.repeat, a.jobs, a.timeout, progress, cache, backends, a.self_control)
     written = gate_report.write(run, out, collect(), need_control=not a.no_control)
@@ -214,6 +210,8 @@ def cmd_bisect(a: argparse.Namespace) -> int:
     from repro.vllm_integration.source_check import check_tree
 
     check_exists(a.vllm)
+    if a.overlay is not None and not os.path.isdir(a.overlay):  # every step would exit 2, which git reads as "bad"
+        raise ConfigError(f"--overlay {a.overlay}: no such folder")
     if not os.path.isdir(os.path.join(a.vllm, ".git")):
         raise ConfigError(f"{a.vllm}: not a git checkout")
     if a.check == "gate" and not a.gate_cmd:
@@ -257,6 +255,9 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
             raise ConfigError(f"{path}: neither a vLLM checkout folder nor a wheel (.whl)")
         if not zipfile.is_zipfile(path):
             raise ConfigError(f"{path}: not a wheel (not a zip archive)")
+        with zipfile.ZipFile(path) as z:
+            if not any(n.startswith("vllm/") for n in z.namelist()):
+                raise ConfigError(f"{path}: not a vLLM wheel (no vllm/ package inside)")
     check_out_file(a.json)
     for path in a.sources:
         c = check_source(path)
@@ -269,7 +270,20 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
     return EXIT_BUG if "bad" in verdicts else (EXIT_UNTESTABLE if "untestable" in verdicts else EXIT_OK)
 
 
-def _compare_paths(a: argparse.Namespace, builds, modes, backends, out: Path, logs: Path, progress) -> int:
+def _parse_paths(text: str | None, compare: bool) -> tuple[str, ...]:
+    """--paths: the paths --compare-paths runs, in order (gate_run.PATHS by folder name); refused without it."""
+    from repro.vllm_integration.gate_run import PATHS, path_folder
+
+    if text is not None and not compare:
+        raise ConfigError(f"--paths {text}: picks the paths of --compare-paths; give --compare-paths too")
+    by_folder = {path_folder(p): p for p in PATHS}
+    asked = [x.strip() for x in (text or ",".join(by_folder)).split(",") if x.strip()]
+    if not asked or any(x not in by_folder for x in asked) or len(set(asked)) != len(asked):
+        raise ConfigError(f"--paths {text}: pick each from {', '.join(by_folder)} at most once")
+    return tuple(by_folder[x] for x in asked)
+
+
+def _compare_paths(a: argparse.Namespace, paths, builds, modes, backends, out: Path, logs: Path, progress) -> int:
     """`gate --compare-paths`: old path, new path cold, new path warm; each path's gate report in OUT/<path>/,
     the side-by-side table in OUT/paths.md and paths.json. Exit: the last path's gate exit code, or 3 when a case's
     verdict differs between the paths (the new path cannot stand in for the old)."""
@@ -277,25 +291,10 @@ def _compare_paths(a: argparse.Namespace, builds, modes, backends, out: Path, lo
     from repro.environment import collect
     from repro.redact import redact
     from repro.vllm_integration import gate_bench, gate_report
-    from repro.vllm_integration.gate_run import EXIT, PATHS, compare_paths, path_folder
+    from repro.vllm_integration.gate_run import EXIT, compare_paths, path_folder
 
     cache_root = Path(a.cache_dir) if a.cache_dir else out / "cache"
-    by_folder = {path_folder(p): p for p in PATHS}
-    asked = [x.strip() for x in a.paths.split(",") if x.strip()]
-    if not asked or any(x not in by_folder for x in asked):
-        raise ConfigError(f"--paths {a.paths}: pick from {', '.join(by_folder)}")
-    runs = compare_paths(
-        builds,
-        modes,
-        logs,
-        cache_root,
-        a.jobs,
-        a.timeout,
-        progress,
-        backends,
-        tuple(by_folder[x] for x in asked),
-        a.self_control,
-    )
+    runs = compare_paths(builds, modes, logs, cache_root, a.jobs, a.timeout, progress, backends, paths, a.self_control)
     env = collect()
     for name, run in runs.items():
         gate_report.write(run, out / path_folder(name), env, need_control=not a.no_control)

@@ -12,13 +12,20 @@ unlisted, so a new vLLM field is never silently skipped.
 
 A backend not in BACKENDS is found generically: the module vLLM's registry names for it, one `*MetadataBuilder` with
 a `build` and one `*Impl` whose `forward(self, layer, query, key, value, kv_cache, attn_metadata, ...)`; every tensor
-of its metadata is checked."""
+of its metadata is checked.
+
+Names: vLLM's AttentionBackendEnum names a backend in upper snake case after its kernels, the family last:
+`*_ATTN` (FLASH_ATTN, TRITON_ATTN, ROCM_ATTN, TREE_ATTN, CPU_ATTN), `*_ATTENTION` (FLEX_ATTENTION), `*_MLA`
+(TRITON_MLA, CUTLASS_MLA, FLASHINFER_MLA). A name in BACKENDS or of that shape (NAME_CONVENTION) is one the gate can
+run (the registry of the build under test decides whether it has it); any other (BOGUS_BACKEND) is refused as a
+typo before a case runs (known_name)."""
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
 import inspect
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,6 +197,12 @@ FLASHINFER = BackendFields(
 )
 
 BACKENDS: dict[str, BackendFields] = {b.name: b for b in (FLASH_ATTN, TRITON_ATTN, FLASHINFER)}
+NAME_CONVENTION = re.compile(r"[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)*_(?:ATTN|ATTENTION|MLA)")  # vLLM's names: the docstring
+
+
+def known_name(name: str) -> bool:
+    """A backend with a table here, or one named as vLLM names its backends (found generically)."""
+    return name in BACKENDS or NAME_CONVENTION.fullmatch(name) is not None
 
 
 def generic(name: str, module: str) -> BackendFields:

@@ -228,20 +228,33 @@ def run_bisect(
     return first, log
 
 
+def add_check_option(p: argparse.ArgumentParser, whose: str) -> None:
+    """--check as `repro bisect` and the step take it."""
+    help_ = f"source: read {whose} Python (no GPU); gate: run the gate command given after -- (default %(default)s)"
+    p.add_argument("--check", choices=("source", "gate"), default="source", help=help_)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m repro.vllm_integration.bisect")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("step", help="one bisect step: exit 0 good, 1 bad, 125 untestable")
-    s.add_argument("--repo", default=".")
-    s.add_argument("--check", choices=("source", "gate"), default="source")
+    from repro.cli.common import EXIT_BAD_INPUT, Parser  # one line on stderr and exit 2 for bad input
+
+    p = Parser(prog="python -m repro.vllm_integration.bisect")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
+    s = sub.add_parser("step", help="one bisect step: exit 0 good, 1 bad, 2 bad input, 125 untestable")
+    s.add_argument("--repo", default=".", help="the vLLM checkout at the commit to judge (default: this folder)")
+    add_check_option(s, "the commit's")
     s.add_argument("--overlay", help="installed vllm package folder whose compiled extensions to reuse")
-    s.add_argument("gate", nargs=argparse.REMAINDER)
+    s.add_argument("gate", nargs=argparse.REMAINDER, help="-- the gate command for --check gate")
     f = sub.add_parser(
         "fresh-prefill-capture", help="copy a tree's vllm/ with the one-call fix of the draft prefill capture"
     )
-    f.add_argument("tree")
-    f.add_argument("dest")
+    f.add_argument("tree", help="a tree holding vllm/ in the 0.24-0.25 layout")
+    f.add_argument("dest", help="where the fixed copy's vllm/ goes")
     a = p.parse_args(argv)
+    if a.cmd == "step":  # bad input, the same at every commit: said once, before anything runs
+        for flag, folder in (("--repo", a.repo), ("--overlay", a.overlay)):
+            if folder is not None and not os.path.isdir(folder):
+                sys.stderr.write(f"repro: error: {flag} {folder}: no such folder\n")
+                return EXIT_BAD_INPUT
     if a.cmd == "fresh-prefill-capture":
         try:
             print(fresh_prefill_capture(a.tree, a.dest))

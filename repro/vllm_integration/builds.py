@@ -111,14 +111,45 @@ def build_pythonpath(build: VllmBuild, all_builds: list[VllmBuild], current: str
     return os.pathsep.join(parts)
 
 
-def overlay_build(label: str, sources: str | Path, base: str | Path, dest_root: str | Path) -> VllmBuild:
-    """A build under test made of one release's Python sources over another build's compiled parts: `sources` holds
-    a vllm/ package (a checkout, or a wheel's files without its .so, with its vllm-*.dist-info when it has one),
-    `base` a build prefix (vllm/ with its compiled extensions, and the packages it needs beside it). At
-    dest_root/label: vllm/ = the sources plus base's .so files (repro.vllm_integration.bisect.build_overlay, refused
-    with AbiMismatch when the torch pins or the required extension modules differ), every other entry of base
-    linked (its dependencies), and the sources' dist-info. ConfigError for a missing folder or label."""
-    from repro.vllm_integration.bisect import build_overlay  # bisect's overlay, shared: one home for it
+@dataclass(frozen=True)
+class Overlay:
+    """--overlay LABEL=SOURCES@BASE, judged (check_overlay) and not made yet: one release's Python sources over
+    another build's compiled parts. `sources` holds a vllm/ package (a checkout, or a wheel's files without its .so,
+    with its vllm-*.dist-info when it has one), `base` a build prefix (vllm/ with its compiled extensions, and the
+    packages it needs beside it)."""
+
+    label: str
+    sources: Path
+    base: Path
+
+    def listed(self) -> VllmBuild:
+        """The build as a dry run lists it: nothing made, so no prefix yet."""
+        return VllmBuild(self.label, None, UNDER_TEST, read_version(self.sources))
+
+    def make(self, dest_root: str | Path) -> VllmBuild:
+        """The build at dest_root/label: vllm/ = the sources plus base's .so files
+        (repro.vllm_integration.bisect.build_overlay), every other entry of base linked (its dependencies), and the
+        sources' dist-info."""
+        from repro.vllm_integration.bisect import build_overlay  # bisect's overlay, shared: one home for it
+
+        dest = Path(dest_root) / self.label
+        if dest.exists():
+            shutil.rmtree(dest)
+        build_overlay(self.sources, self.base / "vllm", dest)
+        for entry in self.base.iterdir():
+            if entry.name == "vllm" or entry.name.startswith("vllm-") and entry.name.endswith(".dist-info"):
+                continue
+            (dest / entry.name).symlink_to(entry.resolve())
+        for info in self.sources.glob("vllm-*.dist-info"):
+            shutil.copytree(info, dest / info.name)
+        return VllmBuild(self.label, str(dest.resolve()), UNDER_TEST, read_version(dest))
+
+
+def check_overlay(label: str, sources: str | Path, base: str | Path) -> Overlay:
+    """Every reason an overlay cannot be made, as ConfigError, before anything is written: a bad label, a side without
+    its vllm package, torch pins or required extension modules that differ (bisect.abi_problem), a base without
+    compiled extensions."""
+    from repro.vllm_integration.bisect import abi_problem
 
     if not _LABEL.match(label):
         raise ConfigError(f"--overlay: label {label!r} may hold letters, digits and . _ + - only")
@@ -127,21 +158,20 @@ def overlay_build(label: str, sources: str | Path, base: str | Path, dest_root: 
         raise ConfigError(f"--overlay {label}: {src} holds no vllm/ package of sources")
     if not (base / "vllm" / "__init__.py").exists():
         raise ConfigError(f"--overlay {label}: {base} holds no vllm package to take the compiled parts from")
-    dest = Path(dest_root) / label
-    if dest.exists():
-        shutil.rmtree(dest)
-    build_overlay(src, base / "vllm", dest)
-    for entry in base.iterdir():
-        if entry.name == "vllm" or entry.name.startswith("vllm-") and entry.name.endswith(".dist-info"):
-            continue
-        (dest / entry.name).symlink_to(entry.resolve())
-    for info in src.glob("vllm-*.dist-info"):
-        shutil.copytree(info, dest / info.name)
-    return VllmBuild(label, str(dest.resolve()), UNDER_TEST, read_version(dest))
+    if why := abi_problem(src, base / "vllm"):
+        raise ConfigError(f"--overlay: {why}")
+    if next((base / "vllm").rglob("*.so"), None) is None:
+        raise ConfigError(f"--overlay {label}: {base}/vllm has no compiled extensions to overlay")
+    return Overlay(label, src, base)
 
 
-def parse_overlays(items: list[str], dest_root: str | Path) -> list[VllmBuild]:
-    """--overlay LABEL=SOURCES@BASE items, each made into a build (overlay_build)."""
+def overlay_build(label: str, sources: str | Path, base: str | Path, dest_root: str | Path) -> VllmBuild:
+    """The overlay build made at dest_root/label (check_overlay, then Overlay.make)."""
+    return check_overlay(label, sources, base).make(dest_root)
+
+
+def parse_overlays(items: list[str]) -> list[Overlay]:
+    """--overlay LABEL=SOURCES@BASE items, each judged (check_overlay); nothing is made."""
     out = []
     for item in items:
         label, sep, rest = item.partition("=")
@@ -150,5 +180,5 @@ def parse_overlays(items: list[str], dest_root: str | Path) -> list[VllmBuild]:
             raise ConfigError(
                 f"--overlay: {item!r} is not LABEL=SOURCES@BASE (e.g. 0.24.0=/src/vllm-0.24.0@/opt/v0251)"
             )
-        out.append(overlay_build(label, sources, base, dest_root))
+        out.append(check_overlay(label, sources, base))
     return out

@@ -170,6 +170,7 @@ def source_facts(path: str | Path) -> dict:
 
 
 def _check(root: Path, label: str) -> Compat:
+    """The verdict of the tree at root, named by `label` (what the user gave: never a temporary extraction folder)."""
     v = check_tree(root)
     ok, notes = plugin_compat(root)
-    return Compat(label, v.verdict, v.reason, v.layout, ok, notes)
+    return Compat(label, v.verdict, v.reason.replace(str(root), label), v.layout, ok, notes)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -33,6 +32,7 @@ from repro.poison import parse_poison
 from repro.policy import KNOWN_BAD, SELF_CONTROL
 from repro.sanitizer import sanitizer_env
 from repro.smcontrol import MpsDaemon, Unavailable
+from repro.vllm_integration.backend_fields import BACKENDS, known_name
 from repro.vllm_integration.builds import UNDER_TEST, VllmBuild, build_pythonpath
 from repro.vllm_integration.inject import INJECT_ENV
 
@@ -94,7 +94,15 @@ def parse_modes(text: str) -> tuple[GateMode, ...]:
     modes = tuple(GateMode.parse(x) for x in text.split(",") if x.strip())
     if not modes:
         raise ConfigError("no gate modes given")
+    _refuse_twice("--modes", [m.name for m in modes])
     return modes
+
+
+def _refuse_twice(flag: str, names: list[str]) -> None:
+    """One case id per value: a value given twice (as `matrix` refuses it) would list and run one case twice."""
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ConfigError(f"{flag}: {', '.join(dups)} given twice (one case id each; use --repeat to run again)")
 
 
 DEFAULT_BACKEND = "FLASH_ATTN"
@@ -104,12 +112,16 @@ FA3_ONLY = ("sm_margin", "poison")  # modes that hook FA3's own calls
 def parse_backends(text: str) -> tuple[str, ...]:
     """--backends FLASH_ATTN,TRITON_ATTN,...: vLLM attention backend names (as vLLM spells them), each a case
     parameter like the modes."""
-    names = tuple(dict.fromkeys(x.strip().upper() for x in text.split(",") if x.strip()))
+    names = tuple(x.strip().upper() for x in text.split(",") if x.strip())
     if not names:
         raise ConfigError("no attention backend given")
-    bad = [n for n in names if not re.fullmatch(r"[A-Z][A-Z0-9_]*", n)]
+    _refuse_twice("--backends", list(names))
+    bad = [n for n in names if not known_name(n)]
     if bad:
-        raise ConfigError(f"attention backend {bad[0]!r}: use vLLM's names, e.g. FLASH_ATTN, TRITON_ATTN, FLASHINFER")
+        raise ConfigError(
+            f"--backends: {bad[0]!r} is neither a backend the auditor has a table for ({', '.join(BACKENDS)}) nor "
+            "named as vLLM names its backends (*_ATTN, *_ATTENTION, *_MLA: repro/vllm_integration/backend_fields.py)"
+        )
     return names
 
 

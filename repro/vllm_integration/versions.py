@@ -1,8 +1,8 @@
 """Which vLLM releases each feature of the harness supports, from what was recorded of their wheels on the CPU tier:
 results/vllm-source-check.json (the source check's verdict and layout, `python -m repro vllm-check WHEEL... --json`)
-and results/vllm-versions.json (the plugin facts of compat.plugin_facts, written by this module). `markdown()` is the
-README's table; a CPU test keeps the two equal, and re-derives the record from the real wheels when
-REPRO_VLLM_WHEELS names a folder of them.
+and results/vllm-versions.json (each wheel's torch pin and the plugin facts of compat.plugin_facts, written by this
+module). `markdown()` is the README's table; a CPU test keeps the two equal, and re-derives the record from the real
+wheels when REPRO_VLLM_WHEELS names a folder of them.
 
   python -m repro.vllm_integration.versions WHEEL... [--out results/vllm-versions.json]"""
 
@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
+import zipfile
 from pathlib import Path
 
 from repro.vllm_integration.backend_fields import BACKENDS
@@ -33,12 +35,37 @@ def version_key(version: str) -> tuple[int, ...]:
     return tuple(int(p) if p.isdigit() else -1 for p in version.split("."))
 
 
-def record(wheels: list[str | Path]) -> list[dict]:
-    """The plugin facts of each wheel, in release order (compat.source_facts: read, never imported)."""
+def torch_pin_of(path: str | Path) -> str | None:
+    """The torch release a wheel pins (its dist-info METADATA: `Requires-Dist: torch==X`), or a checkout (its
+    requirements/); bisect.torch_pin reads it, as the overlay check does. None when nothing says."""
+    from repro.vllm_integration.bisect import torch_pin
+
+    path = Path(path)
+    if path.suffix != ".whl":
+        return torch_pin(path)[0]
+    with zipfile.ZipFile(path) as z, tempfile.TemporaryDirectory() as tmp:
+        meta = next((n for n in z.namelist() if n.count("/") == 1 and n.endswith(".dist-info/METADATA")), None)
+        if meta is None:
+            return None
+        z.extract(meta, tmp)
+        return torch_pin(tmp)[0]
+
+
+def row(wheel: str | Path) -> dict:
+    """One release's record: the wheel, its version and torch pin, the plugin facts (compat.source_facts: read,
+    never imported)."""
     from repro.vllm_integration.compat import source_facts
 
-    rows = [{"wheel": Path(w).name, "version": wheel_version(w), **source_facts(w)} for w in wheels]
-    return sorted(rows, key=lambda r: version_key(r["version"]))
+    return {
+        "wheel": Path(wheel).name,
+        "version": wheel_version(wheel),
+        "torch_pin": torch_pin_of(wheel),
+    } | source_facts(wheel)
+
+
+def record(wheels: list[str | Path]) -> list[dict]:
+    """The record of each wheel (row), in release order."""
+    return sorted((row(w) for w in wheels), key=lambda r: version_key(r["version"]))
 
 
 def load(path: Path = FACTS_FILE) -> list[dict]:
