@@ -253,7 +253,7 @@ def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) 
 
 
 def markdown() -> str:
-    """The rule as README shows it (a CPU test keeps README's copy equal to this)."""
+    """The rule as docs/policy.md shows it (a CPU test keeps the page's copy equal to this)."""
     why = {
         FAULT: "the kernels failed: a memory fault, or a launch that failed after stale metadata",
         DETECTED: "kernel evidence",

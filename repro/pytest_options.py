@@ -9,7 +9,7 @@ test path there and the run is rooted in DIR, without pyproject.toml's settings.
 gate option's value given space-separated that names an existing path), the command starts again at once as
 `--gate-report=DIR`, the form pytest reads the same way at every stage.
 
-Bad input is what the project says it is (README "Exit codes"): `--gate-require bogus` (or a bad REPRO_GATE_REQUIRE
+Bad input is what the project says it is (docs/exit-codes.md): `--gate-require bogus` (or a bad REPRO_GATE_REQUIRE
 in a gate run) is one line on stderr and exit 2, with or without --gate, before any case runs; pytest's own usage
 errors exit 4, which here means "could not run here". Without a gate run, --gate-require and --gate-report are
 ignored, and said to be. The gate itself: repro/pytest_gate.py and the hooks in conftest.py."""

@@ -336,7 +336,7 @@ def probe_containment(hold_s: float = 6.0, sms: int = 16) -> dict[str, str]:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m repro.smcontrol --probe-coexistence`; exit codes as README's table says (2 bad input, 4 no GPU or
+    """`python -m repro.smcontrol --probe-coexistence`; exit codes as docs/exit-codes.md says (2 bad input, 4 no GPU or
     MPS to probe, 1 they do not coexist)."""
     usage = "usage: python -m repro.smcontrol --probe-coexistence"
     if argv in (["--help"], ["-h"]):

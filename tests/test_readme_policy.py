@@ -1,5 +1,5 @@
-"""README's sentences on the gate are the policy module's: its generated tables appear verbatim, and the rule's
-numbers and names are the module's."""
+"""docs/policy.md's sentences on the gate are the policy module's: its generated tables appear verbatim, and the
+rule's numbers and names are the module's."""
 
 from __future__ import annotations
 
@@ -7,15 +7,17 @@ from pathlib import Path
 
 from repro import policy
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+POLICY_PAGE = (Path(__file__).resolve().parent.parent / "docs" / "policy.md").read_text()
 
 
-def test_readme_holds_the_generated_rule_tables():
-    assert policy.markdown() in README, "regenerate README's tables: python -c 'from repro.policy import markdown'"
+def test_policy_page_holds_the_generated_rule_tables():
+    assert policy.markdown() in POLICY_PAGE, (
+        "regenerate docs/policy.md's tables: python -c 'from repro.policy import markdown; print(markdown())'"
+    )
 
 
-def test_readme_names_every_expectation_requirement_and_audit_mode():
-    rule = README[README.index("## The gate's rule") :]
+def test_policy_page_names_every_expectation_requirement_and_audit_mode():
+    rule = POLICY_PAGE[POLICY_PAGE.index("# The gate's rule") :]
     for e in policy.EXPECTATIONS:
         assert f"`{e}`" in rule
     for r in policy.REQUIREMENTS:

@@ -1,4 +1,5 @@
-"""The vLLM version table: README's copy is markdown()'s, the two records (results/vllm-source-check.json and
+"""The vLLM version table: docs/versions.md's copy is markdown()'s (and docs/backend-fields.md's field table is
+backend_fields.markdown()'s), the two records (results/vllm-source-check.json and
 results/vllm-versions.json) cover the same releases, plugin_facts reads what a tree holds, and, with
 REPRO_VLLM_WHEELS naming a folder of the real wheels, each recorded row re-made from its wheel."""
 
@@ -13,21 +14,21 @@ from repro.vllm_integration import versions
 from repro.vllm_integration.backend_fields import markdown as fields_markdown
 from repro.vllm_integration.compat import plugin_facts
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+DOCS = Path(__file__).resolve().parent.parent / "docs"
 FACTS, SOURCES = versions.load(), versions.load(versions.SOURCE_FILE)
 
 
-def test_readme_holds_the_generated_version_table():
-    assert versions.markdown() in README, (
-        "regenerate README's version table: python -c 'from repro.vllm_integration.versions import markdown; "
+def test_versions_page_holds_the_generated_version_table():
+    assert versions.markdown() in (DOCS / "versions.md").read_text(), (
+        "regenerate docs/versions.md's table: python -c 'from repro.vllm_integration.versions import markdown; "
         "print(markdown())'"
     )
 
 
-def test_readme_holds_the_generated_field_table():
-    assert fields_markdown() in README, (
-        "regenerate README's field table: python -c 'from repro.vllm_integration.backend_fields import markdown; "
-        "print(markdown())'"
+def test_backend_fields_page_holds_the_generated_field_table():
+    assert fields_markdown() in (DOCS / "backend-fields.md").read_text(), (
+        "regenerate docs/backend-fields.md's table: python -c "
+        "'from repro.vllm_integration.backend_fields import markdown; print(markdown())'"
     )
 
 

@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m repro",
         description="Stale FA3 attention-metadata reproducer and regression harness. Exit codes: 0 clean or as "
         "expected, 1 the bug is visible (or an expectation failed), 2 bad input, 4 could not run here; gate: 3 "
-        "HARNESS BLIND; bisect, vllm-check: 125 untestable (README: Exit codes).",
+        "HARNESS BLIND; bisect, vllm-check: 125 untestable (docs/exit-codes.md).",
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)

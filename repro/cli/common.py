@@ -22,7 +22,7 @@ DEFAULT_SMS = "sm_margin:16,mps:16,full"
 DEFAULT_MODES = "eager,graph"
 MAX_REPEAT = 1000  # --repeat: every repetition is a case of its own, planned (and listed) before any runs
 
-# Exit codes, the same meaning in every command (README "Exit codes" shows EXIT_CODES; tests/test_newcomer.py checks
+# Exit codes, the same meaning in every command (docs/exit-codes.md shows EXIT_CODES; tests/test_newcomer.py checks
 # that the two agree and that the modules with codes of their own use these values).
 EXIT_OK = 0  # clean, as expected
 EXIT_BUG = 1  # the bug is visible, or an expectation failed

@@ -323,7 +323,7 @@ def unlisted(paths: list[str] | set[str], spec: BackendFields) -> list[str]:
     return sorted(p for p in paths if not spec.listed(p)) if spec.prefix else []
 
 
-# --- the table in words (README) -----------------------------------------------------------------------------------
+# --- the table in words (docs/backend-fields.md) -------------------------------------------------------------------
 
 
 def markdown() -> str:

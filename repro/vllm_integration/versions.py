@@ -1,8 +1,8 @@
 """Which vLLM releases each feature of the harness supports, from what was recorded of their wheels on the CPU tier:
 results/vllm-source-check.json (the source check's verdict and layout, `python -m repro vllm-check WHEEL... --json`)
 and results/vllm-versions.json (each wheel's torch pin and the plugin facts of compat.plugin_facts, written by this
-module). `markdown()` is the README's table; a CPU test keeps the two equal, and re-derives the record from the real
-wheels when REPRO_VLLM_WHEELS names a folder of them.
+module). `markdown()` is docs/versions.md's table; a CPU test keeps the two equal, and re-derives the record from
+the real wheels when REPRO_VLLM_WHEELS names a folder of them.
 
   python -m repro.vllm_integration.versions WHEEL... [--out results/vllm-versions.json]"""
 
@@ -110,8 +110,8 @@ def _fa3_hooks(h: dict) -> str:
 
 
 def markdown(facts: list[dict] | None = None, sources: list[dict] | None = None) -> str:
-    """README's table: per release, the source check's verdict, the spec-decode layout (and whether the plugin knows
-    it), the auditor per backend, the in-graph draft-decode refresh, the FA3 sm_margin/poison hooks."""
+    """docs/versions.md's table: per release, the source check's verdict, the spec-decode layout (and whether the
+    plugin knows it), the auditor per backend, the in-graph draft-decode refresh, the FA3 sm_margin/poison hooks."""
     facts = load() if facts is None else facts
     sources = load(SOURCE_FILE) if sources is None else sources
     verdicts = {wheel_version(s["source"]): s["verdict"] for s in sources}
