@@ -60,8 +60,8 @@ NO_EVIDENCE = (SKIP, ERROR, CANNOT_VOUCH)  # a control with one of these showed 
 AUDIT_CONTROLS = {
     "model: clean possible": "stale v2-capture cases where the CPU model finds a padding under which the kernels read "
     "nothing out of bounds and compute the right output",
-    "unmeasured": "stale cases in a configuration no GPU run has measured (green contexts with a poison, MIG): no "
-    "claim the GPU did not back",
+    "unmeasured": "stale cases in a configuration no GPU run has measured and the CPU model does not decide (a "
+    "sliding window, green contexts with a poison, MIG): no claim the GPU did not back",
     "spec-decode unpoisoned": "results/h200-spec-nopoison: stale-audit 4 of 4, tokens equal",
     "vllm audit mode": "the auditor reads vLLM's own metadata objects at capture time (evidence from the engine)",
 }

@@ -30,6 +30,7 @@ def _run(*args):
         (["matrix", "--backend", "vllm"], "takes only 'model'"),
         (["matrix", "--splits", "a,b"], "comma-separated"),
         (["matrix", "--dry-run", "--modes", ""], "matrix is empty"),
+        (["matrix", "--model", "--window", "128"], "does not model a feature"),
     ],
 )
 def test_bad_input_one_line_exit_2(args, msg):

@@ -66,6 +66,31 @@ def test_expectations_come_from_the_model_or_a_measured_table():
     assert satisfies("audit", STALE_AUDIT)
 
 
+def test_features_the_model_does_not_model_expect_audit(tmp_path):
+    """A sliding window: the model predicts a fault, the H200 gave wrong-output (issue 26): no guess, `audit`."""
+    from repro.case import CaseResult
+    from repro.descriptors import AttnConfig
+    from repro.expectations import unmodelled
+    from repro.fa3_model.agreement import compare
+
+    for w in (128, 256):
+        for sm in (SmConfig("sm_margin", 16), SmConfig("full"), SmConfig("mps", 16)):
+            for b in ("upstream", "vllm"):
+                s = _spec(backend=b, sm=sm, cfg=AttnConfig(window_left=w, num_splits=0))
+                assert expectation(s) == "audit", s.case_id
+                assert unmodelled(s) and unmodelled(s)[0].startswith("sliding window")
+    windowed = AttnConfig(window_left=128)
+    assert expectation(_spec(sm=SmConfig("green", 16), poison=None, cfg=windowed)) == "audit"  # measured unwindowed
+    assert expectation(_spec(scenario="spec-decode", cfg=windowed)) == "audit"
+    assert expectation(_spec(strategy="fresh", cfg=windowed)) == "clean"  # negative controls stay clean
+    assert unmodelled(_spec()) == [] and expectation(_spec()) == "fault"  # no window: the model decides
+    # `agree` leaves such cases out: the model makes no claim there to agree or disagree with
+    s = _spec(cfg=AttnConfig(window_left=128, num_splits=0))
+    report.write_json(MatrixRun([(s, CaseResult(s.case_id, WRONG, "wrong", spec=json.loads(s.to_json())))], 1.0, None),
+                      tmp_path / "r.json")  # fmt: skip
+    assert compare([tmp_path / "r.json"]) == []
+
+
 RECORDED = sorted(
     p
     for pattern in ("h200-*/results.json", "h200-*/old/results.json", "h200-*/new/results.json")

@@ -32,6 +32,7 @@ from repro.cli.common import (
 )
 from repro.descriptors import ConfigError
 from repro.executor import DEFAULT_EXECUTOR, EXECUTORS
+from repro.expectations import unmodelled
 from repro.matrix import MatrixOptions, MatrixRun, attach_expectations, build_specs, run_matrix, text_progress
 from repro.mps_cases import DEFAULT_MPS_DAEMON, MPS_DAEMON_POLICIES
 from repro.redact import redact
@@ -109,6 +110,11 @@ def _model_specs(a: argparse.Namespace, opts, specs: list[CaseSpec]) -> list[Cas
 
     if opts.scenario != V2:
         raise ConfigError(f"the CPU model predicts --scenario {V2} only; run --scenario {opts.scenario} on a GPU")
+    for s in specs:
+        if why := unmodelled(s):  # its prediction would be a guess (repro.expectations.UNMODELLED)
+            raise ConfigError(
+                f"the CPU model does not model a feature of these cases ({'; '.join(why)}): run them on a GPU"
+            )
     if a.modes is not None and "graph" in opts.modes:
         raise ConfigError("the CPU model predicts the eager warmups only: use --modes eager, or run graph on a GPU")
     if opts.repeat > 1:

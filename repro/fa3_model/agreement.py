@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from repro.descriptors import AttnConfig
+from repro.expectations import unmodelled
 from repro.fa3_model.predict import H200_SMS, predict_case, predict_outcomes
 from repro.layout import UPSTREAM, VLLM
 from repro.report import MODEL, load_json
@@ -45,7 +46,8 @@ class Agreement:
 
 
 def compare(paths: list[str | Path]) -> list[Agreement]:
-    """Every eager V2 case of the given runs whose SM count the model covers (sm_margin, MPS or the whole GPU)."""
+    """Every eager V2 case of the given runs whose SM count the model covers (sm_margin, MPS or the whole GPU) and
+    whose features it models (repro.expectations.UNMODELLED)."""
     out = []
     flavors = {"upstream": UPSTREAM, "vllm": VLLM}
     for path in paths:
@@ -54,6 +56,8 @@ def compare(paths: list[str | Path]) -> list[Agreement]:
             continue
         for s, r in run.results:
             if s.mode != "eager" or s.scenario != "v2-capture" or s.sm.kind not in ("sm_margin", "mps", "full"):
+                continue
+            if unmodelled(s):  # a feature the model does not model (a sliding window): it makes no claim there
                 continue
             if r.verdict in (SKIP, ERROR):  # the GPU gave no verdict to compare with
                 continue
