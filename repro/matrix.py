@@ -14,7 +14,7 @@ from repro.case import CaseResult, CaseSpec, SmConfig
 from repro.descriptors import AttnConfig, ConfigError
 from repro.expectations import expectation, positive_control
 from repro.mps_cases import PER_CASE, run_mps_cases
-from repro.policy import satisfies
+from repro.policy import disagrees, satisfies
 from repro.scenarios import FRESH, STALE, V2
 from repro.verdicts import SKIP
 
@@ -107,7 +107,16 @@ class MatrixRun:
         return [(s, r) for s, r in self.results if satisfies(expected_of(s, r), r.verdict) is False]
 
     def blind_controls(self) -> list[tuple[CaseSpec, CaseResult]]:
-        return [(s, r) for s, r in self.failures() if positive_control(s)]
+        """Positive controls that missed their expectation WITHOUT kernel evidence (clean, an audit alone where the
+        kernels had to show it, an error): there this environment did not see the bug."""
+        return [
+            (s, r) for s, r in self.failures() if positive_control(s) and not disagrees(expected_of(s, r), r.verdict)
+        ]
+
+    def disagreements(self) -> list[tuple[CaseSpec, CaseResult]]:
+        """Positive controls that missed their expectation WITH kernel evidence of another kind (wrong-output where
+        `fault` was expected): the bug was detected, the expectation named another kind (repro.policy.disagrees)."""
+        return [(s, r) for s, r in self.failures() if positive_control(s) and disagrees(expected_of(s, r), r.verdict)]
 
 
 def run_matrix(

@@ -74,6 +74,11 @@ def markdown(run: MatrixRun, env: dict | None = None, title: str = "Verdicts") -
         f"{len(run.results)} cases in {run.wall_s:.1f} s; "
         + ", ".join(f"{k}: {v}" for k, v in counts.items())
         + f"; {len(fails)} unexpected"
+        + (
+            f" ({len(dis)} of them detected with kernel evidence of another kind than expected)"
+            if (dis := run.disagreements())
+            else ""
+        )
         + (f"; first positive control after {run.first_positive_s} s" if run.first_positive_s is not None else "")
         + (
             f" ({run.first_positive_s + run.setup_s:.2f} s after the command started)."
@@ -202,6 +207,27 @@ def load_json(path: str | Path) -> MatrixRun:
         doc.get("first_positive_case"),
         setup_s=doc.get("setup_s"),
     )
+
+
+def control_lines(run: MatrixRun, shown: int = 5) -> list[str]:
+    """What the positive controls showed that a person must see, one line each: HARNESS BLIND counts only the
+    controls without kernel evidence; a control detected with evidence of another kind than its expectation (wrong
+    output where a fault was expected) is a disagreement, said on a line of its own. [] when neither happened."""
+    lines = []
+    if blind := run.blind_controls():
+        lines.append(
+            f"HARNESS BLIND: {len(blind)} positive control(s) not detected in this environment: "
+            + ", ".join(s.case_id for s, _ in blind[:shown])
+            + (f" (+{len(blind) - shown} more)" if len(blind) > shown else "")
+        )
+    if dis := run.disagreements():
+        lines.append(
+            f"DISAGREEMENT (detected, not blind): {len(dis)} positive control(s) showed kernel evidence of another "
+            "kind than expected: "
+            + ", ".join(f"{s.case_id}: {r.verdict}, expected {expected_of(s, r)}" for s, r in dis[:shown])
+            + (f" (+{len(dis) - shown} more)" if len(dis) > shown else "")
+        )
+    return lines
 
 
 def gate_decision(run: MatrixRun, required: frozenset[str] = frozenset()) -> GateDecision:

@@ -45,6 +45,26 @@ def test_failures_and_blind_controls_are_found():
     assert run.blind_controls() == [(s, r)]
 
 
+def test_harness_blind_counts_only_controls_without_evidence():
+    """Wrong output where a fault was expected is kernel evidence: a disagreement, said apart, never HARNESS BLIND."""
+    run = report.load_json(RESULTS / "h200-default-evidence" / "results.json")
+    assert run.failures() == [] and report.control_lines(run) == []
+    faults = [(s, r) for s, r in run.results if r.expected == "fault"]
+    (s1, r1), (s2, r2), (s3, r3) = faults[:3]
+    r1.verdict = r2.verdict = WRONG  # detected, of another kind (the window cases on the H200)
+    r3.verdict = CLEAN  # not detected: blind
+    assert run.blind_controls() == [(s3, r3)]
+    assert run.disagreements() == [(s1, r1), (s2, r2)]
+    blind, dis = report.control_lines(run)
+    assert blind.startswith("HARNESS BLIND: 1 positive control(s) not detected") and s3.case_id in blind
+    assert s1.case_id not in blind and s2.case_id not in blind
+    assert dis.startswith("DISAGREEMENT (detected, not blind): 2 positive control(s)")
+    assert f"{s1.case_id}: wrong-output, expected fault" in dis
+    r3.verdict = CRASH
+    assert [x.split(":")[0] for x in report.control_lines(run)] == ["DISAGREEMENT (detected, not blind)"]
+    assert "3 unexpected" not in report.markdown(run) and "2 unexpected (2 of them detected" in report.markdown(run)
+
+
 def _spec(**kw):
     base = dict(backend="vllm", strategy="stale", mode="eager", sm=SmConfig("sm_margin", 16), poison="int-max")
     base.update(kw)

@@ -259,13 +259,9 @@ def cmd_matrix(a: argparse.Namespace) -> int:
     print((banner + "\n\n" if model else "") + md)
     if out is not None:
         print(f"reports: {out}")
-    blind = run.blind_controls()
-    if blind and not model:
-        print(
-            f"HARNESS BLIND: {len(blind)} positive control(s) not detected in this environment: "
-            + ", ".join(s.case_id for s, _ in blind[:5]),
-            file=sys.stderr,
-        )
+    if not model:
+        for line in report.control_lines(run):  # HARNESS BLIND (no evidence) apart from disagreements (evidence)
+            print(line, file=sys.stderr)
     if a.gate and not model:
         why = report.gate_failures(run)
         if why:
