@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from repro.descriptors import AttnConfig, ConfigError
 from repro.poison import parse_poison
-from repro.scenarios import SCENARIOS, STRATEGIES, V2
+from repro.scenarios import PAIR, SCENARIOS, STRATEGIES, V2
 from repro.verdicts import FAULTS, SKIP  # the taxonomy lives in repro.verdicts
 
 MODES = ("eager", "graph")
@@ -78,6 +78,8 @@ class CaseSpec:
         if self.scenario not in SCENARIOS:
             raise ConfigError(f"unknown scenario {self.scenario!r}; choose from {', '.join(SCENARIOS)}")
 
+        if self.scenario == PAIR and not self.pair:
+            raise ConfigError("the pair scenario needs --built-for and --launched descriptors")
         parse_poison(self.poison)
         if self.timeout_s <= 0:
             raise ConfigError("timeout must be positive")

@@ -15,7 +15,7 @@ from repro.descriptors import AttnConfig, ConfigError
 from repro.expectations import expectation, positive_control
 from repro.mps_cases import PER_CASE, run_mps_cases
 from repro.policy import disagrees, satisfies
-from repro.scenarios import FRESH, STALE, V2
+from repro.scenarios import DEFAULT_PAIR, FRESH, PAIR, STALE, V2, pair_descriptors
 from repro.verdicts import SKIP
 
 DEFAULT_SMS = ("sm_margin:16", "mps:16", "full")
@@ -35,6 +35,7 @@ class MatrixOptions:
     repeat: int = 1
     scenario: str = V2
     cfg: AttnConfig = AttnConfig()
+    pair: tuple[str, str] | None = None  # the pair scenario's (built for, launched); None: DEFAULT_PAIR
 
 
 def expected_of(spec: CaseSpec, res: CaseResult) -> str:
@@ -62,6 +63,12 @@ def build_specs(opts: MatrixOptions) -> list[CaseSpec]:
         dups = sorted({str(v) for v in values if values.count(v) > 1})
         if dups:
             raise ConfigError(f"--{axis}: {', '.join(dups)} given twice (one case id each; use --repeat to run again)")
+    pair = None
+    if opts.scenario == PAIR:
+        pair = opts.pair or DEFAULT_PAIR
+        pair_descriptors(pair, opts.cfg)  # a bad or too large descriptor: one line, before any case runs
+    elif opts.pair:
+        raise ConfigError(f"--built-for and --launched describe the pair scenario, not --scenario {opts.scenario}")
     specs = []
     for backend in opts.backends:
         for strategy in opts.strategies:
@@ -79,6 +86,7 @@ def build_specs(opts: MatrixOptions) -> list[CaseSpec]:
                                 cfg=cfg,
                                 poison=opts.poison,
                                 sanitizer=opts.sanitizer,
+                                pair=pair,
                                 timeout_s=opts.timeout_s,
                             )
                         )

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from repro.builder import AttnMetadata, MetadataBuilder
-from repro.descriptors import BatchDescriptor, ConfigError, descriptor_from_label, full_decode_descriptors
+from repro.descriptors import AttnConfig, BatchDescriptor, ConfigError, descriptor_from_label, full_decode_descriptors
 
 STALE = "stale"
 FRESH = "fresh"
@@ -68,6 +68,19 @@ def v2_capture_sequence(
             yield Pass(d, CAPTURE, builder.build(d))
 
 
+DEFAULT_PAIR = ("t4r1", "t32r8")  # the pair scenario's (built for, launched) when none is named: one request, eight
+
+
+def pair_descriptors(pair: tuple[str, str], cfg: AttnConfig) -> tuple[BatchDescriptor, BatchDescriptor]:
+    """(built for, launched) of a pair case, or ConfigError (one line) for a bad label or one over the max batch:
+    checked where a case is made, before anything runs."""
+    descs = tuple(descriptor_from_label(x, cfg.decode_query_len) for x in pair)
+    for label, d in zip(pair, descs):
+        if d.num_reqs > cfg.max_batch:
+            raise ConfigError(f"descriptor {label} has {d.num_reqs} requests, over the max batch {cfg.max_batch}")
+    return descs  # type: ignore[return-value]
+
+
 def pair_sequence(
     builder: MetadataBuilder, strategy: str, built_for: BatchDescriptor, launched: BatchDescriptor
 ) -> Iterator[Pass]:
@@ -92,6 +105,5 @@ def passes_for(
     if scenario == PAIR:
         if not pair:
             raise ConfigError("the pair scenario needs --built-for and --launched descriptors")
-        a, b = (descriptor_from_label(x, builder.cfg.decode_query_len) for x in pair)
-        return pair_sequence(builder, strategy, a, b)
+        return pair_sequence(builder, strategy, *pair_descriptors(pair, builder.cfg))
     raise ConfigError(f"unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}")

@@ -31,6 +31,8 @@ def _run(*args):
         (["matrix", "--splits", "a,b"], "comma-separated"),
         (["matrix", "--dry-run", "--modes", ""], "matrix is empty"),
         (["matrix", "--model", "--window", "128"], "does not model a feature"),
+        (["matrix", "--dry-run", "--built-for", "t8r2"], "describe the pair scenario"),
+        (["matrix", "--dry-run", "--gpu-only", "--scenario", "pair", "--launched", "t400r100"], "over the max batch"),
     ],
 )
 def test_bad_input_one_line_exit_2(args, msg):
@@ -52,6 +54,13 @@ def test_matrix_dry_run_lists_default_ids(capsys):
     assert len(ids) == 48 and all(i.startswith("stale_metadata-") for i in ids)
     # positive controls first
     assert ids[0].endswith("-v2-capture-stale-smmargin16-eager-splits32-h32-8x128-poison-int-max")
+
+
+def test_matrix_pair_scenario_lists_its_descriptor_pair(capsys):
+    assert main(["matrix", "--dry-run", "--gpu-only", "--scenario", "pair", "--built-for", "t8r2"]) == 0
+    ids = capsys.readouterr().out.split()
+    assert len(ids) == 48 and all("-pair-stale-" in i or "-pair-fresh-" in i for i in ids)
+    assert all("-pair-t8r2-t32r8-" in i for i in ids)  # --launched left to its default
 
 
 def test_run_without_gpu_is_a_skip_a_script_can_test(tmp_path, capsys):

@@ -71,3 +71,31 @@ def test_bad_scenario_and_strategy(replay):
         list(passes_for("v2-capture", b, "sometimes"))
     with pytest.raises(ConfigError, match="built-for"):
         list(passes_for("pair", b, STALE))
+
+
+def test_the_matrix_pair_scenario_runs_with_its_descriptors():
+    """`matrix --scenario pair` gives every case the default descriptor pair (or the one named), so the worker's
+    passes build; each case used to error on a missing --built-for/--launched (issue 26)."""
+    from repro.case import CaseSpec
+    from repro.fa3_model.predict import ModelBackend
+    from repro.matrix import MatrixOptions, build_specs
+    from repro.scenarios import DEFAULT_PAIR
+
+    specs = build_specs(MatrixOptions(scenario="pair", sms=("full",), modes=("eager",), splits=(32,)))
+    assert len(specs) == 4 and all(s.pair == DEFAULT_PAIR for s in specs)
+    for s in specs:
+        b = MetadataBuilder(ModelBackend(s.backend), s.cfg)
+        passes = list(passes_for(s.scenario, b, s.strategy, s.pair))
+        assert [(p.descriptor.label, p.stage) for p in passes] == [("t32r8", WARMUP), ("t32r8", CAPTURE)]
+        assert (b.last_build[1].label == "t4r1") == (s.strategy == STALE)  # stale: the buffers hold t4r1's build
+    named = build_specs(MatrixOptions(scenario="pair", pair=("t8r2", "t16r4")))
+    assert all(s.pair == ("t8r2", "t16r4") and s.case_id.count("pair-t8r2-t16r4") == 1 for s in named)
+    for bad, match in (
+        (MatrixOptions(scenario="pair", pair=("t4r1", "t400r100")), "over the max batch"),
+        (MatrixOptions(scenario="pair", pair=("t4r1", "tXr")), "bad descriptor"),
+        (MatrixOptions(pair=("t4r1", "t32r8")), "describe the pair scenario"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            build_specs(bad)
+    with pytest.raises(ConfigError, match="built-for"):  # no pair case without its descriptors, wherever it is made
+        CaseSpec("vllm", STALE, scenario="pair")

@@ -37,7 +37,7 @@ from repro.matrix import MatrixOptions, MatrixRun, attach_expectations, build_sp
 from repro.mps_cases import DEFAULT_MPS_DAEMON, MPS_DAEMON_POLICIES
 from repro.redact import redact
 from repro.runner import default_executor, device_sm_count, make_executor
-from repro.scenarios import SCENARIOS, STRATEGIES, V2
+from repro.scenarios import DEFAULT_PAIR, SCENARIOS, STRATEGIES, V2
 
 
 def add_parsers(sub) -> None:
@@ -57,6 +57,11 @@ def add_parsers(sub) -> None:
     m.add_argument(
         "--scenario", choices=SCENARIOS, help=f"attention layer ({V2}, default), pair, or spec-decode (models)"
     )
+    m.add_argument(
+        "--built-for",
+        help=f"--scenario pair: the descriptor the buffers hold, t<tokens>r<reqs> (default {DEFAULT_PAIR[0]})",
+    )
+    m.add_argument("--launched", help=f"--scenario pair: the descriptor launched (default {DEFAULT_PAIR[1]})")
     m.add_argument("--jobs", type=int, default=6, help="cases at a time, MPS cases aside (default %(default)s)")
     m.add_argument(
         "--compare-executors",
@@ -167,6 +172,7 @@ def cmd_matrix(a: argparse.Namespace) -> int:
         repeat=a.repeat,
         scenario=a.scenario or V2,
         cfg=shape_config(a, 32),
+        pair=(a.built_for or DEFAULT_PAIR[0], a.launched or DEFAULT_PAIR[1]) if (a.built_for or a.launched) else None,
     )
     for st in opts.strategies:
         if st not in STRATEGIES:

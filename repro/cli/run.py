@@ -21,9 +21,9 @@ from repro.cli.common import (
     poison_arg,
     shape_config,
 )
-from repro.descriptors import ConfigError, descriptor_from_label
+from repro.descriptors import ConfigError
 from repro.runner import device_sm_count, run_case
-from repro.scenarios import SCENARIOS, STRATEGIES, V2
+from repro.scenarios import DEFAULT_PAIR, PAIR, SCENARIOS, STRATEGIES, V2, pair_descriptors
 from repro.smcontrol import Unavailable, maybe_mps
 
 
@@ -65,9 +65,11 @@ def add_parsers(sub) -> None:
         "--num-splits", type=int, default=32, help="FA3 num_splits; 0 = FA3's heuristic (default %(default)s)"
     )
     r.add_argument(
-        "--built-for", default="t4r1", help="pair scenario: descriptor the buffers hold (default %(default)s)"
+        "--built-for", default=DEFAULT_PAIR[0], help="pair scenario: descriptor the buffers hold (default %(default)s)"
     )
-    r.add_argument("--launched", default="t32r8", help="pair scenario: descriptor launched (default %(default)s)")
+    r.add_argument(
+        "--launched", default=DEFAULT_PAIR[1], help="pair scenario: descriptor launched (default %(default)s)"
+    )
     r.add_argument("--json", help="write the result here (default: none)")
     add_shape_args(r)
     sub.choices["run"].set_defaults(func=cmd_run)
@@ -103,11 +105,9 @@ def cmd_run(a: argparse.Namespace) -> int:
     check_out_dir(a.out)
     sm = SmConfig.parse(a.sm)
     cfg = shape_config(a, a.num_splits)
-    pair = (a.built_for, a.launched) if a.scenario == "pair" else None
-    for label in pair or ():
-        d = descriptor_from_label(label, cfg.decode_query_len)
-        if d.num_reqs > cfg.max_batch:
-            raise ConfigError(f"descriptor {label} has {d.num_reqs} requests, over the max batch {cfg.max_batch}")
+    pair = (a.built_for, a.launched) if a.scenario == PAIR else None
+    if pair:
+        pair_descriptors(pair, cfg)
     if sm.sms and gpu_present():
         if sm.sms > device_sm_count():
             raise ConfigError(f"impossible SM count {sm.sms}: this GPU has {device_sm_count()}")
