@@ -99,20 +99,10 @@ class FreshnessAuditor:
         return found
 
     def _field(self, name: str, b: _Build, size: int, index: int) -> tuple[str, int]:
-        if name != "scheduler_metadata" or "num_reqs" not in b.shape:
+        if name != "scheduler_metadata":
             return name, index
-        s = b.shape
-        try:
-            is_causal, is_local = effective_causal(
-                s.get("causal", True),
-                s.get("window_left", -1),
-                s.get("max_query_len", 1),
-                s.get("max_seq_len", 1 << 30),
-                s.get("head_dim", 128),
-                True,
-            )
-            lay = layout_from_size(self.flavor, s["num_reqs"], size, is_causal, is_local)
-        except (ValueError, KeyError):
+        lay = layout_of(b.shape, size, self.flavor)
+        if lay is None:
             return name, index
         if index >= lay.semaphore_offset:
             return "semaphore", 0
@@ -128,6 +118,26 @@ class FreshnessAuditor:
             f"freshness audit: {len(self.mismatches)} stale fields in {self.checks} checks "
             f"(descriptors {', '.join(descs)}); first: {first}"
         )
+
+
+def layout_of(shape: dict[str, Any], size: int, flavor: str = VLLM) -> Any:
+    """The FA3 scheduler-metadata layout of a build whose metadata has this shape (num_reqs, causal, window,
+    query/sequence lengths, head dim: the plugin's record of the build) and a buffer of `size` ints; None when the
+    shape lacks the batch size or the size is no layout repro.layout knows."""
+    if shape.get("num_reqs") is None:
+        return None
+    try:
+        is_causal, is_local = effective_causal(
+            shape.get("causal", True),
+            shape.get("window_left", -1),
+            shape.get("max_query_len", 1),
+            shape.get("max_seq_len", 1 << 30),
+            shape.get("head_dim", 128),
+            True,
+        )
+        return layout_from_size(flavor, shape["num_reqs"], size, is_causal, is_local)
+    except ValueError:
+        return None
 
 
 def _ints(v: Any) -> list[Number]:

@@ -213,6 +213,12 @@ def vouch(case: GateCase, res: CaseResult) -> CaseResult:
     return res.revised("coverage", "; ".join(missing), verdict=NOT_VOUCHED, reason=reason)
 
 
+def _reports_configuration(out: dict | None) -> bool:
+    """Does a reference's RESULT record come from a process that reported its configuration (records from before
+    the validation existed carry tokens and margins only)?"""
+    return "nonfinite" in (out or {})
+
+
 DEGENERATE_MIN = 4  # tokens: a request of at least this many that repeats one token after the first is degenerate
 
 
@@ -244,7 +250,7 @@ def reference_problems(case: GateCase, res: CaseResult, out: dict | None) -> lis
             break
     identity = res.backend_identity or {}
     e, c = identity.get("engine"), identity.get("counters") or {}
-    if "nonfinite" not in out:  # a record from before references reported their configuration: tokens only
+    if not _reports_configuration(out):  # a record from before the validation: its tokens are all it can show
         return problems
     if not e:
         problems.append("the reference reported no engine configuration (no REPRO_ENGINE record)")
@@ -268,7 +274,7 @@ def validate_reference(case: GateCase, res: CaseResult, out: dict | None) -> Cas
     if res.verdict != CLEAN:
         return res
     problems = reference_problems(case, res, out)
-    if not problems and "nonfinite" not in (out or {}):
+    if not problems and not _reports_configuration(out):
         return res  # a record from before references reported their configuration: its tokens checked, nothing to add
     if not problems:
         margins = [m for ms in (out or {}).get("margins") or [] for m in ms if m is not None]

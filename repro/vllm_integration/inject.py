@@ -35,6 +35,15 @@ MAX_BUFFER_BYTES = 64 << 20  # a view into a larger allocation is not a metadata
 DRAFT_WORDS = ("Speculator", "Eagle", "Drafter", "Proposer")
 
 
+def bump(counters: dict[str, Any], name: str, key: str | None = None, n: int = 1) -> None:
+    """Add n to a counter, or to one key of a counter that counts per key (the plugin's counters use it too)."""
+    if key is None:
+        counters[name] = counters.get(name, 0) + n
+    else:
+        d = counters.setdefault(name, {})
+        d[key] = d.get(key, 0) + n
+
+
 def is_draft_frame(frame: Any) -> bool:
     """A frame of the speculator: a spec_decode module, or a method of a Speculator/Eagle/Drafter/Proposer class."""
     mod = str(frame.f_globals.get("__name__", ""))
@@ -79,16 +88,11 @@ class StaleCaptureInjector:
     snapshots: dict[str, Any] = field(default_factory=dict)  # field path -> bytes of its whole buffer
     source: str | None = None  # descriptor label of the target build the snapshots hold
     last: list[tuple[Any, Any, int]] = field(default_factory=list)  # (destination bytes, snapshot, n) of the last write
-    written: set[int] = field(default_factory=set)  # storage pointers written since the last capture began or ended
     injected: set[int] = field(default_factory=set)  # every storage pointer the injection ever wrote
     done_ids: set[int] = field(default_factory=set)  # metadata objects injected in the current pass
 
     def _bump(self, name: str, key: str | None = None, n: int = 1) -> None:
-        if key is None:
-            self.counters[name] = self.counters.get(name, 0) + n
-        else:
-            d = self.counters.setdefault(name, {})
-            d[key] = d.get(key, 0) + n
+        bump(self.counters, name, key, n)
 
     def target_built(self, label: str, views: dict[str, Any]) -> bool:
         """A build inside the target's capture returned (outside any graph): copy the whole buffers behind its views
@@ -124,7 +128,6 @@ class StaleCaptureInjector:
     def new_pass(self) -> None:
         """A capture began or ended, or metadata was built: the next pass's metadata is injected again."""
         self.done_ids.clear()
-        self.written.clear()
 
     def inject(self, md_id: int, views: dict[str, Any], when: str) -> bool:
         """Write the target's last capture contents into the buffers behind these (draft) views; False when there is
@@ -164,9 +167,7 @@ class StaleCaptureInjector:
     def _write(self, writes: list[tuple[Any, Any, int]]) -> None:
         for dst, snap, n in writes:
             dst[:n].copy_(snap[:n])
-            ptr = dst.untyped_storage().data_ptr()
-            self.written.add(ptr)
-            self.injected.add(ptr)
+            self.injected.add(dst.untyped_storage().data_ptr())
             self._bump("inject_bytes", n=n)
 
     def capture_begins(self, kind: str) -> None:

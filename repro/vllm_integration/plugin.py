@@ -57,7 +57,7 @@ from typing import Any
 
 from repro.channel import emit
 from repro.tags import AUDIT_TAG, COUNTERS_TAG, PLUGIN_TAG
-from repro.vllm_integration.audit import FreshnessAuditor
+from repro.vllm_integration.audit import FreshnessAuditor, layout_of
 from repro.vllm_integration.backend_fields import (
     DEFAULT_BACKEND,
     FLASH_ATTN,
@@ -67,7 +67,14 @@ from repro.vllm_integration.backend_fields import (
     tensor_fields,
     unlisted,
 )
-from repro.vllm_integration.inject import INJECT_ENV, INJECTIONS, StaleCaptureInjector, capture_role, is_draft_frame
+from repro.vllm_integration.inject import (
+    INJECT_ENV,
+    INJECTIONS,
+    StaleCaptureInjector,
+    bump,
+    capture_role,
+    is_draft_frame,
+)
 
 ENV, FILE_ENV, PROBE_ENV = "REPRO_AUDIT", "REPRO_AUDIT_FILE", "REPRO_PROBE"
 SM_MARGIN_ENV, POISON_ENV, WEIGHTS_ENV = "REPRO_SM_MARGIN", "REPRO_POISON", "REPRO_WEIGHTS"
@@ -124,10 +131,7 @@ def snapshot() -> dict[str, Any]:
 
 
 def _bump(name: str, key: str | None = None, n: int = 1) -> None:
-    if key is None:
-        COUNTERS[name] += n
-    else:
-        COUNTERS[name][key] = COUNTERS[name].get(key, 0) + n
+    bump(COUNTERS, name, key, n)
 
 
 def _views(md: Any, spec: BackendFields = FLASH_ATTN) -> dict[str, Any]:
@@ -363,9 +367,12 @@ def _record(builder: Any, md: Any, spec: BackendFields) -> None:
     if _CAPTURES or _capturing():
         _bump("builds_in_graph")
         return
-    shape = _shape(md)
-    shape["head_dim"] = getattr(builder, "headdim", 128)
-    AUDITOR.record_build(id(md), _label(md), _views(md, spec), shape)
+    AUDITOR.record_build(id(md), _label(md), _views(md, spec), _build_shape(builder, md))
+
+
+def _build_shape(builder: Any, md: Any) -> dict[str, Any]:
+    """What a build's metadata was built for (its shape, and the builder's head dim): what decodes its FA3 layout."""
+    return {**_shape(md), "head_dim": getattr(builder, "headdim", 128)}
 
 
 def _wrap_builder(builder_cls: Any, spec: BackendFields) -> list[str]:
@@ -383,14 +390,13 @@ def _wrap_builder(builder_cls: Any, spec: BackendFields) -> list[str]:
                 md = _orig(self, *args, **kwargs)
             finally:
                 _BUILD_DEPTH[0] -= 1
-            if _BUILD_DEPTH[
-                0
-            ]:  # a build called by another (build_for_cudagraph_capture -> build): the outer one counts
+            # a build called by another (build_for_cudagraph_capture -> build): the outer one counts
+            if _BUILD_DEPTH[0]:
                 return md
             if _AUDIT_ON["on"]:
                 _record(self, md, spec)
             if "on" in _INJECTOR:  # after the auditor recorded what the build wrote
-                _after_build(md, spec)
+                _after_build(self, md, spec)
             return md
 
         functools.update_wrapper(recorded, orig)
@@ -412,7 +418,7 @@ def _wrap_builder(builder_cls: Any, spec: BackendFields) -> list[str]:
     return done
 
 
-def _after_build(md: Any, spec: BackendFields) -> None:
+def _after_build(builder: Any, md: Any, spec: BackendFields) -> None:
     """The self control after a metadata build (outside any graph): a build in the target's capture leaves its
     buffers' contents behind; a build in a draft capture gets them written over its own."""
     if md is None or _CAPTURES or _capturing():
@@ -421,29 +427,15 @@ def _after_build(md: Any, spec: BackendFields) -> None:
     role = capture_role(sys._getframe(2))
     if role == "target":
         if injector.target_built(_label(md), tensor_fields(md, spec)[0]):
-            injector.fill_padding(_sched_layout(md), POISON_FILL)
+            sched = getattr(md, "scheduler_metadata", None)
+            if sched is not None and hasattr(sched, "numel"):
+                injector.fill_padding(layout_of(_build_shape(builder, md), sched.numel()), POISON_FILL)
     elif role == "draft":
         injector.new_pass()
         injector.inject(id(md), tensor_fields(md, spec)[0], "draft build")
 
 
 POISON_FILL = "int-max"  # what the self control leaves in the scheduler-metadata entries FA3 never writes
-
-
-def _sched_layout(md: Any) -> Any:
-    """The FA3 scheduler-metadata layout of a build's metadata (vLLM's fork), None when it has none or it is not one
-    repro.layout knows."""
-    from repro.layout import VLLM, effective_causal, layout_from_size
-
-    sched = getattr(md, "scheduler_metadata", None)
-    s = _shape(md)
-    if sched is None or not hasattr(sched, "numel") or s["num_reqs"] is None:
-        return None
-    is_causal, is_local = effective_causal(s["causal"], -1, s["max_query_len"], s["max_seq_len"], 128, True)
-    try:
-        return layout_from_size(VLLM, s["num_reqs"], sched.numel(), is_causal, is_local)
-    except ValueError:
-        return None
 
 
 def install_inject(module: Any, cuda: Any = None, spec: BackendFields = FLASH_ATTN) -> bool:
