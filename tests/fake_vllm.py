@@ -13,7 +13,7 @@ Behaviours (`behaviour` argument):
   stale-crash    the draft prefill capture reuses an overwritten target build, then an illegal memory access; with
                  CUDA_LAUNCH_BLOCKING=1 the faulting line names flash_fwd_combine_launch_template.h, as on the H200
   stale-quiet    reuses it, no fault
-  wrong          tokens of the speculative run differ from the reference at a decided position
+  wrong          tokens of the CUDA-graph run differ from the reference at a decided position
   broken         the speculative engine fails to start, no fault
 Builds that hook nothing (the gate must not vouch for them):
   renamed        the backend classes are FlashAttnMetadataBuilder / FlashAttnImpl
@@ -100,12 +100,32 @@ class _Metric:
         self.name, self.value = name, value
 
 
+class _TinyLlama(torch.nn.Module):
+    # named and shaped as vLLM's Llama names its parameters (the gate's weights write them by name)
+
+    def __init__(self):
+        super().__init__()
+        self.config = _Ns(
+            hidden_size=512, num_attention_heads=4, num_key_value_heads=1, head_dim=128, vocab_size=512,
+            rope_theta=10000.0,
+        )
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(512, 512)
+        self.model.norm = torch.nn.LayerNorm(512, bias=False)
+        layer, attn = torch.nn.Module(), torch.nn.Module()
+        attn.qkv_proj = torch.nn.Linear(512, 768, bias=False)
+        attn.o_proj = torch.nn.Linear(512, 512, bias=False)
+        layer.self_attn = attn
+        self.model.layers = torch.nn.ModuleList([layer])
+        self.lm_head = torch.nn.Linear(512, 512, bias=False)
+
+
 class LLM:
     def __init__(self, **kw):
         for ep in importlib.metadata.entry_points(group="vllm.general_plugins"):
             ep.load()()
         from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
-        self.model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+        self.model = _TinyLlama()
         DummyModelLoader(None).load_weights(self.model, None)
         self.spec = "speculative_config" in kw and BEHAVIOUR != "no-spec"
         if BEHAVIOUR == "broken" and self.spec:
@@ -127,6 +147,7 @@ class LLM:
             from vllm.v1.worker.gpu_model_runner import GPUModelRunner
         else:
             from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+        self.graphs = mode != "NONE"
         self.runner = GPUModelRunner(self.spec, mode)
         self.runner.capture_model()
 
@@ -144,7 +165,7 @@ class LLM:
         out = []
         for i, p in enumerate(prompts):
             toks = [(p["prompt_token_ids"][-1] * 7 + j) % 4096 for j in range(params.max_tokens)]
-            if self.spec and BEHAVIOUR == "wrong" and i == 1:
+            if self.graphs and BEHAVIOUR == "wrong" and i == 1:
                 toks[3] += 1
             lps = [{{t: Logprob(-0.1), t + 1: Logprob(-2.5 if j != 5 else -0.12)}} for j, t in enumerate(toks)]
             out.append(_Output(toks, lps if params.logprobs else None))

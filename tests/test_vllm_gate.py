@@ -32,6 +32,7 @@ from repro.vllm_integration.builds import (
 from repro.vllm_integration.gate_case import GateCase, GateMode, parse_modes
 from repro.vllm_integration.gate_judge import annotate, apply_reference, compare_tokens, not_fired
 from repro.vllm_integration.gate_run import run_case, run_gate
+from repro.vllm_integration import weights
 from tests.fake_vllm import write_fake_vllm
 
 needs_entry_point = pytest.mark.skipif(
@@ -186,13 +187,13 @@ def test_fa3_hooks_pass_sm_margin_and_poison_the_never_written_entries():
 
 def test_margin_weights_are_per_name_and_repeatable():
     m1, m2 = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)), torch.nn.Linear(64, 64)
-    assert plugin.margin_weights(m1) == 4
+    assert weights.margin_weights(m1) == 4
     w0, w1 = m1[0].weight.detach().clone(), m1[1].weight.detach().clone()
     assert not torch.equal(w0, w1) and torch.all(m1[0].bias == 1.0)  # vLLM's dummy weights: equal for equal sizes
     assert 0.08 < float(w0.std()) < 0.17  # N(0, 1/fan_in)
-    plugin.margin_weights(m1)
+    weights.margin_weights(m1)
     assert torch.equal(m1[0].weight, w0)  # same name, same seed
-    plugin.margin_weights(m2)
+    weights.margin_weights(m2)
     assert not torch.equal(m2.weight, w0)
 
 

@@ -4,8 +4,10 @@ by the plugin, no tokenizer, token-id prompts), bf16, FLASH_ATTN (FA3 on Hopper)
   python -m repro.vllm_integration.gate --out DIR                 speculative run: EAGLE draft, 3 speculative tokens,
                                                                   FULL_AND_PIECEWISE CUDA graphs, vLLM's default
                                                                   capture sizes (the configuration under test)
-  python -m repro.vllm_integration.gate --out DIR --reference     the same prompts, greedy, no speculative decoding,
-                                                                  no CUDA graphs (enforce_eager): the gate's reference
+  python -m repro.vllm_integration.gate --out DIR --reference     the same prompts and draft, greedy, no CUDA graphs
+                                                                  (enforce_eager): the gate's reference for the tokens
+                                                                  (with log-probabilities) and for the draft's
+                                                                  acceptance
 
 Prints `REPRO_DEVICE` (the GPU and the SM count this process sees), `REPRO_ENGINE` (the engine's resolved
 configuration: model runner, attention backend and FA version, cudagraph mode, speculative method and k; the plugin's
@@ -74,7 +76,7 @@ def write_models(root: str | Path) -> tuple[Path, Path]:
 def llm_kwargs(
     target: Path, draft: Path, reference: bool, spec_tokens: int, gpu_memory: float, backend: str = "FLASH_ATTN"
 ) -> dict:
-    """The LLM(...) arguments of a gate run. Reference: no speculative decoding, no CUDA graphs."""
+    """The LLM(...) arguments of a gate run. Reference: the same speculative decoding, no CUDA graphs."""
     kw = dict(
         model=str(target),
         load_format="dummy",
@@ -87,12 +89,12 @@ def llm_kwargs(
         attention_backend=backend,
         seed=0,
     )
+    kw["disable_log_stats"] = False  # LLM.get_metrics(): the speculative-decoding acceptance counters
+    kw["speculative_config"] = {"method": "eagle", "model": str(draft), "num_speculative_tokens": spec_tokens}
     if reference:
         kw["enforce_eager"] = True
     else:
-        kw["disable_log_stats"] = False  # LLM.get_metrics(): the speculative-decoding acceptance counters
         kw["compilation_config"] = {"cudagraph_mode": "FULL_AND_PIECEWISE"}
-        kw["speculative_config"] = {"method": "eagle", "model": str(draft), "num_speculative_tokens": spec_tokens}
     return kw
 
 
@@ -214,8 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     outs = llm.generate([{"prompt_token_ids": t} for t in PROMPTS], params)
     t_done = time.time()
     engine = resolved_engine(llm)  # the reference's too: the configuration it ran with is part of its validation
-    if not a.reference:
-        engine["acceptance"] = acceptance(llm)
+    engine["acceptance"] = acceptance(llm)
     emit(ENGINE_TAG, engine)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     margins = [[top2_margin(lp) for lp in (o.outputs[0].logprobs or [])] for o in outs] if a.reference else None

@@ -47,7 +47,7 @@ BASE_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
     "PYTHONUNBUFFERED": "1",
-    "REPRO_WEIGHTS": "margin",
+    "REPRO_WEIGHTS": "agree",  # repro.vllm_integration.weights: wide margins and a draft the target accepts
 }
 
 

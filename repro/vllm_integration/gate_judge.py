@@ -24,6 +24,26 @@ from repro.vllm_integration.gate_case import DEFAULT_BACKEND, GateCase, expected
 TIE_MARGIN = 0.1  # nats: a reference token whose top-2 margin is below this is a tie, not a reference
 MIN_COVERAGE = 0.5  # a comparison that covers less than this share of the tokens cannot vouch for a build
 FULL_MODES = ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+# the draft's acceptance: a speculative reference (no CUDA graphs) below MIN_ACCEPTANCE cannot judge a draft; a case
+# whose acceptance is more than ACCEPTANCE_DROP below its reference's has a silently wrong draft (the gate's weights
+# give 100% to a right draft, and a draft reading the wrong positions near 0%: repro.vllm_integration.weights)
+MIN_ACCEPTANCE = 0.5
+ACCEPTANCE_DROP = 0.15
+
+
+def acceptance_of(identity: dict | None) -> tuple[int, int] | None:
+    """(accepted draft tokens, draft tokens) from vLLM's counters in a case's record; None when not reported."""
+    acc = (identity or {}).get("acceptance") or {}
+    accepted, drafted = acc.get("spec_decode_num_accepted_tokens"), acc.get("spec_decode_num_draft_tokens")
+    if not isinstance(accepted, (int, float)) or not isinstance(drafted, (int, float)):
+        return None
+    return int(accepted), int(drafted)
+
+
+def describe_acceptance(a: tuple[int, int] | None) -> str:
+    if a is None:
+        return "not reported"
+    return f"{a[0]} of {a[1]} draft tokens accepted ({a[0] / a[1]:.0%})" if a[1] else "0 draft tokens"
 
 
 def annotate(res: CaseResult, case: GateCase, output: str | Channel, audit_file: Path | None) -> CaseResult:
@@ -225,8 +245,8 @@ DEGENERATE_MIN = 4  # tokens: a request of at least this many that repeats one t
 def reference_problems(case: GateCase, res: CaseResult, out: dict | None) -> list[str]:
     """Why a finished reference run must not be trusted as ground truth, empty when it may: it decoded tokens, every
     log-probability it returned is finite and every position has a top-2 margin, no request is one token repeated
-    (what NaN logits decode to), the engine ran as a reference (no CUDA graphs, no speculative decoding) and in its
-    case's SM configuration (MPS: the SM count the process saw, checked in annotate; sm_margin: the injected margin
+    (what NaN logits decode to), the engine ran as a reference (no CUDA graphs; a speculative reference's draft
+    accepted at least MIN_ACCEPTANCE of its tokens, or it cannot judge a draft) and in its case's SM configuration (MPS: the SM count the process saw, checked in annotate; sm_margin: the injected margin
     reached get_scheduler_metadata and FA3's forward)."""
     if not out or not out.get("tokens"):
         return ["the reference run decoded no tokens"]
@@ -256,7 +276,13 @@ def reference_problems(case: GateCase, res: CaseResult, out: dict | None) -> lis
         problems.append("the reference reported no engine configuration (no REPRO_ENGINE record)")
     else:
         if e.get("speculative_method") or e.get("num_speculative_tokens"):
-            problems.append(f"the reference ran speculative decoding ({e.get('speculative_method')})")
+            acc = acceptance_of(identity)
+            if acc is None or not acc[1] or acc[0] / acc[1] < MIN_ACCEPTANCE:
+                problems.append(
+                    f"the reference's draft (no CUDA graphs): {describe_acceptance(acc)}, below "
+                    f"{MIN_ACCEPTANCE:.0%}: the draft does not agree with the target, so acceptance cannot tell a "
+                    "wrong draft"
+                )
         if e.get("cudagraph_mode") not in (None, "NONE"):
             problems.append(f"the reference ran with CUDA graphs (cudagraph mode {e.get('cudagraph_mode')})")
     if case.mode.sm.kind == "sm_margin" and not (c.get("sched_sm_margin") and c.get("fwd_sm_margin")):
@@ -279,7 +305,12 @@ def validate_reference(case: GateCase, res: CaseResult, out: dict | None) -> Cas
     if not problems:
         margins = [m for ms in (out or {}).get("margins") or [] for m in ms if m is not None]
         smallest = f", smallest top-2 margin {min(margins):.3f} nats" if margins else ""
-        what = f"reference validated: {sum(len(t) for t in out['tokens'])} tokens, finite, not degenerate{smallest}"
+        acc = acceptance_of(res.backend_identity)
+        drafted = f", draft {describe_acceptance(acc)}" if acc else ""
+        what = (
+            f"reference validated: {sum(len(t) for t in out['tokens'])} tokens, finite, not degenerate{smallest}"
+            f"{drafted}"
+        )
         return res.revised("reference validation", what, evidence="; ".join(x for x in (res.evidence, what) if x))
     why = "reference not trusted: " + "; ".join(problems)
     return res.revised("reference validation", why, verdict=ERROR, reason=why)
@@ -353,7 +384,33 @@ def apply_reference(res: CaseResult, out: dict | None, ref: CaseResult, ref_out:
     if chk.coverage < MIN_COVERAGE and res.verdict == CLEAN:
         why = f"the reference comparison covered {chk.compared} of {chk.total} tokens: too many near ties"
         return res.revised(step, why, verdict=ERROR, reason=why, evidence=evidence)
-    return res.revised(step, chk.describe(), evidence=evidence)
+    res = res.revised(step, chk.describe(), evidence=evidence)
+    return compare_acceptance(res, ref)
+
+
+def compare_acceptance(res: CaseResult, ref: CaseResult) -> CaseResult:
+    """The draft judged by what the target accepted (a new record): wrong-output when the case's acceptance is more
+    than ACCEPTANCE_DROP below its speculative reference's (the same build and SM configuration without CUDA graphs);
+    cannot-vouch when the reference is speculative and the case reported no acceptance. A reference without
+    speculative decoding (records from before it had one): not compared, and said."""
+    step = "draft acceptance"
+    want = acceptance_of(ref.backend_identity)
+    if want is None or not want[1]:
+        line = "draft acceptance not compared (the reference ran no speculative decoding)"
+        return res.revised(step, line, evidence="; ".join(x for x in (res.evidence, line) if x))
+    got = acceptance_of(res.backend_identity)
+    if got is None or not got[1]:
+        why = f"the case reported {describe_acceptance(got)}: its draft cannot be judged against the reference's"
+        return res.revised(step, why, verdict=NOT_VOUCHED, reason=why)
+    line = f"draft: {describe_acceptance(got)}, reference {want[0] / want[1]:.0%}"
+    evidence = "; ".join(x for x in (res.evidence, line) if x)
+    if got[0] / got[1] < want[0] / want[1] - ACCEPTANCE_DROP:
+        why = (
+            f"the draft is silently wrong: {describe_acceptance(got)} with CUDA graphs, "
+            f"{describe_acceptance(want)} without (same build and SM configuration)"
+        )
+        return res.revised(step, why, verdict=WRONG, reason=why, evidence=evidence)
+    return res.revised(step, line, evidence=evidence)
 
 
 def finish(case: GateCase, res: CaseResult, out: dict | None, ref: CaseResult, ref_out: dict | None) -> CaseResult:

@@ -29,10 +29,10 @@ process it starts; each feature is off unless its environment variable turns it 
 - REPRO_INJECT=stale-capture  the self control: the defect of vLLM 0.21.0-0.25.1 re-created inside this build (the
                           draft's FULL captures run on buffers holding the target's last capture build;
                           repro.vllm_integration.inject). Counted per capture kind (captures_injected).
-- REPRO_WEIGHTS=margin    dummy weights with margins: after vLLM's DummyModelLoader, every parameter is redrawn from a
-                          per-name seed (norms 1, embeddings N(0,1), linear layers N(0, 1/fan_in)). vLLM's own dummy
-                          weights (uniform +-1e-3, one seed per size) give near-tied logits and tokens that flip with
-                          the SM count.
+- REPRO_WEIGHTS=agree     after vLLM's DummyModelLoader, the gate's constructed weights (repro.vllm_integration.
+                          weights): a target decided by a wide margin at every token and an EAGLE draft that agrees
+                          with it. `margin`: every parameter redrawn from a per-name seed (near ties, no acceptance).
+                          vLLM's own dummy weights (uniform +-1e-3) give near-tied logits that flip with the SM count.
 
 Each feature that installed is announced as a `REPRO_PLUGIN {"installed": ...}` line, and only then; a hook that
 could not be installed is a `REPRO_PLUGIN {"error": ...}` line (the gate turns either into the case's verdict). The
@@ -51,7 +51,6 @@ import functools
 import json
 import os
 import sys
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,12 +68,16 @@ from repro.vllm_integration.backend_fields import (
 )
 from repro.vllm_integration.inject import (
     INJECT_ENV,
+    INJECT_SOURCE_ENV,
     INJECTIONS,
+    SOURCES,
     StaleCaptureInjector,
     bump,
     capture_role,
     is_draft_frame,
 )
+from repro.vllm_integration.weights import DUMMY, WEIGHTS
+from repro.vllm_integration.weights import install as install_weights
 
 ENV, FILE_ENV, PROBE_ENV = "REPRO_AUDIT", "REPRO_AUDIT_FILE", "REPRO_PROBE"
 SM_MARGIN_ENV, POISON_ENV, WEIGHTS_ENV = "REPRO_SM_MARGIN", "REPRO_POISON", "REPRO_WEIGHTS"
@@ -438,7 +441,7 @@ def _after_build(builder: Any, md: Any, spec: BackendFields) -> None:
 POISON_FILL = "int-max"  # what the self control leaves in the scheduler-metadata entries FA3 never writes
 
 
-def install_inject(module: Any, cuda: Any = None, spec: BackendFields = FLASH_ATTN) -> bool:
+def install_inject(module: Any, cuda: Any = None, spec: BackendFields = FLASH_ATTN, source: str = SOURCES[0]) -> bool:
     """The self control (repro.vllm_integration.inject) on an attention backend module (and torch.cuda, or a
     stand-in): the builder's builds and the impl's forwards wrapped, the capture tracker installed. False, with an
     error line, when the backend's classes are not there."""
@@ -455,7 +458,7 @@ def install_inject(module: Any, cuda: Any = None, spec: BackendFields = FLASH_AT
         return False
     _wrap_forward(impl_cls, spec)
     install_capture_tracker(cuda)
-    _INJECTOR["on"] = StaleCaptureInjector(COUNTERS, announce=lambda record: _emit(record, PLUGIN_TAG))
+    _INJECTOR["on"] = StaleCaptureInjector(COUNTERS, announce=lambda record: _emit(record, PLUGIN_TAG), keep=source)
     _installed.add("inject")
     return True
 
@@ -580,36 +583,6 @@ def _poison_padding(md: Any, poison: Any, kwargs: dict) -> int | None:
     return poison.apply(md, lay)
 
 
-def margin_weights(model: Any, seed: int = 0) -> int:
-    """Redraw every floating parameter from a seed of its own name; returns how many were drawn."""
-    import torch
-
-    n = 0
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not torch.is_floating_point(p):
-                continue
-            if p.dim() < 2:
-                p.fill_(1.0)  # RMSNorm weights (the Llama family has no biases)
-            else:
-                g = torch.Generator().manual_seed(seed ^ zlib.crc32(name.encode()))
-                std = 1.0 if "embed_tokens" in name else p.shape[1] ** -0.5
-                p.copy_(torch.randn(tuple(p.shape), generator=g) * std)
-            n += 1
-    return n
-
-
-def install_margin_weights(loader_cls: Any) -> None:
-    orig = loader_cls.load_weights
-
-    def load_weights(self, model: Any, model_config: Any) -> None:
-        orig(self, model, model_config)
-        _emit({"weights": "margin", "parameters": margin_weights(model)}, PLUGIN_TAG)
-
-    loader_cls.load_weights = load_weights
-    _installed.add("weights")
-
-
 def _capturing() -> bool:
     try:
         import torch
@@ -663,10 +636,14 @@ def requested(environ: dict[str, str] | None = None) -> dict[str, Any]:
     if out["sm_margin"] < 0:
         raise ValueError(f"{SM_MARGIN_ENV}={margin!r}: must not be negative")
     out["poison"] = parse_poison(env.get(POISON_ENV))
-    weights = env.get(WEIGHTS_ENV, "")
-    if weights not in ("", "dummy", "margin"):
-        raise ValueError(f"{WEIGHTS_ENV}={weights!r}: expected margin or dummy")
-    out["weights"] = weights == "margin"
+    weights = env.get(WEIGHTS_ENV, "") or DUMMY
+    if weights not in (*WEIGHTS, DUMMY):
+        raise ValueError(f"{WEIGHTS_ENV}={weights!r}: expected {', '.join(WEIGHTS)} or {DUMMY}")
+    out["weights"] = None if weights == DUMMY else weights
+    source = env.get(INJECT_SOURCE_ENV, "") or SOURCES[0]
+    if source not in SOURCES:
+        raise ValueError(f"{INJECT_SOURCE_ENV}={source!r}: expected {' or '.join(SOURCES)}")
+    out["inject_source"] = source
     backend = env.get(BACKEND_ENV, "") or DEFAULT_BACKEND
     if not backend.replace("_", "").isalnum() or backend.upper() != backend:
         raise ValueError(f"{BACKEND_ENV}={backend!r}: expected a vLLM attention backend name such as FLASH_ATTN")
@@ -708,7 +685,7 @@ def register() -> None:
                 atexit.register(_write_report)
                 _emit({"installed": "audit", "backend": spec.name}, PLUGIN_TAG)
         if want["inject"] and "inject" not in _installed:
-            if install_inject(backend, spec=spec):
+            if install_inject(backend, spec=spec, source=want["inject_source"]):
                 _emit({"installed": "inject", "injection": want["inject"], "backend": spec.name}, PLUGIN_TAG)
     if (want["sm_margin"] or want["poison"]) and "fa3" not in _installed:
         import torch
@@ -731,5 +708,6 @@ def register() -> None:
         if loader is None or not callable(getattr(loader, "load_weights", None)):
             _emit({"error": f"{dummy_loader.__name__}: DummyModelLoader.load_weights not found"}, PLUGIN_TAG)
             return
-        install_margin_weights(loader)
-        _emit({"installed": "weights"}, PLUGIN_TAG)
+        install_weights(loader, want["weights"], lambda record: _emit(record, PLUGIN_TAG))
+        _installed.add("weights")
+        _emit({"installed": "weights", "weights": want["weights"]}, PLUGIN_TAG)

@@ -1,0 +1,182 @@
+"""The gate model's weights, written over vLLM's dummy weights inside the engine (REPRO_WEIGHTS, installed by
+repro.vllm_integration.plugin after DummyModelLoader.load_weights).
+
+`agree` (the gate's default): a target whose every generated token is decided by a wide margin, and an EAGLE draft
+built to agree with it, so that the draft's output reaches the result (acceptance) and numerics cannot flip a token.
+
+- The target is a previous-token model: the token after position m is SIGMA[x(m-1)], a fixed permutation of the
+  vocabulary. Its first decoder layer's attention does it. Every token embedding is a code (CODE_DIMS random +-1
+  entries) plus a constant 1 in one dimension (CONST_DIM); query and key of head 0 are made from that constant, rotated
+  so that with vLLM's (neox) RoPE the score peaks at the previous position (PAIRS frequency pairs, score gap above
+  SCORE_GAP nats); head 0's value is the code, its output goes to the READ dimensions, and the LM head reads the code
+  there: logit(SIGMA[v]) = LOGIT_GAIN * <code v, READ>. Everything else is zero: the other heads, the MLPs (down_proj
+  0) and every later layer, so the residual stream is the embedding plus that one head.
+- The EAGLE draft (vLLM's EagleLlama: fc over [token embedding, target hidden state], one decoder layer without its
+  input norm, no final norm, the target's LM head) gets the same layer: fc passes the embedding through (scaled to what
+  the target's RMSNorm makes of it) and drops the target's hidden state. The draft's position i holds token x(i+1)
+  (EAGLE's shift), so attending to position i-1 it reads x(i) and proposes SIGMA[x(i)]: the target's token at i+2.
+  A draft whose attention reads the wrong positions or requests (stale metadata) proposes tokens the target rejects.
+
+A parameter this construction does not know is zeroed and named in the record (`unknown`), never guessed.
+
+`margin` (the previous default): every parameter redrawn from a per-name seed (norms 1, embeddings N(0,1), linear
+layers N(0, 1/fan_in)): margins of 0.02-0.7 nats and a draft the target never accepts."""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from typing import Any
+
+AGREE, MARGIN, DUMMY = "agree", "margin", "dummy"
+WEIGHTS = (AGREE, MARGIN)
+SEED = 0
+CODE_DIMS = 128  # the code of a token: +-1 in these leading residual dimensions (a value of head 0 carries it whole)
+CONST_DIM = CODE_DIMS  # a constant 1 in every embedding: what head 0's query and key are made of
+READ_AT = 2 * CODE_DIMS  # head 0's output lands in [READ_AT, READ_AT + head_dim); the LM head reads it there
+PAIRS = 8  # RoPE frequency pairs the previous-token score uses (the fastest: the sharpest peak)
+SCORE_NORM2 = 1200.0  # |q| * |k| of head 0: with PAIRS pairs, a score gap of about 22 nats to any other position
+LOGIT_GAIN = 0.12  # about 20 nats between the target's top two logits, 10 for the draft (no final norm)
+SPECIAL = 3  # token ids below this (pad, bos, eos) map to themselves: SIGMA never produces them
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def sigma(vocab: int, seed: int = SEED) -> list[int]:
+    """The permutation the target applies: SIGMA[v] is the token after a position whose previous token was v."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 1)
+    rest = (torch.randperm(vocab - SPECIAL, generator=g) + SPECIAL).tolist()
+    return list(range(SPECIAL)) + rest
+
+
+def codes(vocab: int, seed: int = SEED) -> Any:
+    """[vocab, CODE_DIMS] of +-1: each token's code (float32)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2, (vocab, CODE_DIMS), generator=g).float() * 2 - 1
+
+
+def _config(model: Any) -> dict:
+    cfg = getattr(model, "config", None)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    theta = getattr(cfg, "rope_theta", None) or (rope.get("rope_theta") if isinstance(rope, dict) else None) or 1e4
+    heads = int(getattr(cfg, "num_attention_heads"))
+    hidden = int(getattr(cfg, "hidden_size"))
+    return {
+        "hidden": hidden,
+        "heads": heads,
+        "kv_heads": int(getattr(cfg, "num_key_value_heads", heads)),
+        "head_dim": int(getattr(cfg, "head_dim", None) or hidden // heads),
+        "vocab": int(getattr(cfg, "vocab_size")),
+        "theta": float(theta),
+    }
+
+
+def embed_rms(hidden: int) -> float:
+    """The root mean square of every embedding row (CODE_DIMS entries of +-1 and the constant 1)."""
+    return math.sqrt((CODE_DIMS + 1) / hidden)
+
+
+def head0_query_key(head_dim: int, theta: float) -> tuple[Any, Any]:
+    """Head 0's query and key before RoPE (neox pairs i, i + head_dim/2): the key is equal in the PAIRS fastest
+    pairs, the query the key rotated back by one position, so q(m) . k(n) = |q||k| mean_i cos((n - m + 1) theta_i)
+    peaks at n = m - 1."""
+    import torch
+
+    half = head_dim // 2
+    inv = theta ** (-torch.arange(half, dtype=torch.float64) * 2 / head_dim)
+    amp = math.sqrt(SCORE_NORM2 / PAIRS)
+    k, q = torch.zeros(head_dim, dtype=torch.float64), torch.zeros(head_dim, dtype=torch.float64)
+    k[:PAIRS] = amp
+    q[:PAIRS] = amp * torch.cos(inv[:PAIRS])
+    q[half : half + PAIRS] = -amp * torch.sin(inv[:PAIRS])
+    return q, k
+
+
+def agreement_weights(model: Any, seed: int = SEED) -> dict:
+    """Write the `agree` construction (see the module) into a vLLM Llama or EagleLlama model's parameters. Returns
+    {"parameters": n written, "unknown": [names zeroed that it does not know], "layer": first decoder layer index}."""
+    import torch
+
+    c = _config(model)
+    hidden, d, nq, nkv, vocab = c["hidden"], c["head_dim"], c["heads"], c["kv_heads"], c["vocab"]
+    if d < CODE_DIMS or hidden < READ_AT + d:
+        raise ValueError(f"agreement weights need head_dim >= {CODE_DIMS} and hidden >= {READ_AT + d}: {c}")
+    params = dict(model.named_parameters())
+    layers = sorted({int(m.group(1)) for n in params if (m := _LAYER.search(n))})
+    first = layers[0] if layers else None
+    code = codes(vocab, seed)
+    perm = sigma(vocab, seed)
+    rms = embed_rms(hidden)
+    q0, k0 = head0_query_key(d, c["theta"])
+    unknown, n = [], 0
+    with torch.no_grad():
+        for name, p in params.items():
+            if not torch.is_floating_point(p):
+                continue
+            w = torch.zeros(tuple(p.shape), dtype=torch.float64)
+            layer = int(m.group(1)) if (m := _LAYER.search(name)) else None
+            if p.dim() < 2:
+                w.fill_(1.0)  # RMSNorm weights (the Llama family has no biases)
+            elif name.endswith("embed_tokens.weight"):
+                w[:, :CODE_DIMS] = code[: p.shape[0]]
+                w[:, CONST_DIM] = 1.0
+            elif name.endswith("lm_head.weight"):
+                rows = min(p.shape[0], vocab)
+                inv = torch.empty(rows, dtype=torch.long)
+                inv[torch.tensor(perm[:rows])] = torch.arange(rows)  # row SIGMA[v] reads the code of v
+                w[:rows, READ_AT : READ_AT + CODE_DIMS] = LOGIT_GAIN * code[inv]
+            elif name.endswith("fc.weight"):  # EAGLE: [embedding, target hidden] -> hidden; the embedding, normed
+                w[:hidden, :hidden] = torch.eye(hidden, dtype=torch.float64) / rms
+            elif layer is not None and layer != first:
+                pass  # later layers: zero (their attention runs, and adds nothing)
+            elif name.endswith("qkv_proj.weight"):  # rows: q heads, k heads, v heads
+                w[:d, CONST_DIM] = q0 * rms  # the normed constant is 1/rms
+                w[nq * d : nq * d + d, CONST_DIM] = k0 * rms
+                v = (nq + nkv) * d
+                w[v : v + CODE_DIMS, :CODE_DIMS] = torch.eye(CODE_DIMS, dtype=torch.float64) * rms
+            elif name.endswith("o_proj.weight"):
+                w[READ_AT : READ_AT + CODE_DIMS, :CODE_DIMS] = torch.eye(CODE_DIMS, dtype=torch.float64)
+            elif name.endswith(("gate_up_proj.weight", "down_proj.weight")):
+                pass  # the MLP adds nothing
+            else:
+                unknown.append(name)
+            p.copy_(w.to(p.dtype))
+            n += 1
+    return {"parameters": n, "unknown": unknown, "layer": first}
+
+
+def margin_weights(model: Any, seed: int = SEED) -> int:
+    """Redraw every floating parameter from a seed of its own name; returns how many were drawn."""
+    import torch
+
+    n = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not torch.is_floating_point(p):
+                continue
+            if p.dim() < 2:
+                p.fill_(1.0)  # RMSNorm weights (the Llama family has no biases)
+            else:
+                g = torch.Generator().manual_seed(seed ^ zlib.crc32(name.encode()))
+                std = 1.0 if "embed_tokens" in name else p.shape[1] ** -0.5
+                p.copy_(torch.randn(tuple(p.shape), generator=g) * std)
+            n += 1
+    return n
+
+
+def install(loader_cls: Any, kind: str, emit: Any) -> None:
+    """After vLLM's dummy loader fills a model, write `kind`'s weights and emit what was written."""
+    orig = loader_cls.load_weights
+
+    def load_weights(self, model: Any, model_config: Any) -> None:
+        orig(self, model, model_config)
+        if kind == AGREE:
+            emit({"weights": AGREE, "model": type(model).__name__, **agreement_weights(model)})
+        else:
+            emit({"weights": MARGIN, "model": type(model).__name__, "parameters": margin_weights(model)})
+
+    loader_cls.load_weights = load_weights
