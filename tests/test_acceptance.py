@@ -22,8 +22,11 @@ def counters(accepted, drafted):
 
 
 def result(case_id, acc, verdict=CLEAN, spec=True):
-    engine = {"speculative_method": "eagle" if spec else None, "num_speculative_tokens": 3 if spec else 0,
-              "cudagraph_mode": "NONE"}
+    engine = {
+        "speculative_method": "eagle" if spec else None,
+        "num_speculative_tokens": 3 if spec else 0,
+        "cudagraph_mode": "NONE",
+    }
     return CaseResult(case_id, verdict, "", backend_identity={"engine": engine, "counters": {}, "acceptance": acc})
 
 

@@ -23,8 +23,17 @@ class FakeModel(torch.nn.Module):
     def __init__(self, cfg: dict, layers: list[int], draft: bool):
         super().__init__()
         self.config = SimpleNamespace(**cfg)
-        h, d, nq, nkv, v, i = (cfg[k] for k in ("hidden_size", "head_dim", "num_attention_heads",
-                                                 "num_key_value_heads", "vocab_size", "intermediate_size"))
+        h, d, nq, nkv, v, i = (
+            cfg[k]
+            for k in (
+                "hidden_size",
+                "head_dim",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "vocab_size",
+                "intermediate_size",
+            )
+        )
         p = {"model.embed_tokens.weight": (v, h)}
         for n in layers:
             pre = f"model.layers.{n}."

@@ -83,6 +83,7 @@ def gate_code_fingerprint() -> str:
     h = hashlib.sha256()
     for name in _GATE_SOURCES:
         h.update(name.encode() + b"\0" + (here / name).read_bytes())
+    h.update(f"weights={os.environ.get('REPRO_WEIGHTS', '')}".encode())  # chosen in the gate's environment
     return h.hexdigest()[:16]
 
 

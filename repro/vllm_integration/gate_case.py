@@ -200,7 +200,10 @@ def case_env(
         "CUDA_LAUNCH_BLOCKING",
     ):
         env.pop(k, None)
+    weights = env.get("REPRO_WEIGHTS")  # the gate's weights may be chosen in its environment (default: BASE_ENV's)
     env.update(BASE_ENV)
+    if weights:
+        env["REPRO_WEIGHTS"] = weights
     env["REPRO_ATTENTION_BACKEND"] = case.backend
     root = str(Path(__file__).resolve().parents[2])
     path = build_pythonpath(case.build, builds, env.get("PYTHONPATH"))

@@ -17,7 +17,11 @@ built to agree with it, so that the draft's output reaches the result (acceptanc
   (EAGLE's shift), so attending to position i-1 it reads x(i) and proposes SIGMA[x(i)]: the target's token at i+2.
   A draft whose attention reads the wrong positions or requests (stale metadata) proposes tokens the target rejects.
 
-A parameter this construction does not know is zeroed and named in the record (`unknown`), never guessed.
+`agree` fills what the construction leaves zero (the other heads, the MLPs, the later layers) with random values as
+`margin` draws them, the outputs into the residual stream scaled by NOISE_GAIN: every kernel computes on realistic
+activations (what a stale read finds in memory is not all zeros), and the decided tokens keep their margins.
+`agree-exact` leaves them zero. A parameter the construction does not know is zeroed and named in the record
+(`unknown`), never guessed.
 
 `margin` (the previous default): every parameter redrawn from a per-name seed (norms 1, embeddings N(0,1), linear
 layers N(0, 1/fan_in)): margins of 0.02-0.7 nats and a draft the target never accepts."""
@@ -29,8 +33,9 @@ import re
 import zlib
 from typing import Any
 
-AGREE, MARGIN, DUMMY = "agree", "margin", "dummy"
-WEIGHTS = (AGREE, MARGIN)
+AGREE, AGREE_EXACT, MARGIN, DUMMY = "agree", "agree-exact", "margin", "dummy"
+WEIGHTS = (AGREE, AGREE_EXACT, MARGIN)
+NOISE_GAIN = 0.05  # `agree`: the parameters the construction leaves zero get random values, their outputs this small
 SEED = 0
 CODE_DIMS = 128  # the code of a token: +-1 in these leading residual dimensions (a value of head 0 carries it whole)
 CONST_DIM = CODE_DIMS  # a constant 1 in every embedding: what head 0's query and key are made of
@@ -63,14 +68,14 @@ def _config(model: Any) -> dict:
     cfg = getattr(model, "config", None)
     rope = getattr(cfg, "rope_parameters", None) or {}
     theta = getattr(cfg, "rope_theta", None) or (rope.get("rope_theta") if isinstance(rope, dict) else None) or 1e4
-    heads = int(getattr(cfg, "num_attention_heads"))
-    hidden = int(getattr(cfg, "hidden_size"))
+    heads = int(cfg.num_attention_heads)
+    hidden = int(cfg.hidden_size)
     return {
         "hidden": hidden,
         "heads": heads,
         "kv_heads": int(getattr(cfg, "num_key_value_heads", heads)),
         "head_dim": int(getattr(cfg, "head_dim", None) or hidden // heads),
-        "vocab": int(getattr(cfg, "vocab_size")),
+        "vocab": int(cfg.vocab_size),
         "theta": float(theta),
     }
 
@@ -96,7 +101,17 @@ def head0_query_key(head_dim: int, theta: float) -> tuple[Any, Any]:
     return q, k
 
 
-def agreement_weights(model: Any, seed: int = SEED) -> dict:
+def _noise(name: str, shape: tuple, seed: int) -> Any:
+    """A random fill for a parameter the construction leaves zero: N(0, 1/fan_in), outputs into the residual stream
+    (o_proj, down_proj) scaled by NOISE_GAIN."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed ^ zlib.crc32(name.encode()))
+    gain = NOISE_GAIN if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+    return torch.randn(shape, generator=g, dtype=torch.float64) * shape[1] ** -0.5 * gain
+
+
+def agreement_weights(model: Any, seed: int = SEED, noise: bool = True) -> dict:
     """Write the `agree` construction (see the module) into a vLLM Llama or EagleLlama model's parameters. Returns
     {"parameters": n written, "unknown": [names zeroed that it does not know], "layer": first decoder layer index}."""
     import torch
@@ -131,17 +146,33 @@ def agreement_weights(model: Any, seed: int = SEED) -> dict:
                 w[:rows, READ_AT : READ_AT + CODE_DIMS] = LOGIT_GAIN * code[inv]
             elif name.endswith("fc.weight"):  # EAGLE: [embedding, target hidden] -> hidden; the embedding, normed
                 w[:hidden, :hidden] = torch.eye(hidden, dtype=torch.float64) / rms
-            elif layer is not None and layer != first:
-                pass  # later layers: zero (their attention runs, and adds nothing)
+            elif layer is not None and layer != first:  # later layers: they run, and add (next to) nothing
+                if noise and name.endswith(
+                    ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")
+                ):
+                    w = _noise(name, tuple(p.shape), seed)
+                elif not name.endswith(("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")):
+                    unknown.append(name)
             elif name.endswith("qkv_proj.weight"):  # rows: q heads, k heads, v heads
+                if noise:
+                    w = _noise(name, tuple(p.shape), seed)
+                    kv0, v0 = nq * d, (nq + nkv) * d
+                    w[:d], w[kv0 : kv0 + d], w[v0 : v0 + d] = 0.0, 0.0, 0.0  # head 0's q, k, v are exact
                 w[:d, CONST_DIM] = q0 * rms  # the normed constant is 1/rms
                 w[nq * d : nq * d + d, CONST_DIM] = k0 * rms
                 v = (nq + nkv) * d
                 w[v : v + CODE_DIMS, :CODE_DIMS] = torch.eye(CODE_DIMS, dtype=torch.float64) * rms
             elif name.endswith("o_proj.weight"):
+                if noise:
+                    w = _noise(name, tuple(p.shape), seed)
+                    w[:, :d] = 0.0  # head 0's output lands in READ only
+                    w[READ_AT : READ_AT + CODE_DIMS] = 0.0  # and nothing else does
                 w[READ_AT : READ_AT + CODE_DIMS, :CODE_DIMS] = torch.eye(CODE_DIMS, dtype=torch.float64)
             elif name.endswith(("gate_up_proj.weight", "down_proj.weight")):
-                pass  # the MLP adds nothing
+                if noise:  # the MLP adds (next to) nothing, and never to READ
+                    w = _noise(name, tuple(p.shape), seed)
+                    if name.endswith("down_proj.weight"):
+                        w[READ_AT : READ_AT + CODE_DIMS] = 0.0
             else:
                 unknown.append(name)
             p.copy_(w.to(p.dtype))
@@ -174,8 +205,9 @@ def install(loader_cls: Any, kind: str, emit: Any) -> None:
 
     def load_weights(self, model: Any, model_config: Any) -> None:
         orig(self, model, model_config)
-        if kind == AGREE:
-            emit({"weights": AGREE, "model": type(model).__name__, **agreement_weights(model)})
+        if kind in (AGREE, AGREE_EXACT):
+            rec = agreement_weights(model, noise=kind == AGREE)
+            emit({"weights": kind, "model": type(model).__name__, **rec})
         else:
             emit({"weights": MARGIN, "model": type(model).__name__, "parameters": margin_weights(model)})
 
