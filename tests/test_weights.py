@@ -188,7 +188,8 @@ def test_head0_scores_peak_at_the_previous_position_within_the_model_length():
     s = ks @ qm * d**-0.5
     assert int(s.argmax()) == len(pos) - 2
     others = torch.cat([s[:-2], s[-1:]])
-    assert (s[-2] - others.max()).item() > 20.0
+    assert (s[-2] - others.max()).item() > 5.0
+    assert (s.max() - s.min()).item() < 60.0  # no softmax weight underflows to an exact 0
 
 
 def test_a_parameter_it_does_not_know_is_zeroed_and_named(models):

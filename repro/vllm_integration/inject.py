@@ -31,7 +31,7 @@ INJECTIONS = (STALE_CAPTURE,)
 # which of the target's capture builds the draft's buffers are given: its last (what 0.21.0-0.25.1 left in them), or
 # its first (the largest batch descriptor: the contents furthest from any draft descriptor's)
 INJECT_SOURCE_ENV = "REPRO_INJECT_SOURCE"
-SOURCES = ("last", "first")
+SOURCES = ("first", "last")
 # the views of the defect (vLLM PR #48261): per-request offsets, sequence lengths, FA3's AOT scheduler metadata; the
 # KV-cache addressing (block table, slot mapping) is not part of it
 INJECTED_FIELDS = ("query_start_loc", "seq_lens", "scheduler_metadata")
@@ -89,7 +89,7 @@ class StaleCaptureInjector:
     # called with a record at the first write of each kind (draft build, draft warmup, capture begins), right away:
     # a case that faults or hangs after it still says that the injection ran
     announce: Callable[[dict], None] = lambda record: None
-    keep: str = "last"  # SOURCES: which target capture build's contents are written
+    keep: str = "first"  # SOURCES: which target capture build's contents are written
     snapshots: dict[str, Any] = field(default_factory=dict)  # field path -> bytes of its whole buffer
     source: str | None = None  # descriptor label of the target build the snapshots hold
     last: list[tuple[Any, Any, int]] = field(default_factory=list)  # (destination bytes, snapshot, n) of the last write

@@ -41,7 +41,8 @@ CODE_DIMS = 128  # the code of a token: +-1 in these leading residual dimensions
 CONST_DIM = CODE_DIMS  # a constant 1 in every embedding: what head 0's query and key are made of
 READ_AT = 2 * CODE_DIMS  # head 0's output lands in [READ_AT, READ_AT + head_dim); the LM head reads it there
 PAIRS = 8  # RoPE frequency pairs the previous-token score uses (the fastest: the sharpest peak)
-SCORE_NORM2 = 1200.0  # |q| * |k| of head 0: with PAIRS pairs, a score gap of about 22 nats to any other position
+SCORE_NORM2 = 300.0  # |q| * |k| of head 0: a score gap of about 5.6 nats to any other position, and no two scores
+# more than ~53 nats apart (a softmax weight exp(-gap) never underflows to an exact 0: see the module)
 LOGIT_GAIN = 0.12  # about 20 nats between the target's top two logits, 10 for the draft (no final norm)
 SPECIAL = 3  # token ids below this (pad, bos, eos) map to themselves: SIGMA never produces them
 _LAYER = re.compile(r"layers\.(\d+)\.")
