@@ -52,7 +52,7 @@ def _build(buf, n):
 def test_the_draft_capture_gets_the_target_last_capture_contents():
     counters: dict = {}
     announced = []
-    inj = StaleCaptureInjector(counters, announce=announced.append)
+    inj = StaleCaptureInjector(counters, announce=announced.append, keep="last")
     buf = _buffers()
     for n in (8, 1):  # the target captures largest first: its last build is the smallest descriptor
         assert inj.target_built(f"t{4 * n}r{n}", _build(buf, n))
@@ -73,6 +73,18 @@ def test_the_draft_capture_gets_the_target_last_capture_contents():
     assert buf["seq_lens"].tolist() == [101] + [0] * 7 and counters["inject_writes"]["capture begins"] == 1
     inj.capture_begins("target decode")  # a target capture forgets the draft's last write
     assert inj.last == []
+
+
+def test_by_default_the_draft_capture_gets_the_target_first_capture_contents():
+    counters: dict = {}
+    inj = StaleCaptureInjector(counters)
+    buf = _buffers()
+    for n in (8, 1):  # the first build is the largest descriptor's: the contents furthest from a small draft batch
+        inj.target_built(f"t{4 * n}r{n}", _build(buf, n))
+    assert inj.source == "t32r8" and counters["inject_snapshots"] == 1
+    views = _build(buf, 1)  # the draft's own build for t4r1
+    assert inj.inject(1, views, "draft build")
+    assert buf["seq_lens"].tolist() == [108] * 8 and buf["query_start_loc"].tolist() == [0, 4, 8, 12, 16, 20, 24, 28, 32]
 
 
 def test_no_target_capture_means_nothing_to_write():

@@ -108,3 +108,55 @@ def test_the_mps24_reference_that_decoded_nan_is_an_error(monkeypatch, tmp_path)
     assert ref.verdict == "error" and "57 position(s)" in ref.reason and "repeats 1023" in ref.reason
     assert got[V + "0.26.0-under-test-mps24"].verdict == "error"
     assert run.outcome(need_control=False) == doc["outcome"] == "CANNOT VOUCH" and EXIT[doc["outcome"]] == 4
+
+
+def _acceptance(res):
+    acc = (res.backend_identity or {}).get("acceptance") or {}
+    return acc.get("spec_decode_num_accepted_tokens"), acc.get("spec_decode_num_draft_tokens")
+
+
+def test_agreement_weights_first_source_self_control_caught_in_every_mode(monkeypatch, tmp_path):
+    """results/h200-agree-selfcontrol (the code's defaults: `agree` weights, the self control's first source): the
+    healthy build's draft is accepted whole, its references are validated with margins of ~19 nats, and the self
+    control faults in every mode; 0.25.1 as it is is caught only by audit, sm_margin:16 and mps:16 (hangs), and the
+    MPS server a faulting client left behind refused the next reference (the run this record came from had no
+    daemon restart: that reference is an error, and the gate cannot vouch)."""
+    doc, rows, run, got = replay(monkeypatch, tmp_path, RESULTS / "h200-agree-selfcontrol")
+    _same_verdicts(rows, got)
+    for m in ("audit", "plain", "smmargin16"):
+        res = got[V + f"0.26.0-under-test-{m}"]
+        assert res.verdict == "clean" and _acceptance(res) == (48, 48), m
+        assert "draft: 48 of 48 draft tokens accepted (100%), reference 100%" in res.evidence
+    assert [got[V + f"0.26.0-self-control-{m}"].verdict for m in ("audit", "plain", "smmargin16", "mps16")] == [
+        "crash"
+    ] * 4
+    assert [got[V + f"0.25.1-control-{m}"].verdict for m in ("audit", "plain", "smmargin16", "mps16")] == [
+        "stale-audit",
+        "clean",
+        "hang",
+        "hang",
+    ]
+    ref = next(r for c, r in run.references if c.case_id == V + "0.26.0-under-test-reference-sm-all")
+    assert "smallest top-2 margin" in ref.evidence and "48 of 48" in ref.evidence
+    assert run.outcome() == doc["outcome"] == "CANNOT VOUCH"
+
+
+def test_the_known_bad_builds_fault_depends_on_the_models_weights(monkeypatch, tmp_path):
+    """0.25.1 as it is, plain and sm_margin:16 on the full H200: with `margin` weights (random, near ties) it crashes
+    in both (results/h200-margin-weights-0.25.1); with `agree` weights the same build decodes cleanly in plain
+    (results/h200-agree-selfcontrol) and only its audit, a hang or the self control show the defect."""
+    _, rows, _, got = replay(monkeypatch, tmp_path, RESULTS / "h200-margin-weights-0.25.1")
+    _same_verdicts(rows, got)
+    assert [got[V + f"0.25.1-under-test-{m}"].verdict for m in ("plain", "smmargin16")] == ["crash", "crash"]
+
+
+def test_mps24_is_broken_in_both_builds_whatever_the_weights(monkeypatch, tmp_path):
+    """results/h200-agree-exact-first-source: at mps:24 the eager reference decodes NaN again with the agreement
+    weights (the cause is not the weights), the graph case accepts 1 of 177 draft tokens, and the gate cannot vouch
+    instead of answering AFFECTED."""
+    doc, rows, run, got = replay(monkeypatch, tmp_path, RESULTS / "h200-agree-exact-first-source")
+    _same_verdicts(rows, got)
+    ref = next(r for c, r in run.references if c.case_id == V + "0.26.0-under-test-reference-mps24")
+    assert ref.verdict == "error" and "non-finite" in ref.reason
+    assert got[V + "0.26.0-under-test-mps24"].verdict == "error"
+    assert run.outcome() == doc["outcome"] == "CANNOT VOUCH"

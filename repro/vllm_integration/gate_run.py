@@ -22,6 +22,7 @@ from pathlib import Path
 from repro import policy
 from repro.case import CaseResult
 from repro.channel import Channel
+from repro.classify import refused
 from repro.descriptors import ConfigError
 from repro.environment import gpu_facts
 from repro.runner import case_logs, device_sm_count, run_process
@@ -251,7 +252,8 @@ def run_gate(
 
     gpu = gpu_identity() if cache is not None else ""
 
-    def one(c: GateCase, mps: MpsDaemon | None) -> None:
+    def one(c: GateCase, mps: MpsDaemon | None, keep: Callable[[CaseResult], bool] = lambda r: True) -> CaseResult:
+        """Run (or load) one case and record it, unless keep says its result is not to be recorded."""
         t = time.time()
         kept = cache.load_reference(c.build, _ref_key(c), gpu) if cache is not None and c.reference else None
         if kept is not None:
@@ -263,6 +265,8 @@ def run_gate(
                 res = validate_reference(c, res, out)
             if cache is not None and c.reference and res.verdict == CLEAN and out and out.get("tokens"):
                 cache.store_reference(c.build, _ref_key(c), gpu, out, res.to_dict())
+        if not keep(res):
+            return res
         with lock:
             outputs[c.case_id] = out
             (run.references if c.reference else run.cases).append((c, res))
@@ -272,20 +276,34 @@ def run_gate(
             span[0], span[1] = min(span[0], t), max(span[1], time.time())
         if progress:
             progress(c, res)
+        return res
 
     everything = cases + refs  # speculative cases first: one of them writes the build's vLLM cache the rest then use
     serial = [c for c in everything if c.mode.sm.kind == "mps"]
     parallel = [c for c in everything if c.mode.sm.kind != "mps"]
 
     def serial_part() -> None:
-        if not serial:
-            return
+        """The MPS cases, one at a time. A client that faulted can leave the server refusing the next client, so
+        after a fault the rest run under a fresh daemon, and a case the server refused runs once more under one."""
+        pending, retried = list(serial), set()
         try:
-            with MpsDaemon() as mps:
-                for c in serial:
-                    one(c, mps)
+            while pending:
+                with MpsDaemon() as mps:
+                    while pending:
+                        c = pending.pop(0)
+                        first_try = c.case_id not in retried
+                        res = one(c, mps, keep=lambda r: not (refused(r) and first_try))
+                        if refused(res) and first_try:
+                            retried.add(c.case_id)
+                            pending.insert(0, c)
+                            break
+                        if res.verdict in FAULTS:
+                            break
         except Unavailable as e:
+            done = {x.case_id for x, _ in run.cases + run.references}
             for c in serial:
+                if c.case_id in done:
+                    continue
                 res = _skipped(c, str(e))
                 with lock:
                     (run.references if c.reference else run.cases).append((c, res))

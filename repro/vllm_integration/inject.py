@@ -3,12 +3,14 @@
 
 What those releases did: the draft model's FULL CUDA-graph capture ran (its eager warmup pass and its captured pass)
 on attention metadata whose views point into persistent buffers (query_start_loc, seq_lens, FA3's scheduler
-metadata) that held the contents of the target's LAST capture build, another batch descriptor. The injection
-re-creates exactly that state and nothing else:
+metadata) that held the contents of another batch descriptor (the target's last capture build). The injection
+re-creates that state and nothing else. Whose contents (REPRO_INJECT_SOURCE): by default the target's FIRST capture
+build (its largest descriptor); `last` gives the last one, what 0.21.0-0.25.1 left. On the H200 the last build's
+contents (t4r1) left 0.26.0's kernels in bounds at 132 SMs and under MPS (missed in plain and mps:16:
+results/h200-selfcontrol-fidelity), the first build's made every mode fault (results/h200-agree-selfcontrol):
 
-- every metadata build inside the TARGET's CudaGraphManager.capture leaves a device copy of the whole persistent
-  buffers behind its views (the fields repro.vllm_integration.backend_fields checks), so the last one is what the
-  target's capture left in them;
+- the first (or every, for `last`) metadata build inside the TARGET's CudaGraphManager.capture leaves a device copy
+  of the whole persistent buffers behind its views (the fields repro.vllm_integration.backend_fields checks);
 - inside a DRAFT CudaGraphManager.capture (a speculator on the call stack), right after each of its metadata builds
   (a fixed release builds fresh metadata for every pass), before the first eager attention forward of each pass on
   metadata it did not build (a release that reuses saved metadata), and as a captured pass begins (before

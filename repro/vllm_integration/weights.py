@@ -7,8 +7,7 @@ built to agree with it, so that the draft's output reaches the result (acceptanc
 - The target is a previous-token model: the token after position m is SIGMA[x(m-1)], a fixed permutation of the
   vocabulary. Its first decoder layer's attention does it. Every token embedding is a code (CODE_DIMS random +-1
   entries) plus a constant 1 in one dimension (CONST_DIM); query and key of head 0 are made from that constant, rotated
-  so that with vLLM's (neox) RoPE the score peaks at the previous position (PAIRS frequency pairs, score gap above
-  SCORE_GAP nats); head 0's value is the code, its output goes to the READ dimensions, and the LM head reads the code
+  so that with vLLM's (neox) RoPE the score peaks at the previous position (PAIRS frequency pairs, SCORE_NORM2); head 0's value is the code, its output goes to the READ dimensions, and the LM head reads the code
   there: logit(SIGMA[v]) = LOGIT_GAIN * <code v, READ>. Everything else is zero: the other heads, the MLPs (down_proj
   0) and every later layer, so the residual stream is the embedding plus that one head.
 - The EAGLE draft (vLLM's EagleLlama: fc over [token embedding, target hidden state], one decoder layer without its
