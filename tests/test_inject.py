@@ -84,7 +84,17 @@ def test_by_default_the_draft_capture_gets_the_target_first_capture_contents():
     assert inj.source == "t32r8" and counters["inject_snapshots"] == 1
     views = _build(buf, 1)  # the draft's own build for t4r1
     assert inj.inject(1, views, "draft build")
-    assert buf["seq_lens"].tolist() == [108] * 8 and buf["query_start_loc"].tolist() == [0, 4, 8, 12, 16, 20, 24, 28, 32]
+    assert buf["seq_lens"].tolist() == [108] * 8 and buf["query_start_loc"].tolist() == [
+        0,
+        4,
+        8,
+        12,
+        16,
+        20,
+        24,
+        28,
+        32,
+    ]
 
 
 def test_no_target_capture_means_nothing_to_write():

@@ -20,7 +20,7 @@ from repro.cli import main as cli
 from repro.descriptors import ConfigError
 from repro.poison import parse_poison
 from repro.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, STALE_AUDIT, WRONG
-from repro.vllm_integration import plugin
+from repro.vllm_integration import plugin, weights
 from repro.vllm_integration.builds import (
     CONTROL,
     UNDER_TEST,
@@ -32,7 +32,6 @@ from repro.vllm_integration.builds import (
 from repro.vllm_integration.gate_case import GateCase, GateMode, parse_modes
 from repro.vllm_integration.gate_judge import annotate, apply_reference, compare_tokens, not_fired
 from repro.vllm_integration.gate_run import run_case, run_gate
-from repro.vllm_integration import weights
 from tests.fake_vllm import write_fake_vllm
 
 needs_entry_point = pytest.mark.skipif(

@@ -36,7 +36,11 @@ COMPLETE, CLAIM = "vllm-cache.complete", "vllm-cache.claim"  # markers beside it
 WARM, WRITER, COLD = "warm", "cold, writer", "cold"  # what a case's VLLM_CACHE_ROOT is (case_cache)
 PRIVATE, KEPT = "private", "reference kept"  # the old path (no cache); a reference not run, its kept record used
 _EDGE = 1 << 20  # bytes read from each end of a compiled extension
-_GATE_SOURCES = ("gate.py", "plugin.py", "weights.py")  # the gate's model, prompts and weights: a reference depends on them
+_GATE_SOURCES = (
+    "gate.py",
+    "plugin.py",
+    "weights.py",
+)  # the gate's model, prompts and weights: a reference depends on them
 
 
 def default_root() -> Path:

@@ -292,7 +292,7 @@ def run_gate(
                     while pending:
                         c = pending.pop(0)
                         first_try = c.case_id not in retried
-                        res = one(c, mps, keep=lambda r: not (refused(r) and first_try))
+                        res = one(c, mps, keep=lambda r, again=first_try: not (refused(r) and again))
                         if refused(res) and first_try:
                             retried.add(c.case_id)
                             pending.insert(0, c)
