@@ -73,6 +73,13 @@ def add_parsers(sub) -> None:
         help="LABEL=PREFIX: a known-bad build the gate must catch (also REPRO_VLLM_CONTROL; default: none)",
     )
     gt.add_argument(
+        "--torch",
+        action="append",
+        default=[],
+        help="LABEL=PREFIX: a torch of its own for one build (a release that pins another torch: PREFIX holds torch/, "
+        "put before the build on its cases' PYTHONPATH) (default: the installed torch)",
+    )
+    gt.add_argument(
         "--overlay",
         action="append",
         default=[],
@@ -134,7 +141,14 @@ def cmd_gate(a: argparse.Namespace) -> int:
 
     from repro.environment import collect
     from repro.vllm_integration import gate_report
-    from repro.vllm_integration.builds import CONTROL, UNDER_TEST, find_builds, parse_builds, parse_overlays
+    from repro.vllm_integration.builds import (  # noqa: PLC0415  vLLM-side modules load only for the gate
+        CONTROL,
+        UNDER_TEST,
+        attach_torch,
+        find_builds,
+        parse_builds,
+        parse_overlays,
+    )
     from repro.vllm_integration.gate_cache import GateCache, default_root
     from repro.vllm_integration.gate_case import parse_backends, parse_modes
     from repro.vllm_integration.gate_run import EXIT, run_gate
@@ -156,6 +170,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
     )
     if a.installed_label:
         builds = [replace(b, label=a.installed_label) if b.prefix is None else b for b in builds]
+    builds = attach_torch(builds, ",".join(a.torch))
     if not builds and not overlays:
         print(
             "repro: cannot run here: no vLLM build to test: install vllm, or name builds with --vllm / --control "

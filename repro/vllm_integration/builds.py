@@ -14,7 +14,7 @@ import importlib.util
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from repro.descriptors import ConfigError
@@ -30,6 +30,9 @@ class VllmBuild:
     prefix: str | None  # folder to put first on PYTHONPATH; None: the installed vllm
     role: str = UNDER_TEST
     version: str | None = None  # read from the build's own files
+    # a torch of its own (--torch LABEL=PREFIX): a release that pins another torch than the one installed runs with
+    # this folder before its prefix on PYTHONPATH
+    torch_prefix: str | None = None
 
     @property
     def package_dir(self) -> Path | None:
@@ -39,7 +42,50 @@ class VllmBuild:
         return Path(spec.origin).parent if spec and spec.origin else None
 
     def to_dict(self) -> dict:
-        return {"label": self.label, "prefix": self.prefix, "role": self.role, "version": self.version}
+        d = {"label": self.label, "prefix": self.prefix, "role": self.role, "version": self.version}
+        if self.torch_prefix:
+            d["torch_prefix"] = self.torch_prefix
+        return d
+
+    @property
+    def torch_version(self) -> str | None:
+        """The release of the build's own torch (--torch), None when it runs with the installed one."""
+        return read_torch_version(self.torch_prefix) if self.torch_prefix else None
+
+
+def read_torch_version(prefix: str | Path) -> str | None:
+    """The version a prefix's torch declares: its dist-info, else torch/version.py."""
+    prefix = Path(prefix)
+    for dist in sorted(prefix.glob("torch-*.dist-info")):
+        m = re.match(r"torch-([^-]+)\.dist-info$", dist.name)
+        if m:
+            return m[1]
+    ver = prefix / "torch" / "version.py"
+    if ver.exists():
+        m = re.search(r"""__version__\s*(?::\s*str)?\s*=\s*['"]([^'"]+)['"]""", ver.read_text())
+        if m:
+            return m[1]
+    return None
+
+
+def attach_torch(builds: list[VllmBuild], text: str, variable: str = "--torch") -> list[VllmBuild]:
+    """LABEL=PREFIX[,LABEL=PREFIX...]: the named builds get a torch of their own (a folder holding torch/)."""
+    by_label = {b.label: b for b in builds}
+    given: dict[str, str] = {}
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        label, sep, prefix = item.partition("=")
+        if not sep or not label or not prefix:
+            raise ConfigError(f"{variable}: {item!r} is not LABEL=PREFIX (e.g. 0.33.0=/opt/torch-2.14)")
+        if label not in by_label:
+            raise ConfigError(f"{variable}: no build is labelled {label!r} (builds: {', '.join(by_label) or 'none'})")
+        if label in given:
+            raise ConfigError(f"{variable}: build {label!r} given a torch twice")
+        if not (Path(prefix) / "torch" / "__init__.py").exists():
+            raise ConfigError(f"{variable}: {prefix} holds no torch package ({prefix}/torch/__init__.py missing)")
+        given[label] = str(Path(prefix).resolve())
+    return [replace(b, torch_prefix=given[b.label]) if b.label in given else b for b in builds]
 
 
 def read_version(prefix: str | Path) -> str | None:
@@ -103,12 +149,12 @@ def find_builds(environ: dict[str, str] | None = None, include_installed: bool =
 
 
 def build_pythonpath(build: VllmBuild, all_builds: list[VllmBuild], current: str | None) -> str:
-    """PYTHONPATH for a case of `build`: its prefix first, every other build's prefix removed (never two vLLMs)."""
-    others = {b.prefix for b in all_builds if b.prefix and b.prefix != build.prefix}
+    """PYTHONPATH for a case of `build`: its own torch (if it has one) and its prefix first, every other build's prefix
+    and torch removed (never two vLLMs, never another build's torch)."""
+    own = [p for p in (build.torch_prefix, build.prefix) if p]
+    others = {p for b in all_builds for p in (b.prefix, b.torch_prefix) if p and p not in own}
     parts = [p for p in (current or "").split(os.pathsep) if p and str(Path(p).resolve()) not in others]
-    if build.prefix:
-        parts = [build.prefix] + [p for p in parts if str(Path(p).resolve()) != build.prefix]
-    return os.pathsep.join(parts)
+    return os.pathsep.join(own + [p for p in parts if str(Path(p).resolve()) not in own])
 
 
 @dataclass(frozen=True)

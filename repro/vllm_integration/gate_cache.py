@@ -54,7 +54,7 @@ def _torch_version() -> str:
         return "none"
 
 
-def package_fingerprint(pkg: Path) -> tuple[str, dict]:
+def package_fingerprint(pkg: Path, torch_version: str | None = None) -> tuple[str, dict]:
     """sha256 over a vllm package folder: the path and content of every Python file, and the path, size and first and
     last MiB of every compiled extension (a different build of a .so differs there: its build id and symbol tables);
     plus the torch release and Python version the cases run with. (hex digest, what it covered)."""
@@ -75,7 +75,7 @@ def package_fingerprint(pkg: Path) -> tuple[str, dict]:
                 tail = f.read(_EDGE)
             h.update(b"so\0" + rel.encode() + b"\0" + str(size).encode() + b"\0" + head + tail + b"\0")
             so += 1
-    torch, python = _torch_version(), f"{sys.version_info.major}.{sys.version_info.minor}"
+    torch, python = torch_version or _torch_version(), f"{sys.version_info.major}.{sys.version_info.minor}"
     h.update(f"torch={torch}\0python={python}".encode())
     return h.hexdigest(), {"python_files": py, "compiled_extensions": so, "torch": torch, "python": python}
 
@@ -104,7 +104,7 @@ class GateCache:
         self._lock = threading.Lock()  # the gate's case threads ask for fingerprints at once
 
     def fingerprint(self, build: VllmBuild) -> str:
-        key = build.prefix or "<installed>"
+        key = f"{build.prefix or '<installed>'}+{build.torch_prefix or ''}"
         with self._lock:
             return self._fp.get(key) or self._fingerprint(build, key)
 
@@ -112,7 +112,7 @@ class GateCache:
         pkg = build.package_dir
         if pkg is None or not pkg.is_dir():
             raise FileNotFoundError(f"vLLM build {build.label}: no vllm package folder to fingerprint")
-        digest, covered = package_fingerprint(pkg)
+        digest, covered = package_fingerprint(pkg, build.torch_version)
         self._fp[key] = digest[:20]
         d = self.build_dir_for(digest[:20])
         d.mkdir(parents=True, exist_ok=True)
