@@ -73,6 +73,13 @@ def add_parsers(sub) -> None:
         help="LABEL=PREFIX: a known-bad build the gate must catch (also REPRO_VLLM_CONTROL; default: none)",
     )
     gt.add_argument(
+        "--devices",
+        default=None,
+        help="where the case processes run: all (every GPU, or the smallest MIG slices on a MIG runner), or a list "
+        "of indices / UUIDs, one case per device at a time (--jobs divided over them) (default: this process's "
+        "device)",
+    )
+    gt.add_argument(
         "--torch",
         action="append",
         default=[],
@@ -152,6 +159,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
     from repro.vllm_integration.gate_cache import GateCache, default_root
     from repro.vllm_integration.gate_case import parse_backends, parse_modes
     from repro.vllm_integration.gate_run import EXIT, run_gate
+    from repro.vllm_integration.placement import gate_devices
 
     modes = parse_modes(a.modes)
     backends = parse_backends(a.backends)
@@ -203,7 +211,10 @@ def cmd_gate(a: argparse.Namespace) -> int:
     if a.compare_paths:
         return _compare_paths(a, paths, builds, modes, backends, out, logs, progress)
     cache = None if a.no_cache else GateCache(Path(a.cache_dir) if a.cache_dir else default_root())
-    run = run_gate(builds, modes, logs, a.repeat, a.jobs, a.timeout, progress, cache, backends, a.self_control)
+    devices = gate_devices(a.devices)
+    run = run_gate(
+        builds, modes, logs, a.repeat, a.jobs, a.timeout, progress, cache, backends, a.self_control, devices=devices
+    )
     written = gate_report.write(run, out, collect(), need_control=not a.no_control)
     print(gate_report.markdown(run, need_control=not a.no_control).split("\n| case |")[0])
     print(f"written: {', '.join(str(p) for p in written)}")

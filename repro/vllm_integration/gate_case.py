@@ -186,8 +186,10 @@ def case_env(
     mps: MpsDaemon | None,
     total_sms: Callable[[], int],
     base: dict[str, str] | None = None,
+    device: str | None = None,
 ) -> dict[str, str]:
-    """The environment of one gate case process. Raises Unavailable when the machine cannot give the mode."""
+    """The environment of one gate case process (on `device`, a CUDA_VISIBLE_DEVICES value, when placed). Raises
+    Unavailable when the machine cannot give the mode."""
     env = dict(os.environ if base is None else base)
     for k in (
         "REPRO_AUDIT",
@@ -237,6 +239,8 @@ def case_env(
             env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     if case.launch_blocking:
         env["CUDA_LAUNCH_BLOCKING"] = "1"
+    if device is not None:
+        env["CUDA_VISIBLE_DEVICES"] = device
     return env
 
 

@@ -45,6 +45,7 @@ def rows(run: GateRun) -> list[dict]:
                     "engine": (r.backend_identity or {}).get("engine"),
                     "counters": (r.backend_identity or {}).get("counters"),
                     "acceptance": (r.backend_identity or {}).get("acceptance"),
+                    "device": (r.backend_identity or {}).get("device"),  # where it ran (placement), when placed
                     "stale_fields": r.stale_fields,
                     "wall_s": r.wall_s,
                     "reason": r.reason,

@@ -45,6 +45,7 @@ from repro.vllm_integration.gate_case import (
 )
 from repro.vllm_integration.gate_judge import annotate, finish, meets, validate_reference
 from repro.vllm_integration.inject import STALE_CAPTURE
+from repro.vllm_integration.placement import DevicePool, GateDevice, kind_of, main_kind, per_device_jobs
 
 PASS, AFFECTED, BLIND, CANNOT_VOUCH = "PASS", "AFFECTED", "HARNESS BLIND", "CANNOT VOUCH"
 EXIT = {PASS: 0, AFFECTED: 1, BLIND: 3, CANNOT_VOUCH: 4}  # 2 is bad input; a bisect step maps 3 and 4 to 125
@@ -58,6 +59,7 @@ def run_case(
     mps: MpsDaemon | None = None,
     total_sms: Callable[[], int] = device_sm_count,
     cache: GateCache | None = None,
+    device: GateDevice | None = None,
 ) -> CaseResult:
     """One gate case in its own process; never raises for a faulting case. With a cache (the new path), the case's
     VLLM_CACHE_ROOT is its build's folder (used in place once complete, or written by this case as the build's one
@@ -67,7 +69,7 @@ def run_case(
     audit_file = log_dir / f"{case.case_id}.audit.json"
     audit_file.unlink(missing_ok=True)  # an earlier run into this folder must not lend this case its mismatches
     try:
-        env = case_env(case, builds, audit_file, mps, total_sms)
+        env = case_env(case, builds, audit_file, mps, total_sms, device=device.dev if device else None)
     except Unavailable as e:
         return _skipped(case, str(e))
     private = Path(env["VLLM_CACHE_ROOT"])
@@ -104,14 +106,17 @@ def run_attributed(
     log_dir: str | Path,
     mps: MpsDaemon | None = None,
     cache: GateCache | None = None,
+    device: GateDevice | None = None,
 ) -> tuple[CaseResult, tuple[GateCase, CaseResult] | None]:
     """run_case, and for a crash in the plain mode (first repetition) a rerun with CUDA_LAUNCH_BLOCKING=1 that names
     the faulting kernel: (result, (rerun case, rerun result) or None)."""
-    res = run_case(case, builds, log_dir, mps, cache=cache)
+    res = run_case(case, builds, log_dir, mps, cache=cache, device=device)
+    if device is not None:
+        res = replace(res, backend_identity={**(res.backend_identity or {}), "device": device.to_dict()})
     if res.verdict != CRASH or case.mode.name != "plain" or case.rep or case.reference:
         return res, None
     rc = replace(case, launch_blocking=True)
-    rerun = run_case(rc, builds, log_dir, mps, cache=cache)
+    rerun = run_case(rc, builds, log_dir, mps, cache=cache, device=device)
     kernel = rerun.kernel if rerun.verdict == CRASH else None
     if kernel:
         res = res.revised(
@@ -227,11 +232,14 @@ def run_gate(
     cache: GateCache | None = None,
     backends: tuple[str, ...] = (DEFAULT_BACKEND,),
     self_control: str = "under-test",
+    devices: list[GateDevice] | None = None,
 ) -> GateRun:
     """Every case, references included; non-MPS cases `jobs` at a time, MPS cases one at a time under one daemon
     owned by the run (a faulting MPS client can take the server's other clients down). With a cache (the new path,
     repro.vllm_integration.gate_cache) the cases share their build's vLLM caches and a reference kept for the build's
-    fingerprint, SM configuration, GPU and gate code is used instead of running it again; without, the old path."""
+    fingerprint, SM configuration, GPU and gate code is used instead of running it again; without, the old path.
+    With devices (repro.vllm_integration.placement), each case process runs on one of them, of one kind (main_kind:
+    a case and its reference on the same SM count), `--jobs` divided over them; MPS cases on the first."""
     if not builds:
         raise ConfigError("no vLLM build to test: install vllm, or set REPRO_VLLM / REPRO_VLLM_CONTROL")
     cases = plan(builds, modes, repeat, timeout_s, backends, self_control)
@@ -252,6 +260,12 @@ def run_gate(
 
     gpu = gpu_identity() if cache is not None else ""
 
+    placed = list(devices or [])
+    kind = main_kind(placed) if placed else None
+    chosen = [d for d in placed if kind_of(d) == kind]
+    pool = DevicePool(chosen, per_device_jobs(jobs, chosen)) if placed else None
+    workers = pool.per_device * len(pool.devices) if pool else max(1, jobs)
+
     def one(c: GateCase, mps: MpsDaemon | None, keep: Callable[[CaseResult], bool] = lambda r: True) -> CaseResult:
         """Run (or load) one case and record it, unless keep says its result is not to be recorded."""
         t = time.time()
@@ -259,7 +273,12 @@ def run_gate(
         if kept is not None:
             res, attribution, out = kept_reference(c, kept), None, kept["result"]
         else:
-            res, attribution = run_attributed(c, builds, log_dir, mps, cache)
+            dev = (pool.devices[0] if mps is not None else pool.take(kind)) if pool else None
+            try:
+                res, attribution = run_attributed(c, builds, log_dir, mps, cache, device=dev)
+            finally:
+                if dev is not None and mps is None:
+                    pool.give(dev)
             out = result_line(log_dir, c)
             if c.reference:
                 res = validate_reference(c, res, out)
@@ -310,8 +329,8 @@ def run_gate(
 
     mps_thread = threading.Thread(target=serial_part, daemon=True)
     mps_thread.start()
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        list(pool.map(lambda c: one(c, None), parallel))
+    with ThreadPoolExecutor(max_workers=workers) as threads:
+        list(threads.map(lambda c: one(c, None), parallel))
     mps_thread.join()
     ref_by_key = {(c.build, c.backend, c.mode.sm): (c, r) for c, r in run.references}
     judged = []
