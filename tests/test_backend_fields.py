@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from repro.vllm_integration import audit, backend_fields, plugin
+from repro.vllm_integration import audit, backend_fields, backend_hooks, capture, counters, metadata_views, plugin
 from repro.vllm_integration.audit import FreshnessAuditor
 from repro.vllm_integration.backend_fields import BACKENDS, FLASHINFER, TRITON_ATTN, find_classes, generic
 from repro.vllm_integration.versions import load
@@ -21,9 +21,10 @@ RECORD = load()
 
 @pytest.fixture
 def fresh_plugin(monkeypatch):
-    monkeypatch.setattr(plugin, "AUDITOR", FreshnessAuditor())
-    monkeypatch.setattr(plugin, "COUNTERS", plugin.new_counters())
-    monkeypatch.setattr(plugin, "_CAPTURES", [])
+    """The plugin's state made new where its hooks read it (repro.vllm_integration.counters and .capture)."""
+    monkeypatch.setattr(counters, "AUDITOR", FreshnessAuditor())
+    monkeypatch.setattr(counters, "COUNTERS", counters.new_counters())
+    monkeypatch.setattr(capture, "_CAPTURES", [])
     return plugin
 
 
@@ -89,21 +90,21 @@ def test_the_auditor_on_a_standin_of_each_recorded_release_and_backend(fresh_plu
     facts = next(r for r in RECORD if r["version"] == version)["backends"][name]
     spec = BACKENDS[name]
     mod, bufs = standin_backend(name, facts)
-    assert plugin.install(mod, spec=spec)
+    assert backend_hooks.install(mod, spec=spec)
     builder, impl = getattr(mod, spec.builder)(), getattr(mod, spec.impl)()
     md = builder.build(0, 3)
-    assert impl.forward(None, 0, 0, 0, None, md) == "ran" and not plugin.AUDITOR.mismatches
+    assert impl.forward(None, 0, 0, 0, None, md) == "ran" and not counters.AUDITOR.mismatches
     if facts["build_for_cudagraph_capture"]:
         captured = builder.build_for_cudagraph_capture(2)
         impl.forward(None, 0, 0, 0, None, captured)
-        assert not plugin.AUDITOR.mismatches, "build_for_cudagraph_capture's own rewrite reported stale"
+        assert not counters.AUDITOR.mismatches, "build_for_cudagraph_capture's own rewrite reported stale"
     builder.build(0, 1)  # the target's last build overwrites every persistent buffer
     impl.forward(None, 0, 0, 0, None, md)
-    stale = {m.buffer for m in plugin.AUDITOR.mismatches}
+    stale = {m.buffer for m in counters.AUDITOR.mismatches}
     excluded = {f for f in bufs if spec.excluded_reason(f)}
-    assert stale == set(bufs) - excluded and all(m.descriptor == "t12r3" for m in plugin.AUDITOR.mismatches)
-    assert plugin.COUNTERS["backends"] == {name: 3 if facts["build_for_cudagraph_capture"] else 2}
-    assert set(plugin.COUNTERS["fields_not_checked"].get(name, {})) == excluded
+    assert stale == set(bufs) - excluded and all(m.descriptor == "t12r3" for m in counters.AUDITOR.mismatches)
+    assert counters.COUNTERS["backends"] == {name: 3 if facts["build_for_cudagraph_capture"] else 2}
+    assert set(counters.COUNTERS["fields_not_checked"].get(name, {})) == excluded
     wrapped = getattr(getattr(mod, spec.builder), "update_draft_decode_metadata", None)
     assert (wrapped is not None and wrapped._repro_wrapped) == facts["update_draft_decode_metadata"]
 
@@ -150,21 +151,21 @@ def test_flashinfer_wrapper_buffers_are_checked_and_its_workspace_is_not(fresh_p
     mod = types.SimpleNamespace(
         __name__=FLASHINFER.module, FlashInferMetadataBuilder=FlashInferMetadataBuilder, FlashInferImpl=FlashInferImpl
     )
-    assert plugin.install(mod, spec=FLASHINFER)
+    assert backend_hooks.install(mod, spec=FLASHINFER)
     b = FlashInferMetadataBuilder()
     md = b.build(0, 4)
     b.build(0, 2)
     FlashInferImpl().forward(None, 0, 0, 0, None, md)
-    assert {m.buffer for m in plugin.AUDITOR.mismatches} == {"decode.wrapper._paged_kv_indptr_buf"}
-    assert plugin.AUDITOR.mismatches[0].descriptor == "t4r4"
-    assert "decode.wrapper._int_workspace_buffer" in plugin.COUNTERS["fields_not_checked"]["FLASHINFER"]
+    assert {m.buffer for m in counters.AUDITOR.mismatches} == {"decode.wrapper._paged_kv_indptr_buf"}
+    assert counters.AUDITOR.mismatches[0].descriptor == "t4r4"
+    assert "decode.wrapper._int_workspace_buffer" in counters.COUNTERS["fields_not_checked"]["FLASHINFER"]
 
 
 def test_a_tensor_no_table_lists_is_checked_and_reported_as_unlisted(fresh_plugin):
     md = types.SimpleNamespace(query_start_loc=torch.arange(3), brand_new_field=torch.ones(2))
-    views = plugin._views(md, TRITON_ATTN)
+    views = metadata_views.views_of(md, TRITON_ATTN)
     assert set(views) == {"query_start_loc", "brand_new_field"}
-    assert plugin.COUNTERS["fields_unlisted"] == {"TRITON_ATTN": ["brand_new_field"]}
+    assert counters.COUNTERS["fields_unlisted"] == {"TRITON_ATTN": ["brand_new_field"]}
 
 
 def test_generic_discovery_and_missing_classes(fresh_plugin, capsys):
@@ -183,7 +184,7 @@ def test_generic_discovery_and_missing_classes(fresh_plugin, capsys):
     mod.OtherMetadataBuilder = type("OtherMetadataBuilder", (), {"build": lambda s: 0, "__module__": mod.__name__})
     with pytest.raises(LookupError, match="expected one \\*MetadataBuilder"):
         find_classes(mod, spec)
-    assert plugin.install(types.ModuleType(TRITON_ATTN.module), spec=TRITON_ATTN) is False
+    assert backend_hooks.install(types.ModuleType(TRITON_ATTN.module), spec=TRITON_ATTN) is False
     err = capsys.readouterr().out
     assert "REPRO_PLUGIN" in err and "TritonAttentionMetadataBuilder/TritonAttentionImpl not found" in err
 
@@ -192,7 +193,7 @@ def test_forward_must_take_attn_metadata_where_vllm_passes_it(fresh_plugin, caps
     mod = types.ModuleType(TRITON_ATTN.module)
     mod.TritonAttentionMetadataBuilder = type("TritonAttentionMetadataBuilder", (), {"build": lambda s, n: None})
     mod.TritonAttentionImpl = type("TritonAttentionImpl", (), {"forward": lambda self, layer, md: None})
-    assert plugin.install(mod, spec=TRITON_ATTN) is False
+    assert backend_hooks.install(mod, spec=TRITON_ATTN) is False
     assert "forward does not take attn_metadata" in capsys.readouterr().out
 
 
@@ -226,7 +227,7 @@ def draft_loop(fresh_plugin, monkeypatch):
     }
     mod, bufs = standin_backend("FLASH_ATTN", facts)
     cuda = types.SimpleNamespace(graph=_Graph)
-    assert plugin.install(mod, cuda=cuda, spec=BACKENDS["FLASH_ATTN"])
+    assert backend_hooks.install(mod, cuda=cuda, spec=BACKENDS["FLASH_ATTN"])
     real = audit._ints
 
     def no_copy_in_capture(v):
@@ -250,10 +251,10 @@ def test_an_eager_refresh_is_the_new_reference(draft_loop):
     _advance(bufs, 2)
     builder.update_draft_decode_metadata(md)
     impl.forward(None, 0, 0, 0, None, md)  # step 2 of the fused draft loop, eager
-    assert not plugin.AUDITOR.mismatches and plugin.COUNTERS["draft_refreshes"] == 1
+    assert not counters.AUDITOR.mismatches and counters.COUNTERS["draft_refreshes"] == 1
     _advance(bufs, 2)  # advanced again, but not refreshed: what the forward sees is not what was recorded
     impl.forward(None, 0, 0, 0, None, md)
-    assert {m.buffer for m in plugin.AUDITOR.mismatches} == {"seq_lens", "slot_mapping"}
+    assert {m.buffer for m in counters.AUDITOR.mismatches} == {"seq_lens", "slot_mapping"}
 
 
 def test_a_refresh_inside_a_capture_makes_its_fields_the_graphs(draft_loop):
@@ -267,15 +268,15 @@ def test_a_refresh_inside_a_capture_makes_its_fields_the_graphs(draft_loop):
         _advance(bufs, 2)  # stands for what the graph will do at replay
         impl.forward(None, 0, 0, 0, None, md)
         assert builder.build(0, 2) is not None
-    assert not plugin.AUDITOR.mismatches
-    assert plugin.COUNTERS["draft_refreshes_in_graph"] == 1 and plugin.COUNTERS["builds_in_graph"] == 1
-    assert plugin.COUNTERS["captures_refreshed_in_graph"] == {plugin.UNKNOWN_KIND: 1}
+    assert not counters.AUDITOR.mismatches
+    assert counters.COUNTERS["draft_refreshes_in_graph"] == 1 and counters.COUNTERS["builds_in_graph"] == 1
+    assert counters.COUNTERS["captures_refreshed_in_graph"] == {capture.UNKNOWN_KIND: 1}
     md = builder.build(0, 3)
     with cuda.graph():
         impl.forward(None, 0, 0, 0, None, md)
         builder.update_draft_decode_metadata(md)
         bufs["query_start_loc"][1] = 99  # not a field the refresh rewrites: still checked
-    assert {m.buffer for m in plugin.AUDITOR.mismatches} == {"query_start_loc"}
+    assert {m.buffer for m in counters.AUDITOR.mismatches} == {"query_start_loc"}
 
 
 def test_without_a_refresh_a_capture_still_reports_stale_views(draft_loop):
@@ -284,13 +285,13 @@ def test_without_a_refresh_a_capture_still_reports_stale_views(draft_loop):
     builder.build(0, 1)
     with cuda.graph():
         impl.forward(None, 0, 0, 0, None, md)
-    assert {m.buffer for m in plugin.AUDITOR.mismatches} == {
+    assert {m.buffer for m in counters.AUDITOR.mismatches} == {
         "query_start_loc",
         "scheduler_metadata",
         "seq_lens",
         "slot_mapping",
     }
-    assert plugin.COUNTERS["captures_stale"] == {plugin.UNKNOWN_KIND: 1}
+    assert counters.COUNTERS["captures_stale"] == {capture.UNKNOWN_KIND: 1}
 
 
 # --- which backend, which layout ------------------------------------------------------------------------------------
@@ -309,8 +310,8 @@ def test_register_hooks_the_backend_named_and_says_when_it_cannot(monkeypatch, c
     for name in ("vllm", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.backends"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, mod.__name__, mod)
-    monkeypatch.setattr(plugin, "_installed", set())
-    monkeypatch.setattr(plugin, "install_capture_tracker", lambda cuda: None)
+    monkeypatch.setattr(counters, "_installed", set())
+    monkeypatch.setattr(capture, "install_capture_tracker", lambda cuda: None)
     monkeypatch.setattr(plugin.atexit, "register", lambda f: None)
     monkeypatch.delenv("REPRO_WEIGHTS", raising=False)
     monkeypatch.setenv("REPRO_AUDIT", "1")
@@ -318,8 +319,8 @@ def test_register_hooks_the_backend_named_and_says_when_it_cannot(monkeypatch, c
     plugin.register()
     out = capsys.readouterr().out
     assert '"installed": "audit", "backend": "TRITON_ATTN"' in out and "error" not in out
-    assert plugin.COUNTERS["spec_layout"] is None and plugin.COUNTERS["spec_layout_known"] is False
-    monkeypatch.setattr(plugin, "_installed", set())
+    assert counters.COUNTERS["spec_layout"] is None and counters.COUNTERS["spec_layout_known"] is False
+    monkeypatch.setattr(counters, "_installed", set())
     monkeypatch.setenv("REPRO_ATTENTION_BACKEND", "NO_SUCH_BACKEND")
     plugin.register()
     out = capsys.readouterr().out

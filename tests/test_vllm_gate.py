@@ -20,7 +20,7 @@ from repro.cli import main as cli
 from repro.descriptors import ConfigError
 from repro.poison import parse_poison
 from repro.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, STALE_AUDIT, WRONG
-from repro.vllm_integration import plugin, weights
+from repro.vllm_integration import fa3_hooks, plugin, weights
 from repro.vllm_integration.builds import (
     CONTROL,
     UNDER_TEST,
@@ -173,7 +173,7 @@ def test_fa3_hooks_pass_sm_margin_and_poison_the_never_written_entries():
     arg = types.SimpleNamespace
     fwd.default = arg(_schema=arg(arguments=[arg(name=n) for n in ("q", "k", "sm_margin", "s_aux")]))
     ops, module = types.SimpleNamespace(fwd=fwd), types.SimpleNamespace(__name__="fa", get_scheduler_metadata=sched)
-    done = plugin.install_fa3_hooks(module, ops, sm_margin=116, poison=parse_poison("int-max"))
+    done = fa3_hooks.install_fa3_hooks(module, ops, sm_margin=116, poison=parse_poison("int-max"))
     assert len(done) == 2
     md = module.get_scheduler_metadata(
         batch_size=3, max_seqlen_q=4, max_seqlen_k=100, headdim=128, causal=True, page_size=16, window_size=None

@@ -11,11 +11,10 @@ import pytest
 
 from repro.channel import Channel
 from repro.classify import classify, kernel_in
-from repro.tags import RESULT_TAG
+from repro.tags import AUDIT_TAG, RESULT_TAG
 from repro.verdicts import CLEAN, CRASH, ERROR
 from repro.vllm_integration.gate_case import GateCase
 from repro.vllm_integration.gate_judge import compare_tokens
-from repro.vllm_integration.plugin import AUDIT_TAG
 
 RECORDS = sorted((Path(__file__).resolve().parent.parent / "results" / "h200-vllm").glob("*/results.json"))
 ROWS = [(p.parent.name, c) for p in RECORDS for c in json.loads(p.read_text())["cases"]]

@@ -13,7 +13,7 @@ import torch
 from repro.builder import MetadataBuilder
 from repro.descriptors import AttnConfig, BatchDescriptor
 from repro.fa3_model.predict import ModelBackend
-from repro.vllm_integration import plugin
+from repro.vllm_integration import backend_hooks, capture, counters, plugin
 from repro.vllm_integration.audit import FreshnessAuditor
 from repro.vllm_integration.bisect import UNTESTABLE_EXIT, build_overlay, run_bisect, step
 from repro.vllm_integration.gate import write_models
@@ -77,23 +77,23 @@ def test_plugin_wraps_a_backend_module(monkeypatch):
         FlashAttentionMetadataBuilder=FlashAttentionMetadataBuilder,
         FlashAttentionImpl=FlashAttentionImpl,
     )
-    monkeypatch.setattr(plugin, "AUDITOR", FreshnessAuditor())
-    plugin.install(mod)
+    monkeypatch.setattr(counters, "AUDITOR", FreshnessAuditor())
+    backend_hooks.install(mod)
     builder, impl = FlashAttentionMetadataBuilder(), FlashAttentionImpl()
     saved = builder.build(3)
-    assert impl.forward(None, 0, 0, 0, None, saved) == "ran" and not plugin.AUDITOR.mismatches
+    assert impl.forward(None, 0, 0, 0, None, saved) == "ran" and not counters.AUDITOR.mismatches
     builder.build(1)  # overwrites the persistent buffers
     impl.forward(None, 0, 0, 0, None, saved)
-    assert plugin.AUDITOR.mismatches and plugin.AUDITOR.mismatches[0].descriptor == "t12r3"
+    assert counters.AUDITOR.mismatches and counters.AUDITOR.mismatches[0].descriptor == "t12r3"
 
 
 def test_register_is_inert_unless_enabled(monkeypatch, capsys):
     for var in ("REPRO_AUDIT", "REPRO_PROBE", "REPRO_SM_MARGIN", "REPRO_POISON", "REPRO_WEIGHTS"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.delitem(sys.modules, "vllm", raising=False)
-    before, graph = set(plugin._installed), torch.cuda.graph
+    before, graph = set(counters._installed), torch.cuda.graph
     plugin.register()  # must not import vllm or patch anything
-    assert "vllm" not in sys.modules and plugin._installed == before and torch.cuda.graph is graph
+    assert "vllm" not in sys.modules and counters._installed == before and torch.cuda.graph is graph
     printed = capsys.readouterr()
     assert printed.out == printed.err == ""
 
@@ -105,18 +105,18 @@ def test_register_announces_only_what_installed(monkeypatch, capsys):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
     monkeypatch.setattr(sys.modules["vllm.v1.attention.backends"], "flash_attn", fake, raising=False)
-    monkeypatch.setattr(plugin, "_installed", set())
+    monkeypatch.setattr(counters, "_installed", set())
     monkeypatch.setenv("REPRO_AUDIT", "1")
     monkeypatch.delenv("REPRO_WEIGHTS", raising=False)
     plugin.register()
     lines = [json.loads(x.split(" ", 1)[1]) for x in capsys.readouterr().out.splitlines() if x.startswith("REPRO_")]
     assert lines and all("error" in x for x in lines), lines
-    assert "FlashAttentionImpl" in lines[0]["error"] and not plugin._installed
+    assert "FlashAttentionImpl" in lines[0]["error"] and not counters._installed
 
 
 def test_capture_kinds_come_from_the_vllm_objects_on_the_stack(monkeypatch):
     """torch.cuda.graph wrapped: each capture counted under the kind its manager, owner attribute and text say."""
-    monkeypatch.setattr(plugin, "COUNTERS", plugin.new_counters())
+    monkeypatch.setattr(counters, "COUNTERS", counters.new_counters())
 
     class FakeGraph:
         def __init__(self, *a, **k):
@@ -129,7 +129,7 @@ def test_capture_kinds_come_from_the_vllm_objects_on_the_stack(monkeypatch):
             return False
 
     cuda = types.SimpleNamespace(graph=FakeGraph)
-    plugin.install_capture_tracker(cuda)
+    capture.install_capture_tracker(cuda)
 
     class CudaGraphManager:
         def capture(self, progress_bar_desc):
@@ -159,10 +159,10 @@ def test_capture_kinds_come_from_the_vllm_objects_on_the_stack(monkeypatch):
     GPUModelRunner().capture_model()
     with cuda.graph():  # nothing of vLLM's on the stack
         pass
-    assert plugin.COUNTERS["captures"] == {
-        "target decode": 1, "draft prefill": 1, "draft decode": 1, plugin.UNKNOWN_KIND: 1
+    assert counters.COUNTERS["captures"] == {
+        "target decode": 1, "draft prefill": 1, "draft decode": 1, capture.UNKNOWN_KIND: 1
     }  # fmt: skip
-    assert plugin.COUNTERS["runner"].endswith(".GPUModelRunner") and not plugin.COUNTERS["captures_with_attention"]
+    assert counters.COUNTERS["runner"].endswith(".GPUModelRunner") and not counters.COUNTERS["captures_with_attention"]
 
 
 MANAGER_BAD = """

@@ -142,9 +142,9 @@ def resolved_engine(llm) -> dict:
     """What the engine resolved, read from its config after start-up (in-process engine: the config the model runner
     updated) and from the plugin's counters (the attention impl that ran, its FA version, the runner seen capturing).
     A value vLLM does not expose here is None, never guessed."""
-    from repro.vllm_integration import plugin
+    from repro.vllm_integration.counters import snapshot  # the plugin's counters: only the case process reads them
 
-    counters = plugin.snapshot()
+    counters = snapshot()
     engine = getattr(llm, "llm_engine", None)
     cfg = getattr(engine, "vllm_config", None)
     comp = getattr(cfg, "compilation_config", None)

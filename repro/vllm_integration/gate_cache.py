@@ -39,6 +39,11 @@ _EDGE = 1 << 20  # bytes read from each end of a compiled extension
 _GATE_SOURCES = (
     "gate.py",
     "plugin.py",
+    "backend_hooks.py",
+    "capture.py",
+    "counters.py",
+    "fa3_hooks.py",
+    "metadata_views.py",
     "weights.py",
 )  # the gate's model, prompts and weights: a reference depends on them
 
