@@ -28,7 +28,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from repro.case import CaseResult
+from repro.environment import gpu_facts
 from repro.vllm_integration.builds import VllmBuild
+from repro.vllm_integration.gate_case import GateCase
 
 CACHE_ENV = "REPRO_CACHE_DIR"
 VLLM_CACHE = "vllm-cache"
@@ -228,3 +231,24 @@ def _write_json(path: Path, obj: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(obj, indent=1, default=str))
     os.replace(tmp, path)
+
+
+def ref_key(case: GateCase) -> str:
+    """What a kept reference is for, besides its build, GPU and the gate's code: backend and SM configuration."""
+    return f"{case.backend}/{case.mode.sm.label}"
+
+
+def gpu_identity() -> str:
+    """The GPU a kept reference is for: its name and SM count (probed in a child; 'no GPU' without one)."""
+    facts = gpu_facts()
+    return f"{facts.get('gpu')} {facts.get('sms')} SMs" if facts.get("gpu") else "no GPU"
+
+
+def kept_reference(case: GateCase, kept: dict) -> CaseResult:
+    """The reference case's record from the cache (GateCache.load_reference): the stored clean result, its history
+    saying where it came from."""
+    return CaseResult(**kept["case"]).revised(
+        "reference cache",
+        f"reference run of {kept.get('stored')} kept for this build ({kept['path']})",
+        phases={"wall": 0.0, "vllm_cache": KEPT},
+    )

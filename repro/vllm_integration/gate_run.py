@@ -24,7 +24,6 @@ from repro.case import CaseResult
 from repro.channel import Channel
 from repro.classify import refused
 from repro.descriptors import ConfigError
-from repro.environment import gpu_facts
 from repro.runner import case_logs, device_sm_count, run_process
 from repro.smcontrol import MpsDaemon, Unavailable
 from repro.tags import COUNTERS_TAG, RESULT_TAG
@@ -32,7 +31,7 @@ from repro.verdicts import CANNOT_VOUCH as NOT_VOUCHED
 from repro.verdicts import CLEAN, CRASH, FAULTS, SKIP
 from repro.vllm_integration import gate_bench
 from repro.vllm_integration.builds import VllmBuild
-from repro.vllm_integration.gate_cache import KEPT, PRIVATE, WRITER, GateCache
+from repro.vllm_integration.gate_cache import PRIVATE, WRITER, GateCache, gpu_identity, kept_reference, ref_key
 from repro.vllm_integration.gate_case import (
     DEFAULT_BACKEND,
     FA3_ONLY,
@@ -269,7 +268,7 @@ def run_gate(
     def one(c: GateCase, mps: MpsDaemon | None, keep: Callable[[CaseResult], bool] = lambda r: True) -> CaseResult:
         """Run (or load) one case and record it, unless keep says its result is not to be recorded."""
         t = time.time()
-        kept = cache.load_reference(c.build, _ref_key(c), gpu) if cache is not None and c.reference else None
+        kept = cache.load_reference(c.build, ref_key(c), gpu) if cache is not None and c.reference else None
         if kept is not None:
             res, attribution, out = kept_reference(c, kept), None, kept["result"]
         else:
@@ -283,7 +282,7 @@ def run_gate(
             if c.reference:
                 res = validate_reference(c, res, out)
             if cache is not None and c.reference and res.verdict == CLEAN and out and out.get("tokens"):
-                cache.store_reference(c.build, _ref_key(c), gpu, out, res.to_dict())
+                cache.store_reference(c.build, ref_key(c), gpu, out, res.to_dict())
         if not keep(res):
             return res
         with lock:
@@ -343,27 +342,6 @@ def run_gate(
     run.wall_s = round(time.time() - t0, 1)
     run.build_wall_s = {k: round(v[1] - v[0], 1) for k, v in starts.items()}
     return run
-
-
-def _ref_key(case: GateCase) -> str:
-    """What a kept reference is for, besides its build, GPU and the gate's code: backend and SM configuration."""
-    return f"{case.backend}/{case.mode.sm.label}"
-
-
-def gpu_identity() -> str:
-    """The GPU a kept reference is for: its name and SM count (probed in a child; 'no GPU' without one)."""
-    facts = gpu_facts()
-    return f"{facts.get('gpu')} {facts.get('sms')} SMs" if facts.get("gpu") else "no GPU"
-
-
-def kept_reference(case: GateCase, kept: dict) -> CaseResult:
-    """The reference case's record from the cache (GateCache.load_reference): the stored clean result, its history
-    saying where it came from."""
-    return CaseResult(**kept["case"]).revised(
-        "reference cache",
-        f"reference run of {kept.get('stored')} kept for this build ({kept['path']})",
-        phases={"wall": 0.0, "vllm_cache": KEPT},
-    )
 
 
 def result_line(log_dir: str | Path, case: GateCase) -> dict | None:
