@@ -1,8 +1,8 @@
 """How a finished gate case process becomes its record: the shared classification (repro.classify) completed with
 what the case process and the plugin inside vLLM reported (annotate), compared with the build's reference run
-(apply_reference, compare_tokens), and checked for what it exists to exercise having fired (not_fired, vouch). Each
-step returns a new record through CaseResult.revised that says what changed it; `finish` is the order they run in,
-`meets` the policy's answer for the final record."""
+(apply_reference, compare_tokens), and checked for what it exists to exercise having fired (vouch, over the table
+of repro.vllm_integration.coverage and its not_fired). Each step returns a new record through CaseResult.revised
+that says what changed it; `finish` is the order they run in, `meets` the policy's answer for the final record."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from repro.staleness import count_fields, stale_entry
 from repro.tags import AUDIT_TAG, COUNTERS_TAG, DEVICE_TAG, ENGINE_TAG, PLUGIN_TAG, RESULT_TAG
 from repro.verdicts import CANNOT_VOUCH as NOT_VOUCHED
 from repro.verdicts import CLEAN, CRASH, ERROR, HANG, KERNEL_EVIDENCE, OOB, SKIP, STALE_AUDIT, WRONG
-from repro.vllm_integration.gate_case import DEFAULT_BACKEND, GateCase, expected
+from repro.vllm_integration.coverage import applying, features_needed, not_fired
+from repro.vllm_integration.gate_case import GateCase, expected
 
 TIE_MARGIN = 0.1  # nats: a reference token whose top-2 margin is below this is a tie, not a reference
 MIN_COVERAGE = 0.5  # a comparison that covers less than this share of the tokens cannot vouch for a build
-FULL_MODES = ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 # the draft's acceptance: a speculative reference (no CUDA graphs) below MIN_ACCEPTANCE cannot judge a draft; a case
 # whose acceptance is more than ACCEPTANCE_DROP below its reference's has a silently wrong draft (the gate's weights
 # give 100% to a right draft, and a draft reading the wrong positions near 0%: repro.vllm_integration.weights)
@@ -56,15 +56,7 @@ def annotate(res: CaseResult, case: GateCase, output: str | Channel, audit_file:
     result = ch.last(RESULT_TAG) or {}
     plugin = ch.of(PLUGIN_TAG)
     installed = {p["installed"] for p in plugin if "installed" in p}
-    needed = {"weights"}
-    if not case.reference:
-        needed.add("probe")
-    if case.mode.audit and not case.reference:
-        needed.add("audit")
-    if (case.mode.sm.kind == "sm_margin") or (case.mode.poison and not case.reference):
-        needed.add("fa3")
-    if case.inject and not case.reference:
-        needed.add("inject")
+    needed = features_needed(case)  # coverage.NEEDS
     engine, counters = ch.last(ENGINE_TAG), ch.last(COUNTERS_TAG)
     identity = res.backend_identity
     if engine or counters:
@@ -150,71 +142,6 @@ def _audit_evidence(ch: Channel, audit_file: Path | None) -> dict:
     }
 
 
-def not_fired(case: GateCase, identity: dict | None) -> list[str]:
-    """What this case exists to exercise and did not: the engine's resolved configuration (V2 runner, FLASH_ATTN with
-    FA3, FULL graphs, speculative decoding) and the mode's own counter (audit checks, sm_margin calls, poisoned
-    entries), from what the case process reported. Empty when everything fired."""
-    if case.reference:
-        return []
-    if not identity or not identity.get("engine"):
-        return ["the case process reported no engine configuration and no counters (no REPRO_ENGINE line)"]
-    e, c = identity["engine"], identity.get("counters") or {}
-    out = []
-    if not e.get("model_runner_v2"):
-        out.append(f"not the V2 model runner (runner: {e.get('model_runner') or 'none seen'})")
-    backend = case.backend
-    by_backend = c.get("backends") or ({DEFAULT_BACKEND: c.get("attention_forwards", 0)} if "backends" not in c else {})
-    if not by_backend.get(backend):
-        seen = ", ".join(f"{k} {v}" for k, v in by_backend.items() if v) or "none"
-        out.append(
-            f"no attention forward went through the hooked {backend} impl (forwards counted per backend: {seen}; "
-            f"requested {e.get('attention_backend_requested')}: another backend, or renamed classes)"
-        )
-    elif backend == DEFAULT_BACKEND:
-        versions = c.get("fa_versions") or {}
-        if set(versions) != {"3"}:
-            out.append(f"FlashAttention version {', '.join(sorted(versions)) or 'unknown'}, not FA3")
-    mode = e.get("cudagraph_mode")
-    if mode not in FULL_MODES:
-        out.append(f"cudagraph mode {mode}: no FULL CUDA graphs")
-    elif not sum((c.get("captures_with_attention") or {}).values()):
-        out.append(f"cudagraph mode {mode}, but no CUDA graph capture ran an attention forward (no FULL graph seen)")
-    if not e.get("speculative_method") or not e.get("num_speculative_tokens"):
-        out.append(
-            f"no speculative decoding (method {e.get('speculative_method')}, k {e.get('num_speculative_tokens')})"
-        )
-    else:
-        acc = identity.get("acceptance") or {}
-        drafts = acc.get("spec_decode_num_drafts")
-        if isinstance(drafts, (int, float)) and drafts == 0:
-            out.append("speculative decoding configured, but vLLM counted 0 drafts")
-    if c.get("spec_layout_known") is False:  # older records lack the key: not read as unknown
-        out.append(
-            f"speculative-decoding layout {c.get('spec_layout') or 'none found'} is not one the auditor knows "
-            "(plugin.KNOWN_SPEC_LAYOUTS)"
-        )
-    if case.mode.audit and not c.get("checks"):
-        out.append("the freshness auditor made 0 checks")
-    if case.inject and not any(v for k, v in (c.get("captures_injected") or {}).items() if k.startswith("draft")):
-        writes = c.get("inject_writes") or {}
-        out.append(
-            "the self control's injection reached no draft FULL capture (writes "
-            f"{', '.join(f'{k} {v}' for k, v in writes.items()) or 'none'}; target capture builds copied "
-            f"{c.get('inject_snapshots', 0)}; passes with nothing to write {c.get('inject_no_source') or 'none'}): "
-            "this layout or backend keeps the draft's capture out of its reach"
-        )
-    if case.mode.sm.kind == "sm_margin":
-        if not c.get("sched_sm_margin"):
-            out.append("no get_scheduler_metadata call received the injected sm_margin")
-        if not c.get("fwd_sm_margin"):
-            out.append("no FA3 forward (torch.ops._vllm_fa3_C.fwd) received the injected sm_margin")
-    if case.mode.poison and not c.get("entries_poisoned"):
-        out.append(
-            f"0 scheduler-metadata entries poisoned ({c.get('sched_calls', 0)} get_scheduler_metadata calls seen)"
-        )
-    return out
-
-
 def vouch(case: GateCase, res: CaseResult) -> CaseResult:
     """A case that would be clean or stale-audit, but whose feature did not fire, becomes cannot-vouch with the
     reason (a new record); a crash, a hang or wrong tokens stay evidence, except in a self control whose injection
@@ -285,7 +212,7 @@ def reference_problems(case: GateCase, res: CaseResult, out: dict | None) -> lis
                 )
         if e.get("cudagraph_mode") not in (None, "NONE"):
             problems.append(f"the reference ran with CUDA graphs (cudagraph mode {e.get('cudagraph_mode')})")
-    if case.mode.sm.kind == "sm_margin" and not (c.get("sched_sm_margin") and c.get("fwd_sm_margin")):
+    if case.mode.sm.kind == "sm_margin" and any(n.short(c) for n in applying(case, reference=True)):
         problems.append(
             f"the reference's SM configuration sm_margin:{case.mode.sm.sms} did not reach FA3 "
             f"({c.get('sched_sm_margin', 0)} get_scheduler_metadata and {c.get('fwd_sm_margin', 0)} forward calls "

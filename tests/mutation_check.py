@@ -1,0 +1,467 @@
+"""Mutation check of tests/test_vouch_rules.py and tests/test_policy.py (not collected by pytest): each mutation
+deletes or weakens one rule in the source, runs that one test file, and compares the tests that failed with the ones
+named for the rule; the source is restored after each run, whatever happened.
+
+    python tests/mutation_check.py vouch     # repro/vllm_integration/coverage.py, gate_judge.py
+    python tests/mutation_check.py policy    # repro/policy.py
+
+Exit status 1 when a mutation matched its source other than once, or failed other tests than the ones named."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COV, GJ, POL = "repro/vllm_integration/coverage.py", "repro/vllm_integration/gate_judge.py", "repro/policy.py"
+
+
+def _row(counter: str) -> tuple[str, str, bool]:
+    """Delete the NEEDS row of this counter (a regular expression)."""
+    return r"    Need\(\n(?:(?!    \),\n).)*?counter=\"" + counter + r"\".*?\n    \),\n", "", True
+
+
+def _off(line: str) -> tuple[str, str, bool]:
+    """An `if`/`elif` whose condition becomes False."""
+    head = line[: len(line) - len(line.lstrip())] + line.strip().split(" ", 1)[0]
+    return line, f"{head} False:", False
+
+
+FEATURES = "test_the_features_annotate_needs_come_from_the_table"
+# (rule, source, old, new, regex, the tests that must fail: function names, parameters dropped)
+VOUCH = [
+    (
+        "not_fired: a reference is not asked",
+        COV,
+        "    if case.reference:\n        return []\n",
+        "",
+        False,
+        {"test_a_reference_is_not_asked_what_fired"},
+    ),
+    (
+        "not_fired: no engine record",
+        COV,
+        *_off('    if not identity or not identity.get("engine"):'),
+        {"test_no_engine_record_is_said"},
+    ),
+    ("not_fired: V2 runner", COV, *_off('    if not e.get("model_runner_v2"):'), {"test_not_the_v2_runner"}),
+    (
+        "not_fired: forwards through the hooked backend",
+        COV,
+        *_off("    if not by_backend.get(backend):"),
+        {"test_no_forward_through_the_hooked_backend"},
+    ),
+    ("not_fired: FA3", COV, *_off('        if set(versions) != {"3"}:'), {"test_flash_attn_must_be_fa3"}),
+    ("not_fired: FULL cudagraph mode", COV, *_off("    if mode not in FULL_MODES:"), {"test_no_full_cuda_graphs"}),
+    (
+        "not_fired: a capture ran attention",
+        COV,
+        *_off('    elif not sum((c.get("captures_with_attention") or {}).values()):'),
+        {"test_a_full_mode_whose_captures_ran_no_attention"},
+    ),
+    (
+        "not_fired: speculative decoding",
+        COV,
+        *_off('    if not e.get("speculative_method") or not e.get("num_speculative_tokens"):'),
+        {"test_no_speculative_decoding"},
+    ),
+    (
+        "not_fired: 0 drafts",
+        COV,
+        *_off("        if isinstance(drafts, (int, float)) and drafts == 0:"),
+        {"test_speculative_decoding_with_zero_drafts"},
+    ),
+    (
+        "not_fired: spec layout known",
+        COV,
+        *_off('    if c.get("spec_layout_known") is False:'),
+        {"test_an_unknown_spec_layout"},
+    ),
+    (
+        "NEEDS row: weights",
+        COV,
+        '    Need("every case", lambda case: True, "weights", in_reference=True),\n',
+        "",
+        False,
+        {FEATURES},
+    ),
+    (
+        "NEEDS row: probe",
+        COV,
+        '    Need("every case but references", lambda case: True, "probe"),',
+        "",
+        False,
+        {FEATURES},
+    ),
+    ("NEEDS row: audit checks", COV, *_row("checks"), {"test_audit_mode_needs_auditor_checks", FEATURES}),
+    (
+        "NEEDS row: inject captures_injected[draft*]",
+        COV,
+        *_row("captures_injected"),
+        {"test_a_self_control_needs_its_injection_in_a_draft_capture", FEATURES},
+    ),
+    (
+        "NEEDS row: sm_margin sched_sm_margin",
+        COV,
+        *_row("sched_sm_margin"),
+        {"test_sm_margin_must_reach_get_scheduler_metadata"},
+    ),
+    ("NEEDS row: sm_margin fwd_sm_margin", COV, *_row("fwd_sm_margin"), {"test_sm_margin_must_reach_the_fa3_forward"}),
+    ("NEEDS row: poison entries_poisoned", COV, *_row("entries_poisoned"), {"test_poison_must_fill_entries", FEATURES}),
+    (
+        "NEEDS: the sm_margin rows hold in the reference too",
+        COV,
+        r"(counter=\"sched_sm_margin\",.*?)        in_reference=True,\n(.*?counter=\"fwd_sm_margin\",.*?)"
+        r"        in_reference=True,\n",
+        r"\1\2",
+        True,
+        {"test_a_reference_in_sm_margin_needs_the_margin_too", FEATURES},
+    ),
+    (
+        "annotate: needed features from the table",
+        GJ,
+        "    needed = features_needed(case)",
+        "    needed = set()",
+        False,
+        {"test_annotate_refuses_a_case_without_a_feature_the_table_needs"},
+    ),
+    (
+        "reference_problems: the reference's sm_margin",
+        GJ,
+        '    if case.mode.sm.kind == "sm_margin" and any(',
+        "    if False and any(",
+        False,
+        {"test_a_reference_in_sm_margin_needs_the_margin_too"},
+    ),
+    (
+        "vouch: a reference as it is",
+        GJ,
+        "    if case.reference:\n        return res\n    if res.verdict not in",
+        "    if res.verdict not in",
+        False,
+        {"test_vouch_leaves_a_reference_as_it_is"},
+    ),
+    (
+        "vouch: a crash, a hang, wrong tokens stay evidence",
+        GJ,
+        '        if not case.inject or (res.backend_identity or {}).get("injection"):',
+        '        if (res.backend_identity or {}).get("injection"):',
+        False,
+        {"test_a_crash_a_hang_or_wrong_tokens_stay_evidence"},
+    ),
+    (
+        "vouch: ... in a self control whose injection wrote too",
+        GJ,
+        '        if not case.inject or (res.backend_identity or {}).get("injection"):',
+        "        if not case.inject:",
+        False,
+        {"test_a_crash_a_hang_or_wrong_tokens_stay_evidence"},
+    ),
+    (
+        "vouch: a self control whose injection never wrote",
+        GJ,
+        '        if not case.inject or (res.backend_identity or {}).get("injection"):',
+        "        if True:",
+        False,
+        {"test_a_self_control_whose_injection_never_wrote_cannot_vouch"},
+    ),
+    (
+        "vouch: clean/stale-audit that did not fire",
+        GJ,
+        "        missing = not_fired(case, res.backend_identity)",
+        "        missing = []",
+        False,
+        {"test_a_clean_or_stale_audit_case_that_did_not_fire_cannot_vouch"},
+    ),
+]
+DECIDE_TESTS = {  # the decide tests, which rest on what counts as evidence and on a met expectation passing
+    "test_a_run_whose_controls_all_showed_what_they_must_passes",
+    "test_a_failed_control_fails_the_gate_with_its_case_id",
+    "test_a_disagreement_is_listed_but_does_not_fail",
+    "test_a_recorded_control_neither_fails_nor_counts_as_evidence",
+    "test_a_control_that_cannot_exist_here_is_not_applicable",
+    "test_a_required_feature_absent_fails",
+    "test_a_mode_with_only_negative_controls_fails",
+    "test_a_mode_whose_positive_controls_showed_nothing_fails",
+    "test_evidence_is_counted_per_kind_of_control",
+}
+DECIDE_WITHOUT_NEGATIVE = {  # no negative control that passed in them
+    "test_a_mode_whose_positive_controls_showed_nothing_fails",
+    "test_evidence_is_counted_per_kind_of_control",
+}
+POLICY = [
+    (
+        "MEETS fault",
+        POL,
+        "    FAULT: (*MEMORY_FAULTS, LAUNCH_FAIL),",
+        "    FAULT: MEMORY_FAULTS,",
+        False,
+        {"test_fault_is_met_by_the_kernels_failing"},
+    ),
+    (
+        "MEETS detected",
+        POL,
+        "    DETECTED: KERNEL_EVIDENCE,",
+        "    DETECTED: MEMORY_FAULTS,",
+        False,
+        {"test_detected_is_met_by_kernel_evidence"},
+    ),
+    (
+        "MEETS audit",
+        POL,
+        "    AUDIT: (*KERNEL_EVIDENCE, STALE_AUDIT),",
+        "    AUDIT: KERNEL_EVIDENCE,",
+        False,
+        {"test_audit_is_met_by_kernel_evidence_or_stale_audit"},
+    ),
+    (
+        "MEETS clean",
+        POL,
+        "    EXPECT_CLEAN: (CLEAN,),",
+        "    EXPECT_CLEAN: (CLEAN, STALE_AUDIT),",
+        False,
+        {"test_clean_is_met_by_clean_only"},
+    ),
+    (
+        "MEETS recorded",
+        POL,
+        "    RECORDED: (CLEAN, *KERNEL_EVIDENCE, STALE_AUDIT),",
+        "    RECORDED: (CLEAN, *KERNEL_EVIDENCE),",
+        False,
+        {"test_recorded_is_met_by_anything_that_ran"},
+    ),
+    (
+        "satisfies: skip -> None",
+        POL,
+        "    if verdict == SKIP:\n        return None\n",
+        "",
+        False,
+        {"test_a_skip_meets_nothing_and_fails_nothing"},
+    ),
+    (
+        "satisfies: unknown expectation",
+        POL,
+        *_off("    if expect not in MEETS:"),
+        {"test_an_unknown_expectation_is_refused"},
+    ),
+    (
+        "is_positive",
+        POL,
+        "    return expect in (FAULT, DETECTED, AUDIT)",
+        "    return expect in (FAULT, DETECTED)",
+        False,
+        {"test_fault_detected_and_audit_are_the_positive_expectations"},
+    ),
+    (
+        "counts_as_evidence: kernel evidence",
+        POL,
+        "    return verdict in KERNEL_EVIDENCE or (",
+        "    return False or (",
+        False,
+        {"test_kernel_evidence_counts_in_every_mode", *DECIDE_TESTS},
+    ),
+    (
+        "counts_as_evidence: stale-audit in the engine audit mode",
+        POL,
+        " or (verdict == STALE_AUDIT and mode in ENGINE_AUDIT_MODES)",
+        "",
+        False,
+        {"test_stale_audit_counts_only_in_the_engine_audit_mode"},
+    ),
+    (
+        "counts_as_evidence: ... only there",
+        POL,
+        "(verdict == STALE_AUDIT and mode in ENGINE_AUDIT_MODES)",
+        "(verdict == STALE_AUDIT)",
+        False,
+        {"test_stale_audit_counts_only_in_the_engine_audit_mode"},
+    ),
+    (
+        "parse_requirements: an unknown one",
+        POL,
+        *_off("    if unknown:"),
+        {"test_requirements_are_parsed_and_an_unknown_one_refused"},
+    ),
+    (
+        "disagrees: positive controls only",
+        POL,
+        "    return is_positive(expect) and verdict in KERNEL_EVIDENCE and not satisfies(expect, verdict)",
+        "    return verdict in KERNEL_EVIDENCE and not satisfies(expect, verdict)",
+        False,
+        {"test_another_kind_of_kernel_evidence_is_a_disagreement"},
+    ),
+    (
+        "disagrees: another kind only",
+        POL,
+        "    return is_positive(expect) and verdict in KERNEL_EVIDENCE and not satisfies(expect, verdict)",
+        "    return is_positive(expect) and verdict in KERNEL_EVIDENCE",
+        False,
+        {"test_another_kind_of_kernel_evidence_is_a_disagreement"},
+    ),
+    (
+        "problem: no evidence",
+        POL,
+        *_off("    if verdict in NO_EVIDENCE:"),
+        {"test_a_control_without_evidence_fails_whatever_it_expected"},
+    ),
+    (
+        "problem: a met expectation passes",
+        POL,
+        "    if satisfies(expect, verdict) or (",
+        "    if False or (",
+        False,
+        {"test_a_control_that_meets_its_expectation_passes", *DECIDE_TESTS} - DECIDE_WITHOUT_NEGATIVE,
+    ),
+    (
+        "problem: a positive control with any kernel evidence passes",
+        POL,
+        "    if satisfies(expect, verdict) or (is_positive(expect) and verdict in KERNEL_EVIDENCE):",
+        "    if satisfies(expect, verdict):",
+        False,
+        {"test_a_positive_control_passes_with_any_kernel_evidence", "test_a_disagreement_is_listed_but_does_not_fail"},
+    ),
+    (
+        "problem: a negative control's words",
+        POL,
+        *_off("    if expect == EXPECT_CLEAN:"),
+        {"test_a_negative_control_that_is_not_clean_fails"},
+    ),
+    (
+        "problem: a positive control's words",
+        POL,
+        ", expected {expect} ({', '.join(MEETS[expect])})",
+        "",
+        False,
+        {"test_a_positive_control_without_evidence_fails_saying_what_it_expected"},
+    ),
+    (
+        "decide: a required feature absent",
+        POL,
+        *_off("            if c.needs and c.needs in required:"),
+        {"test_a_required_feature_absent_fails"},
+    ),
+    (
+        "decide: not applicable",
+        POL,
+        "            d.not_applicable.append((c.case_id, c.not_applicable))\n",
+        "            pass\n",
+        False,
+        {"test_a_control_that_cannot_exist_here_is_not_applicable"},
+    ),
+    (
+        "decide: a failed control",
+        POL,
+        "        if c.gating and (why := problem(c.expected, c.verdict)):",
+        "        if False and (why := problem(c.expected, c.verdict)):",
+        False,
+        {"test_a_failed_control_fails_the_gate_with_its_case_id"},
+    ),
+    (
+        "decide: a recorded control does not gate",
+        POL,
+        "        if c.gating and (why := problem(c.expected, c.verdict)):",
+        "        if (why := problem(c.expected, c.verdict)):",
+        False,
+        {"test_a_recorded_control_neither_fails_nor_counts_as_evidence"},
+    ),
+    (
+        "decide: a disagreement",
+        POL,
+        *_off("        elif c.gating and disagrees(c.expected, c.verdict):"),
+        {"test_a_disagreement_is_listed_but_does_not_fail"},
+    ),
+    (
+        "decide: a recorded control is no mode's evidence",
+        POL,
+        "        if c.gating:\n            pos, ev = d.evidence",
+        "        if True:\n            pos, ev = d.evidence",
+        False,
+        {"test_a_recorded_control_neither_fails_nor_counts_as_evidence"},
+    ),
+    (
+        "decide: a mode without a positive control",
+        POL,
+        *_off("        if not pos:"),
+        {"test_a_mode_with_only_negative_controls_fails"},
+    ),
+    (
+        "decide: a mode without evidence",
+        POL,
+        *_off("        elif not ev:"),
+        {"test_a_mode_whose_positive_controls_showed_nothing_fails"},
+    ),
+    (
+        "decide: ... the engine audit mode names the audit",
+        POL,
+        '" or the engine\'s audit" if mode in ENGINE_AUDIT_MODES else ""',
+        '""',
+        False,
+        {"test_a_mode_whose_positive_controls_showed_nothing_fails"},
+    ),
+    (
+        "decide: no positive control at all",
+        POL,
+        *_off("    if not any(pos for pos, _ in d.evidence.values()):"),
+        {"test_a_run_without_any_positive_control_fails"},
+    ),
+    (
+        "decide: evidence per kind",
+        POL,
+        *_off("                if c.kind is not None:"),
+        {"test_evidence_is_counted_per_kind_of_control"},
+    ),
+    (
+        "summary: kinds only beside known-bad",
+        POL,
+        *_off("            if set(kinds) <= {KNOWN_BAD}:"),
+        {"test_the_summary_names_the_kinds_only_where_there_is_more_than_known_bad"},
+    ),
+    (
+        "summary: not applicable by reason",
+        POL,
+        '            lines.append(f"  not applicable ({len(cases)}): {why}")\n',
+        "            pass\n",
+        False,
+        {"test_the_summary_groups_not_applicable_cases_by_reason"},
+    ),
+]
+SETS = {"vouch": ("tests/test_vouch_rules.py", VOUCH), "policy": ("tests/test_policy.py", POLICY)}
+
+
+def main(which: str) -> int:
+    test_file, mutations = SETS[which]
+    bad = 0
+    for name, rel, old, new, regex, want in mutations:
+        path = ROOT / rel
+        src = path.read_text()
+        mutated, n = re.subn(old, new, src, flags=re.S) if regex else (src.replace(old, new), src.count(old))
+        if n != 1:
+            print(f"BAD  {name}: the mutation matched {n} times")
+            bad += 1
+            continue
+        path.write_text(mutated)
+        try:
+            cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", test_file]
+            run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        finally:
+            path.write_text(src)
+        out = run.stdout
+        if run.returncode not in (0, 1):  # not a test failure: the mutated source did not import, or pytest broke
+            print(f"BAD  {name}: pytest exited {run.returncode}: {out.strip().splitlines()[-1:]}")
+            bad += 1
+            continue
+        failed = {
+            line.split()[1].split("::", 1)[1].split("[")[0]
+            for line in out.splitlines()
+            if line.startswith(("FAILED", "ERROR"))
+        }
+        ok = failed == want
+        bad += not ok
+        print(f"{'ok  ' if ok else 'BAD '} {name} -> {', '.join(sorted(failed)) or 'nothing failed'}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "vouch"))

@@ -1,0 +1,205 @@
+"""repro.policy's public rules, one test each: which verdicts meet each expectation (MEETS, satisfies), which
+expectations are positive, what counts as a mode's evidence, the requirements a run can be given, why one control
+fails a gate (problem), a disagreement with the CPU model, and the gate's decision (decide: rules 1-4 of the module's
+docstring, and the Failure kinds callers decide by). The verdicts are spelled out here, not taken from the module's
+own groups, so a change to a group shows.
+
+Mutation-checked: for each rule, the rule was deleted or weakened in repro/policy.py (a verdict taken out of a MEETS
+row, an `if` or a clause of a condition removed), this file was run (`python -m pytest -q tests/test_policy.py`), and
+exactly the test named for the rule failed; then the source was restored. tests/mutation_check.py holds the 32
+mutations and the tests each must fail, and runs them (`python tests/mutation_check.py policy`). Two rules every
+decision rests on fail the decide tests too: kernel evidence counting as a mode's evidence, and a met expectation
+passing (deleting either fails every decide test with such a control besides the rule's own test); and a
+positive control passing with evidence of another kind is what a disagreement is, so deleting it fails the
+disagreement test too."""
+
+from __future__ import annotations
+
+import pytest
+
+from repro import policy
+from repro.policy import Control, decide
+
+ALL = ("clean", "oob", "crash", "launch-failure", "hang", "wrong-output", "stale-audit", "cannot-vouch", "error")
+KERNEL = ("oob", "crash", "launch-failure", "hang", "wrong-output")
+
+
+def met(expect: str) -> set[str]:
+    return {v for v in ALL if policy.satisfies(expect, v)}
+
+
+def test_fault_is_met_by_the_kernels_failing():
+    assert met("fault") == {"oob", "crash", "launch-failure"}
+
+
+def test_detected_is_met_by_kernel_evidence():
+    assert met("detected") == set(KERNEL)
+
+
+def test_audit_is_met_by_kernel_evidence_or_stale_audit():
+    assert met("audit") == {*KERNEL, "stale-audit"}
+
+
+def test_clean_is_met_by_clean_only():
+    assert met("clean") == {"clean"}
+
+
+def test_recorded_is_met_by_anything_that_ran():
+    assert met("recorded") == {"clean", *KERNEL, "stale-audit"}
+
+
+def test_a_skip_meets_nothing_and_fails_nothing():
+    assert all(policy.satisfies(e, "skip") is None for e in policy.EXPECTATIONS)
+
+
+def test_an_unknown_expectation_is_refused():
+    with pytest.raises(ValueError, match="unknown expectation 'faults'"):
+        policy.satisfies("faults", "crash")
+
+
+def test_fault_detected_and_audit_are_the_positive_expectations():
+    assert [e for e in policy.EXPECTATIONS if policy.is_positive(e)] == ["fault", "detected", "audit"]
+
+
+def test_kernel_evidence_counts_in_every_mode():
+    assert all(policy.counts_as_evidence(v, m) for v in KERNEL for m in ("eager", "graph", "plain", "audit"))
+    assert not any(policy.counts_as_evidence(v, "audit") for v in ("clean", "error", "cannot-vouch", "skip"))
+
+
+def test_stale_audit_counts_only_in_the_engine_audit_mode():
+    assert policy.counts_as_evidence("stale-audit", "audit")
+    assert not policy.counts_as_evidence("stale-audit", "graph")  # the harness's own bookkeeping: not evidence
+
+
+def test_requirements_are_parsed_and_an_unknown_one_refused():
+    assert policy.parse_requirements(" mig, vllm ,") == frozenset({"mig", "vllm"})
+    assert policy.parse_requirements(None) == frozenset()
+    with pytest.raises(ValueError, match=r"\['gpu'\]"):
+        policy.parse_requirements("mig,gpu")
+
+
+def test_another_kind_of_kernel_evidence_is_a_disagreement():
+    assert policy.disagrees("fault", "hang")
+    assert not policy.disagrees("fault", "crash")
+    assert not policy.disagrees("clean", "crash")  # a negative control that crashed failed; it does not disagree
+    assert not policy.disagrees("audit", "stale-audit")
+
+
+# -- problem: why one control fails a gate --
+
+
+@pytest.mark.parametrize("verdict", ["error", "skip", "cannot-vouch"])
+def test_a_control_without_evidence_fails_whatever_it_expected(verdict):
+    for expect in ("clean", "detected"):
+        assert policy.problem(expect, verdict) == f"{verdict}: the gate has no evidence from this control"
+
+
+def test_a_control_that_meets_its_expectation_passes():
+    assert policy.problem("clean", "clean") is None
+    assert policy.problem("recorded", "clean") is None
+
+
+def test_a_positive_control_passes_with_any_kernel_evidence():
+    assert policy.problem("fault", "hang") is None
+    assert policy.problem("fault", "wrong-output") is None
+
+
+def test_a_negative_control_that_is_not_clean_fails():
+    assert policy.problem("clean", "crash") == "negative control came back crash"
+
+
+def test_a_positive_control_without_evidence_fails_saying_what_it_expected():
+    met_by = ", ".join(policy.MEETS["detected"])
+    assert policy.problem("detected", "clean") == f"positive control came back clean, expected detected ({met_by})"
+    assert policy.problem("detected", "stale-audit").startswith("positive control came back stale-audit")
+
+
+# -- decide --
+
+GOOD = [Control("neg", "clean", "clean", "graph"), Control("pos", "detected", "crash", "graph")]
+
+
+def test_a_run_whose_controls_all_showed_what_they_must_passes():
+    d = decide(GOOD)
+    assert d.passed and d.failures == [] and d.ran == 2 and d.evidence == {"graph": (1, 1)}
+
+
+def test_a_failed_control_fails_the_gate_with_its_case_id():
+    d = decide([*GOOD, Control("neg2", "clean", "crash", "graph", reason="it crashed")])
+    assert not d.passed
+    (f,) = d.failures
+    assert f.startswith("neg2: ") and f.endswith(": it crashed")
+    assert f.kind == policy.CONTROL_FAILED and f.case_id == "neg2"
+
+
+def test_a_disagreement_is_listed_but_does_not_fail():
+    d = decide([*GOOD, Control("pos2", "fault", "hang", "graph")])
+    assert d.passed and "pos2: hang, the expectation was fault" in d.disagreements
+
+
+def test_a_recorded_control_neither_fails_nor_counts_as_evidence():
+    d = decide([*GOOD, Control("mc", "recorded", "error", "memcheck"), Control("mc2", "recorded", "oob", "memcheck")])
+    assert d.passed and "memcheck" not in d.evidence and d.ran == 4
+
+
+def test_a_control_that_cannot_exist_here_is_not_applicable():
+    d = decide([*GOOD, Control("mig", "detected", "skip", "graph", not_applicable="no MIG", needs="mig")])
+    assert d.passed and d.not_applicable == [("mig", "no MIG")] and d.ran == 2
+
+
+def test_a_required_feature_absent_fails():
+    c = Control("mig", "detected", "skip", "graph", not_applicable="no MIG", needs="mig")
+    d = decide([*GOOD, c], required=frozenset({"mig"}))
+    (f,) = d.failures
+    assert f == "mig: required (mig) but no MIG" and f.kind == policy.NOT_COVERED and f.case_id == "mig"
+    assert d.not_applicable == []
+
+
+def test_a_mode_with_only_negative_controls_fails():
+    d = decide([*GOOD, Control("neg-eager", "clean", "clean", "eager")])
+    (f,) = d.failures
+    assert f.kind == policy.MODE_WITHOUT_POSITIVE and "mode eager: no positive control ran in it" in f
+
+
+def test_a_mode_whose_positive_controls_showed_nothing_fails():
+    d = decide([*GOOD, Control("pos-eager", "detected", "clean", "eager"), Control("a", "detected", "clean", "audit")])
+    audit, eager = [f for f in d.failures if f.kind == policy.MODE_WITHOUT_EVIDENCE]  # by mode
+    assert audit.startswith("GATE FAILED: mode audit: none of its 1 positive control(s) produced kernel evidence or ")
+    assert "produced kernel evidence or the engine's audit: this environment" in audit  # the engine audit mode
+    assert eager.startswith("GATE FAILED: mode eager: none of its 1 positive control(s) produced kernel evidence: ")
+    assert d.evidence["eager"] == (1, 0)
+
+
+def test_a_run_without_any_positive_control_fails():
+    (f,) = decide([]).failures
+    assert f == "GATE FAILED: no positive control ran: this environment cannot show that it sees the bug"
+    assert f.kind == policy.NO_POSITIVE
+    assert decide([Control("neg", "clean", "clean", "graph")]).failures[-1].kind == policy.NO_POSITIVE
+
+
+def test_evidence_is_counted_per_kind_of_control():
+    d = decide(
+        [
+            Control("kb", "detected", "crash", "plain", kind=policy.KNOWN_BAD),
+            Control("sc", "detected", "clean", "plain", kind=policy.SELF_CONTROL),
+        ]
+    )
+    assert d.evidence_by_kind == {"plain": {policy.KNOWN_BAD: (1, 1), policy.SELF_CONTROL: (1, 0)}}
+    assert d.evidence == {"plain": (2, 1)}
+
+
+def test_the_summary_names_the_kinds_only_where_there_is_more_than_known_bad():
+    kb, sc = policy.KNOWN_BAD, policy.SELF_CONTROL
+    both = policy.GateDecision(ran=2, evidence={"plain": (2, 2)}, evidence_by_kind={"plain": {kb: (1, 1), sc: (1, 1)}})
+    assert both.summary()[1] == (
+        "  mode plain: 2 of 2 positive control(s) showed evidence (known-bad build: 1 of 1; self-control: 1 of 1)"
+    )
+    one = policy.GateDecision(ran=1, evidence={"plain": (1, 1)}, evidence_by_kind={"plain": {kb: (1, 1)}})
+    assert one.summary()[1] == "  mode plain: 1 of 1 positive control(s) showed evidence"
+
+
+def test_the_summary_groups_not_applicable_cases_by_reason():
+    d = policy.GateDecision(ran=2, not_applicable=[(f"mig{i}", "no MIG") for i in range(3)] + [("x", "no MPS")])
+    lines = d.summary()
+    assert lines[0] == "gate: 2 control(s) ran; 4 not applicable here"
+    assert lines[1:] == ["  not applicable (3): no MIG", "  not applicable (1): no MPS"]

@@ -1,0 +1,262 @@
+"""One test per rule of what a vLLM gate case must show fired before it vouches (repro.vllm_integration.coverage:
+the rows of NEEDS, the engine checks of not_fired) and per exception of gate_judge.vouch (a crash, a hang or wrong
+tokens stay evidence; a self control whose injection never wrote before one cannot vouch). Each starts from a case
+in which everything fired (FIRED), takes away the one thing its rule reads, and asserts that rule's reason, and only
+it, comes back.
+
+Mutation-checked: for each rule, the rule was deleted from its module (a row of NEEDS, an `if` of not_fired or
+vouch made False, the reference check of reference_problems), this file was run, exactly the test named for the
+rule failed, and the source was restored. tests/mutation_check.py holds the 25 mutations and the tests each must
+fail, and runs them (`python tests/mutation_check.py vouch`). A row of NEEDS is one rule with two consequences:
+deleting it fails its counter's test and its feature's case of test_the_features_annotate_needs_come_from_the_table
+(the sm_margin rows share the feature fa3, so deleting one fails its counter's test only). The reference early return
+of vouch is redundant for a reference made by reference_for (nothing injected, so a crash stays evidence anyway):
+its test builds a reference that carries an injection to see it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from repro.case import CaseResult
+from repro.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, HANG, STALE_AUDIT, WRONG
+from repro.vllm_integration import coverage, gate_judge
+from repro.vllm_integration.builds import UNDER_TEST, VllmBuild
+from repro.vllm_integration.gate_case import GateCase, GateMode, reference_for
+from repro.vllm_integration.inject import STALE_CAPTURE
+
+BUILD = VllmBuild("x", None, UNDER_TEST, "0.26.0")
+FIRED = {  # everything every mode needs, counted
+    "engine": {
+        "model_runner": "vllm.v1.worker.gpu.model_runner.GPUModelRunner",
+        "model_runner_v2": True,
+        "attention_backend_requested": "FLASH_ATTN",
+        "cudagraph_mode": "FULL_AND_PIECEWISE",
+        "speculative_method": "eagle",
+        "num_speculative_tokens": 3,
+    },
+    "counters": {
+        "backends": {"FLASH_ATTN": 40},
+        "fa_versions": {"3": 40},
+        "captures_with_attention": {"target FULL": 4, "draft FULL": 4},
+        "spec_layout": "v2-eagle",
+        "spec_layout_known": True,
+        "checks": 12,
+        "captures_injected": {"draft FULL": 2},
+        "inject_writes": {"draft build": 2},
+        "sched_calls": 9,
+        "sched_sm_margin": 9,
+        "fwd_sm_margin": 30,
+        "entries_poisoned": 64,
+    },
+    "acceptance": {"spec_decode_num_drafts": 20},
+    "injection": [{"injection_wrote": "draft build"}],
+}
+
+
+def case(mode: str = "plain", inject: bool = False, backend: str = "FLASH_ATTN") -> GateCase:
+    return GateCase(BUILD, GateMode.parse(mode), backend=backend, inject=STALE_CAPTURE if inject else None)
+
+
+def identity(engine: dict | None = None, counters: dict | None = None, **top) -> dict:
+    """FIRED with some engine keys and counters replaced (a value of None removes the key)."""
+    d = copy.deepcopy(FIRED)
+    for part, changes in (("engine", engine or {}), ("counters", counters or {})):
+        d[part] = {k: v for k, v in {**d[part], **changes}.items() if v is not None}
+    d.update(top)
+    return d
+
+
+MODES = ("plain", "audit", "mps:16", "sm_margin:16", "poison:int-max")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("inject", [False, True], ids=["build", "self-control"])
+def test_a_case_in_which_everything_fired_vouches(mode, inject):
+    c = case(mode, inject)
+    assert coverage.not_fired(c, identity()) == []
+    res = CaseResult(c.case_id, CLEAN, "tokens equal", backend_identity=identity())
+    assert gate_judge.vouch(c, res) is res
+
+
+def only(c: GateCase, ident: dict) -> str:
+    missing = coverage.not_fired(c, ident)
+    assert len(missing) == 1, missing
+    return missing[0]
+
+
+# -- not_fired: the engine checks (coverage.ENGINE_CHECKS) --
+
+
+def test_a_reference_is_not_asked_what_fired():
+    assert coverage.not_fired(reference_for(case("audit")), None) == []
+
+
+def test_no_engine_record_is_said():
+    assert coverage.not_fired(case(), None) == [
+        "the case process reported no engine configuration and no counters (no REPRO_ENGINE line)"
+    ]
+
+
+def test_not_the_v2_runner():
+    why = only(case(), identity(engine={"model_runner_v2": False, "model_runner": "GPUModelRunnerV1"}))
+    assert why == "not the V2 model runner (runner: GPUModelRunnerV1)"
+
+
+def test_no_forward_through_the_hooked_backend():
+    why = only(case(), identity(counters={"backends": {"FLASHINFER": 40}}))
+    assert why.startswith("no attention forward went through the hooked FLASH_ATTN impl (forwards counted per")
+    assert "FLASHINFER 40" in why
+    # records from before the per-backend count: attention_forwards is FLASH_ATTN's
+    assert coverage.not_fired(case(), identity(counters={"backends": None, "attention_forwards": 40})) == []
+    legacy = identity(counters={"backends": None, "attention_forwards": 0})
+    assert only(case(), legacy).startswith("no attention forward went through the hooked FLASH_ATTN impl")
+
+
+def test_flash_attn_must_be_fa3():
+    assert only(case(), identity(counters={"fa_versions": {"2": 40}})) == "FlashAttention version 2, not FA3"
+    # another backend has no FA version to check
+    other = identity(counters={"backends": {"TRITON_ATTN": 40}, "fa_versions": {}})
+    assert coverage.not_fired(case(backend="TRITON_ATTN"), other) == []
+
+
+def test_no_full_cuda_graphs():
+    why = only(case(), identity(engine={"cudagraph_mode": "PIECEWISE"}))
+    assert why == "cudagraph mode PIECEWISE: no FULL CUDA graphs"
+
+
+def test_a_full_mode_whose_captures_ran_no_attention():
+    why = only(case(), identity(counters={"captures_with_attention": {}}))
+    assert why == (
+        "cudagraph mode FULL_AND_PIECEWISE, but no CUDA graph capture ran an attention forward (no FULL graph seen)"
+    )
+
+
+def test_no_speculative_decoding():
+    why = only(case(), identity(engine={"speculative_method": None}))
+    assert why == "no speculative decoding (method None, k 3)"
+
+
+def test_speculative_decoding_with_zero_drafts():
+    why = only(case(), identity(acceptance={"spec_decode_num_drafts": 0}))
+    assert why == "speculative decoding configured, but vLLM counted 0 drafts"
+
+
+def test_an_unknown_spec_layout():
+    why = only(case(), identity(counters={"spec_layout_known": False, "spec_layout": "v3"}))
+    assert why == "speculative-decoding layout v3 is not one the auditor knows (plugin.KNOWN_SPEC_LAYOUTS)"
+    assert coverage.not_fired(case(), identity(counters={"spec_layout_known": None})) == []  # older records
+
+
+# -- not_fired: the rows of coverage.NEEDS --
+
+
+def test_audit_mode_needs_auditor_checks():
+    assert only(case("audit"), identity(counters={"checks": 0})) == "the freshness auditor made 0 checks"
+    assert coverage.not_fired(case("plain"), identity(counters={"checks": 0})) == []
+
+
+def test_a_self_control_needs_its_injection_in_a_draft_capture():
+    target_only = identity(counters={"captures_injected": {"target FULL": 3}, "inject_snapshots": 1})
+    why = only(case(inject=True), target_only)
+    assert why.startswith("the self control's injection reached no draft FULL capture (writes draft build 2; target")
+    assert why.endswith("this layout or backend keeps the draft's capture out of its reach")
+    assert coverage.not_fired(case(), target_only) == []
+
+
+def test_sm_margin_must_reach_get_scheduler_metadata():
+    why = only(case("sm_margin:16"), identity(counters={"sched_sm_margin": 0}))
+    assert why == "no get_scheduler_metadata call received the injected sm_margin"
+
+
+def test_sm_margin_must_reach_the_fa3_forward():
+    why = only(case("sm_margin:16"), identity(counters={"fwd_sm_margin": 0}))
+    assert why == "no FA3 forward (torch.ops._vllm_fa3_C.fwd) received the injected sm_margin"
+
+
+def test_poison_must_fill_entries():
+    why = only(case("poison:int-max"), identity(counters={"entries_poisoned": 0}))
+    assert why == "0 scheduler-metadata entries poisoned (9 get_scheduler_metadata calls seen)"
+    assert coverage.not_fired(case("plain"), identity(counters={"entries_poisoned": 0})) == []
+
+
+def test_a_reference_in_sm_margin_needs_the_margin_too():
+    ref = reference_for(case("sm_margin:16"))
+    res = CaseResult(ref.case_id, CLEAN, "", backend_identity={"engine": {"cudagraph_mode": "NONE"}, "counters": {}})
+    out = {"tokens": [[1, 2, 3]], "margins": [[5.0, 5.0, 5.0]], "nonfinite": []}
+    assert gate_judge.reference_problems(ref, res, out) == [
+        "the reference's SM configuration sm_margin:16 did not reach FA3 (0 get_scheduler_metadata and 0 forward "
+        "calls received the margin)"
+    ]
+
+
+@pytest.mark.parametrize(
+    "c,want",
+    [
+        (case("plain"), {"weights", "probe"}),
+        (case("audit"), {"weights", "probe", "audit"}),
+        (case("sm_margin:16"), {"weights", "probe", "fa3"}),
+        (case("poison:int-max"), {"weights", "probe", "fa3"}),
+        (case("plain", inject=True), {"weights", "probe", "inject"}),
+        (reference_for(case("audit")), {"weights"}),
+        (reference_for(case("sm_margin:16")), {"weights", "fa3"}),
+    ],
+    ids=["plain", "audit", "sm_margin", "poison", "self-control", "reference", "reference-sm_margin"],
+)
+def test_the_features_annotate_needs_come_from_the_table(c, want):
+    assert coverage.features_needed(c) == want
+
+
+def test_annotate_refuses_a_case_without_a_feature_the_table_needs(monkeypatch):
+    monkeypatch.setattr(gate_judge, "features_needed", lambda case: {"weights", "probe", "zeta"})  # any row's
+    c = case("audit")
+    out = "\n".join(
+        [
+            'REPRO_PLUGIN {"installed": "probe"}',
+            'REPRO_PLUGIN {"installed": "weights"}',
+            'REPRO_RESULT {"tokens": [[1]], "summary": "1 request"}',
+        ]
+    )
+    got = gate_judge.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, out, None)
+    assert got.verdict == ERROR and got.reason.startswith("plugin features ['zeta'] not installed"), got.reason
+
+
+# -- vouch --
+
+
+@pytest.mark.parametrize("verdict", [CLEAN, STALE_AUDIT])
+def test_a_clean_or_stale_audit_case_that_did_not_fire_cannot_vouch(monkeypatch, verdict):
+    monkeypatch.setattr(gate_judge, "not_fired", lambda case, identity: ["X did not fire", "nor Y"])  # any rule's
+    c = case("audit")
+    res = CaseResult(c.case_id, verdict, "the run's reason", backend_identity=identity())
+    got = gate_judge.vouch(c, res)
+    assert got.verdict == CANNOT_VOUCH
+    assert got.reason == f"X did not fire; nor Y (case verdict would have been {verdict}: the run's reason)"
+    assert got.history[-1]["step"] == "coverage"
+
+
+@pytest.mark.parametrize("verdict", [CRASH, HANG, WRONG])
+def test_a_crash_a_hang_or_wrong_tokens_stay_evidence(verdict):
+    """Whatever did not fire: the case showed the bug. A self control whose injection wrote: the same."""
+    for c, ident in ((case("audit"), None), (case(inject=True), {"injection": [{"injection_wrote": "draft build"}]})):
+        res = CaseResult(c.case_id, verdict, "it faulted", backend_identity=ident)
+        assert gate_judge.vouch(c, res) is res
+
+
+@pytest.mark.parametrize("verdict", [CRASH, HANG, WRONG])
+def test_a_self_control_whose_injection_never_wrote_cannot_vouch(verdict):
+    c = case(inject=True)
+    res = CaseResult(c.case_id, verdict, "it faulted", backend_identity=identity(injection=[]))
+    got = gate_judge.vouch(c, res)
+    assert got.verdict == CANNOT_VOUCH
+    assert got.reason.startswith(
+        f"the self control's injection never wrote before this {verdict}: not the re-created defect's (case verdict"
+    )
+
+
+def test_vouch_leaves_a_reference_as_it_is():
+    ref = GateCase(BUILD, GateMode.parse("plain"), reference=True, inject=STALE_CAPTURE)  # see the docstring
+    for verdict in (CLEAN, CRASH):
+        res = CaseResult(ref.case_id, verdict, "", backend_identity=None)
+        assert gate_judge.vouch(ref, res) is res
