@@ -26,6 +26,7 @@ def _torch(tmp_path, name, version):
     (d / "torch").mkdir(parents=True)
     (d / "torch" / "__init__.py").write_text("")
     (d / f"torch-{version}.dist-info").mkdir()
+    (d / f"torch-{version}.dist-info" / "METADATA").write_text(f"Name: torch\nVersion: {version}\n")
     return d
 
 

@@ -55,17 +55,7 @@ class VllmBuild:
 
 def read_torch_version(prefix: str | Path) -> str | None:
     """The version a prefix's torch declares: its dist-info, else torch/version.py."""
-    prefix = Path(prefix)
-    for dist in sorted(prefix.glob("torch-*.dist-info")):
-        m = re.match(r"torch-([^-]+)\.dist-info$", dist.name)
-        if m:
-            return m[1]
-    ver = prefix / "torch" / "version.py"
-    if ver.exists():
-        m = re.search(r"""__version__\s*(?::\s*str)?\s*=\s*['"]([^'"]+)['"]""", ver.read_text())
-        if m:
-            return m[1]
-    return None
+    return _declared_version(prefix, "torch", "version.py")
 
 
 def attach_torch(builds: list[VllmBuild], text: str, variable: str = "--torch") -> list[VllmBuild]:
@@ -90,14 +80,19 @@ def attach_torch(builds: list[VllmBuild], text: str, variable: str = "--torch") 
 
 def read_version(prefix: str | Path) -> str | None:
     """The version a prefix's vllm package declares: its dist-info, else vllm/_version.py."""
+    return _declared_version(prefix, "vllm", "_version.py")
+
+
+def _declared_version(prefix: str | Path, package: str, version_file: str) -> str | None:
+    """The version a prefix declares for a package: its PACKAGE-*.dist-info METADATA, else PACKAGE/VERSION_FILE."""
     prefix = Path(prefix)
-    for dist in sorted(prefix.glob("vllm-*.dist-info")):
+    for dist in sorted(prefix.glob(f"{package}-*.dist-info")):
         meta = dist / "METADATA"
         if meta.exists():
             m = re.search(r"^Version: (\S+)", meta.read_text(errors="replace"), re.M)
             if m:
                 return m[1]
-    ver = prefix / "vllm" / "_version.py"
+    ver = prefix / package / version_file
     if ver.exists():
         m = re.search(r"""(?:__version__|version)\s*(?::\s*str)?\s*=\s*['"]([^'"]+)['"]""", ver.read_text())
         if m:
