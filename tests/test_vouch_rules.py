@@ -16,6 +16,7 @@ its test builds a reference that carries an injection to see it."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 
@@ -260,3 +261,25 @@ def test_vouch_leaves_a_reference_as_it_is():
     for verdict in (CLEAN, CRASH):
         res = CaseResult(ref.case_id, verdict, "", backend_identity=None)
         assert gate_judge.vouch(ref, res) is res
+
+
+# -- the platform check --
+
+
+@pytest.mark.parametrize("verdict", [CLEAN, "wrong-output", "crash"])
+def test_a_gpu_that_computes_matrix_products_wrong_makes_any_case_an_error(verdict):
+    """Recorded under MPS at 24 SMs (results/h200-mps-gemm-probe): max error 5.9 where bf16 gives 0.01."""
+    c = case("plain")
+    bad = {"gpu": "NVIDIA H200", "sms": 24, "gemm_check": {"max_error": 5.869, "tolerance": 0.1, "ok": False,
+                                                             "worst": "19x1024x4096"}}  # fmt: skip
+    lines = [
+        'REPRO_PLUGIN {"installed": "probe"}',
+        'REPRO_PLUGIN {"installed": "weights"}',
+        "REPRO_DEVICE " + json.dumps(bad),
+        'REPRO_RESULT {"tokens": [[1]], "summary": "1 request"}',
+    ]
+    got = gate_judge.annotate(CaseResult(c.case_id, verdict, "ran", evidence="seen"), c, "\n".join(lines), None)
+    assert got.verdict == ERROR and "matrix products wrong" in got.reason and "5.869" in got.reason
+    good = {**bad, "sms": 132, "gemm_check": {**bad["gemm_check"], "ok": True, "max_error": 0.008}}
+    lines[2] = "REPRO_DEVICE " + json.dumps(good)
+    assert gate_judge.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, "\n".join(lines), None).verdict == CLEAN

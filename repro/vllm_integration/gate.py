@@ -9,7 +9,8 @@ by the plugin, no tokenizer, token-id prompts), bf16, FLASH_ATTN (FA3 on Hopper)
                                                                   (with log-probabilities) and for the draft's
                                                                   acceptance
 
-Prints `REPRO_DEVICE` (the GPU and the SM count this process sees), `REPRO_ENGINE` (the engine's resolved
+Prints `REPRO_DEVICE` (the GPU and the SM count this process sees, and whether bf16 matrix products come out right
+there: gemm_check), `REPRO_ENGINE` (the engine's resolved
 configuration: model runner, attention backend and FA version, cudagraph mode, speculative method and k; the plugin's
 coverage counters; acceptance counts where vLLM exposes them) and `REPRO_RESULT` (tokens; with --reference the top-2
 log-probability margin of every generated token) lines; the parent (repro.vllm_integration.gate_run, through
@@ -96,6 +97,29 @@ def llm_kwargs(
     else:
         kw["compilation_config"] = {"cudagraph_mode": "FULL_AND_PIECEWISE"}
     return kw
+
+
+# the projections of the gate's model, and one of 19 rows (the four prompts' prefill): shapes that came out wrong under
+# MPS at 24 SMs on the H200 (results/h200-mps-gemm-probe)
+GEMM_SHAPES = ((19, 1024, 1536), (19, 1024, 4096), (4, 1024, 1536), (19, 2048, 1024))
+GEMM_TOLERANCE = 0.1  # |GPU - float32| for bf16 inputs with these sizes: about 0.01; a wrong product: several units
+
+
+def gemm_check() -> dict:
+    """bf16 matrix products on this process's GPU against float32 on the CPU (the same bf16-rounded inputs): whether
+    the platform in this SM configuration computes them right. {"max_error", "tolerance", "ok", "worst"}."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    worst, err = None, 0.0
+    for m, k, n in GEMM_SHAPES:
+        a = torch.randn(m, k, generator=g).bfloat16()
+        b = (torch.randn(n, k, generator=g) * k**-0.5).bfloat16()
+        got = (a.cuda() @ b.cuda().T).float().cpu()
+        e = float((got - a.float() @ b.float().T).abs().max())
+        if not math.isfinite(e) or e > err:
+            err, worst = (e if math.isfinite(e) else float("inf")), f"{m}x{k}x{n}"
+    return {"max_error": round(err, 4), "tolerance": GEMM_TOLERANCE, "ok": err <= GEMM_TOLERANCE, "worst": worst}
 
 
 def _logprob_values(logprobs: dict | None) -> list[float]:
@@ -201,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     device = None
     if torch.cuda.is_available():
         prop = torch.cuda.get_device_properties(0)
-        device = {"gpu": prop.name, "sms": prop.multi_processor_count}
+        device = {"gpu": prop.name, "sms": prop.multi_processor_count, "gemm_check": gemm_check()}
         emit(DEVICE_TAG, device)
     import vllm
     from vllm import LLM, SamplingParams  # imported here: the parent never needs vllm

@@ -102,6 +102,8 @@ def annotate(res: CaseResult, case: GateCase, output: str | Channel, audit_file:
     devices = ch.of(DEVICE_TAG)
     if devices and (why := mps_sm_mismatch(case.mode.sm, devices[-1].get("sms"))):
         return res.revised("MPS SM count", why, verdict=ERROR, reason=why)
+    if devices and (why := platform_problem(devices[-1])):
+        return res.revised("platform check", why, verdict=ERROR, reason=why)
     if res.verdict == CLEAN and audit["stale"]:
         why = f"no fault this run, but the auditor caught stale views: {audit['first'][0]}"
         return res.revised("audit", why, verdict=STALE_AUDIT, reason=why, descriptor=audit["descriptor"])
@@ -113,6 +115,20 @@ def annotate(res: CaseResult, case: GateCase, output: str | Channel, audit_file:
             descriptor=res.descriptor or audit["descriptor"],
         )
     return res
+
+
+def platform_problem(device: dict) -> str | None:
+    """Why nothing computed in this case's process can be judged: its GPU, in this SM configuration, computes bf16
+    matrix products wrong (gate.gemm_check; measured under MPS at 24 SMs on the H200: results/h200-mps-gemm-probe).
+    None when the check passed or was not reported."""
+    chk = device.get("gemm_check") or {}
+    if chk.get("ok") is not False:
+        return None
+    return (
+        f"this GPU computes bf16 matrix products wrong here ({device.get('sms')} SMs: max error {chk.get('max_error')} "
+        f"against float32 for {chk.get('worst')}, tolerance {chk.get('tolerance')}): nothing computed in this SM "
+        "configuration can be judged, the build's answer here is unknown"
+    )
 
 
 def _audit_evidence(ch: Channel, audit_file: Path | None) -> dict:
