@@ -1,6 +1,6 @@
 """What a vLLM gate case is and the environment it runs in: a vLLM build x a detection mode (x a repetition), its
-reference (the same build in the same SM configuration, no speculative decoding), the environment of its process, and
-the expectation (repro.policy) fixed before it runs.
+reference (the same build in the same SM configuration, the same speculative decoding without CUDA graphs), the
+environment of its process, and the expectation (repro.policy) fixed before it runs.
 
 Detection modes (`--modes`, each a case parameter):
   audit            the freshness auditor, loaded by vLLM through the plugin's entry point, full GPU
@@ -173,8 +173,8 @@ class GateCase:
 
 
 def reference_for(case: GateCase) -> GateCase:
-    """The reference of a case: the same build, backend and SM configuration, no speculative decoding, nothing
-    injected (a self control is judged against its build's own reference)."""
+    """The reference of a case: the same build, backend and SM configuration, no CUDA graphs (its process runs the
+    same draft: gate.llm_kwargs), nothing injected (a self control is judged against its build's own reference)."""
     mode = GateMode(f"reference-{case.mode.sm.label}", sm=case.mode.sm)
     return replace(case, mode=mode, reference=True, rep=0, launch_blocking=False, inject=None)
 
