@@ -34,7 +34,11 @@ from repro.sanitizer import sanitizer_env
 from repro.smcontrol import MpsDaemon, Unavailable
 from repro.vllm_integration.backend_fields import BACKENDS, known_name
 from repro.vllm_integration.builds import UNDER_TEST, VllmBuild, build_pythonpath
+from repro.vllm_integration.counters import FILE_ENV
 from repro.vllm_integration.inject import INJECT_ENV
+from repro.vllm_integration.plugin import BACKEND_ENV, POISON_ENV, PROBE_ENV, SM_MARGIN_ENV, WEIGHTS_ENV
+from repro.vllm_integration.plugin import ENV as AUDIT_ENV
+from repro.vllm_integration.weights import AGREE
 
 DEFAULT_MODES = ("audit", "plain")
 ALL_MODES = ("audit", "plain", "mps:16", "sm_margin:16", "poison:int-max", "memcheck")
@@ -47,7 +51,7 @@ BASE_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
     "PYTHONUNBUFFERED": "1",
-    "REPRO_WEIGHTS": "agree",  # repro.vllm_integration.weights: wide margins and a draft the target accepts
+    WEIGHTS_ENV: AGREE,  # repro.vllm_integration.weights: wide margins and a draft the target accepts
 }
 
 
@@ -192,21 +196,21 @@ def case_env(
     Unavailable when the machine cannot give the mode."""
     env = dict(os.environ if base is None else base)
     for k in (
-        "REPRO_AUDIT",
-        "REPRO_AUDIT_FILE",
-        "REPRO_PROBE",
-        "REPRO_SM_MARGIN",
-        "REPRO_POISON",
-        "REPRO_ATTENTION_BACKEND",
+        AUDIT_ENV,
+        FILE_ENV,
+        PROBE_ENV,
+        SM_MARGIN_ENV,
+        POISON_ENV,
+        BACKEND_ENV,
         INJECT_ENV,
         "CUDA_LAUNCH_BLOCKING",
     ):
         env.pop(k, None)
-    weights = env.get("REPRO_WEIGHTS")  # the gate's weights may be chosen in its environment (default: BASE_ENV's)
+    weights = env.get(WEIGHTS_ENV)  # the gate's weights may be chosen in its environment (default: BASE_ENV's)
     env.update(BASE_ENV)
     if weights:
-        env["REPRO_WEIGHTS"] = weights
-    env["REPRO_ATTENTION_BACKEND"] = case.backend
+        env[WEIGHTS_ENV] = weights
+    env[BACKEND_ENV] = case.backend
     root = str(Path(__file__).resolve().parents[2])
     path = build_pythonpath(case.build, builds, env.get("PYTHONPATH"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (path, root) if p)
@@ -214,18 +218,18 @@ def case_env(
     env["VLLM_CACHE_ROOT"] = str(audit_file.parent / f"{case.case_id}.vllm-cache")
     mode = case.mode
     if not case.reference:
-        env["REPRO_PROBE"] = "1"  # coverage counters in every case but the references
+        env[PROBE_ENV] = "1"  # coverage counters in every case but the references
     if mode.audit and not case.reference:
-        env.update(REPRO_AUDIT="1", REPRO_AUDIT_FILE=str(audit_file))
+        env.update({AUDIT_ENV: "1", FILE_ENV: str(audit_file)})
     if mode.poison and not case.reference:
-        env["REPRO_POISON"] = mode.poison
+        env[POISON_ENV] = mode.poison
     if case.inject and not case.reference:
         env[INJECT_ENV] = case.inject
     if mode.sm.kind == "sm_margin":
         total = total_sms()
         if mode.sm.sms > total:
             raise ConfigError(f"sm_margin:{mode.sm.sms}: this GPU has {total} SMs")
-        env["REPRO_SM_MARGIN"] = str(total - mode.sm.sms)
+        env[SM_MARGIN_ENV] = str(total - mode.sm.sms)
     elif mode.sm.kind == "mps":
         if mps is None:
             raise Unavailable("MPS case without an MPS daemon")
