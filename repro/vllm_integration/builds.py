@@ -62,12 +62,7 @@ def attach_torch(builds: list[VllmBuild], text: str, variable: str = "--torch") 
     """LABEL=PREFIX[,LABEL=PREFIX...]: the named builds get a torch of their own (a folder holding torch/)."""
     by_label = {b.label: b for b in builds}
     given: dict[str, str] = {}
-    for item in (x.strip() for x in text.split(",")):
-        if not item:
-            continue
-        label, sep, prefix = item.partition("=")
-        if not sep or not label or not prefix:
-            raise ConfigError(f"{variable}: {item!r} is not LABEL=PREFIX (e.g. 0.33.0=/opt/torch-2.14)")
+    for label, prefix in _label_prefixes(text, variable, "0.33.0=/opt/torch-2.14"):
         if label not in by_label:
             raise ConfigError(f"{variable}: no build is labelled {label!r} (builds: {', '.join(by_label) or 'none'})")
         if label in given:
@@ -100,15 +95,24 @@ def _declared_version(prefix: str | Path, package: str, version_file: str) -> st
     return None
 
 
-def parse_builds(text: str, role: str, variable: str) -> list[VllmBuild]:
-    """LABEL=PREFIX[,LABEL=PREFIX...]; every prefix must hold a vllm package."""
+def _label_prefixes(text: str, variable: str, example: str) -> list[tuple[str, str]]:
+    """The (LABEL, PREFIX) pairs of a LABEL=PREFIX[,LABEL=PREFIX...] option (empty items skipped), ConfigError for an
+    item of another form."""
     out = []
     for item in (x.strip() for x in text.split(",")):
         if not item:
             continue
         label, sep, prefix = item.partition("=")
         if not sep or not label or not prefix:
-            raise ConfigError(f"{variable}: {item!r} is not LABEL=PREFIX (e.g. 0.25.1=/opt/vllm-0.25.1)")
+            raise ConfigError(f"{variable}: {item!r} is not LABEL=PREFIX (e.g. {example})")
+        out.append((label, prefix))
+    return out
+
+
+def parse_builds(text: str, role: str, variable: str) -> list[VllmBuild]:
+    """LABEL=PREFIX[,LABEL=PREFIX...]; every prefix must hold a vllm package."""
+    out = []
+    for label, prefix in _label_prefixes(text, variable, "0.25.1=/opt/vllm-0.25.1"):
         if not _LABEL.match(label):
             raise ConfigError(f"{variable}: label {label!r} may hold letters, digits and . _ + - only")
         if not (Path(prefix) / "vllm" / "__init__.py").exists():

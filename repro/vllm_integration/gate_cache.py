@@ -32,6 +32,7 @@ from repro.case import CaseResult
 from repro.environment import gpu_facts
 from repro.vllm_integration.builds import VllmBuild
 from repro.vllm_integration.gate_case import GateCase
+from repro.vllm_integration.plugin import WEIGHTS_ENV
 
 CACHE_ENV = "REPRO_CACHE_DIR"
 VLLM_CACHE = "vllm-cache"
@@ -95,7 +96,7 @@ def gate_code_fingerprint() -> str:
     h = hashlib.sha256()
     for name in _GATE_SOURCES:
         h.update(name.encode() + b"\0" + (here / name).read_bytes())
-    h.update(f"weights={os.environ.get('REPRO_WEIGHTS', '')}".encode())  # chosen in the gate's environment
+    h.update(f"weights={os.environ.get(WEIGHTS_ENV, '')}".encode())  # chosen in the gate's environment
     return h.hexdigest()[:16]
 
 

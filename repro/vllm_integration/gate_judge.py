@@ -40,10 +40,15 @@ def acceptance_of(identity: dict | None) -> tuple[int, int] | None:
     return int(accepted), int(drafted)
 
 
+def acceptance_rate(a: tuple[int, int] | None) -> float | None:
+    """The share of draft tokens accepted; None without counters or without a draft token."""
+    return a[0] / a[1] if a and a[1] else None
+
+
 def describe_acceptance(a: tuple[int, int] | None) -> str:
     if a is None:
         return "not reported"
-    return f"{a[0]} of {a[1]} draft tokens accepted ({a[0] / a[1]:.0%})" if a[1] else "0 draft tokens"
+    return f"{a[0]} of {a[1]} draft tokens accepted ({acceptance_rate(a):.0%})" if a[1] else "0 draft tokens"
 
 
 def annotate(res: CaseResult, case: GateCase, output: str | Channel, audit_file: Path | None) -> CaseResult:
@@ -189,8 +194,9 @@ def reference_problems(case: GateCase, res: CaseResult, out: dict | None) -> lis
     """Why a finished reference run must not be trusted as ground truth, empty when it may: it decoded tokens, every
     log-probability it returned is finite and every position has a top-2 margin, no request is one token repeated
     (what NaN logits decode to), the engine ran as a reference (no CUDA graphs; a speculative reference's draft
-    accepted at least MIN_ACCEPTANCE of its tokens, or it cannot judge a draft) and in its case's SM configuration (MPS: the SM count the process saw, checked in annotate; sm_margin: the injected margin
-    reached get_scheduler_metadata and FA3's forward)."""
+    accepted at least MIN_ACCEPTANCE of its tokens, or it cannot judge a draft) and in its case's SM configuration
+    (MPS: the SM count the process saw, checked in annotate; sm_margin: the injected margin reached
+    get_scheduler_metadata and FA3's forward)."""
     if not out or not out.get("tokens"):
         return ["the reference run decoded no tokens"]
     problems = []
@@ -220,7 +226,8 @@ def reference_problems(case: GateCase, res: CaseResult, out: dict | None) -> lis
     else:
         if e.get("speculative_method") or e.get("num_speculative_tokens"):
             acc = acceptance_of(identity)
-            if acc is None or not acc[1] or acc[0] / acc[1] < MIN_ACCEPTANCE:
+            rate = acceptance_rate(acc)
+            if rate is None or rate < MIN_ACCEPTANCE:
                 problems.append(
                     f"the reference's draft (no CUDA graphs): {describe_acceptance(acc)}, below "
                     f"{MIN_ACCEPTANCE:.0%}: the draft does not agree with the target, so acceptance cannot tell a "
@@ -338,15 +345,15 @@ def compare_acceptance(res: CaseResult, ref: CaseResult) -> CaseResult:
     speculative decoding (recorded runs from before the gate's references had one): the record as it was."""
     step = "draft acceptance"
     want = acceptance_of(ref.backend_identity)
-    if want is None or not want[1]:
+    if acceptance_rate(want) is None:
         return res  # a record from before references ran the draft: nothing to compare with (the gate always runs one)
     got = acceptance_of(res.backend_identity)
-    if got is None or not got[1]:
+    if acceptance_rate(got) is None:
         why = f"the case reported {describe_acceptance(got)}: its draft cannot be judged against the reference's"
         return res.revised(step, why, verdict=NOT_VOUCHED, reason=why)
-    line = f"draft: {describe_acceptance(got)}, reference {want[0] / want[1]:.0%}"
+    line = f"draft: {describe_acceptance(got)}, reference {acceptance_rate(want):.0%}"
     evidence = "; ".join(x for x in (res.evidence, line) if x)
-    if got[0] / got[1] < want[0] / want[1] - ACCEPTANCE_DROP:
+    if acceptance_rate(got) < acceptance_rate(want) - ACCEPTANCE_DROP:
         why = (
             f"the draft is silently wrong: {describe_acceptance(got)} with CUDA graphs, "
             f"{describe_acceptance(want)} without (same build and SM configuration)"

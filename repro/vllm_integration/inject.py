@@ -140,8 +140,8 @@ class StaleCaptureInjector:
         self.done_ids.clear()
 
     def inject(self, md_id: int, views: dict[str, Any], when: str) -> bool:
-        """Write the target's last capture contents into the buffers behind these (draft) views; False when there is
-        nothing to write (no target capture seen, or no field in common)."""
+        """Write the target capture contents kept (target_built) into the buffers behind these (draft) views; False
+        when there is nothing to write (no target capture seen, or no field in common)."""
         if md_id in self.done_ids:
             return True
         self.done_ids.add(md_id)

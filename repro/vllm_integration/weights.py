@@ -45,6 +45,7 @@ SCORE_NORM2 = 300.0  # |q| * |k| of head 0: a score gap of about 5.6 nats to any
 LOGIT_GAIN = 0.12  # about 20 nats between the target's top two logits, 10 for the draft (no final norm)
 SPECIAL = 3  # token ids below this (pad, bos, eos) map to themselves: SIGMA never produces them
 _LAYER = re.compile(r"layers\.(\d+)\.")
+LINEAR = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")  # a decoder layer's matrices
 
 
 def sigma(vocab: int, seed: int = SEED) -> list[int]:
@@ -147,21 +148,18 @@ def agreement_weights(model: Any, seed: int = SEED, noise: bool = True) -> dict:
             elif name.endswith("fc.weight"):  # EAGLE: [embedding, target hidden] -> hidden; the embedding, normed
                 w[:hidden, :hidden] = torch.eye(hidden, dtype=torch.float64) / rms
             elif layer is not None and layer != first:  # later layers: they run, and add (next to) nothing
-                if noise and name.endswith(
-                    ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")
-                ):
-                    w = _noise(name, tuple(p.shape), seed)
-                elif not name.endswith(("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")):
+                if not name.endswith(LINEAR):
                     unknown.append(name)
+                elif noise:
+                    w = _noise(name, tuple(p.shape), seed)
             elif name.endswith("qkv_proj.weight"):  # rows: q heads, k heads, v heads
+                k_at, v_at = nq * d, (nq + nkv) * d  # head 0's key and value rows
                 if noise:
                     w = _noise(name, tuple(p.shape), seed)
-                    kv0, v0 = nq * d, (nq + nkv) * d
-                    w[:d], w[kv0 : kv0 + d], w[v0 : v0 + d] = 0.0, 0.0, 0.0  # head 0's q, k, v are exact
+                    w[:d], w[k_at : k_at + d], w[v_at : v_at + d] = 0.0, 0.0, 0.0  # head 0's q, k, v are exact
                 w[:d, CONST_DIM] = q0 * rms  # the normed constant is 1/rms
-                w[nq * d : nq * d + d, CONST_DIM] = k0 * rms
-                v = (nq + nkv) * d
-                w[v : v + CODE_DIMS, :CODE_DIMS] = torch.eye(CODE_DIMS, dtype=torch.float64) * rms
+                w[k_at : k_at + d, CONST_DIM] = k0 * rms
+                w[v_at : v_at + CODE_DIMS, :CODE_DIMS] = torch.eye(CODE_DIMS, dtype=torch.float64) * rms
             elif name.endswith("o_proj.weight"):
                 if noise:
                     w = _noise(name, tuple(p.shape), seed)
