@@ -9,7 +9,15 @@ import os
 import pytest
 
 from repro.descriptors import ConfigError
-from repro.vllm_integration.builds import CONTROL, UNDER_TEST, attach_torch, build_pythonpath, parse_builds
+from repro.vllm_integration.builds import (
+    CONTROL,
+    UNDER_TEST,
+    attach_torch,
+    build_pythonpath,
+    make_overlays,
+    parse_builds,
+    parse_overlays,
+)
 from repro.vllm_integration.gate_cache import GateCache
 
 
@@ -72,3 +80,25 @@ def test_bad_torch_options_are_refused_in_one_line(tmp_path, text, words):
     empty.mkdir()
     with pytest.raises(ConfigError, match=words):
         attach_torch([build], text.format(t=t, empty=empty))
+
+
+def test_an_overlay_runs_with_its_base_builds_torch_or_the_one_named_for_it(tmp_path):
+    """An overlay's compiled parts are its base's, linked against the base's torch: it inherits that torch unless
+    --torch names one for its label; an overlay over a base without one runs with the installed torch."""
+    new, old = _prefix(tmp_path, "v0330"), _prefix(tmp_path, "v0251", "0.25.1")
+    for base in (new, old):
+        (base / "vllm" / "_C.abi3.so").write_text("binary")
+    t214, t213 = _torch(tmp_path, "t214", "2.14.0"), _torch(tmp_path, "t213", "2.13.0")
+    builds = attach_torch(
+        parse_builds(f"0.33.0={new}", UNDER_TEST, "--vllm") + parse_builds(f"0.25.1={old}", CONTROL, "--control"),
+        f"0.33.0={t214}",
+    )
+    src = _prefix(tmp_path, "mutant-src")
+    overlays = parse_overlays([f"mutant={src}@{new}", f"named={src}@{new}", f"old={src}@{old}"])
+    made = make_overlays(overlays, tmp_path / "made", builds, {"mutant": None, "named": str(t213), "old": None})
+    assert [(b.label, b.torch_prefix) for b in made] == [
+        ("mutant", str(t214.resolve())),
+        ("named", str(t213)),
+        ("old", None),
+    ]
+    assert build_pythonpath(made[0], builds + made, "").split(os.pathsep)[0] == str(t214.resolve())

@@ -223,6 +223,36 @@ def test_fresh_prefill_capture_rewrites_the_two_spots_once(tmp_path):
     assert main(["fresh-prefill-capture", str(out), str(tmp_path / "again")]) == 2  # already fixed: no match
 
 
+def test_stale_draft_capture_puts_the_defect_back_into_the_0_33_capture(tmp_path):
+    """The source mutant of a current release: the draft capture's forward gets the metadata built for the first
+    descriptor of its (mode, pass), the 0.21-0.25.1 defect (an excerpt of 0.33.0's create_forward_fn)."""
+    from repro.vllm_integration.bisect import DRAFT_CAPTURE, main, patched_copy
+
+    tree = tmp_path / "tree"
+    f = tree / DRAFT_CAPTURE
+    f.parent.mkdir(parents=True)
+    f.write_text(
+        "class M:\n    def capture(self):\n        def create_forward_fn(desc, warmup):\n"
+        "            attn_metadata, slot_mappings = prepare_inputs_to_capture(desc.num_tokens)\n\n"
+        "            forward_kwargs = {}\n            return attn_metadata, forward_kwargs\n"
+        "        return create_forward_fn\n"
+    )
+    (tree / "vllm-0.33.0.dist-info").mkdir()
+    (tree / "vllm-0.33.0.dist-info" / "METADATA").write_text("Version: 0.33.0\n")
+    out = patched_copy("stale-draft-capture", tree, tmp_path / "mutant")
+    ns: dict = {}
+    exec(compile((out / DRAFT_CAPTURE).read_text(), "cudagraph_utils.py", "exec"), ns)
+    made = iter(["meta-for-512", "meta-for-8", "meta-for-8-warm"])
+    ns["prepare_inputs_to_capture"] = lambda n: (next(made), None)
+    fn = ns["M"]().capture()
+    desc = lambda n: type("D", (), {"num_tokens": n, "cg_mode": "FULL"})()  # noqa: E731
+    assert fn(desc(512), False)[0] == "meta-for-512"
+    assert fn(desc(8), False)[0] == "meta-for-512"  # another descriptor's metadata: the defect
+    assert fn(desc(8), True)[0] == "meta-for-8-warm"  # the warmup pass keeps its own first build
+    assert (out / "vllm-0.33.0.dist-info" / "METADATA").exists()
+    assert main(["stale-draft-capture", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 2
+
+
 HOOK_NOTHING = {  # stand-in behaviour -> what the cannot-vouch reason must name
     "no-forward": "no attention forward went through the hooked FLASH_ATTN impl",
     "other-backend": "no attention forward went through the hooked FLASH_ATTN impl",

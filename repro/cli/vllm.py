@@ -154,6 +154,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
         attach_torch,
         find_builds,
         parse_builds,
+        make_overlays,
         parse_overlays,
     )
     from repro.vllm_integration.gate_cache import GateCache, default_root
@@ -178,7 +179,10 @@ def cmd_gate(a: argparse.Namespace) -> int:
     )
     if a.installed_label:
         builds = [replace(b, label=a.installed_label) if b.prefix is None else b for b in builds]
-    builds = attach_torch(builds, ",".join(a.torch))
+    # --torch may name an overlay too; an overlay not named runs with its base build's torch (its compiled parts
+    # link that one)
+    listed = attach_torch(builds + [o.listed() for o in overlays], ",".join(a.torch))
+    builds, overlay_torch = listed[: len(builds)], {b.label: b.torch_prefix for b in listed[len(builds) :]}
     if not builds and not overlays:
         print(
             "repro: cannot run here: no vLLM build to test: install vllm, or name builds with --vllm / --control "
@@ -202,7 +206,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
     out = out_dir(a.out, "gate")
     if overlays:
         dest = out / "overlays" if a.out else Path(tempfile.mkdtemp(prefix="repro-overlays-"))
-        builds += [o.make(dest) for o in overlays]
+        builds += make_overlays(overlays, dest, builds, overlay_torch)
 
     def progress(c, r) -> None:
         print(f"[gate] {c.case_id}: {r.verdict} ({r.wall_s:.0f} s) {r.evidence or ''} {r.reason[:160]}", flush=True)

@@ -143,25 +143,60 @@ FRESH_PREFILL_CAPTURE = (
 )
 
 
-def fresh_prefill_capture(tree: str | Path, dest: str | Path) -> Path:
-    """Copy tree/vllm (Python only) to dest/vllm with FRESH_PREFILL_CAPTURE applied; each rewrite must match once.
-    Use dest as the checkout of an overlay (`step --repo dest --overlay <installed vllm>`)."""
+# The defect put back into a current release (0.32+ target_dependent_ar layout): PR #48261 reverted in spirit. The
+# speculator's capture keeps the attention metadata built for the first descriptor of each (graph mode, pass) and
+# hands it to every later descriptor's forward, so the draft's FULL captures run on views of buffers that later builds
+# rewrote, as 0.21.0-0.25.1 did. A source mutant: the real regression the self control imitates. Run on the H200:
+# results/h200-vllm-0.33-selfcontrol, h200-vllm-0.33-agree.
+DRAFT_CAPTURE = "vllm/v1/worker/gpu/spec_decode/target_dependent_ar/cudagraph_utils.py"
+STALE_DRAFT_CAPTURE = (
+    (
+        r"\n(            forward_kwargs = \{\}\n)",
+        "\n            # MUTANT (repro): reuse the metadata built for another descriptor (vLLM 0.21.0-0.25.1's defect)\n"
+        "            saved = self.__dict__.setdefault('_repro_mutant_attn', {})\n"
+        "            attn_metadata = saved.setdefault((desc.cg_mode, warmup), attn_metadata)\n"
+        "\\1",
+    ),
+)
+# name -> (file, rewrites, the layout it knows, what it does)
+PATCHES = {
+    "fresh-prefill-capture": (SPECULATOR, FRESH_PREFILL_CAPTURE, "0.24-0.25", "the one-call fix of the draft prefill capture"),
+    "stale-draft-capture": (
+        DRAFT_CAPTURE,
+        STALE_DRAFT_CAPTURE,
+        "0.32-0.33 target_dependent_ar",
+        "the defect put back into the draft capture (a source mutant)",
+    ),
+}
+
+
+def patched_copy(name: str, tree: str | Path, dest: str | Path) -> Path:
+    """Copy tree/vllm (Python only, with its vllm-*.dist-info) to dest with PATCHES[name] applied; each rewrite must
+    match once. Use dest as an overlay's sources (`gate --overlay LABEL=dest@<build>`) or a bisect checkout."""
     import re
 
+    rel, rewrites, layout, _ = PATCHES[name]
     src, dest = Path(tree), Path(dest)
     shutil.copytree(
         src / "vllm", dest / "vllm", ignore=shutil.ignore_patterns("*.so", "__pycache__"), dirs_exist_ok=True
     )
-    path = dest / SPECULATOR
+    for info in src.glob("vllm-*.dist-info"):
+        shutil.copytree(info, dest / info.name, dirs_exist_ok=True)
+    path = dest / rel
     if not path.exists():
-        raise FileNotFoundError(f"{tree}: no {SPECULATOR} (only the 0.24-0.25 layout is known)")
+        raise FileNotFoundError(f"{tree}: no {rel} (only the {layout} layout is known)")
     text = path.read_text()
-    for pattern, repl in FRESH_PREFILL_CAPTURE:
+    for pattern, repl in rewrites:
         text, n = re.subn(pattern, repl, text)
         if n != 1:
-            raise ValueError(f"{SPECULATOR}: {pattern!r} matched {n} times, expected once")
+            raise ValueError(f"{rel}: {pattern!r} matched {n} times, expected once")
     path.write_text(text)
     return dest
+
+
+def fresh_prefill_capture(tree: str | Path, dest: str | Path) -> Path:
+    """PATCHES["fresh-prefill-capture"]: the 0.24-0.25 draft prefill capture fixed."""
+    return patched_copy("fresh-prefill-capture", tree, dest)
 
 
 def step(repo: str, check: str, gate_cmd: list[str] | None = None, overlay: str | None = None) -> int:
@@ -244,20 +279,19 @@ def main(argv: list[str] | None = None) -> int:
     add_check_option(s, "the commit's")
     s.add_argument("--overlay", help="installed vllm package folder whose compiled extensions to reuse")
     s.add_argument("gate", nargs=argparse.REMAINDER, help="-- the gate command for --check gate")
-    f = sub.add_parser(
-        "fresh-prefill-capture", help="copy a tree's vllm/ with the one-call fix of the draft prefill capture"
-    )
-    f.add_argument("tree", help="a tree holding vllm/ in the 0.24-0.25 layout")
-    f.add_argument("dest", help="where the fixed copy's vllm/ goes")
+    for name, (_, _, layout, what) in PATCHES.items():
+        f = sub.add_parser(name, help=f"copy a tree's vllm/ with {what}")
+        f.add_argument("tree", help=f"a tree holding vllm/ in the {layout} layout")
+        f.add_argument("dest", help="where the patched copy's vllm/ goes")
     a = p.parse_args(argv)
     if a.cmd == "step":  # bad input, the same at every commit: said once, before anything runs
         for flag, folder in (("--repo", a.repo), ("--overlay", a.overlay)):
             if folder is not None and not os.path.isdir(folder):
                 sys.stderr.write(f"repro: error: {flag} {folder}: no such folder\n")
                 return EXIT_BAD_INPUT
-    if a.cmd == "fresh-prefill-capture":
+    if a.cmd in PATCHES:
         try:
-            print(fresh_prefill_capture(a.tree, a.dest))
+            print(patched_copy(a.cmd, a.tree, a.dest))
         except (FileNotFoundError, ValueError) as e:
             print(f"[repro bisect] {e}", file=sys.stderr)
             return 2

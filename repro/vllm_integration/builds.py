@@ -215,6 +215,18 @@ def overlay_build(label: str, sources: str | Path, base: str | Path, dest_root: 
     return check_overlay(label, sources, base).make(dest_root)
 
 
+def make_overlays(
+    overlays: list[Overlay], dest_root: str | Path, builds: list[VllmBuild], torch_named: dict[str, str | None]
+) -> list[VllmBuild]:
+    """The overlays made under dest_root, each with its torch: the one --torch named for its label, else its base
+    build's own (an overlay's compiled parts are its base's, linked against that torch), else the installed one."""
+    base_torch = {str(Path(b.prefix).resolve()): b.torch_prefix for b in builds if b.prefix and b.torch_prefix}
+    return [
+        replace(o.make(dest_root), torch_prefix=torch_named.get(o.label) or base_torch.get(str(o.base.resolve())))
+        for o in overlays
+    ]
+
+
 def parse_overlays(items: list[str]) -> list[Overlay]:
     """--overlay LABEL=SOURCES@BASE items, each judged (check_overlay); nothing is made."""
     out = []
