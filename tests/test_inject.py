@@ -113,3 +113,68 @@ def test_fa3_never_written_entries_get_the_fill():
     snap = inj.snapshots["scheduler_metadata"].view(torch.int32)
     assert [int(snap[i]) for i in lay.padding_indices()] == [2**31 - 1] * len(lay.padding_indices())
     assert int(sched[lay.padding_indices()[0]]) == 0  # the copy is filled, the live buffer untouched
+
+
+class _Mode:
+    def __init__(self, name):
+        self.name = name
+
+
+class _Desc:
+    def __init__(self, n, mode="FULL"):
+        self.num_tokens, self.cg_mode = n, _Mode(mode)
+
+
+class DraftCudaGraphManager(CudaGraphManager):
+    """As vLLM 0.26-0.33 shape a draft capture: the manager's capture calls create_forward_fn(desc, warmup) for the
+    warmup pass and again for the captured pass of every descriptor, largest first; each call builds metadata."""
+
+    def capture(self, build, descs):
+        got = []
+
+        def create_forward_fn(desc, warmup):
+            return build(desc.num_tokens)
+
+        for desc in descs:
+            got.append((desc.num_tokens, create_forward_fn(desc, warmup=True), create_forward_fn(desc, warmup=False)))
+        return got
+
+
+def test_capture_pass_reads_the_descriptor_and_pass_from_the_stack():
+    from repro.vllm_integration.inject import capture_pass
+
+    mgr = DraftCudaGraphManager()
+    (row,) = mgr.capture(lambda n: capture_pass(sys._getframe(1)), [_Desc(8)])
+    assert row == (8, (id(mgr), "FULL", True), (id(mgr), "FULL", False))
+    assert capture_pass(sys._getframe()) is None  # no capture pass on this stack
+
+
+def test_a_draft_full_pass_gets_the_metadata_built_first_for_that_pass():
+    """The object half of the defect (what 0.21.0-0.25.1 handed the draft's capture, what the 0.33.0 source mutant
+    does): every later FULL pass of the same manager gets its first descriptor's metadata; PIECEWISE passes, other
+    managers and builds no pass can be placed for keep their own."""
+    from repro.vllm_integration.inject import capture_pass
+
+    counters: dict = {}
+    announced = []
+    inj = StaleCaptureInjector(counters, announce=announced.append)
+    builder = object()
+
+    def build(n):
+        md = {"built_for": n}
+        return inj.reuse(builder, md, capture_pass(sys._getframe(1)))
+
+    managers = [DraftCudaGraphManager() for _ in range(3)]  # alive together, as vLLM's are (ids stay distinct)
+    full = managers[0].capture(build, [_Desc(512), _Desc(8), _Desc(1)])
+    assert [(n, w["built_for"], c["built_for"]) for n, w, c in full] == [(512, 512, 512), (8, 512, 512), (1, 512, 512)]
+    assert full[1][1] is full[0][1] and full[1][2] is full[0][2]  # warmup and captured passes keep their own first
+    assert full[0][1] is not full[0][2]
+    assert counters["inject_reused"] == {"warmup": 2, "capture": 2}
+    assert announced == [{"injection_wrote": "draft metadata reused", "source": "FULL warmup pass: the first descriptor's metadata"}]
+    assert inj.reached({}, id(full[0][1])) and not inj.reached({}, id(object()))
+    piecewise = managers[1].capture(build, [_Desc(512, "PIECEWISE"), _Desc(8, "PIECEWISE")])
+    assert [w["built_for"] for _, w, _ in piecewise] == [512, 8]  # attention outside the graph: not the defect
+    other = managers[2].capture(build, [_Desc(8)])
+    assert other[0][1]["built_for"] == 8  # another manager (the draft's decode graphs): its own first build
+    assert inj.reuse(builder, {"built_for": 3}, None) == {"built_for": 3}
+    assert counters["inject_reuse_unplaced"] == 1

@@ -16,7 +16,7 @@ from repro.tags import AUDIT_TAG, PLUGIN_TAG
 from repro.vllm_integration import capture, counters
 from repro.vllm_integration.audit import layout_of
 from repro.vllm_integration.backend_fields import FLASH_ATTN, BackendFields, find_classes, tensor_fields
-from repro.vllm_integration.inject import SOURCES, StaleCaptureInjector, capture_role
+from repro.vllm_integration.inject import SOURCES, StaleCaptureInjector, capture_pass, capture_role
 from repro.vllm_integration.metadata_views import build_shape, label_of, views_of
 
 POISON_FILL = "int-max"  # what the self control leaves in the scheduler-metadata entries FA3 never writes
@@ -46,7 +46,7 @@ def _wrap_forward(impl_cls: Any, spec: BackendFields = FLASH_ATTN) -> None:
             if attn_metadata is not None:
                 cap.metadata.setdefault(id(attn_metadata), (attn_metadata, spec))
                 if injector is not None and not cap.injected:
-                    cap.injected = injector.reached(tensor_fields(attn_metadata, spec)[0])
+                    cap.injected = injector.reached(tensor_fields(attn_metadata, spec)[0], id(attn_metadata))
         elif injector is not None and attn_metadata is not None and not capture.capturing():
             if capture_role(sys._getframe(1)) == "draft":  # a draft capture's eager warmup pass
                 if injector.inject(id(attn_metadata), tensor_fields(attn_metadata, spec)[0], "draft warmup"):
@@ -121,7 +121,7 @@ def _wrap_builder(builder_cls: Any, spec: BackendFields) -> list[str]:
             if capture._AUDIT_ON["on"]:
                 _record(self, md, spec)
             if "on" in capture._INJECTOR:  # after the auditor recorded what the build wrote
-                _after_build(self, md, spec)
+                md = _after_build(self, md, spec)
             return md
 
         functools.update_wrapper(recorded, orig)
@@ -143,11 +143,12 @@ def _wrap_builder(builder_cls: Any, spec: BackendFields) -> list[str]:
     return done
 
 
-def _after_build(builder: Any, md: Any, spec: BackendFields) -> None:
-    """The self control after a metadata build (outside any graph): a build in the target's capture leaves its
-    buffers' contents behind; a build in a draft capture gets them written over its own."""
+def _after_build(builder: Any, md: Any, spec: BackendFields) -> Any:
+    """The self control after a metadata build (outside any graph); returns the metadata the caller gets. A build in
+    the target's capture leaves its buffers' contents behind; a build in a draft capture gets them written over its
+    own, and a draft FULL pass gets the metadata its graph manager built first for that pass (inject.reuse)."""
     if md is None or capture._CAPTURES or capture.capturing():
-        return
+        return md
     injector = capture._INJECTOR["on"]
     role = capture_role(sys._getframe(2))
     if role == "target":
@@ -158,6 +159,8 @@ def _after_build(builder: Any, md: Any, spec: BackendFields) -> None:
     elif role == "draft":
         injector.new_pass()
         injector.inject(id(md), tensor_fields(md, spec)[0], "draft build")
+        md = injector.reuse(builder, md, capture_pass(sys._getframe(2)))
+    return md
 
 
 def install_inject(module: Any, cuda: Any = None, spec: BackendFields = FLASH_ATTN, source: str = SOURCES[0]) -> bool:

@@ -47,7 +47,8 @@ def _injection_missed(c: dict) -> str:
     return (
         "the self control's injection reached no draft FULL capture (writes "
         f"{', '.join(f'{k} {v}' for k, v in writes.items()) or 'none'}; target capture builds copied "
-        f"{c.get('inject_snapshots', 0)}; passes with nothing to write {c.get('inject_no_source') or 'none'}): "
+        f"{c.get('inject_snapshots', 0)}; passes with nothing to write {c.get('inject_no_source') or 'none'}; "
+        f"draft metadata reused {c.get('inject_reused') or 'none'}): "
         "this layout or backend keeps the draft's capture out of its reach"
     )
 

@@ -17,6 +17,14 @@ results/h200-selfcontrol-fidelity), the first build's made every mode fault (res
   torch.cuda.graph starts recording, so nothing of it is in the graph), those buffers are written back with that
   copy. Same engine, kernels and SM configuration; replay untouched (the runtime build rewrites the buffers).
 
+Where a release refreshes the draft's metadata inside its graphs (0.28+: the captured pass rewrites those buffers
+for its own batch, which heals a write before recording), the defect's other half is re-created too: the object.
+0.21.0-0.25.1 handed the draft's capture a metadata OBJECT built for another descriptor (the target's attn_states),
+so its scalars (token and request counts, max lengths) and view sizes were another batch's. Inside a draft FULL
+capture, every pass's metadata build returns the object the same graph manager built first for that graph mode and
+pass (warmup or captured): its largest descriptor's, as the source mutant `bisect stale-draft-capture` does
+(`reuse`, counted in inject_reused). Fixed releases (0.26.0) take both; the buffers alone already fault there.
+
 It writes buffers and tells nobody: the auditor compares what the views show with what their build wrote, and the
 kernels read what they read. Its counters say whether it reached the draft's FULL captures (`captures_injected`): a
 self control it never reached is no control (the gate cannot vouch)."""
@@ -76,6 +84,33 @@ def capture_role(frame: Any, depth: int = 60) -> str | None:
     return "draft" if draft else "target"
 
 
+def label_of_pass(where: tuple[int, str, bool]) -> str:
+    """How a capture pass reads in a record: its graph mode and pass."""
+    return f"{where[1]} {'warmup' if where[2] else 'captured'} pass: the first descriptor's metadata"
+
+
+def capture_pass(frame: Any, depth: int = 60) -> tuple[int, str, bool] | None:
+    """(the graph manager's id, the batch descriptor's graph mode, warmup) of the capture pass a metadata build is
+    for: a frame with `desc` (its cg_mode) and `warmup` locals (CudaGraphManager.capture's create_forward_fn(desc,
+    warmup), 0.26-0.33) under a CudaGraphManager's capture; None when the stack says neither."""
+    mode, warmup, mgr = None, None, None
+    f = frame
+    for _ in range(depth):
+        if f is None:
+            break
+        loc = f.f_locals
+        desc = loc.get("desc")
+        if mode is None and isinstance(loc.get("warmup"), bool) and hasattr(desc, "cg_mode"):
+            mode, warmup = str(getattr(desc.cg_mode, "name", desc.cg_mode)), loc["warmup"]
+        obj = loc.get("self")
+        if mgr is None and f.f_code.co_name == "capture" and obj is not None and "CudaGraphManager" in type(obj).__name__:
+            mgr = id(obj)
+        f = f.f_back
+    if mode is None or mgr is None:
+        return None
+    return mgr, mode, bool(warmup)
+
+
 def _storage_bytes(t: Any) -> Any:
     """A uint8 tensor over the whole storage behind a tensor (the persistent buffer a view points into)."""
     import torch  # only inside vLLM's process: the CPU tier's stand-ins hand real tensors too
@@ -97,6 +132,9 @@ class StaleCaptureInjector:
     last: list[tuple[Any, Any, int]] = field(default_factory=list)  # (destination bytes, snapshot, n) of the last write
     injected: set[int] = field(default_factory=set)  # every storage pointer the injection ever wrote
     done_ids: set[int] = field(default_factory=set)  # metadata objects injected in the current pass
+    # (builder id, graph manager id, graph mode, warmup) -> the metadata that builder built first for that pass
+    first_built: dict[tuple[int, int, str, bool], Any] = field(default_factory=dict)
+    reused_ids: set[int] = field(default_factory=set)  # metadata objects handed to a later pass than their own
 
     def _bump(self, name: str, key: str | None = None, n: int = 1) -> None:
         bump(self.counters, name, key, n)
@@ -190,8 +228,30 @@ class StaleCaptureInjector:
             self._write(self.last)
             self._wrote("capture begins", {})
 
-    def reached(self, views: dict[str, Any]) -> bool:
-        """Do these views point into a buffer the injection wrote?"""
+    def reuse(self, builder: Any, md: Any, where: tuple[int, str, bool] | None) -> Any:
+        """A draft capture's build returned md: for a FULL pass, the metadata this builder built first for the same
+        graph manager, graph mode and pass (warmup or captured) instead, kept on the first build (see the module).
+        `where` is capture_pass's answer; None (the stack does not say which pass) leaves md as built."""
+        if md is None:
+            return md
+        if where is None:
+            self._bump("inject_reuse_unplaced")
+            return md
+        if where[1] != "FULL":
+            return md
+        first = self.first_built.setdefault((id(builder), *where), md)
+        if first is md:
+            return md
+        self.reused_ids.add(id(first))
+        self._bump("inject_reused", "warmup" if where[2] else "capture")
+        if sum(self.counters["inject_reused"].values()) == 1:
+            self.announce({"injection_wrote": "draft metadata reused", "source": label_of_pass(where)})
+        return first
+
+    def reached(self, views: dict[str, Any], md_id: int | None = None) -> bool:
+        """Do these views point into a buffer the injection wrote, or is this metadata one it reused?"""
+        if md_id is not None and md_id in self.reused_ids:
+            return True
         return any(
             t is not None and hasattr(t, "untyped_storage") and t.untyped_storage().data_ptr() in self.injected
             for t in views.values()
