@@ -170,7 +170,9 @@ def test_a_draft_full_pass_gets_the_metadata_built_first_for_that_pass():
     assert full[1][1] is full[0][1] and full[1][2] is full[0][2]  # warmup and captured passes keep their own first
     assert full[0][1] is not full[0][2]
     assert counters["inject_reused"] == {"warmup": 2, "capture": 2}
-    assert announced == [{"injection_wrote": "draft metadata reused", "source": "FULL warmup pass: the first descriptor's metadata"}]
+    assert announced == [
+        {"injection_wrote": "draft metadata reused", "source": "FULL warmup pass: the first descriptor's metadata"}
+    ]
     assert inj.reached({}, id(full[0][1])) and not inj.reached({}, id(object()))
     piecewise = managers[1].capture(build, [_Desc(512, "PIECEWISE"), _Desc(8, "PIECEWISE")])
     assert [w["built_for"] for _, w, _ in piecewise] == [512, 8]  # attention outside the graph: not the defect

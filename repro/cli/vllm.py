@@ -153,8 +153,8 @@ def cmd_gate(a: argparse.Namespace) -> int:
         UNDER_TEST,
         attach_torch,
         find_builds,
-        parse_builds,
         make_overlays,
+        parse_builds,
         parse_overlays,
     )
     from repro.vllm_integration.gate_cache import GateCache, default_root

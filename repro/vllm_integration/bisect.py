@@ -160,7 +160,12 @@ STALE_DRAFT_CAPTURE = (
 )
 # name -> (file, rewrites, the layout it knows, what it does)
 PATCHES = {
-    "fresh-prefill-capture": (SPECULATOR, FRESH_PREFILL_CAPTURE, "0.24-0.25", "the one-call fix of the draft prefill capture"),
+    "fresh-prefill-capture": (
+        SPECULATOR,
+        FRESH_PREFILL_CAPTURE,
+        "0.24-0.25",
+        "the one-call fix of the draft prefill capture",
+    ),
     "stale-draft-capture": (
         DRAFT_CAPTURE,
         STALE_DRAFT_CAPTURE,

@@ -103,7 +103,12 @@ def capture_pass(frame: Any, depth: int = 60) -> tuple[int, str, bool] | None:
         if mode is None and isinstance(loc.get("warmup"), bool) and hasattr(desc, "cg_mode"):
             mode, warmup = str(getattr(desc.cg_mode, "name", desc.cg_mode)), loc["warmup"]
         obj = loc.get("self")
-        if mgr is None and f.f_code.co_name == "capture" and obj is not None and "CudaGraphManager" in type(obj).__name__:
+        if (
+            mgr is None
+            and f.f_code.co_name == "capture"
+            and obj is not None
+            and "CudaGraphManager" in type(obj).__name__
+        ):
             mgr = id(obj)
         f = f.f_back
     if mode is None or mgr is None:
