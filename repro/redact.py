@@ -9,7 +9,7 @@ from pathlib import Path
 
 PROJECT_DIRS = {"repro", "cases", "tests", "results", ".gpu", "scratch", ".ci"}
 _PATH = re.compile(
-    r"(?<!<repo>)(?<!<path>)(?<!<site-packages>)(?:(?<=^)|(?<=[\s\"'(=:`\[,>]))/(?:[\w.+@-]+/)+[\w.+@-]*", re.M
+    r"(?<!<repo>)(?<!<path>)(?<!<site-packages>)(?:(?<=^)|(?<=[\s\"'(=:`\[,>@]))/(?:[\w.+-]+/)+[\w.+-]*", re.M
 )
 SUFFIXES = (".json", ".md", ".xml", ".txt", ".log")
 

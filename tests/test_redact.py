@@ -42,3 +42,10 @@ def test_committed_records_hold_no_machine_paths():
 def test_redaction_is_idempotent():
     once = redact('File "/a/main/repro/x.py" and /o/out/plain and /v/site-packages/t/a.py')
     assert redact(once) == once
+
+
+def test_an_overlay_option_keeps_both_of_its_paths_apart():
+    """--overlay LABEL=SOURCES@BASE: two paths joined by @, each redacted on its own."""
+    assert redact("--overlay 0.33.0-mutant=/tmp/mutsrc@/tmp/v0330 --x") == (
+        "--overlay 0.33.0-mutant=<path>/mutsrc@<path>/v0330 --x"
+    )
