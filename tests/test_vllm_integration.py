@@ -52,6 +52,25 @@ def test_auditor_is_quiet_for_fresh_builds():
     assert aud.check(99, {}) == [] and "every view held its own build" in aud.report()
 
 
+def test_the_draft_loops_own_seq_lens_advance_is_not_staleness_another_descriptors_contents_are():
+    """vLLM's eagle layout (0.20-0.22) advances seq_lens by one per draft step inside the draft decode graph, for the
+    same batch (0.20.2 on the H200: "t512r512: seq_lens[0] is 2, the build wrote 1" in all 49 draft decode
+    captures). That is told apart from another descriptor's contents: uniform +d, d within the bound, same length."""
+    aud = FreshnessAuditor()
+    built = {"seq_lens": torch.ones(4, dtype=torch.int32), "query_start_loc": torch.arange(5, dtype=torch.int32)}
+    aud.record_build(1, "t4r4", built)
+    advanced = {**built, "seq_lens": built["seq_lens"] + 2}
+    assert aud.check(1, advanced, advance=8) == [] and aud.loop_advances == 1
+    assert [m.buffer for m in aud.check(1, advanced)] == ["seq_lens"]  # outside a draft decode capture: stale
+    assert [m.buffer for m in aud.check(1, advanced, advance=1)] == ["seq_lens"]  # beyond the bound
+    other = {**built, "seq_lens": torch.tensor([7, 3, 1, 1], dtype=torch.int32)}  # another batch's lengths
+    assert [m.buffer for m in aud.check(1, other, advance=8)] == ["seq_lens"]
+    moved = {"seq_lens": built["seq_lens"] + 1, "query_start_loc": torch.arange(5, dtype=torch.int32) * 2}
+    assert [m.buffer for m in aud.check(1, moved, advance=8)] == ["query_start_loc"]  # only seq_lens may advance
+    back = {**built, "seq_lens": built["seq_lens"] - 1}
+    assert [m.buffer for m in aud.check(1, back, advance=8)] == ["seq_lens"]  # the loop never goes back
+
+
 def test_plugin_wraps_a_backend_module(monkeypatch):
     """The glue, on a stand-in with the names vLLM's flash_attn module has."""
     bufs = {"query_start_loc": torch.zeros(5, dtype=torch.int32), "seq_lens": torch.zeros(4, dtype=torch.int32)}

@@ -52,7 +52,8 @@ def _wrap_forward(impl_cls: Any, spec: BackendFields = FLASH_ATTN) -> None:
                 if injector.inject(id(attn_metadata), tensor_fields(attn_metadata, spec)[0], "draft warmup"):
                     counters.bump("injected_forwards")
         if not capture._CAPTURES and capture._AUDIT_ON["on"] and attn_metadata is not None and not capture.capturing():
-            for m in counters.AUDITOR.check(id(attn_metadata), views_of(attn_metadata, spec)):
+            advance = capture.MAX_DRAFT_LOOP_ADVANCE if capture.draft_on_stack(sys._getframe(1)) else 0
+            for m in counters.AUDITOR.check(id(attn_metadata), views_of(attn_metadata, spec), advance=advance):
                 emit(AUDIT_TAG, {"stale": m.to_dict(), "message": str(m)})
         return orig_forward(self, layer, query, key, value, kv_cache, attn_metadata, *a, **k)
 

@@ -19,6 +19,9 @@ from repro.vllm_integration.inject import StaleCaptureInjector, is_draft_frame
 from repro.vllm_integration.metadata_views import views_of
 
 UNKNOWN_KIND = "unknown kind"
+# A draft decode graph runs the draft steps after the first; each but the last advances seq_lens by one in place
+# (vLLM's update_draft_inputs). vLLM's num_speculative_tokens stays far below this bound (the gate runs 3).
+MAX_DRAFT_LOOP_ADVANCE = 8
 
 
 @dataclass
@@ -78,6 +81,18 @@ def graph_kind(frame: Any, depth: int = 40) -> str:
     return f"target {phase}" if phase else f"target ({UNKNOWN_KIND})"
 
 
+def draft_on_stack(frame: Any, depth: int = 40) -> bool:
+    """Is a speculator frame on the call stack (an eager draft step, whose loop may have advanced seq_lens)?"""
+    f = frame
+    for _ in range(depth):
+        if f is None:
+            return False
+        if is_draft_frame(f):
+            return True
+        f = f.f_back
+    return False
+
+
 def install_capture_tracker(cuda: Any) -> None:
     """Wrap torch.cuda.graph (`cuda` is torch.cuda, or a stand-in): count every capture by kind, collect the
     attention metadata its forwards use, and audit that metadata when the capture ends."""
@@ -127,7 +142,8 @@ def _finish_capture(cap: _Capture, failed: bool) -> None:
         views = views_of(md, spec)
         # a field an in-graph refresh rewrote holds what the graph will compute at replay, not what the build wrote
         skip = {p for p in views if spec.refreshed(p)} if id(md) in cap.refreshed else set()
-        for m in auditor.check(id(md), views, skip):
+        advance = MAX_DRAFT_LOOP_ADVANCE if cap.kind.startswith("draft decode") else 0
+        for m in auditor.check(id(md), views, skip, advance):
             stale = True
             emit(AUDIT_TAG, {"stale": m.to_dict(), "message": str(m), "capture": cap.kind})
     if known:

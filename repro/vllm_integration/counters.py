@@ -59,6 +59,7 @@ def snapshot() -> dict[str, Any]:
     """The counters as they are now (the auditor's check and view counts folded in)."""
     out = copy.deepcopy(COUNTERS)
     out["checks"], out["views_checked"] = AUDITOR.checks, AUDITOR.views
+    out["draft_loop_advances"] = AUDITOR.loop_advances
     out["installed"] = sorted(_installed)
     return out
 

@@ -74,7 +74,8 @@ SM_MARGIN_ENV, POISON_ENV, WEIGHTS_ENV = "REPRO_SM_MARGIN", "REPRO_POISON", "REP
 BACKEND_ENV = "REPRO_ATTENTION_BACKEND"
 # the V2 speculative-decoding layouts the auditor was checked against (the recorded wheels 0.23.0-0.33.0,
 # results/vllm-versions.json; a CPU test keeps the two equal): another layout cannot be vouched for
-KNOWN_SPEC_LAYOUTS = ("autoregressive", "target_dependent_ar")
+# eagle (0.20-0.22): its draft loop advances seq_lens inside the draft decode graph (audit.check's `advance`)
+KNOWN_SPEC_LAYOUTS = ("eagle", "autoregressive", "target_dependent_ar")
 
 
 def spec_layout_of(vllm_root: str | os.PathLike | None) -> tuple[str | None, bool]:
