@@ -63,6 +63,21 @@ def test_modes_parse_and_refuse():
             parse_modes(bad)
 
 
+def test_the_auditor_runs_in_an_sm_configuration_and_the_sweep_preset_lists_every_one():
+    """audit+sm_margin:N / audit+mps:N: the auditor with that restriction (its case shares the SM configuration's
+    reference); `hidden-sweep`: audit and plain on the full GPU and at 8/16/24/40/66 SMs of both restrictions."""
+    (m,) = parse_modes("audit+mps:24")
+    assert m.audit and m.sm.kind == "mps" and m.sm.sms == 24 and m.label == "audit-mps24" and m.gating
+    sweep = parse_modes("hidden-sweep")
+    assert len(sweep) == 22 and sum(x.audit for x in sweep) == 11
+    assert {(x.sm.kind, x.sm.sms) for x in sweep} == {("full", None)} | {
+        (k, n) for k in ("sm_margin", "mps") for n in (8, 16, 24, 40, 66)
+    }
+    for bad in ("audit+plain", "audit+audit", "audit+poison:int-max", "audit+memcheck", "hidden-sweep,plain"):
+        with pytest.raises(ConfigError):
+            parse_modes(bad)
+
+
 def test_builds_from_the_environment(tmp_path, fakes):
     env = {"REPRO_VLLM": f"new={fakes['good']}", "REPRO_VLLM_CONTROL": f"old={fakes['stale-crash']}"}
     builds = find_builds(env, include_installed=False)
