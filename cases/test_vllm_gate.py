@@ -1,12 +1,13 @@
 """The vLLM gate as pytest cases (markers gpu and vllm; ids contain stale_metadata): every vLLM build found (the
 installed vllm, REPRO_VLLM=LABEL=PREFIX,..., REPRO_VLLM_CONTROL=LABEL=PREFIX,...) x detection mode (REPRO_GATE_MODES,
-default audit,plain; see repro/vllm_integration/gate_case.py), each case in its own process under a timeout.
+default audit,plain; see repro/vllm_integration/gate_case.py).
 
-A build under test must come back clean and produce the greedy tokens of its own reference run (no speculative
-decoding, no CUDA graphs, same SM configuration). A control (known bad) must be detected: a fault, a hang or wrong
-tokens, or in the audit mode the auditor's stale views; a control that comes back clean FAILS as HARNESS BLIND. A case
-whose checked feature did not fire (no FULL graphs, no speculative decoding, another backend, zero audit checks, ...)
-is cannot-vouch and fails; the engine's configuration and the hooks' counters are recorded as properties.
+Each test is one build in one mode, run by the gate's own orchestrator (repro.vllm_integration.gate_run.run_gate,
+`only` that build): the same case processes, timeouts, MPS daemon handling, reference cache (REPRO_CACHE_DIR, shared
+by every test and every xdist worker) and judging as `python -m repro gate`, with the build's self control beside it
+(REPRO_SELF_CONTROL, default under-test). A build under test must come back clean against its own validated
+reference; a control (known bad) and a self control must be detected; a case whose checked feature did not fire is
+cannot-vouch and fails. The engine's configuration and the hooks' counters are recorded as properties.
 
     REPRO_VLLM_CONTROL=0.25.1=/opt/vllm-0.25.1 python -m pytest -m vllm cases/test_vllm_gate.py"""
 
@@ -20,42 +21,49 @@ import pytest
 from cases.gpu_env import gpu_skip_reason
 from repro.pytest_cases import log_dir
 from repro.pytest_gate import not_applicable
-from repro.smcontrol import maybe_mps
 from repro.verdicts import SKIP
 from repro.vllm_integration.builds import CONTROL, find_builds
-from repro.vllm_integration.gate_case import DEFAULT_MODES, GateCase, expected, parse_modes, reference_for
-from repro.vllm_integration.gate_judge import finish, meets
-from repro.vllm_integration.gate_run import result_line, run_attributed, run_case
+from repro.vllm_integration.gate_case import DEFAULT_MODES, expected, parse_modes
+from repro.vllm_integration.gate_judge import meets
 
-BUILDS = find_builds()
-MODES = parse_modes(os.environ.get("REPRO_GATE_MODES", ",".join(DEFAULT_MODES)))
-PARAMS = [pytest.param(b, m, id=f"{b.label}-{b.role}-{m.label}") for b in BUILDS for m in MODES] or [
-    pytest.param(None, None, id="no-build")
-]
-_references: dict = {}  # (build, SM configuration) -> (reference result, its RESULT line)
+SELF_CONTROL_ENV = "REPRO_SELF_CONTROL"
+TIMEOUT_ENV = "REPRO_GATE_TIMEOUT"
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """The builds are looked for at collection (not at import): one test per build and mode."""
+    if "gate_build" not in metafunc.fixturenames:
+        return
+    builds = find_builds()
+    modes = parse_modes(os.environ.get("REPRO_GATE_MODES", ",".join(DEFAULT_MODES)))
+    params = [pytest.param((b, m, builds), id=f"{b.label}-{b.role}-{m.label}") for b in builds for m in modes]
+    metafunc.parametrize("gate_build", params or [pytest.param(None, id="no-build")])
 
 
 @pytest.mark.gpu
 @pytest.mark.vllm
-@pytest.mark.parametrize("build,mode", PARAMS)
-def test_stale_metadata_vllm_gate(build, mode, record_property):
-    if build is None:
+def test_stale_metadata_vllm_gate(gate_build, record_property):
+    if gate_build is None:
         why = "no vLLM build named or installed (pip install vllm, or REPRO_VLLM / REPRO_VLLM_CONTROL=LABEL=PREFIX)"
         pytest.skip(not_applicable(why, "vllm", record_property))
     reason = gpu_skip_reason()
     if reason:
         pytest.skip(reason)
-    case = GateCase(build, mode)
-    LOG_DIR = log_dir() / "vllm-gate"
-    with maybe_mps(mode.sm.kind == "mps") as mps:
-        ref_case = reference_for(case)
-        key = (build, mode.sm)
-        if key not in _references:
-            ref = run_case(ref_case, BUILDS, LOG_DIR, mps)
-            _references[key] = (ref, result_line(LOG_DIR, ref_case))
-        res, _ = run_attributed(case, BUILDS, LOG_DIR, mps)
-    ref, ref_out = _references[key]
-    res = finish(case, res, result_line(LOG_DIR, case), ref, ref_out)  # the reference comparison, then what fired
+    from repro.vllm_integration.gate_cache import GateCache, default_root  # noqa: PLC0415  only with a GPU and vLLM
+    from repro.vllm_integration.gate_run import run_gate  # noqa: PLC0415  only with a GPU and vLLM
+
+    build, mode, builds = gate_build
+    run = run_gate(
+        builds,
+        (mode,),
+        log_dir() / "vllm-gate",
+        jobs=2,
+        timeout_s=float(os.environ.get(TIMEOUT_ENV, "300")),
+        cache=GateCache(default_root()),
+        self_control=os.environ.get(SELF_CONTROL_ENV, "under-test"),
+        only=build,
+    )
+    (case, res), *self_controls = sorted(run.cases, key=lambda cr: cr[0].inject is not None)
     for k in ("verdict", "evidence", "kernel", "descriptor", "vllm_version", "wall_s"):
         record_property(k, getattr(res, k))
     record_property("role", build.role)
@@ -66,8 +74,11 @@ def test_stale_metadata_vllm_gate(build, mode, record_property):
     record_property("acceptance", json.dumps(ident.get("acceptance"), default=str))
     record_property("gate_mode", mode.name)
     record_property("reason", res.reason)
+    record_property("self_control", json.dumps({c.case_id: r.verdict for c, r in self_controls}))
     if res.verdict == SKIP:
         pytest.skip(res.reason)
+    for c, r in self_controls:
+        assert meets(c, r), f"HARNESS BLIND: the self control of vLLM {build.label} came back {r.verdict}: {r.reason}"
     if build.role == CONTROL:
         assert meets(case, res), f"HARNESS BLIND: control vLLM {build.label} came back {res.verdict}: {res.reason}"
     else:

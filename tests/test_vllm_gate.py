@@ -415,3 +415,26 @@ def test_the_report_of_a_build_that_gave_no_answer_and_of_no_control(tmp_path):
     md = (out / "verdicts.md").read_text()
     assert "| y | under-test | 0.27.0 | **cannot tell** |" in md
     assert "gate: 1 case(s) ran; no positive control needed (--no-control)" in md and "control(s) ran" not in md
+
+
+@needs_entry_point
+def test_the_pytest_tier_runs_each_build_and_mode_through_the_gates_own_run(tmp_path, fakes, monkeypatch):
+    """cases/test_vllm_gate.py: one test per build and mode, run by run_gate (only that build, its self control
+    beside it, the reference kept in the shared cache folder), judged by the gate's own rules."""
+    import cases.test_vllm_gate as tier
+
+    monkeypatch.setattr(tier, "gpu_skip_reason", lambda: None)  # the stand-in builds need no GPU
+    monkeypatch.setenv("REPRO_CACHE_DIR", str(tmp_path / "cache"))
+    from repro.pytest_cases import RUN_ENV
+
+    monkeypatch.setenv(RUN_ENV, str(tmp_path / "logs"))  # this test's case logs, never another run's folder
+    builds = parse_builds(f"good={fakes['good']}", UNDER_TEST, "REPRO_VLLM")
+    builds += parse_builds(f"quiet={fakes['stale-quiet']}", CONTROL, "REPRO_VLLM_CONTROL")
+    (plain,) = parse_modes("plain")
+    props: dict = {}
+    tier.test_stale_metadata_vllm_gate((builds[0], plain, builds), lambda k, v: props.__setitem__(k, v))
+    assert props["verdict"] == CLEAN and props["role"] == UNDER_TEST
+    assert json.loads(props["self_control"])  # the self control ran beside it, in the same run
+    assert list((tmp_path / "cache").rglob("*.json")), "the reference was kept in the shared cache"
+    with pytest.raises(AssertionError, match="HARNESS BLIND: control vLLM quiet came back clean"):
+        tier.test_stale_metadata_vllm_gate((builds[1], plain, builds), lambda k, v: None)

@@ -232,16 +232,19 @@ def run_gate(
     backends: tuple[str, ...] = (DEFAULT_BACKEND,),
     self_control: str = "under-test",
     devices: list[GateDevice] | None = None,
+    only: VllmBuild | None = None,
 ) -> GateRun:
     """Every case, references included; non-MPS cases `jobs` at a time, MPS cases one at a time under one daemon
     owned by the run (a faulting MPS client can take the server's other clients down). With a cache (the new path,
     repro.vllm_integration.gate_cache) the cases share their build's vLLM caches and a reference kept for the build's
     fingerprint, SM configuration, GPU and gate code is used instead of running it again; without, the old path.
     With devices (repro.vllm_integration.placement), each case process runs on one of them, of one kind (main_kind:
-    a case and its reference on the same SM count), `--jobs` divided over them; MPS cases on the first."""
+    a case and its reference on the same SM count), `--jobs` divided over them; MPS cases on the first. `only`: the
+    cases of that one build (its self control too); the other builds still keep their prefixes off its PYTHONPATH
+    (the pytest tier runs one build and mode per test this way)."""
     if not builds:
         raise ConfigError("no vLLM build to test: install vllm, or set REPRO_VLLM / REPRO_VLLM_CONTROL")
-    cases = plan(builds, modes, repeat, timeout_s, backends, self_control)
+    cases = plan([only] if only is not None else builds, modes, repeat, timeout_s, backends, self_control)
     asked = [m.sm.sms for m in modes if m.sm.kind in ("sm_margin", "mps")]
     if asked:
         try:
