@@ -160,3 +160,48 @@ def test_mps24_is_broken_in_both_builds_whatever_the_weights(monkeypatch, tmp_pa
     assert ref.verdict == "error" and "non-finite" in ref.reason
     assert got[V + "0.26.0-under-test-mps24"].verdict == "error"
     assert run.outcome() == doc["outcome"] == "CANNOT VOUCH"
+
+
+def test_0330_alone_passes_with_its_self_control_caught_in_every_mode(monkeypatch, tmp_path):
+    """vLLM 0.33.0 (torch 2.14 through --torch) with no known-bad build: the self control, with the object half of
+    the defect (inject.reuse), faults in audit, plain (combine named) and mps:16; the build is clean in all three,
+    its draft accepted 144 of 144 tokens: PASS from the build's own environment."""
+    doc, rows, run, got = replay(monkeypatch, tmp_path, RESULTS / "h200-vllm-0.33-alone")
+    _same_verdicts(rows, got)
+    modes = ("audit", "plain", "mps16")
+    assert [got[V + f"0.33.0-under-test-{m}"].verdict for m in modes] == ["clean"] * 3
+    assert [got[V + f"0.33.0-self-control-{m}"].verdict for m in modes] == ["crash"] * 3
+    assert got[V + "0.33.0-self-control-plain"].kernel == "combine"
+    c = got[V + "0.33.0-self-control-audit"].backend_identity["counters"]
+    assert c["inject_reused"]["capture"] > 0 and c["captures_injected"]["draft decode"] > 0
+    assert run.outcome() == doc["outcome"] == "PASS" and EXIT[run.outcome()] == 0
+    assert run.decision().summary() == doc["decision"]
+    for m in ("audit", "plain", "mps:16"):
+        assert any(f"mode {m}: 1 of 1 positive control(s) showed evidence (self-control: 1 of 1)" in x for x in doc["decision"])
+    acc = got[V + "0.33.0-under-test-plain"].backend_identity["acceptance"]
+    assert acc["spec_decode_num_accepted_tokens"] == acc["spec_decode_num_draft_tokens"] > 0
+
+
+def test_both_halves_of_the_injection_still_fault_0260_and_the_known_bad_build_is_blind_in_plain(monkeypatch, tmp_path):
+    """0.26.0 with the injection's object half added (inject.reuse): its self control faults in audit and plain; the
+    build is clean; 0.25.1 as it is decodes cleanly in plain with the agreement weights, so the gate says HARNESS
+    BLIND for that known-bad control, as it did before (results/h200-agree-selfcontrol)."""
+    doc, rows, run, got = replay(monkeypatch, tmp_path, RESULTS / "h200-injection-both-halves-0.26.0")
+    _same_verdicts(rows, got)
+    assert [got[V + f"0.26.0-under-test-{m}"].verdict for m in ("audit", "plain")] == ["clean", "clean"]
+    assert [got[V + f"0.26.0-self-control-{m}"].verdict for m in ("audit", "plain")] == ["crash", "crash"]
+    assert got[V + "0.25.1-control-plain"].verdict == "clean" and got[V + "0.25.1-control-audit"].verdict == "stale-audit"
+    assert run.outcome() == doc["outcome"] == "HARNESS BLIND" and EXIT[run.outcome()] == 3
+    assert any(b.startswith(V + "0.25.1-control-plain") for b in run.blind())
+
+
+def test_at_mps24_the_platform_is_named_never_a_false_alarm(monkeypatch, tmp_path):
+    """Under MPS at 24 SMs the H200's bf16 GEMMs are wrong with torch 2.11 and with torch 2.14: every case process's
+    GEMM check fails first, so 0.26.0, 0.33.0 and 0.33.0's self control are errors naming the products, and the gate
+    cannot vouch (exit 4): no AFFECTED from NaN references any more."""
+    for record in ("h200-mps24-gemm-check-0.26.0", "h200-mps24-gemm-check-0.33.0"):
+        doc, rows, run, got = replay(monkeypatch, tmp_path / record, RESULTS / record)
+        _same_verdicts(rows, got)
+        assert all(r.verdict == "error" and "bf16 matrix products wrong" in r.reason for r in got.values()), record
+        need = "--no-control" not in doc["environment"]["command"]
+        assert run.outcome(need_control=need) == doc["outcome"] == "CANNOT VOUCH" and EXIT["CANNOT VOUCH"] == 4
