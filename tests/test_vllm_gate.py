@@ -218,16 +218,23 @@ def test_gate_case_ids_name_build_role_mode():
     assert json.loads(c.to_json())["mode"]["sm"] == {"kind": "mps", "sms": 16, "mig_uuid": None}
 
 
+def _source_tree(tmp_path, rel: str, text: str):
+    """A tree holding one vLLM source file at rel (a bisect patch's input)."""
+    tree = tmp_path / "tree"
+    (tree / rel).parent.mkdir(parents=True)
+    (tree / rel).write_text(text)
+    return tree
+
+
 def test_fresh_prefill_capture_rewrites_the_two_spots_once(tmp_path):
     from repro.vllm_integration.bisect import SPECULATOR, fresh_prefill_capture, main
 
-    tree = tmp_path / "tree"
-    spec = tree / SPECULATOR
-    spec.parent.mkdir(parents=True)
-    spec.write_text(
+    tree = _source_tree(
+        tmp_path,
+        SPECULATOR,
         "class S:\n    def init(self):\n        self.prefill_cudagraph_manager = PrefillSpeculatorCudaGraphManager(\n"
         "            cfg)\n\n    def capture(self, attn_states):\n        self.prefill_cudagraph_manager.capture(\n"
-        "            self._prefill,\n            attn_states,\n            progress_bar_desc='p',\n        )\n"
+        "            self._prefill,\n            attn_states,\n            progress_bar_desc='p',\n        )\n",
     )
     (tree / "vllm" / "ext.so").write_text("binary")
     out = fresh_prefill_capture(tree, tmp_path / "fixed")
@@ -243,14 +250,13 @@ def test_stale_draft_capture_puts_the_defect_back_into_the_0_33_capture(tmp_path
     descriptor of its (mode, pass), the 0.21-0.25.1 defect (an excerpt of 0.33.0's create_forward_fn)."""
     from repro.vllm_integration.bisect import DRAFT_CAPTURE, main, patched_copy
 
-    tree = tmp_path / "tree"
-    f = tree / DRAFT_CAPTURE
-    f.parent.mkdir(parents=True)
-    f.write_text(
+    tree = _source_tree(
+        tmp_path,
+        DRAFT_CAPTURE,
         "class M:\n    def capture(self):\n        def create_forward_fn(desc, warmup):\n"
         "            attn_metadata, slot_mappings = prepare_inputs_to_capture(desc.num_tokens)\n\n"
         "            forward_kwargs = {}\n            return attn_metadata, forward_kwargs\n"
-        "        return create_forward_fn\n"
+        "        return create_forward_fn\n",
     )
     (tree / "vllm-0.33.0.dist-info").mkdir()
     (tree / "vllm-0.33.0.dist-info" / "METADATA").write_text("Version: 0.33.0\n")
