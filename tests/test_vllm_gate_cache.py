@@ -14,8 +14,9 @@ from repro.vllm_integration import gate_bench, gate_report
 from repro.vllm_integration.builds import CONTROL, UNDER_TEST, parse_builds
 from repro.vllm_integration.gate_cache import COLD, VLLM_CACHE, WARM, WRITER, GateCache, package_fingerprint
 from repro.vllm_integration.gate_case import parse_modes
+from repro.vllm_integration.gate_paths import FORK_COLD, FORK_WARM, NEW_COLD, NEW_WARM, OLD_PATH, compare_paths
 from repro.vllm_integration.gate_report import build_summary
-from repro.vllm_integration.gate_run import NEW_COLD, NEW_WARM, OLD_PATH, compare_paths, run_gate
+from repro.vllm_integration.gate_run import run_gate
 from tests.fake_vllm import write_fake_vllm
 
 RECORDED = Path(__file__).parent.parent / "results" / "h200-vllm-release-range" / "logs"
@@ -144,24 +145,27 @@ def test_kept_references_and_warm_caches_give_the_same_verdicts(tmp_path):
     assert [h["step"] for h in third.references[0][1].history] == ["reference validation"]
 
 
-def test_compare_paths_runs_old_cold_and_warm_with_no_verdict_difference(tmp_path):
+def test_compare_paths_runs_old_cold_warm_and_forked_with_no_verdict_difference(tmp_path):
     builds = [_build(tmp_path, "good")]
     builds += parse_builds(f"crash={write_fake_vllm(tmp_path / 'crash', '0.25.1', 'stale-crash')}", CONTROL, "x")
     runs = compare_paths(
         builds, parse_modes("plain"), tmp_path / "logs", tmp_path / "cache", jobs=4, timeout_s=120, self_control="none"
     )
-    assert list(runs) == [OLD_PATH, NEW_COLD, NEW_WARM]
+    assert list(runs) == [OLD_PATH, NEW_COLD, NEW_WARM, FORK_COLD, FORK_WARM]
     md = gate_bench.compare_markdown(runs)
     assert "### Verdict differences between the paths: 0" in md
-    assert "| new (warm) | PASS |" in md and "reference kept" in md
-    assert md.count("-control-plain-launch-blocking |") == 3  # the attribution rerun on every path
+    assert "| new (warm) | PASS |" in md and "| fork (warm) | PASS |" in md and "reference kept" in md
+    assert md.count("-control-plain-launch-blocking |") == 5  # the attribution rerun on every path
+    for name, run in runs.items():  # each path started its case processes as it says
+        launched = {(r.phases or {}).get("launcher") for _, r in run.cases + run.attributions}
+        assert launched == {"fork" if name.startswith("fork") else "spawn"}, (name, launched)
     with pytest.raises(Exception, match="empty cache folder"):
         compare_paths(builds, parse_modes("plain"), tmp_path / "logs2", tmp_path / "cache")
 
 
 def test_compare_paths_can_leave_out_the_old_path_but_warm_needs_cold(tmp_path):
     builds = [_build(tmp_path, "good")]
-    with pytest.raises(Exception, match="the warm run needs the cold one"):
+    with pytest.raises(Exception, match="a warm run needs its cold one"):
         compare_paths(builds, parse_modes("plain"), tmp_path / "l", tmp_path / "c", paths=(NEW_WARM,))
     runs = compare_paths(
         builds, parse_modes("plain"), tmp_path / "l", tmp_path / "c", timeout_s=120, paths=(NEW_COLD, NEW_WARM)

@@ -131,7 +131,15 @@ def add_parsers(sub) -> None:
     )
     gt.add_argument(
         "--paths",
-        help="with --compare-paths: which paths to run, in this order (default old,new-cold,new-warm)",
+        help="with --compare-paths: which paths to run, in this order, from old, new-cold, new-warm (spawned case "
+        "processes), fork-cold, fork-warm (forked from each build's forkserver) (default: all five)",
+    )
+    gt.add_argument(
+        "--launcher",
+        choices=("fork", "spawn"),
+        help="how case processes start: fork (from a forkserver per build that imported torch, vLLM and the plugin "
+        "once; a case that cannot be forked is launched plainly, and the report says why) or spawn (a fresh "
+        "interpreter per case) (default: REPRO_GATE_LAUNCHER, else spawn)",
     )
     gt.add_argument("--dry-run", action="store_true", help="list case ids only")
     sub.choices["bisect"].set_defaults(func=cmd_bisect)
@@ -164,8 +172,11 @@ def cmd_gate(a: argparse.Namespace) -> int:
 
     modes = parse_modes(a.modes)
     backends = parse_backends(a.backends)
-    if a.compare_paths and (a.no_cache or a.repeat != 1):
-        raise ConfigError("--compare-paths runs both paths once each: leave out --no-cache and --repeat")
+    if a.compare_paths and (a.no_cache or a.repeat != 1 or a.launcher):
+        raise ConfigError(
+            "--compare-paths runs each path once, with its own cache and launcher: leave out --no-cache, --repeat and "
+            "--launcher"
+        )
     if a.repeat < 1 or a.jobs < 1 or a.timeout <= 0:
         raise ConfigError("--repeat and --jobs must be at least 1, --timeout positive")
     paths = _parse_paths(a.paths, a.compare_paths)
@@ -217,7 +228,18 @@ def cmd_gate(a: argparse.Namespace) -> int:
     cache = None if a.no_cache else GateCache(Path(a.cache_dir) if a.cache_dir else default_root())
     devices = gate_devices(a.devices)
     run = run_gate(
-        builds, modes, logs, a.repeat, a.jobs, a.timeout, progress, cache, backends, a.self_control, devices=devices
+        builds,
+        modes,
+        logs,
+        a.repeat,
+        a.jobs,
+        a.timeout,
+        progress,
+        cache,
+        backends,
+        a.self_control,
+        devices=devices,
+        launcher=a.launcher,
     )
     written = gate_report.write(run, out, collect(), need_control=not a.no_control)
     print(gate_report.markdown(run, need_control=not a.no_control).split("\n| case |")[0])
@@ -302,7 +324,7 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
 
 def _parse_paths(text: str | None, compare: bool) -> tuple[str, ...]:
     """--paths: the paths --compare-paths runs, in order (gate_run.PATHS by folder name); refused without it."""
-    from repro.vllm_integration.gate_run import PATHS, path_folder
+    from repro.vllm_integration.gate_paths import PATHS, path_folder
 
     if text is not None and not compare:
         raise ConfigError(f"--paths {text}: picks the paths of --compare-paths; give --compare-paths too")
@@ -321,7 +343,8 @@ def _compare_paths(a: argparse.Namespace, paths, builds, modes, backends, out: P
     from repro.environment import collect
     from repro.redact import redact
     from repro.vllm_integration import gate_bench, gate_report
-    from repro.vllm_integration.gate_run import EXIT, compare_paths, path_folder
+    from repro.vllm_integration.gate_paths import compare_paths, path_folder
+    from repro.vllm_integration.gate_run import EXIT
 
     cache_root = Path(a.cache_dir) if a.cache_dir else out / "cache"
     runs = compare_paths(builds, modes, logs, cache_root, a.jobs, a.timeout, progress, backends, paths, a.self_control)
