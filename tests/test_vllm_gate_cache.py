@@ -108,6 +108,19 @@ def test_phases_add_process_start_and_teardown():
     assert (p["start"], p["teardown"], p["engine_rest"]) == (0.5, 3.0, 30.0)
 
 
+def test_phases_split_the_imports_from_cudas_start():
+    """A case's RESULT splits its start-up (torch and vLLM's import, CUDA's start with the GEMM check); a case that
+    crashed after it has the split in its DEVICE record; a record from before the split keeps it all in `import`."""
+    split = {"torch_import": 0.01, "cuda_init": 1.52, "vllm_import": 0.02}
+    result = {"timing_s": {"import": 1.6, **split, "engine": 9.0, "generate": 0.5}}
+    p = gate_bench.phases("", result, None, 12.0)
+    assert (p["import"], p["cuda"], p["engine"]) == (0.0, 1.5, 9.0)
+    crashed = gate_bench.phases("", None, None, 5.0, {"gpu": "H200", "startup_s": {**split, "torch_import": 18.3}})
+    assert (crashed["import"], crashed["cuda"]) == (18.3, 1.5) and "engine" not in crashed
+    old = gate_bench.phases("", {"timing_s": {"import": 23.0}}, None, 30.0, {"gpu": "H200"})
+    assert old["import"] == 23.0 and "cuda" not in old
+
+
 def test_verdict_differences_are_listed():
     diff = gate_bench.verdict_diff({"old": {"a": "crash", "b": "clean"}, "new": {"a": "crash", "b": "stale-audit"}})
     assert diff == ["b: old clean, new stale-audit"]

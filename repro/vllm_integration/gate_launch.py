@@ -301,7 +301,8 @@ class Launcher:
             try:
                 res, out = run_process(case, cmd, env, log_dir, False, server, (TARGET_MAIN, cmd[3:]))
                 self.count(case.build.label, True)
-                return res, out, {"launcher": FORK}
+                # what a spawned process would have spent importing, paid once by the build's forkserver
+                return res, out, {"launcher": FORK, "preimported_s": server.ready.get("import_s")}
             except ForkServerDied as e:
                 why = str(e)
                 self._note(case.build.label, f"forkserver died under {case.case_id}: it ran again, launched plainly")

@@ -26,7 +26,7 @@ from repro.classify import refused
 from repro.descriptors import ConfigError
 from repro.runner import case_logs, device_sm_count, run_process
 from repro.smcontrol import MpsDaemon, Unavailable
-from repro.tags import COUNTERS_TAG, RESULT_TAG
+from repro.tags import COUNTERS_TAG, DEVICE_TAG, RESULT_TAG
 from repro.verdicts import CANNOT_VOUCH as NOT_VOUCHED
 from repro.verdicts import CLEAN, CRASH, FAULTS, SKIP
 from repro.vllm_integration import gate_bench
@@ -101,7 +101,7 @@ def run_case(
         res.vllm_version = case.build.version
         return res
     res.phases = {
-        **gate_bench.phases(out, ch.last(RESULT_TAG), res.started_at, res.wall_s),
+        **gate_bench.phases(out, ch.last(RESULT_TAG), res.started_at, res.wall_s, ch.last(DEVICE_TAG)),
         "vllm_cache": vllm_cache,
         **launched,
     }
