@@ -131,7 +131,7 @@ def prepare(preload: list[str], late: frozenset[str]) -> tuple[dict, list[str]]:
     """Import everything in `preload` (MODULE or MODULE:ATTR) and check the process can fork cases: (the READY
     record's facts, the problems that refuse it)."""
     before = dict(os.environ)
-    watched = _WatchedEnviron(os.environ, late)
+    real, watched = os.environ, _WatchedEnviron(os.environ, late)
     os.environ = watched  # noqa: B003  the same environment, watched: os.getenv reads the module's environ too
     t0 = time.time()
     try:
@@ -142,6 +142,7 @@ def prepare(preload: list[str], late: frozenset[str]) -> tuple[dict, list[str]]:
                 getattr(mod, attr)
     finally:
         watched.watching = False
+        os.environ = real  # noqa: B003  the same data: a module that kept the watched one sees every change
     import_s = time.time() - t0
     env_set = {k: v for k, v in os.environ.items() if before.get(k) != v}
     env_unset = sorted(set(before) - set(os.environ))

@@ -198,7 +198,7 @@ class ForkServer:
                 done = gate_fork.EXITED in ev
             if not done and self.failed:
                 kill_group(pid)  # an orphan now: no case outlives the launcher that watched it
-                raise ForkServerDied(f"forkserver {self.failed} while the case ran")
+                raise ForkServerDied(f"forkserver died while the case ran ({self.failed})")
             if not done:
                 timed_out = True
                 self._kill(rid, pid)
@@ -333,7 +333,9 @@ class Launcher:
             s = self._stat(build.label)
             if server is not None and server.ready:
                 r = server.ready
-                s["forkserver"] = {k: r.get(k) for k in ("import_s", "native_threads", "python_threads", "driver")}
+                s["forkserver"] = {
+                    k: r.get(k) for k in ("pid", "import_s", "native_threads", "python_threads", "driver")
+                }
                 s["forkserver"]["env_set"] = sorted(r.get("env_set") or {})
                 s["forkserver"]["ready_after_s"] = round((server.ready_at or server.t0) - server.t0, 1)
             if (
