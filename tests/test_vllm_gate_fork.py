@@ -130,7 +130,8 @@ def test_only_the_per_case_variables_may_differ_from_the_forkservers():
         "PYTORCH_CUDA_ALLOC_CONF"
     ]
     assert differs({"PYTHONPATH": "/b", "LD_PRELOAD": "x.so"}, {"PYTHONPATH": "/b"}) == ["LD_PRELOAD"]
-    assert launcher_kind(None, {}) == SPAWN and launcher_kind(None, {"REPRO_GATE_LAUNCHER": "fork"}) == FORK
+    assert launcher_kind(None, {}) == FORK and launcher_kind(None, {"REPRO_GATE_LAUNCHER": "spawn"}) == SPAWN
+    assert launcher_kind("spawn", {"REPRO_GATE_LAUNCHER": "fork"}) == SPAWN
     with pytest.raises(Exception, match="launcher"):
         launcher_kind("vfork", {})
 

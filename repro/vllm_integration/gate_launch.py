@@ -38,7 +38,7 @@ from repro.vllm_integration.plugin import ENV as AUDIT_ENV
 FORK, SPAWN = "fork", "spawn"
 LAUNCHERS = (FORK, SPAWN)
 LAUNCHER_ENV = "REPRO_GATE_LAUNCHER"
-DEFAULT_LAUNCHER = SPAWN
+DEFAULT_LAUNCHER = FORK  # the same records as spawned ones on every stand-in behaviour (tests/test_vllm_gate_fork.py)
 PRELOAD_ENV = "REPRO_GATE_PRELOAD"  # more modules for the forkserver to import (MODULE[:ATTR],...), e.g. the runner's
 TARGET_MAIN = f"{gate_fork.TARGET}:main"
 READY_TIMEOUT_S = 600.0  # a forkserver importing longer than this is given up (its build launched plainly)
