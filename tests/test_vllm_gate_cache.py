@@ -184,3 +184,29 @@ def test_compare_paths_can_leave_out_the_old_path_but_warm_needs_cold(tmp_path):
         builds, parse_modes("plain"), tmp_path / "l", tmp_path / "c", timeout_s=120, paths=(NEW_COLD, NEW_WARM)
     )
     assert list(runs) == [NEW_COLD, NEW_WARM]
+
+
+def test_prune_removes_the_build_folders_unused_longest_never_this_runs_or_a_held_one(tmp_path):
+    import os
+    import time
+
+    from repro.vllm_integration.gate_cache import CLAIM, USED
+
+    cache = GateCache(tmp_path / "c")
+    base = tmp_path / "c" / "vllm-gate"
+    now = time.time()
+    for i, age_days in enumerate((1, 2, 3, 40, 4)):
+        d = base / f"{i:020x}"
+        d.mkdir(parents=True)
+        (d / USED).write_text("x")
+        os.utime(d / USED, (now - age_days * 86400, now - age_days * 86400))
+    os.utime(base / f"{4:020x}" / USED, (now - 600, now - 600))  # used ten minutes ago: another run may hold it
+    (base / f"{2:020x}" / CLAIM).write_text(str(os.getpid()))  # a writer compiling into it right now
+    (base / "not-a-build").mkdir()
+    mine = _build(tmp_path, "good")
+    removed = cache.prune(keep=3, max_age_days=30, protect=[mine])
+    # kept: this run's build, the one used ten minutes ago, the held one, then the most recent (1 day); 3 (40 days,
+    # too old) and 1 (past the count) go
+    assert sorted(p.name for p in removed) == [f"{1:020x}", f"{3:020x}"]
+    assert (cache.build_dir(mine) / USED).exists() and (base / "not-a-build").is_dir()
+    assert cache.prune(keep=12, max_age_days=30, protect=[mine]) == []
