@@ -86,7 +86,7 @@ def test_the_pool_never_puts_more_cases_on_a_device_than_its_share():
 def test_run_gate_places_every_case_and_its_reference_on_one_kind_of_device(monkeypatch, tmp_path):
     seen, lock, at_once, worst = [], threading.Lock(), {}, {}
 
-    def stand_in(case, builds, log_dir, mps=None, cache=None, device=None):
+    def stand_in(case, builds, log_dir, mps=None, cache=None, device=None, launcher=None):
         with lock:
             seen.append((case, device))
             at_once[device.dev] = at_once.get(device.dev, 0) + 1
