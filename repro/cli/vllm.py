@@ -352,7 +352,7 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
 
 
 def _parse_paths(text: str | None, compare: bool) -> tuple[str, ...]:
-    """--paths: the paths --compare-paths runs, in order (gate_run.PATHS by folder name); refused without it."""
+    """--paths: the paths --compare-paths runs, in order (gate_paths.PATHS by folder name); refused without it."""
     from repro.vllm_integration.gate_paths import PATHS, path_folder
 
     if text is not None and not compare:
