@@ -7,9 +7,12 @@ each said in the record and the report."""
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -241,3 +244,46 @@ def test_the_forkserver_speaks_typed_records_only():
             gate_fork.decode(bad)
     with pytest.raises(gate_fork.ProtocolError):
         gate_fork.encode("hello")
+
+
+GATE_THAT_DIES = """
+import json, sys, threading, time
+from pathlib import Path
+from repro.vllm_integration.builds import parse_builds, UNDER_TEST
+from repro.vllm_integration.gate_case import GateCase, GateMode, case_env
+from repro.vllm_integration.gate_launch import Launcher, FORK
+from repro.vllm_integration.gate_run import run_case
+tmp = Path(sys.argv[1])
+b = parse_builds(f"hang={sys.argv[2]}", UNDER_TEST, "x")[0]
+launcher = Launcher(FORK, tmp / "logs")
+server = launcher.start(b, case_env(GateCase(b, GateMode.parse("plain")), [b], tmp / "a.json", None, lambda: 0))
+case = GateCase(b, GateMode.parse("plain"), timeout_s=300)
+threading.Thread(target=run_case, args=(case, [b], tmp / "l"), kwargs={"launcher": launcher}, daemon=True).start()
+while not any("started" in e for e in server._events.values()):
+    time.sleep(0.1)
+child = next(e["started"]["pid"] for e in server._events.values() if "started" in e)
+print(json.dumps({"forkserver": server.proc.pid, "case": child}), flush=True)
+time.sleep(600)
+"""
+
+
+@needs_entry_point
+def test_a_gate_that_is_killed_takes_its_forkserver_and_cases_with_it(tmp_path):
+    """The forkserver reads EOF on its request pipe when the gate dies (SIGKILL: no cleanup ran) and kills its cases'
+    groups before it ends: nothing is left on the GPU."""
+    prefix = write_fake_vllm(tmp_path / "hang", "0.26.0", "hang")
+    gate = subprocess.Popen(
+        [sys.executable, "-c", GATE_THAT_DIES, str(tmp_path), str(prefix)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        pids = json.loads(gate.stdout.readline())
+        for _ in range(100):  # the forked case got as far as its helper process
+            logs = list((tmp_path / "l").glob("*.out.log"))
+            if logs and "helper process" in logs[0].read_text():
+                break
+            time.sleep(0.1)
+        helper = int(re.search(r"helper process (\d+)", logs[0].read_text())[1])
+    finally:
+        gate.kill()
+        gate.wait()
+    assert gone(pids["forkserver"], 10) and gone(pids["case"], 10) and gone(helper, 10)
