@@ -133,6 +133,9 @@ def test_only_the_per_case_variables_may_differ_from_the_forkservers():
         "PYTORCH_CUDA_ALLOC_CONF"
     ]
     assert differs({"PYTHONPATH": "/b", "LD_PRELOAD": "x.so"}, {"PYTHONPATH": "/b"}) == ["LD_PRELOAD"]
+    read = ["CUDA_VISIBLE_DEVICES"]  # read while the forkserver imported: must equal the forkserver's value
+    assert differs({**launch, "CUDA_VISIBLE_DEVICES": "1"}, {**launch, "CUDA_VISIBLE_DEVICES": "1"}, read) == []
+    assert differs({**launch, "CUDA_VISIBLE_DEVICES": "2"}, {**launch, "CUDA_VISIBLE_DEVICES": "1"}, read) == read
     assert launcher_kind(None, {}) == FORK and launcher_kind(None, {"REPRO_GATE_LAUNCHER": "spawn"}) == SPAWN
     assert launcher_kind("spawn", {"REPRO_GATE_LAUNCHER": "fork"}) == SPAWN
     with pytest.raises(Exception, match="launcher"):
@@ -168,18 +171,22 @@ def test_a_case_whose_import_time_variable_differs_is_launched_plainly(tmp_path)
 
 
 @needs_entry_point
-def test_a_build_that_reads_a_per_case_variable_at_import_is_launched_plainly(tmp_path):
+def test_a_build_whose_import_reads_a_per_case_variable_forks_only_the_cases_that_keep_its_value(tmp_path):
     """A vLLM whose import reads CUDA_LAUNCH_BLOCKING (a value a forked case could no longer change): its forkserver
-    refuses, every case of the build is spawned, and the report says so."""
-    build = _build(tmp_path, "good")
-    init = tmp_path / "good" / "vllm" / "__init__.py"
+    says so; the plain case and the reference (the forkserver's value: unset) are forked, the launch-blocking rerun
+    is spawned, and the kernel is still named. The report says which case was launched plainly and why."""
+    build = _build(tmp_path, "stale-crash", CONTROL, "0.25.1")
+    init = tmp_path / "stale-crash" / "vllm" / "__init__.py"
     init.write_text(init.read_text() + "\nBLOCKING_AT_IMPORT = os.environ.get('CUDA_LAUNCH_BLOCKING')\n")
     run = run_gate([build], parse_modes("plain"), tmp_path / "logs", timeout_s=60, self_control="none", launcher=FORK)
-    assert [r.verdict for _, r in run.cases + run.references] == [CLEAN, CLEAN]
-    assert {r.phases["launcher"] for _, r in run.cases + run.references} == {SPAWN}
-    notes = run.launches["good"]["notes"]
-    assert any("read per-case variables while importing: ['CUDA_LAUNCH_BLOCKING']" in n for n in notes), notes
-    assert "launched plainly" in gate_report.markdown(run)
+    (_, res), (_, ref), (rc, rerun) = run.cases[0], run.references[0], run.attributions[0]
+    assert res.verdict == CRASH and res.kernel == "combine" and rerun.kernel == "combine"
+    assert (res.phases["launcher"], ref.phases["launcher"], rerun.phases["launcher"]) == (FORK, FORK, SPAWN)
+    assert "CUDA_LAUNCH_BLOCKING differ from the forkserver's environment" in rerun.phases["launch_note"]
+    s = run.launches["stale-crash"]
+    assert s["forkserver"]["read_late"] == ["CUDA_LAUNCH_BLOCKING"] and (s["forked"], s["spawned"]) == (2, 1)
+    assert any("read CUDA_LAUNCH_BLOCKING while the forkserver imported" in n for n in s["notes"]), s["notes"]
+    assert f"{rc.case_id}: launched plainly: CUDA_LAUNCH_BLOCKING" in gate_report.markdown(run)
 
 
 @needs_entry_point
@@ -217,15 +224,16 @@ def test_a_forkserver_that_dies_hands_its_build_to_the_plain_launch(tmp_path):
 
 
 def test_the_forkserver_refuses_what_would_break_a_forked_case(tmp_path, monkeypatch):
-    """In-process: an import that reads or sets a per-case variable, and CUDA started by torch, each refuse."""
+    """In-process: an import that sets a per-case variable, and CUDA started by torch, each refuse; one that reads a
+    per-case variable is named in the READY record."""
     (tmp_path / "reads_late.py").write_text("import os\nX = os.getenv('CUDA_VISIBLE_DEVICES')\n")
     (tmp_path / "sets_late.py").write_text("import os\nos.environ['REPRO_PROBE'] = '1'\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delenv("REPRO_PROBE", raising=False)
     late = frozenset({"CUDA_VISIBLE_DEVICES", "REPRO_PROBE"})
     facts, problems = gate_fork.prepare(["json", "reads_late"], late)
-    assert problems == ["Python code read per-case variables while importing: ['CUDA_VISIBLE_DEVICES']"]
-    assert facts["driver"] == "not loaded" and isinstance(os.environ, os._Environ)
+    assert problems == [] and facts["read_late"] == ["CUDA_VISIBLE_DEVICES"]  # a case must keep its value to fork
+    assert facts["driver"] == "not loaded" and type(os.environ) is os._Environ
     facts, problems = gate_fork.prepare(["sets_late"], late)
     assert facts["env_set"] == {"REPRO_PROBE": "1"} and "set per-case variables: ['REPRO_PROBE']" in problems[0]
     monkeypatch.delenv("REPRO_PROBE")

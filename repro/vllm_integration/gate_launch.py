@@ -4,11 +4,13 @@ forked from its build's forkserver (repro.vllm_integration.gate_fork), which imp
 
 - One forkserver per build, started with the environment the build's cases get less the variables that differ per
   case (LATE_VARS: the device, MPS, CUDA_LAUNCH_BLOCKING, the plugin's REPRO_* switches, the case's VLLM_CACHE_ROOT
-  and channel file), all read after import: at CUDA's start, at the plugin's registration, at the engine's start.
+  and channel file; CUDA_VISIBLE_DEVICES is kept as the run has it), all read after import: at CUDA's start, at the
+  plugin's registration, at the engine's start.
 - A case whose environment differs from its forkserver's in any other variable (one read at import: the Python path,
-  PYTORCH_CUDA_ALLOC_CONF, LD_*, TORCH_*, ...) is launched plainly, and its record says why; so is a memcheck case
+  PYTORCH_CUDA_ALLOC_CONF, LD_*, TORCH_*, ...), or in a per-case variable that Python code read while the forkserver
+  imported (its READY record's read_late), is launched plainly, and its record says why; so is a memcheck case
   (compute-sanitizer runs a program of its own).
-- A build whose forkserver refused (an import failed, CUDA started while importing, an import read or set a per-case
+- A build whose forkserver refused (an import failed, CUDA started while importing, an import set a per-case
   variable: gate_fork.prepare), did not get ready in READY_TIMEOUT_S, or died, has its cases launched plainly from
   then on; a case its forkserver was running when it died is killed and launched again plainly. Each such change is
   a note of the build (Launcher.summary, shown in the gate's report), never silent.
@@ -73,14 +75,19 @@ def launcher_kind(asked: str | None = None, environ: dict[str, str] | None = Non
     return kind
 
 
+KEPT_LATE = frozenset({"CUDA_VISIBLE_DEVICES"})  # the same for every case of a run without --devices: kept
+
+
 def launch_env(env: dict[str, str]) -> dict[str, str]:
-    """A forkserver's environment: a case's, less what differs per case."""
-    return {k: v for k, v in env.items() if k not in LATE_VARS}
+    """A forkserver's environment: a case's, less what differs per case (KEPT_LATE kept as the case has it)."""
+    return {k: v for k, v in env.items() if k not in LATE_VARS or k in KEPT_LATE}
 
 
-def differs(env: dict[str, str], launch: dict[str, str]) -> list[str]:
-    """The variables (other than LATE_VARS) in which a case's environment differs from its forkserver's."""
-    return sorted(k for k in (set(env) | set(launch)) - LATE_VARS if env.get(k) != launch.get(k))
+def differs(env: dict[str, str], launch: dict[str, str], read_at_import=()) -> list[str]:
+    """The variables in which a case's environment differs from its forkserver's: any but LATE_VARS, and those of
+    LATE_VARS that Python code read while the forkserver imported."""
+    keys = ((set(env) | set(launch)) - LATE_VARS) | set(read_at_import)
+    return sorted(k for k in keys if env.get(k) != launch.get(k))
 
 
 class ForkUnavailable(Exception):
@@ -287,7 +294,7 @@ class Launcher:
         if not server.wait_ready():
             self._note(build.label, f"forkserver {server.failed}: its cases are launched plainly", once=True)
             return None, f"forkserver {server.failed}"
-        diff = differs(env, server.launch_env)
+        diff = differs(env, server.launch_env, server.ready.get("read_late") or ())
         if diff:
             return None, f"{', '.join(diff)} differ from the forkserver's environment (read at import)"
         return server, None
@@ -337,6 +344,14 @@ class Launcher:
                     k: r.get(k) for k in ("pid", "import_s", "native_threads", "python_threads", "driver")
                 }
                 s["forkserver"]["env_set"] = sorted(r.get("env_set") or {})
+                s["forkserver"]["read_late"] = r.get("read_late") or []
+                if r.get("read_late"):
+                    self._note(
+                        build.label,
+                        f"Python code read {', '.join(r['read_late'])} while the forkserver imported: a case that sets "
+                        "another value is launched plainly",
+                        once=True,
+                    )
                 s["forkserver"]["ready_after_s"] = round((server.ready_at or server.t0) - server.t0, 1)
             if (
                 server is not None
