@@ -15,6 +15,9 @@ Behaviours (`behaviour` argument):
   stale-quiet    reuses it, no fault
   wrong          tokens of the CUDA-graph run differ from the reference at a decided position
   broken         the speculative engine fails to start, no fault
+  abort          good, but the speculative engine's process aborts (SIGABRT) after its captures
+  hang           the speculative engine never finishes its captures (a helper process beside it, in its group)
+  slow           good, the speculative engine's captures take SLOW_S seconds
 Builds that hook nothing (the gate must not vouch for them):
   renamed        the backend classes are FlashAttnMetadataBuilder / FlashAttnImpl
   no-forward     the runner never calls FlashAttentionImpl.forward (it calls forward_impl)
@@ -35,6 +38,9 @@ BEHAVIOURS = (
     "stale-quiet",
     "wrong",
     "broken",
+    "abort",
+    "hang",
+    "slow",
     "renamed",
     "no-forward",
     "no-sched",
@@ -214,6 +220,7 @@ import vllm
 from vllm.v1.worker.gpu._backend import Builder, Impl, forward
 from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 BEHAVIOUR = vllm.BEHAVIOUR
+SLOW_S = 4.0
 
 
 class GPUModelRunner:
@@ -236,6 +243,17 @@ class GPUModelRunner:
         self.cudagraph_manager.capture(create, "Capturing decode CUDA graphs (FULL)")
         if self.speculator is not None and self.cudagraph_manager.full:
             self.speculator.capture(saved)
+        if self.cudagraph_manager.full and BEHAVIOUR == "abort":
+            sys.stderr.flush()
+            os.abort()
+        if self.cudagraph_manager.full and BEHAVIOUR == "hang":
+            import subprocess, time
+            helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+            print(f"stand-in hang: helper process {helper.pid}", flush=True)
+            time.sleep(600)
+        if self.cudagraph_manager.full and BEHAVIOUR == "slow":
+            import time
+            time.sleep(SLOW_S)
 
     def execute_model(self, n):
         forward(self.impl, self.builder.build(n))

@@ -64,6 +64,7 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None):
         timeout_s=float(m[1]) if (m := re.search(r"--timeout (\S+)", command)) else 240.0,
         backends=backends,
         self_control=self_control,
+        launcher="spawn",  # the processes are replayed: no forkserver to start
     )
     got = {c.case_id: r for pairs in (run.cases, run.references, run.attributions) for c, r in pairs}
     return doc, rows, run, got

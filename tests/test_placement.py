@@ -86,7 +86,7 @@ def test_the_pool_never_puts_more_cases_on_a_device_than_its_share():
 def test_run_gate_places_every_case_and_its_reference_on_one_kind_of_device(monkeypatch, tmp_path):
     seen, lock, at_once, worst = [], threading.Lock(), {}, {}
 
-    def stand_in(case, builds, log_dir, mps=None, cache=None, device=None):
+    def stand_in(case, builds, log_dir, mps=None, cache=None, device=None, launcher=None):
         with lock:
             seen.append((case, device))
             at_once[device.dev] = at_once.get(device.dev, 0) + 1
@@ -106,3 +106,13 @@ def test_run_gate_places_every_case_and_its_reference_on_one_kind_of_device(monk
     assert {d.dev for _, d in seen} == {"GPU-0", "GPU-1"} and max(worst.values()) == 1
     assert all(kind_of(d) == ("gpu", 132) for _, d in seen)
     assert all((r.backend_identity or {}).get("device", {}).get("dev") in ("GPU-0", "GPU-1") for _, r in run.cases)
+
+
+def test_the_default_concurrency_is_fitted_to_the_cores_and_the_gpu_memory():
+    from repro.vllm_integration.placement import fit_jobs
+
+    assert fit_jobs(16, [(139.8, 139.0)])[0] == 8  # the H200 machine: the cores bound it
+    assert fit_jobs(16, [(139.8, 20.0)])[0] == 1  # a GPU another job fills: (20 - 14) // 4
+    assert fit_jobs(16, [(80.0, 79.0), (80.0, 40.0)], devices=2)[0] == 8  # the emptiest of two GPUs, times two
+    jobs, why = fit_jobs(2, [])
+    assert jobs == 1 and "no GPU memory known" in why

@@ -70,7 +70,10 @@ def replay(monkeypatch, tmp_path: Path, edit=None):
         return classify(case, out, r["returncode"], False, None, r["wall_s"]), out
 
     monkeypatch.setattr(gate_run, "run_process", recorded_process)
-    return run_gate(_builds(), parse_modes(_modes()), tmp_path / "logs", jobs=4, timeout_s=240.0, self_control="none")
+    logs = tmp_path / "logs"  # the processes are replayed: no forkserver to start
+    return run_gate(
+        _builds(), parse_modes(_modes()), logs, jobs=4, timeout_s=240.0, self_control="none", launcher="spawn"
+    )
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,9 @@ from repro.vllm_integration import gate_bench, gate_report
 from repro.vllm_integration.builds import CONTROL, UNDER_TEST, parse_builds
 from repro.vllm_integration.gate_cache import COLD, VLLM_CACHE, WARM, WRITER, GateCache, package_fingerprint
 from repro.vllm_integration.gate_case import parse_modes
+from repro.vllm_integration.gate_paths import FORK_COLD, FORK_WARM, NEW_COLD, NEW_WARM, OLD_PATH, compare_paths
 from repro.vllm_integration.gate_report import build_summary
-from repro.vllm_integration.gate_run import NEW_COLD, NEW_WARM, OLD_PATH, compare_paths, run_gate
+from repro.vllm_integration.gate_run import run_gate
 from tests.fake_vllm import write_fake_vllm
 
 RECORDED = Path(__file__).parent.parent / "results" / "h200-vllm-release-range" / "logs"
@@ -107,6 +108,19 @@ def test_phases_add_process_start_and_teardown():
     assert (p["start"], p["teardown"], p["engine_rest"]) == (0.5, 3.0, 30.0)
 
 
+def test_phases_split_the_imports_from_cudas_start():
+    """A case's RESULT splits its start-up (torch and vLLM's import, CUDA's start with the GEMM check); a case that
+    crashed after it has the split in its DEVICE record; a record from before the split keeps it all in `import`."""
+    split = {"torch_import": 0.01, "cuda_init": 1.52, "vllm_import": 0.02}
+    result = {"timing_s": {"import": 1.6, **split, "engine": 9.0, "generate": 0.5}}
+    p = gate_bench.phases("", result, None, 12.0)
+    assert (p["import"], p["cuda"], p["engine"]) == (0.0, 1.5, 9.0)
+    crashed = gate_bench.phases("", None, None, 5.0, {"gpu": "H200", "startup_s": {**split, "torch_import": 18.3}})
+    assert (crashed["import"], crashed["cuda"]) == (18.3, 1.5) and "engine" not in crashed
+    old = gate_bench.phases("", {"timing_s": {"import": 23.0}}, None, 30.0, {"gpu": "H200"})
+    assert old["import"] == 23.0 and "cuda" not in old
+
+
 def test_verdict_differences_are_listed():
     diff = gate_bench.verdict_diff({"old": {"a": "crash", "b": "clean"}, "new": {"a": "crash", "b": "stale-audit"}})
     assert diff == ["b: old clean, new stale-audit"]
@@ -144,26 +158,55 @@ def test_kept_references_and_warm_caches_give_the_same_verdicts(tmp_path):
     assert [h["step"] for h in third.references[0][1].history] == ["reference validation"]
 
 
-def test_compare_paths_runs_old_cold_and_warm_with_no_verdict_difference(tmp_path):
+def test_compare_paths_runs_old_cold_warm_and_forked_with_no_verdict_difference(tmp_path):
     builds = [_build(tmp_path, "good")]
     builds += parse_builds(f"crash={write_fake_vllm(tmp_path / 'crash', '0.25.1', 'stale-crash')}", CONTROL, "x")
     runs = compare_paths(
         builds, parse_modes("plain"), tmp_path / "logs", tmp_path / "cache", jobs=4, timeout_s=120, self_control="none"
     )
-    assert list(runs) == [OLD_PATH, NEW_COLD, NEW_WARM]
+    assert list(runs) == [OLD_PATH, NEW_COLD, NEW_WARM, FORK_COLD, FORK_WARM]
     md = gate_bench.compare_markdown(runs)
     assert "### Verdict differences between the paths: 0" in md
-    assert "| new (warm) | PASS |" in md and "reference kept" in md
-    assert md.count("-control-plain-launch-blocking |") == 3  # the attribution rerun on every path
+    assert "| new (warm) | PASS |" in md and "| fork (warm) | PASS |" in md and "reference kept" in md
+    assert md.count("-control-plain-launch-blocking |") == 5  # the attribution rerun on every path
+    for name, run in runs.items():  # each path started its case processes as it says
+        launched = {(r.phases or {}).get("launcher") for _, r in run.cases + run.attributions}
+        assert launched == {"fork" if name.startswith("fork") else "spawn"}, (name, launched)
     with pytest.raises(Exception, match="empty cache folder"):
         compare_paths(builds, parse_modes("plain"), tmp_path / "logs2", tmp_path / "cache")
 
 
 def test_compare_paths_can_leave_out_the_old_path_but_warm_needs_cold(tmp_path):
     builds = [_build(tmp_path, "good")]
-    with pytest.raises(Exception, match="the warm run needs the cold one"):
+    with pytest.raises(Exception, match="a warm run needs its cold one"):
         compare_paths(builds, parse_modes("plain"), tmp_path / "l", tmp_path / "c", paths=(NEW_WARM,))
     runs = compare_paths(
         builds, parse_modes("plain"), tmp_path / "l", tmp_path / "c", timeout_s=120, paths=(NEW_COLD, NEW_WARM)
     )
     assert list(runs) == [NEW_COLD, NEW_WARM]
+
+
+def test_prune_removes_the_build_folders_unused_longest_never_this_runs_or_a_held_one(tmp_path):
+    import os
+    import time
+
+    from repro.vllm_integration.gate_cache import CLAIM, USED
+
+    cache = GateCache(tmp_path / "c")
+    base = tmp_path / "c" / "vllm-gate"
+    now = time.time()
+    for i, age_days in enumerate((1, 2, 3, 40, 4)):
+        d = base / f"{i:020x}"
+        d.mkdir(parents=True)
+        (d / USED).write_text("x")
+        os.utime(d / USED, (now - age_days * 86400, now - age_days * 86400))
+    os.utime(base / f"{4:020x}" / USED, (now - 600, now - 600))  # used ten minutes ago: another run may hold it
+    (base / f"{2:020x}" / CLAIM).write_text(str(os.getpid()))  # a writer compiling into it right now
+    (base / "not-a-build").mkdir()
+    mine = _build(tmp_path, "good")
+    removed = cache.prune(keep=3, max_age_days=30, protect=[mine])
+    # kept: this run's build, the one used ten minutes ago, the held one, then the most recent (1 day); 3 (40 days,
+    # too old) and 1 (past the count) go
+    assert sorted(p.name for p in removed) == [f"{1:020x}", f"{3:020x}"]
+    assert (cache.build_dir(mine) / USED).exists() and (base / "not-a-build").is_dir()
+    assert cache.prune(keep=12, max_age_days=30, protect=[mine]) == []

@@ -109,7 +109,13 @@ def add_parsers(sub) -> None:
     gt.add_argument(
         "--repeat", type=repeats, default=1, help=f"repetitions of every case, 1 to {MAX_REPEAT} (default 1)"
     )
-    gt.add_argument("--jobs", type=int, default=3, help="cases at a time, MPS cases aside (default 3)")
+    gt.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="cases at a time, MPS cases aside (default: fitted to this machine: half its CPU cores, no more than "
+        "the GPU's free memory holds at 4 GiB a case)",
+    )
     gt.add_argument("--timeout", type=seconds, default=300.0, help="seconds per case process (default 300)")
     gt.add_argument(
         "--out", help="folder for verdicts.md, results.json, logs/ (default: a new folder under the temp folder)"
@@ -119,6 +125,18 @@ def add_parsers(sub) -> None:
         "--cache-dir",
         help="where each build's vLLM caches and reference runs are kept, keyed by the build's fingerprint "
         "(default: REPRO_CACHE_DIR, else ~/.cache/repro)",
+    )
+    gt.add_argument(
+        "--cache-keep",
+        type=int,
+        default=12,
+        help="build folders the cache keeps, the most recently used (this run's among them) (default %(default)s)",
+    )
+    gt.add_argument(
+        "--cache-max-age-days",
+        type=float,
+        default=30.0,
+        help="a build folder unused this long is removed from the cache (default %(default)s)",
     )
     gt.add_argument(
         "--no-cache", action="store_true", help="the old path: every case cold, every reference run (default: off)"
@@ -131,7 +149,15 @@ def add_parsers(sub) -> None:
     )
     gt.add_argument(
         "--paths",
-        help="with --compare-paths: which paths to run, in this order (default old,new-cold,new-warm)",
+        help="with --compare-paths: which paths to run, in this order, from old, new-cold, new-warm (spawned case "
+        "processes), fork-cold, fork-warm (forked from each build's forkserver) (default: all five)",
+    )
+    gt.add_argument(
+        "--launcher",
+        choices=("fork", "spawn"),
+        help="how case processes start: fork (from a forkserver per build that imported torch, vLLM and the plugin "
+        "once; a case that cannot be forked is launched plainly, and the report says why) or spawn (a fresh "
+        "interpreter per case, as before) (default: REPRO_GATE_LAUNCHER, else fork)",
     )
     gt.add_argument("--dry-run", action="store_true", help="list case ids only")
     sub.choices["bisect"].set_defaults(func=cmd_bisect)
@@ -160,14 +186,19 @@ def cmd_gate(a: argparse.Namespace) -> int:
     from repro.vllm_integration.gate_cache import GateCache, default_root
     from repro.vllm_integration.gate_case import parse_backends, parse_modes
     from repro.vllm_integration.gate_run import EXIT, run_gate
-    from repro.vllm_integration.placement import gate_devices
+    from repro.vllm_integration.placement import cpu_cores, fit_jobs, gate_devices, gpu_memory_gib
 
     modes = parse_modes(a.modes)
     backends = parse_backends(a.backends)
-    if a.compare_paths and (a.no_cache or a.repeat != 1):
-        raise ConfigError("--compare-paths runs both paths once each: leave out --no-cache and --repeat")
-    if a.repeat < 1 or a.jobs < 1 or a.timeout <= 0:
+    if a.compare_paths and (a.no_cache or a.repeat != 1 or a.launcher):
+        raise ConfigError(
+            "--compare-paths runs each path once, with its own cache and launcher: leave out --no-cache, --repeat and "
+            "--launcher"
+        )
+    if a.repeat < 1 or (a.jobs is not None and a.jobs < 1) or a.timeout <= 0:
         raise ConfigError("--repeat and --jobs must be at least 1, --timeout positive")
+    if a.cache_keep < 1 or a.cache_max_age_days <= 0:
+        raise ConfigError("--cache-keep must be at least 1, --cache-max-age-days positive")
     paths = _parse_paths(a.paths, a.compare_paths)
     check_out_dir(a.out)  # every value judged before the builds are looked for (no build, no GPU: exit 4)
     check_out_dir(a.logs, "--logs")
@@ -212,12 +243,32 @@ def cmd_gate(a: argparse.Namespace) -> int:
         print(f"[gate] {c.case_id}: {r.verdict} ({r.wall_s:.0f} s) {r.evidence or ''} {r.reason[:160]}", flush=True)
 
     logs = Path(a.logs) if a.logs else out / "logs"
+    devices = gate_devices(a.devices)
+    if a.jobs is None:
+        a.jobs, why = fit_jobs(cpu_cores(), gpu_memory_gib(), len(devices) or 1)
+        print(f"[gate] cases at a time: {why} (--jobs to choose)", flush=True)
     if a.compare_paths:
         return _compare_paths(a, paths, builds, modes, backends, out, logs, progress)
     cache = None if a.no_cache else GateCache(Path(a.cache_dir) if a.cache_dir else default_root())
-    devices = gate_devices(a.devices)
+    if cache is not None:
+        removed = cache.prune(a.cache_keep, a.cache_max_age_days, protect=builds)
+        if removed:
+            print(
+                f"[gate] cache: removed {len(removed)} build folder(s) unused longest: {', '.join(map(str, removed))}"
+            )
     run = run_gate(
-        builds, modes, logs, a.repeat, a.jobs, a.timeout, progress, cache, backends, a.self_control, devices=devices
+        builds,
+        modes,
+        logs,
+        a.repeat,
+        a.jobs,
+        a.timeout,
+        progress,
+        cache,
+        backends,
+        a.self_control,
+        devices=devices,
+        launcher=a.launcher,
     )
     written = gate_report.write(run, out, collect(), need_control=not a.no_control)
     print(gate_report.markdown(run, need_control=not a.no_control).split("\n| case |")[0])
@@ -301,8 +352,8 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
 
 
 def _parse_paths(text: str | None, compare: bool) -> tuple[str, ...]:
-    """--paths: the paths --compare-paths runs, in order (gate_run.PATHS by folder name); refused without it."""
-    from repro.vllm_integration.gate_run import PATHS, path_folder
+    """--paths: the paths --compare-paths runs, in order (gate_paths.PATHS by folder name); refused without it."""
+    from repro.vllm_integration.gate_paths import PATHS, path_folder
 
     if text is not None and not compare:
         raise ConfigError(f"--paths {text}: picks the paths of --compare-paths; give --compare-paths too")
@@ -321,7 +372,8 @@ def _compare_paths(a: argparse.Namespace, paths, builds, modes, backends, out: P
     from repro.environment import collect
     from repro.redact import redact
     from repro.vllm_integration import gate_bench, gate_report
-    from repro.vllm_integration.gate_run import EXIT, compare_paths, path_folder
+    from repro.vllm_integration.gate_paths import compare_paths, path_folder
+    from repro.vllm_integration.gate_run import EXIT
 
     cache_root = Path(a.cache_dir) if a.cache_dir else out / "cache"
     runs = compare_paths(builds, modes, logs, cache_root, a.jobs, a.timeout, progress, backends, paths, a.self_control)

@@ -222,15 +222,26 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     import torch
 
+    t_torch = time.time()
     device = None
     if torch.cuda.is_available():
         prop = torch.cuda.get_device_properties(0)
         device = {"gpu": prop.name, "sms": prop.multi_processor_count, "gemm_check": gemm_check()}
-        emit(DEVICE_TAG, device)
+    t_cuda = time.time()
     import vllm
     from vllm import LLM, SamplingParams  # imported here: the parent never needs vllm
 
     t_import = time.time()
+    # the start-up split (imports against CUDA's start and the GEMM check): in the DEVICE record too, so a case that
+    # crashes later still shows it (gate_bench.phases); ~0 s of import in a case forked from a forkserver
+    startup = {
+        "torch_import": round(t_torch - t0, 2),
+        "cuda_init": round(t_cuda - t_torch, 2),
+        "vllm_import": round(t_import - t_cuda, 2),
+    }
+    if device is not None:
+        device["startup_s"] = startup
+        emit(DEVICE_TAG, device)
     target, draft = write_models(a.out)
     llm = LLM(**llm_kwargs(target, draft, a.reference, a.spec_tokens, a.gpu_memory, a.attention_backend))
     t_engine = time.time()
@@ -253,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": device,
         "timing_s": {
             "import": round(t_import - t0, 1),
+            **startup,
             "engine": round(t_engine - t_import, 1),
             "generate": round(t_done - t_engine, 1),
             "main_at": round(t0, 3),  # epoch s: the parent adds process start and teardown (gate_bench.phases)

@@ -22,7 +22,7 @@ _CAPTURE = re.compile(r"Graph capturing finished in ([\d.]+) secs")
 _INIT = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")
 _LOADED = re.compile(r"Directly load (?:AOT compilation|the compiled graph)")
 _CONFIG_START, _CONFIG_END = "non-default args", "Initializing a V1 LLM engine"
-PHASES = ("start", "import", "config", "compile", "capture", "engine_rest", "decode", "teardown")
+PHASES = ("start", "import", "cuda", "config", "compile", "capture", "engine_rest", "decode", "teardown")
 
 
 def _stamp(line: str, year: int) -> float | None:
@@ -70,14 +70,22 @@ def log_phases(log_text: str) -> dict:
     return out
 
 
-def phases(log_text: str, result: dict | None, started_at: float | None, wall_s: float) -> dict:
-    """Seconds per phase of one case process (PHASES; absent where unknown) and its wall."""
+def phases(
+    log_text: str, result: dict | None, started_at: float | None, wall_s: float, device: dict | None = None
+) -> dict:
+    """Seconds per phase of one case process (PHASES; absent where unknown) and its wall. `import` is torch and
+    vLLM's import and `cuda` CUDA's start with the GEMM check where the case split them (its RESULT record, or its
+    DEVICE record for a case that ended without a result); a record from before the split has them in `import`."""
     p: dict = {"wall": round(wall_s, 1)}
     lp = log_phases(log_text)
     timing = (result or {}).get("timing_s") or {}
     if started_at and timing.get("main_at"):
         p["start"] = round(timing["main_at"] - started_at, 1)
-    if "import" in timing:
+    split = timing if "cuda_init" in timing else (device or {}).get("startup_s") or {}
+    if "cuda_init" in split:
+        p["import"] = round(split["torch_import"] + split["vllm_import"], 1)
+        p["cuda"] = round(split["cuda_init"], 1)
+    elif "import" in timing:
         p["import"] = timing["import"]
     for k in ("config", "compile", "capture"):
         if f"{k}_s" in lp:
@@ -99,18 +107,37 @@ def _fmt(v) -> str:
 
 
 def phase_table(rows: Iterable[tuple[str, str, str, dict | None, str]]) -> list[str]:
-    """Rows of (path, case id, verdict, phases, caches) as a markdown table."""
+    """Rows of (path, case id, verdict, phases, caches) as a markdown table; `launcher` says how the process
+    started (fork, spawn; `spawn*`: the fork was asked for and the case launched plainly, its record says why)."""
     out = [
-        "| path | case | verdict | caches | wall | " + " | ".join(PHASES) + " | compile loaded |",
-        "|---|---|---|---|---|" + "---|" * len(PHASES) + "---|",
+        "| path | case | verdict | caches | launcher | wall | " + " | ".join(PHASES) + " | compile loaded |",
+        "|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|",
     ]
     for path, case_id, verdict, ph, caches in rows:
         ph = ph or {}
         cells = " | ".join(_fmt(ph.get(k)) for k in PHASES)
+        launcher = (ph.get("launcher") or "-") + ("*" if ph.get("launch_note") else "")
         out.append(
-            f"| {path} | {case_id} | {verdict} | {caches} | {_fmt(ph.get('wall'))} | {cells} | "
+            f"| {path} | {case_id} | {verdict} | {caches} | {launcher} | {_fmt(ph.get('wall'))} | {cells} | "
             f"{_fmt(ph.get('compile_loaded'))} |"
         )
+    return out
+
+
+def launch_lines(runs: dict) -> list[str]:
+    """Per path and build: how its case processes started (GateRun.launches), the forkserver's one import, and
+    every note (a fallback to the plain launch is never silent)."""
+    out = []
+    for name, run in runs.items():
+        for label, s in sorted(run.launches.items()):
+            fs = s.get("forkserver")
+            what = f"{s['forked']} forked, {s['spawned']} spawned"
+            if fs:
+                what += (
+                    f"; forkserver imported in {fs['import_s']:.1f} s, ready {fs['ready_after_s']:.1f} s after start"
+                )
+            out.append(f"- {name + ': ' if name else ''}build {label}: launcher {s['launcher']}: {what}")
+            out += [f"  - {n}" for n in s["notes"]]
     return out
 
 
@@ -157,6 +184,7 @@ def compare_markdown(runs: dict) -> str:
     for name, run in runs.items():
         for c, r in [*run.references, *run.cases, *run.attributions]:
             rows.append((name, c.case_id, r.verdict, r.phases, _caches(r.phases)))
+    lines += ["### How the case processes started", ""] + (launch_lines(runs) or ["- (no case ran)"]) + [""]
     lines += ["### Phases per case process (seconds)", ""] + phase_table(rows)
     diff = verdict_diff(path_verdicts(runs))
     lines += ["", f"### Verdict differences between the paths: {len(diff)}", ""]
@@ -176,6 +204,7 @@ def compare_json(runs: dict) -> dict:
             "outcome": run.outcome(),
             "wall_s": run.wall_s,
             "build_wall_s": run.build_wall_s,
+            "launches": run.launches,
             "cases": {
                 c.case_id: {"verdict": r.verdict, "phases": r.phases}
                 for c, r in [*run.references, *run.cases, *run.attributions]

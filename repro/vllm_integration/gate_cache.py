@@ -5,6 +5,7 @@ changed build (any Python file, any compiled extension) starts a cold one.
 
 Layout: ROOT/vllm-gate/<fingerprint>/
   build.json          what the fingerprint covered (label, version, prefix, file counts, torch), for a person
+  used                when a gate run last used the folder (GateCache.prune removes the ones unused longest)
   vllm-cache/         the build's VLLM_CACHE_ROOT, written in place by one case (vllm-cache.claim holds its process
                       id; cases running meanwhile get an empty folder of their own) and used in place by later cases
                       once that case got past torch.compile (vllm-cache.complete; its probe counted captures)
@@ -21,6 +22,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import sys
 import threading
@@ -39,6 +41,10 @@ VLLM_CACHE = "vllm-cache"
 COMPLETE, CLAIM = "vllm-cache.complete", "vllm-cache.claim"  # markers beside it
 WARM, WRITER, COLD = "warm", "cold, writer", "cold"  # what a case's VLLM_CACHE_ROOT is (case_cache)
 PRIVATE, KEPT = "private", "reference kept"  # the old path (no cache); a reference not run, its kept record used
+USED = "used"
+KEEP_BUILDS, MAX_AGE_DAYS = 12, 30.0  # prune's bounds: the build folders kept, the days one is kept unused
+MIN_IDLE_S = 6 * 3600  # a folder used more recently is never removed (another gate run may be using it in place)
+_FOLDER = re.compile(r"[0-9a-f]{20}")
 _EDGE = 1 << 20  # bytes read from each end of a compiled extension
 _GATE_SOURCES = (
     "gate.py",
@@ -128,7 +134,33 @@ class GateCache:
         info = d / "build.json"
         if not info.exists():
             _write_json(info, {**build.to_dict(), **covered, "fingerprint": digest, "created": _now()})
+        (d / USED).write_text(_now())  # once per run and build (the fingerprint is computed once per GateCache)
         return self._fp[key]
+
+    def prune(self, keep: int = KEEP_BUILDS, max_age_days: float = MAX_AGE_DAYS, protect=()) -> list[Path]:
+        """Remove the build folders not used for max_age_days and those past the `keep` most recently used (this
+        run's builds, `protect`, count among them and are never removed); never a folder used in the last MIN_IDLE_S
+        nor one whose writer's claim a live process holds. Returns what was removed."""
+        base = self.root / "vllm-gate"
+        mine = set()
+        for b in protect:
+            try:
+                mine.add(self.fingerprint(b))
+            except FileNotFoundError:  # no package folder: nothing of it is cached
+                continue
+        if not base.is_dir():
+            return []
+        now, folders = time.time(), []
+        for d in base.iterdir():
+            if d.is_dir() and _FOLDER.fullmatch(d.name) and d.name not in mine and not _held(d / CLAIM):
+                folders.append((_last_used(d), d))
+        removed = []
+        for i, (used, d) in enumerate(sorted(folders, reverse=True)):
+            old = now - used > max_age_days * 86400
+            if (old or i >= max(0, keep - len(mine))) and now - used > MIN_IDLE_S:
+                shutil.rmtree(d, ignore_errors=True)
+                removed.append(d)
+        return removed
 
     def build_dir_for(self, fingerprint: str) -> Path:
         return self.root / "vllm-gate" / fingerprint
@@ -221,6 +253,27 @@ def _claim(path: Path) -> bool:
             f.write(str(os.getpid()))
         return True
     return False
+
+
+def _held(claim: Path) -> bool:
+    """Is the writer's claim held by a live process?"""
+    try:
+        pid = int(claim.read_text().strip() or 0)
+        if pid > 0:
+            os.kill(pid, 0)
+            return True
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def _last_used(d: Path) -> float:
+    for marker in (d / USED, d / "build.json", d):
+        try:
+            return marker.stat().st_mtime
+        except OSError:
+            continue
+    return 0.0
 
 
 def _now() -> str:

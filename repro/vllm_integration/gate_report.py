@@ -12,7 +12,7 @@ from repro.policy import NO_EVIDENCE, SELF_CONTROL
 from repro.redact import redact
 from repro.report import VLLM_GATE_KIND, header
 from repro.verdicts import FAULTS, SKIP
-from repro.vllm_integration import release_range
+from repro.vllm_integration import gate_bench, release_range
 from repro.vllm_integration.gate_cache import COLD, KEPT, PRIVATE, WARM
 from repro.vllm_integration.gate_case import expected
 from repro.vllm_integration.gate_judge import meets
@@ -258,6 +258,8 @@ def markdown(run: GateRun, env: dict | None = None, need_control: bool = True) -
         summary[0] = f"gate: {len(run.cases)} case(s) ran; no positive control needed (--no-control)"
     lines += [""] + summary
     lines += fidelity_markdown(run)
+    if run.launches:  # how the case processes started, and every fallback from the launcher asked for
+        lines += ["", "How the case processes started:", ""] + gate_bench.launch_lines({"": run})
     lines += [
         "",
         "What each build's cases checked (sums over its cases; captures per graph kind as "
@@ -318,6 +320,7 @@ def to_json(run: GateRun, env: dict | None = None, need_control: bool = True) ->
         "blind": run.blind(need_control),
         "decision": run.decision(need_control).summary(),
         "wall_s": run.wall_s,
+        "launches": run.launches,
         "builds": build_summary(run),
         "release_range": release_range.to_json(releases_only(build_summary(run))),
         "cases": [{**row, "result": results[row["case"]]} for row in rows(run)],

@@ -26,7 +26,7 @@ from repro.classify import refused
 from repro.descriptors import ConfigError
 from repro.runner import case_logs, device_sm_count, run_process
 from repro.smcontrol import MpsDaemon, Unavailable
-from repro.tags import COUNTERS_TAG, RESULT_TAG
+from repro.tags import COUNTERS_TAG, DEVICE_TAG, RESULT_TAG
 from repro.verdicts import CANNOT_VOUCH as NOT_VOUCHED
 from repro.verdicts import CLEAN, CRASH, FAULTS, SKIP
 from repro.vllm_integration import gate_bench
@@ -43,6 +43,7 @@ from repro.vllm_integration.gate_case import (
     self_controls_for,
 )
 from repro.vllm_integration.gate_judge import annotate, finish, meets, validate_reference
+from repro.vllm_integration.gate_launch import FORK, Launcher, launcher_kind
 from repro.vllm_integration.inject import STALE_CAPTURE
 from repro.vllm_integration.placement import DevicePool, GateDevice, kind_of, main_kind, per_device_jobs
 
@@ -59,10 +60,13 @@ def run_case(
     total_sms: Callable[[], int] = device_sm_count,
     cache: GateCache | None = None,
     device: GateDevice | None = None,
+    launcher: Launcher | None = None,
 ) -> CaseResult:
     """One gate case in its own process; never raises for a faulting case. With a cache (the new path), the case's
     VLLM_CACHE_ROOT is its build's folder (used in place once complete, or written by this case as the build's one
-    writer) or an empty folder of its own (GateCache.case_cache); without (the old path) every case starts cold."""
+    writer) or an empty folder of its own (GateCache.case_cache); without (the old path) every case starts cold.
+    With a launcher (repro.vllm_integration.gate_launch) the process may be forked from its build's forkserver;
+    without, it is spawned. Its phases say which (`launcher`) and, when not the one asked for, why."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     audit_file = log_dir / f"{case.case_id}.audit.json"
@@ -82,7 +86,11 @@ def run_case(
     cmd += ["--attention-backend", case.backend]
     if case.reference:
         cmd.append("--reference")
-    res, out = run_process(case, cmd, env, log_dir, bool(case.mode.sanitizer) and not case.reference)
+    sanitized = bool(case.mode.sanitizer) and not case.reference
+    if launcher is not None:
+        res, out, launched = launcher.launch(case, cmd, env, log_dir, sanitized, run_process)
+    else:
+        (res, out), launched = run_process(case, cmd, env, log_dir, sanitized), {"launcher": "spawn"}
     ch = Channel.of_case(case_logs(log_dir, case.case_id)[0], out)
     if vllm_cache == WRITER:  # captures ran: torch.compile had finished and saved into the build's folder
         cache.release(case.build, bool(sum(((ch.last(COUNTERS_TAG) or {}).get("captures") or {}).values())))
@@ -93,8 +101,9 @@ def run_case(
         res.vllm_version = case.build.version
         return res
     res.phases = {
-        **gate_bench.phases(out, ch.last(RESULT_TAG), res.started_at, res.wall_s),
+        **gate_bench.phases(out, ch.last(RESULT_TAG), res.started_at, res.wall_s, ch.last(DEVICE_TAG)),
         "vllm_cache": vllm_cache,
+        **launched,
     }
     return annotate(res, case, ch, audit_file if audit_file.exists() else None)
 
@@ -106,16 +115,31 @@ def run_attributed(
     mps: MpsDaemon | None = None,
     cache: GateCache | None = None,
     device: GateDevice | None = None,
+    launcher: Launcher | None = None,
 ) -> tuple[CaseResult, tuple[GateCase, CaseResult] | None]:
     """run_case, and for a crash in the plain mode (first repetition) a rerun with CUDA_LAUNCH_BLOCKING=1 that names
-    the faulting kernel: (result, (rerun case, rerun result) or None)."""
-    res = run_case(case, builds, log_dir, mps, cache=cache, device=device)
+    the faulting kernel: (result, (rerun case, rerun result) or None). A control is expected to crash: its rerun
+    starts beside it, on the same device, and is dropped (whatever became of it; its logs stay) when the case did
+    not crash; any other case's rerun starts after its crash."""
+    attributable = case.mode.name == "plain" and not case.rep and not case.reference
+    rc = replace(case, launch_blocking=True)
+    ahead = None
+    if attributable and case.is_control:
+        ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attribution")
+        early = ahead.submit(run_case, rc, builds, log_dir, mps, cache=cache, device=device, launcher=launcher)
+    try:
+        res = run_case(case, builds, log_dir, mps, cache=cache, device=device, launcher=launcher)
+    finally:
+        if ahead is not None:
+            ahead.shutdown(wait=True)
     if device is not None:
         res = replace(res, backend_identity={**(res.backend_identity or {}), "device": device.to_dict()})
-    if res.verdict != CRASH or case.mode.name != "plain" or case.rep or case.reference:
+    if res.verdict != CRASH or not attributable:
         return res, None
-    rc = replace(case, launch_blocking=True)
-    rerun = run_case(rc, builds, log_dir, mps, cache=cache, device=device)
+    if ahead is not None:
+        rerun = early.result()
+    else:
+        rerun = run_case(rc, builds, log_dir, mps, cache=cache, device=device, launcher=launcher)
     kernel = rerun.kernel if rerun.verdict == CRASH else None
     if kernel:
         res = res.revised(
@@ -142,6 +166,7 @@ class GateRun:
     attributions: list[tuple[GateCase, CaseResult]] = field(default_factory=list)  # launch-blocking reruns
     wall_s: float = 0.0
     build_wall_s: dict[str, float] = field(default_factory=dict)
+    launches: dict[str, dict] = field(default_factory=dict)  # per build: how its case processes started (Launcher)
 
     def controls(self) -> list[policy.Control]:
         """Every case as the policy sees it: mode = the gate mode's name."""
@@ -233,6 +258,7 @@ def run_gate(
     self_control: str = "under-test",
     devices: list[GateDevice] | None = None,
     only: VllmBuild | None = None,
+    launcher: str | None = None,
 ) -> GateRun:
     """Every case, references included; non-MPS cases `jobs` at a time, MPS cases one at a time under one daemon
     owned by the run (a faulting MPS client can take the server's other clients down). With a cache (the new path,
@@ -241,7 +267,9 @@ def run_gate(
     With devices (repro.vllm_integration.placement), each case process runs on one of them, of one kind (main_kind:
     a case and its reference on the same SM count), `--jobs` divided over them; MPS cases on the first. `only`: the
     cases of that one build (its self control too); the other builds still keep their prefixes off its PYTHONPATH
-    (the pytest tier runs one build and mode per test this way)."""
+    (the pytest tier runs one build and mode per test this way). The launcher (gate_launch.launcher_kind: spawn, the
+    default, or fork) says how case processes start; with fork, every build's forkserver starts importing at once,
+    and GateRun.launches says what each build's cases got."""
     if not builds:
         raise ConfigError("no vLLM build to test: install vllm, or set REPRO_VLLM / REPRO_VLLM_CONTROL")
     cases = plan([only] if only is not None else builds, modes, repeat, timeout_s, backends, self_control)
@@ -267,6 +295,11 @@ def run_gate(
     chosen = [d for d in placed if kind_of(d) == kind]
     pool = DevicePool(chosen, per_device_jobs(jobs, chosen)) if placed else None
     workers = pool.per_device * len(pool.devices) if pool else max(1, jobs)
+    launch = Launcher(launcher_kind(launcher), log_dir)
+    if launch.kind == FORK:
+        for b in builds:  # the environment of the build's cases, less what differs per case (gate_launch.LATE_VARS)
+            plain = GateCase(b, GateMode.parse("plain"))
+            launch.start(b, case_env(plain, builds, Path(log_dir) / "forkserver.audit.json", None, lambda: 0))
 
     def one(c: GateCase, mps: MpsDaemon | None, keep: Callable[[CaseResult], bool] = lambda r: True) -> CaseResult:
         """Run (or load) one case and record it, unless keep says its result is not to be recorded."""
@@ -277,7 +310,7 @@ def run_gate(
         else:
             dev = (pool.devices[0] if mps is not None else pool.take(kind)) if pool else None
             try:
-                res, attribution = run_attributed(c, builds, log_dir, mps, cache, device=dev)
+                res, attribution = run_attributed(c, builds, log_dir, mps, cache, device=dev, launcher=launch)
             finally:
                 if dev is not None and mps is None:
                     pool.give(dev)
@@ -329,11 +362,15 @@ def run_gate(
                 with lock:
                     (run.references if c.reference else run.cases).append((c, res))
 
-    mps_thread = threading.Thread(target=serial_part, daemon=True)
-    mps_thread.start()
-    with ThreadPoolExecutor(max_workers=workers) as threads:
-        list(threads.map(lambda c: one(c, None), parallel))
-    mps_thread.join()
+    try:
+        mps_thread = threading.Thread(target=serial_part, daemon=True)
+        mps_thread.start()
+        with ThreadPoolExecutor(max_workers=workers) as threads:
+            list(threads.map(lambda c: one(c, None), parallel))
+        mps_thread.join()
+    finally:
+        run.launches = launch.summary()
+        launch.close()
     ref_by_key = {(c.build, c.backend, c.mode.sm): (c, r) for c, r in run.references}
     judged = []
     for c, r in run.cases:
@@ -350,42 +387,3 @@ def run_gate(
 def result_line(log_dir: str | Path, case: GateCase) -> dict | None:
     """The RESULT record a finished case process wrote (tokens, margins, version, timing), or None."""
     return Channel.of_case(case_logs(log_dir, case.case_id)[0]).last(RESULT_TAG)
-
-
-OLD_PATH, NEW_COLD, NEW_WARM = "old", "new (cold)", "new (warm)"
-PATHS = (OLD_PATH, NEW_COLD, NEW_WARM)
-
-
-def path_folder(name: str) -> str:
-    """The folder name of a path's logs and report: old, new-cold, new-warm."""
-    return name.replace(" ", "").replace("(", "-").replace(")", "")
-
-
-def compare_paths(
-    builds: list[VllmBuild],
-    modes: tuple[GateMode, ...],
-    log_dir: str | Path,
-    cache_root: str | Path,
-    jobs: int = 3,
-    timeout_s: float = 300.0,
-    progress: Callable[[GateCase, CaseResult], None] | None = None,
-    backends: tuple[str, ...] = (DEFAULT_BACKEND,),
-    paths: tuple[str, ...] = PATHS,
-    self_control: str = "under-test",
-) -> dict[str, GateRun]:
-    """The same gate on each path, one after the other: the old path (every case cold, every reference run), the new
-    path on an empty cache folder (cold), and the new path again on what that run left (warm); `paths` picks some of
-    them, in that order. cache_root must be empty or absent: a cold run is only cold there. Logs of each path in their
-    own sub-folder."""
-    cache_root = Path(cache_root)
-    unknown = [p for p in paths if p not in PATHS]
-    if unknown or not paths or NEW_WARM in paths and NEW_COLD not in paths:
-        raise ConfigError(f"paths {list(paths)}: pick from {list(PATHS)}; the warm run needs the cold one before it")
-    if cache_root.exists() and any(cache_root.iterdir()):
-        raise ConfigError(f"{cache_root}: the cold run needs an empty cache folder")
-    runs = {}
-    for name in (p for p in PATHS if p in paths):
-        cache = None if name == OLD_PATH else GateCache(cache_root)
-        sub = Path(log_dir) / path_folder(name)
-        runs[name] = run_gate(builds, modes, sub, 1, jobs, timeout_s, progress, cache, backends, self_control)
-    return runs

@@ -12,10 +12,16 @@ slice where MIG is on), and a pool that hands each case one device at a time.
 - On a MIG runner the cases go to the slices with the fewest SMs (where the defect was found), without a flag.
 
 MPS cases stay on the first device, one at a time under one daemon (gate_run.serial_part): one MPS daemon per device
-is not built yet."""
+is not built yet.
+
+Without `--jobs`, the number of cases at a time is fitted to the machine (fit_jobs): half its CPU cores, and no more
+than the emptiest GPU's free memory holds at GIB_PER_CASE a case with FREE_AT_START of it left free (what each case
+asks vLLM to find free at its start), times the devices used."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -119,3 +125,49 @@ def per_device_jobs(jobs: int, devices: list[GateDevice]) -> int:
     if any(kind_of(d)[0] == "mig" for d in devices):
         return 1
     return max(1, jobs // max(1, len(devices)))
+
+
+GIB_PER_CASE = 4.0  # a gate case's GPU memory at its peak (1 GiB KV cache, CUDA context, graphs, compile): an estimate
+FREE_AT_START = 0.1  # repro.vllm_integration.gate's --gpu-memory: the share vLLM must find free when a case starts
+
+
+def cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 2
+
+
+def gpu_memory_gib() -> list[tuple[float, float]]:
+    """(total, free) GiB of every GPU nvidia-smi lists (no CUDA in this process); [] without one."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total,memory.free", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    found = []
+    for line in out.splitlines():
+        try:
+            total, free = (float(x) / 1024 for x in line.split(","))
+        except ValueError:
+            continue
+        found.append((total, free))
+    return found
+
+
+def fit_jobs(cpus: int, memory: list[tuple[float, float]], devices: int = 1) -> tuple[int, str]:
+    """(cases at a time, why) for a machine with `cpus` cores and GPUs of (total, free) GiB, over `devices` devices."""
+    by_cpu = max(1, cpus // 2)
+    if not memory:
+        return by_cpu, f"{by_cpu}: half of {cpus} CPU cores (no GPU memory known)"
+    total, free = min(memory, key=lambda m: m[1])
+    by_mem = max(1, int((free - FREE_AT_START * total) // GIB_PER_CASE)) * max(1, devices)
+    jobs = min(by_cpu, by_mem)
+    return jobs, (
+        f"{jobs}: half of {cpus} CPU cores ({by_cpu}); GPU memory {free:.0f} of {total:.0f} GiB free at "
+        f"{GIB_PER_CASE:g} GiB a case, {FREE_AT_START:.0%} left free, {max(1, devices)} device(s) ({by_mem})"
+    )

@@ -1,0 +1,297 @@
+"""The gate's pre-imported launcher on CPU, over stand-in vLLM builds (tests/fake_vllm.py): case processes forked from
+a forkserver per build (repro.vllm_integration.gate_fork, gate_launch) give the records the spawned ones give, a hang
+is killed at its timeout with its whole group, a crash's exit code and log arrive, a case or build that needs a
+variable at import time is launched plainly, and a forkserver that dies hands its build back to the plain launch,
+each said in the record and the report."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from repro.verdicts import CLEAN, CRASH, HANG
+from repro.vllm_integration import gate_fork, gate_report
+from repro.vllm_integration.builds import CONTROL, UNDER_TEST, parse_builds
+from repro.vllm_integration.gate_case import GateCase, GateMode, case_env, parse_modes
+from repro.vllm_integration.gate_launch import FORK, SPAWN, Launcher, differs, launcher_kind
+from repro.vllm_integration.gate_run import run_case, run_gate
+from tests.fake_vllm import BEHAVIOURS, write_fake_vllm
+from tests.processes import gone
+
+needs_entry_point = pytest.mark.skipif(
+    not any(e.value.startswith("repro.") for e in importlib.metadata.entry_points(group="vllm.general_plugins")),
+    reason="the repro plugin's entry point is not installed (pip install -e .)",
+)
+
+
+def _build(tmp_path, behaviour: str, role: str = UNDER_TEST, version: str = "0.26.0", label: str | None = None):
+    prefix = write_fake_vllm(tmp_path / (label or behaviour), version, behaviour)
+    return parse_builds(f"{label or behaviour}={prefix}", role, "REPRO_VLLM")[0]
+
+
+def _record(r, logs) -> tuple:
+    """What a case's record says, without where its logs were or how long it took."""
+    ident = r.backend_identity or {}
+    reason = re.sub(r"\d+(\.\d+)? s\b", "N s", r.reason.replace(str(logs), "LOGS"))
+    return (r.verdict, r.evidence, r.kernel, r.descriptor, r.expected, r.returncode, r.stale_fields, reason,
+            ident.get("counters"), ident.get("engine"), ident.get("acceptance"))  # fmt: skip
+
+
+def _env(build, builds, tmp_path, **extra) -> dict[str, str]:
+    return {**case_env(GateCase(build, GateMode.parse("plain")), builds, tmp_path / "a.json", None, lambda: 0), **extra}
+
+
+@needs_entry_point
+def test_fork_and_spawn_give_the_same_records_for_every_stand_in_behaviour(tmp_path):
+    """Every behaviour of the stand-in the gate's tests use, in the audit and plain modes (and the poison mode for a
+    healthy build and one whose builder never calls get_scheduler_metadata), with their references and attribution
+    reruns: the same verdict, evidence, kernel, exit code, counters and engine on both launchers."""
+    builds = [_build(tmp_path, b) for b in BEHAVIOURS if b not in ("hang", "slow")]
+    poisoned = [b for b in builds if b.label in ("good", "no-sched")]
+    runs: dict[str, list] = {}
+    for kind in (SPAWN, FORK):
+        runs[kind] = [
+            run_gate(
+                bs, parse_modes(m), tmp_path / kind / m[:5], jobs=2, timeout_s=120, self_control="none", launcher=kind
+            )
+            for bs, m in ((builds, "audit,plain"), (poisoned, "poison:int-max"))
+        ]
+    got = {
+        kind: {
+            (m, c.case_id): _record(r, tmp_path / kind / m)
+            for run, m in zip(rs, ("audit", "poiso"))
+            for c, r in run.cases + run.references + run.attributions
+        }
+        for kind, rs in runs.items()
+    }
+    assert got[FORK] == got[SPAWN]
+    # one attribution rerun: the stand-in that exits 1 after an illegal memory access (the aborted one names none)
+    assert len(got[FORK]) == 3 * len(builds) + 1 + 2 * len(poisoned)
+    for spawned, forked in zip(runs[SPAWN], runs[FORK]):
+        assert forked.outcome() == spawned.outcome() and forked.blind() == spawned.blind()
+    for kind, rs in runs.items():
+        for run in rs:
+            assert {r.phases["launcher"] for _, r in run.cases + run.references + run.attributions} == {kind}
+            assert all(s["launcher"] == kind and not s["notes"] for s in run.launches.values()), run.launches
+    forked = runs[FORK][0]
+    fs = forked.launches["good"]["forkserver"]
+    assert fs["driver"] == "not loaded" and fs["import_s"] > 0 and forked.launches["good"]["forked"] == 3
+    assert all(gone(s["forkserver"]["pid"]) for s in forked.launches.values())  # closed with the run
+    plain = next(r for c, r in forked.cases if c.case_id.endswith("-good-under-test-plain"))
+    assert plain.phases["preimported_s"] == fs["import_s"] and plain.phases["import"] < fs["import_s"]
+
+
+@needs_entry_point
+def test_a_forked_hang_is_killed_at_its_timeout_with_its_whole_group(tmp_path):
+    build = _build(tmp_path, "hang")
+    t0 = time.time()
+    run = run_gate([build], parse_modes("plain"), tmp_path / "logs", timeout_s=8, self_control="none", launcher=FORK)
+    (case, res), (_, ref) = run.cases[0], run.references[0]
+    assert res.verdict == HANG and res.phases["launcher"] == FORK and "no exit within 8 s" in res.reason
+    assert ref.verdict == CLEAN and ref.phases["launcher"] == FORK
+    assert 8 <= res.wall_s < 20 and time.time() - t0 < 60 and res.returncode == -signal.SIGKILL
+    log = (tmp_path / "logs" / f"{case.case_id}.out.log").read_text()
+    helper = int(re.search(r"stand-in hang: helper process (\d+)", log)[1])
+    assert gone(helper)  # started by the case, in its process group: killed with it
+
+
+@needs_entry_point
+def test_a_forked_crash_keeps_its_exit_code_log_and_attribution(tmp_path):
+    """A control that exits 1 after an illegal memory access and one its process aborts (SIGABRT): their exit codes
+    and logs arrive, the launch-blocking rerun (started beside the plain case, CUDA_LAUNCH_BLOCKING set in the forked
+    child) names the kernel; the build under test's self control is caught, forked too."""
+    builds = [_build(tmp_path, "good")]
+    builds += [_build(tmp_path, b, CONTROL, "0.25.1") for b in ("stale-crash", "abort")]
+    run = run_gate(builds, parse_modes("plain"), tmp_path / "logs", jobs=2, timeout_s=120, launcher=FORK)
+    by_id = {c.case_id.split("-vllm-")[1]: r for c, r in run.cases + run.attributions}
+    crash = by_id["stale-crash-control-plain"]
+    assert crash.verdict == CRASH and crash.returncode == 1 and crash.kernel == "combine"
+    assert "CUDA_LAUNCH_BLOCKING" in crash.evidence and by_id["stale-crash-control-plain-launch-blocking"].kernel
+    log = (tmp_path / "logs" / "stale_metadata-vllm-stale-crash-control-plain.out.log").read_text()
+    assert "an illegal memory access was encountered" in log
+    aborted = by_id["abort-control-plain"]
+    assert aborted.returncode == -signal.SIGABRT and "-6" in aborted.reason, aborted.reason
+    assert by_id["good-self-control-plain"].verdict == CRASH and by_id["good-under-test-plain"].verdict == CLEAN
+    assert run.affected() == []  # the build under test clean; the aborted control is no verdict of its own
+    assert {r.phases["launcher"] for r in by_id.values()} == {FORK}
+
+
+def test_only_the_per_case_variables_may_differ_from_the_forkservers():
+    launch = {"PYTHONPATH": "/b", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    late = {"CUDA_VISIBLE_DEVICES": "1", "CUDA_LAUNCH_BLOCKING": "1", "REPRO_AUDIT": "1", "VLLM_CACHE_ROOT": "/c"}
+    assert differs({**launch, **late}, launch) == []
+    assert differs({**launch, "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, launch) == [
+        "PYTORCH_CUDA_ALLOC_CONF"
+    ]
+    assert differs({"PYTHONPATH": "/b", "LD_PRELOAD": "x.so"}, {"PYTHONPATH": "/b"}) == ["LD_PRELOAD"]
+    read = ["CUDA_VISIBLE_DEVICES"]  # read while the forkserver imported: must equal the forkserver's value
+    assert differs({**launch, "CUDA_VISIBLE_DEVICES": "1"}, {**launch, "CUDA_VISIBLE_DEVICES": "1"}, read) == []
+    assert differs({**launch, "CUDA_VISIBLE_DEVICES": "2"}, {**launch, "CUDA_VISIBLE_DEVICES": "1"}, read) == read
+    assert launcher_kind(None, {}) == FORK and launcher_kind(None, {"REPRO_GATE_LAUNCHER": "spawn"}) == SPAWN
+    assert launcher_kind("spawn", {"REPRO_GATE_LAUNCHER": "fork"}) == SPAWN
+    with pytest.raises(Exception, match="launcher"):
+        launcher_kind("vfork", {})
+
+
+@needs_entry_point
+def test_a_case_whose_import_time_variable_differs_is_launched_plainly(tmp_path):
+    """A forkserver started with another allocator setting than the case's (read when torch loads) cannot run it:
+    the case is spawned and its record says which variable; the launch-blocking rerun differs only in a per-case
+    variable and is forked."""
+    build = _build(tmp_path, "good")
+    launcher = Launcher(FORK, tmp_path / "logs")
+    try:
+        launcher.start(build, _env(build, [build], tmp_path, PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync"))
+        res = run_case(
+            GateCase(build, GateMode.parse("plain"), timeout_s=60), [build], tmp_path / "l", launcher=launcher
+        )
+        assert res.verdict == CLEAN and res.phases["launcher"] == SPAWN
+        assert "PYTORCH_CUDA_ALLOC_CONF differ from the forkserver's environment" in res.phases["launch_note"]
+        other = Launcher(FORK, tmp_path / "logs2")
+        try:
+            other.start(build, _env(build, [build], tmp_path))
+            rerun = GateCase(build, GateMode.parse("plain"), launch_blocking=True, timeout_s=60)
+            res = run_case(rerun, [build], tmp_path / "l2", launcher=other)
+            assert res.verdict == CLEAN and res.phases["launcher"] == FORK and "launch_note" not in res.phases
+        finally:
+            other.close()
+        notes = launcher.summary()["good"]["notes"]
+        assert any("PYTORCH_CUDA_ALLOC_CONF" in n for n in notes), notes
+    finally:
+        launcher.close()
+
+
+@needs_entry_point
+def test_a_build_whose_import_reads_a_per_case_variable_forks_only_the_cases_that_keep_its_value(tmp_path):
+    """A vLLM whose import reads CUDA_LAUNCH_BLOCKING (a value a forked case could no longer change): its forkserver
+    says so; the plain case and the reference (the forkserver's value: unset) are forked, the launch-blocking rerun
+    is spawned, and the kernel is still named. The report says which case was launched plainly and why."""
+    build = _build(tmp_path, "stale-crash", CONTROL, "0.25.1")
+    init = tmp_path / "stale-crash" / "vllm" / "__init__.py"
+    init.write_text(init.read_text() + "\nBLOCKING_AT_IMPORT = os.environ.get('CUDA_LAUNCH_BLOCKING')\n")
+    run = run_gate([build], parse_modes("plain"), tmp_path / "logs", timeout_s=60, self_control="none", launcher=FORK)
+    (_, res), (_, ref), (rc, rerun) = run.cases[0], run.references[0], run.attributions[0]
+    assert res.verdict == CRASH and res.kernel == "combine" and rerun.kernel == "combine"
+    assert (res.phases["launcher"], ref.phases["launcher"], rerun.phases["launcher"]) == (FORK, FORK, SPAWN)
+    assert "CUDA_LAUNCH_BLOCKING differ from the forkserver's environment" in rerun.phases["launch_note"]
+    s = run.launches["stale-crash"]
+    assert s["forkserver"]["read_late"] == ["CUDA_LAUNCH_BLOCKING"] and (s["forked"], s["spawned"]) == (2, 1)
+    assert any("read CUDA_LAUNCH_BLOCKING while the forkserver imported" in n for n in s["notes"]), s["notes"]
+    assert f"{rc.case_id}: launched plainly: CUDA_LAUNCH_BLOCKING" in gate_report.markdown(run)
+
+
+@needs_entry_point
+def test_a_forkserver_that_dies_hands_its_build_to_the_plain_launch(tmp_path):
+    """Killed before a case: the case is spawned. Killed while a case ran: that case's process group is killed and
+    the case runs again, spawned. Both are notes of the build."""
+    build = _build(tmp_path, "slow")
+    case = GateCase(build, GateMode.parse("plain"), timeout_s=60)
+    launcher = Launcher(FORK, tmp_path / "logs")
+    try:
+        server = launcher.start(build, _env(build, [build], tmp_path))
+        assert server.wait_ready()
+        results = {}
+        worker = threading.Thread(
+            target=lambda: results.update(res=run_case(case, [build], tmp_path / "l", launcher=launcher))
+        )
+        worker.start()
+        for _ in range(300):  # until the forkserver reported the forked case
+            started = [e[gate_fork.STARTED] for e in server._events.values() if gate_fork.STARTED in e]
+            if started:
+                break
+            time.sleep(0.1)
+        child = started[0]["pid"]
+        os.kill(server.proc.pid, signal.SIGKILL)
+        worker.join(120)
+        res = results["res"]
+        assert res.verdict == CLEAN and res.phases["launcher"] == SPAWN and "died" in res.phases["launch_note"]
+        assert gone(child)
+        again = run_case(case, [build], tmp_path / "l3", launcher=launcher)
+        assert again.verdict == CLEAN and again.phases["launcher"] == SPAWN
+        notes = launcher.summary()["slow"]["notes"]
+        assert any("forkserver died under" in n for n in notes) and any("status -9" in n for n in notes), notes
+    finally:
+        launcher.close()
+
+
+def test_the_forkserver_refuses_what_would_break_a_forked_case(tmp_path, monkeypatch):
+    """In-process: an import that sets a per-case variable, and CUDA started by torch, each refuse; one that reads a
+    per-case variable is named in the READY record."""
+    (tmp_path / "reads_late.py").write_text("import os\nX = os.getenv('CUDA_VISIBLE_DEVICES')\n")
+    (tmp_path / "sets_late.py").write_text("import os\nos.environ['REPRO_PROBE'] = '1'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("REPRO_PROBE", raising=False)
+    late = frozenset({"CUDA_VISIBLE_DEVICES", "REPRO_PROBE"})
+    facts, problems = gate_fork.prepare(["json", "reads_late"], late)
+    assert problems == [] and facts["read_late"] == ["CUDA_VISIBLE_DEVICES"]  # a case must keep its value to fork
+    assert facts["driver"] == "not loaded" and type(os.environ) is os._Environ
+    facts, problems = gate_fork.prepare(["sets_late"], late)
+    assert facts["env_set"] == {"REPRO_PROBE": "1"} and "set per-case variables: ['REPRO_PROBE']" in problems[0]
+    monkeypatch.delenv("REPRO_PROBE")
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert gate_fork.cuda_problem() == "torch initialised CUDA in the forkserver"
+    assert "torch initialised CUDA" in gate_fork.prepare(["json"], late)[1][0]
+
+
+def test_the_forkserver_speaks_typed_records_only():
+    rec = gate_fork.decode(gate_fork.encode(gate_fork.STARTED, id=3, pid=42, at=1.0))
+    assert rec == {"schema": gate_fork.SCHEMA, "kind": "started", "id": 3, "pid": 42, "at": 1.0}
+    for bad in (b"REPRO_RESULT {}", b'{"kind": "started"}', b'{"schema": 1, "kind": "launch"}', b"[1]"):
+        with pytest.raises(gate_fork.ProtocolError):
+            gate_fork.decode(bad)
+    with pytest.raises(gate_fork.ProtocolError):
+        gate_fork.encode("hello")
+
+
+GATE_THAT_DIES = """
+import json, sys, threading, time
+from pathlib import Path
+from repro.vllm_integration.builds import parse_builds, UNDER_TEST
+from repro.vllm_integration.gate_case import GateCase, GateMode, case_env
+from repro.vllm_integration.gate_launch import Launcher, FORK
+from repro.vllm_integration.gate_run import run_case
+tmp = Path(sys.argv[1])
+b = parse_builds(f"hang={sys.argv[2]}", UNDER_TEST, "x")[0]
+launcher = Launcher(FORK, tmp / "logs")
+server = launcher.start(b, case_env(GateCase(b, GateMode.parse("plain")), [b], tmp / "a.json", None, lambda: 0))
+case = GateCase(b, GateMode.parse("plain"), timeout_s=300)
+threading.Thread(target=run_case, args=(case, [b], tmp / "l"), kwargs={"launcher": launcher}, daemon=True).start()
+while not any("started" in e for e in server._events.values()):
+    time.sleep(0.1)
+child = next(e["started"]["pid"] for e in server._events.values() if "started" in e)
+print(json.dumps({"forkserver": server.proc.pid, "case": child}), flush=True)
+time.sleep(600)
+"""
+
+
+@needs_entry_point
+def test_a_gate_that_is_killed_takes_its_forkserver_and_cases_with_it(tmp_path):
+    """The forkserver reads EOF on its request pipe when the gate dies (SIGKILL: no cleanup ran) and kills its cases'
+    groups before it ends: nothing is left on the GPU."""
+    prefix = write_fake_vllm(tmp_path / "hang", "0.26.0", "hang")
+    gate = subprocess.Popen(
+        [sys.executable, "-c", GATE_THAT_DIES, str(tmp_path), str(prefix)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        pids = json.loads(gate.stdout.readline())
+        for _ in range(100):  # the forked case got as far as its helper process
+            logs = list((tmp_path / "l").glob("*.out.log"))
+            if logs and "helper process" in logs[0].read_text():
+                break
+            time.sleep(0.1)
+        helper = int(re.search(r"helper process (\d+)", logs[0].read_text())[1])
+    finally:
+        gate.kill()
+        gate.wait()
+    assert gone(pids["forkserver"], 10) and gone(pids["case"], 10) and gone(helper, 10)
