@@ -177,7 +177,9 @@ def test_0330_alone_passes_with_its_self_control_caught_in_every_mode(monkeypatc
     assert run.outcome() == doc["outcome"] == "PASS" and EXIT[run.outcome()] == 0
     assert run.decision().summary() == doc["decision"]
     for m in ("audit", "plain", "mps:16"):
-        assert any(f"mode {m}: 1 of 1 positive control(s) showed evidence (self-control: 1 of 1)" in x for x in doc["decision"])
+        assert any(
+            f"mode {m}: 1 of 1 positive control(s) showed evidence (self-control: 1 of 1)" in x for x in doc["decision"]
+        )
     acc = got[V + "0.33.0-under-test-plain"].backend_identity["acceptance"]
     assert acc["spec_decode_num_accepted_tokens"] == acc["spec_decode_num_draft_tokens"] > 0
 
@@ -190,7 +192,9 @@ def test_both_halves_of_the_injection_still_fault_0260_and_the_known_bad_build_i
     _same_verdicts(rows, got)
     assert [got[V + f"0.26.0-under-test-{m}"].verdict for m in ("audit", "plain")] == ["clean", "clean"]
     assert [got[V + f"0.26.0-self-control-{m}"].verdict for m in ("audit", "plain")] == ["crash", "crash"]
-    assert got[V + "0.25.1-control-plain"].verdict == "clean" and got[V + "0.25.1-control-audit"].verdict == "stale-audit"
+    assert (
+        got[V + "0.25.1-control-plain"].verdict == "clean" and got[V + "0.25.1-control-audit"].verdict == "stale-audit"
+    )
     assert run.outcome() == doc["outcome"] == "HARNESS BLIND" and EXIT[run.outcome()] == 3
     assert any(b.startswith(V + "0.25.1-control-plain") for b in run.blind())
 

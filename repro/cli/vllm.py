@@ -157,7 +157,7 @@ def add_parsers(sub) -> None:
         choices=("fork", "spawn"),
         help="how case processes start: fork (from a forkserver per build that imported torch, vLLM and the plugin "
         "once; a case that cannot be forked is launched plainly, and the report says why) or spawn (a fresh "
-        "interpreter per case, as before) (default: REPRO_GATE_LAUNCHER, else fork)",
+        "interpreter per case, as before) (default: REPRO_GATE_LAUNCHER, else spawn: fork has not run real vLLM on a GPU yet)",
     )
     gt.add_argument("--dry-run", action="store_true", help="list case ids only")
     sub.choices["bisect"].set_defaults(func=cmd_bisect)

@@ -40,7 +40,9 @@ from repro.vllm_integration.plugin import ENV as AUDIT_ENV
 FORK, SPAWN = "fork", "spawn"
 LAUNCHERS = (FORK, SPAWN)
 LAUNCHER_ENV = "REPRO_GATE_LAUNCHER"
-DEFAULT_LAUNCHER = FORK  # the same records as spawned ones on every stand-in behaviour (tests/test_vllm_gate_fork.py)
+# fork gives the spawned records on every stand-in behaviour (tests/test_vllm_gate_fork.py) but has not run real vLLM
+# on a GPU yet: opt in with --launcher fork until a GPU run of `gate --compare-paths` shows no verdict difference
+DEFAULT_LAUNCHER = SPAWN
 PRELOAD_ENV = "REPRO_GATE_PRELOAD"  # more modules for the forkserver to import (MODULE[:ATTR],...), e.g. the runner's
 TARGET_MAIN = f"{gate_fork.TARGET}:main"
 READY_TIMEOUT_S = 300.0  # a forkserver importing longer than this is given up (its build launched plainly)
