@@ -19,10 +19,11 @@ import shlex
 from pathlib import Path
 
 from repro import environment
-from repro.policy import REQUIRE_ENV, Control, GateDecision, decide, parse_requirements
+from repro.policy import EXPECT_CLEAN, REQUIRE_ENV, Control, GateDecision, decide, parse_requirements
 from repro.redact import redact
 from repro.report import header
 from repro.smcontrol import Unavailable, enumerate_gpus
+from repro.verdicts import SKIP
 
 ENV = "REPRO_GATE"
 GPU_MARKERS = ("gpu", "vllm")
@@ -103,8 +104,8 @@ class Evidence:
         self.controls.append(
             Control(
                 report.nodeid,
-                props.get("expected") or "clean",
-                props.get("verdict") or "skip",
+                props.get("expected") or EXPECT_CLEAN,
+                props.get("verdict") or SKIP,
                 props.get("gate_mode") or "eager",
                 str(props.get("reason") or ""),
                 props.get("not_applicable"),

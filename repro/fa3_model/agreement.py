@@ -27,7 +27,7 @@ class Agreement:
     @property
     def verdict_agrees(self) -> bool:
         """The GPU's verdict is one the model could not rule out (a crash or hang counts as the predicted read)."""
-        gpu = "oob" if self.gpu in (OOB, CRASH, HANG) else self.gpu
+        gpu = OOB if self.gpu in (OOB, CRASH, HANG) else self.gpu
         return gpu in (self.model_outcomes or (self.model,))
 
     @property
