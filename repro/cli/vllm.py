@@ -27,6 +27,7 @@ from repro.cli.common import (
     seconds,
 )
 from repro.descriptors import ConfigError
+from repro.vllm_integration.backend_fields import DEFAULT_BACKEND
 
 
 def add_parsers(sub) -> None:
@@ -59,7 +60,7 @@ def add_parsers(sub) -> None:
     )
     gt.add_argument(
         "--backends",
-        default="FLASH_ATTN",
+        default=DEFAULT_BACKEND,
         help="vLLM attention backends, each a case parameter: FLASH_ATTN, TRITON_ATTN, FLASHINFER... "
         "(sm_margin and poison modes: FLASH_ATTN only) (default %(default)s)",
     )

@@ -18,7 +18,7 @@ from repro.expectations import MODEL_SM_KINDS
 from repro.fa3_model.reads import Prediction, predict_launch
 from repro.fa3_model.scheduler import PAD, host_plan, scheduler_metadata
 from repro.layout import UPSTREAM, VLLM
-from repro.poison import parse_poison
+from repro.poison import DEFAULT_POISON, parse_poison
 from repro.scenarios import FRESH, STALE, WARMUP, v2_capture_sequence
 from repro.scheduler_inputs import SchedulerInputs
 from repro.staleness import add_counts, diff_snapshots, summarize
@@ -134,7 +134,7 @@ def predict_matrix(
     strategies=(STALE, FRESH),
     sms=MODEL_SMS,
     splits=(32, 0),
-    poison: str | None = "int-max",
+    poison: str | None = DEFAULT_POISON,
     cfg: AttnConfig | None = None,
 ) -> tuple[list[ModelCase], float]:
     cfg = cfg or AttnConfig()

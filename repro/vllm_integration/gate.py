@@ -29,6 +29,7 @@ from pathlib import Path
 
 from repro.channel import emit
 from repro.tags import DEVICE_TAG, ENGINE_TAG, RESULT_TAG
+from repro.vllm_integration.backend_fields import DEFAULT_BACKEND
 
 TARGET = {
     "architectures": ["LlamaForCausalLM"],
@@ -75,7 +76,7 @@ def write_models(root: str | Path) -> tuple[Path, Path]:
 
 
 def llm_kwargs(
-    target: Path, draft: Path, reference: bool, spec_tokens: int, gpu_memory: float, backend: str = "FLASH_ATTN"
+    target: Path, draft: Path, reference: bool, spec_tokens: int, gpu_memory: float, backend: str = DEFAULT_BACKEND
 ) -> dict:
     """The LLM(...) arguments of a gate run. Reference: the same speculative decoding, no CUDA graphs."""
     kw = dict(
@@ -216,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reference", action="store_true")
     p.add_argument("--spec-tokens", type=int, default=SPEC_TOKENS)
     p.add_argument("--max-new", type=int, default=MAX_NEW)
-    p.add_argument("--attention-backend", default="FLASH_ATTN", help="vLLM's attention backend (default %(default)s)")
+    p.add_argument(
+        "--attention-backend", default=DEFAULT_BACKEND, help="vLLM's attention backend (default %(default)s)"
+    )
     p.add_argument("--gpu-memory", type=float, default=0.1, help="share of GPU memory that must be free at start")
     a = p.parse_args(argv)
     t0 = time.time()

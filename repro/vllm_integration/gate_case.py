@@ -32,7 +32,7 @@ from repro.poison import parse_poison
 from repro.policy import KNOWN_BAD, SELF_CONTROL
 from repro.sanitizer import sanitizer_env
 from repro.smcontrol import MpsDaemon, Unavailable
-from repro.vllm_integration.backend_fields import BACKENDS, known_name
+from repro.vllm_integration.backend_fields import BACKENDS, DEFAULT_BACKEND, known_name
 from repro.vllm_integration.builds import UNDER_TEST, VllmBuild, build_pythonpath
 from repro.vllm_integration.counters import FILE_ENV
 from repro.vllm_integration.inject import INJECT_ENV
@@ -109,7 +109,6 @@ def _refuse_twice(flag: str, names: list[str]) -> None:
         raise ConfigError(f"{flag}: {', '.join(dups)} given twice (one case id each; use --repeat to run again)")
 
 
-DEFAULT_BACKEND = "FLASH_ATTN"
 FA3_ONLY = ("sm_margin", "poison")  # modes that hook FA3's own calls
 
 
