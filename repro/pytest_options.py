@@ -21,8 +21,9 @@ import sys
 
 import pytest
 
-GATE_ENV = "REPRO_GATE"  # repro.pytest_gate.ENV: REPRO_GATE=1 is --gate
-REQUIRE_ENV = "REPRO_GATE_REQUIRE"  # repro.policy.REQUIRE_ENV
+from repro.policy import REQUIRE_ENV
+
+GATE_ENV = "REPRO_GATE"  # REPRO_GATE=1 is --gate (repro.pytest_gate reads it from here)
 
 
 def pytest_addoption(parser):

@@ -19,6 +19,7 @@ from repro.channel import path_for as channel_path
 from repro.classify import classify
 from repro.descriptors import ConfigError
 from repro.executor import EXECUTORS, ForkServer, MemcheckAhead
+from repro.pinning import PINNED_VAR
 from repro.process import ProcessRun, kill_group
 from repro.sanitizer import find_sanitizer, first_finding_complete, sanitizer_command, sanitizer_env
 from repro.server import server_executor
@@ -46,7 +47,7 @@ def memcheck_launch_env(base: dict[str, str] | None = None) -> dict[str, str]:
 def worker_env(spec: CaseSpec, mps: MpsDaemon | None, base: dict[str, str] | None = None) -> dict[str, str]:
     env = _process_env(base)
     if spec.sm.kind == "mig":
-        pinned = env.get("REPRO_PINNED_DEVICE", "")
+        pinned = env.get(PINNED_VAR, "")
         uuid = spec.sm.mig_uuid or (pinned if pinned.startswith("MIG-") else None)
         if not uuid:
             raise Unavailable("no MIG slice given (mig:<uuid>) and none pinned to this worker")
