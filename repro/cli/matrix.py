@@ -32,6 +32,7 @@ from repro.cli.common import (
 from repro.descriptors import ConfigError
 from repro.executor import DEFAULT_EXECUTOR, EXECUTORS
 from repro.expectations import unmodelled
+from repro.fa3_model.scope import H200_SMS
 from repro.matrix import (
     DEFAULT_SMS,
     MatrixOptions,
@@ -119,7 +120,7 @@ def add_parsers(sub) -> None:
 def _model_specs(a: argparse.Namespace, opts, specs: list[CaseSpec]) -> list[CaseSpec]:
     """The cases the CPU model predicts, or ConfigError naming the flag it cannot honour."""
 
-    from repro.fa3_model.predict import H200_SMS, model_sms  # the CPU model (numpy): for --model only
+    from repro.fa3_model.predict import model_sms  # the CPU model (numpy): for --model only
 
     if opts.scenario != V2:
         raise ConfigError(f"the CPU model predicts --scenario {V2} only; run --scenario {opts.scenario} on a GPU")

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from repro.descriptors import AttnConfig
 from repro.expectations import unmodelled
-from repro.fa3_model.predict import H200_SMS, predict_case, predict_outcomes
+from repro.fa3_model.predict import predict_case, predict_outcomes
+from repro.fa3_model.scope import H200_SMS
 from repro.layout import UPSTREAM, VLLM
 from repro.report import MODEL, load_json
 from repro.verdicts import CRASH, ERROR, HANG, OOB, SKIP

@@ -14,9 +14,9 @@ from repro.backends.base import BackendIdentity
 from repro.builder import MetadataBuilder
 from repro.case import CaseResult, CaseSpec, SmConfig
 from repro.descriptors import AttnConfig, ConfigError
-from repro.expectations import MODEL_SM_KINDS
 from repro.fa3_model.reads import Prediction, predict_launch
 from repro.fa3_model.scheduler import PAD, host_plan, scheduler_metadata
+from repro.fa3_model.scope import H200_SMS, MODEL_SM_KINDS
 from repro.layout import UPSTREAM, VLLM
 from repro.poison import DEFAULT_POISON, parse_poison
 from repro.scenarios import FRESH, STALE, WARMUP, v2_capture_sequence
@@ -24,7 +24,6 @@ from repro.scheduler_inputs import SchedulerInputs
 from repro.staleness import add_counts, diff_snapshots, summarize
 from repro.verdicts import CLEAN, OOB, WRONG
 
-H200_SMS = 132
 MODEL_SMS = (16, 26, 32, 60, 132)
 # The evidence column of a predicted row: what the model predicts, never a measurement (`oob` on a GPU is a memcheck
 # finding; here it is a read the model predicts goes out of bounds, with or without --sanitizer).
