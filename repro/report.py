@@ -263,10 +263,10 @@ VERDICT_COLORS = {  # one per verdict of repro.verdicts.VERDICTS (a CPU test ren
 def heatmap(run: MatrixRun, path: str | Path) -> bool:
     """Verdicts by case group (rows) and SM configuration (columns). False when matplotlib is missing."""
     try:
-        import matplotlib
+        import matplotlib  # matplotlib only for heatmap.png, and optional (the gpu extra)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # as above
     except ImportError:
         return False
     order = list(VERDICTS)
@@ -278,7 +278,7 @@ def heatmap(run: MatrixRun, path: str | Path) -> bool:
         grid[rws.index(f"{s.backend}/{s.strategy}/{s.mode}/s{s.cfg.num_splits}")][cols.index(s.sm.label)] = order.index(
             r.verdict
         )
-    from matplotlib.colors import ListedColormap
+    from matplotlib.colors import ListedColormap  # as above
 
     fig, ax = plt.subplots(figsize=(2 + 1.4 * len(cols), 1 + 0.35 * len(rws)))
     ax.imshow(grid, cmap=ListedColormap(colors), vmin=0, vmax=len(order) - 1, aspect="auto")

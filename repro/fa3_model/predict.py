@@ -47,7 +47,7 @@ class ModelBackend:
         return SchedulerInputs.from_call(self.flavor, self.num_sms, **call)
 
     def scheduler_metadata(self, **kw):
-        import torch
+        import torch  # torch only when the builder asks for a tensor: importing the model needs none
 
         buf, _ = scheduler_metadata(self.inputs(**kw))
         return torch.tensor([self.pad_value if v is PAD else v for v in buf], dtype=torch.int32)
