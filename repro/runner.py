@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from repro import CHECKOUT
 from repro.case import CaseResult, CaseSpec
 from repro.channel import ENV as CHANNEL_ENV
 from repro.channel import SUFFIX as CHANNEL_SUFFIX
@@ -33,7 +34,7 @@ EARLY_STOP_GRACE_S = 0.5
 def _process_env(base: dict[str, str] | None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     env["PYTHONUNBUFFERED"] = "1"
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(CHECKOUT)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 

@@ -16,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from repro import CHECKOUT
 from repro.descriptors import ConfigError
 from repro.vllm_integration.source_check import BAD, GOOD, check_tree
 
@@ -253,7 +254,7 @@ def run_bisect(
     if gate_cmd:
         cmd += ["--", *gate_cmd]
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(CHECKOUT)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run(["git", "-C", repo, "bisect", "run", *cmd], capture_output=True, text=True, env=env)
     log = r.stdout + r.stderr

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
@@ -40,16 +41,18 @@ COMPLETE, CLAIM = "vllm-cache.complete", "vllm-cache.claim"  # markers beside it
 WARM, WRITER, COLD = "warm", "cold, writer", "cold"  # what a case's VLLM_CACHE_ROOT is (case_cache)
 PRIVATE, KEPT = "private", "reference kept"  # the old path (no cache); a reference not run, its kept record used
 _EDGE = 1 << 20  # bytes read from each end of a compiled extension
-_GATE_SOURCES = (
-    "gate.py",
-    "plugin.py",
-    "backend_hooks.py",
-    "capture.py",
-    "counters.py",
-    "fa3_hooks.py",
-    "metadata_views.py",
-    "weights.py",
-)  # the gate's model, prompts and weights: a reference depends on them
+# The gate's model, prompts and weights: a reference depends on them. Each module under a label of the key: the file's
+# name where the key began, kept so that moving a module leaves the kept references valid.
+_GATE_SOURCES = {
+    "gate.py": "repro.vllm_integration.gate",
+    "plugin.py": "repro.vllm_integration.plugin",
+    "backend_hooks.py": "repro.vllm_integration.backend_hooks",
+    "capture.py": "repro.vllm_integration.capture",
+    "counters.py": "repro.vllm_integration.counters",
+    "fa3_hooks.py": "repro.vllm_integration.fa3_hooks",
+    "metadata_views.py": "repro.vllm_integration.metadata_views",
+    "weights.py": "repro.vllm_integration.weights",
+}
 
 
 def default_root() -> Path:
@@ -92,10 +95,9 @@ def package_fingerprint(pkg: Path, torch_version: str | None = None) -> tuple[st
 @functools.cache
 def gate_code_fingerprint() -> str:
     """The gate's model configuration, prompts and weights code: a cached reference is for one version of them."""
-    here = Path(__file__).parent
     h = hashlib.sha256()
-    for name in _GATE_SOURCES:
-        h.update(name.encode() + b"\0" + (here / name).read_bytes())
+    for label, module in _GATE_SOURCES.items():
+        h.update(label.encode() + b"\0" + Path(importlib.util.find_spec(module).origin).read_bytes())
     h.update(f"weights={os.environ.get(WEIGHTS_ENV, '')}".encode())  # chosen in the gate's environment
     return h.hexdigest()[:16]
 

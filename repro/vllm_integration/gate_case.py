@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from repro import policy
+from repro import CHECKOUT, policy
 from repro.case import SmConfig
 from repro.descriptors import ConfigError
 from repro.poison import parse_poison
@@ -210,7 +210,7 @@ def case_env(
     if weights:
         env[WEIGHTS_ENV] = weights
     env[BACKEND_ENV] = case.backend
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(CHECKOUT)
     path = build_pythonpath(case.build, builds, env.get("PYTHONPATH"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (path, root) if p)
     # torch.compile artifacts of concurrent cases must not share one folder; inductor's own cache locks itself

@@ -15,12 +15,13 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from repro import CHECKOUT
 from repro.vllm_integration.backend_fields import BACKENDS
 from repro.vllm_integration.bisect import torch_pin
 from repro.vllm_integration.compat import source_facts
 from repro.vllm_integration.plugin import KNOWN_SPEC_LAYOUTS
 
-RESULTS = Path(__file__).resolve().parents[2] / "results"
+RESULTS = CHECKOUT / "results"
 FACTS_FILE = RESULTS / "vllm-versions.json"
 SOURCE_FILE = RESULTS / "vllm-source-check.json"
 
