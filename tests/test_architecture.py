@@ -85,7 +85,7 @@ def import_graph(inside_functions: bool = True) -> dict[str, set[str]]:
             if node.level:  # relative: from . import x, from ..y import z
                 up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join(up + ([base] if base else []))
-            for a in node.names:  # `from repro import case` imports the module repro.case
+            for a in node.names:  # `from repro.cli import matrix` imports the module repro.cli.matrix
                 targets.add(f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base)
         graph[name] = {t for t in targets if t in mods and t != name}
     return graph
