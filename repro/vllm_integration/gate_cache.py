@@ -41,8 +41,9 @@ COMPLETE, CLAIM = "vllm-cache.complete", "vllm-cache.claim"  # markers beside it
 WARM, WRITER, COLD = "warm", "cold, writer", "cold"  # what a case's VLLM_CACHE_ROOT is (case_cache)
 PRIVATE, KEPT = "private", "reference kept"  # the old path (no cache); a reference not run, its kept record used
 _EDGE = 1 << 20  # bytes read from each end of a compiled extension
-# The gate's model, prompts and weights: a reference depends on them. Each module under a label of the key: the file's
-# name where the key began, kept so that moving a module leaves the kept references valid.
+# The gate's model, prompts and weights: a reference depends on their text. Each module's text is hashed under a
+# label, the file's name when the key began, not under its place: a module's folder is not what a reference depends on
+# (its text is: an edit, an import rewritten by a move included, makes the kept references cold).
 _GATE_SOURCES = {
     "gate.py": "repro.vllm_integration.gate",
     "plugin.py": "repro.vllm_integration.plugin",
