@@ -13,7 +13,7 @@ import pytest
 from cases.gpu_env import backend_skip_reason, gpu_skip_reason, sanitizer_skip_reason
 from repro.case import CaseSpec
 from repro.expectations import expectation, gate_mode
-from repro.policy import problem
+from repro.policy import EXPECT_CLEAN, problem
 from repro.pytest_cases import case_executor, log_dir
 from repro.pytest_gate import not_applicable
 from repro.runner import run_case
@@ -61,6 +61,6 @@ def run_control(spec: CaseSpec, record_property) -> None:
     if res.verdict == SKIP:
         pytest.skip(res.reason)
     why = problem(exp, res.verdict)
-    if why and exp != "clean":
+    if why and exp != EXPECT_CLEAN:
         pytest.fail(f"HARNESS BLIND in this environment: {why}: {res.reason}")
     assert why is None, f"{why} at {res.descriptor}: {res.reason}"

@@ -1,5 +1,10 @@
 """Stale FA3 attention-metadata reproducer and regression harness (`python -m repro --help`)."""
 
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent  # this folder, repro/: the same for every module, however deep it sits
+CHECKOUT = PACKAGE.parent  # the folder that holds repro/: first on a case process's PYTHONPATH
+
 try:
     from importlib.metadata import PackageNotFoundError, version
 

@@ -75,7 +75,7 @@ class MetadataBuilder:
         sm_margin: int = 0,
         poison: Poison | None = None,
     ) -> None:
-        import torch
+        import torch  # torch only when buffers are made: scenarios and expectations import this module without it
 
         self.backend, self.cfg, self.device, self.sm_margin, self.poison = backend, cfg, device, sm_margin, poison
         mb = cfg.max_batch
@@ -95,7 +95,7 @@ class MetadataBuilder:
     def write_batch(self, desc: BatchDescriptor, seq_lens: list[int]) -> None:
         """Write a batch's query_start_loc (padded with num_tokens) and seq_lens (zero past the batch) INTO the
         persistent buffers, as the runtime and make_dummy both do."""
-        import torch
+        import torch  # as above
 
         if desc.num_reqs > self.cfg.max_batch:
             raise ConfigError(
@@ -135,7 +135,7 @@ class MetadataBuilder:
         return self._build(desc)
 
     def _build(self, desc: BatchDescriptor) -> AttnMetadata:
-        import torch
+        import torch  # as above
 
         b = desc.num_reqs
         qsl, seq_lens = self.query_start_loc[: b + 1], self.seq_lens[:b]

@@ -108,6 +108,6 @@ def all_gpu_cases() -> dict[str, list[CaseSpec]]:
 
 def params(specs: list[CaseSpec]):
     """pytest params, one per case, with the case id (minus the common prefix) as the test id."""
-    import pytest
+    import pytest  # pytest only for the pytest tier's params: the case sets load without it
 
     return [pytest.param(s, id=s.case_id.removeprefix("stale_metadata-")) for s in specs]

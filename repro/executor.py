@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from multiprocessing import forkserver
 from pathlib import Path
 
 from repro.channel import ENV as CHANNEL_ENV
@@ -75,8 +76,6 @@ class ForkServer(MemcheckAhead):
 
     def start(self) -> None:
         """Start the server (it imports the preloaded modules) now instead of at the first case."""
-        from multiprocessing import forkserver
-
         forkserver.ensure_running()
 
     def run(self, target: str, argv: list[str], env: dict[str, str], out_path: Path, timeout_s: float):

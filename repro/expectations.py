@@ -8,6 +8,7 @@ import functools
 
 from repro.case import CaseSpec
 from repro.descriptors import AttnConfig
+from repro.fa3_model.scope import H200_SMS, MODEL_SM_KINDS
 from repro.layout import UPSTREAM, VLLM
 from repro.policy import AUDIT, DETECTED, EXPECT_CLEAN, FAULT
 from repro.scenarios import FRESH, V2
@@ -20,7 +21,6 @@ MEASURED = {
     ("pair", "int-max"): DETECTED,  # results/h200-pytest-gpu: the pair case was caught
     ("green", None): DETECTED,  # results/h200-green: stale wrong-output at 16 SMs
 }
-MODEL_SM_KINDS = ("full", "sm_margin", "mps")  # where the CPU model knows the SM count FA3 plans for
 # Case features the CPU model does not model, each with why: under them its verdict would be a guess, and so would
 # every row of MEASURED (all measured without them). Such a stale case expects `audit` (repro.policy.AUDIT_CONTROLS,
 # "unmeasured"); `matrix --model` refuses to predict it and `agree` leaves it out.
@@ -64,8 +64,6 @@ def expectation(spec: CaseSpec) -> str:
     if unmodelled(spec):  # neither the model nor any measurement covers it: no guess
         return AUDIT
     if spec.scenario == V2 and spec.sm.kind in MODEL_SM_KINDS:
-        from repro.fa3_model.predict import H200_SMS  # here: as above
-
         outcomes = set(
             _model_outcomes(spec.backend, spec.strategy, spec.sm.sms or H200_SMS, spec.cfg, spec.poison, spec.sanitizer)
         )

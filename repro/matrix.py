@@ -14,12 +14,12 @@ from repro.case import CaseResult, CaseSpec, SmConfig
 from repro.descriptors import AttnConfig, ConfigError
 from repro.expectations import expectation, positive_control
 from repro.mps_cases import PER_CASE, run_mps_cases
+from repro.poison import DEFAULT_POISON
 from repro.policy import disagrees, satisfies
 from repro.scenarios import DEFAULT_PAIR, FRESH, PAIR, STALE, V2, pair_descriptors
 from repro.verdicts import SKIP
 
-DEFAULT_SMS = ("sm_margin:16", "mps:16", "full")
-DEFAULT_POISON = "int-max"
+DEFAULT_SMS = ("sm_margin:16", "mps:16", "full")  # the matrix's SM restrictions (`matrix --sms`)
 
 
 @dataclass(frozen=True)

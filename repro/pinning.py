@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from repro.smcontrol import GpuInfo, Unavailable, enumerate_gpus
 
-PINNED_VAR = "REPRO_PINNED_DEVICE"
+PINNED_VAR = "REPRO_PINNED_DEVICE"  # the device pinned to this worker (runner.worker_env reads it for mig cases)
+DEVICES_VAR = "REPRO_DEVICES"  # the devices to pin workers to, instead of discovery (pytest_gate reads it too)
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,8 @@ def choose_pin(
     idx = worker_index(worker_id)
     if idx is None or env.get("CUDA_VISIBLE_DEVICES"):
         return None
-    if env.get("REPRO_DEVICES"):
-        devs = [(d.strip(), "override", None) for d in env["REPRO_DEVICES"].split(",") if d.strip()]
+    if env.get(DEVICES_VAR):
+        devs = [(d.strip(), "override", None) for d in env[DEVICES_VAR].split(",") if d.strip()]
     else:
         try:
             devs = devices_from(discover())

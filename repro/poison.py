@@ -14,6 +14,7 @@ from repro.layout import MetadataLayout
 INT32_MAX = 2**31 - 1
 INT32_MIN = -(2**31)
 NAMED = {"zero": 0, "minus-one": -1, "int-max": INT32_MAX, "int-min": INT32_MIN, "splits-33": 33}
+DEFAULT_POISON = "int-max"  # the matrix's and `run`'s fill: the one that made stale faults repeatable on the H200
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ def case_executor():
 def _start_executor():
     global _executor
     if _executor is None:
-        from repro.runner import default_executor
+        from repro.runner import default_executor  # at the first GPU case: CPU runs never load it
 
         _executor = default_executor(jobs=1)
     return _executor
@@ -56,7 +56,7 @@ def warm_up(first_spec) -> threading.Thread:
 
     def work() -> None:
         with contextlib.suppress(Exception):  # the first case reports whatever fails here, with its reason
-            from repro.expectations import expectation
+            from repro.expectations import expectation  # the CPU model (numpy) in the background, as the docstring says
 
             expectation(first_spec)
             ex = case_executor()

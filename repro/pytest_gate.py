@@ -19,12 +19,14 @@ import shlex
 from pathlib import Path
 
 from repro import environment
-from repro.policy import REQUIRE_ENV, Control, GateDecision, decide, parse_requirements
+from repro.pinning import DEVICES_VAR
+from repro.policy import EXPECT_CLEAN, REQUIRE_ENV, Control, GateDecision, decide, parse_requirements
+from repro.pytest_options import GATE_ENV as ENV
 from repro.redact import redact
 from repro.report import header
 from repro.smcontrol import Unavailable, enumerate_gpus
+from repro.verdicts import SKIP
 
-ENV = "REPRO_GATE"
 GPU_MARKERS = ("gpu", "vllm")
 NOT_APPLICABLE = "not applicable here: "  # the skip reason's prefix for a configuration this runner cannot have
 # user properties a case records (cases/controls.py, cases/test_vllm_gate.py)
@@ -44,7 +46,7 @@ def required(config=None, environ=os.environ, discover=enumerate_gpus) -> frozen
     text = given if given is not None else environ.get(REQUIRE_ENV)
     if text is not None:
         return parse_requirements(text)
-    devices = environ.get("REPRO_DEVICES", "") + "," + environ.get("CUDA_VISIBLE_DEVICES", "")
+    devices = environ.get(DEVICES_VAR, "") + "," + environ.get("CUDA_VISIBLE_DEVICES", "")
     if devices.strip(","):  # the run names its devices: they alone say whether it is a MIG runner
         return frozenset({"mig"}) if "MIG-" in devices else frozenset()
     try:
@@ -103,8 +105,8 @@ class Evidence:
         self.controls.append(
             Control(
                 report.nodeid,
-                props.get("expected") or "clean",
-                props.get("verdict") or "skip",
+                props.get("expected") or EXPECT_CLEAN,
+                props.get("verdict") or SKIP,
                 props.get("gate_mode") or "eager",
                 str(props.get("reason") or ""),
                 props.get("not_applicable"),

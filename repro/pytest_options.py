@@ -21,8 +21,9 @@ import sys
 
 import pytest
 
-GATE_ENV = "REPRO_GATE"  # repro.pytest_gate.ENV: REPRO_GATE=1 is --gate
-REQUIRE_ENV = "REPRO_GATE_REQUIRE"  # repro.policy.REQUIRE_ENV
+from repro.policy import REQUIRE_ENV, parse_requirements
+
+GATE_ENV = "REPRO_GATE"  # REPRO_GATE=1 is --gate (repro.pytest_gate reads it from here)
 
 
 def pytest_addoption(parser):
@@ -73,8 +74,9 @@ def pytest_cmdline_main(config):
     gating = config.getoption("gate", default=False) or os.environ.get(GATE_ENV) == "1"
     text = given if given is not None else os.environ.get(REQUIRE_ENV) if gating else None
     if text is not None:
-        from repro.cli.common import EXIT_BAD_INPUT
-        from repro.policy import parse_requirements
+        from repro.cli.common import (
+            EXIT_BAD_INPUT,  # the CLI's modules only for bad input: pytest loads this plugin in every run
+        )
 
         try:
             parse_requirements(text)

@@ -36,7 +36,7 @@ def record_call(
     num_splits,
     sm_margin,
 ) -> dict:
-    import torch
+    import torch  # torch only when recording: --help needs none
 
     qsl = [0]
     for q in query_lens:
@@ -140,7 +140,7 @@ def random_calls(n: int, seed: int, margins: list[int]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
+    import torch  # as above
 
     p = argparse.ArgumentParser(prog="python -m repro.record")
     p.add_argument("out")

@@ -19,7 +19,7 @@ def paged_attention_reference(
     """q [T, Hq, d]; caches [pages, page, Hkv, d]. Causal is aligned bottom-right as FA3 does. Returns fp32 [T, Hq, d].
     upcast=False computes in the inputs' own precision (bf16): the low-precision reference whose error against the
     fp32 one sets the tolerance (tolerance())."""
-    import torch
+    import torch  # torch only when tensors are made: the module loads without it
 
     dt = torch.float32 if upcast else q.dtype
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)

@@ -12,7 +12,7 @@ from repro.expectations import gate_mode
 from repro.matrix import MatrixRun, expected_of
 from repro.policy import Control, GateDecision, decide, satisfies
 from repro.redact import redact
-from repro.verdicts import KERNEL_EVIDENCE, VERDICTS
+from repro.verdicts import KERNEL_EVIDENCE, VERDICTS, Verdict
 
 MARK = {True: "ok", False: "FAIL", None: "skip"}
 NOT_ATTRIBUTED = "not attributed"  # kernel evidence whose faulting line named no kernel (memcheck or a
@@ -247,38 +247,38 @@ def gate_failures(run: MatrixRun) -> list[str]:
 
 
 VERDICT_COLORS = {  # one per verdict of repro.verdicts.VERDICTS (a CPU test renders each)
-    "clean": "#4caf50",
-    "oob": "#f44336",
-    "crash": "#b71c1c",
-    "launch-failure": "#e65100",
-    "hang": "#6a1b9a",
-    "wrong-output": "#ffc107",
-    "stale-audit": "#8bc34a",
-    "cannot-vouch": "#90a4ae",
-    "error": "#607d8b",
-    "skip": "#e0e0e0",
+    Verdict.CLEAN: "#4caf50",
+    Verdict.OOB: "#f44336",
+    Verdict.CRASH: "#b71c1c",
+    Verdict.LAUNCH_FAIL: "#e65100",
+    Verdict.HANG: "#6a1b9a",
+    Verdict.WRONG: "#ffc107",
+    Verdict.STALE_AUDIT: "#8bc34a",
+    Verdict.CANNOT_VOUCH: "#90a4ae",
+    Verdict.ERROR: "#607d8b",
+    Verdict.SKIP: "#e0e0e0",
 }
 
 
 def heatmap(run: MatrixRun, path: str | Path) -> bool:
     """Verdicts by case group (rows) and SM configuration (columns). False when matplotlib is missing."""
     try:
-        import matplotlib
+        import matplotlib  # matplotlib only for heatmap.png, and optional (the gpu extra)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # as above
     except ImportError:
         return False
     order = list(VERDICTS)
     colors = [VERDICT_COLORS[v] for v in order]
     cols = sorted({s.sm.label for s, _ in run.results})
     rws = sorted({f"{s.backend}/{s.strategy}/{s.mode}/s{s.cfg.num_splits}" for s, _ in run.results})
-    grid = [[order.index("skip")] * len(cols) for _ in rws]
+    grid = [[order.index(Verdict.SKIP)] * len(cols) for _ in rws]
     for s, r in run.results:
         grid[rws.index(f"{s.backend}/{s.strategy}/{s.mode}/s{s.cfg.num_splits}")][cols.index(s.sm.label)] = order.index(
             r.verdict
         )
-    from matplotlib.colors import ListedColormap
+    from matplotlib.colors import ListedColormap  # as above
 
     fig, ax = plt.subplots(figsize=(2 + 1.4 * len(cols), 1 + 0.35 * len(rws)))
     ax.imshow(grid, cmap=ListedColormap(colors), vmin=0, vmax=len(order) - 1, aspect="auto")

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from repro import CHECKOUT
 from repro.case import CaseResult, CaseSpec
 from repro.channel import ENV as CHANNEL_ENV
 from repro.channel import SUFFIX as CHANNEL_SUFFIX
@@ -19,6 +20,7 @@ from repro.channel import path_for as channel_path
 from repro.classify import classify
 from repro.descriptors import ConfigError
 from repro.executor import EXECUTORS, ForkServer, MemcheckAhead
+from repro.pinning import PINNED_VAR
 from repro.process import ProcessRun, kill_group
 from repro.sanitizer import find_sanitizer, first_finding_complete, sanitizer_command, sanitizer_env
 from repro.server import server_executor
@@ -32,7 +34,7 @@ EARLY_STOP_GRACE_S = 0.5
 def _process_env(base: dict[str, str] | None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     env["PYTHONUNBUFFERED"] = "1"
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(CHECKOUT)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
@@ -46,7 +48,7 @@ def memcheck_launch_env(base: dict[str, str] | None = None) -> dict[str, str]:
 def worker_env(spec: CaseSpec, mps: MpsDaemon | None, base: dict[str, str] | None = None) -> dict[str, str]:
     env = _process_env(base)
     if spec.sm.kind == "mig":
-        pinned = env.get("REPRO_PINNED_DEVICE", "")
+        pinned = env.get(PINNED_VAR, "")
         uuid = spec.sm.mig_uuid or (pinned if pinned.startswith("MIG-") else None)
         if not uuid:
             raise Unavailable("no MIG slice given (mig:<uuid>) and none pinned to this worker")

@@ -31,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from repro import CHECKOUT, PACKAGE
 from repro.descriptors import ConfigError
 from repro.executor import PRELOAD, MemcheckAhead
 from repro.process import ProcessRun, exit_code, kill_group, run_child
@@ -50,7 +51,7 @@ def socket_path() -> Path | None:
     if chosen:
         return Path(chosen)
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    checkout = hashlib.sha256(str(Path(__file__).resolve().parent.parent).encode()).hexdigest()[:8]
+    checkout = hashlib.sha256(str(CHECKOUT).encode()).hexdigest()[:8]
     return Path(base) / f"repro-{os.getuid()}" / f"server-{checkout}.sock"
 
 
@@ -70,7 +71,7 @@ def code_fingerprint(preload: tuple[str, ...] = PRELOAD) -> str:
     """What a forked case would run: the harness's sources (where, path, size, mtime), the interpreter, the FA3
     libraries the environment names, the modules preloaded."""
     h = hashlib.sha256()
-    root = Path(__file__).resolve().parent
+    root = PACKAGE
     for f in sorted(root.rglob("*.py")):
         st = f.stat()
         h.update(f"{f.relative_to(root)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
@@ -222,7 +223,7 @@ def start(path: Path, idle_s: float = DEFAULT_IDLE_S, preload: tuple[str, ...] =
     log = path.with_suffix(".log")
     cmd = [sys.executable, "-m", "repro.server", str(path), str(idle_s), ",".join(preload)]
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parent.parent)  # importable from wherever the command runs
+    root = str(CHECKOUT)  # importable from wherever the command runs
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     with open(log, "w") as f:
         proc = subprocess.Popen(

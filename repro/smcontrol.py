@@ -55,7 +55,7 @@ def enumerate_gpus(nvml: Any = None) -> list[GpuInfo]:
     Raises Unavailable when NVML is missing or finds no driver."""
     if nvml is None:
         try:
-            import pynvml as nvml  # type: ignore[no-redef]
+            import pynvml as nvml  # type: ignore[no-redef]  # NVML only when asked: nvidia-ml-py is optional
         except ImportError as e:
             raise Unavailable("nvidia-ml-py is not installed (pip install nvidia-ml-py)") from e
     try:
@@ -261,7 +261,7 @@ def maybe_mps(needed: bool) -> Iterator[MpsDaemon | None]:
 def green_contexts_available() -> str | None:
     """None when torch offers green contexts, else the reason."""
     try:
-        from torch.cuda import green_contexts  # noqa: F401
+        from torch.cuda import green_contexts  # noqa: F401  torch only when asked: the module loads without it
     except Exception as e:
         return f"torch has no green contexts ({e})"
     return None

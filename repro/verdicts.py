@@ -20,11 +20,42 @@ Which verdict meets which control, and what a gate run needs from its controls: 
 
 from __future__ import annotations
 
-CLEAN, OOB, CRASH, HANG, WRONG, ERROR, SKIP = "clean", "oob", "crash", "hang", "wrong-output", "error", "skip"
-LAUNCH_FAIL = "launch-failure"
-STALE_AUDIT = "stale-audit"
-CANNOT_VOUCH = "cannot-vouch"
-VERDICTS = (CLEAN, OOB, CRASH, LAUNCH_FAIL, HANG, WRONG, STALE_AUDIT, CANNOT_VOUCH, ERROR, SKIP)
+from enum import Enum
+
+
+class Verdict(str, Enum):
+    """A verdict: a str that equals, hashes, prints and pickles as its value ("clean"), so records, JSON and the
+    verdict strings read back from results.json compare with it unchanged; the one place a verdict's name is
+    written."""
+
+    CLEAN = "clean"
+    OOB = "oob"
+    CRASH = "crash"
+    LAUNCH_FAIL = "launch-failure"
+    HANG = "hang"
+    WRONG = "wrong-output"
+    STALE_AUDIT = "stale-audit"
+    CANNOT_VOUCH = "cannot-vouch"
+    ERROR = "error"
+    SKIP = "skip"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+    __repr__ = str.__repr__
+    __hash__ = str.__hash__
+
+
+CLEAN = Verdict.CLEAN
+OOB = Verdict.OOB
+CRASH = Verdict.CRASH
+LAUNCH_FAIL = Verdict.LAUNCH_FAIL
+HANG = Verdict.HANG
+WRONG = Verdict.WRONG
+STALE_AUDIT = Verdict.STALE_AUDIT
+CANNOT_VOUCH = Verdict.CANNOT_VOUCH
+ERROR = Verdict.ERROR
+SKIP = Verdict.SKIP
+VERDICTS = tuple(Verdict)  # in the order above: the order of every report
 MEMORY_FAULTS = (OOB, CRASH)
 KERNEL_EVIDENCE = (OOB, CRASH, LAUNCH_FAIL, HANG, WRONG)
 FAULTS = (*KERNEL_EVIDENCE, STALE_AUDIT)  # "the bug is visible", by any evidence

@@ -2,7 +2,7 @@
 deletes or weakens one rule in the source, runs that one test file, and compares the tests that failed with the ones
 named for the rule; the source is restored after each run, whatever happened.
 
-    python tests/mutation_check.py vouch     # repro/vllm_integration/coverage.py, gate_judge.py
+    python tests/mutation_check.py vouch     # repro/vllm_integration/coverage.py, repro/vllm_integration/gate_judge.py
     python tests/mutation_check.py policy    # repro/policy.py
 
 Exit status 1 when a mutation matched its source other than once, or failed other tests than the ones named."""

@@ -19,8 +19,11 @@ H200_RUN = ROOT / "results" / "h200-default" / "results.json"
 
 
 def _repro(*args, cwd=None):
+    """`python -m repro ...` of this checkout (first on PYTHONPATH), run in `cwd`: from another folder, the interpreter
+    would otherwise import whichever checkout its environment installed."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     return subprocess.run(
-        [sys.executable, "-m", "repro", *args], capture_output=True, text=True, timeout=300, cwd=cwd or ROOT
+        [sys.executable, "-m", "repro", *args], capture_output=True, text=True, timeout=300, cwd=cwd or ROOT, env=env
     )
 
 

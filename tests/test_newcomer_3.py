@@ -24,7 +24,10 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     tmp = tmp_path / "tmp"
     tmp.mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("REPRO_SERVER", "REPRO_VLLM", "REPRO_VLLM_CONTROL")}
-    return {**env, "TMPDIR": str(tmp), "XDG_RUNTIME_DIR": str(tmp), **extra}
+    # this checkout first: run from tmp_path, the interpreter would otherwise import whichever checkout its
+    # environment installed
+    path = os.pathsep.join(filter(None, (str(ROOT), env.get("PYTHONPATH"))))
+    return {**env, "PYTHONPATH": path, "TMPDIR": str(tmp), "XDG_RUNTIME_DIR": str(tmp), **extra}
 
 
 def _run(cmd: list[str], tmp_path: Path, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:

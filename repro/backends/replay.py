@@ -41,7 +41,7 @@ class ReplayBackend:
         return self._identity
 
     def scheduler_metadata(self, **call: Any) -> Any:
-        import torch
+        import torch  # torch only when tensors are made: the module loads without it
 
         rec = self._table.get(SchedulerInputs.from_call(self.flavor, self.sms, **call))
         if rec is None:

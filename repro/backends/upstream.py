@@ -33,7 +33,7 @@ class UpstreamFa3(TorchOpsBackend):
                 same_library(pkg_dir.parent, path, "upstream FA3")
             sys.path.insert(0, str(path))
         try:
-            import torch
+            import torch  # torch only when the backend loads: naming and listing backends needs none
 
             mod = importlib.import_module("flash_attn_3._C")
         except (ImportError, OSError) as e:

@@ -42,7 +42,7 @@ class VllmFa3(TorchOpsBackend):
     flavor = VLLM
 
     def __init__(self, lib: str | None = None) -> None:
-        import torch
+        import torch  # torch only when the backend loads: naming and listing backends needs none
 
         if lib is None:
             libs = find_vllm_libs()
@@ -60,7 +60,7 @@ class VllmFa3(TorchOpsBackend):
             version, package = _version_from_path(lib), "vllm (library path)"
         else:
             try:
-                import vllm.vllm_flash_attn._vllm_fa3_C as ext  # noqa: F401
+                import vllm.vllm_flash_attn._vllm_fa3_C as ext  # noqa: F401  vLLM only when no library path is given
             except ImportError as e:
                 raise BackendUnavailable(
                     f"vLLM FA3 not importable ({e}); pip install vllm or set {ENV_VAR}=path/to/_vllm_fa3_C.abi3.so"

@@ -14,11 +14,9 @@ from pathlib import Path
 
 from repro.backends import BACKENDS
 from repro.descriptors import AttnConfig, ConfigError
-from repro.poison import parse_poison
+from repro.poison import DEFAULT_POISON, parse_poison
 from repro.smcontrol import Unavailable, device_sm_count
 
-DEFAULT_POISON = "int-max"
-DEFAULT_SMS = "sm_margin:16,mps:16,full"
 DEFAULT_MODES = "eager,graph"
 MAX_REPEAT = 1000  # --repeat: every repetition is a case of its own, planned (and listed) before any runs
 

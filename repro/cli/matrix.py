@@ -13,7 +13,6 @@ from repro.benchmark import compare_executors
 from repro.case import CaseSpec
 from repro.cli.common import (
     DEFAULT_MODES,
-    DEFAULT_SMS,
     EXIT_NOT_RUN,
     MAX_REPEAT,
     add_shape_args,
@@ -33,7 +32,16 @@ from repro.cli.common import (
 from repro.descriptors import ConfigError
 from repro.executor import DEFAULT_EXECUTOR, EXECUTORS
 from repro.expectations import unmodelled
-from repro.matrix import MatrixOptions, MatrixRun, attach_expectations, build_specs, run_matrix, text_progress
+from repro.fa3_model.scope import H200_SMS
+from repro.matrix import (
+    DEFAULT_SMS,
+    MatrixOptions,
+    MatrixRun,
+    attach_expectations,
+    build_specs,
+    run_matrix,
+    text_progress,
+)
 from repro.mps_cases import DEFAULT_MPS_DAEMON, MPS_DAEMON_POLICIES
 from repro.redact import redact
 from repro.runner import default_executor, device_sm_count, make_executor
@@ -45,7 +53,8 @@ def add_parsers(sub) -> None:
     m.add_argument("--backends", default="upstream,vllm", help="FA3 builds: upstream, vllm (default %(default)s)")
     m.add_argument("--strategies", default="stale,fresh", help="metadata strategies (default %(default)s)")
     m.add_argument(
-        "--sms", help=f"SM restrictions: full, sm_margin:N, mps:N, green:N, mig[:uuid] (default {DEFAULT_SMS})"
+        "--sms",
+        help=f"SM restrictions: full, sm_margin:N, mps:N, green:N, mig[:uuid] (default {','.join(DEFAULT_SMS)})",
     )
     m.add_argument(
         "--modes", help=f"eager (the draft's warmup), graph (captured and replayed) (default {DEFAULT_MODES})"
@@ -111,7 +120,7 @@ def add_parsers(sub) -> None:
 def _model_specs(a: argparse.Namespace, opts, specs: list[CaseSpec]) -> list[CaseSpec]:
     """The cases the CPU model predicts, or ConfigError naming the flag it cannot honour."""
 
-    from repro.fa3_model.predict import H200_SMS, model_sms  # the CPU model (numpy): for --model only
+    from repro.fa3_model.predict import model_sms  # the CPU model (numpy): for --model only
 
     if opts.scenario != V2:
         raise ConfigError(f"the CPU model predicts --scenario {V2} only; run --scenario {opts.scenario} on a GPU")
@@ -163,7 +172,7 @@ def cmd_matrix(a: argparse.Namespace) -> int:
     opts = MatrixOptions(
         backends=parse_backends(a.backends),
         strategies=parse_items(a.strategies),
-        sms=parse_items(a.sms if a.sms is not None else DEFAULT_SMS),
+        sms=parse_items(a.sms if a.sms is not None else ",".join(DEFAULT_SMS)),
         modes=parse_items(a.modes if a.modes is not None else DEFAULT_MODES),
         splits=parse_ints(a.splits),
         poison=poison_arg(a.poison),

@@ -25,6 +25,7 @@ from repro.descriptors import ConfigError
 from repro.runner import device_sm_count, run_case
 from repro.scenarios import DEFAULT_PAIR, PAIR, SCENARIOS, STRATEGIES, V2, pair_descriptors
 from repro.smcontrol import Unavailable, maybe_mps
+from repro.verdicts import CLEAN, SKIP
 
 
 def add_parsers(sub) -> None:
@@ -148,6 +149,6 @@ def cmd_run(a: argparse.Namespace) -> int:
         print(f"  {d}")
     if a.json:
         Path(a.json).write_text(json.dumps(res.to_dict(), indent=1) + "\n")
-    if res.verdict == "skip":
+    if res.verdict == SKIP:
         return EXIT_NOT_RUN
-    return 0 if res.verdict == "clean" else 1
+    return 0 if res.verdict == CLEAN else 1

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from repro.descriptors import AttnConfig
 from repro.expectations import unmodelled
-from repro.fa3_model.predict import H200_SMS, predict_case, predict_outcomes
+from repro.fa3_model.predict import predict_case, predict_outcomes
+from repro.fa3_model.scope import H200_SMS
 from repro.layout import UPSTREAM, VLLM
 from repro.report import MODEL, load_json
 from repro.verdicts import CRASH, ERROR, HANG, OOB, SKIP
@@ -27,7 +28,7 @@ class Agreement:
     @property
     def verdict_agrees(self) -> bool:
         """The GPU's verdict is one the model could not rule out (a crash or hang counts as the predicted read)."""
-        gpu = "oob" if self.gpu in (OOB, CRASH, HANG) else self.gpu
+        gpu = OOB if self.gpu in (OOB, CRASH, HANG) else self.gpu
         return gpu in (self.model_outcomes or (self.model,))
 
     @property

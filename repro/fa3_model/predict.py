@@ -14,23 +14,23 @@ from repro.backends.base import BackendIdentity
 from repro.builder import MetadataBuilder
 from repro.case import CaseResult, CaseSpec, SmConfig
 from repro.descriptors import AttnConfig, ConfigError
-from repro.expectations import MODEL_SM_KINDS
 from repro.fa3_model.reads import Prediction, predict_launch
 from repro.fa3_model.scheduler import PAD, host_plan, scheduler_metadata
+from repro.fa3_model.scope import H200_SMS, MODEL_SM_KINDS
 from repro.layout import UPSTREAM, VLLM
-from repro.poison import parse_poison
+from repro.poison import DEFAULT_POISON, parse_poison
 from repro.scenarios import FRESH, STALE, WARMUP, v2_capture_sequence
 from repro.scheduler_inputs import SchedulerInputs
 from repro.staleness import add_counts, diff_snapshots, summarize
+from repro.verdicts import CLEAN, OOB, WRONG
 
-H200_SMS = 132
 MODEL_SMS = (16, 26, 32, 60, 132)
 # The evidence column of a predicted row: what the model predicts, never a measurement (`oob` on a GPU is a memcheck
 # finding; here it is a read the model predicts goes out of bounds, with or without --sanitizer).
 MODEL_EVIDENCE = {
-    "oob": "CPU model: out-of-bounds read predicted",
-    "wrong-output": "CPU model: wrong output predicted",
-    "clean": "CPU model: clean run predicted",
+    OOB: "CPU model: out-of-bounds read predicted",
+    WRONG: "CPU model: wrong output predicted",
+    CLEAN: "CPU model: clean run predicted",
 }
 
 
@@ -47,7 +47,7 @@ class ModelBackend:
         return SchedulerInputs.from_call(self.flavor, self.num_sms, **call)
 
     def scheduler_metadata(self, **kw):
-        import torch
+        import torch  # torch only when the builder asks for a tensor: importing the model needs none
 
         buf, _ = scheduler_metadata(self.inputs(**kw))
         return torch.tensor([self.pad_value if v is PAD else v for v in buf], dtype=torch.int32)
@@ -81,8 +81,8 @@ def predict_case(
     margin = H200_SMS - sms
     builder = MetadataBuilder(backend, cfg, sm_margin=margin, poison=p)
     shadow = MetadataBuilder(backend, cfg, sm_margin=margin, poison=p)
-    worst: tuple[Prediction, str | None] = (Prediction("clean"), None)
-    rank = {"clean": 0, "wrong-output": 1, "oob": 2}
+    worst: tuple[Prediction, str | None] = (Prediction(CLEAN), None)
+    rank = {CLEAN: 0, WRONG: 1, OOB: 2}
     fields: dict[str, int] = {}
     passes = 0
     for ps in v2_capture_sequence(builder, strategy):
@@ -109,11 +109,11 @@ def predict_case(
         )
         if rank[pred.verdict] > rank[worst[0].verdict]:
             worst = (pred, d.label)
-            if pred.verdict == "oob":
+            if pred.verdict == OOB:
                 break  # the process would have died here
     pred, desc = worst
     if desc is None:  # every eager warmup predicted clean: say what that rests on
-        pred = Prediction("clean", reason=_clean_reason(strategy, passes, fields))
+        pred = Prediction(CLEAN, reason=_clean_reason(strategy, passes, fields))
     return replace(pred, stale_fields=fields), desc
 
 
@@ -133,7 +133,7 @@ def predict_matrix(
     strategies=(STALE, FRESH),
     sms=MODEL_SMS,
     splits=(32, 0),
-    poison: str | None = "int-max",
+    poison: str | None = DEFAULT_POISON,
     cfg: AttnConfig | None = None,
 ) -> tuple[list[ModelCase], float]:
     cfg = cfg or AttnConfig()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from repro.layout import SEMAPHORE, MetadataLayout
+from repro.verdicts import CLEAN, OOB, WRONG
 
 HUGE = 1 << 20  # a metadata value this large cannot describe a real batch
 
@@ -78,7 +79,7 @@ def predict_launch(
     if nsd is not None and 0 in nsd:
         flags.append("num_splits_dynamic has zeros: tiles skipped")
     outside = any("values no batch has" in f or "past the batch" in f for f in flags)
-    main_fault = Prediction("oob", "main", "metadata values outside any batch: " + "; ".join(flags), flags=flags)
+    main_fault = Prediction(OOB, "main", "metadata values outside any batch: " + "; ".join(flags), flags=flags)
     # vLLM's fork: values that describe no batch send its main kernel out of bounds first (observed, both fills).
     if outside and layout.flavor == "vllm":
         return main_fault
@@ -95,7 +96,7 @@ def predict_launch(
             kernel = "main" if layout.flavor == "vllm" else "combine"
             access = "writes split partials" if kernel == "main" else "reads splits"
             pred = Prediction(
-                "oob",
+                OOB,
                 kernel,
                 f"virtual batch {vb}: num_splits_dynamic {v} > launch S={launch_splits}; the {kernel} kernel {access} "
                 f"[{launch_splits}, {read_to}) past fp32 lse_accum of {launch_splits * plane} bytes",
@@ -107,7 +108,7 @@ def predict_launch(
             if not sanitizer and read_to * plane - launch_splits * plane < ALLOCATOR_SEGMENT:
                 if outside:  # the over-read stays hidden, the main kernel's wild values do not
                     return main_fault
-                pred.verdict = "wrong-output"
+                pred.verdict = WRONG
                 pred.reason += "; hidden by the caching allocator without memcheck"
             return pred
         if over:
@@ -116,5 +117,5 @@ def predict_launch(
     if outside:
         return main_fault
     if stale_entries:
-        return Prediction("wrong-output", None, f"{stale_entries} entries differ from a fresh build", flags=flags)
-    return Prediction("clean", None, "metadata equals a fresh build", flags=flags)
+        return Prediction(WRONG, None, f"{stale_entries} entries differ from a fresh build", flags=flags)
+    return Prediction(CLEAN, None, "metadata equals a fresh build", flags=flags)

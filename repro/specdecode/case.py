@@ -26,7 +26,7 @@ def model_config(spec: CaseSpec) -> ModelConfig:
 
 
 def run_spec_case(spec: CaseSpec, backend: Any, margin: int, poison: Any, emit, max_new: int = 32) -> dict:
-    import torch
+    import torch  # torch in the case process only
 
     from repro.specdecode.runner import SpecDecodeRunner, compare_runs  # imports torch: in the case process only
 

@@ -16,6 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from repro import CHECKOUT
+from repro.descriptors import ConfigError
 from repro.vllm_integration.source_check import BAD, GOOD, check_tree
 
 EXIT = {GOOD: 0, BAD: 1}
@@ -178,8 +180,6 @@ PATCHES = {
 def patched_copy(name: str, tree: str | Path, dest: str | Path) -> Path:
     """Copy tree/vllm (Python only, with its vllm-*.dist-info) to dest with PATCHES[name] applied; each rewrite must
     match once. Use dest as an overlay's sources (`gate --overlay LABEL=dest@<build>`) or a bisect checkout."""
-    import re
-
     rel, rewrites, layout, _ = PATCHES[name]
     src, dest = Path(tree), Path(dest)
     shutil.copytree(
@@ -246,8 +246,6 @@ def run_bisect(
     git("bisect", "reset", check_rc=False)
     started = git("bisect", "start", bad, good, check_rc=False)
     if started.returncode != 0:
-        from repro.descriptors import ConfigError
-
         git("bisect", "reset", check_rc=False)
         raise ConfigError(f"git bisect start {bad} {good} failed: {started.stderr.strip().splitlines()[-1:]}")
     cmd = [sys.executable, "-m", "repro.vllm_integration.bisect", "step", "--repo", repo, "--check", check]
@@ -256,7 +254,7 @@ def run_bisect(
     if gate_cmd:
         cmd += ["--", *gate_cmd]
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(CHECKOUT)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run(["git", "-C", repo, "bisect", "run", *cmd], capture_output=True, text=True, env=env)
     log = r.stdout + r.stderr

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from repro.descriptors import ConfigError
+from repro.vllm_integration.bisect import abi_problem, build_overlay  # bisect's overlay, shared: one home for it
 
 UNDER_TEST, CONTROL = "under-test", "control"
 BUILDS_ENV, CONTROL_ENV = "REPRO_VLLM", "REPRO_VLLM_CONTROL"
@@ -175,8 +176,6 @@ class Overlay:
         """The build at dest_root/label: vllm/ = the sources plus base's .so files
         (repro.vllm_integration.bisect.build_overlay), every other entry of base linked (its dependencies), and the
         sources' dist-info."""
-        from repro.vllm_integration.bisect import build_overlay  # bisect's overlay, shared: one home for it
-
         dest = Path(dest_root) / self.label
         if dest.exists():
             shutil.rmtree(dest)
@@ -194,8 +193,6 @@ def check_overlay(label: str, sources: str | Path, base: str | Path) -> Overlay:
     """Every reason an overlay cannot be made, as ConfigError, before anything is written: a bad label, a side without
     its vllm package, torch pins or required extension modules that differ (bisect.abi_problem), a base without
     compiled extensions."""
-    from repro.vllm_integration.bisect import abi_problem
-
     if not _LABEL.match(label):
         raise ConfigError(f"--overlay: label {label!r} may hold letters, digits and . _ + - only")
     src, base = Path(sources), Path(base)

@@ -11,6 +11,7 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from repro.descriptors import ConfigError
 from repro.vllm_integration.backend_fields import BACKENDS, METADATA_ARG
 from repro.vllm_integration.source_check import SPEC_DIR, check_tree, spec_layout
 
@@ -143,8 +144,6 @@ def _classes_and_functions(path: Path) -> dict[str, ast.FunctionDef]:
 
 def _python_tree(path: Path, tmp: str) -> Path:
     """The tree to read: a checkout folder as it is, a wheel's Python files extracted into tmp."""
-    from repro.descriptors import ConfigError
-
     if path.suffix != ".whl":
         return path
     if not zipfile.is_zipfile(path):

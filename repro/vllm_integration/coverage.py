@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from repro.vllm_integration.gate_case import DEFAULT_BACKEND, GateCase
+from repro.vllm_integration.backend_fields import DEFAULT_BACKEND
+from repro.vllm_integration.gate_case import GateCase
 
 FULL_MODES = ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 

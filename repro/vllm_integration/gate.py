@@ -29,6 +29,7 @@ from pathlib import Path
 
 from repro.channel import emit
 from repro.tags import DEVICE_TAG, ENGINE_TAG, RESULT_TAG
+from repro.vllm_integration.backend_fields import DEFAULT_BACKEND
 
 TARGET = {
     "architectures": ["LlamaForCausalLM"],
@@ -75,7 +76,7 @@ def write_models(root: str | Path) -> tuple[Path, Path]:
 
 
 def llm_kwargs(
-    target: Path, draft: Path, reference: bool, spec_tokens: int, gpu_memory: float, backend: str = "FLASH_ATTN"
+    target: Path, draft: Path, reference: bool, spec_tokens: int, gpu_memory: float, backend: str = DEFAULT_BACKEND
 ) -> dict:
     """The LLM(...) arguments of a gate run. Reference: the same speculative decoding, no CUDA graphs."""
     kw = dict(
@@ -108,7 +109,7 @@ GEMM_TOLERANCE = 0.1  # |GPU - float32| for bf16 inputs with these sizes: about 
 def gemm_check() -> dict:
     """bf16 matrix products on this process's GPU against float32 on the CPU (the same bf16-rounded inputs): whether
     the platform in this SM configuration computes them right. {"max_error", "tolerance", "ok", "worst"}."""
-    import torch
+    import torch  # main imported (and timed) it before this runs: bound here, the module loads without torch
 
     g = torch.Generator().manual_seed(0)
     worst, err = None, 0.0
@@ -216,11 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reference", action="store_true")
     p.add_argument("--spec-tokens", type=int, default=SPEC_TOKENS)
     p.add_argument("--max-new", type=int, default=MAX_NEW)
-    p.add_argument("--attention-backend", default="FLASH_ATTN", help="vLLM's attention backend (default %(default)s)")
+    p.add_argument(
+        "--attention-backend", default=DEFAULT_BACKEND, help="vLLM's attention backend (default %(default)s)"
+    )
     p.add_argument("--gpu-memory", type=float, default=0.1, help="share of GPU memory that must be free at start")
     a = p.parse_args(argv)
     t0 = time.time()
-    import torch
+    import torch  # torch after t0: the import is part of the timed start (timing_s)
 
     t_torch = time.time()
     device = None
@@ -228,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         prop = torch.cuda.get_device_properties(0)
         device = {"gpu": prop.name, "sms": prop.multi_processor_count, "gemm_check": gemm_check()}
     t_cuda = time.time()
-    import vllm
+    import vllm  # vLLM in the case process only: the parent never needs it
     from vllm import LLM, SamplingParams  # imported here: the parent never needs vllm
 
     t_import = time.time()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -46,16 +47,19 @@ KEEP_BUILDS, MAX_AGE_DAYS = 12, 30.0  # prune's bounds: the build folders kept, 
 MIN_IDLE_S = 6 * 3600  # a folder used more recently is never removed (another gate run may be using it in place)
 _FOLDER = re.compile(r"[0-9a-f]{20}")
 _EDGE = 1 << 20  # bytes read from each end of a compiled extension
-_GATE_SOURCES = (
-    "gate.py",
-    "plugin.py",
-    "backend_hooks.py",
-    "capture.py",
-    "counters.py",
-    "fa3_hooks.py",
-    "metadata_views.py",
-    "weights.py",
-)  # the gate's model, prompts and weights: a reference depends on them
+# The gate's model, prompts and weights: a reference depends on their text. Each module's text is hashed under a
+# label, the file's name when the key began, not under its place: a module's folder is not what a reference depends on
+# (its text is: an edit, an import rewritten by a move included, makes the kept references cold).
+_GATE_SOURCES = {
+    "gate.py": "repro.vllm_integration.gate",
+    "plugin.py": "repro.vllm_integration.plugin",
+    "backend_hooks.py": "repro.vllm_integration.backend_hooks",
+    "capture.py": "repro.vllm_integration.capture",
+    "counters.py": "repro.vllm_integration.counters",
+    "fa3_hooks.py": "repro.vllm_integration.fa3_hooks",
+    "metadata_views.py": "repro.vllm_integration.metadata_views",
+    "weights.py": "repro.vllm_integration.weights",
+}
 
 
 def default_root() -> Path:
@@ -98,10 +102,9 @@ def package_fingerprint(pkg: Path, torch_version: str | None = None) -> tuple[st
 @functools.cache
 def gate_code_fingerprint() -> str:
     """The gate's model configuration, prompts and weights code: a cached reference is for one version of them."""
-    here = Path(__file__).parent
     h = hashlib.sha256()
-    for name in _GATE_SOURCES:
-        h.update(name.encode() + b"\0" + (here / name).read_bytes())
+    for label, module in _GATE_SOURCES.items():
+        h.update(label.encode() + b"\0" + Path(importlib.util.find_spec(module).origin).read_bytes())
     h.update(f"weights={os.environ.get(WEIGHTS_ENV, '')}".encode())  # chosen in the gate's environment
     return h.hexdigest()[:16]
 

@@ -25,14 +25,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from repro import policy
+from repro import CHECKOUT, policy
 from repro.case import SmConfig
 from repro.descriptors import ConfigError
 from repro.poison import parse_poison
 from repro.policy import KNOWN_BAD, SELF_CONTROL
 from repro.sanitizer import sanitizer_env
 from repro.smcontrol import MpsDaemon, Unavailable
-from repro.vllm_integration.backend_fields import BACKENDS, known_name
+from repro.vllm_integration.backend_fields import BACKENDS, DEFAULT_BACKEND, known_name
 from repro.vllm_integration.builds import UNDER_TEST, VllmBuild, build_pythonpath
 from repro.vllm_integration.counters import FILE_ENV
 from repro.vllm_integration.inject import INJECT_ENV
@@ -127,7 +127,6 @@ def _refuse_twice(flag: str, names: list[str]) -> None:
         raise ConfigError(f"{flag}: {', '.join(dups)} given twice (one case id each; use --repeat to run again)")
 
 
-DEFAULT_BACKEND = "FLASH_ATTN"
 FA3_ONLY = ("sm_margin", "poison")  # modes that hook FA3's own calls
 
 
@@ -229,7 +228,7 @@ def case_env(
     if weights:
         env[WEIGHTS_ENV] = weights
     env[BACKEND_ENV] = case.backend
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(CHECKOUT)
     path = build_pythonpath(case.build, builds, env.get("PYTHONPATH"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (path, root) if p)
     # torch.compile artifacts of concurrent cases must not share one folder; inductor's own cache locks itself

@@ -30,10 +30,10 @@ from repro.tags import COUNTERS_TAG, DEVICE_TAG, RESULT_TAG
 from repro.verdicts import CANNOT_VOUCH as NOT_VOUCHED
 from repro.verdicts import CLEAN, CRASH, FAULTS, SKIP
 from repro.vllm_integration import gate_bench
+from repro.vllm_integration.backend_fields import DEFAULT_BACKEND
 from repro.vllm_integration.builds import VllmBuild
 from repro.vllm_integration.gate_cache import PRIVATE, WRITER, GateCache, gpu_identity, kept_reference, ref_key
 from repro.vllm_integration.gate_case import (
-    DEFAULT_BACKEND,
     FA3_ONLY,
     GateCase,
     GateMode,

@@ -168,9 +168,9 @@ class StaleCaptureInjector:
         """In the copy of FA3's scheduler metadata, the entries FA3 never writes (which vLLM copies into its buffer as
         FA3 left them: leftover memory, what made the real defect fault) get a fixed fill (repro.poison), so the self
         control does not depend on leftover memory either. A layout repro.layout does not know: left as copied."""
-        import torch
+        import torch  # torch inside vLLM's process only: the gate's parent imports this module
 
-        from repro.poison import parse_poison
+        from repro.poison import parse_poison  # only for the self control's fill
 
         snap = self.snapshots.get("scheduler_metadata")
         if snap is None or layout is None:

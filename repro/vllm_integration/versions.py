@@ -15,10 +15,13 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from repro import CHECKOUT
 from repro.vllm_integration.backend_fields import BACKENDS
+from repro.vllm_integration.bisect import torch_pin
+from repro.vllm_integration.compat import source_facts
 from repro.vllm_integration.plugin import KNOWN_SPEC_LAYOUTS
 
-RESULTS = Path(__file__).resolve().parents[2] / "results"
+RESULTS = CHECKOUT / "results"
 FACTS_FILE = RESULTS / "vllm-versions.json"
 SOURCE_FILE = RESULTS / "vllm-source-check.json"
 
@@ -38,8 +41,6 @@ def version_key(version: str) -> tuple[int, ...]:
 def torch_pin_of(path: str | Path) -> str | None:
     """The torch release a wheel pins (its dist-info METADATA: `Requires-Dist: torch==X`), or a checkout (its
     requirements/); bisect.torch_pin reads it, as the overlay check does. None when nothing says."""
-    from repro.vllm_integration.bisect import torch_pin
-
     path = Path(path)
     if path.suffix != ".whl":
         return torch_pin(path)[0]
@@ -54,8 +55,6 @@ def torch_pin_of(path: str | Path) -> str | None:
 def row(wheel: str | Path) -> dict:
     """One release's record: the wheel, its version and torch pin, the plugin facts (compat.source_facts: read,
     never imported)."""
-    from repro.vllm_integration.compat import source_facts
-
     return {
         "wheel": Path(wheel).name,
         "version": wheel_version(wheel),

@@ -50,7 +50,7 @@ LINEAR = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.
 
 def sigma(vocab: int, seed: int = SEED) -> list[int]:
     """The permutation the target applies: SIGMA[v] is the token after a position whose previous token was v."""
-    import torch
+    import torch  # torch inside vLLM's process only: the gate's parent imports this module
 
     g = torch.Generator().manual_seed(seed + 1)
     rest = (torch.randperm(vocab - SPECIAL, generator=g) + SPECIAL).tolist()
@@ -59,7 +59,7 @@ def sigma(vocab: int, seed: int = SEED) -> list[int]:
 
 def codes(vocab: int, seed: int = SEED) -> Any:
     """[vocab, CODE_DIMS] of +-1: each token's code (float32)."""
-    import torch
+    import torch  # as above
 
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 2, (vocab, CODE_DIMS), generator=g).float() * 2 - 1
@@ -90,7 +90,7 @@ def head0_query_key(head_dim: int, theta: float) -> tuple[Any, Any]:
     """Head 0's query and key before RoPE (neox pairs i, i + head_dim/2): the key is equal in the PAIRS fastest
     pairs, the query the key rotated back by one position, so q(m) . k(n) = |q||k| mean_i cos((n - m + 1) theta_i)
     peaks at n = m - 1."""
-    import torch
+    import torch  # as above
 
     half = head_dim // 2
     inv = theta ** (-torch.arange(half, dtype=torch.float64) * 2 / head_dim)
@@ -105,7 +105,7 @@ def head0_query_key(head_dim: int, theta: float) -> tuple[Any, Any]:
 def _noise(name: str, shape: tuple, seed: int) -> Any:
     """A random fill for a parameter the construction leaves zero: N(0, 1/fan_in), outputs into the residual stream
     (o_proj, down_proj) scaled by NOISE_GAIN."""
-    import torch
+    import torch  # as above
 
     g = torch.Generator().manual_seed(seed ^ zlib.crc32(name.encode()))
     gain = NOISE_GAIN if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
@@ -115,7 +115,7 @@ def _noise(name: str, shape: tuple, seed: int) -> Any:
 def agreement_weights(model: Any, seed: int = SEED, noise: bool = True) -> dict:
     """Write the `agree` construction (see the module) into a vLLM Llama or EagleLlama model's parameters. Returns
     {"parameters": n written, "unknown": [names zeroed that it does not know], "layer": first decoder layer index}."""
-    import torch
+    import torch  # as above
 
     c = _config(model)
     hidden, d, nq, nkv, vocab = c["hidden"], c["head_dim"], c["heads"], c["kv_heads"], c["vocab"]
@@ -180,7 +180,7 @@ def agreement_weights(model: Any, seed: int = SEED, noise: bool = True) -> dict:
 
 def margin_weights(model: Any, seed: int = SEED) -> int:
     """Redraw every floating parameter from a seed of its own name; returns how many were drawn."""
-    import torch
+    import torch  # as above
 
     n = 0
     with torch.no_grad():
