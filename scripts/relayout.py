@@ -204,7 +204,8 @@ LAYOUT: list[tuple[str, str, str | None, list[tuple[str, str]]]] = [
         "what integrates with vLLM",
         "repro/vllm_integration/gate",
         "The vLLM gate: what a gate case is (case), its process (worker: vLLM's V2 runner on a tiny model), how it\n"
-        "is judged (judge, coverage), run (run, placement, cache, bench) and reported (report).",
+        "is judged (judge, coverage), run (run, placement, cache, bench; launch, fork: how its processes start;\n"
+        "paths: --compare-paths) and reported (report).",
         [
             move("repro/vllm_integration/gate.py", "repro/vllm_integration/gate/worker.py"),
             move("repro/vllm_integration/gate_case.py", "repro/vllm_integration/gate/case.py"),
@@ -214,6 +215,9 @@ LAYOUT: list[tuple[str, str, str | None, list[tuple[str, str]]]] = [
             move("repro/vllm_integration/placement.py", "repro/vllm_integration/gate/placement.py"),
             move("repro/vllm_integration/gate_cache.py", "repro/vllm_integration/gate/cache.py"),
             move("repro/vllm_integration/gate_bench.py", "repro/vllm_integration/gate/bench.py"),
+            move("repro/vllm_integration/gate_launch.py", "repro/vllm_integration/gate/launch.py"),
+            move("repro/vllm_integration/gate_fork.py", "repro/vllm_integration/gate/fork.py"),
+            move("repro/vllm_integration/gate_paths.py", "repro/vllm_integration/gate/paths.py"),
             move("repro/vllm_integration/gate_report.py", "repro/vllm_integration/gate/report.py"),
         ],
     ),

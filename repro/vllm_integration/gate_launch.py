@@ -245,7 +245,9 @@ class ForkServer:
 
 def _gate_file() -> str:
     """sys.argv[0] of `python -m repro.vllm_integration.gate`: the module's file."""
-    return str(Path(__file__).with_name("gate.py"))
+    import importlib.util  # noqa: PLC0415  only when a forked case starts
+
+    return str(importlib.util.find_spec("repro.vllm_integration.gate").origin)
 
 
 def preload_list(environ: dict[str, str] | None = None) -> tuple[str, ...]:
