@@ -1,6 +1,6 @@
 """Pins each pytest-xdist worker to its own GPU or MIG slice before anything initializes CUDA, gives each run its own
 log folder and each process one case executor, and applies the strict gate (--gate / REPRO_GATE=1; logic in
-repro/pytest_gate.py, the rule in repro/policy.py)."""
+repro/report/pytest_gate.py, the rule in repro/judge/policy.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import time
 import pytest
 
 from cases.gpu_env import gpu_skip_reason, mark_unrunnable
-from repro import pytest_gate
-from repro.pinning import apply_pin, choose_pin
-from repro.pytest_cases import close_case_executor, start_run_logs, warm_up
+from repro.report import pytest_gate
+from repro.run.pinning import apply_pin, choose_pin
+from repro.run.pytest_cases import close_case_executor, start_run_logs, warm_up
 
 _evidence: pytest_gate.Evidence | None = None  # set in a gate run
 

@@ -1,7 +1,7 @@
 """What every attention-layer GPU case does: skip with the precise reason when the machine lacks something (or report
 the configuration as not applicable on this runner), run the case in its own process on the fast path
-(repro.pytest_cases), record its verdict, evidence and stored expectation as JUnit properties, and hold it to that
-expectation (repro.policy). Shared by the case modules; not a test file."""
+(repro.run.pytest_cases), record its verdict, evidence and stored expectation as JUnit properties, and hold it to that
+expectation (repro.judge.policy). Shared by the case modules; not a test file."""
 
 from __future__ import annotations
 
@@ -11,18 +11,18 @@ import shutil
 import pytest
 
 from cases.gpu_env import backend_skip_reason, gpu_skip_reason, sanitizer_skip_reason
-from repro.case import CaseSpec
-from repro.expectations import expectation, gate_mode
-from repro.policy import EXPECT_CLEAN, problem
-from repro.pytest_cases import case_executor, log_dir
-from repro.pytest_gate import not_applicable
-from repro.runner import run_case
-from repro.smcontrol import maybe_mps
-from repro.verdicts import SKIP
+from repro.case.spec import CaseSpec
+from repro.judge.expectations import expectation, gate_mode
+from repro.judge.policy import EXPECT_CLEAN, problem
+from repro.judge.verdicts import SKIP
+from repro.report.pytest_gate import not_applicable
+from repro.run.pytest_cases import case_executor, log_dir
+from repro.run.runner import run_case
+from repro.run.smcontrol import maybe_mps
 
 
 def applicability(spec: CaseSpec) -> tuple[str, str] | None:
-    """(why this configuration cannot exist on this runner, the repro.policy.REQUIREMENTS feature), or None."""
+    """(why this configuration cannot exist on this runner, the repro.judge.policy.REQUIREMENTS feature), or None."""
     if spec.sm.kind == "mig" and not os.environ.get("REPRO_PINNED_DEVICE", "").startswith("MIG-"):
         return "no MIG slice pinned to this worker (MIG is off, or run with -n <slices> on a MIG runner)", "mig"
     if spec.sm.kind == "mps" and not shutil.which("nvidia-cuda-mps-control"):

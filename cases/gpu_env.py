@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from repro.sanitizer import find_sanitizer
+from repro.run.sanitizer import find_sanitizer
 
 _PROBE = """
 import json

@@ -1,5 +1,5 @@
 """GPU cases at the attention layer: FA3 x scenario x strategy x SM restriction x mode, each in its own process under
-a timeout (the sets: repro/case_sets.py). Positive controls (stale) must be detected, negative controls (fresh) must
+a timeout (the sets: repro/case/sets.py). Positive controls (stale) must be detected, negative controls (fresh) must
 be clean. A positive control that comes back clean FAILS with "harness blind": this environment cannot see the bug,
 and passing would lie. MIG, MPS and memcheck cases are "not applicable" where the runner cannot have them."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from cases.controls import run_control
-from repro import case_sets
+from repro.case import sets as case_sets
 
 
 def _marks(spec):

@@ -1,8 +1,8 @@
 """The vLLM gate as pytest cases (markers gpu and vllm; ids contain stale_metadata): every vLLM build found (the
 installed vllm, REPRO_VLLM=LABEL=PREFIX,..., REPRO_VLLM_CONTROL=LABEL=PREFIX,...) x detection mode (REPRO_GATE_MODES,
-default audit,plain; see repro/vllm_integration/gate_case.py).
+default audit,plain; see repro/vllm_integration/gate/case.py).
 
-Each test is one build in one mode, run by the gate's own orchestrator (repro.vllm_integration.gate_run.run_gate,
+Each test is one build in one mode, run by the gate's own orchestrator (repro.vllm_integration.gate.run.run_gate,
 `only` that build): the same case processes, timeouts, MPS daemon handling, reference cache (REPRO_CACHE_DIR, shared
 by every test and every xdist worker) and judging as `python -m repro gate`, with the build's self control beside it
 (REPRO_SELF_CONTROL, default under-test). A build under test must come back clean against its own validated
@@ -19,12 +19,12 @@ import os
 import pytest
 
 from cases.gpu_env import gpu_skip_reason
-from repro.pytest_cases import log_dir
-from repro.pytest_gate import not_applicable
-from repro.verdicts import SKIP
-from repro.vllm_integration.builds import CONTROL, find_builds
-from repro.vllm_integration.gate_case import DEFAULT_MODES, expected, parse_modes
-from repro.vllm_integration.gate_judge import meets
+from repro.judge.verdicts import SKIP
+from repro.report.pytest_gate import not_applicable
+from repro.run.pytest_cases import log_dir
+from repro.vllm_integration.gate.case import DEFAULT_MODES, expected, parse_modes
+from repro.vllm_integration.gate.judge import meets
+from repro.vllm_integration.releases.builds import CONTROL, find_builds
 
 SELF_CONTROL_ENV = "REPRO_SELF_CONTROL"
 TIMEOUT_ENV = "REPRO_GATE_TIMEOUT"
@@ -49,8 +49,8 @@ def test_stale_metadata_vllm_gate(gate_build, record_property):
     reason = gpu_skip_reason()
     if reason:
         pytest.skip(reason)
-    from repro.vllm_integration.gate_cache import GateCache, default_root  # noqa: PLC0415  only with a GPU and vLLM
-    from repro.vllm_integration.gate_run import run_gate  # noqa: PLC0415  only with a GPU and vLLM
+    from repro.vllm_integration.gate.cache import GateCache, default_root  # noqa: PLC0415  only with a GPU and vLLM
+    from repro.vllm_integration.gate.run import run_gate  # noqa: PLC0415  only with a GPU and vLLM
 
     build, mode, builds = gate_build
     run = run_gate(

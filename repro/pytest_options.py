@@ -12,7 +12,7 @@ gate option's value given space-separated that names an existing path), the comm
 Bad input is what the project says it is (docs/exit-codes.md): `--gate-require bogus` (or a bad REPRO_GATE_REQUIRE
 in a gate run) is one line on stderr and exit 2, with or without --gate, before any case runs; pytest's own usage
 errors exit 4, which here means "could not run here". Without a gate run, --gate-require and --gate-report are
-ignored, and said to be. The gate itself: repro/pytest_gate.py and the hooks in conftest.py."""
+ignored, and said to be. The gate itself: repro/report/pytest_gate.py and the hooks in conftest.py."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ import sys
 
 import pytest
 
-from repro.policy import REQUIRE_ENV, parse_requirements
+from repro.judge.policy import REQUIRE_ENV, parse_requirements
 
-GATE_ENV = "REPRO_GATE"  # REPRO_GATE=1 is --gate (repro.pytest_gate reads it from here)
+GATE_ENV = "REPRO_GATE"  # REPRO_GATE=1 is --gate (repro.report.pytest_gate reads it from here)
 
 
 def pytest_addoption(parser):

@@ -63,7 +63,7 @@ case $step in
     (cd "$work" && tar czf "$OUT/$step/runs.tar.gz" --exclude='*.vllm-cache' .)
     cat "$OUT/$step/summary.md" ;;
   mps-probe)  # can an MPS client and a plain CUDA process use the GPU at the same time?
-    timeout 120 "$py" -m repro.smcontrol --probe-coexistence | tee "$OUT/mps-probe.txt"; rc=${PIPESTATUS[0]} ;;
+    timeout 120 "$py" -m repro.run.smcontrol --probe-coexistence | tee "$OUT/mps-probe.txt"; rc=${PIPESTATUS[0]} ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 rm -rf "$work"

@@ -62,7 +62,7 @@ def main() -> int:
     p.add_argument("--sms", default="16,24,32")
     a = p.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from repro.smcontrol import MpsDaemon, device_sm_count
+    from repro.run.smcontrol import MpsDaemon, device_sm_count
 
     total = device_sm_count()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([a.vllm, os.environ.get("PYTHONPATH", "")])}

@@ -1,5 +1,5 @@
 """What MPS clients see when a neighbour faults: stale memcheck cases as ONE batch of concurrent clients under one
-MPS daemon (what repro.mps_cases never does for cases that may fault), with every client's log kept.
+MPS daemon (what repro.run.mps_cases never does for cases that may fault), with every client's log kept.
 On the device: python3 scripts/mps-neighbour-faults.py OUTDIR  (prints one verdict line per client)."""
 
 import shutil
@@ -9,9 +9,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from repro.matrix import MatrixOptions, build_specs  # noqa: E402
-from repro.runner import run_case  # noqa: E402
-from repro.smcontrol import MpsDaemon  # noqa: E402
+from repro.case.matrix import MatrixOptions, build_specs  # noqa: E402
+from repro.run.runner import run_case  # noqa: E402
+from repro.run.smcontrol import MpsDaemon  # noqa: E402
 
 out = Path(sys.argv[1])
 logs = out / "logs"

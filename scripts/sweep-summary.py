@@ -10,8 +10,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from repro.report import load_json  # noqa: E402
-from repro.verdicts import LAUNCH_FAIL  # noqa: E402
+from repro.judge.verdicts import LAUNCH_FAIL  # noqa: E402
+from repro.report.results import load_json  # noqa: E402
 
 
 def main(folder: str) -> int:

@@ -18,9 +18,9 @@ def lap(what):
 import torch  # noqa: E402
 
 lap("import torch")
-import repro.worker  # noqa: E402, F401
+import repro.attention.worker  # noqa: E402, F401
 
-lap("import repro.worker")
+lap("import repro.attention.worker")
 from repro.backends import load_backend  # noqa: E402
 from repro.backends.base import _sha256  # noqa: E402
 from repro.backends.vllm_fork import find_vllm_libs  # noqa: E402

@@ -2,8 +2,8 @@
 deletes or weakens one rule in the source, runs that one test file, and compares the tests that failed with the ones
 named for the rule; the source is restored after each run, whatever happened.
 
-    python tests/mutation_check.py vouch     # repro/vllm_integration/coverage.py, repro/vllm_integration/gate_judge.py
-    python tests/mutation_check.py policy    # repro/policy.py
+    python tests/mutation_check.py vouch     # repro/vllm_integration/gate/coverage.py, repro/vllm_integration/gate/judge.py
+    python tests/mutation_check.py policy    # repro/judge/policy.py
 
 Exit status 1 when a mutation matched its source other than once, or failed other tests than the ones named."""
 
@@ -15,7 +15,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-COV, GJ, POL = "repro/vllm_integration/coverage.py", "repro/vllm_integration/gate_judge.py", "repro/policy.py"
+COV, GJ, POL = (
+    "repro/vllm_integration/gate/coverage.py",
+    "repro/vllm_integration/gate/judge.py",
+    "repro/judge/policy.py",
+)
 
 
 def _row(counter: str) -> tuple[str, str, bool]:

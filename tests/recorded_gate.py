@@ -1,6 +1,6 @@
 """Replaying a recorded real-vLLM gate run (results/h200-vllm-*) on a CPU: run_gate with each case process replaced by
 what it left in the record (its free-form log, its channel file, its audit file), so classify, annotate, the
-attribution rerun, the reference comparison, the coverage check and repro.policy run as they ran on the H200."""
+attribution rerun, the reference comparison, the coverage check and repro.judge.policy run as they ran on the H200."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import re
 import shutil
 from pathlib import Path
 
-from repro import smcontrol
-from repro.channel import Channel, path_for
-from repro.classify import classify
-from repro.vllm_integration import gate_run
-from repro.vllm_integration.gate_case import GateCase, parse_backends, parse_modes
-from repro.vllm_integration.gate_run import run_gate
+from repro.judge.classify import classify
+from repro.run import smcontrol
+from repro.run.channel import Channel, path_for
+from repro.vllm_integration.gate import run as gate_run
+from repro.vllm_integration.gate.case import GateCase, parse_backends, parse_modes
+from repro.vllm_integration.gate.run import run_gate
 
 
 def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None):

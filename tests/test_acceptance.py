@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from repro.case import CaseResult
-from repro.verdicts import CANNOT_VOUCH, CLEAN, ERROR, WRONG
-from repro.vllm_integration import gate_judge
-from repro.vllm_integration.builds import UNDER_TEST, VllmBuild
-from repro.vllm_integration.gate_case import GateCase, GateMode, reference_for
+from repro.case.spec import CaseResult
+from repro.judge.verdicts import CANNOT_VOUCH, CLEAN, ERROR, WRONG
+from repro.vllm_integration.gate import judge as gate_judge
+from repro.vllm_integration.gate.case import GateCase, GateMode, reference_for
+from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
 
 
 def counters(accepted, drafted):

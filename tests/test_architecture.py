@@ -129,8 +129,13 @@ def reason(source: str, node: ast.stmt) -> str:
 
 def test_no_import_circle_among_repro_modules_counting_imports_inside_functions():
     graph = import_graph()
-    assert graph["repro.runner"] >= {"repro.case", "repro.classify", "repro.executor", "repro.process"}  # it reads
-    assert "repro.fa3_model.predict" in graph["repro.expectations"]  # inside a function: counted
+    assert graph["repro.run.runner"] >= {
+        "repro.case.spec",
+        "repro.judge.classify",
+        "repro.run.executor",
+        "repro.run.process",
+    }  # it reads
+    assert "repro.fa3_model.predict" in graph["repro.judge.expectations"]  # inside a function: counted
     cycle = find_cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle)
 
@@ -161,22 +166,26 @@ def test_the_circle_finder_finds_circles():
 
 
 SAMPLE = (
-    "import os\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import repro.case\nelse:\n    import json\n"
-    "try:\n    import repro.tags\nexcept ImportError:\n    import repro.verdicts\n"
-    "def f():\n    import repro.runner  # noqa: PLC0415  torch only here\n    if True:\n        import repro.worker  # noqa: F401\n"
-    "class C:\n    import repro.policy\n    def g(self):\n        from repro import (  # the CPU model\n            report,\n        )\n"
+    "import os\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import repro.case.spec\nelse:\n    import json\n"
+    "try:\n    import repro.run.tags\nexcept ImportError:\n    import repro.judge.verdicts\n"
+    "def f():\n    import repro.run.runner  # noqa: PLC0415  torch only here\n    if True:\n        import repro.attention.worker  # noqa: F401\n"
+    "class C:\n    import repro.judge.policy\n    def g(self):\n        from repro import (  # the CPU model\n            report,\n        )\n"
 )
 
 
 def test_imports_inside_functions_and_type_checking_blocks_are_not_top_level():
     names = [a.name for n in _top_level_imports(ast.parse(SAMPLE)) if isinstance(n, ast.Import) for a in n.names]
-    assert names == ["os", "json", "repro.tags", "repro.verdicts", "repro.policy"]
+    assert names == ["os", "json", "repro.run.tags", "repro.judge.verdicts", "repro.judge.policy"]
 
 
 def test_imports_inside_functions_are_found_with_their_reasons():
     tree = ast.parse(SAMPLE)
     found = [(ast.get_source_segment(SAMPLE, n).split()[1], reason(SAMPLE, n)) for n in _function_imports(tree)]
-    assert found == [("repro.runner", "torch only here"), ("repro.worker", ""), ("repro", "the CPU model")]
+    assert found == [
+        ("repro.run.runner", "torch only here"),
+        ("repro.attention.worker", ""),
+        ("repro", "the CPU model"),
+    ]
 
 
 def _listed_files() -> set[str]:

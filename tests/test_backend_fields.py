@@ -11,17 +11,18 @@ import types
 import pytest
 import torch
 
-from repro.vllm_integration import audit, backend_fields, backend_hooks, capture, counters, metadata_views, plugin
-from repro.vllm_integration.audit import FreshnessAuditor
-from repro.vllm_integration.backend_fields import BACKENDS, FLASHINFER, TRITON_ATTN, find_classes, generic
-from repro.vllm_integration.versions import load
+from repro.vllm_integration import plugin
+from repro.vllm_integration.plugin import audit, backend_fields, backend_hooks, capture, counters, metadata_views
+from repro.vllm_integration.plugin.audit import FreshnessAuditor
+from repro.vllm_integration.plugin.backend_fields import BACKENDS, FLASHINFER, TRITON_ATTN, find_classes, generic
+from repro.vllm_integration.releases.versions import load
 
 RECORD = load()
 
 
 @pytest.fixture
 def fresh_plugin(monkeypatch):
-    """The plugin's state made new where its hooks read it (repro.vllm_integration.counters and .capture)."""
+    """The plugin's state made new where its hooks read it (repro.vllm_integration.plugin.counters and .capture)."""
     monkeypatch.setattr(counters, "AUDITOR", FreshnessAuditor())
     monkeypatch.setattr(counters, "COUNTERS", counters.new_counters())
     monkeypatch.setattr(capture, "_CAPTURES", [])
@@ -118,7 +119,7 @@ def test_every_recorded_metadata_field_is_in_its_backends_table():
         for f in facts["metadata_tensor_fields"]
         if not BACKENDS[name].listed(f)
     }
-    assert not missing, f"add these to repro/vllm_integration/backend_fields.py: {sorted(missing)}"
+    assert not missing, f"add these to repro/vllm_integration/plugin/backend_fields.py: {sorted(missing)}"
 
 
 def test_flashinfer_wrapper_buffers_are_checked_and_its_workspace_is_not(fresh_plugin):

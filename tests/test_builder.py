@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from repro.builder import MetadataBuilder
-from repro.descriptors import AttnConfig, BatchDescriptor, ConfigError, full_decode_descriptors
-from repro.poison import INT32_MAX, parse_poison
-from repro.staleness import diff_snapshots, summarize
+from repro.attention.builder import MetadataBuilder
+from repro.attention.staleness import diff_snapshots, summarize
+from repro.case.descriptors import AttnConfig, BatchDescriptor, ConfigError, full_decode_descriptors
+from repro.case.poison import INT32_MAX, parse_poison
 
 CFG = AttnConfig()  # the default matrix's shape: recorded at sm_margin 0 and 116
 

@@ -8,8 +8,9 @@ import os
 
 import pytest
 
-from repro.descriptors import ConfigError
-from repro.vllm_integration.builds import (
+from repro.case.descriptors import ConfigError
+from repro.vllm_integration.gate.cache import GateCache
+from repro.vllm_integration.releases.builds import (
     CONTROL,
     UNDER_TEST,
     attach_torch,
@@ -18,7 +19,6 @@ from repro.vllm_integration.builds import (
     parse_builds,
     parse_overlays,
 )
-from repro.vllm_integration.gate_cache import GateCache
 
 
 def _prefix(tmp_path, name, version="0.33.0"):

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from repro import case_sets
-from repro.case import CaseSpec, SmConfig
-from repro.descriptors import AttnConfig, ConfigError
-from repro.matrix import MatrixOptions, build_specs
-from repro.pytest_cases import RUN_ENV, start_run_logs
+from repro.case import sets as case_sets
+from repro.case.descriptors import AttnConfig, ConfigError
+from repro.case.matrix import MatrixOptions, build_specs
+from repro.case.spec import CaseSpec, SmConfig
+from repro.run.pytest_cases import RUN_ENV, start_run_logs
 
 ROOT = Path(__file__).resolve().parent.parent
 

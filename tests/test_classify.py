@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from repro.case import CaseSpec, SmConfig
-from repro.classify import classify
-from repro.descriptors import AttnConfig
-from repro.verdicts import CLEAN, CRASH, ERROR, HANG, LAUNCH_FAIL, OOB, SKIP, WRONG
+from repro.case.descriptors import AttnConfig
+from repro.case.spec import CaseSpec, SmConfig
+from repro.judge.classify import classify
+from repro.judge.verdicts import CLEAN, CRASH, ERROR, HANG, LAUNCH_FAIL, OOB, SKIP, WRONG
 
 SPEC = CaseSpec("vllm", "stale", "eager", sm=SmConfig("sm_margin", 16), poison="int-max", timeout_s=90)
 
@@ -128,8 +128,8 @@ def test_the_tolerance_a_result_was_held_to_is_kept_and_shown():
 def test_a_client_refused_after_its_mps_neighbour_faulted(fixtures):
     """Recorded on the H200 (scripts/mps-neighbour-faults.py): stale memcheck cases as one batch of MPS clients; this
     one was refused the GPU before its first launch. An error with its start-up phases, never a verdict on the case,
-    and not one repro.mps_cases keeps from a batch."""
-    from repro.mps_cases import TRUSTED_IN_BATCH
+    and not one repro.run.mps_cases keeps from a batch."""
+    from repro.run.mps_cases import TRUSTED_IN_BATCH
 
     r = classify(SPEC, _out(fixtures, "mps-neighbour-busy-memcheck.out.log"), 1, False, None, 6.0)
     assert r.verdict == ERROR and "another client faulted it; rerun alone" in r.reason

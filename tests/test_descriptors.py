@@ -1,6 +1,12 @@
 import pytest
 
-from repro.descriptors import AttnConfig, BatchDescriptor, ConfigError, descriptor_from_label, full_decode_descriptors
+from repro.case.descriptors import (
+    AttnConfig,
+    BatchDescriptor,
+    ConfigError,
+    descriptor_from_label,
+    full_decode_descriptors,
+)
 
 
 def test_full_decode_descriptors_largest_first_and_uniform():

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from repro import report
-from repro.case import CaseSpec
-from repro.classify import classify
-from repro.matrix import MatrixRun
-from repro.policy import Control, decide, satisfies
-from repro.verdicts import ERROR, LAUNCH_FAIL, VERDICTS
+from repro.case.matrix import MatrixRun
+from repro.case.spec import CaseSpec
+from repro.judge.classify import classify
+from repro.judge.policy import Control, decide, satisfies
+from repro.judge.verdicts import ERROR, LAUNCH_FAIL, VERDICTS
+from repro.report import results as report
 
 ROOT = Path(__file__).resolve().parent.parent
 SWEEP = ROOT / "results" / "h200-launch-failures"
@@ -49,9 +49,9 @@ def test_every_report_renders_every_verdict(tmp_path):
 
 
 def test_gate_report_renders_every_verdict(tmp_path, monkeypatch):
-    from repro import pytest_gate
+    from repro.report import pytest_gate
 
-    monkeypatch.setattr("repro.environment.collect", lambda argv=None: {"command": "test"})
+    monkeypatch.setattr("repro.report.environment.collect", lambda argv=None: {"command": "test"})
     ev = pytest_gate.Evidence()
     ev.controls = [Control(f"case-{v}", "detected", v, "eager", f"a {v} row") for v in VERDICTS]
     ev.write_report(tmp_path, 1.0, ["-m", "gpu", "--gate", "--gate-report=out"])  # pytest's args, as typed
@@ -75,7 +75,7 @@ def test_recorded_launch_failures_are_classified_from_their_faulting_line():
 @pytest.mark.parametrize("run_name", sorted(p.parent.name for p in SWEEP.glob("*/results.json")))
 def test_recorded_sweep_meets_its_stored_expectations(run_name):
     """Launch failures meet the stale eager controls' `fault` (the kernels failed); the only misses are the two clean
-    cases whose exit status the forkserver lost (exit 255 after the result: repro.process.exit_code, fixed since)."""
+    cases whose exit status the forkserver lost (exit 255 after the result: repro.run.process.exit_code, fixed since)."""
     run = report.load_json(SWEEP / run_name / "results.json")
     misses = run.failures()
     assert all(r.verdict == ERROR and "exit status 255" in r.reason and s.strategy == "fresh" for s, r in misses)

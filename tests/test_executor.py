@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from repro.case import CaseSpec
-from repro.executor import ForkServer, WarmPool
-from repro.runner import case_logs, make_executor, memcheck_launch_env, run_process
-from repro.verdicts import CLEAN, CRASH, ERROR, HANG, OOB
+from repro.case.spec import CaseSpec
+from repro.judge.verdicts import CLEAN, CRASH, ERROR, HANG, OOB
+from repro.run.executor import ForkServer, WarmPool
+from repro.run.runner import case_logs, make_executor, memcheck_launch_env, run_process
 from tests.processes import gone, group_alive
 
 
@@ -61,9 +61,9 @@ def test_both_paths_side_by_side_give_the_same_verdicts(tmp_path, monkeypatch):
     worker raises in the case process (only if the case's environment reached it), a MIG case with no slice is a skip
     the parent decides. Each path must give each case its own verdict; the diff is then computed, and a changed
     verdict shows up in it."""
-    from repro.benchmark import compare_executors, paths_markdown
-    from repro.case import SmConfig
-    from repro.verdicts import SKIP
+    from repro.case.spec import SmConfig
+    from repro.judge.verdicts import SKIP
+    from repro.report.benchmark import compare_executors, paths_markdown
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU for the case processes, GPU machine or not
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50")  # the worker: an MPS client without a device
@@ -104,9 +104,9 @@ def test_a_faulting_case_keeps_its_start_up_phases(tmp_path):
     """A case that crashes prints no result; the device line it printed after CUDA init still splits its time."""
     import json
 
-    from repro.classify import classify
-    from repro.process import ProcessRun
-    from repro.runner import with_process_phases
+    from repro.judge.classify import classify
+    from repro.run.process import ProcessRun
+    from repro.run.runner import with_process_phases
 
     t0 = 1000.0
     out = (
@@ -248,7 +248,7 @@ def test_a_lost_exit_status_is_read_from_what_the_case_wrote(tmp_path):
     """multiprocessing reports 255 when the forkserver's report of a child's exit is lost (2 of 256 clean cases on
     the H200 with their result printed: results/h200-launch-failures); the code the case wrote wins then, and only
     then; a case killed before writing keeps 255."""
-    from repro.process import EXIT_SUFFIX, LOST_STATUS, exit_code
+    from repro.run.process import EXIT_SUFFIX, LOST_STATUS, exit_code
 
     out = tmp_path / "case.out.log"
     side = tmp_path / ("case.out.log" + EXIT_SUFFIX)
@@ -260,7 +260,7 @@ def test_a_lost_exit_status_is_read_from_what_the_case_wrote(tmp_path):
 
 
 def test_forked_case_leaves_its_exit_code_only_transiently(tmp_path):
-    from repro.process import EXIT_SUFFIX
+    from repro.run.process import EXIT_SUFFIX
 
     fs = ForkServer(preload=("tests.standin_worker",), spares=0)
     try:

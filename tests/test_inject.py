@@ -1,4 +1,4 @@
-"""The self control's injector (repro.vllm_integration.inject) on real tensors: what a target capture build leaves
+"""The self control's injector (repro.vllm_integration.plugin.inject) on real tensors: what a target capture build leaves
 is written into a draft capture's buffers, only the defect's fields, once per pass, never while a graph records;
 capture_role reads the call stack as vLLM's managers shape it; FA3's never-written entries get the fill."""
 
@@ -8,8 +8,8 @@ import sys
 
 import torch
 
-from repro.layout import VLLM, metadata_layout
-from repro.vllm_integration.inject import StaleCaptureInjector, capture_role
+from repro.attention.layout import VLLM, metadata_layout
+from repro.vllm_integration.plugin.inject import StaleCaptureInjector, capture_role
 
 
 class CudaGraphManager:
@@ -141,7 +141,7 @@ class DraftCudaGraphManager(CudaGraphManager):
 
 
 def test_capture_pass_reads_the_descriptor_and_pass_from_the_stack():
-    from repro.vllm_integration.inject import capture_pass
+    from repro.vllm_integration.plugin.inject import capture_pass
 
     mgr = DraftCudaGraphManager()
     (row,) = mgr.capture(lambda n: capture_pass(sys._getframe(1)), [_Desc(8)])
@@ -153,7 +153,7 @@ def test_a_draft_full_pass_gets_the_metadata_built_first_for_that_pass():
     """The object half of the defect (what 0.21.0-0.25.1 handed the draft's capture, what the 0.33.0 source mutant
     does): every later FULL pass of the same manager gets its first descriptor's metadata; PIECEWISE passes, other
     managers and builds no pass can be placed for keep their own."""
-    from repro.vllm_integration.inject import capture_pass
+    from repro.vllm_integration.plugin.inject import capture_pass
 
     counters: dict = {}
     announced = []

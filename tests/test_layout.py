@@ -2,8 +2,7 @@
 
 import pytest
 
-from repro.backends.replay import load_records
-from repro.layout import (
+from repro.attention.layout import (
     UPSTREAM,
     VLLM,
     effective_causal,
@@ -11,6 +10,7 @@ from repro.layout import (
     metadata_layout,
     vllm_buffer_size,
 )
+from repro.backends.replay import load_records
 
 
 @pytest.mark.parametrize("name", ["vllm-0.25.1", "upstream"])

@@ -4,13 +4,13 @@ import time
 
 import pytest
 
+from repro.attention.layout import UPSTREAM, VLLM, metadata_layout
+from repro.attention.scheduler_inputs import SchedulerInputs
 from repro.backends.replay import load_records
-from repro.descriptors import AttnConfig
+from repro.case.descriptors import AttnConfig
 from repro.fa3_model.predict import predict_case, predict_matrix
 from repro.fa3_model.reads import combine_max_splits, predict_launch
 from repro.fa3_model.scheduler import PAD, num_splits_heuristic, scheduler_metadata
-from repro.layout import UPSTREAM, VLLM, metadata_layout
-from repro.scheduler_inputs import SchedulerInputs
 
 
 def _inputs(header, r):
@@ -139,16 +139,16 @@ def test_the_cpu_model_does_not_import_the_gpu_runner():
     import sys
 
     code = (
-        "import sys, repro.fa3_model.agreement, repro.fa3_model.predict, repro.report\n"
-        "print(sorted(m for m in ('repro.runner', 'repro.worker', 'repro.backends.upstream') if m in sys.modules))"
+        "import sys, repro.fa3_model.agreement, repro.fa3_model.predict, repro.report.results\n"
+        "print(sorted(m for m in ('repro.run.runner', 'repro.attention.worker', 'repro.backends.upstream') if m in sys.modules))"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.stdout.strip() == "[]", r.stderr
 
 
 def test_unknown_padding_gives_the_outcomes_the_model_cannot_rule_out():
+    from repro.attention.layout import UPSTREAM, VLLM
     from repro.fa3_model.predict import predict_outcomes
-    from repro.layout import UPSTREAM, VLLM
 
     cfg = AttnConfig(num_splits=32)
     assert predict_outcomes(VLLM, "stale", 16, cfg, "int-max") == ("oob",)  # known padding: one verdict

@@ -1,4 +1,4 @@
-"""How MPS cases share daemons (repro.mps_cases), with a stand-in daemon and stand-in cases: never two daemons at
+"""How MPS cases share daemons (repro.run.mps_cases), with a stand-in daemon and stand-in cases: never two daemons at
 once, positive controls alone, expected-clean cases as concurrent clients, and a batch with a fault rerun case by
 case under a daemon of its own."""
 
@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from repro.case import CaseResult, CaseSpec, SmConfig
-from repro.mps_cases import PER_CASE, SHARED, run_mps_cases
-from repro.smcontrol import Unavailable
-from repro.verdicts import CLEAN, CRASH, ERROR, SKIP
+from repro.case.spec import CaseResult, CaseSpec, SmConfig
+from repro.judge.verdicts import CLEAN, CRASH, ERROR, SKIP
+from repro.run.mps_cases import PER_CASE, SHARED, run_mps_cases
+from repro.run.smcontrol import Unavailable
 
 
 class Daemons:
@@ -172,7 +172,7 @@ def test_ctrl_c_stops_the_shared_daemon():
 
 
 def test_a_batch_attempts_logs_are_set_aside_for_the_rerun(tmp_path):
-    from repro.runner import case_logs, set_aside_logs
+    from repro.run.runner import case_logs, set_aside_logs
 
     out, memcheck = case_logs(tmp_path, "c1")
     out.write_text("batch attempt")
@@ -184,7 +184,7 @@ def test_a_batch_attempts_logs_are_set_aside_for_the_rerun(tmp_path):
 def test_a_case_the_recovering_server_refused_runs_again_under_the_same_daemon(fixtures):
     """The refusal is classified from a recorded H200 output (a client the MPS server turned away while it
     recovered); the case then runs again under the shared daemon, not under a daemon of its own."""
-    from repro.classify import classify, refused
+    from repro.judge.classify import classify, refused
 
     recorded = (fixtures / "outputs" / "mps-neighbour-busy-memcheck.out.log").read_text()
     daemons, attempts, set_aside = Daemons(), [], []
@@ -215,7 +215,7 @@ def test_a_case_the_recovering_server_refused_runs_again_under_the_same_daemon(f
 
 
 def test_a_case_refused_every_time_reruns_under_a_daemon_of_its_own(fixtures):
-    from repro.classify import classify
+    from repro.judge.classify import classify
 
     recorded = (fixtures / "outputs" / "mps-neighbour-busy-memcheck.out.log").read_text()
     daemons = Daemons()
@@ -242,7 +242,7 @@ def test_the_daemon_reports_a_server_in_fault_until_it_recovers(tmp_path, monkey
     """MpsDaemon.wait_ready against a stand-in control program: FAULT twice, then ACTIVE."""
     import sys
 
-    from repro.smcontrol import MpsDaemon
+    from repro.run.smcontrol import MpsDaemon
 
     state = tmp_path / "asked"
     control = tmp_path / "nvidia-cuda-mps-control"

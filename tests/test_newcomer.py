@@ -187,7 +187,7 @@ def test_could_not_run_here_is_exit_4_in_one_line(tmp_path):
 def test_probe_coexistence_without_mps_is_exit_4(tmp_path):
     before = set(tmp_path.rglob("*"))
     r = subprocess.run(
-        [sys.executable, "-m", "repro.smcontrol", "--probe-coexistence"],
+        [sys.executable, "-m", "repro.run.smcontrol", "--probe-coexistence"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -195,7 +195,9 @@ def test_probe_coexistence_without_mps_is_exit_4(tmp_path):
         env={**os.environ, "TMPDIR": str(tmp_path)},
     )
     _one_line_nothing_written(r, tmp_path, before, 4, "cannot run here: nvidia-cuda-mps-control not found")
-    r = subprocess.run([sys.executable, "-m", "repro.smcontrol", "--bogus"], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-m", "repro.run.smcontrol", "--bogus"], capture_output=True, text=True, cwd=ROOT
+    )
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
 
 
@@ -216,7 +218,8 @@ def test_bisect_on_a_repo_without_vllm_is_bad_input_at_once(tmp_path):
 def test_every_exit_code_is_in_the_exit_codes_page():
     """docs/exit-codes.md's table is EXIT_CODES, and the modules with codes of their own use the table's values."""
     from repro.cli import common
-    from repro.vllm_integration import bisect, gate_run
+    from repro.vllm_integration.gate import run as gate_run
+    from repro.vllm_integration.releases import bisect
 
     text = (ROOT / "docs" / "exit-codes.md").read_text()
     table = {}
@@ -228,7 +231,7 @@ def test_every_exit_code_is_in_the_exit_codes_page():
     assert set(gate_run.EXIT.values()) | {common.EXIT_BAD_INPUT} == set(common.EXIT_CODES["gate"])
     assert gate_run.EXIT[gate_run.BLIND] == common.EXIT_BLIND
     assert {*bisect.EXIT.values(), bisect.UNTESTABLE_EXIT, common.EXIT_BAD_INPUT} == set(
-        common.EXIT_CODES["repro.vllm_integration.bisect step"]
+        common.EXIT_CODES["repro.vllm_integration.releases.bisect step"]
     )
     assert bisect.UNTESTABLE_EXIT == common.EXIT_UNTESTABLE
     names = set(build_parser_commands())
@@ -243,7 +246,7 @@ def build_parser_commands():
 
 
 def test_mps_daemon_writes_nothing_until_started_and_removes_its_folder(tmp_path, monkeypatch):
-    from repro.smcontrol import MpsDaemon, Unavailable
+    from repro.run.smcontrol import MpsDaemon, Unavailable
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
@@ -294,9 +297,9 @@ def test_heatmap_of_a_prediction_says_so(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     from matplotlib.axes import Axes
 
-    from repro import report
-    from repro.case import CaseResult, CaseSpec
-    from repro.matrix import MatrixRun
+    from repro.case.matrix import MatrixRun
+    from repro.case.spec import CaseResult, CaseSpec
+    from repro.report import results as report
 
     titles = []
     monkeypatch.setattr(Axes, "set_title", lambda self, t, *a, **k: titles.append(t))
@@ -335,8 +338,8 @@ REGENERATE = "python -m repro agree results/*/results.json --out results/model-a
 
 def test_model_agreement_summary_is_what_agree_writes_now(monkeypatch):
     from repro.fa3_model.agreement import compare, markdown
-    from repro.redact import redact
-    from repro.report import MODEL, is_vllm_gate_record, load_json
+    from repro.report.redact import redact
+    from repro.report.results import MODEL, is_vllm_gate_record, load_json
 
     monkeypatch.chdir(ROOT)  # the summary names its sources as results/...
     paths = sorted(str(p.relative_to(ROOT)) for p in RESULTS.glob("*/results.json"))
@@ -359,7 +362,7 @@ def test_model_agreement_summary_is_what_agree_writes_now(monkeypatch):
 
 @pytest.mark.parametrize("folder, poison", [("model-int-max", "int-max"), ("model-nopoison", "none")])
 def test_shipped_predictions_are_what_matrix_model_predicts_now(tmp_path, folder, poison):
-    from repro.report import MODEL, load_json
+    from repro.report.results import MODEL, load_json
 
     shipped = load_json(RESULTS / folder / "results.json")
     r = _repro("matrix", "--model", "--poison", poison, "--json", str(tmp_path / "now.json"), cwd=tmp_path)
@@ -376,7 +379,7 @@ def test_shipped_predictions_are_what_matrix_model_predicts_now(tmp_path, folder
 
 
 def test_xdist_summary_quotes_the_junit_suite_times():
-    from repro.xdist_report import check_junit
+    from repro.report.xdist import check_junit
 
     one, two = (check_junit(RESULTS / "h200x2-xdist" / f"junit-n{n}.xml").suite_seconds for n in (1, 2))
     quoted = f"16 cases in {two:.1f} s on 2 GPUs vs {one:.1f} s on 1 ({two / one:.2f}x"
@@ -445,7 +448,7 @@ def test_predicted_table_names_its_columns_and_says_what_a_prediction_is(tmp_pat
 
 
 def test_gpu_table_says_why_a_crash_names_no_kernel():
-    from repro import report
+    from repro.report import results as report
 
     run = report.load_json(H200_RUN)  # a GPU run without --sanitizer: its crashes name no kernel
     md = report.markdown(run)

@@ -135,7 +135,7 @@ def test_window_below_minus_one_is_refused(tmp_path, args):
 
 
 def test_window_minus_one_and_zero_are_cases():
-    from repro.descriptors import AttnConfig, ConfigError
+    from repro.case.descriptors import AttnConfig, ConfigError
 
     assert not AttnConfig(window_left=-1).is_local and AttnConfig(window_left=0).is_local
     with pytest.raises(ConfigError, match="window_left must be -1"):
@@ -209,8 +209,8 @@ def test_gate_refuses_a_value_twice_and_an_unknown_backend(tmp_path, args, msg):
 
 
 def test_gate_takes_every_backend_vllm_names_so():
-    from repro.vllm_integration.backend_fields import known_name
-    from repro.vllm_integration.gate_case import parse_backends
+    from repro.vllm_integration.gate.case import parse_backends
+    from repro.vllm_integration.plugin.backend_fields import known_name
 
     names = "FLASH_ATTN,triton_attn,FLASHINFER,FLEX_ATTENTION,TREE_ATTN,CUTLASS_MLA,ROCM_AITER_UNIFIED_ATTN"
     assert parse_backends(names)[:2] == ("FLASH_ATTN", "TRITON_ATTN")
@@ -233,11 +233,11 @@ def test_redact_keeps_every_byte_but_the_paths(tmp_path):
     assert png.read_bytes() == before
 
 
-# ---- item 10: the bisect step and repro.smcontrol as the README's table says
+# ---- item 10: the bisect step and repro.run.smcontrol as the README's table says
 
 
 def step(*args: str) -> list[str]:
-    return [sys.executable, "-m", "repro.vllm_integration.bisect", "step", *args]
+    return [sys.executable, "-m", "repro.vllm_integration.releases.bisect", "step", *args]
 
 
 @pytest.mark.parametrize(
@@ -260,8 +260,8 @@ def test_bisect_step_and_smcontrol_explain_themselves(tmp_path):
     for flag in ("--repo", "--check", "--overlay"):
         block = r.stdout.split(f"  {flag}", 1)[1].split("\n  -", 1)[0]
         assert len(block.split()) > 3, (flag, block)  # a help text, not just the metavar
-    r = _run([sys.executable, "-m", "repro.smcontrol", "--help"], tmp_path)
-    assert r.returncode == 0 and not r.stderr and r.stdout.startswith("usage: python -m repro.smcontrol")
+    r = _run([sys.executable, "-m", "repro.run.smcontrol", "--help"], tmp_path)
+    assert r.returncode == 0 and not r.stderr and r.stdout.startswith("usage: python -m repro.run.smcontrol")
 
 
 # ---- items 11 and 12: the gate's pytest options as pytest users type them
@@ -370,7 +370,7 @@ def test_vllm_check_of_a_zip_without_vllm_names_the_file(tmp_path):
 
 
 def test_vllm_check_names_the_wheel_when_its_tree_is_untestable(tmp_path):
-    from repro.vllm_integration.compat import check_source
+    from repro.vllm_integration.releases.compat import check_source
 
     whl = tmp_path / "vllm-9.9.9-py3-none-any.whl"
     with zipfile.ZipFile(whl, "w") as z:

@@ -9,8 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from repro.vllm_integration import versions
-from repro.vllm_integration.bisect import UNTESTABLE_EXIT, AbiMismatch, abi_problem, build_overlay, step, torch_pin
+from repro.vllm_integration.releases import versions
+from repro.vllm_integration.releases.bisect import (
+    UNTESTABLE_EXIT,
+    AbiMismatch,
+    abi_problem,
+    build_overlay,
+    step,
+    torch_pin,
+)
 
 
 def _checkout(root: Path, torch: str | None, layout: str = "requirements/cuda.txt") -> Path:
@@ -99,7 +106,7 @@ def test_a_checkout_named_vllm_is_read_as_a_checkout(tmp_path):
 
 
 def test_a_step_that_breaks_is_untestable_not_bad(tmp_path, monkeypatch, capsys):
-    from repro.vllm_integration import bisect
+    from repro.vllm_integration.releases import bisect
 
     def broken(*a, **k):
         raise PermissionError("overlay folder not writable")
@@ -130,7 +137,7 @@ def test_an_overlay_whose_sources_need_an_extension_the_build_lacks_is_refused(t
 
 
 def test_an_overlay_build_takes_the_sources_version_and_the_base_dependencies(tmp_path):
-    from repro.vllm_integration.builds import overlay_build
+    from repro.vllm_integration.releases.builds import overlay_build
     from tests.fake_vllm import write_fake_vllm
 
     base = write_fake_vllm(tmp_path / "base", "0.25.1", "good")

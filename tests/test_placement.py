@@ -1,4 +1,4 @@
-"""The gate's placement over devices (repro.vllm_integration.placement, gate --devices) with stand-in devices: which
+"""The gate's placement over devices (repro.vllm_integration.gate.placement, gate --devices) with stand-in devices: which
 devices a spec names, that no device holds more cases at once than its share, that a case and its reference run on
 devices of the same kind, that every case's record names its device, and that the one-device path is unchanged."""
 
@@ -9,14 +9,14 @@ import time
 
 import pytest
 
-from repro.case import CaseResult
-from repro.descriptors import ConfigError
-from repro.smcontrol import GpuInfo, MigSlice, Unavailable
-from repro.verdicts import CLEAN
-from repro.vllm_integration import gate_run
-from repro.vllm_integration.builds import UNDER_TEST, VllmBuild
-from repro.vllm_integration.gate_case import parse_modes
-from repro.vllm_integration.placement import DevicePool, GateDevice, gate_devices, kind_of, per_device_jobs
+from repro.case.descriptors import ConfigError
+from repro.case.spec import CaseResult
+from repro.judge.verdicts import CLEAN
+from repro.run.smcontrol import GpuInfo, MigSlice, Unavailable
+from repro.vllm_integration.gate import run as gate_run
+from repro.vllm_integration.gate.case import parse_modes
+from repro.vllm_integration.gate.placement import DevicePool, GateDevice, gate_devices, kind_of, per_device_jobs
+from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
 
 
 def two_gpus():
@@ -109,7 +109,7 @@ def test_run_gate_places_every_case_and_its_reference_on_one_kind_of_device(monk
 
 
 def test_the_default_concurrency_is_fitted_to_the_cores_and_the_gpu_memory():
-    from repro.vllm_integration.placement import fit_jobs
+    from repro.vllm_integration.gate.placement import fit_jobs
 
     assert fit_jobs(16, [(139.8, 139.0)])[0] == 8  # the H200 machine: the cores bound it
     assert fit_jobs(16, [(139.8, 20.0)])[0] == 1  # a GPU another job fills: (20 - 14) // 4

@@ -1,10 +1,10 @@
-"""repro.policy's public rules, one test each: which verdicts meet each expectation (MEETS, satisfies), which
+"""repro.judge.policy's public rules, one test each: which verdicts meet each expectation (MEETS, satisfies), which
 expectations are positive, what counts as a mode's evidence, the requirements a run can be given, why one control
 fails a gate (problem), a disagreement with the CPU model, and the gate's decision (decide: rules 1-4 of the module's
 docstring, and the Failure kinds callers decide by). The verdicts are spelled out here, not taken from the module's
 own groups, so a change to a group shows.
 
-Mutation-checked: for each rule, the rule was deleted or weakened in repro/policy.py (a verdict taken out of a MEETS
+Mutation-checked: for each rule, the rule was deleted or weakened in repro/judge/policy.py (a verdict taken out of a MEETS
 row, an `if` or a clause of a condition removed), this file was run (`python -m pytest -q tests/test_policy.py`), and
 exactly the test named for the rule failed; then the source was restored. tests/mutation_check.py holds the 32
 mutations and the tests each must fail, and runs them (`python tests/mutation_check.py policy`). Two rules every
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import pytest
 
-from repro import policy
-from repro.policy import Control, decide
+from repro.judge import policy
+from repro.judge.policy import Control, decide
 
 ALL = ("clean", "oob", "crash", "launch-failure", "hang", "wrong-output", "stale-audit", "cannot-vouch", "error")
 KERNEL = ("oob", "crash", "launch-failure", "hang", "wrong-output")

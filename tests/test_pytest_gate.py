@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from cases.gpu_env import gpu_skip_reason
-from repro import pytest_gate
-from repro.policy import parse_requirements
+from repro.judge.policy import parse_requirements
+from repro.report import pytest_gate
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -85,7 +85,7 @@ def test_not_applicable_is_listed_unless_required():
 
 
 def test_required_features_default_to_mig_on_a_mig_runner():
-    from repro.smcontrol import GpuInfo, MigSlice, Unavailable
+    from repro.run.smcontrol import GpuInfo, MigSlice, Unavailable
 
     def no_nvml():
         raise Unavailable("NVML unavailable")
@@ -140,7 +140,7 @@ def test_cpu_tests_and_crashed_workers_in_a_gate_run():
 
 
 def test_a_user_pinned_mig_slice_counts_as_pinned():
-    from repro.pinning import PINNED_VAR, apply_pin, choose_pin
+    from repro.run.pinning import PINNED_VAR, apply_pin, choose_pin
 
     env = {"CUDA_VISIBLE_DEVICES": "MIG-1234-abcd"}
     apply_pin(choose_pin("", env), env)

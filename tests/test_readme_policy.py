@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from repro import policy
+from repro.judge import policy
 
 POLICY_PAGE = (Path(__file__).resolve().parent.parent / "docs" / "policy.md").read_text()
 
 
 def test_policy_page_holds_the_generated_rule_tables():
     assert policy.markdown() in POLICY_PAGE, (
-        "regenerate docs/policy.md's tables: python -c 'from repro.policy import markdown; print(markdown())'"
+        "regenerate docs/policy.md's tables: python -c 'from repro.judge.policy import markdown; print(markdown())'"
     )
 
 

@@ -3,13 +3,16 @@
 import subprocess
 from pathlib import Path
 
-from repro.redact import redact, redact_tree
+from repro.report.redact import redact, redact_tree
 
 ROOT = Path(__file__).parent.parent
 
 
 def test_paths_become_placeholders():
-    assert redact('File "/a/b/main/repro/worker.py", line 3') == 'File "<repo>/repro/worker.py", line 3'
+    assert (
+        redact('File "/a/b/main/repro/attention/worker.py", line 3')
+        == 'File "<repo>/repro/attention/worker.py", line 3'
+    )
     assert redact("--out /x/out/plain --jobs 8") == "--out <path>/plain --jobs 8"
     assert redact("/x/.venv/lib/python3.12/site-packages/torch/a.py:1") == "<site-packages>/torch/a.py:1"
     assert redact('<skipped message="m">/a/main/cases/t.py:44') == '<skipped message="m"><repo>/cases/t.py:44'

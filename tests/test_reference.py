@@ -2,7 +2,7 @@
 
 import torch
 
-from repro.reference import ATOL, paged_attention_reference, tolerance
+from repro.attention.reference import ATOL, paged_attention_reference, tolerance
 
 
 def _batch(seed=0):

@@ -1,4 +1,4 @@
-"""The affected range across releases (repro.vllm_integration.release_range) on the build rows the H200 gate runs
+"""The affected range across releases (repro.vllm_integration.releases.release_range) on the build rows the H200 gate runs
 recorded (results/h200-vllm*), and its last-good/first-bad logic."""
 
 from __future__ import annotations
@@ -6,7 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from repro.vllm_integration.release_range import BAD, GOOD, UNSURE, markdown, releases, transitions, version_key
+from repro.vllm_integration.releases.release_range import (
+    BAD,
+    GOOD,
+    UNSURE,
+    markdown,
+    releases,
+    transitions,
+    version_key,
+)
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 

@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 
-from repro import report
-from repro.case import CaseSpec, SmConfig
-from repro.expectations import expectation
-from repro.matrix import MatrixOptions, MatrixRun, build_specs
-from repro.policy import satisfies
-from repro.report import is_vllm_gate_record, load_json
-from repro.verdicts import CLEAN, CRASH, HANG, LAUNCH_FAIL, OOB, STALE_AUDIT, WRONG
+from repro.case.matrix import MatrixOptions, MatrixRun, build_specs
+from repro.case.spec import CaseSpec, SmConfig
+from repro.judge.expectations import expectation
+from repro.judge.policy import satisfies
+from repro.judge.verdicts import CLEAN, CRASH, HANG, LAUNCH_FAIL, OOB, STALE_AUDIT, WRONG
+from repro.report import results as report
+from repro.report.results import is_vllm_gate_record, load_json
 
 RESULTS = Path(__file__).parent.parent / "results"
 
@@ -88,10 +88,10 @@ def test_expectations_come_from_the_model_or_a_measured_table():
 
 def test_features_the_model_does_not_model_expect_audit(tmp_path):
     """A sliding window: the model predicts a fault, the H200 gave wrong-output (issue 26): no guess, `audit`."""
-    from repro.case import CaseResult
-    from repro.descriptors import AttnConfig
-    from repro.expectations import unmodelled
+    from repro.case.descriptors import AttnConfig
+    from repro.case.spec import CaseResult
     from repro.fa3_model.agreement import compare
+    from repro.judge.expectations import unmodelled
 
     for w in (128, 256):
         for sm in (SmConfig("sm_margin", 16), SmConfig("full"), SmConfig("mps", 16)):
@@ -145,8 +145,8 @@ def test_build_specs_repeats_and_orders():
 
 
 def test_skipped_results_reload_from_json(tmp_path):
-    from repro.case import CaseResult
-    from repro.matrix import MatrixRun
+    from repro.case.matrix import MatrixRun
+    from repro.case.spec import CaseResult
 
     spec = _spec(sm=SmConfig("mps", 16))
     report.write_json(MatrixRun([(spec, CaseResult.skipped(spec, "no MPS"))], 1.0, None), tmp_path / "r.json")
@@ -181,7 +181,7 @@ def test_recorded_execution_paths_agree_and_the_new_one_is_faster(tmp_path):
     and the per-phase means the benchmark computes, against counts made here from the raw rows; one verdict changed
     in a copy shows in the diff. The new path's wall time is lower, its crashed first positive control split into
     start-up phases."""
-    from repro.benchmark import PHASES, paths_markdown, summarize
+    from repro.report.benchmark import PHASES, paths_markdown, summarize
 
     for name in ("h200-executors", "h200-memcheck-executors", "h200-memcheck-warm", "h200-executors-served"):
         paths = {p: RESULTS / name / p / "results.json" for p in ("old", "new")}
@@ -210,7 +210,7 @@ def test_recorded_memcheck_processes_started_ahead(tmp_path):
     first error was written whole, the MPS server never refusing a client. failures() against the raw rows (none
     recorded not ok; with every positive control turned clean in a copy, exactly the positive controls counted here),
     the reruns the paths table counts against the raw reasons, the verdicts and kernels of the old path."""
-    from repro.benchmark import paths_markdown
+    from repro.report.benchmark import paths_markdown
 
     path = RESULTS / "h200-memcheck-warm" / "new" / "results.json"
     raw = _raw(path)
@@ -237,7 +237,7 @@ def test_recorded_served_path_shows_the_first_verdict_within_3_s():
     positive control counted from the command's start, with and without a repro server running. The paths' diffs
     against the raw rows; failures() against the raw ok flags; the first positive case is a positive control that
     showed kernel evidence in the raw rows."""
-    from repro.benchmark import paths_markdown
+    from repro.report.benchmark import paths_markdown
 
     files = {p: RESULTS / "h200-executors-served" / p / "results.json" for p in ("old", "new", "served")}
     runs = {p: load_json(f) for p, f in files.items()}
@@ -259,9 +259,9 @@ def test_recorded_served_path_shows_the_first_verdict_within_3_s():
 
 
 def test_recorded_memcheck_batches_needed_reruns():
-    """Why cases that may fault are not batched under MPS (repro.mps_cases): memcheck cases in batches of 12. The
+    """Why cases that may fault are not batched under MPS (repro.run.mps_cases): memcheck cases in batches of 12. The
     cases the paths table lists as rerun alone are those whose raw reason says so."""
-    from repro.benchmark import paths_markdown
+    from repro.report.benchmark import paths_markdown
 
     path = RESULTS / "h200-memcheck-batched" / "new" / "results.json"
     raw = _raw(path)
@@ -278,7 +278,7 @@ def test_matrix_gate_uses_the_one_gate_rule(tmp_path):
     """matrix --gate on recorded runs: every control met and kernel evidence -> passes; audit controls met by the
     audit alone pass one by one, but a mode with no kernel evidence at all fails with the one line pytest --gate uses.
     The positive controls per mode the decision counts, against counts made here from the raw rows."""
-    from repro.report import gate_decision, gate_failures
+    from repro.report.results import gate_decision, gate_failures
 
     path = RESULTS / "h200-executors" / "new" / "results.json"
     raw = _raw(path)
@@ -330,7 +330,7 @@ def test_matrix_gate_uses_the_one_gate_rule(tmp_path):
 @pytest.mark.parametrize("name", ["h200-executors", "h200-memcheck-executors"])
 def test_bench_paths_renders_what_the_gpu_run_printed(name):
     """`bench --paths OLD NEW` on the recorded runs gives the very table `matrix --compare-executors` wrote there."""
-    from repro.benchmark import paths_from_files
+    from repro.report.benchmark import paths_from_files
 
     md = paths_from_files(RESULTS / name / "old" / "results.json", RESULTS / name / "new" / "results.json")
     recorded = (RESULTS / name / "executors.md").read_text()
@@ -338,8 +338,8 @@ def test_bench_paths_renders_what_the_gpu_run_printed(name):
 
 
 def test_bench_paths_refuses_different_matrices():
-    from repro.benchmark import paths_from_files
-    from repro.descriptors import ConfigError
+    from repro.case.descriptors import ConfigError
+    from repro.report.benchmark import paths_from_files
 
     with pytest.raises(ConfigError, match="different matrices"):
         paths_from_files(

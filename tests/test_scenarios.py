@@ -3,10 +3,10 @@ descriptor's build; under fresh, never."""
 
 import pytest
 
-from repro.builder import MetadataBuilder
-from repro.descriptors import AttnConfig, ConfigError, full_decode_descriptors
-from repro.scenarios import CAPTURE, FRESH, STALE, WARMUP, pair_sequence, passes_for, v2_capture_sequence
-from repro.staleness import diff_snapshots
+from repro.attention.builder import MetadataBuilder
+from repro.attention.staleness import diff_snapshots
+from repro.case.descriptors import AttnConfig, ConfigError, full_decode_descriptors
+from repro.case.scenarios import CAPTURE, FRESH, STALE, WARMUP, pair_sequence, passes_for, v2_capture_sequence
 
 CFG = AttnConfig()
 
@@ -52,7 +52,7 @@ def test_v2_order_and_build_count(replay):
 
 
 def test_pair_stale_and_fresh(replay):
-    from repro.descriptors import BatchDescriptor
+    from repro.case.descriptors import BatchDescriptor
 
     a, l_ = BatchDescriptor(4, 1, 4), BatchDescriptor(32, 8, 4)
     b = MetadataBuilder(replay, CFG)
@@ -76,10 +76,10 @@ def test_bad_scenario_and_strategy(replay):
 def test_the_matrix_pair_scenario_runs_with_its_descriptors():
     """`matrix --scenario pair` gives every case the default descriptor pair (or the one named), so the worker's
     passes build; each case used to error on a missing --built-for/--launched (issue 26)."""
-    from repro.case import CaseSpec
+    from repro.case.matrix import MatrixOptions, build_specs
+    from repro.case.scenarios import DEFAULT_PAIR
+    from repro.case.spec import CaseSpec
     from repro.fa3_model.predict import ModelBackend
-    from repro.matrix import MatrixOptions, build_specs
-    from repro.scenarios import DEFAULT_PAIR
 
     specs = build_specs(MatrixOptions(scenario="pair", sms=("full",), modes=("eager",), splits=(32,)))
     assert len(specs) == 4 and all(s.pair == DEFAULT_PAIR for s in specs)

@@ -1,4 +1,4 @@
-"""The repro server that outlives commands (repro.server), with stand-in case workers: cases forked with their own
+"""The repro server that outlives commands (repro.run.server), with stand-in case workers: cases forked with their own
 environment and session, exit codes, timeouts and a command that goes away kill the case and what it started, idle
 stop, the fingerprint that keeps a server of other code from being used, and the CLI around it."""
 
@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from repro import server
-from repro.case import CaseSpec
-from repro.runner import run_process
-from repro.verdicts import CLEAN, CRASH, ERROR, HANG
+from repro.case.spec import CaseSpec
+from repro.judge.verdicts import CLEAN, CRASH, ERROR, HANG
+from repro.run import server
+from repro.run.runner import run_process
 from tests.processes import gone
 
 STANDIN = ("tests.standin_worker",)
@@ -78,8 +78,8 @@ def test_idle_server_stops_and_removes_its_socket(sock):
 
 
 def test_a_server_of_other_code_is_not_used(running, sock, monkeypatch):
-    from repro.executor import ForkServer
-    from repro.runner import default_executor
+    from repro.run.executor import ForkServer
+    from repro.run.runner import default_executor
 
     facts, why = server.usable(sock)
     assert facts is None and "runs other code" in why  # started with other preloads than a command uses
@@ -108,8 +108,8 @@ def _cli(*args, env=None):
 
 
 def test_executor_server_without_one_is_refused_in_one_line(sock):
-    from repro.descriptors import ConfigError
-    from repro.runner import make_executor
+    from repro.case.descriptors import ConfigError
+    from repro.run.runner import make_executor
 
     with pytest.raises(ConfigError, match=r"--executor server: no repro server at .* \(start one: python -m repro"):
         make_executor("server")
@@ -141,7 +141,7 @@ def test_cli_starts_and_stops_a_server(sock):
 
 
 def test_doctor_says_whether_a_server_runs_this_code(sock, monkeypatch):
-    from repro.doctor import _server_line
+    from repro.cli.doctor import _server_line
 
     assert _server_line().startswith("none (`python -m repro serve`")
     facts = server.start(sock, idle_s=60, preload=STANDIN)

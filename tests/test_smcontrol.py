@@ -4,8 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from repro.pinning import PINNED_VAR, apply_pin, choose_pin, worker_index
-from repro.smcontrol import (
+from repro.run.pinning import PINNED_VAR, apply_pin, choose_pin, worker_index
+from repro.run.smcontrol import (
     GpuInfo,
     MigSlice,
     Unavailable,
@@ -123,7 +123,7 @@ def test_mig_slice_record():
 def test_probe_clients_report_their_last_line_or_exit_status():
     import os
 
-    from repro.smcontrol import _run_clients
+    from repro.run.smcontrol import _run_clients
 
     env = dict(os.environ)
     seen = _run_clients([("a", "print('warming'); print('ok 16')", env), ("b", "import sys; sys.exit(3)", env)], 0, 0)

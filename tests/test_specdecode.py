@@ -4,9 +4,9 @@ metadata, no graphs): capture order, strategy semantics, and greedy speculative 
 import pytest
 import torch
 
-from repro.descriptors import ConfigError
+from repro.case.descriptors import ConfigError
+from repro.case.scenarios import FRESH, STALE
 from repro.fa3_model.predict import ModelBackend
-from repro.scenarios import FRESH, STALE
 from repro.specdecode.models import EagleDraft, ForwardContext, ModelConfig, TargetModel, rotary
 from repro.specdecode.runner import SpecDecodeRunner
 
@@ -96,7 +96,7 @@ def test_acceptance_path_with_an_oracle_draft():
 
 def test_runtime_build_refreshes_the_same_buffers():
     run = _runner(FRESH)
-    from repro.descriptors import BatchDescriptor
+    from repro.case.descriptors import BatchDescriptor
 
     d = BatchDescriptor(8, 2, 4)
     cap = run.builder.build(d)

@@ -1,4 +1,4 @@
-"""One home for naming and counting stale entries (repro.staleness): the attention-layer diff, the freshness auditor
+"""One home for naming and counting stale entries (repro.attention.staleness): the attention-layer diff, the freshness auditor
 inside vLLM and the gate's summary of the auditor's report use the same key per field and the same words."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import json
 import subprocess
 import sys
 
-from repro.channel import Channel
-from repro.staleness import FieldDiff, count_fields, field_key, summarize
-from repro.tags import AUDIT_TAG
-from repro.vllm_integration.audit import Mismatch
-from repro.vllm_integration.gate_judge import _audit_evidence
+from repro.attention.staleness import FieldDiff, count_fields, field_key, summarize
+from repro.run.channel import Channel
+from repro.run.tags import AUDIT_TAG
+from repro.vllm_integration.gate.judge import _audit_evidence
+from repro.vllm_integration.plugin.audit import Mismatch
 
 
 def test_a_plain_buffer_counts_under_its_name_a_decoded_field_under_buffer_dot_field():
@@ -47,8 +47,8 @@ def test_staleness_imports_no_other_module_at_run_time():
     """The auditor inside vLLM imports it: nothing of torch, vLLM or the rest of repro comes with it (but the packages
     that hold it)."""
     code = (
-        "import sys, repro.staleness; print(sorted(m for m, mod in sys.modules.items()"
+        "import sys, repro.attention.staleness; print(sorted(m for m, mod in sys.modules.items()"
         " if m.split('.')[0] in ('repro', 'torch') and not hasattr(mod, '__path__')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['repro.staleness']"
+    assert out.strip() == "['repro.attention.staleness']"

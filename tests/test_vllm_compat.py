@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from repro.vllm_integration.compat import check_source, plugin_compat
+from repro.vllm_integration.releases.compat import check_source, plugin_compat
 
 FLASH = """
 class FlashAttentionMetadata:

@@ -1,8 +1,8 @@
 """The real-vLLM gate run recorded on the H200 with coverage counters (results/h200-vllm-coverage: gate.txt, the
 command's output; verdicts.md; results.json; logs/ with every case process's output and the auditor's JSON), judged
-again on a CPU through the gate's own code: repro.vllm_integration.gate_run.run_gate with its case processes replayed
+again on a CPU through the gate's own code: repro.vllm_integration.gate.run.run_gate with its case processes replayed
 from the recorded logs (the output each one printed, the exit status results.json recorded for it), so classify,
-annotate, the launch-blocking attribution, the reference comparison, not_fired/vouch and repro.policy.decide all run
+annotate, the launch-blocking attribution, the reference comparison, not_fired/vouch and repro.judge.policy.decide all run
 as they ran on the H200. The record files are only read; a replay copies what it needs to a temporary folder.
 
 Then the coverage rule on real data: a clean 0.26.0 case whose engine/counters lines are gone, whose auditor made 0
@@ -18,15 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from repro import smcontrol
-from repro.classify import classify
-from repro.policy import decide
-from repro.tags import AUDIT_TAG, COUNTERS_TAG, ENGINE_TAG
-from repro.verdicts import CANNOT_VOUCH, CLEAN, CRASH
-from repro.vllm_integration import gate_report, gate_run
-from repro.vllm_integration.builds import VllmBuild
-from repro.vllm_integration.gate_case import GateCase, parse_modes
-from repro.vllm_integration.gate_run import EXIT, run_gate
+from repro.judge.classify import classify
+from repro.judge.policy import decide
+from repro.judge.verdicts import CANNOT_VOUCH, CLEAN, CRASH
+from repro.run import smcontrol
+from repro.run.tags import AUDIT_TAG, COUNTERS_TAG, ENGINE_TAG
+from repro.vllm_integration.gate import report as gate_report
+from repro.vllm_integration.gate import run as gate_run
+from repro.vllm_integration.gate.case import GateCase, parse_modes
+from repro.vllm_integration.gate.run import EXIT, run_gate
+from repro.vllm_integration.releases.builds import VllmBuild
 
 RECORD = Path(__file__).resolve().parent.parent / "results" / "h200-vllm-coverage"
 LOGS = RECORD / "logs"
@@ -120,7 +121,7 @@ def test_every_recorded_verdict_comes_back_from_the_logs(recorded_run):
 
 
 def test_the_recorded_outcome_and_decision_come_back(recorded_run):
-    """PASS, through repro.policy.decide over the re-derived controls: the summary lines results.json holds, no
+    """PASS, through repro.judge.policy.decide over the re-derived controls: the summary lines results.json holds, no
     affected build, nothing cannot-vouch, no blind control."""
     assert recorded_run.outcome() == DOC["outcome"] == "PASS" and EXIT[recorded_run.outcome()] == 0
     d = decide(recorded_run.controls())
@@ -155,7 +156,7 @@ def test_the_coverage_tables_come_back_from_the_logs(recorded_run):
 
 
 def _last(text: str, tag: str) -> dict:
-    """The last `<tag> <json>` line of a recorded log, parsed here (independent of repro.channel)."""
+    """The last `<tag> <json>` line of a recorded log, parsed here (independent of repro.run.channel)."""
     found = [json.loads(ln[len(tag) + 1 :]) for ln in text.splitlines() if ln.startswith(tag + " {")]
     return found[-1] if found else {}
 

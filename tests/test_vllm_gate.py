@@ -14,14 +14,18 @@ from dataclasses import replace
 import pytest
 import torch
 
-from repro.case import CaseResult
-from repro.classify import classify
+from repro.case.descriptors import ConfigError
+from repro.case.poison import parse_poison
+from repro.case.spec import CaseResult
 from repro.cli import main as cli
-from repro.descriptors import ConfigError
-from repro.poison import parse_poison
-from repro.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, STALE_AUDIT, WRONG
-from repro.vllm_integration import fa3_hooks, plugin, weights
-from repro.vllm_integration.builds import (
+from repro.judge.classify import classify
+from repro.judge.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, STALE_AUDIT, WRONG
+from repro.vllm_integration import plugin
+from repro.vllm_integration.gate.case import GateCase, GateMode, parse_modes
+from repro.vllm_integration.gate.judge import annotate, apply_reference, compare_tokens, not_fired
+from repro.vllm_integration.gate.run import run_case, run_gate
+from repro.vllm_integration.plugin import fa3_hooks, weights
+from repro.vllm_integration.releases.builds import (
     CONTROL,
     UNDER_TEST,
     VllmBuild,
@@ -29,9 +33,6 @@ from repro.vllm_integration.builds import (
     find_builds,
     parse_builds,
 )
-from repro.vllm_integration.gate_case import GateCase, GateMode, parse_modes
-from repro.vllm_integration.gate_judge import annotate, apply_reference, compare_tokens, not_fired
-from repro.vllm_integration.gate_run import run_case, run_gate
 from tests.fake_vllm import write_fake_vllm
 
 needs_entry_point = pytest.mark.skipif(
@@ -227,7 +228,7 @@ def _source_tree(tmp_path, rel: str, text: str):
 
 
 def test_fresh_prefill_capture_rewrites_the_two_spots_once(tmp_path):
-    from repro.vllm_integration.bisect import SPECULATOR, fresh_prefill_capture, main
+    from repro.vllm_integration.releases.bisect import SPECULATOR, fresh_prefill_capture, main
 
     tree = _source_tree(
         tmp_path,
@@ -248,7 +249,7 @@ def test_fresh_prefill_capture_rewrites_the_two_spots_once(tmp_path):
 def test_stale_draft_capture_puts_the_defect_back_into_the_0_33_capture(tmp_path):
     """The source mutant of a current release: the draft capture's forward gets the metadata built for the first
     descriptor of its (mode, pass), the 0.21-0.25.1 defect (an excerpt of 0.33.0's create_forward_fn)."""
-    from repro.vllm_integration.bisect import DRAFT_CAPTURE, main, patched_copy
+    from repro.vllm_integration.releases.bisect import DRAFT_CAPTURE, main, patched_copy
 
     tree = _source_tree(
         tmp_path,
@@ -386,8 +387,8 @@ def test_the_kernel_comes_from_the_faulting_line_only(tmp_path):
 
 def test_the_gate_outcome_reads_failure_kinds_not_their_words(monkeypatch):
     """Rewording a policy message must not change an outcome: GateRun decides by Failure.kind and case id."""
-    from repro import policy
-    from repro.vllm_integration.gate_run import GateRun
+    from repro.judge import policy
+    from repro.vllm_integration.gate.run import GateRun
 
     build = VllmBuild("0.26.0", None, UNDER_TEST, "0.26.0")
     case = GateCase(build, GateMode.parse("plain"))
@@ -431,7 +432,7 @@ def test_the_pytest_tier_runs_each_build_and_mode_through_the_gates_own_run(tmp_
 
     monkeypatch.setattr(tier, "gpu_skip_reason", lambda: None)  # the stand-in builds need no GPU
     monkeypatch.setenv("REPRO_CACHE_DIR", str(tmp_path / "cache"))
-    from repro.pytest_cases import RUN_ENV
+    from repro.run.pytest_cases import RUN_ENV
 
     monkeypatch.setenv(RUN_ENV, str(tmp_path / "logs"))  # this test's case logs, never another run's folder
     builds = parse_builds(f"good={fakes['good']}", UNDER_TEST, "REPRO_VLLM")

@@ -1,4 +1,4 @@
-"""The vLLM gate's new path (repro.vllm_integration.gate_cache, gate_bench): the cache keys (two builds never share a
+"""The vLLM gate's new path (repro.vllm_integration.gate.cache, gate_bench): the cache keys (two builds never share a
 cache, a changed build invalidates it), what a case gets from and gives to its build's cache, kept references, the
 phase split read from real H200 logs, and the old/new comparison end to end on stand-in builds."""
 
@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from repro.verdicts import CLEAN
-from repro.vllm_integration import gate_bench, gate_report
-from repro.vllm_integration.builds import CONTROL, UNDER_TEST, parse_builds
-from repro.vllm_integration.gate_cache import COLD, VLLM_CACHE, WARM, WRITER, GateCache, package_fingerprint
-from repro.vllm_integration.gate_case import parse_modes
-from repro.vllm_integration.gate_paths import FORK_COLD, FORK_WARM, NEW_COLD, NEW_WARM, OLD_PATH, compare_paths
-from repro.vllm_integration.gate_report import build_summary
-from repro.vllm_integration.gate_run import run_gate
+from repro.judge.verdicts import CLEAN
+from repro.vllm_integration.gate import bench as gate_bench
+from repro.vllm_integration.gate import report as gate_report
+from repro.vllm_integration.gate.cache import COLD, VLLM_CACHE, WARM, WRITER, GateCache, package_fingerprint
+from repro.vllm_integration.gate.case import parse_modes
+from repro.vllm_integration.gate.paths import FORK_COLD, FORK_WARM, NEW_COLD, NEW_WARM, OLD_PATH, compare_paths
+from repro.vllm_integration.gate.report import build_summary
+from repro.vllm_integration.gate.run import run_gate
+from repro.vllm_integration.releases.builds import CONTROL, UNDER_TEST, parse_builds
 from tests.fake_vllm import write_fake_vllm
 
 RECORDED = Path(__file__).parent.parent / "results" / "h200-vllm-release-range" / "logs"
@@ -86,8 +87,8 @@ def test_phases_from_a_real_h200_case():
     """0.26.0's plain case of the release-range run: vLLM's config and model-registry inspection 38 s (two
     subprocesses that import vLLM again, what the shared model-info cache saves), torch.compile 9.98 + 2.96 s, graph
     capture 3 s; the rest from the case's own RESULT record."""
-    from repro.channel import Channel
-    from repro.tags import RESULT_TAG
+    from repro.run.channel import Channel
+    from repro.run.tags import RESULT_TAG
 
     log = (RECORDED / "stale_metadata-vllm-0.26.0-under-test-plain.out.log").read_text()
     result = Channel.read(RECORDED / "stale_metadata-vllm-0.26.0-under-test-plain.channel.jsonl").last(RESULT_TAG)
@@ -190,7 +191,7 @@ def test_prune_removes_the_build_folders_unused_longest_never_this_runs_or_a_hel
     import os
     import time
 
-    from repro.vllm_integration.gate_cache import CLAIM, USED
+    from repro.vllm_integration.gate.cache import CLAIM, USED
 
     cache = GateCache(tmp_path / "c")
     base = tmp_path / "c" / "vllm-gate"

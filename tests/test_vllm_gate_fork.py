@@ -1,5 +1,5 @@
 """The gate's pre-imported launcher on CPU, over stand-in vLLM builds (tests/fake_vllm.py): case processes forked from
-a forkserver per build (repro.vllm_integration.gate_fork, gate_launch) give the records the spawned ones give, a hang
+a forkserver per build (repro.vllm_integration.gate.fork, gate_launch) give the records the spawned ones give, a hang
 is killed at its timeout with its whole group, a crash's exit code and log arrive, a case or build that needs a
 variable at import time is launched plainly, and a forkserver that dies hands its build back to the plain launch,
 each said in the record and the report."""
@@ -18,12 +18,13 @@ import time
 
 import pytest
 
-from repro.verdicts import CLEAN, CRASH, HANG
-from repro.vllm_integration import gate_fork, gate_report
-from repro.vllm_integration.builds import CONTROL, UNDER_TEST, parse_builds
-from repro.vllm_integration.gate_case import GateCase, GateMode, case_env, parse_modes
-from repro.vllm_integration.gate_launch import FORK, SPAWN, Launcher, differs, launcher_kind
-from repro.vllm_integration.gate_run import run_case, run_gate
+from repro.judge.verdicts import CLEAN, CRASH, HANG
+from repro.vllm_integration.gate import fork as gate_fork
+from repro.vllm_integration.gate import report as gate_report
+from repro.vllm_integration.gate.case import GateCase, GateMode, case_env, parse_modes
+from repro.vllm_integration.gate.launch import FORK, SPAWN, Launcher, differs, launcher_kind
+from repro.vllm_integration.gate.run import run_case, run_gate
+from repro.vllm_integration.releases.builds import CONTROL, UNDER_TEST, parse_builds
 from tests.fake_vllm import BEHAVIOURS, write_fake_vllm
 from tests.processes import gone
 
@@ -257,10 +258,10 @@ def test_the_forkserver_speaks_typed_records_only():
 GATE_THAT_DIES = """
 import json, sys, threading, time
 from pathlib import Path
-from repro.vllm_integration.builds import parse_builds, UNDER_TEST
-from repro.vllm_integration.gate_case import GateCase, GateMode, case_env
-from repro.vllm_integration.gate_launch import Launcher, FORK
-from repro.vllm_integration.gate_run import run_case
+from repro.vllm_integration.releases.builds import parse_builds, UNDER_TEST
+from repro.vllm_integration.gate.case import GateCase, GateMode, case_env
+from repro.vllm_integration.gate.launch import Launcher, FORK
+from repro.vllm_integration.gate.run import run_case
 tmp = Path(sys.argv[1])
 b = parse_builds(f"hang={sys.argv[2]}", UNDER_TEST, "x")[0]
 launcher = Launcher(FORK, tmp / "logs")

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from repro.channel import Channel
-from repro.classify import classify, kernel_in
-from repro.tags import AUDIT_TAG, RESULT_TAG
-from repro.verdicts import CLEAN, CRASH, ERROR
-from repro.vllm_integration.gate_case import GateCase
-from repro.vllm_integration.gate_judge import compare_tokens
+from repro.judge.classify import classify, kernel_in
+from repro.judge.verdicts import CLEAN, CRASH, ERROR
+from repro.run.channel import Channel
+from repro.run.tags import AUDIT_TAG, RESULT_TAG
+from repro.vllm_integration.gate.case import GateCase
+from repro.vllm_integration.gate.judge import compare_tokens
 
 RECORDS = sorted((Path(__file__).resolve().parent.parent / "results" / "h200-vllm").glob("*/results.json"))
 ROWS = [(p.parent.name, c) for p in RECORDS for c in json.loads(p.read_text())["cases"]]

@@ -10,14 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from repro.builder import MetadataBuilder
-from repro.descriptors import AttnConfig, BatchDescriptor
+from repro.attention.builder import MetadataBuilder
+from repro.case.descriptors import AttnConfig, BatchDescriptor
 from repro.fa3_model.predict import ModelBackend
-from repro.vllm_integration import backend_hooks, capture, counters, plugin
-from repro.vllm_integration.audit import FreshnessAuditor
-from repro.vllm_integration.bisect import UNTESTABLE_EXIT, build_overlay, run_bisect, step
-from repro.vllm_integration.gate import write_models
-from repro.vllm_integration.source_check import BAD, GOOD, UNTESTABLE, check_tree
+from repro.vllm_integration import plugin
+from repro.vllm_integration.gate.worker import write_models
+from repro.vllm_integration.plugin import backend_hooks, capture, counters
+from repro.vllm_integration.plugin.audit import FreshnessAuditor
+from repro.vllm_integration.releases.bisect import UNTESTABLE_EXIT, build_overlay, run_bisect, step
+from repro.vllm_integration.releases.source_check import BAD, GOOD, UNTESTABLE, check_tree
 
 CFG = AttnConfig()
 
@@ -289,7 +290,7 @@ def test_bisect_step_exit_codes_from_the_command_line(tmp_path):
     _tree(tmp_path / "good", "autoregressive", MANAGER_GOOD)
 
     def run(p):
-        cmd = [sys.executable, "-m", "repro.vllm_integration.bisect", "step", "--repo", str(p)]
+        cmd = [sys.executable, "-m", "repro.vllm_integration.releases.bisect", "step", "--repo", str(p)]
         return subprocess.run(cmd, capture_output=True, text=True).returncode
 
     assert (run(tmp_path / "good"), run(tmp_path / "bad"), run(tmp_path)) == (0, 1, 125)

@@ -1,7 +1,7 @@
 """The three-release gate run recorded on the H200 through the structured channel (results/h200-vllm-release-range:
 0.23.0 and 0.26.0 under test, 0.25.1 the control, modes audit and plain), judged again on a CPU: run_gate with each
 case process replaced by what it left there — its free-form log and its channel file — so classify, annotate, the
-attribution rerun, the reference comparison, the coverage check and repro.policy run as they ran on the H200. The
+attribution rerun, the reference comparison, the coverage check and repro.judge.policy run as they ran on the H200. The
 logs hold no record at all (they went to the channel), and a channel line cut short is an error, never a clean."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from repro.channel import Channel, path_for
-from repro.tags import TAGS
-from repro.verdicts import CLEAN, ERROR
-from repro.vllm_integration import release_range
-from repro.vllm_integration.gate_report import build_summary
+from repro.judge.verdicts import CLEAN, ERROR
+from repro.run.channel import Channel, path_for
+from repro.run.tags import TAGS
+from repro.vllm_integration.gate.report import build_summary
+from repro.vllm_integration.releases import release_range
 from tests import recorded_gate
 
 RECORD = Path(__file__).resolve().parent.parent / "results" / "h200-vllm-release-range"

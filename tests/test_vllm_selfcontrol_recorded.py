@@ -1,5 +1,5 @@
 """The self control on the H200, judged again on a CPU from its records: the defect re-created inside 0.26.0, 0.25.1
-and 0.33.0 (repro.vllm_integration.inject) beside 0.25.1 as it is, and a source mutant of 0.33.0 with PR #48261
+and 0.33.0 (repro.vllm_integration.plugin.inject) beside 0.25.1 as it is, and a source mutant of 0.33.0 with PR #48261
 reverted in spirit. Every verdict comes back from the logs and channel files; the fidelity table and which kind of
 control each mode relied on are recomputed, not read."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from repro.vllm_integration.gate_report import fidelity, markdown
-from repro.vllm_integration.gate_run import EXIT
+from repro.vllm_integration.gate.report import fidelity, markdown
+from repro.vllm_integration.gate.run import EXIT
 from tests.recorded_gate import replay
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"

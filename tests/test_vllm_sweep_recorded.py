@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from repro.channel import Channel, path_for
-from repro.tags import RESULT_TAG
-from repro.vllm_integration import gate_bench, release_range
-from repro.vllm_integration.gate_report import build_summary
+from repro.run.channel import Channel, path_for
+from repro.run.tags import RESULT_TAG
+from repro.vllm_integration.gate import bench as gate_bench
+from repro.vllm_integration.gate.report import build_summary
+from repro.vllm_integration.releases import release_range
 from tests.recorded_gate import replay
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from repro.vllm_integration import versions
-from repro.vllm_integration.backend_fields import markdown as fields_markdown
-from repro.vllm_integration.compat import plugin_facts
+from repro.vllm_integration.plugin.backend_fields import markdown as fields_markdown
+from repro.vllm_integration.releases import versions
+from repro.vllm_integration.releases.compat import plugin_facts
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 FACTS, SOURCES = versions.load(), versions.load(versions.SOURCE_FILE)
@@ -20,7 +20,7 @@ FACTS, SOURCES = versions.load(), versions.load(versions.SOURCE_FILE)
 
 def test_versions_page_holds_the_generated_version_table():
     assert versions.markdown() in (DOCS / "versions.md").read_text(), (
-        "regenerate docs/versions.md's table: python -c 'from repro.vllm_integration.versions import markdown; "
+        "regenerate docs/versions.md's table: python -c 'from repro.vllm_integration.releases.versions import markdown; "
         "print(markdown())'"
     )
 
@@ -28,7 +28,7 @@ def test_versions_page_holds_the_generated_version_table():
 def test_backend_fields_page_holds_the_generated_field_table():
     assert fields_markdown() in (DOCS / "backend-fields.md").read_text(), (
         "regenerate docs/backend-fields.md's table: python -c "
-        "'from repro.vllm_integration.backend_fields import markdown; print(markdown())'"
+        "'from repro.vllm_integration.plugin.backend_fields import markdown; print(markdown())'"
     )
 
 

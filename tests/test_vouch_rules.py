@@ -1,4 +1,4 @@
-"""One test per rule of what a vLLM gate case must show fired before it vouches (repro.vllm_integration.coverage:
+"""One test per rule of what a vLLM gate case must show fired before it vouches (repro.vllm_integration.gate.coverage:
 the rows of NEEDS, the engine checks of not_fired) and per exception of gate_judge.vouch (a crash, a hang or wrong
 tokens stay evidence; a self control whose injection never wrote before one cannot vouch). Each starts from a case
 in which everything fired (FIRED), takes away the one thing its rule reads, and asserts that rule's reason, and only
@@ -20,12 +20,13 @@ import json
 
 import pytest
 
-from repro.case import CaseResult
-from repro.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, HANG, STALE_AUDIT, WRONG
-from repro.vllm_integration import coverage, gate_judge
-from repro.vllm_integration.builds import UNDER_TEST, VllmBuild
-from repro.vllm_integration.gate_case import GateCase, GateMode, reference_for
-from repro.vllm_integration.inject import STALE_CAPTURE
+from repro.case.spec import CaseResult
+from repro.judge.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, HANG, STALE_AUDIT, WRONG
+from repro.vllm_integration.gate import coverage
+from repro.vllm_integration.gate import judge as gate_judge
+from repro.vllm_integration.gate.case import GateCase, GateMode, reference_for
+from repro.vllm_integration.plugin.inject import STALE_CAPTURE
+from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
 
 BUILD = VllmBuild("x", None, UNDER_TEST, "0.26.0")
 FIRED = {  # everything every mode needs, counted

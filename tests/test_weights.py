@@ -1,7 +1,7 @@
-"""The gate model's `agree` weights (repro.vllm_integration.weights) in a CPU re-implementation of the forward pass
+"""The gate model's `agree` weights (repro.vllm_integration.plugin.weights) in a CPU re-implementation of the forward pass
 vLLM runs on them (Llama: RMSNorm, neox RoPE, GQA causal attention scaled by head_dim^-0.5, SiLU MLP; EagleLlama: fc
 over [embedding, target hidden], one layer without its input norm, no final norm, the target's LM head), with the
-gate's model configuration (repro.vllm_integration.gate TARGET/DRAFT) and bf16 parameters: the target decodes
+gate's model configuration (repro.vllm_integration.gate.worker TARGET/DRAFT) and bf16 parameters: the target decodes
 SIGMA[previous token] by a wide margin, the draft proposes exactly the target's next tokens, and a draft whose
 attention reads another request's keys proposes tokens the target rejects."""
 
@@ -13,8 +13,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from repro.vllm_integration import weights  # noqa: E402
-from repro.vllm_integration.gate import DRAFT, PROMPTS, TARGET  # noqa: E402
+from repro.vllm_integration.gate.worker import DRAFT, PROMPTS, TARGET  # noqa: E402
+from repro.vllm_integration.plugin import weights  # noqa: E402
 
 
 class FakeModel(torch.nn.Module):

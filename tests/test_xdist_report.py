@@ -2,9 +2,9 @@
 
 from pathlib import Path
 
-from repro.case import CaseSpec
-from repro.classify import classify
-from repro.xdist_report import check_junit
+from repro.case.spec import CaseSpec
+from repro.judge.classify import classify
+from repro.report.xdist import check_junit
 
 RECORDED = Path(__file__).parent.parent / "results" / "h200x2-xdist"
 

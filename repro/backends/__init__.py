@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from repro.backends.base import BackendIdentity, BackendUnavailable, Fa3Backend
-from repro.descriptors import ConfigError
+from repro.case.descriptors import ConfigError
 
 BACKENDS = ("upstream", "vllm")
 

@@ -1,4 +1,4 @@
-"""Imported once by the forkserver (repro.executor) before it forks any case: loads the FA3 libraries this
+"""Imported once by the forkserver (repro.run.executor) before it forks any case: loads the FA3 libraries this
 environment names and hashes them, without touching CUDA, so a forked case finds them loaded and hashed. A library
 that fails to load here is left alone: the case that needs it reports why."""
 

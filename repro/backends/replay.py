@@ -1,4 +1,4 @@
-"""A backend that answers get_scheduler_metadata from buffers recorded on a GPU (repro.record).
+"""A backend that answers get_scheduler_metadata from buffers recorded on a GPU (repro.fa3_model.record).
 
 It lets the CPU tier run the builder, layouts, poison and stale diffs on what FA3 really returned, padding
 entries included. It has no forward: cases that launch kernels need a real backend."""
@@ -10,15 +10,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+from repro.attention.scheduler_inputs import SchedulerInputs
 from repro.backends.base import BackendIdentity, BackendUnavailable
-from repro.scheduler_inputs import SchedulerInputs
 
 
 def load_records(path: str | Path) -> tuple[dict, list[dict]]:
     with gzip.open(path, "rt") as f:
         lines = [json.loads(line) for line in f if line.strip()]
     if not lines or not lines[0].get("header"):
-        raise ValueError(f"{path}: not a repro.record file")
+        raise ValueError(f"{path}: not a repro.fa3_model.record file")
     return lines[0], lines[1:]
 
 

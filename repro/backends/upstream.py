@@ -8,8 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from repro.attention.layout import UPSTREAM
 from repro.backends.base import BackendIdentity, BackendUnavailable, TorchOpsBackend, file_sha256, same_library
-from repro.layout import UPSTREAM
 
 ENV_VAR = "FA3_UPSTREAM_PATH"
 

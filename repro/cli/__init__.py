@@ -9,9 +9,9 @@ import os
 import sys
 
 from repro import __version__
+from repro.case.descriptors import ConfigError
 from repro.cli import matrix, reports, run, serve, vllm
 from repro.cli.common import EXIT_BAD_INPUT, EXIT_INTERRUPTED, Parser
-from repro.descriptors import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 from repro.backends import BACKENDS
-from repro.descriptors import AttnConfig, ConfigError
-from repro.poison import DEFAULT_POISON, parse_poison
-from repro.smcontrol import Unavailable, device_sm_count
+from repro.case.descriptors import AttnConfig, ConfigError
+from repro.case.poison import DEFAULT_POISON, parse_poison
+from repro.run.smcontrol import Unavailable, device_sm_count
 
 DEFAULT_MODES = "eager,graph"
 MAX_REPEAT = 1000  # --repeat: every repetition is a case of its own, planned (and listed) before any runs
@@ -59,13 +59,13 @@ EXIT_CODES: dict[str, dict[int, str]] = {
     "redact": {0: "done", 2: "bad input"},
     "doctor": {0: "always (it reports what is missing)"},
     "serve": {0: "started, running, stopped or status shown", 2: "bad input, or the server did not start"},
-    "repro.smcontrol --probe-coexistence": {
+    "repro.run.smcontrol --probe-coexistence": {
         0: "MPS clients and plain processes coexist",
         1: "they do not",
         2: "bad input",
         4: "no GPU or MPS to probe",
     },
-    "repro.vllm_integration.bisect step": {0: "good", 1: "bad", 2: "bad input", 125: "untestable"},
+    "repro.vllm_integration.releases.bisect step": {0: "good", 1: "bad", 2: "bad input", 125: "untestable"},
 }
 
 

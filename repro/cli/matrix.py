@@ -8,9 +8,18 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from repro import environment, report
-from repro.benchmark import compare_executors
-from repro.case import CaseSpec
+from repro.case.descriptors import ConfigError
+from repro.case.matrix import (
+    DEFAULT_SMS,
+    MatrixOptions,
+    MatrixRun,
+    attach_expectations,
+    build_specs,
+    run_matrix,
+    text_progress,
+)
+from repro.case.scenarios import DEFAULT_PAIR, SCENARIOS, STRATEGIES, V2
+from repro.case.spec import CaseSpec
 from repro.cli.common import (
     DEFAULT_MODES,
     EXIT_NOT_RUN,
@@ -29,23 +38,15 @@ from repro.cli.common import (
     repeats,
     shape_config,
 )
-from repro.descriptors import ConfigError
-from repro.executor import DEFAULT_EXECUTOR, EXECUTORS
-from repro.expectations import unmodelled
 from repro.fa3_model.scope import H200_SMS
-from repro.matrix import (
-    DEFAULT_SMS,
-    MatrixOptions,
-    MatrixRun,
-    attach_expectations,
-    build_specs,
-    run_matrix,
-    text_progress,
-)
-from repro.mps_cases import DEFAULT_MPS_DAEMON, MPS_DAEMON_POLICIES
-from repro.redact import redact
-from repro.runner import default_executor, device_sm_count, make_executor
-from repro.scenarios import DEFAULT_PAIR, SCENARIOS, STRATEGIES, V2
+from repro.judge.expectations import unmodelled
+from repro.report import environment
+from repro.report import results as report
+from repro.report.benchmark import compare_executors
+from repro.report.redact import redact
+from repro.run.executor import DEFAULT_EXECUTOR, EXECUTORS
+from repro.run.mps_cases import DEFAULT_MPS_DAEMON, MPS_DAEMON_POLICIES
+from repro.run.runner import default_executor, device_sm_count, make_executor
 
 
 def add_parsers(sub) -> None:
@@ -125,7 +126,7 @@ def _model_specs(a: argparse.Namespace, opts, specs: list[CaseSpec]) -> list[Cas
     if opts.scenario != V2:
         raise ConfigError(f"the CPU model predicts --scenario {V2} only; run --scenario {opts.scenario} on a GPU")
     for s in specs:
-        if why := unmodelled(s):  # its prediction would be a guess (repro.expectations.UNMODELLED)
+        if why := unmodelled(s):  # its prediction would be a guess (repro.judge.expectations.UNMODELLED)
             raise ConfigError(
                 f"the CPU model does not model a feature of these cases ({'; '.join(why)}): run them on a GPU"
             )

@@ -6,14 +6,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from repro.benchmark import benchmark_markdown, paths_from_files
+from repro.case.descriptors import ConfigError
 from repro.cli.common import check_exists, check_out_file
-from repro.descriptors import ConfigError
-from repro.doctor import doctor
-from repro.redact import redact, redact_tree
-from repro.report import MODEL, is_vllm_gate_record, load_json
-from repro.xdist_report import check_junit
-from repro.xdist_report import markdown as junit_markdown
+from repro.cli.doctor import doctor
+from repro.report.benchmark import benchmark_markdown, paths_from_files
+from repro.report.redact import redact, redact_tree
+from repro.report.results import MODEL, is_vllm_gate_record, load_json
+from repro.report.xdist import check_junit
+from repro.report.xdist import markdown as junit_markdown
 
 
 def add_parsers(sub) -> None:

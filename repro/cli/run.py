@@ -8,7 +8,9 @@ import os
 import sys
 from pathlib import Path
 
-from repro.case import CaseSpec, SmConfig
+from repro.case.descriptors import ConfigError
+from repro.case.scenarios import DEFAULT_PAIR, PAIR, SCENARIOS, STRATEGIES, V2, pair_descriptors
+from repro.case.spec import CaseSpec, SmConfig
 from repro.cli.common import (
     EXIT_NOT_RUN,
     add_shape_args,
@@ -21,11 +23,9 @@ from repro.cli.common import (
     poison_arg,
     shape_config,
 )
-from repro.descriptors import ConfigError
-from repro.runner import device_sm_count, run_case
-from repro.scenarios import DEFAULT_PAIR, PAIR, SCENARIOS, STRATEGIES, V2, pair_descriptors
-from repro.smcontrol import Unavailable, maybe_mps
-from repro.verdicts import CLEAN, SKIP
+from repro.judge.verdicts import CLEAN, SKIP
+from repro.run.runner import device_sm_count, run_case
+from repro.run.smcontrol import Unavailable, maybe_mps
 
 
 def add_parsers(sub) -> None:

@@ -1,4 +1,4 @@
-"""`python -m repro serve`: start, stop or show the repro server that outlives commands (repro.server)."""
+"""`python -m repro serve`: start, stop or show the repro server that outlives commands (repro.run.server)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import argparse
 import sys
 import time
 
-from repro import server
+from repro.case.descriptors import ConfigError
 from repro.cli.common import check_out_dir, gpu_present, seconds
-from repro.descriptors import ConfigError
+from repro.run import server
 
 
 def add_parsers(sub) -> None:

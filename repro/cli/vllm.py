@@ -12,6 +12,7 @@ import zipfile
 from dataclasses import replace
 from pathlib import Path
 
+from repro.case.descriptors import ConfigError
 from repro.cli.common import (
     EXIT_BLIND,
     EXIT_BUG,
@@ -27,10 +28,9 @@ from repro.cli.common import (
     repeats,
     seconds,
 )
-from repro.descriptors import ConfigError
-from repro.vllm_integration.backend_fields import DEFAULT_BACKEND
-from repro.vllm_integration.bisect import add_check_option, run_bisect  # every parser build reads its option
-from repro.vllm_integration.source_check import check_tree
+from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
+from repro.vllm_integration.releases.bisect import add_check_option, run_bisect  # every parser build reads its option
+from repro.vllm_integration.releases.source_check import check_tree
 
 
 def add_parsers(sub) -> None:
@@ -172,9 +172,13 @@ def cmd_gate(a: argparse.Namespace) -> int:
     hang, wrong tokens or stale views); 4: a build under test could not be vouched for (a case errored or skipped),
     or the gate cannot run here (no GPU, no vLLM build), said in one line before any case runs; 3: HARNESS BLIND (a
     control missed, or none ran); 2: bad input. A bisect step maps 0 and 1 through, the rest to 125 (untestable)."""
-    from repro.environment import collect  # the gate's modules load only for it
-    from repro.vllm_integration import gate_report  # as above
-    from repro.vllm_integration.builds import (  # as above
+    from repro.report.environment import collect  # the gate's modules load only for it
+    from repro.vllm_integration.gate import report as gate_report  # as above
+    from repro.vllm_integration.gate.cache import GateCache, default_root  # as above
+    from repro.vllm_integration.gate.case import parse_backends, parse_modes  # as above
+    from repro.vllm_integration.gate.placement import cpu_cores, fit_jobs, gate_devices, gpu_memory_gib  # as above
+    from repro.vllm_integration.gate.run import EXIT, run_gate  # as above
+    from repro.vllm_integration.releases.builds import (  # as above
         CONTROL,
         UNDER_TEST,
         attach_torch,
@@ -183,10 +187,6 @@ def cmd_gate(a: argparse.Namespace) -> int:
         parse_builds,
         parse_overlays,
     )
-    from repro.vllm_integration.gate_cache import GateCache, default_root  # as above
-    from repro.vllm_integration.gate_case import parse_backends, parse_modes  # as above
-    from repro.vllm_integration.gate_run import EXIT, run_gate  # as above
-    from repro.vllm_integration.placement import cpu_cores, fit_jobs, gate_devices, gpu_memory_gib  # as above
 
     modes = parse_modes(a.modes)
     backends = parse_backends(a.backends)
@@ -222,7 +222,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
         )
         return EXIT_NOT_RUN
     if a.dry_run:
-        from repro.vllm_integration.gate_run import plan  # the gate's modules load only for it
+        from repro.vllm_integration.gate.run import plan  # the gate's modules load only for it
 
         for c in plan(builds + [o.listed() for o in overlays], modes, a.repeat, a.timeout, backends, a.self_control):
             print(c.case_id)
@@ -322,7 +322,7 @@ def cmd_bisect(a: argparse.Namespace) -> int:
 
 
 def cmd_vllm_check(a: argparse.Namespace) -> int:
-    from repro.vllm_integration.compat import check_source  # only for vllm-check
+    from repro.vllm_integration.releases.compat import check_source  # only for vllm-check
 
     rows = []
     for path in a.sources:
@@ -350,7 +350,7 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
 
 def _parse_paths(text: str | None, compare: bool) -> tuple[str, ...]:
     """--paths: the paths --compare-paths runs, in order (gate_paths.PATHS by folder name); refused without it."""
-    from repro.vllm_integration.gate_paths import PATHS, path_folder  # the gate's modules load only for it
+    from repro.vllm_integration.gate.paths import PATHS, path_folder  # the gate's modules load only for it
 
     if text is not None and not compare:
         raise ConfigError(f"--paths {text}: picks the paths of --compare-paths; give --compare-paths too")
@@ -365,12 +365,13 @@ def _compare_paths(a: argparse.Namespace, paths, builds, modes, backends, out: P
     """`gate --compare-paths`: old path, new path cold, new path warm; each path's gate report in OUT/<path>/,
     the side-by-side table in OUT/paths.md and paths.json. Exit: the last path's gate exit code, or 3 when a case's
     verdict differs between the paths (the new path cannot stand in for the old)."""
-    from repro import report  # the gate's modules load only for it
-    from repro.environment import collect  # as above
-    from repro.redact import redact  # as above
-    from repro.vllm_integration import gate_bench, gate_report  # as above
-    from repro.vllm_integration.gate_paths import compare_paths, path_folder  # as above
-    from repro.vllm_integration.gate_run import EXIT  # as above
+    from repro.report import results as report  # the gate's modules load only for it
+    from repro.report.environment import collect  # as above
+    from repro.report.redact import redact  # as above
+    from repro.vllm_integration.gate import bench as gate_bench  # as above
+    from repro.vllm_integration.gate import report as gate_report  # as above
+    from repro.vllm_integration.gate.paths import compare_paths, path_folder  # as above
+    from repro.vllm_integration.gate.run import EXIT  # as above
 
     cache_root = Path(a.cache_dir) if a.cache_dir else out / "cache"
     runs = compare_paths(builds, modes, logs, cache_root, a.jobs, a.timeout, progress, backends, paths, a.self_control)

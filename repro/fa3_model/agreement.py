@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from repro.descriptors import AttnConfig
-from repro.expectations import unmodelled
+from repro.attention.layout import UPSTREAM, VLLM
+from repro.case.descriptors import AttnConfig
 from repro.fa3_model.predict import predict_case, predict_outcomes
 from repro.fa3_model.scope import H200_SMS
-from repro.layout import UPSTREAM, VLLM
-from repro.report import MODEL, load_json
-from repro.verdicts import CRASH, ERROR, HANG, OOB, SKIP
+from repro.judge.expectations import unmodelled
+from repro.judge.verdicts import CRASH, ERROR, HANG, OOB, SKIP
+from repro.report.results import MODEL, load_json
 
 
 @dataclass
@@ -48,7 +48,7 @@ class Agreement:
 
 def compare(paths: list[str | Path]) -> list[Agreement]:
     """Every eager V2 case of the given runs whose SM count the model covers (sm_margin, MPS or the whole GPU) and
-    whose features it models (repro.expectations.UNMODELLED)."""
+    whose features it models (repro.judge.expectations.UNMODELLED)."""
     out = []
     flavors = {"upstream": UPSTREAM, "vllm": VLLM}
     for path in paths:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from repro.case import CaseSpec
+from repro.case.spec import CaseSpec
 from repro.specdecode.models import ModelConfig
 
 PROMPTS = [[11, 12, 13, 14, 15, 16, 17], [21, 22, 23], [31, 32, 33, 34, 35], [41, 42, 43, 44]]

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from repro.descriptors import AttnConfig
-from repro.reference import paged_attention_reference
+from repro.attention.reference import paged_attention_reference
+from repro.case.descriptors import AttnConfig
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class ModelConfig:
 class ForwardContext:
     """What one forward's attention layers need: metadata views, KV caches, and how to attend."""
 
-    metadata: Any  # repro.builder.AttnMetadata
+    metadata: Any  # repro.attention.builder.AttnMetadata
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: k_cache, v_cache [pages, page, kv_heads, d]
     slot_mapping: torch.Tensor  # [T] int64
     backend: Any = None  # FA3 backend, or None for the reference

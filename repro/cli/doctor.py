@@ -1,0 +1,82 @@
+"""`python -m repro doctor`: GPU, SMs, MIG slices, MPS, compute-sanitizer, FA3 backends, and fixes."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+from repro.report.environment import gpu_facts
+from repro.run import server
+from repro.run.sanitizer import find_sanitizer
+from repro.run.smcontrol import Unavailable, enumerate_gpus, green_contexts_available
+
+
+def _probe_backend(name: str) -> str:
+    code = (
+        f"from repro.backends import load_backend\n"
+        f"try:\n    print('ok', load_backend({name!r}).identity().short())\n"
+        f"except Exception as e:\n    print('missing', e)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    return r.stdout.strip() or r.stderr.strip().splitlines()[-1] if (r.stdout or r.stderr) else "no answer"
+
+
+def doctor() -> str:
+
+    lines = []
+    facts = gpu_facts()
+    lines.append(
+        f"torch:             {facts.get('torch') or 'not installed (pip install torch)'} (CUDA {facts.get('cuda')})"
+    )
+    if facts.get("gpu"):
+        lines.append(f"GPU:               {facts['gpu']}, {facts['sms']} SMs, compute capability {facts['capability']}")
+        if facts.get("capability") != "9.0":
+            lines.append("                   FA3 needs Hopper (9.0): GPU cases will skip")
+    else:
+        lines.append(
+            "GPU:               none visible; GPU cases skip; `python -m repro matrix` predicts with the CPU model"
+        )
+    try:
+        gpus = enumerate_gpus()
+        for g in gpus:
+            lines.append(
+                f"NVML GPU {g.index}:        {g.name} MIG {'on' if g.mig_mode else 'off'}, {len(g.slices)} slices"
+            )
+            for s in g.slices:
+                lines.append(f"  slice {s.index}: {s.profile} {s.sms} SMs {s.memory_mib} MiB {s.uuid}")
+    except Unavailable as e:
+        lines.append(f"NVML:              {e}")
+    lines.append(f"green contexts:    {_green_line(facts)}")
+    mps = shutil.which("nvidia-cuda-mps-control")
+    lines.append(f"MPS:               {mps or 'nvidia-cuda-mps-control not found: MPS cases skip'}")
+    san = find_sanitizer()
+    lines.append(f"compute-sanitizer: {san or 'not found: install the CUDA toolkit or put it on PATH'}")
+    for b in ("upstream", "vllm"):
+        lines.append(f"FA3 {b:<9}      {_probe_backend(b)}")
+    can_run = bool(facts.get("gpu")) and facts.get("capability") == "9.0"
+    lines.append(f"repro server:      {_server_line(can_run)}")
+    return "\n".join(lines)
+
+
+def _green_line(facts: dict) -> str:
+    """Green contexts need torch's CUDA build and a GPU; a CPU-only torch has the module but cannot make one."""
+    if facts.get("torch") and not facts.get("cuda"):
+        return f"not available: torch {facts['torch']} is a CPU-only build (green:N cases skip)"
+    if not facts.get("gpu"):
+        return "not available: no CUDA GPU visible (green:N cases skip)"
+    green = green_contexts_available()
+    return "available in torch" if green is None else green
+
+
+def _server_line(can_run: bool = True) -> str:
+    """The repro server: whether one runs this code; recommended only where GPU cases can run."""
+
+    if not can_run:
+        facts, _ = server.usable()
+        held = f"pid {facts['pid']} runs, but " if facts else ""
+        return f"{held}of no use here: no GPU case runs on this machine (the CPU model needs no server)"
+    facts, why = server.usable()
+    if facts:
+        return f"pid {facts['pid']}, runs this code: matrix forks its cases from it"
+    return why if "other code" in why or "=off" in why else "none (`python -m repro serve`: verdicts in seconds)"

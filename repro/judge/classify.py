@@ -1,0 +1,159 @@
+"""How a case process's output becomes a verdict (the taxonomy: repro.judge.verdicts): its records (the structured channel,
+repro.run.channel), its exit status, the clock and compute-sanitizer's findings, read once into a CaseResult with its
+evidence. Later steps (the vLLM gate's reference comparison, attribution rerun, coverage check) never edit that record:
+they make a new one that says what changed it (repro.case.spec.revise)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from repro.attention.staleness import add_counts
+from repro.case.spec import CaseResult
+from repro.judge.verdicts import CLEAN, CRASH, ERROR, EVIDENCE, HANG, LAUNCH_FAIL, OOB, SKIP, STALE_AUDIT, WRONG
+from repro.run.channel import Channel
+from repro.run.sanitizer import parse_log
+from repro.run.tags import DEVICE_TAG, PASS_TAG, RESULT_TAG, SKIP_TAG
+
+FAULT_MARKERS = (  # the CUDA error codes of a kernel's bad memory access; a bare "CUDA error" is not one
+    "illegal memory access",
+    "an illegal instruction",
+    "misaligned address",
+    "unspecified launch failure",
+    "operation not supported on global/shared address space",  # cudaErrorInvalidAddressSpace, seen on the H200
+    "hardware stack error",
+    "cudaErrorIllegalAddress",
+    "cudaErrorLaunchFailure",  # its text is "unspecified launch failure": a kernel died while running
+    "cudaErrorInvalidAddressSpace",
+    "cudaErrorMisalignedAddress",
+    "CUDA_ERROR_ILLEGAL_ADDRESS",
+)
+LAUNCH_MARKERS = (
+    "Error Internal",
+    "invalid configuration argument",
+    "too many resources requested for launch",
+    "invalid device function",
+)
+
+
+def kernel_in(text: str) -> str | None:
+    """combine or main, when ONE line (the faulting line, a launch check, a memcheck header) names FA3's kernel or its
+    launch template; never a whole log (a log names both kernels in unrelated lines)."""
+    if re.search(r"combine", text, re.I):
+        return "combine"
+    if re.search(r"flash_fwd_launch|FlashAttnFwdSm|flash_fwd", text):
+        return "main"
+    return None
+
+
+# How a process the GPU would not take is reported: under MPS, the server refuses new clients while it recovers from
+# a client's fault (NVIDIA's MPS guide, "error containment").
+REFUSED = "the GPU refused this process (busy or unavailable)"
+
+
+def refused(res: CaseResult) -> bool:
+    """Did the case never run because the GPU (an MPS server still recovering) refused its process?"""
+    return res.verdict == ERROR and res.reason.startswith(REFUSED)
+
+
+def classify(
+    spec,
+    output: str,
+    returncode: int | None,
+    timed_out: bool,
+    sanitizer_log: str | None,
+    wall_s: float,
+    channel: Channel | None = None,
+):
+    """Turn what a case process left behind into a verdict with its evidence, once: its records (the structured
+    channel, repro.run.channel; for a log recorded before the channel, the tagged lines of its output), its exit, the
+    clock and memcheck's findings. The free-form output is read for one thing only: the line a fault or a failed
+    launch was reported on (and the kernel that line names). Pure: the CPU tier tests it on recorded outputs.
+    `spec` needs case_id, timeout_s and to_json() (CaseSpec, the vLLM gate's GateCase)."""
+    ch = channel if channel is not None else Channel.from_output(output)
+    passes, results, skips = ch.of(PASS_TAG), ch.of(RESULT_TAG), ch.of(SKIP_TAG)
+    last = passes[-1]["descriptor"] if passes else None
+    findings = parse_log(sanitizer_log).findings if sanitizer_log else []
+    tail = "\n".join(output.strip().splitlines()[-15:])
+    res = CaseResult(spec.case_id, ERROR, "", returncode=returncode, wall_s=round(wall_s, 2), log_tail=tail)
+    res.spec = json.loads(spec.to_json())
+    if results:
+        r = results[-1]
+        res.stale_fields, res.first_diffs = r.get("stale_fields", {}), r.get("first_diffs", [])
+        res.max_abs_err, res.sms_reported, res.sms_planned = (
+            r.get("max_abs_err"),
+            r.get("sms_reported"),
+            r.get("sms_planned"),
+        )
+        res.backend_identity = r.get("backend_identity")
+        res.phases = r.get("phases")
+        res.tolerance = r.get("tolerance")
+    elif passes:  # no result (crash, hang): what the launches so far were given
+        for p in passes:
+            add_counts(res.stale_fields, p.get("stale_fields", {}))
+            res.first_diffs += [f"{p['descriptor']}: {x}" for x in p.get("first_diffs", [])][: 3 - len(res.first_diffs)]
+    devices = ch.of(DEVICE_TAG)
+    if devices:
+        res.gpu_uuid = devices[-1].get("gpu_uuid")
+        if res.phases is None:  # no result line (a crash, a hang): the start-up phases the process reported
+            res.phases = devices[-1].get("phases")
+    res.findings = [f.to_dict() for f in findings]
+    during = f" (during {last})" if last else ""
+
+    def done(verdict: str, reason: str, evidence: str, descriptor: str | None = None) -> CaseResult:
+        res.verdict, res.reason, res.descriptor = verdict, reason, descriptor
+        res.evidence = f"{EVIDENCE[verdict]}: {evidence}" if evidence else EVIDENCE[verdict]
+        return res
+
+    if skips and not results:
+        return done(SKIP, skips[-1]["reason"], "")
+    if findings:
+        f = findings[0]
+        res.kernel = f.role
+        more = f" (+{len(findings) - 1} more groups)" if len(findings) > 1 else ""
+        reason = f"memcheck: {f}{more}" + (f"; then no exit within {spec.timeout_s:g} s" if timed_out else "")
+        return done(OOB, reason, f"{f.role} kernel, {f.access}", None if results else last)
+    if timed_out:
+        return done(HANG, f"no exit within {spec.timeout_s:g} s (last launch: {last})", f"{spec.timeout_s:g} s", last)
+    if not results and "busy or unavailable" in output:
+        return done(ERROR, f"{REFUSED}: another client faulted it; rerun alone", "", last)
+    if not results:
+        lines = output.splitlines()
+        fault = next((ln for ln in lines if any(m in ln for m in FAULT_MARKERS)), None)
+        launch = next((ln for ln in lines if any(m in ln for m in LAUNCH_MARKERS)), None)
+        if fault:
+            res.kernel = kernel_in(fault)
+            return done(CRASH, fault.strip()[:200] + during, _marker(fault, FAULT_MARKERS), last)
+        if launch:
+            res.kernel = kernel_in(launch)
+            return done(LAUNCH_FAIL, launch.strip()[:200] + during, _marker(launch, LAUNCH_MARKERS), last)
+        if (returncode or 0) != 0:
+            return done(ERROR, f"exit status {returncode} without a result: {tail[-300:]}", "", last)
+        return done(ERROR, "no result line", "", last)
+    r = results[-1]
+    if r.get("wrong"):
+        err = r.get("max_abs_err")
+        tol = r.get("tolerance")
+        where = r.get("worst_descriptor")
+        reason = f"max |out - reference| = {err:.3g} at {where}" + (f" (tolerance {tol:.3g})" if tol else "")
+        return done(WRONG, reason, f"max error {err:.3g}", where)
+    if res.stale_fields:
+        reason = "no fault this run, but passes ran on another batch's metadata: " + ", ".join(
+            f"{k}={v}" for k, v in sorted(res.stale_fields.items())
+        )
+        if r.get("summary"):  # what the kernels' outputs showed (spec-decode: graph against eager)
+            reason += f"; outputs: {r['summary']}"
+        return done(STALE_AUDIT, reason, "", res.first_diffs[0].split(":")[0] if res.first_diffs else None)
+    if returncode not in (0, None):
+        return done(ERROR, f"result printed but exit status {returncode}", "")
+    if ch.problems:  # a record that could not be read: the result cannot be trusted to be whole
+        return done(ERROR, "; ".join(ch.errors())[:300], "")
+    summary = r.get("summary") or (
+        f"{r.get('passes')} passes, max |out - reference| = {r.get('max_abs_err', 0):.3g}"
+        + (f" (tolerance {res.tolerance:.3g})" if res.tolerance else "")
+    )
+    return done(CLEAN, summary, "")
+
+
+def _marker(line: str, markers: tuple[str, ...]) -> str:
+    return next(m for m in markers if m in line)

@@ -1,0 +1,270 @@
+"""The control policy, in one place for `matrix --gate`, `pytest --gate` and `repro gate`: what each control must show,
+which evidence meets it, which modes gate, and what a gate run needs from its controls.
+
+Expectations (stored in each result before its case runs; repro.judge.expectations computes them for attention-layer
+cases, repro.vllm_integration.gate.case for vLLM builds):
+
+| expectation | met by | used for |
+|---|---|---|
+| `fault` | the kernels failed: oob, crash, launch-failure | stale eager cases the CPU model says read out of bounds |
+| `detected` | kernel evidence: oob, crash, launch-failure, hang, wrong-output | stale cases whose kernels must show it |
+| `audit` | kernel evidence, or stale-audit | stale cases whose kernels may not show it (listed in `AUDIT_CONTROLS`) |
+| `clean` | clean | fresh metadata; vLLM builds under test |
+| `recorded` | any verdict but error, skip, cannot-vouch | memcheck on real vLLM: recorded, never gating |
+
+What a gate run needs (`decide`):
+1. Every applicable control ran and met its expectation (skip, error and cannot-vouch meet none); a positive
+   control that showed kernel evidence of another kind (a hang where `fault` was expected) passes, listed as a
+   disagreement with the CPU model.
+2. A control that cannot exist on this runner (MIG on a GPU without MIG, a vLLM case with no build named) is not
+   applicable: listed with its reason, not a failure, unless the run requires that feature (`REQUIREMENTS`).
+3. Each gating mode (the group a control belongs to: eager, graph, memcheck, or a vLLM gate mode) needs evidence
+   from its OWN positive controls (a mode that ran only negative controls fails): kernel evidence, or for the modes
+   in `ENGINE_AUDIT_MODES` the engine's own metadata caught stale by the auditor. The attention-layer stale-audit is the harness's bookkeeping: it meets an
+   `audit` control but never counts as a mode's evidence.
+4. At least one positive control ran."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from repro.judge.verdicts import (
+    CANNOT_VOUCH,
+    CLEAN,
+    ERROR,
+    KERNEL_EVIDENCE,
+    LAUNCH_FAIL,
+    MEMORY_FAULTS,
+    SKIP,
+    STALE_AUDIT,
+)
+
+FAULT, DETECTED, AUDIT, EXPECT_CLEAN, RECORDED = "fault", "detected", "audit", "clean", "recorded"
+# kinds of positive control a vLLM gate mode can rely on: a second installation known to be bad, or the build under
+# test with the defect re-created inside it (repro.vllm_integration.plugin.inject)
+KNOWN_BAD, SELF_CONTROL = "known-bad build", "self-control"
+MEETS: dict[str, tuple[str, ...]] = {
+    # A launch that fails after stale metadata is the kernels failing too: upstream FA3's combine launch check reports
+    # "Error Internal" there on the H200 (results/h200-launch-failures), where other configurations crash.
+    FAULT: (*MEMORY_FAULTS, LAUNCH_FAIL),
+    DETECTED: KERNEL_EVIDENCE,
+    AUDIT: (*KERNEL_EVIDENCE, STALE_AUDIT),
+    EXPECT_CLEAN: (CLEAN,),
+    RECORDED: (CLEAN, *KERNEL_EVIDENCE, STALE_AUDIT),
+}
+EXPECTATIONS = tuple(MEETS)
+NO_EVIDENCE = (SKIP, ERROR, CANNOT_VOUCH)  # a control with one of these showed nothing either way
+
+# Controls allowed to pass on the audit alone, and why (each row is a place where the kernels may stay silent).
+AUDIT_CONTROLS = {
+    "model: clean possible": "stale v2-capture cases where the CPU model finds a padding under which the kernels read "
+    "nothing out of bounds and compute the right output",
+    "unmeasured": "stale cases in a configuration no GPU run has measured and the CPU model does not decide (a "
+    "sliding window, green contexts with a poison, MIG): no claim the GPU did not back",
+    "spec-decode unpoisoned": "results/h200-spec-nopoison: stale-audit 4 of 4, tokens equal",
+    "vllm audit mode": "the auditor reads vLLM's own metadata objects at capture time (evidence from the engine)",
+}
+# Gate modes whose stale-audit comes from the engine's own metadata (vLLM's), not the harness's builder.
+ENGINE_AUDIT_MODES = ("audit",)
+
+# Features a runner can be told it must cover; absent ones are then failures instead of "not applicable".
+REQUIREMENTS = {
+    "mig": "a MIG slice pinned to each worker (REPRO_PINNED_DEVICE=MIG-...)",
+    "mps": "nvidia-cuda-mps-control and an MPS daemon the run can start",
+    "vllm": "a vLLM build named (REPRO_VLLM, or vllm installed)",
+    "sanitizer": "compute-sanitizer (the CUDA toolkit)",
+}
+REQUIRE_ENV = "REPRO_GATE_REQUIRE"
+
+
+def satisfies(expect: str, verdict: str) -> bool | None:
+    """Does a verdict meet a control's expectation? None when the case did not run (skip)."""
+    if expect not in MEETS:
+        raise ValueError(f"unknown expectation {expect!r}; one of {', '.join(EXPECTATIONS)}")
+    if verdict == SKIP:
+        return None
+    return verdict in MEETS[expect]
+
+
+def is_positive(expect: str) -> bool:
+    return expect in (FAULT, DETECTED, AUDIT)
+
+
+def counts_as_evidence(verdict: str, mode: str) -> bool:
+    """Does this verdict, from a positive control of `mode`, show that the mode sees the bug?"""
+    return verdict in KERNEL_EVIDENCE or (verdict == STALE_AUDIT and mode in ENGINE_AUDIT_MODES)
+
+
+def parse_requirements(text: str | None) -> frozenset[str]:
+    """`mig,mps,vllm` -> the features a gate run must cover; ValueError names an unknown one."""
+    names = {x.strip() for x in (text or "").split(",") if x.strip()}
+    unknown = names - set(REQUIREMENTS)
+    if unknown:
+        raise ValueError(f"unknown gate requirement(s) {sorted(unknown)}; choose from {', '.join(REQUIREMENTS)}")
+    return frozenset(names)
+
+
+@dataclass(frozen=True)
+class Control:
+    """One case as a gate sees it."""
+
+    case_id: str
+    expected: str
+    verdict: str
+    mode: str  # the gating mode it belongs to (eager, graph, memcheck, or a vLLM gate mode)
+    reason: str = ""
+    not_applicable: str | None = None  # why this configuration cannot exist on this runner
+    needs: str | None = None  # the REQUIREMENTS feature whose absence made it not applicable
+    kind: str | None = None  # a positive control's kind where it matters (vLLM gate: known-bad build, self-control)
+
+    @property
+    def gating(self) -> bool:
+        return self.expected != RECORDED
+
+
+def disagrees(expect: str, verdict: str) -> bool:
+    """A positive control that showed kernel evidence of another kind than its expectation names."""
+    return is_positive(expect) and verdict in KERNEL_EVIDENCE and not satisfies(expect, verdict)
+
+
+# Kinds of gate failure (Failure.kind): callers decide by kind, never by the message's words.
+CONTROL_FAILED, NOT_COVERED, MODE_WITHOUT_POSITIVE, MODE_WITHOUT_EVIDENCE, NO_POSITIVE = (
+    "control failed",
+    "required feature absent",
+    "mode without a positive control",
+    "mode without evidence",
+    "no positive control",
+)
+NEEDS_A_CONTROL = (MODE_WITHOUT_POSITIVE, NO_POSITIVE)  # failures that only say no positive control ran
+
+
+class Failure(str):
+    """One reason a gate fails: its text (what reports print and JSON keeps), its kind and, where one control failed,
+    that control's case id."""
+
+    kind: str
+    case_id: str | None
+
+    def __new__(cls, text: str, kind: str, case_id: str | None = None) -> Failure:
+        obj = super().__new__(cls, text)
+        obj.kind, obj.case_id = kind, case_id
+        return obj
+
+
+@dataclass
+class GateDecision:
+    failures: list[Failure] = field(default_factory=list)
+    disagreements: list[str] = field(default_factory=list)  # evidence of another kind than expected (not gating)
+    not_applicable: list[tuple[str, str]] = field(default_factory=list)  # (case, reason)
+    ran: int = 0
+    evidence: dict[str, tuple[int, int]] = field(default_factory=dict)  # mode -> (positive controls, with evidence)
+    # mode -> control kind -> (positive controls, with evidence): which kind of control each mode relied on
+    evidence_by_kind: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def summary(self) -> list[str]:
+        """Lines for a person: what ran, what each mode's controls showed, what was not applicable and why."""
+        lines = [f"gate: {self.ran} control(s) ran; {len(self.not_applicable)} not applicable here"]
+        for mode, (pos, ev) in sorted(self.evidence.items()):
+            kinds = self.evidence_by_kind.get(mode) or {}
+            if set(kinds) <= {KNOWN_BAD}:  # the one kind every gate had before self controls: nothing to tell apart
+                kinds = {}
+            how = "; ".join(f"{k}: {e} of {p}" for k, (p, e) in sorted(kinds.items()))
+            lines.append(
+                f"  mode {mode}: {ev} of {pos} positive control(s) showed evidence" + (f" ({how})" if how else "")
+            )
+        for x in self.disagreements:
+            lines.append(f"  evidence of another kind than expected (not gating): {x}")
+        by_reason: dict[str, list[str]] = {}
+        for case, why in self.not_applicable:
+            by_reason.setdefault(why, []).append(case)
+        for why, cases in by_reason.items():
+            lines.append(f"  not applicable ({len(cases)}): {why}")
+        return lines
+
+
+def problem(expect: str, verdict: str) -> str | None:
+    """Why one control fails a gate, None when it passes. A positive control passes a gate with any kernel evidence:
+    which kind (a hang where the CPU model expected a fault) is a disagreement with the model (`disagrees`), reported
+    but not gating: a stale control that hung has shown the bug (results/h200-launch-failures-2: 1 of 128)."""
+    if verdict in NO_EVIDENCE:
+        return f"{verdict}: the gate has no evidence from this control"
+    if satisfies(expect, verdict) or (is_positive(expect) and verdict in KERNEL_EVIDENCE):
+        return None
+    if expect == EXPECT_CLEAN:
+        return f"negative control came back {verdict}"
+    return f"positive control came back {verdict}, expected {expect} ({', '.join(MEETS[expect])})"
+
+
+def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) -> GateDecision:
+    """The gate's decision over every control of a run (rules 1-4 of this module's docstring)."""
+    d = GateDecision()
+    for c in controls:
+        if c.not_applicable is not None:
+            if c.needs and c.needs in required:
+                d.failures.append(
+                    Failure(f"{c.case_id}: required ({c.needs}) but {c.not_applicable}", NOT_COVERED, c.case_id)
+                )
+            else:
+                d.not_applicable.append((c.case_id, c.not_applicable))
+            continue
+        d.ran += 1
+        if c.gating and (why := problem(c.expected, c.verdict)):
+            d.failures.append(Failure(f"{c.case_id}: {why}: {c.reason[:160]}", CONTROL_FAILED, c.case_id))
+        elif c.gating and disagrees(c.expected, c.verdict):
+            d.disagreements.append(f"{c.case_id}: {c.verdict}, the expectation was {c.expected}")
+        if c.gating:
+            pos, ev = d.evidence.get(c.mode, (0, 0))
+            if is_positive(c.expected):
+                shown = counts_as_evidence(c.verdict, c.mode)
+                pos, ev = pos + 1, ev + shown
+                if c.kind is not None:
+                    kp, ke = d.evidence_by_kind.setdefault(c.mode, {}).get(c.kind, (0, 0))
+                    d.evidence_by_kind[c.mode][c.kind] = (kp + 1, ke + shown)
+            d.evidence[c.mode] = (pos, ev)
+    for mode, (pos, ev) in sorted(d.evidence.items()):
+        if not pos:  # only negative controls in this mode: nothing shows that the mode could see the bug
+            d.failures.append(
+                Failure(
+                    f"GATE FAILED: mode {mode}: no positive control ran in it, so a clean answer there shows nothing",
+                    MODE_WITHOUT_POSITIVE,
+                )
+            )
+        elif not ev:
+            what = "kernel evidence" + (" or the engine's audit" if mode in ENGINE_AUDIT_MODES else "")
+            d.failures.append(
+                Failure(
+                    f"GATE FAILED: mode {mode}: none of its {pos} positive control(s) produced {what}: "
+                    "this environment cannot show that this mode sees the bug",
+                    MODE_WITHOUT_EVIDENCE,
+                )
+            )
+    if not any(pos for pos, _ in d.evidence.values()):
+        d.failures.append(
+            Failure(
+                "GATE FAILED: no positive control ran: this environment cannot show that it sees the bug", NO_POSITIVE
+            )
+        )
+    return d
+
+
+def markdown() -> str:
+    """The rule as docs/policy.md shows it (a CPU test keeps the page's copy equal to this)."""
+    why = {
+        FAULT: "the kernels failed: a memory fault, or a launch that failed after stale metadata",
+        DETECTED: "kernel evidence",
+        AUDIT: "kernel evidence, or the capture-time audit's stale views",
+        EXPECT_CLEAN: "ran, output equals the reference, nothing stale",
+        RECORDED: "anything that ran (memcheck on real vLLM: recorded, never gating)",
+    }
+    lines = ["| expectation | met by | meaning |", "|---|---|---|"]
+    lines += [f"| `{e}` | {', '.join(f'`{v}`' for v in MEETS[e])} | {why[e]} |" for e in EXPECTATIONS]
+    lines += ["", "| audit control | why the audit alone may meet it |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in AUDIT_CONTROLS.items()]
+    lines += ["", "| requirement (`--gate-require`) | what the runner must have |", "|---|---|"]
+    lines += [f"| `{k}` | {v} |" for k, v in REQUIREMENTS.items()]
+    return "\n".join(lines)

@@ -1,0 +1,56 @@
+"""What a recorded run ran on: GPU, SMs, driver, torch, CUDA, compute-sanitizer, the command line."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+import re
+import shlex
+import subprocess
+import sys
+
+from repro.run.sanitizer import find_sanitizer
+
+
+def _cmd(args: list[str]) -> str | None:
+    try:
+        r = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def gpu_facts() -> dict:
+    """Probed in a child process so the caller never initializes CUDA."""
+    code = (
+        "import json, torch\n"
+        "d = {'torch': torch.__version__, 'cuda': torch.version.cuda, 'gpu': None}\n"
+        "if torch.cuda.is_available():\n"
+        "    p = torch.cuda.get_device_properties(0)\n"
+        "    d.update(gpu=p.name, sms=p.multi_processor_count, capability=f'{p.major}.{p.minor}',\n"
+        "             memory_gib=round(p.total_memory / 2**30, 1))\n"
+        "print(json.dumps(d))"
+    )
+    out = _cmd([sys.executable, "-c", code])
+
+    return json.loads(out.splitlines()[-1]) if out else {"torch": None, "gpu": None}
+
+
+def collect(argv: list[str] | None = None) -> dict:
+    env = {
+        "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "command": shlex.join(["python", "-m", "repro", *(argv if argv is not None else sys.argv[1:])]),
+    }
+    env.update(gpu_facts())
+    smi = _cmd(["nvidia-smi", "--query-gpu=driver_version,mig.mode.current", "--format=csv,noheader"])
+    if smi:
+        drv, _, mig = smi.splitlines()[0].partition(",")
+        env.update(driver=drv.strip(), mig_mode=mig.strip())
+    san = find_sanitizer()
+    if san:
+        ver = _cmd([san, "--version"]) or ""
+        m = re.search(r"Version (\S+)", ver)
+        env["compute_sanitizer"] = m[1] if m else ver.strip()[:60]
+    return env

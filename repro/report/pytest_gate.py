@@ -1,0 +1,164 @@
+"""The strict gate for pytest (`--gate`, or REPRO_GATE=1), and how a GPU case is reported to it. The rule is
+repro.judge.policy's (the same for `matrix --gate` and `repro gate`); this module turns pytest reports into its Controls.
+
+In a gate run:
+- a GPU case that skipped because this machine lacks what it needs (no GPU, no FA3 build) fails: a gate that could
+  not run its controls has shown nothing;
+- a case whose configuration cannot exist on this runner (MIG on a GPU without MIG, MPS without its control
+  daemon, memcheck without compute-sanitizer, a vLLM case with no build named) is NOT APPLICABLE: listed in the
+  summary with its reason, and a failure only when the run requires that feature (`--gate-require mig,mps,vllm`,
+  REPRO_GATE_REQUIRE; on a MIG runner `mig` is required by default);
+- each gating mode needs evidence from its own positive controls (repro.judge.policy.decide).
+conftest.py holds the thin hooks."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from pathlib import Path
+
+from repro.judge.policy import EXPECT_CLEAN, REQUIRE_ENV, Control, GateDecision, decide, parse_requirements
+from repro.judge.verdicts import SKIP
+from repro.pytest_options import GATE_ENV as ENV
+from repro.report import environment
+from repro.report.redact import redact
+from repro.report.results import header
+from repro.run.pinning import DEVICES_VAR
+from repro.run.smcontrol import Unavailable, enumerate_gpus
+
+GPU_MARKERS = ("gpu", "vllm")
+NOT_APPLICABLE = "not applicable here: "  # the skip reason's prefix for a configuration this runner cannot have
+# user properties a case records (cases/controls.py, cases/test_vllm_gate.py)
+PROPS = ("verdict", "expected", "gate_mode", "not_applicable", "needs", "reason")
+
+
+def enabled(config=None) -> bool:
+    if config is not None and config.getoption("gate", default=False):
+        return True
+    return os.environ.get(ENV) == "1"
+
+
+def required(config=None, environ=os.environ, discover=enumerate_gpus) -> frozenset[str]:
+    """The features this run must cover: --gate-require, else REPRO_GATE_REQUIRE, else `mig` on a MIG runner (MIG
+    slices named in REPRO_DEVICES / CUDA_VISIBLE_DEVICES, or found by NVML: the slices conftest pins workers to)."""
+    given = config.getoption("gate_require", default=None) if config is not None else None
+    text = given if given is not None else environ.get(REQUIRE_ENV)
+    if text is not None:
+        return parse_requirements(text)
+    devices = environ.get(DEVICES_VAR, "") + "," + environ.get("CUDA_VISIBLE_DEVICES", "")
+    if devices.strip(","):  # the run names its devices: they alone say whether it is a MIG runner
+        return frozenset({"mig"}) if "MIG-" in devices else frozenset()
+    try:
+        mig = any(g.slices for g in discover())
+    except Unavailable:  # no NVML, no driver: not a MIG runner as far as anyone can tell
+        mig = False
+    return frozenset({"mig"}) if mig else frozenset()
+
+
+def not_applicable(reason: str, needs: str, record_property) -> str:
+    """Record that a case cannot exist on this runner; returns the skip reason to raise with."""
+    record_property("not_applicable", reason)
+    record_property("needs", needs)
+    return NOT_APPLICABLE + reason
+
+
+def no_gpu_line(reason: str) -> str:
+    """The one line a gate run stops with where no GPU case can run (no GPU, no Hopper)."""
+    return f"GATE FAILED: no GPU case can run here ({reason}), so the gate has no evidence"
+
+
+def skipped_to_failure(item, report, needed: frozenset[str]) -> None:
+    """In a gate run a skipped GPU case fails with the skip's reason, unless it is not applicable here and its feature
+    is not required."""
+    if not report.skipped or not any(item.get_closest_marker(m) for m in GPU_MARKERS):
+        return
+    props = dict(report.user_properties)
+    if props.get("not_applicable") and props.get("needs") not in needed:
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    report.outcome = "failed"
+    why = "required by this run" if props.get("not_applicable") else "could not run here"
+    report.longrepr = f"GATE: {item.nodeid} {why}, so the gate has no evidence from it: {reason}"
+
+
+class Evidence:
+    """The controls of a gate session, gathered from the cases' recorded properties (one per call report)."""
+
+    def __init__(self, needed: frozenset[str] = frozenset()) -> None:
+        self.needed = needed
+        self.controls: list[Control] = []
+        self.unreported: list[str] = []  # GPU cases that ended without recording a verdict (a skip before the run)
+
+    def add(self, report) -> None:
+        if report.failed and report.when not in ("setup", "call", "teardown"):
+            self.unreported.append(report.nodeid)  # an xdist worker crashed in this case (when "???")
+            return
+        if not any(m in getattr(report, "keywords", {}) for m in GPU_MARKERS):
+            return  # a CPU test: not a control
+        if report.when not in ("setup", "call") or (report.when == "setup" and report.passed):
+            return
+        props = dict(report.user_properties)
+        if "expected" not in props and not props.get("not_applicable"):
+            self.unreported.append(report.nodeid)  # skipped (or failed) before its case could run
+            return
+        self.controls.append(
+            Control(
+                report.nodeid,
+                props.get("expected") or EXPECT_CLEAN,
+                props.get("verdict") or SKIP,
+                props.get("gate_mode") or "eager",
+                str(props.get("reason") or ""),
+                props.get("not_applicable"),
+                props.get("needs"),
+            )
+        )
+
+    def decision(self) -> GateDecision:
+        return decide(self.controls, self.needed)
+
+    def write_report(self, folder, wall_s: float, args: list[str]) -> None:
+        """gate.md and gate.json in `folder`: command (`python -m pytest` and pytest's `args`, as typed), environment,
+        the decision, one row per control."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        env = environment.collect()
+        env["command"] = shlex.join(["python", "-m", "pytest", *args])  # collect's own is a repro command
+        d = self.decision()
+        lines, why = self.summary(d)
+        outcome = why or "GATE PASSED"
+        md = header("pytest GPU tier (--gate)", env) + [f"**{outcome}** in {wall_s:.1f} s", "", *lines, ""]
+        md += ["| case | mode | expected | verdict | reason |", "|---|---|---|---|---|"]
+        for c in self.controls:
+            verdict = "not applicable" if c.not_applicable else c.verdict
+            why_row = c.not_applicable or c.reason
+            md.append(f"| {c.case_id} | {c.mode} | {c.expected} | **{verdict}** | {why_row[:200]} |")
+        if d.failures:
+            md += ["", "Failures:", ""] + [f"- {f}" for f in d.failures]
+        (folder / "gate.md").write_text(redact("\n".join(md)) + "\n")
+        doc = {
+            "outcome": outcome,
+            "passed": why is None,
+            "wall_s": round(wall_s, 1),
+            "environment": env,
+            "required": sorted(self.needed),
+            "failures": d.failures,
+            "not_applicable": d.not_applicable,
+            "evidence_by_mode": {m: {"positive": p, "with_evidence": e} for m, (p, e) in d.evidence.items()},
+            "controls": [c.__dict__ for c in self.controls],
+            "unreported": self.unreported,
+        }
+        (folder / "gate.json").write_text(redact(json.dumps(doc, indent=1, default=str)) + "\n")
+
+    def summary(self, d: GateDecision | None = None) -> tuple[list[str], str | None]:
+        """(lines for the terminal summary, the one failure line or None), from `d` when already decided."""
+        d = d or self.decision()
+        lines = d.summary()
+        if self.unreported:
+            lines.append(f"  {len(self.unreported)} GPU case(s) could not run here (no verdict): {self.unreported[0]}")
+        why = d.failures[-1] if d.failures and d.failures[-1].startswith("GATE FAILED") else None
+        if why is None and d.failures:
+            why = f"GATE FAILED: {len(d.failures)} control(s) failed, first: {d.failures[0]}"
+        if why is None and self.unreported:
+            why = f"GATE FAILED: {len(self.unreported)} GPU case(s) could not run here"
+        return lines, why

@@ -1,0 +1,74 @@
+"""One case process, whoever starts it (repro.run.runner, repro.run.executor, repro.run.server): the body of a forked case
+process, its exit code, killing its session, and the record of how it ran (ProcessRun)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+EXIT_SUFFIX = ".exit"  # beside a forked case's output: the exit code the case process ended with
+LOST_STATUS = 255  # what multiprocessing reports when the forkserver's report of a child's exit was lost
+
+
+@dataclass
+class ProcessRun:
+    """How a case process ended, as its parent saw it."""
+
+    returncode: int | None
+    timed_out: bool
+    stopped_early: bool  # killed EARLY_STOP_GRACE_S (repro.run.runner) after memcheck's first finding
+    wall_s: float
+    started_at: float = 0.0  # when the parent started the process (time.time())
+
+
+def run_child(target: str, argv: list[str], env: dict[str, str], out_path: str, new_session: bool = True) -> None:
+    """Become the case process: own session, output to out_path, the case's environment, run, exit."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a server that ignores Ctrl-C forked it
+    if new_session:
+        os.setsid()
+    fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)  # before anything initializes CUDA: device pinning, MPS, allocator settings
+    module, _, func = target.partition(":")
+    code = 1
+    try:
+        code = getattr(importlib.import_module(module), func)(argv) or 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        with contextlib.suppress(Exception):  # the parent's own record of how it ended (ForkServer.run)
+            Path(out_path + EXIT_SUFFIX).write_text(str(code))
+        os._exit(code)
+
+
+def exit_code(exitcode: int | None, out_path: Path) -> int | None:
+    """A forked case's exit code. multiprocessing says 255 when it could not read the child's status from the
+    forkserver (seen on the H200: 2 of 256 clean cases with their result printed, results/h200-launch-failures); the
+    code the child wrote itself before exiting is then the truth. No file: the child never got there (killed)."""
+    side = Path(str(out_path) + EXIT_SUFFIX)
+    try:
+        written = int(side.read_text())
+    except (OSError, ValueError):
+        written = None
+    side.unlink(missing_ok=True)
+    return written if exitcode == LOST_STATUS and written is not None else exitcode
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL a case process's session (it leads one) with everything it started; gone already is fine."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)

@@ -1,0 +1,231 @@
+"""Case runner: every case in its own process, always under a timeout, optionally under compute-sanitizer.
+
+The verdict comes from the process: the worker's result line, the sanitizer log, the exit status, the clock. What
+starts the processes: make_executor / default_executor (a forkserver, repro.run.executor; or the repro server)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from repro import CHECKOUT
+from repro.case.descriptors import ConfigError
+from repro.case.spec import CaseResult, CaseSpec
+from repro.judge.classify import classify
+from repro.run.channel import ENV as CHANNEL_ENV
+from repro.run.channel import SUFFIX as CHANNEL_SUFFIX
+from repro.run.channel import Channel
+from repro.run.channel import path_for as channel_path
+from repro.run.executor import EXECUTORS, ForkServer, MemcheckAhead
+from repro.run.pinning import PINNED_VAR
+from repro.run.process import ProcessRun, kill_group
+from repro.run.sanitizer import find_sanitizer, first_finding_complete, sanitizer_command, sanitizer_env
+from repro.run.server import server_executor
+from repro.run.smcontrol import MpsDaemon, Unavailable, device_sm_count
+
+# A memcheck case is stopped this long after memcheck finished writing its first error (a stale case may never end
+# and its verdict rests on that first error); the grace only lets the error count grow.
+EARLY_STOP_GRACE_S = 0.5
+
+
+def _process_env(base: dict[str, str] | None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env["PYTHONUNBUFFERED"] = "1"
+    root = str(CHECKOUT)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def memcheck_launch_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment memcheck case processes start with before they know their case (repro.run.executor.WarmPool):
+    worker_env's for a case on the whole GPU."""
+    return sanitizer_env(_process_env(base))
+
+
+def worker_env(spec: CaseSpec, mps: MpsDaemon | None, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = _process_env(base)
+    if spec.sm.kind == "mig":
+        pinned = env.get(PINNED_VAR, "")
+        uuid = spec.sm.mig_uuid or (pinned if pinned.startswith("MIG-") else None)
+        if not uuid:
+            raise Unavailable("no MIG slice given (mig:<uuid>) and none pinned to this worker")
+        env["CUDA_VISIBLE_DEVICES"] = uuid
+    if spec.sm.kind == "mps":
+        if mps is None:
+            raise Unavailable("MPS case without an MPS daemon")
+        env.update(mps.client_env(spec.sm.sms or 0, device_sm_count()))
+    if spec.sanitizer:
+        env = sanitizer_env(env)
+    return env
+
+
+def run_case(spec: CaseSpec, log_dir: str | Path, mps: MpsDaemon | None = None, executor=None) -> CaseResult:
+    """Run one case in a fresh process under its timeout and classify it. Never raises for a faulting case."""
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        env = worker_env(spec, mps)
+    except Unavailable as e:
+        return CaseResult.skipped(spec, str(e))
+    cmd = [sys.executable, "-m", "repro.attention.worker", spec.to_json()]
+    return run_process(
+        spec, cmd, env, log_dir, spec.sanitizer, executor, ("repro.attention.worker:main", [spec.to_json()])
+    )[0]
+
+
+LOG_SUFFIXES = (".out.log", ".memcheck.log")  # a case process's output, and memcheck's log when it ran under it
+
+
+def case_logs(log_dir: Path, case_id: str) -> tuple[Path, Path]:
+    """Where a case process's output and its memcheck log go."""
+    out, memcheck = (Path(log_dir) / f"{case_id}{suffix}" for suffix in LOG_SUFFIXES)
+    return out, memcheck
+
+
+def set_aside_logs(log_dir: Path, case_id: str, attempt: str) -> None:
+    """Keep an attempt's logs as <case>.<attempt>.out.log / .memcheck.log / .channel.jsonl before the case runs
+    again."""
+    out, memcheck = case_logs(log_dir, case_id)
+    for f, suffix in ((out, ".out.log"), (memcheck, ".memcheck.log"), (channel_path(out), CHANNEL_SUFFIX)):
+        if f.exists():
+            f.replace(Path(log_dir) / f"{case_id}.{attempt}{suffix}")
+
+
+def run_process(
+    spec, cmd: list[str], env: dict[str, str], log_dir: Path, sanitizer: bool, executor=None, target=None
+) -> tuple[CaseResult, str]:
+    """One case process (under memcheck when asked), supervised and classified: (result, the process's output).
+    `spec` needs case_id, timeout_s and to_json() (CaseSpec, the vLLM gate's GateCase). With an executor
+    (repro.run.executor) and a target (`module:function`, argv), the case is forked from it instead of started as cmd;
+    memcheck cases run under compute-sanitizer, in a process the executor started ahead (its WarmPool) where the
+    environment fits, else as cmd."""
+    out_path, memcheck_log = case_logs(log_dir, spec.case_id)
+    records = channel_path(out_path)  # the case's structured channel (repro.run.channel), beside its log
+    records.unlink(missing_ok=True)
+    memcheck_log.unlink(missing_ok=True)  # a memcheck log of an earlier run into this folder is not this run's
+    env = {**env, CHANNEL_ENV: str(records)}
+    if executor is not None and target is not None and not sanitizer:
+        run = executor.run(target[0], target[1], env, out_path, spec.timeout_s)
+        out = out_path.read_text(errors="replace") if out_path.exists() else ""
+        res = classify(spec, out, run.returncode, run.timed_out, None, run.wall_s, Channel.read(records))
+        return with_process_phases(res, run), out
+    san_log = None
+    warm = None
+    if sanitizer:
+        exe = find_sanitizer()
+        if not exe:
+            return CaseResult.skipped(spec, "compute-sanitizer not found (install the CUDA toolkit)"), ""
+        san_log = memcheck_log
+        pool = getattr(executor, "warm", None)
+        warm = pool.take(env) if pool is not None and target is not None else None
+        cmd = sanitizer_command(exe, str(san_log), kernel_filter="flash") + cmd
+    if warm is not None:
+        t0 = warm.start_case(target[0], target[1], env, out_path)
+        run = watch(warm.proc, t0, spec.timeout_s, warm.memcheck_log)
+        if warm.memcheck_log.exists():
+            warm.memcheck_log.replace(san_log)
+    else:
+        run = supervise(cmd, env, out_path, spec.timeout_s, san_log)
+    out = out_path.read_text(errors="replace")
+    log_text = san_log.read_text(errors="replace") if san_log and san_log.exists() else None
+    res = classify(spec, out, run.returncode, run.timed_out, log_text, run.wall_s, Channel.read(records))
+    if run.stopped_early:
+        res.reason += f" (stopped {EARLY_STOP_GRACE_S:g} s after memcheck's first complete finding)"
+    return with_process_phases(res, run), out
+
+
+def with_process_phases(res: CaseResult, run: ProcessRun) -> CaseResult:
+    """Complete the worker's phases (import, CUDA init, work) with what only the parent sees: process start (until
+    the worker's main ran) and teardown (after its work, until the parent saw it exit). A process that ended without
+    a result (a fault) reported only its start-up: everything after CUDA init is `rest_s` (work and the teardown)."""
+    res.started_at = run.started_at or None
+    p = res.phases
+    if p and "main_at" in p and run.started_at:
+        end = run.started_at + run.wall_s
+        ready = p["main_at"] + p["import_s"] + p["cuda_init_s"]
+        phases = {
+            "start_s": round(p["main_at"] - run.started_at, 3),
+            "import_s": p["import_s"],
+            "cuda_init_s": p["cuda_init_s"],
+        }
+        if "work_s" in p:
+            phases["work_s"] = p["work_s"]
+            phases["teardown_s"] = round(end - ready - p["work_s"], 3)
+        else:
+            phases["rest_s"] = round(end - ready, 3)
+        res.phases = phases
+    return res
+
+
+def supervise(
+    cmd: list[str], env: dict[str, str], out_path: Path, timeout_s: float, san_log: Path | None = None
+) -> ProcessRun:
+    """Run one case process in a session of its own, stdout and stderr into out_path, and watch it."""
+    t0 = time.time()
+    with open(out_path, "w") as out_file:
+        proc = subprocess.Popen(
+            cmd, stdout=out_file, stderr=subprocess.STDOUT, env=env, text=True, start_new_session=True
+        )
+    return watch(proc, t0, timeout_s, san_log)
+
+
+def watch(proc: subprocess.Popen, t0: float, timeout_s: float, san_log: Path | None = None) -> ProcessRun:
+    """Wait for a case process (the leader of its own session); kill the whole session at the timeout, or
+    EARLY_STOP_GRACE_S after memcheck finished writing its first error to san_log (a stale case may never finish)."""
+    timed_out, stopped_early = False, False
+    first_finding: float | None = None
+    try:
+        while True:
+            try:
+                proc.wait(timeout=0.1)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.time()
+            if san_log is not None and first_finding is None and _has_finding(san_log):
+                first_finding = now
+            if first_finding is not None and now - first_finding > EARLY_STOP_GRACE_S:
+                stopped_early = True
+            elif now - t0 > timeout_s:
+                timed_out = True
+            else:
+                continue
+            kill_group(proc.pid)
+            proc.wait()
+            break
+    except BaseException:  # Ctrl-C or an error in the parent: leave no orphan behind
+        kill_group(proc.pid)
+        proc.wait()
+        raise
+    return ProcessRun(proc.returncode, timed_out, stopped_early, time.time() - t0, t0)
+
+
+def _has_finding(path: Path) -> bool:
+    try:
+        with open(path, errors="replace") as f:
+            return first_finding_complete(f.read(1 << 18))
+    except OSError:
+        return False
+
+
+def make_executor(name: str, jobs: int = 4) -> MemcheckAhead | None:
+    """None: a fresh interpreter per case; forkserver: ForkServer; server: a running repro server (repro.run.server);
+    each with `jobs` memcheck processes started ahead."""
+    if name == "process":
+        return None
+    if name == "forkserver":
+        return ForkServer(spares=jobs)
+    if name == "server":
+        served, why = server_executor(jobs)
+        if served is None:
+            raise ConfigError(f"--executor server: {why}")
+        return served
+    raise ConfigError(f"unknown executor {name!r}; choose from {', '.join(EXECUTORS)}")
+
+
+def default_executor(jobs: int = 4) -> MemcheckAhead:
+    """The repro server when one runs this code (its cases start without importing anything), else a forkserver."""
+    return server_executor(jobs)[0] or ForkServer(spares=jobs)

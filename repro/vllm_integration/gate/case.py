@@ -1,0 +1,290 @@
+"""What a vLLM gate case is and the environment it runs in: a vLLM build x a detection mode (x a repetition), its
+reference (the same build in the same SM configuration, the same speculative decoding without CUDA graphs), the
+environment of its process, and the expectation (repro.judge.policy) fixed before it runs.
+
+Detection modes (`--modes`, each a case parameter):
+  audit            the freshness auditor, loaded by vLLM through the plugin's entry point, full GPU
+  plain            nothing added; a crash is rerun once with CUDA_LAUNCH_BLOCKING=1 to name the kernel
+  mps:N            an MPS daemon owned by the run gives the case N SMs (the process must report N)
+  sm_margin:N      the plugin passes sm_margin = SMs - N to vLLM's get_scheduler_metadata and FA3 forward
+  poison:FILL      the plugin fills the scheduler-metadata entries FA3 never writes (repro.case.poison names)
+  memcheck         compute-sanitizer memcheck, caching allocator (works with torch.compile); recorded, not gating
+  memcheck:async   the same with cudaMallocAsync (what the attention-layer cases use); recorded, not gating
+
+Every mode also runs as a self control of a build (`inject`): the same build, engine, kernels and SM configuration
+with the capture defect re-created inside it (repro.vllm_integration.plugin.inject), a positive control that ran in this
+environment. Builds under test must be `clean` in every mode and repetition; a control (a known-bad build, or a
+self control) must be detected with kernel evidence (fault, hang, wrong tokens) in every gating mode, or by the audit
+in the audit mode (`expected`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from repro import CHECKOUT
+from repro.case.descriptors import ConfigError
+from repro.case.poison import parse_poison
+from repro.case.spec import SmConfig
+from repro.judge import policy
+from repro.judge.policy import KNOWN_BAD, SELF_CONTROL
+from repro.run.sanitizer import sanitizer_env
+from repro.run.smcontrol import MpsDaemon, Unavailable
+from repro.vllm_integration.plugin import BACKEND_ENV, POISON_ENV, PROBE_ENV, SM_MARGIN_ENV, WEIGHTS_ENV
+from repro.vllm_integration.plugin import ENV as AUDIT_ENV
+from repro.vllm_integration.plugin.backend_fields import BACKENDS, DEFAULT_BACKEND, known_name
+from repro.vllm_integration.plugin.counters import FILE_ENV
+from repro.vllm_integration.plugin.inject import INJECT_ENV
+from repro.vllm_integration.plugin.weights import AGREE
+from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild, build_pythonpath
+
+DEFAULT_MODES = ("audit", "plain")
+ALL_MODES = ("audit", "plain", "mps:16", "sm_margin:16", "poison:int-max", "memcheck")
+BASE_ENV = {
+    "VLLM_USE_V2_MODEL_RUNNER": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine in the case process: one process, one CUDA context
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",  # the V2 sampler probes FlashInfer otherwise
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "PYTHONUNBUFFERED": "1",
+    WEIGHTS_ENV: AGREE,  # repro.vllm_integration.plugin.weights: wide margins and a draft the target accepts
+}
+
+
+@dataclass(frozen=True)
+class GateMode:
+    name: str
+    audit: bool = False
+    sm: SmConfig = field(default_factory=SmConfig)
+    poison: str | None = None
+    sanitizer: str | None = None  # None, "caching" or "async"
+
+    @property
+    def gating(self) -> bool:
+        """Memcheck is recorded, not gating: on real vLLM it misses the fault (see results/)."""
+        return self.sanitizer is None
+
+    @property
+    def label(self) -> str:
+        return self.name.replace("sm_margin:", "smmargin").replace(":", "-").replace("mps-", "mps").replace("+", "-")
+
+    @classmethod
+    def parse(cls, text: str) -> GateMode:
+        text = text.strip()
+        if text.startswith("audit+"):  # the auditor in an SM configuration: audit+sm_margin:N, audit+mps:N
+            inner = cls.parse(text[len("audit+") :])
+            if inner.sm.kind not in ("sm_margin", "mps") or inner.poison or inner.sanitizer or inner.audit:
+                raise ConfigError(f"gate mode {text!r}: audit+ takes an SM configuration (sm_margin:N or mps:N)")
+            return cls(f"audit+{inner.name}", audit=True, sm=inner.sm)
+        kind, _, arg = text.partition(":")
+        if kind == "audit" and not arg:
+            return cls("audit", audit=True)
+        if kind == "plain" and not arg:
+            return cls("plain")
+        if kind in ("mps", "sm_margin"):
+            sm = SmConfig.parse(text.strip())
+            return cls(f"{kind}:{sm.sms}", sm=sm)
+        if kind == "poison" and arg:
+            p = parse_poison(arg)
+            if p is None:
+                raise ConfigError("poison:none is the plain mode")
+            return cls(f"poison:{p.name}", poison=p.name)
+        if kind == "memcheck" and arg in ("", "caching", "async"):
+            return cls("memcheck" + (":async" if arg == "async" else ""), sanitizer=arg or "caching")
+        raise ConfigError(
+            f"unknown gate mode {text!r}: use audit, plain, mps:N, sm_margin:N, audit+mps:N, audit+sm_margin:N, "
+            f"poison:FILL, memcheck, memcheck:async, or a preset ({', '.join(PRESETS)})"
+        )
+
+
+# The hidden-configuration sweep (issue 26): the full GPU and five SM counts of each restriction, audit and plain in
+# each; 0.26.0 must give no false alarm in any, 0.25.1 no miss.
+SWEEP_SMS = (8, 16, 24, 40, 66)
+PRESETS = {
+    "hidden-sweep": ("audit", "plain")
+    + tuple(f"{a}{kind}:{n}" for kind in ("sm_margin", "mps") for n in SWEEP_SMS for a in ("audit+", "")),
+}
+
+
+def parse_modes(text: str) -> tuple[GateMode, ...]:
+    """--modes: names (GateMode.parse) and presets (PRESETS), comma-separated, each mode at most once."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    modes = tuple(GateMode.parse(m) for x in items for m in PRESETS.get(x, (x,)))
+    if not modes:
+        raise ConfigError("no gate modes given")
+    _refuse_twice("--modes", [m.name for m in modes])
+    return modes
+
+
+def _refuse_twice(flag: str, names: list[str]) -> None:
+    """One case id per value: a value given twice (as `matrix` refuses it) would list and run one case twice."""
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ConfigError(f"{flag}: {', '.join(dups)} given twice (one case id each; use --repeat to run again)")
+
+
+FA3_ONLY = ("sm_margin", "poison")  # modes that hook FA3's own calls
+
+
+def parse_backends(text: str) -> tuple[str, ...]:
+    """--backends FLASH_ATTN,TRITON_ATTN,...: vLLM attention backend names (as vLLM spells them), each a case
+    parameter like the modes."""
+    names = tuple(x.strip().upper() for x in text.split(",") if x.strip())
+    if not names:
+        raise ConfigError("no attention backend given")
+    _refuse_twice("--backends", list(names))
+    bad = [n for n in names if not known_name(n)]
+    if bad:
+        raise ConfigError(
+            f"--backends: {bad[0]!r} is neither a backend the auditor has a table for ({', '.join(BACKENDS)}) nor "
+            "named as vLLM names its backends (*_ATTN, *_ATTENTION, *_MLA: repro/vllm_integration/plugin/backend_fields.py)"
+        )
+    return names
+
+
+@dataclass(frozen=True)
+class GateCase:
+    build: VllmBuild
+    mode: GateMode
+    reference: bool = False
+    rep: int = 0
+    launch_blocking: bool = False
+    timeout_s: float = 300.0
+    backend: str = DEFAULT_BACKEND  # vLLM's attention backend (attention_backend=...)
+    inject: str | None = (
+        None  # the self control's injection (repro.vllm_integration.plugin.inject), None: the build as is
+    )
+
+    @property
+    def is_control(self) -> bool:
+        """A positive control: a known-bad build, or any build's self control."""
+        return self.inject is not None or self.build.role != UNDER_TEST
+
+    @property
+    def control_kind(self) -> str | None:
+        """What kind of positive control this case is (the report says which each mode relied on)."""
+        if self.inject is not None:
+            return SELF_CONTROL
+        return KNOWN_BAD if self.build.role != UNDER_TEST else None
+
+    @property
+    def case_id(self) -> str:
+        what = f"reference-{self.mode.sm.label}" if self.reference else self.mode.label
+        role = SELF_CONTROL if self.inject is not None else self.build.role
+        parts = ["stale_metadata", "vllm", self.build.label, role, what]
+        if self.backend != DEFAULT_BACKEND:  # FLASH_ATTN ids stay as recorded
+            parts.insert(4, self.backend.lower())
+        if self.rep:
+            parts.append(f"rep{self.rep}")
+        if self.launch_blocking:
+            parts.append("launch-blocking")
+        return "-".join(parts)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> GateCase:
+        """The inverse of to_json (results.json keeps it as each result's spec)."""
+        mode = dict(d["mode"])
+        mode["sm"] = SmConfig(**mode["sm"])
+        return cls(**{**d, "build": VllmBuild(**d["build"]), "mode": GateMode(**mode)})
+
+
+def reference_for(case: GateCase) -> GateCase:
+    """The reference of a case: the same build, backend and SM configuration, no CUDA graphs (its process runs the
+    same draft: gate.llm_kwargs), nothing injected (a self control is judged against its build's own reference)."""
+    mode = GateMode(f"reference-{case.mode.sm.label}", sm=case.mode.sm)
+    return replace(case, mode=mode, reference=True, rep=0, launch_blocking=False, inject=None)
+
+
+def case_env(
+    case: GateCase,
+    builds: list[VllmBuild],
+    audit_file: Path,
+    mps: MpsDaemon | None,
+    total_sms: Callable[[], int],
+    base: dict[str, str] | None = None,
+    device: str | None = None,
+) -> dict[str, str]:
+    """The environment of one gate case process (on `device`, a CUDA_VISIBLE_DEVICES value, when placed). Raises
+    Unavailable when the machine cannot give the mode."""
+    env = dict(os.environ if base is None else base)
+    for k in (
+        AUDIT_ENV,
+        FILE_ENV,
+        PROBE_ENV,
+        SM_MARGIN_ENV,
+        POISON_ENV,
+        BACKEND_ENV,
+        INJECT_ENV,
+        "CUDA_LAUNCH_BLOCKING",
+    ):
+        env.pop(k, None)
+    weights = env.get(WEIGHTS_ENV)  # the gate's weights may be chosen in its environment (default: BASE_ENV's)
+    env.update(BASE_ENV)
+    if weights:
+        env[WEIGHTS_ENV] = weights
+    env[BACKEND_ENV] = case.backend
+    root = str(CHECKOUT)
+    path = build_pythonpath(case.build, builds, env.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (path, root) if p)
+    # torch.compile artifacts of concurrent cases must not share one folder; inductor's own cache locks itself
+    env["VLLM_CACHE_ROOT"] = str(audit_file.parent / f"{case.case_id}.vllm-cache")
+    mode = case.mode
+    if not case.reference:
+        env[PROBE_ENV] = "1"  # coverage counters in every case but the references
+    if mode.audit and not case.reference:
+        env.update({AUDIT_ENV: "1", FILE_ENV: str(audit_file)})
+    if mode.poison and not case.reference:
+        env[POISON_ENV] = mode.poison
+    if case.inject and not case.reference:
+        env[INJECT_ENV] = case.inject
+    if mode.sm.kind == "sm_margin":
+        total = total_sms()
+        if mode.sm.sms > total:
+            raise ConfigError(f"sm_margin:{mode.sm.sms}: this GPU has {total} SMs")
+        env[SM_MARGIN_ENV] = str(total - mode.sm.sms)
+    elif mode.sm.kind == "mps":
+        if mps is None:
+            raise Unavailable("MPS case without an MPS daemon")
+        env.update(mps.client_env(mode.sm.sms, total_sms()))
+    elif mode.sm.kind != "full":
+        raise ConfigError(f"gate SM restriction {mode.sm.kind!r} is not supported (full, mps:N, sm_margin:N)")
+    if mode.sanitizer and not case.reference:
+        if mode.sanitizer == "async":
+            env = sanitizer_env(env)
+        else:  # torch's caching allocator: inductor's launcher fails under memcheck with cudaMallocAsync
+            env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    if case.launch_blocking:
+        env["CUDA_LAUNCH_BLOCKING"] = "1"
+    if device is not None:
+        env["CUDA_VISIBLE_DEVICES"] = device
+    return env
+
+
+def expected(case: GateCase) -> str:
+    """The policy expectation (repro.judge.policy) of a gate case: clean (a build under test), detected (a control: kernel
+    evidence), audit (a control in the audit mode: the auditor's stale views from the engine count too) or recorded
+    (memcheck on a control: what it finds is recorded, not required)."""
+    if not case.is_control:
+        return policy.EXPECT_CLEAN
+    if not case.mode.gating:
+        return policy.RECORDED
+    return policy.AUDIT if case.mode.audit else policy.DETECTED
+
+
+SELF_CONTROL_CHOICES = ("under-test", "all", "none")
+
+
+def self_controls_for(build: VllmBuild, which: str) -> bool:
+    """Does this build get a self control: `under-test` (the default: every build under test), `all` (known-bad
+    builds too: the injection's fidelity beside the real defect) or `none`."""
+    if which not in SELF_CONTROL_CHOICES:
+        raise ConfigError(f"--self-control {which!r}: use {', '.join(SELF_CONTROL_CHOICES)}")
+    return which == "all" or which == "under-test" and build.role == UNDER_TEST

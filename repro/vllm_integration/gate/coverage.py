@@ -1,0 +1,178 @@
+"""What a vLLM gate case must show fired before its clean answer vouches for a build: the one table of it (NEEDS: per
+mode kind, the plugin feature that must be installed, the counter that must reach its threshold, the reason when it
+did not), and `not_fired`, which adds the engine's own checks (ENGINE_CHECKS, as code). `annotate` (gate_judge)
+takes the features a case needs from NEEDS (`features_needed`); `not_fired` and `reference_problems` take the
+counters from it. So "what does this PASS rest on?" is answered here: every row that applies to the case, and every
+engine check."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from repro.vllm_integration.gate.case import GateCase
+from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
+
+FULL_MODES = ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+
+
+@dataclass(frozen=True)
+class Need:
+    """One row: in the cases `applies` selects (the mode kind `mode` names), the plugin must announce `feature` as
+    installed (references too when `in_reference`), and the probe's counter `counter` must reach `at_least` in the
+    case (in its reference too when `in_reference`), else `message(counters)` is the reason the case cannot vouch.
+    `keys`: the counter is a dict per capture kind and only the kinds starting with it count."""
+
+    mode: str
+    applies: Callable[[GateCase], bool]
+    feature: str
+    counter: str | None = None
+    at_least: int = 1
+    message: Callable[[dict], str] | None = None
+    keys: str | None = None
+    in_reference: bool = False
+
+    def count(self, counters: dict) -> float:
+        value = counters.get(self.counter) if self.counter else None
+        if self.keys is not None:
+            return sum(v for k, v in (value or {}).items() if k.startswith(self.keys) and v)
+        return value or 0
+
+    def short(self, counters: dict) -> bool:
+        """Did the counter stay below its threshold? (False for a row without a counter.)"""
+        return self.counter is not None and self.count(counters) < self.at_least
+
+
+def _injection_missed(c: dict) -> str:
+    writes = c.get("inject_writes") or {}
+    return (
+        "the self control's injection reached no draft FULL capture (writes "
+        f"{', '.join(f'{k} {v}' for k, v in writes.items()) or 'none'}; target capture builds copied "
+        f"{c.get('inject_snapshots', 0)}; passes with nothing to write {c.get('inject_no_source') or 'none'}; "
+        f"draft metadata reused {c.get('inject_reused') or 'none'}): "
+        "this layout or backend keeps the draft's capture out of its reach"
+    )
+
+
+def _sm_margin(case: GateCase) -> bool:
+    return case.mode.sm.kind == "sm_margin"
+
+
+# mode kind -> plugin feature -> counter -> threshold -> the reason when it did not fire. Order is the order of the
+# reasons after the engine checks.
+NEEDS: tuple[Need, ...] = (
+    Need("every case", lambda case: True, "weights", in_reference=True),
+    Need("every case but references", lambda case: True, "probe"),  # the counters the engine checks read
+    Need(
+        "audit",
+        lambda case: case.mode.audit,
+        "audit",
+        counter="checks",
+        message=lambda c: "the freshness auditor made 0 checks",
+    ),
+    Need(
+        "self control (inject)",
+        lambda case: bool(case.inject),
+        "inject",
+        counter="captures_injected",
+        keys="draft",
+        message=_injection_missed,
+    ),
+    Need(
+        "sm_margin:N",
+        _sm_margin,
+        "fa3",
+        counter="sched_sm_margin",
+        message=lambda c: "no get_scheduler_metadata call received the injected sm_margin",
+        in_reference=True,
+    ),
+    Need(
+        "sm_margin:N",
+        _sm_margin,
+        "fa3",
+        counter="fwd_sm_margin",
+        message=lambda c: "no FA3 forward (torch.ops._vllm_fa3_C.fwd) received the injected sm_margin",
+        in_reference=True,
+    ),
+    Need(
+        "poison:FILL",
+        lambda case: bool(case.mode.poison),
+        "fa3",
+        counter="entries_poisoned",
+        message=lambda c: (
+            f"0 scheduler-metadata entries poisoned ({c.get('sched_calls', 0)} get_scheduler_metadata calls seen)"
+        ),
+    ),
+)
+
+# The engine's own checks, every case but references (not_fired, as code: they read the engine's resolved
+# configuration and several counters at once):
+ENGINE_CHECKS = (
+    "engine: a REPRO_ENGINE record (the engine configuration and counters) was reported",
+    "runner: vLLM's V2 model runner (model_runner_v2)",
+    "backend: attention forwards through the hooked impl of the case's backend (counters' backends); FLASH_ATTN: FA3",
+    "graphs: a FULL cudagraph mode (FULL_MODES) and a CUDA graph capture that ran an attention forward",
+    "speculative decoding: a method and k configured, and vLLM counted drafts",
+    "spec layout: one the auditor knows (plugin.KNOWN_SPEC_LAYOUTS; older records without the key pass)",
+)
+
+
+def applying(case: GateCase, reference: bool | None = None) -> list[Need]:
+    """The rows of NEEDS a case (or, reference=True, its reference) rests on."""
+    ref = case.reference if reference is None else reference
+    return [n for n in NEEDS if n.applies(case) and (n.in_reference or not ref)]
+
+
+def features_needed(case: GateCase) -> set[str]:
+    """The plugin features the case's process must announce as installed."""
+    return {n.feature for n in applying(case)}
+
+
+def unmet(case: GateCase, counters: dict) -> list[str]:
+    """The reasons of the rows whose counter stayed below its threshold."""
+    return [n.message(counters) if n.message else n.counter for n in applying(case) if n.short(counters)]
+
+
+def not_fired(case: GateCase, identity: dict | None) -> list[str]:
+    """What this case exists to exercise and did not: the engine's resolved configuration (ENGINE_CHECKS) and the
+    mode's own counters (NEEDS), from what the case process reported. Empty when everything fired."""
+    if case.reference:
+        return []
+    if not identity or not identity.get("engine"):
+        return ["the case process reported no engine configuration and no counters (no REPRO_ENGINE line)"]
+    e, c = identity["engine"], identity.get("counters") or {}
+    out = []
+    if not e.get("model_runner_v2"):
+        out.append(f"not the V2 model runner (runner: {e.get('model_runner') or 'none seen'})")
+    backend = case.backend
+    by_backend = c.get("backends") or ({DEFAULT_BACKEND: c.get("attention_forwards", 0)} if "backends" not in c else {})
+    if not by_backend.get(backend):
+        seen = ", ".join(f"{k} {v}" for k, v in by_backend.items() if v) or "none"
+        out.append(
+            f"no attention forward went through the hooked {backend} impl (forwards counted per backend: {seen}; "
+            f"requested {e.get('attention_backend_requested')}: another backend, or renamed classes)"
+        )
+    elif backend == DEFAULT_BACKEND:
+        versions = c.get("fa_versions") or {}
+        if set(versions) != {"3"}:
+            out.append(f"FlashAttention version {', '.join(sorted(versions)) or 'unknown'}, not FA3")
+    mode = e.get("cudagraph_mode")
+    if mode not in FULL_MODES:
+        out.append(f"cudagraph mode {mode}: no FULL CUDA graphs")
+    elif not sum((c.get("captures_with_attention") or {}).values()):
+        out.append(f"cudagraph mode {mode}, but no CUDA graph capture ran an attention forward (no FULL graph seen)")
+    if not e.get("speculative_method") or not e.get("num_speculative_tokens"):
+        out.append(
+            f"no speculative decoding (method {e.get('speculative_method')}, k {e.get('num_speculative_tokens')})"
+        )
+    else:
+        acc = identity.get("acceptance") or {}
+        drafts = acc.get("spec_decode_num_drafts")
+        if isinstance(drafts, (int, float)) and drafts == 0:
+            out.append("speculative decoding configured, but vLLM counted 0 drafts")
+    if c.get("spec_layout_known") is False:  # older records lack the key: not read as unknown
+        out.append(
+            f"speculative-decoding layout {c.get('spec_layout') or 'none found'} is not one the auditor knows "
+            "(plugin.KNOWN_SPEC_LAYOUTS)"
+        )
+    return out + unmet(case, c)

@@ -1,0 +1,372 @@
+"""How a finished gate case process becomes its record: the shared classification (repro.judge.classify) completed with
+what the case process and the plugin inside vLLM reported (annotate), compared with the build's reference run
+(apply_reference, compare_tokens), and checked for what it exists to exercise having fired (vouch, over the table
+of repro.vllm_integration.gate.coverage and its not_fired). Each step returns a new record through CaseResult.revised
+that says what changed it; `finish` is the order they run in, `meets` the policy's answer for the final record."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from repro.attention.staleness import count_fields, stale_entry
+from repro.case.spec import CaseResult
+from repro.judge import policy
+from repro.judge.verdicts import CANNOT_VOUCH as NOT_VOUCHED
+from repro.judge.verdicts import CLEAN, CRASH, ERROR, HANG, KERNEL_EVIDENCE, OOB, SKIP, STALE_AUDIT, WRONG
+from repro.run.channel import Channel
+from repro.run.smcontrol import mps_sm_mismatch
+from repro.run.tags import AUDIT_TAG, COUNTERS_TAG, DEVICE_TAG, ENGINE_TAG, PLUGIN_TAG, RESULT_TAG
+from repro.vllm_integration.gate.case import GateCase, expected
+from repro.vllm_integration.gate.coverage import applying, features_needed, not_fired
+
+TIE_MARGIN = 0.1  # nats: a reference token whose top-2 margin is below this is a tie, not a reference
+MIN_COVERAGE = 0.5  # a comparison that covers less than this share of the tokens cannot vouch for a build
+# the draft's acceptance: a speculative reference (no CUDA graphs) below MIN_ACCEPTANCE cannot judge a draft; a case
+# whose acceptance is more than ACCEPTANCE_DROP below its reference's has a silently wrong draft (the gate's weights
+# give 100% to a right draft, and a draft reading the wrong positions near 0%: repro.vllm_integration.plugin.weights)
+MIN_ACCEPTANCE = 0.5
+ACCEPTANCE_DROP = 0.15
+
+
+def acceptance_of(identity: dict | None) -> tuple[int, int] | None:
+    """(accepted draft tokens, draft tokens) from vLLM's counters in a case's record; None when not reported."""
+    acc = (identity or {}).get("acceptance") or {}
+    accepted, drafted = acc.get("spec_decode_num_accepted_tokens"), acc.get("spec_decode_num_draft_tokens")
+    if not isinstance(accepted, (int, float)) or not isinstance(drafted, (int, float)):
+        return None
+    return int(accepted), int(drafted)
+
+
+def acceptance_rate(a: tuple[int, int] | None) -> float | None:
+    """The share of draft tokens accepted; None without counters or without a draft token."""
+    return a[0] / a[1] if a and a[1] else None
+
+
+def describe_acceptance(a: tuple[int, int] | None) -> str:
+    if a is None:
+        return "not reported"
+    return f"{a[0]} of {a[1]} draft tokens accepted ({acceptance_rate(a):.0%})" if a[1] else "0 draft tokens"
+
+
+def annotate(res: CaseResult, case: GateCase, output: str | Channel, audit_file: Path | None) -> CaseResult:
+    """The gate's record of a case: the shared classification completed with what the gate case process and the
+    plugin inside vLLM reported on the channel (version, engine configuration and counters in backend_identity:
+    {"engine", "counters", "acceptance"}, the auditor's stale views, the evidence line), then revised where that
+    changes the verdict (an install error of any hook under any tag, an MPS SM count other than asked, stale views
+    behind a clean run). `output`: the case's Channel, or a log's text (records written before the channel)."""
+    ch = output if isinstance(output, Channel) else Channel.from_output(output)
+    result = ch.last(RESULT_TAG) or {}
+    plugin = ch.of(PLUGIN_TAG)
+    installed = {p["installed"] for p in plugin if "installed" in p}
+    needed = features_needed(case)  # coverage.NEEDS
+    engine, counters = ch.last(ENGINE_TAG), ch.last(COUNTERS_TAG)
+    identity = res.backend_identity
+    if engine or counters:
+        e = dict(engine or {})
+        identity = {
+            "engine": {k: v for k, v in e.items() if k not in ("counters", "acceptance")},
+            "counters": e.get("counters") or counters or {},
+            "acceptance": e.get("acceptance"),
+        }
+    if case.inject:  # the injection's own records, written as it wrote: they survive a fault or a hang after them
+        identity = {**(identity or {}), "injection": [p for p in plugin if "injection_wrote" in p]}
+    audit = _audit_evidence(ch, audit_file)
+    # without CUDA_LAUNCH_BLOCKING=1 a crash surfaces at any later call: not attributed (with it, classify named the
+    # kernel from the first fault line only)
+    kernel = None if res.verdict == CRASH and not case.launch_blocking else res.kernel
+    evidence = []
+    if res.verdict in KERNEL_EVIDENCE:
+        evidence.append(res.evidence + (f", {kernel} kernel" if kernel else ""))
+    if case.mode.sanitizer and res.verdict not in (OOB, SKIP):
+        evidence.append("memcheck: no finding")
+    if case.mode.audit and not case.reference:
+        evidence.append(f"audit: {audit['stale']} stale fields in {audit['checks']} checks")
+    res = replace(
+        res,
+        vllm_version=result.get("vllm_version") or case.build.version,
+        kernel=kernel,
+        backend_identity=identity,
+        stale_fields=audit["fields"] if audit["stale"] else res.stale_fields,
+        first_diffs=audit["first"] if audit["stale"] else res.first_diffs,
+        evidence="; ".join(evidence) or None,
+    )
+    if res.verdict == SKIP:
+        return res
+    errors = ch.errors()  # an install error of any hook, under any tag, reaches the verdict
+    missing = needed - installed
+    if errors or (missing and (result or plugin)):
+        what = "; ".join(errors) or (
+            f"plugin features {sorted(missing)} not installed: vLLM did not load the repro plugin through its entry "
+            "point (python -m pip install -e <this project> in the environment that runs vLLM)"
+        )
+        why = f"{what} (case verdict would have been {res.verdict}: {res.reason})"
+        return res.revised("plugin", "a hook reported an error or was not installed", verdict=ERROR, reason=why)
+    devices = ch.of(DEVICE_TAG)
+    if devices and (why := mps_sm_mismatch(case.mode.sm, devices[-1].get("sms"))):
+        return res.revised("MPS SM count", why, verdict=ERROR, reason=why)
+    if devices and (why := platform_problem(devices[-1])):
+        return res.revised("platform check", why, verdict=ERROR, reason=why)
+    if res.verdict == CLEAN and audit["stale"]:
+        why = f"no fault this run, but the auditor caught stale views: {audit['first'][0]}"
+        return res.revised("audit", why, verdict=STALE_AUDIT, reason=why, descriptor=audit["descriptor"])
+    if audit["stale"] and res.verdict in (CRASH, HANG):
+        return res.revised(
+            "audit",
+            "the auditor saw stale views before the fault",
+            reason=res.reason + f"; the auditor caught stale views before it: {audit['first'][0]}",
+            descriptor=res.descriptor or audit["descriptor"],
+        )
+    return res
+
+
+def platform_problem(device: dict) -> str | None:
+    """Why nothing computed in this case's process can be judged: its GPU, in this SM configuration, computes bf16
+    matrix products wrong (gate.gemm_check; measured under MPS at 24 SMs on the H200: results/h200-mps-gemm-probe).
+    None when the check passed or was not reported."""
+    chk = device.get("gemm_check") or {}
+    if chk.get("ok") is not False:
+        return None
+    return (
+        f"this GPU computes bf16 matrix products wrong here ({device.get('sms')} SMs: max error {chk.get('max_error')} "
+        f"against float32 for {chk.get('worst')}, tolerance {chk.get('tolerance')}): nothing computed in this SM "
+        "configuration can be judged, the build's answer here is unknown"
+    )
+
+
+def _audit_evidence(ch: Channel, audit_file: Path | None) -> dict:
+    """What the auditor reported for the case: its mismatches (the audit file, else the AUDIT records), checks, stale
+    views per field, the first three in words and the first one's descriptor."""
+    lines = ch.of(AUDIT_TAG)
+    stale = [x["stale"] for x in lines if "stale" in x and isinstance(x["stale"], dict)]
+    checks = 0
+    if audit_file is not None:
+        try:
+            report = json.loads(audit_file.read_text())
+            checks = int(report.get("checks", 0))
+            stale = report.get("mismatches", stale) or stale
+        except (OSError, ValueError):
+            pass
+    summaries = [x for x in lines if "checks" in x]
+    if summaries:
+        checks = max(checks, int(summaries[-1]["checks"]))
+    fields = count_fields((m["buffer"], m["field"]) for m in stale)  # stale views per field: see count_fields
+    first = [stale_entry(m["descriptor"], m["buffer"], m["field"], m["index"], m["now"], m["built"]) for m in stale[:3]]
+    return {
+        "stale": len(stale),
+        "checks": checks,
+        "fields": fields,
+        "first": first,
+        "descriptor": stale[0]["descriptor"] if stale else None,
+    }
+
+
+def vouch(case: GateCase, res: CaseResult) -> CaseResult:
+    """A case that would be clean or stale-audit, but whose feature did not fire, becomes cannot-vouch with the
+    reason (a new record); a crash, a hang or wrong tokens stay evidence, except in a self control whose injection
+    never wrote before it (its fault is then not the re-created defect's)."""
+    if case.reference:
+        return res
+    if res.verdict not in (CLEAN, STALE_AUDIT):
+        if not case.inject or (res.backend_identity or {}).get("injection"):
+            return res
+        missing = [f"the self control's injection never wrote before this {res.verdict}: not the re-created defect's"]
+    else:
+        missing = not_fired(case, res.backend_identity)
+    if not missing:
+        return res
+    reason = f"{'; '.join(missing)} (case verdict would have been {res.verdict}: {res.reason[:200]})"
+    return res.revised("coverage", "; ".join(missing), verdict=NOT_VOUCHED, reason=reason)
+
+
+def _reports_configuration(out: dict | None) -> bool:
+    """Does a reference's RESULT record come from a process that reported its configuration (records from before
+    the validation existed carry tokens and margins only)?"""
+    return "nonfinite" in (out or {})
+
+
+DEGENERATE_MIN = 4  # tokens: a request of at least this many that repeats one token after the first is degenerate
+
+
+def reference_problems(case: GateCase, res: CaseResult, out: dict | None) -> list[str]:
+    """Why a finished reference run must not be trusted as ground truth, empty when it may: it decoded tokens, every
+    log-probability it returned is finite and every position has a top-2 margin, no request is one token repeated
+    (what NaN logits decode to), the engine ran as a reference (no CUDA graphs; a speculative reference's draft
+    accepted at least MIN_ACCEPTANCE of its tokens, or it cannot judge a draft) and in its case's SM configuration
+    (MPS: the SM count the process saw, checked in annotate; sm_margin: the injected margin reached
+    get_scheduler_metadata and FA3's forward)."""
+    if not out or not out.get("tokens"):
+        return ["the reference run decoded no tokens"]
+    problems = []
+    nonfinite = out.get("nonfinite") or []
+    if nonfinite:
+        problems.append(
+            f"non-finite log-probabilities (NaN or inf logits) at {len(nonfinite)} position(s), first {nonfinite[0]}"
+        )
+    missing = [
+        f"request {i} token {j}"
+        for i, ms in enumerate(out.get("margins") or [[None] * len(t) for t in out["tokens"]])
+        for j, m in enumerate(ms)
+        if m is None or not math.isfinite(m)
+    ]
+    if missing and not nonfinite:
+        problems.append(f"no finite top-2 margin at {len(missing)} position(s), first {missing[0]}")
+    for i, toks in enumerate(out["tokens"]):
+        if len(toks) >= DEGENERATE_MIN and len(set(toks[1:])) == 1:
+            problems.append(f"request {i} decodes {toks[0]} then repeats {toks[1]} (a degenerate reference)")
+            break
+    identity = res.backend_identity or {}
+    e, c = identity.get("engine"), identity.get("counters") or {}
+    if not _reports_configuration(out):  # a record from before the validation: its tokens are all it can show
+        return problems
+    if not e:
+        problems.append("the reference reported no engine configuration (no REPRO_ENGINE record)")
+    else:
+        if e.get("speculative_method") or e.get("num_speculative_tokens"):
+            acc = acceptance_of(identity)
+            rate = acceptance_rate(acc)
+            if rate is None or rate < MIN_ACCEPTANCE:
+                problems.append(
+                    f"the reference's draft (no CUDA graphs): {describe_acceptance(acc)}, below "
+                    f"{MIN_ACCEPTANCE:.0%}: the draft does not agree with the target, so acceptance cannot tell a "
+                    "wrong draft"
+                )
+        if e.get("cudagraph_mode") not in (None, "NONE"):
+            problems.append(f"the reference ran with CUDA graphs (cudagraph mode {e.get('cudagraph_mode')})")
+    if case.mode.sm.kind == "sm_margin" and any(n.short(c) for n in applying(case, reference=True)):
+        problems.append(
+            f"the reference's SM configuration sm_margin:{case.mode.sm.sms} did not reach FA3 "
+            f"({c.get('sched_sm_margin', 0)} get_scheduler_metadata and {c.get('fwd_sm_margin', 0)} forward calls "
+            "received the margin)"
+        )
+    return problems
+
+
+def validate_reference(case: GateCase, res: CaseResult, out: dict | None) -> CaseResult:
+    """A clean reference run checked before it is trusted (reference_problems): a broken one becomes an error (a new
+    record), so every case judged against it cannot vouch instead of reading as wrong output."""
+    if res.verdict != CLEAN:
+        return res
+    problems = reference_problems(case, res, out)
+    if not problems and not _reports_configuration(out):
+        return res  # a record from before references reported their configuration: its tokens checked, nothing to add
+    if not problems:
+        margins = [m for ms in (out or {}).get("margins") or [] for m in ms if m is not None]
+        smallest = f", smallest top-2 margin {min(margins):.3f} nats" if margins else ""
+        acc = acceptance_of(res.backend_identity)
+        drafted = f", draft {describe_acceptance(acc)}" if acc else ""
+        what = (
+            f"reference validated: {sum(len(t) for t in out['tokens'])} tokens, finite, not degenerate{smallest}"
+            f"{drafted}"
+        )
+        return res.revised("reference validation", what, evidence="; ".join(x for x in (res.evidence, what) if x))
+    why = "reference not trusted: " + "; ".join(problems)
+    return res.revised("reference validation", why, verdict=ERROR, reason=why)
+
+
+@dataclass
+class TokenCheck:
+    compared: int = 0  # positions compared (up to the first tie or difference of each request)
+    total: int = 0
+    ties: int = 0  # requests whose comparison stopped at a near-tied reference token
+    wrong: list[str] = field(default_factory=list)
+    worst_margin: float | None = None  # largest reference margin among the wrong tokens (nats)
+
+    @property
+    def coverage(self) -> float:
+        return self.compared / self.total if self.total else 0.0
+
+    def describe(self) -> str:
+        s = f"tokens: {self.compared} of {self.total} compared equal to the reference"
+        if self.ties:
+            s += f", {self.ties} request(s) stopped at a near tie (< {TIE_MARGIN} nats)"
+        if self.wrong:
+            s += f"; {len(self.wrong)} differ where the reference was decided: {self.wrong[0]}"
+        return s
+
+
+def compare_tokens(
+    tokens: list[list[int]], ref_tokens: list[list[int]], ref_margins: list[list[float | None]] | None
+) -> TokenCheck:
+    """Greedy tokens of the speculative, graph-captured run against the reference. A difference where the reference's
+    top-2 log-probability margin is below TIE_MARGIN is a tie (numerics may pick either): the request stops being
+    compared there. A difference where the reference was decided is wrong output; the margin is the measured error."""
+    c = TokenCheck(total=sum(len(r) for r in ref_tokens))
+    for i, (got, want) in enumerate(zip(tokens, ref_tokens)):
+        margins = ref_margins[i] if ref_margins and i < len(ref_margins) else []
+        for j, w in enumerate(want):
+            g = got[j] if j < len(got) else None
+            if g == w:
+                c.compared += 1
+                continue
+            m = margins[j] if j < len(margins) else None
+            if m is not None and m < TIE_MARGIN:
+                c.ties += 1
+            else:
+                c.wrong.append(f"request {i} token {j}: {g}, reference {w} (reference margin {m} nats)")
+                if m is not None:
+                    c.worst_margin = max(c.worst_margin or 0.0, m)
+            break
+    return c
+
+
+def apply_reference(res: CaseResult, out: dict | None, ref: CaseResult, ref_out: dict | None) -> CaseResult:
+    """A finished speculative case judged against its reference (a new record): wrong-output where the greedy tokens
+    differ where the reference was decided, error without a reference or with too many near ties.
+    out, ref_out: the RESULT records of the two processes (result_line)."""
+    if res.verdict not in (CLEAN, STALE_AUDIT):
+        return res
+    step = "reference comparison"
+    if ref.verdict != CLEAN or not ref_out or not out:
+        why = f"no reference to compare with ({ref.case_id}: {ref.verdict}: {ref.reason[:200]})"
+        return res.revised(step, why, verdict=ERROR, reason=why)
+    sms, ref_sms = ((x.get("device") or {}).get("sms") for x in (out, ref_out))
+    if sms is not None and ref_sms is not None and sms != ref_sms:
+        why = f"the reference ran on {ref_sms} SMs, this case on {sms}: not the same SM configuration"
+        return res.revised(step, why, verdict=ERROR, reason=why)
+    chk = compare_tokens(out["tokens"], ref_out["tokens"], ref_out.get("margins"))
+    evidence = "; ".join(x for x in (res.evidence, chk.describe()) if x)
+    if chk.wrong:
+        why = f"greedy tokens differ from the reference where it was decided: {chk.wrong[0]}"
+        return res.revised(step, why, verdict=WRONG, max_abs_err=chk.worst_margin, reason=why, evidence=evidence)
+    if chk.coverage < MIN_COVERAGE and res.verdict == CLEAN:
+        why = f"the reference comparison covered {chk.compared} of {chk.total} tokens: too many near ties"
+        return res.revised(step, why, verdict=ERROR, reason=why, evidence=evidence)
+    res = res.revised(step, chk.describe(), evidence=evidence)
+    return compare_acceptance(res, ref)
+
+
+def compare_acceptance(res: CaseResult, ref: CaseResult) -> CaseResult:
+    """The draft judged by what the target accepted (a new record): wrong-output when the case's acceptance is more
+    than ACCEPTANCE_DROP below its speculative reference's (the same build and SM configuration without CUDA graphs);
+    cannot-vouch when the reference is speculative and the case reported no acceptance. A reference without
+    speculative decoding (recorded runs from before the gate's references had one): the record as it was."""
+    step = "draft acceptance"
+    want = acceptance_of(ref.backend_identity)
+    if acceptance_rate(want) is None:
+        return res  # a record from before references ran the draft: nothing to compare with (the gate always runs one)
+    got = acceptance_of(res.backend_identity)
+    if acceptance_rate(got) is None:
+        why = f"the case reported {describe_acceptance(got)}: its draft cannot be judged against the reference's"
+        return res.revised(step, why, verdict=NOT_VOUCHED, reason=why)
+    line = f"draft: {describe_acceptance(got)}, reference {acceptance_rate(want):.0%}"
+    evidence = "; ".join(x for x in (res.evidence, line) if x)
+    if acceptance_rate(got) < acceptance_rate(want) - ACCEPTANCE_DROP:
+        why = (
+            f"the draft is silently wrong: {describe_acceptance(got)} with CUDA graphs, "
+            f"{describe_acceptance(want)} without (same build and SM configuration)"
+        )
+        return res.revised(step, why, verdict=WRONG, reason=why, evidence=evidence)
+    return res.revised(step, line, evidence=evidence)
+
+
+def finish(case: GateCase, res: CaseResult, out: dict | None, ref: CaseResult, ref_out: dict | None) -> CaseResult:
+    """Judge a finished case: its reference comparison, then what fired (vouch); each a new record."""
+    return vouch(case, apply_reference(res, out, ref, ref_out))
+
+
+def meets(case: GateCase, res: CaseResult) -> bool:
+    """Does the case meet its expectation (the one stored in the result, else computed)? repro.judge.policy.problem."""
+    return policy.problem(res.expected or expected(case), res.verdict) is None

@@ -1,0 +1,175 @@
+"""Where the gate's case processes run: the devices it is given (`gate --devices`) or finds (every GPU, or every MIG
+slice where MIG is on), and a pool that hands each case one device at a time.
+
+- `--devices` absent or `none`: the one-device path as before (the process's own CUDA_VISIBLE_DEVICES, `--jobs` cases
+  at once on it).
+- `--devices all`: every device NVML finds (repro.run.pinning.devices_from: MIG slices when any GPU has MIG on, else the
+  GPUs); `--devices 0,1` or `MIG-...,MIG-...`: those (their SM count looked up where NVML knows them).
+- Several devices: every case process gets one device (CUDA_VISIBLE_DEVICES), at most `per_device` at once on it
+  (`--jobs` divided over the devices, at least 1; a MIG slice takes one case at a time). A case and its reference run
+  on devices of the same kind (the same SM count: `kind`; given several kinds, the run uses the most numerous: `main_kind`), so a reference is
+  never compared across SM counts.
+- On a MIG runner the cases go to the slices with the fewest SMs (where the defect was found), without a flag.
+
+MPS cases stay on the first device, one at a time under one daemon (gate_run.serial_part): one MPS daemon per device
+is not built yet.
+
+Without `--jobs`, the number of cases at a time is fitted to the machine (fit_jobs): half its CPU cores, and no more
+than the emptiest GPU's free memory holds at GIB_PER_CASE a case with FREE_AT_START of it left free (what each case
+asks vLLM to find free at its start), times the devices used."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from repro.case.descriptors import ConfigError
+from repro.run.pinning import devices_from
+from repro.run.smcontrol import GpuInfo, Unavailable, enumerate_gpus
+
+
+@dataclass(frozen=True)
+class GateDevice:
+    dev: str  # what CUDA_VISIBLE_DEVICES gets: an index, a GPU UUID or a MIG slice UUID
+    kind: str  # gpu | mig | given
+    sms: int | None = None
+
+    def to_dict(self) -> dict:
+        return {"dev": self.dev, "kind": self.kind, "sms": self.sms}
+
+
+def kind_of(d: GateDevice) -> tuple[str, int | None]:
+    """What makes two devices interchangeable for a case and its reference: MIG slice or GPU, and the SM count."""
+    return ("mig" if d.kind == "mig" or d.dev.startswith("MIG-") else "gpu", d.sms)
+
+
+def gate_devices(spec: str | None, discover: Callable[[], list[GpuInfo]] = enumerate_gpus) -> list[GateDevice]:
+    """The devices of `--devices` (see the module); [] for the one-device path."""
+    if spec is None or spec.strip().lower() in ("", "none"):
+        return []
+    try:
+        found = [GateDevice(dev, kind, sms) for dev, kind, sms in devices_from(discover())]
+    except Unavailable as e:
+        if spec.strip().lower() == "all":
+            raise ConfigError(f"--devices all: no device found ({e})") from None
+        found = []
+    if spec.strip().lower() == "all":
+        if not found:
+            raise ConfigError("--devices all: NVML found no GPU")
+        mig = [d for d in found if d.kind == "mig"]
+        if mig:  # a MIG runner: the smallest slices, where the defect shows
+            least = min(d.sms for d in mig if d.sms is not None) if any(d.sms for d in mig) else None
+            return [d for d in mig if d.sms == least]
+        return found
+    by_id = {d.dev: d for d in found} | {str(i): d for i, d in enumerate(found) if d.kind == "gpu"}
+    out = []
+    for item in (x.strip() for x in spec.split(",")):
+        if not item:
+            continue
+        if item in (d.dev for d in out):
+            raise ConfigError(f"--devices: {item} named twice")
+        known = by_id.get(item)
+        out.append(GateDevice(item, known.kind, known.sms) if known else GateDevice(item, "given", None))
+    if not out:
+        raise ConfigError(f"--devices {spec!r}: no device named")
+    return out
+
+
+class DevicePool:
+    """Hands out devices to case threads: at most `per_device` holders per device, a device of the kind asked for.
+    `take` blocks until one is free; `give` returns it."""
+
+    def __init__(self, devices: list[GateDevice], per_device: int = 1):
+        if not devices:
+            raise ValueError("a device pool needs devices")
+        self.devices = list(devices)
+        self.per_device = max(1, per_device)
+        self.busy = {d.dev: 0 for d in self.devices}
+        self._cv = threading.Condition()
+
+    def kinds(self) -> list[tuple[str, int | None]]:
+        return list(dict.fromkeys(kind_of(d) for d in self.devices))
+
+    def take(self, kind: tuple[str, int | None] | None = None) -> GateDevice:
+        """The least busy device of that kind (any kind when None), once one has a free slot."""
+        pick = [d for d in self.devices if kind is None or kind_of(d) == kind]
+        if not pick:
+            raise ConfigError(f"no device of kind {kind} among {[d.dev for d in self.devices]}")
+        with self._cv:
+            while True:
+                free = [d for d in pick if self.busy[d.dev] < self.per_device]
+                if free:
+                    d = min(free, key=lambda x: self.busy[x.dev])
+                    self.busy[d.dev] += 1
+                    return d
+                self._cv.wait()
+
+    def give(self, d: GateDevice) -> None:
+        with self._cv:
+            self.busy[d.dev] -= 1
+            self._cv.notify_all()
+
+
+def main_kind(devices: list[GateDevice]) -> tuple[str, int | None]:
+    """The kind of device a run uses when it is given several kinds: the one with the most devices (a tie: the fewer
+    SMs). Its cases and their references all run on it."""
+    kinds = [kind_of(d) for d in devices]
+    return max(dict.fromkeys(kinds), key=lambda k: (kinds.count(k), -(k[1] or 0)))
+
+
+def per_device_jobs(jobs: int, devices: list[GateDevice]) -> int:
+    """How many cases at once on each device: `--jobs` divided over the devices; one on a MIG slice."""
+    if any(kind_of(d)[0] == "mig" for d in devices):
+        return 1
+    return max(1, jobs // max(1, len(devices)))
+
+
+GIB_PER_CASE = 4.0  # a gate case's GPU memory at its peak (1 GiB KV cache, CUDA context, graphs, compile): an estimate
+FREE_AT_START = (
+    0.1  # repro.vllm_integration.gate.worker's --gpu-memory: the share vLLM must find free when a case starts
+)
+
+
+def cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 2
+
+
+def gpu_memory_gib() -> list[tuple[float, float]]:
+    """(total, free) GiB of every GPU nvidia-smi lists (no CUDA in this process); [] without one."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total,memory.free", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    found = []
+    for line in out.splitlines():
+        try:
+            total, free = (float(x) / 1024 for x in line.split(","))
+        except ValueError:
+            continue
+        found.append((total, free))
+    return found
+
+
+def fit_jobs(cpus: int, memory: list[tuple[float, float]], devices: int = 1) -> tuple[int, str]:
+    """(cases at a time, why) for a machine with `cpus` cores and GPUs of (total, free) GiB, over `devices` devices."""
+    by_cpu = max(1, cpus // 2)
+    if not memory:
+        return by_cpu, f"{by_cpu}: half of {cpus} CPU cores (no GPU memory known)"
+    total, free = min(memory, key=lambda m: m[1])
+    by_mem = max(1, int((free - FREE_AT_START * total) // GIB_PER_CASE)) * max(1, devices)
+    jobs = min(by_cpu, by_mem)
+    return jobs, (
+        f"{jobs}: half of {cpus} CPU cores ({by_cpu}); GPU memory {free:.0f} of {total:.0f} GiB free at "
+        f"{GIB_PER_CASE:g} GiB a case, {FREE_AT_START:.0%} left free, {max(1, devices)} device(s) ({by_mem})"
+    )

@@ -1,0 +1,338 @@
+"""The gate's answer for people (verdicts.md: per build, is it affected, and the evidence per mode; what vLLM resolved
+and what the hooks counted, per build and per case, so a PASS shows what it checked) and for machines (results.json:
+the same rows, every case's full result, environment and command)."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from repro.judge.policy import NO_EVIDENCE, SELF_CONTROL
+from repro.judge.verdicts import FAULTS, SKIP
+from repro.report.redact import redact
+from repro.report.results import VLLM_GATE_KIND, header
+from repro.vllm_integration.gate import bench as gate_bench
+from repro.vllm_integration.gate.cache import COLD, KEPT, PRIVATE, WARM
+from repro.vllm_integration.gate.case import expected
+from repro.vllm_integration.gate.judge import meets
+from repro.vllm_integration.gate.run import PASS, GateRun
+from repro.vllm_integration.releases import release_range
+from repro.vllm_integration.releases.source_check import check_tree
+
+RESULTS_KIND = VLLM_GATE_KIND
+
+
+def rows(run: GateRun) -> list[dict]:
+    out = []
+    for kind, pairs in (("case", run.cases), ("reference", run.references), ("attribution", run.attributions)):
+        for c, r in pairs:
+            out.append(
+                {
+                    "case": c.case_id,
+                    "kind": kind,
+                    "build": c.build.label,
+                    "role": c.build.role,
+                    "vllm_version": r.vllm_version or c.build.version,
+                    "mode": "reference" if c.reference else c.mode.name,
+                    "sm": c.mode.sm.label,
+                    "rep": c.rep,
+                    "verdict": r.verdict,
+                    "evidence": r.evidence or "-",
+                    "kernel": r.kernel or "-",
+                    "descriptor": r.descriptor or "-",
+                    "expected": (r.expected or expected(c)) if kind == "case" else "-",
+                    "ok": meets(c, r) if kind == "case" else None,
+                    "engine": (r.backend_identity or {}).get("engine"),
+                    "counters": (r.backend_identity or {}).get("counters"),
+                    "acceptance": (r.backend_identity or {}).get("acceptance"),
+                    "device": (r.backend_identity or {}).get("device"),  # where it ran (placement), when placed
+                    "stale_fields": r.stale_fields,
+                    "wall_s": r.wall_s,
+                    "reason": r.reason,
+                }
+            )
+    return out
+
+
+COUNTS = ("checks", "views_checked", "attention_forwards", "sched_calls", "sched_sm_margin", "fwd_sm_margin")
+COUNTS += ("poison_calls", "entries_poisoned")
+PER_KIND = ("captures", "captures_with_attention", "captures_audited", "captures_stale")
+CONFIG = ("model_runner", "model_runner_v2", "attention_backend", "fa_version", "cudagraph_mode")
+CONFIG += ("speculative_method", "num_speculative_tokens")
+
+
+def coverage(pairs) -> dict:
+    """The counters summed over cases, the resolved configuration values seen (a set per key) and the acceptance
+    counters summed: what a build's cases checked."""
+    counts: dict = {k: 0 for k in COUNTS}
+    kinds: dict = {k: {} for k in PER_KIND}
+    fa: dict = {}
+    config: dict = {k: [] for k in CONFIG}
+    acc: dict = {}
+    reported = 0
+    for _, r in pairs:
+        ident = r.backend_identity or {}
+        c, e = ident.get("counters") or {}, ident.get("engine") or {}
+        if not (c or e):
+            continue
+        reported += 1
+        for k in COUNTS:
+            counts[k] += int(c.get(k) or 0)
+        for k in PER_KIND:
+            for kind, n in (c.get(k) or {}).items():
+                kinds[k][kind] = kinds[k].get(kind, 0) + n
+        for v, n in (c.get("fa_versions") or {}).items():
+            fa[v] = fa.get(v, 0) + n
+        for k in CONFIG:
+            if e.get(k) is not None and e.get(k) not in config[k]:
+                config[k].append(e.get(k))
+        for k, v in (ident.get("acceptance") or {}).items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                acc[k] = acc.get(k, 0) + v
+            elif k == "unavailable":
+                acc.setdefault(k, v)
+    return {"cases_reporting": reported, **counts, **kinds, "fa_versions": fa, "config": config, "acceptance": acc}
+
+
+def _kinds(d: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "0"
+
+
+def _captures(c: dict) -> str:
+    """captures per kind as `kind total/with attention/audited/stale`."""
+    kinds = sorted(set(c.get("captures") or {}) | set(c.get("captures_audited") or {}))
+    parts = []
+    for k in kinds:
+        nums = [(c.get(name) or {}).get(k, 0) for name in PER_KIND]
+        parts.append(f"{k} {nums[0]}/{nums[1]}/{nums[2]}/{nums[3]}")
+    return "; ".join(parts) or "none"
+
+
+def _config(e: dict | None) -> str:
+    if not e:
+        return "-"
+    runner = "V2" if e.get("model_runner_v2") else f"not V2 ({e.get('model_runner')})"
+    backend = e.get("attention_backend") or "no hooked attention forward"
+    if backend == "FLASH_ATTN":  # the FA version is FLASH_ATTN's alone
+        fa = e.get("fa_version")
+        backend += f" FA{fa if fa is not None else '?'}"
+    return f"{runner}, {backend}, {e.get('cudagraph_mode')}, {e.get('speculative_method')} k={e.get('num_speculative_tokens')}"
+
+
+def _acceptance(a: dict | None) -> str:
+    if not a:
+        return "-"
+    if "unavailable" in a and len(a) == 1:
+        return f"not exposed ({a['unavailable'][:60]})"
+    keys = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+    return ", ".join(f"{k.removeprefix('spec_decode_num_')} {a[k]}" for k in keys if k in a) or "-"
+
+
+def caches(run: GateRun, label: str) -> str:
+    """Whether a build's cases ran warm (every case on the build's complete vLLM cache, its reference kept), cold
+    (a case compiled, or the reference ran), or on the old path (no cache): what its wall time means."""
+    states = [
+        (r.phases or {}).get("vllm_cache")
+        for c, r in [*run.cases, *run.references, *run.attributions]
+        if c.build.label == label and r.verdict != SKIP  # a skipped case ran nothing
+    ]
+    if not states or any(s in (None, PRIVATE) for s in states):
+        return "old path"
+    return WARM if all(s in (WARM, KEPT) for s in states) else COLD
+
+
+def build_summary(run: GateRun) -> list[dict]:
+    """One line per build: affected or not, in which modes, with how many repetitions."""
+    by_build: dict[str, list] = defaultdict(list)
+    for c, r in run.cases:  # a build's self control is a row of its own: a positive control, never the build's answer
+        by_build[c.build.label + (" (self control)" if c.inject else "")].append((c, r))
+    out = []
+    for label, pairs in by_build.items():
+        b = pairs[0][0].build
+        injected = pairs[0][0].inject is not None
+        modes: dict[str, list[str]] = defaultdict(list)
+        for c, r in pairs:
+            modes[c.mode.name].append(r.verdict)
+        detected = sorted(m for m, vs in modes.items() if any(v in FAULTS for v in vs))
+        unsure = sorted(m for m, vs in modes.items() if any(v in NO_EVIDENCE for v in vs))
+        src = check_tree(b.prefix) if b.prefix else None
+        out.append(
+            {
+                "build": label,
+                "role": SELF_CONTROL if injected else b.role,
+                "vllm_version": next((r.vllm_version for _, r in pairs if r.vllm_version), b.version)
+                or "unknown (no case reported it)",
+                "affected": bool(detected),
+                "detected_in": detected,
+                "could_not_vouch": unsure,
+                "modes": {m: vs for m, vs in modes.items()},
+                "source_check": src.verdict if src else "-",
+                "wall_s": run.build_wall_s.get(b.label),
+                "caches": caches(run, b.label),
+                "ok": all(meets(c, r) for c, r in pairs),
+                "coverage": coverage(pairs),
+            }
+        )
+    return out
+
+
+def fidelity(run: GateRun) -> list[dict]:
+    """The injection's fidelity: per mode, every positive control side by side (known-bad builds as they are, and
+    self controls: builds with the defect re-created), with the verdict, the kernel, the first stale descriptor and
+    the stale fields. Empty unless both kinds ran."""
+    cases = [(c, r) for c, r in run.cases if c.is_control]
+    if len({c.control_kind for c, _ in cases}) < 2:
+        return []
+    return [
+        {
+            "mode": c.mode.name,
+            "control": f"{c.build.label} {'injected' if c.inject else 'as it is'}",
+            "kind": c.control_kind,
+            "verdict": r.verdict,
+            "kernel": r.kernel,
+            "descriptor": r.descriptor,
+            "stale_fields": r.stale_fields or {},
+            "evidence": r.evidence,
+        }
+        for c, r in sorted(cases, key=lambda cr: (cr[0].mode.name, cr[0].inject is not None, cr[0].build.label))
+    ]
+
+
+def fidelity_markdown(run: GateRun) -> list[str]:
+    rows_ = fidelity(run)
+    if not rows_:
+        return []
+    lines = [
+        "",
+        "Self control beside the real defect (per mode: each positive control's verdict, kernel named, first stale "
+        "descriptor, stale fields):",
+        "",
+        "| mode | control | verdict | kernel | first stale descriptor | stale fields |",
+        "|---|---|---|---|---|---|",
+    ]
+    for x in rows_:
+        fields = ", ".join(f"{k} {v}" for k, v in sorted(x["stale_fields"].items())) or "-"
+        lines.append(
+            f"| {x['mode']} | {x['control']} | {x['verdict']} | {x['kernel'] or '-'} | {x['descriptor'] or '-'} | "
+            f"{fields} |"
+        )
+    return lines
+
+
+def releases_only(summaries: list[dict]) -> list[dict]:
+    """The builds as releases (the release range): self-control rows left out, they answer for the harness."""
+    return [s for s in summaries if s["role"] != SELF_CONTROL]
+
+
+def markdown(run: GateRun, env: dict | None = None, need_control: bool = True) -> str:
+    lines = header("vLLM gate: is this vLLM build affected by the stale-metadata capture bug?", env)
+    verdict = run.outcome(need_control)
+    lines += [
+        f"**Gate: {verdict}** ({len(run.cases)} cases, {len(run.references)} references, {run.wall_s:.0f} s wall)",
+        "",
+    ]
+    lines += [
+        "| build | role | vLLM | affected | detected in | verdicts per mode | source check | wall s (caches) | ok |"
+    ]
+    lines += ["|---|---|---|---|---|---|---|---|---|"]
+    for s in build_summary(run):
+        per_mode = "; ".join(f"{m}: {', '.join(vs)}" for m, vs in s["modes"].items())
+        if s["role"] == SELF_CONTROL:  # a positive control: was the re-created defect caught?
+            answer = "defect re-created: caught" if s["affected"] else "defect re-created: NOT caught"
+        elif not s["affected"] and s["could_not_vouch"] and len(s["could_not_vouch"]) == len(s["modes"]):
+            answer = "cannot tell"  # no case of the build gave an answer either way
+        else:
+            answer = "yes" if s["affected"] else "no"
+        lines.append(
+            f"| {s['build']} | {s['role']} | {s['vllm_version']} | **{answer}** | "
+            f"{', '.join(s['detected_in']) or '-'} | {per_mode} | {s['source_check']} | {s['wall_s']} ({s['caches']}) | "
+            f"{'ok' if s['ok'] else 'FAIL'} |"
+        )
+    lines += [""] + release_range.markdown(releases_only(build_summary(run)))
+    for why in run.blind(need_control):
+        lines.append(f"\nHARNESS BLIND: {why}")
+    for c, r in run.not_vouched():
+        lines.append(f"\nCANNOT VOUCH: {c.case_id}: {r.reason[:300]}")
+    summary = run.decision(need_control).summary()
+    if not need_control:  # the builds answer for themselves: their cases are not controls
+        summary[0] = f"gate: {len(run.cases)} case(s) ran; no positive control needed (--no-control)"
+    lines += [""] + summary
+    lines += fidelity_markdown(run)
+    if run.launches:  # how the case processes started, and every fallback from the launcher asked for
+        lines += ["", "How the case processes started:", ""] + gate_bench.launch_lines({"": run})
+    lines += [
+        "",
+        "What each build's cases checked (sums over its cases; captures per graph kind as "
+        "total/with an attention forward/audited at capture end/stale):",
+        "",
+        "| build | configuration seen | captures per kind | audit checks | views checked | attention forwards "
+        "(FA version) | sm_margin calls (sched/fwd) | entries poisoned | acceptance |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in build_summary(run):
+        cov = s["coverage"]
+        seen = "; ".join(f"{k} {'/'.join(str(v) for v in vs)}" for k, vs in cov["config"].items() if vs)
+        lines.append(
+            f"| {s['build']} | {seen or 'not reported (no case reached generate)'} | {_captures(cov)} | {cov['checks']} | {cov['views_checked']} | "
+            f"{cov['attention_forwards']} ({_kinds(cov['fa_versions'])}) | {cov['sched_sm_margin']}/"
+            f"{cov['fwd_sm_margin']} | {cov['entries_poisoned']} | {_acceptance(cov['acceptance'])} |"
+        )
+    lines += [
+        "",
+        "| case | configuration | captures per kind | checks | views | forwards | sm_margin sched/fwd | poisoned | "
+        "acceptance |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows(run):
+        if row["kind"] != "case":
+            continue
+        c = row["counters"] or {}
+        lines.append(
+            f"| {row['case']} | {_config(row['engine'])} | {_captures(c)} | {c.get('checks', '-')} | "
+            f"{c.get('views_checked', '-')} | {c.get('attention_forwards', '-')} ({_kinds(c.get('fa_versions') or {})})"
+            f" | {c.get('sched_sm_margin', '-')}/{c.get('fwd_sm_margin', '-')} | {c.get('entries_poisoned', '-')} | "
+            f"{_acceptance(row['acceptance'])} |"
+        )
+    lines += [
+        "",
+        "| case | verdict | evidence | kernel | descriptor | expected | met? | s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows(run):
+        mark = {True: "ok", False: "FAIL", None: ""}[row["ok"]]
+        lines.append(
+            f"| {row['case']} | **{row['verdict']}** | {row['evidence']} | {row['kernel']} | {row['descriptor']} | "
+            f"{row['expected']} | {mark} | {row['wall_s']:.0f} |"
+        )
+    lines += ["", "Reasons:", ""] + [f"- `{row['case']}`: {row['reason']}" for row in rows(run)]
+    return redact("\n".join(lines)) + "\n"
+
+
+def to_json(run: GateRun, env: dict | None = None, need_control: bool = True) -> dict:
+    results = {c.case_id: r.to_dict() for pairs in (run.cases, run.references, run.attributions) for c, r in pairs}
+    return {
+        "kind": RESULTS_KIND,
+        "environment": env or {},
+        "outcome": run.outcome(need_control),
+        "passed": run.outcome(need_control) == PASS,
+        "affected": [c.case_id for c, _ in run.affected()],
+        "cannot_vouch": [c.case_id for c, _ in run.not_vouched()],
+        "blind": run.blind(need_control),
+        "decision": run.decision(need_control).summary(),
+        "wall_s": run.wall_s,
+        "launches": run.launches,
+        "builds": build_summary(run),
+        "release_range": release_range.to_json(releases_only(build_summary(run))),
+        "cases": [{**row, "result": results[row["case"]]} for row in rows(run)],
+        "fidelity": fidelity(run),
+    }
+
+
+def write(run: GateRun, out_dir: str | Path, env: dict | None = None, need_control: bool = True) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    md, js = out / "verdicts.md", out / "results.json"
+    md.write_text(markdown(run, env, need_control))
+    js.write_text(redact(json.dumps(to_json(run, env, need_control), indent=1, default=str)) + "\n")
+    return [md, js]

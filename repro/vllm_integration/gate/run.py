@@ -1,0 +1,389 @@
+"""The vLLM gate's run and outcome: every gate case (repro.vllm_integration.gate.case: a vLLM build x detection mode)
+as its own process (repro.vllm_integration.gate.worker) under a timeout, classified by the same verdict code as the
+attention-layer cases (repro.judge.classify) and judged (repro.vllm_integration.gate.judge: annotation, the comparison
+with the build's own reference run in the same SM configuration, coverage); a crash in the plain mode rerun once with
+CUDA_LAUNCH_BLOCKING=1 to name the kernel; non-MPS cases in parallel, MPS cases one at a time under one daemon.
+
+The outcome goes through repro.judge.policy: AFFECTED when a build under test showed the bug, CANNOT VOUCH when a case's
+checked feature did not fire, HARNESS BLIND when a control build (known bad) was not detected in a gating mode, else
+PASS; EXIT maps them to exit codes."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from repro.case.descriptors import ConfigError
+from repro.case.spec import CaseResult
+from repro.judge import policy
+from repro.judge.classify import refused
+from repro.judge.verdicts import CANNOT_VOUCH as NOT_VOUCHED
+from repro.judge.verdicts import CLEAN, CRASH, FAULTS, SKIP
+from repro.run.channel import Channel
+from repro.run.runner import case_logs, device_sm_count, run_process
+from repro.run.smcontrol import MpsDaemon, Unavailable
+from repro.run.tags import COUNTERS_TAG, DEVICE_TAG, RESULT_TAG
+from repro.vllm_integration.gate import bench as gate_bench
+from repro.vllm_integration.gate.cache import PRIVATE, WRITER, GateCache, gpu_identity, kept_reference, ref_key
+from repro.vllm_integration.gate.case import (
+    FA3_ONLY,
+    GateCase,
+    GateMode,
+    case_env,
+    expected,
+    reference_for,
+    self_controls_for,
+)
+from repro.vllm_integration.gate.judge import annotate, finish, meets, validate_reference
+from repro.vllm_integration.gate.launch import FORK, Launcher, launcher_kind
+from repro.vllm_integration.gate.placement import DevicePool, GateDevice, kind_of, main_kind, per_device_jobs
+from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
+from repro.vllm_integration.plugin.inject import STALE_CAPTURE
+from repro.vllm_integration.releases.builds import VllmBuild
+
+PASS, AFFECTED, BLIND, CANNOT_VOUCH = "PASS", "AFFECTED", "HARNESS BLIND", "CANNOT VOUCH"
+EXIT = {PASS: 0, AFFECTED: 1, BLIND: 3, CANNOT_VOUCH: 4}  # 2 is bad input; a bisect step maps 3 and 4 to 125
+NO_CONTROL = "no positive control ran in a gating mode"
+
+
+def run_case(
+    case: GateCase,
+    builds: list[VllmBuild],
+    log_dir: str | Path,
+    mps: MpsDaemon | None = None,
+    total_sms: Callable[[], int] = device_sm_count,
+    cache: GateCache | None = None,
+    device: GateDevice | None = None,
+    launcher: Launcher | None = None,
+) -> CaseResult:
+    """One gate case in its own process; never raises for a faulting case. With a cache (the new path), the case's
+    VLLM_CACHE_ROOT is its build's folder (used in place once complete, or written by this case as the build's one
+    writer) or an empty folder of its own (GateCache.case_cache); without (the old path) every case starts cold.
+    With a launcher (repro.vllm_integration.gate.launch) the process may be forked from its build's forkserver;
+    without, it is spawned. Its phases say which (`launcher`) and, when not the one asked for, why."""
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    audit_file = log_dir / f"{case.case_id}.audit.json"
+    audit_file.unlink(missing_ok=True)  # an earlier run into this folder must not lend this case its mismatches
+    try:
+        env = case_env(case, builds, audit_file, mps, total_sms, device=device.dev if device else None)
+    except Unavailable as e:
+        return _skipped(case, str(e))
+    private = Path(env["VLLM_CACHE_ROOT"])
+    vllm_cache = PRIVATE
+    if cache is not None:
+        root, vllm_cache = cache.case_cache(case.build, private, may_write=not case.reference)
+        env["VLLM_CACHE_ROOT"] = str(root)
+    # the models' folder is part of vLLM's compile-cache key: one folder per build on the new path
+    model_dir = cache.build_dir(case.build) / "models" if cache is not None else log_dir / f"{case.case_id}.models"
+    cmd = [sys.executable, "-m", "repro.vllm_integration.gate.worker", "--out", str(model_dir)]
+    cmd += ["--attention-backend", case.backend]
+    if case.reference:
+        cmd.append("--reference")
+    sanitized = bool(case.mode.sanitizer) and not case.reference
+    if launcher is not None:
+        res, out, launched = launcher.launch(case, cmd, env, log_dir, sanitized, run_process)
+    else:
+        (res, out), launched = run_process(case, cmd, env, log_dir, sanitized), {"launcher": "spawn"}
+    ch = Channel.of_case(case_logs(log_dir, case.case_id)[0], out)
+    if vllm_cache == WRITER:  # captures ran: torch.compile had finished and saved into the build's folder
+        cache.release(case.build, bool(sum(((ch.last(COUNTERS_TAG) or {}).get("captures") or {}).values())))
+    shutil.rmtree(private, ignore_errors=True)  # a case's own cold cache: not evidence
+    if not case.reference:
+        res.expected = expected(case)  # fixed before the case is judged
+    if res.verdict == SKIP:
+        res.vllm_version = case.build.version
+        return res
+    res.phases = {
+        **gate_bench.phases(out, ch.last(RESULT_TAG), res.started_at, res.wall_s, ch.last(DEVICE_TAG)),
+        "vllm_cache": vllm_cache,
+        **launched,
+    }
+    return annotate(res, case, ch, audit_file if audit_file.exists() else None)
+
+
+def run_attributed(
+    case: GateCase,
+    builds: list[VllmBuild],
+    log_dir: str | Path,
+    mps: MpsDaemon | None = None,
+    cache: GateCache | None = None,
+    device: GateDevice | None = None,
+    launcher: Launcher | None = None,
+) -> tuple[CaseResult, tuple[GateCase, CaseResult] | None]:
+    """run_case, and for a crash in the plain mode (first repetition) a rerun with CUDA_LAUNCH_BLOCKING=1 that names
+    the faulting kernel: (result, (rerun case, rerun result) or None). A control is expected to crash: its rerun
+    starts beside it, on the same device, and is dropped (whatever became of it; its logs stay) when the case did
+    not crash; any other case's rerun starts after its crash."""
+    attributable = case.mode.name == "plain" and not case.rep and not case.reference
+    rc = replace(case, launch_blocking=True)
+    ahead = None
+    if attributable and case.is_control:
+        ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attribution")
+        early = ahead.submit(run_case, rc, builds, log_dir, mps, cache=cache, device=device, launcher=launcher)
+    try:
+        res = run_case(case, builds, log_dir, mps, cache=cache, device=device, launcher=launcher)
+    finally:
+        if ahead is not None:
+            ahead.shutdown(wait=True)
+    if device is not None:
+        res = replace(res, backend_identity={**(res.backend_identity or {}), "device": device.to_dict()})
+    if res.verdict != CRASH or not attributable:
+        return res, None
+    if ahead is not None:
+        rerun = early.result()
+    else:
+        rerun = run_case(rc, builds, log_dir, mps, cache=cache, device=device, launcher=launcher)
+    kernel = rerun.kernel if rerun.verdict == CRASH else None
+    if kernel:
+        res = res.revised(
+            "attribution rerun",
+            f"{rc.case_id} crashed in the {kernel} kernel's launch check",
+            kernel=kernel,
+            evidence=f"fault in the {kernel} kernel (named by a CUDA_LAUNCH_BLOCKING=1 rerun)",
+        )
+    return res, (rc, rerun)
+
+
+def _skipped(case: GateCase, reason: str) -> CaseResult:
+    res = CaseResult.skipped(case, reason)
+    res.vllm_version = case.build.version
+    if not case.reference:
+        res.expected = expected(case)
+    return res
+
+
+@dataclass
+class GateRun:
+    cases: list[tuple[GateCase, CaseResult]] = field(default_factory=list)
+    references: list[tuple[GateCase, CaseResult]] = field(default_factory=list)
+    attributions: list[tuple[GateCase, CaseResult]] = field(default_factory=list)  # launch-blocking reruns
+    wall_s: float = 0.0
+    build_wall_s: dict[str, float] = field(default_factory=dict)
+    launches: dict[str, dict] = field(default_factory=dict)  # per build: how its case processes started (Launcher)
+
+    def controls(self) -> list[policy.Control]:
+        """Every case as the policy sees it: mode = the gate mode's name."""
+        return [
+            policy.Control(c.case_id, r.expected or expected(c), r.verdict, c.mode.name, r.reason, kind=c.control_kind)
+            for c, r in self.cases
+        ]
+
+    def decision(self, need_control: bool = True) -> policy.GateDecision:
+        """repro.judge.policy.decide over every case; without need_control (a bisect step answering for its build alone)
+        the missing positive control is not a failure."""
+        d = policy.decide(self.controls())
+        if not need_control:
+            d.failures = [f for f in d.failures if f.kind not in policy.NEEDS_A_CONTROL]
+        return d
+
+    def affected(self) -> list[tuple[GateCase, CaseResult]]:
+        """Builds under test whose case did not come back clean (the bug, or no answer)."""
+        return [(c, r) for c, r in self.cases if not c.is_control and not meets(c, r)]
+
+    def not_vouched(self) -> list[tuple[GateCase, CaseResult]]:
+        """Cases (under test or control) whose checked feature did not fire."""
+        return [(c, r) for c, r in self.cases if r.verdict == NOT_VOUCHED]
+
+    def blind(self, need_control: bool = True) -> list[str]:
+        """Why the controls cannot vouch for the run: the policy's failures that are not about a build under test."""
+        under = {c.case_id for c, _ in self.cases if not c.is_control}
+        out = []
+        for f in self.decision(need_control).failures:
+            if f.case_id in under:
+                continue
+            if f.kind in policy.NEEDS_A_CONTROL:
+                f = (
+                    f"{NO_CONTROL} (a build's self control: --self-control under-test; a known-bad build: "
+                    f"--control 0.25.1=<prefix>): {f}"
+                )
+            out.append(f)
+        return out
+
+    def outcome(self, need_control: bool = True) -> str:
+        """AFFECTED (a build under test showed the bug), CANNOT VOUCH (a case's checked feature did not fire, or a
+        build under test errored or skipped), HARNESS BLIND (repro.judge.policy.decide failed on the controls: a control
+        missed, or a gating mode has no evidence from its own control, or none ran while one is needed) or PASS;
+        EXIT maps them to exit codes."""
+        affected = self.affected()
+        if any(r.verdict in FAULTS for _, r in affected):
+            return AFFECTED
+        if affected or self.not_vouched():
+            return CANNOT_VOUCH
+        return BLIND if self.blind(need_control) else PASS
+
+
+def plan(
+    builds: list[VllmBuild],
+    modes: tuple[GateMode, ...],
+    repeat: int,
+    timeout_s: float,
+    backends: tuple[str, ...] = (DEFAULT_BACKEND,),
+    self_control: str = "under-test",
+) -> list[GateCase]:
+    """Every case: build x attention backend x mode x repetition, and the self control of each build that gets one
+    (gate_case.self_controls_for) in every mode beside the build's own cases. sm_margin and poison hook FA3's own
+    calls: with another backend they are refused."""
+    if repeat < 1:
+        raise ConfigError("--repeat must be at least 1")
+    fa3_only = [m.name for m in modes if m.name.split(":")[0] in FA3_ONLY]
+    if fa3_only and any(b != DEFAULT_BACKEND for b in backends):
+        raise ConfigError(f"mode {fa3_only[0]} hooks FA3's calls: run it with --backends {DEFAULT_BACKEND} only")
+    return [
+        GateCase(b, m, rep=r, timeout_s=timeout_s, backend=be, inject=inj)
+        for b in builds
+        for inj in ((None, STALE_CAPTURE) if self_controls_for(b, self_control) else (None,))
+        for be in backends
+        for m in modes
+        for r in range(repeat)
+    ]
+
+
+def run_gate(
+    builds: list[VllmBuild],
+    modes: tuple[GateMode, ...],
+    log_dir: str | Path,
+    repeat: int = 1,
+    jobs: int = 3,
+    timeout_s: float = 300.0,
+    progress: Callable[[GateCase, CaseResult], None] | None = None,
+    cache: GateCache | None = None,
+    backends: tuple[str, ...] = (DEFAULT_BACKEND,),
+    self_control: str = "under-test",
+    devices: list[GateDevice] | None = None,
+    only: VllmBuild | None = None,
+    launcher: str | None = None,
+) -> GateRun:
+    """Every case, references included; non-MPS cases `jobs` at a time, MPS cases one at a time under one daemon
+    owned by the run (a faulting MPS client can take the server's other clients down). With a cache (the new path,
+    repro.vllm_integration.gate.cache) the cases share their build's vLLM caches and a reference kept for the build's
+    fingerprint, SM configuration, GPU and gate code is used instead of running it again; without, the old path.
+    With devices (repro.vllm_integration.gate.placement), each case process runs on one of them, of one kind (main_kind:
+    a case and its reference on the same SM count), `--jobs` divided over them; MPS cases on the first. `only`: the
+    cases of that one build (its self control too); the other builds still keep their prefixes off its PYTHONPATH
+    (the pytest tier runs one build and mode per test this way). The launcher (gate_launch.launcher_kind: spawn, the
+    default, or fork) says how case processes start; with fork, every build's forkserver starts importing at once,
+    and GateRun.launches says what each build's cases got."""
+    if not builds:
+        raise ConfigError("no vLLM build to test: install vllm, or set REPRO_VLLM / REPRO_VLLM_CONTROL")
+    cases = plan([only] if only is not None else builds, modes, repeat, timeout_s, backends, self_control)
+    asked = [m.sm.sms for m in modes if m.sm.kind in ("sm_margin", "mps")]
+    if asked:
+        try:
+            total = device_sm_count()
+        except Unavailable:
+            total = None  # no GPU: those cases skip with the reason
+        if total is not None and max(asked) > total:
+            raise ConfigError(f"a mode asks for {max(asked)} SMs; this GPU has {total}")
+    refs = list(dict.fromkeys(reference_for(c) for c in cases))
+    run = GateRun()
+    lock = threading.Lock()
+    starts: dict[str, list[float]] = {}
+    outputs: dict[str, dict | None] = {}
+    t0 = time.time()
+
+    gpu = gpu_identity() if cache is not None else ""
+
+    placed = list(devices or [])
+    kind = main_kind(placed) if placed else None
+    chosen = [d for d in placed if kind_of(d) == kind]
+    pool = DevicePool(chosen, per_device_jobs(jobs, chosen)) if placed else None
+    workers = pool.per_device * len(pool.devices) if pool else max(1, jobs)
+    launch = Launcher(launcher_kind(launcher), log_dir)
+    if launch.kind == FORK:
+        for b in builds:  # the environment of the build's cases, less what differs per case (gate_launch.LATE_VARS)
+            plain = GateCase(b, GateMode.parse("plain"))
+            launch.start(b, case_env(plain, builds, Path(log_dir) / "forkserver.audit.json", None, lambda: 0))
+
+    def one(c: GateCase, mps: MpsDaemon | None, keep: Callable[[CaseResult], bool] = lambda r: True) -> CaseResult:
+        """Run (or load) one case and record it, unless keep says its result is not to be recorded."""
+        t = time.time()
+        kept = cache.load_reference(c.build, ref_key(c), gpu) if cache is not None and c.reference else None
+        if kept is not None:
+            res, attribution, out = kept_reference(c, kept), None, kept["result"]
+        else:
+            dev = (pool.devices[0] if mps is not None else pool.take(kind)) if pool else None
+            try:
+                res, attribution = run_attributed(c, builds, log_dir, mps, cache, device=dev, launcher=launch)
+            finally:
+                if dev is not None and mps is None:
+                    pool.give(dev)
+            out = result_line(log_dir, c)
+            if c.reference:
+                res = validate_reference(c, res, out)
+            if cache is not None and c.reference and res.verdict == CLEAN and out and out.get("tokens"):
+                cache.store_reference(c.build, ref_key(c), gpu, out, res.to_dict())
+        if not keep(res):
+            return res
+        with lock:
+            outputs[c.case_id] = out
+            (run.references if c.reference else run.cases).append((c, res))
+            if attribution:
+                run.attributions.append(attribution)
+            span = starts.setdefault(c.build.label, [t, t])
+            span[0], span[1] = min(span[0], t), max(span[1], time.time())
+        if progress:
+            progress(c, res)
+        return res
+
+    everything = cases + refs  # speculative cases first: one of them writes the build's vLLM cache the rest then use
+    serial = [c for c in everything if c.mode.sm.kind == "mps"]
+    parallel = [c for c in everything if c.mode.sm.kind != "mps"]
+
+    def serial_part() -> None:
+        """The MPS cases, one at a time. A client that faulted can leave the server refusing the next client, so
+        after a fault the rest run under a fresh daemon, and a case the server refused runs once more under one."""
+        pending, retried = list(serial), set()
+        try:
+            while pending:
+                with MpsDaemon() as mps:
+                    while pending:
+                        c = pending.pop(0)
+                        first_try = c.case_id not in retried
+                        res = one(c, mps, keep=lambda r, again=first_try: not (refused(r) and again))
+                        if refused(res) and first_try:
+                            retried.add(c.case_id)
+                            pending.insert(0, c)
+                            break
+                        if res.verdict in FAULTS:
+                            break
+        except Unavailable as e:
+            done = {x.case_id for x, _ in run.cases + run.references}
+            for c in serial:
+                if c.case_id in done:
+                    continue
+                res = _skipped(c, str(e))
+                with lock:
+                    (run.references if c.reference else run.cases).append((c, res))
+
+    try:
+        mps_thread = threading.Thread(target=serial_part, daemon=True)
+        mps_thread.start()
+        with ThreadPoolExecutor(max_workers=workers) as threads:
+            list(threads.map(lambda c: one(c, None), parallel))
+        mps_thread.join()
+    finally:
+        run.launches = launch.summary()
+        launch.close()
+    ref_by_key = {(c.build, c.backend, c.mode.sm): (c, r) for c, r in run.references}
+    judged = []
+    for c, r in run.cases:
+        rc, rr = ref_by_key[(c.build, c.backend, c.mode.sm)]
+        judged.append((c, finish(c, r, outputs.get(c.case_id), rr, outputs.get(rc.case_id))))
+    run.cases = judged
+    order = {c.case_id: i for i, c in enumerate(cases)}
+    run.cases.sort(key=lambda cr: order[cr[0].case_id])
+    run.wall_s = round(time.time() - t0, 1)
+    run.build_wall_s = {k: round(v[1] - v[0], 1) for k, v in starts.items()}
+    return run
+
+
+def result_line(log_dir: str | Path, case: GateCase) -> dict | None:
+    """The RESULT record a finished case process wrote (tokens, margins, version, timing), or None."""
+    return Channel.of_case(case_logs(log_dir, case.case_id)[0]).last(RESULT_TAG)

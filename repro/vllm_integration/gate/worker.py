@@ -1,0 +1,286 @@
+"""One gate case process: vLLM's own V2 model runner on a tiny local Llama (no hub: dummy weights redrawn with margins
+by the plugin, no tokenizer, token-id prompts), bf16, FLASH_ATTN (FA3 on Hopper), engine in-process.
+
+  python -m repro.vllm_integration.gate.worker --out DIR                 speculative run: EAGLE draft, 3 speculative tokens,
+                                                                  FULL_AND_PIECEWISE CUDA graphs, vLLM's default
+                                                                  capture sizes (the configuration under test)
+  python -m repro.vllm_integration.gate.worker --out DIR --reference     the same prompts and draft, greedy, no CUDA graphs
+                                                                  (enforce_eager): the gate's reference for the tokens
+                                                                  (with log-probabilities) and for the draft's
+                                                                  acceptance
+
+Prints `REPRO_DEVICE` (the GPU and the SM count this process sees, and whether bf16 matrix products come out right
+there: gemm_check), `REPRO_ENGINE` (the engine's resolved
+configuration: model runner, attention backend and FA version, cudagraph mode, speculative method and k; the plugin's
+coverage counters; acceptance counts where vLLM exposes them) and `REPRO_RESULT` (tokens; with --reference the top-2
+log-probability margin of every generated token) lines; the parent (repro.vllm_integration.gate.run, through
+gate_judge) turns the process's output into a verdict. The plugin features (audit, sm_margin, poison, weights) come
+from the environment, loaded by vLLM through the entry point."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+from repro.run.channel import emit
+from repro.run.tags import DEVICE_TAG, ENGINE_TAG, RESULT_TAG
+from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
+
+TARGET = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 1024,
+    "intermediate_size": 2048,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "num_hidden_layers": 2,
+    "vocab_size": 4096,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+DRAFT = {**TARGET, "architectures": ["EagleLlamaForCausalLM"], "num_hidden_layers": 1}
+PROMPTS = [[11, 12, 13, 14, 15, 16, 17], [21, 22, 23], [31, 32, 33, 34, 35], [41, 42, 43, 44]]
+KV_CACHE_BYTES = 1 << 30
+SPEC_TOKENS = 3
+MAX_NEW = 16
+
+
+def write_models(root: str | Path) -> tuple[Path, Path]:
+    """The target and draft model folders (config.json each) under root; a config already there with the same text is
+    left alone, a changed one replaced whole (one rename): concurrent cases may share the folder. vLLM's
+    compile-cache key includes the model's path, so the cases of one build share one folder (the gate cache's)."""
+    root = Path(root)
+    paths = []
+    for name, cfg in (("target", TARGET), ("draft", DRAFT)):
+        d = root / name
+        d.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(cfg, indent=1)
+        cfg_file = d / "config.json"
+        if not cfg_file.exists() or cfg_file.read_text() != text:
+            tmp = d / f".config.json.{os.getpid()}"
+            tmp.write_text(text)
+            os.replace(tmp, cfg_file)
+        paths.append(d)
+    return paths[0], paths[1]
+
+
+def llm_kwargs(
+    target: Path, draft: Path, reference: bool, spec_tokens: int, gpu_memory: float, backend: str = DEFAULT_BACKEND
+) -> dict:
+    """The LLM(...) arguments of a gate run. Reference: the same speculative decoding, no CUDA graphs."""
+    kw = dict(
+        model=str(target),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=1024,
+        gpu_memory_utilization=gpu_memory,
+        # a fixed KV cache skips vLLM's memory profiling, whose check fails when a concurrent case frees memory
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        attention_backend=backend,
+        seed=0,
+    )
+    kw["disable_log_stats"] = False  # LLM.get_metrics(): the speculative-decoding acceptance counters
+    kw["speculative_config"] = {"method": "eagle", "model": str(draft), "num_speculative_tokens": spec_tokens}
+    if reference:
+        kw["enforce_eager"] = True
+    else:
+        kw["compilation_config"] = {"cudagraph_mode": "FULL_AND_PIECEWISE"}
+    return kw
+
+
+# the projections of the gate's model, and one of 19 rows (the four prompts' prefill): shapes that came out wrong under
+# MPS at 24 SMs on the H200 (results/h200-mps-gemm-probe)
+GEMM_SHAPES = ((19, 1024, 1536), (19, 1024, 4096), (4, 1024, 1536), (19, 2048, 1024))
+GEMM_TOLERANCE = 0.1  # |GPU - float32| for bf16 inputs with these sizes: about 0.01; a wrong product: several units
+
+
+def gemm_check() -> dict:
+    """bf16 matrix products on this process's GPU against float32 on the CPU (the same bf16-rounded inputs): whether
+    the platform in this SM configuration computes them right. {"max_error", "tolerance", "ok", "worst"}."""
+    import torch  # main imported (and timed) it before this runs: bound here, the module loads without torch
+
+    g = torch.Generator().manual_seed(0)
+    worst, err = None, 0.0
+    for m, k, n in GEMM_SHAPES:
+        a = torch.randn(m, k, generator=g).bfloat16()
+        b = (torch.randn(n, k, generator=g) * k**-0.5).bfloat16()
+        got = (a.cuda() @ b.cuda().T).float().cpu()
+        e = float((got - a.float() @ b.float().T).abs().max())
+        if not math.isfinite(e) or e > err:
+            err, worst = (e if math.isfinite(e) else float("inf")), f"{m}x{k}x{n}"
+    return {"max_error": round(err, 4), "tolerance": GEMM_TOLERANCE, "ok": err <= GEMM_TOLERANCE, "worst": worst}
+
+
+def _logprob_values(logprobs: dict | None) -> list[float]:
+    return [float(lp.logprob if hasattr(lp, "logprob") else lp) for lp in (logprobs or {}).values()]
+
+
+def top2_margin(logprobs: dict | None) -> float | None:
+    """log p(top-1) - log p(top-2) at one position, from vLLM's per-token logprobs dict (None when absent or not
+    finite: NaN logits give NaN log-probabilities, and a NaN margin must never read as a decided token)."""
+    vals = _logprob_values(logprobs)
+    if len(vals) < 2 or not all(math.isfinite(v) for v in vals):
+        return None
+    vals.sort(reverse=True)
+    return round(vals[0] - vals[1], 5)
+
+
+def nonfinite_positions(outputs) -> list[str]:
+    """Positions whose returned log-probabilities are not all finite ("request i token j"): the logits were NaN or
+    inf there (a reference that must not be trusted)."""
+    bad = []
+    for i, o in enumerate(outputs):
+        for j, lp in enumerate(o.outputs[0].logprobs or []):
+            vals = _logprob_values(lp)
+            if not vals or not all(math.isfinite(v) for v in vals):
+                bad.append(f"request {i} token {j}")
+    return bad
+
+
+def _name(x) -> str | None:
+    if x is None:
+        return None
+    return str(getattr(x, "name", None) or x)
+
+
+def _backend_seen(counters: dict) -> str | None:
+    """The attention backend whose forwards the plugin counted most (its `backends` counter), None when none ran."""
+    seen = {k: v for k, v in (counters.get("backends") or {}).items() if v}
+    if seen:
+        return max(seen, key=seen.get)
+    return "FLASH_ATTN" if counters.get("attention_forwards") else None  # a plugin that counts FA forwards only
+
+
+def resolved_engine(llm) -> dict:
+    """What the engine resolved, read from its config after start-up (in-process engine: the config the model runner
+    updated) and from the plugin's counters (the attention impl that ran, its FA version, the runner seen capturing).
+    A value vLLM does not expose here is None, never guessed."""
+    from repro.vllm_integration.plugin.counters import (
+        snapshot,  # the plugin's counters: only the case process reads them
+    )
+
+    counters = snapshot()
+    engine = getattr(llm, "llm_engine", None)
+    cfg = getattr(engine, "vllm_config", None)
+    comp = getattr(cfg, "compilation_config", None)
+    spec = getattr(cfg, "speculative_config", None)
+    attn_cfg = getattr(cfg, "attention_config", None)
+    runner = counters.get("runner")
+    if runner is None:  # no capture put the runner on the stack: the module the worker imported
+        for mod in ("vllm.v1.worker.gpu.model_runner", "vllm.v1.worker.gpu_model_runner"):
+            if mod in sys.modules:
+                runner = f"{mod} (imported; no capture seen)"
+                break
+    versions = counters.get("fa_versions") or {}
+    return {
+        "model_runner": runner,
+        "model_runner_v2": bool(runner) and str(runner).startswith("vllm.v1.worker.gpu."),
+        "attention_backend_requested": _name(getattr(attn_cfg, "backend", None)),
+        "attention_backend": _backend_seen(counters),
+        "fa_version": next(iter(versions)) if len(versions) == 1 else (sorted(versions) or None),
+        "cudagraph_mode": _name(getattr(comp, "cudagraph_mode", None)),
+        "speculative_method": getattr(spec, "method", None) if spec is not None else None,
+        "num_speculative_tokens": getattr(spec, "num_speculative_tokens", None) if spec is not None else 0,
+        "counters": counters,
+    }
+
+
+def acceptance(llm) -> dict:
+    """vLLM's speculative-decoding counters (LLM.get_metrics, with stats logging on), or why they are not there."""
+    try:
+        metrics = llm.get_metrics()
+    except Exception as e:  # old vLLM, stats off: said, not guessed
+        return {"unavailable": f"{type(e).__name__}: {e}"[:200]}
+    out = {}
+    for m in metrics:
+        name = str(getattr(m, "name", ""))
+        if "spec_decode" not in name:
+            continue
+        value = getattr(m, "value", None)
+        out[name.removeprefix("vllm:")] = value if value is not None else getattr(m, "values", None)
+    return out or {"unavailable": "no spec_decode metric in LLM.get_metrics()"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m repro.vllm_integration.gate.worker")
+    p.add_argument("--out", required=True)
+    p.add_argument("--reference", action="store_true")
+    p.add_argument("--spec-tokens", type=int, default=SPEC_TOKENS)
+    p.add_argument("--max-new", type=int, default=MAX_NEW)
+    p.add_argument(
+        "--attention-backend", default=DEFAULT_BACKEND, help="vLLM's attention backend (default %(default)s)"
+    )
+    p.add_argument("--gpu-memory", type=float, default=0.1, help="share of GPU memory that must be free at start")
+    a = p.parse_args(argv)
+    t0 = time.time()
+    import torch  # torch after t0: the import is part of the timed start (timing_s)
+
+    t_torch = time.time()
+    device = None
+    if torch.cuda.is_available():
+        prop = torch.cuda.get_device_properties(0)
+        device = {"gpu": prop.name, "sms": prop.multi_processor_count, "gemm_check": gemm_check()}
+    t_cuda = time.time()
+    import vllm  # vLLM in the case process only: the parent never needs it
+    from vllm import LLM, SamplingParams  # imported here: the parent never needs vllm
+
+    t_import = time.time()
+    # the start-up split (imports against CUDA's start and the GEMM check): in the DEVICE record too, so a case that
+    # crashes later still shows it (gate_bench.phases); ~0 s of import in a case forked from a forkserver
+    startup = {
+        "torch_import": round(t_torch - t0, 2),
+        "cuda_init": round(t_cuda - t_torch, 2),
+        "vllm_import": round(t_import - t_cuda, 2),
+    }
+    if device is not None:
+        device["startup_s"] = startup
+        emit(DEVICE_TAG, device)
+    target, draft = write_models(a.out)
+    llm = LLM(**llm_kwargs(target, draft, a.reference, a.spec_tokens, a.gpu_memory, a.attention_backend))
+    t_engine = time.time()
+    params = SamplingParams(
+        temperature=0.0, max_tokens=a.max_new, detokenize=False, ignore_eos=True, logprobs=2 if a.reference else None
+    )
+    outs = llm.generate([{"prompt_token_ids": t} for t in PROMPTS], params)
+    t_done = time.time()
+    engine = resolved_engine(llm)  # the reference's too: the configuration it ran with is part of its validation
+    engine["acceptance"] = acceptance(llm)
+    emit(ENGINE_TAG, engine)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    margins = [[top2_margin(lp) for lp in (o.outputs[0].logprobs or [])] for o in outs] if a.reference else None
+    result = {
+        "vllm_version": vllm.__version__,
+        "reference": a.reference,
+        "tokens": tokens,
+        "margins": margins,
+        "nonfinite": nonfinite_positions(outs) if a.reference else None,
+        "device": device,
+        "timing_s": {
+            "import": round(t_import - t0, 1),
+            **startup,
+            "engine": round(t_engine - t_import, 1),
+            "generate": round(t_done - t_engine, 1),
+            "main_at": round(t0, 3),  # epoch s: the parent adds process start and teardown (gate_bench.phases)
+            "done_at": round(time.time(), 3),
+        },
+        "summary": f"{len(tokens)} requests x {a.max_new} tokens decoded",
+    }
+    emit(RESULT_TAG, result)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""The harness inside vLLM, as a general plugin (entry point group `vllm.general_plugins`). vLLM loads it in every
+process it starts; each feature is off unless its environment variable turns it on:
+
+- REPRO_ATTENTION_BACKEND=NAME  the attention backend the probe and the auditor hook, named as vLLM names it
+                          (FLASH_ATTN when unset; TRITON_ATTN, FLASHINFER, or any backend vLLM's registry knows: see
+                          repro.vllm_integration.plugin.backend_fields). Set it to the backend the engine is asked to use
+                          (LLM(attention_backend=NAME)): the hooks go on that backend's classes only, and a backend
+                          whose classes are not found is an error line, never a silent clean run.
+- REPRO_PROBE=1           coverage counters (every gate case but the references): the backend impl's forward calls
+                          (per backend) and, for FLASH_ATTN, the FA version of the impl that made them, and every CUDA graph capture (torch.cuda.graph)
+                          with its graph kind (target decode, target mixed, draft prefill, draft decode, read from the
+                          vLLM objects on the capture's call stack; "unknown kind" when none says) and whether an
+                          attention forward ran inside it (a FULL graph). The model runner class seen capturing.
+- REPRO_AUDIT=1           freshness auditor (implies the probe): wraps the backend's <X>MetadataBuilder.build and
+                          build_for_cudagraph_capture (record what every tensor of each build's metadata shows, by the
+                          backend's field table) and <X>Impl.forward (before every eager forward, check they still
+                          show it); at the end of every capture, the metadata its attention forwards used is checked
+                          too (what the graph baked in). Nothing is copied to the host while a graph is captured.
+                          Where the builder has update_draft_decode_metadata (vLLM 0.28 on: the fused draft loop
+                          refreshes the draft-decode metadata in place, inside the captured graph), an eager refresh
+                          becomes the metadata's new reference, and a refresh inside a capture marks the fields it
+                          rewrites as the graph's to compute (not compared at that capture's end). Findings go to
+                          stderr as `REPRO_AUDIT <json>` lines and, at exit, to REPRO_AUDIT_FILE.
+- REPRO_SM_MARGIN=N       FA3 plans and launches for N fewer SMs: sm_margin passed to vLLM's get_scheduler_metadata
+                          and to every torch.ops._vllm_fa3_C.fwd call (vLLM itself always passes 0). Counted per call.
+- REPRO_POISON=<fill>     the entries FA3's get_scheduler_metadata never writes are filled (repro.case.poison) before vLLM
+                          copies them into its persistent buffer, so a stale read does not depend on leftover memory.
+                          The entries poisoned are counted.
+- REPRO_INJECT=stale-capture  the self control: the defect of vLLM 0.21.0-0.25.1 re-created inside this build (the
+                          draft's FULL captures run on buffers holding the target's last capture build;
+                          repro.vllm_integration.plugin.inject). Counted per capture kind (captures_injected).
+- REPRO_WEIGHTS=agree     after vLLM's DummyModelLoader, the gate's constructed weights (repro.vllm_integration.
+                          weights): a target decided by a wide margin at every token and an EAGLE draft that agrees
+                          with it. `margin`: every parameter redrawn from a per-name seed (near ties, no acceptance).
+                          vLLM's own dummy weights (uniform +-1e-3) give near-tied logits that flip with the SM count.
+
+Each feature that installed is announced as a `REPRO_PLUGIN {"installed": ...}` line, and only then; a hook that
+could not be installed is a `REPRO_PLUGIN {"error": ...}` line (the gate turns either into the case's verdict). The
+counters (COUNTERS) are printed at exit as `REPRO_COUNTERS <json>`; the gate process prints them with the engine's
+configuration after generate (repro.vllm_integration.gate.worker). With the probe on, the counters also name the
+speculative-decoding layout of the vLLM that loaded the plugin (`spec_layout`, read from its files as
+repro.vllm_integration.releases.source_check does) and whether the auditor knows it (`spec_layout_known`: a layout the
+recorded wheels show, KNOWN_SPEC_LAYOUTS); a gate must not vouch for a run whose layout it does not know. Written
+against the names in vllm/v1/attention/backends/ (backend_fields); anything not found is reported, never guessed.
+
+Where each part lives: this module reads the environment (requested) and installs what it asks for (register); the
+hooks on the attention backend's classes are repro.vllm_integration.plugin.backend_hooks, the capture tracker
+repro.vllm_integration.plugin.capture, the FA3 hooks repro.vllm_integration.plugin.fa3_hooks, the counters and the auditor's
+report repro.vllm_integration.plugin.counters (one object each, shared by all of them)."""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from repro.case.poison import parse_poison
+from repro.run.channel import emit
+from repro.run.tags import PLUGIN_TAG
+from repro.vllm_integration.plugin import counters
+from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND, backend_for
+from repro.vllm_integration.plugin.backend_hooks import install, install_inject, install_probe
+from repro.vllm_integration.plugin.fa3_hooks import install_fa3_hooks
+from repro.vllm_integration.plugin.inject import INJECT_ENV, INJECT_SOURCE_ENV, INJECTIONS, SOURCES
+from repro.vllm_integration.plugin.weights import DUMMY, WEIGHTS
+from repro.vllm_integration.plugin.weights import install as install_weights
+from repro.vllm_integration.releases.source_check import spec_layout
+
+ENV, PROBE_ENV = "REPRO_AUDIT", "REPRO_PROBE"
+SM_MARGIN_ENV, POISON_ENV, WEIGHTS_ENV = "REPRO_SM_MARGIN", "REPRO_POISON", "REPRO_WEIGHTS"
+BACKEND_ENV = "REPRO_ATTENTION_BACKEND"
+# the V2 speculative-decoding layouts the auditor was checked against (the recorded wheels 0.23.0-0.33.0,
+# results/vllm-versions.json; a CPU test keeps the two equal): another layout cannot be vouched for
+# eagle (0.20-0.22): its draft loop advances seq_lens inside the draft decode graph (audit.check's `advance`)
+KNOWN_SPEC_LAYOUTS = ("eagle", "autoregressive", "target_dependent_ar")
+
+
+def spec_layout_of(vllm_root: str | os.PathLike | None) -> tuple[str | None, bool]:
+    """(the V2 speculative-decoding layout of the vLLM installed at vllm_root, the folder holding vllm/; whether the
+    auditor knows it). Read from the files, never imported (repro.vllm_integration.releases.source_check.spec_layout)."""
+    layout = spec_layout(Path(vllm_root)) if vllm_root is not None else None
+    return layout, layout in KNOWN_SPEC_LAYOUTS
+
+
+def _installed_vllm_root() -> str | None:
+    """The folder holding the vllm package that loaded the plugin (None when it has no files: a stand-in)."""
+    vllm = sys.modules.get("vllm")
+    paths = list(getattr(vllm, "__path__", None) or [])
+    return os.path.dirname(paths[0]) if paths else None
+
+
+def requested(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """The features the environment asks for, validated (bad values raise ValueError naming the variable)."""
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {"audit": env.get(ENV) == "1"}
+    out["probe"] = out["audit"] or env.get(PROBE_ENV) == "1"
+    margin = env.get(SM_MARGIN_ENV, "0") or "0"
+    try:
+        out["sm_margin"] = int(margin)
+    except ValueError:
+        raise ValueError(f"{SM_MARGIN_ENV}={margin!r}: expected a whole number of SMs") from None
+    if out["sm_margin"] < 0:
+        raise ValueError(f"{SM_MARGIN_ENV}={margin!r}: must not be negative")
+    out["poison"] = parse_poison(env.get(POISON_ENV))
+    weights = env.get(WEIGHTS_ENV, "") or DUMMY
+    if weights not in (*WEIGHTS, DUMMY):
+        raise ValueError(f"{WEIGHTS_ENV}={weights!r}: expected {', '.join(WEIGHTS)} or {DUMMY}")
+    out["weights"] = None if weights == DUMMY else weights
+    source = env.get(INJECT_SOURCE_ENV, "") or SOURCES[0]
+    if source not in SOURCES:
+        raise ValueError(f"{INJECT_SOURCE_ENV}={source!r}: expected {' or '.join(SOURCES)}")
+    out["inject_source"] = source
+    backend = env.get(BACKEND_ENV, "") or DEFAULT_BACKEND
+    if not backend.replace("_", "").isalnum() or backend.upper() != backend:
+        raise ValueError(f"{BACKEND_ENV}={backend!r}: expected a vLLM attention backend name such as FLASH_ATTN")
+    out["attention_backend"] = backend
+    inject = env.get(INJECT_ENV, "")
+    if inject and inject not in INJECTIONS:
+        raise ValueError(f"{INJECT_ENV}={inject!r}: expected {' or '.join(INJECTIONS)}")
+    out["inject"] = inject or None
+    return out
+
+
+def register() -> None:
+    """vLLM calls this in every process it starts (general plugins). A feature is announced as installed only when
+    every hook it needs went in; otherwise its error line says what was missing."""
+    try:
+        want = requested()
+    except Exception as e:  # a bad variable must be visible, not silently ignored
+        emit(PLUGIN_TAG, {"error": str(e)})
+        return
+    if not (want["probe"] or want["sm_margin"] or want["poison"] or want["weights"] or want["inject"]):
+        return
+    installed = counters._installed  # the one set the install functions add to
+    needs_backend = want["probe"] and "probe" not in installed or want["audit"] and "audit" not in installed
+    if needs_backend or want["inject"] and "inject" not in installed:
+        try:
+            spec = backend_for(want["attention_backend"])
+            backend = importlib.import_module(spec.module)
+        except (ImportError, KeyError) as e:
+            emit(PLUGIN_TAG, {"error": f"cannot import vLLM's attention backend {want['attention_backend']}: {e}"})
+            return
+        layout = spec_layout_of(_installed_vllm_root())
+        counters.COUNTERS["spec_layout"], counters.COUNTERS["spec_layout_known"] = layout
+        if want["probe"] and "probe" not in installed:
+            if install_probe(backend, spec=spec):
+                atexit.register(counters.write_counters)
+                emit(PLUGIN_TAG, {"installed": "probe", "backend": spec.name})
+        if want["audit"] and "audit" not in installed:
+            if install(backend, spec=spec):
+                atexit.register(counters.write_report)
+                emit(PLUGIN_TAG, {"installed": "audit", "backend": spec.name})
+        if want["inject"] and "inject" not in installed:
+            if install_inject(backend, spec=spec, source=want["inject_source"]):
+                emit(PLUGIN_TAG, {"installed": "inject", "injection": want["inject"], "backend": spec.name})
+    if (want["sm_margin"] or want["poison"]) and "fa3" not in installed:
+        import torch  # torch and vLLM only when a feature asks for them: the plugin loads in every vLLM process
+        from vllm.v1.attention.backends import flash_attn  # vLLM only here, as torch above
+
+        try:
+            import vllm.vllm_flash_attn._vllm_fa3_C  # noqa: F401  registers torch.ops._vllm_fa3_C
+        except ImportError as e:
+            emit(PLUGIN_TAG, {"error": f"vLLM's FA3 library does not import: {e}"})
+            return
+        done = install_fa3_hooks(flash_attn, torch.ops._vllm_fa3_C, want["sm_margin"], want["poison"])
+        expected = 1 + bool(want["sm_margin"])
+        if len(done) == expected:
+            installed.add("fa3")
+            emit(PLUGIN_TAG, {"installed": "fa3", "hooks": done})
+    if want["weights"] and "weights" not in installed:
+        from vllm.model_executor.model_loader import dummy_loader  # vLLM only when REPRO_WEIGHTS asks for it
+
+        loader = getattr(dummy_loader, "DummyModelLoader", None)
+        if loader is None or not callable(getattr(loader, "load_weights", None)):
+            emit(PLUGIN_TAG, {"error": f"{dummy_loader.__name__}: DummyModelLoader.load_weights not found"})
+            return
+        install_weights(loader, want["weights"], lambda record: emit(PLUGIN_TAG, record))
+        installed.add("weights")
+        emit(PLUGIN_TAG, {"installed": "weights", "weights": want["weights"]})

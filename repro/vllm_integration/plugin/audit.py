@@ -1,0 +1,170 @@
+"""Freshness auditor core: remembers what every metadata build wrote, and at each eager forward checks that the
+persistent buffers the metadata's views point at still hold it.
+
+A view whose buffer was overwritten by a later build is stale: exactly the defect of vLLM PR #48261, and it is
+detected on any GPU at any SM count, without waiting for an out-of-bounds read. Which views a backend's metadata
+has is repro.vllm_integration.plugin.backend_fields' business; this core compares whatever views it is handed, by name
+(FA3's scheduler_metadata decoded into its vectors, any other view by flat index). A refresh (vLLM's in-place
+draft-decode update, run eagerly) makes what the views show now the new reference."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from repro.attention.layout import VLLM, effective_causal, layout_from_size
+from repro.attention.staleness import stale_entry
+
+FIELDS = ("query_start_loc", "seq_lens", "scheduler_metadata")  # FA3's views: what the auditor checked first
+Number = int | float  # bool tensors read as ints; floating tensors (none checked in vLLM's tables today) as floats
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    descriptor: str  # t<tokens>r<reqs> of the metadata being used
+    buffer: str
+    field: str  # decoded field for scheduler_metadata
+    index: int  # first differing index within the field (flat index for a view of more than one dimension)
+    built: Number
+    now: Number
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return "stale attention metadata for " + stale_entry(
+            self.descriptor, self.buffer, self.field, self.index, self.now, self.built
+        )
+
+
+@dataclass
+class _Build:
+    descriptor: str
+    values: dict[str, list[Number]]
+    shape: dict[str, Any]
+
+
+@dataclass
+class FreshnessAuditor:
+    flavor: str = VLLM
+    builds: dict[int, _Build] = field(default_factory=dict)
+    mismatches: list[Mismatch] = field(default_factory=list)
+    checks: int = 0
+    views: int = 0  # views compared over all checks (each view of a metadata object counts one per check)
+    refreshes: int = 0  # eager draft-decode refreshes that became their metadata's new reference
+    loop_advances: int = (
+        0  # seq_lens views the draft loop had advanced in place (uniformly, by at most `advance`): not stale
+    )
+
+    def record_build(
+        self, key: int, descriptor: str, views: dict[str, Any], shape: dict[str, Any] | None = None
+    ) -> None:
+        """Right after a build: copy what its views show (they point into persistent buffers). Copies to the host:
+        never call it while a CUDA graph is being captured."""
+        self.builds[key] = _Build(descriptor, {k: _ints(v) for k, v in views.items() if v is not None}, shape or {})
+
+    def refresh(self, key: int, views: dict[str, Any]) -> bool:
+        """After an eager in-place refresh of a recorded build's metadata (vLLM's update_draft_decode_metadata and
+        the draft step around it): what the views show now is what the next forward must see. False when the build
+        is not known. Copies to the host, like record_build."""
+        b = self.builds.get(key)
+        if b is None:
+            return False
+        b.values = {k: _ints(v) for k, v in views.items() if v is not None}
+        self.refreshes += 1
+        return True
+
+    def knows(self, key: int) -> bool:
+        return key in self.builds
+
+    def check(
+        self, key: int, views: dict[str, Any], skip: frozenset[str] | set[str] = frozenset(), advance: int = 0
+    ) -> list[Mismatch]:
+        """Before a forward: do the views still show what their build wrote? Returns (and keeps) the mismatches.
+        `skip`: views not to compare (rewritten by an in-graph refresh, their contents the graph's to compute).
+        `advance` (a draft decode capture): the draft loop's own update of the same batch is not staleness: a
+        seq_lens view whose every entry is its build's plus one d with 1 <= d <= advance was advanced in place
+        between draft steps (vLLM's eagle layout, 0.20-0.22, runs update_draft_inputs inside the graph without
+        refreshing the metadata); counted in loop_advances. Another descriptor's contents differ otherwise."""
+        b = self.builds.get(key)
+        if b is None:
+            return []
+        self.checks += 1
+        compared = {k: v for k, v in b.values.items() if k not in skip}
+        self.views += len(compared)
+        found = []
+        for name, built in compared.items():
+            now = _ints(views.get(name))
+            if now == built:
+                continue
+            if advance and name.rsplit(".", 1)[-1] == "seq_lens" and _advanced(built, now, advance):
+                self.loop_advances += 1
+                continue
+            i = next((j for j, (x, y) in enumerate(zip(built, now)) if x != y), min(len(built), len(now)))
+            fname, fi = self._field(name, b, len(built), i)
+            found.append(
+                Mismatch(
+                    b.descriptor, name, fname, fi, built[i] if i < len(built) else -1, now[i] if i < len(now) else -1
+                )
+            )
+        self.mismatches += found
+        return found
+
+    def _field(self, name: str, b: _Build, size: int, index: int) -> tuple[str, int]:
+        if name != "scheduler_metadata":
+            return name, index
+        lay = layout_of(b.shape, size, self.flavor)
+        if lay is None:
+            return name, index
+        if index >= lay.semaphore_offset:
+            return "semaphore", 0
+        vec, i = divmod(index, lay.batch_rounded)
+        return lay.vectors[vec], i
+
+    def report(self) -> str:
+        if not self.mismatches:
+            return f"freshness audit: {self.checks} checks, every view held its own build"
+        first = self.mismatches[0]
+        descs = sorted({m.descriptor for m in self.mismatches})
+        return (
+            f"freshness audit: {len(self.mismatches)} stale fields in {self.checks} checks "
+            f"(descriptors {', '.join(descs)}); first: {first}"
+        )
+
+
+def layout_of(shape: dict[str, Any], size: int, flavor: str = VLLM) -> Any:
+    """The FA3 scheduler-metadata layout of a build whose metadata has this shape (num_reqs, causal, window,
+    query/sequence lengths, head dim: the plugin's record of the build) and a buffer of `size` ints; None when the
+    shape lacks the batch size or the size is no layout repro.attention.layout knows."""
+    if shape.get("num_reqs") is None:
+        return None
+    try:
+        is_causal, is_local = effective_causal(
+            shape.get("causal", True),
+            shape.get("window_left", -1),
+            shape.get("max_query_len", 1),
+            shape.get("max_seq_len", 1 << 30),
+            shape.get("head_dim", 128),
+            True,
+        )
+        return layout_from_size(flavor, shape["num_reqs"], size, is_causal, is_local)
+    except ValueError:
+        return None
+
+
+def _advanced(built: list[Number], now: list[Number], limit: int) -> bool:
+    """Is `now` the built values, every entry plus the same d, 1 <= d <= limit? (An empty view never is.)"""
+    if not built or len(built) != len(now):
+        return False
+    d = now[0] - built[0]
+    return 1 <= d <= limit and all(y - x == d for x, y in zip(built, now))
+
+
+def _ints(v: Any) -> list[Number]:
+    """A view's contents on the host, flat (ints, or floats for a floating tensor). Synchronises with the device."""
+    if v is None:
+        return []
+    if hasattr(v, "detach"):
+        flat = v.detach().to("cpu").reshape(-1)
+        return [x if isinstance(x, float) else int(x) for x in flat.tolist()]
+    return [x if isinstance(x, float) else int(x) for x in v]

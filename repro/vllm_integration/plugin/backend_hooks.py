@@ -1,0 +1,218 @@
+"""The hooks on an attention backend's classes (found by backend_fields): <X>MetadataBuilder.build and
+build_for_cudagraph_capture (what every build's metadata shows, recorded for the freshness auditor; the self
+control's injection after a build), update_draft_decode_metadata (an eager refresh is the metadata's new reference,
+one inside a capture marks its fields as the graph's) and <X>Impl.forward (counted; an eager forward's metadata
+checked, a captured one's handed to its capture). Installed as the auditor (install), the coverage counters
+(install_probe) or the self control (install_inject)."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any
+
+from repro.run.channel import emit
+from repro.run.tags import AUDIT_TAG, PLUGIN_TAG
+from repro.vllm_integration.plugin import capture, counters
+from repro.vllm_integration.plugin.audit import layout_of
+from repro.vllm_integration.plugin.backend_fields import FLASH_ATTN, BackendFields, find_classes, tensor_fields
+from repro.vllm_integration.plugin.inject import SOURCES, StaleCaptureInjector, capture_pass, capture_role
+from repro.vllm_integration.plugin.metadata_views import build_shape, label_of, views_of
+
+POISON_FILL = "int-max"  # what the self control leaves in the scheduler-metadata entries FA3 never writes
+_BUILD_DEPTH = [0]  # wrapped builds under way (one engine thread builds metadata)
+
+
+def _wrap_forward(impl_cls: Any, spec: BackendFields = FLASH_ATTN) -> None:
+    """Count every <X>Impl.forward (per backend; FLASH_ATTN's also by FA version); with the auditor on, check the
+    metadata of every eager forward, and hand a capture's metadata to that capture."""
+    if getattr(impl_cls.forward, "_repro_wrapped", False):
+        return
+    orig_forward = impl_cls.forward
+
+    @functools.wraps(orig_forward)
+    def forward(
+        self, layer: Any, query: Any, key: Any, value: Any, kv_cache: Any, attn_metadata: Any, *a: Any, **k: Any
+    ):
+        counters.bump("attention_forwards")
+        counters.bump("backends", spec.name)
+        if spec.name == FLASH_ATTN.name:
+            version = getattr(self, "vllm_flash_attn_version", None)
+            counters.bump("fa_versions", str(version) if version is not None else "unknown")
+        injector = capture._INJECTOR.get("on")
+        if capture._CAPTURES:
+            cap = capture._CAPTURES[-1]
+            cap.forwards += 1
+            if attn_metadata is not None:
+                cap.metadata.setdefault(id(attn_metadata), (attn_metadata, spec))
+                if injector is not None and not cap.injected:
+                    cap.injected = injector.reached(tensor_fields(attn_metadata, spec)[0], id(attn_metadata))
+        elif injector is not None and attn_metadata is not None and not capture.capturing():
+            if capture_role(sys._getframe(1)) == "draft":  # a draft capture's eager warmup pass
+                if injector.inject(id(attn_metadata), tensor_fields(attn_metadata, spec)[0], "draft warmup"):
+                    counters.bump("injected_forwards")
+        if not capture._CAPTURES and capture._AUDIT_ON["on"] and attn_metadata is not None and not capture.capturing():
+            advance = capture.MAX_DRAFT_LOOP_ADVANCE if capture.draft_on_stack(sys._getframe(1)) else 0
+            for m in counters.AUDITOR.check(id(attn_metadata), views_of(attn_metadata, spec), advance=advance):
+                emit(AUDIT_TAG, {"stale": m.to_dict(), "message": str(m)})
+        return orig_forward(self, layer, query, key, value, kv_cache, attn_metadata, *a, **k)
+
+    forward._repro_wrapped = True  # type: ignore[attr-defined]
+    impl_cls.forward = forward
+
+
+def _classes(module: Any, spec: BackendFields) -> tuple[Any, Any] | None:
+    """The backend's builder and impl classes, or None after an error line saying what is missing."""
+    try:
+        return find_classes(module, spec)
+    except LookupError as e:
+        emit(PLUGIN_TAG, {"error": f"attention backend {spec.name}: {e}"})
+        return None
+
+
+def install_probe(module: Any, cuda: Any = None, spec: BackendFields = FLASH_ATTN) -> bool:
+    """The coverage counters on an attention backend module (and torch.cuda, or a stand-in). False (and an error
+    line) when the backend's classes are not there."""
+    found = _classes(module, spec)
+    if found is None:
+        return False
+    impl_cls = found[1]
+    if cuda is None:
+        import torch  # the real torch.cuda only when no stand-in is handed in (the CPU tier hands one)
+
+        cuda = torch.cuda
+    if getattr(cuda, "graph", None) is None:
+        emit(PLUGIN_TAG, {"error": "torch.cuda.graph not found: CUDA graph captures cannot be counted"})
+        return False
+    _wrap_forward(impl_cls, spec)
+    capture.install_capture_tracker(cuda)
+    counters.COUNTERS["backends"].setdefault(spec.name, 0)
+    counters._installed.add("probe")
+    return True
+
+
+def _record(builder: Any, md: Any, spec: BackendFields) -> None:
+    """What a build's metadata shows, recorded; a build that returns inside a capture is counted, not copied."""
+    if md is None:
+        return
+    if capture._CAPTURES or capture.capturing():
+        counters.bump("builds_in_graph")
+        return
+    counters.AUDITOR.record_build(id(md), label_of(md), views_of(md, spec), build_shape(builder, md))
+
+
+def _wrap_builder(builder_cls: Any, spec: BackendFields) -> list[str]:
+    """Record every build (build, and build_for_cudagraph_capture, which may change what build wrote: TRITON_ATTN
+    fills seq_lens with 1); follow every update_draft_decode_metadata. Returns the methods wrapped."""
+    done = []
+    for name in ("build", "build_for_cudagraph_capture"):
+        orig = getattr(builder_cls, name, None)
+        if orig is None or getattr(orig, "_repro_wrapped", False):
+            continue
+
+        def recorded(self: Any, *args: Any, _orig: Any = orig, **kwargs: Any) -> Any:
+            _BUILD_DEPTH[0] += 1
+            try:
+                md = _orig(self, *args, **kwargs)
+            finally:
+                _BUILD_DEPTH[0] -= 1
+            # a build called by another (build_for_cudagraph_capture -> build): the outer one counts
+            if _BUILD_DEPTH[0]:
+                return md
+            if capture._AUDIT_ON["on"]:
+                _record(self, md, spec)
+            if "on" in capture._INJECTOR:  # after the auditor recorded what the build wrote
+                md = _after_build(self, md, spec)
+            return md
+
+        functools.update_wrapper(recorded, orig)
+        recorded._repro_wrapped = True  # type: ignore[attr-defined]
+        setattr(builder_cls, name, recorded)
+        done.append(name)
+    orig_update = getattr(builder_cls, "update_draft_decode_metadata", None)
+    if orig_update is not None and not getattr(orig_update, "_repro_wrapped", False):
+
+        @functools.wraps(orig_update)
+        def update_draft_decode_metadata(self: Any, metadata: Any, *args: Any, **kwargs: Any) -> Any:
+            out = orig_update(self, metadata, *args, **kwargs)
+            _refreshed(metadata, spec)
+            return out
+
+        update_draft_decode_metadata._repro_wrapped = True  # type: ignore[attr-defined]
+        builder_cls.update_draft_decode_metadata = update_draft_decode_metadata
+        done.append("update_draft_decode_metadata")
+    return done
+
+
+def _after_build(builder: Any, md: Any, spec: BackendFields) -> Any:
+    """The self control after a metadata build (outside any graph); returns the metadata the caller gets. A build in
+    the target's capture leaves its buffers' contents behind; a build in a draft capture gets them written over its
+    own, and a draft FULL pass gets the metadata its graph manager built first for that pass (inject.reuse)."""
+    if md is None or capture._CAPTURES or capture.capturing():
+        return md
+    injector = capture._INJECTOR["on"]
+    role = capture_role(sys._getframe(2))
+    if role == "target":
+        if injector.target_built(label_of(md), tensor_fields(md, spec)[0]):
+            sched = getattr(md, "scheduler_metadata", None)
+            if sched is not None and hasattr(sched, "numel"):
+                injector.fill_padding(layout_of(build_shape(builder, md), sched.numel()), POISON_FILL)
+    elif role == "draft":
+        injector.new_pass()
+        injector.inject(id(md), tensor_fields(md, spec)[0], "draft build")
+        md = injector.reuse(builder, md, capture_pass(sys._getframe(2)))
+    return md
+
+
+def install_inject(module: Any, cuda: Any = None, spec: BackendFields = FLASH_ATTN, source: str = SOURCES[0]) -> bool:
+    """The self control (repro.vllm_integration.plugin.inject) on an attention backend module (and torch.cuda, or a
+    stand-in): the builder's builds and the impl's forwards wrapped, the capture tracker installed. False, with an
+    error line, when the backend's classes are not there."""
+    found = _classes(module, spec)
+    if found is None:
+        return False
+    builder_cls, impl_cls = found
+    if cuda is None:
+        import torch  # the real torch.cuda only when no stand-in is handed in (the CPU tier hands one)
+
+        cuda = torch.cuda
+    if "build" not in _wrap_builder(builder_cls, spec) and not getattr(builder_cls.build, "_repro_wrapped", False):
+        emit(PLUGIN_TAG, {"error": f"attention backend {spec.name}: {builder_cls.__name__}.build not found"})
+        return False
+    _wrap_forward(impl_cls, spec)
+    capture.install_capture_tracker(cuda)
+    capture._INJECTOR["on"] = StaleCaptureInjector(
+        counters.COUNTERS, announce=lambda record: emit(PLUGIN_TAG, record), keep=source
+    )
+    counters._installed.add("inject")
+    return True
+
+
+def _refreshed(md: Any, spec: BackendFields) -> None:
+    """After vLLM refreshed a metadata object in place: inside a capture, its refreshed fields become the graph's
+    to compute (marked on the capture, nothing copied); outside, what it shows now is its new reference."""
+    if md is None:
+        return
+    if capture._CAPTURES or capture.capturing():
+        counters.bump("draft_refreshes_in_graph")
+        if capture._CAPTURES:
+            capture._CAPTURES[-1].refreshed.add(id(md))
+        return
+    if counters.AUDITOR.refresh(id(md), views_of(md, spec)):
+        counters.bump("draft_refreshes")
+
+
+def install(module: Any, cuda: Any = None, spec: BackendFields = FLASH_ATTN) -> bool:
+    """Install the freshness auditor on an attention backend module (passed in so tests can hand it a stand-in).
+    False, with a REPRO_PLUGIN error line, when the backend's classes are not there."""
+    found = _classes(module, spec)
+    if found is None:
+        return False
+    builder_cls, impl_cls = found
+    _wrap_builder(builder_cls, spec)
+    _wrap_forward(impl_cls, spec)
+    if cuda is not None:
+        capture.install_capture_tracker(cuda)
+    capture._AUDIT_ON["on"] = True
+    counters._installed.add("audit")
+    return True

@@ -1,0 +1,162 @@
+"""The capture tracker: torch.cuda.graph wrapped, so that every CUDA graph capture is counted under its graph kind
+(target decode, target mixed, draft prefill, draft decode, read from the vLLM objects on the capture's call stack;
+UNKNOWN_KIND when none says), the attention metadata its forwards used is collected and, with the auditor on,
+checked when the capture ends (what the graph baked in). Holds the capture bookkeeping the backend hooks share
+(_CAPTURES, the captures open now; _AUDIT_ON; _INJECTOR, the self control's injector when one is installed) and
+`capturing()`, whether a graph is being captured on the current stream."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from repro.run.channel import emit
+from repro.run.tags import AUDIT_TAG
+from repro.vllm_integration.plugin import counters
+from repro.vllm_integration.plugin.backend_fields import BackendFields
+from repro.vllm_integration.plugin.inject import StaleCaptureInjector, is_draft_frame
+from repro.vllm_integration.plugin.metadata_views import views_of
+
+UNKNOWN_KIND = "unknown kind"
+# A draft decode graph runs the draft steps after the first; each but the last advances seq_lens by one in place
+# (vLLM's update_draft_inputs). vLLM's num_speculative_tokens stays far below this bound (the gate runs 3).
+MAX_DRAFT_LOOP_ADVANCE = 8
+
+
+@dataclass
+class _Capture:
+    kind: str
+    forwards: int = 0
+    # id -> (metadata object its attention forwards used, its backend's table)
+    metadata: dict[int, tuple[Any, BackendFields]] = field(default_factory=dict)
+    refreshed: set[int] = field(default_factory=set)  # ids of the metadata refreshed in place inside this capture
+    injected: bool = False  # an attention forward of this capture read buffers the self control wrote
+
+
+_CAPTURES: list[_Capture] = []
+_AUDIT_ON = {"on": False}
+_INJECTOR: dict[str, StaleCaptureInjector] = {}  # "on" -> the injector, when REPRO_INJECT asked for one
+
+
+def graph_kind(frame: Any, depth: int = 40) -> str:
+    """The kind of the CUDA graph a capture records, from the vLLM objects on its call stack: the graph manager
+    (a `self` whose class name has CudaGraphManager), the attribute its owner keeps it under (prefill_cudagraph_manager,
+    decode_cudagraph_manager, cudagraph_manager), the progress-bar text vLLM passes (`desc`, `progress_bar_desc`) and
+    whether a speculator (a spec_decode module, a Speculator/Eagle/Drafter/Proposer class) is on the stack. Also
+    records the model runner's class. UNKNOWN_KIND when nothing on the stack says."""
+    mgr, attr, texts, draft, seen_vllm = None, None, [], False, False
+    f = frame
+    for _ in range(depth):
+        if f is None:
+            break
+        mod = str(f.f_globals.get("__name__", ""))
+        seen_vllm = seen_vllm or mod.startswith("vllm")
+        loc = f.f_locals
+        obj = loc.get("self")
+        cls = type(obj).__name__ if obj is not None else ""
+        if is_draft_frame(f):
+            draft = True
+        for k in ("progress_bar_desc", "desc"):
+            if isinstance(loc.get(k), str):
+                texts.append(loc[k])
+        if cls.endswith("ModelRunner") and counters.COUNTERS["runner"] is None:
+            counters.COUNTERS["runner"] = f"{type(obj).__module__}.{cls}"
+        if obj is not None and mgr is None and "CudaGraphManager" in cls:
+            mgr = obj
+        elif obj is not None and mgr is not None and attr is None and obj is not mgr:
+            try:
+                attr = next((k for k, v in vars(obj).items() if v is mgr), None)
+            except TypeError:
+                pass
+        f = f.f_back
+    if mgr is None and not texts and not seen_vllm:
+        return UNKNOWN_KIND
+    words = [w.lower() for w in (attr or "", *texts, type(mgr).__name__ if mgr is not None else "")]
+    phase = next((p for w in words for p in ("prefill", "decode", "mixed") if p in w), None)
+    if draft:
+        return f"draft {phase}" if phase in ("prefill", "decode") else f"draft ({UNKNOWN_KIND})"
+    if mgr is None and not texts:
+        return UNKNOWN_KIND
+    return f"target {phase}" if phase else f"target ({UNKNOWN_KIND})"
+
+
+def draft_on_stack(frame: Any, depth: int = 40) -> bool:
+    """Is a speculator frame on the call stack (an eager draft step, whose loop may have advanced seq_lens)?"""
+    f = frame
+    for _ in range(depth):
+        if f is None:
+            return False
+        if is_draft_frame(f):
+            return True
+        f = f.f_back
+    return False
+
+
+def install_capture_tracker(cuda: Any) -> None:
+    """Wrap torch.cuda.graph (`cuda` is torch.cuda, or a stand-in): count every capture by kind, collect the
+    attention metadata its forwards use, and audit that metadata when the capture ends."""
+    orig = cuda.graph
+    if getattr(orig, "_repro_tracked", False):
+        return
+
+    class graph(orig):  # type: ignore[misc,valid-type]
+        _repro_tracked = True
+
+        def __enter__(self):
+            _CAPTURES.append(_Capture(graph_kind(sys._getframe(1))))
+            if "on" in _INJECTOR:  # before recording starts: nothing the injection writes is in the graph
+                _INJECTOR["on"].capture_begins(_CAPTURES[-1].kind)
+            try:
+                return super().__enter__()
+            except BaseException:
+                _finish_capture(_CAPTURES.pop(), failed=True)
+                raise
+
+        def __exit__(self, *exc: Any):
+            try:
+                return super().__exit__(*exc)
+            finally:
+                _finish_capture(_CAPTURES.pop(), failed=exc[0] is not None)
+                if "on" in _INJECTOR:
+                    _INJECTOR["on"].new_pass()
+
+    graph.__name__, graph.__qualname__, graph.__doc__ = orig.__name__, orig.__qualname__, orig.__doc__
+    cuda.graph = graph
+
+
+def _finish_capture(cap: _Capture, failed: bool) -> None:
+    counters.bump("captures", cap.kind)
+    if cap.forwards:
+        counters.bump("captures_with_attention", cap.kind)
+    if cap.injected and not failed:
+        counters.bump("captures_injected", cap.kind)
+    if failed or not _AUDIT_ON["on"]:
+        return
+    auditor = counters.AUDITOR
+    known = [(md, spec) for key, (md, spec) in cap.metadata.items() if auditor.knows(key)]
+    if cap.refreshed:
+        counters.bump("captures_refreshed_in_graph", cap.kind)
+    stale = False
+    for md, spec in known:
+        views = views_of(md, spec)
+        # a field an in-graph refresh rewrote holds what the graph will compute at replay, not what the build wrote
+        skip = {p for p in views if spec.refreshed(p)} if id(md) in cap.refreshed else set()
+        advance = MAX_DRAFT_LOOP_ADVANCE if cap.kind.startswith("draft decode") else 0
+        for m in auditor.check(id(md), views, skip, advance):
+            stale = True
+            emit(AUDIT_TAG, {"stale": m.to_dict(), "message": str(m), "capture": cap.kind})
+    if known:
+        counters.bump("captures_audited", cap.kind)
+    if stale:
+        counters.bump("captures_stale", cap.kind)
+
+
+def capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream (False without torch or CUDA)."""
+    try:
+        import torch  # inside the try: no torch (or no CUDA) means nothing is being captured
+
+        return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    except Exception:
+        return False

@@ -1,0 +1,102 @@
+"""The plugin's shared state and what it reports: the counters (COUNTERS, printed at exit as `REPRO_COUNTERS <json>`),
+the freshness auditor's one instance (AUDITOR), the features installed in this process (_installed), and the report
+the auditor writes at exit (stderr lines and REPRO_AUDIT_FILE). Every hook module of repro.vllm_integration reads
+and bumps these objects through this module (`counters.COUNTERS`, never a copy), so a test that replaces one here
+replaces it for all of them."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Any
+
+from repro.run.channel import emit
+from repro.run.tags import AUDIT_TAG, COUNTERS_TAG
+from repro.vllm_integration.plugin.audit import FreshnessAuditor
+from repro.vllm_integration.plugin.inject import bump as bump_counter
+
+FILE_ENV = "REPRO_AUDIT_FILE"
+AUDITOR = FreshnessAuditor()
+_installed: set[str] = set()
+
+
+def new_counters() -> dict[str, Any]:
+    return {
+        "captures": {},  # graph kind -> CUDA graph captures seen
+        "captures_with_attention": {},  # kind -> captures an attention forward ran in (FULL graphs)
+        "captures_audited": {},  # kind -> captures whose attention metadata the auditor checked at capture end
+        "captures_stale": {},  # kind -> of those, captures with stale views
+        "checks": 0,  # auditor checks (eager forwards and capture ends)
+        "views_checked": 0,  # views compared over those checks
+        "attention_forwards": 0,  # hooked <X>Impl.forward calls, eager and captured, every backend together
+        "backends": {},  # attention backend name -> its hooked forwards
+        "fa_versions": {},  # FLASH_ATTN only: FA version of the impl ("3", or "unknown") -> forwards
+        "fields_unlisted": {},  # backend -> tensor fields its table does not list (checked by the rule)
+        "fields_not_checked": {},  # backend -> {field: why} for the tensors a metadata object showed and not checked
+        "builds_in_graph": 0,  # builds that returned inside a capture (not recorded: no host copy during capture)
+        "draft_refreshes": 0,  # eager update_draft_decode_metadata calls that became their metadata's reference
+        "draft_refreshes_in_graph": 0,  # ... called inside a capture (the refreshed fields are the graph's)
+        "captures_refreshed_in_graph": {},  # kind -> captures whose metadata was refreshed inside them
+        "spec_layout": None,  # V2 spec-decode layout of the vLLM that loaded the plugin (source_check.spec_layout)
+        "spec_layout_known": None,  # is it one of KNOWN_SPEC_LAYOUTS (None: not looked at, the probe is off)
+        "sched_calls": 0,  # get_scheduler_metadata calls (fa3 hooks installed)
+        "sched_sm_margin": 0,  # ... that received the injected sm_margin
+        "fwd_sm_margin": 0,  # torch.ops._vllm_fa3_C.fwd calls that received it
+        "poison_calls": 0,  # scheduler-metadata buffers poisoned
+        "entries_poisoned": 0,  # entries filled over all of them
+        "runner": None,  # module.Class of the model runner seen on a capture's call stack
+        # the self control (REPRO_INJECT, repro.vllm_integration.plugin.inject): what it wrote and whether it reached
+        "captures_injected": {},  # kind -> captures whose attention forwards read buffers the injection wrote
+        "injected_forwards": 0,  # eager draft-capture forwards that ran right after an injection
+    }
+
+
+COUNTERS: dict[str, Any] = new_counters()
+
+
+def snapshot() -> dict[str, Any]:
+    """The counters as they are now (the auditor's check and view counts folded in)."""
+    out = copy.deepcopy(COUNTERS)
+    out["checks"], out["views_checked"] = AUDITOR.checks, AUDITOR.views
+    out["draft_loop_advances"] = AUDITOR.loop_advances
+    out["installed"] = sorted(_installed)
+    return out
+
+
+def bump(name: str, key: str | None = None, n: int = 1) -> None:
+    """Add n to COUNTERS[name], or to its entry `key` for a counter that counts per key (inject.bump)."""
+    bump_counter(COUNTERS, name, key, n)
+
+
+def write_report() -> None:
+    """At exit, with the auditor on: its summary as an AUDIT_TAG line and, when REPRO_AUDIT_FILE names one, the
+    whole report (every mismatch, the counters) in that file."""
+    path = os.environ.get(FILE_ENV)
+    emit(
+        AUDIT_TAG,
+        {
+            "summary": AUDITOR.report(),
+            "checks": AUDITOR.checks,
+            "views": AUDITOR.views,
+            "stale": len(AUDITOR.mismatches),
+        },
+    )
+    if path:
+        with open(path, "w") as f:
+            json.dump(
+                {
+                    "checks": AUDITOR.checks,
+                    "views": AUDITOR.views,
+                    "mismatches": [m.to_dict() for m in AUDITOR.mismatches],
+                    "summary": AUDITOR.report(),
+                    "counters": snapshot(),
+                },
+                f,
+                indent=1,
+            )
+
+
+def write_counters() -> None:
+    """At exit, with the probe on: the counters as a COUNTERS_TAG line."""
+    emit(COUNTERS_TAG, snapshot())

@@ -1,0 +1,263 @@
+"""The self control: the capture defect of vLLM 0.21.0-0.25.1 re-created inside the build under test
+(REPRO_INJECT=stale-capture, installed by repro.vllm_integration.plugin).
+
+What those releases did: the draft model's FULL CUDA-graph capture ran (its eager warmup pass and its captured pass)
+on attention metadata whose views point into persistent buffers (query_start_loc, seq_lens, FA3's scheduler
+metadata) that held the contents of another batch descriptor (the target's last capture build). The injection
+re-creates that state and nothing else. Whose contents (REPRO_INJECT_SOURCE): by default the target's FIRST capture
+build (its largest descriptor); `last` gives the last one, what 0.21.0-0.25.1 left. On the H200 the last build's
+contents (t4r1) left 0.26.0's kernels in bounds at 132 SMs and under MPS (missed in plain and mps:16:
+results/h200-selfcontrol-fidelity), the first build's made every mode fault (results/h200-agree-selfcontrol):
+
+- the first (or every, for `last`) metadata build inside the TARGET's CudaGraphManager.capture leaves a device copy
+  of the whole persistent buffers behind its views (the fields repro.vllm_integration.plugin.backend_fields checks);
+- inside a DRAFT CudaGraphManager.capture (a speculator on the call stack), right after each of its metadata builds
+  (a fixed release builds fresh metadata for every pass), before the first eager attention forward of each pass on
+  metadata it did not build (a release that reuses saved metadata), and as a captured pass begins (before
+  torch.cuda.graph starts recording, so nothing of it is in the graph), those buffers are written back with that
+  copy. Same engine, kernels and SM configuration; replay untouched (the runtime build rewrites the buffers).
+
+Where a release refreshes the draft's metadata inside its graphs (0.28+: the captured pass rewrites those buffers
+for its own batch, which heals a write before recording), the defect's other half is re-created too: the object.
+0.21.0-0.25.1 handed the draft's capture a metadata OBJECT built for another descriptor (the target's attn_states),
+so its scalars (token and request counts, max lengths) and view sizes were another batch's. Inside a draft FULL
+capture, every pass's metadata build returns the object the same graph manager built first for that graph mode and
+pass (warmup or captured): its largest descriptor's, as the source mutant `bisect stale-draft-capture` does
+(`reuse`, counted in inject_reused). Fixed releases (0.26.0) take both; the buffers alone already fault there.
+
+It writes buffers and tells nobody: the auditor compares what the views show with what their build wrote, and the
+kernels read what they read. Its counters say whether it reached the draft's FULL captures (`captures_injected`): a
+self control it never reached is no control (the gate cannot vouch)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+INJECT_ENV = "REPRO_INJECT"
+STALE_CAPTURE = "stale-capture"
+INJECTIONS = (STALE_CAPTURE,)
+# which of the target's capture builds the draft's buffers are given: its last (what 0.21.0-0.25.1 left in them), or
+# its first (the largest batch descriptor: the contents furthest from any draft descriptor's)
+INJECT_SOURCE_ENV = "REPRO_INJECT_SOURCE"
+SOURCES = ("first", "last")
+# the views of the defect (vLLM PR #48261): per-request offsets, sequence lengths, FA3's AOT scheduler metadata; the
+# KV-cache addressing (block table, slot mapping) is not part of it
+INJECTED_FIELDS = ("query_start_loc", "seq_lens", "scheduler_metadata")
+MAX_BUFFER_BYTES = 64 << 20  # a view into a larger allocation is not a metadata buffer: not copied
+DRAFT_WORDS = ("Speculator", "Eagle", "Drafter", "Proposer")
+
+
+def bump(counters: dict[str, Any], name: str, key: str | None = None, n: int = 1) -> None:
+    """Add n to a counter, or to one key of a counter that counts per key (the plugin's counters use it too)."""
+    if key is None:
+        counters[name] = counters.get(name, 0) + n
+    else:
+        d = counters.setdefault(name, {})
+        d[key] = d.get(key, 0) + n
+
+
+def is_draft_frame(frame: Any) -> bool:
+    """A frame of the speculator: a spec_decode module, or a method of a Speculator/Eagle/Drafter/Proposer class."""
+    mod = str(frame.f_globals.get("__name__", ""))
+    obj = frame.f_locals.get("self")
+    cls = type(obj).__name__ if obj is not None else ""
+    return "spec_decode" in mod or any(w in cls for w in DRAFT_WORDS)
+
+
+def capture_role(frame: Any, depth: int = 60) -> str | None:
+    """'draft' or 'target' when the call stack is inside a CudaGraphManager's capture (a `capture` method of a class
+    named *CudaGraphManager*), by whether a speculator frame is on it; None outside every capture."""
+    in_capture, draft = False, False
+    f = frame
+    for _ in range(depth):
+        if f is None:
+            break
+        obj = f.f_locals.get("self")
+        if f.f_code.co_name == "capture" and obj is not None and "CudaGraphManager" in type(obj).__name__:
+            in_capture = True
+        draft = draft or is_draft_frame(f)
+        f = f.f_back
+    if not in_capture:
+        return None
+    return "draft" if draft else "target"
+
+
+def label_of_pass(where: tuple[int, str, bool]) -> str:
+    """How a capture pass reads in a record: its graph mode and pass."""
+    return f"{where[1]} {'warmup' if where[2] else 'captured'} pass: the first descriptor's metadata"
+
+
+def capture_pass(frame: Any, depth: int = 60) -> tuple[int, str, bool] | None:
+    """(the graph manager's id, the batch descriptor's graph mode, warmup) of the capture pass a metadata build is
+    for: a frame with `desc` (its cg_mode) and `warmup` locals (CudaGraphManager.capture's create_forward_fn(desc,
+    warmup), 0.26-0.33) under a CudaGraphManager's capture; None when the stack says neither."""
+    mode, warmup, mgr = None, None, None
+    f = frame
+    for _ in range(depth):
+        if f is None:
+            break
+        loc = f.f_locals
+        desc = loc.get("desc")
+        if mode is None and isinstance(loc.get("warmup"), bool) and hasattr(desc, "cg_mode"):
+            mode, warmup = str(getattr(desc.cg_mode, "name", desc.cg_mode)), loc["warmup"]
+        obj = loc.get("self")
+        if (
+            mgr is None
+            and f.f_code.co_name == "capture"
+            and obj is not None
+            and "CudaGraphManager" in type(obj).__name__
+        ):
+            mgr = id(obj)
+        f = f.f_back
+    if mode is None or mgr is None:
+        return None
+    return mgr, mode, bool(warmup)
+
+
+def _storage_bytes(t: Any) -> Any:
+    """A uint8 tensor over the whole storage behind a tensor (the persistent buffer a view points into)."""
+    import torch  # only inside vLLM's process: the CPU tier's stand-ins hand real tensors too
+
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+@dataclass
+class StaleCaptureInjector:
+    """Holds the target's last capture contents and writes them into the draft's capture buffers (see the module)."""
+
+    counters: dict[str, Any]
+    # called with a record at the first write of each kind (draft build, draft warmup, capture begins), right away:
+    # a case that faults or hangs after it still says that the injection ran
+    announce: Callable[[dict], None] = lambda record: None
+    keep: str = "first"  # SOURCES: which target capture build's contents are written
+    snapshots: dict[str, Any] = field(default_factory=dict)  # field path -> bytes of its whole buffer
+    source: str | None = None  # descriptor label of the target build the snapshots hold
+    last: list[tuple[Any, Any, int]] = field(default_factory=list)  # (destination bytes, snapshot, n) of the last write
+    injected: set[int] = field(default_factory=set)  # every storage pointer the injection ever wrote
+    done_ids: set[int] = field(default_factory=set)  # metadata objects injected in the current pass
+    # (builder id, graph manager id, graph mode, warmup) -> the metadata that builder built first for that pass
+    first_built: dict[tuple[int, int, str, bool], Any] = field(default_factory=dict)
+    reused_ids: set[int] = field(default_factory=set)  # metadata objects handed to a later pass than their own
+
+    def _bump(self, name: str, key: str | None = None, n: int = 1) -> None:
+        bump(self.counters, name, key, n)
+
+    def target_built(self, label: str, views: dict[str, Any]) -> bool:
+        """A build inside the target's capture returned (outside any graph): copy the whole buffers behind its views
+        (the defect's fields, INJECTED_FIELDS). True when something was copied; with keep="first", only the first
+        build of the target's capture is copied."""
+        if self.keep == "first" and self.snapshots:
+            return False
+        snaps = {}
+        for path, t in views.items():
+            if t is None or not hasattr(t, "untyped_storage") or path.rsplit(".", 1)[-1] not in INJECTED_FIELDS:
+                continue
+            src = _storage_bytes(t)
+            if src.numel() > MAX_BUFFER_BYTES:
+                self._bump("inject_skipped_large", path)
+                continue
+            snaps[path] = src.clone()
+        if snaps:
+            self.snapshots, self.source = snaps, label
+            self._bump("inject_snapshots")
+        return bool(snaps)
+
+    def fill_padding(self, layout: Any, poison_name: str) -> None:
+        """In the copy of FA3's scheduler metadata, the entries FA3 never writes (which vLLM copies into its buffer as
+        FA3 left them: leftover memory, what made the real defect fault) get a fixed fill (repro.case.poison), so the self
+        control does not depend on leftover memory either. A layout repro.attention.layout does not know: left as copied."""
+        import torch  # torch inside vLLM's process only: the gate's parent imports this module
+
+        from repro.case.poison import parse_poison  # only for the self control's fill
+
+        snap = self.snapshots.get("scheduler_metadata")
+        if snap is None or layout is None:
+            return
+        ints = snap[: snap.numel() // 4 * 4].view(torch.int32)[: layout.size]
+        self._bump("inject_padding_filled", n=parse_poison(poison_name).apply(ints, layout))
+
+    def new_pass(self) -> None:
+        """A capture began or ended, or metadata was built: the next pass's metadata is injected again."""
+        self.done_ids.clear()
+
+    def inject(self, md_id: int, views: dict[str, Any], when: str) -> bool:
+        """Write the target capture contents kept (target_built) into the buffers behind these (draft) views; False
+        when there is nothing to write (no target capture seen, or no field in common)."""
+        if md_id in self.done_ids:
+            return True
+        self.done_ids.add(md_id)
+        if not self.snapshots:
+            self._bump("inject_no_source", when)
+            return False
+        writes, seen = [], set()
+        for path, t in views.items():
+            snap = self.snapshots.get(path)
+            if snap is None or t is None or not hasattr(t, "untyped_storage"):
+                continue
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen:
+                continue
+            seen.add(ptr)
+            dst = _storage_bytes(t)
+            n = min(dst.numel(), snap.numel())
+            writes.append((dst, snap, n))
+            self._bump("inject_fields", path)
+        if not writes:
+            self._bump("inject_no_source", when)
+            return False
+        self._write(writes)
+        self.last = writes
+        self._wrote(when, views)
+        return True
+
+    def _wrote(self, when: str, views: dict[str, Any]) -> None:
+        self._bump("inject_writes", when)
+        if self.counters["inject_writes"][when] == 1:
+            self.announce({"injection_wrote": when, "source": self.source, "fields": sorted(views)})
+
+    def _write(self, writes: list[tuple[Any, Any, int]]) -> None:
+        for dst, snap, n in writes:
+            dst[:n].copy_(snap[:n])
+            self.injected.add(dst.untyped_storage().data_ptr())
+            self._bump("inject_bytes", n=n)
+
+    def capture_begins(self, kind: str) -> None:
+        """Before a draft capture starts recording: the buffers of the last injection written again (a release that
+        builds nothing between its warmup and captured passes reuses the same buffers)."""
+        self.new_pass()
+        if not kind.startswith("draft"):
+            self.last = []  # a target capture: what the draft's last pass was given is not this pass's
+        elif self.last:
+            self._write(self.last)
+            self._wrote("capture begins", {})
+
+    def reuse(self, builder: Any, md: Any, where: tuple[int, str, bool] | None) -> Any:
+        """A draft capture's build returned md: for a FULL pass, the metadata this builder built first for the same
+        graph manager, graph mode and pass (warmup or captured) instead, kept on the first build (see the module).
+        `where` is capture_pass's answer; None (the stack does not say which pass) leaves md as built."""
+        if md is None:
+            return md
+        if where is None:
+            self._bump("inject_reuse_unplaced")
+            return md
+        if where[1] != "FULL":
+            return md
+        first = self.first_built.setdefault((id(builder), *where), md)
+        if first is md:
+            return md
+        self.reused_ids.add(id(first))
+        self._bump("inject_reused", "warmup" if where[2] else "capture")
+        if sum(self.counters["inject_reused"].values()) == 1:
+            self.announce({"injection_wrote": "draft metadata reused", "source": label_of_pass(where)})
+        return first
+
+    def reached(self, views: dict[str, Any], md_id: int | None = None) -> bool:
+        """Do these views point into a buffer the injection wrote, or is this metadata one it reused?"""
+        if md_id is not None and md_id in self.reused_ids:
+            return True
+        return any(
+            t is not None and hasattr(t, "untyped_storage") and t.untyped_storage().data_ptr() in self.injected
+            for t in views.values()
+        )
