@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -81,6 +82,8 @@ def _tree_as_recorded(root: Path, row: dict) -> Path:
     """A tree shaped as the record says the wheel is: for a bad wheel, the manager class it names with its `capture`
     taking the saved states argument at the file and line it names; for a good one, a capture that builds its inputs."""
     _make(root)
+    if row["layout"] != "autoregressive":  # _make's manager would name the layout: the record's own folder instead
+        shutil.rmtree(root / "vllm/v1/worker/gpu/spec_decode/autoregressive")
     m = BAD_WHERE.search(row["reason"])
     if m:
         rel, line, cls, arg = m[1], int(m[2]), m[3], m[4]
@@ -90,7 +93,7 @@ def _tree_as_recorded(root: Path, row: dict) -> Path:
         )
     else:
         rel = f"vllm/v1/worker/gpu/spec_decode/{row['layout']}/cudagraph_utils.py"
-        (root / "vllm/v1/worker/gpu/spec_decode/autoregressive/cudagraph_utils.py").unlink()  # _make's bad manager
+        (root / "vllm/v1/worker/gpu/spec_decode/autoregressive/cudagraph_utils.py").unlink(missing_ok=True)  # _make's
         text = (
             "class PrefillSpeculatorCudaGraphManager(CudaGraphManager):\n"
             "    def capture(self, forward_fn, prepare_inputs_to_capture):\n"

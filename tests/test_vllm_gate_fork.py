@@ -231,6 +231,9 @@ def test_the_forkserver_refuses_what_would_break_a_forked_case(tmp_path, monkeyp
     (tmp_path / "sets_late.py").write_text("import os\nos.environ['REPRO_PROBE'] = '1'\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delenv("REPRO_PROBE", raising=False)
+    from repro.vllm_integration.plugin import counters  # noqa: PLC0415  the plugin's state in this test process
+
+    monkeypatch.setattr(counters, "_installed", set())  # what earlier tests in this process installed is not ours
     late = frozenset({"CUDA_VISIBLE_DEVICES", "REPRO_PROBE"})
     facts, problems = gate_fork.prepare(["json", "reads_late"], late)
     assert problems == [] and facts["read_late"] == ["CUDA_VISIBLE_DEVICES"]  # a case must keep its value to fork
