@@ -35,6 +35,7 @@ from repro.run.sanitizer import sanitizer_env
 from repro.run.smcontrol import MpsDaemon, Unavailable
 from repro.vllm_integration.plugin import BACKEND_ENV, POISON_ENV, PROBE_ENV, SM_MARGIN_ENV, WEIGHTS_ENV
 from repro.vllm_integration.plugin import ENV as AUDIT_ENV
+from repro.vllm_integration.plugin import SWITCHES as PLUGIN_SWITCHES
 from repro.vllm_integration.plugin.backend_fields import BACKENDS, DEFAULT_BACKEND, known_name
 from repro.vllm_integration.plugin.counters import FILE_ENV
 from repro.vllm_integration.plugin.inject import INJECT_ENV
@@ -215,16 +216,7 @@ def case_env(
     """The environment of one gate case process (on `device`, a CUDA_VISIBLE_DEVICES value, when placed). Raises
     Unavailable when the machine cannot give the mode."""
     env = dict(os.environ if base is None else base)
-    for k in (
-        AUDIT_ENV,
-        FILE_ENV,
-        PROBE_ENV,
-        SM_MARGIN_ENV,
-        POISON_ENV,
-        BACKEND_ENV,
-        INJECT_ENV,
-        "CUDA_LAUNCH_BLOCKING",
-    ):
+    for k in (*PLUGIN_SWITCHES, "CUDA_LAUNCH_BLOCKING"):
         env.pop(k, None)
     weights = env.get(WEIGHTS_ENV)  # the gate's weights may be chosen in its environment (default: BASE_ENV's)
     env.update(BASE_ENV)

@@ -32,10 +32,8 @@ from repro.case.descriptors import ConfigError
 from repro.run.channel import ENV as CHANNEL_ENV
 from repro.run.process import ProcessRun, kill_group
 from repro.vllm_integration.gate import fork as gate_fork
-from repro.vllm_integration.plugin import BACKEND_ENV, POISON_ENV, PROBE_ENV, SM_MARGIN_ENV
-from repro.vllm_integration.plugin import ENV as AUDIT_ENV
-from repro.vllm_integration.plugin.counters import FILE_ENV
-from repro.vllm_integration.plugin.inject import INJECT_ENV, INJECT_SOURCE_ENV
+from repro.vllm_integration.plugin import SWITCHES as PLUGIN_SWITCHES
+from repro.vllm_integration.plugin.inject import INJECT_SOURCE_ENV
 
 FORK, SPAWN = "fork", "spawn"
 LAUNCHERS = (FORK, SPAWN)
@@ -57,13 +55,7 @@ LATE_VARS = frozenset(
         "CUDA_LAUNCH_BLOCKING",  # the attribution rerun: read when the CUDA context is made
         "VLLM_CACHE_ROOT",  # vllm.envs reads it when asked (the model registry, torch.compile), not at import
         CHANNEL_ENV,  # read at each record
-        AUDIT_ENV,  # the plugin's switches: read by plugin.register when vLLM loads its general plugins
-        FILE_ENV,
-        PROBE_ENV,
-        SM_MARGIN_ENV,
-        POISON_ENV,
-        BACKEND_ENV,
-        INJECT_ENV,
+        *PLUGIN_SWITCHES,  # read by plugin.register when vLLM loads its general plugins
         INJECT_SOURCE_ENV,
     }
 )

@@ -72,6 +72,8 @@ from repro.vllm_integration.releases.source_check import spec_layout
 ENV, PROBE_ENV = "REPRO_AUDIT", "REPRO_PROBE"
 SM_MARGIN_ENV, POISON_ENV, WEIGHTS_ENV = "REPRO_SM_MARGIN", "REPRO_POISON", "REPRO_WEIGHTS"
 BACKEND_ENV = "REPRO_ATTENTION_BACKEND"
+# the switches a gate case sets for the plugin (and clears when its mode does not ask for them), read by register()
+SWITCHES = (ENV, counters.FILE_ENV, PROBE_ENV, SM_MARGIN_ENV, POISON_ENV, BACKEND_ENV, INJECT_ENV)
 # the V2 speculative-decoding layouts the auditor was checked against (the recorded wheels 0.23.0-0.33.0,
 # results/vllm-versions.json; a CPU test keeps the two equal): another layout cannot be vouched for
 # eagle (0.20-0.22): its draft loop advances seq_lens inside the draft decode graph (audit.check's `advance`)
