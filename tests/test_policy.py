@@ -58,7 +58,7 @@ def test_an_unknown_expectation_is_refused():
 
 
 def test_fault_detected_and_audit_are_the_positive_expectations():
-    assert [e for e in policy.EXPECTATIONS if policy.is_positive(e)] == ["fault", "detected", "audit"]
+    assert [e for e in policy.EXPECTATIONS if policy.is_positive(e)] == ["fault", "detected", "audit", "known-bad"]
 
 
 def test_kernel_evidence_counts_in_every_mode():
@@ -203,3 +203,75 @@ def test_the_summary_groups_not_applicable_cases_by_reason():
     lines = d.summary()
     assert lines[0] == "gate: 2 control(s) ran; 4 not applicable here"
     assert lines[1:] == ["  not applicable (3): no MIG", "  not applicable (1): no MPS"]
+
+
+# rule 5: a known-bad build is judged over all its modes (results/h200-injection-both-halves-0.26.0: 0.25.1 `clean`
+# in plain with the agreement weights, `stale-audit` in audit; the self control crashed in both)
+KB, SC = policy.KNOWN_BAD, policy.SELF_CONTROL
+
+
+def test_known_bad_is_met_by_kernel_evidence_or_the_engine_audit():
+    assert met("known-bad") == {*KERNEL, "stale-audit"}
+    assert policy.problem("known-bad", "clean") is None  # one mode's miss is decided over the build's modes
+
+
+def test_a_known_bad_build_silent_in_one_mode_but_caught_in_another_is_a_listed_miss():
+    d = decide(
+        [
+            Control("kb-audit", "audit", "stale-audit", "audit", kind=KB, subject="0.25.1"),
+            Control("kb-plain", "known-bad", "clean", "plain", "4 requests decoded", kind=KB, subject="0.25.1"),
+            Control("sc-audit", "audit", "crash", "audit", kind=SC),
+            Control("sc-plain", "detected", "crash", "plain", kind=SC),
+        ]
+    )
+    assert d.passed, d.failures
+    assert d.misses == ["kb-plain: clean (detected in audit)"]
+    assert "  known-bad build silent in this mode, detected in another (rule 5): kb-plain: clean (detected in audit)" in (
+        d.summary()
+    )
+
+
+def test_a_known_bad_build_silent_in_every_mode_fails_naming_its_modes():
+    d = decide(
+        [
+            Control("kb-plain", "known-bad", "clean", "plain", "decoded", kind=KB, subject="0.25.1"),
+            Control("kb-mps", "known-bad", "clean", "mps:16", "decoded", kind=KB, subject="0.25.1"),
+            Control("sc-plain", "detected", "crash", "plain", kind=SC),
+            Control("sc-mps", "detected", "crash", "mps:16", kind=SC),
+        ]
+    )
+    (f,) = d.failures
+    assert f.kind == policy.CONTROL_FAILED and f.case_id == "kb-plain"
+    assert "known-bad build 0.25.1 showed no evidence in any of its modes (plain: clean, mps:16: clean)" in f
+
+
+def test_a_mode_whose_only_evidence_would_be_a_silent_known_bad_build_still_fails():
+    d = decide(
+        [
+            Control("kb-audit", "audit", "stale-audit", "audit", kind=KB, subject="0.25.1"),
+            Control("kb-plain", "known-bad", "clean", "plain", kind=KB, subject="0.25.1"),
+        ]
+    )
+    (f,) = d.failures
+    assert f.kind == policy.MODE_WITHOUT_EVIDENCE and "mode plain" in f
+
+
+def test_a_known_bad_build_that_errored_fails_as_any_control_without_evidence():
+    d = decide(
+        [
+            Control("kb-audit", "audit", "stale-audit", "audit", kind=KB, subject="0.25.1"),
+            Control("kb-plain", "known-bad", "error", "plain", kind=KB, subject="0.25.1"),
+            Control("sc-plain", "detected", "crash", "plain", kind=SC),
+        ]
+    )
+    assert [f.case_id for f in d.failures] == ["kb-plain"]
+
+
+def test_stale_audit_outside_the_audit_mode_is_not_a_known_bad_builds_evidence():
+    d = decide(
+        [
+            Control("kb-graph", "known-bad", "stale-audit", "plain", kind=KB, subject="b"),
+            Control("sc-plain", "detected", "crash", "plain", kind=SC),
+        ]
+    )
+    assert [f.kind for f in d.failures] == [policy.CONTROL_FAILED]

@@ -9,6 +9,7 @@ cases, repro.vllm_integration.gate.case for vLLM builds):
 | `fault` | the kernels failed: oob, crash, launch-failure | stale eager cases the CPU model says read out of bounds |
 | `detected` | kernel evidence: oob, crash, launch-failure, hang, wrong-output | stale cases whose kernels must show it |
 | `audit` | kernel evidence, or stale-audit | stale cases whose kernels may not show it (listed in `AUDIT_CONTROLS`) |
+| `known-bad` | kernel evidence (or the engine's audit in its audit mode); a miss in one mode is listed, not failed | a known-bad vLLM build in a mode where its symptom may stay silent |
 | `clean` | clean | fresh metadata; vLLM builds under test |
 | `recorded` | any verdict but error, skip, cannot-vouch | memcheck on real vLLM: recorded, never gating |
 
@@ -22,7 +23,13 @@ What a gate run needs (`decide`):
    from its OWN positive controls (a mode that ran only negative controls fails): kernel evidence, or for the modes
    in `ENGINE_AUDIT_MODES` the engine's own metadata caught stale by the auditor. The attention-layer stale-audit is the harness's bookkeeping: it meets an
    `audit` control but never counts as a mode's evidence.
-4. At least one positive control ran."""
+4. At least one positive control ran.
+5. A known-bad build (`known-bad` controls, grouped by `Control.subject`) shows evidence in at least one of its modes.
+   In one mode it may decode right without a fault: whether the real 0.21-0.25.1 defect faults outside the audit
+   depends on what FA3's never-written scheduler entries hold (the weights' leftovers in reused memory:
+   results/h200-agree-selfcontrol, 0.25.1 clean in plain; results/h200-margin-weights-0.25.1, the same build crashed).
+   Such a miss is listed (`GateDecision.misses`); the mode still needs evidence from a positive control of its own
+   (rule 3: the self control, which the gate makes deterministic), so a mode no control showed evidence in fails."""
 
 from __future__ import annotations
 
@@ -40,7 +47,14 @@ from repro.judge.verdicts import (
     STALE_AUDIT,
 )
 
-FAULT, DETECTED, AUDIT, EXPECT_CLEAN, RECORDED = "fault", "detected", "audit", "clean", "recorded"
+FAULT, DETECTED, AUDIT, KNOWN_BAD_BUILD, EXPECT_CLEAN, RECORDED = (
+    "fault",
+    "detected",
+    "audit",
+    "known-bad",
+    "clean",
+    "recorded",
+)
 # kinds of positive control a vLLM gate mode can rely on: a second installation known to be bad, or the build under
 # test with the defect re-created inside it (repro.vllm_integration.plugin.inject)
 KNOWN_BAD, SELF_CONTROL = "known-bad build", "self-control"
@@ -50,6 +64,7 @@ MEETS: dict[str, tuple[str, ...]] = {
     FAULT: (*MEMORY_FAULTS, LAUNCH_FAIL),
     DETECTED: KERNEL_EVIDENCE,
     AUDIT: (*KERNEL_EVIDENCE, STALE_AUDIT),
+    KNOWN_BAD_BUILD: (*KERNEL_EVIDENCE, STALE_AUDIT),  # STALE_AUDIT counts only in ENGINE_AUDIT_MODES (rule 5)
     EXPECT_CLEAN: (CLEAN,),
     RECORDED: (CLEAN, *KERNEL_EVIDENCE, STALE_AUDIT),
 }
@@ -88,7 +103,7 @@ def satisfies(expect: str, verdict: str) -> bool | None:
 
 
 def is_positive(expect: str) -> bool:
-    return expect in (FAULT, DETECTED, AUDIT)
+    return expect in (FAULT, DETECTED, AUDIT, KNOWN_BAD_BUILD)
 
 
 def counts_as_evidence(verdict: str, mode: str) -> bool:
@@ -117,6 +132,7 @@ class Control:
     not_applicable: str | None = None  # why this configuration cannot exist on this runner
     needs: str | None = None  # the REQUIREMENTS feature whose absence made it not applicable
     kind: str | None = None  # a positive control's kind where it matters (vLLM gate: known-bad build, self-control)
+    subject: str | None = None  # the known-bad build a control runs (a vLLM build's label): rule 5 groups by it
 
     @property
     def gating(self) -> bool:
@@ -161,6 +177,7 @@ class GateDecision:
     evidence: dict[str, tuple[int, int]] = field(default_factory=dict)  # mode -> (positive controls, with evidence)
     # mode -> control kind -> (positive controls, with evidence): which kind of control each mode relied on
     evidence_by_kind: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
+    misses: list[str] = field(default_factory=list)  # a known-bad build silent in one mode, detected in another (rule 5)
 
     @property
     def passed(self) -> bool:
@@ -179,6 +196,8 @@ class GateDecision:
             )
         for x in self.disagreements:
             lines.append(f"  evidence of another kind than expected (not gating): {x}")
+        for x in self.misses:
+            lines.append(f"  known-bad build silent in this mode, detected in another (rule 5): {x}")
         by_reason: dict[str, list[str]] = {}
         for case, why in self.not_applicable:
             by_reason.setdefault(why, []).append(case)
@@ -193,6 +212,8 @@ def problem(expect: str, verdict: str) -> str | None:
     but not gating: a stale control that hung has shown the bug (results/h200-launch-failures-2: 1 of 128)."""
     if verdict in NO_EVIDENCE:
         return f"{verdict}: the gate has no evidence from this control"
+    if expect == KNOWN_BAD_BUILD:
+        return None  # a known-bad build that ran: one mode's miss is judged over all its modes (decide, rule 5)
     if satisfies(expect, verdict) or (is_positive(expect) and verdict in KERNEL_EVIDENCE):
         return None
     if expect == EXPECT_CLEAN:
@@ -203,6 +224,7 @@ def problem(expect: str, verdict: str) -> str | None:
 def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) -> GateDecision:
     """The gate's decision over every control of a run (rules 1-4 of this module's docstring)."""
     d = GateDecision()
+    bad_builds: dict[str, list[Control]] = {}  # rule 5: subject -> its positive controls that ran
     for c in controls:
         if c.not_applicable is not None:
             if c.needs and c.needs in required:
@@ -219,6 +241,8 @@ def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) 
             d.disagreements.append(f"{c.case_id}: {c.verdict}, the expectation was {c.expected}")
         if c.gating:
             pos, ev = d.evidence.get(c.mode, (0, 0))
+            if c.subject is not None and is_positive(c.expected) and c.verdict not in NO_EVIDENCE:
+                bad_builds.setdefault(c.subject, []).append(c)
             if is_positive(c.expected):
                 shown = counts_as_evidence(c.verdict, c.mode)
                 pos, ev = pos + 1, ev + shown
@@ -226,6 +250,22 @@ def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) 
                     kp, ke = d.evidence_by_kind.setdefault(c.mode, {}).get(c.kind, (0, 0))
                     d.evidence_by_kind[c.mode][c.kind] = (kp + 1, ke + shown)
             d.evidence[c.mode] = (pos, ev)
+    for subject, cs in bad_builds.items():
+        shown = [c for c in cs if counts_as_evidence(c.verdict, c.mode)]
+        silent = [c for c in cs if c.expected == KNOWN_BAD_BUILD and not counts_as_evidence(c.verdict, c.mode)]
+        if silent and not shown:
+            d.failures.append(
+                Failure(
+                    f"{silent[0].case_id}: known-bad build {subject} showed no evidence in any of its modes "
+                    f"({', '.join(f'{c.mode}: {c.verdict}' for c in cs)}): {silent[0].reason[:160]}",
+                    CONTROL_FAILED,
+                    silent[0].case_id,
+                )
+            )
+        elif silent:
+            d.misses += [
+                f"{c.case_id}: {c.verdict} (detected in {', '.join(sorted({x.mode for x in shown}))})" for c in silent
+            ]
     for mode, (pos, ev) in sorted(d.evidence.items()):
         if not pos:  # only negative controls in this mode: nothing shows that the mode could see the bug
             d.failures.append(
@@ -258,6 +298,7 @@ def markdown() -> str:
         FAULT: "the kernels failed: a memory fault, or a launch that failed after stale metadata",
         DETECTED: "kernel evidence",
         AUDIT: "kernel evidence, or the capture-time audit's stale views",
+        KNOWN_BAD_BUILD: "a known-bad vLLM build: evidence in at least one of its modes (a mode's miss is listed)",
         EXPECT_CLEAN: "ran, output equals the reference, nothing stale",
         RECORDED: "anything that ran (memcheck on real vLLM: recorded, never gating)",
     }

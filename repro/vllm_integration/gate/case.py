@@ -261,14 +261,18 @@ def case_env(
 
 
 def expected(case: GateCase) -> str:
-    """The policy expectation (repro.judge.policy) of a gate case: clean (a build under test), detected (a control: kernel
-    evidence), audit (a control in the audit mode: the auditor's stale views from the engine count too) or recorded
-    (memcheck on a control: what it finds is recorded, not required)."""
+    """The policy expectation (repro.judge.policy) of a gate case: clean (a build under test), audit (a control in the
+    audit mode: the auditor's stale views from the engine count too), detected (a self control: kernel evidence; the
+    injection fills FA3's never-written entries, so its symptom does not hang on leftovers), known-bad (a known-bad
+    build outside the audit mode: kernel evidence, but a silent mode is listed, not failed, when another of its modes
+    caught it: policy rule 5) or recorded (memcheck on a control: what it finds is recorded, not required)."""
     if not case.is_control:
         return policy.EXPECT_CLEAN
     if not case.mode.gating:
         return policy.RECORDED
-    return policy.AUDIT if case.mode.audit else policy.DETECTED
+    if case.mode.audit:
+        return policy.AUDIT
+    return policy.DETECTED if case.inject is not None else policy.KNOWN_BAD_BUILD
 
 
 SELF_CONTROL_CHOICES = ("under-test", "all", "none")

@@ -171,7 +171,15 @@ class GateRun:
     def controls(self) -> list[policy.Control]:
         """Every case as the policy sees it: mode = the gate mode's name."""
         return [
-            policy.Control(c.case_id, r.expected or expected(c), r.verdict, c.mode.name, r.reason, kind=c.control_kind)
+            policy.Control(
+                c.case_id,
+                r.expected or expected(c),
+                r.verdict,
+                c.mode.name,
+                r.reason,
+                kind=c.control_kind,
+                subject=c.build.label if c.control_kind == policy.KNOWN_BAD else None,
+            )
             for c, r in self.cases
         ]
 
