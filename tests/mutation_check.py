@@ -417,6 +417,28 @@ POLICY = [
         {"test_evidence_is_counted_per_kind_of_control"},
     ),
     (
+        "rule 5: one mode's miss of a known-bad build is decided over its modes",
+        POL,
+        *_off("    if expect == KNOWN_BAD_BUILD:"),
+        {
+            "test_known_bad_is_met_by_kernel_evidence_or_the_engine_audit",
+            "test_a_known_bad_build_silent_in_one_mode_but_caught_in_another_is_a_listed_miss",
+            "test_a_known_bad_build_silent_in_every_mode_fails_naming_its_modes",
+        },
+    ),
+    (
+        "rule 5: a known-bad build silent in every mode fails",
+        POL,
+        *_off("        if silent and not shown:"),
+        {"test_a_known_bad_build_silent_in_every_mode_fails_naming_its_modes"},
+    ),
+    (
+        "rule 5: the miss is listed",
+        POL,
+        *_off("        elif silent:"),
+        {"test_a_known_bad_build_silent_in_one_mode_but_caught_in_another_is_a_listed_miss"},
+    ),
+    (
         "summary: kinds only beside known-bad",
         POL,
         *_off("            if set(kinds) <= {KNOWN_BAD}:"),

@@ -6,7 +6,7 @@ own groups, so a change to a group shows.
 
 Mutation-checked: for each rule, the rule was deleted or weakened in repro/judge/policy.py (a verdict taken out of a MEETS
 row, an `if` or a clause of a condition removed), this file was run (`python -m pytest -q tests/test_policy.py`), and
-exactly the test named for the rule failed; then the source was restored. tests/mutation_check.py holds the 32
+exactly the test named for the rule failed; then the source was restored. tests/mutation_check.py holds the 35
 mutations and the tests each must fail, and runs them (`python tests/mutation_check.py policy`). Two rules every
 decision rests on fail the decide tests too: kernel evidence counting as a mode's evidence, and a met expectation
 passing (deleting either fails every decide test with such a control besides the rule's own test); and a

@@ -72,6 +72,29 @@ def test_the_draft_loops_own_seq_lens_advance_is_not_staleness_another_descripto
     assert [m.buffer for m in aud.check(1, back, advance=8)] == ["seq_lens"]  # the loop never goes back
 
 
+def test_the_draft_loops_own_slot_mapping_beside_its_seq_lens_advance_is_not_staleness():
+    """0.20.2 on the H200 (results/h200-release-table-2): besides seq_lens, the eagle draft loop recomputes
+    slot_mapping from the advanced positions ("t512r512: slot_mapping[0] is 1, the build wrote -1": a padded row given
+    a position; 21 -> 22 in two captures): AFFECTED for a release whose sources are good, until the auditor knew it.
+    Slots are the loop's only with seq_lens advanced in the same check, and only moved by that step."""
+    aud = FreshnessAuditor()
+    built = {
+        "seq_lens": torch.ones(4, dtype=torch.int32),
+        "slot_mapping": torch.tensor([-1, 21, 15, -1], dtype=torch.int32),
+        "query_start_loc": torch.arange(5, dtype=torch.int32),
+    }
+    aud.record_build(1, "t4r4", built)
+    stepped = {**built, "seq_lens": built["seq_lens"] + 1, "slot_mapping": torch.tensor([1, 22, 32, -1])}
+    assert aud.check(1, stepped, advance=8) == [] and aud.loop_advances == 2  # 15 -> 32: the next page, offset 0
+    alone = {**built, "slot_mapping": torch.tensor([1, 22, 32, -1])}  # seq_lens as built: no loop step
+    assert [m.buffer for m in aud.check(1, alone, advance=8)] == ["slot_mapping"]
+    wrong = {**stepped, "slot_mapping": torch.tensor([1, 29, 16, -1])}  # 21 -> 29: not one step on
+    assert [m.buffer for m in aud.check(1, wrong, advance=8)] == ["slot_mapping"]
+    other = {**stepped, "slot_mapping": torch.tensor([1, 22, 16])}  # another batch's count of slots
+    assert [m.buffer for m in aud.check(1, other, advance=8)] == ["slot_mapping"]
+    assert [m.buffer for m in aud.check(1, stepped)] == ["seq_lens", "slot_mapping"]  # outside a draft decode capture
+
+
 def test_plugin_wraps_a_backend_module(monkeypatch):
     """The glue, on a stand-in with the names vLLM's flash_attn module has."""
     bufs = {"query_start_loc": torch.zeros(5, dtype=torch.int32), "seq_lens": torch.zeros(4, dtype=torch.int32)}

@@ -184,10 +184,13 @@ def test_0330_alone_passes_with_its_self_control_caught_in_every_mode(monkeypatc
     assert acc["spec_decode_num_accepted_tokens"] == acc["spec_decode_num_draft_tokens"] > 0
 
 
-def test_both_halves_of_the_injection_still_fault_0260_and_the_known_bad_build_is_blind_in_plain(monkeypatch, tmp_path):
+def test_both_halves_of_the_injection_still_fault_0260_and_a_known_bad_build_silent_in_plain_is_a_listed_miss(
+    monkeypatch, tmp_path
+):
     """0.26.0 with the injection's object half added (inject.reuse): its self control faults in audit and plain; the
-    build is clean; 0.25.1 as it is decodes cleanly in plain with the agreement weights, so the gate says HARNESS
-    BLIND for that known-bad control, as it did before (results/h200-agree-selfcontrol)."""
+    build is clean; 0.25.1 as it is decodes cleanly in plain with the agreement weights but its audit caught it. The
+    run said HARNESS BLIND when it was recorded; under policy rule 5 (a known-bad build judged over all its modes) the
+    same records PASS, the plain miss listed, and the plain mode vouched for by the self control's crash."""
     doc, rows, run, got = replay(monkeypatch, tmp_path, RESULTS / "h200-injection-both-halves-0.26.0")
     _same_verdicts(rows, got)
     assert [got[V + f"0.26.0-under-test-{m}"].verdict for m in ("audit", "plain")] == ["clean", "clean"]
@@ -195,8 +198,11 @@ def test_both_halves_of_the_injection_still_fault_0260_and_the_known_bad_build_i
     assert (
         got[V + "0.25.1-control-plain"].verdict == "clean" and got[V + "0.25.1-control-audit"].verdict == "stale-audit"
     )
-    assert run.outcome() == doc["outcome"] == "HARNESS BLIND" and EXIT[run.outcome()] == 3
-    assert any(b.startswith(V + "0.25.1-control-plain") for b in run.blind())
+    assert doc["outcome"] == "HARNESS BLIND"  # the rule it was recorded under
+    assert run.outcome() == "PASS" and EXIT[run.outcome()] == 0 and not run.blind()
+    d = run.decision()
+    assert d.misses == [V + "0.25.1-control-plain: clean (detected in audit)"]
+    assert d.evidence_by_kind["plain"] == {"known-bad build": (1, 0), "self-control": (1, 1)}
 
 
 def test_at_mps24_the_platform_is_named_never_a_false_alarm(monkeypatch, tmp_path):

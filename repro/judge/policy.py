@@ -222,7 +222,7 @@ def problem(expect: str, verdict: str) -> str | None:
 
 
 def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) -> GateDecision:
-    """The gate's decision over every control of a run (rules 1-4 of this module's docstring)."""
+    """The gate's decision over every control of a run (rules 1-5 of this module's docstring)."""
     d = GateDecision()
     bad_builds: dict[str, list[Control]] = {}  # rule 5: subject -> its positive controls that ran
     for c in controls:

@@ -85,7 +85,9 @@ class FreshnessAuditor:
         `advance` (a draft decode capture): the draft loop's own update of the same batch is not staleness: a
         seq_lens view whose every entry is its build's plus one d with 1 <= d <= advance was advanced in place
         between draft steps (vLLM's eagle layout, 0.20-0.22, runs update_draft_inputs inside the graph without
-        refreshing the metadata); counted in loop_advances. Another descriptor's contents differ otherwise."""
+        refreshing the metadata); so is a slot_mapping view of the same check whose entries moved by that d
+        (`_slots_advanced`: the loop recomputes the KV-cache slots from the advanced positions); both counted in
+        loop_advances. Another descriptor's contents differ otherwise."""
         b = self.builds.get(key)
         if b is None:
             return []
@@ -93,11 +95,24 @@ class FreshnessAuditor:
         compared = {k: v for k, v in b.values.items() if k not in skip}
         self.views += len(compared)
         found = []
+        nows = {name: _ints(views.get(name)) for name in compared}
+        # the draft loop's step in this check: the d its seq_lens advanced by (None: not advanced)
+        step = next(
+            (
+                nows[n][0] - b.values[n][0]
+                for n in compared
+                if advance and n.rsplit(".", 1)[-1] == "seq_lens" and _advanced(b.values[n], nows[n], advance)
+            ),
+            None,
+        )
         for name, built in compared.items():
-            now = _ints(views.get(name))
+            now = nows[name]
             if now == built:
                 continue
-            if advance and name.rsplit(".", 1)[-1] == "seq_lens" and _advanced(built, now, advance):
+            if step is not None and name.rsplit(".", 1)[-1] == "seq_lens" and _advanced(built, now, advance):
+                self.loop_advances += 1
+                continue
+            if step is not None and name.rsplit(".", 1)[-1] == "slot_mapping" and _slots_advanced(built, now, step):
                 self.loop_advances += 1
                 continue
             i = next((j for j, (x, y) in enumerate(zip(built, now)) if x != y), min(len(built), len(now)))
@@ -158,6 +173,23 @@ def _advanced(built: list[Number], now: list[Number], limit: int) -> bool:
         return False
     d = now[0] - built[0]
     return 1 <= d <= limit and all(y - x == d for x, y in zip(built, now))
+
+
+PAD_SLOT = -1  # vLLM's PADDING_SLOT_ID: a slot_mapping entry no token writes
+PAGE_GRANULE = 16  # every KV page size FA3 takes is a multiple of 16 tokens
+
+
+def _slots_advanced(built: list[Number], now: list[Number], d: int) -> bool:
+    """Is `now` the slot mapping of the same tokens d positions on (the eagle draft loop recomputes it from the
+    advanced positions and the block table between its steps, results/h200-release-table-2: 0.20.2, -1 -> 1 and
+    21 -> 22)? Each entry: its page offset moved by d (slot + d, or another page at offset + d mod the page size, a
+    multiple of PAGE_GRANULE), or the build wrote the pad slot (a padded row the loop gave a position), or the loop
+    masked it (past the model length). Another descriptor's slots differ in count or place otherwise."""
+    if not built or len(built) != len(now):
+        return False
+    return all(
+        x == PAD_SLOT or y == PAD_SLOT or (y - x - d) % PAGE_GRANULE == 0 and y >= 0 for x, y in zip(built, now)
+    )
 
 
 def _ints(v: Any) -> list[Number]:
