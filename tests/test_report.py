@@ -8,7 +8,7 @@ import pytest
 from repro.case.matrix import MatrixOptions, MatrixRun, build_specs
 from repro.case.spec import CaseSpec, SmConfig
 from repro.judge.expectations import expectation
-from repro.judge.policy import satisfies
+from repro.judge.policy import EXPECTATIONS, satisfies
 from repro.judge.verdicts import CLEAN, CRASH, HANG, LAUNCH_FAIL, OOB, STALE_AUDIT, WRONG
 from repro.report import results as report
 from repro.report.results import is_vllm_gate_record, load_json
@@ -63,6 +63,28 @@ def test_harness_blind_counts_only_controls_without_evidence():
     r3.verdict = CRASH
     assert [x.split(":")[0] for x in report.control_lines(run)] == ["DISAGREEMENT (detected, not blind)"]
     assert "3 unexpected" not in report.markdown(run) and "2 unexpected (2 of them detected" in report.markdown(run)
+
+
+@pytest.mark.parametrize("expected", EXPECTATIONS)
+def test_harness_blind_and_disagreement_are_the_policys_judgement(expected):
+    """For every expectation and verdict the matrix's lines say what the gate decides (repro.judge.policy):
+    HARNESS BLIND is a positive control the gate fails (`problem`), DISAGREEMENT one it lists as evidence of another
+    kind (`disagrees`); a negative control is neither, whatever its case's strategy, and a skip did not run."""
+    from repro.case.spec import CaseResult
+    from repro.judge.policy import disagrees, is_positive, problem
+    from repro.judge.verdicts import SKIP, VERDICTS
+
+    for strategy in ("stale", "fresh"):
+        for verdict in VERDICTS:
+            s = _spec(strategy=strategy)
+            run = MatrixRun([(s, CaseResult(s.case_id, verdict, "r", expected=expected))], 1.0, None)
+            blind, dis = bool(run.blind_controls()), bool(run.disagreements())
+            ran = verdict != SKIP
+            assert blind == (ran and is_positive(expected) and problem(expected, verdict) is not None), verdict
+            assert dis == disagrees(expected, verdict) == bool(report.gate_decision(run).disagreements), verdict
+            assert not (blind and dis)
+            lines = [x.split(":")[0] for x in report.control_lines(run)]
+            assert lines == ["HARNESS BLIND"] * blind + ["DISAGREEMENT (detected, not blind)"] * dis
 
 
 def _spec(**kw):

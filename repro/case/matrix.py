@@ -15,7 +15,7 @@ from repro.case.poison import DEFAULT_POISON
 from repro.case.scenarios import DEFAULT_PAIR, FRESH, PAIR, STALE, V2, pair_descriptors
 from repro.case.spec import CaseResult, CaseSpec, SmConfig
 from repro.judge.expectations import expectation, positive_control
-from repro.judge.policy import disagrees, satisfies
+from repro.judge.policy import disagrees, is_positive, problem, satisfies
 from repro.judge.verdicts import SKIP
 from repro.run.mps_cases import PER_CASE, run_mps_cases
 
@@ -115,16 +115,20 @@ class MatrixRun:
         return [(s, r) for s, r in self.results if satisfies(expected_of(s, r), r.verdict) is False]
 
     def blind_controls(self) -> list[tuple[CaseSpec, CaseResult]]:
-        """Positive controls that missed their expectation WITHOUT kernel evidence (clean, an audit alone where the
-        kernels had to show it, an error): there this environment did not see the bug."""
+        """Positive controls (by the expectation stored in their result) that missed it WITHOUT kernel evidence
+        (clean, an audit alone where the kernels had to show it, an error): there this environment did not see the
+        bug. The policy's own judgement (repro.judge.policy.problem), over the cases that ran (a skip is no miss)."""
         return [
-            (s, r) for s, r in self.failures() if positive_control(s) and not disagrees(expected_of(s, r), r.verdict)
+            (s, r)
+            for s, r in self.failures()
+            if is_positive(expected_of(s, r)) and problem(expected_of(s, r), r.verdict) is not None
         ]
 
     def disagreements(self) -> list[tuple[CaseSpec, CaseResult]]:
         """Positive controls that missed their expectation WITH kernel evidence of another kind (wrong-output where
-        `fault` was expected): the bug was detected, the expectation named another kind (repro.judge.policy.disagrees)."""
-        return [(s, r) for s, r in self.failures() if positive_control(s) and disagrees(expected_of(s, r), r.verdict)]
+        `fault` was expected): the bug was detected, the expectation named another kind (repro.judge.policy.disagrees,
+        the gate's disagreement list)."""
+        return [(s, r) for s, r in self.failures() if disagrees(expected_of(s, r), r.verdict)]
 
 
 def run_matrix(
