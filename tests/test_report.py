@@ -103,6 +103,10 @@ def test_expectations_come_from_the_model_or_a_measured_table():
     assert expectation(_spec(sm=SmConfig("mig"))) == "audit"  # never measured here: no claim
     assert expectation(_spec(scenario="spec-decode", poison=None)) == "audit"  # h200-spec-nopoison
     assert expectation(_spec(strategy="fresh")) == "clean"
+    assert expectation(_spec(scenario="pair", pair=("t4r1", "t32r8"))) == "detected"  # measured (h200-pytest-gpu)
+    for other in (("t8r2", "t32r8"), ("t32r8", "t4r1")):  # matrix --built-for/--launched: a pair nobody measured
+        assert expectation(_spec(scenario="pair", pair=other)) == "audit"
+        assert expectation(_spec(scenario="pair", pair=other, strategy="fresh")) == "clean"
     assert not satisfies("fault", HANG) and satisfies("detected", HANG)  # a hang is not a memory fault
     assert satisfies("detected", LAUNCH_FAIL) and not satisfies("detected", STALE_AUDIT)
     assert satisfies("audit", STALE_AUDIT)

@@ -16,7 +16,7 @@ import os
 
 from repro.case.descriptors import AttnConfig
 from repro.case.matrix import MatrixOptions, build_specs
-from repro.case.scenarios import FRESH, STALE
+from repro.case.scenarios import DEFAULT_PAIR, FRESH, STALE
 from repro.case.spec import CaseSpec, SmConfig
 
 BACKENDS = ("vllm", "upstream")
@@ -48,7 +48,7 @@ def memcheck() -> list[CaseSpec]:
 
 def pair() -> list[CaseSpec]:
     return [
-        CaseSpec("vllm", st, "eager", scenario="pair", pair=("t4r1", "t32r8"), poison="int-max",
+        CaseSpec("vllm", st, "eager", scenario="pair", pair=DEFAULT_PAIR, poison="int-max",
                  sm=SmConfig.parse("sm_margin:16"), timeout_s=120)
         for st in STRATEGIES
     ]  # fmt: skip

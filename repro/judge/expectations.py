@@ -8,7 +8,7 @@ import functools
 
 from repro.attention.layout import UPSTREAM, VLLM
 from repro.case.descriptors import AttnConfig
-from repro.case.scenarios import FRESH, V2
+from repro.case.scenarios import DEFAULT_PAIR, FRESH, PAIR, V2
 from repro.case.spec import CaseSpec
 from repro.fa3_model.scope import H200_SMS, MODEL_SM_KINDS
 from repro.judge.policy import AUDIT, DETECTED, EXPECT_CLEAN, FAULT
@@ -18,7 +18,7 @@ from repro.judge.verdicts import OOB, WRONG
 MEASURED = {
     ("spec-decode", "int-max"): FAULT,  # results/h200-spec: stale crashed 4/4; launch failures: h200-launch-failures
     ("spec-decode", None): AUDIT,  # results/h200-spec-nopoison: stale-audit 4/4, tokens equal
-    ("pair", "int-max"): DETECTED,  # results/h200-pytest-gpu: the pair case was caught
+    ("pair", "int-max"): DETECTED,  # results/h200-pytest-gpu: the pair case (DEFAULT_PAIR, t4r1 -> t32r8) was caught
     ("green", None): DETECTED,  # results/h200-green: stale wrong-output at 16 SMs
 }
 # Case features the CPU model does not model, each with why: under them its verdict would be a guess, and so would
@@ -58,7 +58,8 @@ def expectation(spec: CaseSpec) -> str:
     or the whole GPU, without a feature it does not model), over every padding it cannot rule out: only
     out-of-bounds reads -> `fault` (eager) or `detected` (graph), only reads or wrong output -> `detected`, a clean
     outcome possible -> `audit` (repro.judge.policy.AUDIT_CONTROLS lists why). A feature the model does not model
-    (UNMODELLED) -> `audit`; elsewhere from MEASURED, else `audit`: no claim the GPU did not back."""
+    (UNMODELLED) -> `audit`; elsewhere from MEASURED (a pair case: only for the descriptor pair it measured), else
+    `audit`: no claim the GPU did not back."""
     if not positive_control(spec):
         return EXPECT_CLEAN
     if unmodelled(spec):  # neither the model nor any measurement covers it: no guess
@@ -70,6 +71,8 @@ def expectation(spec: CaseSpec) -> str:
         if outcomes == {OOB}:
             return FAULT if spec.mode == "eager" else DETECTED
         return DETECTED if outcomes <= {OOB, WRONG} else AUDIT
+    if spec.scenario == PAIR and tuple(spec.pair or ()) != DEFAULT_PAIR:
+        return AUDIT  # MEASURED's pair row is the pair it measured: another (matrix --built-for/--launched) is not
     key = spec.scenario if spec.scenario != V2 else spec.sm.kind
     return MEASURED.get((key, spec.poison), AUDIT)
 
