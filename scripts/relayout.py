@@ -204,7 +204,7 @@ LAYOUT: list[tuple[str, str, str | None, list[tuple[str, str]]]] = [
         "what integrates with vLLM",
         "repro/vllm_integration/gate",
         "The vLLM gate: what a gate case is (case), its process (worker: vLLM's V2 runner on a tiny model), how it\n"
-        "is judged (judge, coverage), run (run, placement, cache, bench; launch, fork: how its processes start;\n"
+        "is judged (judge, coverage), run (run, process, placement, cache, bench; launch, fork: how its processes start;\n"
         "paths: --compare-paths) and reported (report).",
         [
             move("repro/vllm_integration/gate.py", "repro/vllm_integration/gate/worker.py"),
@@ -212,6 +212,7 @@ LAYOUT: list[tuple[str, str, str | None, list[tuple[str, str]]]] = [
             move("repro/vllm_integration/gate_judge.py", "repro/vllm_integration/gate/judge.py"),
             move("repro/vllm_integration/coverage.py", "repro/vllm_integration/gate/coverage.py"),
             move("repro/vllm_integration/gate_run.py", "repro/vllm_integration/gate/run.py"),
+            move("repro/vllm_integration/gate/process.py", "repro/vllm_integration/gate/process.py"),
             move("repro/vllm_integration/placement.py", "repro/vllm_integration/gate/placement.py"),
             move("repro/vllm_integration/gate_cache.py", "repro/vllm_integration/gate/cache.py"),
             move("repro/vllm_integration/gate_bench.py", "repro/vllm_integration/gate/bench.py"),

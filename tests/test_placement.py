@@ -13,6 +13,7 @@ from repro.case.descriptors import ConfigError
 from repro.case.spec import CaseResult
 from repro.judge.verdicts import CLEAN
 from repro.run.smcontrol import GpuInfo, MigSlice, Unavailable
+from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import run as gate_run
 from repro.vllm_integration.gate.case import parse_modes
 from repro.vllm_integration.gate.placement import DevicePool, GateDevice, gate_devices, kind_of, per_device_jobs
@@ -96,7 +97,7 @@ def test_run_gate_places_every_case_and_its_reference_on_one_kind_of_device(monk
             at_once[device.dev] -= 1
         return CaseResult(case.case_id, CLEAN, "", backend_identity={"device": device.to_dict()}), None
 
-    monkeypatch.setattr(gate_run, "run_attributed", stand_in)
+    monkeypatch.setattr(gate_process, "run_attributed", stand_in)
     devices = [GateDevice("GPU-0", "gpu", 132), GateDevice("GPU-1", "gpu", 132), GateDevice("GPU-2", "gpu", 114)]
     build = VllmBuild("0.26.0", str(tmp_path), UNDER_TEST, "0.26.0")
     run = gate_run.run_gate([build], parse_modes("audit,plain,sm_margin:16"), tmp_path / "logs", jobs=2,

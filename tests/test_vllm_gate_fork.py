@@ -23,7 +23,8 @@ from repro.vllm_integration.gate import fork as gate_fork
 from repro.vllm_integration.gate import report as gate_report
 from repro.vllm_integration.gate.case import GateCase, GateMode, case_env, parse_modes
 from repro.vllm_integration.gate.launch import FORK, SPAWN, Launcher, differs, launcher_kind
-from repro.vllm_integration.gate.run import run_case, run_gate
+from repro.vllm_integration.gate.process import run_case
+from repro.vllm_integration.gate.run import run_gate
 from repro.vllm_integration.releases.builds import CONTROL, UNDER_TEST, parse_builds
 from tests.fake_vllm import BEHAVIOURS, write_fake_vllm
 from tests.processes import gone
@@ -264,7 +265,7 @@ from pathlib import Path
 from repro.vllm_integration.releases.builds import parse_builds, UNDER_TEST
 from repro.vllm_integration.gate.case import GateCase, GateMode, case_env
 from repro.vllm_integration.gate.launch import Launcher, FORK
-from repro.vllm_integration.gate.run import run_case
+from repro.vllm_integration.gate.process import run_case
 tmp = Path(sys.argv[1])
 b = parse_builds(f"hang={sys.argv[2]}", UNDER_TEST, "x")[0]
 launcher = Launcher(FORK, tmp / "logs")

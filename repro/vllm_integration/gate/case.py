@@ -154,6 +154,7 @@ class GateCase:
     mode: GateMode
     reference: bool = False
     rep: int = 0
+    attempt: int = 0  # a self control's attempt after one that decoded without a fault (gate.process.SELF_CONTROL_ATTEMPTS)
     launch_blocking: bool = False
     timeout_s: float = 300.0
     backend: str = DEFAULT_BACKEND  # vLLM's attention backend (attention_backend=...)
@@ -182,6 +183,8 @@ class GateCase:
             parts.insert(4, self.backend.lower())
         if self.rep:
             parts.append(f"rep{self.rep}")
+        if self.attempt:
+            parts.append(f"attempt{self.attempt + 1}")
         if self.launch_blocking:
             parts.append("launch-blocking")
         return "-".join(parts)
@@ -201,7 +204,7 @@ def reference_for(case: GateCase) -> GateCase:
     """The reference of a case: the same build, backend and SM configuration, no CUDA graphs (its process runs the
     same draft: gate.llm_kwargs), nothing injected (a self control is judged against its build's own reference)."""
     mode = GateMode(f"reference-{case.mode.sm.label}", sm=case.mode.sm)
-    return replace(case, mode=mode, reference=True, rep=0, launch_blocking=False, inject=None)
+    return replace(case, mode=mode, reference=True, rep=0, attempt=0, launch_blocking=False, inject=None)
 
 
 def case_env(

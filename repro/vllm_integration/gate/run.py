@@ -10,13 +10,11 @@ PASS; EXIT maps them to exit codes."""
 
 from __future__ import annotations
 
-import shutil
-import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from repro.case.descriptors import ConfigError
@@ -24,13 +22,12 @@ from repro.case.spec import CaseResult
 from repro.judge import policy
 from repro.judge.classify import refused
 from repro.judge.verdicts import CANNOT_VOUCH as NOT_VOUCHED
-from repro.judge.verdicts import CLEAN, CRASH, FAULTS, SKIP
+from repro.judge.verdicts import CLEAN, FAULTS
 from repro.run.channel import Channel
-from repro.run.runner import case_logs, device_sm_count, run_process
+from repro.run.runner import case_logs, device_sm_count
 from repro.run.smcontrol import MpsDaemon, Unavailable
-from repro.run.tags import COUNTERS_TAG, DEVICE_TAG, RESULT_TAG
-from repro.vllm_integration.gate import bench as gate_bench
-from repro.vllm_integration.gate.cache import PRIVATE, WRITER, GateCache, gpu_identity, kept_reference, ref_key
+from repro.run.tags import RESULT_TAG
+from repro.vllm_integration.gate.cache import GateCache, gpu_identity, kept_reference, ref_key
 from repro.vllm_integration.gate.case import (
     FA3_ONLY,
     GateCase,
@@ -40,9 +37,10 @@ from repro.vllm_integration.gate.case import (
     reference_for,
     self_controls_for,
 )
-from repro.vllm_integration.gate.judge import annotate, finish, meets, validate_reference
+from repro.vllm_integration.gate.judge import finish, meets, validate_reference
 from repro.vllm_integration.gate.launch import FORK, Launcher, launcher_kind
 from repro.vllm_integration.gate.placement import DevicePool, GateDevice, kind_of, main_kind, per_device_jobs
+from repro.vllm_integration.gate.process import skipped, run_control
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
 from repro.vllm_integration.plugin.inject import STALE_CAPTURE
 from repro.vllm_integration.releases.builds import VllmBuild
@@ -50,113 +48,6 @@ from repro.vllm_integration.releases.builds import VllmBuild
 PASS, AFFECTED, BLIND, CANNOT_VOUCH = "PASS", "AFFECTED", "HARNESS BLIND", "CANNOT VOUCH"
 EXIT = {PASS: 0, AFFECTED: 1, BLIND: 3, CANNOT_VOUCH: 4}  # 2 is bad input; a bisect step maps 3 and 4 to 125
 NO_CONTROL = "no positive control ran in a gating mode"
-
-
-def run_case(
-    case: GateCase,
-    builds: list[VllmBuild],
-    log_dir: str | Path,
-    mps: MpsDaemon | None = None,
-    total_sms: Callable[[], int] = device_sm_count,
-    cache: GateCache | None = None,
-    device: GateDevice | None = None,
-    launcher: Launcher | None = None,
-) -> CaseResult:
-    """One gate case in its own process; never raises for a faulting case. With a cache (the new path), the case's
-    VLLM_CACHE_ROOT is its build's folder (used in place once complete, or written by this case as the build's one
-    writer) or an empty folder of its own (GateCache.case_cache); without (the old path) every case starts cold.
-    With a launcher (repro.vllm_integration.gate.launch) the process may be forked from its build's forkserver;
-    without, it is spawned. Its phases say which (`launcher`) and, when not the one asked for, why."""
-    log_dir = Path(log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    audit_file = log_dir / f"{case.case_id}.audit.json"
-    audit_file.unlink(missing_ok=True)  # an earlier run into this folder must not lend this case its mismatches
-    try:
-        env = case_env(case, builds, audit_file, mps, total_sms, device=device.dev if device else None)
-    except Unavailable as e:
-        return _skipped(case, str(e))
-    private = Path(env["VLLM_CACHE_ROOT"])
-    vllm_cache = PRIVATE
-    if cache is not None:
-        root, vllm_cache = cache.case_cache(case.build, private, may_write=not case.reference)
-        env["VLLM_CACHE_ROOT"] = str(root)
-    # the models' folder is part of vLLM's compile-cache key: one folder per build on the new path
-    model_dir = cache.build_dir(case.build) / "models" if cache is not None else log_dir / f"{case.case_id}.models"
-    cmd = [sys.executable, "-m", "repro.vllm_integration.gate.worker", "--out", str(model_dir)]
-    cmd += ["--attention-backend", case.backend]
-    if case.reference:
-        cmd.append("--reference")
-    sanitized = bool(case.mode.sanitizer) and not case.reference
-    if launcher is not None:
-        res, out, launched = launcher.launch(case, cmd, env, log_dir, sanitized, run_process)
-    else:
-        (res, out), launched = run_process(case, cmd, env, log_dir, sanitized), {"launcher": "spawn"}
-    ch = Channel.of_case(case_logs(log_dir, case.case_id)[0], out)
-    if vllm_cache == WRITER:  # captures ran: torch.compile had finished and saved into the build's folder
-        cache.release(case.build, bool(sum(((ch.last(COUNTERS_TAG) or {}).get("captures") or {}).values())))
-    shutil.rmtree(private, ignore_errors=True)  # a case's own cold cache: not evidence
-    if not case.reference:
-        res.expected = expected(case)  # fixed before the case is judged
-    if res.verdict == SKIP:
-        res.vllm_version = case.build.version
-        return res
-    res.phases = {
-        **gate_bench.phases(out, ch.last(RESULT_TAG), res.started_at, res.wall_s, ch.last(DEVICE_TAG)),
-        "vllm_cache": vllm_cache,
-        **launched,
-    }
-    return annotate(res, case, ch, audit_file if audit_file.exists() else None)
-
-
-def run_attributed(
-    case: GateCase,
-    builds: list[VllmBuild],
-    log_dir: str | Path,
-    mps: MpsDaemon | None = None,
-    cache: GateCache | None = None,
-    device: GateDevice | None = None,
-    launcher: Launcher | None = None,
-) -> tuple[CaseResult, tuple[GateCase, CaseResult] | None]:
-    """run_case, and for a crash in the plain mode (first repetition) a rerun with CUDA_LAUNCH_BLOCKING=1 that names
-    the faulting kernel: (result, (rerun case, rerun result) or None). A control is expected to crash: its rerun
-    starts beside it, on the same device, and is dropped (whatever became of it; its logs stay) when the case did
-    not crash; any other case's rerun starts after its crash."""
-    attributable = case.mode.name == "plain" and not case.rep and not case.reference
-    rc = replace(case, launch_blocking=True)
-    ahead = None
-    if attributable and case.is_control:
-        ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attribution")
-        early = ahead.submit(run_case, rc, builds, log_dir, mps, cache=cache, device=device, launcher=launcher)
-    try:
-        res = run_case(case, builds, log_dir, mps, cache=cache, device=device, launcher=launcher)
-    finally:
-        if ahead is not None:
-            ahead.shutdown(wait=True)
-    if device is not None:
-        res = replace(res, backend_identity={**(res.backend_identity or {}), "device": device.to_dict()})
-    if res.verdict != CRASH or not attributable:
-        return res, None
-    if ahead is not None:
-        rerun = early.result()
-    else:
-        rerun = run_case(rc, builds, log_dir, mps, cache=cache, device=device, launcher=launcher)
-    kernel = rerun.kernel if rerun.verdict == CRASH else None
-    if kernel:
-        res = res.revised(
-            "attribution rerun",
-            f"{rc.case_id} crashed in the {kernel} kernel's launch check",
-            kernel=kernel,
-            evidence=f"fault in the {kernel} kernel (named by a CUDA_LAUNCH_BLOCKING=1 rerun)",
-        )
-    return res, (rc, rerun)
-
-
-def _skipped(case: GateCase, reason: str) -> CaseResult:
-    res = CaseResult.skipped(case, reason)
-    res.vllm_version = case.build.version
-    if not case.reference:
-        res.expected = expected(case)
-    return res
 
 
 @dataclass
@@ -318,11 +209,11 @@ def run_gate(
         else:
             dev = (pool.devices[0] if mps is not None else pool.take(kind)) if pool else None
             try:
-                res, attribution = run_attributed(c, builds, log_dir, mps, cache, device=dev, launcher=launch)
+                res, attribution, ran = run_control(c, builds, log_dir, mps, cache, device=dev, launcher=launch)
             finally:
                 if dev is not None and mps is None:
                     pool.give(dev)
-            out = result_line(log_dir, c)
+            out = result_line(log_dir, ran)
             if c.reference:
                 res = validate_reference(c, res, out)
             if cache is not None and c.reference and res.verdict == CLEAN and out and out.get("tokens"):
@@ -366,7 +257,7 @@ def run_gate(
             for c in serial:
                 if c.case_id in done:
                     continue
-                res = _skipped(c, str(e))
+                res = skipped(c, str(e))
                 with lock:
                     (run.references if c.reference else run.cases).append((c, res))
 
