@@ -12,6 +12,7 @@ from pathlib import Path
 from repro.judge.classify import classify
 from repro.run import smcontrol
 from repro.run.channel import Channel, path_for
+from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import run as gate_run
 from repro.vllm_integration.gate.case import GateCase, parse_backends, parse_modes
 from repro.vllm_integration.gate.run import run_gate
@@ -42,8 +43,13 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None):
         ch = Channel.read(path_for(out_log))
         return classify(case, out, r["returncode"], timed_out, None, r["wall_s"], ch), out
 
-    monkeypatch.setattr(gate_run, "run_process", recorded_process)
+    monkeypatch.setattr(gate_process, "run_process", recorded_process)
     monkeypatch.setattr(gate_run, "MpsDaemon", _RecordedMps)  # the MPS cases ran under the H200's daemon
+    # a self control's further attempts as the recorded run made them (one, in a record from before they existed):
+    # every attempt's process is replayed from its own logs, none is invented
+    made = [(rows[c]["result"].get("spec") or {}).get("attempt", 0) for c in rows]
+    made += [int(m[1]) - 1 for p in logs.glob("*-attempt*.out.log") if (m := re.search(r"-attempt(\d+)", p.name))]
+    monkeypatch.setattr(gate_process, "SELF_CONTROL_ATTEMPTS", 1 + max(made, default=0))
     builds = {}
     for row in doc["cases"]:
         b = GateCase.from_dict(row["result"]["spec"]).build

@@ -24,6 +24,7 @@ from repro.judge.verdicts import CANNOT_VOUCH, CLEAN, CRASH
 from repro.run import smcontrol
 from repro.run.tags import AUDIT_TAG, COUNTERS_TAG, ENGINE_TAG
 from repro.vllm_integration.gate import report as gate_report
+from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import run as gate_run
 from repro.vllm_integration.gate.case import GateCase, parse_modes
 from repro.vllm_integration.gate.run import EXIT, run_gate
@@ -70,7 +71,7 @@ def replay(monkeypatch, tmp_path: Path, edit=None):
             shutil.copy(audit, log_dir / audit.name)
         return classify(case, out, r["returncode"], False, None, r["wall_s"]), out
 
-    monkeypatch.setattr(gate_run, "run_process", recorded_process)
+    monkeypatch.setattr(gate_process, "run_process", recorded_process)
     logs = tmp_path / "logs"  # the processes are replayed: no forkserver to start
     return run_gate(
         _builds(), parse_modes(_modes()), logs, jobs=4, timeout_s=240.0, self_control="none", launcher="spawn"

@@ -45,7 +45,11 @@ def test_triton_attn_on_0251_is_stale_but_silent(monkeypatch, tmp_path):
     assert audit.verdict == "stale-audit" and "192 stale fields in 360 checks" in audit.evidence
     assert got["stale_metadata-vllm-0.25.1-control-triton_attn-plain"].verdict == "clean"
     assert got["stale_metadata-vllm-0.26.0-under-test-triton_attn-audit"].verdict == "clean"
-    assert run.outcome() == "HARNESS BLIND"  # the plain mode's TRITON_ATTN control shows no kernel evidence
+    # recorded as HARNESS BLIND (the plain mode's TRITON_ATTN control showed no kernel evidence); under policy rule 5
+    # that is a listed miss: 0.25.1 on TRITON_ATTN was caught by its audit, and the plain mode has the FLASH_ATTN
+    # control's crash as its evidence
+    assert doc["outcome"] == "HARNESS BLIND" and run.outcome() == "PASS"
+    assert run.decision().misses == ["stale_metadata-vllm-0.25.1-control-triton_attn-plain: clean (detected in audit)"]
 
 
 @pytest.mark.parametrize("path", ["new-cold", "new-warm"])

@@ -111,6 +111,7 @@ class Evidence:
                 str(props.get("reason") or ""),
                 props.get("not_applicable"),
                 props.get("needs"),
+                subject=props.get("subject"),
             )
         )
 

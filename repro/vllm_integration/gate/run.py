@@ -69,7 +69,7 @@ class GateRun:
                 c.mode.name,
                 r.reason,
                 kind=c.control_kind,
-                subject=c.build.label if c.control_kind == policy.KNOWN_BAD else None,
+                subject=f"{c.build.label} {c.backend}" if c.control_kind == policy.KNOWN_BAD else None,  # rule 5
             )
             for c, r in self.cases
         ]
