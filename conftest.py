@@ -10,6 +10,7 @@ import time
 import pytest
 
 from cases.gpu_env import gpu_skip_reason, mark_unrunnable
+from repro import exit_codes
 from repro.report import pytest_gate
 from repro.run.pinning import apply_pin, choose_pin
 from repro.run.pytest_cases import close_case_executor, start_run_logs, warm_up
@@ -45,7 +46,7 @@ def pytest_sessionstart(session):
     instead of one error block per case."""
     if _evidence is not None and not hasattr(session.config, "workerinput"):
         if why := gpu_skip_reason():
-            pytest.exit(pytest_gate.no_gpu_line(why), returncode=pytest.ExitCode.TESTS_FAILED)
+            pytest.exit(pytest_gate.no_gpu_line(why), returncode=pytest.ExitCode(exit_codes.gate_decision(False)))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -85,8 +86,7 @@ def pytest_sessionfinish(session, exitstatus):
     if _evidence is None or hasattr(session.config, "workerinput"):
         return  # not a gate run, or an xdist worker (the controller decides)
     _, why = _evidence.summary()
-    if why:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    session.exitstatus = pytest.ExitCode(exit_codes.pytest_session(session.exitstatus, gate_passed=why is None))
     if session.config.getoption("gate_report"):
         config = session.config
         _evidence.write_report(

@@ -21,6 +21,7 @@ import sys
 
 import pytest
 
+from repro.exit_codes import Exit
 from repro.judge.policy import REQUIRE_ENV, parse_requirements
 
 GATE_ENV = "REPRO_GATE"  # REPRO_GATE=1 is --gate (repro.report.pytest_gate reads it from here)
@@ -74,16 +75,12 @@ def pytest_cmdline_main(config):
     gating = config.getoption("gate", default=False) or os.environ.get(GATE_ENV) == "1"
     text = given if given is not None else os.environ.get(REQUIRE_ENV) if gating else None
     if text is not None:
-        from repro.cli.common import (
-            EXIT_BAD_INPUT,  # the CLI's modules only for bad input: pytest loads this plugin in every run
-        )
-
         try:
             parse_requirements(text)
         except ValueError as e:
             where = f"--gate-require {given}" if given is not None else f"{REQUIRE_ENV}={text}"
             sys.stderr.write(f"repro: error: {where}: {e}\n")
-            return EXIT_BAD_INPUT
+            return Exit.BAD_INPUT
     ignored = [f for f, v in (("--gate-require", given), ("--gate-report", config.getoption("gate_report"))) if v]
     if ignored and not gating and not hasattr(config, "workerinput"):
         sys.stderr.write(

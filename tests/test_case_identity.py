@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from repro.case import sets as case_sets
-from repro.case.descriptors import AttnConfig, ConfigError
+from repro.case.descriptors import AttnConfig
 from repro.case.matrix import MatrixOptions, build_specs
 from repro.case.spec import CaseSpec, SmConfig
+from repro.errors import ConfigError
 from repro.run.pytest_cases import RUN_ENV, start_run_logs
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -215,29 +215,6 @@ def test_bisect_on_a_repo_without_vllm_is_bad_input_at_once(tmp_path):
     assert r.returncode == 125 and "untestable" in r.stdout
 
 
-def test_every_exit_code_is_in_the_exit_codes_page():
-    """docs/exit-codes.md's table is EXIT_CODES, and the modules with codes of their own use the table's values."""
-    from repro.cli import common
-    from repro.vllm_integration.gate import run as gate_run
-    from repro.vllm_integration.releases import bisect
-
-    text = (ROOT / "docs" / "exit-codes.md").read_text()
-    table = {}
-    for line in text.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 3 and cells[0].startswith("`") and cells[1].isdigit():
-            table.setdefault(cells[0].strip("`"), {})[int(cells[1])] = cells[2]
-    assert table == common.EXIT_CODES
-    assert set(gate_run.EXIT.values()) | {common.EXIT_BAD_INPUT} == set(common.EXIT_CODES["gate"])
-    assert gate_run.EXIT[gate_run.BLIND] == common.EXIT_BLIND
-    assert {*bisect.EXIT.values(), bisect.UNTESTABLE_EXIT, common.EXIT_BAD_INPUT} == set(
-        common.EXIT_CODES["repro.vllm_integration.releases.bisect step"]
-    )
-    assert bisect.UNTESTABLE_EXIT == common.EXIT_UNTESTABLE
-    names = set(build_parser_commands())
-    assert names <= set(table), names - set(table)  # every subcommand has its row
-
-
 def build_parser_commands():
     from repro.cli import build_parser
 
@@ -246,7 +223,8 @@ def build_parser_commands():
 
 
 def test_mps_daemon_writes_nothing_until_started_and_removes_its_folder(tmp_path, monkeypatch):
-    from repro.run.smcontrol import MpsDaemon, Unavailable
+    from repro.errors import Unavailable
+    from repro.run.smcontrol import MpsDaemon
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR

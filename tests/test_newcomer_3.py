@@ -135,7 +135,8 @@ def test_window_below_minus_one_is_refused(tmp_path, args):
 
 
 def test_window_minus_one_and_zero_are_cases():
-    from repro.case.descriptors import AttnConfig, ConfigError
+    from repro.case.descriptors import AttnConfig
+    from repro.errors import ConfigError
 
     assert not AttnConfig(window_left=-1).is_local and AttnConfig(window_left=0).is_local
     with pytest.raises(ConfigError, match="window_left must be -1"):

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from repro.errors import AbiMismatch
+from repro.exit_codes import Exit
 from repro.vllm_integration.releases import versions
 from repro.vllm_integration.releases.bisect import (
-    UNTESTABLE_EXIT,
-    AbiMismatch,
     abi_problem,
     build_overlay,
     step,
@@ -71,7 +71,7 @@ def test_a_bisect_step_on_a_mismatched_commit_is_untestable(tmp_path, capsys, mo
     inst = _installed(tmp_path / "site", "2.11.0")
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    assert step(str(co), "gate", ["true"], str(inst)) == UNTESTABLE_EXIT
+    assert step(str(co), "gate", ["true"], str(inst)) == Exit.UNTESTABLE == 125
     assert "ABI mismatch" in capsys.readouterr().out
     assert list((tmp_path / "tmp").iterdir()) == []  # the overlay folder it made is gone
 
@@ -112,7 +112,7 @@ def test_a_step_that_breaks_is_untestable_not_bad(tmp_path, monkeypatch, capsys)
         raise PermissionError("overlay folder not writable")
 
     monkeypatch.setattr(bisect, "step", broken)
-    assert bisect.main(["step", "--repo", str(tmp_path), "--check", "gate", "--", "true"]) == UNTESTABLE_EXIT
+    assert bisect.main(["step", "--repo", str(tmp_path), "--check", "gate", "--", "true"]) == Exit.UNTESTABLE == 125
     assert "untestable: PermissionError" in capsys.readouterr().out
 
 

@@ -85,7 +85,8 @@ def test_not_applicable_is_listed_unless_required():
 
 
 def test_required_features_default_to_mig_on_a_mig_runner():
-    from repro.run.smcontrol import GpuInfo, MigSlice, Unavailable
+    from repro.errors import Unavailable
+    from repro.run.smcontrol import GpuInfo, MigSlice
 
     def no_nvml():
         raise Unavailable("NVML unavailable")

@@ -338,7 +338,7 @@ def test_bench_paths_renders_what_the_gpu_run_printed(name):
 
 
 def test_bench_paths_refuses_different_matrices():
-    from repro.case.descriptors import ConfigError
+    from repro.errors import ConfigError
     from repro.report.benchmark import paths_from_files
 
     with pytest.raises(ConfigError, match="different matrices"):

@@ -108,7 +108,7 @@ def _cli(*args, env=None):
 
 
 def test_executor_server_without_one_is_refused_in_one_line(sock):
-    from repro.case.descriptors import ConfigError
+    from repro.errors import ConfigError
     from repro.run.runner import make_executor
 
     with pytest.raises(ConfigError, match=r"--executor server: no repro server at .* \(start one: python -m repro"):

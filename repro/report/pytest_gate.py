@@ -18,6 +18,7 @@ import os
 import shlex
 from pathlib import Path
 
+from repro.errors import Unavailable
 from repro.judge.policy import EXPECT_CLEAN, REQUIRE_ENV, Control, GateDecision, decide, parse_requirements
 from repro.judge.verdicts import SKIP
 from repro.pytest_options import GATE_ENV as ENV
@@ -25,7 +26,7 @@ from repro.report import environment
 from repro.report.redact import redact
 from repro.report.results import header
 from repro.run.pinning import DEVICES_VAR
-from repro.run.smcontrol import Unavailable, enumerate_gpus
+from repro.run.smcontrol import enumerate_gpus
 
 GPU_MARKERS = ("gpu", "vllm")
 NOT_APPLICABLE = "not applicable here: "  # the skip reason's prefix for a configuration this runner cannot have
