@@ -12,7 +12,8 @@ gate option's value given space-separated that names an existing path), the comm
 Bad input is what the project says it is (docs/exit-codes.md): `--gate-require bogus` (or a bad REPRO_GATE_REQUIRE
 in a gate run) is one line on stderr and exit 2, with or without --gate, before any case runs; pytest's own usage
 errors exit 4, which here means "could not run here". Without a gate run, --gate-require and --gate-report are
-ignored, and said to be. The gate itself: repro/report/pytest_gate.py and the hooks in conftest.py."""
+ignored, and said to be. The gate itself: repro/report/pytest_gate.py's GatePlugin, which conftest.py registers for a
+gate run."""
 
 from __future__ import annotations
 
