@@ -156,3 +156,16 @@ def _returned_ints(path: Path) -> list[str]:
 def test_the_commands_return_no_code_of_their_own(module):
     """A command module returns what repro.exit_codes decided, never a number it wrote itself."""
     assert not _returned_ints(ROOT / module)
+
+
+def test_the_readme_quotes_the_codes_the_module_decides():
+    readme = (ROOT / "README.md").read_text()
+    gate_line = next(ln for ln in readme.splitlines() if ln.startswith("python -m repro gate "))
+    for outcome in GateOutcome:
+        assert f"{exit_codes.gate(outcome)} {outcome}" in gate_line, (outcome, gate_line)
+    check_line = next(ln for ln in readme.splitlines() if ln.startswith("python -m repro vllm-check "))
+    for verdict in (GOOD, BAD):
+        assert f"{exit_codes.source([verdict])} {verdict}" in check_line, (verdict, check_line)
+    assert f"{exit_codes.source([UNTESTABLE])} untestable" in check_line
+    short = readme.split("## Exit codes", 1)[1].split("\n## ", 1)[0]
+    assert all(f"**{int(code)}**" in short for code in Exit if code != Exit.INTERRUPTED), short
