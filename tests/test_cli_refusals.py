@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -73,23 +74,24 @@ def test_bad_input_is_one_line_exit_2_nothing_written(files, args, msg):
     assert set(files.rglob("*")) == before  # no partial report, no ./results/latest
 
 
-def test_bisect_names_a_revision_git_does_not_know(tmp_path):
-    repo = tmp_path / "vllm-src"
-    (repo / "vllm").mkdir(parents=True)
-    (repo / "vllm" / "__init__.py").write_text("")
+def _one_commit(repo: Path, file: str) -> Path:
+    """A git checkout at `repo` holding one empty file, in one commit."""
+    (repo / file).parent.mkdir(parents=True)
+    (repo / file).write_text("")
     for cmd in (["init", "-q"], ["add", "."], ["-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm", "x"]):
         subprocess.run(["git", "-C", str(repo), *cmd], check=True, capture_output=True)
+    return repo
+
+
+def test_bisect_names_a_revision_git_does_not_know(tmp_path):
+    repo = _one_commit(tmp_path / "vllm-src", "vllm/__init__.py")
     r = run_repro("bisect", "--vllm", str(repo), "--good", "nosuchtag")
     no_traceback(r)
     assert r.returncode == 2 and "--good nosuchtag: git knows no such commit" in r.stderr
 
 
 def test_bisect_on_a_repo_without_vllm_is_bad_input_at_once(tmp_path):
-    repo = tmp_path / "not-vllm"
-    (repo / "src").mkdir(parents=True)
-    (repo / "src" / "x.py").write_text("")
-    for cmd in (["init", "-q"], ["add", "."], ["-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm", "x"]):
-        subprocess.run(["git", "-C", str(repo), *cmd], check=True, capture_output=True)
+    repo = _one_commit(tmp_path / "not-vllm", "src/x.py")
     r = run_repro("bisect", "--vllm", str(repo), "--good", "HEAD", "--bad", "HEAD")
     no_traceback(r)
     assert r.returncode == 2 and "not a vLLM checkout (no vllm/ package at --bad HEAD)" in r.stderr

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from enum import Enum
 
 from repro.judge.verdicts import (
     CANNOT_VOUCH,
@@ -46,6 +45,7 @@ from repro.judge.verdicts import (
     MEMORY_FAULTS,
     SKIP,
     STALE_AUDIT,
+    StrValue,
 )
 
 FAULT, DETECTED, AUDIT, KNOWN_BAD_BUILD, EXPECT_CLEAN, RECORDED = (
@@ -169,7 +169,7 @@ class Failure(str):
         return obj
 
 
-class GateOutcome(str, Enum):
+class GateOutcome(StrValue):
     """What `repro gate` answers for a run (repro.vllm_integration.gate.run.GateRun.outcome decides it from decide's
     failures, by their kind, and from the builds under test; repro.exit_codes gives its exit code): a str that
     equals, prints and serialises as its value ("HARNESS BLIND"), as reports and results.json have always shown it."""
@@ -178,11 +178,6 @@ class GateOutcome(str, Enum):
     AFFECTED = "AFFECTED"
     BLIND = "HARNESS BLIND"
     CANNOT_VOUCH = "CANNOT VOUCH"
-
-    __str__ = str.__str__
-    __format__ = str.__format__
-    __repr__ = str.__repr__
-    __hash__ = str.__hash__
 
 
 @dataclass
