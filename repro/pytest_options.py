@@ -12,7 +12,8 @@ gate option's value given space-separated that names an existing path), the comm
 Bad input is what the project says it is (docs/exit-codes.md): `--gate-require bogus` (or a bad REPRO_GATE_REQUIRE
 in a gate run) is one line on stderr and exit 2, with or without --gate, before any case runs; pytest's own usage
 errors exit 4, which here means "could not run here". Without a gate run, --gate-require and --gate-report are
-ignored, and said to be. The gate itself: repro/report/pytest_gate.py and the hooks in conftest.py."""
+ignored, and said to be. The gate itself: repro/report/pytest_gate.py's GatePlugin, which conftest.py registers for a
+gate run."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import sys
 
 import pytest
 
+from repro.exit_codes import Exit
 from repro.judge.policy import REQUIRE_ENV, parse_requirements
 
 GATE_ENV = "REPRO_GATE"  # REPRO_GATE=1 is --gate (repro.report.pytest_gate reads it from here)
@@ -74,16 +76,12 @@ def pytest_cmdline_main(config):
     gating = config.getoption("gate", default=False) or os.environ.get(GATE_ENV) == "1"
     text = given if given is not None else os.environ.get(REQUIRE_ENV) if gating else None
     if text is not None:
-        from repro.cli.common import (
-            EXIT_BAD_INPUT,  # the CLI's modules only for bad input: pytest loads this plugin in every run
-        )
-
         try:
             parse_requirements(text)
         except ValueError as e:
             where = f"--gate-require {given}" if given is not None else f"{REQUIRE_ENV}={text}"
             sys.stderr.write(f"repro: error: {where}: {e}\n")
-            return EXIT_BAD_INPUT
+            return Exit.BAD_INPUT
     ignored = [f for f, v in (("--gate-require", given), ("--gate-report", config.getoption("gate_report"))) if v]
     if ignored and not gating and not hasattr(config, "workerinput"):
         sys.stderr.write(

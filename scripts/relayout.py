@@ -60,6 +60,8 @@ LAYOUT: list[tuple[str, str, str | None, list[tuple[str, str]]]] = [
             same("repro/__init__.py"),
             same("repro/__main__.py"),
             same("repro/pytest_options.py"),  # the pytest11 entry point's name: installed checkouts load it by it
+            same("repro/errors.py"),  # every exception, imported by every layer (it imports nothing)
+            same("repro/exit_codes.py"),  # every command's exit code, decided from its typed outcome
         ],
     ),
     (

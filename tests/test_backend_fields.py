@@ -340,3 +340,12 @@ def test_the_spec_decode_layout_is_read_from_the_files(tmp_path, layout):
 
 def test_every_recorded_layout_is_one_the_plugin_knows():
     assert {r["layout"] for r in RECORD} == set(plugin.KNOWN_SPEC_LAYOUTS)
+
+
+def test_gate_takes_every_backend_vllm_names_so():
+    from repro.vllm_integration.gate.case import parse_backends
+    from repro.vllm_integration.plugin.backend_fields import known_name
+
+    names = "FLASH_ATTN,triton_attn,FLASHINFER,FLEX_ATTENTION,TREE_ATTN,CUTLASS_MLA,ROCM_AITER_UNIFIED_ATTN"
+    assert parse_backends(names)[:2] == ("FLASH_ATTN", "TRITON_ATTN")
+    assert not any(known_name(n) for n in ("BOGUS_BACKEND", "ATTN", "FLASH", "FLASH_ATTN_", "_ATTN", "FLASH__ATTN"))

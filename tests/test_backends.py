@@ -8,7 +8,8 @@ import types
 
 import pytest
 
-from repro.backends.base import BackendUnavailable, same_library
+from repro.backends.base import same_library
+from repro.errors import BackendUnavailable
 
 
 def test_the_same_file_under_another_name_is_the_same_library(tmp_path):

@@ -5,8 +5,9 @@ import torch
 
 from repro.attention.builder import MetadataBuilder
 from repro.attention.staleness import diff_snapshots, summarize
-from repro.case.descriptors import AttnConfig, BatchDescriptor, ConfigError, full_decode_descriptors
+from repro.case.descriptors import AttnConfig, BatchDescriptor, full_decode_descriptors
 from repro.case.poison import INT32_MAX, parse_poison
+from repro.errors import ConfigError
 
 CFG = AttnConfig()  # the default matrix's shape: recorded at sm_margin 0 and 116
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from repro.case.descriptors import ConfigError
+from repro.errors import ConfigError
 from repro.vllm_integration.gate.cache import GateCache
 from repro.vllm_integration.releases.builds import (
     CONTROL,

@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 
 from repro.case import sets as case_sets
-from repro.case.descriptors import AttnConfig, ConfigError
+from repro.case.descriptors import AttnConfig
 from repro.case.matrix import MatrixOptions, build_specs
 from repro.case.spec import CaseSpec, SmConfig
+from repro.errors import ConfigError
 from repro.run.pytest_cases import RUN_ENV, start_run_logs
+from tests.commands import run_repro
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,3 +100,9 @@ def test_each_run_and_worker_logs_to_a_folder_of_its_own(tmp_path):
     assert gw0.parent == gw1.parent and gw0 != gw1 and env[RUN_ENV] == str(gw0.parent)
     other = start_run_logs("gw0", {"REPRO_LOG_DIR": str(tmp_path)})
     assert other.parent != gw0.parent or other.parent.name.endswith(str(__import__("os").getpid()))
+
+
+def test_poison_none_and_no_poison_mean_the_same_case():
+    a = run_repro("matrix", "--dry-run", "--poison", "none").stdout.split()
+    b = run_repro("matrix", "--dry-run", "--poison", "0").stdout.split()
+    assert a and all("poison" not in x for x in a) and all(x.endswith("poison-0") for x in b)

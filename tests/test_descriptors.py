@@ -51,3 +51,12 @@ def test_descriptor_labels_round_trip():
         descriptor_from_label("x", 4)
     with pytest.raises(ConfigError):
         BatchDescriptor(2, 3)
+
+
+def test_window_minus_one_and_zero_are_cases():
+    from repro.case.descriptors import AttnConfig
+    from repro.errors import ConfigError
+
+    assert not AttnConfig(window_left=-1).is_local and AttnConfig(window_left=0).is_local
+    with pytest.raises(ConfigError, match="window_left must be -1"):
+        AttnConfig(window_left=-5)

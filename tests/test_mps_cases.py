@@ -11,9 +11,9 @@ import time
 import pytest
 
 from repro.case.spec import CaseResult, CaseSpec, SmConfig
+from repro.errors import Unavailable
 from repro.judge.verdicts import CLEAN, CRASH, ERROR, SKIP
 from repro.run.mps_cases import PER_CASE, SHARED, run_mps_cases
-from repro.run.smcontrol import Unavailable
 
 
 class Daemons:

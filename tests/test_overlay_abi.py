@@ -5,19 +5,23 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
+from repro.errors import AbiMismatch
+from repro.exit_codes import Exit
 from repro.vllm_integration.releases import versions
 from repro.vllm_integration.releases.bisect import (
-    UNTESTABLE_EXIT,
-    AbiMismatch,
     abi_problem,
     build_overlay,
     step,
     torch_pin,
 )
+from tests.commands import ROOT, isolated_env
 
 
 def _checkout(root: Path, torch: str | None, layout: str = "requirements/cuda.txt") -> Path:
@@ -71,7 +75,7 @@ def test_a_bisect_step_on_a_mismatched_commit_is_untestable(tmp_path, capsys, mo
     inst = _installed(tmp_path / "site", "2.11.0")
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    assert step(str(co), "gate", ["true"], str(inst)) == UNTESTABLE_EXIT
+    assert step(str(co), "gate", ["true"], str(inst)) == Exit.UNTESTABLE == 125
     assert "ABI mismatch" in capsys.readouterr().out
     assert list((tmp_path / "tmp").iterdir()) == []  # the overlay folder it made is gone
 
@@ -112,7 +116,7 @@ def test_a_step_that_breaks_is_untestable_not_bad(tmp_path, monkeypatch, capsys)
         raise PermissionError("overlay folder not writable")
 
     monkeypatch.setattr(bisect, "step", broken)
-    assert bisect.main(["step", "--repo", str(tmp_path), "--check", "gate", "--", "true"]) == UNTESTABLE_EXIT
+    assert bisect.main(["step", "--repo", str(tmp_path), "--check", "gate", "--", "true"]) == Exit.UNTESTABLE == 125
     assert "untestable: PermissionError" in capsys.readouterr().out
 
 
@@ -151,3 +155,29 @@ def test_an_overlay_build_takes_the_sources_version_and_the_base_dependencies(tm
     dest = Path(b.prefix)
     assert (dest / "somedep").is_symlink() and (dest / "vllm" / "_C_stable_libtorch.abi3.so").is_symlink()
     assert not (dest / "vllm").is_symlink()  # the sources, copied
+
+
+def _wheel(folder: Path, version: str, torch: str) -> None:
+    with zipfile.ZipFile(folder / f"vllm-{version}-cp38-abi3-manylinux_2_28_x86_64.whl", "w") as z:
+        z.writestr(
+            f"vllm-{version}.dist-info/METADATA", f"Name: vllm\nVersion: {version}\nRequires-Dist: torch=={torch}\n"
+        )
+
+
+@pytest.mark.parametrize("pin_033, code", [("2.14.0", 0), ("2.11.0", 1)])
+def test_wheel_pins_are_each_held_to_their_record(tmp_path, pin_033, code):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "0.26.0", "2.11.0")
+    _wheel(wheels, "0.33.0", pin_033)  # the record says 2.14.0
+    test = "tests/test_overlay_abi.py::test_release_wheels_pin_the_torch_recorded_for_them"
+    full = {k: v for k, v in isolated_env(tmp_path).items() if not k.startswith("PYTEST_XDIST")}
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**full, "REPRO_VLLM_WHEELS": str(wheels)},
+    )
+    assert r.returncode == code and ("1 passed" if code == 0 else "1 failed") in r.stdout, r.stdout[-2000:]

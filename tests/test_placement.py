@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from repro.case.descriptors import ConfigError
 from repro.case.spec import CaseResult
+from repro.errors import ConfigError, Unavailable
 from repro.judge.verdicts import CLEAN
-from repro.run.smcontrol import GpuInfo, MigSlice, Unavailable
+from repro.run.smcontrol import GpuInfo, MigSlice
 from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import run as gate_run
 from repro.vllm_integration.gate.case import parse_modes

@@ -226,8 +226,9 @@ def test_a_known_bad_build_silent_in_one_mode_but_caught_in_another_is_a_listed_
     )
     assert d.passed, d.failures
     assert d.misses == ["kb-plain: clean (detected in audit)"]
-    assert "  known-bad build silent in this mode, detected in another (rule 5): kb-plain: clean (detected in audit)" in (
-        d.summary()
+    assert (
+        "  known-bad build silent in this mode, detected in another (rule 5): kb-plain: clean (detected in audit)"
+        in (d.summary())
     )
 
 

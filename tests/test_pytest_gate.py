@@ -3,6 +3,7 @@ A configuration this runner cannot have is not applicable (listed, not a failure
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -85,7 +86,8 @@ def test_not_applicable_is_listed_unless_required():
 
 
 def test_required_features_default_to_mig_on_a_mig_runner():
-    from repro.run.smcontrol import GpuInfo, MigSlice, Unavailable
+    from repro.errors import Unavailable
+    from repro.run.smcontrol import GpuInfo, MigSlice
 
     def no_nvml():
         raise Unavailable("NVML unavailable")
@@ -148,3 +150,87 @@ def test_a_user_pinned_mig_slice_counts_as_pinned():
     assert pytest_gate.required(None, env, lambda: []) == {"mig"}
     full = {"REPRO_DEVICES": "GPU-1,GPU-2"}  # the run names full GPUs: MIG slices elsewhere on the host do not count
     assert pytest_gate.required(None, full, lambda: [object()]) == frozenset()
+
+
+def test_the_gate_plugin_is_registered_only_for_a_gate_run(request):
+    """This run's own config: no plugin object unless --gate (or REPRO_GATE=1) asked for one."""
+    registered = request.config.pluginmanager.get_plugin(pytest_gate.PLUGIN_NAME)
+    assert (registered is not None) == pytest_gate.enabled(request.config)
+
+
+SESSION_CONFTEST = """
+from repro.report import pytest_gate
+
+pytest_plugins = ("repro.pytest_options",)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: a GPU case")
+    if pytest_gate.enabled(config):  # as the checkout's conftest.py, with a GPU that is always there
+        pytest_gate.GatePlugin.register(config, lambda: None)
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput"):
+        print("gate plugin registered:", config.pluginmanager.get_plugin(pytest_gate.PLUGIN_NAME) is not None)
+"""
+SESSION_TESTS = """
+import os
+
+import pytest
+
+
+def _control(record_property, verdict, expected):
+    for k, v in (("verdict", verdict), ("expected", expected), ("gate_mode", "eager"), ("reason", "r")):
+        record_property(k, v)
+
+
+@pytest.mark.gpu
+def test_positive(record_property):
+    if os.environ.get("SKIP_POSITIVE"):
+        pytest.skip("no FA3 build here")
+    _control(record_property, os.environ.get("POSITIVE", "crash"), "detected")
+
+
+@pytest.mark.gpu
+def test_negative(record_property):
+    _control(record_property, "clean", "clean")
+
+
+def test_a_cpu_test():
+    pass
+"""
+
+
+def _session(tmp_path, *args, **env):
+    """A pytest session of its own in tmp_path: two GPU controls that record what they showed, one CPU test."""
+    (tmp_path / "conftest.py").write_text(SESSION_CONFTEST)
+    (tmp_path / "test_controls.py").write_text(SESSION_TESTS)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "REPRO_RUN_LOG", "REPRO_GATE"))}
+    path = os.pathsep.join(filter(None, (str(ROOT), base.get("PYTHONPATH"))))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-s", *args]
+    full = {**base, "PYTHONPATH": path, **env}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=full)
+
+
+def test_a_gate_session_decides_its_exit_status_and_writes_its_report(tmp_path):
+    plain = _session(tmp_path, "-rN")
+    assert plain.returncode == 0 and "gate plugin registered: False" in plain.stdout, plain.stdout[-2000:]
+    assert "repro gate" not in plain.stdout
+    passed = _session(tmp_path, "--gate", "--gate-report=out")
+    assert passed.returncode == 0, passed.stdout[-2000:]
+    assert "gate plugin registered: True" in passed.stdout and "repro gate" in passed.stdout
+    assert "gate: 2 control(s) ran" in passed.stdout and "mode eager: 1 of 1 positive control(s)" in passed.stdout
+    doc = json.loads((tmp_path / "out" / "gate.json").read_text())
+    assert doc["passed"] is True and doc["outcome"] == "GATE PASSED" and len(doc["controls"]) == 2
+    assert "**GATE PASSED**" in (tmp_path / "out" / "gate.md").read_text()
+    blind = _session(tmp_path, "--gate", POSITIVE="clean")  # every test passed; the gate did not
+    assert blind.returncode == 1 and "3 passed" in blind.stdout and "GATE FAILED" in blind.stdout, blind.stdout[-2000:]
+
+
+def test_in_a_gate_session_a_skipped_gpu_case_fails_in_the_worker_that_ran_it(tmp_path):
+    pytest.importorskip("xdist")
+    r = _session(tmp_path, "--gate", "-n", "2", SKIP_POSITIVE="1")
+    assert r.returncode == 1, r.stdout[-2000:]
+    assert "GATE: test_controls.py::test_positive could not run here" in r.stdout
+    assert "GATE FAILED" in r.stdout and "gate plugin registered: True" in r.stdout

@@ -4,6 +4,7 @@ import subprocess
 from pathlib import Path
 
 from repro.report.redact import redact, redact_tree
+from tests.commands import no_traceback, repro_cmd, run_in
 
 ROOT = Path(__file__).parent.parent
 
@@ -52,3 +53,16 @@ def test_an_overlay_option_keeps_both_of_its_paths_apart():
     assert redact("--overlay 0.33.0-mutant=/tmp/mutsrc@/tmp/v0330 --x") == (
         "--overlay 0.33.0-mutant=<path>/mutsrc@<path>/v0330 --x"
     )
+
+
+def test_redact_keeps_every_byte_but_the_paths(tmp_path):
+    odd = tmp_path / "odd.log"  # not UTF-8, CRLF line endings
+    odd.write_bytes(b"\x89 start\r\nlog at /home/u/scratch/x.log\r\n\xff\xfe \xc3 end\r\n")
+    png = tmp_path / "heatmap.png"  # binary: NUL bytes, and a path-like run inside
+    png.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00 /home/u/scratch/x.log \x00\xff")
+    before = png.read_bytes()
+    r = run_in(repro_cmd("redact", str(odd), str(png)), tmp_path)
+    no_traceback(r)
+    assert r.returncode == 0 and "redacted 1 file(s)" in r.stdout, r.stderr
+    assert odd.read_bytes() == b"\x89 start\r\nlog at <repo>/scratch/x.log\r\n\xff\xfe \xc3 end\r\n"
+    assert png.read_bytes() == before

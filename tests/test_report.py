@@ -1,6 +1,7 @@
 """Reports rendered from runs recorded on the H200, and the expectation rules."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,10 @@ from repro.judge.policy import EXPECTATIONS, satisfies
 from repro.judge.verdicts import CLEAN, CRASH, HANG, LAUNCH_FAIL, OOB, STALE_AUDIT, WRONG
 from repro.report import results as report
 from repro.report.results import is_vllm_gate_record, load_json
+from tests.commands import no_traceback, run_repro
 
 RESULTS = Path(__file__).parent.parent / "results"
+H200_RUN = RESULTS / "h200-default" / "results.json"
 
 
 def test_recorded_benchmark_renders(tmp_path):
@@ -364,10 +367,66 @@ def test_bench_paths_renders_what_the_gpu_run_printed(name):
 
 
 def test_bench_paths_refuses_different_matrices():
-    from repro.case.descriptors import ConfigError
+    from repro.errors import ConfigError
     from repro.report.benchmark import paths_from_files
 
     with pytest.raises(ConfigError, match="different matrices"):
         paths_from_files(
             RESULTS / "h200-executors" / "old" / "results.json", RESULTS / "h200-spec-graph" / "results.json"
         )
+
+
+def test_heatmap_of_a_prediction_says_so(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    from repro.case.matrix import MatrixRun
+    from repro.case.spec import CaseResult, CaseSpec
+    from repro.report import results as report
+
+    titles = []
+    monkeypatch.setattr(Axes, "set_title", lambda self, t, *a, **k: titles.append(t))
+    results = [(CaseSpec("vllm", "stale"), CaseResult("c", "clean", ""))]
+    assert report.heatmap(MatrixRun(results, 0.1, None, source=report.MODEL), tmp_path / "m.png")
+    assert report.heatmap(MatrixRun(results, 0.1, None, source=report.GPU), tmp_path / "g.png")
+    assert titles[0].startswith("predicted by the CPU model (no kernels ran)")
+    assert "predicted" not in titles[1]
+
+
+def test_predicted_table_names_its_columns_and_says_what_a_prediction_is(tmp_path):
+    r = run_repro("matrix", "--model-sms", "16", "--json", str(tmp_path / "m.json"), cwd=tmp_path)
+    no_traceback(r)
+    assert r.returncode == 0, r.stderr
+    header = next(ln for ln in r.stdout.splitlines() if ln.startswith("| case |"))
+    assert "| met? |" in header and "| |" not in header
+    cases = json.loads((tmp_path / "m.json").read_text())["cases"]
+    stale = [c for c in cases if c["strategy"] == "stale"]
+    fresh = [c for c in cases if c["strategy"] == "fresh"]
+    assert len(stale) == len(fresh) == 4
+    for c in stale:  # what the model knows: the entries that differ from a fresh build
+        assert c["verdict"] == "oob" and c["evidence"] == "CPU model: out-of-bounds read predicted"
+        assert c["stale_fields"] and "scheduler_metadata.num_splits_dynamic" in c["stale_fields"]
+        assert f"| {c['case']} | **oob** | CPU model: out-of-bounds read predicted |" in r.stdout
+        assert re.search(rf"\| {re.escape(c['case'])} \|.*\| ok \| [^|]*md\.num_splits_dynamic:\d+", r.stdout)
+    for c in fresh:
+        assert c["verdict"] == "clean" and c["stale_fields"] == {}
+        assert "no pass" not in c["reason"] and "fresh strategy builds metadata for every pass" in c["reason"]
+        assert c["evidence"] == "CPU model: clean run predicted"
+    legend = r.stdout.split("What the columns mean:", 1)[1].split("Reasons:", 1)[0]
+    assert "**met?**" in legend and "**stale fields**" in legend
+    assert "so no pass runs on stale metadata" in legend
+    assert "prediction of the CPU model" in legend and "compute-sanitizer memcheck finding" in legend
+    assert "Why `main` and not the split-KV combine kernel" in legend
+    assert "not attributed" not in legend  # the model names a kernel: no crash row to explain
+
+
+def test_gpu_table_says_why_a_crash_names_no_kernel():
+    from repro.report import results as report
+
+    run = report.load_json(H200_RUN)  # a GPU run without --sanitizer: its crashes name no kernel
+    md = report.markdown(run)
+    assert "| not attributed |" in md
+    legend = md.split("What the columns mean:", 1)[1].split("Reasons:", 1)[0]
+    line = next(ln for ln in legend.splitlines() if "not attributed" in ln)
+    assert "faulting line" in line and "--sanitizer" in line and "CUDA_LAUNCH_BLOCKING=1 rerun" in line
+    assert "prediction of the CPU model" not in legend

@@ -5,8 +5,9 @@ import pytest
 
 from repro.attention.builder import MetadataBuilder
 from repro.attention.staleness import diff_snapshots
-from repro.case.descriptors import AttnConfig, ConfigError, full_decode_descriptors
+from repro.case.descriptors import AttnConfig, full_decode_descriptors
 from repro.case.scenarios import CAPTURE, FRESH, STALE, WARMUP, pair_sequence, passes_for, v2_capture_sequence
+from repro.errors import ConfigError
 
 CFG = AttnConfig()
 

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +20,7 @@ from repro.case.spec import CaseSpec
 from repro.judge.verdicts import CLEAN, CRASH, ERROR, HANG
 from repro.run import server
 from repro.run.runner import run_process
+from tests.commands import ROOT, isolated_env, no_traceback
 from tests.processes import gone
 
 STANDIN = ("tests.standin_worker",)
@@ -108,7 +112,7 @@ def _cli(*args, env=None):
 
 
 def test_executor_server_without_one_is_refused_in_one_line(sock):
-    from repro.case.descriptors import ConfigError
+    from repro.errors import ConfigError
     from repro.run.runner import make_executor
 
     with pytest.raises(ConfigError, match=r"--executor server: no repro server at .* \(start one: python -m repro"):
@@ -151,3 +155,49 @@ def test_doctor_says_whether_a_server_runs_this_code(sock, monkeypatch):
         assert _server_line() == f"pid {facts['pid']}, runs this code: matrix forks its cases from it"
     finally:
         server.stop(sock)
+
+
+def test_serve_on_cpu_says_it_is_of_no_use_and_stop_leaves_nothing(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "REPRO_SERVER"}
+    env["XDG_RUNTIME_DIR"] = str(tmp_path)  # the default socket folder: tmp_path/repro-<uid>/
+    run = lambda *a: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "repro", "serve", *a], capture_output=True, text=True, timeout=180, cwd=ROOT, env=env
+    )
+    r = run("--idle", "60")
+    try:
+        no_traceback(r)
+        assert r.returncode == 0 and "repro server at" in r.stdout, r.stderr
+        assert r.stderr.startswith("note: no CUDA GPU here") and "of no use" in r.stderr
+        assert len(list((tmp_path / f"repro-{os.getuid()}").glob("server-*.log"))) == 1
+    finally:
+        r = run("--stop")
+    assert r.returncode == 0 and "stopped the repro server" in r.stdout
+    assert not any(tmp_path.iterdir())  # no socket, no server.log, no repro-<uid>/
+
+
+def test_two_checkouts_keep_a_server_each(tmp_path):
+    """`serve` in a second checkout started its server on the first's socket, stopping the first's server."""
+    other = tmp_path / "other-checkout"
+    shutil.copytree(ROOT / "repro", other / "repro", ignore=shutil.ignore_patterns("__pycache__"))
+    runtime = Path(tempfile.mkdtemp(prefix="r28-"))  # short: a socket's path holds 107 bytes, tmp_path's are long
+    sock_dir = runtime / f"repro-{os.getuid()}"
+
+    def serve(checkout: Path, *args: str) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in isolated_env(tmp_path, XDG_RUNTIME_DIR=str(runtime)).items() if k != "PYTHONPATH"}
+        cmd = [sys.executable, "-m", "repro", "serve", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=checkout, env=env)
+
+    try:
+        first, second = serve(ROOT, "--idle", "120"), serve(other, "--idle", "120")
+        assert first.returncode == 0 and second.returncode == 0, (first.stderr, second.stderr)
+        a, b = serve(ROOT, "--status").stdout, serve(other, "--status").stdout
+        assert "runs this code" in a and "runs this code" in b, (a, b)
+        assert a.split(":")[0] != b.split(":")[0]  # "repro server at <socket>": two sockets
+        assert len(list(sock_dir.glob("server-*.sock"))) == 2
+    finally:
+        stopped = [serve(ROOT, "--stop").stdout, serve(other, "--stop").stdout]
+    left = list(runtime.iterdir())
+    if not left:
+        runtime.rmdir()
+    assert all("stopped the repro server" in s for s in stopped), stopped
+    assert not left, left  # both stopped: no socket, no log, no repro-<uid>/ folder left

@@ -1,5 +1,6 @@
 """MIG enumeration through a stand-in NVML, MPS percentages, and xdist pinning."""
 
+import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -128,3 +129,25 @@ def test_probe_clients_report_their_last_line_or_exit_status():
     env = dict(os.environ)
     seen = _run_clients([("a", "print('warming'); print('ok 16')", env), ("b", "import sys; sys.exit(3)", env)], 0, 0)
     assert seen == {"a": "ok 16", "b": "exit 3"}
+
+
+def test_mps_daemon_writes_nothing_until_started_and_removes_its_folder(tmp_path, monkeypatch):
+    from repro.errors import Unavailable
+    from repro.run.smcontrol import MpsDaemon
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))  # no nvidia-cuda-mps-control
+    d = MpsDaemon()
+    assert not any(tmp_path.iterdir()) and d.env == {}
+    with pytest.raises(Unavailable):
+        d.start()
+    d.stop()
+    assert not any(tmp_path.iterdir())
+    (tmp_path / "bin").mkdir()
+    fail = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    fail.write_text("#!/bin/sh\necho 'cannot start' >&2\nexit 1\n")
+    fail.chmod(0o755)
+    with pytest.raises(Unavailable, match="did not start: cannot start"), MpsDaemon():
+        pass
+    assert [p.name for p in tmp_path.iterdir()] == ["bin"]  # the failed start removed its folder

@@ -4,8 +4,8 @@ metadata, no graphs): capture order, strategy semantics, and greedy speculative 
 import pytest
 import torch
 
-from repro.case.descriptors import ConfigError
 from repro.case.scenarios import FRESH, STALE
+from repro.errors import ConfigError
 from repro.fa3_model.predict import ModelBackend
 from repro.specdecode.models import EagleDraft, ForwardContext, ModelConfig, TargetModel, rotary
 from repro.specdecode.runner import SpecDecodeRunner

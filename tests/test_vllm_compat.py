@@ -134,3 +134,13 @@ def test_recorded_real_wheels(row):
     if not wheel.is_file():
         pytest.skip(f"{row['source']} not in REPRO_VLLM_WHEELS ({WHEELS})")
     assert check_source(wheel).to_dict() == row
+
+
+def test_vllm_check_names_the_wheel_when_its_tree_is_untestable(tmp_path):
+    from repro.vllm_integration.releases.compat import check_source
+
+    whl = tmp_path / "vllm-9.9.9-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        z.writestr("other/__init__.py", "")
+    c = check_source(whl)  # the source check itself (the CLI refuses such a wheel before it)
+    assert c.verdict == "untestable" and c.source == whl.name and c.reason.startswith(f"{whl.name}: not a vLLM"), c

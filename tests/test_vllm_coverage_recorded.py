@@ -18,16 +18,16 @@ from pathlib import Path
 
 import pytest
 
+from repro.exit_codes import gate as gate_exit
 from repro.judge.classify import classify
 from repro.judge.policy import decide
 from repro.judge.verdicts import CANNOT_VOUCH, CLEAN, CRASH
 from repro.run import smcontrol
 from repro.run.tags import AUDIT_TAG, COUNTERS_TAG, ENGINE_TAG
-from repro.vllm_integration.gate import report as gate_report
 from repro.vllm_integration.gate import process as gate_process
-from repro.vllm_integration.gate import run as gate_run
+from repro.vllm_integration.gate import report as gate_report
 from repro.vllm_integration.gate.case import GateCase, parse_modes
-from repro.vllm_integration.gate.run import EXIT, run_gate
+from repro.vllm_integration.gate.run import run_gate
 from repro.vllm_integration.releases.builds import VllmBuild
 
 RECORD = Path(__file__).resolve().parent.parent / "results" / "h200-vllm-coverage"
@@ -126,7 +126,7 @@ def test_every_recorded_verdict_comes_back_from_the_logs(recorded_run):
 def test_the_recorded_outcome_and_decision_come_back(recorded_run):
     """PASS, through repro.judge.policy.decide over the re-derived controls: the summary lines results.json holds, no
     affected build, nothing cannot-vouch, no blind control."""
-    assert recorded_run.outcome() == DOC["outcome"] == "PASS" and EXIT[recorded_run.outcome()] == 0
+    assert recorded_run.outcome() == DOC["outcome"] == "PASS" and gate_exit(recorded_run.outcome()) == 0
     d = decide(recorded_run.controls())
     assert d.passed and d.summary() == DOC["decision"]
     assert {m: ev for m, (pos, ev) in d.evidence.items()} == {
@@ -274,6 +274,6 @@ def test_a_case_whose_feature_did_not_fire_cannot_vouch(monkeypatch, tmp_path, e
     others = {k: v.verdict for k, v in verdicts.items() if k != case_id}
     assert others == {k: ROWS[k]["verdict"] for k in others}  # only the edited case changed
     assert [c.case_id for c, _ in run.not_vouched()] == [case_id]
-    assert run.outcome() == "CANNOT VOUCH" and EXIT[run.outcome()] == 4
+    assert run.outcome() == "CANNOT VOUCH" and gate_exit(run.outcome()) == 4
     md = gate_report.markdown(run, DOC["environment"])
     assert "**Gate: CANNOT VOUCH**" in md and f"CANNOT VOUCH: {case_id}: " in md

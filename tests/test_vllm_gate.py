@@ -14,10 +14,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from repro.case.descriptors import ConfigError
 from repro.case.poison import parse_poison
 from repro.case.spec import CaseResult
 from repro.cli import main as cli
+from repro.errors import ConfigError
 from repro.judge.classify import classify
 from repro.judge.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, STALE_AUDIT, WRONG
 from repro.vllm_integration import plugin

@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from repro.errors import ProtocolError
 from repro.judge.verdicts import CLEAN, CRASH, HANG
 from repro.vllm_integration.gate import fork as gate_fork
 from repro.vllm_integration.gate import report as gate_report
@@ -253,9 +254,9 @@ def test_the_forkserver_speaks_typed_records_only():
     rec = gate_fork.decode(gate_fork.encode(gate_fork.STARTED, id=3, pid=42, at=1.0))
     assert rec == {"schema": gate_fork.SCHEMA, "kind": "started", "id": 3, "pid": 42, "at": 1.0}
     for bad in (b"REPRO_RESULT {}", b'{"kind": "started"}', b'{"schema": 1, "kind": "launch"}', b"[1]"):
-        with pytest.raises(gate_fork.ProtocolError):
+        with pytest.raises(ProtocolError):
             gate_fork.decode(bad)
-    with pytest.raises(gate_fork.ProtocolError):
+    with pytest.raises(ProtocolError):
         gate_fork.encode("hello")
 
 

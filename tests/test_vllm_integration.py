@@ -17,7 +17,7 @@ from repro.vllm_integration import plugin
 from repro.vllm_integration.gate.worker import write_models
 from repro.vllm_integration.plugin import backend_hooks, capture, counters
 from repro.vllm_integration.plugin.audit import FreshnessAuditor
-from repro.vllm_integration.releases.bisect import UNTESTABLE_EXIT, build_overlay, run_bisect, step
+from repro.vllm_integration.releases.bisect import build_overlay, run_bisect, step
 from repro.vllm_integration.releases.source_check import BAD, GOOD, UNTESTABLE, check_tree
 
 CFG = AttnConfig()
@@ -262,7 +262,7 @@ def test_source_check_untestable(tmp_path):
     _tree(tmp_path / "old", "autoregressive", None)
     v = check_tree(tmp_path / "old")
     assert v.verdict == UNTESTABLE and "no V2 model runner" in v.reason
-    assert step(str(tmp_path / "old"), "source") == UNTESTABLE_EXIT
+    assert step(str(tmp_path / "old"), "source") == 125  # untestable
     _tree(tmp_path / "broken", "autoregressive", "def capture(:\n")
     assert check_tree(tmp_path / "broken").verdict == UNTESTABLE
 

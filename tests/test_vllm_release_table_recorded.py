@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from repro.vllm_integration.gate.run import EXIT
+from repro.exit_codes import gate as gate_exit
 from repro.vllm_integration.plugin.audit import _slots_advanced
 from tests.recorded_gate import replay
 
@@ -32,7 +32,7 @@ def test_every_recorded_verdict_comes_back_and_the_run_is_affected_by_the_mutant
     assert [verdicts[f"{V}0.33.0-mutant-under-test-{m}"] for m in ("audit", "plain")] == ["wrong-output"] * 2
     # 0.25.1 as it is: caught by its audit, silent in plain (policy rule 5: a listed miss)
     assert [verdicts[f"{V}0.25.1-control-{m}"] for m in ("audit", "plain")] == ["stale-audit", "clean"]
-    assert run.outcome() == doc["outcome"] == "AFFECTED" and EXIT[run.outcome()] == 1
+    assert run.outcome() == doc["outcome"] == "AFFECTED" and gate_exit(run.outcome()) == 1
     assert run.decision().misses == [f"{V}0.25.1-control-plain: clean (detected in audit)"]
 
 

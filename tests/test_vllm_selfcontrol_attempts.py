@@ -15,7 +15,6 @@ from repro.vllm_integration.gate.case import GateCase, parse_modes
 from repro.vllm_integration.plugin.inject import STALE_CAPTURE
 from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
 
-
 V = "stale_metadata-vllm-0.26.0-"
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from repro.exit_codes import gate as gate_exit
 from repro.vllm_integration.gate.report import fidelity, markdown
-from repro.vllm_integration.gate.run import EXIT
 from tests.recorded_gate import replay
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
@@ -38,7 +38,7 @@ def test_the_injection_reproduces_0251_as_it_is(monkeypatch, tmp_path):
     assert table[("sm_margin:16", "0.26.0 injected")]["verdict"] == "crash"
     # the self control of the fixed build is missed by the plain and MPS modes: the gate says so, it never passes
     assert [table[(m, "0.26.0 injected")]["verdict"] for m in ("plain", "mps:16")] == ["clean", "clean"]
-    assert run.outcome() == doc["outcome"] == "HARNESS BLIND" and EXIT[run.outcome()] == 3
+    assert run.outcome() == doc["outcome"] == "HARNESS BLIND" and gate_exit(run.outcome()) == 3
     assert run.decision().summary() == doc["decision"]
     plain = next(x for x in doc["decision"] if "mode plain:" in x)
     assert "known-bad build: 1 of 1; self-control: 1 of 2" in plain
@@ -107,7 +107,7 @@ def test_the_mps24_reference_that_decoded_nan_is_an_error(monkeypatch, tmp_path)
     ref = got[V + "0.26.0-under-test-reference-mps24"]
     assert ref.verdict == "error" and "57 position(s)" in ref.reason and "repeats 1023" in ref.reason
     assert got[V + "0.26.0-under-test-mps24"].verdict == "error"
-    assert run.outcome(need_control=False) == doc["outcome"] == "CANNOT VOUCH" and EXIT[doc["outcome"]] == 4
+    assert run.outcome(need_control=False) == doc["outcome"] == "CANNOT VOUCH" and gate_exit(doc["outcome"]) == 4
 
 
 def _acceptance(res):
@@ -174,7 +174,7 @@ def test_0330_alone_passes_with_its_self_control_caught_in_every_mode(monkeypatc
     assert got[V + "0.33.0-self-control-plain"].kernel == "combine"
     c = got[V + "0.33.0-self-control-audit"].backend_identity["counters"]
     assert c["inject_reused"]["capture"] > 0 and c["captures_injected"]["draft decode"] > 0
-    assert run.outcome() == doc["outcome"] == "PASS" and EXIT[run.outcome()] == 0
+    assert run.outcome() == doc["outcome"] == "PASS" and gate_exit(run.outcome()) == 0
     assert run.decision().summary() == doc["decision"]
     for m in ("audit", "plain", "mps:16"):
         assert any(
@@ -199,7 +199,7 @@ def test_both_halves_of_the_injection_still_fault_0260_and_a_known_bad_build_sil
         got[V + "0.25.1-control-plain"].verdict == "clean" and got[V + "0.25.1-control-audit"].verdict == "stale-audit"
     )
     assert doc["outcome"] == "HARNESS BLIND"  # the rule it was recorded under
-    assert run.outcome() == "PASS" and EXIT[run.outcome()] == 0 and not run.blind()
+    assert run.outcome() == "PASS" and gate_exit(run.outcome()) == 0 and not run.blind()
     d = run.decision()
     assert d.misses == [V + "0.25.1-control-plain: clean (detected in audit)"]
     assert d.evidence_by_kind["plain"] == {"known-bad build": (1, 0), "self-control": (1, 1)}
@@ -214,4 +214,4 @@ def test_at_mps24_the_platform_is_named_never_a_false_alarm(monkeypatch, tmp_pat
         _same_verdicts(rows, got)
         assert all(r.verdict == "error" and "bf16 matrix products wrong" in r.reason for r in got.values()), record
         need = "--no-control" not in doc["environment"]["command"]
-        assert run.outcome(need_control=need) == doc["outcome"] == "CANNOT VOUCH" and EXIT["CANNOT VOUCH"] == 4
+        assert run.outcome(need_control=need) == doc["outcome"] == "CANNOT VOUCH" and gate_exit("CANNOT VOUCH") == 4

@@ -11,8 +11,9 @@ from typing import Any
 
 from repro.attention.layout import MetadataLayout, effective_causal, layout_from_size, vllm_buffer_size
 from repro.backends.base import Fa3Backend
-from repro.case.descriptors import AttnConfig, BatchDescriptor, ConfigError
+from repro.case.descriptors import AttnConfig, BatchDescriptor
 from repro.case.poison import Poison
+from repro.errors import ConfigError
 
 _build_ids = itertools.count(1)
 

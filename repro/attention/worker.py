@@ -13,12 +13,12 @@ from repro.attention.builder import MetadataBuilder
 from repro.attention.reference import paged_attention_reference, tolerance
 from repro.attention.staleness import add_counts, diff_snapshots, summarize
 from repro.backends import load_backend
-from repro.backends.base import BackendUnavailable
 from repro.case.poison import parse_poison
 from repro.case.scenarios import CAPTURE, SPEC, WARMUP, passes_for
 from repro.case.spec import CaseSpec
+from repro.errors import BackendUnavailable, Unavailable
 from repro.run.channel import emit
-from repro.run.smcontrol import Unavailable, mps_sm_mismatch
+from repro.run.smcontrol import mps_sm_mismatch
 from repro.run.tags import DEVICE_TAG, PASS_TAG, RESULT_TAG, SKIP_TAG
 
 

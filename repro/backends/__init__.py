@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from repro.backends.base import BackendIdentity, BackendUnavailable, Fa3Backend
-from repro.case.descriptors import ConfigError
+from repro.backends.base import BackendIdentity, Fa3Backend
+from repro.errors import BackendUnavailable, ConfigError
 
 BACKENDS = ("upstream", "vllm")
 

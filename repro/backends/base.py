@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from repro.errors import BackendUnavailable
+
 # Values for arguments of FA3's ops that carry no default in some builds' schemas.
 _FALLBACKS: dict[str, Any] = {
     "cp_world_size": 1,
@@ -18,10 +20,6 @@ _FALLBACKS: dict[str, Any] = {
     "max_seqlen_k_new": 0,
     "has_softcap": False,
 }
-
-
-class BackendUnavailable(RuntimeError):
-    """The backend's kernels cannot be loaded here; the message says why and how to fix it."""
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from repro.attention.scheduler_inputs import SchedulerInputs
-from repro.backends.base import BackendIdentity, BackendUnavailable
+from repro.backends.base import BackendIdentity
+from repro.errors import BackendUnavailable
 
 
 def load_records(path: str | Path) -> tuple[dict, list[dict]]:

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from repro.attention.layout import VLLM
-from repro.backends.base import BackendIdentity, BackendUnavailable, TorchOpsBackend, file_sha256, same_library
+from repro.backends.base import BackendIdentity, TorchOpsBackend, file_sha256, same_library
+from repro.errors import BackendUnavailable
 
 ENV_VAR = "FA3_VLLM_LIB"
 _VERSIONED = re.compile(r"^FA3_VLLM_(\d+)_(\d+)_(\d+)_LIB$")

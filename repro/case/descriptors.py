@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-
-class ConfigError(ValueError):
-    """Bad user input: the CLI turns it into a one-line error and exit code 2."""
-
+from repro.errors import ConfigError
 
 # No GPU this harness runs on holds more (an H200: 141 GB). A shape whose buffers need more is impossible: refused
 # before anything is allocated (the CPU model allocates the block table too).

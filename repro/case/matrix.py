@@ -10,10 +10,11 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from repro.case.descriptors import AttnConfig, ConfigError
+from repro.case.descriptors import AttnConfig
 from repro.case.poison import DEFAULT_POISON
 from repro.case.scenarios import DEFAULT_PAIR, FRESH, PAIR, STALE, V2, pair_descriptors
 from repro.case.spec import CaseResult, CaseSpec, SmConfig
+from repro.errors import ConfigError
 from repro.judge.expectations import expectation, positive_control
 from repro.judge.policy import disagrees, is_positive, problem, satisfies
 from repro.judge.verdicts import SKIP

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from repro.attention.layout import MetadataLayout
-from repro.case.descriptors import ConfigError
+from repro.errors import ConfigError
 
 INT32_MAX = 2**31 - 1
 INT32_MIN = -(2**31)

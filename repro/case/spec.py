@@ -6,9 +6,10 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field, replace
 
-from repro.case.descriptors import AttnConfig, ConfigError
+from repro.case.descriptors import AttnConfig
 from repro.case.poison import parse_poison
 from repro.case.scenarios import PAIR, SCENARIOS, STRATEGIES, V2
+from repro.errors import ConfigError
 from repro.judge.verdicts import FAULTS, SKIP  # the taxonomy lives in repro.judge.verdicts
 
 MODES = ("eager", "graph")

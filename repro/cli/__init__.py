@@ -9,9 +9,10 @@ import os
 import sys
 
 from repro import __version__
-from repro.case.descriptors import ConfigError
 from repro.cli import matrix, reports, run, serve, vllm
-from repro.cli.common import EXIT_BAD_INPUT, EXIT_INTERRUPTED, Parser
+from repro.cli.common import Parser
+from repro.errors import ConfigError
+from repro.exit_codes import Exit
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,10 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         return a.func(a)
     except ConfigError as e:
         sys.stderr.write(f"repro: error: {e}\n")
-        return EXIT_BAD_INPUT
+        return Exit.BAD_INPUT
     except KeyboardInterrupt:
         sys.stderr.write("repro: interrupted\n")
-        return EXIT_INTERRUPTED
+        return Exit.INTERRUPTED
     except BrokenPipeError:  # output piped into head & co.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        return Exit.OK

@@ -1,5 +1,5 @@
-"""What the subcommands share: defaults, the one-line-error parser, list and path parsing, output folders and files
-that fail before any work, the attention-shape flags."""
+"""What the subcommands share: defaults, the one-line-error parser (exit 2, repro.exit_codes), list and path parsing,
+output folders and files that fail before any work, the attention-shape flags."""
 
 from __future__ import annotations
 
@@ -13,66 +13,20 @@ import time
 from pathlib import Path
 
 from repro.backends import BACKENDS
-from repro.case.descriptors import AttnConfig, ConfigError
+from repro.case.descriptors import AttnConfig
 from repro.case.poison import DEFAULT_POISON, parse_poison
-from repro.run.smcontrol import Unavailable, device_sm_count
+from repro.errors import ConfigError, Unavailable
+from repro.exit_codes import Exit
+from repro.run.smcontrol import device_sm_count
 
 DEFAULT_MODES = "eager,graph"
 MAX_REPEAT = 1000  # --repeat: every repetition is a case of its own, planned (and listed) before any runs
-
-# Exit codes, the same meaning in every command (docs/exit-codes.md shows EXIT_CODES; tests/test_newcomer.py checks
-# that the two agree and that the modules with codes of their own use these values).
-EXIT_OK = 0  # clean, as expected
-EXIT_BUG = 1  # the bug is visible, or an expectation failed
-EXIT_BAD_INPUT = 2  # bad input: one line on stderr, nothing written
-EXIT_BLIND = 3  # gate only: HARNESS BLIND, a known-bad control came back clean (or none ran)
-EXIT_NOT_RUN = 4  # could not run here (no GPU, no MPS, no vLLM build...): neither clean nor affected
-EXIT_UNTESTABLE = 125  # bisect and vllm-check only: git bisect's "skip this commit" (the source cannot be judged)
-EXIT_INTERRUPTED = 130  # Ctrl-C
-
-# command -> {exit code: what it means there}; codes not listed never come from that command.
-EXIT_CODES: dict[str, dict[int, str]] = {
-    "run": {0: "the case is clean", 1: "any other verdict", 2: "bad input", 4: "no GPU, MPS or FA3 build for it"},
-    "matrix": {
-        0: "every case as expected (with --gate: the gate passed)",
-        1: "a case not as expected, HARNESS BLIND, or --gate failed (always without a GPU)",
-        2: "bad input (also what the CPU model cannot predict)",
-        4: "--gpu-only without a GPU",
-    },
-    "gate": {
-        0: "PASS",
-        1: "AFFECTED",
-        2: "bad input",
-        3: "HARNESS BLIND (--compare-paths: also when the paths' verdicts differ)",
-        4: "CANNOT VOUCH, no GPU, or no vLLM build",
-    },
-    "bisect": {
-        0: "found the first bad commit (--status: this commit is good)",
-        1: "no first bad commit found (--status: this commit is bad)",
-        2: "bad input (not a git checkout, unknown revision, no vllm/ at --bad)",
-        125: "only untestable commits were left (--status: this commit is untestable)",
-    },
-    "vllm-check": {0: "every source good", 1: "a source is bad", 2: "bad input", 125: "a source is untestable"},
-    "agree": {0: "every verdict agrees", 1: "a verdict disagrees", 2: "bad input"},
-    "xdist-report": {0: "every worker on a GPU of its own", 1: "a worker shared or changed GPUs", 2: "bad input"},
-    "bench": {0: "written", 2: "bad input"},
-    "redact": {0: "done", 2: "bad input"},
-    "doctor": {0: "always (it reports what is missing)"},
-    "serve": {0: "started, running, stopped or status shown", 2: "bad input, or the server did not start"},
-    "repro.run.smcontrol --probe-coexistence": {
-        0: "MPS clients and plain processes coexist",
-        1: "they do not",
-        2: "bad input",
-        4: "no GPU or MPS to probe",
-    },
-    "repro.vllm_integration.releases.bisect step": {0: "good", 1: "bad", 2: "bad input", 125: "untestable"},
-}
 
 
 class Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2
         sys.stderr.write(f"repro: error: {message}\n")
-        raise SystemExit(EXIT_BAD_INPUT)
+        raise SystemExit(Exit.BAD_INPUT)
 
 
 def seconds(text: str) -> float:

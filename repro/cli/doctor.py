@@ -6,10 +6,11 @@ import shutil
 import subprocess
 import sys
 
+from repro.errors import Unavailable
 from repro.report.environment import gpu_facts
 from repro.run import server
 from repro.run.sanitizer import find_sanitizer
-from repro.run.smcontrol import Unavailable, enumerate_gpus, green_contexts_available
+from repro.run.smcontrol import enumerate_gpus, green_contexts_available
 
 
 def _probe_backend(name: str) -> str:

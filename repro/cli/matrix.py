@@ -8,7 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from repro.case.descriptors import ConfigError
+from repro import exit_codes
 from repro.case.matrix import (
     DEFAULT_SMS,
     MatrixOptions,
@@ -22,7 +22,6 @@ from repro.case.scenarios import DEFAULT_PAIR, SCENARIOS, STRATEGIES, V2
 from repro.case.spec import CaseSpec
 from repro.cli.common import (
     DEFAULT_MODES,
-    EXIT_NOT_RUN,
     MAX_REPEAT,
     add_shape_args,
     check_file_and_folder,
@@ -38,6 +37,7 @@ from repro.cli.common import (
     repeats,
     shape_config,
 )
+from repro.errors import ConfigError
 from repro.fa3_model.scope import H200_SMS
 from repro.judge.expectations import unmodelled
 from repro.report import environment
@@ -194,7 +194,7 @@ def cmd_matrix(a: argparse.Namespace) -> int:
     if not model and not gpu:
         if a.gpu_only and not a.dry_run:
             print("repro: cannot run here: no CUDA GPU visible (--gpu-only)", file=sys.stderr)
-            return EXIT_NOT_RUN
+            return exit_codes.Exit.NOT_RUN
         model = not a.gpu_only  # --gpu-only --dry-run: the GPU matrix, listed where it cannot run
         banner = "No GPU here: these are the CPU model's predictions for an H200 (use --gpu-only to refuse)."
     else:
@@ -215,7 +215,7 @@ def cmd_matrix(a: argparse.Namespace) -> int:
         print(f"dry run: {len(specs)} cases, {which}", file=sys.stderr)
         for s in specs:
             print(s.case_id)
-        return 0
+        return exit_codes.Exit.OK
     check_file_and_folder(a.json, a.out)
     check_out_file(a.json)
     check_out_dir(a.out)
@@ -247,7 +247,7 @@ def cmd_matrix(a: argparse.Namespace) -> int:
                 report.write_json(path_run, out / name / "results.json", env)
                 (out / name / "verdicts.md").write_text(report.markdown(path_run, env, title=f"{a.title} ({name})"))
             print(md_bench + f"\nreports: {out}")
-            return 1 if runs["new"].failures() or runs["old"].failures() else 0
+            return exit_codes.matrix(not (runs["new"].failures() or runs["old"].failures()))
         executor = make_executor(a.executor, a.jobs) if a.executor else default_executor(a.jobs)
         how = executor.started_by if executor is not None else "a fresh interpreter each"
         if executor is not None and executor.name == "server":
@@ -278,12 +278,13 @@ def cmd_matrix(a: argparse.Namespace) -> int:
     if not model:
         for line in report.control_lines(run):  # HARNESS BLIND (no evidence) apart from disagreements (evidence)
             print(line, file=sys.stderr)
+    gate_passed = None  # without --gate
     if a.gate and not model:
         why = report.gate_failures(run)
         if why:
             print(f"GATE FAILED: {why[0]}" + (f" (+{len(why) - 1} more)" if len(why) > 1 else ""), file=sys.stderr)
-            return 1
+        gate_passed = not why
     if a.gate and model:
         print("GATE FAILED: no GPU, so no kernel evidence: the CPU model cannot pass a gate", file=sys.stderr)
-        return 1
-    return 1 if run.failures() else 0
+        gate_passed = False
+    return exit_codes.matrix(not run.failures(), gate_passed)

@@ -6,9 +6,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from repro.case.descriptors import ConfigError
+from repro import exit_codes
 from repro.cli.common import check_exists, check_out_file
 from repro.cli.doctor import doctor
+from repro.errors import ConfigError
 from repro.report.benchmark import benchmark_markdown, paths_from_files
 from repro.report.redact import redact, redact_tree
 from repro.report.results import MODEL, is_vllm_gate_record, load_json
@@ -48,7 +49,7 @@ def add_parsers(sub) -> None:
 def cmd_doctor(a: argparse.Namespace) -> int:
 
     print(doctor())
-    return 0
+    return exit_codes.Exit.OK
 
 
 def cmd_agree(a: argparse.Namespace) -> int:
@@ -73,7 +74,7 @@ def cmd_agree(a: argparse.Namespace) -> int:
     if a.out:
         Path(a.out).write_text(redact(md))
     print(md)
-    return 0 if all(r.verdict_agrees for r in rows) else 1
+    return exit_codes.check(all(r.verdict_agrees for r in rows))
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
@@ -88,7 +89,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if a.out:
         Path(a.out).write_text(redact(md))
     print(md)
-    return 0
+    return exit_codes.Exit.OK
 
 
 def cmd_xdist(a: argparse.Namespace) -> int:
@@ -102,7 +103,7 @@ def cmd_xdist(a: argparse.Namespace) -> int:
     if a.out:
         Path(a.out).write_text(redact(md))
     print(md)
-    return 0 if rep.ok else 1
+    return exit_codes.check(rep.ok)
 
 
 def cmd_redact(a: argparse.Namespace) -> int:
@@ -111,4 +112,4 @@ def cmd_redact(a: argparse.Namespace) -> int:
         check_exists(path)
     changed = redact_tree(a.paths)
     print(f"redacted {len(changed)} file(s)")
-    return 0
+    return exit_codes.Exit.OK

@@ -8,11 +8,10 @@ import os
 import sys
 from pathlib import Path
 
-from repro.case.descriptors import ConfigError
+from repro import exit_codes
 from repro.case.scenarios import DEFAULT_PAIR, PAIR, SCENARIOS, STRATEGIES, V2, pair_descriptors
 from repro.case.spec import CaseSpec, SmConfig
 from repro.cli.common import (
-    EXIT_NOT_RUN,
     add_shape_args,
     check_exists,
     check_file_and_folder,
@@ -23,9 +22,9 @@ from repro.cli.common import (
     poison_arg,
     shape_config,
 )
-from repro.judge.verdicts import CLEAN, SKIP
+from repro.errors import ConfigError, Unavailable
 from repro.run.runner import device_sm_count, run_case
-from repro.run.smcontrol import Unavailable, maybe_mps
+from repro.run.smcontrol import maybe_mps
 
 
 def add_parsers(sub) -> None:
@@ -131,14 +130,14 @@ def cmd_run(a: argparse.Namespace) -> int:
             "python -m repro matrix --model",
             file=sys.stderr,
         )
-        return EXIT_NOT_RUN
+        return exit_codes.Exit.NOT_RUN
     out = out_dir(a.out, "run")
     try:
         with maybe_mps(sm.kind == "mps") as mps:
             res = run_case(spec, out, mps)
     except Unavailable as e:
         print(f"skip: {e}", file=sys.stderr)
-        return EXIT_NOT_RUN
+        return exit_codes.Exit.NOT_RUN
     print(f"logs: {out}")
     print(f"{res.verdict}: {res.case_id}\n  {res.reason}")
     if res.kernel:
@@ -149,6 +148,4 @@ def cmd_run(a: argparse.Namespace) -> int:
         print(f"  {d}")
     if a.json:
         Path(a.json).write_text(json.dumps(res.to_dict(), indent=1) + "\n")
-    if res.verdict == SKIP:
-        return EXIT_NOT_RUN
-    return 0 if res.verdict == CLEAN else 1
+    return exit_codes.run(res.verdict)

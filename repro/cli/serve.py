@@ -6,8 +6,9 @@ import argparse
 import sys
 import time
 
-from repro.case.descriptors import ConfigError
+from repro import exit_codes
 from repro.cli.common import check_out_dir, gpu_present, seconds
+from repro.errors import ConfigError
 from repro.run import server
 
 
@@ -40,7 +41,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     facts = server.running(path)
     if a.stop:
         print(f"stopped the repro server (pid {facts['pid']})" if server.stop(path) else f"no repro server at {path}")
-        return 0
+        return exit_codes.Exit.OK
     fits = facts is not None and facts["fingerprint"] == server.code_fingerprint()
     if a.status:
         if facts is None:
@@ -51,10 +52,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
                 f"repro server at {path}: pid {facts['pid']}, up {age:.0f} s, "
                 + ("runs this code" if fits else "runs other code than this command: `serve` restarts it")
             )
-        return 0
+        return exit_codes.Exit.OK
     if fits:
         print(f"the repro server at {path} (pid {facts['pid']}) already runs this code")
-        return 0
+        return exit_codes.Exit.OK
     server.check_socket_path(path)
     check_out_dir(str(path.parent), f"{server.SOCKET_ENV}: the socket's folder")
     if facts is not None:
@@ -70,4 +71,4 @@ def cmd_serve(a: argparse.Namespace) -> int:
         f"repro server at {path}: pid {facts['pid']}, imports took {facts['preload_s']:g} s; "
         f"it stops after {a.idle:g} s idle or with `python -m repro serve --stop`"
     )
-    return 0
+    return exit_codes.Exit.OK

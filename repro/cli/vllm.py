@@ -12,13 +12,8 @@ import zipfile
 from dataclasses import replace
 from pathlib import Path
 
-from repro.case.descriptors import ConfigError
+from repro import exit_codes
 from repro.cli.common import (
-    EXIT_BLIND,
-    EXIT_BUG,
-    EXIT_NOT_RUN,
-    EXIT_OK,
-    EXIT_UNTESTABLE,
     MAX_REPEAT,
     check_exists,
     check_out_dir,
@@ -28,6 +23,7 @@ from repro.cli.common import (
     repeats,
     seconds,
 )
+from repro.errors import ConfigError
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
 from repro.vllm_integration.releases.bisect import add_check_option, run_bisect  # every parser build reads its option
 from repro.vllm_integration.releases.source_check import check_tree
@@ -177,7 +173,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
     from repro.vllm_integration.gate.cache import GateCache, default_root  # as above
     from repro.vllm_integration.gate.case import parse_backends, parse_modes  # as above
     from repro.vllm_integration.gate.placement import cpu_cores, fit_jobs, gate_devices, gpu_memory_gib  # as above
-    from repro.vllm_integration.gate.run import EXIT, run_gate  # as above
+    from repro.vllm_integration.gate.run import run_gate  # as above
     from repro.vllm_integration.releases.builds import (  # as above
         CONTROL,
         UNDER_TEST,
@@ -220,20 +216,20 @@ def cmd_gate(a: argparse.Namespace) -> int:
             "LABEL=PREFIX",
             file=sys.stderr,
         )
-        return EXIT_NOT_RUN
+        return exit_codes.Exit.NOT_RUN
     if a.dry_run:
         from repro.vllm_integration.gate.run import plan  # the gate's modules load only for it
 
         for c in plan(builds + [o.listed() for o in overlays], modes, a.repeat, a.timeout, backends, a.self_control):
             print(c.case_id)
-        return 0
+        return exit_codes.Exit.OK
     if not gpu_present() and (overlays or _need_gpu(builds)):  # an overlay holds its base's compiled extensions
         print(
             "repro: cannot run here: no CUDA GPU visible, and vLLM's cases run on one "
             "(without a GPU: `python -m repro vllm-check` reads a build's sources)",
             file=sys.stderr,
         )
-        return EXIT_NOT_RUN
+        return exit_codes.Exit.NOT_RUN
     out = out_dir(a.out, "gate")
     if overlays:
         dest = out / "overlays" if a.out else Path(tempfile.mkdtemp(prefix="repro-overlays-"))
@@ -273,7 +269,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
     written = gate_report.write(run, out, collect(), need_control=not a.no_control)
     print(gate_report.markdown(run, need_control=not a.no_control).split("\n| case |")[0])
     print(f"written: {', '.join(str(p) for p in written)}")
-    return EXIT[run.outcome(need_control=not a.no_control)]
+    return exit_codes.gate(run.outcome(need_control=not a.no_control))
 
 
 def _need_gpu(builds) -> bool:
@@ -305,20 +301,20 @@ def cmd_bisect(a: argparse.Namespace) -> int:
     if a.status:
         v = check_tree(a.vllm)
         print(f"{v.verdict}: {v.reason}" + (f" (layout {v.layout})" if v.layout else ""))
-        return {"good": EXIT_OK, "bad": EXIT_BUG}.get(v.verdict, EXIT_UNTESTABLE)
+        return exit_codes.source([v.verdict])
     has_pkg = subprocess.run(["git", "-C", a.vllm, "cat-file", "-e", f"{a.bad}:vllm"], capture_output=True)
     if has_pkg.returncode != 0:
         raise ConfigError(f"{a.vllm}: not a vLLM checkout (no vllm/ package at --bad {a.bad})")
     first, log = run_bisect(a.vllm, a.good, a.bad, a.check, [x for x in a.gate_cmd if x != "--"] or None, a.overlay)
     print(log[-4000:])
+    only_untestable = "only 'skip'ped commits left" in log
     if first:
         print(f"first bad commit: {first}")
-        return EXIT_OK
-    if "only 'skip'ped commits left" in log:
+    elif only_untestable:
         print("bisect found no first bad commit: every commit left was untestable (git's log above)", file=sys.stderr)
-        return EXIT_UNTESTABLE
-    print("bisect found no first bad commit: git's log is printed above", file=sys.stderr)
-    return EXIT_BUG
+    else:
+        print("bisect found no first bad commit: git's log is printed above", file=sys.stderr)
+    return exit_codes.bisect(first, only_untestable)
 
 
 def cmd_vllm_check(a: argparse.Namespace) -> int:
@@ -344,8 +340,7 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
         print(f"  auditor hooks: {'ok' if c.plugin_ok else 'MISSING'}: {'; '.join(c.plugin_notes)}")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
-    verdicts = {r["verdict"] for r in rows}
-    return EXIT_BUG if "bad" in verdicts else (EXIT_UNTESTABLE if "untestable" in verdicts else EXIT_OK)
+    return exit_codes.source(r["verdict"] for r in rows)
 
 
 def _parse_paths(text: str | None, compare: bool) -> tuple[str, ...]:
@@ -371,7 +366,6 @@ def _compare_paths(a: argparse.Namespace, paths, builds, modes, backends, out: P
     from repro.vllm_integration.gate import bench as gate_bench  # as above
     from repro.vllm_integration.gate import report as gate_report  # as above
     from repro.vllm_integration.gate.paths import compare_paths, path_folder  # as above
-    from repro.vllm_integration.gate.run import EXIT  # as above
 
     cache_root = Path(a.cache_dir) if a.cache_dir else out / "cache"
     runs = compare_paths(builds, modes, logs, cache_root, a.jobs, a.timeout, progress, backends, paths, a.self_control)
@@ -382,8 +376,9 @@ def _compare_paths(a: argparse.Namespace, paths, builds, modes, backends, out: P
     (out / "paths.md").write_text(redact("\n".join(report.header("vLLM gate: old and new path", env))) + "\n" + md)
     (out / "paths.json").write_text(json.dumps({"environment": env, "paths": gate_bench.compare_json(runs)}, indent=1))
     print(md.split("### Phases")[0])
-    if gate_bench.verdict_diff(gate_bench.path_verdicts(runs)):
+    differ = bool(gate_bench.verdict_diff(gate_bench.path_verdicts(runs)))
+    if differ:
         print("repro: the paths' verdicts differ (listed in paths.md): the new path cannot stand in for the old")
-        return EXIT_BLIND
-    print(f"written: {out / 'paths.md'}, {out / 'paths.json'}")
-    return EXIT[list(runs.values())[-1].outcome(need_control=not a.no_control)]
+    else:
+        print(f"written: {out / 'paths.md'}, {out / 'paths.json'}")
+    return exit_codes.compare_paths(differ, list(runs.values())[-1].outcome(need_control=not a.no_control))

@@ -15,10 +15,11 @@ from repro.attention.layout import UPSTREAM, VLLM
 from repro.attention.scheduler_inputs import SchedulerInputs
 from repro.attention.staleness import add_counts, diff_snapshots, summarize
 from repro.backends.base import BackendIdentity
-from repro.case.descriptors import AttnConfig, ConfigError
+from repro.case.descriptors import AttnConfig
 from repro.case.poison import DEFAULT_POISON, parse_poison
 from repro.case.scenarios import FRESH, STALE, WARMUP, v2_capture_sequence
 from repro.case.spec import CaseResult, CaseSpec, SmConfig
+from repro.errors import ConfigError
 from repro.fa3_model.reads import Prediction, predict_launch
 from repro.fa3_model.scheduler import PAD, host_plan, scheduler_metadata
 from repro.fa3_model.scope import H200_SMS, MODEL_SM_KINDS

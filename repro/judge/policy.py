@@ -45,6 +45,7 @@ from repro.judge.verdicts import (
     MEMORY_FAULTS,
     SKIP,
     STALE_AUDIT,
+    StrValue,
 )
 
 FAULT, DETECTED, AUDIT, KNOWN_BAD_BUILD, EXPECT_CLEAN, RECORDED = (
@@ -168,6 +169,17 @@ class Failure(str):
         return obj
 
 
+class GateOutcome(StrValue):
+    """What `repro gate` answers for a run (repro.vllm_integration.gate.run.GateRun.outcome decides it from decide's
+    failures, by their kind, and from the builds under test; repro.exit_codes gives its exit code): a str that
+    equals, prints and serialises as its value ("HARNESS BLIND"), as reports and results.json have always shown it."""
+
+    PASS = "PASS"
+    AFFECTED = "AFFECTED"
+    BLIND = "HARNESS BLIND"
+    CANNOT_VOUCH = "CANNOT VOUCH"
+
+
 @dataclass
 class GateDecision:
     failures: list[Failure] = field(default_factory=list)
@@ -177,7 +189,9 @@ class GateDecision:
     evidence: dict[str, tuple[int, int]] = field(default_factory=dict)  # mode -> (positive controls, with evidence)
     # mode -> control kind -> (positive controls, with evidence): which kind of control each mode relied on
     evidence_by_kind: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
-    misses: list[str] = field(default_factory=list)  # a known-bad build silent in one mode, detected in another (rule 5)
+    misses: list[str] = field(
+        default_factory=list
+    )  # a known-bad build silent in one mode, detected in another (rule 5)
 
     @property
     def passed(self) -> bool:

@@ -23,7 +23,16 @@ from __future__ import annotations
 from enum import Enum
 
 
-class Verdict(str, Enum):
+class StrValue(str, Enum):
+    """A str enum whose members equal, hash and print as their value: Verdict here, policy.GateOutcome."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+    __repr__ = str.__repr__
+    __hash__ = str.__hash__
+
+
+class Verdict(StrValue):
     """A verdict: a str that equals, hashes, prints and pickles as its value ("clean"), so records, JSON and the
     verdict strings read back from results.json compare with it unchanged; the one place a verdict's name is
     written."""
@@ -38,11 +47,6 @@ class Verdict(str, Enum):
     CANNOT_VOUCH = "cannot-vouch"
     ERROR = "error"
     SKIP = "skip"
-
-    __str__ = str.__str__
-    __format__ = str.__format__
-    __repr__ = str.__repr__
-    __hash__ = str.__hash__
 
 
 CLEAN = Verdict.CLEAN

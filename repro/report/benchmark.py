@@ -9,8 +9,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from repro.case.descriptors import ConfigError
 from repro.case.matrix import MatrixRun, run_matrix
+from repro.errors import ConfigError
 from repro.report.results import load_json
 from repro.run import server
 from repro.run.runner import make_executor

@@ -9,15 +9,21 @@ In a gate run:
   summary with its reason, and a failure only when the run requires that feature (`--gate-require mig,mps,vllm`,
   REPRO_GATE_REQUIRE; on a MIG runner `mig` is required by default);
 - each gating mode needs evidence from its own positive controls (repro.judge.policy.decide).
-conftest.py holds the thin hooks."""
+GatePlugin holds the gate's hooks and its state; conftest.py registers one for a gate run only."""
 
 from __future__ import annotations
 
 import json
 import os
 import shlex
+import time
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
+from repro.errors import Unavailable
+from repro.exit_codes import gate_decision, pytest_session
 from repro.judge.policy import EXPECT_CLEAN, REQUIRE_ENV, Control, GateDecision, decide, parse_requirements
 from repro.judge.verdicts import SKIP
 from repro.pytest_options import GATE_ENV as ENV
@@ -25,7 +31,7 @@ from repro.report import environment
 from repro.report.redact import redact
 from repro.report.results import header
 from repro.run.pinning import DEVICES_VAR
-from repro.run.smcontrol import Unavailable, enumerate_gpus
+from repro.run.smcontrol import enumerate_gpus
 
 GPU_MARKERS = ("gpu", "vllm")
 NOT_APPLICABLE = "not applicable here: "  # the skip reason's prefix for a configuration this runner cannot have
@@ -163,3 +169,70 @@ class Evidence:
         if why is None and self.unreported:
             why = f"GATE FAILED: {len(self.unreported)} GPU case(s) could not run here"
         return lines, why
+
+
+PLUGIN_NAME = "repro-gate"  # its name in pytest's plugin manager (config.pluginmanager.get_plugin)
+
+
+class GatePlugin:
+    """The strict gate of one pytest session: its state (the features it requires, the controls gathered, when it
+    started) and its hooks. conftest.py registers one only for a gate run (`config.pluginmanager.register(plugin,
+    PLUGIN_NAME)`, as pytest-xdist registers its session), in the controller and in every xdist worker: a worker
+    turns its skipped GPU cases into failures, the controller gathers every report, says the decision and writes
+    the report. `no_gpu` says why no GPU case can run here (None when one can)."""
+
+    def __init__(self, needed: frozenset[str], no_gpu: Callable[[], str | None], started: float | None = None):
+        self.needed = needed
+        self.no_gpu = no_gpu
+        self.started = time.time() if started is None else started
+        self.evidence = Evidence(needed)
+
+    @classmethod
+    def register(cls, config, no_gpu: Callable[[], str | None], started: float | None = None) -> GatePlugin:
+        """A gate run's plugin, registered with `config`; ValueError for a requirement no runner knows. Sets
+        REPRO_GATE=1 for the cases (and xdist workers) to read."""
+        plugin = cls(required(config), no_gpu, started)
+        os.environ[ENV] = "1"
+        config.pluginmanager.register(plugin, PLUGIN_NAME)
+        return plugin
+
+    @staticmethod
+    def _controller(config) -> bool:
+        return not hasattr(config, "workerinput")
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionstart(self, session) -> None:
+        """Where no GPU case can run, stop with one line (before xdist starts workers), instead of one error block
+        per case."""
+        if self._controller(session.config) and (why := self.no_gpu()):
+            pytest.exit(no_gpu_line(why), returncode=pytest.ExitCode(gate_decision(False)))
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        outcome = yield
+        skipped_to_failure(item, outcome.get_result(), self.needed)
+
+    def pytest_runtest_logreport(self, report) -> None:
+        self.evidence.add(report)
+
+    def pytest_terminal_summary(self, terminalreporter, exitstatus, config) -> None:
+        if not self._controller(config):
+            return
+        lines, why = self.evidence.summary()
+        terminalreporter.section("repro gate")
+        for line in lines:
+            terminalreporter.line(line)
+        if why:
+            terminalreporter.line(why, red=True)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session, exitstatus) -> None:
+        """The controller decides (an xdist worker's reports reach it): a failed gate fails the session
+        (repro.exit_codes.pytest_session), and --gate-report gets gate.md and gate.json."""
+        config = session.config
+        if not self._controller(config):
+            return
+        _, why = self.evidence.summary()
+        session.exitstatus = pytest.ExitCode(pytest_session(session.exitstatus, gate_passed=why is None))
+        if folder := config.getoption("gate_report"):
+            self.evidence.write_report(folder, time.time() - self.started, list(config.invocation_params.args))

@@ -6,9 +6,9 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from repro.case.descriptors import ConfigError
 from repro.case.matrix import MatrixRun, expected_of
 from repro.case.spec import CaseResult, CaseSpec
+from repro.errors import ConfigError
 from repro.judge.expectations import gate_mode
 from repro.judge.policy import Control, GateDecision, decide, satisfies
 from repro.judge.verdicts import KERNEL_EVIDENCE, VERDICTS, Verdict

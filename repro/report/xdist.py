@@ -10,7 +10,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from repro.case.descriptors import ConfigError
+from repro.errors import ConfigError
 
 
 def _norm(uuid: str | None) -> str | None:

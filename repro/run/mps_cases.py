@@ -27,9 +27,10 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from repro.case.spec import CaseResult, CaseSpec
+from repro.errors import Unavailable
 from repro.judge.classify import refused
 from repro.judge.verdicts import CLEAN, ERROR, OOB, SKIP
-from repro.run.smcontrol import MpsDaemon, Unavailable
+from repro.run.smcontrol import MpsDaemon
 
 PER_CASE, SHARED = "per-case", "shared"
 MPS_DAEMON_POLICIES = (PER_CASE, SHARED)

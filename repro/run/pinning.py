@@ -11,7 +11,8 @@ import re
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 
-from repro.run.smcontrol import GpuInfo, Unavailable, enumerate_gpus
+from repro.errors import Unavailable
+from repro.run.smcontrol import GpuInfo, enumerate_gpus
 
 PINNED_VAR = "REPRO_PINNED_DEVICE"  # the device pinned to this worker (runner.worker_env reads it for mig cases)
 DEVICES_VAR = "REPRO_DEVICES"  # the devices to pin workers to, instead of discovery (pytest_gate reads it too)

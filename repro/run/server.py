@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from repro import CHECKOUT, PACKAGE
-from repro.case.descriptors import ConfigError
+from repro.errors import ConfigError
 from repro.run.executor import PRELOAD, MemcheckAhead
 from repro.run.process import ProcessRun, exit_code, kill_group, run_child
 

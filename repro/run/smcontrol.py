@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-
-class Unavailable(RuntimeError):
-    """This machine cannot provide the configuration; the message is the skip reason."""
+from repro import exit_codes
+from repro.errors import Unavailable
+from repro.exit_codes import Exit
 
 
 @dataclass(frozen=True)
@@ -345,16 +345,16 @@ def main(argv: list[str]) -> int:
             "a healthy MPS client survives a neighbour's fault. Exit 0 they coexist, 1 they do not, 2 bad input, 4 no "
             "GPU or MPS to probe."
         )
-        return 0
+        return Exit.OK
     if argv != ["--probe-coexistence"]:
         sys.stderr.write(f"repro.run.smcontrol: error: {usage}\n")
-        return 2
+        return Exit.BAD_INPUT
     try:
         found = probe_coexistence()
         contained = probe_containment()
     except Unavailable as e:
         sys.stderr.write(f"repro.run.smcontrol: cannot run here: {e}\n")
-        return 4
+        return Exit.NOT_RUN
     for k, v in found.items():
         print(f"{k}: {v}")
     both = all(v.startswith("ok") for v in found.values())
@@ -363,7 +363,7 @@ def main(argv: list[str]) -> int:
         print(f"MPS fault containment, {k}: {v}")
     spared = contained["neighbour"].startswith("ok")
     print("a healthy MPS client survives a neighbour's fault:", "yes" if spared else "no")
-    return 0 if both else 1
+    return exit_codes.check(both)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 
 from repro.attention.builder import AttnMetadata, MetadataBuilder
-from repro.case.descriptors import AttnConfig, BatchDescriptor, ConfigError, full_decode_descriptors
+from repro.case.descriptors import AttnConfig, BatchDescriptor, full_decode_descriptors
 from repro.case.scenarios import FRESH, check_strategy, v2_capture_sequence
+from repro.errors import ConfigError
 from repro.specdecode.models import EagleDraft, ForwardContext, ModelConfig, TargetModel
 
 

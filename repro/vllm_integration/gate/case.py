@@ -26,13 +26,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from repro import CHECKOUT
-from repro.case.descriptors import ConfigError
 from repro.case.poison import parse_poison
 from repro.case.spec import SmConfig
+from repro.errors import ConfigError, Unavailable
 from repro.judge import policy
 from repro.judge.policy import KNOWN_BAD, SELF_CONTROL
 from repro.run.sanitizer import sanitizer_env
-from repro.run.smcontrol import MpsDaemon, Unavailable
+from repro.run.smcontrol import MpsDaemon
 from repro.vllm_integration.plugin import BACKEND_ENV, POISON_ENV, PROBE_ENV, SM_MARGIN_ENV, WEIGHTS_ENV
 from repro.vllm_integration.plugin import ENV as AUDIT_ENV
 from repro.vllm_integration.plugin import SWITCHES as PLUGIN_SWITCHES

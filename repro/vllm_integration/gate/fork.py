@@ -37,6 +37,8 @@ import threading
 import time
 import traceback
 
+from repro.errors import ProtocolError
+
 SCHEMA = 1
 RUN, KILL, STOP = "run", "kill", "stop"  # gate -> forkserver
 READY, REFUSED, STARTED, EXITED, NOT_STARTED = "ready", "refused", "started", "exit", "not-started"  # and back
@@ -55,10 +57,6 @@ PRELOAD = (
     TARGET,
 )
 CUDA_NOT_INITIALIZED = 3  # CUresult of a driver call before cuInit
-
-
-class ProtocolError(ValueError):
-    """A line that is not a record of this schema."""
 
 
 def encode(kind: str, **fields) -> bytes:

@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from repro.case.descriptors import ConfigError
+from repro.errors import ConfigError, ForkServerDied, ForkUnavailable, ProtocolError
 from repro.run.channel import ENV as CHANNEL_ENV
 from repro.run.process import ProcessRun, kill_group
 from repro.vllm_integration.gate import fork as gate_fork
@@ -84,14 +84,6 @@ def differs(env: dict[str, str], launch: dict[str, str], read_at_import=()) -> l
     return sorted(k for k in keys if env.get(k) != launch.get(k))
 
 
-class ForkUnavailable(Exception):
-    """The forkserver cannot take this case (it refused, is gone or not ready): nothing was started."""
-
-
-class ForkServerDied(Exception):
-    """The forkserver died while the case ran; the case's process group was killed."""
-
-
 class ForkServer:
     """One build's forkserver process and the gate's end of its pipes. Thread-safe: the gate's case threads share it."""
 
@@ -144,7 +136,7 @@ class ForkServer:
                     elif "id" in rec:
                         self._events.setdefault(rec["id"], {})[rec["kind"]] = rec
                     self._cv.notify_all()
-        except (gate_fork.ProtocolError, OSError, ValueError) as e:
+        except (ProtocolError, OSError, ValueError) as e:
             why = f"its records broke off: {e}"
             kill_group(self.proc.pid)
         code = self.proc.wait()

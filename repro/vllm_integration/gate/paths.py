@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from repro.case.descriptors import ConfigError
 from repro.case.spec import CaseResult
+from repro.errors import ConfigError
 from repro.vllm_integration.gate.cache import GateCache
 from repro.vllm_integration.gate.case import DEFAULT_BACKEND, GateCase, GateMode
 from repro.vllm_integration.gate.launch import FORK, SPAWN

@@ -26,9 +26,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from repro.case.descriptors import ConfigError
+from repro.errors import ConfigError, Unavailable
 from repro.run.pinning import devices_from
-from repro.run.smcontrol import GpuInfo, Unavailable, enumerate_gpus
+from repro.run.smcontrol import GpuInfo, enumerate_gpus
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from repro.case.spec import CaseResult
+from repro.errors import Unavailable
 from repro.judge.verdicts import CLEAN, CRASH, SKIP
 from repro.run.channel import Channel
 from repro.run.runner import case_logs, device_sm_count, run_process
-from repro.run.smcontrol import MpsDaemon, Unavailable
+from repro.run.smcontrol import MpsDaemon
 from repro.run.tags import COUNTERS_TAG, DEVICE_TAG, RESULT_TAG
 from repro.vllm_integration.gate import bench as gate_bench
 from repro.vllm_integration.gate.cache import PRIVATE, WRITER, GateCache

@@ -8,7 +8,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from repro.judge.policy import NO_EVIDENCE, SELF_CONTROL
+from repro.judge.policy import NO_EVIDENCE, SELF_CONTROL, GateOutcome
 from repro.judge.verdicts import FAULTS, SKIP
 from repro.report.redact import redact
 from repro.report.results import VLLM_GATE_KIND, header
@@ -16,7 +16,7 @@ from repro.vllm_integration.gate import bench as gate_bench
 from repro.vllm_integration.gate.cache import COLD, KEPT, PRIVATE, WARM
 from repro.vllm_integration.gate.case import expected
 from repro.vllm_integration.gate.judge import meets
-from repro.vllm_integration.gate.run import PASS, GateRun
+from repro.vllm_integration.gate.run import GateRun
 from repro.vllm_integration.releases import release_range
 from repro.vllm_integration.releases.source_check import check_tree
 
@@ -315,7 +315,7 @@ def to_json(run: GateRun, env: dict | None = None, need_control: bool = True) ->
         "kind": RESULTS_KIND,
         "environment": env or {},
         "outcome": run.outcome(need_control),
-        "passed": run.outcome(need_control) == PASS,
+        "passed": run.outcome(need_control) == GateOutcome.PASS,
         "affected": [c.case_id for c, _ in run.affected()],
         "cannot_vouch": [c.case_id for c, _ in run.not_vouched()],
         "blind": run.blind(need_control),

@@ -6,7 +6,7 @@ CUDA_LAUNCH_BLOCKING=1 to name the kernel; non-MPS cases in parallel, MPS cases 
 
 The outcome goes through repro.judge.policy: AFFECTED when a build under test showed the bug, CANNOT VOUCH when a case's
 checked feature did not fire, HARNESS BLIND when a control build (known bad) was not detected in a gating mode, else
-PASS; EXIT maps them to exit codes."""
+PASS (a policy.GateOutcome; repro.exit_codes.gate gives its exit code)."""
 
 from __future__ import annotations
 
@@ -17,15 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from repro.case.descriptors import ConfigError
 from repro.case.spec import CaseResult
+from repro.errors import ConfigError, Unavailable
 from repro.judge import policy
 from repro.judge.classify import refused
 from repro.judge.verdicts import CANNOT_VOUCH as NOT_VOUCHED
 from repro.judge.verdicts import CLEAN, FAULTS
 from repro.run.channel import Channel
 from repro.run.runner import case_logs, device_sm_count
-from repro.run.smcontrol import MpsDaemon, Unavailable
+from repro.run.smcontrol import MpsDaemon
 from repro.run.tags import RESULT_TAG
 from repro.vllm_integration.gate.cache import GateCache, gpu_identity, kept_reference, ref_key
 from repro.vllm_integration.gate.case import (
@@ -40,13 +40,11 @@ from repro.vllm_integration.gate.case import (
 from repro.vllm_integration.gate.judge import finish, meets, validate_reference
 from repro.vllm_integration.gate.launch import FORK, Launcher, launcher_kind
 from repro.vllm_integration.gate.placement import DevicePool, GateDevice, kind_of, main_kind, per_device_jobs
-from repro.vllm_integration.gate.process import skipped, run_control
+from repro.vllm_integration.gate.process import run_control, skipped
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
 from repro.vllm_integration.plugin.inject import STALE_CAPTURE
 from repro.vllm_integration.releases.builds import VllmBuild
 
-PASS, AFFECTED, BLIND, CANNOT_VOUCH = "PASS", "AFFECTED", "HARNESS BLIND", "CANNOT VOUCH"
-EXIT = {PASS: 0, AFFECTED: 1, BLIND: 3, CANNOT_VOUCH: 4}  # 2 is bad input; a bisect step maps 3 and 4 to 125
 NO_CONTROL = "no positive control ran in a gating mode"
 
 
@@ -105,17 +103,17 @@ class GateRun:
             out.append(f)
         return out
 
-    def outcome(self, need_control: bool = True) -> str:
+    def outcome(self, need_control: bool = True) -> policy.GateOutcome:
         """AFFECTED (a build under test showed the bug), CANNOT VOUCH (a case's checked feature did not fire, or a
         build under test errored or skipped), HARNESS BLIND (repro.judge.policy.decide failed on the controls: a control
         missed, or a gating mode has no evidence from its own control, or none ran while one is needed) or PASS;
-        EXIT maps them to exit codes."""
+        repro.exit_codes.gate gives its exit code."""
         affected = self.affected()
         if any(r.verdict in FAULTS for _, r in affected):
-            return AFFECTED
+            return policy.GateOutcome.AFFECTED
         if affected or self.not_vouched():
-            return CANNOT_VOUCH
-        return BLIND if self.blind(need_control) else PASS
+            return policy.GateOutcome.CANNOT_VOUCH
+        return policy.GateOutcome.BLIND if self.blind(need_control) else policy.GateOutcome.PASS
 
 
 def plan(

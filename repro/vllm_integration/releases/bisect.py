@@ -16,17 +16,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from repro import CHECKOUT
-from repro.case.descriptors import ConfigError
-from repro.vllm_integration.releases.source_check import BAD, GOOD, check_tree
-
-EXIT = {GOOD: 0, BAD: 1}
-UNTESTABLE_EXIT = 125
-
-
-class AbiMismatch(FileNotFoundError):
-    """The Python sources and the compiled parts of an overlay were built for different torch releases."""
-
+from repro import CHECKOUT, exit_codes
+from repro.errors import AbiMismatch, ConfigError
+from repro.exit_codes import Exit
+from repro.vllm_integration.releases.source_check import check_tree
 
 _TORCH_PIN = re.compile(r"^\s*(?:Requires-Dist:\s*)?torch\s*==\s*([\w.+]+)", re.M)
 
@@ -209,11 +202,11 @@ def step(repo: str, check: str, gate_cmd: list[str] | None = None, overlay: str 
     if check == "source":
         v = check_tree(repo)
         print(f"[repro bisect] {v.verdict}: {v.reason}" + (f" (layout {v.layout})" if v.layout else ""), flush=True)
-        return EXIT.get(v.verdict, UNTESTABLE_EXIT)
+        return exit_codes.source([v.verdict])
     if check == "gate":
         if not gate_cmd:
             print("[repro bisect] untestable: no gate command", flush=True)
-            return UNTESTABLE_EXIT
+            return Exit.UNTESTABLE
         env = dict(os.environ)
         tmp = None
         if overlay:
@@ -223,16 +216,16 @@ def step(repo: str, check: str, gate_cmd: list[str] | None = None, overlay: str 
             except FileNotFoundError as e:  # AbiMismatch too
                 shutil.rmtree(tmp, ignore_errors=True)
                 print(f"[repro bisect] untestable: {e}", flush=True)
-                return UNTESTABLE_EXIT
+                return Exit.UNTESTABLE
             env["PYTHONPATH"] = tmp + os.pathsep + env.get("PYTHONPATH", "")
         try:
             r = subprocess.run(gate_cmd, env=env)
         finally:
             if tmp:
                 shutil.rmtree(tmp, ignore_errors=True)
-        return r.returncode if r.returncode in (0, 1) else UNTESTABLE_EXIT
+        return exit_codes.gate_step(r.returncode)
     print(f"[repro bisect] unknown check {check!r}", flush=True)
-    return UNTESTABLE_EXIT
+    return Exit.UNTESTABLE
 
 
 def run_bisect(
@@ -273,7 +266,7 @@ def add_check_option(p: argparse.ArgumentParser, whose: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from repro.cli.common import EXIT_BAD_INPUT, Parser  # one line on stderr and exit 2 for bad input
+    from repro.cli.common import Parser  # one line on stderr and exit 2 for bad input
 
     p = Parser(prog="python -m repro.vllm_integration.releases.bisect")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
@@ -291,20 +284,20 @@ def main(argv: list[str] | None = None) -> int:
         for flag, folder in (("--repo", a.repo), ("--overlay", a.overlay)):
             if folder is not None and not os.path.isdir(folder):
                 sys.stderr.write(f"repro: error: {flag} {folder}: no such folder\n")
-                return EXIT_BAD_INPUT
+                return Exit.BAD_INPUT
     if a.cmd in PATCHES:
         try:
             print(patched_copy(a.cmd, a.tree, a.dest))
         except (FileNotFoundError, ValueError) as e:
             print(f"[repro bisect] {e}", file=sys.stderr)
-            return 2
-        return 0
+            return Exit.BAD_INPUT
+        return Exit.OK
     gate = [x for x in a.gate if x != "--"] or None
     try:
         return step(a.repo, a.check, gate, a.overlay)
     except Exception as e:  # exit 1 would tell git bisect "bad": a step that broke has shown nothing
         print(f"[repro bisect] untestable: {type(e).__name__}: {e}", flush=True)
-        return UNTESTABLE_EXIT
+        return Exit.UNTESTABLE
 
 
 if __name__ == "__main__":

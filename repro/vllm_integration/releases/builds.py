@@ -17,7 +17,7 @@ import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from repro.case.descriptors import ConfigError
+from repro.errors import ConfigError
 from repro.vllm_integration.releases.bisect import (  # bisect's overlay, shared: one home for it
     abi_problem,
     build_overlay,

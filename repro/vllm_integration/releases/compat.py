@@ -11,7 +11,7 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from repro.case.descriptors import ConfigError
+from repro.errors import ConfigError
 from repro.vllm_integration.plugin.backend_fields import BACKENDS, METADATA_ARG
 from repro.vllm_integration.releases.source_check import SPEC_DIR, check_tree, spec_layout
 

@@ -1,0 +1,163 @@
+"""Every command's exit code, decided in this one module from the command's typed outcome: `repro gate` (and its
+`--compare-paths`) from repro.judge.policy.GateOutcome, `matrix --gate` and `pytest --gate` from the policy's
+decision (GateDecision.passed), `bisect`, its step and `vllm-check` from the source check's verdicts and git
+bisect's answer, `run` from its case's verdict. Bad input is ConfigError (repro.errors) wherever it is raised:
+repro.cli.main turns it into one line and BAD_INPUT.
+
+EXIT_CODES says what each code means in each command; docs/exit-codes.md shows `markdown()` (a CPU test keeps the
+page equal to it, and every code a function below can return listed for its command)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from enum import IntEnum
+
+from repro.judge.policy import GateOutcome
+from repro.judge.verdicts import CLEAN, SKIP
+from repro.vllm_integration.releases.source_check import BAD, GOOD
+
+
+class Exit(IntEnum):
+    """An exit code: an int that prints as its number. The same meaning in every command."""
+
+    OK = 0  # clean, as expected
+    BUG = 1  # the bug is visible, or an expectation failed
+    BAD_INPUT = 2  # bad input: one line on stderr, nothing written
+    BLIND = 3  # gate only: HARNESS BLIND, a known-bad control came back clean (or none ran)
+    NOT_RUN = 4  # could not run here (no GPU, no MPS, no vLLM build...): neither clean nor affected
+    UNTESTABLE = 125  # bisect and vllm-check only: git bisect's "skip this commit" (the source cannot be judged)
+    INTERRUPTED = 130  # Ctrl-C
+
+    __str__ = int.__repr__
+    __format__ = int.__format__
+
+
+MEANING = {
+    Exit.OK: "clean / as expected",
+    Exit.BUG: "the bug is visible (or an expectation failed)",
+    Exit.BAD_INPUT: "bad input (one line on stderr, nothing written)",
+    Exit.BLIND: "HARNESS BLIND (`gate`: a known-bad control came back clean, or none ran)",
+    Exit.NOT_RUN: "could not run here (no GPU, no MPS, no vLLM build: one line, before any case runs)",
+    Exit.UNTESTABLE: 'untestable (`bisect`, `vllm-check` and the bisect step: git bisect\'s "skip this commit")',
+    Exit.INTERRUPTED: "interrupted (Ctrl-C)",
+}
+
+# `repro gate`'s outcome -> its exit code. A bisect step over a gate command passes 0 and 1 through, the rest is
+# untestable (gate_step).
+GATE = {
+    GateOutcome.PASS: Exit.OK,
+    GateOutcome.AFFECTED: Exit.BUG,
+    GateOutcome.BLIND: Exit.BLIND,
+    GateOutcome.CANNOT_VOUCH: Exit.NOT_RUN,
+}
+
+
+def gate(outcome: GateOutcome) -> Exit:
+    """`repro gate`: PASS 0, AFFECTED 1, HARNESS BLIND 3, CANNOT VOUCH 4."""
+    return GATE[GateOutcome(outcome)]
+
+
+def compare_paths(verdicts_differ: bool, last: GateOutcome) -> Exit:
+    """`gate --compare-paths`: HARNESS BLIND when a case's verdict differs between the paths (the new path cannot
+    stand in for the old), else the last path's gate outcome."""
+    return Exit.BLIND if verdicts_differ else gate(last)
+
+
+def gate_decision(passed: bool) -> Exit:
+    """The policy's decision as `matrix --gate` and `pytest --gate` give it (pytest: its TESTS_FAILED, 1)."""
+    return Exit.OK if passed else Exit.BUG
+
+
+def pytest_session(status: int, gate_passed: bool) -> int:
+    """`pytest --gate`: pytest's own status when the gate passed, else 1 (a failed gate fails the session)."""
+    return status if gate_passed else gate_decision(False)
+
+
+def matrix(as_expected: bool, gate_passed: bool | None = None) -> Exit:
+    """`matrix`: 0 when every case came back as expected, 1 when one did not; with --gate, 1 also when the gate
+    failed (gate_passed False: the policy's decision, or no GPU)."""
+    if gate_passed is False:
+        return gate_decision(False)
+    return Exit.OK if as_expected else Exit.BUG
+
+
+def run(verdict: str) -> Exit:
+    """`run`: its case's verdict: clean 0, skip (no GPU, MPS or FA3 build for it) 4, any other 1."""
+    if verdict == SKIP:
+        return Exit.NOT_RUN
+    return Exit.OK if verdict == CLEAN else Exit.BUG
+
+
+def source(verdicts: Iterable[str]) -> Exit:
+    """The source check's verdicts (repro.vllm_integration.releases.source_check) of one tree (`bisect --status`, a
+    `--check source` bisect step) or several (`vllm-check`): 1 when one is bad, 0 when every one is good, else 125."""
+    seen = list(verdicts)
+    if BAD in seen:
+        return Exit.BUG
+    return Exit.OK if seen and all(v == GOOD for v in seen) else Exit.UNTESTABLE
+
+
+def gate_step(returncode: int) -> Exit:
+    """A `--check gate` bisect step: the gate command's 0 (good) and 1 (bad) through, anything else untestable (git
+    bisect reads 2 to 124 as bad: a gate that could not answer has shown nothing)."""
+    return Exit(returncode) if returncode in (Exit.OK, Exit.BUG) else Exit.UNTESTABLE
+
+
+def bisect(first_bad: str | None, only_untestable_left: bool) -> Exit:
+    """`bisect`: 0 when git named the first bad commit, 125 when only untestable commits were left, else 1."""
+    if first_bad:
+        return Exit.OK
+    return Exit.UNTESTABLE if only_untestable_left else Exit.BUG
+
+
+def check(ok: bool) -> Exit:
+    """The commands that check one thing (`agree`, `xdist-report`, the MPS coexistence probe): 0 it holds, 1 not."""
+    return Exit.OK if ok else Exit.BUG
+
+
+# command -> {exit code: what it means there}; codes not listed never come from that command.
+EXIT_CODES: dict[str, dict[int, str]] = {
+    "run": {0: "the case is clean", 1: "any other verdict", 2: "bad input", 4: "no GPU, MPS or FA3 build for it"},
+    "matrix": {
+        0: "every case as expected (with --gate: the gate passed)",
+        1: "a case not as expected, HARNESS BLIND, or --gate failed (always without a GPU)",
+        2: "bad input (also what the CPU model cannot predict)",
+        4: "--gpu-only without a GPU",
+    },
+    "gate": {
+        0: "PASS",
+        1: "AFFECTED",
+        2: "bad input",
+        3: "HARNESS BLIND (--compare-paths: also when the paths' verdicts differ)",
+        4: "CANNOT VOUCH, no GPU, or no vLLM build",
+    },
+    "bisect": {
+        0: "found the first bad commit (--status: this commit is good)",
+        1: "no first bad commit found (--status: this commit is bad)",
+        2: "bad input (not a git checkout, unknown revision, no vllm/ at --bad)",
+        125: "only untestable commits were left (--status: this commit is untestable)",
+    },
+    "vllm-check": {0: "every source good", 1: "a source is bad", 2: "bad input", 125: "a source is untestable"},
+    "agree": {0: "every verdict agrees", 1: "a verdict disagrees", 2: "bad input"},
+    "xdist-report": {0: "every worker on a GPU of its own", 1: "a worker shared or changed GPUs", 2: "bad input"},
+    "bench": {0: "written", 2: "bad input"},
+    "redact": {0: "done", 2: "bad input"},
+    "doctor": {0: "always (it reports what is missing)"},
+    "serve": {0: "started, running, stopped or status shown", 2: "bad input, or the server did not start"},
+    "repro.run.smcontrol --probe-coexistence": {
+        0: "MPS clients and plain processes coexist",
+        1: "they do not",
+        2: "bad input",
+        4: "no GPU or MPS to probe",
+    },
+    "repro.vllm_integration.releases.bisect step": {0: "good", 1: "bad", 2: "bad input", 125: "untestable"},
+}
+
+
+def markdown() -> str:
+    """The codes and every command's table, as docs/exit-codes.md shows them."""
+    lines = ["| code | meaning |", "|---|---|"]
+    lines += [f"| {int(code)} | {MEANING[code]} |" for code in Exit]
+    lines += ["", "| command | code | meaning |", "|---|---|---|"]
+    lines += [f"| `{cmd}` | {code} | {what} |" for cmd, codes in EXIT_CODES.items() for code, what in codes.items()]
+    return "\n".join(lines)

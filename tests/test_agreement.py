@@ -1,0 +1,31 @@
+"""`agree`: the CPU model's predicted verdicts against recorded GPU verdicts, verdict and descriptor agreement told
+apart, and what `matrix` writes accepted as input."""
+
+from __future__ import annotations
+
+from tests.commands import ROOT, no_traceback, run_repro
+
+H200_RUN = ROOT / "results" / "h200-default" / "results.json"
+
+
+def test_agree_accepts_what_matrix_writes(tmp_path):
+    assert run_repro("matrix", "--json", str(tmp_path / "m.json"), "--model-sms", "16").returncode == 0
+    r = run_repro("agree", str(tmp_path / "m.json"))
+    no_traceback(r)
+    assert r.returncode == 2 and "no GPU run to compare with" in r.stderr  # predictions only: said, not a TypeError
+    r = run_repro("agree", str(tmp_path / "m.json"), str(H200_RUN))
+    assert r.returncode == 0 and "left out" in r.stderr and "Verdicts agree in" in r.stdout
+
+
+def test_agree_reports_verdict_and_descriptor_agreement_apart():
+    from repro.fa3_model.agreement import Agreement, counts, markdown
+
+    rows = [
+        Agreement("a", "crash", None, "t48r12", "oob", "main", "t64r16", ("oob",)),  # one verdict, two passes
+        Agreement("b", "oob", "combine", "t64r16", "oob", "combine", "t64r16", ("oob",)),
+        Agreement("c", "clean", None, None, "clean", None, None, ("clean",)),  # a clean run names no pass
+    ]
+    assert counts(rows) == {"verdict": (3, 3), "descriptor": (1, 2), "kernel": (1, 1)}
+    md = markdown(rows, ["x.json"])
+    assert "Verdicts agree in 3 of 3 cases" in md and "Descriptors agree in 1 of 2 cases where the GPU named one" in md
+    assert "| a | crash | - | t48r12 | oob | oob | main | t64r16 | yes | NO | - |" in md
