@@ -10,6 +10,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from repro.case.spec import CaseResult
 from repro.errors import Unavailable
@@ -141,25 +142,19 @@ def retried(case: GateCase) -> bool:
 
 
 def run_control(
-    case: GateCase,
-    builds: list[VllmBuild],
-    log_dir: str | Path,
-    mps: MpsDaemon | None = None,
-    cache: GateCache | None = None,
-    device: GateDevice | None = None,
-    launcher: Launcher | None = None,
+    case: GateCase, *where: Any, **how: Any
 ) -> tuple[CaseResult, tuple[GateCase, CaseResult] | None, GateCase]:
-    """run_attributed, then, for a `retried` case that came back clean, more attempts (each its own process and
+    """run_attributed (with the same arguments after the case: builds, log_dir, mps, cache, device, launcher), then, for a `retried` case that came back clean, more attempts (each its own process and
     logs, case id ...-attemptN) until one shows a fault or hang, at most SELF_CONTROL_ATTEMPTS in all. Returns the
     result kept under the case's own id (the first attempt with evidence, revised to say which; else the first), its
     attribution rerun, and the case whose logs hold it."""
-    res, attribution = run_attributed(case, builds, log_dir, mps, cache, device=device, launcher=launcher)
+    res, attribution = run_attributed(case, *where, **how)
     ran = case
     for k in range(1, SELF_CONTROL_ATTEMPTS if retried(case) else 1):
         if res.verdict != CLEAN:
             break
         again = replace(case, attempt=k)
-        r, a = run_attributed(again, builds, log_dir, mps, cache, device=device, launcher=launcher)
+        r, a = run_attributed(again, *where, **how)
         if r.verdict != CLEAN:
             why = f"attempt {k + 1} of {SELF_CONTROL_ATTEMPTS} ({again.case_id}); the earlier decoded without a fault"
             res, attribution, ran = r.revised("self-control attempt", why, case_id=case.case_id), a, again
