@@ -62,4 +62,7 @@ def test_the_gate_runs_its_cases_through_the_attempts(monkeypatch, tmp_path):
     monkeypatch.setattr(gate_process, "run_attributed", stand_in)
     build = VllmBuild("0.26.0", str(tmp_path), UNDER_TEST, "0.26.0")
     gate_run.run_gate([build], parse_modes("audit,plain"), tmp_path / "logs", jobs=2, self_control="under-test")
-    assert sorted(s for s in seen if "attempt" in s) == [V + "self-control-plain-attempt2", V + "self-control-plain-attempt3"]
+    assert sorted(s for s in seen if "attempt" in s) == [
+        V + "self-control-plain-attempt2",
+        V + "self-control-plain-attempt3",
+    ]

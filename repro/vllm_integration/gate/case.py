@@ -154,7 +154,9 @@ class GateCase:
     mode: GateMode
     reference: bool = False
     rep: int = 0
-    attempt: int = 0  # a self control's attempt after one that decoded without a fault (gate.process.SELF_CONTROL_ATTEMPTS)
+    attempt: int = (
+        0  # a self control's attempt after one that decoded without a fault (gate.process.SELF_CONTROL_ATTEMPTS)
+    )
     launch_blocking: bool = False
     timeout_s: float = 300.0
     backend: str = DEFAULT_BACKEND  # vLLM's attention backend (attention_backend=...)

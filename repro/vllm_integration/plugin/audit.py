@@ -187,9 +187,7 @@ def _slots_advanced(built: list[Number], now: list[Number], d: int) -> bool:
     masked it (past the model length). Another descriptor's slots differ in count or place otherwise."""
     if not built or len(built) != len(now):
         return False
-    return all(
-        x == PAD_SLOT or y == PAD_SLOT or (y - x - d) % PAGE_GRANULE == 0 and y >= 0 for x, y in zip(built, now)
-    )
+    return all(x == PAD_SLOT or y == PAD_SLOT or (y - x - d) % PAGE_GRANULE == 0 and y >= 0 for x, y in zip(built, now))
 
 
 def _ints(v: Any) -> list[Number]:
