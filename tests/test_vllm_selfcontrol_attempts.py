@@ -12,6 +12,7 @@ from repro.judge.verdicts import CLEAN, CRASH
 from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import run as gate_run
 from repro.vllm_integration.gate.case import GateCase, parse_modes
+from repro.vllm_integration.gate.report import rows
 from repro.vllm_integration.plugin.inject import STALE_CAPTURE
 from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
 
@@ -29,7 +30,8 @@ def _control(monkeypatch, tmp_path, mode, inject, verdicts):
     monkeypatch.setattr(gate_process, "run_attributed", stand_in)
     build = VllmBuild("0.26.0", str(tmp_path), UNDER_TEST, "0.26.0")
     case = GateCase(build, parse_modes(mode)[0], inject=inject)
-    res, _, ran = gate_process.run_control(case, [build], tmp_path)
+    res, _, ran, tried = gate_process.run_control(case, [build], tmp_path)
+    assert [c.case_id for c, _ in tried] == seen[1:]  # every further attempt comes back, the kept one among them
     return case, res, ran, seen
 
 
@@ -61,8 +63,13 @@ def test_the_gate_runs_its_cases_through_the_attempts(monkeypatch, tmp_path):
 
     monkeypatch.setattr(gate_process, "run_attributed", stand_in)
     build = VllmBuild("0.26.0", str(tmp_path), UNDER_TEST, "0.26.0")
-    gate_run.run_gate([build], parse_modes("audit,plain"), tmp_path / "logs", jobs=2, self_control="under-test")
+    run = gate_run.run_gate([build], parse_modes("audit,plain"), tmp_path / "logs", jobs=2, self_control="under-test")
     assert sorted(s for s in seen if "attempt" in s) == [
+        V + "self-control-plain-attempt2",
+        V + "self-control-plain-attempt3",
+    ]
+    # results.json keeps them (kind "attempt"), so a replay of the record makes the same attempts
+    assert sorted(x["case"] for x in rows(run) if x["kind"] == "attempt") == [
         V + "self-control-plain-attempt2",
         V + "self-control-plain-attempt3",
     ]

@@ -143,22 +143,24 @@ def retried(case: GateCase) -> bool:
 
 def run_control(
     case: GateCase, *where: Any, **how: Any
-) -> tuple[CaseResult, tuple[GateCase, CaseResult] | None, GateCase]:
+) -> tuple[CaseResult, tuple[GateCase, CaseResult] | None, GateCase, list[tuple[GateCase, CaseResult]]]:
     """run_attributed (with the same arguments after the case: builds, log_dir, mps, cache, device, launcher), then, for a `retried` case that came back clean, more attempts (each its own process and
     logs, case id ...-attemptN) until one shows a fault or hang, at most SELF_CONTROL_ATTEMPTS in all. Returns the
     result kept under the case's own id (the first attempt with evidence, revised to say which; else the first), its
-    attribution rerun, and the case whose logs hold it."""
+    attribution rerun, the case whose logs hold it, and every further attempt as it came back (results.json keeps
+    them, so a replay makes the attempts the run made)."""
     res, attribution = run_attributed(case, *where, **how)
-    ran = case
+    ran, tried = case, []
     for k in range(1, SELF_CONTROL_ATTEMPTS if retried(case) else 1):
         if res.verdict != CLEAN:
             break
         again = replace(case, attempt=k)
         r, a = run_attributed(again, *where, **how)
+        tried.append((again, r))
         if r.verdict != CLEAN:
             why = f"attempt {k + 1} of {SELF_CONTROL_ATTEMPTS} ({again.case_id}); the earlier decoded without a fault"
             res, attribution, ran = r.revised("self-control attempt", why, case_id=case.case_id), a, again
-    return res, attribution, ran
+    return res, attribution, ran, tried
 
 
 def skipped(case: GateCase, reason: str) -> CaseResult:

@@ -25,7 +25,12 @@ RESULTS_KIND = VLLM_GATE_KIND
 
 def rows(run: GateRun) -> list[dict]:
     out = []
-    for kind, pairs in (("case", run.cases), ("reference", run.references), ("attribution", run.attributions)):
+    for kind, pairs in (
+        ("case", run.cases),
+        ("reference", run.references),
+        ("attribution", run.attributions),
+        ("attempt", run.attempts),
+    ):
         for c, r in pairs:
             out.append(
                 {
@@ -310,7 +315,11 @@ def markdown(run: GateRun, env: dict | None = None, need_control: bool = True) -
 
 
 def to_json(run: GateRun, env: dict | None = None, need_control: bool = True) -> dict:
-    results = {c.case_id: r.to_dict() for pairs in (run.cases, run.references, run.attributions) for c, r in pairs}
+    results = {
+        c.case_id: r.to_dict()
+        for pairs in (run.cases, run.references, run.attributions, run.attempts)
+        for c, r in pairs
+    }
     return {
         "kind": RESULTS_KIND,
         "environment": env or {},

@@ -53,6 +53,7 @@ class GateRun:
     cases: list[tuple[GateCase, CaseResult]] = field(default_factory=list)
     references: list[tuple[GateCase, CaseResult]] = field(default_factory=list)
     attributions: list[tuple[GateCase, CaseResult]] = field(default_factory=list)  # launch-blocking reruns
+    attempts: list[tuple[GateCase, CaseResult]] = field(default_factory=list)  # a self control's further attempts
     wall_s: float = 0.0
     build_wall_s: dict[str, float] = field(default_factory=dict)
     launches: dict[str, dict] = field(default_factory=dict)  # per build: how its case processes started (Launcher)
@@ -203,11 +204,11 @@ def run_gate(
         t = time.time()
         kept = cache.load_reference(c.build, ref_key(c), gpu) if cache is not None and c.reference else None
         if kept is not None:
-            res, attribution, out = kept_reference(c, kept), None, kept["result"]
+            res, attribution, out, tried = kept_reference(c, kept), None, kept["result"], []
         else:
             dev = (pool.devices[0] if mps is not None else pool.take(kind)) if pool else None
             try:
-                res, attribution, ran = run_control(c, builds, log_dir, mps, cache, device=dev, launcher=launch)
+                res, attribution, ran, tried = run_control(c, builds, log_dir, mps, cache, device=dev, launcher=launch)
             finally:
                 if dev is not None and mps is None:
                     pool.give(dev)
@@ -223,6 +224,7 @@ def run_gate(
             (run.references if c.reference else run.cases).append((c, res))
             if attribution:
                 run.attributions.append(attribution)
+            run.attempts += tried
             span = starts.setdefault(c.build.label, [t, t])
             span[0], span[1] = min(span[0], t), max(span[1], time.time())
         if progress:
