@@ -9,11 +9,25 @@ import os
 import signal
 import sys
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 EXIT_SUFFIX = ".exit"  # beside a forked case's output: the exit code the case process ended with
 LOST_STATUS = 255  # what multiprocessing reports when the forkserver's report of a child's exit was lost
+
+
+def reaped() -> Iterator[tuple[int, int]]:
+    """(pid, exit code) of every child of this process that has ended, without waiting for one still running (a
+    signal's exit is its negative number): how a forkserver learns its cases' exits."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:  # no child left
+            return
+        if pid == 0:  # children left, none ended
+            return
+        yield pid, os.waitstatus_to_exitcode(status)
 
 
 @dataclass

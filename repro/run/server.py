@@ -34,7 +34,7 @@ from pathlib import Path
 from repro import CHECKOUT, PACKAGE
 from repro.errors import ConfigError
 from repro.run.executor import PRELOAD, MemcheckAhead
-from repro.run.process import ProcessRun, exit_code, kill_group, run_child
+from repro.run.process import ProcessRun, exit_code, kill_group, reaped, run_child
 
 SOCKET_ENV = "REPRO_SERVER"  # the socket to use instead of the default one, or "off": never use a server
 DEFAULT_IDLE_S = 1800.0
@@ -173,19 +173,17 @@ def _request(conn, srv, sel, cases, facts) -> str | None:
 
 
 def _reap(sel, cases) -> None:
-    while cases:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+    if not cases:
+        return
+    for pid, code in reaped():
         conn = cases.pop(pid, None)
         if conn is not None:
             with contextlib.suppress(OSError):
-                conn.sendall((json.dumps({"exit": os.waitstatus_to_exitcode(status)}) + "\n").encode())
+                conn.sendall((json.dumps({"exit": code}) + "\n").encode())
             sel.unregister(conn)
             conn.close()
+        if not cases:  # every case reaped: other children are not this loop's to wait for
+            return
 
 
 # ---- the command's side

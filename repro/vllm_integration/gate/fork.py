@@ -38,6 +38,7 @@ import time
 import traceback
 
 from repro.errors import ProtocolError
+from repro.run.process import reaped
 
 SCHEMA = 1
 RUN, KILL, STOP = "run", "kill", "stop"  # gate -> forkserver
@@ -240,17 +241,14 @@ def serve(req_fd: int, rep_fd: int) -> dict | None:
 
 
 def _reap(children: dict[int, int], rep_fd: int) -> None:
-    while children:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+    if not children:
+        return
+    for pid, code in reaped():
         if pid in children:
             rid = children.pop(pid)
-            code = os.waitstatus_to_exitcode(status)
             _send(rep_fd, encode(EXITED, id=rid, pid=pid, returncode=code, at=time.time()))
+        if not children:  # every case reaped: other children are not this loop's to wait for
+            return
 
 
 def become_case(msg: dict, facts: dict) -> None:
