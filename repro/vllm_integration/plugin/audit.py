@@ -96,20 +96,18 @@ class FreshnessAuditor:
         self.views += len(compared)
         found = []
         nows = {name: _ints(views.get(name)) for name in compared}
-        # the draft loop's step in this check: the d its seq_lens advanced by (None: not advanced)
-        step = next(
-            (
-                nows[n][0] - b.values[n][0]
-                for n in compared
-                if advance and n.rsplit(".", 1)[-1] == "seq_lens" and _advanced(b.values[n], nows[n], advance)
-            ),
-            None,
-        )
+        # seq_lens views the draft loop advanced in place, and its step in this check (the d of the first; None: none)
+        advanced = [
+            n
+            for n in compared
+            if advance and n.rsplit(".", 1)[-1] == "seq_lens" and _advanced(b.values[n], nows[n], advance)
+        ]
+        step = nows[advanced[0]][0] - b.values[advanced[0]][0] if advanced else None
         for name, built in compared.items():
             now = nows[name]
             if now == built:
                 continue
-            if step is not None and name.rsplit(".", 1)[-1] == "seq_lens" and _advanced(built, now, advance):
+            if name in advanced:
                 self.loop_advances += 1
                 continue
             if step is not None and name.rsplit(".", 1)[-1] == "slot_mapping" and _slots_advanced(built, now, step):
