@@ -78,6 +78,15 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None):
 class _RecordedMps:
     """Stands in for the MPS daemon of the recorded run: its cases' processes are replayed, nothing starts."""
 
+    def start(self):
+        return self
+
+    def stop(self):
+        pass
+
+    def wait_ready(self):
+        return 0.0, []
+
     def __enter__(self):
         return self
 

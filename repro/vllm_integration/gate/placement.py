@@ -11,8 +11,8 @@ slice where MIG is on), and a pool that hands each case one device at a time.
   never compared across SM counts.
 - On a MIG runner the cases go to the slices with the fewest SMs (where the defect was found), without a flag.
 
-MPS cases stay on the first device, one at a time under one daemon (gate_run.serial_part): one MPS daemon per device
-is not built yet.
+MPS cases stay on the first device, under one daemon (gate_run.run_gate, repro.run.mps_cases): one MPS daemon per
+device is not built yet.
 
 Without `--jobs`, the number of cases at a time is fitted to the machine (fit_jobs): half its CPU cores, and no more
 than the emptiest GPU's free memory holds at GIB_PER_CASE a case with FREE_AT_START of it left free (what each case

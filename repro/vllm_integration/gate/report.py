@@ -264,6 +264,11 @@ def markdown(run: GateRun, env: dict | None = None, need_control: bool = True) -
         summary[0] = f"gate: {len(run.cases)} case(s) ran; no positive control needed (--no-control)"
     lines += [""] + summary
     lines += fidelity_markdown(run)
+    if run.mps_reruns:  # MPS cases run again (their result is the last run's; the logs before kept beside it)
+        lines.append(
+            "\nRan again under MPS (the earlier run's logs kept as <case>.<attempt>.*): "
+            + ", ".join(f"{r['case']} (after {r['attempt before']})" for r in run.mps_reruns)
+        )
     if run.launches:  # how the case processes started, and every fallback from the launcher asked for
         lines += ["", "How the case processes started:", ""] + gate_bench.launch_lines({"": run})
     lines += [
@@ -331,6 +336,7 @@ def to_json(run: GateRun, env: dict | None = None, need_control: bool = True) ->
         "decision": run.decision(need_control).summary(),
         "wall_s": run.wall_s,
         "launches": run.launches,
+        "mps_reruns": run.mps_reruns,
         "builds": build_summary(run),
         "release_range": release_range.to_json(releases_only(build_summary(run))),
         "cases": [{**row, "result": results[row["case"]]} for row in rows(run)],

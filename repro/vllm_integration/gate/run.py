@@ -2,7 +2,8 @@
 as its own process (repro.vllm_integration.gate.worker) under a timeout, classified by the same verdict code as the
 attention-layer cases (repro.judge.classify) and judged (repro.vllm_integration.gate.judge: annotation, the comparison
 with the build's own reference run in the same SM configuration, coverage); a crash in the plain mode rerun once with
-CUDA_LAUNCH_BLOCKING=1 to name the kernel; non-MPS cases in parallel, MPS cases one at a time under one daemon.
+CUDA_LAUNCH_BLOCKING=1 to name the kernel; non-MPS cases in parallel; MPS cases under one daemon, the cases expected clean as concurrent clients, each control
+alone (repro.run.mps_cases).
 
 The outcome goes through repro.judge.policy: AFFECTED when a build under test showed the bug, CANNOT VOUCH when a case's
 checked feature did not fire, HARNESS BLIND when a control build (known bad) was not detected in a gating mode, else
@@ -20,11 +21,11 @@ from pathlib import Path
 from repro.case.spec import CaseResult
 from repro.errors import ConfigError, Unavailable
 from repro.judge import policy
-from repro.judge.classify import refused
 from repro.judge.verdicts import CANNOT_VOUCH as NOT_VOUCHED
 from repro.judge.verdicts import CLEAN, FAULTS
 from repro.run.channel import Channel
-from repro.run.runner import case_logs, device_sm_count
+from repro.run.mps_cases import SHARED, run_mps_cases
+from repro.run.runner import case_logs, device_sm_count, set_aside_logs
 from repro.run.smcontrol import MpsDaemon
 from repro.run.tags import RESULT_TAG
 from repro.vllm_integration.gate.cache import GateCache, gpu_identity, kept_reference, ref_key
@@ -57,6 +58,7 @@ class GateRun:
     wall_s: float = 0.0
     build_wall_s: dict[str, float] = field(default_factory=dict)
     launches: dict[str, dict] = field(default_factory=dict)  # per build: how its case processes started (Launcher)
+    mps_reruns: list[dict] = field(default_factory=list)  # MPS cases run again (repro.run.mps_cases): which, after what
 
     def controls(self) -> list[policy.Control]:
         """Every case as the policy sees it: mode = the gate mode's name."""
@@ -158,8 +160,10 @@ def run_gate(
     only: VllmBuild | None = None,
     launcher: str | None = None,
 ) -> GateRun:
-    """Every case, references included; non-MPS cases `jobs` at a time, MPS cases one at a time under one daemon
-    owned by the run (a faulting MPS client can take the server's other clients down). With a cache (the new path,
+    """Every case, references included; non-MPS cases `jobs` at a time; MPS cases under a daemon owned by the run
+    (repro.run.mps_cases' shared policy, as the matrix runs them): the cases expected clean several at a time, each
+    control alone, and a shared case whose verdict a neighbour's fault could have caused again alone (a faulting MPS
+    client can take the server's other clients down). With a cache (the new path,
     repro.vllm_integration.gate.cache) the cases share their build's vLLM caches and a reference kept for the build's
     fingerprint, SM configuration, GPU and gate code is used instead of running it again; without, the old path.
     With devices (repro.vllm_integration.gate.placement), each case process runs on one of them, of one kind (main_kind:
@@ -199,26 +203,34 @@ def run_gate(
             plain = GateCase(b, GateMode.parse("plain"))
             launch.start(b, case_env(plain, builds, Path(log_dir) / "forkserver.audit.json", None, lambda: 0))
 
-    def one(c: GateCase, mps: MpsDaemon | None, keep: Callable[[CaseResult], bool] = lambda r: True) -> CaseResult:
-        """Run (or load) one case and record it, unless keep says its result is not to be recorded."""
+    ran_last: dict[str, tuple] = {}  # case id -> (attribution, case whose logs hold it, attempts, start, kept output)
+
+    def run_one(c: GateCase, mps: MpsDaemon | None) -> CaseResult:
+        """Run one case's process (or load its kept reference): the process's own verdict, before any reference
+        check; what else it left is kept for record()."""
         t = time.time()
         kept = cache.load_reference(c.build, ref_key(c), gpu) if cache is not None and c.reference else None
         if kept is not None:
-            res, attribution, out, tried = kept_reference(c, kept), None, kept["result"], []
-        else:
-            dev = (pool.devices[0] if mps is not None else pool.take(kind)) if pool else None
-            try:
-                res, attribution, ran, tried = run_control(c, builds, log_dir, mps, cache, device=dev, launcher=launch)
-            finally:
-                if dev is not None and mps is None:
-                    pool.give(dev)
+            ran_last[c.case_id] = (None, c, [], t, kept["result"])
+            return kept_reference(c, kept)
+        dev = (pool.devices[0] if mps is not None else pool.take(kind)) if pool else None
+        try:
+            res, attribution, ran, tried = run_control(c, builds, log_dir, mps, cache, device=dev, launcher=launch)
+        finally:
+            if dev is not None and mps is None:
+                pool.give(dev)
+        ran_last[c.case_id] = (attribution, ran, tried, t, None)
+        return res
+
+    def record(c: GateCase, res: CaseResult) -> None:
+        """Keep a case's final result (of its last process): a reference validated, and kept in the cache if good."""
+        attribution, ran, tried, t, out = ran_last[c.case_id]
+        if out is None:
             out = result_line(log_dir, ran)
             if c.reference:
                 res = validate_reference(c, res, out)
             if cache is not None and c.reference and res.verdict == CLEAN and out and out.get("tokens"):
                 cache.store_reference(c.build, ref_key(c), gpu, out, res.to_dict())
-        if not keep(res):
-            return res
         with lock:
             outputs[c.case_id] = out
             (run.references if c.reference else run.cases).append((c, res))
@@ -229,43 +241,39 @@ def run_gate(
             span[0], span[1] = min(span[0], t), max(span[1], time.time())
         if progress:
             progress(c, res)
-        return res
 
     everything = cases + refs  # speculative cases first: one of them writes the build's vLLM cache the rest then use
-    serial = [c for c in everything if c.mode.sm.kind == "mps"]
+    under_mps = [c for c in everything if c.mode.sm.kind == "mps"]
     parallel = [c for c in everything if c.mode.sm.kind != "mps"]
 
-    def serial_part() -> None:
-        """The MPS cases, one at a time. A client that faulted can leave the server refusing the next client, so
-        after a fault the rest run under a fresh daemon, and a case the server refused runs once more under one."""
-        pending, retried = list(serial), set()
-        try:
-            while pending:
-                with MpsDaemon() as mps:
-                    while pending:
-                        c = pending.pop(0)
-                        first_try = c.case_id not in retried
-                        res = one(c, mps, keep=lambda r, again=first_try: not (refused(r) and again))
-                        if refused(res) and first_try:
-                            retried.add(c.case_id)
-                            pending.insert(0, c)
-                            break
-                        if res.verdict in FAULTS:
-                            break
-        except Unavailable as e:
-            done = {x.case_id for x, _ in run.cases + run.references}
-            for c in serial:
-                if c.case_id in done:
-                    continue
-                res = skipped(c, str(e))
-                with lock:
-                    (run.references if c.reference else run.cases).append((c, res))
+    def set_aside(c: GateCase, attempt: str) -> None:
+        set_aside_logs(Path(log_dir), c.case_id, attempt)
+        with lock:
+            run.mps_reruns.append({"case": c.case_id, "attempt before": attempt})
+
+    def mps_part() -> None:
+        """The MPS cases under daemons owned by the run (repro.run.mps_cases, the matrix's shared policy): a control
+        (expected to fault) alone under the daemon; the cases expected clean (builds under test, every build's
+        references) as concurrent clients, a verdict a neighbour's fault could have caused rerun alone."""
+        for c, res in run_mps_cases(
+            under_mps,
+            run_one,
+            SHARED,
+            jobs=max(1, workers // 2) if parallel else workers,
+            may_share=lambda c: c.reference or not c.is_control,
+            daemon_factory=lambda: MpsDaemon(),
+            before_rerun=set_aside,
+        ):
+            if c.case_id not in ran_last:  # no daemon: skipped, the reason given
+                res = skipped(c, res.reason)
+                ran_last[c.case_id] = (None, c, [], time.time(), {})
+            record(c, res)
 
     try:
-        mps_thread = threading.Thread(target=serial_part, daemon=True)
+        mps_thread = threading.Thread(target=mps_part, daemon=True)
         mps_thread.start()
         with ThreadPoolExecutor(max_workers=workers) as threads:
-            list(threads.map(lambda c: one(c, None), parallel))
+            list(threads.map(lambda c: record(c, run_one(c, None)), parallel))
         mps_thread.join()
     finally:
         run.launches = launch.summary()

@@ -1,0 +1,122 @@
+"""Under MPS (gate.run.run_gate): the cases expected clean (builds under test, references) share one daemon several at
+a time; every control, expected to fault, runs alone (no other client of the daemon), since a client's fatal fault can take the
+server's other clients down; a shared case that came back other than clean runs again alone and that result is kept.
+Stand-in case processes and daemons: who shares a daemon with whom, what is kept, what the report says."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from repro.case.spec import CaseResult
+from repro.judge.verdicts import CLEAN, CRASH, ERROR
+from repro.vllm_integration.gate import process as gate_process
+from repro.vllm_integration.gate import run as gate_run
+from repro.vllm_integration.gate.case import parse_modes
+from repro.vllm_integration.gate.report import markdown, to_json
+from repro.vllm_integration.releases.builds import CONTROL, UNDER_TEST, VllmBuild
+
+
+class _Daemon:
+    """A stand-in MPS daemon: counts its clients while they run."""
+
+    made: list[_Daemon] = []
+
+    def __init__(self):
+        self.clients, self.worst, self.lock = 0, 0, threading.Lock()
+        _Daemon.made.append(self)
+
+    def start(self):
+        return self
+
+    def stop(self):
+        pass
+
+    def wait_ready(self):
+        return 0.0, []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def client_env(self, sms, total):
+        return {}
+
+
+def _gate(monkeypatch, tmp_path, answer, modes="mps:16,mps:24", jobs=4):
+    """run_gate over 0.26.0 (under test, with its self control) and 0.25.1 (control); answer(case, alone) gives each
+    process's verdict, alone: no other client on its daemon when it started or ended."""
+    _Daemon.made = []
+    seen, lock = [], threading.Lock()
+
+    def stand_in(case, builds, log_dir, mps=None, cache=None, device=None, launcher=None):
+        with mps.lock:
+            mps.clients += 1
+            mps.worst = max(mps.worst, mps.clients)
+            first = mps.clients == 1
+        time.sleep(0.03)
+        with mps.lock:
+            alone = first and mps.clients == 1
+            mps.clients -= 1
+        with lock:
+            seen.append((case, mps, alone))
+        return CaseResult(case.case_id, answer(case, alone), "stand-in"), None
+
+    monkeypatch.setattr(gate_process, "run_attributed", stand_in)
+    monkeypatch.setattr(gate_run, "MpsDaemon", _Daemon)
+    # the processes' verdicts as they are: the reference comparison is not what these tests are about
+    monkeypatch.setattr(gate_run, "validate_reference", lambda c, r, out: r)
+    monkeypatch.setattr(gate_run, "finish", lambda c, r, out, ref, ref_out: r)
+    builds = [
+        VllmBuild("0.26.0", str(tmp_path / "a"), UNDER_TEST, "0.26.0"),
+        VllmBuild("0.25.1", str(tmp_path / "b"), CONTROL, "0.25.1"),
+    ]
+    run = gate_run.run_gate(builds, parse_modes(modes), tmp_path / "logs", jobs=jobs, self_control="under-test")
+    return run, seen
+
+
+def test_controls_run_alone_and_the_clean_expected_share_one_daemon(monkeypatch, tmp_path):
+    run, seen = _gate(monkeypatch, tmp_path, lambda c, alone: CRASH if c.is_control and not c.reference else CLEAN)
+    controls = [(c, alone) for c, _, alone in seen if c.is_control and not c.reference]
+    assert len(controls) == 4 and all(alone for _, alone in controls)  # 0.25.1 and the self control, 2 modes
+    shared = {id(d) for c, d, _ in seen if c.reference or not c.is_control}
+    assert len(shared) == 1  # 2 cases of 0.26.0 and 4 references, one daemon
+    (daemon,) = [d for d in _Daemon.made if id(d) in shared]
+    assert daemon.worst > 1  # they did run beside each other
+    assert run.mps_reruns == [] and len(run.cases) == 6 and len(run.references) == 4
+    assert run.outcome().name == "PASS"
+
+
+def test_a_shared_case_not_clean_runs_again_alone_and_the_alone_result_is_kept(monkeypatch, tmp_path):
+    def answer(c, alone):
+        if c.is_control and not c.reference:
+            return CRASH
+        if "under-test-mps16" in c.case_id:
+            return CLEAN if alone else ERROR  # a neighbour's fault took it down; alone it decodes
+        return CLEAN
+
+    run, seen = _gate(monkeypatch, tmp_path, answer)
+    ran = [(c.case_id, alone) for c, _, alone in seen if "under-test-mps16" in c.case_id]
+    assert ran == [(ran[0][0], False), (ran[0][0], True)]
+    assert run.mps_reruns == [{"case": ran[0][0], "attempt before": "batch"}]
+    kept = {c.case_id: r for c, r in run.cases}
+    assert kept[ran[0][0]].verdict == CLEAN and run.outcome().name == "PASS"
+    doc = to_json(run, {})
+    assert doc["mps_reruns"] == run.mps_reruns
+    assert f"{ran[0][0]} (after batch)" in markdown(run, {})
+
+
+def test_a_build_under_test_that_faults_alone_too_is_affected(monkeypatch, tmp_path):
+    run, seen = _gate(monkeypatch, tmp_path, lambda c, alone: CLEAN if c.reference else CRASH)
+    last = {c.case_id: alone for c, _, alone in seen}  # each case's last process
+    assert all(last[c.case_id] for c, _ in run.cases)
+    again = sorted(r["case"] for r in run.mps_reruns)
+    assert again == sorted(c.case_id for c, _ in run.cases if "under-test" in c.case_id)
+    assert run.outcome().name == "AFFECTED"
+
+
+def test_with_one_job_nothing_shares_a_daemon(monkeypatch, tmp_path):
+    run, _ = _gate(monkeypatch, tmp_path, lambda c, alone: CRASH if c.is_control and not c.reference else CLEAN, jobs=1)
+    assert max(d.worst for d in _Daemon.made) == 1 and run.outcome().name == "PASS"
