@@ -6,7 +6,8 @@ own groups, so a change to a group shows.
 
 Mutation-checked: for each rule, the rule was deleted or weakened in repro/judge/policy.py (a verdict taken out of a MEETS
 row, an `if` or a clause of a condition removed), this file was run (`python -m pytest -q tests/test_policy.py`), and
-exactly the test named for the rule failed; then the source was restored. tests/mutation_check.py holds the 35
+the test named for the rule failed (rules others rest on fail more tests); then the source was restored.
+tests/mutation_check.py holds the 36
 mutations and the tests each must fail, and runs them (`python tests/mutation_check.py policy`). Two rules every
 decision rests on fail the decide tests too: kernel evidence counting as a mode's evidence, and a met expectation
 passing (deleting either fails every decide test with such a control besides the rule's own test); and a
@@ -68,7 +69,16 @@ def test_kernel_evidence_counts_in_every_mode():
 
 def test_stale_audit_counts_only_in_the_engine_audit_mode():
     assert policy.counts_as_evidence("stale-audit", "audit")
+    # the auditor under an SM restriction (the hidden sweep's audit+ modes) reads the engine's objects all the same
+    assert policy.counts_as_evidence("stale-audit", "audit+mps:16")
+    assert policy.counts_as_evidence("stale-audit", "audit+sm_margin:8")
     assert not policy.counts_as_evidence("stale-audit", "graph")  # the harness's own bookkeeping: not evidence
+    assert not policy.counts_as_evidence("stale-audit", "mps:16")
+    cs = [
+        policy.Control("u", "clean", "clean", "audit+mps:16"),
+        policy.Control("k", "audit", "stale-audit", "audit+mps:16", kind=policy.KNOWN_BAD, subject="0.25.1 FLASH_ATTN"),
+    ]
+    assert policy.decide(cs).passed and policy.decide(cs).evidence == {"audit+mps:16": (1, 1)}
 
 
 def test_requirements_are_parsed_and_an_unknown_one_refused():

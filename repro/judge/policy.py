@@ -21,7 +21,8 @@ What a gate run needs (`decide`):
    applicable: listed with its reason, not a failure, unless the run requires that feature (`REQUIREMENTS`).
 3. Each gating mode (the group a control belongs to: eager, graph, memcheck, or a vLLM gate mode) needs evidence
    from its OWN positive controls (a mode that ran only negative controls fails): kernel evidence, or for the modes
-   in `ENGINE_AUDIT_MODES` the engine's own metadata caught stale by the auditor. The attention-layer stale-audit is the harness's bookkeeping: it meets an
+   in `ENGINE_AUDIT_MODES` (alone or in an SM configuration: `audit+mps:16`) the engine's own metadata caught stale by
+   the auditor. The attention-layer stale-audit is the harness's bookkeeping: it meets an
    `audit` control but never counts as a mode's evidence.
 4. At least one positive control ran.
 5. A known-bad build (`known-bad` controls, grouped by `Control.subject`) shows evidence in at least one of its modes.
@@ -84,6 +85,13 @@ AUDIT_CONTROLS = {
 # Gate modes whose stale-audit comes from the engine's own metadata (vLLM's), not the harness's builder.
 ENGINE_AUDIT_MODES = ("audit",)
 
+
+def engine_audit(mode: str) -> bool:
+    """A mode whose stale-audit is the engine's: one of ENGINE_AUDIT_MODES, alone or in an SM configuration
+    (`audit+mps:16`, `audit+sm_margin:8`: the auditor with that restriction)."""
+    return mode.split("+", 1)[0] in ENGINE_AUDIT_MODES
+
+
 # Features a runner can be told it must cover; absent ones are then failures instead of "not applicable".
 REQUIREMENTS = {
     "mig": "a MIG slice pinned to each worker (REPRO_PINNED_DEVICE=MIG-...)",
@@ -109,7 +117,7 @@ def is_positive(expect: str) -> bool:
 
 def counts_as_evidence(verdict: str, mode: str) -> bool:
     """Does this verdict, from a positive control of `mode`, show that the mode sees the bug?"""
-    return verdict in KERNEL_EVIDENCE or (verdict == STALE_AUDIT and mode in ENGINE_AUDIT_MODES)
+    return verdict in KERNEL_EVIDENCE or (verdict == STALE_AUDIT and engine_audit(mode))
 
 
 def parse_requirements(text: str | None) -> frozenset[str]:
@@ -289,7 +297,7 @@ def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) 
                 )
             )
         elif not ev:
-            what = "kernel evidence" + (" or the engine's audit" if mode in ENGINE_AUDIT_MODES else "")
+            what = "kernel evidence" + (" or the engine's audit" if engine_audit(mode) else "")
             d.failures.append(
                 Failure(
                     f"GATE FAILED: mode {mode}: none of its {pos} positive control(s) produced {what}: "
