@@ -18,6 +18,7 @@ from repro.errors import ConfigError
 from repro.judge.expectations import expectation, positive_control
 from repro.judge.policy import disagrees, is_positive, problem, satisfies
 from repro.judge.verdicts import SKIP
+from repro.run.memory import MemoryBudget, case_bytes
 from repro.run.mps_cases import PER_CASE, run_mps_cases
 
 DEFAULT_SMS = ("sm_margin:16", "mps:16", "full")  # the matrix's SM restrictions (`matrix --sms`)
@@ -139,10 +140,13 @@ def run_matrix(
     progress: Callable[[int, int, CaseSpec, CaseResult], None] | None = None,
     executor=None,
     mps_daemon: str = PER_CASE,
+    memory: MemoryBudget | None | str = "free GPU",
 ) -> MatrixRun:
     """Run cases in parallel processes, and the MPS cases under MPS daemons as `mps_daemon` says (repro.run.mps_cases).
     per-case: the MPS cases after the others, each under a daemon of its own. shared: one daemon, its cases beside
-    the others (an MPS client and plain CUDA processes ran side by side on the H200: results/h200-mps-probe)."""
+    the others (an MPS client and plain CUDA processes ran side by side on the H200: results/h200-mps-probe). Every
+    case process holds its share of `memory` (repro.run.memory: by default the GPU's free memory; None: no limit)
+    while it runs, so `jobs` cases at a time become fewer where their KV caches are large."""
     from repro.run.runner import (  # here: the CPU model imports this module
         memcheck_launch_env,
         run_case,
@@ -151,6 +155,14 @@ def run_matrix(
 
     specs = list(specs)
     t0 = time.time()
+    budget = MemoryBudget.of_free_gpu() if memory == "free GPU" else memory
+
+    def run_one(s: CaseSpec, daemon) -> CaseResult:
+        if budget is None:
+            return run_case(s, log_dir, daemon, executor)
+        with budget.hold(case_bytes(s.cfg.device_bytes())):
+            return run_case(s, log_dir, daemon, executor)
+
     expected: dict[str, str] = {}
     # the controls' expectations, beside the cases (the CPU model imports torch: seconds no case need wait for)
     expecting = threading.Thread(target=lambda: expected.update({s.case_id: expectation(s) for s in specs}))
@@ -175,7 +187,7 @@ def run_matrix(
     def mps_group() -> None:
         for s, r in run_mps_cases(
             mps_cases,
-            lambda s, daemon: run_case(s, log_dir, daemon, executor),
+            run_one,
             mps_daemon,
             jobs,
             may_share=lambda s: not positive_control(s),
@@ -187,7 +199,7 @@ def run_matrix(
     try:
         with ThreadPoolExecutor(max_workers=max(1, jobs) + (1 if beside else 0)) as pool:
             group = pool.submit(mps_group) if beside else None
-            futs = {pool.submit(run_case, s, log_dir, None, executor): s for s in plain}
+            futs = {pool.submit(run_one, s, None): s for s in plain}
             for f in as_completed(futs):
                 record(futs[f], f.result())
             if group is not None:

@@ -169,10 +169,11 @@ def cmd_gate(a: argparse.Namespace) -> int:
     or the gate cannot run here (no GPU, no vLLM build), said in one line before any case runs; 3: HARNESS BLIND (a
     control missed, or none ran); 2: bad input. A bisect step maps 0 and 1 through, the rest to 125 (untestable)."""
     from repro.report.environment import collect  # the gate's modules load only for it
+    from repro.run.memory import gpu_memory_gib  # as above
     from repro.vllm_integration.gate import report as gate_report  # as above
     from repro.vllm_integration.gate.cache import GateCache, default_root  # as above
     from repro.vllm_integration.gate.case import parse_backends, parse_modes  # as above
-    from repro.vllm_integration.gate.placement import cpu_cores, fit_jobs, gate_devices, gpu_memory_gib  # as above
+    from repro.vllm_integration.gate.placement import cpu_cores, fit_jobs, gate_devices  # as above
     from repro.vllm_integration.gate.run import run_gate  # as above
     from repro.vllm_integration.releases.builds import (  # as above
         CONTROL,

@@ -21,7 +21,6 @@ asks vLLM to find free at its start), times the devices used."""
 from __future__ import annotations
 
 import os
-import subprocess
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -138,27 +137,6 @@ def cpu_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 2
-
-
-def gpu_memory_gib() -> list[tuple[float, float]]:
-    """(total, free) GiB of every GPU nvidia-smi lists (no CUDA in this process); [] without one."""
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.total,memory.free", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    found = []
-    for line in out.splitlines():
-        try:
-            total, free = (float(x) / 1024 for x in line.split(","))
-        except ValueError:
-            continue
-        found.append((total, free))
-    return found
 
 
 def fit_jobs(cpus: int, memory: list[tuple[float, float]], devices: int = 1) -> tuple[int, str]:
