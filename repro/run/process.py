@@ -39,6 +39,42 @@ class ProcessRun:
     stopped_early: bool  # killed EARLY_STOP_GRACE_S (repro.run.runner) after memcheck's first finding
     wall_s: float
     started_at: float = 0.0  # when the parent started the process (time.time())
+    stalled: bool = False  # killed by its Stall watch (timed_out is set too: a hang)
+
+
+@dataclass(frozen=True)
+class StallRule:
+    """When a case process counts as hung before its timeout: its output has not grown for quiet_s once `marker`
+    appeared in it (the vLLM gate: CUDA graph capture began, after which a healthy case prints every second)."""
+
+    marker: str
+    quiet_s: float
+
+
+class Stall:
+    """Watches one case's output file under a StallRule; check(now) is True once the process is stalled."""
+
+    def __init__(self, out_path: str | Path, rule: StallRule) -> None:
+        self.path, self.rule = Path(out_path), rule
+        self.marker = rule.marker.encode()
+        self.size, self.since, self.armed = -1, 0.0, False
+
+    def check(self, now: float) -> bool:
+        try:
+            size = os.path.getsize(self.path)
+        except OSError:
+            return False
+        if size != self.size:
+            if not self.armed:  # the new bytes, and the marker's length before them (a marker split over writes)
+                with open(self.path, "rb") as f:
+                    f.seek(max(0, self.size - len(self.marker)))
+                    self.armed = self.marker in f.read()
+            self.size, self.since = size, now
+            return False
+        return self.armed and now - self.since > self.rule.quiet_s
+
+    def why(self) -> str:
+        return f"stalled: no output for {self.rule.quiet_s:g} s after {self.rule.marker!r} (killed as hung)"
 
 
 def run_child(target: str, argv: list[str], env: dict[str, str], out_path: str, new_session: bool = True) -> None:

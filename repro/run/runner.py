@@ -23,7 +23,7 @@ from repro.run.channel import Channel
 from repro.run.channel import path_for as channel_path
 from repro.run.executor import EXECUTORS, ForkServer, MemcheckAhead
 from repro.run.pinning import PINNED_VAR
-from repro.run.process import ProcessRun, kill_group
+from repro.run.process import ProcessRun, Stall, kill_group
 from repro.run.sanitizer import find_sanitizer, first_finding_complete, sanitizer_command, sanitizer_env
 from repro.run.server import server_executor
 from repro.run.smcontrol import MpsDaemon, device_sm_count
@@ -108,11 +108,14 @@ def run_process(
     records.unlink(missing_ok=True)
     memcheck_log.unlink(missing_ok=True)  # a memcheck log of an earlier run into this folder is not this run's
     env = {**env, CHANNEL_ENV: str(records)}
+    rule = getattr(spec, "stall", None)  # a StallRule (the vLLM gate's cases), else only the timeout
+    stall = Stall(out_path, rule) if rule is not None and not sanitizer else None
     if executor is not None and target is not None and not sanitizer:
-        run = executor.run(target[0], target[1], env, out_path, spec.timeout_s)
+        watched = {"stall": stall} if stall is not None else {}  # only the gate's launcher takes a stall watch
+        run = executor.run(target[0], target[1], env, out_path, spec.timeout_s, **watched)
         out = out_path.read_text(errors="replace") if out_path.exists() else ""
         res = classify(spec, out, run.returncode, run.timed_out, None, run.wall_s, Channel.read(records))
-        return with_process_phases(res, run), out
+        return with_process_phases(stalled(res, run, stall), run), out
     san_log = None
     warm = None
     if sanitizer:
@@ -129,13 +132,20 @@ def run_process(
         if warm.memcheck_log.exists():
             warm.memcheck_log.replace(san_log)
     else:
-        run = supervise(cmd, env, out_path, spec.timeout_s, san_log)
+        run = supervise(cmd, env, out_path, spec.timeout_s, san_log, stall)
     out = out_path.read_text(errors="replace")
     log_text = san_log.read_text(errors="replace") if san_log and san_log.exists() else None
     res = classify(spec, out, run.returncode, run.timed_out, log_text, run.wall_s, Channel.read(records))
     if run.stopped_early:
         res.reason += f" (stopped {EARLY_STOP_GRACE_S:g} s after memcheck's first complete finding)"
-    return with_process_phases(res, run), out
+    return with_process_phases(stalled(res, run, stall), run), out
+
+
+def stalled(res: CaseResult, run: ProcessRun, stall: Stall | None) -> CaseResult:
+    """A hang its Stall watch stopped: the reason says so (the timeout it did not wait for is not the hang's)."""
+    if run.stalled and stall is not None:
+        res.reason = f"{stall.why()}, {run.wall_s:.0f} s in; {res.reason}"
+    return res
 
 
 def with_process_phases(res: CaseResult, run: ProcessRun) -> CaseResult:
@@ -162,7 +172,12 @@ def with_process_phases(res: CaseResult, run: ProcessRun) -> CaseResult:
 
 
 def supervise(
-    cmd: list[str], env: dict[str, str], out_path: Path, timeout_s: float, san_log: Path | None = None
+    cmd: list[str],
+    env: dict[str, str],
+    out_path: Path,
+    timeout_s: float,
+    san_log: Path | None = None,
+    stall: Stall | None = None,
 ) -> ProcessRun:
     """Run one case process in a session of its own, stdout and stderr into out_path, and watch it."""
     t0 = time.time()
@@ -170,13 +185,16 @@ def supervise(
         proc = subprocess.Popen(
             cmd, stdout=out_file, stderr=subprocess.STDOUT, env=env, text=True, start_new_session=True
         )
-    return watch(proc, t0, timeout_s, san_log)
+    return watch(proc, t0, timeout_s, san_log, stall)
 
 
-def watch(proc: subprocess.Popen, t0: float, timeout_s: float, san_log: Path | None = None) -> ProcessRun:
-    """Wait for a case process (the leader of its own session); kill the whole session at the timeout, or
-    EARLY_STOP_GRACE_S after memcheck finished writing its first error to san_log (a stale case may never finish)."""
-    timed_out, stopped_early = False, False
+def watch(
+    proc: subprocess.Popen, t0: float, timeout_s: float, san_log: Path | None = None, stall: Stall | None = None
+) -> ProcessRun:
+    """Wait for a case process (the leader of its own session); kill the whole session at the timeout, when its
+    Stall watch says it hangs, or EARLY_STOP_GRACE_S after memcheck finished writing its first error to san_log (a
+    stale case may never finish)."""
+    timed_out, stopped_early, hung = False, False, False
     first_finding: float | None = None
     try:
         while True:
@@ -192,6 +210,8 @@ def watch(proc: subprocess.Popen, t0: float, timeout_s: float, san_log: Path | N
                 stopped_early = True
             elif now - t0 > timeout_s:
                 timed_out = True
+            elif stall is not None and stall.check(now):
+                timed_out = hung = True
             else:
                 continue
             kill_group(proc.pid)
@@ -201,7 +221,7 @@ def watch(proc: subprocess.Popen, t0: float, timeout_s: float, san_log: Path | N
         kill_group(proc.pid)
         proc.wait()
         raise
-    return ProcessRun(proc.returncode, timed_out, stopped_early, time.time() - t0, t0)
+    return ProcessRun(proc.returncode, timed_out, stopped_early, time.time() - t0, t0, stalled=hung)
 
 
 def _has_finding(path: Path) -> bool:

@@ -31,6 +31,7 @@ from repro.case.spec import SmConfig
 from repro.errors import ConfigError, Unavailable
 from repro.judge import policy
 from repro.judge.policy import KNOWN_BAD, SELF_CONTROL
+from repro.run.process import StallRule
 from repro.run.sanitizer import sanitizer_env
 from repro.run.smcontrol import MpsDaemon
 from repro.vllm_integration.plugin import BACKEND_ENV, POISON_ENV, PROBE_ENV, SM_MARGIN_ENV, WEIGHTS_ENV
@@ -131,6 +132,12 @@ def _refuse_twice(flag: str, names: list[str]) -> None:
 
 FA3_ONLY = ("sm_margin", "poison")  # modes that hook FA3's own calls
 
+# Silent this long once vLLM began capturing CUDA graphs, a case process hangs: healthy cases on the H200 print every
+# second from there on (the longest gap between log lines after it in any recorded clean build-under-test case was
+# under 60 s, cold and under MPS), while 0.25.1 at sm_margin:66 spent 4.5 minutes on six draft prefill captures
+# (results/h200-sweep-smmargin: 55, 60 and 144 s without a line) and the timeout is 300 s.
+CAPTURE_STALL = StallRule("Capturing CUDA graphs", 90.0)
+
 
 def parse_backends(text: str) -> tuple[str, ...]:
     """--backends FLASH_ATTN,TRITON_ATTN,...: vLLM attention backend names (as vLLM spells them), each a case
@@ -163,6 +170,11 @@ class GateCase:
     inject: str | None = (
         None  # the self control's injection (repro.vllm_integration.plugin.inject), None: the build as is
     )
+
+    @property
+    def stall(self) -> StallRule | None:
+        """When the case's process counts as hung before its timeout (repro.run.process.Stall): CAPTURE_STALL."""
+        return CAPTURE_STALL
 
     @property
     def is_control(self) -> bool:

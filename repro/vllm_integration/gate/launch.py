@@ -30,7 +30,7 @@ from pathlib import Path
 
 from repro.errors import ConfigError, ForkServerDied, ForkUnavailable, ProtocolError
 from repro.run.channel import ENV as CHANNEL_ENV
-from repro.run.process import ProcessRun, kill_group
+from repro.run.process import ProcessRun, Stall, kill_group
 from repro.vllm_integration.gate import fork as gate_fork
 from repro.vllm_integration.plugin import SWITCHES as PLUGIN_SWITCHES
 from repro.vllm_integration.plugin.inject import INJECT_SOURCE_ENV
@@ -158,9 +158,18 @@ class ForkServer:
             while data:
                 data = data[os.write(self._req, data) :]
 
-    def run(self, target: str, argv: list[str], env: dict[str, str], out_path: Path, timeout_s: float) -> ProcessRun:
-        """The case process forked, supervised as runner.supervise would: killed (its group) at timeout_s. Raises
-        ForkUnavailable when nothing started, ForkServerDied when the forkserver died under the case."""
+    def run(
+        self,
+        target: str,
+        argv: list[str],
+        env: dict[str, str],
+        out_path: Path,
+        timeout_s: float,
+        stall: Stall | None = None,
+    ) -> ProcessRun:
+        """The case process forked, supervised as runner.supervise would: killed (its group) at timeout_s or when its
+        Stall watch says it hangs. Raises ForkUnavailable when nothing started, ForkServerDied when the forkserver
+        died under the case."""
         if target != TARGET_MAIN:
             raise ValueError(f"a gate forkserver runs {TARGET_MAIN}, not {target}")
         if not self.wait_ready():
@@ -184,11 +193,18 @@ class ForkServer:
                 self.fail(f"no answer to a case request in {ANSWER_TIMEOUT_S:g} s")
             raise ForkUnavailable(refused["reason"] if refused else f"forkserver {self.failed}")
         pid = started["pid"]
-        timed_out = False
+        timed_out = hung = False
         try:
-            with self._cv:
-                self._cv.wait_for(lambda: gate_fork.EXITED in ev or self.failed, max(0.0, t0 + timeout_s - time.time()))
-                done = gate_fork.EXITED in ev
+            while True:  # in slices, so that the stall watch looks at the case's output every second
+                with self._cv:
+                    left = max(0.0, t0 + timeout_s - time.time())
+                    self._cv.wait_for(lambda: gate_fork.EXITED in ev or self.failed, min(1.0, left))
+                    done = gate_fork.EXITED in ev
+                if done or self.failed or not left:
+                    break
+                if stall is not None and stall.check(time.time()):
+                    hung = True
+                    break
             if not done and self.failed:
                 kill_group(pid)  # an orphan now: no case outlives the launcher that watched it
                 raise ForkServerDied(f"forkserver died while the case ran ({self.failed})")
@@ -201,7 +217,7 @@ class ForkServer:
             self._kill(rid, pid)
             raise
         code = ev[gate_fork.EXITED]["returncode"] if gate_fork.EXITED in ev else None
-        return ProcessRun(code, timed_out, False, time.time() - t0, t0)
+        return ProcessRun(code, timed_out, False, time.time() - t0, t0, stalled=hung)
 
     def _kill(self, rid: int, pid: int) -> None:
         with contextlib.suppress(OSError):
