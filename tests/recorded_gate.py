@@ -18,17 +18,19 @@ from repro.vllm_integration.gate.case import GateCase, parse_backends, parse_mod
 from repro.vllm_integration.gate.run import run_gate
 
 
-def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None):
+def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_logs: tuple[Path, ...] = ()):
     """(the record's results.json, its rows by case id, the replayed GateRun, every replayed result by case id);
-    edit_channel(case_id, text) may change a case's channel records on the way."""
+    edit_channel(case_id, text) may change a case's channel records on the way. more_logs: other records' logs
+    folders, for a reference the run took from its cache before the gate wrote kept references into its logs."""
     doc = json.loads((record / "results.json").read_text())
     rows = {row["case"]: row for row in doc["cases"]}
-    logs = record / "logs"
+    own = record / "logs"
     monkeypatch.setattr(smcontrol, "_sm_count", lambda env: int(doc["environment"]["sms"]))
 
     def recorded_process(case, cmd, env, log_dir, sanitizer, executor=None, target=None):
         r = rows[case.case_id]["result"]
         out_log = Path(log_dir) / f"{case.case_id}.out.log"
+        logs = next((d for d in (own, *more_logs) if (d / out_log.name).exists()), own)
         out = (logs / out_log.name).read_text(errors="replace")
         out_log.write_text(out)
         records = (logs / path_for(out_log).name).read_text()

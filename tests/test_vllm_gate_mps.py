@@ -120,3 +120,19 @@ def test_a_build_under_test_that_faults_alone_too_is_affected(monkeypatch, tmp_p
 def test_with_one_job_nothing_shares_a_daemon(monkeypatch, tmp_path):
     run, _ = _gate(monkeypatch, tmp_path, lambda c, alone: CRASH if c.is_control and not c.reference else CLEAN, jobs=1)
     assert max(d.worst for d in _Daemon.made) == 1 and run.outcome().name == "PASS"
+
+
+def test_a_kept_reference_leaves_its_record_in_the_runs_logs(tmp_path):
+    """A reference taken from the cache writes what its process would have left (a line, its RESULT record), so a
+    replay of the run's record judges its cases from the record alone."""
+    from repro.vllm_integration.gate.case import GateCase, GateMode
+
+    build = VllmBuild("0.26.0", str(tmp_path), UNDER_TEST, "0.26.0")
+    ref = GateCase(build, GateMode.parse("plain"), reference=True)
+    kept = {"result": {"tokens": [[1, 2, 3]], "reference": True}, "stored": "2026-12-01T20:32:43+0000"}
+    gate_run.keep_in_logs(tmp_path / "logs", ref, kept)
+    gate_run.keep_in_logs(tmp_path / "logs", ref, kept)  # again into the same folder: one record, not two
+    assert gate_run.result_line(tmp_path / "logs", ref) == kept["result"]
+    out = (tmp_path / "logs" / f"{ref.case_id}.out.log").read_text()
+    assert "reference kept: the run of 2026-12-01T20:32:43+0000" in out
+    assert (tmp_path / "logs" / f"{ref.case_id}.channel.jsonl").read_text().count("REPRO_RESULT") == 1

@@ -34,6 +34,12 @@ def emit(tag: str, data: dict) -> None:
     if not path:
         print(f"{tag} {json.dumps(data, default=str)}", flush=True)
         return
+    write_record(path, tag, data)
+
+
+def write_record(path: str | Path, tag: str, data: dict) -> None:
+    """Append one record to the channel file at `path` (emit's write; the parent writes one with it where a record
+    stands in for a process, as the gate's kept reference does)."""
     # a leading newline: a record another writer left cut short (killed mid-write) cannot swallow this one
     line = "\n" + json.dumps({"schema": SCHEMA, "tag": tag, "pid": os.getpid(), "data": data}, default=str) + "\n"
     buf = memoryview(line.encode())

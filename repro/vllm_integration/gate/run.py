@@ -23,7 +23,7 @@ from repro.errors import ConfigError, Unavailable
 from repro.judge import policy
 from repro.judge.verdicts import CANNOT_VOUCH as NOT_VOUCHED
 from repro.judge.verdicts import CLEAN, FAULTS
-from repro.run.channel import Channel
+from repro.run.channel import Channel, path_for, write_record
 from repro.run.mps_cases import SHARED, run_mps_cases
 from repro.run.runner import case_logs, device_sm_count, set_aside_logs
 from repro.run.smcontrol import MpsDaemon
@@ -212,6 +212,7 @@ def run_gate(
         kept = cache.load_reference(c.build, ref_key(c), gpu) if cache is not None and c.reference else None
         if kept is not None:
             ran_last[c.case_id] = (None, c, [], t, kept["result"])
+            keep_in_logs(log_dir, c, kept)
             return kept_reference(c, kept)
         dev = (pool.devices[0] if mps is not None else pool.take(kind)) if pool else None
         try:
@@ -289,6 +290,17 @@ def run_gate(
     run.wall_s = round(time.time() - t0, 1)
     run.build_wall_s = {k: round(v[1] - v[0], 1) for k, v in starts.items()}
     return run
+
+
+def keep_in_logs(log_dir: str | Path, case: GateCase, kept: dict) -> None:
+    """A kept reference's record in the run's logs, as its process would have left it (a line of output, its RESULT
+    record), so that the run's record holds everything its verdicts were judged from."""
+    out_log = case_logs(log_dir, case.case_id)[0]
+    out_log.parent.mkdir(parents=True, exist_ok=True)
+    out_log.write_text(f"reference kept: the run of {kept.get('stored')} for this build, SM configuration and GPU\n")
+    channel = path_for(out_log)
+    channel.unlink(missing_ok=True)
+    write_record(channel, RESULT_TAG, kept["result"])
 
 
 def result_line(log_dir: str | Path, case: GateCase) -> dict | None:
