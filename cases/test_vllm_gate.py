@@ -23,7 +23,7 @@ from repro.judge import policy
 from repro.judge.verdicts import SKIP
 from repro.report.pytest_gate import not_applicable
 from repro.run.pytest_cases import log_dir
-from repro.vllm_integration.gate.case import DEFAULT_MODES, expected, parse_modes
+from repro.vllm_integration.gate.case import DEFAULT_MODES, parse_modes
 from repro.vllm_integration.gate.judge import meets
 from repro.vllm_integration.releases.builds import CONTROL, find_builds
 
@@ -51,7 +51,7 @@ def test_stale_metadata_vllm_gate(gate_build, record_property):
     if reason:
         pytest.skip(reason)
     from repro.vllm_integration.gate.cache import GateCache, default_root  # noqa: PLC0415  only with a GPU and vLLM
-    from repro.vllm_integration.gate.run import run_gate  # noqa: PLC0415  only with a GPU and vLLM
+    from repro.vllm_integration.gate.run import control_of, run_gate  # noqa: PLC0415  only with a GPU and vLLM
 
     build, mode, builds = gate_build
     run = run_gate(
@@ -65,18 +65,15 @@ def test_stale_metadata_vllm_gate(gate_build, record_property):
         only=build,
     )
     (case, res), *self_controls = sorted(run.cases, key=lambda cr: cr[0].inject is not None)
-    for k in ("verdict", "evidence", "kernel", "descriptor", "vllm_version", "wall_s"):
+    for k in ("evidence", "kernel", "descriptor", "vllm_version", "wall_s"):
         record_property(k, getattr(res, k))
     record_property("role", build.role)
-    if build.role == CONTROL:  # policy rule 5 judges a known-bad build over its modes: `pytest --gate` groups by this
-        record_property("subject", f"{build.label} {case.backend}")
-    record_property("expected", res.expected or expected(case))
+    for k, v in control_of(case, res).properties():  # what `pytest --gate` decides over, as `repro gate` sees it
+        record_property(k, v)
     ident = res.backend_identity or {}
     record_property("engine", json.dumps(ident.get("engine"), default=str))
     record_property("counters", json.dumps(ident.get("counters"), default=str))
     record_property("acceptance", json.dumps(ident.get("acceptance"), default=str))
-    record_property("gate_mode", mode.name)
-    record_property("reason", res.reason)
     record_property("self_control", json.dumps({c.case_id: r.verdict for c, r in self_controls}))
     if res.verdict == SKIP:
         pytest.skip(res.reason)

@@ -286,3 +286,16 @@ def test_stale_audit_outside_the_audit_mode_is_not_a_known_bad_builds_evidence()
         ]
     )
     assert [f.kind for f in d.failures] == [policy.CONTROL_FAILED]
+
+
+def test_a_control_recorded_by_a_pytest_test_reads_back_whole():
+    """The pytest tier records a control's fields (Control.properties) and `pytest --gate` reads them back
+    (Control.from_properties): the same control, kind and rule 5's subject included; a test that skipped before it
+    recorded a verdict reads back as a skip of a negative control."""
+    c = policy.Control(
+        "n", "known-bad", "clean", "plain", "decoded right", kind=policy.KNOWN_BAD, subject="0.25.1 FLASH_ATTN"
+    )
+    assert policy.Control.from_properties("n", dict(c.properties())) == c
+    na = policy.Control("m", "fault", "skip", "mig", "", not_applicable="no MIG here", needs="mig")
+    assert policy.Control.from_properties("m", dict(na.properties())) == na
+    assert policy.Control.from_properties("k", {}) == policy.Control("k", "clean", "skip", "eager", "")

@@ -147,6 +147,36 @@ class Control:
     def gating(self) -> bool:
         return self.expected != RECORDED
 
+    def properties(self) -> list[tuple[str, object]]:
+        """The control as a pytest test records it (record_property), for `pytest --gate` to read back whole
+        (from_properties): one shape for every tier's controls."""
+        out = [
+            ("expected", self.expected),
+            ("verdict", self.verdict),
+            ("gate_mode", self.mode),
+            ("reason", self.reason),
+        ]
+        for key in ("not_applicable", "needs", "kind", "subject"):
+            if getattr(self, key) is not None:
+                out.append((key, getattr(self, key)))
+        return out
+
+    @classmethod
+    def from_properties(cls, case_id: str, props: dict) -> Control:
+        """A control from what its test recorded (properties, or a test that recorded only some before it
+        skipped: no verdict is a skip, no expectation a negative control)."""
+        return cls(
+            case_id,
+            props.get("expected") or EXPECT_CLEAN,
+            props.get("verdict") or SKIP,
+            props.get("gate_mode") or "eager",
+            str(props.get("reason") or ""),
+            props.get("not_applicable"),
+            props.get("needs"),
+            kind=props.get("kind"),
+            subject=props.get("subject"),
+        )
+
 
 def disagrees(expect: str, verdict: str) -> bool:
     """A positive control that showed kernel evidence of another kind than its expectation names."""

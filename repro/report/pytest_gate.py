@@ -24,8 +24,7 @@ import pytest
 
 from repro.errors import Unavailable
 from repro.exit_codes import gate_decision, pytest_session
-from repro.judge.policy import EXPECT_CLEAN, REQUIRE_ENV, Control, GateDecision, decide, parse_requirements
-from repro.judge.verdicts import SKIP
+from repro.judge.policy import REQUIRE_ENV, Control, GateDecision, decide, parse_requirements
 from repro.pytest_options import GATE_ENV as ENV
 from repro.report import environment
 from repro.report.redact import redact
@@ -108,18 +107,7 @@ class Evidence:
         if "expected" not in props and not props.get("not_applicable"):
             self.unreported.append(report.nodeid)  # skipped (or failed) before its case could run
             return
-        self.controls.append(
-            Control(
-                report.nodeid,
-                props.get("expected") or EXPECT_CLEAN,
-                props.get("verdict") or SKIP,
-                props.get("gate_mode") or "eager",
-                str(props.get("reason") or ""),
-                props.get("not_applicable"),
-                props.get("needs"),
-                subject=props.get("subject"),
-            )
-        )
+        self.controls.append(Control.from_properties(report.nodeid, props))
 
     def decision(self) -> GateDecision:
         return decide(self.controls, self.needed)

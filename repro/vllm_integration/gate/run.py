@@ -61,19 +61,8 @@ class GateRun:
     mps_reruns: list[dict] = field(default_factory=list)  # MPS cases run again (repro.run.mps_cases): which, after what
 
     def controls(self) -> list[policy.Control]:
-        """Every case as the policy sees it: mode = the gate mode's name."""
-        return [
-            policy.Control(
-                c.case_id,
-                r.expected or expected(c),
-                r.verdict,
-                c.mode.name,
-                r.reason,
-                kind=c.control_kind,
-                subject=f"{c.build.label} {c.backend}" if c.control_kind == policy.KNOWN_BAD else None,  # rule 5
-            )
-            for c, r in self.cases
-        ]
+        """Every case as the policy sees it (control_of)."""
+        return [control_of(c, r) for c, r in self.cases]
 
     def decision(self, need_control: bool = True) -> policy.GateDecision:
         """repro.judge.policy.decide over every case; without need_control (a bisect step answering for its build alone)
@@ -117,6 +106,20 @@ class GateRun:
         if affected or self.not_vouched():
             return policy.GateOutcome.CANNOT_VOUCH
         return policy.GateOutcome.BLIND if self.blind(need_control) else policy.GateOutcome.PASS
+
+
+def control_of(case: GateCase, res: CaseResult) -> policy.Control:
+    """A gate case as the policy sees it, in `repro gate` and in the pytest tier alike: mode = the gate mode's name,
+    the kind of control, and for a known-bad build the build and backend policy rule 5 judges it over."""
+    return policy.Control(
+        case.case_id,
+        res.expected or expected(case),
+        res.verdict,
+        case.mode.name,
+        res.reason,
+        kind=case.control_kind,
+        subject=f"{case.build.label} {case.backend}" if case.control_kind == policy.KNOWN_BAD else None,
+    )
 
 
 def plan(
