@@ -24,7 +24,7 @@ from repro.judge.verdicts import SKIP
 from repro.report.pytest_gate import not_applicable
 from repro.run.pytest_cases import log_dir
 from repro.vllm_integration.gate.case import DEFAULT_MODES, parse_modes
-from repro.vllm_integration.gate.judge import meets
+from repro.vllm_integration.gate.judge import passes
 from repro.vllm_integration.releases.builds import CONTROL, find_builds
 
 SELF_CONTROL_ENV = "REPRO_SELF_CONTROL"
@@ -78,11 +78,11 @@ def test_stale_metadata_vllm_gate(gate_build, record_property):
     if res.verdict == SKIP:
         pytest.skip(res.reason)
     for c, r in self_controls:
-        assert meets(c, r), f"HARNESS BLIND: the self control of vLLM {build.label} came back {r.verdict}: {r.reason}"
+        assert passes(c, r), f"HARNESS BLIND: the self control of vLLM {build.label} came back {r.verdict}: {r.reason}"
     if build.role == CONTROL:
-        assert meets(case, res), f"HARNESS BLIND: control vLLM {build.label} came back {res.verdict}: {res.reason}"
+        assert passes(case, res), f"HARNESS BLIND: control vLLM {build.label} came back {res.verdict}: {res.reason}"
         if not policy.counts_as_evidence(res.verdict, mode.name):  # silent in this mode: rule 5 decides over its modes
             pytest.xfail(f"known-bad vLLM {build.label} silent in mode {mode.name} ({res.verdict}): policy rule 5 "
                          "judges it over all its modes (pytest --gate)")  # fmt: skip
     else:
-        assert meets(case, res), f"vLLM {build.label} ({mode.name}): {res.verdict}: {res.reason}"
+        assert passes(case, res), f"vLLM {build.label} ({mode.name}): {res.verdict}: {res.reason}"

@@ -2,7 +2,7 @@
 what the case process and the plugin inside vLLM reported (annotate), compared with the build's reference run
 (apply_reference, compare_tokens), and checked for what it exists to exercise having fired (vouch, over the table
 of repro.vllm_integration.gate.coverage and its not_fired). Each step returns a new record through CaseResult.revised
-that says what changed it; `finish` is the order they run in, `meets` the policy's answer for the final record."""
+that says what changed it; `finish` is the order they run in, `passes` the policy's answer for the final record (policy.problem; policy.satisfies alone says whether a verdict meets an expectation)."""
 
 from __future__ import annotations
 
@@ -367,6 +367,7 @@ def finish(case: GateCase, res: CaseResult, out: dict | None, ref: CaseResult, r
     return vouch(case, apply_reference(res, out, ref, ref_out))
 
 
-def meets(case: GateCase, res: CaseResult) -> bool:
-    """Does the case meet its expectation (the one stored in the result, else computed)? repro.judge.policy.problem."""
+def passes(case: GateCase, res: CaseResult) -> bool:
+    """Does the case pass the gate (repro.judge.policy.problem is None for its expectation, the one stored in the
+    result, else computed)? A positive control passes with any kernel evidence, not only the kind it expected."""
     return policy.problem(res.expected or expected(case), res.verdict) is None

@@ -15,7 +15,7 @@ from repro.report.results import VLLM_GATE_KIND, header
 from repro.vllm_integration.gate import bench as gate_bench
 from repro.vllm_integration.gate.cache import COLD, KEPT, PRIVATE, WARM
 from repro.vllm_integration.gate.case import expected
-from repro.vllm_integration.gate.judge import meets
+from repro.vllm_integration.gate.judge import passes
 from repro.vllm_integration.gate.run import GateRun
 from repro.vllm_integration.releases import release_range
 from repro.vllm_integration.releases.source_check import check_tree
@@ -47,7 +47,7 @@ def rows(run: GateRun) -> list[dict]:
                     "kernel": r.kernel or "-",
                     "descriptor": r.descriptor or "-",
                     "expected": (r.expected or expected(c)) if kind == "case" else "-",
-                    "ok": meets(c, r) if kind == "case" else None,
+                    "ok": passes(c, r) if kind == "case" else None,
                     "engine": (r.backend_identity or {}).get("engine"),
                     "counters": (r.backend_identity or {}).get("counters"),
                     "acceptance": (r.backend_identity or {}).get("acceptance"),
@@ -175,7 +175,7 @@ def build_summary(run: GateRun) -> list[dict]:
                 "source_check": src.verdict if src else "-",
                 "wall_s": run.build_wall_s.get(b.label),
                 "caches": caches(run, b.label),
-                "ok": all(meets(c, r) for c, r in pairs),
+                "ok": all(passes(c, r) for c, r in pairs),
                 "coverage": coverage(pairs),
             }
         )

@@ -38,7 +38,7 @@ from repro.vllm_integration.gate.case import (
     reference_for,
     self_controls_for,
 )
-from repro.vllm_integration.gate.judge import finish, meets, validate_reference
+from repro.vllm_integration.gate.judge import finish, passes, validate_reference
 from repro.vllm_integration.gate.launch import FORK, Launcher, launcher_kind
 from repro.vllm_integration.gate.placement import DevicePool, GateDevice, kind_of, main_kind, per_device_jobs
 from repro.vllm_integration.gate.process import run_control, skipped
@@ -74,7 +74,7 @@ class GateRun:
 
     def affected(self) -> list[tuple[GateCase, CaseResult]]:
         """Builds under test whose case did not come back clean (the bug, or no answer)."""
-        return [(c, r) for c, r in self.cases if not c.is_control and not meets(c, r)]
+        return [(c, r) for c, r in self.cases if not c.is_control and not passes(c, r)]
 
     def not_vouched(self) -> list[tuple[GateCase, CaseResult]]:
         """Cases (under test or control) whose checked feature did not fire."""
