@@ -46,7 +46,7 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
         return classify(case, out, r["returncode"], timed_out, None, r["wall_s"], ch), out
 
     monkeypatch.setattr(gate_process, "run_process", recorded_process)
-    monkeypatch.setattr(gate_run, "MpsDaemon", _RecordedMps)  # the MPS cases ran under the H200's daemon
+    monkeypatch.setattr(gate_run, "MpsDaemon", StandInMps)  # the MPS cases ran under the H200's daemon
     # a self control's further attempts as the recorded run made them (one, in a record from before they existed):
     # every attempt's process is replayed from its own logs, none is invented
     made = [(rows[c]["result"].get("spec") or {}).get("attempt", 0) for c in rows]  # results.json keeps each attempt
@@ -77,8 +77,9 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
     return doc, rows, run, got
 
 
-class _RecordedMps:
-    """Stands in for the MPS daemon of the recorded run: its cases' processes are replayed, nothing starts."""
+class StandInMps:
+    """Stands in for an MPS daemon (the recorded run's, whose cases' processes are replayed; a test's): nothing
+    starts."""
 
     def start(self):
         return self

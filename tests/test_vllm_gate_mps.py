@@ -15,34 +15,17 @@ from repro.vllm_integration.gate import run as gate_run
 from repro.vllm_integration.gate.case import parse_modes
 from repro.vllm_integration.gate.report import markdown, to_json
 from repro.vllm_integration.releases.builds import CONTROL, UNDER_TEST, VllmBuild
+from tests.recorded_gate import StandInMps
 
 
-class _Daemon:
-    """A stand-in MPS daemon: counts its clients while they run."""
+class _Daemon(StandInMps):
+    """A stand-in MPS daemon that counts its clients while they run."""
 
     made: list[_Daemon] = []
 
     def __init__(self):
         self.clients, self.worst, self.lock = 0, 0, threading.Lock()
         _Daemon.made.append(self)
-
-    def start(self):
-        return self
-
-    def stop(self):
-        pass
-
-    def wait_ready(self):
-        return 0.0, []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def client_env(self, sms, total):
-        return {}
 
 
 def _gate(monkeypatch, tmp_path, answer, modes="mps:16,mps:24", jobs=4):
