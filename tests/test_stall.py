@@ -1,5 +1,5 @@
 """A case process that stopped making progress is a hang before its timeout (repro.run.process.Stall): silent for
-quiet_s once its marker appeared (the vLLM gate: once CUDA graph capture began), it is killed with its group and
+quiet_s once its marker appeared (the vLLM gate: 45 s once CUDA graph capture began), it is killed with its group and
 classified a hang that says it stalled; a process that keeps printing, or never printed the marker, waits for its
 timeout. On the H200 0.25.1 at sm_margin:66 spent 4.5 minutes silent in six draft prefill captures and came back
 clean at 290 s of a 300 s timeout (results/h200-sweep-smmargin)."""
@@ -45,7 +45,7 @@ def test_a_watch_arms_at_its_marker_and_fires_after_the_quiet_time(tmp_path):
 
 def test_the_gate_watches_every_case_for_a_capture_stall():
     (mode,) = parse_modes("plain")
-    assert CAPTURE_STALL.marker == "Capturing CUDA graphs" and CAPTURE_STALL.quiet_s == 90.0
+    assert CAPTURE_STALL.marker == "Capturing CUDA graphs" and CAPTURE_STALL.quiet_s == 45.0
     assert GateCase(_fake_build(), mode).stall == CAPTURE_STALL
 
 
