@@ -151,3 +151,30 @@ def test_mps_daemon_writes_nothing_until_started_and_removes_its_folder(tmp_path
     with pytest.raises(Unavailable, match="did not start: cannot start"), MpsDaemon():
         pass
     assert [p.name for p in tmp_path.iterdir()] == ["bin"]  # the failed start removed its folder
+
+
+def test_an_sm_count_the_gpu_cannot_give_is_refused_with_the_nearest_ones():
+    """MPS's active-thread percentages give a 132-SM H200 even SM counts only (measured: 12% -> 14, 13% -> 16): a case
+    asking 23 would run on 24 and fail its SM check after its whole run; it is refused before, naming mps:22 / mps:24."""
+    from repro.run.smcontrol import sm_refusal
+
+    assert sm_refusal("mps", 24, 132) is None and sm_refusal("sm_margin", 23, 132) is None
+    assert sm_refusal("mps", 23, 132) == (
+        "mps:23: MPS gives this 132-SM GPU no 23 SMs (the nearest percentage gives 24): use mps:22 or mps:24"
+    )
+    assert sm_refusal("mps", 8, 16) is None  # a 16-SM MIG slice: 50% gives 8
+    assert "impossible SM count, this GPU has 132" in sm_refusal("sm_margin", 200, 132)
+    assert sm_refusal("full", None, 132) is None
+
+
+def test_the_gate_refuses_an_mps_count_the_gpu_cannot_give_before_any_case_runs(monkeypatch, tmp_path):
+    from repro.errors import ConfigError
+    from repro.vllm_integration.gate import run as gate_run
+    from repro.vllm_integration.gate.case import parse_modes
+    from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
+
+    monkeypatch.setattr(gate_run, "device_sm_count", lambda: 132)
+    monkeypatch.setattr(gate_run, "run_control", lambda *a, **k: pytest.fail("a case ran"))
+    build = VllmBuild("0.26.0", str(tmp_path), UNDER_TEST, "0.26.0")
+    with pytest.raises(ConfigError, match=r"gate mode audit\+mps:23: mps:23: .* use mps:22 or mps:24"):
+        gate_run.run_gate([build], parse_modes("audit,audit+mps:23"), tmp_path / "logs")

@@ -47,6 +47,7 @@ from repro.report.redact import redact
 from repro.run.executor import DEFAULT_EXECUTOR, EXECUTORS
 from repro.run.mps_cases import DEFAULT_MPS_DAEMON, MPS_DAEMON_POLICIES
 from repro.run.runner import default_executor, device_sm_count, make_executor
+from repro.run.smcontrol import sm_refusal
 
 
 def add_parsers(sub) -> None:
@@ -160,8 +161,8 @@ def _check_sms_fit(specs: list[CaseSpec]) -> None:
 
     total = device_sm_count()
     for s in specs:
-        if s.sm.sms and s.sm.sms > total:
-            raise ConfigError(f"--sms {s.sm.kind}:{s.sm.sms}: impossible SM count, this GPU has {total}")
+        if why := sm_refusal(s.sm.kind, s.sm.sms, total):
+            raise ConfigError(f"--sms {why}")
 
 
 def cmd_matrix(a: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ from repro.cli.common import (
 )
 from repro.errors import ConfigError, Unavailable
 from repro.run.runner import device_sm_count, run_case
-from repro.run.smcontrol import maybe_mps
+from repro.run.smcontrol import maybe_mps, sm_refusal
 
 
 def add_parsers(sub) -> None:
@@ -108,9 +108,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     pair = (a.built_for, a.launched) if a.scenario == PAIR else None
     if pair:
         pair_descriptors(pair, cfg)
-    if sm.sms and gpu_present():
-        if sm.sms > device_sm_count():
-            raise ConfigError(f"impossible SM count {sm.sms}: this GPU has {device_sm_count()}")
+    if sm.sms and gpu_present() and (why := sm_refusal(sm.kind, sm.sms, device_sm_count())):
+        raise ConfigError(f"--sm {why}")
     spec = CaseSpec(
         a.backend,
         a.strategy,

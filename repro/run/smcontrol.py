@@ -99,6 +99,25 @@ def mps_granted_sms(pct: int, total: int) -> int:
     return max(2, (total * pct // 100) // 2 * 2)
 
 
+def sm_refusal(kind: str, sms: int | None, total: int) -> str | None:
+    """Why an SM configuration cannot be had on a GPU of `total` SMs (None: it can): more SMs than the GPU has, or
+    under MPS a count its active-thread percentages never grant (they grant even counts: mps_granted_sms), which the
+    case process would then report as another count."""
+    if not sms:
+        return None
+    if sms > total:
+        return f"{kind}:{sms}: impossible SM count, this GPU has {total}"
+    if kind == "mps":
+        granted = mps_granted_sms(mps_percentage(sms, total), total)
+        if granted != sms:
+            lower = max(
+                (n for n in range(2, sms) if mps_granted_sms(mps_percentage(n, total), total) == n), default=None
+            )
+            near = " or ".join(f"mps:{n}" for n in (lower, granted) if n)
+            return f"mps:{sms}: MPS gives this {total}-SM GPU no {sms} SMs (the nearest percentage gives {granted}): use {near}"
+    return None
+
+
 def mps_percentage(sms: int, total: int) -> int:
     """Smallest active-thread percentage that grants at least `sms` SMs (the worker verifies the exact count)."""
     if not 0 < sms <= total:

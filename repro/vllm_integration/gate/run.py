@@ -26,7 +26,7 @@ from repro.judge.verdicts import CLEAN, FAULTS
 from repro.run.channel import Channel, path_for, write_record
 from repro.run.mps_cases import SHARED, run_mps_cases
 from repro.run.runner import case_logs, device_sm_count, set_aside_logs
-from repro.run.smcontrol import MpsDaemon
+from repro.run.smcontrol import MpsDaemon, sm_refusal
 from repro.run.tags import RESULT_TAG
 from repro.vllm_integration.gate.cache import GateCache, gpu_identity, kept_reference, ref_key
 from repro.vllm_integration.gate.case import (
@@ -178,14 +178,15 @@ def run_gate(
     if not builds:
         raise ConfigError("no vLLM build to test: install vllm, or set REPRO_VLLM / REPRO_VLLM_CONTROL")
     cases = plan([only] if only is not None else builds, modes, repeat, timeout_s, backends, self_control)
-    asked = [m.sm.sms for m in modes if m.sm.kind in ("sm_margin", "mps")]
+    asked = [m for m in modes if m.sm.kind in ("sm_margin", "mps")]
     if asked:
         try:
             total = device_sm_count()
         except Unavailable:
             total = None  # no GPU: those cases skip with the reason
-        if total is not None and max(asked) > total:
-            raise ConfigError(f"a mode asks for {max(asked)} SMs; this GPU has {total}")
+        for m in asked if total is not None else ():
+            if why := sm_refusal(m.sm.kind, m.sm.sms, total):
+                raise ConfigError(f"gate mode {m.name}: {why}")
     refs = list(dict.fromkeys(reference_for(c) for c in cases))
     run = GateRun()
     lock = threading.Lock()
