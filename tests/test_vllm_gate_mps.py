@@ -119,3 +119,32 @@ def test_a_kept_reference_leaves_its_record_in_the_runs_logs(tmp_path):
     out = (tmp_path / "logs" / f"{ref.case_id}.out.log").read_text()
     assert "reference kept: the run of 2026-12-01T20:32:43+0000" in out
     assert (tmp_path / "logs" / f"{ref.case_id}.channel.jsonl").read_text().count("REPRO_RESULT") == 1
+
+
+def test_the_deadline_stops_the_run_and_its_cases_are_skips_that_say_so(monkeypatch, tmp_path):
+    """--deadline: a case running at it is stopped there (its timeout cut to what is left: a skip, not a hang); no
+    case starts after it; the report is still written, and the run cannot vouch for the build."""
+    from repro.judge.verdicts import HANG, SKIP
+
+    seen = []
+
+    def stand_in(case, builds, log_dir, mps=None, cache=None, device=None, launcher=None):
+        seen.append((case.case_id, case.timeout_s))
+        time.sleep(min(case.timeout_s, 1.0))
+        if case.timeout_s < 300:  # killed at its (cut) timeout, as the process supervisor reports it
+            return CaseResult(case.case_id, HANG, f"no exit within {case.timeout_s:g} s", wall_s=case.timeout_s), None
+        return CaseResult(case.case_id, CLEAN, "stand-in"), None
+
+    monkeypatch.setattr(gate_process, "run_attributed", stand_in)
+    monkeypatch.setattr(gate_run, "validate_reference", lambda c, r, out: r)
+    monkeypatch.setattr(gate_run, "finish", lambda c, r, out, ref, ref_out: r)
+    build = VllmBuild("0.26.0", str(tmp_path), UNDER_TEST, "0.26.0")
+    run = gate_run.run_gate([build], parse_modes("audit,plain"), tmp_path / "logs", jobs=1, self_control="none",
+                            deadline_s=0.5)  # fmt: skip
+    results = {c.case_id: r for c, r in run.cases + run.references}
+    assert len(results) == 3 and all(r.verdict == SKIP for r in results.values())
+    assert len(seen) == 1 and seen[0][1] <= 0.5  # the first case ran with its timeout cut to the deadline
+    reasons = sorted(r.reason for r in results.values())
+    assert sum("not started: the run's --deadline of 0.5 s had passed" in x for x in reasons) == 2
+    assert sum("stopped at the run's --deadline of 0.5 s" in x for x in reasons) == 1
+    assert run.outcome().name == "CANNOT_VOUCH"

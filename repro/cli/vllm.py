@@ -116,6 +116,13 @@ def add_parsers(sub) -> None:
     )
     gt.add_argument("--timeout", type=seconds, default=300.0, help="seconds per case process (default 300)")
     gt.add_argument(
+        "--deadline",
+        type=seconds,
+        default=None,
+        help="seconds for the whole run: no case starts after it, a running one is stopped at it; those cases are "
+        "skips that say so, and the report is written (a CI job's time limit; default: none)",
+    )
+    gt.add_argument(
         "--out", help="folder for verdicts.md, results.json, logs/ (default: a new folder under the temp folder)"
     )
     gt.add_argument("--logs", help="folder for each case's output and logs (default OUT/logs)")
@@ -266,6 +273,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
         a.self_control,
         devices=devices,
         launcher=a.launcher,
+        deadline_s=a.deadline,
     )
     written = gate_report.write(run, out, collect(), need_control=not a.no_control)
     print(gate_report.markdown(run, need_control=not a.no_control).split("\n| case |")[0])

@@ -51,6 +51,9 @@ class StallRule:
     quiet_s: float
 
 
+STALLED = "stalled: no output"  # how a hang its Stall watch stopped begins its reason
+
+
 class Stall:
     """Watches one case's output file under a StallRule; check(now) is True once the process is stalled."""
 
@@ -74,7 +77,7 @@ class Stall:
         return self.armed and now - self.since > self.rule.quiet_s
 
     def why(self) -> str:
-        return f"stalled: no output for {self.rule.quiet_s:g} s after {self.rule.marker!r} (killed as hung)"
+        return f"{STALLED} for {self.rule.quiet_s:g} s after {self.rule.marker!r} (killed as hung)"
 
 
 def run_child(target: str, argv: list[str], env: dict[str, str], out_path: str, new_session: bool = True) -> None:

@@ -15,16 +15,17 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from repro.case.spec import CaseResult
 from repro.errors import ConfigError, Unavailable
 from repro.judge import policy
 from repro.judge.verdicts import CANNOT_VOUCH as NOT_VOUCHED
-from repro.judge.verdicts import CLEAN, FAULTS
+from repro.judge.verdicts import CLEAN, FAULTS, HANG
 from repro.run.channel import Channel, path_for, write_record
 from repro.run.mps_cases import SHARED, run_mps_cases
+from repro.run.process import STALLED
 from repro.run.runner import case_logs, device_sm_count, set_aside_logs
 from repro.run.smcontrol import MpsDaemon, sm_refusal
 from repro.run.tags import RESULT_TAG
@@ -162,6 +163,7 @@ def run_gate(
     devices: list[GateDevice] | None = None,
     only: VllmBuild | None = None,
     launcher: str | None = None,
+    deadline_s: float | None = None,
 ) -> GateRun:
     """Every case, references included; non-MPS cases `jobs` at a time; MPS cases under a daemon owned by the run
     (repro.run.mps_cases' shared policy, as the matrix runs them): the cases expected clean several at a time, each
@@ -174,7 +176,9 @@ def run_gate(
     cases of that one build (its self control too); the other builds still keep their prefixes off its PYTHONPATH
     (the pytest tier runs one build and mode per test this way). The launcher (gate_launch.launcher_kind: spawn, the
     default, or fork) says how case processes start; with fork, every build's forkserver starts importing at once,
-    and GateRun.launches says what each build's cases got."""
+    and GateRun.launches says what each build's cases got. deadline_s bounds the whole run (`--deadline`): no case
+    starts after it, and a running case's timeout ends at it; a case it stopped or kept from running is a skip that
+    says so (the run then cannot vouch for its build), never a hang."""
     if not builds:
         raise ConfigError("no vLLM build to test: install vllm, or set REPRO_VLLM / REPRO_VLLM_CONTROL")
     cases = plan([only] if only is not None else builds, modes, repeat, timeout_s, backends, self_control)
@@ -190,6 +194,7 @@ def run_gate(
     refs = list(dict.fromkeys(reference_for(c) for c in cases))
     run = GateRun()
     lock = threading.Lock()
+    deadline = time.time() + deadline_s if deadline_s is not None else None
     starts: dict[str, list[float]] = {}
     outputs: dict[str, dict | None] = {}
     t0 = time.time()
@@ -218,12 +223,22 @@ def run_gate(
             ran_last[c.case_id] = (None, c, [], t, kept["result"])
             keep_in_logs(log_dir, c, kept)
             return kept_reference(c, kept)
+        left = deadline - time.time() if deadline is not None else None
+        if left is not None and left <= 0:
+            ran_last[c.case_id] = (None, c, [], t, {})
+            return skipped(c, f"not started: the run's --deadline of {deadline_s:g} s had passed")
+        bounded = c if left is None or left >= c.timeout_s else replace(c, timeout_s=left)
         dev = (pool.devices[0] if mps is not None else pool.take(kind)) if pool else None
         try:
-            res, attribution, ran, tried = run_control(c, builds, log_dir, mps, cache, device=dev, launcher=launch)
+            res, attribution, ran, tried = run_control(
+                bounded, builds, log_dir, mps, cache, device=dev, launcher=launch
+            )
         finally:
             if dev is not None and mps is None:
                 pool.give(dev)
+        if bounded is not c and res.verdict == HANG and STALLED not in res.reason:  # the deadline's kill, not a hang
+            res = skipped(c, f"stopped at the run's --deadline of {deadline_s:g} s, {res.wall_s:.0f} s in")
+            attribution, tried = None, []
         ran_last[c.case_id] = (attribution, ran, tried, t, None)
         return res
 
