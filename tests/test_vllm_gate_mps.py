@@ -121,30 +121,113 @@ def test_a_kept_reference_leaves_its_record_in_the_runs_logs(tmp_path):
     assert (tmp_path / "logs" / f"{ref.case_id}.channel.jsonl").read_text().count("REPRO_RESULT") == 1
 
 
-def test_the_deadline_stops_the_run_and_its_cases_are_skips_that_say_so(monkeypatch, tmp_path):
-    """--deadline: a case running at it is stopped there (its timeout cut to what is left: a skip, not a hang); no
-    case starts after it; the report is still written, and the run cannot vouch for the build."""
-    from repro.judge.verdicts import HANG, SKIP
+def _deadline_gate(monkeypatch, tmp_path, modes, answer, deadline_s, self_control="none", builds=None):
+    """run_gate with every case process replaced below gate.process.run_case (so the deadline applies as it does on
+    a GPU): answer(case) -> (verdict, seconds it runs at most, stale fields)."""
+    from repro.vllm_integration.gate.case import GateCase
 
     seen = []
 
-    def stand_in(case, builds, log_dir, mps=None, cache=None, device=None, launcher=None):
-        seen.append((case.case_id, case.timeout_s))
-        time.sleep(min(case.timeout_s, 1.0))
-        if case.timeout_s < 300:  # killed at its (cut) timeout, as the process supervisor reports it
-            return CaseResult(case.case_id, HANG, f"no exit within {case.timeout_s:g} s", wall_s=case.timeout_s), None
-        return CaseResult(case.case_id, CLEAN, "stand-in"), None
+    def process(case, cmd, env, log_dir, sanitizer, executor=None, target=None):
+        verdict, secs, stale = answer(case)
+        seen.append((case.case_id, time.time(), case.timeout_s))
+        time.sleep(min(secs, case.timeout_s))
+        if secs > case.timeout_s:  # killed at its timeout, as the supervisor reports it
+            verdict = HANG_
+        res = CaseResult(case.case_id, verdict, f"stand-in {verdict}", wall_s=min(secs, case.timeout_s))
+        res.stale_fields = stale
+        return res, ""
 
-    monkeypatch.setattr(gate_process, "run_attributed", stand_in)
+    monkeypatch.setattr(gate_process, "run_process", process)
+    monkeypatch.setattr(gate_process, "annotate", lambda res, case, ch, audit: res)
     monkeypatch.setattr(gate_run, "validate_reference", lambda c, r, out: r)
     monkeypatch.setattr(gate_run, "finish", lambda c, r, out, ref, ref_out: r)
-    build = VllmBuild("0.26.0", str(tmp_path), UNDER_TEST, "0.26.0")
-    run = gate_run.run_gate([build], parse_modes("audit,plain"), tmp_path / "logs", jobs=1, self_control="none",
-                            deadline_s=0.5)  # fmt: skip
+    builds = builds or [VllmBuild("0.26.0", str(tmp_path), UNDER_TEST, "0.26.0")]
+    t0 = time.time()
+    run = gate_run.run_gate(builds, parse_modes(modes), tmp_path / "logs", jobs=4, timeout_s=5.0,
+                            self_control=self_control, deadline_s=deadline_s, launcher="spawn")  # fmt: skip
+    assert isinstance(run.cases[0][0], GateCase)
+    return run, [(cid, at - t0, to) for cid, at, to in seen], time.time() - t0
+
+
+HANG_ = "hang"
+
+
+def test_the_deadline_stops_the_run_and_its_cases_are_skips_that_say_so(monkeypatch, tmp_path):
+    """--deadline: a case running at it is stopped there (its timeout cut to what is left: a skip, not a hang); the
+    run cannot vouch for the build; every process, a self control's further attempts too, stops by the deadline."""
+    from repro.judge.verdicts import SKIP
+
+    # every case decodes for 3 s; the self control in plain decodes cleanly, so it gets further attempts
+    run, seen, wall = _deadline_gate(monkeypatch, tmp_path, "audit,plain", lambda c: (CLEAN, 3.0, {}), 1.0,
+                                     self_control="under-test")  # fmt: skip
+    assert wall < 2.5 and all(at < 1.0 and at + to <= 1.05 for _, at, to in seen)
+    assert not any("attempt" in cid for cid, _, _ in seen)  # no further attempt started after the deadline
     results = {c.case_id: r for c, r in run.cases + run.references}
-    assert len(results) == 3 and all(r.verdict == SKIP for r in results.values())
-    assert len(seen) == 1 and seen[0][1] <= 0.5  # the first case ran with its timeout cut to the deadline
-    reasons = sorted(r.reason for r in results.values())
-    assert sum("not started: the run's --deadline of 0.5 s had passed" in x for x in reasons) == 2
-    assert sum("stopped at the run's --deadline of 0.5 s" in x for x in reasons) == 1
+    assert all(r.verdict == SKIP for r in results.values())
+    stopped = [r for r in results.values() if "stopped at the run's --deadline" in r.reason]
+    waiting = [r for r in results.values() if "not started: the run's --deadline had passed" in r.reason]
+    assert len(stopped) == 4 and len(waiting) == 1  # 4 jobs: the fifth process found the deadline passed
     assert run.outcome().name == "CANNOT_VOUCH"
+
+
+def test_a_case_the_deadline_stopped_after_the_auditor_caught_stale_views_keeps_them(monkeypatch, tmp_path):
+    from repro.judge.verdicts import STALE_AUDIT
+
+    builds = [VllmBuild("0.26.0", str(tmp_path / "a"), UNDER_TEST, "0.26.0"),
+              VllmBuild("0.25.1", str(tmp_path / "b"), CONTROL, "0.25.1")]  # fmt: skip
+
+    def answer(c):
+        slow = c.is_control and not c.reference
+        return (CLEAN, 3.0 if slow else 0.1, {"query_start_loc": 96} if slow else {})
+
+    run, seen, wall = _deadline_gate(monkeypatch, tmp_path, "audit", answer, 1.0, builds=builds)
+    ctl = {c.case_id: r for c, r in run.cases if c.is_control}
+    (r,) = ctl.values()
+    assert r.verdict == STALE_AUDIT and "stopped at the run's --deadline" in r.reason
+    assert run.outcome().name == "PASS"  # 0.26.0 clean, the control's stale views its mode's evidence
+
+
+def test_a_process_the_deadline_leaves_no_room_for_is_not_started(monkeypatch, tmp_path):
+    from repro.judge.verdicts import SKIP
+
+    run, seen, wall = _deadline_gate(monkeypatch, tmp_path, "audit,plain", lambda c: (CLEAN, 0.1, {}), 0.0)
+    assert seen == [] and all(r.verdict == SKIP and "not started" in r.reason for _, r in run.cases)
+
+
+def test_a_gate_without_mps_modes_starts_no_mps_daemon(monkeypatch, tmp_path):
+    started = []
+
+    class Counting(StandInMps):
+        def start(self):
+            started.append(self)
+            return self
+
+    monkeypatch.setattr(
+        gate_process, "run_attributed", lambda case, *a, **k: (CaseResult(case.case_id, CLEAN, ""), None)
+    )
+    monkeypatch.setattr(gate_run, "MpsDaemon", Counting)
+    build = VllmBuild("0.26.0", str(tmp_path), UNDER_TEST, "0.26.0")
+    gate_run.run_gate([build], parse_modes("plain"), tmp_path / "logs", jobs=2, self_control="none")
+    assert started == []
+
+
+def test_an_error_under_mps_fails_the_run_instead_of_dropping_its_modes(monkeypatch, tmp_path):
+    """A control daemon that stops answering (its command times out) raises out of run_gate: a run judged without
+    its MPS modes would pass on the rest."""
+    import subprocess
+
+    import pytest
+
+    class Wedged(StandInMps):
+        def wait_ready(self):
+            raise subprocess.TimeoutExpired("nvidia-cuda-mps-control", 10)
+
+    monkeypatch.setattr(
+        gate_process, "run_attributed", lambda case, *a, **k: (CaseResult(case.case_id, CLEAN, ""), None)
+    )
+    monkeypatch.setattr(gate_run, "MpsDaemon", Wedged)
+    builds = [VllmBuild("0.26.0", str(tmp_path / "a"), UNDER_TEST, "0.26.0"),
+              VllmBuild("0.25.1", str(tmp_path / "b"), CONTROL, "0.25.1")]  # fmt: skip
+    with pytest.raises(subprocess.TimeoutExpired):
+        gate_run.run_gate(builds, parse_modes("plain,mps:16"), tmp_path / "logs", jobs=2, self_control="none")

@@ -34,8 +34,6 @@ from repro.run.smcontrol import enumerate_gpus
 
 GPU_MARKERS = ("gpu", "vllm")
 NOT_APPLICABLE = "not applicable here: "  # the skip reason's prefix for a configuration this runner cannot have
-# user properties a case records (cases/controls.py, cases/test_vllm_gate.py)
-PROPS = ("verdict", "expected", "gate_mode", "not_applicable", "needs", "reason")
 
 
 def enabled(config=None) -> bool:

@@ -61,6 +61,8 @@ def run_mps_cases(
     is called for a case about to run again, with a name for the attempt before (to keep its logs)."""
     if policy not in MPS_DAEMON_POLICIES:
         raise ValueError(f"unknown MPS daemon policy {policy!r}; choose from {', '.join(MPS_DAEMON_POLICIES)}")
+    if not specs:  # nothing to run: no daemon started
+        return
     if policy == PER_CASE:
         for s in specs:
             yield s, _alone(s, run_one, daemon_factory)

@@ -172,6 +172,7 @@ class GateCase:
     inject: str | None = (
         None  # the self control's injection (repro.vllm_integration.plugin.inject), None: the build as is
     )
+    deadline_at: float | None = None  # `gate --deadline`: when (time.time()) the run ends; every process stops by then
 
     @property
     def stall(self) -> StallRule | None:

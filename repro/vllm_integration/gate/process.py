@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -14,8 +15,9 @@ from typing import Any
 
 from repro.case.spec import CaseResult
 from repro.errors import Unavailable
-from repro.judge.verdicts import CLEAN, CRASH, SKIP
+from repro.judge.verdicts import CLEAN, CRASH, HANG, SKIP, STALE_AUDIT
 from repro.run.channel import Channel
+from repro.run.process import STALLED
 from repro.run.runner import case_logs, device_sm_count, run_process
 from repro.run.smcontrol import MpsDaemon
 from repro.run.tags import COUNTERS_TAG, DEVICE_TAG, RESULT_TAG
@@ -45,6 +47,13 @@ def run_case(
     without, it is spawned. Its phases say which (`launcher`) and, when not the one asked for, why."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
+    if case.deadline_at is not None:  # `--deadline`: no process starts after it, none runs past it
+        left = case.deadline_at - time.time()
+        if left <= 0:
+            return skipped(case, f"not started: the run's --deadline had passed ({-left:.0f} s before)")
+        if left < case.timeout_s:
+            return past_deadline(case, run_case(replace(case, timeout_s=left, deadline_at=None), builds, log_dir, mps,
+                                                total_sms, cache, device, launcher))  # fmt: skip
     audit_file = log_dir / f"{case.case_id}.audit.json"
     audit_file.unlink(missing_ok=True)  # an earlier run into this folder must not lend this case its mismatches
     try:
@@ -161,6 +170,18 @@ def run_control(
             why = f"attempt {k + 1} of {SELF_CONTROL_ATTEMPTS} ({again.case_id}); the earlier decoded without a fault"
             res, attribution, ran = r.revised("self-control attempt", why, case_id=case.case_id), a, again
     return res, attribution, ran, tried
+
+
+def past_deadline(case: GateCase, res: CaseResult) -> CaseResult:
+    """A case whose timeout the run's deadline cut: a HANG there is the deadline's kill, not a hang (a stall the
+    watch stopped stays one). What the auditor had caught before the kill stays evidence (stale views in an audit
+    mode); else the case is a skip that says so."""
+    if res.verdict != HANG or STALLED in res.reason:
+        return res
+    why = f"stopped at the run's --deadline, {res.wall_s:.0f} s in (its own timeout: {case.timeout_s:g} s)"
+    if case.mode.audit and res.stale_fields:
+        return res.revised("deadline", why, verdict=STALE_AUDIT, reason=f"{why}; {res.reason}")
+    return skipped(case, why)
 
 
 def skipped(case: GateCase, reason: str) -> CaseResult:

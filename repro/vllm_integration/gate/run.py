@@ -2,8 +2,8 @@
 as its own process (repro.vllm_integration.gate.worker) under a timeout, classified by the same verdict code as the
 attention-layer cases (repro.judge.classify) and judged (repro.vllm_integration.gate.judge: annotation, the comparison
 with the build's own reference run in the same SM configuration, coverage); a crash in the plain mode rerun once with
-CUDA_LAUNCH_BLOCKING=1 to name the kernel; non-MPS cases in parallel; MPS cases under one daemon, the cases expected clean as concurrent clients, each control
-alone (repro.run.mps_cases).
+CUDA_LAUNCH_BLOCKING=1 to name the kernel; non-MPS cases in parallel; MPS cases under a daemon owned by the run, the cases expected clean as its concurrent
+clients, each control alone, a rerun alone under a daemon of its own (repro.run.mps_cases).
 
 The outcome goes through repro.judge.policy: AFFECTED when a build under test showed the bug, CANNOT VOUCH when a case's
 checked feature did not fire, HARNESS BLIND when a control build (known bad) was not detected in a gating mode, else
@@ -22,10 +22,9 @@ from repro.case.spec import CaseResult
 from repro.errors import ConfigError, Unavailable
 from repro.judge import policy
 from repro.judge.verdicts import CANNOT_VOUCH as NOT_VOUCHED
-from repro.judge.verdicts import CLEAN, FAULTS, HANG
+from repro.judge.verdicts import CLEAN, FAULTS
 from repro.run.channel import Channel, path_for, write_record
 from repro.run.mps_cases import SHARED, run_mps_cases
-from repro.run.process import STALLED
 from repro.run.runner import case_logs, device_sm_count, set_aside_logs
 from repro.run.smcontrol import MpsDaemon, sm_refusal
 from repro.run.tags import RESULT_TAG
@@ -176,9 +175,11 @@ def run_gate(
     cases of that one build (its self control too); the other builds still keep their prefixes off its PYTHONPATH
     (the pytest tier runs one build and mode per test this way). The launcher (gate_launch.launcher_kind: spawn, the
     default, or fork) says how case processes start; with fork, every build's forkserver starts importing at once,
-    and GateRun.launches says what each build's cases got. deadline_s bounds the whole run (`--deadline`): no case
-    starts after it, and a running case's timeout ends at it; a case it stopped or kept from running is a skip that
-    says so (the run then cannot vouch for its build), never a hang."""
+    and GateRun.launches says what each build's cases got. deadline_s bounds the whole run (`--deadline`): every case
+    carries the end (GateCase.deadline_at); no process of it (attempts and reruns included) starts after it, and a
+    running one's timeout ends at it; a case the deadline stopped is a skip that says so, or its stale-audit where the
+    auditor had caught stale views (gate.process.past_deadline). A skipped build under test cannot be vouched for; a
+    skipped control can leave its mode without evidence (HARNESS BLIND)."""
     if not builds:
         raise ConfigError("no vLLM build to test: install vllm, or set REPRO_VLLM / REPRO_VLLM_CONTROL")
     cases = plan([only] if only is not None else builds, modes, repeat, timeout_s, backends, self_control)
@@ -192,9 +193,11 @@ def run_gate(
             if why := sm_refusal(m.sm.kind, m.sm.sms, total):
                 raise ConfigError(f"gate mode {m.name}: {why}")
     refs = list(dict.fromkeys(reference_for(c) for c in cases))
+    if deadline_s is not None:  # every process of every case (attempts and reruns too) stops by then: gate.process
+        end = time.time() + deadline_s
+        cases, refs = [replace(c, deadline_at=end) for c in cases], [replace(r, deadline_at=end) for r in refs]
     run = GateRun()
     lock = threading.Lock()
-    deadline = time.time() + deadline_s if deadline_s is not None else None
     starts: dict[str, list[float]] = {}
     outputs: dict[str, dict | None] = {}
     t0 = time.time()
@@ -223,22 +226,12 @@ def run_gate(
             ran_last[c.case_id] = (None, c, [], t, kept["result"])
             keep_in_logs(log_dir, c, kept)
             return kept_reference(c, kept)
-        left = deadline - time.time() if deadline is not None else None
-        if left is not None and left <= 0:
-            ran_last[c.case_id] = (None, c, [], t, {})
-            return skipped(c, f"not started: the run's --deadline of {deadline_s:g} s had passed")
-        bounded = c if left is None or left >= c.timeout_s else replace(c, timeout_s=left)
         dev = (pool.devices[0] if mps is not None else pool.take(kind)) if pool else None
         try:
-            res, attribution, ran, tried = run_control(
-                bounded, builds, log_dir, mps, cache, device=dev, launcher=launch
-            )
+            res, attribution, ran, tried = run_control(c, builds, log_dir, mps, cache, device=dev, launcher=launch)
         finally:
             if dev is not None and mps is None:
                 pool.give(dev)
-        if bounded is not c and res.verdict == HANG and STALLED not in res.reason:  # the deadline's kill, not a hang
-            res = skipped(c, f"stopped at the run's --deadline of {deadline_s:g} s, {res.wall_s:.0f} s in")
-            attribution, tried = None, []
         ran_last[c.case_id] = (attribution, ran, tried, t, None)
         return res
 
@@ -268,6 +261,7 @@ def run_gate(
 
     def set_aside(c: GateCase, attempt: str) -> None:
         set_aside_logs(Path(log_dir), c.case_id, attempt)
+        ran_last.pop(c.case_id, None)  # the attempt before is not the result's: a rerun that never ran is a skip
         with lock:
             run.mps_reruns.append({"case": c.case_id, "attempt before": attempt})
 
@@ -275,26 +269,35 @@ def run_gate(
         """The MPS cases under daemons owned by the run (repro.run.mps_cases, the matrix's shared policy): a control
         (expected to fault) alone under the daemon; the cases expected clean (builds under test, every build's
         references) as concurrent clients, a verdict a neighbour's fault could have caused rerun alone."""
-        for c, res in run_mps_cases(
-            under_mps,
-            run_one,
-            SHARED,
-            jobs=max(1, workers // 2) if parallel else workers,
-            may_share=lambda c: c.reference or not c.is_control,
-            daemon_factory=lambda: MpsDaemon(),
-            before_rerun=set_aside,
-        ):
-            if c.case_id not in ran_last:  # no daemon: skipped, the reason given
-                res = skipped(c, res.reason)
-                ran_last[c.case_id] = (None, c, [], time.time(), {})
-            record(c, res)
+        if not under_mps:
+            return
+        try:
+            for c, res in run_mps_cases(
+                under_mps,
+                run_one,
+                SHARED,
+                # beside the other cases, or on a device pool (a MIG slice takes one case at a time): fewer clients
+                jobs=1 if pool else max(1, workers // 2) if parallel else workers,
+                may_share=lambda c: c.reference or not c.is_control,
+                daemon_factory=lambda: MpsDaemon(),
+                before_rerun=set_aside,
+            ):
+                if c.case_id not in ran_last:  # no daemon for it: skipped, the reason given
+                    res = skipped(c, res.reason)
+                    ran_last[c.case_id] = (None, c, [], time.time(), {})
+                record(c, res)
+        except BaseException as e:  # the run must not be judged without its MPS cases: raised after the join
+            mps_failed.append(e)
 
+    mps_failed: list[BaseException] = []
     try:
         mps_thread = threading.Thread(target=mps_part, daemon=True)
         mps_thread.start()
         with ThreadPoolExecutor(max_workers=workers) as threads:
             list(threads.map(lambda c: record(c, run_one(c, None)), parallel))
         mps_thread.join()
+        if mps_failed:
+            raise mps_failed[0]
     finally:
         run.launches = launch.summary()
         launch.close()
