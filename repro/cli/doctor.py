@@ -54,9 +54,14 @@ def doctor() -> str:
     san = find_sanitizer()
     lines.append(f"compute-sanitizer: {san or 'not found: install the CUDA toolkit or put it on PATH'}")
     for b in ("upstream", "vllm"):
-        lines.append(f"FA3 {b:<9}      {_probe_backend(b)}")
+        lines.append(f"{'FA3 ' + b + ':':<19}{_probe_backend(b)}")
     can_run = bool(facts.get("gpu")) and facts.get("capability") == "9.0"
     lines.append(f"repro server:      {_server_line(can_run)}")
+    if not can_run:  # what a machine without a Hopper GPU can still answer
+        lines.append(
+            "here you can run:  `vllm-check WHEEL_OR_CHECKOUT` (is a build affected, from its sources), `bisect` "
+            "(the first bad commit of a checkout), `matrix` (the CPU model's predicted table), the CPU tests"
+        )
     return "\n".join(lines)
 
 

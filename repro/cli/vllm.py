@@ -53,7 +53,9 @@ def add_parsers(sub) -> None:
     gt.add_argument(
         "--modes",
         default="audit,plain",
-        help="audit, plain, mps:N, sm_margin:N, poison:FILL, memcheck[:async] (default audit,plain)",
+        help="audit, plain, mps:N, sm_margin:N, audit+mps:N, audit+sm_margin:N, poison:FILL, memcheck[:async], or the "
+        "preset hidden-sweep (audit and plain on the full GPU and at 8/16/24/40/66 SMs of both restrictions) "
+        "(default audit,plain)",
     )
     gt.add_argument(
         "--backends",
@@ -219,11 +221,14 @@ def cmd_gate(a: argparse.Namespace) -> int:
     listed = attach_torch(builds + [o.listed() for o in overlays], ",".join(a.torch))
     builds, overlay_torch = listed[: len(builds)], {b.label: b.torch_prefix for b in listed[len(builds) :]}
     if not builds and not overlays:
+        gpu = gpu_present()
         print(
             "repro: cannot run here: no vLLM build to test: install vllm, or name builds with --vllm / --control "
-            "LABEL=PREFIX",
+            "LABEL=PREFIX"
+            + ("" if gpu else "; and no CUDA GPU is visible, which the gate's cases need (without a GPU: "
+               "`python -m repro vllm-check` reads a build's sources)"),
             file=sys.stderr,
-        )
+        )  # fmt: skip
         return exit_codes.Exit.NOT_RUN
     if a.dry_run:
         from repro.vllm_integration.gate.run import plan  # the gate's modules load only for it

@@ -120,7 +120,14 @@ def parse_builds(text: str, role: str, variable: str) -> list[VllmBuild]:
         if not _LABEL.match(label):
             raise ConfigError(f"{variable}: label {label!r} may hold letters, digits and . _ + - only")
         if not (Path(prefix) / "vllm" / "__init__.py").exists():
-            raise ConfigError(f"{variable}: {prefix} holds no vllm package ({prefix}/vllm/__init__.py missing)")
+            hint = (
+                ": a wheel runs installed, e.g. `python -m pip install --no-deps --target DIR WHEEL`, then LABEL=DIR"
+                if str(prefix).endswith(".whl")
+                else ": name the folder that holds vllm/ (site-packages or a --target folder), not vllm/ itself"
+                if Path(prefix).name == "vllm"
+                else ""
+            )
+            raise ConfigError(f"{variable}: {prefix} holds no vllm package ({prefix}/vllm/__init__.py missing){hint}")
         out.append(VllmBuild(label, str(Path(prefix).resolve()), role, read_version(prefix)))
     return out
 

@@ -68,7 +68,12 @@ def _capture_calls(root: Path) -> list[tuple[str, bool]]:
 def check_tree(root: str | Path) -> SourceVerdict:
     root = Path(root)
     if not (root / "vllm").is_dir():
-        return SourceVerdict(UNTESTABLE, f"{root}: not a vLLM checkout (no vllm/ package)")
+        hint = (
+            f": this is the vllm package itself; name the folder that holds it ({root.parent})"
+            if root.name == "vllm" and (root / "__init__.py").exists()
+            else ""
+        )
+        return SourceVerdict(UNTESTABLE, f"{root}: not a vLLM checkout (no vllm/ package){hint}")
     if not (root / V2_DIR).is_dir():
         return SourceVerdict(UNTESTABLE, "no V2 model runner (vllm/v1/worker/gpu) in this tree")
     layout = spec_layout(root)
