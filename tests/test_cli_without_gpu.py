@@ -69,6 +69,12 @@ def test_could_not_run_here_is_exit_4_in_one_line(tmp_path):
     assert "[gate]" not in r.stdout  # no case ran
     r = run_repro("gate", "--no-installed", cwd=tmp_path)
     one_line_nothing_written(r, tmp_path, before, 4, "cannot run here: no vLLM build to test")
+    assert "no CUDA GPU is visible" in r.stderr and "vllm-check" in r.stderr  # both reasons, and where to go
+    wheel = tmp_path / "vllm-0.25.1-cp38-abi3-manylinux_2_28_x86_64.whl"
+    r = run_repro("gate", "--no-installed", "--vllm", f"0.25.1={wheel}", cwd=tmp_path)
+    assert r.returncode == 2 and "a wheel runs installed" in r.stderr
+    r = run_repro("gate", "--no-installed", "--vllm", f"0.25.1={build}/vllm", cwd=tmp_path)
+    assert r.returncode == 2 and "name the folder that holds vllm/" in r.stderr
     r = run_repro("gate", "--no-installed", "--control", f"0.25.1={build}", "--dry-run", cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.split()  # listing the cases needs no GPU
 
@@ -103,3 +109,6 @@ def test_doctor_on_cpu_torch_promises_no_green_contexts_and_no_server():
     server = next(ln for ln in r.stdout.splitlines() if ln.startswith("repro server:"))
     assert r.returncode == 0 and "not available" in green, green
     assert "of no use here" in server and "python -m repro serve" not in server, server
+    here = next(ln for ln in r.stdout.splitlines() if ln.startswith("here you can run:"))
+    assert all(cmd in here for cmd in ("vllm-check", "bisect", "matrix")), here
+    assert next(ln for ln in r.stdout.splitlines() if ln.startswith("FA3 upstream:"))
