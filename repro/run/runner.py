@@ -13,8 +13,6 @@ from pathlib import Path
 
 from repro import CHECKOUT
 from repro.case.spec import CaseResult, CaseSpec
-
-# A memcheck case is stopped this long after memcheck finished writing its first error (a stale case may never end
 from repro.errors import ConfigError, Unavailable
 from repro.judge.classify import classify
 from repro.run.channel import ENV as CHANNEL_ENV
@@ -28,6 +26,7 @@ from repro.run.sanitizer import find_sanitizer, first_finding_complete, sanitize
 from repro.run.server import server_executor
 from repro.run.smcontrol import MpsDaemon, device_sm_count
 
+# A memcheck case is stopped this long after memcheck finished writing its first error (a stale case may never end
 # and its verdict rests on that first error); the grace only lets the error count grow.
 EARLY_STOP_GRACE_S = 0.5
 
