@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from repro.case.spec import CaseResult
 from repro.errors import ConfigError, Unavailable
@@ -106,6 +107,16 @@ class GateRun:
         if affected or self.not_vouched():
             return policy.GateOutcome.CANNOT_VOUCH
         return policy.GateOutcome.BLIND if self.blind(need_control) else policy.GateOutcome.PASS
+
+
+class _Ran(NamedTuple):
+    """What a case's last process left beside its verdict, for run_gate's record()."""
+
+    logs: GateCase  # the case whose logs hold its records (a self control's later attempt, or the case itself)
+    started: float
+    attribution: tuple[GateCase, CaseResult] | None = None  # its launch-blocking rerun
+    attempts: Sequence[tuple[GateCase, CaseResult]] = ()  # a self control's further attempts
+    out: dict | None = None  # its RESULT record where no process left one (a kept reference, a skip); None: read it
 
 
 def control_of(case: GateCase, res: CaseResult) -> policy.Control:
@@ -215,7 +226,7 @@ def run_gate(
             plain = GateCase(b, GateMode.parse("plain"))
             launch.start(b, case_env(plain, builds, Path(log_dir) / "forkserver.audit.json", None, lambda: 0))
 
-    ran_last: dict[str, tuple] = {}  # case id -> (attribution, case whose logs hold it, attempts, start, kept output)
+    ran_last: dict[str, _Ran] = {}  # case id -> what its last process left beside its verdict
 
     def run_one(c: GateCase, mps: MpsDaemon | None) -> CaseResult:
         """Run one case's process (or load its kept reference): the process's own verdict, before any reference
@@ -223,7 +234,7 @@ def run_gate(
         t = time.time()
         kept = cache.load_reference(c.build, ref_key(c), gpu) if cache is not None and c.reference else None
         if kept is not None:
-            ran_last[c.case_id] = (None, c, [], t, kept["result"])
+            ran_last[c.case_id] = _Ran(c, t, out=kept["result"])
             keep_in_logs(log_dir, c, kept)
             return kept_reference(c, kept)
         dev = (pool.devices[0] if mps is not None else pool.take(kind)) if pool else None
@@ -232,14 +243,15 @@ def run_gate(
         finally:
             if dev is not None and mps is None:
                 pool.give(dev)
-        ran_last[c.case_id] = (attribution, ran, tried, t, None)
+        ran_last[c.case_id] = _Ran(ran, t, attribution, tried)
         return res
 
     def record(c: GateCase, res: CaseResult) -> None:
         """Keep a case's final result (of its last process): a reference validated, and kept in the cache if good."""
-        attribution, ran, tried, t, out = ran_last[c.case_id]
+        ran = ran_last[c.case_id]
+        out = ran.out
         if out is None:
-            out = result_line(log_dir, ran)
+            out = result_line(log_dir, ran.logs)
             if c.reference:
                 res = validate_reference(c, res, out)
             if cache is not None and c.reference and res.verdict == CLEAN and out and out.get("tokens"):
@@ -247,11 +259,11 @@ def run_gate(
         with lock:
             outputs[c.case_id] = out
             (run.references if c.reference else run.cases).append((c, res))
-            if attribution:
-                run.attributions.append(attribution)
-            run.attempts += tried
-            span = starts.setdefault(c.build.label, [t, t])
-            span[0], span[1] = min(span[0], t), max(span[1], time.time())
+            if ran.attribution:
+                run.attributions.append(ran.attribution)
+            run.attempts.extend(ran.attempts)
+            span = starts.setdefault(c.build.label, [ran.started, ran.started])
+            span[0], span[1] = min(span[0], ran.started), max(span[1], time.time())
         if progress:
             progress(c, res)
 
@@ -284,7 +296,7 @@ def run_gate(
             ):
                 if c.case_id not in ran_last:  # no daemon for it: skipped, the reason given
                     res = skipped(c, res.reason)
-                    ran_last[c.case_id] = (None, c, [], time.time(), {})
+                    ran_last[c.case_id] = _Ran(c, time.time(), out={})
                 record(c, res)
         except BaseException as e:  # the run must not be judged without its MPS cases: raised after the join
             mps_failed.append(e)
