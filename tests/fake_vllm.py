@@ -143,8 +143,9 @@ class LLM:
         if self.spec:
             sc = kw["speculative_config"]
             spec = _Ns(method=sc["method"], num_speculative_tokens=sc["num_speculative_tokens"])
+        compiled = not kw.get("enforce_eager") and kw.get("compilation_config", {{}}).get("mode") != 0
         config = _Ns(
-            compilation_config=_Ns(cudagraph_mode=_Mode(mode)),
+            compilation_config=_Ns(cudagraph_mode=_Mode(mode), mode=_Mode("VLLM_COMPILE" if compiled else "NONE")),
             speculative_config=spec,
             attention_config=_Ns(backend=_Mode(kw.get("attention_backend") or "FLASH_ATTN")),
         )

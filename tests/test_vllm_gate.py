@@ -138,6 +138,25 @@ def test_gate_end_to_end_on_stand_in_builds(tmp_path, fakes):
     assert all(r.vllm_version in ("0.25.1", "0.26.0") for _, r in run.cases)
 
 
+def test_compile_none_runs_full_graphs_without_torch_compile_in_every_speculative_case(tmp_path, fakes):
+    """--compile none: the speculative cases ask vLLM for compilation mode 0 and FULL graphs, say so in their ids and
+    in the engine they report; references (never compiled) keep theirs, shared with the default."""
+    builds = parse_builds(f"good={fakes['good']}", UNDER_TEST, "REPRO_VLLM")
+    builds += parse_builds(f"crash={fakes['stale-crash']}", CONTROL, "REPRO_VLLM_CONTROL")
+    run = run_gate(builds, parse_modes("audit"), tmp_path / "logs", jobs=4, timeout_s=120, compile="none")
+    v = _verdicts(run)
+    assert set(v) == {"good-under-test-compile-none-audit", "good-self-control-compile-none-audit",
+                      "crash-control-compile-none-audit"}  # fmt: skip
+    engine = v["good-under-test-compile-none-audit"].backend_identity["engine"]
+    assert (engine["compilation_mode"], engine["cudagraph_mode"]) == ("NONE", "FULL")
+    assert v["good-under-test-compile-none-audit"].verdict == CLEAN
+    assert v["crash-control-compile-none-audit"].verdict == CRASH
+    refs = [c for c, _ in run.references]
+    assert refs and all(c.compile == "inductor" and "compile" not in c.case_id for c in refs)
+    with pytest.raises(ConfigError, match="--compile 'fast'"):
+        run_gate(builds, parse_modes("audit"), tmp_path / "logs2", compile="fast")
+
+
 @needs_entry_point
 def test_gate_command_exit_codes_and_report(tmp_path, fakes, capsys):
     out = tmp_path / "out"

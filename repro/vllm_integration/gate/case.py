@@ -34,6 +34,7 @@ from repro.judge.policy import KNOWN_BAD, SELF_CONTROL
 from repro.run.process import StallRule
 from repro.run.sanitizer import sanitizer_env
 from repro.run.smcontrol import MpsDaemon
+from repro.vllm_integration.gate.worker import DEFAULT_COMPILE
 from repro.vllm_integration.plugin import BACKEND_ENV, POISON_ENV, PROBE_ENV, SM_MARGIN_ENV, WEIGHTS_ENV
 from repro.vllm_integration.plugin import ENV as AUDIT_ENV
 from repro.vllm_integration.plugin import SWITCHES as PLUGIN_SWITCHES
@@ -169,6 +170,7 @@ class GateCase:
     launch_blocking: bool = False
     timeout_s: float = 300.0
     backend: str = DEFAULT_BACKEND  # vLLM's attention backend (attention_backend=...)
+    compile: str = DEFAULT_COMPILE  # the speculative run's torch.compile (COMPILES); references never compile
     inject: str | None = (
         None  # the self control's injection (repro.vllm_integration.plugin.inject), None: the build as is
     )
@@ -198,6 +200,8 @@ class GateCase:
         parts = ["stale_metadata", "vllm", self.build.label, role, what]
         if self.backend != DEFAULT_BACKEND:  # FLASH_ATTN ids stay as recorded
             parts.insert(4, self.backend.lower())
+        if self.compile != DEFAULT_COMPILE and not self.reference:  # inductor ids stay as recorded
+            parts.insert(4, f"compile-{self.compile}")
         if self.rep:
             parts.append(f"rep{self.rep}")
         if self.attempt:
@@ -221,7 +225,9 @@ def reference_for(case: GateCase) -> GateCase:
     """The reference of a case: the same build, backend and SM configuration, no CUDA graphs (its process runs the
     same draft: gate.llm_kwargs), nothing injected (a self control is judged against its build's own reference)."""
     mode = GateMode(f"reference-{case.mode.sm.label}", sm=case.mode.sm)
-    return replace(case, mode=mode, reference=True, rep=0, attempt=0, launch_blocking=False, inject=None)
+    return replace(
+        case, mode=mode, reference=True, rep=0, attempt=0, launch_blocking=False, inject=None, compile=DEFAULT_COMPILE
+    )
 
 
 def case_env(

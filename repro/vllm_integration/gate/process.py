@@ -71,6 +71,8 @@ def run_case(
     cmd += ["--attention-backend", case.backend]
     if case.reference:
         cmd.append("--reference")
+    else:
+        cmd += ["--compile", case.compile]
     sanitized = bool(case.mode.sanitizer) and not case.reference
     if launcher is not None:
         res, out, launched = launcher.launch(case, cmd, env, log_dir, sanitized, run_process)

@@ -63,7 +63,7 @@ def rows(run: GateRun) -> list[dict]:
 COUNTS = ("checks", "views_checked", "attention_forwards", "sched_calls", "sched_sm_margin", "fwd_sm_margin")
 COUNTS += ("poison_calls", "entries_poisoned")
 PER_KIND = ("captures", "captures_with_attention", "captures_audited", "captures_stale")
-CONFIG = ("model_runner", "model_runner_v2", "attention_backend", "fa_version", "cudagraph_mode")
+CONFIG = ("model_runner", "model_runner_v2", "attention_backend", "fa_version", "cudagraph_mode", "compilation_mode")
 CONFIG += ("speculative_method", "num_speculative_tokens")
 
 

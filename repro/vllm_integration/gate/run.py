@@ -43,6 +43,7 @@ from repro.vllm_integration.gate.judge import finish, passes, validate_reference
 from repro.vllm_integration.gate.launch import FORK, Launcher, launcher_kind
 from repro.vllm_integration.gate.placement import DevicePool, GateDevice, kind_of, main_kind, per_device_jobs
 from repro.vllm_integration.gate.process import run_control, skipped
+from repro.vllm_integration.gate.worker import COMPILES, DEFAULT_COMPILE
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
 from repro.vllm_integration.plugin.inject import STALE_CAPTURE
 from repro.vllm_integration.releases.builds import VllmBuild
@@ -140,17 +141,20 @@ def plan(
     timeout_s: float,
     backends: tuple[str, ...] = (DEFAULT_BACKEND,),
     self_control: str = "under-test",
+    compile: str = DEFAULT_COMPILE,
 ) -> list[GateCase]:
     """Every case: build x attention backend x mode x repetition, and the self control of each build that gets one
     (gate_case.self_controls_for) in every mode beside the build's own cases. sm_margin and poison hook FA3's own
-    calls: with another backend they are refused."""
+    calls: with another backend they are refused. `compile`: every speculative case's torch.compile (COMPILES)."""
+    if compile not in COMPILES:
+        raise ConfigError(f"--compile {compile!r}: use one of {', '.join(COMPILES)}")
     if repeat < 1:
         raise ConfigError("--repeat must be at least 1")
     fa3_only = [m.name for m in modes if m.name.split(":")[0] in FA3_ONLY]
     if fa3_only and any(b != DEFAULT_BACKEND for b in backends):
         raise ConfigError(f"mode {fa3_only[0]} hooks FA3's calls: run it with --backends {DEFAULT_BACKEND} only")
     return [
-        GateCase(b, m, rep=r, timeout_s=timeout_s, backend=be, inject=inj)
+        GateCase(b, m, rep=r, timeout_s=timeout_s, backend=be, inject=inj, compile=compile)
         for b in builds
         for inj in ((None, STALE_CAPTURE) if self_controls_for(b, self_control) else (None,))
         for be in backends
@@ -174,6 +178,7 @@ def run_gate(
     only: VllmBuild | None = None,
     launcher: str | None = None,
     deadline_s: float | None = None,
+    compile: str = DEFAULT_COMPILE,
 ) -> GateRun:
     """Every case, references included; non-MPS cases `jobs` at a time; MPS cases under a daemon owned by the run
     (repro.run.mps_cases' shared policy, as the matrix runs them): the cases expected clean several at a time, each
@@ -193,7 +198,7 @@ def run_gate(
     skipped control can leave its mode without evidence (HARNESS BLIND)."""
     if not builds:
         raise ConfigError("no vLLM build to test: install vllm, or set REPRO_VLLM / REPRO_VLLM_CONTROL")
-    cases = plan([only] if only is not None else builds, modes, repeat, timeout_s, backends, self_control)
+    cases = plan([only] if only is not None else builds, modes, repeat, timeout_s, backends, self_control, compile)
     asked = [m for m in modes if m.sm.kind in ("sm_margin", "mps")]
     if asked:
         try:

@@ -53,6 +53,11 @@ DRAFT = {**TARGET, "architectures": ["EagleLlamaForCausalLM"], "num_hidden_layer
 PROMPTS = [[11, 12, 13, 14, 15, 16, 17], [21, 22, 23], [31, 32, 33, 34, 35], [41, 42, 43, 44]]
 KV_CACHE_BYTES = 1 << 30
 SPEC_TOKENS = 3
+# how the speculative run compiles: "inductor" (vLLM's default, VLLM_COMPILE: torch.compile and inductor, piecewise and
+# FULL graphs) or "none" (compilation mode 0: FULL CUDA graphs of the eager model, the draft's included, and no compile
+# time: results/h200-fast-cold, h200-fast-warm, h200-compile-none)
+COMPILES = ("inductor", "none")
+DEFAULT_COMPILE = "inductor"
 MAX_NEW = 16
 
 
@@ -76,9 +81,18 @@ def write_models(root: str | Path) -> tuple[Path, Path]:
 
 
 def llm_kwargs(
-    target: Path, draft: Path, reference: bool, spec_tokens: int, gpu_memory: float, backend: str = DEFAULT_BACKEND
+    target: Path,
+    draft: Path,
+    reference: bool,
+    spec_tokens: int,
+    gpu_memory: float,
+    backend: str = DEFAULT_BACKEND,
+    compile: str = DEFAULT_COMPILE,
 ) -> dict:
-    """The LLM(...) arguments of a gate run. Reference: the same speculative decoding, no CUDA graphs."""
+    """The LLM(...) arguments of a gate run. Reference: the same speculative decoding, no CUDA graphs. `compile`: one of
+    COMPILES (the reference never compiles)."""
+    if compile not in COMPILES:
+        raise ValueError(f"compile {compile!r}: expected one of {', '.join(COMPILES)}")
     kw = dict(
         model=str(target),
         load_format="dummy",
@@ -95,6 +109,8 @@ def llm_kwargs(
     kw["speculative_config"] = {"method": "eagle", "model": str(draft), "num_speculative_tokens": spec_tokens}
     if reference:
         kw["enforce_eager"] = True
+    elif compile == "none":
+        kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL"}
     else:
         kw["compilation_config"] = {"cudagraph_mode": "FULL_AND_PIECEWISE"}
     return kw
@@ -191,6 +207,7 @@ def resolved_engine(llm) -> dict:
         "attention_backend": _backend_seen(counters),
         "fa_version": next(iter(versions)) if len(versions) == 1 else (sorted(versions) or None),
         "cudagraph_mode": _name(getattr(comp, "cudagraph_mode", None)),
+        "compilation_mode": _name(getattr(comp, "mode", getattr(comp, "level", None))),
         "speculative_method": getattr(spec, "method", None) if spec is not None else None,
         "num_speculative_tokens": getattr(spec, "num_speculative_tokens", None) if spec is not None else 0,
         "counters": counters,
@@ -223,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         "--attention-backend", default=DEFAULT_BACKEND, help="vLLM's attention backend (default %(default)s)"
     )
     p.add_argument("--gpu-memory", type=float, default=0.1, help="share of GPU memory that must be free at start")
+    p.add_argument("--compile", choices=COMPILES, default=DEFAULT_COMPILE, help="torch.compile of the speculative run")
     a = p.parse_args(argv)
     t0 = time.time()
     import torch  # torch after t0: the import is part of the timed start (timing_s)
@@ -248,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         device["startup_s"] = startup
         emit(DEVICE_TAG, device)
     target, draft = write_models(a.out)
-    llm = LLM(**llm_kwargs(target, draft, a.reference, a.spec_tokens, a.gpu_memory, a.attention_backend))
+    llm = LLM(**llm_kwargs(target, draft, a.reference, a.spec_tokens, a.gpu_memory, a.attention_backend, a.compile))
     t_engine = time.time()
     params = SamplingParams(
         temperature=0.0, max_tokens=a.max_new, detokenize=False, ignore_eos=True, logprobs=2 if a.reference else None
