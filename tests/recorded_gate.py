@@ -15,7 +15,12 @@ from repro.run.channel import Channel, path_for
 from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import run as gate_run
 from repro.vllm_integration.gate.case import GateCase, parse_backends, parse_modes
-from repro.vllm_integration.gate.run import run_gate
+from repro.vllm_integration.gate.run import KEPT_LINE, run_gate
+
+
+def _whole(out_log: Path) -> bool:
+    """A case's output as its process left it (not a kept reference's one-line stand-in, gate_run.keep_in_logs)."""
+    return out_log.exists() and not out_log.read_text(errors="replace").startswith(KEPT_LINE)
 
 
 def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_logs: tuple[Path, ...] = ()):
@@ -30,7 +35,8 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
     def recorded_process(case, cmd, env, log_dir, sanitizer, executor=None, target=None):
         r = rows[case.case_id]["result"]
         out_log = Path(log_dir) / f"{case.case_id}.out.log"
-        logs = next((d for d in (own, *more_logs) if (d / out_log.name).exists()), own)
+        # a reference the run kept from its cache left only its RESULT record: the run that stored it has the rest
+        logs = next((d for d in (own, *more_logs) if _whole(d / out_log.name)), own)
         out = (logs / out_log.name).read_text(errors="replace")
         out_log.write_text(out)
         records = (logs / path_for(out_log).name).read_text()

@@ -9,6 +9,9 @@ import json
 from pathlib import Path
 
 from repro.exit_codes import gate as gate_exit
+from repro.run.channel import Channel
+from repro.run.tags import DEVICE_TAG
+from repro.vllm_integration.gate.judge import platform_problem
 from repro.vllm_integration.gate.report import fidelity, markdown
 from tests.recorded_gate import replay
 
@@ -215,3 +218,23 @@ def test_at_mps24_the_platform_is_named_never_a_false_alarm(monkeypatch, tmp_pat
         assert all(r.verdict == "error" and "bf16 matrix products wrong" in r.reason for r in got.values()), record
         need = "--no-control" not in doc["environment"]["command"]
         assert run.outcome(need_control=need) == doc["outcome"] == "CANNOT VOUCH" and gate_exit("CANNOT VOUCH") == 4
+
+
+def test_mps_above_16_sms_is_a_platform_problem_on_the_h200_and_8_and_16_are_right():
+    """results/h200-sweep-mps-b, h200-sweep-mps-a: every process under MPS at 40 SMs (as at 24) reported a failed bf16
+    GEMM check in its own DEVICE record, and the gate turned each into an error that names the products and the SM
+    count (never a verdict on the build); at 8 and 16 SMs the same check passed."""
+
+    def devices(record: str, mode: str):
+        for f in sorted((RESULTS / record / "logs").glob(f"*-{mode}*.channel.jsonl")):
+            for data in Channel.read(f).of(DEVICE_TAG):
+                yield f.name, data
+
+    wrong = dict(devices("h200-sweep-mps-b", "mps40"))
+    assert len(wrong) == 2 and all(d["sms"] == 40 and platform_problem(d) for d in wrong.values())
+    assert all("(40 SMs: max error 3.7783" in platform_problem(d) for d in wrong.values())
+    rows = {r["case"]: r for r in json.loads((RESULTS / "h200-sweep-mps-b" / "results.json").read_text())["cases"]}
+    for case in ("stale_metadata-vllm-0.25.1-control-audit-mps40", "stale_metadata-vllm-0.25.1-control-mps40"):
+        assert "bf16 matrix products wrong here (40 SMs" in rows[case]["reason"]
+    right = [d for m in ("mps8", "mps16") for _, d in devices("h200-sweep-mps-a", m)]
+    assert right and all(d["sms"] in (8, 16) and platform_problem(d) is None for d in right)

@@ -331,12 +331,15 @@ def run_gate(
     return run
 
 
+KEPT_LINE = "reference kept:"  # the first words of a kept reference's out.log (keep_in_logs)
+
+
 def keep_in_logs(log_dir: str | Path, case: GateCase, kept: dict) -> None:
     """A kept reference's record in the run's logs, as its process would have left it (a line of output, its RESULT
     record), so that the run's record holds everything its verdicts were judged from."""
     out_log = case_logs(log_dir, case.case_id)[0]
     out_log.parent.mkdir(parents=True, exist_ok=True)
-    out_log.write_text(f"reference kept: the run of {kept.get('stored')} for this build, SM configuration and GPU\n")
+    out_log.write_text(f"{KEPT_LINE} the run of {kept.get('stored')} for this build, SM configuration and GPU\n")
     channel = path_for(out_log)
     channel.unlink(missing_ok=True)
     write_record(channel, RESULT_TAG, kept["result"])
