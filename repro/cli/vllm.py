@@ -198,6 +198,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
         attach_torch,
         find_builds,
         make_overlays,
+        needs_gpu,
         parse_builds,
         parse_overlays,
     )
@@ -245,7 +246,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
         for c in plan(listed, modes, a.repeat, a.timeout, backends, a.self_control, a.compile):
             print(c.case_id)
         return exit_codes.Exit.OK
-    if not gpu_present() and (overlays or _need_gpu(builds)):  # an overlay holds its base's compiled extensions
+    if not gpu_present() and (overlays or needs_gpu(builds)):  # an overlay holds its base's compiled extensions
         print(
             "repro: cannot run here: no CUDA GPU visible, and vLLM's cases run on one "
             "(without a GPU: `python -m repro vllm-check` reads a build's sources)",
@@ -294,16 +295,6 @@ def cmd_gate(a: argparse.Namespace) -> int:
     print(gate_report.markdown(run, need_control=not a.no_control).split("\n| case |")[0])
     print(f"written: {', '.join(str(p) for p in written)}")
     return exit_codes.gate(run.outcome(need_control=not a.no_control))
-
-
-def _need_gpu(builds) -> bool:
-    """Whether a build's cases need a GPU: a real vLLM ships compiled CUDA extensions (vllm/_C.abi3.so, ...); a
-    pure-Python stand-in (tests/fake_vllm.py, for the CPU tests) runs its cases without one."""
-    for b in builds:
-        pkg = b.package_dir
-        if pkg is None or next(pkg.glob("*.so"), None) or next(pkg.glob("*/*.so"), None):
-            return True
-    return False
 
 
 def cmd_bisect(a: argparse.Namespace) -> int:

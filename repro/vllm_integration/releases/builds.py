@@ -246,3 +246,13 @@ def parse_overlays(items: list[str]) -> list[Overlay]:
             )
         out.append(check_overlay(label, sources, base))
     return out
+
+
+def needs_gpu(builds: list[VllmBuild]) -> bool:
+    """Whether a build's cases need a GPU: a real vLLM ships compiled CUDA extensions (vllm/_C.abi3.so, ...); a
+    pure-Python stand-in (tests/fake_vllm.py, for the CPU tests) runs its cases without one."""
+    for b in builds:
+        pkg = b.package_dir
+        if pkg is None or next(pkg.glob("*.so"), None) or next(pkg.glob("*/*.so"), None):
+            return True
+    return False
