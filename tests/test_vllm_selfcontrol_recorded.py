@@ -238,3 +238,20 @@ def test_mps_above_16_sms_is_a_platform_problem_on_the_h200_and_8_and_16_are_rig
         assert "bf16 matrix products wrong here (40 SMs" in rows[case]["reason"]
     right = [d for m in ("mps8", "mps16") for _, d in devices("h200-sweep-mps-a", m)]
     assert right and all(d["sms"] in (8, 16) and platform_problem(d) is None for d in right)
+
+
+def test_once_a_process_finds_the_sm_configuration_computing_wrong_no_other_process_runs_in_it(monkeypatch, tmp_path):
+    """h200-mps24-gemm-check-0.33.0: the self control ran first (alone under the daemon) and its GEMM check failed at
+    24 SMs; the build under test and the reference in the same configuration are then errors that name it, without
+    processes of their own (each would take 20-60 s to find the same); the gate still cannot vouch."""
+    doc, rows, run, got = replay(monkeypatch, tmp_path, RESULTS / "h200-mps24-gemm-check-0.33.0")
+    _same_verdicts(rows, got)
+    first = "stale_metadata-vllm-0.33.0-self-control-mps24"
+    assert "bf16 matrix products wrong here (24 SMs" in got[first].reason
+    for case in (
+        "stale_metadata-vllm-0.33.0-under-test-mps24",
+        "stale_metadata-vllm-0.33.0-under-test-reference-mps24",
+    ):
+        assert got[case].reason.startswith(f"not run: {first}'s process found this GPU computes bf16 matrix products")
+        assert not (tmp_path / "logs" / f"{case}.out.log").exists()  # no process of its own
+    assert run.outcome() == "CANNOT VOUCH"

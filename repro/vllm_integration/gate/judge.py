@@ -108,7 +108,7 @@ def annotate(res: CaseResult, case: GateCase, output: str | Channel, audit_file:
     if devices and (why := mps_sm_mismatch(case.mode.sm, devices[-1].get("sms"))):
         return res.revised("MPS SM count", why, verdict=ERROR, reason=why)
     if devices and (why := platform_problem(devices[-1])):
-        return res.revised("platform check", why, verdict=ERROR, reason=why)
+        return res.revised(PLATFORM_CHECK, why, verdict=ERROR, reason=why)
     if res.verdict == CLEAN and audit["stale"]:
         why = f"no fault this run, but the auditor caught stale views: {audit['first'][0]}"
         return res.revised("audit", why, verdict=STALE_AUDIT, reason=why, descriptor=audit["descriptor"])
@@ -120,6 +120,16 @@ def annotate(res: CaseResult, case: GateCase, output: str | Channel, audit_file:
             descriptor=res.descriptor or audit["descriptor"],
         )
     return res
+
+
+PLATFORM_CHECK = "platform check"  # the step of a result whose process's GPU failed the GEMM check (platform_problem)
+
+
+def platform_failed(res: CaseResult) -> bool:
+    """Did this result's process find its platform computing matrix products wrong (annotate, platform_problem)? The
+    same SM configuration on the same GPU does so for every process (results/h200-mps24-gemm-check-*, h200-sweep-mps-b:
+    every process at 24 and at 40 SMs under MPS)."""
+    return any(h.get("step") == PLATFORM_CHECK for h in res.history)
 
 
 def platform_problem(device: dict) -> str | None:

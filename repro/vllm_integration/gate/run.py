@@ -19,11 +19,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
-from repro.case.spec import CaseResult
+from repro.case.spec import CaseResult, SmConfig
 from repro.errors import ConfigError, Unavailable
 from repro.judge import policy
 from repro.judge.verdicts import CANNOT_VOUCH as NOT_VOUCHED
-from repro.judge.verdicts import CLEAN, FAULTS
+from repro.judge.verdicts import CLEAN, ERROR, FAULTS
 from repro.run.channel import Channel, path_for, write_record
 from repro.run.mps_cases import SHARED, run_mps_cases
 from repro.run.runner import case_logs, device_sm_count, set_aside_logs
@@ -39,7 +39,7 @@ from repro.vllm_integration.gate.case import (
     reference_for,
     self_controls_for,
 )
-from repro.vllm_integration.gate.judge import finish, passes, validate_reference
+from repro.vllm_integration.gate.judge import PLATFORM_CHECK, finish, passes, platform_failed, validate_reference
 from repro.vllm_integration.gate.launch import FORK, Launcher, launcher_kind
 from repro.vllm_integration.gate.placement import DevicePool, GateDevice, kind_of, main_kind, per_device_jobs
 from repro.vllm_integration.gate.process import run_control, skipped
@@ -232,6 +232,9 @@ def run_gate(
             launch.start(b, case_env(plain, builds, Path(log_dir) / "forkserver.audit.json", None, lambda: 0))
 
     ran_last: dict[str, _Ran] = {}  # case id -> what its last process left beside its verdict
+    # SM configuration -> the first result whose process found its GPU computing bf16 products wrong there: later
+    # cases in it are errors that say so, not processes that would each find it again (20-60 s apiece under MPS)
+    broken: dict[SmConfig, CaseResult] = {}
 
     def run_one(c: GateCase, mps: MpsDaemon | None) -> CaseResult:
         """Run one case's process (or load its kept reference): the process's own verdict, before any reference
@@ -242,6 +245,12 @@ def run_gate(
             ran_last[c.case_id] = _Ran(c, t, out=kept["result"])
             keep_in_logs(log_dir, c, kept)
             return kept_reference(c, kept)
+        if (found := broken.get(c.mode.sm)) is not None:  # this SM configuration computes wrong: no process of it runs
+            ran_last[c.case_id] = _Ran(c, t, out={})
+            if found.case_id == c.case_id:  # a rerun of the case that found it (mps_cases reruns errors): its answer
+                return found
+            why = f"not run: {found.case_id}'s process found {found.reason}"
+            return skipped(c, why).revised(PLATFORM_CHECK, why, verdict=ERROR)
         dev = (pool.devices[0] if mps is not None else pool.take(kind)) if pool else None
         try:
             res, attribution, ran, tried = run_control(c, builds, log_dir, mps, cache, device=dev, launcher=launch)
@@ -249,6 +258,8 @@ def run_gate(
             if dev is not None and mps is None:
                 pool.give(dev)
         ran_last[c.case_id] = _Ran(ran, t, attribution, tried)
+        if platform_failed(res):
+            broken.setdefault(c.mode.sm, res)
         return res
 
     def record(c: GateCase, res: CaseResult) -> None:
