@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from repro.judge.verdicts import CLEAN
+from repro.run.channel import Channel
 from repro.vllm_integration.gate import bench as gate_bench
 from repro.vllm_integration.gate import report as gate_report
 from repro.vllm_integration.gate.cache import COLD, VLLM_CACHE, WARM, WRITER, GateCache, package_fingerprint
@@ -140,9 +141,13 @@ def test_kept_references_and_warm_caches_give_the_same_verdicts(tmp_path):
     assert all(
         r.verdict == CLEAN and [h["step"] for h in r.history] == ["reference validation"] for _, r in first.references
     )
-    for _, r in second.references:  # run once, then kept for the build's fingerprint
+    for c, r in second.references:  # run once, then kept for the build's fingerprint
         assert r.verdict == CLEAN and r.history[-1]["step"] == "reference cache"
         assert r.phases["vllm_cache"] == "reference kept"
+        # the second run's logs hold the kept reference's records whole, as its process wrote them in the first run
+        kept = Channel.of_case(tmp_path / "l2" / f"{c.case_id}.out.log")
+        ran = Channel.of_case(tmp_path / "l1" / f"{c.case_id}.out.log")
+        assert [x.tag for x in kept.records] == [x.tag for x in ran.records] and len(kept.records) > 1
     assert {r.phases["vllm_cache"] for _, r in first.cases} <= {WRITER, COLD}
     assert {r.phases["vllm_cache"] for _, r in second.cases} == {WARM}  # the stand-in's captures ran: compiled
     # the self control shares its build's caches and reference: it runs beside the build's cases, never cold on its own

@@ -221,7 +221,11 @@ class GateCache:
             return None
         return {**d, "path": str(p)} if isinstance(d, dict) and d.get("result", {}).get("tokens") else None
 
-    def store_reference(self, build: VllmBuild, sm_label: str, gpu: str, result: dict, case: dict) -> Path:
+    def store_reference(
+        self, build: VllmBuild, sm_label: str, gpu: str, result: dict, case: dict, records: str = ""
+    ) -> Path:
+        """Keep a validated reference: its RESULT record, its CaseResult, and its process's channel records whole
+        (`records`: what a run that uses it writes into its own logs, so the run's record holds what it judged from)."""
         p = self.reference_path(build, sm_label, gpu)
         p.parent.mkdir(parents=True, exist_ok=True)
         _write_json(
@@ -229,6 +233,7 @@ class GateCache:
             {
                 "result": result,
                 "case": case,
+                "records": records,
                 "sm": sm_label,
                 "gpu": gpu,
                 "gate_code": gate_code_fingerprint(),

@@ -271,7 +271,9 @@ def run_gate(
             if c.reference:
                 res = validate_reference(c, res, out)
             if cache is not None and c.reference and res.verdict == CLEAN and out and out.get("tokens"):
-                cache.store_reference(c.build, ref_key(c), gpu, out, res.to_dict())
+                records = path_for(case_logs(log_dir, ran.logs.case_id)[0])
+                text = records.read_text(errors="replace") if records.exists() else ""
+                cache.store_reference(c.build, ref_key(c), gpu, out, res.to_dict(), text)
         with lock:
             outputs[c.case_id] = out
             (run.references if c.reference else run.cases).append((c, res))
@@ -346,14 +348,18 @@ KEPT_LINE = "reference kept:"  # the first words of a kept reference's out.log (
 
 
 def keep_in_logs(log_dir: str | Path, case: GateCase, kept: dict) -> None:
-    """A kept reference's record in the run's logs, as its process would have left it (a line of output, its RESULT
-    record), so that the run's record holds everything its verdicts were judged from."""
+    """A kept reference's record in the run's logs, as its process left it: a line of output that says where it came
+    from, and the channel records it wrote (a reference kept before they were stored: its RESULT record alone), so
+    that the run's record holds everything its verdicts were judged from."""
     out_log = case_logs(log_dir, case.case_id)[0]
     out_log.parent.mkdir(parents=True, exist_ok=True)
     out_log.write_text(f"{KEPT_LINE} the run of {kept.get('stored')} for this build, SM configuration and GPU\n")
     channel = path_for(out_log)
     channel.unlink(missing_ok=True)
-    write_record(channel, RESULT_TAG, kept["result"])
+    if kept.get("records"):
+        channel.write_text(kept["records"])
+    else:
+        write_record(channel, RESULT_TAG, kept["result"])
 
 
 def result_line(log_dir: str | Path, case: GateCase) -> dict | None:
