@@ -78,6 +78,7 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
         backends=backends,
         self_control=self_control,
         launcher="spawn",  # the processes are replayed: no forkserver to start
+        compile=m[1] if (m := re.search(r"--compile (\S+)", command)) else "inductor",
     )
     got = {c.case_id: r for pairs in (run.cases, run.references, run.attributions) for c, r in pairs}
     return doc, rows, run, got

@@ -84,6 +84,21 @@ def test_a_writer_that_never_compiled_leaves_nothing_and_a_dead_claim_is_taken_o
     assert cache.case_cache(other, tmp_path / "p4")[0] == cache.build_dir(other) / VLLM_CACHE  # its own folder
 
 
+def test_a_run_without_torch_compile_never_completes_the_inductor_folder(tmp_path):
+    """--compile none leaves no inductor artifacts: its writer completes a folder of its own, and an inductor case
+    after it still writes (compiles) instead of reading an empty folder as warm."""
+    build = _build(tmp_path, "good")
+    cache = GateCache(tmp_path / "c")
+    none_root, state = cache.case_cache(build, tmp_path / "p1", compile="none")
+    assert state == WRITER and none_root == cache.build_dir(build) / f"{VLLM_CACHE}-none"
+    assert cache.case_cache(build, tmp_path / "p2")[1] == WRITER  # the inductor writer, beside it: not its claim
+    cache.release(build, compiled=True, compile="none")
+    assert cache.case_cache(build, tmp_path / "p3", compile="none") == (none_root, WARM)
+    assert cache.case_cache(build, tmp_path / "p4")[1] == COLD  # the inductor writer still holds its claim
+    cache.release(build, compiled=True)
+    assert cache.case_cache(build, tmp_path / "p5") == (cache.build_dir(build) / VLLM_CACHE, WARM)
+
+
 def test_phases_from_a_real_h200_case():
     """0.26.0's plain case of the release-range run: vLLM's config and model-registry inspection 38 s (two
     subprocesses that import vLLM again, what the shared model-info cache saves), torch.compile 9.98 + 2.96 s, graph

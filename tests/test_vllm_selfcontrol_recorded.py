@@ -255,3 +255,33 @@ def test_once_a_process_finds_the_sm_configuration_computing_wrong_no_other_proc
         assert got[case].reason.startswith(f"not run: {first}'s process found this GPU computes bf16 matrix products")
         assert not (tmp_path / "logs" / f"{case}.out.log").exists()  # no process of its own
     assert run.outcome() == "CANNOT VOUCH"
+
+
+def test_the_platform_memo_stays_in_its_mps_configuration(monkeypatch, tmp_path):
+    """h200-selfcontrol-fidelity (audit, plain, sm_margin:16, mps:16, both builds and their self controls) replayed
+    with a failed GEMM check added to two processes' records (as their last DEVICE record): the first MPS control at 16 SMs, and 0.26.0's audit
+    case on the full GPU. Every other mps:16 case is then an error naming the first, with no process of its own and no
+    rerun; sm_margin:16 and the full GPU's other cases keep their recorded verdicts (no memo off MPS)."""
+    finder, full = f"{V}0.26.0-self-control-mps16", f"{V}0.26.0-under-test-audit"
+
+    def failed_check(case_id: str, text: str) -> str:
+        if case_id not in (finder, full):
+            return text
+        sms = 16 if case_id == finder else 132
+        data = {"gpu": "NVIDIA H200", "sms": sms, "gemm_check": {"max_error": 5.78, "tolerance": 0.1, "ok": False,
+                "worst": "19x1024x1536"}}  # fmt: skip
+        return text.rstrip("\n") + "\n" + json.dumps({"schema": 1, "tag": DEVICE_TAG, "pid": 1, "data": data}) + "\n"
+
+    doc, rows, run, got = replay(
+        monkeypatch, tmp_path, RESULTS / "h200-selfcontrol-fidelity", edit_channel=failed_check
+    )
+    assert got[finder].verdict == "error" and "bf16 matrix products wrong here (16 SMs" in got[finder].reason
+    others = [k for k in got if k.endswith("mps16") and k != finder]
+    assert len(others) == 5  # 0.26.0 under test, 0.25.1 and its self control, both references
+    for k in others:
+        assert got[k].verdict == "error" and got[k].reason.startswith(f"not run: {finder}'s process found"), k
+        assert not (tmp_path / "logs" / f"{k}.out.log").exists()
+    assert not any(r["case"] == finder for r in run.mps_reruns)  # no neighbour causes it: never rerun
+    assert got[full].verdict == "error" and "(132 SMs" in got[full].reason
+    untouched = [k for k in rows if not k.endswith("mps16") and k != full]
+    assert untouched and all(got[k].verdict == rows[k]["verdict"] for k in untouched)

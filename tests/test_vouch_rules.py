@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -126,6 +127,14 @@ def test_flash_attn_must_be_fa3():
 def test_no_full_cuda_graphs():
     why = only(case(), identity(engine={"cudagraph_mode": "PIECEWISE"}))
     assert why == "cudagraph mode PIECEWISE: no FULL CUDA graphs"
+
+
+def test_compile_none_must_reach_the_engine():
+    c = replace(case(), compile="none")
+    why = only(c, identity(engine={"compilation_mode": "VLLM_COMPILE"}))
+    assert why == "--compile none asked for no torch.compile, but the engine's compilation mode is VLLM_COMPILE"
+    assert coverage.not_fired(c, identity(engine={"compilation_mode": "NONE", "cudagraph_mode": "FULL"})) == []
+    assert coverage.not_fired(case(), identity(engine={"compilation_mode": "VLLM_COMPILE"})) == []
 
 
 def test_a_full_mode_whose_captures_ran_no_attention():

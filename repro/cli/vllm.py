@@ -44,10 +44,10 @@ def add_parsers(sub) -> None:
         "--status", action="store_true", help="only check the current commit (exit 0 good, 1 bad, 125 untestable)"
     )
     bi.add_argument("gate_cmd", nargs=argparse.REMAINDER, help="-- command for --check gate (default: none)")
-    vc = sub.add_parser(
-        "vllm-check",
-        help="source verdict and auditor hooks of vLLM checkouts or wheels (no import); exit 0 good, 1 bad, 125 untestable",
+    what = (
+        "source verdict and auditor hooks of vLLM checkouts or wheels (no import); exit 0 good, 1 bad, 125 untestable"
     )
+    vc = sub.add_parser("vllm-check", help=what, description=what)
     vc.add_argument("sources", nargs="+", help="vLLM checkout folders or .whl files")
     vc.add_argument("--json", help="also write the verdicts here as JSON (default: none)")
     gt = sub.add_parser("gate", help="is this vLLM build affected? real vLLM, every detection mode, one table")
@@ -67,12 +67,17 @@ def add_parsers(sub) -> None:
     gt.add_argument(
         "--compile",
         choices=COMPILES,
-        default=DEFAULT_COMPILE,
-        help="torch.compile of the speculative cases: inductor (vLLM's default) or none (FULL CUDA graphs of the "
-        "eager model, no compile time: about half the cold wall time on an H200) (default %(default)s)",
+        default=os.environ.get("REPRO_GATE_COMPILE") or DEFAULT_COMPILE,
+        help="torch.compile of the speculative cases: inductor (what vLLM users run) or none (FULL CUDA graphs of the "
+        "eager model: no compile seconds per case, but another engine configuration, recorded for 0.25.1 and 0.26.0 "
+        "only: docs/vllm-gate.md#speed) (default: REPRO_GATE_COMPILE, else %(default)s)",
     )
     gt.add_argument(
-        "--vllm", action="append", default=[], help="LABEL=PREFIX: a build under test (also REPRO_VLLM; default: none)"
+        "--vllm",
+        action="append",
+        default=[],
+        help="LABEL=PREFIX: a build under test, PREFIX the folder holding vllm/ "
+        "(also REPRO_VLLM; default: the installed vllm)",
     )
     gt.add_argument(
         "--control",
@@ -172,7 +177,7 @@ def add_parsers(sub) -> None:
         choices=("fork", "spawn"),
         help="how case processes start: fork (from a forkserver per build that imported torch, vLLM and the plugin "
         "once; a case that cannot be forked is launched plainly, and the report says why) or spawn (a fresh "
-        "interpreter per case, as before) (default: REPRO_GATE_LAUNCHER, else spawn: fork has not run real vLLM on a GPU yet)",
+        "interpreter per case) (default: REPRO_GATE_LAUNCHER, else spawn; fork ran real vLLM on the H200: docs/vllm-gate.md)",
     )
     gt.add_argument("--dry-run", action="store_true", help="list case ids only")
     sub.choices["bisect"].set_defaults(func=cmd_bisect)
@@ -214,7 +219,9 @@ def cmd_gate(a: argparse.Namespace) -> int:
         raise ConfigError("--repeat and --jobs must be at least 1, --timeout positive")
     if a.cache_keep < 1 or a.cache_max_age_days <= 0:
         raise ConfigError("--cache-keep must be at least 1, --cache-max-age-days positive")
-    paths = _parse_paths(a.paths, a.compare_paths)
+    from repro.vllm_integration.gate.paths import parse_paths  # the gate's modules load only for it
+
+    paths = parse_paths(a.paths, a.compare_paths)
     check_out_dir(a.out)  # every value judged before the builds are looked for (no build, no GPU: exit 4)
     check_out_dir(a.logs, "--logs")
     check_out_dir(a.cache_dir, "--cache-dir")
@@ -338,6 +345,8 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
     rows = []
     for path in a.sources:
         check_exists(path)
+        if os.path.isfile(os.path.join(path, "__init__.py")) and not os.path.isdir(os.path.join(path, "vllm")):
+            raise ConfigError(f"{path}: the vllm package itself; name the folder that holds it ({Path(path).parent})")
         if os.path.isdir(path):
             continue
         if not path.endswith(".whl"):
@@ -356,19 +365,6 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
     return exit_codes.source(r["verdict"] for r in rows)
-
-
-def _parse_paths(text: str | None, compare: bool) -> tuple[str, ...]:
-    """--paths: the paths --compare-paths runs, in order (gate_paths.PATHS by folder name); refused without it."""
-    from repro.vllm_integration.gate.paths import PATHS, path_folder  # the gate's modules load only for it
-
-    if text is not None and not compare:
-        raise ConfigError(f"--paths {text}: picks the paths of --compare-paths; give --compare-paths too")
-    by_folder = {path_folder(p): p for p in PATHS}
-    asked = [x.strip() for x in (text or ",".join(by_folder)).split(",") if x.strip()]
-    if not asked or any(x not in by_folder for x in asked) or len(set(asked)) != len(asked):
-        raise ConfigError(f"--paths {text}: pick each from {', '.join(by_folder)} at most once")
-    return tuple(by_folder[x] for x in asked)
 
 
 def _compare_paths(a: argparse.Namespace, paths, builds, modes, backends, out: Path, logs: Path, progress) -> int:

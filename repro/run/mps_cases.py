@@ -56,9 +56,11 @@ def run_mps_cases(
     daemon_factory: Callable[[], MpsDaemon] = MpsDaemon,
     before_rerun: Callable[[CaseSpec, str], None] = lambda s, attempt: None,
     refused_waits: Sequence[float] = REFUSED_WAITS_S,
+    final: Callable[[CaseResult], bool] = lambda r: False,
 ) -> Iterator[tuple[CaseSpec, CaseResult]]:
     """Yield (spec, result) for every MPS case, in the order the verdicts become final. `before_rerun(spec, name)`
-    is called for a case about to run again, with a name for the attempt before (to keep its logs)."""
+    is called for a case about to run again, with a name for the attempt before (to keep its logs). `final(result)`:
+    an error no neighbour can have caused and no rerun can change (the vLLM gate's failed platform check): kept."""
     if policy not in MPS_DAEMON_POLICIES:
         raise ValueError(f"unknown MPS daemon policy {policy!r}; choose from {', '.join(MPS_DAEMON_POLICIES)}")
     if not specs:  # nothing to run: no daemon started
@@ -93,7 +95,7 @@ def run_mps_cases(
             if refusals:
                 why = f"ran after {len(refusals)} refusal(s) ({', '.join(refusals)}) while the MPS server recovered"
                 r.reason = f"{r.reason} ({why})".strip()
-            if r.verdict == ERROR:
+            if r.verdict == ERROR and not final(r):
                 rerun.append((s, f"ended in an error under the shared MPS daemon: {r.reason[:160]}", "shared"))
             else:
                 yield s, r
@@ -103,9 +105,10 @@ def run_mps_cases(
             daemon.wait_ready()
             with ThreadPoolExecutor(max_workers=len(batch)) as pool:
                 results = list(pool.map(lambda s: run_one(s, daemon), batch))
-            troubled = len(batch) > 1 and any(r.verdict not in TRUSTED_IN_BATCH for r in results)
-            for s, r in zip(batch, results):
-                if troubled and r.verdict not in TRUSTED_IN_BATCH:
+            suspect = [r.verdict not in TRUSTED_IN_BATCH and not final(r) for r in results]
+            troubled = len(batch) > 1 and any(suspect)
+            for s, r, doubt in zip(batch, results, suspect):
+                if troubled and doubt:
                     rerun.append((s, f"{r.verdict} in a batch of {len(batch)} MPS clients: {r.reason[:160]}", "batch"))
                 else:
                     yield s, r

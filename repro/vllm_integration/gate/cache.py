@@ -34,6 +34,7 @@ from pathlib import Path
 from repro.case.spec import CaseResult
 from repro.report.environment import gpu_facts
 from repro.vllm_integration.gate.case import GateCase
+from repro.vllm_integration.gate.worker import COMPILES, DEFAULT_COMPILE
 from repro.vllm_integration.plugin import WEIGHTS_ENV
 from repro.vllm_integration.releases.builds import VllmBuild
 
@@ -155,7 +156,8 @@ class GateCache:
             return []
         now, folders = time.time(), []
         for d in base.iterdir():
-            if d.is_dir() and _FOLDER.fullmatch(d.name) and d.name not in mine and not _held(d / CLAIM):
+            held = any(_held(d / GateCache._names(c)[2]) for c in COMPILES)
+            if d.is_dir() and _FOLDER.fullmatch(d.name) and d.name not in mine and not held:
                 folders.append((_last_used(d), d))
         removed = []
         for i, (used, d) in enumerate(sorted(folders, reverse=True)):
@@ -176,13 +178,26 @@ class GateCache:
     # a cache cannot be copied or moved: the build's one folder is written in place by one case (the writer) and
     # used in place by every later case once the writer has finished compiling (the `complete` marker).
 
-    def case_cache(self, build: VllmBuild, private: Path, may_write: bool = True) -> tuple[Path, str]:
+    @staticmethod
+    def _names(compile: str) -> tuple[str, str, str]:
+        """The build's vLLM cache folder and its markers for one compile setting (gate.worker.COMPILES): a run without
+        torch.compile leaves no inductor artifacts, so it never completes the inductor folder (nor uses it)."""
+        tail = "" if compile == DEFAULT_COMPILE else f"-{compile}"
+        return (
+            VLLM_CACHE + tail,
+            COMPLETE.replace(VLLM_CACHE, VLLM_CACHE + tail),
+            CLAIM.replace(VLLM_CACHE, VLLM_CACHE + tail),
+        )
+
+    def case_cache(
+        self, build: VllmBuild, private: Path, may_write: bool = True, compile: str = DEFAULT_COMPILE
+    ) -> tuple[Path, str]:
         """The VLLM_CACHE_ROOT for a case of `build` and what it is: (the build's folder, WARM) once complete;
         (the build's folder, WRITER) for the first case that may write (a speculative case: it compiles) while no
         other case holds the claim; else (`private`, an empty folder of its own, COLD). A WRITER must call
-        release()."""
+        release(). One folder per compile setting."""
         d = self.build_dir(build)
-        shared, done, claim = d / VLLM_CACHE, d / COMPLETE, d / CLAIM
+        shared, done, claim = (d / n for n in self._names(compile))
         with self._lock:
             if done.exists() and shared.is_dir():
                 return shared, WARM
@@ -194,16 +209,17 @@ class GateCache:
         private.mkdir(parents=True)
         return private, COLD
 
-    def release(self, build: VllmBuild, compiled: bool) -> None:
+    def release(self, build: VllmBuild, compiled: bool, compile: str = DEFAULT_COMPILE) -> None:
         """The writer's case ended: its folder is the build's cache when it got past torch.compile (`compiled`: its
         probe counted captures), else it is removed; the claim is given up either way."""
         d = self.build_dir(build)
+        folder, done, claim = self._names(compile)
         with self._lock:
             if compiled:
-                (d / COMPLETE).write_text(_now())
+                (d / done).write_text(_now())
             else:
-                shutil.rmtree(d / VLLM_CACHE, ignore_errors=True)
-            (d / CLAIM).unlink(missing_ok=True)
+                shutil.rmtree(d / folder, ignore_errors=True)
+            (d / claim).unlink(missing_ok=True)
 
     # --- references -----------------------------------------------------------------------------------------------
 

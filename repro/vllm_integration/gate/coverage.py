@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from repro.vllm_integration.gate.case import GateCase
+from repro.vllm_integration.gate.worker import DEFAULT_COMPILE
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
 
 FULL_MODES = ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
@@ -112,6 +113,7 @@ ENGINE_CHECKS = (
     "runner: vLLM's V2 model runner (model_runner_v2)",
     "backend: attention forwards through the hooked impl of the case's backend (counters' backends); FLASH_ATTN: FA3",
     "graphs: a FULL cudagraph mode (FULL_MODES) and a CUDA graph capture that ran an attention forward",
+    "compile: under --compile none, the engine's compilation mode NONE (older records without the key pass)",
     "speculative decoding: a method and k configured, and vLLM counted drafts",
     "spec layout: one the auditor knows (plugin.KNOWN_SPEC_LAYOUTS; older records without the key pass)",
 )
@@ -161,6 +163,11 @@ def not_fired(case: GateCase, identity: dict | None) -> list[str]:
         out.append(f"cudagraph mode {mode}: no FULL CUDA graphs")
     elif not sum((c.get("captures_with_attention") or {}).values()):
         out.append(f"cudagraph mode {mode}, but no CUDA graph capture ran an attention forward (no FULL graph seen)")
+    compiled = e.get("compilation_mode")  # records from before it was reported lack it: not read as a mismatch
+    if case.compile != DEFAULT_COMPILE and compiled is not None and compiled != "NONE":
+        out.append(
+            f"--compile {case.compile} asked for no torch.compile, but the engine's compilation mode is {compiled}"
+        )
     if not e.get("speculative_method") or not e.get("num_speculative_tokens"):
         out.append(
             f"no speculative decoding (method {e.get('speculative_method')}, k {e.get('num_speculative_tokens')})"

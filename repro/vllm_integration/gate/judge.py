@@ -127,8 +127,8 @@ PLATFORM_CHECK = "platform check"  # the step of a result whose process's GPU fa
 
 def platform_failed(res: CaseResult) -> bool:
     """Did this result's process find its platform computing matrix products wrong (annotate, platform_problem)? The
-    same SM configuration on the same GPU does so for every process (results/h200-mps24-gemm-check-*, h200-sweep-mps-b:
-    every process at 24 and at 40 SMs under MPS)."""
+    same MPS SM configuration on the same GPU does so for every process (results/h200-mps24-gemm-check-*: every
+    process at 24 SMs; h200-sweep-mps-b: both that ran at 40)."""
     return any(h.get("step") == PLATFORM_CHECK for h in res.history)
 
 
@@ -176,8 +176,8 @@ def _audit_evidence(ch: Channel, audit_file: Path | None) -> dict:
 def vouch(case: GateCase, res: CaseResult) -> CaseResult:
     """A case that would be clean or stale-audit, but whose feature did not fire, becomes cannot-vouch with the
     reason (a new record); a crash, a hang or wrong tokens stay evidence, except in a self control whose injection
-    never wrote before it (its fault is then not the re-created defect's)."""
-    if case.reference:
+    never wrote before it (its fault is then not the re-created defect's); an error or a skip stays what it is."""
+    if case.reference or res.verdict in (ERROR, SKIP):  # no evidence to discount, nothing fired to vouch for
         return res
     if res.verdict not in (CLEAN, STALE_AUDIT):
         if not case.inject or (res.backend_identity or {}).get("injection"):

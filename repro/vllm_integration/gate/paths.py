@@ -71,3 +71,14 @@ def compare_paths(
             builds, modes, sub, 1, jobs, timeout_s, progress, cache, backends, self_control, launcher=launcher
         )
     return runs
+
+
+def parse_paths(text: str | None, compare: bool) -> tuple[str, ...]:
+    """`gate --paths`: the paths --compare-paths runs, in order (PATHS by folder name); refused without it."""
+    if text is not None and not compare:
+        raise ConfigError(f"--paths {text}: picks the paths of --compare-paths; give --compare-paths too")
+    by_folder = {path_folder(p): p for p in PATHS}
+    asked = [x.strip() for x in (text or ",".join(by_folder)).split(",") if x.strip()]
+    if not asked or any(x not in by_folder for x in asked) or len(set(asked)) != len(asked):
+        raise ConfigError(f"--paths {text}: pick each from {', '.join(by_folder)} at most once")
+    return tuple(by_folder[x] for x in asked)

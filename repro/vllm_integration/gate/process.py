@@ -63,7 +63,7 @@ def run_case(
     private = Path(env["VLLM_CACHE_ROOT"])
     vllm_cache = PRIVATE
     if cache is not None:
-        root, vllm_cache = cache.case_cache(case.build, private, may_write=not case.reference)
+        root, vllm_cache = cache.case_cache(case.build, private, may_write=not case.reference, compile=case.compile)
         env["VLLM_CACHE_ROOT"] = str(root)
     # the models' folder is part of vLLM's compile-cache key: one folder per build on the new path
     model_dir = cache.build_dir(case.build) / "models" if cache is not None else log_dir / f"{case.case_id}.models"
@@ -80,7 +80,8 @@ def run_case(
         (res, out), launched = run_process(case, cmd, env, log_dir, sanitized), {"launcher": "spawn"}
     ch = Channel.of_case(case_logs(log_dir, case.case_id)[0], out)
     if vllm_cache == WRITER:  # captures ran: torch.compile had finished and saved into the build's folder
-        cache.release(case.build, bool(sum(((ch.last(COUNTERS_TAG) or {}).get("captures") or {}).values())))
+        captured = bool(sum(((ch.last(COUNTERS_TAG) or {}).get("captures") or {}).values()))
+        cache.release(case.build, captured, compile=case.compile)
     shutil.rmtree(private, ignore_errors=True)  # a case's own cold cache: not evidence
     if not case.reference:
         res.expected = expected(case)  # fixed before the case is judged

@@ -232,9 +232,10 @@ def run_gate(
             launch.start(b, case_env(plain, builds, Path(log_dir) / "forkserver.audit.json", None, lambda: 0))
 
     ran_last: dict[str, _Ran] = {}  # case id -> what its last process left beside its verdict
-    # SM configuration -> the first result whose process found its GPU computing bf16 products wrong there: later
-    # cases in it are errors that say so, not processes that would each find it again (20-60 s apiece under MPS)
-    broken: dict[SmConfig, CaseResult] = {}
+    # an MPS SM configuration (with the torch that computes in it) -> (case id, why): its process found the GPU
+    # computing bf16 products wrong there (measured at 24 and 40 SMs); later cases in it are errors that say so, not
+    # processes that would each find it again (20-60 s apiece); the full GPU and sm_margin are judged case by case
+    broken: dict[tuple[SmConfig, str | None], tuple[str, str]] = {}
 
     def run_one(c: GateCase, mps: MpsDaemon | None) -> CaseResult:
         """Run one case's process (or load its kept reference): the process's own verdict, before any reference
@@ -245,11 +246,9 @@ def run_gate(
             ran_last[c.case_id] = _Ran(c, t, out=kept["result"])
             keep_in_logs(log_dir, c, kept)
             return kept_reference(c, kept)
-        if (found := broken.get(c.mode.sm)) is not None:  # this SM configuration computes wrong: no process of it runs
+        if (found := broken.get(platform_key(c))) is not None:  # it computes wrong here: no process of it runs
             ran_last[c.case_id] = _Ran(c, t, out={})
-            if found.case_id == c.case_id:  # a rerun of the case that found it (mps_cases reruns errors): its answer
-                return found
-            why = f"not run: {found.case_id}'s process found {found.reason}"
+            why = f"not run: {found[0]}'s process found {found[1]}"
             return skipped(c, why).revised(PLATFORM_CHECK, why, verdict=ERROR)
         dev = (pool.devices[0] if mps is not None else pool.take(kind)) if pool else None
         try:
@@ -258,8 +257,8 @@ def run_gate(
             if dev is not None and mps is None:
                 pool.give(dev)
         ran_last[c.case_id] = _Ran(ran, t, attribution, tried)
-        if platform_failed(res):
-            broken.setdefault(c.mode.sm, res)
+        if platform_failed(res) and c.mode.sm.kind == "mps":
+            broken.setdefault(platform_key(c), (c.case_id, res.reason))
         return res
 
     def record(c: GateCase, res: CaseResult) -> None:
@@ -311,6 +310,7 @@ def run_gate(
                 may_share=lambda c: c.reference or not c.is_control,
                 daemon_factory=lambda: MpsDaemon(),
                 before_rerun=set_aside,
+                final=platform_failed,  # a failed platform check: no neighbour causes it, no rerun changes it
             ):
                 if c.case_id not in ran_last:  # no daemon for it: skipped, the reason given
                     res = skipped(c, res.reason)
@@ -342,6 +342,11 @@ def run_gate(
     run.wall_s = round(time.time() - t0, 1)
     run.build_wall_s = {k: round(v[1] - v[0], 1) for k, v in starts.items()}
     return run
+
+
+def platform_key(case: GateCase) -> tuple[SmConfig, str | None]:
+    """What a failed platform check holds for (run_gate's memo): the SM configuration and the torch computing in it."""
+    return case.mode.sm, case.build.torch_prefix
 
 
 KEPT_LINE = "reference kept:"  # the first words of a kept reference's out.log (keep_in_logs)
