@@ -100,6 +100,10 @@ def test_probe_coexistence_without_mps_is_exit_4(tmp_path):
 def test_vllm_check_exit_codes(tmp_path):
     r = run_repro("vllm-check", str(tmp_path))
     assert r.returncode == 125 and "untestable" in r.stdout
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("")
+    r = run_repro("vllm-check", str(tmp_path / "vllm"))  # the package, not the folder holding it: bad input
+    assert r.returncode == 2 and f"the vllm package itself; name the folder that holds it ({tmp_path})" in r.stderr
 
 
 def test_doctor_on_cpu_torch_promises_no_green_contexts_and_no_server():

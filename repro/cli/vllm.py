@@ -260,6 +260,9 @@ def cmd_gate(a: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return exit_codes.Exit.NOT_RUN
+    if not gpu_present():  # only builds without compiled extensions get here: stand-ins (tests/fake_vllm.py)
+        print("[gate] no CUDA GPU: these builds have no compiled extensions (stand-ins?); their answer says nothing "
+              "about a real vLLM", file=sys.stderr)  # fmt: skip
     out = out_dir(a.out, "gate")
     if overlays:
         dest = out / "overlays" if a.out else Path(tempfile.mkdtemp(prefix="repro-overlays-"))
