@@ -109,6 +109,16 @@ def test_shared_daemon_positive_controls_alone_clean_cases_together():
     assert [seed for seed, _ in cases.ran[:2]] == [0, 1]  # positive controls first, one at a time
 
 
+def test_the_shared_batches_may_come_before_the_cases_alone():
+    daemons = Daemons()
+    cases = Cases(lambda s, d, n: CRASH if s.strategy == "stale" else CLEAN)
+    specs = [_spec("stale", 0), _spec("stale", 1)] + [_spec("fresh", k) for k in range(2, 5)]
+    out = list(run_mps_cases(specs, cases, SHARED, 3, _expected_clean, daemons, alone_first=False))
+    assert [s.seed for s, _ in out][-2:] == [0, 1] and [seed for seed, _ in cases.ran[-2:]] == [0, 1]
+    assert daemons.started == 1 and {r.verdict for s, r in out if s.seed < 2} == {CRASH}
+    assert cases.most_clients == 3  # the clean cases still ran together
+
+
 def test_a_batch_with_a_fault_reruns_its_faulted_cases_alone():
     """A clean case that faults only because another client of its batch did: alone, it is clean again."""
     daemons = Daemons()

@@ -70,6 +70,10 @@ def test_controls_run_alone_and_the_clean_expected_share_one_daemon(monkeypatch,
     assert daemon.worst > 1  # they did run beside each other
     assert run.mps_reruns == [] and len(run.cases) == 6 and len(run.references) == 4
     assert run.outcome().name == "PASS"
+    # the builds under test and the references first (quick, concurrent), then each control alone: a run that its
+    # --deadline cuts still has the answers for the builds under test (results/h200-sweep-mps-b had none)
+    order = [c.is_control and not c.reference for c, _, _ in seen]
+    assert order == sorted(order) and order.count(True) == 4
 
 
 def test_a_shared_case_not_clean_runs_again_alone_and_the_alone_result_is_kept(monkeypatch, tmp_path):

@@ -57,10 +57,14 @@ def run_mps_cases(
     before_rerun: Callable[[CaseSpec, str], None] = lambda s, attempt: None,
     refused_waits: Sequence[float] = REFUSED_WAITS_S,
     final: Callable[[CaseResult], bool] = lambda r: False,
+    alone_first: bool = True,
 ) -> Iterator[tuple[CaseSpec, CaseResult]]:
     """Yield (spec, result) for every MPS case, in the order the verdicts become final. `before_rerun(spec, name)`
     is called for a case about to run again, with a name for the attempt before (to keep its logs). `final(result)`:
-    an error no neighbour can have caused and no rerun can change (the vLLM gate's failed platform check): kept."""
+    an error no neighbour can have caused and no rerun can change (the vLLM gate's failed platform check): kept.
+    `alone_first`: the cases that run alone before the shared batches (the matrix: a positive control's evidence
+    first), or after them (the vLLM gate: the builds under test and the references, concurrent and quick, before
+    controls that take minutes each, so that a run its --deadline cuts still has them)."""
     if policy not in MPS_DAEMON_POLICIES:
         raise ValueError(f"unknown MPS daemon policy {policy!r}; choose from {', '.join(MPS_DAEMON_POLICIES)}")
     if not specs:  # nothing to run: no daemon started
@@ -78,7 +82,8 @@ def run_mps_cases(
         for s in specs:
             yield s, CaseResult.skipped(s, str(e))
         return
-    try:
+
+    def alone_part() -> Iterator[tuple[CaseSpec, CaseResult]]:
         for s in alone:
             waited, states = daemon.wait_ready()  # the previous case may have faulted the server
             r = run_one(s, daemon)
@@ -99,6 +104,8 @@ def run_mps_cases(
                 rerun.append((s, f"ended in an error under the shared MPS daemon: {r.reason[:160]}", "shared"))
             else:
                 yield s, r
+
+    def shared_part() -> Iterator[tuple[CaseSpec, CaseResult]]:
         size = max(1, jobs)
         for k in range(0, len(shared), size):
             batch = shared[k : k + size]
@@ -112,6 +119,10 @@ def run_mps_cases(
                     rerun.append((s, f"{r.verdict} in a batch of {len(batch)} MPS clients: {r.reason[:160]}", "batch"))
                 else:
                     yield s, r
+
+    try:
+        for part in (alone_part, shared_part) if alone_first else (shared_part, alone_part):
+            yield from part()
     finally:
         daemon.stop()
     for s, why, attempt in rerun:

@@ -311,6 +311,7 @@ def run_gate(
                 daemon_factory=lambda: MpsDaemon(),
                 before_rerun=set_aside,
                 final=platform_failed,  # a failed platform check: no neighbour causes it, no rerun changes it
+                alone_first=False,  # the clean-expected batches (quick) before controls that take minutes each
             ):
                 if c.case_id not in ran_last:  # no daemon for it: skipped, the reason given
                     res = skipped(c, res.reason)
