@@ -285,5 +285,5 @@ def test_the_platform_memo_stays_in_its_mps_configuration(monkeypatch, tmp_path)
         assert not (tmp_path / "logs" / f"{k}.out.log").exists()
     assert not any(r["case"] == finder for r in run.mps_reruns)  # no neighbour causes it: never rerun
     assert got[full].verdict == "error" and "(132 SMs" in got[full].reason
-    untouched = [k for k in rows if k not in others and k not in (finder, full)]
+    untouched = [k for k in rows if k not in others and k not in (finder, full, beside)]
     assert untouched and all(got[k].verdict == rows[k]["verdict"] for k in untouched)
