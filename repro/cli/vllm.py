@@ -253,14 +253,15 @@ def cmd_gate(a: argparse.Namespace) -> int:
         for c in plan(listed, modes, a.repeat, a.timeout, backends, a.self_control, a.compile):
             print(c.case_id)
         return exit_codes.Exit.OK
-    if not gpu_present() and (overlays or needs_gpu(builds)):  # an overlay holds its base's compiled extensions
+    gpu = gpu_present()  # probed in a child process, and not cached when there is no GPU: once here
+    if not gpu and (overlays or needs_gpu(builds)):  # an overlay holds its base's compiled extensions
         print(
             "repro: cannot run here: no CUDA GPU visible, and vLLM's cases run on one "
             "(without a GPU: `python -m repro vllm-check` reads a build's sources)",
             file=sys.stderr,
         )
         return exit_codes.Exit.NOT_RUN
-    if not gpu_present():  # only builds without compiled extensions get here: stand-ins (tests/fake_vllm.py)
+    if not gpu:  # only builds without compiled extensions get here: stand-ins (tests/fake_vllm.py)
         print("[gate] no CUDA GPU: these builds have no compiled extensions (stand-ins?); their answer says nothing "
               "about a real vLLM", file=sys.stderr)  # fmt: skip
     out = out_dir(a.out, "gate")

@@ -40,7 +40,7 @@ from repro.vllm_integration.releases.builds import VllmBuild
 
 CACHE_ENV = "REPRO_CACHE_DIR"
 VLLM_CACHE = "vllm-cache"
-COMPLETE, CLAIM = "vllm-cache.complete", "vllm-cache.claim"  # markers beside it
+COMPLETE, CLAIM = f"{VLLM_CACHE}.complete", f"{VLLM_CACHE}.claim"  # markers beside it
 WARM, WRITER, COLD = "warm", "cold, writer", "cold"  # what a case's VLLM_CACHE_ROOT is (case_cache)
 PRIVATE, KEPT = "private", "reference kept"  # the old path (no cache); a reference not run, its kept record used
 USED = "used"
@@ -182,12 +182,10 @@ class GateCache:
     def _names(compile: str) -> tuple[str, str, str]:
         """The build's vLLM cache folder and its markers for one compile setting (gate.worker.COMPILES): a run without
         torch.compile leaves no inductor artifacts, so it never completes the inductor folder (nor uses it)."""
-        tail = "" if compile == DEFAULT_COMPILE else f"-{compile}"
-        return (
-            VLLM_CACHE + tail,
-            COMPLETE.replace(VLLM_CACHE, VLLM_CACHE + tail),
-            CLAIM.replace(VLLM_CACHE, VLLM_CACHE + tail),
-        )
+        if compile == DEFAULT_COMPILE:
+            return VLLM_CACHE, COMPLETE, CLAIM
+        folder = f"{VLLM_CACHE}-{compile}"
+        return folder, f"{folder}.complete", f"{folder}.claim"
 
     def case_cache(
         self, build: VllmBuild, private: Path, may_write: bool = True, compile: str = DEFAULT_COMPILE
