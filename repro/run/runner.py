@@ -124,7 +124,8 @@ def run_process(
         san_log = memcheck_log
         pool = getattr(executor, "warm", None)
         warm = pool.take(env) if pool is not None and target is not None else None
-        cmd = sanitizer_command(exe, str(san_log), kernel_filter="flash") + cmd
+        padding = getattr(spec, "sanitizer_padding", None)  # the vLLM gate's memcheck:own cases
+        cmd = sanitizer_command(exe, str(san_log), kernel_filter="flash", padding=padding) + cmd
     if warm is not None:
         t0 = warm.start_case(target[0], target[1], env, out_path)
         run = watch(warm.proc, t0, spec.timeout_s, warm.memcheck_log)

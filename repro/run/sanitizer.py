@@ -136,7 +136,9 @@ def find_sanitizer() -> str | None:
     return None
 
 
-def sanitizer_command(exe: str, log_file: str, kernel_filter: str | None = None, print_limit: int = 200) -> list[str]:
+def sanitizer_command(
+    exe: str, log_file: str, kernel_filter: str | None = None, print_limit: int = 200, padding: int | None = None
+) -> list[str]:
     cmd = [
         exe,
         "--tool",
@@ -155,6 +157,8 @@ def sanitizer_command(exe: str, log_file: str, kernel_filter: str | None = None,
     ]
     if kernel_filter:
         cmd += ["--kernel-name", f"kns={kernel_filter}"]
+    if padding:  # a guard after every allocation: a read past one lands in it, not in the next allocation
+        cmd += ["--padding", str(padding)]
     return cmd
 
 

@@ -10,6 +10,8 @@ Detection modes (`--modes`, each a case parameter):
   poison:FILL      the plugin fills the scheduler-metadata entries FA3 never writes (repro.case.poison names)
   memcheck         compute-sanitizer memcheck, caching allocator (works with torch.compile); recorded, not gating
   memcheck:async   the same with cudaMallocAsync (what the attention-layer cases use); recorded, not gating
+  memcheck:own     memcheck with an allocator of its own (repro.run.own_alloc: one cudaMalloc per tensor, graphs'
+                   memory kept, a guard after each): an over-read past a tensor is a finding; gating
 
 Every mode also runs as a self control of a build (`inject`): the same build, engine, kernels and SM configuration
 with the capture defect re-created inside it (repro.vllm_integration.plugin.inject), a positive control that ran in this
@@ -31,6 +33,7 @@ from repro.case.spec import SmConfig
 from repro.errors import ConfigError, Unavailable
 from repro.judge import policy
 from repro.judge.policy import KNOWN_BAD, SELF_CONTROL
+from repro.run import own_alloc
 from repro.run.process import StallRule
 from repro.run.sanitizer import sanitizer_env
 from repro.run.smcontrol import MpsDaemon
@@ -65,12 +68,13 @@ class GateMode:
     audit: bool = False
     sm: SmConfig = field(default_factory=SmConfig)
     poison: str | None = None
-    sanitizer: str | None = None  # None, "caching" or "async"
+    sanitizer: str | None = None  # None, "caching", "async" or "own"
 
     @property
     def gating(self) -> bool:
-        """Memcheck is recorded, not gating: on real vLLM it misses the fault (see results/)."""
-        return self.sanitizer is None
+        """memcheck with torch's allocators is recorded, not gating: on real vLLM it misses the fault (see results/);
+        with its own allocator (memcheck:own) it gates."""
+        return self.sanitizer in (None, "own")
 
     @property
     def label(self) -> str:
@@ -97,11 +101,11 @@ class GateMode:
             if p is None:
                 raise ConfigError("poison:none is the plain mode")
             return cls(f"poison:{p.name}", poison=p.name)
-        if kind == "memcheck" and arg in ("", "caching", "async"):
-            return cls("memcheck" + (":async" if arg == "async" else ""), sanitizer=arg or "caching")
+        if kind == "memcheck" and arg in ("", "caching", "async", "own"):
+            return cls("memcheck" + (f":{arg}" if arg in ("async", "own") else ""), sanitizer=arg or "caching")
         raise ConfigError(
             f"unknown gate mode {text!r}: use audit, plain, mps:N, sm_margin:N, audit+mps:N, audit+sm_margin:N, "
-            f"poison:FILL, memcheck, memcheck:async, or a preset ({', '.join(PRESETS)})"
+            f"poison:FILL, memcheck, memcheck:async, memcheck:own, or a preset ({', '.join(PRESETS)})"
         )
 
 
@@ -180,6 +184,11 @@ class GateCase:
     def stall(self) -> StallRule | None:
         """When the case's process counts as hung before its timeout (repro.run.process.Stall): CAPTURE_STALL."""
         return CAPTURE_STALL
+
+    @property
+    def sanitizer_padding(self) -> int | None:
+        """compute-sanitizer's guard bytes after every allocation (repro.run.runner): memcheck:own only."""
+        return own_alloc.PADDING if self.mode.sanitizer == "own" else None
 
     @property
     def is_control(self) -> bool:
@@ -279,6 +288,8 @@ def case_env(
             env = sanitizer_env(env)
         else:  # torch's caching allocator: inductor's launcher fails under memcheck with cudaMallocAsync
             env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        if mode.sanitizer == "own":  # built once per folder (own_alloc.build): the worker installs it
+            env[own_alloc.LIB_ENV] = str(own_alloc.build(audit_file.parent / "own-alloc"))
     if case.launch_blocking:
         env["CUDA_LAUNCH_BLOCKING"] = "1"
     if device is not None:

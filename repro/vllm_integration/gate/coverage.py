@@ -96,6 +96,14 @@ NEEDS: tuple[Need, ...] = (
         in_reference=True,
     ),
     Need(
+        "memcheck:own",
+        lambda case: case.mode.sanitizer == "own",
+        "own_allocator",
+        counter="own_allocator",
+        keys="allocations",
+        message=lambda c: "memcheck's own allocator made no allocation (torch kept another allocator)",
+    ),
+    Need(
         "poison:FILL",
         lambda case: bool(case.mode.poison),
         "fa3",

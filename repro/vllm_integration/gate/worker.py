@@ -27,8 +27,9 @@ import sys
 import time
 from pathlib import Path
 
+from repro.run import own_alloc
 from repro.run.channel import emit
-from repro.run.tags import DEVICE_TAG, ENGINE_TAG, RESULT_TAG
+from repro.run.tags import DEVICE_TAG, ENGINE_TAG, PLUGIN_TAG, RESULT_TAG
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
 
 TARGET = {
@@ -230,6 +231,30 @@ def acceptance(llm) -> dict:
     return out or {"unavailable": "no spec_decode metric in LLM.get_metrics()"}
 
 
+INSPECT_ENV = "REPRO_GATE_INSPECT"  # "vllm": leave vLLM's registry inspection as it is (a process of its own)
+
+
+def inspect_in_process() -> str:
+    """Where vLLM inspects the model classes it has no cached record of. vLLM runs each inspection in a fresh
+    interpreter (registry._run_in_subprocess: `python -m vllm.model_executor.models.registry`, which imports torch and
+    vLLM again) so that its caller never starts CUDA; on an empty cache folder that is 20-24 s each, for the target and
+    for the draft: 44 s of every cold case (results/h200-fast-cold, phase `config`). A gate case process starts CUDA
+    itself a moment later, so here the inspection runs in this process, on the vLLM it already imported; what it
+    returns (the class's _ModelInfo) and the cache record vLLM writes from it are the same. Returns how it runs:
+    "in-process", or "vLLM's own process" with why (REPRO_GATE_INSPECT=vllm, or a registry without that function),
+    for the ENGINE record."""
+    if os.environ.get(INSPECT_ENV) == "vllm":
+        return f"vLLM's own process ({INSPECT_ENV}=vllm)"
+    try:
+        from vllm.model_executor.models import registry  # vLLM in the case process only
+    except ImportError as e:  # a layout without that module: vLLM inspects as it does
+        return f"vLLM's own process (vllm.model_executor.models.registry: {e})"[:200]
+    if not callable(getattr(registry, "_run_in_subprocess", None)):
+        return "vLLM's own process (its registry has no _run_in_subprocess)"
+    registry._run_in_subprocess = lambda fn: fn()
+    return "in-process"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m repro.vllm_integration.gate.worker")
     p.add_argument("--out", required=True)
@@ -245,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     import torch  # torch after t0: the import is part of the timed start (timing_s)
 
+    own = os.environ.get(own_alloc.LIB_ENV)
+    if own:  # memcheck:own: torch's allocator is replaced before anything starts CUDA
+        emit(PLUGIN_TAG, own_alloc.install(own))
     t_torch = time.time()
     device = None
     if torch.cuda.is_available():
@@ -266,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         device["startup_s"] = startup
         emit(DEVICE_TAG, device)
     target, draft = write_models(a.out)
+    inspection = inspect_in_process()
     llm = LLM(**llm_kwargs(target, draft, a.reference, a.spec_tokens, a.gpu_memory, a.attention_backend, a.compile))
     t_engine = time.time()
     params = SamplingParams(
@@ -273,8 +302,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     outs = llm.generate([{"prompt_token_ids": t} for t in PROMPTS], params)
     t_done = time.time()
+    if own:
+        from repro.vllm_integration.plugin import counters  # the counters the case reports (resolved_engine)
+
+        counters.COUNTERS["own_allocator"] = own_alloc.counters()  # coverage: it made the allocations
     engine = resolved_engine(llm)  # the reference's too: the configuration it ran with is part of its validation
     engine["acceptance"] = acceptance(llm)
+    engine["model_inspection"] = inspection
     emit(ENGINE_TAG, engine)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     margins = [[top2_margin(lp) for lp in (o.outputs[0].logprobs or [])] for o in outs] if a.reference else None

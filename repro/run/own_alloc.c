@@ -1,0 +1,141 @@
+/* memcheck's own allocator (repro.run.own_alloc builds this file with nvcc on the machine that runs it; no binary is
+ * kept in the project). One cudaMalloc per tensor, so compute-sanitizer memcheck knows each tensor's exact bounds
+ * (torch's caching allocator packs tensors into segments, where an over-read lands in valid memory and memcheck
+ * stays quiet: results/h200-vllm, issue 31).
+ *
+ * CUDA graphs: memory allocated while a capture is underway (repro_own_capture(1) from Python, or the stream itself
+ * capturing) belongs to the graph, which replays into it later: it is never freed. So is memory freed while a
+ * capture is underway (a graph may still use it; cudaFree synchronizes, which a capture forbids). Everything else is
+ * freed at once. cudaMalloc during a capture runs in the relaxed capture mode, as torch's caching allocator does.
+ *
+ * torch.cuda.memory.CUDAPluggableAllocator(path, "repro_own_malloc", "repro_own_free"); counters through
+ * repro_own_counters (allocations, frees, kept, bytes now, peak bytes, failed allocations). */
+#include <cuda_runtime_api.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <sys/types.h>
+
+#ifdef __cplusplus
+#define EXPORT extern "C" __attribute__((visibility("default")))
+#else
+#define EXPORT __attribute__((visibility("default")))
+#endif
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static volatile int capturing = 0;
+static uint64_t n_alloc = 0, n_free = 0, n_kept = 0, n_failed = 0;
+static uint64_t bytes_now = 0, bytes_peak = 0;
+
+/* the graph-owned allocations: an open-addressing set of pointers (never removed), with their sizes */
+typedef struct {
+    void *ptr;
+    size_t size;
+} slot_t;
+static slot_t *graph = NULL;
+static size_t graph_cap = 0, graph_len = 0;
+
+static size_t hash(void *p, size_t cap) { return (size_t)(((uintptr_t)p >> 8) * 11400714819323198485ull) & (cap - 1); }
+
+static int graph_insert(void *p, size_t size) {
+    if (2 * (graph_len + 1) > graph_cap) {
+        size_t cap = graph_cap ? 2 * graph_cap : 4096;
+        slot_t *t = (slot_t *)calloc(cap, sizeof(slot_t));
+        if (!t) return 0;
+        for (size_t i = 0; i < graph_cap; i++)
+            if (graph[i].ptr) {
+                size_t j = hash(graph[i].ptr, cap);
+                while (t[j].ptr) j = (j + 1) & (cap - 1);
+                t[j] = graph[i];
+            }
+        free(graph);
+        graph = t;
+        graph_cap = cap;
+    }
+    size_t j = hash(p, graph_cap);
+    while (graph[j].ptr && graph[j].ptr != p) j = (j + 1) & (graph_cap - 1);
+    if (!graph[j].ptr) graph_len++;
+    graph[j].ptr = p;
+    graph[j].size = size;
+    return 1;
+}
+
+static int graph_has(void *p) {
+    if (!graph_cap) return 0;
+    size_t j = hash(p, graph_cap);
+    while (graph[j].ptr) {
+        if (graph[j].ptr == p) return 1;
+        j = (j + 1) & (graph_cap - 1);
+    }
+    return 0;
+}
+
+static int stream_capturing(cudaStream_t stream) {
+    enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &st) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return st != cudaStreamCaptureStatusNone;
+}
+
+EXPORT void repro_own_capture(int on) { capturing = on; }
+
+EXPORT void *repro_own_malloc(ssize_t size, int device, cudaStream_t stream) {
+    (void)device;
+    void *p = NULL;
+    size_t n = size > 0 ? (size_t)size : 1;
+    int in_graph = capturing || stream_capturing(stream);
+    enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    cudaError_t e = cudaMalloc(&p, n);
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    pthread_mutex_lock(&lock);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        n_failed++;
+        pthread_mutex_unlock(&lock);
+        return NULL; /* torch raises its out-of-memory error */
+    }
+    n_alloc++;
+    bytes_now += n;
+    if (bytes_now > bytes_peak) bytes_peak = bytes_now;
+    if (in_graph && !graph_insert(p, n)) n_failed++;
+    pthread_mutex_unlock(&lock);
+    return p;
+}
+
+EXPORT void repro_own_free(void *ptr, ssize_t size, int device, cudaStream_t stream) {
+    (void)device;
+    (void)stream;
+    if (!ptr) return;
+    pthread_mutex_lock(&lock);
+    int keep = capturing || graph_has(ptr);
+    if (keep) {
+        n_kept++;
+        pthread_mutex_unlock(&lock);
+        return;
+    }
+    n_free++;
+    bytes_now -= size > 0 ? (size_t)size : 1;
+    pthread_mutex_unlock(&lock);
+    cudaFree(ptr);
+}
+
+/* out[0..5]: allocations, frees, kept (freed by torch, kept for a graph), bytes now, peak bytes, failures */
+EXPORT void repro_own_counters(uint64_t *out) {
+    pthread_mutex_lock(&lock);
+    out[0] = n_alloc;
+    out[1] = n_free;
+    out[2] = n_kept;
+    out[3] = bytes_now;
+    out[4] = bytes_peak;
+    out[5] = n_failed;
+    pthread_mutex_unlock(&lock);
+}
+
+EXPORT void repro_own_reset_peak(void) {
+    pthread_mutex_lock(&lock);
+    bytes_peak = bytes_now;
+    pthread_mutex_unlock(&lock);
+}

@@ -1,0 +1,135 @@
+"""memcheck's own allocator (repro.run.own_alloc, the gate's memcheck:own): its C source compiled here against a
+stand-in CUDA runtime (cudaMalloc is malloc) so its bookkeeping runs on the CPU, how the gate builds it, and how a
+memcheck:own case is set up."""
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from repro.errors import Unavailable
+from repro.run import own_alloc
+from repro.run.sanitizer import sanitizer_command
+from repro.vllm_integration.gate.case import GateMode
+
+HEADER = """#ifdef __cplusplus
+extern "C" {
+#endif
+typedef int cudaError_t; typedef void *cudaStream_t;
+enum cudaStreamCaptureStatus { cudaStreamCaptureStatusNone = 0, cudaStreamCaptureStatusActive = 1 };
+enum cudaStreamCaptureMode { cudaStreamCaptureModeGlobal, cudaStreamCaptureModeThreadLocal, cudaStreamCaptureModeRelaxed };
+#define cudaSuccess 0
+cudaError_t cudaStreamIsCapturing(cudaStream_t, enum cudaStreamCaptureStatus *);
+cudaError_t cudaGetLastError(void);
+cudaError_t cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode *);
+cudaError_t cudaMalloc(void **, unsigned long);
+cudaError_t cudaFree(void *);
+int stub_freed(void);
+#ifdef __cplusplus
+}
+#endif
+"""
+RUNTIME = """#include <stdlib.h>
+#include "cuda_runtime_api.h"
+static int freed = 0;
+cudaError_t cudaStreamIsCapturing(cudaStream_t s, enum cudaStreamCaptureStatus *st) {
+    *st = s == (cudaStream_t)7 ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone; return 0; }
+cudaError_t cudaGetLastError(void) { return 0; }
+cudaError_t cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode *m) { (void)m; return 0; }
+cudaError_t cudaMalloc(void **p, unsigned long n) { *p = malloc(n); return 0; }
+cudaError_t cudaFree(void *p) { freed++; free(p); return 0; }
+int stub_freed(void) { return freed; }
+"""
+CAPTURE_STREAM = 7  # the stand-in runtime's capturing stream
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler (g++ or c++) to build the allocator against the stand-in CUDA runtime")
+    d = tmp_path_factory.mktemp("own")
+    (d / "cuda_runtime_api.h").write_text(HEADER)
+    (d / "runtime.c").write_text(RUNTIME)
+    so = d / "own.so"
+    cmd = [cxx, "-shared", "-fPIC", f"-I{d}", "-x", "c++", str(own_alloc.SOURCE), "-x", "c", str(d / "runtime.c")]
+    subprocess.run([*cmd, "-o", str(so)], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(so))
+    lib.repro_own_malloc.restype = ctypes.c_void_p
+    lib.repro_own_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.repro_own_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    return lib
+
+
+def _counters(lib) -> dict:
+    out = (ctypes.c_uint64 * len(own_alloc.COUNTERS))()
+    lib.repro_own_counters(out)
+    return dict(zip(own_alloc.COUNTERS, out))
+
+
+def test_memory_a_capture_allocated_or_freed_is_never_freed_the_rest_is(lib):
+    before = lib.stub_freed()
+    eager = [lib.repro_own_malloc(100, 0, None) for _ in range(3)]
+    lib.repro_own_capture(1)
+    graph = [lib.repro_own_malloc(64, 0, None) for _ in range(5000)]  # the set grows past its first size
+    lib.repro_own_free(eager[0], 100, 0, None)  # freed during the capture: a graph may still read it
+    lib.repro_own_capture(0)
+    on_stream = lib.repro_own_malloc(32, 0, CAPTURE_STREAM)  # its stream captures: the graph's too
+    for p in [*graph, on_stream]:
+        lib.repro_own_free(p, 64, 0, None)
+    lib.repro_own_free(eager[1], 100, 0, None)
+    c = _counters(lib)
+    assert lib.stub_freed() - before == 1  # eager[1] only
+    assert (c["allocations"], c["frees"], c["kept"], c["failed"]) == (5004, 1, 5002, 0)
+    assert c["bytes_now"] == 3 * 100 + 5000 * 64 + 32 - 100
+    assert c["bytes_peak"] >= c["bytes_now"]
+    lib.repro_own_reset_peak()
+    assert _counters(lib)["bytes_peak"] == c["bytes_now"]
+
+
+def _fake_nvcc(tmp_path: Path) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    nvcc = bin_dir / "nvcc"
+    nvcc.write_text(
+        '#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\necho built >> "$(dirname "$2")/calls"\n: > "$2"\n'
+    )
+    nvcc.chmod(0o755)
+    return bin_dir
+
+
+def test_the_gate_builds_the_library_once_per_source_text(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", f"{_fake_nvcc(tmp_path)}:/usr/bin:/bin")
+    first = own_alloc.build(tmp_path / "lib")
+    assert first.exists() and first.name.startswith("own_alloc-") and first.suffix == ".so"
+    assert own_alloc.build(tmp_path / "lib") == first
+    assert (tmp_path / "lib" / "calls").read_text().count("built") == 1
+
+
+def test_without_nvcc_the_mode_is_unavailable_and_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setattr(own_alloc, "find_nvcc", lambda: None)
+    with pytest.raises(Unavailable, match="nvcc"):
+        own_alloc.build(tmp_path / "lib")
+
+
+def test_memcheck_own_gates_and_pads_the_others_are_recorded():
+    own = GateMode.parse("memcheck:own")
+    assert (own.name, own.sanitizer, own.gating) == ("memcheck:own", "own", True)
+    assert not GateMode.parse("memcheck").gating and not GateMode.parse("memcheck:async").gating
+    cmd = sanitizer_command("compute-sanitizer", "log", kernel_filter="flash", padding=own_alloc.PADDING)
+    assert cmd[cmd.index("--padding") + 1] == str(own_alloc.PADDING)
+    assert "--padding" not in sanitizer_command("compute-sanitizer", "log")
+
+
+def test_the_statistics_torch_asks_for_come_from_the_counters(monkeypatch):
+    counts = {"allocations": 10, "frees": 4, "kept": 2, "bytes_now": 600, "bytes_peak": 900, "failed": 0}
+    monkeypatch.setattr(own_alloc, "counters", lambda: counts)
+    s = own_alloc._stats(0)
+    assert s["allocated_bytes"]["all"] == {"current": 600, "peak": 900, "allocated": 0, "freed": 0}
+    assert s["reserved_bytes"]["all"]["peak"] == 900
+    assert s["allocation"]["all"]["current"] == 6 and s["num_device_alloc"] == 10
