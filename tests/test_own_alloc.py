@@ -26,12 +26,14 @@ cudaError_t cudaGetLastError(void);
 cudaError_t cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode *);
 cudaError_t cudaMalloc(void **, unsigned long);
 cudaError_t cudaFree(void *);
+cudaError_t cudaMemsetAsync(void *, int, unsigned long, cudaStream_t);
 int stub_freed(void);
 #ifdef __cplusplus
 }
 #endif
 """
 RUNTIME = """#include <stdlib.h>
+#include <string.h>
 #include "cuda_runtime_api.h"
 static int freed = 0;
 cudaError_t cudaStreamIsCapturing(cudaStream_t s, enum cudaStreamCaptureStatus *st) {
@@ -41,6 +43,7 @@ cudaError_t cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode *m) {
 cudaError_t cudaMalloc(void **p, unsigned long n) { *p = malloc(n); return 0; }
 cudaError_t cudaFree(void *p) { freed++; free(p); return 0; }
 int stub_freed(void) { return freed; }
+cudaError_t cudaMemsetAsync(void *p, int v, unsigned long n, cudaStream_t s) { (void)s; memset(p, v, n); return 0; }
 """
 CAPTURE_STREAM = 7  # the stand-in runtime's capturing stream
 
@@ -133,3 +136,25 @@ def test_the_statistics_torch_asks_for_come_from_the_counters(monkeypatch):
     assert s["allocated_bytes"]["all"] == {"current": 600, "peak": 900, "allocated": 0, "freed": 0}
     assert s["reserved_bytes"]["all"]["peak"] == 900
     assert s["allocation"]["all"]["current"] == 6 and s["num_device_alloc"] == 10
+
+
+def test_new_allocations_read_as_leftovers_would_except_off_the_capturing_stream(lib):
+    lib.repro_own_fill(own_alloc.DEFAULT_FILL)
+    try:
+        eager = lib.repro_own_malloc(8, 0, None)
+        lib.repro_own_capture(1)
+        in_graph = lib.repro_own_malloc(8, 0, CAPTURE_STREAM)
+        lib.repro_own_capture(0)
+        assert ctypes.string_at(eager, 8) == ctypes.string_at(in_graph, 8) == bytes([own_alloc.DEFAULT_FILL]) * 8
+    finally:
+        lib.repro_own_fill(-1)
+
+
+@pytest.mark.parametrize(("text", "byte"), [(None, own_alloc.DEFAULT_FILL), ("none", None), ("0xff", 255), ("0", 0)])
+def test_the_fill_byte_from_the_environment(text, byte):
+    assert own_alloc.fill_byte(text) == byte
+
+
+def test_a_fill_that_is_not_a_byte_is_refused():
+    with pytest.raises(ValueError, match="a byte"):
+        own_alloc.fill_byte("256")

@@ -383,7 +383,9 @@ def _compare_paths(a: argparse.Namespace, paths, builds, modes, backends, out: P
     from repro.vllm_integration.gate.paths import compare_paths, path_folder  # as above
 
     cache_root = Path(a.cache_dir) if a.cache_dir else out / "cache"
-    runs = compare_paths(builds, modes, logs, cache_root, a.jobs, a.timeout, progress, backends, paths, a.self_control)
+    runs = compare_paths(
+        builds, modes, logs, cache_root, a.jobs, a.timeout, progress, backends, paths, a.self_control, a.compile
+    )
     env = collect()
     for name, run in runs.items():
         gate_report.write(run, out / path_folder(name), env, need_control=not a.no_control)

@@ -24,6 +24,7 @@
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static volatile int capturing = 0;
+static int fill = -1; /* a byte every new allocation is filled with (repro_own_fill), -1: none */
 static uint64_t n_alloc = 0, n_free = 0, n_kept = 0, n_failed = 0;
 static uint64_t bytes_now = 0, bytes_peak = 0;
 
@@ -81,6 +82,11 @@ static int stream_capturing(cudaStream_t stream) {
 
 EXPORT void repro_own_capture(int on) { capturing = on; }
 
+/* new allocations read as leftovers would (the caching allocator hands out reused memory; a fresh cudaMalloc is
+ * zeros in practice, which hides a kernel that reads what nobody wrote): filled on their stream, in stream order; in
+ * a capture, only on the capturing stream (the fill is then a node of the graph, before the kernels that write) */
+EXPORT void repro_own_fill(int byte) { fill = byte; }
+
 EXPORT void *repro_own_malloc(ssize_t size, int device, cudaStream_t stream) {
     (void)device;
     void *p = NULL;
@@ -102,6 +108,9 @@ EXPORT void *repro_own_malloc(ssize_t size, int device, cudaStream_t stream) {
     if (bytes_now > bytes_peak) bytes_peak = bytes_now;
     if (in_graph && !graph_insert(p, n)) n_failed++;
     pthread_mutex_unlock(&lock);
+    if (fill >= 0 && (!capturing || stream_capturing(stream))) {
+        if (cudaMemsetAsync(p, fill, n, stream) != cudaSuccess) (void)cudaGetLastError();
+    }
     return p;
 }
 

@@ -11,6 +11,8 @@ launchers refuse them (results/h200-compile-none, h200-memcheck-nostatic).
   graph's and is never freed), and the statistics torch asks an allocator for come from its counters (the
   pluggable allocator keeps none: vLLM's memory accounting would raise).
 - `counters()`: allocations, frees, kept for graphs, bytes now and at peak, failed allocations.
+- fill: new allocations are filled with DEFAULT_FILL (REPRO_OWN_ALLOC_FILL), as reused memory would hold leftovers
+  (a fresh cudaMalloc reads as zeros, which hides a kernel reading what nobody wrote).
 - PADDING: bytes of compute-sanitizer's guard after every allocation (`--padding`), so a read past one tensor never
   lands in the next one."""
 
@@ -21,6 +23,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 from repro.errors import Unavailable
@@ -29,9 +32,12 @@ SOURCE = Path(__file__).with_name("own_alloc.c")
 LIB_ENV = "REPRO_OWN_ALLOC"  # the built library, in a memcheck:own case's environment
 MALLOC, FREE = "repro_own_malloc", "repro_own_free"
 PADDING = 65536
+FILL_ENV = "REPRO_OWN_ALLOC_FILL"  # the byte new allocations are filled with (0-255; "none": not filled)
+DEFAULT_FILL = 0x7F  # ints 0x7F7F7F7F, floats 3.4e38: what an index or a count read from unwritten memory becomes
 COUNTERS = ("allocations", "frees", "kept", "bytes_now", "bytes_peak", "failed")
 BUILD_TIMEOUT_S = 120
 _lib: ctypes.CDLL | None = None
+_building = threading.Lock()
 
 
 def find_nvcc() -> str | None:
@@ -45,7 +51,13 @@ def find_nvcc() -> str | None:
 
 
 def build(folder: str | Path) -> Path:
-    """The allocator library for this source text, built into folder unless it is there already."""
+    """The allocator library for this source text, built into folder unless it is there already (one build at a
+    time in this process: the gate's case threads ask together)."""
+    with _building:
+        return _build(Path(folder))
+
+
+def _build(folder: Path) -> Path:
     text = SOURCE.read_bytes()
     lib = Path(folder) / f"own_alloc-{hashlib.sha256(text).hexdigest()[:12]}.so"
     if lib.exists():
@@ -54,7 +66,7 @@ def build(folder: str | Path) -> Path:
     if nvcc is None:
         raise Unavailable("memcheck:own builds its allocator with nvcc (CUDA's compiler): none on PATH or in CUDA_HOME")
     lib.parent.mkdir(parents=True, exist_ok=True)
-    tmp = lib.with_name(f"{lib.name}.{os.getpid()}")
+    tmp = lib.with_name(f"{lib.name}.{os.getpid()}.{threading.get_ident()}")
     cmd = [nvcc, "-shared", "-O2", "-Xcompiler", "-fPIC", "-x", "cu", str(SOURCE), "-o", str(tmp), "-lcudart"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
@@ -112,6 +124,9 @@ def install(path: str | Path) -> dict:
     path = str(path)
     lib = ctypes.CDLL(path)
     lib.repro_own_capture.argtypes = [ctypes.c_int]
+    lib.repro_own_fill.argtypes = [ctypes.c_int]
+    fill = fill_byte(os.environ.get(FILL_ENV))
+    lib.repro_own_fill(-1 if fill is None else fill)
     torch.cuda.memory.change_current_allocator(torch.cuda.memory.CUDAPluggableAllocator(path, MALLOC, FREE))
     _lib = lib
     graph = torch.cuda.CUDAGraph
@@ -142,4 +157,16 @@ def install(path: str | Path) -> dict:
     ):
         if hasattr(torch._C, name):
             setattr(torch._C, name, fn)
-    return {"installed": "own_allocator", "library": Path(path).name, "padding": PADDING}
+    return {"installed": "own_allocator", "library": Path(path).name, "padding": PADDING, "fill": fill}
+
+
+def fill_byte(text: str | None) -> int | None:
+    """FILL_ENV's value: unset is DEFAULT_FILL, "none" no fill, else a byte (decimal or 0x..)."""
+    if text is None or not text.strip():
+        return DEFAULT_FILL
+    if text.strip().lower() == "none":
+        return None
+    value = int(text, 0)
+    if not 0 <= value <= 255:
+        raise ValueError(f"{FILL_ENV}={text}: a byte (0-255) or none")
+    return value

@@ -16,6 +16,8 @@ import re
 import time
 from collections.abc import Iterable
 
+from repro.vllm_integration.gate.judge import passes
+
 _STAMP = re.compile(r"^(?:INFO|WARNING|DEBUG|ERROR) (\d\d-\d\d \d\d:\d\d:\d\d)")
 _COMPILE = re.compile(r"torch\.compile (?:took|takes) ([\d.]+) s in total")
 _CAPTURE = re.compile(r"Graph capturing finished in ([\d.]+) secs")
@@ -141,16 +143,39 @@ def launch_lines(runs: dict) -> list[str]:
     return out
 
 
-def verdict_diff(paths: dict[str, dict[str, str]]) -> list[str]:
-    """Cases whose verdict differs between paths ({path: {case id: verdict}}): one line each."""
+def verdict_diff(paths: dict[str, dict[str, str | tuple[str, bool]]]) -> list[str]:
+    """Cases whose answer differs between paths ({path: {case id: verdict, or (verdict, met its expectation)}}): one
+    line each. With the expectation known, a case differs when it met its expectation on one path and not on another
+    (a control's crash on one path and wrong output on the other is one answer: detected); evidence_diff lists those."""
+    return _diff(paths, lambda v: v[1] if isinstance(v, tuple) else v)
+
+
+def evidence_diff(paths: dict[str, dict[str, tuple[str, bool]]]) -> list[str]:
+    """Cases with the same answer on every path but another verdict on one (a self control's crash and its wrong
+    output: which evidence a stale capture leaves depends on what memory held)."""
+    same = {
+        c
+        for c in {c for v in paths.values() for c in v}
+        if not _diff({n: {c: v.get(c)} for n, v in paths.items()}, lambda v: v and v[1])
+    }
+    return _diff({n: {c: v for c, v in p.items() if c in same} for n, p in paths.items()}, lambda v: v[0])
+
+
+def _diff(paths: dict, key) -> list[str]:
     names = list(paths)
     ids = sorted({c for v in paths.values() for c in v})
     out = []
     for c in ids:
         got = {n: paths[n].get(c) for n in names}
-        if len(set(got.values())) > 1:
-            out.append(f"{c}: " + ", ".join(f"{n} {v or 'not run'}" for n, v in got.items()))
+        if len({None if v is None else key(v) for v in got.values()}) > 1:
+            out.append(f"{c}: " + ", ".join(f"{n} {_shown(v)}" for n, v in got.items()))
     return out
+
+
+def _shown(v) -> str:
+    if v is None:
+        return "not run"
+    return v if isinstance(v, str) else f"{v[0]} ({'as expected' if v[1] else 'NOT as expected'})"
 
 
 PER_BUILD_GOAL_WARM_S, PER_BUILD_GOAL_COLD_S = 60.0, 120.0
@@ -188,14 +213,19 @@ def compare_markdown(runs: dict) -> str:
     lines += ["### Phases per case process (seconds)", ""] + phase_table(rows)
     diff = verdict_diff(path_verdicts(runs))
     lines += ["", f"### Verdict differences between the paths: {len(diff)}", ""]
-    lines += [f"- {d}" for d in diff] or ["none: every case has the same verdict on every path"]
+    lines += [f"- {d}" for d in diff] or ["none: every case has the same answer on every path"]
+    other = evidence_diff(path_verdicts(runs))
+    if other:
+        lines += ["", f"Same answer, other evidence: {len(other)}", ""] + [f"- {d}" for d in other]
     return "\n".join(lines) + "\n"
 
 
-def path_verdicts(runs: dict) -> dict[str, dict[str, str]]:
-    """{path: {case id: verdict}} over the cases and the attribution reruns (references aside: a kept one is the
-    same record)."""
-    return {n: {c.case_id: r.verdict for c, r in [*run.cases, *run.attributions]} for n, run in runs.items()}
+def path_verdicts(runs: dict) -> dict[str, dict[str, tuple[str, bool]]]:
+    """{path: {case id: (verdict, met its expectation)}} over the cases and the attribution reruns (references aside:
+    a kept one is the same record)."""
+    return {
+        n: {c.case_id: (r.verdict, passes(c, r)) for c, r in [*run.cases, *run.attributions]} for n, run in runs.items()
+    }
 
 
 def compare_json(runs: dict) -> dict:

@@ -21,6 +21,7 @@ from repro.vllm_integration.gate.cache import GateCache
 from repro.vllm_integration.gate.case import DEFAULT_BACKEND, GateCase, GateMode
 from repro.vllm_integration.gate.launch import FORK, SPAWN
 from repro.vllm_integration.gate.run import GateRun, run_gate
+from repro.vllm_integration.gate.worker import DEFAULT_COMPILE
 from repro.vllm_integration.releases.builds import VllmBuild
 
 OLD_PATH, NEW_COLD, NEW_WARM = "old", "new (cold)", "new (warm)"
@@ -53,6 +54,7 @@ def compare_paths(
     backends: tuple[str, ...] = (DEFAULT_BACKEND,),
     paths: tuple[str, ...] = PATHS,
     self_control: str = "under-test",
+    compile: str = DEFAULT_COMPILE,
 ) -> dict[str, GateRun]:
     """The same gate on each path of `paths`, in the order of PATHS. cache_root must be empty or absent: a cold
     run is only cold there (the fork paths keep their cache in a folder of their own under it)."""
@@ -68,7 +70,18 @@ def compare_paths(
         cache = None if folder is None else GateCache(cache_root / folder)
         sub = Path(log_dir) / path_folder(name)
         runs[name] = run_gate(
-            builds, modes, sub, 1, jobs, timeout_s, progress, cache, backends, self_control, launcher=launcher
+            builds,
+            modes,
+            sub,
+            1,
+            jobs,
+            timeout_s,
+            progress,
+            cache,
+            backends,
+            self_control,
+            launcher=launcher,
+            compile=compile,
         )
     return runs
 
