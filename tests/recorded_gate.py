@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from repro.judge.classify import classify
-from repro.run import smcontrol
+from repro.run import own_alloc, smcontrol
 from repro.run.channel import Channel, path_for
 from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import run as gate_run
@@ -49,9 +49,13 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
         # a process the gate killed at its timeout (the record keeps its exit and wall time, not the flag)
         timed_out = r["returncode"] in (-9, 137) and r["wall_s"] >= case.timeout_s - 0.5
         ch = Channel.read(path_for(out_log))
-        return classify(case, out, r["returncode"], timed_out, None, r["wall_s"], ch), out
+        memcheck = logs / f"{case.case_id}.memcheck.log"  # compute-sanitizer's own log, where it ran
+        san = memcheck.read_text(errors="replace") if sanitizer and memcheck.exists() else None
+        return classify(case, out, r["returncode"], timed_out, san, r["wall_s"], ch), out
 
     monkeypatch.setattr(gate_process, "run_process", recorded_process)
+    # memcheck:own's allocator was built on the H200 (nvcc): here its case environment only names it
+    monkeypatch.setattr(own_alloc, "build", lambda folder: Path(folder) / "own_alloc-replayed.so")
     monkeypatch.setattr(gate_run, "MpsDaemon", StandInMps)  # the MPS cases ran under the H200's daemon
     # a self control's further attempts as the recorded run made them (one, in a record from before they existed):
     # every attempt's process is replayed from its own logs, none is invented
