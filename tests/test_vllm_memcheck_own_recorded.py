@@ -26,7 +26,8 @@ def test_the_memcheck_own_records_replay_to_their_verdicts(monkeypatch, tmp_path
     caught = got[f"{V}0.26.0-self-control-{MODE}"]
     assert caught.verdict == "oob" and "main kernel FlashAttnFwdSm90" in caught.reason
     assert " bytes before a " in caught.reason or " bytes after a " in caught.reason  # the allocation it overran
-    assert "Capturing prefill CUDA graphs" in repr(caught)  # its output ends in the speculator's (the draft's) prefill capture
+    # its output ends in the speculator's (the draft's) prefill capture
+    assert "Capturing prefill CUDA graphs" in repr(caught)
     assert got[f"{V}0.25.1-control-{MODE}"].verdict == "clean"
 
 
