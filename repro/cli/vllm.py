@@ -374,28 +374,12 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
 def _compare_paths(a: argparse.Namespace, paths, builds, modes, backends, out: Path, logs: Path, progress) -> int:
     """`gate --compare-paths`: old path, new path cold, new path warm; each path's gate report in OUT/<path>/,
     the side-by-side table in OUT/paths.md and paths.json. Exit: the last path's gate exit code, or 3 when a case's
-    verdict differs between the paths (the new path cannot stand in for the old)."""
-    from repro.report import results as report  # the gate's modules load only for it
-    from repro.report.environment import collect  # as above
-    from repro.report.redact import redact  # as above
-    from repro.vllm_integration.gate import bench as gate_bench  # as above
-    from repro.vllm_integration.gate import report as gate_report  # as above
-    from repro.vllm_integration.gate.paths import compare_paths, path_folder  # as above
+    answer differs between the paths (the new path cannot stand in for the old)."""
+    from repro.vllm_integration.gate.paths import compare_paths, write_comparison  # the gate's modules: only for it
 
     cache_root = Path(a.cache_dir) if a.cache_dir else out / "cache"
     runs = compare_paths(
         builds, modes, logs, cache_root, a.jobs, a.timeout, progress, backends, paths, a.self_control, a.compile
     )
-    env = collect()
-    for name, run in runs.items():
-        gate_report.write(run, out / path_folder(name), env, need_control=not a.no_control)
-    md = gate_bench.compare_markdown(runs)
-    (out / "paths.md").write_text(redact("\n".join(report.header("vLLM gate: old and new path", env))) + "\n" + md)
-    (out / "paths.json").write_text(json.dumps({"environment": env, "paths": gate_bench.compare_json(runs)}, indent=1))
-    print(md.split("### Phases")[0])
-    differ = bool(gate_bench.verdict_diff(gate_bench.path_verdicts(runs)))
-    if differ:
-        print("repro: the paths' verdicts differ (listed in paths.md): the new path cannot stand in for the old")
-    else:
-        print(f"written: {out / 'paths.md'}, {out / 'paths.json'}")
+    differ = write_comparison(runs, out, need_control=not a.no_control)
     return exit_codes.compare_paths(differ, list(runs.values())[-1].outcome(need_control=not a.no_control))

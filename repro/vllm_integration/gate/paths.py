@@ -12,6 +12,7 @@ A warm path needs its cold one before it. Each path's logs go to a sub-folder of
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -95,3 +96,27 @@ def parse_paths(text: str | None, compare: bool) -> tuple[str, ...]:
     if not asked or any(x not in by_folder for x in asked) or len(set(asked)) != len(asked):
         raise ConfigError(f"--paths {text}: pick each from {', '.join(by_folder)} at most once")
     return tuple(by_folder[x] for x in asked)
+
+
+def write_comparison(runs: dict[str, GateRun], out: Path, need_control: bool) -> bool:
+    """Each path's gate report in OUT/<path>/, the side-by-side table in OUT/paths.md and paths.json, the table's
+    head printed. Returns whether a case's answer differs between the paths."""
+    from repro.report import results as report  # the reports' modules: only when a comparison ran
+    from repro.report.environment import collect  # as above
+    from repro.report.redact import redact  # as above
+    from repro.vllm_integration.gate import bench as gate_bench  # as above
+    from repro.vllm_integration.gate import report as gate_report  # as above
+
+    env = collect()
+    for name, run in runs.items():
+        gate_report.write(run, out / path_folder(name), env, need_control=need_control)
+    md = gate_bench.compare_markdown(runs)
+    (out / "paths.md").write_text(redact("\n".join(report.header("vLLM gate: old and new path", env))) + "\n" + md)
+    (out / "paths.json").write_text(json.dumps({"environment": env, "paths": gate_bench.compare_json(runs)}, indent=1))
+    print(md.split("### Phases")[0])
+    differ = bool(gate_bench.verdict_diff(gate_bench.path_verdicts(runs)))
+    if differ:
+        print("repro: the paths' answers differ (listed in paths.md): the new path cannot stand in for the old")
+    else:
+        print(f"written: {out / 'paths.md'}, {out / 'paths.json'}")
+    return differ
