@@ -23,7 +23,8 @@ from repro.judge.verdicts import CLEAN, CRASH, HANG
 from repro.vllm_integration.gate import fork as gate_fork
 from repro.vllm_integration.gate import report as gate_report
 from repro.vllm_integration.gate.case import GateCase, GateMode, case_env, parse_modes
-from repro.vllm_integration.gate.launch import FORK, SPAWN, Launcher, differs, launcher_kind
+from repro.vllm_integration.gate.forkserver import differs
+from repro.vllm_integration.gate.launch import FORK, SPAWN, Launcher, launcher_kind
 from repro.vllm_integration.gate.process import run_case
 from repro.vllm_integration.gate.run import run_gate
 from repro.vllm_integration.releases.builds import CONTROL, UNDER_TEST, parse_builds
@@ -301,3 +302,48 @@ def test_a_gate_that_is_killed_takes_its_forkserver_and_cases_with_it(tmp_path):
         gate.kill()
         gate.wait()
     assert gone(pids["forkserver"], 10) and gone(pids["case"], 10) and gone(helper, 10)
+
+
+@needs_entry_point
+def test_a_kept_forkserver_serves_the_next_run_and_idles_out(tmp_path, monkeypatch):
+    """--keep-forkserver: the first run starts the build's forkserver at a socket of its own; a second run with the
+    same build and environment forks its cases from that one (no import), with the same records; another
+    environment gets another forkserver; once the idle time passes without a run, the forkserver exits and its socket
+    is gone."""
+    import tempfile
+
+    from repro.vllm_integration.gate import keep as gate_keep
+
+    short = tempfile.mkdtemp(prefix="k", dir="/tmp")  # a Unix socket's path holds at most 107 bytes
+    monkeypatch.setenv("XDG_RUNTIME_DIR", short)
+    build = _build(tmp_path, "good")
+    runs, idle = [], 6.0
+    for i in range(2):
+        runs.append(
+            run_gate(
+                [build],
+                parse_modes("plain"),
+                tmp_path / f"r{i}",
+                jobs=2,
+                timeout_s=120,
+                self_control="none",
+                launcher=FORK,
+                keep_forkserver=idle,
+            )  # fmt: skip
+        )
+    first, second = (r.launches[build.label]["forkserver"] for r in runs)
+    assert first["kept"] == {"reused": False, "served": 1, "idle_s": idle}
+    assert second["kept"] == {"reused": True, "served": 2, "idle_s": idle} and second["pid"] == first["pid"]
+    assert [r.launches[build.label]["forked"] for r in runs] == [2, 2]  # the case and its reference, both forked
+    records = [{c.case_id: _record(r, tmp_path / f"r{i}") for c, r in run.cases} for i, run in enumerate(runs)]
+    assert records[0] == records[1]
+    assert (tmp_path / "r1" / f"forkserver-{build.label}.log").exists()  # the run's logs keep its import output
+    monkeypatch.setenv("REPRO_GATE_PRELOAD", "json")  # another preload: not the same forkserver
+    other = run_gate([build], parse_modes("plain"), tmp_path / "r2", jobs=2, timeout_s=120, self_control="none",
+                     launcher=FORK, keep_forkserver=idle)  # fmt: skip
+    pids = (first["pid"], other.launches[build.label]["forkserver"]["pid"])
+    assert pids[0] != pids[1] and other.launches[build.label]["forkserver"]["kept"]["reused"] is False
+    deadline = time.time() + idle + 15
+    while time.time() < deadline and (list(gate_keep.socket_dir().glob("*.sock")) or not all(map(gone, pids))):
+        time.sleep(0.2)
+    assert not list(gate_keep.socket_dir().glob("*.sock")) and all(map(gone, pids))

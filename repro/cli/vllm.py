@@ -179,6 +179,14 @@ def add_parsers(sub) -> None:
         "once; a case that cannot be forked is launched plainly, and the report says why) or spawn (a fresh "
         "interpreter per case) (default: REPRO_GATE_LAUNCHER, else spawn; fork ran real vLLM on the H200: docs/vllm-gate.md)",
     )
+    gt.add_argument(
+        "--keep-forkserver",
+        type=seconds,
+        default=float(os.environ.get("REPRO_GATE_KEEP_FORKSERVER") or 0),
+        metavar="S",
+        help="with --launcher fork: each build's forkserver serves later runs (same build, environment, harness "
+        "code: no import of torch and vLLM) until S s pass without one (default: REPRO_GATE_KEEP_FORKSERVER, else 0)",
+    )
     gt.add_argument("--dry-run", action="store_true", help="list case ids only")
     sub.choices["bisect"].set_defaults(func=cmd_bisect)
     sub.choices["vllm-check"].set_defaults(func=cmd_vllm_check)
@@ -195,6 +203,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
     from repro.vllm_integration.gate import report as gate_report  # as above
     from repro.vllm_integration.gate.cache import GateCache, default_root  # as above
     from repro.vllm_integration.gate.case import parse_backends, parse_modes  # as above
+    from repro.vllm_integration.gate.launch import launcher_kind  # as above
     from repro.vllm_integration.gate.placement import cpu_cores, fit_jobs, gate_devices  # as above
     from repro.vllm_integration.gate.run import run_gate  # as above
     from repro.vllm_integration.releases.builds import (  # as above
@@ -214,6 +223,10 @@ def cmd_gate(a: argparse.Namespace) -> int:
         raise ConfigError(
             "--compare-paths runs each path once, with its own cache and launcher: leave out --no-cache, --repeat and "
             "--launcher"
+        )
+    if a.keep_forkserver and (a.compare_paths or launcher_kind(a.launcher) != "fork"):
+        raise ConfigError(
+            "--keep-forkserver keeps the fork launcher's forkservers: give --launcher fork, no --compare-paths"
         )
     if a.repeat < 1 or (a.jobs is not None and a.jobs < 1) or a.timeout <= 0:
         raise ConfigError("--repeat and --jobs must be at least 1, --timeout positive")
@@ -301,6 +314,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
         launcher=a.launcher,
         deadline_s=a.deadline,
         compile=a.compile,
+        keep_forkserver=a.keep_forkserver or None,
     )
     written = gate_report.write(run, out, collect(), need_control=not a.no_control)
     print(gate_report.markdown(run, need_control=not a.no_control).split("\n| case |")[0])

@@ -3,12 +3,13 @@ once, without starting CUDA, and forks one gate case process per request (repro.
 gate's side of it).
 
   python -m repro.vllm_integration.gate.fork --requests FD --replies FD [--preload MODULE[:ATTR],...]
+  python -m repro.vllm_integration.gate.fork --socket PATH --idle S [--preload ...]   kept for later runs (listen)
 
 Started with its build's environment (PYTHONPATH with the build's prefix and torch, the gate's BASE_ENV), less what
-differs per case (gate_launch.LATE_VARS). After its imports it refuses to serve (a REFUSED record, then it exits)
+differs per case (gate_forkserver.LATE_VARS). After its imports it refuses to serve (a REFUSED record, then it exits)
 when torch or the CUDA driver was initialised, when vLLM cached its environment or loaded its plugins, or when an
 import set a per-case variable. The per-case variables Python code read while importing are in its READY record
-(`read_late`): a case that sets another value for one of them is launched plainly (gate_launch.differs). Else it
+(`read_late`): a case that sets another value for one of them is launched plainly (gate_forkserver.differs). Else it
 forks a child per RUN request, each of which:
 - asserts again (before the fork) that torch has not initialised CUDA;
 - starts a session of its own (the gate kills the whole group at the timeout), restores Ctrl-C, sends stdout and
@@ -26,12 +27,14 @@ text to parse."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import importlib
 import json
 import os
 import selectors
 import signal
+import socket
 import sys
 import threading
 import time
@@ -192,8 +195,9 @@ def _kill_all(children: dict[int, int]) -> None:
                 pass
 
 
-def serve(req_fd: int, rep_fd: int) -> dict | None:
-    """Answer requests until told to stop (None) or until this is a forked child, which gets its RUN request."""
+def serve(req_fd: int, rep_fd: int, close_in_child: tuple[int, ...] = ()) -> dict | None:
+    """Answer requests until told to stop (None) or until this is a forked child, which gets its RUN request (a
+    child closes the request and reply descriptors and close_in_child)."""
     children: dict[int, int] = {}  # pid -> request id
     sel = selectors.DefaultSelector()
     sel.register(req_fd, selectors.EVENT_READ)
@@ -226,8 +230,8 @@ def serve(req_fd: int, rep_fd: int) -> dict | None:
                 pid = os.fork()
                 if pid == 0:
                     sel.close()
-                    os.close(req_fd)
-                    os.close(rep_fd)
+                    for fd in {req_fd, rep_fd, *close_in_child}:
+                        os.close(fd)
                     children.clear()
                     return msg
                 children[pid] = msg["id"]
@@ -238,6 +242,49 @@ def serve(req_fd: int, rep_fd: int) -> dict | None:
     finally:
         if children:  # the forkserver's own exit (not a child's return)
             _kill_all(children)
+
+
+def listen(path: str, idle_s: float, facts: dict, refusal: str | None) -> dict | None:
+    """--socket: a forkserver that outlives the gate run that started it (gate_keep). It serves one gate run at a
+    time, each a connection to the Unix socket at `path`, whose first record is READY (the facts, how many runs it
+    served) or REFUSED; a run's end (STOP, or its connection closing) kills what it left running, and the next run
+    may connect. After idle_s without a connection it removes its socket and exits. Returns None when it stops, the
+    RUN request in a forked child."""
+    started, served = time.time(), 0
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    sock.bind(path)
+    sock.listen(4)
+    sock.settimeout(idle_s)
+    child = False
+    try:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except TimeoutError:
+                return None
+            fd = conn.detach()
+            os.set_blocking(fd, True)
+            if refusal is not None:
+                _send(fd, encode(REFUSED, reason=refusal, facts=facts))
+                os.close(fd)
+                return None
+            served += 1
+            _send(fd, encode(READY, **facts, kept_s=idle_s, served=served, started=round(started, 3)))
+            msg = serve(fd, fd, close_in_child=(sock.fileno(),))
+            if msg is not None:
+                child = True
+                return msg
+            os.close(fd)
+            with contextlib.suppress(ChildProcessError):
+                while os.waitpid(-1, os.WNOHANG)[0]:  # the cases a closed run left killed
+                    pass
+    finally:
+        if not child:
+            sock.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 def _reap(children: dict[int, int], rep_fd: int) -> None:
@@ -273,26 +320,33 @@ def become_case(msg: dict, facts: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m repro.vllm_integration.gate.fork")
-    p.add_argument("--requests", type=int, required=True, help="file descriptor the gate writes requests to")
-    p.add_argument("--replies", type=int, required=True, help="file descriptor this process answers on")
+    p.add_argument("--requests", type=int, help="file descriptor the gate writes requests to")
+    p.add_argument("--replies", type=int, help="file descriptor this process answers on")
+    p.add_argument("--socket", help="instead: serve gate runs one at a time at this Unix socket (listen)")
+    p.add_argument("--idle", type=float, default=600.0, help="with --socket: seconds without a run before it exits")
     p.add_argument("--preload", default=",".join(PRELOAD), help="MODULE[:ATTR],... (default: PRELOAD)")
-    p.add_argument("--late", default="", help="the per-case variables (gate_launch.LATE_VARS), comma-separated")
+    p.add_argument("--late", default="", help="the per-case variables (gate_forkserver.LATE_VARS), comma-separated")
     a = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the gate stops it; its own session keeps the terminal's ^C off
+    if (a.socket is None) == (a.requests is None or a.replies is None):
+        p.error("give --requests and --replies, or --socket")
     late = frozenset(x for x in a.late.split(",") if x)
     try:
         facts, problems = prepare([x for x in a.preload.split(",") if x], late)
     except BaseException as e:  # an import that fails: the build's cases are launched plainly
         traceback.print_exc()
-        _send(a.replies, encode(REFUSED, reason=f"import failed: {type(e).__name__}: {e}"[:500]))
-        return 3
+        facts, problems = {}, [f"import failed: {type(e).__name__}: {e}"[:500]]
     sys.stdout.flush()
     sys.stderr.flush()
-    if problems:
-        _send(a.replies, encode(REFUSED, reason="; ".join(problems), facts=facts))
+    refusal = "; ".join(problems) if problems else None
+    if a.socket is not None:
+        msg = listen(a.socket, a.idle, facts, refusal)
+    elif refusal is not None:
+        _send(a.replies, encode(REFUSED, reason=refusal, facts=facts))
         return 3
-    _send(a.replies, encode(READY, **facts))
-    msg = serve(a.requests, a.replies)
+    else:
+        _send(a.replies, encode(READY, **facts))
+        msg = serve(a.requests, a.replies)
     if msg is None:
         return 0
     become_case(msg, facts)

@@ -179,6 +179,7 @@ def run_gate(
     launcher: str | None = None,
     deadline_s: float | None = None,
     compile: str = DEFAULT_COMPILE,
+    keep_forkserver: float | None = None,
 ) -> GateRun:
     """Every case, references included; non-MPS cases `jobs` at a time; MPS cases under a daemon owned by the run
     (repro.run.mps_cases' shared policy, as the matrix runs them): the cases expected clean several at a time, each
@@ -225,9 +226,9 @@ def run_gate(
     chosen = [d for d in placed if kind_of(d) == kind]
     pool = DevicePool(chosen, per_device_jobs(jobs, chosen)) if placed else None
     workers = pool.per_device * len(pool.devices) if pool else max(1, jobs)
-    launch = Launcher(launcher_kind(launcher), log_dir)
+    launch = Launcher(launcher_kind(launcher), log_dir, keep_s=keep_forkserver)  # keep: forkservers outlive the run
     if launch.kind == FORK:
-        for b in builds:  # the environment of the build's cases, less what differs per case (gate_launch.LATE_VARS)
+        for b in builds:  # the environment of the build's cases, less what differs per case (gate_forkserver.LATE_VARS)
             plain = GateCase(b, GateMode.parse("plain"))
             launch.start(b, case_env(plain, builds, Path(log_dir) / "forkserver.audit.json", None, lambda: 0))
 
