@@ -5,6 +5,7 @@ attribution rerun, the reference comparison, the coverage check and repro.judge.
 from __future__ import annotations
 
 import json
+import lzma
 import re
 import shutil
 from pathlib import Path
@@ -49,8 +50,13 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
         # a process the gate killed at its timeout (the record keeps its exit and wall time, not the flag)
         timed_out = r["returncode"] in (-9, 137) and r["wall_s"] >= case.timeout_s - 0.5
         ch = Channel.read(path_for(out_log))
-        memcheck = logs / f"{case.case_id}.memcheck.log"  # compute-sanitizer's own log, where it ran
-        san = memcheck.read_text(errors="replace") if sanitizer and memcheck.exists() else None
+        memcheck = logs / f"{case.case_id}.memcheck.log"  # compute-sanitizer's own log, where it ran (large: .xz)
+        packed = memcheck.with_name(memcheck.name + ".xz")
+        san = None
+        if sanitizer and memcheck.exists():
+            san = memcheck.read_text(errors="replace")
+        elif sanitizer and packed.exists():
+            san = lzma.decompress(packed.read_bytes()).decode(errors="replace")
         return classify(case, out, r["returncode"], timed_out, san, r["wall_s"], ch), out
 
     monkeypatch.setattr(gate_process, "run_process", recorded_process)
