@@ -37,15 +37,16 @@ RUNTIME = """#include <stdlib.h>
 #include "cuda_runtime_api.h"
 static int freed = 0;
 cudaError_t cudaStreamIsCapturing(cudaStream_t s, enum cudaStreamCaptureStatus *st) {
+    if (s == (cudaStream_t)9) return 906;  /* cudaErrorStreamCaptureImplicit: the legacy stream beside a capture */
     *st = s == (cudaStream_t)7 ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone; return 0; }
 cudaError_t cudaGetLastError(void) { return 0; }
 cudaError_t cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode *m) { (void)m; return 0; }
-cudaError_t cudaMalloc(void **p, unsigned long n) { *p = malloc(n); return 0; }
+cudaError_t cudaMalloc(void **p, unsigned long n) { *p = calloc(1, n); return 0; }
 cudaError_t cudaFree(void *p) { freed++; free(p); return 0; }
 int stub_freed(void) { return freed; }
 cudaError_t cudaMemsetAsync(void *p, int v, unsigned long n, cudaStream_t s) { (void)s; memset(p, v, n); return 0; }
 """
-CAPTURE_STREAM = 7  # the stand-in runtime's capturing stream
+CAPTURE_STREAM, UNASKABLE = 7, 9  # the stand-in runtime's capturing stream, and one that cannot say
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +74,7 @@ def _counters(lib) -> dict:
 
 
 def test_memory_a_capture_allocated_or_freed_is_never_freed_the_rest_is(lib):
-    before = lib.stub_freed()
+    before, start = lib.stub_freed(), _counters(lib)
     eager = [lib.repro_own_malloc(100, 0, None) for _ in range(3)]
     lib.repro_own_capture(1)
     graph = [lib.repro_own_malloc(64, 0, None) for _ in range(5000)]  # the set grows past its first size
@@ -83,13 +84,15 @@ def test_memory_a_capture_allocated_or_freed_is_never_freed_the_rest_is(lib):
     for p in [*graph, on_stream]:
         lib.repro_own_free(p, 64, 0, None)
     lib.repro_own_free(eager[1], 100, 0, None)
-    c = _counters(lib)
+    beside = lib.repro_own_malloc(16, 0, UNASKABLE)  # a stream that cannot say whether it captures: kept
+    lib.repro_own_free(beside, 16, 0, UNASKABLE)
+    c = {k: v - start[k] for k, v in _counters(lib).items()}
     assert lib.stub_freed() - before == 1  # eager[1] only
-    assert (c["allocations"], c["frees"], c["kept"], c["failed"]) == (5004, 1, 5002, 0)
-    assert c["bytes_now"] == 3 * 100 + 5000 * 64 + 32 - 100
+    assert (c["allocations"], c["frees"], c["kept"], c["failed"], c["graph"]) == (5005, 1, 5003, 0, 5002)
+    assert c["bytes_now"] == 3 * 100 + 5000 * 64 + 32 + 16 - 100
     assert c["bytes_peak"] >= c["bytes_now"]
     lib.repro_own_reset_peak()
-    assert _counters(lib)["bytes_peak"] == c["bytes_now"]
+    assert _counters(lib)["bytes_peak"] == _counters(lib)["bytes_now"]
 
 
 def _fake_nvcc(tmp_path: Path) -> Path:
@@ -144,8 +147,12 @@ def test_new_allocations_read_as_leftovers_would_except_off_the_capturing_stream
         eager = lib.repro_own_malloc(8, 0, None)
         lib.repro_own_capture(1)
         in_graph = lib.repro_own_malloc(8, 0, CAPTURE_STREAM)
+        off_stream = lib.repro_own_malloc(8, 0, None)  # another stream during the capture: a fill there would run now
+        unaskable = lib.repro_own_malloc(8, 0, UNASKABLE)
         lib.repro_own_capture(0)
         assert ctypes.string_at(eager, 8) == ctypes.string_at(in_graph, 8) == bytes([own_alloc.DEFAULT_FILL]) * 8
+        for p in (off_stream, unaskable):
+            assert ctypes.string_at(p, 8) != bytes([own_alloc.DEFAULT_FILL]) * 8
     finally:
         lib.repro_own_fill(-1)
 
@@ -158,3 +165,15 @@ def test_the_fill_byte_from_the_environment(text, byte):
 def test_a_fill_that_is_not_a_byte_is_refused():
     with pytest.raises(ValueError, match="a byte"):
         own_alloc.fill_byte("256")
+
+
+def test_overlapping_captures_keep_memory_until_the_last_one_ends(lib):
+    before = lib.stub_freed()
+    eager = [lib.repro_own_malloc(8, 0, None) for _ in range(2)]
+    lib.repro_own_capture(1)
+    lib.repro_own_capture(1)  # a second capture begins before the first ends
+    lib.repro_own_capture(0)
+    lib.repro_own_free(eager[0], 8, 0, None)  # one capture still underway: kept
+    lib.repro_own_capture(0)
+    lib.repro_own_free(eager[1], 8, 0, None)  # none: freed
+    assert lib.stub_freed() - before == 1

@@ -148,6 +148,8 @@ def classify(
         return done(ERROR, f"result printed but exit status {returncode}", "")
     if ch.problems:  # a record that could not be read: the result cannot be trusted to be whole
         return done(ERROR, "; ".join(ch.errors())[:300], "")
+    if sanitizer_log is not None and parse_log(sanitizer_log).error_summary is None:  # "" : it wrote no log
+        return done(ERROR, "memcheck ran but wrote no ERROR SUMMARY: its check did not finish, nothing is vouched", "")
     summary = r.get("summary") or (
         f"{r.get('passes')} passes, max |out - reference| = {r.get('max_abs_err', 0):.3g}"
         + (f" (tolerance {res.tolerance:.3g})" if res.tolerance else "")

@@ -23,7 +23,7 @@
 #endif
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
-static volatile int capturing = 0;
+static volatile int capturing = 0; /* captures underway (repro_own_capture(1) / (0) from Python): a count */
 static int fill = -1; /* a byte every new allocation is filled with (repro_own_fill), -1: none */
 static uint64_t n_alloc = 0, n_free = 0, n_kept = 0, n_failed = 0;
 static uint64_t bytes_now = 0, bytes_peak = 0;
@@ -71,16 +71,18 @@ static int graph_has(void *p) {
     return 0;
 }
 
+/* 1: the stream captures, or cannot be asked (the legacy stream while a blocking stream captures answers
+ * cudaErrorStreamCaptureImplicit): either way nothing may be freed or filled on it now */
 static int stream_capturing(cudaStream_t stream) {
     enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
     if (cudaStreamIsCapturing(stream, &st) != cudaSuccess) {
         (void)cudaGetLastError();
-        return 0;
+        return 1;
     }
     return st != cudaStreamCaptureStatusNone;
 }
 
-EXPORT void repro_own_capture(int on) { capturing = on; }
+EXPORT void repro_own_capture(int on) { __sync_fetch_and_add(&capturing, on ? 1 : -1); }
 
 /* new allocations read as leftovers would (the caching allocator hands out reused memory; a fresh cudaMalloc is
  * zeros in practice, which hides a kernel that reads what nobody wrote): filled on their stream, in stream order; in
@@ -91,7 +93,8 @@ EXPORT void *repro_own_malloc(ssize_t size, int device, cudaStream_t stream) {
     (void)device;
     void *p = NULL;
     size_t n = size > 0 ? (size_t)size : 1;
-    int in_graph = capturing || stream_capturing(stream);
+    int on_capturing_stream = stream_capturing(stream);
+    int in_graph = capturing > 0 || on_capturing_stream;
     enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
     cudaThreadExchangeStreamCaptureMode(&mode);
     cudaError_t e = cudaMalloc(&p, n);
@@ -103,12 +106,25 @@ EXPORT void *repro_own_malloc(ssize_t size, int device, cudaStream_t stream) {
         pthread_mutex_unlock(&lock);
         return NULL; /* torch raises its out-of-memory error */
     }
+    if (in_graph && !graph_insert(p, n)) { /* not recorded as the graph's: it would be freed under the graph */
+        n_failed++;
+        pthread_mutex_unlock(&lock);
+        cudaFree(p);
+        return NULL;
+    }
     n_alloc++;
     bytes_now += n;
     if (bytes_now > bytes_peak) bytes_peak = bytes_now;
-    if (in_graph && !graph_insert(p, n)) n_failed++;
     pthread_mutex_unlock(&lock);
-    if (fill >= 0 && (!capturing || stream_capturing(stream))) {
+    /* filled in stream order: outside captures, or as a node of the capture on its capturing stream (a stream that
+     * cannot be asked is left alone) */
+    int askable = 1;
+    if (on_capturing_stream) {
+        enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+        askable = cudaStreamIsCapturing(stream, &st) == cudaSuccess;
+        (void)cudaGetLastError();
+    }
+    if (fill >= 0 && askable && (capturing == 0 || on_capturing_stream)) {
         if (cudaMemsetAsync(p, fill, n, stream) != cudaSuccess) (void)cudaGetLastError();
     }
     return p;
@@ -116,10 +132,9 @@ EXPORT void *repro_own_malloc(ssize_t size, int device, cudaStream_t stream) {
 
 EXPORT void repro_own_free(void *ptr, ssize_t size, int device, cudaStream_t stream) {
     (void)device;
-    (void)stream;
     if (!ptr) return;
     pthread_mutex_lock(&lock);
-    int keep = capturing || graph_has(ptr);
+    int keep = capturing > 0 || graph_has(ptr) || stream_capturing(stream);
     if (keep) {
         n_kept++;
         pthread_mutex_unlock(&lock);
@@ -131,9 +146,11 @@ EXPORT void repro_own_free(void *ptr, ssize_t size, int device, cudaStream_t str
     cudaFree(ptr);
 }
 
-/* out[0..5]: allocations, frees, kept (freed by torch, kept for a graph), bytes now, peak bytes, failures */
+/* out[0..6]: allocations, frees, kept (freed by torch, kept for a graph), bytes now, peak bytes, failures,
+ * allocations owned by graphs */
 EXPORT void repro_own_counters(uint64_t *out) {
     pthread_mutex_lock(&lock);
+    out[6] = graph_len;
     out[0] = n_alloc;
     out[1] = n_free;
     out[2] = n_kept;

@@ -34,10 +34,11 @@ MALLOC, FREE = "repro_own_malloc", "repro_own_free"
 PADDING = 65536
 FILL_ENV = "REPRO_OWN_ALLOC_FILL"  # the byte new allocations are filled with (0-255; "none": not filled)
 DEFAULT_FILL = 0x7F  # ints 0x7F7F7F7F, floats 3.4e38: what an index or a count read from unwritten memory becomes
-COUNTERS = ("allocations", "frees", "kept", "bytes_now", "bytes_peak", "failed")
+COUNTERS = ("allocations", "frees", "kept", "bytes_now", "bytes_peak", "failed", "graph")
 BUILD_TIMEOUT_S = 120
 _lib: ctypes.CDLL | None = None
 _building = threading.Lock()
+_failed: dict[Path, str] = {}  # folder -> why its build failed, once per run
 
 
 def find_nvcc() -> str | None:
@@ -53,8 +54,18 @@ def find_nvcc() -> str | None:
 def build(folder: str | Path) -> Path:
     """The allocator library for this source text, built into folder unless it is there already (one build at a
     time in this process: the gate's case threads ask together)."""
+    folder = Path(folder)
     with _building:
-        return _build(Path(folder))
+        if folder in _failed:  # every case of the run would wait for the same failure again
+            raise Unavailable(_failed[folder])
+        try:
+            return _build(folder)
+        except Unavailable as e:
+            _failed[folder] = str(e)
+            raise
+        except OSError as e:  # no compiler to run, no folder to write: the mode cannot run here
+            _failed[folder] = f"memcheck:own could not build its allocator: {type(e).__name__}: {e}"
+            raise Unavailable(_failed[folder]) from e
 
 
 def _build(folder: Path) -> Path:
@@ -72,7 +83,7 @@ def _build(folder: Path) -> Path:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         raise Unavailable(f"memcheck:own: nvcc did not build its allocator in {BUILD_TIMEOUT_S} s") from e
-    if done.returncode != 0:
+    if done.returncode != 0 or not tmp.exists():
         raise Unavailable(f"memcheck:own: nvcc failed to build its allocator: {(done.stderr or done.stdout)[-300:]}")
     os.replace(tmp, lib)  # concurrent builders: one complete file wins
     return lib

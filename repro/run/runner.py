@@ -134,7 +134,9 @@ def run_process(
     else:
         run = supervise(cmd, env, out_path, spec.timeout_s, san_log, stall)
     out = out_path.read_text(errors="replace")
-    log_text = san_log.read_text(errors="replace") if san_log and san_log.exists() else None
+    log_text = None  # memcheck's log; "" when it ran and left none (classify: nothing vouched)
+    if san_log is not None:
+        log_text = san_log.read_text(errors="replace") if san_log.exists() else ""
     res = classify(spec, out, run.returncode, run.timed_out, log_text, run.wall_s, Channel.read(records))
     if run.stopped_early:
         res.reason += f" (stopped {EARLY_STOP_GRACE_S:g} s after memcheck's first complete finding)"

@@ -295,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         emit(DEVICE_TAG, device)
     target, draft = write_models(a.out)
     inspection = inspect_in_process()
+    own_before = own_alloc.counters() if own else {}  # the GEMM check's allocations are not vLLM's
     llm = LLM(**llm_kwargs(target, draft, a.reference, a.spec_tokens, a.gpu_memory, a.attention_backend, a.compile))
     t_engine = time.time()
     params = SamplingParams(
@@ -305,7 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     if own:
         from repro.vllm_integration.plugin import counters  # the counters the case reports (resolved_engine)
 
-        counters.COUNTERS["own_allocator"] = own_alloc.counters()  # coverage: it made the allocations
+        now = own_alloc.counters()  # coverage: vLLM's tensors and graphs went through it
+        counters.COUNTERS["own_allocator"] = {
+            **now,
+            "engine_allocations": now["allocations"] - own_before["allocations"],
+        }
     engine = resolved_engine(llm)  # the reference's too: the configuration it ran with is part of its validation
     engine["acceptance"] = acceptance(llm)
     engine["model_inspection"] = inspection
