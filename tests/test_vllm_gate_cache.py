@@ -144,6 +144,25 @@ def test_verdict_differences_are_listed():
     assert gate_bench.verdict_diff({"old": {"a": "crash"}, "new": {}}) == ["a: old crash, new not run"]
 
 
+def test_paths_differ_by_answer_and_other_evidence_is_listed_apart():
+    """With each case's expectation: a control caught by a crash on one path and by wrong output on the other gives
+    one answer (evidence_diff lists it); a build under test AFFECTED on one path and CANNOT VOUCH on the other, or
+    clean on one and AFFECTED on the other, differs."""
+    paths = {
+        "old": {"ctl": ("crash", True), "bad": ("crash", False), "ok": ("clean", True), "same": ("clean", True)},
+        "new": {
+            "ctl": ("wrong-output", True),
+            "bad": ("error", False),
+            "ok": ("crash", False),
+            "same": ("clean", True),
+        },
+    }
+    diff = gate_bench.verdict_diff(paths)
+    assert [d.split(":")[0] for d in diff] == ["bad", "ok"]
+    assert diff[0] == "bad: old crash (NOT as expected), new error (NOT as expected)"
+    assert gate_bench.evidence_diff(paths) == ["ctl: old crash (as expected), new wrong-output (as expected)"]
+
+
 def test_kept_references_and_warm_caches_give_the_same_verdicts(tmp_path):
     builds = [_build(tmp_path, "good")]
     builds += parse_builds(f"crash={write_fake_vllm(tmp_path / 'crash', '0.25.1', 'stale-crash')}", CONTROL, "x")

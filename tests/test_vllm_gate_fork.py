@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -318,29 +319,24 @@ def test_a_kept_forkserver_serves_the_next_run_and_idles_out(tmp_path, monkeypat
     monkeypatch.setenv("XDG_RUNTIME_DIR", short)
     build = _build(tmp_path, "good")
     runs, idle = [], 20.0  # a loaded CI machine may take seconds between two runs
+    folders = (tmp_path / "r0", tmp_path / "elsewhere" / "r1")
     for i in range(2):
-        runs.append(
-            run_gate(
-                [build],
-                parse_modes("plain"),
-                tmp_path / f"r{i}",
-                jobs=2,
-                timeout_s=120,
-                self_control="none",
-                launcher=FORK,
-                keep_forkserver=idle,
-            )  # fmt: skip
-        )
+        if i:  # the second run from another folder, its logs a relative path (the forkserver's folder is the first's)
+            folders[1].parent.mkdir()
+            monkeypatch.chdir(folders[1].parent)
+        logs = Path("r1") if i else folders[0]
+        kw = dict(jobs=2, timeout_s=120, self_control="none", launcher=FORK, keep_forkserver=idle)
+        runs.append(run_gate([build], parse_modes("plain"), logs, **kw))
+    assert list(folders[1].glob("*-plain.channel.jsonl"))  # where the second run asked, not in the first's folder
     first, second = (r.launches[build.label]["forkserver"] for r in runs)
     assert first["kept"] == {"reused": False, "served": 1, "idle_s": idle}
     assert second["kept"] == {"reused": True, "served": 2, "idle_s": idle} and second["pid"] == first["pid"]
     assert [r.launches[build.label]["forked"] for r in runs] == [2, 2]  # the case and its reference, both forked
-    records = [{c.case_id: _record(r, tmp_path / f"r{i}") for c, r in run.cases} for i, run in enumerate(runs)]
-    assert records[0] == records[1]
-    assert (tmp_path / "r1" / f"forkserver-{build.label}.log").exists()  # the run's logs keep its import output
+    records = [{c.case_id: _record(r, folders[i])[:4] for c, r in run.cases} for i, run in enumerate(runs)]
+    assert records[0] == records[1] and all(v[0] == CLEAN for v in records[1].values())
+    assert (folders[1] / f"forkserver-{build.label}.log").exists()  # the run's logs keep its import output
     monkeypatch.setenv("REPRO_GATE_PRELOAD", "json")  # another preload: not the same forkserver
-    other = run_gate([build], parse_modes("plain"), tmp_path / "r2", jobs=2, timeout_s=120, self_control="none",
-                     launcher=FORK, keep_forkserver=idle)  # fmt: skip
+    other = run_gate([build], parse_modes("plain"), tmp_path / "r2", **kw)
     pids = (first["pid"], other.launches[build.label]["forkserver"]["pid"])
     assert pids[0] != pids[1] and other.launches[build.label]["forkserver"]["kept"]["reused"] is False
     deadline = time.time() + idle + 15

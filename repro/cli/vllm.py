@@ -182,7 +182,7 @@ def add_parsers(sub) -> None:
     gt.add_argument(
         "--keep-forkserver",
         type=seconds,
-        default=float(os.environ.get("REPRO_GATE_KEEP_FORKSERVER") or 0),
+        default=None,
         metavar="S",
         help="with --launcher fork: each build's forkserver serves later runs (same build, environment, harness "
         "code: no import of torch and vLLM) until S s pass without one (default: REPRO_GATE_KEEP_FORKSERVER, else 0)",
@@ -203,6 +203,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
     from repro.vllm_integration.gate import report as gate_report  # as above
     from repro.vllm_integration.gate.cache import GateCache, default_root  # as above
     from repro.vllm_integration.gate.case import parse_backends, parse_modes  # as above
+    from repro.vllm_integration.gate.keep import keep_seconds  # as above
     from repro.vllm_integration.gate.launch import launcher_kind  # as above
     from repro.vllm_integration.gate.placement import cpu_cores, fit_jobs, gate_devices  # as above
     from repro.vllm_integration.gate.run import run_gate  # as above
@@ -224,10 +225,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
             "--compare-paths runs each path once, with its own cache and launcher: leave out --no-cache, --repeat and "
             "--launcher"
         )
-    if a.keep_forkserver and (a.compare_paths or launcher_kind(a.launcher) != "fork"):
-        raise ConfigError(
-            "--keep-forkserver keeps the fork launcher's forkservers: give --launcher fork, no --compare-paths"
-        )
+    keep = keep_seconds(a.keep_forkserver, forking=not a.compare_paths and launcher_kind(a.launcher) == "fork")
     if a.repeat < 1 or (a.jobs is not None and a.jobs < 1) or a.timeout <= 0:
         raise ConfigError("--repeat and --jobs must be at least 1, --timeout positive")
     if a.cache_keep < 1 or a.cache_max_age_days <= 0:
@@ -314,7 +312,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
         launcher=a.launcher,
         deadline_s=a.deadline,
         compile=a.compile,
-        keep_forkserver=a.keep_forkserver or None,
+        keep_forkserver=keep,
     )
     written = gate_report.write(run, out, collect(), need_control=not a.no_control)
     print(gate_report.markdown(run, need_control=not a.no_control).split("\n| case |")[0])

@@ -16,6 +16,7 @@ import re
 import time
 from collections.abc import Iterable
 
+from repro.judge.verdicts import ERROR, SKIP
 from repro.vllm_integration.gate.judge import passes
 
 _STAMP = re.compile(r"^(?:INFO|WARNING|DEBUG|ERROR) (\d\d-\d\d \d\d:\d\d:\d\d)")
@@ -147,18 +148,23 @@ def verdict_diff(paths: dict[str, dict[str, str | tuple[str, bool]]]) -> list[st
     """Cases whose answer differs between paths ({path: {case id: verdict, or (verdict, met its expectation)}}): one
     line each. With the expectation known, a case differs when it met its expectation on one path and not on another
     (a control's crash on one path and wrong output on the other is one answer: detected); evidence_diff lists those."""
-    return _diff(paths, lambda v: v[1] if isinstance(v, tuple) else v)
+    return _diff(paths, _answer)
 
 
 def evidence_diff(paths: dict[str, dict[str, tuple[str, bool]]]) -> list[str]:
     """Cases with the same answer on every path but another verdict on one (a self control's crash and its wrong
     output: which evidence a stale capture leaves depends on what memory held)."""
-    same = {
-        c
-        for c in {c for v in paths.values() for c in v}
-        if not _diff({n: {c: v.get(c)} for n, v in paths.items()}, lambda v: v and v[1])
-    }
+    ids = {c for v in paths.values() for c in v}
+    same = {c for c in ids if not _diff({n: {c: v.get(c)} for n, v in paths.items()}, _answer)}
     return _diff({n: {c: v for c, v in p.items() if c in same} for n, p in paths.items()}, lambda v: v[0])
+
+
+def _answer(v) -> str:
+    """What a case said on a path: its verdict (a record without its expectation), or met / cannot vouch (an error
+    or skip: the harness could not run it) / not met."""
+    if not isinstance(v, tuple):
+        return v
+    return "met" if v[1] else "cannot vouch" if v[0] in (ERROR, SKIP) else "not met"
 
 
 def _diff(paths: dict, key) -> list[str]:

@@ -195,17 +195,23 @@ def _kill_all(children: dict[int, int]) -> None:
                 pass
 
 
-def serve(req_fd: int, rep_fd: int, close_in_child: tuple[int, ...] = ()) -> dict | None:
+def serve(req_fd: int, rep_fd: int, listener: socket.socket | None = None) -> dict | None:
     """Answer requests until told to stop (None) or until this is a forked child, which gets its RUN request (a
-    child closes the request and reply descriptors and close_in_child)."""
+    child closes the request and reply descriptors and the listener). A run that connects to the listener meanwhile
+    is told at once that this forkserver is busy (REFUSED): it starts or spawns its own."""
     children: dict[int, int] = {}  # pid -> request id
     sel = selectors.DefaultSelector()
     sel.register(req_fd, selectors.EVENT_READ)
+    if listener is not None:
+        sel.register(listener, selectors.EVENT_READ)
     buf = b""
     try:
         while True:
             eof = False
-            if sel.select(timeout=0.05):
+            for key, _ in sel.select(timeout=0.05):
+                if key.fileobj is listener:
+                    _busy(listener)
+                    continue
                 chunk = os.read(req_fd, 1 << 16)
                 eof = not chunk
                 buf += chunk
@@ -230,8 +236,10 @@ def serve(req_fd: int, rep_fd: int, close_in_child: tuple[int, ...] = ()) -> dic
                 pid = os.fork()
                 if pid == 0:
                     sel.close()
-                    for fd in {req_fd, rep_fd, *close_in_child}:
+                    for fd in {req_fd, rep_fd}:
                         os.close(fd)
+                    if listener is not None:
+                        listener.close()
                     children.clear()
                     return msg
                 children[pid] = msg["id"]
@@ -242,6 +250,14 @@ def serve(req_fd: int, rep_fd: int, close_in_child: tuple[int, ...] = ()) -> dic
     finally:
         if children:  # the forkserver's own exit (not a child's return)
             _kill_all(children)
+
+
+def _busy(listener: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        conn, _ = listener.accept()
+        with conn:
+            conn.setblocking(True)
+            conn.sendall(encode(REFUSED, reason="busy: it serves another gate run"))
 
 
 def listen(path: str, idle_s: float, facts: dict, refusal: str | None) -> dict | None:
@@ -271,12 +287,16 @@ def listen(path: str, idle_s: float, facts: dict, refusal: str | None) -> dict |
                 os.close(fd)
                 return None
             served += 1
-            _send(fd, encode(READY, **facts, kept_s=idle_s, served=served, started=round(started, 3)))
-            msg = serve(fd, fd, close_in_child=(sock.fileno(),))
+            try:
+                _send(fd, encode(READY, **facts, kept_s=idle_s, served=served, started=round(started, 3)))
+                msg = serve(fd, fd, listener=sock)
+            except OSError:  # the run went away mid-record: its cases were killed; wait for the next run
+                msg = None
             if msg is not None:
                 child = True
                 return msg
-            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.close(fd)
             with contextlib.suppress(ChildProcessError):
                 while os.waitpid(-1, os.WNOHANG)[0]:  # the cases a closed run left killed
                     pass
@@ -302,6 +322,10 @@ def become_case(msg: dict, facts: dict) -> None:
     """In the forked child: the case process's session, output, environment and argv (see the module)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.setsid()
+    if msg.get(
+        "cwd"
+    ):  # the gate's folder: relative paths in argv and env are its (a kept forkserver started elsewhere)
+        os.chdir(msg["cwd"])
     fd = os.open(msg["out"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)

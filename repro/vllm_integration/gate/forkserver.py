@@ -7,6 +7,7 @@ which variables keep a case from forking from it (repro.vllm_integration.gate.la
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from repro.errors import ForkServerDied, ForkUnavailable, ProtocolError
+from repro.errors import ConfigError, ForkServerDied, ForkUnavailable, ProtocolError
 from repro.run.channel import ENV as CHANNEL_ENV
 from repro.run.process import ProcessRun, Stall, kill_group
 from repro.vllm_integration.gate import fork as gate_fork
@@ -60,7 +61,13 @@ class ForkServer:
     """One build's forkserver process and the gate's end of its pipes. Thread-safe: the gate's case threads share it."""
 
     def __init__(
-        self, label: str, env: dict[str, str], log_path: Path, preload: tuple[str, ...], keep_s: float | None = None
+        self,
+        label: str,
+        env: dict[str, str],
+        log_path: Path,
+        preload: tuple[str, ...],
+        keep_s: float | None = None,
+        identity: str = "",
     ) -> None:
         self.label, self.launch_env, self.log_path = label, launch_env(env), Path(log_path)
         self.keep_s, self.kept = keep_s, False  # kept: an earlier run's forkserver (gate_keep), not started here
@@ -78,7 +85,11 @@ class ForkServer:
         cmd = [sys.executable, "-m", "repro.vllm_integration.gate.fork", "--preload", ",".join(preload)]
         cmd += ["--late", ",".join(sorted(LATE_VARS))]
         if keep_s:
-            self.socket = gate_keep.socket_for(label, self.launch_env, preload, LATE_VARS)
+            try:
+                self.socket = gate_keep.socket_for(label, self.launch_env, preload, LATE_VARS, identity)
+            except (ConfigError, OSError) as e:  # no folder of this user's alone: its cases are launched plainly
+                self.proc, self.failed = None, f"not kept: {e}"
+                return
             sock = gate_keep.try_connect(self.socket)
             self.kept = sock is not None
             self.proc = None if self.kept else gate_keep.start(cmd, self.launch_env, self.socket, keep_s)
@@ -107,8 +118,7 @@ class ForkServer:
 
     def _read_kept(self, sock) -> None:
         """A kept forkserver's records: connect first (to the one found, or once the one started here listens)."""
-        if sock is None:
-            sock = gate_keep.wait_connect(self.socket, self.proc, READY_TIMEOUT_S)
+        sock, first, reader = gate_keep.take(sock, self.socket, self.proc, READY_TIMEOUT_S)
         if sock is None:
             with self._cv:
                 self.failed = f"no forkserver listened at its socket in {READY_TIMEOUT_S:g} s"
@@ -116,16 +126,16 @@ class ForkServer:
             if self.proc is not None:
                 kill_group(self.proc.pid)
             return
-        self._sock, self._req, self._rep = sock, sock.fileno(), sock.makefile("rb")
-        self._read()
+        self._sock, self._req, self._rep = sock, sock.fileno(), reader
+        self._read(first)
 
     def _pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else (self.ready or {}).get("pid")
 
-    def _read(self) -> None:
+    def _read(self, first: bytes | None = None) -> None:
         why = None
         try:
-            for line in self._rep:
+            for line in itertools.chain([first] if first else [], self._rep):
                 rec = gate_fork.decode(line)
                 with self._cv:
                     if rec["kind"] == gate_fork.READY:
@@ -188,7 +198,15 @@ class ForkServer:
         Path(out_path).write_bytes(self.import_log)
         t0 = time.time()
         try:
-            self._send(gate_fork.RUN, id=rid, argv=argv, env=env, out=str(out_path), argv0=_gate_file())
+            self._send(
+                gate_fork.RUN,
+                id=rid,
+                argv=argv,
+                env=env,
+                out=str(Path(out_path).resolve()),
+                argv0=_gate_file(),
+                cwd=os.getcwd(),
+            )
         except OSError as e:
             raise ForkUnavailable(f"forkserver gone ({e})") from None
         with self._cv:
@@ -242,10 +260,13 @@ class ForkServer:
     def close(self) -> None:
         self.closing = True
         if self.keep_s:  # STOP ends this run's connection; the forkserver waits for the next run
-            if getattr(self, "_sock", None) is not None:
+            sock = getattr(self, "_sock", None)
+            if sock is not None:
                 with contextlib.suppress(OSError):
                     self._send(gate_fork.STOP)
-                self._sock.close()
+                sock.close()
+            if self.proc is not None and self.ready is None:  # started here and never ready: nobody will take it
+                kill_group(self.proc.pid)
             return
         with contextlib.suppress(OSError):
             self._send(gate_fork.STOP)

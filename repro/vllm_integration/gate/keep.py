@@ -15,30 +15,83 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import socket
+import stat
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
+from repro.errors import ConfigError
 from repro.run.server import code_fingerprint
 
 KEEP_ENV = "REPRO_GATE_KEEP_FORKSERVER"  # --keep-forkserver's default (seconds; unset or 0: none)
 CONNECT_POLL_S = 0.1
 
 
+def keep_seconds(flag: float | None, forking: bool, environ: dict[str, str] | None = None) -> float | None:
+    """How long the run's forkservers are kept: --keep-forkserver (refused unless the run forks: the fork launcher,
+    no --compare-paths), else KEEP_ENV where the run forks (ignored elsewhere); None for none. ConfigError for a
+    value that is no duration, or a socket folder that is not this user's alone."""
+    if flag and not forking:
+        raise ConfigError(
+            "--keep-forkserver keeps the fork launcher's forkservers: give --launcher fork, no --compare-paths"
+        )
+    text = ((os.environ if environ is None else environ).get(KEEP_ENV) or "").strip()
+    value = flag
+    if value is None and text and forking:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ConfigError(f"{KEEP_ENV}={text!r}: a number of seconds") from None
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(f"{KEEP_ENV}={text!r}: a number of seconds, 0 or more")
+    if value:
+        socket_dir()
+    return value or None
+
+
 def socket_dir() -> Path:
+    """This user's folder of kept forkservers: made for this user alone (a case's whole environment passes through
+    its sockets); ConfigError when one is there that another user owns or others may enter."""
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     d = Path(base) / f"repro-{os.getuid()}" / "forkservers"
-    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for folder in (d.parent, d):  # each made for this user alone (parents=True would give the first the umask's)
+        folder.mkdir(mode=0o700, exist_ok=True)
+    for folder in (d.parent, d):
+        st = folder.lstat()
+        if st.st_uid != os.getuid() or st.st_mode & 0o077 or not stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"--keep-forkserver: {folder} is not this user's alone (owner, mode): remove it")
     return d
 
 
-def socket_for(label: str, launch_env: dict[str, str], preload: tuple[str, ...], late: frozenset[str]) -> Path:
-    """The socket of the forkserver a run with this build, environment and preload may take."""
+def build_identity(build) -> str:
+    """What says a build's files are the ones a kept forkserver imported: its version, its package folder, and the
+    size and mtime of the package's __init__.py and of the folder itself (a reinstall at the same prefix changes them)."""
+    pkg = build.package_dir
+    stamps = []
+    for f in (pkg, pkg / "__init__.py") if pkg is not None else ():
+        with contextlib.suppress(OSError):
+            st = f.stat()
+            stamps.append(f"{f}:{st.st_size}:{st.st_mtime_ns}")
+    return "|".join([str(build.version), str(build.torch_prefix or ""), *stamps])
+
+
+def socket_for(
+    label: str, launch_env: dict[str, str], preload: tuple[str, ...], late: frozenset[str], identity: str = ""
+) -> Path:
+    """The socket of the forkserver a run with this build (identity: build_identity), environment and preload may
+    take."""
     key = json.dumps(
-        {"label": label, "env": sorted(launch_env.items()), "preload": list(preload), "late": sorted(late)},
+        {
+            "label": label,
+            "build": identity,
+            "env": sorted(launch_env.items()),
+            "preload": list(preload),
+            "late": sorted(late),
+        },
         sort_keys=True,
     )
     digest = hashlib.sha256(f"{key}\n{code_fingerprint(preload)}".encode()).hexdigest()[:20]
@@ -87,6 +140,28 @@ def wait_connect(path: Path, proc: subprocess.Popen | None, timeout_s: float) ->
             return None
         time.sleep(CONNECT_POLL_S)
     return None
+
+
+BUSY_WAIT_S = 3.0  # a forkserver that just served a run takes a moment to notice its end
+
+
+def take(sock: socket.socket | None, path: Path, proc: subprocess.Popen | None, timeout_s: float):
+    """(a connection, its first record's line, the connection's reader) to the forkserver at path: READY, or REFUSED other than busy; a
+    forkserver that answers busy is asked again for BUSY_WAIT_S. Nones when none answers."""
+    end, busy_end = time.time() + timeout_s, time.time() + BUSY_WAIT_S
+    while True:
+        if sock is None:
+            sock = wait_connect(path, proc, max(0.0, end - time.time()))
+            if sock is None:
+                return None, None, None
+        reader = sock.makefile("rb")
+        first = reader.readline()
+        if b'"busy' not in first or time.time() > busy_end:
+            return sock, first, reader
+        reader.close()
+        sock.close()
+        sock = None
+        time.sleep(CONNECT_POLL_S)
 
 
 def log_of(path: Path) -> Path:

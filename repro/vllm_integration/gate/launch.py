@@ -26,6 +26,7 @@ from pathlib import Path
 
 from repro.errors import ConfigError, ForkServerDied, ForkUnavailable
 from repro.vllm_integration.gate import fork as gate_fork
+from repro.vllm_integration.gate import keep as gate_keep
 from repro.vllm_integration.gate.forkserver import TARGET_MAIN, ForkServer, differs
 
 FORK, SPAWN = "fork", "spawn"
@@ -81,7 +82,8 @@ class Launcher:
                 self._servers[build] = None
                 return None
             log = self.log_dir / f"forkserver-{build.label}.log"
-            self._servers[build] = server = ForkServer(build.label, env, log, self.preload, self.keep_s)
+            identity = gate_keep.build_identity(build) if self.keep_s else ""
+            self._servers[build] = server = ForkServer(build.label, env, log, self.preload, self.keep_s, identity)
             return server
 
     def server_for(self, build, env: dict[str, str]) -> tuple[ForkServer | None, str | None]:
@@ -95,6 +97,10 @@ class Launcher:
         if not server.wait_ready():
             self._note(build.label, f"forkserver {server.failed}: its cases are launched plainly", once=True)
             return None, f"forkserver {server.failed}"
+        seen = server.ready.get("vllm")
+        if server.kept and build.version and seen and seen != build.version:  # a kept one that imported another vLLM
+            self._note(build.label, f"the kept forkserver imported vLLM {seen}, not {build.version}: launched plainly")
+            return None, f"kept forkserver's vLLM is {seen}"
         diff = differs(env, server.launch_env, server.ready.get("read_late") or ())
         if diff:
             return None, f"{', '.join(diff)} differ from the forkserver's environment (read at import)"

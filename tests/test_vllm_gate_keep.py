@@ -1,0 +1,89 @@
+"""Kept forkservers (repro.vllm_integration.gate.keep, fork.listen): one gate run at a time per forkserver (a second
+is told it is busy at once), the next run served after the first ends, a run from another folder gets its files
+where it asked, and the settings that decide whether a run keeps its forkservers."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from repro.errors import ConfigError
+from repro.vllm_integration.gate import fork as gate_fork
+from repro.vllm_integration.gate import keep as gate_keep
+
+
+@pytest.fixture
+def short_dir(monkeypatch):
+    d = tempfile.mkdtemp(prefix="k", dir="/tmp")  # a Unix socket's path holds at most 107 bytes
+    monkeypatch.setenv("XDG_RUNTIME_DIR", d)
+    return Path(d)
+
+
+def _first(sock) -> dict:
+    buf = b""
+    while b"\n" not in buf:
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            break
+        buf += chunk
+    return gate_fork.decode(buf.split(b"\n", 1)[0])
+
+
+def test_one_run_at_a_time_a_second_is_told_busy_and_the_next_is_served(short_dir):
+    path = gate_keep.socket_dir() / "t.sock"
+    cmd = [sys.executable, "-m", "repro.vllm_integration.gate.fork", "--preload", "json", "--late", ""]
+    proc = gate_keep.start(cmd, dict(os.environ), path, idle_s=3.0)
+    try:
+        first = gate_keep.wait_connect(path, proc, 60)
+        assert first is not None and _first(first)["kind"] == gate_fork.READY
+        second = gate_keep.try_connect(path)
+        refused = _first(second)
+        assert refused["kind"] == gate_fork.REFUSED and "busy" in refused["reason"]
+        first.sendall(gate_fork.encode(gate_fork.STOP))
+        first.close()
+        third, first_line, reader = gate_keep.take(None, path, proc, 10)  # asked again while it says busy
+        ready = gate_fork.decode(first_line)
+        assert ready["kind"] == gate_fork.READY and ready["served"] == 2
+        reader.close()
+        third.close()
+        proc.wait(timeout=20)  # idle: it exits and takes its socket with it
+        assert proc.returncode == 0 and not path.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_what_decides_whether_a_run_keeps_its_forkservers(short_dir):
+    assert gate_keep.keep_seconds(None, forking=True, environ={}) is None
+    assert gate_keep.keep_seconds(30.0, forking=True, environ={}) == 30.0
+    assert gate_keep.keep_seconds(None, forking=True, environ={gate_keep.KEEP_ENV: "45"}) == 45.0
+    assert gate_keep.keep_seconds(None, forking=False, environ={gate_keep.KEEP_ENV: "45"}) is None  # spawn: ignored
+    assert gate_keep.keep_seconds(None, forking=True, environ={gate_keep.KEEP_ENV: "0"}) is None
+    for bad in ("abc", "-5", "nan"):
+        with pytest.raises(ConfigError, match=gate_keep.KEEP_ENV):
+            gate_keep.keep_seconds(None, forking=True, environ={gate_keep.KEEP_ENV: bad})
+    with pytest.raises(ConfigError, match="--launcher fork"):
+        gate_keep.keep_seconds(30.0, forking=False, environ={})
+
+
+def test_a_socket_folder_others_may_enter_is_refused(short_dir):
+    d = gate_keep.socket_dir()
+    d.chmod(0o755)
+    with pytest.raises(ConfigError, match="not this user's alone"):
+        gate_keep.socket_dir()
+
+
+def test_the_socket_changes_with_the_build_environment_and_preload(short_dir):
+    base = gate_keep.socket_for("b", {"A": "1"}, ("torch",), frozenset({"X"}), "0.26.0|x")
+    assert base == gate_keep.socket_for("b", {"A": "1"}, ("torch",), frozenset({"X"}), "0.26.0|x")
+    others = [
+        gate_keep.socket_for("b", {"A": "2"}, ("torch",), frozenset({"X"}), "0.26.0|x"),
+        gate_keep.socket_for("b", {"A": "1"}, ("torch", "vllm"), frozenset({"X"}), "0.26.0|x"),
+        gate_keep.socket_for("b", {"A": "1"}, ("torch",), frozenset({"X"}), "0.26.0|reinstalled"),
+    ]
+    assert base not in others and len(set(others)) == 3
+    assert len(os.fsencode(base)) < 108
