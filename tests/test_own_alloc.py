@@ -3,6 +3,7 @@ stand-in CUDA runtime (cudaMalloc is malloc) so its bookkeeping runs on the CPU,
 memcheck:own case is set up."""
 
 import ctypes
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -21,6 +22,7 @@ typedef int cudaError_t; typedef void *cudaStream_t;
 enum cudaStreamCaptureStatus { cudaStreamCaptureStatusNone = 0, cudaStreamCaptureStatusActive = 1 };
 enum cudaStreamCaptureMode { cudaStreamCaptureModeGlobal, cudaStreamCaptureModeThreadLocal, cudaStreamCaptureModeRelaxed };
 #define cudaSuccess 0
+#define cudaErrorMemoryAllocation 2
 cudaError_t cudaStreamIsCapturing(cudaStream_t, enum cudaStreamCaptureStatus *);
 cudaError_t cudaGetLastError(void);
 cudaError_t cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode *);
@@ -28,6 +30,7 @@ cudaError_t cudaMalloc(void **, unsigned long);
 cudaError_t cudaFree(void *);
 cudaError_t cudaMemsetAsync(void *, int, unsigned long, cudaStream_t);
 int stub_freed(void);
+void *stub_last_freed(void);
 #ifdef __cplusplus
 }
 #endif
@@ -36,35 +39,84 @@ RUNTIME = """#include <stdlib.h>
 #include <string.h>
 #include "cuda_runtime_api.h"
 static int freed = 0;
+static void *last_freed = 0;
 cudaError_t cudaStreamIsCapturing(cudaStream_t s, enum cudaStreamCaptureStatus *st) {
     if (s == (cudaStream_t)9) return 906;  /* cudaErrorStreamCaptureImplicit: the legacy stream beside a capture */
     *st = s == (cudaStream_t)7 ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone; return 0; }
 cudaError_t cudaGetLastError(void) { return 0; }
 cudaError_t cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode *m) { (void)m; return 0; }
-cudaError_t cudaMalloc(void **p, unsigned long n) { *p = calloc(1, n); return 0; }
-cudaError_t cudaFree(void *p) { freed++; free(p); return 0; }
+cudaError_t cudaMalloc(void **p, unsigned long n) {  /* 512-byte aligned and zeroed, as cudaMalloc's are */
+    if (posix_memalign(p, 512, n)) return 2;
+    memset(*p, 0, n);
+    return 0;
+}
+cudaError_t cudaFree(void *p) { freed++; last_freed = p; free(p); return 0; }
+void *stub_last_freed(void) { return last_freed; }
 int stub_freed(void) { return freed; }
 cudaError_t cudaMemsetAsync(void *p, int v, unsigned long n, cudaStream_t s) { (void)s; memset(p, v, n); return 0; }
 """
 CAPTURE_STREAM, UNASKABLE = 7, 9  # the stand-in runtime's capturing stream, and one that cannot say
 
 
-@pytest.fixture(scope="module")
-def lib(tmp_path_factory):
+def _compile(d: Path, flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no C++ compiler (g++ or c++) to build the allocator against the stand-in CUDA runtime")
-    d = tmp_path_factory.mktemp("own")
     (d / "cuda_runtime_api.h").write_text(HEADER)
     (d / "runtime.c").write_text(RUNTIME)
     so = d / "own.so"
-    cmd = [cxx, "-shared", "-fPIC", f"-I{d}", "-x", "c++", str(own_alloc.SOURCE), "-x", "c", str(d / "runtime.c")]
-    subprocess.run([*cmd, "-o", str(so)], check=True, capture_output=True)
+    cmd = [
+        cxx,
+        "-shared",
+        "-fPIC",
+        *flags,
+        f"-I{d}",
+        "-x",
+        "c++",
+        str(own_alloc.SOURCE),
+        "-x",
+        "c",
+        str(d / "runtime.c"),
+    ]
+    subprocess.run([*cmd, "-o", str(so), "-ldl"], check=True, capture_output=True)
     lib = ctypes.CDLL(str(so))
     lib.repro_own_malloc.restype = ctypes.c_void_p
     lib.repro_own_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
     lib.repro_own_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.stub_last_freed.restype = ctypes.c_void_p
     return lib
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    return _compile(tmp_path_factory.mktemp("own"))
+
+
+def _nvtx_include() -> Path | None:
+    for root in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root and (Path(root) / "include" / "nvtx3" / "nvToolsExtMem.h").exists():
+            return Path(root) / "include"
+    return None
+
+
+def test_the_guarded_build_puts_each_tensor_between_guards_and_frees_the_whole(tmp_path):
+    """REPRO_OWN_GUARD: one cudaMalloc holds guard + tensor + guard (each guard the tensor's size, at least 64 KiB,
+    512-byte aligned); the pointer handed out is the tensor's, and its free releases the whole allocation. (NVTX
+    without compute-sanitizer is a no-op: the registration itself is seen only on a GPU.)"""
+    inc = _nvtx_include()
+    if inc is None:
+        pytest.skip("no NVTX headers (CUDA_HOME/include/nvtx3) to build the guarded allocator against")
+    g = _compile(tmp_path, ("-DREPRO_OWN_GUARD", f"-idirafter{inc}"))
+    assert g.repro_own_guarded() == 1
+    for size, guard in ((100, 65536), (200_000, 200_192)):
+        p = g.repro_own_malloc(size, 0, None)
+        assert p % 512 == 0
+        g.repro_own_free(p, size, 0, None)
+        assert g.stub_last_freed() == p - guard  # the allocation's start: the guard before the tensor
+
+
+def test_the_plain_build_says_it_has_no_guards(lib):
+    assert lib.repro_own_guarded() == 0
 
 
 def _counters(lib) -> dict:

@@ -8,6 +8,11 @@
  * capture is underway (a graph may still use it; cudaFree synchronizes, which a capture forbids). Everything else is
  * freed at once. cudaMalloc during a capture runs in the relaxed capture mode, as torch's caching allocator does.
  *
+ * Built with -DREPRO_OWN_GUARD (REPRO_OWN_ALLOC_GUARD=1): each tensor sits between two guards as large as itself
+ * (GUARD_MIN to GUARD_MAX bytes) inside one cudaMalloc, which is registered with compute-sanitizer as a pool (NVTX
+ * memory API, nvtxMemHeapRegister) whose one region is the tensor: a read past the tensor by up to its own size is
+ * reported, where --padding's fixed guard would let it land in the next allocation.
+ *
  * torch.cuda.memory.CUDAPluggableAllocator(path, "repro_own_malloc", "repro_own_free"); counters through
  * repro_own_counters (allocations, frees, kept, bytes now, peak bytes, failed allocations). */
 #include <cuda_runtime_api.h>
@@ -37,6 +42,86 @@ static slot_t *graph = NULL;
 static size_t graph_cap = 0, graph_len = 0;
 
 static size_t hash(void *p, size_t cap) { return (size_t)(((uintptr_t)p >> 8) * 11400714819323198485ull) & (cap - 1); }
+
+#ifdef REPRO_OWN_GUARD
+#include <nvtx3/nvToolsExtMem.h>
+#define GUARD_MIN ((size_t)65536)
+#define GUARD_MAX ((size_t)64 << 20)
+#define BUCKETS 65536
+typedef struct node {
+    void *user, *base;
+    nvtxMemHeapHandle_t heap;
+    struct node *next;
+} node_t;
+static node_t *buckets[BUCKETS];
+static nvtxDomainHandle_t domain = NULL;
+static pthread_mutex_t guard_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static size_t guard_of(size_t n) {
+    size_t g = n < GUARD_MIN ? GUARD_MIN : n > GUARD_MAX ? GUARD_MAX : n;
+    return (g + 511) & ~(size_t)511; /* the tensor stays 512-byte aligned, as cudaMalloc's are */
+}
+
+static cudaError_t dev_alloc(void **user, size_t n) {
+    size_t g = guard_of(n), total = g + ((n + 511) & ~(size_t)511) + g;
+    void *base = NULL;
+    cudaError_t e = cudaMalloc(&base, total);
+    if (e != cudaSuccess) return e;
+    node_t *nd = (node_t *)malloc(sizeof(node_t));
+    if (!nd) {
+        cudaFree(base);
+        return cudaErrorMemoryAllocation;
+    }
+    nd->base = base;
+    nd->user = (char *)base + g;
+    pthread_mutex_lock(&guard_lock);
+    if (!domain) domain = nvtxDomainCreateA("repro-own-alloc");
+    nvtxMemVirtualRangeDesc_t pool = {total, base};
+    nvtxMemHeapDesc_t hd = {};
+    hd.extCompatID = NVTX_EXT_COMPATID_MEM;
+    hd.structSize = sizeof(hd);
+    hd.usage = NVTX_MEM_HEAP_USAGE_TYPE_SUB_ALLOCATOR;
+    hd.type = NVTX_MEM_TYPE_VIRTUAL_ADDRESS;
+    hd.typeSpecificDescSize = sizeof(pool);
+    hd.typeSpecificDesc = &pool;
+    nd->heap = nvtxMemHeapRegister(domain, &hd);
+    nvtxMemVirtualRangeDesc_t region = {n, nd->user};
+    nvtxMemRegionsRegisterBatch_t rb = {};
+    rb.extCompatID = NVTX_EXT_COMPATID_MEM;
+    rb.structSize = sizeof(rb);
+    rb.regionType = NVTX_MEM_TYPE_VIRTUAL_ADDRESS;
+    rb.heap = nd->heap;
+    rb.regionCount = 1;
+    rb.regionDescElementSize = sizeof(region);
+    rb.regionDescElements = &region;
+    nvtxMemRegionsRegister(domain, &rb);
+    size_t b = hash(nd->user, BUCKETS);
+    nd->next = buckets[b];
+    buckets[b] = nd;
+    pthread_mutex_unlock(&guard_lock);
+    *user = nd->user;
+    return cudaSuccess;
+}
+
+static void dev_free(void *user) {
+    pthread_mutex_lock(&guard_lock);
+    node_t **at = &buckets[hash(user, BUCKETS)];
+    while (*at && (*at)->user != user) at = &(*at)->next;
+    node_t *nd = *at;
+    if (nd) {
+        *at = nd->next;
+        nvtxMemHeapUnregister(domain, nd->heap);
+    }
+    pthread_mutex_unlock(&guard_lock);
+    if (nd) {
+        cudaFree(nd->base);
+        free(nd);
+    }
+}
+#else
+static cudaError_t dev_alloc(void **user, size_t n) { return cudaMalloc(user, n); }
+static void dev_free(void *user) { cudaFree(user); }
+#endif
 
 static int graph_insert(void *p, size_t size) {
     if (2 * (graph_len + 1) > graph_cap) {
@@ -97,7 +182,7 @@ EXPORT void *repro_own_malloc(ssize_t size, int device, cudaStream_t stream) {
     int in_graph = capturing > 0 || on_capturing_stream;
     enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
     cudaThreadExchangeStreamCaptureMode(&mode);
-    cudaError_t e = cudaMalloc(&p, n);
+    cudaError_t e = dev_alloc(&p, n);
     cudaThreadExchangeStreamCaptureMode(&mode);
     pthread_mutex_lock(&lock);
     if (e != cudaSuccess) {
@@ -109,7 +194,7 @@ EXPORT void *repro_own_malloc(ssize_t size, int device, cudaStream_t stream) {
     if (in_graph && !graph_insert(p, n)) { /* not recorded as the graph's: it would be freed under the graph */
         n_failed++;
         pthread_mutex_unlock(&lock);
-        cudaFree(p);
+        dev_free(p);
         return NULL;
     }
     n_alloc++;
@@ -143,7 +228,7 @@ EXPORT void repro_own_free(void *ptr, ssize_t size, int device, cudaStream_t str
     n_free++;
     bytes_now -= size > 0 ? (size_t)size : 1;
     pthread_mutex_unlock(&lock);
-    cudaFree(ptr);
+    dev_free(ptr);
 }
 
 /* out[0..6]: allocations, frees, kept (freed by torch, kept for a graph), bytes now, peak bytes, failures,
@@ -158,6 +243,15 @@ EXPORT void repro_own_counters(uint64_t *out) {
     out[4] = bytes_peak;
     out[5] = n_failed;
     pthread_mutex_unlock(&lock);
+}
+
+/* 1 when built with REPRO_OWN_GUARD (guards around each tensor, registered through NVTX) */
+EXPORT int repro_own_guarded(void) {
+#ifdef REPRO_OWN_GUARD
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 EXPORT void repro_own_reset_peak(void) {

@@ -32,6 +32,7 @@ SOURCE = Path(__file__).with_name("own_alloc.c")
 LIB_ENV = "REPRO_OWN_ALLOC"  # the built library, in a memcheck:own case's environment
 MALLOC, FREE = "repro_own_malloc", "repro_own_free"
 PADDING = 65536
+GUARD_ENV = "REPRO_OWN_ALLOC_GUARD"  # "1": guards as large as each tensor, through NVTX (guard_wanted)
 FILL_ENV = "REPRO_OWN_ALLOC_FILL"  # the byte new allocations are filled with (0-255; "none": not filled)
 DEFAULT_FILL = 0x7F  # ints 0x7F7F7F7F, floats 3.4e38: what an index or a count read from unwritten memory becomes
 COUNTERS = ("allocations", "frees", "kept", "bytes_now", "bytes_peak", "failed", "graph")
@@ -51,15 +52,21 @@ def find_nvcc() -> str | None:
     return None
 
 
-def build(folder: str | Path) -> Path:
-    """The allocator library for this source text, built into folder unless it is there already (one build at a
-    time in this process: the gate's case threads ask together)."""
+def guard_wanted(environ: dict[str, str] | None = None) -> bool:
+    """GUARD_ENV=1: the allocator built with REPRO_OWN_GUARD (guards as large as each tensor, registered with
+    compute-sanitizer through NVTX); unverified on a GPU so far, so not the default."""
+    return (os.environ if environ is None else environ).get(GUARD_ENV, "") == "1"
+
+
+def build(folder: str | Path, guard: bool = False) -> Path:
+    """The allocator library for this source text (and guard), built into folder unless it is there already (one
+    build at a time in this process: the gate's case threads ask together)."""
     folder = Path(folder)
     with _building:
         if folder in _failed:  # every case of the run would wait for the same failure again
             raise Unavailable(_failed[folder])
         try:
-            return _build(folder)
+            return _build(folder, guard)
         except Unavailable as e:
             _failed[folder] = str(e)
             raise
@@ -68,9 +75,10 @@ def build(folder: str | Path) -> Path:
             raise Unavailable(_failed[folder]) from e
 
 
-def _build(folder: Path) -> Path:
+def _build(folder: Path, guard: bool) -> Path:
     text = SOURCE.read_bytes()
-    lib = Path(folder) / f"own_alloc-{hashlib.sha256(text).hexdigest()[:12]}.so"
+    variant = "-guard" if guard else ""
+    lib = Path(folder) / f"own_alloc{variant}-{hashlib.sha256(text).hexdigest()[:12]}.so"
     if lib.exists():
         return lib
     nvcc = find_nvcc()
@@ -78,7 +86,8 @@ def _build(folder: Path) -> Path:
         raise Unavailable("memcheck:own builds its allocator with nvcc (CUDA's compiler): none on PATH or in CUDA_HOME")
     lib.parent.mkdir(parents=True, exist_ok=True)
     tmp = lib.with_name(f"{lib.name}.{os.getpid()}.{threading.get_ident()}")
-    cmd = [nvcc, "-shared", "-O2", "-Xcompiler", "-fPIC", "-x", "cu", str(SOURCE), "-o", str(tmp), "-lcudart"]
+    cmd = [nvcc, "-shared", "-O2", "-Xcompiler", "-fPIC", *(["-DREPRO_OWN_GUARD"] if guard else [])]
+    cmd += ["-x", "cu", str(SOURCE), "-o", str(tmp), "-lcudart", *(["-ldl"] if guard else [])]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
@@ -168,7 +177,14 @@ def install(path: str | Path) -> dict:
     ):
         if hasattr(torch._C, name):
             setattr(torch._C, name, fn)
-    return {"installed": "own_allocator", "library": Path(path).name, "padding": PADDING, "fill": fill}
+    guarded = bool(lib.repro_own_guarded())
+    return {
+        "installed": "own_allocator",
+        "library": Path(path).name,
+        "padding": PADDING,
+        "fill": fill,
+        "guard": guarded,
+    }
 
 
 def fill_byte(text: str | None) -> int | None:

@@ -289,7 +289,8 @@ def case_env(
         else:  # torch's caching allocator: inductor's launcher fails under memcheck with cudaMallocAsync
             env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
         if mode.sanitizer == "own":  # built once per folder (own_alloc.build): the worker installs it
-            env[own_alloc.LIB_ENV] = str(own_alloc.build(audit_file.parent / "own-alloc"))
+            lib = own_alloc.build(audit_file.parent / "own-alloc", guard=own_alloc.guard_wanted(env))
+            env[own_alloc.LIB_ENV] = str(lib)
     if case.launch_blocking:
         env["CUDA_LAUNCH_BLOCKING"] = "1"
     if device is not None:
