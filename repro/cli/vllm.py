@@ -54,7 +54,7 @@ def add_parsers(sub) -> None:
     gt.add_argument(
         "--modes",
         default="audit,plain",
-        help="audit, plain, mps:N, sm_margin:N, audit+mps:N, audit+sm_margin:N, poison:FILL, memcheck[:async], or the "
+        help="audit, plain, mps:N, sm_margin:N, audit+mps:N, audit+sm_margin:N, poison:FILL, memcheck[:async|:own] (own: gating, needs nvcc), or the "
         "preset hidden-sweep (audit and plain on the full GPU and at 8/16/24/40/66 SMs of both restrictions) "
         "(default audit,plain)",
     )
@@ -185,7 +185,7 @@ def add_parsers(sub) -> None:
         default=None,
         metavar="S",
         help="with --launcher fork: each build's forkserver serves later runs (same build, environment, harness "
-        "code: no import of torch and vLLM) until S s pass without one (default: REPRO_GATE_KEEP_FORKSERVER, else 0)",
+        "code: no import of torch and vLLM) until S s pass without one (default: REPRO_GATE_KEEP_FORKSERVER, else none)",
     )
     gt.add_argument("--dry-run", action="store_true", help="list case ids only")
     sub.choices["bisect"].set_defaults(func=cmd_bisect)
@@ -225,7 +225,8 @@ def cmd_gate(a: argparse.Namespace) -> int:
             "--compare-paths runs each path once, with its own cache and launcher: leave out --no-cache, --repeat and "
             "--launcher"
         )
-    keep = keep_seconds(a.keep_forkserver, forking=not a.compare_paths and launcher_kind(a.launcher) == "fork")
+    forking = not a.compare_paths and launcher_kind(a.launcher) == "fork"
+    keep = keep_seconds(a.keep_forkserver, forking, check_dir=not a.dry_run)
     if a.repeat < 1 or (a.jobs is not None and a.jobs < 1) or a.timeout <= 0:
         raise ConfigError("--repeat and --jobs must be at least 1, --timeout positive")
     if a.cache_keep < 1 or a.cache_max_age_days <= 0:

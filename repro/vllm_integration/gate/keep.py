@@ -31,7 +31,9 @@ KEEP_ENV = "REPRO_GATE_KEEP_FORKSERVER"  # --keep-forkserver's default (seconds;
 CONNECT_POLL_S = 0.1
 
 
-def keep_seconds(flag: float | None, forking: bool, environ: dict[str, str] | None = None) -> float | None:
+def keep_seconds(
+    flag: float | None, forking: bool, environ: dict[str, str] | None = None, check_dir: bool = True
+) -> float | None:
     """How long the run's forkservers are kept: --keep-forkserver (refused unless the run forks: the fork launcher,
     no --compare-paths), else KEEP_ENV where the run forks (ignored elsewhere); None for none. ConfigError for a
     value that is no duration, or a socket folder that is not this user's alone."""
@@ -48,7 +50,7 @@ def keep_seconds(flag: float | None, forking: bool, environ: dict[str, str] | No
             raise ConfigError(f"{KEEP_ENV}={text!r}: a number of seconds") from None
         if not math.isfinite(value) or value < 0:
             raise ConfigError(f"{KEEP_ENV}={text!r}: a number of seconds, 0 or more")
-    if value:
+    if value and check_dir:  # a dry run makes no folder
         socket_dir()
     return value or None
 
