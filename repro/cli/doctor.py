@@ -17,7 +17,7 @@ def _probe_backend(name: str) -> str:
     code = (
         f"from repro.backends import load_backend\n"
         f"try:\n    print('ok', load_backend({name!r}).identity().short())\n"
-        f"except Exception as e:\n    print('missing:', e)"
+        f"except Exception as e:\n    print('missing', e)"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     return r.stdout.strip() or r.stderr.strip().splitlines()[-1] if (r.stdout or r.stderr) else "no answer"

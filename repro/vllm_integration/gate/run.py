@@ -147,7 +147,7 @@ def plan(
     (gate_case.self_controls_for) in every mode beside the build's own cases. sm_margin and poison hook FA3's own
     calls: with another backend they are refused. `compile`: every speculative case's torch.compile (COMPILES)."""
     if compile not in COMPILES:
-        raise ConfigError(f"--compile (or REPRO_GATE_COMPILE) {compile!r}: use one of {', '.join(COMPILES)}")
+        raise ConfigError(f"--compile {compile!r}: use one of {', '.join(COMPILES)}")
     if repeat < 1:
         raise ConfigError("--repeat must be at least 1")
     fa3_only = [m.name for m in modes if m.name.split(":")[0] in FA3_ONLY]
