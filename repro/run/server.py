@@ -42,6 +42,11 @@ START_TIMEOUT_S = 120.0
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes, the last one NUL
 
 
+def user_dir() -> Path:
+    """This user's folder for the harness's sockets (the repro server's, the gate's kept forkservers')."""
+    return Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()) / f"repro-{os.getuid()}"
+
+
 def socket_path() -> Path | None:
     """Where this user's server for this checkout listens (None: REPRO_SERVER=off): one socket per checkout (a hash
     of its folder in the name), so `serve` in a second checkout never stops the first's server."""
@@ -50,9 +55,8 @@ def socket_path() -> Path | None:
         return None
     if chosen:
         return Path(chosen)
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     checkout = hashlib.sha256(str(CHECKOUT).encode()).hexdigest()[:8]
-    return Path(base) / f"repro-{os.getuid()}" / f"server-{checkout}.sock"
+    return user_dir() / f"server-{checkout}.sock"
 
 
 def check_socket_path(path: Path) -> None:

@@ -20,12 +20,12 @@ import os
 import socket
 import stat
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
-from repro.errors import ConfigError
-from repro.run.server import code_fingerprint
+from repro.errors import ConfigError, ProtocolError
+from repro.run.server import code_fingerprint, user_dir
+from repro.vllm_integration.gate import fork as gate_fork
 
 KEEP_ENV = "REPRO_GATE_KEEP_FORKSERVER"  # --keep-forkserver's default (seconds; unset or 0: none)
 CONNECT_POLL_S = 0.1
@@ -58,8 +58,7 @@ def keep_seconds(
 def socket_dir() -> Path:
     """This user's folder of kept forkservers: made for this user alone (a case's whole environment passes through
     its sockets); ConfigError when one is there that another user owns or others may enter."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    d = Path(base) / f"repro-{os.getuid()}" / "forkservers"
+    d = user_dir() / "forkservers"
     for folder in (d.parent, d):  # each made for this user alone (parents=True would give the first the umask's)
         folder.mkdir(mode=0o700, exist_ok=True)
     for folder in (d.parent, d):
@@ -148,8 +147,8 @@ BUSY_WAIT_S = 3.0  # a forkserver that just served a run takes a moment to notic
 
 
 def take(sock: socket.socket | None, path: Path, proc: subprocess.Popen | None, timeout_s: float):
-    """(a connection, its first record's line, the connection's reader) to the forkserver at path: READY, or REFUSED other than busy; a
-    forkserver that answers busy is asked again for BUSY_WAIT_S. Nones when none answers."""
+    """(a connection, its first record's line, the connection's reader) to the forkserver at path: READY, or REFUSED
+    other than busy; a forkserver that answers busy is asked again for BUSY_WAIT_S. Nones when none answers."""
     end, busy_end = time.time() + timeout_s, time.time() + BUSY_WAIT_S
     while True:
         if sock is None:
@@ -158,12 +157,21 @@ def take(sock: socket.socket | None, path: Path, proc: subprocess.Popen | None, 
                 return None, None, None
         reader = sock.makefile("rb")
         first = reader.readline()
-        if b'"busy' not in first or time.time() > busy_end:
+        if not _busy(first) or time.time() > busy_end:
             return sock, first, reader
         reader.close()
         sock.close()
         sock = None
         time.sleep(CONNECT_POLL_S)
+
+
+def _busy(line: bytes) -> bool:
+    """Is this first record the forkserver's answer that it serves another run (fork._busy)?"""
+    try:
+        rec = gate_fork.decode(line)
+    except ProtocolError:  # not a record: the reader says so
+        return False
+    return rec["kind"] == gate_fork.REFUSED and str(rec.get("reason", "")).startswith("busy")
 
 
 def log_of(path: Path) -> Path:
