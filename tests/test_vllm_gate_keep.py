@@ -87,3 +87,26 @@ def test_the_socket_changes_with_the_build_environment_and_preload(short_dir):
     ]
     assert base not in others and len(set(others)) == 3
     assert len(os.fsencode(base)) < 108
+
+
+def test_the_kept_paths_of_compare_paths_fork_the_warm_run_from_the_forkserver_the_cold_one_left(
+    short_dir, tmp_path, monkeypatch
+):
+    from repro.vllm_integration.gate import paths as gate_paths
+    from repro.vllm_integration.gate.case import parse_modes
+    from repro.vllm_integration.gate.paths import KEPT_COLD, KEPT_WARM, compare_paths, parse_paths
+    from repro.vllm_integration.releases.builds import UNDER_TEST, parse_builds
+    from tests.fake_vllm import write_fake_vllm
+
+    for name in (KEPT_COLD, KEPT_WARM):  # the stand-in's forkserver idles out soon after the test
+        monkeypatch.setitem(gate_paths.HOW, name, (*gate_paths.HOW[name][:2], 5.0))
+    builds = parse_builds(f"good={write_fake_vllm(tmp_path / 'good', '0.26.0', 'good')}", UNDER_TEST, "x")
+    assert parse_paths(None, True)[-1] == "fork (warm)"  # the kept paths only when named
+    paths = parse_paths("kept-cold,kept-warm", True)
+    runs = compare_paths(builds, parse_modes("plain"), tmp_path / "l", tmp_path / "c", timeout_s=120, paths=paths)
+    assert list(runs) == [KEPT_COLD, KEPT_WARM]
+    kept = {name: run.launches["good"]["forkserver"]["kept"] for name, run in runs.items()}
+    assert kept[KEPT_COLD]["reused"] is False and kept[KEPT_WARM]["reused"] is True, kept
+    for run in runs.values():
+        assert {(r.phases or {}).get("launcher") for _, r in run.cases} == {"fork"}
+        assert [r.verdict for _, r in run.cases] == [r.verdict for _, r in runs[KEPT_COLD].cases]

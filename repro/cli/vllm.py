@@ -170,7 +170,8 @@ def add_parsers(sub) -> None:
     gt.add_argument(
         "--paths",
         help="with --compare-paths: which paths to run, in this order, from old, new-cold, new-warm (spawned case "
-        "processes), fork-cold, fork-warm (forked from each build's forkserver) (default: all five)",
+        "processes), fork-cold, fork-warm (forked from each build's forkserver), kept-cold, kept-warm (forked from "
+        "forkservers kept between the two runs) (default: the first five)",
     )
     gt.add_argument(
         "--launcher",

@@ -7,7 +7,11 @@ one command so their time and verdicts stand side by side (repro.vllm_integratio
   fork (cold)  the gate cache on an empty folder of its own, case processes forked from each build's forkserver
                (repro.vllm_integration.gate.launch)
   fork (warm)  that cache again, forked
+  kept (cold)  the gate cache on an empty folder of its own, forked from forkservers this path starts and keeps
+               (repro.vllm_integration.gate.keep, KEPT_IDLE_S)
+  kept (warm)  that cache again, forked from the forkservers the cold kept path left: no import before a case
 
+The default is the first five; the kept paths are asked for by name (`--paths ...,kept-cold,kept-warm`).
 A warm path needs its cold one before it. Each path's logs go to a sub-folder of its own (path_folder)."""
 
 from __future__ import annotations
@@ -27,20 +31,25 @@ from repro.vllm_integration.releases.builds import VllmBuild
 
 OLD_PATH, NEW_COLD, NEW_WARM = "old", "new (cold)", "new (warm)"
 FORK_COLD, FORK_WARM = "fork (cold)", "fork (warm)"
-PATHS = (OLD_PATH, NEW_COLD, NEW_WARM, FORK_COLD, FORK_WARM)
-# path -> (its cache folder under the comparison's cache root, None: no cache; its launcher)
+KEPT_COLD, KEPT_WARM = "kept (cold)", "kept (warm)"
+PATHS = (OLD_PATH, NEW_COLD, NEW_WARM, FORK_COLD, FORK_WARM, KEPT_COLD, KEPT_WARM)
+DEFAULT_PATHS = PATHS[:5]
+KEPT_IDLE_S = 120.0  # the kept paths' forkservers: long enough for the warm path to find them, then they idle out
+# path -> (its cache folder under the comparison's cache root, None: no cache; its launcher; its forkservers kept, s)
 HOW = {
-    OLD_PATH: (None, SPAWN),
-    NEW_COLD: (".", SPAWN),
-    NEW_WARM: (".", SPAWN),
-    FORK_COLD: ("fork-path", FORK),
-    FORK_WARM: ("fork-path", FORK),
+    OLD_PATH: (None, SPAWN, None),
+    NEW_COLD: (".", SPAWN, None),
+    NEW_WARM: (".", SPAWN, None),
+    FORK_COLD: ("fork-path", FORK, None),
+    FORK_WARM: ("fork-path", FORK, None),
+    KEPT_COLD: ("kept-path", FORK, KEPT_IDLE_S),
+    KEPT_WARM: ("kept-path", FORK, KEPT_IDLE_S),
 }
-WARM_NEEDS = {NEW_WARM: NEW_COLD, FORK_WARM: FORK_COLD}
+WARM_NEEDS = {NEW_WARM: NEW_COLD, FORK_WARM: FORK_COLD, KEPT_WARM: KEPT_COLD}
 
 
 def path_folder(name: str) -> str:
-    """The folder name of a path's logs and report: old, new-cold, new-warm, fork-cold, fork-warm."""
+    """The folder name of a path's logs and report: old, new-cold, new-warm, fork-cold, fork-warm, kept-cold, ..."""
     return name.replace(" ", "").replace("(", "-").replace(")", "")
 
 
@@ -53,7 +62,7 @@ def compare_paths(
     timeout_s: float = 300.0,
     progress: Callable[[GateCase, CaseResult], None] | None = None,
     backends: tuple[str, ...] = (DEFAULT_BACKEND,),
-    paths: tuple[str, ...] = PATHS,
+    paths: tuple[str, ...] = DEFAULT_PATHS,
     self_control: str = "under-test",
     compile: str = DEFAULT_COMPILE,
 ) -> dict[str, GateRun]:
@@ -67,7 +76,7 @@ def compare_paths(
         raise ConfigError(f"{cache_root}: the cold run needs an empty cache folder")
     runs = {}
     for name in (p for p in PATHS if p in paths):
-        folder, launcher = HOW[name]
+        folder, launcher, keep_s = HOW[name]
         cache = None if folder is None else GateCache(cache_root / folder)
         sub = Path(log_dir) / path_folder(name)
         runs[name] = run_gate(
@@ -83,6 +92,7 @@ def compare_paths(
             self_control,
             launcher=launcher,
             compile=compile,
+            keep_forkserver=keep_s,
         )
     return runs
 
@@ -92,7 +102,8 @@ def parse_paths(text: str | None, compare: bool) -> tuple[str, ...]:
     if text is not None and not compare:
         raise ConfigError(f"--paths {text}: picks the paths of --compare-paths; give --compare-paths too")
     by_folder = {path_folder(p): p for p in PATHS}
-    asked = [x.strip() for x in (text or ",".join(by_folder)).split(",") if x.strip()]
+    default = ",".join(path_folder(p) for p in DEFAULT_PATHS)
+    asked = [x.strip() for x in (text or default).split(",") if x.strip()]
     if not asked or any(x not in by_folder for x in asked) or len(set(asked)) != len(asked):
         raise ConfigError(f"--paths {text}: pick each from {', '.join(by_folder)} at most once")
     return tuple(by_folder[x] for x in asked)
