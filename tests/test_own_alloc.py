@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from repro.errors import Unavailable
+from repro.errors import ConfigError, Unavailable
 from repro.run import own_alloc
 from repro.run.sanitizer import sanitizer_command
 from repro.vllm_integration.gate.case import GateMode
@@ -229,3 +229,25 @@ def test_overlapping_captures_keep_memory_until_the_last_one_ends(lib):
     lib.repro_own_capture(0)
     lib.repro_own_free(eager[1], 8, 0, None)  # none: freed
     assert lib.stub_freed() - before == 1
+
+
+def test_memcheck_own_over_poisoned_entries_needs_both_to_fire():
+    """memcheck:own+poison:FILL: memcheck's own allocator with the entries FA3 never writes poisoned, so a stale
+    read of one is an access memcheck names; its clean answer rests on the allocator and the poison both firing."""
+    from repro.vllm_integration.gate.case import GateCase
+    from repro.vllm_integration.gate.coverage import applying
+    from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
+
+    mode = GateMode.parse("memcheck:own+poison:int-max")
+    assert (mode.sanitizer, mode.poison, mode.gating, mode.label) == (
+        "own",
+        "int-max",
+        True,
+        "memcheck-own-poison-int-max",
+    )
+    case = GateCase(VllmBuild("b", "/nowhere", UNDER_TEST), mode)
+    assert {"memcheck:own", "poison:FILL"} <= {n.mode for n in applying(case)}
+    assert case.sanitizer_padding == own_alloc.PADDING
+    for bad in ("memcheck:own+plain", "memcheck:own+mps:16", "memcheck:own+memcheck:own", "memcheck+poison:int-max"):
+        with pytest.raises(ConfigError):
+            GateMode.parse(bad)

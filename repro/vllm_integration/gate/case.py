@@ -12,6 +12,7 @@ Detection modes (`--modes`, each a case parameter):
   memcheck:async   the same with cudaMallocAsync (what the attention-layer cases use); recorded, not gating
   memcheck:own     memcheck with an allocator of its own (repro.run.own_alloc: one cudaMalloc per tensor, graphs'
                    memory kept, a guard after each): an over-read past a tensor is a finding; gating
+  memcheck:own+poison:FILL  the same with the entries FA3 never writes poisoned: a read of one memcheck names
 
 Every mode also runs as a self control of a build (`inject`): the same build, engine, kernels and SM configuration
 with the capture defect re-created inside it (repro.vllm_integration.plugin.inject), a positive control that ran in this
@@ -88,6 +89,11 @@ class GateMode:
             if inner.sm.kind not in ("sm_margin", "mps") or inner.poison or inner.sanitizer or inner.audit:
                 raise ConfigError(f"gate mode {text!r}: audit+ takes an SM configuration (sm_margin:N or mps:N)")
             return cls(f"audit+{inner.name}", audit=True, sm=inner.sm)
+        if text.startswith("memcheck:own+"):  # memcheck's own allocator over the poisoned entries: memcheck:own+poison:F
+            inner = cls.parse(text[len("memcheck:own+") :])
+            if not inner.poison or inner.sm.kind != "full" or inner.sanitizer or inner.audit:
+                raise ConfigError(f"gate mode {text!r}: memcheck:own+ takes a poison (memcheck:own+poison:FILL)")
+            return cls(f"memcheck:own+{inner.name}", poison=inner.poison, sanitizer="own")
         kind, _, arg = text.partition(":")
         if kind == "audit" and not arg:
             return cls("audit", audit=True)
@@ -105,7 +111,7 @@ class GateMode:
             return cls("memcheck" + (f":{arg}" if arg in ("async", "own") else ""), sanitizer=arg or "caching")
         raise ConfigError(
             f"unknown gate mode {text!r}: use audit, plain, mps:N, sm_margin:N, audit+mps:N, audit+sm_margin:N, "
-            f"poison:FILL, memcheck, memcheck:async, memcheck:own, or a preset ({', '.join(PRESETS)})"
+            f"poison:FILL, memcheck, memcheck:async, memcheck:own, memcheck:own+poison:FILL, or a preset ({', '.join(PRESETS)})"
         )
 
 
