@@ -89,7 +89,8 @@ class GateMode:
             if inner.sm.kind not in ("sm_margin", "mps") or inner.poison or inner.sanitizer or inner.audit:
                 raise ConfigError(f"gate mode {text!r}: audit+ takes an SM configuration (sm_margin:N or mps:N)")
             return cls(f"audit+{inner.name}", audit=True, sm=inner.sm)
-        if text.startswith("memcheck:own+"):  # memcheck's own allocator over the poisoned entries: memcheck:own+poison:F
+        # memcheck's own allocator over the poisoned entries: memcheck:own+poison:FILL
+        if text.startswith("memcheck:own+"):
             inner = cls.parse(text[len("memcheck:own+") :])
             if not inner.poison or inner.sm.kind != "full" or inner.sanitizer or inner.audit:
                 raise ConfigError(f"gate mode {text!r}: memcheck:own+ takes a poison (memcheck:own+poison:FILL)")
