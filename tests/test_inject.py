@@ -140,6 +140,21 @@ class DraftCudaGraphManager(CudaGraphManager):
         return got
 
 
+class EagleCudaGraphManager(CudaGraphManager):
+    """As vLLM 0.20-0.25 shape a draft capture: create_forward_fn(desc) builds once per descriptor, largest first,
+    and that one build serves the warmup and the captured pass."""
+
+    def capture(self, build, descs):
+        got = []
+
+        def create_forward_fn(desc):
+            return build(desc.num_tokens)
+
+        for desc in descs:
+            got.append((desc.num_tokens, create_forward_fn(desc)))
+        return got
+
+
 def test_capture_pass_reads_the_descriptor_and_pass_from_the_stack():
     from repro.vllm_integration.plugin.inject import capture_pass
 
@@ -147,6 +162,36 @@ def test_capture_pass_reads_the_descriptor_and_pass_from_the_stack():
     (row,) = mgr.capture(lambda n: capture_pass(sys._getframe(1)), [_Desc(8)])
     assert row == (8, (id(mgr), "FULL", True), (id(mgr), "FULL", False))
     assert capture_pass(sys._getframe()) is None  # no capture pass on this stack
+    eagle = EagleCudaGraphManager()
+    (row,) = eagle.capture(lambda n: capture_pass(sys._getframe(1)), [_Desc(8)])
+    assert row == (8, (id(eagle), "FULL", None))  # one build for both passes (BOTH)
+
+
+def test_an_eagle_full_build_gets_the_metadata_built_first_for_both_passes():
+    """0.20-0.25's shape (one build per descriptor): later FULL descriptors of the same manager get the first
+    descriptor's metadata, counted as `both`; PIECEWISE keeps its own."""
+    from repro.vllm_integration.plugin.inject import capture_pass
+
+    counters: dict = {}
+    announced = []
+    inj = StaleCaptureInjector(counters, announce=announced.append)
+    builder = object()
+
+    def build(n):
+        return inj.reuse(builder, {"built_for": n}, capture_pass(sys._getframe(1)))
+
+    managers = [EagleCudaGraphManager() for _ in range(2)]
+    full = managers[0].capture(build, [_Desc(512), _Desc(8), _Desc(1)])
+    assert [md["built_for"] for _, md in full] == [512, 512, 512]
+    assert counters["inject_reused"] == {"both": 2}
+    assert announced == [
+        {
+            "injection_wrote": "draft metadata reused",
+            "source": "FULL warmup and captured passes: the first descriptor's metadata",
+        }
+    ]
+    piecewise = managers[1].capture(build, [_Desc(512, "PIECEWISE"), _Desc(8, "PIECEWISE")])
+    assert [md["built_for"] for _, md in piecewise] == [512, 8]
 
 
 def test_a_draft_full_pass_gets_the_metadata_built_first_for_that_pass():

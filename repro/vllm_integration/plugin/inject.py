@@ -22,8 +22,9 @@ for its own batch, which heals a write before recording), the defect's other hal
 0.21.0-0.25.1 handed the draft's capture a metadata OBJECT built for another descriptor (the target's attn_states),
 so its scalars (token and request counts, max lengths) and view sizes were another batch's. Inside a draft FULL
 capture, every pass's metadata build returns the object the same graph manager built first for that graph mode and
-pass (warmup or captured): its largest descriptor's, as the source mutant `bisect stale-draft-capture` does
-(`reuse`, counted in inject_reused). Fixed releases (0.26.0) take both; the buffers alone already fault there.
+pass (warmup or captured; 0.20-0.25 build once per descriptor for both passes: the first such build serves
+both): its largest descriptor's, as the source mutant `bisect stale-draft-capture` does (`reuse`, counted in
+inject_reused). Fixed releases (0.26.0) take both; the buffers alone already fault there.
 
 It writes buffers and tells nobody: the auditor compares what the views show with what their build wrote, and the
 kernels read what they read. Its counters say whether it reached the draft's FULL captures (`captures_injected`): a
@@ -84,16 +85,23 @@ def capture_role(frame: Any, depth: int = 60) -> str | None:
     return "draft" if draft else "target"
 
 
-def label_of_pass(where: tuple[int, str, bool]) -> str:
+# a capture pass's warmup flag: True (the eager warmup pass), False (the captured pass), BOTH (one build serves both)
+BOTH = None
+PASS_NAMES = {True: "warmup", False: "capture", BOTH: "both"}
+
+
+def label_of_pass(where: tuple[int, str, bool | None]) -> str:
     """How a capture pass reads in a record: its graph mode and pass."""
-    return f"{where[1]} {'warmup' if where[2] else 'captured'} pass: the first descriptor's metadata"
+    kind = {True: "warmup pass", False: "captured pass", BOTH: "warmup and captured passes"}[where[2]]
+    return f"{where[1]} {kind}: the first descriptor's metadata"
 
 
-def capture_pass(frame: Any, depth: int = 60) -> tuple[int, str, bool] | None:
+def capture_pass(frame: Any, depth: int = 60) -> tuple[int, str, bool | None] | None:
     """(the graph manager's id, the batch descriptor's graph mode, warmup) of the capture pass a metadata build is
-    for: a frame with `desc` (its cg_mode) and `warmup` locals (CudaGraphManager.capture's create_forward_fn(desc,
-    warmup), 0.26-0.33) under a CudaGraphManager's capture; None when the stack says neither."""
-    mode, warmup, mgr = None, None, None
+    for, under a CudaGraphManager's capture: a frame with `desc` (its cg_mode) and `warmup` locals (create_forward_fn
+    (desc, warmup), 0.26-0.33: one build per pass), or else the nearest frame with `desc` alone (create_forward_fn
+    (desc), 0.20-0.25: one build for the warmup and the captured pass, BOTH); None when the stack says neither."""
+    mode, warmup, mgr, desc_only = None, None, None, None
     f = frame
     for _ in range(depth):
         if f is None:
@@ -102,6 +110,8 @@ def capture_pass(frame: Any, depth: int = 60) -> tuple[int, str, bool] | None:
         desc = loc.get("desc")
         if mode is None and isinstance(loc.get("warmup"), bool) and hasattr(desc, "cg_mode"):
             mode, warmup = str(getattr(desc.cg_mode, "name", desc.cg_mode)), loc["warmup"]
+        if desc_only is None and hasattr(desc, "cg_mode"):
+            desc_only = str(getattr(desc.cg_mode, "name", desc.cg_mode))
         obj = loc.get("self")
         if (
             mgr is None
@@ -111,8 +121,10 @@ def capture_pass(frame: Any, depth: int = 60) -> tuple[int, str, bool] | None:
         ):
             mgr = id(obj)
         f = f.f_back
-    if mode is None or mgr is None:
+    if mgr is None or (mode is None and desc_only is None):
         return None
+    if mode is None:
+        return mgr, desc_only, BOTH
     return mgr, mode, bool(warmup)
 
 
@@ -233,7 +245,7 @@ class StaleCaptureInjector:
             self._write(self.last)
             self._wrote("capture begins", {})
 
-    def reuse(self, builder: Any, md: Any, where: tuple[int, str, bool] | None) -> Any:
+    def reuse(self, builder: Any, md: Any, where: tuple[int, str, bool | None] | None) -> Any:
         """A draft capture's build returned md: for a FULL pass, the metadata this builder built first for the same
         graph manager, graph mode and pass (warmup or captured) instead, kept on the first build (see the module).
         `where` is capture_pass's answer; None (the stack does not say which pass) leaves md as built."""
@@ -248,7 +260,7 @@ class StaleCaptureInjector:
         if first is md:
             return md
         self.reused_ids.add(id(first))
-        self._bump("inject_reused", "warmup" if where[2] else "capture")
+        self._bump("inject_reused", PASS_NAMES[where[2]])
         if sum(self.counters["inject_reused"].values()) == 1:
             self.announce({"injection_wrote": "draft metadata reused", "source": label_of_pass(where)})
         return first
