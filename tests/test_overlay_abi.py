@@ -3,6 +3,7 @@ built for different torch releases; the pins are read where vLLM writes them."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -155,6 +156,12 @@ def test_an_overlay_build_takes_the_sources_version_and_the_base_dependencies(tm
     dest = Path(b.prefix)
     assert (dest / "somedep").is_symlink() and (dest / "vllm" / "_C_stable_libtorch.abi3.so").is_symlink()
     assert not (dest / "vllm").is_symlink()  # the sources, copied
+    # sources without a dist-info (a wheel's vllm/ alone, a checkout): the build gets one, with the sources' version,
+    # which is what vLLM's platform check asks importlib.metadata for
+    (info,) = dest.glob("vllm-*.dist-info")
+    assert info.name == "vllm-0.24.0.dist-info"
+    found = importlib.metadata.distributions(path=[str(dest)])
+    assert [(d.metadata["Name"], d.version) for d in found] == [("vllm", "0.24.0")]
 
 
 def _wheel(folder: Path, version: str, torch: str) -> None:

@@ -251,3 +251,20 @@ def test_memcheck_own_over_poisoned_entries_needs_both_to_fire():
     for bad in ("memcheck:own+plain", "memcheck:own+mps:16", "memcheck:own+memcheck:own", "memcheck+poison:int-max"):
         with pytest.raises(ConfigError):
             GateMode.parse(bad)
+
+
+def test_a_memcheck_own_case_builds_its_allocator_outside_the_runs_logs(tmp_path, monkeypatch):
+    """The library is a binary: it is kept in this user's build folder, so a run's logs (what results/ records) hold
+    none; the case's environment names it."""
+    from repro.vllm_integration.gate.case import GateCase, case_env
+    from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
+
+    asked = []
+    monkeypatch.setattr(
+        own_alloc, "build", lambda folder, guard=False: asked.append(Path(folder)) or Path(folder) / "x.so"
+    )
+    build = VllmBuild("b", str(tmp_path / "prefix"), UNDER_TEST)
+    logs = tmp_path / "logs"
+    env = case_env(GateCase(build, GateMode.parse("memcheck:own")), [build], logs / "c.audit.json", None, lambda: 132)
+    assert asked == [own_alloc.build_folder()] and logs not in asked[0].parents
+    assert env[own_alloc.LIB_ENV] == str(own_alloc.build_folder() / "x.so")

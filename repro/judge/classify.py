@@ -35,6 +35,11 @@ LAUNCH_MARKERS = (
     "invalid device function",
 )
 
+# GPU memory the process could not get (torch's caching allocator; memcheck's log of a failed cudaMalloc, which
+# memcheck:own's allocator turns into a tensor without data): an error about the machine, never about the build
+OOM_MARKERS = ("CUDA out of memory", "torch.OutOfMemoryError", 'due to "out of memory" on CUDA API call')
+OUT_OF_MEMORY = "the GPU ran out of memory (processes beside this one held it?)"
+
 
 def kernel_in(text: str) -> str | None:
     """combine or main, when ONE line (the faulting line, a launch check, a memcheck header) names FA3's kernel or its
@@ -127,6 +132,11 @@ def classify(
         if launch:
             res.kernel = kernel_in(launch)
             return done(LAUNCH_FAIL, launch.strip()[:200] + during, _marker(launch, LAUNCH_MARKERS), last)
+        oom = next(
+            (ln for ln in [*lines, *(sanitizer_log or "").splitlines()] if any(m in ln for m in OOM_MARKERS)), None
+        )
+        if oom and (returncode or 0) != 0:
+            return done(ERROR, f"{OUT_OF_MEMORY}: {oom.strip(' =')[:240]}", "", last)
         if (returncode or 0) != 0:
             return done(ERROR, f"exit status {returncode} without a result: {tail[-300:]}", "", last)
         return done(ERROR, "no result line", "", last)

@@ -23,6 +23,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import tempfile
 import threading
 from pathlib import Path
 
@@ -56,6 +57,12 @@ def guard_wanted(environ: dict[str, str] | None = None) -> bool:
     """GUARD_ENV=1: the allocator built with REPRO_OWN_GUARD (guards as large as each tensor, registered with
     compute-sanitizer through NVTX); unverified on a GPU so far, so not the default."""
     return (os.environ if environ is None else environ).get(GUARD_ENV, "") == "1"
+
+
+def build_folder() -> Path:
+    """Where the allocator is built and kept: this user's folder under the temp folder, one library per source text
+    (its hash in the name), never a run's logs (a record holds no binary)."""
+    return Path(tempfile.gettempdir()) / f"repro-own-alloc-{os.getuid()}"
 
 
 def build(folder: str | Path, guard: bool = False) -> Path:

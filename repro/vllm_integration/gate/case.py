@@ -295,8 +295,9 @@ def case_env(
             env = sanitizer_env(env)
         else:  # torch's caching allocator: inductor's launcher fails under memcheck with cudaMallocAsync
             env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-        if mode.sanitizer == "own":  # built once per folder (own_alloc.build): the worker installs it
-            lib = own_alloc.build(audit_file.parent / "own-alloc", guard=own_alloc.guard_wanted(env))
+        if mode.sanitizer == "own":  # built once per source text into this user's build folder (never into a
+            # run's logs: a record holds no binary); the worker installs it
+            lib = own_alloc.build(own_alloc.build_folder(), guard=own_alloc.guard_wanted(env))
             env[own_alloc.LIB_ENV] = str(lib)
     if case.launch_blocking:
         env["CUDA_LAUNCH_BLOCKING"] = "1"

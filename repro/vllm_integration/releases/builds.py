@@ -194,9 +194,22 @@ class Overlay:
             if entry.name == "vllm" or entry.name.startswith("vllm-") and entry.name.endswith(".dist-info"):
                 continue
             (dest / entry.name).symlink_to(entry.resolve())
-        for info in self.sources.glob("vllm-*.dist-info"):
+        infos = sorted(self.sources.glob("vllm-*.dist-info"))
+        for info in infos:
             shutil.copytree(info, dest / info.name)
+        if not infos:  # a checkout, or a wheel's vllm/ alone: vLLM's platform detection reads the package metadata
+            write_dist_info(dest, read_version(self.sources) or "0+overlay")
         return VllmBuild(self.label, str(dest.resolve()), UNDER_TEST, read_version(dest))
+
+
+def write_dist_info(prefix: Path, version: str) -> Path:
+    """A vllm-VERSION.dist-info with the metadata importlib.metadata reads. Without one, version("vllm") raises in
+    vLLM's CUDA platform check, which then finds no platform: every case dies with "Device string must not be empty"
+    (results/h200-release-sweep-fast, 0.24.0 and 0.25.0 as a wheel's vllm/ without its dist-info)."""
+    info = prefix / f"vllm-{version}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    return info
 
 
 def check_overlay(label: str, sources: str | Path, base: str | Path) -> Overlay:
