@@ -13,6 +13,7 @@ from pathlib import Path
 from repro.judge.classify import classify
 from repro.run import own_alloc, smcontrol
 from repro.run.channel import Channel, path_for
+from repro.run.process import STALLED
 from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import run as gate_run
 from repro.vllm_integration.gate.case import GateCase, parse_backends, parse_modes
@@ -47,8 +48,10 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
         audit = logs / f"{case.case_id}.audit.json"
         if audit.exists():
             shutil.copy(audit, Path(log_dir) / audit.name)
-        # a process the gate killed at its timeout (the record keeps its exit and wall time, not the flag)
-        timed_out = r["returncode"] in (-9, 137) and r["wall_s"] >= case.timeout_s - 0.5
+        # a process the gate killed at its timeout, or as stalled (its Stall watch: the reason says so); the record
+        # keeps its exit, wall time and reason, not the flag
+        killed = r["returncode"] in (-9, 137)
+        timed_out = killed and (r["wall_s"] >= case.timeout_s - 0.5 or rows[case.case_id]["reason"].startswith(STALLED))
         ch = Channel.read(path_for(out_log))
         memcheck = logs / f"{case.case_id}.memcheck.log"  # compute-sanitizer's own log, where it ran (large: .xz)
         packed = memcheck.with_name(memcheck.name + ".xz")
@@ -72,7 +75,7 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
         b = GateCase.from_dict(row["result"]["spec"]).build
         builds.setdefault(b.label, b)
     command = doc["environment"]["command"]
-    modes = parse_modes(re.search(r"--modes (\S+)", command)[1])
+    modes = parse_modes(m[1] if (m := re.search(r"--modes (\S+)", command)) else _gate_default("modes"))
     backends = parse_backends(m[1]) if (m := re.search(r"--backends (\S+)", command)) else ("FLASH_ATTN",)
     # the self controls as the command planned them (a record from before they existed has none)
     if m := re.search(r"--self-control (\S+)", command):
@@ -84,7 +87,7 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
         modes,
         tmp_path / "logs",
         jobs=4,
-        timeout_s=float(m[1]) if (m := re.search(r"--timeout (\S+)", command)) else 240.0,
+        timeout_s=float(m[1]) if (m := re.search(r"--timeout (\S+)", command)) else _gate_default("timeout"),
         backends=backends,
         self_control=self_control,
         launcher="spawn",  # the processes are replayed: no forkserver to start
@@ -115,3 +118,11 @@ class StandInMps:
 
     def client_env(self, sms: int, total: int) -> dict[str, str]:
         return {}
+
+
+def _gate_default(option: str):
+    """What `repro gate` takes for an option the recorded command left out (its parser's default)."""
+    from repro.cli import build_parser  # the command line's one definition of its defaults
+
+    sub = next(a for a in build_parser()._actions if a.dest == "cmd" or getattr(a, "choices", None))
+    return sub.choices["gate"].get_default(option)
