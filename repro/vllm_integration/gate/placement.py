@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from repro.errors import ConfigError, Unavailable
+from repro.run import own_alloc
 from repro.run.pinning import devices_from
 from repro.run.smcontrol import GpuInfo, enumerate_gpus
 
@@ -127,6 +128,21 @@ def per_device_jobs(jobs: int, devices: list[GateDevice]) -> int:
 
 
 GIB_PER_CASE = 4.0  # a gate case's GPU memory at its peak (1 GiB KV cache, CUDA context, graphs, compile): an estimate
+# A memcheck:own case keeps each tensor in a cudaMalloc of its own and every graph's memory to its end: its allocator
+# counted 12.2 GB at the peak (own_allocator.bytes_peak in results/h200-memcheck-own-gate, -guard, -poison), 12.4-13.7
+# GiB a process in the CUDA out-of-memory listings of results/h200-eagle-0.20.2-0.21.0; with REPRO_OWN_ALLOC_GUARD
+# each tensor sits between two guards as large as itself (up to three times that: 34.9 GiB listed there)
+GIB_MEMCHECK_OWN = 16.0
+GIB_MEMCHECK_OWN_GUARDED = 40.0
+
+
+def case_gib(case) -> float:
+    """The GPU memory one gate case's process is budgeted (GIB_PER_CASE; memcheck:own's more, its guards more again)."""
+    if case.mode.sanitizer == "own" and not case.reference:
+        return GIB_MEMCHECK_OWN_GUARDED if own_alloc.guard_wanted() else GIB_MEMCHECK_OWN
+    return GIB_PER_CASE
+
+
 FREE_AT_START = (
     0.1  # repro.vllm_integration.gate.worker's --gpu-memory: the share vLLM must find free when a case starts
 )

@@ -11,6 +11,7 @@ PASS (a policy.GateOutcome; repro.exit_codes.gate gives its exit code)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ from repro.judge import policy
 from repro.judge.verdicts import CANNOT_VOUCH as NOT_VOUCHED
 from repro.judge.verdicts import CLEAN, ERROR, FAULTS
 from repro.run.channel import Channel, path_for, write_record
+from repro.run.memory import GIB, MemoryBudget
 from repro.run.mps_cases import SHARED, run_mps_cases
 from repro.run.runner import case_logs, device_sm_count, set_aside_logs
 from repro.run.smcontrol import MpsDaemon, sm_refusal
@@ -41,7 +43,14 @@ from repro.vllm_integration.gate.case import (
 )
 from repro.vllm_integration.gate.judge import PLATFORM_CHECK, finish, passes, platform_failed, validate_reference
 from repro.vllm_integration.gate.launch import FORK, Launcher, launcher_kind
-from repro.vllm_integration.gate.placement import DevicePool, GateDevice, kind_of, main_kind, per_device_jobs
+from repro.vllm_integration.gate.placement import (
+    DevicePool,
+    GateDevice,
+    case_gib,
+    kind_of,
+    main_kind,
+    per_device_jobs,
+)
 from repro.vllm_integration.gate.process import run_control, skipped
 from repro.vllm_integration.gate.worker import COMPILES, DEFAULT_COMPILE
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
@@ -180,6 +189,7 @@ def run_gate(
     deadline_s: float | None = None,
     compile: str = DEFAULT_COMPILE,
     keep_forkserver: float | None = None,
+    memory: MemoryBudget | None | str = "free GPU",
 ) -> GateRun:
     """Every case, references included; non-MPS cases `jobs` at a time; MPS cases under a daemon owned by the run
     (repro.run.mps_cases' shared policy, as the matrix runs them): the cases expected clean several at a time, each
@@ -196,7 +206,8 @@ def run_gate(
     carries the end (GateCase.deadline_at); no process of it (attempts and reruns included) starts after it, and a
     running one's timeout ends at it; a case the deadline stopped is a skip that says so, or its stale-audit where the
     auditor had caught stale views (gate.process.past_deadline). A skipped build under test cannot be vouched for; a
-    skipped control can leave its mode without evidence (HARNESS BLIND)."""
+    skipped control can leave its mode without evidence (HARNESS BLIND). On one device each case process holds its
+    share of `memory` (placement.case_gib; "free GPU": the free memory at the start, MemoryBudget) while it runs."""
     if not builds:
         raise ConfigError("no vLLM build to test: install vllm, or set REPRO_VLLM / REPRO_VLLM_CONTROL")
     cases = plan([only] if only is not None else builds, modes, repeat, timeout_s, backends, self_control, compile)
@@ -226,6 +237,7 @@ def run_gate(
     chosen = [d for d in placed if kind_of(d) == kind]
     pool = DevicePool(chosen, per_device_jobs(jobs, chosen)) if placed else None
     workers = pool.per_device * len(pool.devices) if pool else max(1, jobs)
+    budget = None if pool else MemoryBudget.of_free_gpu() if memory == "free GPU" else memory
     launch = Launcher(launcher_kind(launcher), log_dir, keep_s=keep_forkserver)  # keep: forkservers outlive the run
     if launch.kind == FORK:
         for b in builds:  # the environment of the build's cases, less what differs per case (gate_forkserver.LATE_VARS)
@@ -253,7 +265,8 @@ def run_gate(
             return skipped(c, why).revised(PLATFORM_CHECK, why, verdict=ERROR)
         dev = (pool.devices[0] if mps is not None else pool.take(kind)) if pool else None
         try:
-            res, attribution, ran, tried = run_control(c, builds, log_dir, mps, cache, device=dev, launcher=launch)
+            with budget.hold(int(case_gib(c) * GIB)) if budget is not None else contextlib.nullcontext():
+                res, attribution, ran, tried = run_control(c, builds, log_dir, mps, cache, device=dev, launcher=launch)
         finally:
             if dev is not None and mps is None:
                 pool.give(dev)

@@ -1,0 +1,64 @@
+"""The gate's GPU memory per case process (placement.case_gib, run_gate's MemoryBudget): memcheck:own keeps a cudaMalloc
+per tensor and every graph's memory, 12-14 GiB a process on the H200 (three times that with guards), where a plain
+case takes about 4. Five gates at once there ran out of memory together (results/README.md, "Session of 2026-12-02
+(2)"); inside one gate the budget keeps the cases beside each other within the free memory."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from repro.case.spec import CaseResult
+from repro.run import own_alloc
+from repro.run.memory import GIB, MemoryBudget
+from repro.vllm_integration.gate import process as gate_process
+from repro.vllm_integration.gate.case import GateCase, GateMode, parse_modes, reference_for
+from repro.vllm_integration.gate.placement import GIB_MEMCHECK_OWN, GIB_MEMCHECK_OWN_GUARDED, GIB_PER_CASE, case_gib
+from repro.vllm_integration.gate.run import run_gate
+from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
+
+
+def test_a_memcheck_own_case_is_budgeted_more_and_more_again_with_guards(monkeypatch):
+    build = VllmBuild("b", "/nowhere", UNDER_TEST)
+    own = GateCase(build, GateMode.parse("memcheck:own"))
+    monkeypatch.delenv(own_alloc.GUARD_ENV, raising=False)
+    assert case_gib(GateCase(build, GateMode.parse("plain"))) == GIB_PER_CASE
+    assert case_gib(own) == GIB_MEMCHECK_OWN > GIB_PER_CASE
+    assert case_gib(GateCase(build, GateMode.parse("memcheck:own+poison:int-max"))) == GIB_MEMCHECK_OWN
+    assert case_gib(reference_for(own)) == GIB_PER_CASE  # a reference never runs under memcheck
+    monkeypatch.setenv(own_alloc.GUARD_ENV, "1")
+    assert case_gib(own) == GIB_MEMCHECK_OWN_GUARDED > GIB_MEMCHECK_OWN
+
+
+def _stand_in(monkeypatch):
+    """Every case process replaced by a 0.2 s stand-in that counts how many memcheck processes run at once."""
+    lock, now, most = threading.Lock(), [0], [0]
+
+    def process(case, cmd, env, log_dir, sanitizer, executor=None, target=None):
+        with lock:
+            now[0] += bool(sanitizer)
+            most[0] = max(most[0], now[0])
+        time.sleep(0.2)
+        with lock:
+            now[0] -= bool(sanitizer)
+        return CaseResult.skipped(case, "stand-in"), ""
+
+    monkeypatch.setattr(gate_process, "run_process", process)
+    monkeypatch.setattr(own_alloc, "build", lambda folder, guard=False: folder / "stand-in.so")
+    return most
+
+
+@pytest.mark.parametrize("budget_gib, together", [(20, 1), (40, 2)])
+def test_memcheck_own_cases_run_beside_each_other_only_as_far_as_the_budget_holds(
+    monkeypatch, tmp_path, budget_gib, together
+):
+    monkeypatch.delenv(own_alloc.GUARD_ENV, raising=False)
+    most = _stand_in(monkeypatch)
+    build = VllmBuild("0.26.0", str(tmp_path / "prefix"), UNDER_TEST)
+    budget = MemoryBudget(budget_gib * GIB)
+    run = run_gate([build], parse_modes("memcheck:own"), tmp_path / "logs", jobs=4, memory=budget, launcher="spawn")
+    assert len(run.cases) == 2  # the build and its self control, both under memcheck:own
+    assert most[0] == together and budget.held == 0
+    assert budget.worst <= budget.total
