@@ -47,7 +47,11 @@ def test_the_eagle_self_control_faults_with_the_object_handed_over(monkeypatch, 
     """0.20-0.22 build a draft capture's metadata once per descriptor for both passes; before, the injection could not
     place such a build and wrote the buffers alone: 0.20.2's self control decoded cleanly in plain (HARNESS BLIND).
     Handed the first descriptor's metadata too, it faults in audit and plain, in the combine kernel."""
-    doc, rows, run, got = _replayed(monkeypatch, tmp_path, "h200-eagle-0.20.2-0.21.0")
+    before = _replayed(monkeypatch, tmp_path / "before", "h200-release-table-2")[3]
+    assert before[f"{V}0.20.2-self-control-plain"].verdict == "clean"
+    old = RESULTS / "h200-release-table-2" / "logs" / f"{V}0.20.2-self-control-audit.audit.json"
+    assert json.loads(old.read_text())["counters"]["inject_reuse_unplaced"] == 147
+    doc, rows, run, got = _replayed(monkeypatch, tmp_path / "after", "h200-eagle-0.20.2-0.21.0")
     plain = got[f"{V}0.20.2-self-control-plain"]
     assert plain.verdict == "crash" and plain.kernel == "combine"
     assert got[f"{V}0.20.2-self-control-audit"].verdict == "crash"
