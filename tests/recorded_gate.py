@@ -4,6 +4,7 @@ attribution rerun, the reference comparison, the coverage check and repro.judge.
 
 from __future__ import annotations
 
+import argparse
 import json
 import lzma
 import re
@@ -124,5 +125,5 @@ def _gate_default(option: str):
     """What `repro gate` takes for an option the recorded command left out (its parser's default)."""
     from repro.cli import build_parser  # the command line's one definition of its defaults
 
-    sub = next(a for a in build_parser()._actions if a.dest == "cmd" or getattr(a, "choices", None))
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return sub.choices["gate"].get_default(option)

@@ -134,3 +134,19 @@ def test_a_client_refused_after_its_mps_neighbour_faulted(fixtures):
     r = classify(SPEC, _out(fixtures, "mps-neighbour-busy-memcheck.out.log"), 1, False, None, 6.0)
     assert r.verdict == ERROR and "another client faulted it; rerun alone" in r.reason
     assert r.phases["import_s"] > 0 and r.gpu_uuid and r.verdict not in TRUSTED_IN_BATCH
+
+
+def test_out_of_gpu_memory_is_read_where_the_process_died_only():
+    """torch's exception at the end of the output, or memcheck's failed cudaMalloc with torch's answer to the NULL
+    memcheck:own's allocator returned; an earlier failure torch recovered from (its caching allocator retries) is
+    not the reason a later, unrelated error ends the process."""
+    from repro.judge.classify import OOM_TAIL_LINES, out_of_memory
+
+    oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 30.00 MiB."
+    assert out_of_memory(["engine start", oom], None) == oom
+    recovered = [oom, *["decoding"] * OOM_TAIL_LINES, "ValueError: something else"]
+    assert out_of_memory(recovered, None) is None
+    malloc = '========= Program hit cudaErrorMemoryAllocation (error 2) due to "out of memory" on CUDA API call to cudaMalloc.'
+    null = "RuntimeError: The tensor has a non-zero number of elements, but its data is not allocated yet."
+    assert out_of_memory(["capture", null], malloc) == malloc
+    assert out_of_memory(["capture", "ValueError: something else"], malloc) is None

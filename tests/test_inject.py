@@ -166,6 +166,12 @@ def test_capture_pass_reads_the_descriptor_and_pass_from_the_stack():
     (row,) = eagle.capture(lambda n: capture_pass(sys._getframe(1)), [_Desc(8)])
     assert row == (8, (id(eagle), "FULL", None))  # one build for both passes (BOTH)
 
+    class LoopCudaGraphManager(CudaGraphManager):  # a build in the capture loop itself, beside its `desc`
+        def capture(self, build, descs):
+            return [build(desc.num_tokens) for desc in descs]
+
+    assert LoopCudaGraphManager().capture(lambda n: capture_pass(sys._getframe(1)), [_Desc(8)]) == [None]
+
 
 def test_an_eagle_full_build_gets_the_metadata_built_first_for_both_passes():
     """0.20-0.25's shape (one build per descriptor): later FULL descriptors of the same manager get the first

@@ -152,7 +152,8 @@ def _fake_nvcc(tmp_path: Path) -> Path:
     bin_dir.mkdir()
     nvcc = bin_dir / "nvcc"
     nvcc.write_text(
-        '#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\necho built >> "$(dirname "$2")/calls"\n: > "$2"\n'
+        '#!/bin/sh\n[ "$1" = --version ] && { echo "nvcc ${FAKE_NVCC_VERSION:-13.0}"; exit 0; }\n'
+        'while [ "$1" != "-o" ]; do shift; done\necho built >> "$(dirname "$2")/calls"\n: > "$2"\n'
     )
     nvcc.chmod(0o755)
     return bin_dir
@@ -164,6 +165,27 @@ def test_the_gate_builds_the_library_once_per_source_text(tmp_path, monkeypatch)
     assert first.exists() and first.name.startswith("own_alloc-") and first.suffix == ".so"
     assert own_alloc.build(tmp_path / "lib") == first
     assert (tmp_path / "lib" / "calls").read_text().count("built") == 1
+
+
+def test_another_compiler_builds_another_library(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", f"{_fake_nvcc(tmp_path)}:/usr/bin:/bin")
+    first = own_alloc.build(tmp_path / "lib")
+    monkeypatch.setenv("FAKE_NVCC_VERSION", "12.8")
+    other = own_alloc.build(tmp_path / "lib")
+    assert other != first and (tmp_path / "lib" / "calls").read_text().count("built") == 2
+
+
+def test_the_build_folder_is_this_users_alone(tmp_path, monkeypatch):
+    """A library in it is loaded into every memcheck:own case process: no other user may put one there."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setenv("PATH", f"{_fake_nvcc(tmp_path)}:/usr/bin:/bin")
+    monkeypatch.setattr(own_alloc, "_failed", {})  # this process's failures: this test's own
+    folder = own_alloc.build_folder()
+    assert folder.is_dir() and folder.stat().st_mode & 0o777 == 0o700 and folder.parent.stat().st_mode & 0o077 == 0
+    assert own_alloc.build().parent == folder
+    folder.chmod(0o777)  # others may enter: refused, the mode cannot run here
+    with pytest.raises(Unavailable, match="not this user's alone"):
+        own_alloc.build()
 
 
 def test_without_nvcc_the_mode_is_unavailable_and_says_why(tmp_path, monkeypatch):

@@ -43,6 +43,16 @@ def test_committed_records_hold_no_machine_paths():
             assert redact(text) == text, f"{f} holds a machine path"
 
 
+def test_committed_records_hold_no_binary():
+    """A record is text (and xz-compressed text); a compiled library or executable a run built (memcheck:own's
+    allocator did, into its logs, until it moved to a build folder of its own) is never committed."""
+    files = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "results"], capture_output=True, text=True
+    ).stdout.split()
+    binaries = [f for f in files if (ROOT / f).is_file() and (ROOT / f).read_bytes()[:4] == b"\x7fELF"]
+    assert binaries == []
+
+
 def test_redaction_is_idempotent():
     once = redact('File "/a/main/repro/x.py" and /o/out/plain and /v/site-packages/t/a.py')
     assert redact(once) == once

@@ -17,7 +17,7 @@ from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate.case import GateCase, GateMode, parse_modes, reference_for
 from repro.vllm_integration.gate.placement import GIB_MEMCHECK_OWN, GIB_MEMCHECK_OWN_GUARDED, GIB_PER_CASE, case_gib
 from repro.vllm_integration.gate.run import run_gate
-from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
+from repro.vllm_integration.releases.builds import CONTROL, UNDER_TEST, VllmBuild
 
 
 def test_a_memcheck_own_case_is_budgeted_more_and_more_again_with_guards(monkeypatch):
@@ -62,3 +62,23 @@ def test_memcheck_own_cases_run_beside_each_other_only_as_far_as_the_budget_hold
     assert len(run.cases) == 2  # the build and its self control, both under memcheck:own
     assert most[0] == together and budget.held == 0
     assert budget.worst <= budget.total
+
+
+def test_a_plain_control_holds_room_for_its_launch_blocking_rerun_beside_it(monkeypatch, tmp_path):
+    """A control in plain is expected to crash: its CUDA_LAUNCH_BLOCKING=1 rerun starts at once beside it (two
+    processes), so it holds twice a case's memory; everything else holds one case's."""
+    _stand_in(monkeypatch)
+    asked = []
+
+    class Spy(MemoryBudget):
+        def hold(self, nbytes):
+            asked.append(nbytes / GIB)
+            return super().hold(nbytes)
+
+    builds = [
+        VllmBuild("0.26.0", str(tmp_path / "good"), UNDER_TEST),
+        VllmBuild("0.25.1", str(tmp_path / "bad"), CONTROL),
+    ]
+    run_gate(builds, parse_modes("plain"), tmp_path / "logs", jobs=4, memory=Spy(100 * GIB), launcher="spawn")
+    # the build and both references hold one case's; its self control and the known-bad build, both controls, two
+    assert sorted(asked) == [GIB_PER_CASE] * 3 + [2 * GIB_PER_CASE] * 2

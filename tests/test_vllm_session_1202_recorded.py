@@ -65,7 +65,7 @@ def test_the_eagle_self_control_faults_with_the_object_handed_over(monkeypatch, 
     # 0.21.0's self control: its draft silently wrong (a third of the draft tokens accepted, all of them without graphs)
     assert got[f"{V}0.21.0-self-control-plain"].verdict == "wrong-output"
     assert "32 of 96 draft tokens accepted" in got[f"{V}0.21.0-self-control-plain"].reason
-    # 0.21.0 itself hangs in the draft's prefill captures (its stall watch), so it is bad: the first affected release
+    # 0.21.0 itself hung in the draft's prefill captures (its stall watch; five gates ran on the GPU at once): bad
     assert got[f"{V}0.21.0-under-test-plain"].verdict == "hang"
     assert run.outcome() == doc["outcome"] == "AFFECTED"
 

@@ -35,10 +35,23 @@ LAUNCH_MARKERS = (
     "invalid device function",
 )
 
-# GPU memory the process could not get (torch's caching allocator; memcheck's log of a failed cudaMalloc, which
-# memcheck:own's allocator turns into a tensor without data): an error about the machine, never about the build
-OOM_MARKERS = ("CUDA out of memory", "torch.OutOfMemoryError", 'due to "out of memory" on CUDA API call')
+# GPU memory the process could not get: an error about the machine, never about the build. Read where the process
+# died (the end of its output: torch's exception), or, for memcheck:own, memcheck's log of the failed cudaMalloc
+# together with torch's answer to the NULL that allocator then returned; a failure torch recovered from earlier
+# (its caching allocator frees and retries) names nothing.
+OOM_MARKERS = ("CUDA out of memory", "torch.OutOfMemoryError")
+OOM_MEMCHECK = ('due to "out of memory" on CUDA API call to cudaMalloc', "but its data is not allocated yet")
+OOM_TAIL_LINES = 40
 OUT_OF_MEMORY = "the GPU ran out of memory (processes beside this one held it?)"
+
+
+def out_of_memory(lines: list[str], sanitizer_log: str | None) -> str | None:
+    """The line saying the process died for want of GPU memory (OOM_MARKERS, OOM_MEMCHECK), or None."""
+    tail = lines[-OOM_TAIL_LINES:]
+    if found := next((ln for ln in tail if any(m in ln for m in OOM_MARKERS)), None):
+        return found
+    in_log = next((ln for ln in (sanitizer_log or "").splitlines() if OOM_MEMCHECK[0] in ln), None)
+    return in_log if in_log and any(OOM_MEMCHECK[1] in ln for ln in tail) else None
 
 
 def kernel_in(text: str) -> str | None:
@@ -132,9 +145,7 @@ def classify(
         if launch:
             res.kernel = kernel_in(launch)
             return done(LAUNCH_FAIL, launch.strip()[:200] + during, _marker(launch, LAUNCH_MARKERS), last)
-        oom = next(
-            (ln for ln in [*lines, *(sanitizer_log or "").splitlines()] if any(m in ln for m in OOM_MARKERS)), None
-        )
+        oom = out_of_memory(lines, sanitizer_log)
         if oom and (returncode or 0) != 0:
             return done(ERROR, f"{OUT_OF_MEMORY}: {oom.strip(' =')[:240]}", "", last)
         if (returncode or 0) != 0:

@@ -23,11 +23,11 @@ import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 from repro.errors import Unavailable
+from repro.run.server import private_dir
 
 SOURCE = Path(__file__).with_name("own_alloc.c")
 LIB_ENV = "REPRO_OWN_ALLOC"  # the built library, in a memcheck:own case's environment
@@ -60,41 +60,46 @@ def guard_wanted(environ: dict[str, str] | None = None) -> bool:
 
 
 def build_folder() -> Path:
-    """Where the allocator is built and kept: this user's folder under the temp folder, one library per source text
-    (its hash in the name), never a run's logs (a record holds no binary)."""
-    return Path(tempfile.gettempdir()) / f"repro-own-alloc-{os.getuid()}"
+    """Where the allocator is built and kept: this user's own folder (repro.run.server.private_dir: no other user can
+    put a library there for a case process to load), one library per source text, compiler and flags (their hash in
+    the name); never a run's logs (a record holds no binary)."""
+    return private_dir("own-alloc")
 
 
-def build(folder: str | Path, guard: bool = False) -> Path:
-    """The allocator library for this source text (and guard), built into folder unless it is there already (one
-    build at a time in this process: the gate's case threads ask together)."""
-    folder = Path(folder)
+def build(folder: str | Path | None = None, guard: bool = False) -> Path:
+    """The allocator library for this source text (and guard), built into folder (default build_folder()) unless it
+    is there already (one build at a time in this process: the gate's case threads ask together)."""
     with _building:
-        if folder in _failed:  # every case of the run would wait for the same failure again
-            raise Unavailable(_failed[folder])
+        key = str(folder)
+        if key in _failed:  # every case of the run would wait for the same failure again
+            raise Unavailable(_failed[key])
         try:
-            return _build(folder, guard)
+            return _build(Path(folder) if folder is not None else build_folder(), guard)
         except Unavailable as e:
-            _failed[folder] = str(e)
+            _failed[key] = str(e)
             raise
-        except OSError as e:  # no compiler to run, no folder to write: the mode cannot run here
-            _failed[folder] = f"memcheck:own could not build its allocator: {type(e).__name__}: {e}"
-            raise Unavailable(_failed[folder]) from e
+        except OSError as e:  # no compiler to run, no folder to write (or not this user's alone): cannot run here
+            _failed[key] = f"memcheck:own could not build its allocator: {type(e).__name__}: {e}"
+            raise Unavailable(_failed[key]) from e
 
 
 def _build(folder: Path, guard: bool) -> Path:
-    text = SOURCE.read_bytes()
-    variant = "-guard" if guard else ""
-    lib = Path(folder) / f"own_alloc{variant}-{hashlib.sha256(text).hexdigest()[:12]}.so"
-    if lib.exists():
-        return lib
     nvcc = find_nvcc()
     if nvcc is None:
         raise Unavailable("memcheck:own builds its allocator with nvcc (CUDA's compiler): none on PATH or in CUDA_HOME")
+    flags = ["-shared", "-O2", "-Xcompiler", "-fPIC", *(["-DREPRO_OWN_GUARD"] if guard else [])]
+    libs = ["-lcudart", *(["-ldl"] if guard else [])]
+    try:  # the compiler's own version is in the library's name: another CUDA's build is another library
+        version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except subprocess.SubprocessError:
+        version = ""
+    key = hashlib.sha256(SOURCE.read_bytes() + "\0".join([str(nvcc), version, *flags, *libs]).encode())
+    lib = Path(folder) / f"own_alloc{'-guard' if guard else ''}-{key.hexdigest()[:12]}.so"
+    if lib.exists():
+        return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
     tmp = lib.with_name(f"{lib.name}.{os.getpid()}.{threading.get_ident()}")
-    cmd = [nvcc, "-shared", "-O2", "-Xcompiler", "-fPIC", *(["-DREPRO_OWN_GUARD"] if guard else [])]
-    cmd += ["-x", "cu", str(SOURCE), "-o", str(tmp), "-lcudart", *(["-ldl"] if guard else [])]
+    cmd = [nvcc, *flags, "-x", "cu", str(SOURCE), "-o", str(tmp), *libs]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:

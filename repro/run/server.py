@@ -25,6 +25,7 @@ import os
 import selectors
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -45,6 +46,20 @@ MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes, the last one NUL
 def user_dir() -> Path:
     """This user's folder for the harness's sockets (the repro server's, the gate's kept forkservers')."""
     return Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()) / f"repro-{os.getuid()}"
+
+
+def private_dir(name: str) -> Path:
+    """user_dir()/name, each level made for this user alone; PermissionError when one is there that another user owns
+    or others may enter (a socket or a library in it would be theirs to replace: the kept forkservers', memcheck:own's
+    allocator)."""
+    d = user_dir() / name
+    for folder in (d.parent, d):  # each made for this user alone (parents=True would give the first the umask's)
+        folder.mkdir(mode=0o700, exist_ok=True)
+    for folder in (d.parent, d):
+        st = folder.lstat()
+        if st.st_uid != os.getuid() or st.st_mode & 0o077 or not stat.S_ISDIR(st.st_mode):
+            raise PermissionError(f"{folder} is not this user's alone (owner, mode): remove it")
+    return d
 
 
 def socket_path() -> Path | None:

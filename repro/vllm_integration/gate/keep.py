@@ -18,13 +18,12 @@ import json
 import math
 import os
 import socket
-import stat
 import subprocess
 import time
 from pathlib import Path
 
 from repro.errors import ConfigError, ProtocolError
-from repro.run.server import code_fingerprint, user_dir
+from repro.run.server import code_fingerprint, private_dir
 from repro.vllm_integration.gate import fork as gate_fork
 
 KEEP_ENV = "REPRO_GATE_KEEP_FORKSERVER"  # --keep-forkserver's default (seconds; unset or 0: none)
@@ -58,14 +57,10 @@ def keep_seconds(
 def socket_dir() -> Path:
     """This user's folder of kept forkservers: made for this user alone (a case's whole environment passes through
     its sockets); ConfigError when one is there that another user owns or others may enter."""
-    d = user_dir() / "forkservers"
-    for folder in (d.parent, d):  # each made for this user alone (parents=True would give the first the umask's)
-        folder.mkdir(mode=0o700, exist_ok=True)
-    for folder in (d.parent, d):
-        st = folder.lstat()
-        if st.st_uid != os.getuid() or st.st_mode & 0o077 or not stat.S_ISDIR(st.st_mode):
-            raise ConfigError(f"--keep-forkserver: {folder} is not this user's alone (owner, mode): remove it")
-    return d
+    try:
+        return private_dir("forkservers")
+    except PermissionError as e:
+        raise ConfigError(f"--keep-forkserver: {e}") from None
 
 
 def build_identity(build) -> str:

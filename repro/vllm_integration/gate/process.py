@@ -96,6 +96,12 @@ def run_case(
     return annotate(res, case, ch, audit_file if audit_file.exists() else None)
 
 
+def attributed_beside(case: GateCase) -> bool:
+    """Does this case's launch-blocking rerun start beside it (run_attributed: a plain-mode control, expected to
+    crash), so that two of its processes run at once?"""
+    return case.mode.name == "plain" and not case.rep and not case.reference and case.is_control
+
+
 def run_attributed(
     case: GateCase,
     builds: list[VllmBuild],
@@ -112,7 +118,7 @@ def run_attributed(
     attributable = case.mode.name == "plain" and not case.rep and not case.reference
     rc = replace(case, launch_blocking=True)
     ahead = None
-    if attributable and case.is_control:
+    if attributed_beside(case):
         ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attribution")
         early = ahead.submit(run_case, rc, builds, log_dir, mps, cache=cache, device=device, launcher=launcher)
     try:

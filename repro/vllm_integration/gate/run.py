@@ -51,7 +51,7 @@ from repro.vllm_integration.gate.placement import (
     main_kind,
     per_device_jobs,
 )
-from repro.vllm_integration.gate.process import run_control, skipped
+from repro.vllm_integration.gate.process import attributed_beside, run_control, skipped
 from repro.vllm_integration.gate.worker import COMPILES, DEFAULT_COMPILE
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
 from repro.vllm_integration.plugin.inject import STALE_CAPTURE
@@ -265,7 +265,8 @@ def run_gate(
             return skipped(c, why).revised(PLATFORM_CHECK, why, verdict=ERROR)
         dev = (pool.devices[0] if mps is not None else pool.take(kind)) if pool else None
         try:
-            with budget.hold(int(case_gib(c) * GIB)) if budget is not None else contextlib.nullcontext():
+            need = int(case_gib(c) * GIB) * (2 if attributed_beside(c) else 1)  # its launch-blocking rerun beside it
+            with budget.hold(need) if budget is not None else contextlib.nullcontext():
                 res, attribution, ran, tried = run_control(c, builds, log_dir, mps, cache, device=dev, launcher=launch)
         finally:
             if dev is not None and mps is None:

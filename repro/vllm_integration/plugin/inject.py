@@ -99,8 +99,9 @@ def label_of_pass(where: tuple[int, str, bool | None]) -> str:
 def capture_pass(frame: Any, depth: int = 60) -> tuple[int, str, bool | None] | None:
     """(the graph manager's id, the batch descriptor's graph mode, warmup) of the capture pass a metadata build is
     for, under a CudaGraphManager's capture: a frame with `desc` (its cg_mode) and `warmup` locals (create_forward_fn
-    (desc, warmup), 0.26-0.33: one build per pass), or else the nearest frame with `desc` alone (create_forward_fn
-    (desc), 0.20-0.25: one build for the warmup and the captured pass, BOTH); None when the stack says neither."""
+    (desc, warmup), 0.26-0.33: one build per pass), or else the nearest create_forward_fn frame with `desc` alone
+    (create_forward_fn(desc), 0.20-0.25: one build for the warmup and the captured pass, BOTH); None when the stack
+    says neither (a `desc` anywhere else, the capture loop's own included, places nothing)."""
     mode, warmup, mgr, desc_only = None, None, None, None
     f = frame
     for _ in range(depth):
@@ -110,7 +111,7 @@ def capture_pass(frame: Any, depth: int = 60) -> tuple[int, str, bool | None] | 
         desc = loc.get("desc")
         if mode is None and isinstance(loc.get("warmup"), bool) and hasattr(desc, "cg_mode"):
             mode, warmup = str(getattr(desc.cg_mode, "name", desc.cg_mode)), loc["warmup"]
-        if desc_only is None and hasattr(desc, "cg_mode"):
+        if desc_only is None and f.f_code.co_name == "create_forward_fn" and hasattr(desc, "cg_mode"):
             desc_only = str(getattr(desc.cg_mode, "name", desc.cg_mode))
         obj = loc.get("self")
         if (
