@@ -89,6 +89,7 @@ def test_a_gate_case_that_stalls_is_a_hang_that_says_so(tmp_path, monkeypatch, l
     (case, res), (_, ref) = run.cases[0], run.references[0]
     assert res.verdict == HANG and ref.verdict == CLEAN
     assert "stalled: no output for 2 s after 'stand-in hang'" in res.reason and res.wall_s < 30
+    assert "the stall rule, not the timeout" in res.evidence  # the evidence line says what stopped it, too
     assert time.time() - t0 < 60
     log = (tmp_path / "logs" / f"{case.case_id}.out.log").read_text()
     assert gone(int(re.search(r"stand-in hang: helper process (\d+)", log)[1]))

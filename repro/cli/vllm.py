@@ -54,7 +54,7 @@ def add_parsers(sub) -> None:
     gt.add_argument(
         "--modes",
         default="audit,plain",
-        help="audit, plain, mps:N, sm_margin:N, audit+mps:N, audit+sm_margin:N, poison:FILL, memcheck[:async|:own] (own: gating, needs nvcc), or the "
+        help="audit, plain, mps:N, sm_margin:N, audit+mps:N, audit+sm_margin:N, poison:FILL, memcheck[:async|:own], memcheck:own+poison:FILL (own: gating, needs nvcc), or the "
         "preset hidden-sweep (audit and plain on the full GPU and at 8/16/24/40/66 SMs of both restrictions) "
         "(default audit,plain)",
     )

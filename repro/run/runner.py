@@ -147,6 +147,7 @@ def stalled(res: CaseResult, run: ProcessRun, stall: Stall | None) -> CaseResult
     """A hang its Stall watch stopped: the reason says so (the timeout it did not wait for is not the hang's)."""
     if run.stalled and stall is not None:
         res.reason = f"{stall.why()}, {run.wall_s:.0f} s in; {res.reason}"
+        res.evidence = f"{res.evidence.split(':')[0]}: stalled {run.wall_s:.0f} s in (the stall rule, not the timeout)"
     return res
 
 
