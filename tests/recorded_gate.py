@@ -65,7 +65,9 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
 
     monkeypatch.setattr(gate_process, "run_process", recorded_process)
     # memcheck:own's allocator was built on the H200 (nvcc): here its case environment only names it
-    monkeypatch.setattr(own_alloc, "build", lambda folder, guard=False: Path(folder) / "own_alloc-replayed.so")
+    monkeypatch.setattr(
+        own_alloc, "build", lambda folder=None, guard=False: Path(folder or "own-alloc") / "own_alloc-replayed.so"
+    )
     monkeypatch.setattr(gate_run, "MpsDaemon", StandInMps)  # the MPS cases ran under the H200's daemon
     # a self control's further attempts as the recorded run made them (one, in a record from before they existed):
     # every attempt's process is replayed from its own logs, none is invented

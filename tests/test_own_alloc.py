@@ -277,16 +277,21 @@ def test_memcheck_own_over_poisoned_entries_needs_both_to_fire():
 
 def test_a_memcheck_own_case_builds_its_allocator_outside_the_runs_logs(tmp_path, monkeypatch):
     """The library is a binary: it is kept in this user's build folder, so a run's logs (what results/ records) hold
-    none; the case's environment names it."""
+    none; the case's environment names it. A build folder others could write to leaves the mode unavailable here
+    (its reason given), never an exception out of the case's environment."""
     from repro.vllm_integration.gate.case import GateCase, case_env
     from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
 
-    asked = []
-    monkeypatch.setattr(
-        own_alloc, "build", lambda folder, guard=False: asked.append(Path(folder)) or Path(folder) / "x.so"
-    )
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setenv("PATH", f"{_fake_nvcc(tmp_path)}:/usr/bin:/bin")
+    monkeypatch.setattr(own_alloc, "_failed", {})
     build = VllmBuild("b", str(tmp_path / "prefix"), UNDER_TEST)
     logs = tmp_path / "logs"
-    env = case_env(GateCase(build, GateMode.parse("memcheck:own")), [build], logs / "c.audit.json", None, lambda: 132)
-    assert asked == [own_alloc.build_folder()] and logs not in asked[0].parents
-    assert env[own_alloc.LIB_ENV] == str(own_alloc.build_folder() / "x.so")
+    case = GateCase(build, GateMode.parse("memcheck:own"))
+    env = case_env(case, [build], logs / "c.audit.json", None, lambda: 132)
+    lib = Path(env[own_alloc.LIB_ENV])
+    assert lib.parent == own_alloc.build_folder() and logs not in lib.parents and lib.exists()
+    own_alloc.build_folder().chmod(0o777)
+    monkeypatch.setattr(own_alloc, "_failed", {})
+    with pytest.raises(Unavailable, match="not this user's alone"):
+        case_env(case, [build], logs / "c.audit.json", None, lambda: 132)

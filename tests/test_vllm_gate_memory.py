@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -46,7 +47,9 @@ def _stand_in(monkeypatch):
         return CaseResult.skipped(case, "stand-in"), ""
 
     monkeypatch.setattr(gate_process, "run_process", process)
-    monkeypatch.setattr(own_alloc, "build", lambda folder, guard=False: folder / "stand-in.so")
+    monkeypatch.setattr(
+        own_alloc, "build", lambda folder=None, guard=False: Path(folder or "own-alloc") / "stand-in.so"
+    )
     return most
 
 

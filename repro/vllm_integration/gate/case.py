@@ -297,7 +297,7 @@ def case_env(
             env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
         if mode.sanitizer == "own":  # built once per source text into this user's build folder (never into a
             # run's logs: a record holds no binary); the worker installs it
-            lib = own_alloc.build(own_alloc.build_folder(), guard=own_alloc.guard_wanted(env))
+            lib = own_alloc.build(guard=own_alloc.guard_wanted(env))  # its folder: own_alloc.build_folder()
             env[own_alloc.LIB_ENV] = str(lib)
     if case.launch_blocking:
         env["CUDA_LAUNCH_BLOCKING"] = "1"
