@@ -170,7 +170,8 @@ def test_the_gate_builds_the_library_once_per_source_text(tmp_path, monkeypatch)
 def test_another_compiler_builds_another_library(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{_fake_nvcc(tmp_path)}:/usr/bin:/bin")
     first = own_alloc.build(tmp_path / "lib")
-    monkeypatch.setenv("FAKE_NVCC_VERSION", "12.8")
+    monkeypatch.setenv("FAKE_NVCC_VERSION", "12.8")  # the same path, another CUDA: as a later process finds it
+    own_alloc._nvcc_version.cache_clear()
     other = own_alloc.build(tmp_path / "lib")
     assert other != first and (tmp_path / "lib" / "calls").read_text().count("built") == 2
 

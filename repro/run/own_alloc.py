@@ -19,6 +19,7 @@ launchers refuse them (results/h200-compile-none, h200-memcheck-nostatic).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -83,17 +84,24 @@ def build(folder: str | Path | None = None, guard: bool = False) -> Path:
             raise Unavailable(_failed[key]) from e
 
 
+@functools.cache
+def _nvcc_version(nvcc: str) -> str:
+    """What `nvcc --version` says, asked once per compiler in this process (every memcheck:own case asks for the
+    library)."""
+    try:
+        return subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def _build(folder: Path, guard: bool) -> Path:
     nvcc = find_nvcc()
     if nvcc is None:
         raise Unavailable("memcheck:own builds its allocator with nvcc (CUDA's compiler): none on PATH or in CUDA_HOME")
     flags = ["-shared", "-O2", "-Xcompiler", "-fPIC", *(["-DREPRO_OWN_GUARD"] if guard else [])]
     libs = ["-lcudart", *(["-ldl"] if guard else [])]
-    try:  # the compiler's own version is in the library's name: another CUDA's build is another library
-        version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except subprocess.SubprocessError:
-        version = ""
-    key = hashlib.sha256(SOURCE.read_bytes() + "\0".join([str(nvcc), version, *flags, *libs]).encode())
+    # the compiler's own version is in the library's name: another CUDA's build is another library
+    key = hashlib.sha256(SOURCE.read_bytes() + "\0".join([str(nvcc), _nvcc_version(nvcc), *flags, *libs]).encode())
     lib = Path(folder) / f"own_alloc{'-guard' if guard else ''}-{key.hexdigest()[:12]}.so"
     if lib.exists():
         return lib

@@ -15,6 +15,7 @@ from repro import CHECKOUT
 from repro.case.spec import CaseResult, CaseSpec
 from repro.errors import ConfigError, Unavailable
 from repro.judge.classify import classify
+from repro.judge.verdicts import EVIDENCE
 from repro.run.channel import ENV as CHANNEL_ENV
 from repro.run.channel import SUFFIX as CHANNEL_SUFFIX
 from repro.run.channel import Channel
@@ -147,7 +148,7 @@ def stalled(res: CaseResult, run: ProcessRun, stall: Stall | None) -> CaseResult
     """A hang its Stall watch stopped: the reason says so (the timeout it did not wait for is not the hang's)."""
     if run.stalled and stall is not None:
         res.reason = f"{stall.why()}, {run.wall_s:.0f} s in; {res.reason}"
-        res.evidence = f"{res.evidence.split(':')[0]}: stalled {run.wall_s:.0f} s in (the stall rule, not the timeout)"
+        res.evidence = f"{EVIDENCE[res.verdict]}: stalled {run.wall_s:.0f} s in (the stall rule, not the timeout)"
     return res
 
 

@@ -96,10 +96,15 @@ def run_case(
     return annotate(res, case, ch, audit_file if audit_file.exists() else None)
 
 
+def attributable(case: GateCase) -> bool:
+    """Is a crash of this case rerun with CUDA_LAUNCH_BLOCKING=1 to name its kernel (run_attributed)?"""
+    return case.mode.name == "plain" and not case.rep and not case.reference
+
+
 def attributed_beside(case: GateCase) -> bool:
     """Does this case's launch-blocking rerun start beside it (run_attributed: a plain-mode control, expected to
     crash), so that two of its processes run at once?"""
-    return case.mode.name == "plain" and not case.rep and not case.reference and case.is_control
+    return attributable(case) and case.is_control
 
 
 def run_attributed(
@@ -115,7 +120,6 @@ def run_attributed(
     the faulting kernel: (result, (rerun case, rerun result) or None). A control is expected to crash: its rerun
     starts beside it, on the same device, and is dropped (whatever became of it; its logs stay) when the case did
     not crash; any other case's rerun starts after its crash."""
-    attributable = case.mode.name == "plain" and not case.rep and not case.reference
     rc = replace(case, launch_blocking=True)
     ahead = None
     if attributed_beside(case):
@@ -128,7 +132,7 @@ def run_attributed(
             ahead.shutdown(wait=True)
     if device is not None:
         res = replace(res, backend_identity={**(res.backend_identity or {}), "device": device.to_dict()})
-    if res.verdict != CRASH or not attributable:
+    if res.verdict != CRASH or not attributable(case):
         return res, None
     if ahead is not None:
         rerun = early.result()

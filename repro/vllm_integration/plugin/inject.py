@@ -96,6 +96,11 @@ def label_of_pass(where: tuple[int, str, bool | None]) -> str:
     return f"{where[1]} {kind}: the first descriptor's metadata"
 
 
+def _mode_name(desc: Any) -> str:
+    """A batch descriptor's graph mode by name (FULL, PIECEWISE)."""
+    return str(getattr(desc.cg_mode, "name", desc.cg_mode))
+
+
 def capture_pass(frame: Any, depth: int = 60) -> tuple[int, str, bool | None] | None:
     """(the graph manager's id, the batch descriptor's graph mode, warmup) of the capture pass a metadata build is
     for, under a CudaGraphManager's capture: a frame with `desc` (its cg_mode) and `warmup` locals (create_forward_fn
@@ -110,9 +115,9 @@ def capture_pass(frame: Any, depth: int = 60) -> tuple[int, str, bool | None] | 
         loc = f.f_locals
         desc = loc.get("desc")
         if mode is None and isinstance(loc.get("warmup"), bool) and hasattr(desc, "cg_mode"):
-            mode, warmup = str(getattr(desc.cg_mode, "name", desc.cg_mode)), loc["warmup"]
+            mode, warmup = _mode_name(desc), loc["warmup"]
         if desc_only is None and f.f_code.co_name == "create_forward_fn" and hasattr(desc, "cg_mode"):
-            desc_only = str(getattr(desc.cg_mode, "name", desc.cg_mode))
+            desc_only = _mode_name(desc)
         obj = loc.get("self")
         if (
             mgr is None
