@@ -9,6 +9,9 @@ import threading
 
 from repro.case.spec import CaseResult
 from repro.judge.verdicts import CLEAN, CRASH
+from repro.run.channel import path_for, write_record
+from repro.run.runner import case_logs
+from repro.run.tags import RESULT_TAG
 from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import run as gate_run
 from repro.vllm_integration.gate.case import GateCase, parse_modes
@@ -19,18 +22,21 @@ from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
 V = "stale_metadata-vllm-0.26.0-"
 
 
-def _control(monkeypatch, tmp_path, mode, inject, verdicts):
-    """run_control on one case; the stand-in processes answer `verdicts` in turn."""
+def _control(monkeypatch, tmp_path, mode, inject, verdicts, reference=lambda: None, tokens=None):
+    """run_control on one case; the stand-in processes answer `verdicts` in turn (and write `tokens` as their RESULT
+    record, when given); `reference`: run_control's, the reference's result and record once it finished."""
     seen, answers = [], list(verdicts)
 
     def stand_in(case, builds, log_dir, mps=None, cache=None, device=None, launcher=None):
         seen.append(case.case_id)
+        if tokens is not None:
+            write_record(path_for(case_logs(log_dir, case.case_id)[0]), RESULT_TAG, {"tokens": tokens})
         return CaseResult(case.case_id, answers.pop(0), "stand-in"), None
 
     monkeypatch.setattr(gate_process, "run_attributed", stand_in)
     build = VllmBuild("0.26.0", str(tmp_path), UNDER_TEST, "0.26.0")
     case = GateCase(build, parse_modes(mode)[0], inject=inject)
-    res, _, ran, tried = gate_process.run_control(case, [build], tmp_path)
+    res, _, ran, tried = gate_process.run_control(case, [build], tmp_path, reference=reference)
     assert [c.case_id for c, _ in tried] == seen[1:]  # every further attempt comes back, the kept one among them
     return case, res, ran, seen
 
@@ -46,6 +52,18 @@ def test_a_self_control_silent_in_every_attempt_keeps_its_first_result(monkeypat
     case, res, ran, seen = _control(monkeypatch, tmp_path, "sm_margin:16", STALE_CAPTURE, [CLEAN] * 3)
     assert len(seen) == gate_process.SELF_CONTROL_ATTEMPTS == 3 and seen[-1].endswith("-attempt3")
     assert res.verdict == CLEAN and not res.history and ran is case
+
+
+def test_a_clean_attempt_already_wrong_against_its_finished_reference_is_not_run_again(monkeypatch, tmp_path):
+    # 0.21.0's self control (results/h200-eagle-0.20.2-0.21.0): no fault, a silently wrong draft; the comparison the
+    # run ends with is made as soon as the reference has finished, and a wrong answer there is the mode's evidence
+    ref = (CaseResult("ref", CLEAN, "stand-in"), {"tokens": [[5, 6, 7]], "margins": [[19.0, 19.0, 19.0]]})
+    wrong = _control(monkeypatch, tmp_path, "plain", STALE_CAPTURE, [CLEAN] * 3, lambda: ref, [[5, 9, 7]])
+    assert wrong[3] == [V + "self-control-plain"] and wrong[1].verdict == CLEAN and wrong[2] is wrong[0]
+    # the same tokens as the reference: no evidence yet, so the attempts go on; no reference yet: they go on too
+    right = _control(monkeypatch, tmp_path, "plain", STALE_CAPTURE, [CLEAN] * 3, lambda: ref, [[5, 6, 7]])
+    assert len(right[3]) == 3
+    assert len(_control(monkeypatch, tmp_path, "plain", STALE_CAPTURE, [CLEAN] * 3, tokens=[[5, 9, 7]])[3]) == 3
 
 
 def test_the_build_under_test_and_the_audit_mode_run_once(monkeypatch, tmp_path):

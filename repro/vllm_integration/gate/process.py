@@ -15,7 +15,7 @@ from typing import Any
 
 from repro.case.spec import CaseResult
 from repro.errors import Unavailable
-from repro.judge.verdicts import CLEAN, CRASH, HANG, SKIP, STALE_AUDIT
+from repro.judge.verdicts import CLEAN, CRASH, HANG, SKIP, STALE_AUDIT, WRONG
 from repro.run.channel import Channel
 from repro.run.process import STALLED
 from repro.run.runner import case_logs, device_sm_count, run_process
@@ -24,7 +24,7 @@ from repro.run.tags import COUNTERS_TAG, DEVICE_TAG, RESULT_TAG
 from repro.vllm_integration.gate import bench as gate_bench
 from repro.vllm_integration.gate.cache import PRIVATE, WRITER, GateCache
 from repro.vllm_integration.gate.case import GateCase, case_env, expected
-from repro.vllm_integration.gate.judge import annotate
+from repro.vllm_integration.gate.judge import annotate, apply_reference
 from repro.vllm_integration.gate.launch import Launcher
 from repro.vllm_integration.gate.placement import GateDevice
 from repro.vllm_integration.releases.builds import VllmBuild
@@ -164,25 +164,46 @@ def retried(case: GateCase) -> bool:
 
 
 def run_control(
-    case: GateCase, *where: Any, **how: Any
+    case: GateCase,
+    builds: list[VllmBuild],
+    log_dir: str | Path,
+    *where: Any,
+    reference: Callable[[], tuple[CaseResult, dict | None] | None] = lambda: None,
+    **how: Any,
 ) -> tuple[CaseResult, tuple[GateCase, CaseResult] | None, GateCase, list[tuple[GateCase, CaseResult]]]:
     """run_attributed (with the same arguments after the case: builds, log_dir, mps, cache, device, launcher), then, for a `retried` case that came back clean, more attempts (each its own process and
-    logs, case id ...-attemptN) until one shows a fault or hang, at most SELF_CONTROL_ATTEMPTS in all. Returns the
+    logs, case id ...-attemptN) until one shows a fault or hang, at most SELF_CONTROL_ATTEMPTS in all, or until
+    a clean attempt's tokens or draft are already wrong against its reference: `reference()` gives the reference's
+    result and RESULT record once it finished (else None), and the comparison the run ends with
+    (judge.apply_reference) is made early (0.21.0's self control: a silently wrong draft, which further attempts
+    only repeated, 100 s each). Returns the
     result kept under the case's own id (the first attempt with evidence, revised to say which; else the first), its
     attribution rerun, the case whose logs hold it, and every further attempt as it came back (results.json keeps
     them, so a replay makes the attempts the run made)."""
-    res, attribution = run_attributed(case, *where, **how)
+
+    def evident(ran: GateCase, res: CaseResult) -> bool:
+        if res.verdict != CLEAN:
+            return True
+        ref = reference()
+        return ref is not None and apply_reference(res, result_line(log_dir, ran), *ref).verdict == WRONG
+
+    res, attribution = run_attributed(case, builds, log_dir, *where, **how)
     ran, tried = case, []
     for k in range(1, SELF_CONTROL_ATTEMPTS if retried(case) else 1):
-        if res.verdict != CLEAN:
+        if evident(ran, res):
             break
         again = replace(case, attempt=k)
-        r, a = run_attributed(again, *where, **how)
+        r, a = run_attributed(again, builds, log_dir, *where, **how)
         tried.append((again, r))
-        if r.verdict != CLEAN:
+        if evident(again, r):
             why = f"attempt {k + 1} of {SELF_CONTROL_ATTEMPTS} ({again.case_id}); the earlier decoded without a fault"
             res, attribution, ran = r.revised("self-control attempt", why, case_id=case.case_id), a, again
     return res, attribution, ran, tried
+
+
+def result_line(log_dir: str | Path, case: GateCase) -> dict | None:
+    """The RESULT record a finished case process wrote (tokens, margins, version, timing), or None."""
+    return Channel.of_case(case_logs(log_dir, case.case_id)[0]).last(RESULT_TAG)
 
 
 def past_deadline(case: GateCase, res: CaseResult) -> CaseResult:

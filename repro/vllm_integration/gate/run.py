@@ -25,7 +25,7 @@ from repro.errors import ConfigError, Unavailable
 from repro.judge import policy
 from repro.judge.verdicts import CANNOT_VOUCH as NOT_VOUCHED
 from repro.judge.verdicts import CLEAN, ERROR, FAULTS
-from repro.run.channel import Channel, path_for, write_record
+from repro.run.channel import path_for, write_record
 from repro.run.memory import GIB, MemoryBudget
 from repro.run.mps_cases import SHARED, run_mps_cases
 from repro.run.runner import case_logs, device_sm_count, set_aside_logs
@@ -51,7 +51,7 @@ from repro.vllm_integration.gate.placement import (
     main_kind,
     per_device_jobs,
 )
-from repro.vllm_integration.gate.process import attributed_beside, run_control, skipped
+from repro.vllm_integration.gate.process import attributed_beside, result_line, run_control, skipped
 from repro.vllm_integration.gate.worker import COMPILES, DEFAULT_COMPILE
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
 from repro.vllm_integration.plugin.inject import STALE_CAPTURE
@@ -249,6 +249,10 @@ def run_gate(
     # computing bf16 products wrong there (measured at 24 and 40 SMs); later cases in it are errors that say so, not
     # processes that would each find it again (20-60 s apiece); the full GPU and sm_margin are judged case by case
     broken: dict[tuple[SmConfig, str | None], tuple[str, str]] = {}
+    done: dict[tuple, tuple[CaseResult, dict | None]] = {}  # key(reference) -> its result and RESULT record
+
+    def key(c: GateCase) -> tuple:
+        return c.build, c.backend, c.mode.sm
 
     def run_one(c: GateCase, mps: MpsDaemon | None) -> CaseResult:
         """Run one case's process (or load its kept reference): the process's own verdict, before any reference
@@ -267,7 +271,9 @@ def run_gate(
         try:
             need = int(case_gib(c) * GIB) * (2 if attributed_beside(c) else 1)  # its launch-blocking rerun beside it
             with budget.hold(need) if budget is not None else contextlib.nullcontext():
-                res, attribution, ran, tried = run_control(c, builds, log_dir, mps, cache, device=dev, launcher=launch)
+                res, attribution, ran, tried = run_control(
+                    c, builds, log_dir, mps, cache, device=dev, launcher=launch, reference=lambda: done.get(key(c))
+                )
         finally:
             if dev is not None and mps is None:
                 pool.give(dev)
@@ -290,6 +296,8 @@ def run_gate(
                 cache.store_reference(c.build, ref_key(c), gpu, out, res.to_dict(), text)
         with lock:
             outputs[c.case_id] = out
+            if c.reference:
+                done[key(c)] = (res, out)
             (run.references if c.reference else run.cases).append((c, res))
             if ran.attribution:
                 run.attributions.append(ran.attribution)
@@ -347,12 +355,7 @@ def run_gate(
     finally:
         run.launches = launch.summary()
         launch.close()
-    ref_by_key = {(c.build, c.backend, c.mode.sm): (c, r) for c, r in run.references}
-    judged = []
-    for c, r in run.cases:
-        rc, rr = ref_by_key[(c.build, c.backend, c.mode.sm)]
-        judged.append((c, finish(c, r, outputs.get(c.case_id), rr, outputs.get(rc.case_id))))
-    run.cases = judged
+    run.cases = [(c, finish(c, r, outputs.get(c.case_id), *done[key(c)])) for c, r in run.cases]
     order = {c.case_id: i for i, c in enumerate(cases)}
     run.cases.sort(key=lambda cr: order[cr[0].case_id])
     run.wall_s = round(time.time() - t0, 1)
@@ -381,8 +384,3 @@ def keep_in_logs(log_dir: str | Path, case: GateCase, kept: dict) -> None:
         channel.write_text(kept["records"])
     else:
         write_record(channel, RESULT_TAG, kept["result"])
-
-
-def result_line(log_dir: str | Path, case: GateCase) -> dict | None:
-    """The RESULT record a finished case process wrote (tokens, margins, version, timing), or None."""
-    return Channel.of_case(case_logs(log_dir, case.case_id)[0]).last(RESULT_TAG)
