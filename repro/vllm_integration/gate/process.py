@@ -189,13 +189,14 @@ def run_control(
 
     res, attribution = run_attributed(case, builds, log_dir, *where, **how)
     ran, tried = case, []
-    for k in range(1, SELF_CONTROL_ATTEMPTS if retried(case) else 1):
-        if evident(ran, res):
+    found = not retried(case) or evident(case, res)  # each attempt is judged once
+    for k in range(1, SELF_CONTROL_ATTEMPTS):
+        if found:
             break
         again = replace(case, attempt=k)
         r, a = run_attributed(again, builds, log_dir, *where, **how)
         tried.append((again, r))
-        if evident(again, r):
+        if found := evident(again, r):
             why = f"attempt {k + 1} of {SELF_CONTROL_ATTEMPTS} ({again.case_id}); the earlier decoded without a fault"
             res, attribution, ran = r.revised("self-control attempt", why, case_id=case.case_id), a, again
     return res, attribution, ran, tried
