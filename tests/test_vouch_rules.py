@@ -233,6 +233,20 @@ def test_annotate_refuses_a_case_without_a_feature_the_table_needs(monkeypatch):
     assert got.verdict == ERROR and got.reason.startswith("plugin features ['zeta'] not installed"), got.reason
 
 
+def test_a_case_stopped_before_vllm_loaded_its_plugins_is_not_told_the_plugin_is_missing():
+    # results/h200-initcheck-own-nofill: memcheck:own's allocator installed itself, then the process ran out of its
+    # timeout inside torch before vLLM loaded any plugin; an error that says so, not "pip install the plugin"
+    c = case("plain")
+    out = 'REPRO_PLUGIN {"installed": "own_allocator"}'
+    got = gate_judge.annotate(CaseResult(c.case_id, HANG, "no exit within 240 s", evidence="timeout"), c, out, None)
+    assert got.verdict == ERROR and got.reason.startswith("the process was stopped before vLLM loaded"), got.reason
+    assert "no exit within 240 s" in got.reason  # the case's own verdict stays in the reason
+    # the same process with a result (it got past the engine's start) lacks the plugin indeed
+    out += '\nREPRO_RESULT {"tokens": [[1]], "summary": "1 request"}'
+    got = gate_judge.annotate(CaseResult(c.case_id, HANG, "no exit within 240 s", evidence="timeout"), c, out, None)
+    assert got.reason.startswith("plugin features ['probe', 'weights'] not installed"), got.reason
+
+
 # -- vouch --
 
 

@@ -99,8 +99,12 @@ def annotate(res: CaseResult, case: GateCase, output: str | Channel, audit_file:
     missing = needed - installed
     if errors or (missing and (result or plugin)):
         what = "; ".join(errors) or (
-            f"plugin features {sorted(missing)} not installed: vLLM did not load the repro plugin through its entry "
-            "point (python -m pip install -e <this project> in the environment that runs vLLM)"
+            # stopped before vLLM loads its plugins (a memcheck case's own start can take its whole timeout): no
+            # sign that the plugin is missing, and no evidence about the build either
+            f"the process was stopped before vLLM loaded the repro plugin (features {sorted(missing)} never installed)"
+            if res.verdict == HANG and not result
+            else f"plugin features {sorted(missing)} not installed: vLLM did not load the repro plugin through its "
+            "entry point (python -m pip install -e <this project> in the environment that runs vLLM)"
         )
         why = f"{what} (case verdict would have been {res.verdict}: {res.reason})"
         return res.revised("plugin", "a hook reported an error or was not installed", verdict=ERROR, reason=why)
