@@ -22,16 +22,18 @@ from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
 V = "stale_metadata-vllm-0.26.0-"
 
 
-def _control(monkeypatch, tmp_path, mode, inject, verdicts, reference=lambda: None, tokens=None):
+def _control(monkeypatch, tmp_path, mode, inject, verdicts, reference=lambda: None, tokens=None, wrote=None):
     """run_control on one case; the stand-in processes answer `verdicts` in turn (and write `tokens` as their RESULT
-    record, when given); `reference`: run_control's, the reference's result and record once it finished."""
-    seen, answers = [], list(verdicts)
+    record, when given); `reference`: run_control's, the reference's result and record once it finished; `wrote`:
+    whether each attempt's injection wrote (judge.vouch discounts a self control's evidence without), all by default."""
+    seen, answers, writes = [], list(verdicts), list(wrote or [True] * len(verdicts))
 
     def stand_in(case, builds, log_dir, mps=None, cache=None, device=None, launcher=None):
         seen.append(case.case_id)
         if tokens is not None:
             write_record(path_for(case_logs(log_dir, case.case_id)[0]), RESULT_TAG, {"tokens": tokens})
-        return CaseResult(case.case_id, answers.pop(0), "stand-in"), None
+        injection = [{"injection_wrote": 1}] if writes.pop(0) else []
+        return CaseResult(case.case_id, answers.pop(0), "stand-in", backend_identity={"injection": injection}), None
 
     monkeypatch.setattr(gate_process, "run_attributed", stand_in)
     build = VllmBuild("0.26.0", str(tmp_path), UNDER_TEST, "0.26.0")
@@ -64,6 +66,13 @@ def test_a_clean_attempt_already_wrong_against_its_finished_reference_is_not_run
     right = _control(monkeypatch, tmp_path, "plain", STALE_CAPTURE, [CLEAN] * 3, lambda: ref, [[5, 6, 7]])
     assert len(right[3]) == 3
     assert len(_control(monkeypatch, tmp_path, "plain", STALE_CAPTURE, [CLEAN] * 3, tokens=[[5, 9, 7]])[3]) == 3
+    # wrong tokens from an attempt whose injection never wrote are no evidence at the end (judge.vouch), so none here:
+    # the next attempt runs, and its wrong tokens, the injection written, are kept
+    case, res, ran, seen = _control(
+        monkeypatch, tmp_path, "plain", STALE_CAPTURE, [CLEAN] * 3, lambda: ref, [[5, 9, 7]], wrote=[False, True, True]
+    )
+    assert seen == [V + "self-control-plain", V + "self-control-plain-attempt2"] and ran.case_id == seen[1]
+    assert res.case_id == case.case_id and "attempt 2 of 3" in res.history[-1]["why"]
 
 
 def test_the_build_under_test_and_the_audit_mode_run_once(monkeypatch, tmp_path):

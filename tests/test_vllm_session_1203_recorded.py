@@ -122,3 +122,18 @@ def test_initcheck_on_memcheck_owns_allocator_cannot_vouch(monkeypatch, tmp_path
         text = log.decode(errors="replace")
         # every finding it printed is torch copying memory nobody wrote, none is in an FA3 kernel
         assert text.count("Uninitialized access") == text.count("on access by cudaMemcpy source") == 200
+
+
+def test_kept_forkservers_meet_the_per_build_goals_again_on_this_code():
+    # results/h200-paths-kept-2: the kept paths re-measured after this session's changes (issue 29), with the verdicts
+    # of results/h200-paths-kept's old path
+    doc = json.loads((RESULTS / "h200-paths-kept-2" / "paths.json").read_text())
+    before = json.loads((RESULTS / "h200-paths-kept" / "paths.json").read_text())["paths"]["old"]
+    paths = doc["paths"]
+    assert list(paths) == ["kept (cold)", "kept (warm)"] and "--compile none" in doc["environment"]["command"]
+    verdicts = {p: {c: e["verdict"] for c, e in v["cases"].items()} for p, v in {**paths, "old": before}.items()}
+    assert verdicts["old"] == verdicts["kept (cold)"] == verdicts["kept (warm)"]
+    assert {v["outcome"] for v in paths.values()} == {"PASS"}
+    assert paths["kept (cold)"]["build_wall_s"]["0.26.0"] < 60 and paths["kept (warm)"]["build_wall_s"]["0.26.0"] < 30
+    cold, warm = (paths[p]["launches"]["0.26.0"] for p in ("kept (cold)", "kept (warm)"))
+    assert cold["forkserver"]["pid"] == warm["forkserver"]["pid"] and warm["forkserver"]["kept"]["reused"]

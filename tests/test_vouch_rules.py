@@ -245,6 +245,10 @@ def test_a_case_stopped_before_vllm_loaded_its_plugins_is_not_told_the_plugin_is
     out += '\nREPRO_RESULT {"tokens": [[1]], "summary": "1 request"}'
     got = gate_judge.annotate(CaseResult(c.case_id, HANG, "no exit within 240 s", evidence="timeout"), c, out, None)
     assert got.reason.startswith("plugin features ['probe', 'weights'] not installed"), got.reason
+    # a hang after vLLM loaded the plugin (one of its features installed) is not "stopped before" it either
+    out = 'REPRO_PLUGIN {"installed": "own_allocator"}\nREPRO_PLUGIN {"installed": "probe"}'
+    got = gate_judge.annotate(CaseResult(c.case_id, HANG, "no exit within 240 s", evidence="timeout"), c, out, None)
+    assert got.reason.startswith("plugin features ['weights'] not installed"), got.reason
 
 
 # -- vouch --

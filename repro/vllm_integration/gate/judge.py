@@ -102,7 +102,7 @@ def annotate(res: CaseResult, case: GateCase, output: str | Channel, audit_file:
             # stopped before vLLM loads its plugins (a memcheck case's own start can take its whole timeout): no
             # sign that the plugin is missing, and no evidence about the build either
             f"the process was stopped before vLLM loaded the repro plugin (features {sorted(missing)} never installed)"
-            if res.verdict == HANG and not result
+            if res.verdict == HANG and not result and installed <= {"own_allocator"}  # (the worker's own, not vLLM's)
             else f"plugin features {sorted(missing)} not installed: vLLM did not load the repro plugin through its "
             "entry point (python -m pip install -e <this project> in the environment that runs vLLM)"
         )

@@ -24,7 +24,7 @@ from repro.run.tags import COUNTERS_TAG, DEVICE_TAG, RESULT_TAG
 from repro.vllm_integration.gate import bench as gate_bench
 from repro.vllm_integration.gate.cache import PRIVATE, WRITER, GateCache
 from repro.vllm_integration.gate.case import GateCase, case_env, expected
-from repro.vllm_integration.gate.judge import annotate, apply_reference
+from repro.vllm_integration.gate.judge import annotate, finish
 from repro.vllm_integration.gate.launch import Launcher
 from repro.vllm_integration.gate.placement import GateDevice
 from repro.vllm_integration.releases.builds import VllmBuild
@@ -171,21 +171,21 @@ def run_control(
     reference: Callable[[], tuple[CaseResult, dict | None] | None] = lambda: None,
     **how: Any,
 ) -> tuple[CaseResult, tuple[GateCase, CaseResult] | None, GateCase, list[tuple[GateCase, CaseResult]]]:
-    """run_attributed (with the same arguments after the case: builds, log_dir, mps, cache, device, launcher), then, for a `retried` case that came back clean, more attempts (each its own process and
-    logs, case id ...-attemptN) until one shows a fault or hang, at most SELF_CONTROL_ATTEMPTS in all, or until
-    a clean attempt's tokens or draft are already wrong against its reference: `reference()` gives the reference's
-    result and RESULT record once it finished (else None), and the comparison the run ends with
-    (judge.apply_reference) is made early (0.21.0's self control: a silently wrong draft, which further attempts
-    only repeated, 100 s each). Returns the
-    result kept under the case's own id (the first attempt with evidence, revised to say which; else the first), its
-    attribution rerun, the case whose logs hold it, and every further attempt as it came back (results.json keeps
-    them, so a replay makes the attempts the run made)."""
+    """run_attributed (with the same arguments after the case: builds, log_dir, mps, cache, device, launcher), then,
+    for a `retried` case that came back clean, more attempts (each its own process and logs, case id ...-attemptN)
+    until one shows a fault or hang, at most SELF_CONTROL_ATTEMPTS in all, or until a clean attempt's tokens or draft
+    are already wrong against its reference: `reference()` gives the reference's result and RESULT record once it
+    finished (else None), and the judging the run ends with (judge.finish: the comparison, then vouch, which discounts
+    a wrong answer whose injection never wrote) is made early (0.21.0's self control: a silently wrong draft, which
+    further attempts only repeated, 100 s each). Returns the result kept under the case's own id (the first attempt
+    with evidence, revised to say which; else the first), its attribution rerun, the case whose logs hold it, and
+    every further attempt as it came back (results.json keeps them, so a replay makes the attempts the run made)."""
 
     def evident(ran: GateCase, res: CaseResult) -> bool:
         if res.verdict != CLEAN:
             return True
         ref = reference()
-        return ref is not None and apply_reference(res, result_line(log_dir, ran), *ref).verdict == WRONG
+        return ref is not None and finish(ran, res, result_line(log_dir, ran), *ref).verdict == WRONG
 
     res, attribution = run_attributed(case, builds, log_dir, *where, **how)
     ran, tried = case, []
