@@ -9,6 +9,7 @@ import json
 import lzma
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 from repro.judge.classify import classify
@@ -77,8 +78,8 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
     # H200 depended on which process ended first: the reference is seen by the attempts after those the run made
     further = {}
     for c in rows:
-        if k := (rows[c]["result"].get("spec") or {}).get("attempt", 0):
-            base = c.rsplit("-attempt", 1)[0]
+        if k := (spec := rows[c]["result"].get("spec") or {}).get("attempt", 0):
+            base = replace(GateCase.from_dict(spec), attempt=0).case_id  # the case whose attempt it was
             further[base] = max(further.get(base, 0), k)
     recorded_control = gate_process.run_control
 

@@ -249,10 +249,7 @@ def run_gate(
     # computing bf16 products wrong there (measured at 24 and 40 SMs); later cases in it are errors that say so, not
     # processes that would each find it again (20-60 s apiece); the full GPU and sm_margin are judged case by case
     broken: dict[tuple[SmConfig, str | None], tuple[str, str]] = {}
-    done: dict[tuple, tuple[CaseResult, dict | None]] = {}  # key(reference) -> its result and RESULT record
-
-    def key(c: GateCase) -> tuple:
-        return c.build, c.backend, c.mode.sm
+    done: dict[str, tuple[CaseResult, dict | None]] = {}  # finished reference's id -> its result, RESULT record
 
     def run_one(c: GateCase, mps: MpsDaemon | None) -> CaseResult:
         """Run one case's process (or load its kept reference): the process's own verdict, before any reference
@@ -271,8 +268,9 @@ def run_gate(
         try:
             need = int(case_gib(c) * GIB) * (2 if attributed_beside(c) else 1)  # its launch-blocking rerun beside it
             with budget.hold(need) if budget is not None else contextlib.nullcontext():
+                ref_id = reference_for(c).case_id
                 res, attribution, ran, tried = run_control(
-                    c, builds, log_dir, mps, cache, device=dev, launcher=launch, reference=lambda: done.get(key(c))
+                    c, builds, log_dir, mps, cache, device=dev, launcher=launch, reference=lambda: done.get(ref_id)
                 )
         finally:
             if dev is not None and mps is None:
@@ -297,7 +295,7 @@ def run_gate(
         with lock:
             outputs[c.case_id] = out
             if c.reference:
-                done[key(c)] = (res, out)
+                done[c.case_id] = (res, out)
             (run.references if c.reference else run.cases).append((c, res))
             if ran.attribution:
                 run.attributions.append(ran.attribution)
@@ -355,7 +353,7 @@ def run_gate(
     finally:
         run.launches = launch.summary()
         launch.close()
-    run.cases = [(c, finish(c, r, outputs.get(c.case_id), *done[key(c)])) for c, r in run.cases]
+    run.cases = [(c, finish(c, r, outputs.get(c.case_id), *done[reference_for(c).case_id])) for c, r in run.cases]
     order = {c.case_id: i for i, c in enumerate(cases)}
     run.cases.sort(key=lambda cr: order[cr[0].case_id])
     run.wall_s = round(time.time() - t0, 1)
