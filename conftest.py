@@ -32,6 +32,15 @@ def pytest_configure(config):
             raise pytest.UsageError(str(e)) from None
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Every value a case recorded leaves its process plain (pytest_gate.plain): pytest-xdist's serializer takes
+    nothing else (a Verdict killed every worker at its first result), and the JUnit XML writes it as recorded."""
+    outcome = yield
+    report = outcome.get_result()
+    report.user_properties = pytest_gate.plain_properties(report.user_properties)
+
+
 def pytest_collection_modifyitems(config, items):
     runnable = mark_unrunnable(items)
     runs_cases = hasattr(config, "workerinput") or not config.getoption("numprocesses", default=None)

@@ -47,6 +47,7 @@ from repro.judge.verdicts import (
     SKIP,
     STALE_AUDIT,
     StrValue,
+    Verdict,
 )
 
 FAULT, DETECTED, AUDIT, KNOWN_BAD_BUILD, EXPECT_CLEAN, RECORDED = (
@@ -165,12 +166,17 @@ class Control:
     def from_properties(cls, case_id: str, props: dict) -> Control:
         """A control from what its test recorded (properties, or a test that recorded only some before it
         skipped: no verdict is a skip, no expectation a negative control)."""
+        verdict, reason = props.get("verdict") or SKIP, str(props.get("reason") or "")
+        try:  # recorded plain (a str, to cross xdist): typed again here, the one place
+            verdict = Verdict(verdict)
+        except ValueError:
+            verdict, reason = ERROR, f"the case recorded an unknown verdict {verdict!r}: {reason}"
         return cls(
             case_id,
-            props.get("expected") or EXPECT_CLEAN,
-            props.get("verdict") or SKIP,
-            props.get("gate_mode") or "eager",
-            str(props.get("reason") or ""),
+            str(props.get("expected") or EXPECT_CLEAN),
+            verdict,
+            str(props.get("gate_mode") or "eager"),
+            reason,
             props.get("not_applicable"),
             props.get("needs"),
             kind=props.get("kind"),

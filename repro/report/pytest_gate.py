@@ -13,11 +13,13 @@ GatePlugin holds the gate's hooks and its state; conftest.py registers one for a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
 import time
 from collections.abc import Callable
+from enum import Enum
 from pathlib import Path
 
 import pytest
@@ -57,6 +59,34 @@ def required(config=None, environ=os.environ, discover=enumerate_gpus) -> frozen
     except Unavailable:  # no NVML, no driver: not a MIG runner as far as anyone can tell
         mig = False
     return frozenset({"mig"}) if mig else frozenset()
+
+
+def plain(value):
+    """A recorded value as a plain JSON type (str, int, float, bool, None, list, dict with str keys): what xdist's
+    serializer (execnet) and the JUnit XML take. A str enum (Verdict, GateOutcome) becomes its value, a dataclass its
+    fields, a tuple or set a list, a path its text; anything else its str(). The one place a case's recorded values
+    are made plain; the controller makes them typed again in one place too (policy.Control.from_properties)."""
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    if isinstance(value, Enum):
+        return plain(value.value)
+    if isinstance(value, (str, int, float)):  # a subclass (a str enum not an Enum, numpy scalars are not these)
+        return (str if isinstance(value, str) else float if isinstance(value, float) else int)(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return plain(dataclasses.asdict(value))
+    if isinstance(value, dict):
+        return {str(plain(k)): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = sorted(value, key=str) if isinstance(value, (set, frozenset)) else value
+        return [plain(v) for v in items]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return str(value)
+
+
+def plain_properties(properties) -> list[tuple[str, object]]:
+    """A report's user_properties with every value plain (repro.report.pytest_gate.plain)."""
+    return [(str(k), plain(v)) for k, v in properties]
 
 
 def not_applicable(reason: str, needs: str, record_property) -> str:
