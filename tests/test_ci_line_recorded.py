@@ -1,0 +1,45 @@
+"""The README's GPU CI line as recorded on the H200 after the xdist fix (results/h200-ci-line-n8, -n4, -n1; written by
+scripts/gpu-evidence.sh ci-line): every worker count ran every case, the gate passed, and the verdicts are the same
+case by case whatever the number of workers."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+WORKERS = (8, 4, 1)
+
+
+def _record(n: int) -> tuple[dict, dict[str, dict]]:
+    folder = RESULTS / f"h200-ci-line-n{n}"
+    if not (folder / "gate.json").exists():
+        pytest.fail(f"{folder.name}: the record the README cites is missing")
+    gate = json.loads((folder / "gate.json").read_text())
+    cases = {}
+    for tc in ET.parse(folder / "junit.xml").getroot().iter("testcase"):
+        cases[tc.get("name")] = {p.get("name"): p.get("value") for p in tc.iter("property")}
+    return gate, cases
+
+
+@pytest.mark.parametrize("n", WORKERS, ids=lambda n: f"n{n}")
+def test_the_ci_line_passed_with_every_case_run_at_each_worker_count(n):
+    gate, cases = _record(n)
+    assert gate["outcome"] == "GATE PASSED" and gate["passed"] is True and not gate["unreported"]
+    assert f"-n {n} --gate" in gate["environment"]["command"] and gate["environment"]["gpu"] == "NVIDIA H200"
+    assert len(gate["controls"]) == len(cases) == 95
+    ran = [c for c in gate["controls"] if not c["not_applicable"]]
+    assert len(ran) == 78 and all(c["verdict"] != "skip" for c in ran)
+    workers = {p["xdist_worker"] for p in cases.values() if "xdist_worker" in p}
+    assert workers == {f"gw{i}" for i in range(n)}  # every worker ran cases, none died
+    for mode, got in gate["evidence_by_mode"].items():
+        assert got["positive"] and got["with_evidence"] == got["positive"], mode
+
+
+def test_the_verdicts_are_equal_across_worker_counts():
+    verdicts = {n: {c["case_id"]: c["verdict"] for c in _record(n)[0]["controls"]} for n in WORKERS}
+    assert verdicts[8] == verdicts[4] == verdicts[1]
+    assert {"crash", "oob", "clean"} <= set(verdicts[8].values())
