@@ -1,0 +1,307 @@
+#!/usr/bin/env python3
+"""Make a source mutant of an installed vLLM 0.34.0: a prefix whose speculator capture builds FULL-graph attention
+metadata for the wrong descriptor (batch shape), one mutant per speculative capture path.
+
+    python scripts/mutate_vllm.py SRC_PREFIX DEST_PREFIX --mutant NAME
+    python scripts/mutate_vllm.py --list
+
+SRC_PREFIX is a folder holding an installed `vllm/` package (and its vllm-X.dist-info), as the gate's
+`--vllm LABEL=PREFIX` takes. DEST_PREFIX (absent or empty) becomes a copy of it in which every entry is a symlink
+into SRC_PREFIX except the folders on the path to the patched file (made here, their other entries symlinked; the
+patched file's own `__pycache__` is left out, so Python never writes the patched module's bytecode into SRC) and the
+patched file itself.
+The dist-info stays a symlink, so `importlib.metadata.version('vllm')` answers as for SRC. SRC is never written.
+
+A mutant is an exact text replacement that must match exactly once in the file it names; otherwise (another vLLM
+version, or a file already patched) the script changes nothing, leaves nothing at DEST_PREFIX and exits 2. It writes
+DEST_PREFIX/MUTANT.json: the mutant's name, what it does wrong, the gate methods it affects, the file, the anchor and
+its replacement, and the unified diff.
+
+The bug class each mutant re-creates (vLLM 0.21-0.25, fixed by PR #48261 for the AR prefill manager): a draft FULL
+CUDA-graph capture runs with attention metadata built for ANOTHER descriptor than the one being captured. Here the
+object and the persistent buffers behind its views (query_start_loc, seq_lens, FA3 scheduler_metadata, slot
+mappings) are built together, consistently, by the build's own builder, but for the neighbouring entry of the same
+FULL capture list (the next smaller; the smallest takes the next larger), so the metadata agrees with itself and
+only a check against the captured descriptor sees it. The graph keyed by descriptor D bakes a kernel launch sized
+for D' (grid over D''s request count, FA3 scheduler metadata of D'): at replay it reads the buffers the runtime
+refreshed for D with D''s shape, which skips or over-reads requests. A list of one FULL entry has no neighbour: the
+mutant is then inert (the script cannot know the capture list; the gate's configuration has several entries).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+EXIT_REFUSED = 2
+VERSION = "0.34.0"
+SPEC = "vllm/v1/worker/gpu/spec_decode"
+
+# The neighbour of `desc` in its manager's FULL capture list (sorted by num_tokens, largest first): the next smaller
+# entry, the smallest takes the next larger. Shared by the three mutants' replacement text.
+_NEIGHBOUR = """\
+                full = self._capture_descs[CUDAGraphMode.FULL]
+                i = full.index(desc)
+                md = full[i + 1 if i + 1 < len(full) else max(i - 1, 0)]
+"""
+
+_AR_ANCHOR = """\
+            attn_metadata, slot_mappings = prepare_inputs_to_capture(
+                num_reqs,
+                num_tokens,
+                model_state,
+                input_buffers,
+                block_tables,
+                attn_groups,
+                kv_cache_config,
+                full_cudagraph=desc.cg_mode == CUDAGraphMode.FULL,
+                max_query_len=desc.max_query_len or desc.uniform_token_count,
+                slot_mappings_buffer=slot_mappings_buffer,
+            )
+"""
+
+
+def _ar_replacement(path_condition: str) -> str:
+    return (
+        "            md = desc\n"
+        f"            if desc.cg_mode == CUDAGraphMode.FULL and {path_condition}:\n"
+        + _NEIGHBOUR
+        + """\
+            attn_metadata, slot_mappings = prepare_inputs_to_capture(
+                md.num_reqs or min(md.num_tokens, self.max_num_reqs),
+                md.num_tokens,
+                model_state,
+                input_buffers,
+                block_tables,
+                attn_groups,
+                kv_cache_config,
+                full_cudagraph=desc.cg_mode == CUDAGraphMode.FULL,
+                max_query_len=md.max_query_len or md.uniform_token_count,
+                slot_mappings_buffer=slot_mappings_buffer,
+            )
+"""
+    )
+
+
+_DFLASH_ANCHOR = """\
+            attn_state = _prepare_dflash_inputs_to_capture(
+                num_reqs,
+                num_tokens,
+                input_buffers,
+"""
+
+_DFLASH_REPLACEMENT = (
+    "            md = desc\n"
+    "            if desc.cg_mode == CUDAGraphMode.FULL:\n"
+    + _NEIGHBOUR
+    + """\
+            attn_state = _prepare_dflash_inputs_to_capture(
+                md.num_reqs or min(md.num_tokens, self.max_num_reqs),
+                md.num_tokens,
+                input_buffers,
+"""
+)
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str  # relative to the prefix
+    anchor: str
+    replacement: str
+    wrong: str  # what the capture does wrong
+    methods: tuple[str, ...]  # the gate's speculative methods whose capture it changes
+    manager: str  # the capture manager it changes
+
+
+MUTANTS = {
+    m.name: m
+    for m in (
+        Mutant(
+            name="target-dependent-wrong-descriptor",
+            file=f"{SPEC}/autoregressive/cudagraph_utils.py",
+            anchor=_AR_ANCHOR,
+            # Only TargetDependentARSpeculator's prefill manager takes this branch: its capture passes no slot-mapping
+            # buffer (StandaloneAR passes its expanded one), and the decode managers have query length 1.
+            replacement=_ar_replacement("slot_mappings_buffer is None and self.decode_query_len > 1"),
+            wrong=(
+                "TargetDependentARSpeculator's draft-prefill FULL capture (EAGLE, EAGLE3, MTP, Gemma4) builds its "
+                "attention metadata and the target's shared persistent buffers (query_start_loc, seq_lens, FA3 "
+                "scheduler_metadata, through the target's input buffers and attention groups) for the neighbouring "
+                "entry of its FULL capture list, not for the descriptor captured; the graph and the forward keep the "
+                "captured descriptor's token and request counts. Draft decode graphs and StandaloneAR are untouched."
+            ),
+            methods=("eagle", "eagle3", "mtp"),
+            manager="SpeculatorCudaGraphManager (TargetDependentAR prefill)",
+        ),
+        Mutant(
+            name="standalone-wrong-descriptor",
+            file=f"{SPEC}/autoregressive/cudagraph_utils.py",
+            anchor=_AR_ANCHOR,
+            # Only StandaloneARSpeculator's prefill capture passes a slot-mapping buffer (its expanded_slot_mappings).
+            replacement=_ar_replacement("slot_mappings_buffer is not None"),
+            wrong=(
+                "StandaloneARSpeculator's (method draft_model, FULL graphs new in 0.34.0) expanded-prefill FULL "
+                "capture builds its attention metadata, the persistent buffers and its own slot-mapping buffer "
+                "(expanded_slot_mappings, filled for the neighbour's token count) for the neighbouring entry of its "
+                "FULL capture list, not for the descriptor captured. Draft decode graphs and TargetDependentAR are "
+                "untouched."
+            ),
+            methods=("draft_model",),
+            manager="SpeculatorCudaGraphManager (StandaloneAR prefill)",
+        ),
+        Mutant(
+            name="dflash-wrong-descriptor",
+            file=f"{SPEC}/dflash/cudagraph.py",
+            anchor=_DFLASH_ANCHOR,
+            replacement=_DFLASH_REPLACEMENT,
+            wrong=(
+                "DFlashCudaGraphManager's parallel-drafting query FULL capture (its own "
+                "_prepare_dflash_inputs_to_capture, the builder beside the one PR #48261 fixed) builds the dummy "
+                "batch, block tables, slot mappings and attention metadata for the neighbouring entry of its FULL "
+                "capture list; prepare_forward and the forward keep the captured descriptor's counts."
+            ),
+            methods=("dflash", "dflash2", "dspark", "xpress", "lilicorr"),
+            manager="DFlashCudaGraphManager (query forward)",
+        ),
+    )
+}
+
+
+class Refused(Exception):
+    """The mutant cannot be made from this SRC_PREFIX / into this DEST_PREFIX; nothing was written."""
+
+
+def installed_version(src: Path) -> str:
+    """The version the prefix's vllm dist-info declares, or 'unknown'."""
+    for info in sorted(src.glob("vllm-*.dist-info")):
+        meta = info / "METADATA"
+        if meta.is_file():
+            for line in meta.read_text(errors="replace").splitlines():
+                if line.startswith("Version:"):
+                    return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def patched_text(src: Path, mutant: Mutant) -> tuple[str, str]:
+    """The file's text before and after the mutant; Refused unless its anchor occurs exactly once."""
+    target = src / mutant.file
+    version = installed_version(src)
+    if not target.is_file():
+        raise Refused(
+            f"{mutant.name}: {mutant.file} is not in {src} (vLLM {version}); the mutant is written for vLLM {VERSION}"
+        )
+    before = target.read_text()
+    count = before.count(mutant.anchor)
+    if count != 1:
+        where = "not found" if count == 0 else f"found {count} times"
+        raise Refused(
+            f"{mutant.name}: its anchor text is {where} in {mutant.file} (vLLM {version} in {src}); the mutant is "
+            f"written for vLLM {VERSION}'s sources and changes nothing elsewhere"
+        )
+    return before, before.replace(mutant.anchor, mutant.replacement)
+
+
+def mirror(src: Path, dest: Path, rel: Path, text: str) -> None:
+    """Make dest mirror src by symlinks, except the folders on rel's path (made) and the file rel (written as text)."""
+    parts = rel.parts
+    src_dir, dest_dir = src, dest
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    for depth, part in enumerate(parts):
+        for entry in sorted(os.listdir(src_dir)):
+            # The patched folder's bytecode cache is not carried: Python would otherwise write the patched
+            # module's .pyc through the link into SRC.
+            if entry == part or entry == "__pycache__" and depth == len(parts) - 1:
+                continue
+            os.symlink(src_dir / entry, dest_dir / entry)
+        src_dir, dest_dir = src_dir / part, dest_dir / part
+        if depth < len(parts) - 1:
+            dest_dir.mkdir()
+    dest_dir.write_text(text)
+    os.chmod(dest_dir, (src_dir.stat().st_mode & 0o777) | 0o200)
+
+
+def make(src: Path, dest: Path, name: str) -> dict:
+    """Make the mutant `name` of src at dest; the marker's record. Refused leaves dest as it was."""
+    if name not in MUTANTS:
+        raise Refused(f"no mutant named {name!r}; --list names them: {', '.join(MUTANTS)}")
+    mutant = MUTANTS[name]
+    src = src.resolve()
+    if not (src / "vllm" / "__init__.py").is_file():
+        raise Refused(f"{src} holds no installed vllm/ package")
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise Refused(f"{dest} exists and is not an empty folder")
+    dest = dest.absolute()
+    if dest == src or src in dest.parents:
+        raise Refused(f"{dest} lies inside {src}, which is never written")
+    before, after = patched_text(src, mutant)
+    created = not dest.exists()
+    try:
+        mirror(src, dest, Path(mutant.file), after)
+        record = {
+            "mutant": mutant.name,
+            "vllm_version": installed_version(src),
+            "written_for": VERSION,
+            "source_prefix": str(src),
+            **{k: v for k, v in asdict(mutant).items() if k != "name"},
+            "methods": list(mutant.methods),
+            "diff": "".join(
+                difflib.unified_diff(
+                    before.splitlines(keepends=True),
+                    after.splitlines(keepends=True),
+                    f"a/{mutant.file}",
+                    f"b/{mutant.file}",
+                )
+            ),
+        }
+        (dest / "MUTANT.json").write_text(json.dumps(record, indent=2) + "\n")
+    except BaseException:
+        clear(dest, keep_folder=not created)
+        raise
+    return record
+
+
+def clear(dest: Path, keep_folder: bool) -> None:
+    """Remove what mirror made at dest (links are removed, never followed)."""
+    import shutil  # only on failure
+
+    if dest.exists():
+        for entry in dest.iterdir():
+            if entry.is_symlink() or entry.is_file():
+                entry.unlink()
+            else:
+                shutil.rmtree(entry)
+        if not keep_folder:
+            dest.rmdir()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("src", nargs="?", type=Path, help="prefix holding the installed vllm/ package")
+    parser.add_argument("dest", nargs="?", type=Path, help="prefix to make (absent or empty)")
+    parser.add_argument("--mutant", help="the mutant to apply (--list names them)")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    args = parser.parse_args(argv)
+    if args.list:
+        for m in MUTANTS.values():
+            print(f"{m.name}\n  file: {m.file}\n  methods: {', '.join(m.methods)}\n  manager: {m.manager}")
+            print(f"  wrong: {m.wrong}")
+        return 0
+    if args.src is None or args.dest is None or args.mutant is None:
+        parser.error("SRC_PREFIX, DEST_PREFIX and --mutant are required (or --list)")
+    try:
+        record = make(args.src, args.dest, args.mutant)
+    except Refused as refused:
+        print(f"mutate_vllm: refused, nothing written: {refused}", file=sys.stderr)
+        return EXIT_REFUSED
+    print(f"{record['mutant']}: {args.dest} (vLLM {record['vllm_version']}, patched {record['file']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
