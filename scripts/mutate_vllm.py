@@ -26,6 +26,19 @@ only a check against the captured descriptor sees it. The graph keyed by descrip
 for D' (grid over D''s request count, FA3 scheduler metadata of D'): at replay it reads the buffers the runtime
 refreshed for D with D''s shape, which skips or over-reads requests. A list of one FULL entry has no neighbour: the
 mutant is then inert (the script cannot know the capture list; the gate's configuration has several entries).
+
+Which gate methods each changes (`--methods`): target-dependent-wrong-descriptor eagle, eagle3, mtp (TargetDependentAR
+prefill only: its capture passes no slot-mapping buffer and its query length is above 1); standalone-wrong-descriptor
+draft_model (StandaloneAR prefill only: the one capture that passes its own slot-mapping buffer); dflash-wrong-descriptor
+the DFlash family (no gate method runs it yet). Draft decode graphs are untouched by all three. The anchors, not the
+version, decide: 0.33.0 has no autoregressive/cudagraph_utils.py (refused), but its dflash/cudagraph.py is 0.34.0's.
+
+On the machine that runs the gate, with the 0.34.0 build in PREFIX and its torch in TORCH (the mutant is a known-bad
+build the gate must catch, so it goes in as a control, beside the clean release):
+
+    python scripts/mutate_vllm.py PREFIX PREFIX-td --mutant target-dependent-wrong-descriptor
+    python -m repro gate --vllm 0.34.0=PREFIX --torch 0.34.0=TORCH \
+        --control 0.34.0-td=PREFIX-td --torch 0.34.0-td=TORCH --methods eagle,eagle3,mtp
 """
 
 from __future__ import annotations
