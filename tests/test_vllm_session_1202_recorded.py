@@ -7,14 +7,13 @@ on one GPU at once) say so; a five-release sweep whose overlays lacked a dist-in
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from repro.judge.classify import OUT_OF_MEMORY
 from tests.recorded_gate import replay
+from tests.records import RESULTS
 
-RESULTS = Path(__file__).resolve().parent.parent / "results"
 V = "stale_metadata-vllm-"
 
 

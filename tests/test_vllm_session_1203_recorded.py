@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import json
 import lzma
-from pathlib import Path
 
 from repro.exit_codes import gate as gate_exit
 from repro.run.channel import Channel
 from repro.run.tags import DEVICE_TAG
 from repro.vllm_integration.gate.report import to_json
 from tests.recorded_gate import replay
+from tests.records import RESULTS
 
-RESULTS = Path(__file__).resolve().parent.parent / "results"
 V = "stale_metadata-vllm-"
 FAULTS = ("crash", "hang", "oob")
 
