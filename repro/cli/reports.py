@@ -160,10 +160,11 @@ def cmd_records(a: argparse.Namespace) -> int:
         return exit_codes.Exit.OK
     notes = {}
     for name in a.add or []:
-        if not (results / name).is_dir():
-            raise ConfigError(f"no record folder results/{name}/ to add")
+        if name not in records.records(results):
+            raise ConfigError(f"no record results/{name}/ (or {name}{records.PACKED}) to add")
     for name in a.add or []:
-        print(f"packed {records.pack(results / name)}")
+        if (results / name).is_dir():
+            print(f"packed {records.pack(results / name)}")
         if a.note:
             notes[name] = a.note
     print(f"wrote {records.write_index(root, notes)}")

@@ -100,12 +100,28 @@ def members(where: Path, wanted: Callable[[str], bool]) -> dict[str, bytes]:
 
 def _wanted(rel: str) -> bool:
     """The files a record's index line is derived from (never its logs)."""
-    return "logs/" not in rel and (Path(rel).name in _SUMMARIES or Path(rel).name == "command.txt")
+    name = Path(rel).name
+    return "logs/" not in rel and (name in _SUMMARIES or name == "command.txt" or name.endswith(".xml"))
+
+
+def _junit(data: bytes) -> str:
+    """One line of a JUnit XML (pytest --junitxml): its tests, failures, errors, skips and time."""
+    from xml.etree import ElementTree  # JUnit records only
+
+    try:
+        root = ElementTree.fromstring(data)
+    except ElementTree.ParseError as e:
+        return f"JUnit XML that does not parse ({e})"
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    n = {k: sum(int(float(s.get(k, 0))) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    seconds = sum(float(s.get("time", 0)) for s in suites)
+    return f"pytest: {n['tests']} tests, {n['failures']} failed, {n['errors']} errors, {n['skipped']} skipped, {seconds:.1f} s"
 
 
 def _command(text: str) -> str:
     """A recorded command line without its interpreter's path or a trailing note (`# exit 0, ...`)."""
     line = text.strip().splitlines()[0].split("    #")[0].strip()
+    line = re.sub(r"-m repro \S*pytest/__main__\.py", "-m pytest", line)  # how pytest's sys.argv was recorded
     return _COMMAND_PREFIX.sub("python ", line)
 
 
@@ -140,6 +156,8 @@ def describe(files: dict[str, bytes]) -> dict:
     for rel, data in files.items():
         if Path(rel).name == "command.txt":
             commands.append(_command(data.decode(errors="replace")))
+        elif rel.endswith(".xml"):
+            shows.append(f"{rel}: {_junit(data)}")
     for rel, doc in docs.items():
         env = doc.get("environment") or {}
         if env.get("command") and not any(Path(r).name == "command.txt" for r in files):
