@@ -208,3 +208,20 @@ def test_architecture_lists_every_module_and_only_modules_that_exist():
     assert not listed - files, f"docs/architecture.md lists modules that do not exist: {sorted(listed - files)}"
     folders = set(re.findall(r"`(repro/[\w/]+)/`", text))
     assert all((ROOT / f).is_dir() for f in folders), sorted(f for f in folders if not (ROOT / f).is_dir())
+
+
+def test_the_layers_table_gives_each_package_exactly_its_modules():
+    """docs/architecture.md's layer table: one row per package of repro/, naming the modules that package holds (the
+    ones the module list shows), no more and no fewer, and every package in one layer."""
+    text = DOC.read_text()
+    table = text[text.index("<!-- layers") : text.index("<!-- /layers -->")]
+    rows = re.findall(r"^\| ([^|]+) \| `(repro/[\w/]*)` \| ([^|]+) \|$", table, flags=re.M)
+    assert rows, "no layer rows found"
+    packages = [package.rstrip("/") for _, package, _ in rows]
+    assert len(packages) == len(set(packages)), "a package in two layers"
+    files = _listed_files()
+    for _, package, named in rows:
+        package = package.rstrip("/")
+        held = {f.rpartition("/")[2] for f in files if f.rpartition("/")[0] == package}
+        assert set(re.findall(r"`([\w]+\.py)`", named)) == held, f"{package}: the layer table's modules are not its own"
+    assert {f.rpartition("/")[0] for f in files} == set(packages), "a package of repro/ missing from the layer table"

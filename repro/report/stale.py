@@ -115,6 +115,11 @@ COMMANDS = (
 )
 
 
+def shown(readme: str) -> list[ReadmeCommand]:
+    """The GPU commands this README gives (a command it no longer shows is not its claim)."""
+    return [c for c in COMMANDS if c.readme in readme]
+
+
 def _module_file(root: Path, dotted: str) -> Path | None:
     base = root.joinpath(*dotted.split("."))
     for p in (base.with_suffix(".py"), base / "__init__.py"):
@@ -195,11 +200,13 @@ class Staleness:
 
 
 def check(root: Path) -> list[Staleness]:
-    """Each README GPU command, its last record and whether the code it runs changed since that record's commit."""
+    """Each GPU command README.md gives, its last record and whether the code it runs changed since that record's
+    commit."""
     root = Path(root)
     index = [e for e in load_index(root / "results").values() if e.get("stored")]
+    readme = (root / "README.md").read_text() if (root / "README.md").is_file() else ""
     out = []
-    for cmd in COMMANDS:
+    for cmd in shown(readme):
         ran = [e for e in index if any(cmd.runs(c) for c in e.get("commands") or [])]
         if not ran:
             out.append(Staleness(cmd, None, None, None, ()))
