@@ -128,9 +128,11 @@ def _module_file(root: Path, dotted: str) -> Path | None:
     return None
 
 
-def _imported(root: Path, path: Path) -> set[Path]:
-    """The project's files a Python file imports (anywhere in it), its packages' __init__.py, and the modules it
-    names as strings ("repro.x.y": started with python -m, or imported at run time)."""
+def _imported(root: Path, path: Path) -> tuple[set[Path], set[Path]]:
+    """(the project's files a Python file imports anywhere in it or names as strings ("repro.x.y": started with
+    python -m, or imported at run time), the __init__.py of the packages above them). A package's __init__.py counts
+    as code the command runs, but what it imports in turn is followed only when the command imports the package
+    itself: repro/cli/__init__.py imports every subcommand, and `gate` runs none of the others."""
     tree = ast.parse(path.read_text(), str(path))
     here = path.relative_to(root).with_suffix("").parts
     names: set[str] = set()
@@ -149,13 +151,13 @@ def _imported(root: Path, path: Path) -> set[Path]:
             and re.fullmatch(r"repro(\.\w+)+", node.value)
         ):
             names.add(node.value)
-    found = set()
+    named, parents = set(), set()
     for name in names:
         parts = name.split(".")
         for i in range(1, len(parts) + 1):
             if f := _module_file(root, ".".join(parts[:i])):
-                found.add(f)
-    return found
+                (named if i == len(parts) else parents).add(f)
+    return named, parents - named
 
 
 def code_paths(root: Path, entries: tuple[str, ...]) -> list[str]:
@@ -166,14 +168,17 @@ def code_paths(root: Path, entries: tuple[str, ...]) -> list[str]:
         p = root / e
         todo += sorted(p.rglob("*.py")) if p.is_dir() else [p] if p.is_file() else []
     seen: set[Path] = set()
+    above: set[Path] = set()
     while todo:
         f = todo.pop()
         if f in seen:
             continue
         seen.add(f)
         if f.suffix == ".py":
-            todo += sorted(_imported(root, f) - seen)
-    return sorted(p.relative_to(root).as_posix() for p in seen)
+            named, parents = _imported(root, f)
+            todo += sorted(named - seen)
+            above |= parents
+    return sorted(p.relative_to(root).as_posix() for p in seen | above)
 
 
 @dataclass(frozen=True)
