@@ -31,17 +31,20 @@ def unpacked() -> Path:
 
 
 @functools.cache
-def _stored() -> dict[str, Path]:
-    return records(ROOT / "results")
+def _stored(results: Path) -> dict[str, Path]:
+    return records(results)
 
 
 @functools.cache
-def folder(name: str) -> Path:
+def folder(name: str, results: Path = ROOT / "results") -> Path:
     """The record's folder, unpacked on first use."""
-    where = _stored().get(name)
+    where = _stored(results).get(name)
     if where is None:
         raise FileNotFoundError(f"no record results/{name} (packed or a folder): see results/index.json")
     dest = unpacked() / "results"
+    if results != ROOT / "results":  # another results/ (a test's): its own folder in the session's one
+        dest = unpacked() / str(abs(hash(results))) / "results"
+        dest.mkdir(parents=True, exist_ok=True)
     if where.is_dir():
         (dest / name).symlink_to(where, target_is_directory=True)
         return dest / name
@@ -66,19 +69,19 @@ class Results:
         if own.is_file() or name in NOT_RECORDS:
             return own
         record, _, inside = name.partition("/")  # "NAME/sub" as well as "NAME"
-        return folder(record) / inside if inside else folder(record)
+        return folder(record, self.root) / inside if inside else folder(record, self.root)
 
     def names(self) -> list[str]:
-        return sorted(_stored())
+        return sorted(_stored(self.root))
 
     def iterdir(self) -> Iterator[Path]:
-        return (folder(n) for n in self.names())
+        return (folder(n, self.root) for n in self.names())
 
     def glob(self, pattern: str) -> Iterator[Path]:
         first, _, rest = pattern.partition("/")
         for name in self.names():
             if fnmatch.fnmatch(name, first):
-                yield from (folder(name).glob(rest) if rest else [folder(name)])
+                yield from (folder(name, self.root).glob(rest) if rest else [folder(name, self.root)])
 
 
 RESULTS = Results(ROOT / "results")

@@ -88,6 +88,20 @@ def test_a_packed_record_reads_as_its_folder_did(tmp_path):
     assert records.records(tmp_path / "results") == {"r": tmp_path / "results" / "r.tar.xz"}
 
 
+def test_the_tests_read_a_packed_record_and_a_new_folder_alike(tmp_path):
+    from tests.records import Results
+
+    results = tmp_path / "results"
+    for name in ("old", "new"):
+        _write(results / name, {"results.json": json.dumps({"name": name}), "logs/a.out.log": name})
+    records.pack(results / "old")
+    r = Results(results)
+    assert r.names() == ["new", "old"]
+    assert sorted(json.loads(p.read_text())["name"] for p in r.glob("*/results.json")) == ["new", "old"]
+    assert (r / "new/logs/a.out.log").read_text() == "new" and (r / "old" / "logs" / "a.out.log").read_text() == "old"
+    assert (r / "old") == (r / "old")  # unpacked once: the same folder every time
+
+
 def test_packing_the_same_files_gives_the_same_bytes(tmp_path):
     out = []
     for n in ("one", "two"):
