@@ -228,3 +228,12 @@ def test_the_stale_check_knows_the_readmes_gpu_commands():
 
     names = {c.name for c in shown((ROOT / "README.md").read_text())}
     assert {"gate", "pytest GPU tier (the CI line)", "matrix"} <= names, names
+
+
+def test_unpack_writes_every_record_as_its_folder(repo):
+    assert run_repro("records", "--add", "rec-a", "--root", str(repo)).returncode == 0
+    _write(repo, {"results/rec-new/results.json": "{}"})  # a new record, not packed yet
+    r = run_repro("records", "--unpack", str(repo / "out"), "--root", str(repo))
+    assert r.returncode == 0, r.stderr
+    assert (repo / "out" / "results" / "rec-a" / "logs" / "a.out.log").read_text() == "the case's own log\n"
+    assert (repo / "out" / "results" / "rec-new" / "results.json").read_text() == "{}"
