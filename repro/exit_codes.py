@@ -111,7 +111,8 @@ def bisect(first_bad: str | None, only_untestable_left: bool) -> Exit:
 
 
 def check(ok: bool) -> Exit:
-    """The commands that check one thing (`agree`, `xdist-report`, the MPS coexistence probe): 0 it holds, 1 not."""
+    """The commands that check one thing (`agree`, `xdist-report`, `records --stale`, the MPS coexistence probe): 0 it
+    holds, 1 not."""
     return Exit.OK if ok else Exit.BUG
 
 
@@ -142,6 +143,11 @@ EXIT_CODES: dict[str, dict[int, str]] = {
     "xdist-report": {0: "every worker on a GPU of its own", 1: "a worker shared or changed GPUs", 2: "bad input"},
     "bench": {0: "written", 2: "bad input"},
     "redact": {0: "done", 2: "bad input"},
+    "records": {
+        0: "done (--stale: every README GPU command's last record ran the code it runs now)",
+        1: "--stale: a README GPU command has no record, or its last record ran older code",
+        2: "bad input (no results/ folder, no such record, --stale outside a git checkout)",
+    },
     "doctor": {0: "always (it reports what is missing)"},
     "serve": {0: "started, running, stopped or status shown", 2: "bad input, or the server did not start"},
     "repro.run.smcontrol --probe-coexistence": {

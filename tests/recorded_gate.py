@@ -5,7 +5,6 @@ attribution rerun, the reference comparison, the coverage check and repro.judge.
 from __future__ import annotations
 
 import argparse
-import json
 import lzma
 import re
 import shutil
@@ -20,6 +19,7 @@ from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import run as gate_run
 from repro.vllm_integration.gate.case import GateCase, parse_backends, parse_modes
 from repro.vllm_integration.gate.run import KEPT_LINE, run_gate
+from tests.records import load
 
 
 def _whole(out_log: Path) -> bool:
@@ -31,7 +31,7 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
     """(the record's results.json, its rows by case id, the replayed GateRun, every replayed result by case id);
     edit_channel(case_id, text) may change a case's channel records on the way. more_logs: other records' logs
     folders, for a reference the run took from its cache before the gate wrote kept references into its logs."""
-    doc = json.loads((record / "results.json").read_text())
+    doc = load(record / "results.json")  # parsed once per test session (tests/records.py): read, never changed
     rows = {row["case"]: row for row in doc["cases"]}
     own = record / "logs"
     monkeypatch.setattr(smcontrol, "_sm_count", lambda env: int(doc["environment"]["sms"]))

@@ -3,9 +3,10 @@ apart, and what `matrix` writes accepted as input."""
 
 from __future__ import annotations
 
-from tests.commands import ROOT, no_traceback, run_repro
+from tests.commands import no_traceback, run_repro
+from tests.records import RESULTS
 
-H200_RUN = ROOT / "results" / "h200-default" / "results.json"
+H200_RUN = RESULTS / "h200-default" / "results.json"
 
 
 def test_agree_accepts_what_matrix_writes(tmp_path):

@@ -208,3 +208,24 @@ def test_architecture_lists_every_module_and_only_modules_that_exist():
     assert not listed - files, f"docs/architecture.md lists modules that do not exist: {sorted(listed - files)}"
     folders = set(re.findall(r"`(repro/[\w/]+)/`", text))
     assert all((ROOT / f).is_dir() for f in folders), sorted(f for f in folders if not (ROOT / f).is_dir())
+
+
+def test_the_layers_table_gives_each_package_exactly_its_modules():
+    """docs/architecture.md's layer table: one row per package of repro/, naming every module that package holds (the
+    ones the module list shows) and no file it does not hold, and every package in one layer."""
+    text = DOC.read_text()
+    table = text[text.index("<!-- layers") : text.index("<!-- /layers -->")]
+    rows = re.findall(r"^\| ([^|]+) \| `(repro/[\w/]*)` \| ([^|]+) \|$", table, flags=re.M)
+    assert rows, "no layer rows found"
+    packages = [package.rstrip("/") for _, package, _ in rows]
+    assert len(packages) == len(set(packages)), "a package in two layers"
+    files = _listed_files()
+    for _, package, named in rows:
+        package = package.rstrip("/")
+        held = {f.rpartition("/")[2] for f in files if f.rpartition("/")[0] == package}
+        there = {p.name for p in (ROOT / package).glob("*.py")}  # an __init__.py of a docstring alone may be named
+        named = set(re.findall(r"`([\w]+\.py)`", named))
+        assert held <= named <= there, f"{package}: missing {sorted(held - named)}, not there {sorted(named - there)}"
+    missing = {f.rpartition("/")[0] for f in files} - set(packages)
+    assert not missing, f"packages of repro/ missing from the layer table: {sorted(missing)}"
+    assert all((ROOT / p).is_dir() for p in packages)

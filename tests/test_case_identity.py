@@ -18,6 +18,7 @@ from repro.case.spec import CaseSpec, SmConfig
 from repro.errors import ConfigError
 from repro.run.pytest_cases import RUN_ENV, start_run_logs
 from tests.commands import run_repro
+from tests.records import RESULTS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,7 +63,7 @@ def test_default_matrix_keeps_its_recorded_ids():
     """Ids of default configurations are unchanged, so records stay comparable (results/h200-default-served)."""
     import json
 
-    recorded = {c["case"] for c in json.loads((ROOT / "results/h200-default-served/results.json").read_text())["cases"]}
+    recorded = {c["case"] for c in json.loads((RESULTS / "h200-default-served" / "results.json").read_text())["cases"]}
     assert {s.case_id for s in build_specs(MatrixOptions())} == recorded
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from repro.run.channel import ENV, SCHEMA, Channel, emit, path_for
 from repro.run.tags import AUDIT_TAG, PLUGIN_TAG, RESULT_TAG
+from tests.records import RESULTS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,7 +61,7 @@ def test_log_text_that_looks_like_a_tag_is_not_a_record():
 
 def test_recorded_logs_read_as_before():
     """A log recorded on the H200 before the channel: its tagged lines are the records (Channel.of_case falls back)."""
-    log = next((ROOT / "results" / "h200-vllm-coverage" / "logs").glob("*0.26.0-under-test-audit.out.log"))
+    log = next((RESULTS / "h200-vllm-coverage" / "logs").glob("*0.26.0-under-test-audit.out.log"))
     ch = Channel.of_case(log)
     assert ch.source == "output" and ch.last(RESULT_TAG)["vllm_version"] == "0.26.0" and not ch.errors()
     assert path_for(log).name.endswith("0.26.0-under-test-audit.channel.jsonl")

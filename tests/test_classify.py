@@ -9,6 +9,7 @@ from repro.case.descriptors import AttnConfig
 from repro.case.spec import CaseSpec, SmConfig
 from repro.judge.classify import classify
 from repro.judge.verdicts import CLEAN, CRASH, ERROR, HANG, LAUNCH_FAIL, OOB, SKIP, WRONG
+from tests.records import RESULTS
 
 SPEC = CaseSpec("vllm", "stale", "eager", sm=SmConfig("sm_margin", 16), poison="int-max", timeout_s=90)
 
@@ -67,7 +68,7 @@ def test_skip_and_unknown_failure():
     assert r.verdict == ERROR and "exit status 1" in r.reason
 
 
-LAUNCH_SWEEP = Path(__file__).resolve().parent.parent / "results" / "h200-launch-failures-2"
+LAUNCH_SWEEP = RESULTS / "h200-launch-failures-2"
 LAUNCH_LOGS = sorted(p for p in LAUNCH_SWEEP.glob("*/logs/*.out.log") if "CUTLASS error (" in p.read_text())
 
 

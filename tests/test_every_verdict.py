@@ -15,10 +15,11 @@ from repro.judge.classify import classify
 from repro.judge.policy import Control, decide, satisfies
 from repro.judge.verdicts import ERROR, LAUNCH_FAIL, VERDICTS
 from repro.report import results as report
+from tests.records import RESULTS
 
 ROOT = Path(__file__).resolve().parent.parent
-SWEEP = ROOT / "results" / "h200-launch-failures"
-SWEEP2 = ROOT / "results" / "h200-launch-failures-2"  # the same sweep after the exit-status fix
+SWEEP = RESULTS / "h200-launch-failures"
+SWEEP2 = RESULTS / "h200-launch-failures-2"  # the same sweep after the exit-status fix
 
 
 def _one_of_each() -> MatrixRun:

@@ -11,6 +11,7 @@ from repro.case.descriptors import AttnConfig
 from repro.fa3_model.predict import predict_case, predict_matrix
 from repro.fa3_model.reads import combine_max_splits, predict_launch
 from repro.fa3_model.scheduler import PAD, num_splits_heuristic, scheduler_metadata
+from tests.records import RESULTS
 
 
 def _inputs(header, r):
@@ -108,13 +109,10 @@ def test_model_matrix_benchmark_under_10_s():
 
 
 def test_agreement_with_recorded_gpu_runs():
-    from pathlib import Path
-
     from repro.fa3_model.agreement import compare
 
-    root = Path(__file__).parent.parent / "results"
     rows = compare(
-        [root / "h200-memcheck-benchmark" / "results.json", root / "h200-memcheck-nopoison" / "results.json"]
+        [RESULTS / "h200-memcheck-benchmark" / "results.json", RESULTS / "h200-memcheck-nopoison" / "results.json"]
     )
     assert len(rows) >= 30
     assert all(r.verdict_agrees for r in rows)
@@ -123,11 +121,10 @@ def test_agreement_with_recorded_gpu_runs():
 def test_agreement_with_memcheck_that_destroys_the_faulting_context():
     """results/h200-memcheck-warm (memcheck with --destroy-on-device-error context, stopped at the first whole error):
     the verdicts and the kernel memcheck named first still agree with the model, on both execution paths."""
-    from pathlib import Path
 
     from repro.fa3_model.agreement import compare
 
-    root = Path(__file__).parent.parent / "results" / "h200-memcheck-warm"
+    root = RESULTS / "h200-memcheck-warm"
     rows = compare([root / "old" / "results.json", root / "new" / "results.json"])
     assert len(rows) == 48 and all(r.verdict_agrees for r in rows)  # the eager cases the model covers, both paths
     named = [r for r in rows if r.kernel_agrees is not None]

@@ -7,12 +7,13 @@ import re
 
 import pytest
 
-from tests.commands import ROOT, run_repro
+from tests.commands import run_repro
+from tests.records import RESULTS, unpacked
 
-RESULTS = ROOT / "results"
-
-
-REGENERATE = "python -m repro agree results/*/results.json --out results/model-agreement.md"
+REGENERATE = (
+    "python -m repro records --unpack DIR && (cd DIR && python -m repro agree results/*/results.json --out "
+    "results/model-agreement.md), then copy DIR/results/model-agreement.md to results/"
+)
 
 
 def test_model_agreement_summary_is_what_agree_writes_now(monkeypatch):
@@ -20,9 +21,10 @@ def test_model_agreement_summary_is_what_agree_writes_now(monkeypatch):
     from repro.report.redact import redact
     from repro.report.results import MODEL, is_vllm_gate_record, load_json
 
-    monkeypatch.chdir(ROOT)  # the summary names its sources as results/...
-    paths = sorted(str(p.relative_to(ROOT)) for p in RESULTS.glob("*/results.json"))
-    paths = [p for p in paths if not is_vllm_gate_record(ROOT / p)]  # `agree` leaves real-vLLM gate records out too
+    top = unpacked()  # every record unpacked under top/results/NAME, so the summary names its sources results/...
+    paths = sorted(str(p.relative_to(top)) for p in RESULTS.glob("*/results.json"))
+    monkeypatch.chdir(top)
+    paths = [p for p in paths if not is_vllm_gate_record(top / p)]  # `agree` leaves real-vLLM gate records out too
     measured = [p for p in paths if load_json(p).source != MODEL]
     assert len(measured) >= 17
     text = (RESULTS / "model-agreement.md").read_text()

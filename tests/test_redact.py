@@ -36,10 +36,9 @@ def test_committed_records_hold_no_machine_paths():
         ["git", "-C", str(ROOT), "ls-files", "results", "tests/fixtures"], capture_output=True, text=True
     ).stdout.split()
     assert files, "no committed records found"
-    for f in files:
-        p = ROOT / f
-        if p.suffix in (".json", ".md", ".xml", ".txt", ".log"):
-            text = p.read_text(errors="replace")
+    for f, data in _committed(files):
+        if Path(f).suffix in (".json", ".md", ".xml", ".txt", ".log"):
+            text = data.decode(errors="replace")
             assert redact(text) == text, f"{f} holds a machine path"
 
 
@@ -49,8 +48,20 @@ def test_committed_records_hold_no_binary():
     files = subprocess.run(
         ["git", "-C", str(ROOT), "ls-files", "results"], capture_output=True, text=True
     ).stdout.split()
-    binaries = [f for f in files if (ROOT / f).is_file() and (ROOT / f).read_bytes()[:4] == b"\x7fELF"]
+    binaries = [f for f, data in _committed(files) if data[:4] == b"\x7fELF"]
     assert binaries == []
+
+
+def _committed(files: list[str]):
+    """(path, bytes) of every committed file, and of every file inside a packed record (results/NAME.tar.xz)."""
+    from repro.report.records import PACKED, members
+
+    for f in files:
+        p = ROOT / f
+        if f.endswith(PACKED):
+            yield from ((f"{f}:{rel}", data) for rel, data in members(p, lambda rel: True).items())
+        elif p.is_file():
+            yield f, p.read_bytes()
 
 
 def test_redaction_is_idempotent():

@@ -4,7 +4,6 @@ recorded (results/h200-vllm*), and its last-good/first-bad logic."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from repro.vllm_integration.releases.release_range import (
     BAD,
@@ -15,8 +14,7 @@ from repro.vllm_integration.releases.release_range import (
     transitions,
     version_key,
 )
-
-RESULTS = Path(__file__).resolve().parent.parent / "results"
+from tests.records import RESULTS
 
 
 def _builds(name: str) -> list[dict]:

@@ -14,8 +14,8 @@ from repro.judge.verdicts import CLEAN, CRASH, HANG, LAUNCH_FAIL, OOB, STALE_AUD
 from repro.report import results as report
 from repro.report.results import is_vllm_gate_record, load_json
 from tests.commands import no_traceback, run_repro
+from tests.records import RESULTS
 
-RESULTS = Path(__file__).parent.parent / "results"
 H200_RUN = RESULTS / "h200-default" / "results.json"
 
 
@@ -143,7 +143,7 @@ def test_features_the_model_does_not_model_expect_audit(tmp_path):
 RECORDED = sorted(
     p
     for pattern in ("h200-*/results.json", "h200-*/old/results.json", "h200-*/new/results.json")
-    for p in (Path(__file__).resolve().parent.parent / "results").glob(pattern)
+    for p in (RESULTS).glob(pattern)
     if not is_vllm_gate_record(p)  # matrix runs; real-vLLM gate records have their tests
 )
 

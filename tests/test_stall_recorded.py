@@ -11,8 +11,8 @@ import re
 from pathlib import Path
 
 from repro.vllm_integration.gate.case import CAPTURE_STALL
+from tests.records import RESULTS
 
-RESULTS = Path(__file__).resolve().parent.parent / "results"
 STAMP = re.compile(r"(?:INFO|WARNING|DEBUG) (\d\d-\d\d \d\d:\d\d:\d\d)")
 
 

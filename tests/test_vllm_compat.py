@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from repro.vllm_integration.releases.compat import check_source, plugin_compat
+from tests.records import RESULTS
 
 FLASH = """
 class FlashAttentionMetadata:
@@ -70,7 +71,7 @@ def test_missing_hooks_are_named(tmp_path):
     assert any("arguments differ" in n for n in notes) and any("lacks scheduler_metadata" in n for n in notes)
 
 
-RECORDED = json.loads((Path(__file__).parent.parent / "results" / "vllm-source-check.json").read_text())
+RECORDED = json.loads((RESULTS / "vllm-source-check.json").read_text())
 BAD_WHERE = re.compile(r": (vllm/\S+\.py):(\d+) (\w+)\.capture reuses saved attention states \((\w+)\)$")
 
 
@@ -116,7 +117,7 @@ def test_the_checker_states_what_was_recorded_for_a_tree_shaped_like_the_wheel(t
 def test_the_recorded_source_verdicts_agree_with_the_gpu_gate():
     """The static verdicts against what the real-vLLM gate measured on the H200 (results/h200-vllm-coverage): a
     build the gate found affected is `bad`, one it passed is `good`; 0.24.0 predates that run."""
-    gate = json.loads((Path(__file__).parent.parent / "results" / "h200-vllm-coverage" / "results.json").read_text())
+    gate = json.loads((RESULTS / "h200-vllm-coverage" / "results.json").read_text())
     measured = {b["vllm_version"]: b["affected"] for b in gate["builds"]}
     assert measured == {"0.26.0": False, "0.25.1": True}
     verdicts = {_version(r): r["verdict"] for r in RECORDED}

@@ -5,13 +5,11 @@ plain by a fault in FA3's combine kernel, where with inductor its plain mode dec
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from tests.recorded_gate import replay
+from tests.records import RESULTS
 
-RESULTS = Path(__file__).resolve().parent.parent / "results"
 V = "stale_metadata-vllm-"
 # the warm run took its reference from the cache the cold run had just written (its out.log says so)
 WARM_KEPT_FROM = (RESULTS / "h200-fast-cold" / "logs",)

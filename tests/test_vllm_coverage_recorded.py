@@ -29,8 +29,9 @@ from repro.vllm_integration.gate import report as gate_report
 from repro.vllm_integration.gate.case import GateCase, parse_modes
 from repro.vllm_integration.gate.run import run_gate
 from repro.vllm_integration.releases.builds import VllmBuild
+from tests.records import RESULTS
 
-RECORD = Path(__file__).resolve().parent.parent / "results" / "h200-vllm-coverage"
+RECORD = RESULTS / "h200-vllm-coverage"
 LOGS = RECORD / "logs"
 DOC = json.loads((RECORD / "results.json").read_text())
 ROWS = {row["case"]: row for row in DOC["cases"]}

@@ -6,13 +6,13 @@ draft prefill captures, so the affected range starts after 0.20.2, measured."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from repro.exit_codes import gate as gate_exit
 from repro.vllm_integration.gate.report import to_json
 from tests.recorded_gate import replay
+from tests.records import RESULTS
 
-RECORD = Path(__file__).resolve().parent.parent / "results" / "h200-eagle-0.20.2-0.22.0"
+RECORD = RESULTS / "h200-eagle-0.20.2-0.22.0"
 V = "stale_metadata-vllm-"
 
 

@@ -20,8 +20,9 @@ from repro.vllm_integration.gate.report import build_summary
 from repro.vllm_integration.gate.run import run_gate
 from repro.vllm_integration.releases.builds import CONTROL, UNDER_TEST, parse_builds
 from tests.fake_vllm import write_fake_vllm
+from tests.records import RESULTS
 
-RECORDED = Path(__file__).parent.parent / "results" / "h200-vllm-release-range" / "logs"
+RECORDED = RESULTS / "h200-vllm-release-range" / "logs"
 
 
 def _build(tmp_path: Path, name: str, behaviour: str = "good", version: str = "0.26.0"):

@@ -5,7 +5,6 @@ with today's code must give the recorded verdicts."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -15,8 +14,9 @@ from repro.run.channel import Channel
 from repro.run.tags import AUDIT_TAG, RESULT_TAG
 from repro.vllm_integration.gate.case import GateCase
 from repro.vllm_integration.gate.judge import compare_tokens
+from tests.records import RESULTS
 
-RECORDS = sorted((Path(__file__).resolve().parent.parent / "results" / "h200-vllm").glob("*/results.json"))
+RECORDS = sorted((RESULTS / "h200-vllm").glob("*/results.json"))
 ROWS = [(p.parent.name, c) for p in RECORDS for c in json.loads(p.read_text())["cases"]]
 
 

@@ -6,12 +6,10 @@ gate cannot vouch for those configurations (issue 26, item 3)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from repro.vllm_integration.gate.case import PRESETS
 from tests.recorded_gate import replay
+from tests.records import RESULTS
 
-RESULTS = Path(__file__).resolve().parent.parent / "results"
 BROKEN = ("mps:24", "audit+mps:24", "mps:40", "audit+mps:40")  # the platform check failed there
 
 

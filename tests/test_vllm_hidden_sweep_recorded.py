@@ -7,13 +7,11 @@ where 0.25.1 decoded right and no self control ran."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from repro.exit_codes import gate as gate_exit
 from repro.judge import policy
 from tests.recorded_gate import replay
+from tests.records import RESULTS
 
-RESULTS = Path(__file__).resolve().parent.parent / "results"
 RECORD = RESULTS / "h200-sweep-smmargin"
 # the full GPU's references came from the cache the README's gate line had written just before, on the same machine
 KEPT_FROM = RESULTS / "h200-readme-gate-3" / "logs"

@@ -6,13 +6,11 @@ BLIND alone)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from tests.recorded_gate import replay
+from tests.records import RESULTS
 
-RESULTS = Path(__file__).resolve().parent.parent / "results"
 V = "stale_metadata-vllm-"
 MODE = "compile-none-memcheck-own"
 

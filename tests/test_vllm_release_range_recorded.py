@@ -17,8 +17,9 @@ from repro.run.tags import TAGS
 from repro.vllm_integration.gate.report import build_summary
 from repro.vllm_integration.releases import release_range
 from tests import recorded_gate
+from tests.records import RESULTS
 
-RECORD = Path(__file__).resolve().parent.parent / "results" / "h200-vllm-release-range"
+RECORD = RESULTS / "h200-vllm-release-range"
 LOGS = RECORD / "logs"
 DOC = json.loads((RECORD / "results.json").read_text())
 ROWS = {row["case"]: row for row in DOC["cases"]}

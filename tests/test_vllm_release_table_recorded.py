@@ -6,13 +6,13 @@ captures held there."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from repro.exit_codes import gate as gate_exit
 from repro.vllm_integration.plugin.audit import _slots_advanced
 from tests.recorded_gate import replay
+from tests.records import RESULTS
 
-RECORD = Path(__file__).resolve().parent.parent / "results" / "h200-release-table-2"
+RECORD = RESULTS / "h200-release-table-2"
 V = "stale_metadata-vllm-"
 
 

@@ -6,7 +6,6 @@ control each mode relied on are recomputed, not read."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from repro.exit_codes import gate as gate_exit
 from repro.run.channel import Channel
@@ -14,8 +13,8 @@ from repro.run.tags import DEVICE_TAG
 from repro.vllm_integration.gate.judge import platform_problem
 from repro.vllm_integration.gate.report import fidelity, markdown
 from tests.recorded_gate import replay
+from tests.records import RESULTS
 
-RESULTS = Path(__file__).resolve().parent.parent / "results"
 V = "stale_metadata-vllm-"
 
 

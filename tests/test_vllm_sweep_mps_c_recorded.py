@@ -5,11 +5,9 @@ a configuration the gate cannot vouch for, never a verdict about the build)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from tests.recorded_gate import replay
+from tests.records import RESULTS
 
-RESULTS = Path(__file__).resolve().parent.parent / "results"
 V = "stale_metadata-vllm-0.26.0-under-test-compile-none-"
 
 

@@ -6,7 +6,6 @@ run's logs is the one its paths.md shows."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -16,8 +15,7 @@ from repro.vllm_integration.gate import bench as gate_bench
 from repro.vllm_integration.gate.report import build_summary
 from repro.vllm_integration.releases import release_range
 from tests.recorded_gate import replay
-
-RESULTS = Path(__file__).resolve().parent.parent / "results"
+from tests.records import RESULTS
 
 
 def test_the_five_release_sweep_comes_back(monkeypatch, tmp_path):

@@ -1,12 +1,11 @@
 """The two-GPU check: each xdist worker on a GPU of its own, read from JUnit properties recorded inside cases."""
 
-from pathlib import Path
-
 from repro.case.spec import CaseSpec
 from repro.judge.classify import classify
 from repro.report.xdist import check_junit
+from tests.records import RESULTS
 
-RECORDED = Path(__file__).parent.parent / "results" / "h200x2-xdist"
+RECORDED = RESULTS / "h200x2-xdist"
 
 
 def _junit(tmp_path, rows):
@@ -49,6 +48,6 @@ def test_device_line_is_read_even_when_the_case_crashes():
 
 def test_recorded_one_gpu_run_is_flagged_as_shared():
     """Negative control recorded on one H200: two workers, one GPU. Crashing cases named their GPU too."""
-    rep = check_junit(RECORDED.parent / "h200-xdist-1gpu" / "junit-1gpu-n2.xml", expect_workers=2)
+    rep = check_junit(RESULTS / "h200-xdist-1gpu" / "junit-1gpu-n2.xml", expect_workers=2)
     assert not rep.ok and any("share GPU" in p for p in rep.problems)
     assert rep.cases == {"gw0": 4, "gw1": 4}  # all 8 cases, the 4 crashing ones included

@@ -1,5 +1,5 @@
 """`python -m repro <subcommand>`: a thin entry; each subcommand lives in its own module of this package (run,
-matrix, gate/bisect/vllm-check in vllm, doctor/agree/bench/xdist-report/redact in reports, serve; shared pieces in common).
+matrix, gate/bisect/vllm-check in vllm, doctor/agree/bench/xdist-report/redact/records in reports, serve; shared pieces in common).
 Bad input: one line on stderr and exit code 2, no traceback."""
 
 from __future__ import annotations

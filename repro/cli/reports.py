@@ -1,8 +1,10 @@
-"""`python -m repro doctor | agree | bench | xdist-report | redact`: what a machine can run, and reports over recorded results."""
+"""`python -m repro doctor | agree | bench | xdist-report | redact | records`: what a machine can run, and reports over
+recorded results."""
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
@@ -39,7 +41,22 @@ def add_parsers(sub) -> None:
     b.add_argument("memcheck", nargs="?", help="results.json of the same matrix under memcheck (--sanitizer)")
     b.add_argument("--paths", nargs=2, metavar=("OLD", "NEW"), help="results.json of the old path, then the new")
     b.add_argument("--out", help="write the Markdown here (default: print it only)")
+    r = sub.add_parser(
+        "records",
+        help="the recorded runs under results/: pack and index a new one (--add), rewrite the index (--index), list the "
+        "README's GPU commands whose last record ran older code (--stale), unpack them all (--unpack DIR)",
+    )
+    act = r.add_mutually_exclusive_group(required=True)
+    act.add_argument(
+        "--add", nargs="+", metavar="NAME", help="pack results/NAME/ into results/NAME.tar.xz and index it"
+    )
+    act.add_argument("--index", action="store_true", help="write results/index.json from the records and git")
+    act.add_argument("--stale", action="store_true", help="exit 1 when a README GPU command's last record is stale")
+    act.add_argument("--unpack", metavar="DIR", help="write every record, unpacked, under DIR/results/")
+    r.add_argument("--note", help="with --add: one line of what the record shows, kept in its index entry")
+    r.add_argument("--root", default=".", help="the checkout whose results/ to read (default: this folder)")
     sub.choices["doctor"].set_defaults(func=cmd_doctor)
+    sub.choices["records"].set_defaults(func=cmd_records)
     sub.choices["agree"].set_defaults(func=cmd_agree)
     sub.choices["bench"].set_defaults(func=cmd_bench)
     sub.choices["xdist-report"].set_defaults(func=cmd_xdist)
@@ -112,4 +129,43 @@ def cmd_redact(a: argparse.Namespace) -> int:
         check_exists(path)
     changed = redact_tree(a.paths)
     print(f"redacted {len(changed)} file(s)")
+    return exit_codes.Exit.OK
+
+
+def cmd_records(a: argparse.Namespace) -> int:
+    from repro.report import records, stale  # git and tar: for this command only
+
+    root = Path(a.root)
+    results = root / "results"
+    if not results.is_dir():
+        raise ConfigError(f"{results} is not a folder: give --root the checkout that holds results/")
+    if a.note and not a.add:
+        raise ConfigError("--note goes with --add")
+    if a.stale:
+        if not records.git(root, "rev-parse", "HEAD"):
+            raise ConfigError(f"{root} is not a git checkout with history: --stale compares commits")
+        found = stale.check(root)
+        for s in found:
+            print(s.line())
+        return exit_codes.check(not any(s.stale for s in found))
+    if a.unpack:
+        dest = Path(a.unpack) / "results"
+        dest.mkdir(parents=True, exist_ok=True)
+        for name, where in records.records(results).items():
+            if where.is_dir():
+                shutil.copytree(where, dest / name, dirs_exist_ok=True)
+            else:
+                records.unpack(where, dest)
+        print(f"unpacked {len(records.records(results))} record(s) under {dest}")
+        return exit_codes.Exit.OK
+    notes = {}
+    for name in a.add or []:
+        if name not in records.records(results):
+            raise ConfigError(f"no record results/{name}/ (or {name}{records.PACKED}) to add")
+    for name in a.add or []:
+        if (results / name).is_dir():
+            print(f"packed {records.pack(results / name)}")
+        if a.note:
+            notes[name] = a.note
+    print(f"wrote {records.write_index(root, notes)}")
     return exit_codes.Exit.OK

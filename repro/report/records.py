@@ -1,0 +1,281 @@
+"""The recorded runs under results/: each record a folder as the harness wrote it, or that folder packed into one
+`NAME.tar.xz` (`pack`); both read the same way (`members`, `unpack`). The index (results/index.json, `build_index`)
+says for every record, present or left in git history, which command it ran, the commit its code was at, when, which
+builds, and what it shows in one line, all derived from the record's own files and git, never written by hand."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import subprocess
+import tarfile
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+PACKED = ".tar.xz"
+INDEX = "index.json"
+# results/'s files that are not records: summaries generated from them, the source check's data (read by repro)
+NOT_RECORDS = {"README.md", INDEX}
+GENERATED_BY = "python -m repro records --index"
+_SUMMARIES = ("results.json", "paths.json", "gate.json")  # the harness's machine-readable outcomes
+_COMMAND_PREFIX = re.compile(r"^\S*python3?(\.\d+)? ")
+
+
+def records(results: Path) -> dict[str, Path]:
+    """Record name -> where it is: its folder (a new record, not packed yet) or its NAME.tar.xz; a name held both ways
+    is the folder's (the newer)."""
+    found: dict[str, Path] = {}
+    for p in sorted(Path(results).iterdir()):
+        if p.name.endswith(PACKED) and p.is_file():
+            found.setdefault(p.name[: -len(PACKED)], p)
+        elif p.is_dir():
+            found[p.name] = p
+    return found
+
+
+def pack(folder: Path) -> Path:
+    """Pack a record folder into FOLDER.tar.xz beside it, the same bytes for the same files (sorted, no owners, no
+    times), and remove the folder. Its members are NAME/... ."""
+    import shutil  # rmtree: only when packing
+
+    folder = Path(folder)
+    out = folder.with_name(folder.name + PACKED)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:xz", preset=6) as tar:
+        for p in [folder, *sorted(folder.rglob("*"))]:
+            info = tarfile.TarInfo(str(p.relative_to(folder.parent)))
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+            if p.is_dir():
+                info.type, info.mode = tarfile.DIRTYPE, 0o755
+                tar.addfile(info)
+            elif p.is_file():
+                data = p.read_bytes()
+                info.size, info.mode = len(data), 0o644
+                tar.addfile(info, io.BytesIO(data))
+    out.write_bytes(buf.getvalue())
+    shutil.rmtree(folder)
+    return out
+
+
+def _safe_members(tar: tarfile.TarFile, name: str) -> list[tarfile.TarInfo]:
+    """The archive's members, each a file or folder under NAME/ (anything else is not a record of ours)."""
+    members = tar.getmembers()
+    for m in members:
+        parts = Path(m.name).parts
+        if not parts or parts[0] != name or ".." in parts or not (m.isfile() or m.isdir()):
+            raise ValueError(f"{name}{PACKED}: {m.name!r} is not a file under {name}/")
+    return members
+
+
+def unpack(archive: Path, dest: Path) -> Path:
+    """Extract a packed record into dest/NAME and return that folder."""
+    archive = Path(archive)
+    name = archive.name[: -len(PACKED)]
+    with tarfile.open(archive, "r:xz") as tar:
+        tar.extractall(dest, members=_safe_members(tar, name))  # noqa: S202  members checked above
+    return Path(dest) / name
+
+
+def members(where: Path, wanted: Callable[[str], bool]) -> dict[str, bytes]:
+    """The record's files whose path inside it (`sub/results.json`) `wanted` accepts: path -> bytes, from its folder
+    or its archive alike."""
+    where = Path(where)
+    if where.is_dir():
+        return {
+            rel: p.read_bytes()
+            for p in sorted(where.rglob("*"))
+            if p.is_file() and wanted(rel := p.relative_to(where).as_posix())
+        }
+    name = where.name[: -len(PACKED)]
+    out = {}
+    with tarfile.open(where, "r:xz") as tar:
+        for m in _safe_members(tar, name):
+            rel = Path(m.name).relative_to(name).as_posix()
+            if m.isfile() and wanted(rel):
+                out[rel] = tar.extractfile(m).read()
+    return out
+
+
+def _wanted(rel: str) -> bool:
+    """The files a record's index line is derived from (never its logs)."""
+    name = Path(rel).name
+    return "logs/" not in rel and (name in _SUMMARIES or name == "command.txt" or name.endswith(".xml"))
+
+
+def _junit(data: bytes) -> str:
+    """One line of a JUnit XML (pytest --junitxml): its tests, failures, errors, skips and time."""
+    from xml.etree import ElementTree  # JUnit records only
+
+    try:
+        root = ElementTree.fromstring(data)
+    except ElementTree.ParseError as e:
+        return f"JUnit XML that does not parse ({e})"
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    n = {k: sum(int(float(s.get(k, 0))) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    seconds = sum(float(s.get("time", 0)) for s in suites)
+    return f"pytest: {n['tests']} tests, {n['failures']} failed, {n['errors']} errors, {n['skipped']} skipped, {seconds:.1f} s"
+
+
+def _command(text: str) -> str:
+    """A recorded command line without its interpreter's path or a trailing note (`# exit 0, ...`)."""
+    line = text.strip().splitlines()[0].split("    #")[0].strip()
+    line = re.sub(r"-m repro \S*pytest/__main__\.py", "-m pytest", line)  # how pytest's sys.argv was recorded
+    return _COMMAND_PREFIX.sub("python ", line)
+
+
+def _counts(verdicts: list[str]) -> str:
+    return ", ".join(f"{n} {v}" for v, n in Counter(verdicts).most_common())
+
+
+def _shows(doc: dict) -> str:
+    """One line of what a summary file says: its outcome and verdicts, as the harness wrote them."""
+    if "paths" in doc:  # gate --compare-paths
+        return "; ".join(f"{p}: {d.get('outcome')} in {d.get('wall_s')} s" for p, d in doc["paths"].items())
+    if "controls" in doc:  # pytest --gate's gate.json
+        return f"{doc.get('outcome')} in {doc.get('wall_s')} s; {len(doc['controls'])} controls"
+    verdicts = [c.get("verdict", "?") for c in doc.get("cases", [])]
+    if doc.get("kind") or "outcome" in doc:  # repro gate
+        affected = f", affected: {' '.join(doc['affected'])}" if doc.get("affected") else ""
+        return f"{doc.get('outcome')}{affected}; {len(verdicts)} cases: {_counts(verdicts)}"
+    source = " (CPU model)" if doc.get("source") == "model" else ""
+    return f"{len(verdicts)} cases{source}: {_counts(verdicts)}; wall {doc.get('wall_s')} s"
+
+
+def _builds(doc: dict) -> list[str]:
+    if doc.get("builds"):
+        return [f"vLLM {b['build']} ({b.get('role', '?')})" for b in doc["builds"]]
+    return [f"FA3 {n} {b.get('version', '?')}" for n, b in (doc.get("backends") or {}).items() if isinstance(b, dict)]
+
+
+def describe(files: dict[str, bytes]) -> dict:
+    """A record's index fields from its own files: commands, when it was recorded, builds, what it shows."""
+    commands, when, builds, shows = [], [], [], []
+    docs = {rel: json.loads(data) for rel, data in files.items() if Path(rel).name in _SUMMARIES}
+    for rel, data in files.items():
+        if Path(rel).name == "command.txt":
+            commands.append(_command(data.decode(errors="replace")))
+        elif rel.endswith(".xml"):
+            shows.append(f"{rel}: {_junit(data)}")
+    for rel, doc in docs.items():
+        env = doc.get("environment") or {}
+        if env.get("command") and not any(Path(r).name == "command.txt" for r in files):
+            commands.append(_command(env["command"]))
+        if env.get("when"):
+            when.append(env["when"])
+        builds += [b for b in _builds(doc) if b not in builds]
+        where = str(Path(rel).parent)
+        if not (where != "." and Path(rel).name == "results.json" and f"{where}/paths.json" in files):
+            shows.append(("" if where == "." else f"{where}: ") + _shows(doc))
+    return {
+        "commands": list(dict.fromkeys(commands)),
+        "recorded": min(when) if when else None,
+        "builds": builds,
+        "shows": " | ".join(shows) if shows else None,
+    }
+
+
+def git(root: Path, *args: str) -> str:
+    """A git command's output in root ('' when it fails: no checkout, no such commit)."""
+    r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=False)
+    return r.stdout.strip() if r.returncode == 0 else ""
+
+
+def added(root: Path, name: str) -> tuple[str, str] | None:
+    """(commit, date) of the commit that first added the record, folder or archive: the code it was recorded with."""
+    log = git(root, "log", "--diff-filter=A", "--format=%H%x09%aI", "--", f"results/{name}", f"results/{name}{PACKED}")
+    return tuple(log.splitlines()[-1].split("\t")) if log else None  # type: ignore[return-value]
+
+
+def _last_present(root: Path, name: str) -> str | None:
+    """The last commit that held a record no longer in the tree: HEAD, or the parent of the commit that removed it."""
+    if any(_exists(root, f"HEAD:results/{name}{end}") for end in ("", PACKED)):
+        return git(root, "rev-parse", "HEAD")
+    gone = git(root, "log", "-1", "--diff-filter=D", "--format=%H", "--", f"results/{name}", f"results/{name}{PACKED}")
+    return git(root, "rev-parse", f"{gone}^") if gone else None
+
+
+def _exists(root: Path, spec: str) -> bool:
+    return subprocess.run(["git", "-C", str(root), "cat-file", "-e", spec], capture_output=True).returncode == 0
+
+
+def _in_history(root: Path) -> set[str]:
+    """Every record name git history holds under results/ (folders and archives; not results/'s own files)."""
+    names = set()
+    for path in git(root, "log", "--format=", "--name-only", "--", "results/").splitlines():
+        parts = path.split("/")
+        if len(parts) > 2:
+            names.add(parts[1])
+        elif len(parts) == 2 and parts[1].endswith(PACKED):
+            names.add(parts[1][: -len(PACKED)])
+    return names
+
+
+def _from_git(root: Path, commit: str, name: str) -> dict[str, bytes]:
+    """A record's index files as they were at a commit (a record left in history; folder or archive)."""
+    listing = git(root, "ls-tree", "-r", "--name-only", commit, "--", f"results/{name}/", f"results/{name}{PACKED}")
+    out = {}
+    for path in listing.splitlines():
+        blob = subprocess.run(["git", "-C", str(root), "show", f"{commit}:{path}"], capture_output=True).stdout
+        if path.endswith(PACKED):
+            tmp = Path(root) / ".git" / f"repro-{name}{PACKED}"
+            tmp.write_bytes(blob)
+            try:
+                return members(tmp, _wanted)
+            finally:
+                tmp.unlink()
+        rel = path[len(f"results/{name}/") :]
+        if _wanted(rel):
+            out[rel] = blob
+    return out
+
+
+def build_index(root: Path, notes: dict[str, str] | None = None) -> dict:
+    """results/index.json's content for the checkout at root: every record in results/ (packed or a folder), and every
+    record the previous index or git history names that is gone from the tree, with the commit it was last present
+    at. `notes` (name -> one line) adds what its files cannot say to a record's entry; a note stays until replaced."""
+    root = Path(root)
+    results = root / "results"
+    old = load_index(results)
+    present = records(results)
+    names = set(present) | set(old) | _in_history(root)
+    head = git(root, "rev-parse", "HEAD") or None
+    out = []
+    for name in sorted(names):
+        entry = dict(old.get(name, {}))
+        if name in present:
+            where = present[name]
+            entry.update(describe(members(where, _wanted)))
+            entry["stored"] = where.relative_to(root).as_posix() + ("/" if where.is_dir() else "")
+            entry["last_present"] = None
+        elif not entry.get("last_present"):
+            last = _last_present(root, name)
+            if not last:
+                continue
+            entry.update(describe(_from_git(root, last, name)))
+            entry["stored"], entry["last_present"] = None, last
+        first = added(root, name)
+        entry["commit"], entry["added"] = first if first else (entry.get("commit") or head, entry.get("added"))
+        entry["committed"] = bool(first)
+        if notes and name in notes:
+            entry["note"] = notes[name]
+        out.append({"name": name, **{k: entry.get(k) for k in _FIELDS}})
+    return {"generated_by": GENERATED_BY, "records": out}
+
+
+_FIELDS = ("stored", "last_present", "commit", "committed", "added", "recorded", "commands", "builds", "shows", "note")
+
+
+def load_index(results: Path) -> dict[str, dict]:
+    """The index as written: name -> its entry (empty when there is none yet)."""
+    path = Path(results) / INDEX
+    if not path.exists():
+        return {}
+    return {e["name"]: e for e in json.loads(path.read_text())["records"]}
+
+
+def write_index(root: Path, notes: dict[str, str] | None = None) -> Path:
+    path = Path(root) / "results" / INDEX
+    path.write_text(json.dumps(build_index(root, notes), indent=1) + "\n")
+    return path

@@ -1,0 +1,239 @@
+"""results/'s records: a packed record and a new folder read alike; `python -m repro records` packs a new one and
+writes the index from the records and git (a record removed from the tree keeps its line, with the commit it was last
+present at); `--stale` names the README GPU command whose code changed after its last record (exit 1), and no other.
+On temporary git repositories made here; then the checkout's own index against its results/ and README."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from repro.report import records
+from repro.report.stale import COMMANDS, code_paths
+from tests.commands import ROOT, run_repro
+
+GATE_LINE = "python -m repro gate --no-installed --vllm 0.26.0=<path>/v0260 --control 0.25.1=<path>/v0251"
+
+
+def _git(repo: Path, *args: str) -> str:
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    r = subprocess.run(
+        ["git", "-C", str(repo), *args], capture_output=True, text=True, env={**env, "PATH": "/usr/bin:/bin"}
+    )
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def _write(repo: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(text)
+
+
+def _commit(repo: Path, message: str) -> str:
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", message)
+    return _git(repo, "rev-parse", "HEAD")
+
+
+def _record(command: str, outcome: str = "PASS") -> dict[str, str]:
+    doc = {
+        "kind": "vllm-gate",
+        "environment": {"when": "2026-12-03T09:05:19+00:00", "command": command},
+        "outcome": outcome,
+        "builds": [{"build": "0.26.0", "role": "under-test"}],
+        "cases": [{"case": "a", "verdict": "clean"}, {"case": "b", "verdict": "crash"}],
+    }
+    return {"results.json": json.dumps(doc), "logs/a.out.log": "the case's own log\n"}
+
+
+@pytest.fixture
+def repo(tmp_path):
+    """A checkout with the README's gate line, the gate's command module importing the code it runs, one record."""
+    repo = tmp_path / "repo"
+    _git(tmp_path, "init", "-q", str(repo))
+    _write(
+        repo,
+        {
+            "README.md": f"```bash\n{COMMANDS[0].readme}  # a Hopper GPU\n```\n",
+            "repro/__init__.py": "",
+            "repro/cli/__init__.py": "",
+            "repro/cli/vllm.py": "from repro.vllm_integration.gate import run\n",
+            "repro/cli/matrix.py": "import repro.attention.worker\n",
+            "repro/attention/worker.py": "",
+            "repro/vllm_integration/__init__.py": "",
+            "repro/vllm_integration/gate/__init__.py": "",
+            "repro/vllm_integration/gate/run.py": "def run_gate():\n    return 'repro.vllm_integration.gate.fork'\n",
+            "repro/vllm_integration/gate/fork.py": "",
+        },
+    )
+    _commit(repo, "code")
+    _write(repo, {f"results/rec-a/{k}": v for k, v in _record(GATE_LINE).items()})
+    return repo
+
+
+def test_a_packed_record_reads_as_its_folder_did(tmp_path):
+    folder = tmp_path / "results" / "r"
+    _write(folder, {"results.json": "{}", "logs/x.out.log": "log", "sub/paths.json": "{}"})
+    before = records.members(folder, lambda rel: True)
+    packed = records.pack(folder)
+    assert not folder.exists() and packed.name == "r.tar.xz"
+    assert records.members(packed, lambda rel: True) == before
+    again = records.unpack(packed, tmp_path / "again")
+    assert records.members(again, lambda rel: True) == before
+    assert records.records(tmp_path / "results") == {"r": tmp_path / "results" / "r.tar.xz"}
+
+
+def test_the_tests_read_a_packed_record_and_a_new_folder_alike(tmp_path):
+    from tests.records import Results
+
+    results = tmp_path / "results"
+    for name in ("old", "new"):
+        _write(results / name, {"results.json": json.dumps({"name": name}), "logs/a.out.log": name})
+    records.pack(results / "old")
+    r = Results(results)
+    assert r.names() == ["new", "old"]
+    assert sorted(json.loads(p.read_text())["name"] for p in r.glob("*/results.json")) == ["new", "old"]
+    assert (r / "new/logs/a.out.log").read_text() == "new" and (r / "old" / "logs" / "a.out.log").read_text() == "old"
+    assert (r / "old") == (r / "old")  # unpacked once: the same folder every time
+
+
+def test_packing_the_same_files_gives_the_same_bytes(tmp_path):
+    out = []
+    for n in ("one", "two"):
+        _write(tmp_path / n / "rec", {"results.json": "{}", "logs/a.log": "x"})
+        out.append(records.pack(tmp_path / n / "rec").read_bytes())
+    assert out[0] == out[1]
+
+
+def test_an_archive_with_a_member_outside_its_record_is_refused(tmp_path):
+    import io
+    import tarfile
+
+    bad = tmp_path / "rec.tar.xz"
+    with tarfile.open(bad, "w:xz") as tar:
+        tar.addfile(tarfile.TarInfo("../escape"), io.BytesIO(b""))
+    with pytest.raises(ValueError, match="not a file under rec/"):
+        records.unpack(bad, tmp_path / "out")
+
+
+def test_add_packs_a_new_record_and_indexes_it_with_the_commit_that_added_it(repo):
+    added = _commit(repo, "record rec-a")
+    r = run_repro("records", "--add", "rec-a", "--root", str(repo))
+    assert r.returncode == 0, r.stderr
+    assert (repo / "results" / "rec-a.tar.xz").is_file() and not (repo / "results" / "rec-a").exists()
+    (entry,) = json.loads((repo / "results" / "index.json").read_text())["records"]
+    assert entry["name"] == "rec-a" and entry["stored"] == "results/rec-a.tar.xz"
+    assert entry["commit"] == added and entry["committed"] is True
+    assert entry["commands"] == [GATE_LINE] and entry["recorded"] == "2026-12-03T09:05:19+00:00"
+    assert entry["builds"] == ["vLLM 0.26.0 (under-test)"] and entry["shows"] == "PASS; 2 cases: 1 clean, 1 crash"
+
+
+def test_a_record_not_committed_yet_is_indexed_at_head_and_says_so(repo):
+    head = _git(repo, "rev-parse", "HEAD")
+    assert run_repro("records", "--add", "rec-a", "--note", "what it shows", "--root", str(repo)).returncode == 0
+    (entry,) = json.loads((repo / "results" / "index.json").read_text())["records"]
+    assert (entry["commit"], entry["committed"], entry["note"]) == (head, False, "what it shows")
+
+
+def test_a_removed_record_keeps_its_index_line_with_where_it_was_last_present(repo):
+    last = _commit(repo, "record rec-a")
+    _git(repo, "rm", "-rq", "results/rec-a")
+    _write(repo, {"results/rec-b/results.json": json.dumps({"environment": {"command": "python -m repro matrix"}})})
+    _commit(repo, "curated")
+    assert run_repro("records", "--index", "--root", str(repo)).returncode == 0
+    index = {e["name"]: e for e in json.loads((repo / "results" / "index.json").read_text())["records"]}
+    assert index["rec-a"]["stored"] is None and index["rec-a"]["last_present"] == last
+    assert index["rec-a"]["commands"] == [GATE_LINE]  # read from git at that commit
+    assert index["rec-b"]["stored"] == "results/rec-b/"  # a folder not packed yet is a record too
+
+
+def test_stale_names_the_command_whose_code_changed_after_its_last_record(repo):
+    _commit(repo, "record rec-a")
+    assert run_repro("records", "--add", "rec-a", "--root", str(repo)).returncode == 0
+    _commit(repo, "packed")
+    r = run_repro("records", "--stale", "--root", str(repo))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.splitlines() == [
+        f"fresh  gate: results/rec-a ({_git(repo, 'log', '--format=%H', '-2').split()[1][:10]}) ran the code it runs now"
+    ]
+    _write(repo, {"repro/attention/worker.py": "# the matrix's code: not the gate's\n"})
+    _commit(repo, "matrix only")
+    assert run_repro("records", "--stale", "--root", str(repo)).returncode == 0
+    _write(repo, {"repro/vllm_integration/gate/fork.py": "# named as a string by run.py\n"})
+    changed = _commit(repo, "the gate's forkserver")
+    r = run_repro("records", "--stale", "--root", str(repo))
+    assert r.returncode == 1
+    assert r.stdout.startswith("STALE  gate: results/rec-a") and changed[:10] in r.stdout
+    assert "repro/vllm_integration/gate/fork.py" in r.stdout
+
+
+def test_stale_counts_a_readme_command_with_no_record(repo):
+    _write(repo, {"README.md": f"{COMMANDS[0].readme}\n{COMMANDS[-1].readme} here\n"})
+    _commit(repo, "readme gives the matrix too")
+    r = run_repro("records", "--stale", "--root", str(repo))
+    assert r.returncode == 1 and "STALE  matrix: no record" in r.stdout
+
+
+def test_stale_outside_a_git_checkout_is_bad_input(tmp_path):
+    (tmp_path / "results").mkdir()
+    r = run_repro("records", "--stale", "--root", str(tmp_path))
+    assert r.returncode == 2 and "not a git checkout" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_code_a_command_runs_follows_imports_and_module_names(repo):
+    paths = code_paths(repo, ("repro/cli/vllm.py",))
+    assert "repro/vllm_integration/gate/fork.py" in paths  # named as a string
+    assert "repro/vllm_integration/gate/__init__.py" in paths and "repro/attention/worker.py" not in paths
+
+
+# the checkout's own records
+
+
+def _index() -> dict[str, dict]:
+    return records.load_index(ROOT / "results")
+
+
+def test_every_record_in_results_has_its_index_line_and_every_stored_line_its_record():
+    stored = {
+        n: p.relative_to(ROOT).as_posix() + ("/" if p.is_dir() else "")
+        for n, p in records.records(ROOT / "results").items()
+    }
+    index = _index()
+    assert {n: index.get(n, {}).get("stored") for n in stored} == stored, "python -m repro records --index"
+    assert {n for n, e in index.items() if e["stored"]} == set(stored)
+    assert all(e["commit"] and (e["stored"] or e["last_present"]) for e in index.values())
+
+
+def test_the_readme_cites_only_records_in_results():
+    """Every record README.md and docs/vllm-gate.md cite is in results/ (packed or a folder) with its index line."""
+    text = (ROOT / "README.md").read_text() + (ROOT / "docs" / "vllm-gate.md").read_text()
+    # a record's name starts in lower case (results/NAME is the README's placeholder)
+    cited = set(re.findall(r"results/([a-z0-9][\w.-]*?)(?:/|`|\)|,|\s)", text)) - records.NOT_RECORDS
+    cited = {c for c in cited if not c.endswith((".md", ".json", ".txt"))}
+    index = _index()
+    assert cited and all(index.get(c, {}).get("stored") for c in cited), sorted(
+        c for c in cited if not index.get(c, {}).get("stored")
+    )
+
+
+def test_the_stale_check_knows_the_readmes_gpu_commands():
+    """The README's gate line, its CI line and the matrix are among the commands `records --stale` checks: a README
+    that changes their wording must change repro/report/stale.py's COMMANDS with it."""
+    from repro.report.stale import shown
+
+    names = {c.name for c in shown((ROOT / "README.md").read_text())}
+    assert {"gate", "pytest GPU tier (the CI line)", "matrix"} <= names, names
+
+
+def test_unpack_writes_every_record_as_its_folder(repo):
+    assert run_repro("records", "--add", "rec-a", "--root", str(repo)).returncode == 0
+    _write(repo, {"results/rec-new/results.json": "{}"})  # a new record, not packed yet
+    r = run_repro("records", "--unpack", str(repo / "out"), "--root", str(repo))
+    assert r.returncode == 0, r.stderr
+    assert (repo / "out" / "results" / "rec-a" / "logs" / "a.out.log").read_text() == "the case's own log\n"
+    assert (repo / "out" / "results" / "rec-new" / "results.json").read_text() == "{}"
