@@ -129,6 +129,26 @@ def test_init_speculator_branches_say_which_methods_an_older_build_has(tmp_path)
     for m in ("eagle", "eagle3", "mtp"):
         assert methods.not_applicable(root / "vllm", m) is None, m
     assert "no branch for method 'draft_model'" in methods.not_applicable(root / "vllm", "draft_model")
+    # 0.33.0's shape: a predicate branch (uses_draft_model()) to a speculator whose capture() is `pass`
+    init = (
+        (root / SPEC / "__init__.py")
+        .read_text()
+        .replace(
+            "    raise NotImplementedError",
+            "    elif speculative_config.uses_draft_model():\n"
+            "        from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import StandaloneARSpeculator\n"
+            "        return StandaloneARSpeculator(vllm_config, device)\n"
+            "    raise NotImplementedError",
+        )
+    )
+    (root / SPEC / "__init__.py").write_text(init)
+    _tree(root, {f"{SPEC}/standalone_ar/speculator.py": """
+        from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator
+        class StandaloneARSpeculator(BaseSpeculator):
+            def capture(self) -> None:
+                pass  # CUDA graph not yet supported for standalone AR speculator.
+        """})  # fmt: skip
+    assert "capture() records nothing" in methods.not_applicable(root / "vllm", "draft_model")
 
 
 def test_a_build_without_method_dispatch_runs_eagle_only(tmp_path):

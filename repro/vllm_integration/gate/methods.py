@@ -232,6 +232,10 @@ def _noop(body: list[ast.stmt]) -> bool:
     return True
 
 
+# init_speculator's branches that name no method: the SpeculativeConfig predicate each method answers true to
+PREDICATES = {EAGLE: "use_eagle()", EAGLE3: "use_eagle()", DRAFT_MODEL: "uses_draft_model()"}
+
+
 def _speculator_of(package_dir: Path, method: str) -> tuple[str | None, str]:
     """(the speculator class's qualified name or None, where it was read / why none)."""
     spec = package_dir / SPEC
@@ -262,7 +266,7 @@ def _speculator_of(package_dir: Path, method: str) -> tuple[str | None, str]:
         if not isinstance(n, ast.If):
             continue
         test = ast.unparse(n.test)
-        if f"'{method}'" in test or f'"{method}"' in test or method in (EAGLE, EAGLE3) and "use_eagle()" in test:
+        if f"'{method}'" in test or f'"{method}"' in test or PREDICATES.get(method, "?") in test:
             imported = [(i.module, a.name) for i in ast.walk(ast.Module(body=n.body, type_ignores=[]))
                         if isinstance(i, ast.ImportFrom) and i.module for a in i.names]  # fmt: skip
             if imported:
