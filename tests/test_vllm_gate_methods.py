@@ -235,3 +235,24 @@ def test_a_build_prefix_pth_file_takes_effect_in_the_case_process(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [str([str(prefix)]), "through the .pth"]
+
+
+def test_the_report_has_a_row_per_method_and_a_lacking_method_reads_not_applicable(tmp_path):
+    from repro.case.spec import CaseResult
+    from repro.judge.verdicts import CLEAN
+    from repro.vllm_integration.gate import report
+
+    prefix = _tree(tmp_path, BASE)  # EAGLE only
+    b = VllmBuild("0.2x", str(prefix), version="0.2x")
+    cases = plan([b], (GateMode.parse("plain"),), 1, 60.0, self_control="none", methods=("eagle", "mtp"))
+    ran, na = set_apart_not_applicable(cases)
+    run = GateRun(cases=[(ran[0], CaseResult(ran[0].case_id, CLEAN, "tokens match", expected="clean")), *na])
+    rows = {s["build"]: s for s in report.build_summary(run)}
+    assert set(rows) == {"0.2x", "0.2x mtp"} and rows["0.2x"]["method"] == "eagle"
+    assert "EAGLE only" in rows["0.2x mtp"]["not_applicable"] and rows["0.2x mtp"]["ok"]
+    md = report.markdown(run)
+    assert "| 0.2x mtp | under-test | 0.2x | **not applicable** |" in md
+    assert "| 0.2x | under-test | 0.2x | **no** |" in md
+    assert [s["build"] for s in report.releases_only(report.build_summary(run))] == ["0.2x"]
+    assert run.outcome() != policy.GateOutcome.CANNOT_VOUCH  # a lacking method is no unanswered case
+    assert {r["method"] for r in report.rows(run)} == {"eagle", "mtp"}
