@@ -256,3 +256,31 @@ def test_the_report_has_a_row_per_method_and_a_lacking_method_reads_not_applicab
     assert [s["build"] for s in report.releases_only(report.build_summary(run))] == ["0.2x"]
     assert run.outcome() != policy.GateOutcome.CANNOT_VOUCH  # a lacking method is no unanswered case
     assert {r["method"] for r in report.rows(run)} == {"eagle", "mtp"}
+
+
+def test_each_capture_is_counted_under_its_capture_manager_and_dflash_query_is_a_draft_kind():
+    import sys as _sys
+
+    from repro.vllm_integration.plugin import capture
+
+    def make(manager_name: str, owner_name: str, attr: str):
+        seen = {}
+        mgr_cls = type(manager_name, (), {"capture": lambda self: seen.update(
+            manager=capture.manager_of(_sys._getframe()), kind=capture.graph_kind(_sys._getframe()))})  # fmt: skip
+
+        def run(self):
+            getattr(self, attr).capture()
+
+        owner = type(owner_name, (), {"run": run})()
+        setattr(owner, attr, mgr_cls())
+        owner.run()
+        return seen
+
+    got = make("SpeculatorCudaGraphManager", "StandaloneARSpeculator", "prefill_cudagraph_manager")
+    assert got == {
+        "manager": "SpeculatorCudaGraphManager.prefill_cudagraph_manager of StandaloneARSpeculator",
+        "kind": "draft prefill",
+    }
+    got = make("DFlashCudaGraphManager", "DFlashSpeculator", "query_cudagraph_manager")
+    assert got["kind"] == "draft query" and got["manager"].endswith("query_cudagraph_manager of DFlashSpeculator")
+    assert capture.manager_of(_sys._getframe()) == capture.UNKNOWN_KIND  # no manager on this stack

@@ -66,6 +66,7 @@ def rows(run: GateRun) -> list[dict]:
 COUNTS = ("checks", "views_checked", "attention_forwards", "sched_calls", "sched_sm_margin", "fwd_sm_margin")
 COUNTS += ("poison_calls", "entries_poisoned")
 PER_KIND = ("captures", "captures_with_attention", "captures_audited", "captures_stale")
+BY_MANAGER = ("captures_by_manager", "full_captures_by_manager", "injected_by_manager")  # plugin.counters
 CONFIG = ("model_runner", "model_runner_v2", "attention_backend", "fa_version", "cudagraph_mode", "compilation_mode")
 CONFIG += ("speculative_method", "num_speculative_tokens")
 
@@ -76,6 +77,7 @@ def coverage(pairs) -> dict:
     counts: dict = {k: 0 for k in COUNTS}
     kinds: dict = {k: {} for k in PER_KIND}
     fa: dict = {}
+    managers: dict = {}  # capture manager -> [captures, FULL captures, injected captures]
     config: dict = {k: [] for k in CONFIG}
     acc: dict = {}
     reported = 0
@@ -92,6 +94,9 @@ def coverage(pairs) -> dict:
                 kinds[k][kind] = kinds[k].get(kind, 0) + n
         for v, n in (c.get("fa_versions") or {}).items():
             fa[v] = fa.get(v, 0) + n
+        for i, name in enumerate(BY_MANAGER):
+            for m, n in (c.get(name) or {}).items():
+                managers.setdefault(m, [0] * len(BY_MANAGER))[i] += n
         for k in CONFIG:
             if e.get(k) is not None and e.get(k) not in config[k]:
                 config[k].append(e.get(k))
@@ -100,7 +105,15 @@ def coverage(pairs) -> dict:
                 acc[k] = acc.get(k, 0) + v
             elif k == "unavailable":
                 acc.setdefault(k, v)
-    return {"cases_reporting": reported, **counts, **kinds, "fa_versions": fa, "config": config, "acceptance": acc}
+    return {
+        "cases_reporting": reported,
+        **counts,
+        **kinds,
+        "fa_versions": fa,
+        "managers": managers,
+        "config": config,
+        "acceptance": acc,
+    }
 
 
 def _kinds(d: dict) -> str:
@@ -299,6 +312,11 @@ def markdown(run: GateRun, env: dict | None = None, need_control: bool = True) -
             f"{cov['attention_forwards']} ({_kinds(cov['fa_versions'])}) | {cov['sched_sm_margin']}/"
             f"{cov['fwd_sm_margin']} | {cov['entries_poisoned']} | {_acceptance(cov['acceptance'])} |"
         )
+    lines += ["", "Captures per capture manager (total/FULL/injected by the self control), per build and method:", ""]
+    lines += ["| build | captures per capture manager |", "|---|---|"]
+    for s in build_summary(run):
+        per = "; ".join(f"{m} {'/'.join(map(str, n))}" for m, n in sorted(s["coverage"]["managers"].items()))
+        lines.append(f"| {s['build']} | {per or 'none reported'} |")
     lines += [
         "",
         "| case | configuration | captures per kind | checks | views | forwards | sm_margin sched/fwd | poisoned | "
