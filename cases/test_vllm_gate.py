@@ -1,6 +1,7 @@
 """The vLLM gate as pytest cases (markers gpu and vllm; ids contain stale_metadata): every vLLM build found (the
-installed vllm, REPRO_VLLM=LABEL=PREFIX,..., REPRO_VLLM_CONTROL=LABEL=PREFIX,...) x detection mode (REPRO_GATE_MODES,
-default audit,plain; see repro/vllm_integration/gate/case.py).
+installed vllm, REPRO_VLLM=LABEL=PREFIX,..., REPRO_VLLM_CONTROL=LABEL=PREFIX,...) x speculative method (REPRO_GATE_METHODS, default eagle; eagle3, draft_model,
+mtp or all: repro/vllm_integration/gate/methods.py) x detection mode (REPRO_GATE_MODES, default audit,plain; see
+repro/vllm_integration/gate/case.py). A method the build lacks is a skip that says why (not applicable).
 
 Each test is one build in one mode, run by the gate's own orchestrator (repro.vllm_integration.gate.run.run_gate,
 `only` that build): the same case processes, timeouts, MPS daemon handling, reference cache (REPRO_CACHE_DIR, shared
@@ -21,13 +22,22 @@ import pytest
 from cases.gpu_env import gpu_skip_reason
 from repro.judge import policy
 from repro.judge.verdicts import SKIP
-from repro.report.pytest_gate import not_applicable
+from repro.report.pytest_gate import NOT_APPLICABLE, not_applicable
 from repro.run.pytest_cases import log_dir
 from repro.vllm_integration.gate.case import DEFAULT_MODES, parse_modes
 from repro.vllm_integration.gate.judge import passes
+from repro.vllm_integration.gate.methods import DEFAULT_METHOD, DEFAULT_METHODS, parse_methods
 from repro.vllm_integration.releases.builds import CONTROL, find_builds
 
 SELF_CONTROL_ENV = "REPRO_SELF_CONTROL"
+METHODS_ENV = "REPRO_GATE_METHODS"  # speculative methods (gate.methods): eagle (default), eagle3, draft_model, mtp, all
+
+
+def method_label(method: str) -> str:
+    """The method's part of a test id: none for eagle (ids as recorded), else its name and a dash."""
+    return "" if method == DEFAULT_METHOD else method.replace("_", "-") + "-"
+
+
 TIMEOUT_ENV = "REPRO_GATE_TIMEOUT"
 
 
@@ -37,7 +47,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     builds = find_builds()
     modes = parse_modes(os.environ.get("REPRO_GATE_MODES", ",".join(DEFAULT_MODES)))
-    params = [pytest.param((b, m, builds), id=f"{b.label}-{b.role}-{m.label}") for b in builds for m in modes]
+    methods = parse_methods(os.environ.get(METHODS_ENV, DEFAULT_METHODS))
+    params = [
+        pytest.param((b, m, builds, meth), id=f"{b.label}-{b.role}-{method_label(meth)}{m.label}")
+        for b in builds
+        for meth in methods
+        for m in modes
+    ]
     metafunc.parametrize("gate_build", params or [pytest.param(None, id="no-build")])
 
 
@@ -51,9 +67,10 @@ def test_stale_metadata_vllm_gate(gate_build, record_property):
     if reason:
         pytest.skip(reason)
     from repro.vllm_integration.gate.cache import GateCache, default_root  # noqa: PLC0415  only with a GPU and vLLM
+    from repro.vllm_integration.gate.process import not_applicable_of  # noqa: PLC0415  only with a GPU and vLLM
     from repro.vllm_integration.gate.run import control_of, run_gate  # noqa: PLC0415  only with a GPU and vLLM
 
-    build, mode, builds = gate_build
+    build, mode, builds, method = gate_build
     run = run_gate(
         builds,
         (mode,),
@@ -63,11 +80,13 @@ def test_stale_metadata_vllm_gate(gate_build, record_property):
         cache=GateCache(default_root()),
         self_control=os.environ.get(SELF_CONTROL_ENV, "under-test"),
         only=build,
+        methods=(method,),
     )
     (case, res), *self_controls = sorted(run.cases, key=lambda cr: cr[0].inject is not None)
     for k in ("evidence", "kernel", "descriptor", "vllm_version", "wall_s"):
         record_property(k, getattr(res, k))
     record_property("role", build.role)
+    record_property("method", method)
     for k, v in control_of(case, res).properties():  # what `pytest --gate` decides over, as `repro gate` sees it
         record_property(k, v)
     ident = res.backend_identity or {}
@@ -75,8 +94,8 @@ def test_stale_metadata_vllm_gate(gate_build, record_property):
     record_property("counters", json.dumps(ident.get("counters"), default=str))
     record_property("acceptance", json.dumps(ident.get("acceptance"), default=str))
     record_property("self_control", json.dumps({c.case_id: r.verdict for c, r in self_controls}))
-    if res.verdict == SKIP:
-        pytest.skip(res.reason)
+    if res.verdict == SKIP:  # a method the build lacks says so (control_of recorded it as not applicable)
+        pytest.skip(NOT_APPLICABLE + why if (why := not_applicable_of(res)) else res.reason)
     for c, r in self_controls:
         assert passes(c, r), f"HARNESS BLIND: the self control of vLLM {build.label} came back {r.verdict}: {r.reason}"
     if build.role == CONTROL:

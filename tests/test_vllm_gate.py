@@ -462,7 +462,7 @@ def test_the_pytest_tier_runs_each_build_and_mode_through_the_gates_own_run(tmp_
     builds += parse_builds(f"quiet={fakes['stale-quiet']}", CONTROL, "REPRO_VLLM_CONTROL")
     (plain,) = parse_modes("plain")
     props: dict = {}
-    tier.test_stale_metadata_vllm_gate((builds[0], plain, builds), lambda k, v: props.__setitem__(k, v))
+    tier.test_stale_metadata_vllm_gate((builds[0], plain, builds, "eagle"), lambda k, v: props.__setitem__(k, v))
     assert props["verdict"] == CLEAN and props["role"] == UNDER_TEST
     assert json.loads(props["self_control"])  # the self control ran beside it, in the same run
     assert list((tmp_path / "cache").rglob("*.json")), "the reference was kept in the shared cache"
@@ -470,5 +470,10 @@ def test_the_pytest_tier_runs_each_build_and_mode_through_the_gates_own_run(tmp_
     # decides over its modes, grouped by the subject it records)
     quiet: dict = {}
     with pytest.raises(pytest.xfail.Exception, match="known-bad vLLM quiet silent in mode plain"):
-        tier.test_stale_metadata_vllm_gate((builds[1], plain, builds), lambda k, v: quiet.__setitem__(k, v))
+        tier.test_stale_metadata_vllm_gate((builds[1], plain, builds, "eagle"), lambda k, v: quiet.__setitem__(k, v))
     assert quiet["expected"] == "known-bad" and quiet["subject"] == "quiet FLASH_ATTN"
+    # a method the stand-in does not dispatch (it has no init_speculator: EAGLE only): not applicable, said why
+    na: dict = {}
+    with pytest.raises(pytest.skip.Exception, match="not applicable here: method mtp: .*EAGLE only"):
+        tier.test_stale_metadata_vllm_gate((builds[0], plain, builds, "mtp"), lambda k, v: na.__setitem__(k, v))
+    assert "EAGLE only" in na["not_applicable"] and na["method"] == "mtp" and na["verdict"] == "skip"

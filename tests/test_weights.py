@@ -205,3 +205,85 @@ def test_too_small_a_model_is_refused():
     m = FakeModel({**TARGET, "hidden_size": 256, "intermediate_size": 64}, [0], draft=False)
     with pytest.raises(ValueError, match="hidden >="):
         weights.agreement_weights(m)
+
+
+class MtpModel(torch.nn.Module):
+    """Parameters named and shaped as vLLM's MiMoMTP names them (TP 1): one MTP layer with a Qwen2 block."""
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.config = SimpleNamespace(**cfg)
+        h, nq, nkv, v, i = (cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                             "vocab_size", "intermediate_size"))  # fmt: skip
+        d = h // nq
+        pre = "model.mtp_layers.0."
+        p = {"model.embed_tokens.weight": (v, h), pre + "token_layernorm.weight": (h,)}
+        p[pre + "hidden_layernorm.weight"] = (h,)
+        p[pre + "input_proj.weight"] = (h, 2 * h)
+        p[pre + "mtp_block.input_layernorm.weight"] = (h,)
+        p[pre + "mtp_block.self_attn.qkv_proj.weight"] = ((nq + 2 * nkv) * d, h)
+        p[pre + "mtp_block.self_attn.qkv_proj.bias"] = ((nq + 2 * nkv) * d,)
+        p[pre + "mtp_block.self_attn.o_proj.weight"] = (h, nq * d)
+        p[pre + "mtp_block.post_attention_layernorm.weight"] = (h,)
+        p[pre + "mtp_block.mlp.gate_up_proj.weight"] = (2 * i, h)
+        p[pre + "mtp_block.mlp.down_proj.weight"] = (h, i)
+        p[pre + "final_layernorm.weight"] = (h,)
+        p["lm_head.weight"] = (v, h)
+        self.names = list(p)
+        self.ps = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.randn(s).to(torch.bfloat16), requires_grad=False) for s in p.values()]
+        )
+        self.cfg = {**cfg, "head_dim": d}
+
+    def named_parameters(self, *a, **k):
+        return iter(zip(self.names, self.ps))
+
+    def w(self, name: str):
+        return dict(self.named_parameters())[name].float()
+
+
+def mtp_logits(m: MtpModel, toks, hidden):
+    """MiMo's MTP layer: position i holds toks[i] (the target's token at i+1) and the target's hidden state at i."""
+    c, pre = m.cfg, "model.mtp_layers.0."
+    d, nq, nkv = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
+    pos = torch.arange(len(toks))
+    e = m.w("model.embed_tokens.weight")[torch.tensor(toks)]
+    e = torch.where(pos[:, None] == 0, 0.0, e)  # vLLM masks the embedding at position 0
+    x = torch.cat(
+        [rms(hidden) * m.w(pre + "hidden_layernorm.weight"), rms(e) * m.w(pre + "token_layernorm.weight")], -1
+    )
+    residual = x @ m.w(pre + "input_proj.weight").T
+    xin = rms(residual) * m.w(pre + "mtp_block.input_layernorm.weight")
+    qkv = xin @ m.w(pre + "mtp_block.self_attn.qkv_proj.weight").T + m.w(pre + "mtp_block.self_attn.qkv_proj.bias")
+    q = rope(qkv[:, : nq * d].view(-1, nq, d), pos, c["rope_theta"])
+    k = rope(qkv[:, nq * d : (nq + nkv) * d].view(-1, nkv, d), pos, c["rope_theta"])
+    v = qkv[:, (nq + nkv) * d :].view(-1, nkv, d)
+    k, v = k.repeat_interleave(nq // nkv, 1), v.repeat_interleave(nq // nkv, 1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * d**-0.5
+    s = s.masked_fill(pos[None, None, :] > pos[None, :, None], float("-inf"))
+    o = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(len(pos), nq * d)
+    residual = residual + o @ m.w(pre + "mtp_block.self_attn.o_proj.weight").T
+    g, u = (rms(residual) * m.w(pre + "mtp_block.post_attention_layernorm.weight") @ m.w(
+        pre + "mtp_block.mlp.gate_up_proj.weight").T).chunk(2, -1)  # fmt: skip
+    mlp = torch.nn.functional.silu(g) * u @ m.w(pre + "mtp_block.mlp.down_proj.weight").T
+    final = rms(residual + mlp) * m.w(pre + "final_layernorm.weight")
+    return final @ m.w("lm_head.weight").T
+
+
+def test_an_mtp_layer_proposes_the_targets_next_tokens(models):
+    from repro.vllm_integration.gate.methods import TARGET_MTP
+
+    t, _ = models  # MiMo's target is the Llama construction on Qwen2 layers (biases zero): the same decisions
+    mtp = MtpModel(TARGET_MTP)
+    rec = weights.agreement_weights(mtp)
+    assert rec["unknown"] == [] and rec["parameters"] == len(mtp.names)
+    assert not mtp.w("model.mtp_layers.0.mtp_block.self_attn.qkv_proj.bias").abs().sum()  # biases zero, not 1
+    for prompt in PROMPTS[:2]:
+        seq = decode(t, prompt, 8)[0]
+        _, hidden = target_logits(t, seq)
+        lg = mtp_logits(mtp, seq[1:], hidden[:-1])
+        # position 0's embedding is masked (vLLM's MTP): position 1 reads nothing; the proposals come from later ones
+        lo = max(len(prompt) - 2, 2)
+        want = torch.tensor(seq[lo + 2 :])
+        assert torch.equal(lg[lo:].argmax(-1)[: len(want)], want)
+        assert margins(lg[lo:]).min().item() > 5.0

@@ -24,6 +24,7 @@ from repro.cli.common import (
     seconds,
 )
 from repro.errors import ConfigError
+from repro.vllm_integration.gate.methods import add_option as add_methods_option
 from repro.vllm_integration.gate.worker import COMPILES, DEFAULT_COMPILE
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
 from repro.vllm_integration.releases.bisect import add_check_option, run_bisect  # every parser build reads its option
@@ -58,6 +59,7 @@ def add_parsers(sub) -> None:
         "preset hidden-sweep (audit and plain on the full GPU and at 8/16/24/40/66 SMs of both restrictions) "
         "(default audit,plain)",
     )
+    add_methods_option(gt)
     gt.add_argument(
         "--backends",
         default=DEFAULT_BACKEND,
@@ -206,6 +208,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
     from repro.vllm_integration.gate.case import parse_backends, parse_modes  # as above
     from repro.vllm_integration.gate.keep import keep_seconds  # as above
     from repro.vllm_integration.gate.launch import launcher_kind  # as above
+    from repro.vllm_integration.gate.paths import parse_paths  # as above
     from repro.vllm_integration.gate.placement import cpu_cores, fit_jobs, gate_devices  # as above
     from repro.vllm_integration.gate.run import run_gate  # as above
     from repro.vllm_integration.releases.builds import (  # as above
@@ -219,8 +222,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
         parse_overlays,
     )
 
-    modes = parse_modes(a.modes)
-    backends = parse_backends(a.backends)
+    modes, backends = parse_modes(a.modes), parse_backends(a.backends)
     if a.compare_paths and (a.no_cache or a.repeat != 1 or a.launcher):
         raise ConfigError(
             "--compare-paths runs each path once, with its own cache and launcher: leave out --no-cache, --repeat and "
@@ -232,8 +234,6 @@ def cmd_gate(a: argparse.Namespace) -> int:
         raise ConfigError("--repeat and --jobs must be at least 1, --timeout positive")
     if a.cache_keep < 1 or a.cache_max_age_days <= 0:
         raise ConfigError("--cache-keep must be at least 1, --cache-max-age-days positive")
-    from repro.vllm_integration.gate.paths import parse_paths  # the gate's modules load only for it
-
     paths = parse_paths(a.paths, a.compare_paths)
     check_out_dir(a.out)  # every value judged before the builds are looked for (no build, no GPU: exit 4)
     check_out_dir(a.logs, "--logs")
@@ -263,7 +263,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
         from repro.vllm_integration.gate.run import plan  # the gate's modules load only for it
 
         listed = builds + [o.listed() for o in overlays]
-        for c in plan(listed, modes, a.repeat, a.timeout, backends, a.self_control, a.compile):
+        for c in plan(listed, modes, a.repeat, a.timeout, backends, a.self_control, a.compile, a.methods):
             print(c.case_id)
         return exit_codes.Exit.OK
     gpu = gpu_present()  # probed in a child process, and not cached when there is no GPU: once here
@@ -315,6 +315,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
         deadline_s=a.deadline,
         compile=a.compile,
         keep_forkserver=keep,
+        methods=a.methods,
     )
     written = gate_report.write(run, out, collect(), need_control=not a.no_control)
     print(gate_report.markdown(run, need_control=not a.no_control).split("\n| case |")[0])

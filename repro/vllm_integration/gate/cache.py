@@ -34,6 +34,7 @@ from pathlib import Path
 from repro.case.spec import CaseResult
 from repro.report.environment import gpu_facts
 from repro.vllm_integration.gate.case import GateCase
+from repro.vllm_integration.gate.methods import DEFAULT_METHOD
 from repro.vllm_integration.gate.worker import COMPILES, DEFAULT_COMPILE
 from repro.vllm_integration.plugin import WEIGHTS_ENV
 from repro.vllm_integration.releases.builds import VllmBuild
@@ -310,8 +311,10 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 def ref_key(case: GateCase) -> str:
-    """What a kept reference is for, besides its build, GPU and the gate's code: backend and SM configuration."""
-    return f"{case.backend}/{case.mode.sm.label}"
+    """What a kept reference is for, besides its build, GPU and the gate's code: backend, SM configuration and the
+    speculative method (EAGLE's key stays as kept before methods)."""
+    key = f"{case.backend}/{case.mode.sm.label}"
+    return key if case.method == DEFAULT_METHOD else f"{key}/{case.method}"
 
 
 def gpu_identity() -> str:

@@ -14,6 +14,10 @@ Detection modes (`--modes`, each a case parameter):
                    memory kept, a guard after each): an over-read past a tensor is a finding; gating
   memcheck:own+poison:FILL  the same with the entries FA3 never writes poisoned: a read of one memcheck names
 
+Every case runs one speculative method (`--methods`, repro.vllm_integration.gate.methods: eagle, eagle3,
+draft_model, mtp; its id names it unless it is eagle), with its own reference and self control; a method the build
+does not have, or whose speculator captures no FULL graph, is not applicable there (a skip saying why, never clean).
+
 Every mode also runs as a self control of a build (`inject`): the same build, engine, kernels and SM configuration
 with the capture defect re-created inside it (repro.vllm_integration.plugin.inject), a positive control that ran in this
 environment. Builds under test must be `clean` in every mode and repetition; a control (a known-bad build, or a
@@ -38,6 +42,7 @@ from repro.run import own_alloc
 from repro.run.process import StallRule
 from repro.run.sanitizer import sanitizer_env
 from repro.run.smcontrol import MpsDaemon
+from repro.vllm_integration.gate.methods import DEFAULT_METHOD
 from repro.vllm_integration.gate.worker import DEFAULT_COMPILE
 from repro.vllm_integration.plugin import BACKEND_ENV, POISON_ENV, PROBE_ENV, SM_MARGIN_ENV, WEIGHTS_ENV
 from repro.vllm_integration.plugin import ENV as AUDIT_ENV
@@ -46,7 +51,7 @@ from repro.vllm_integration.plugin.backend_fields import BACKENDS, DEFAULT_BACKE
 from repro.vllm_integration.plugin.counters import FILE_ENV
 from repro.vllm_integration.plugin.inject import INJECT_ENV
 from repro.vllm_integration.plugin.weights import AGREE
-from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild, build_pythonpath
+from repro.vllm_integration.releases.builds import SITE_DIRS_ENV, UNDER_TEST, VllmBuild, build_pythonpath, site_dirs
 
 DEFAULT_MODES = ("audit", "plain")
 ALL_MODES = ("audit", "plain", "mps:16", "sm_margin:16", "poison:int-max", "memcheck")
@@ -186,6 +191,7 @@ class GateCase:
         None  # the self control's injection (repro.vllm_integration.plugin.inject), None: the build as is
     )
     deadline_at: float | None = None  # `gate --deadline`: when (time.time()) the run ends; every process stops by then
+    method: str = DEFAULT_METHOD  # the speculative method (repro.vllm_integration.gate.methods), a case parameter
 
     @property
     def stall(self) -> StallRule | None:
@@ -221,6 +227,8 @@ class GateCase:
             parts.insert(4, self.backend.lower())
         if self.compile != DEFAULT_COMPILE and not self.reference:  # inductor ids stay as recorded
             parts.insert(4, f"compile-{self.compile}")
+        if self.method != DEFAULT_METHOD:  # EAGLE ids stay as recorded
+            parts.insert(4, self.method.replace("_", "-"))
         if self.rep:
             parts.append(f"rep{self.rep}")
         if self.attempt:
@@ -241,7 +249,7 @@ class GateCase:
 
 
 def reference_for(case: GateCase) -> GateCase:
-    """The reference of a case: the same build, backend and SM configuration, no CUDA graphs (its process runs the
+    """The reference of a case: the same build, method, backend and SM configuration, no CUDA graphs (its process runs the
     same draft: gate.llm_kwargs), nothing injected (a self control is judged against its build's own reference)."""
     mode = GateMode(f"reference-{case.mode.sm.label}", sm=case.mode.sm)
     return replace(
@@ -271,6 +279,7 @@ def case_env(
     root = str(CHECKOUT)
     path = build_pythonpath(case.build, builds, env.get("PYTHONPATH"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (path, root) if p)
+    env[SITE_DIRS_ENV] = site_dirs(case.build)  # their .pth files too (releases.builds.add_site_dirs)
     # torch.compile artifacts of concurrent cases must not share one folder; inductor's own cache locks itself
     env["VLLM_CACHE_ROOT"] = str(audit_file.parent / f"{case.case_id}.vllm-cache")
     mode = case.mode

@@ -50,7 +50,8 @@ def _injection_missed(c: dict) -> str:
         "the self control's injection reached no draft FULL capture (writes "
         f"{', '.join(f'{k} {v}' for k, v in writes.items()) or 'none'}; target capture builds copied "
         f"{c.get('inject_snapshots', 0)}; passes with nothing to write {c.get('inject_no_source') or 'none'}; "
-        f"draft metadata reused {c.get('inject_reused') or 'none'}): "
+        f"draft metadata reused {c.get('inject_reused') or 'none'}; draft capture builds per capture manager "
+        f"{c.get('inject_builds_by_manager') or 'none'}): "
         "this layout or backend keeps the draft's capture out of its reach"
     )
 

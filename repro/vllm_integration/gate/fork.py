@@ -145,6 +145,9 @@ def prepare(preload: list[str], late: frozenset[str]) -> tuple[dict, list[str]]:
     real, watched = os.environ, _WatchedEnviron(os.environ, late)
     os.environ = watched  # noqa: B003  the same environment, watched: os.getenv reads the module's environ too
     t0 = time.time()
+    from repro.vllm_integration.releases.builds import add_site_dirs  # the forkserver's imports are its cases'
+
+    add_site_dirs()  # before the preloads: the build's .pth files take effect in the cases it forks
     try:
         for item in preload:
             module, _, attr = item.partition(":")

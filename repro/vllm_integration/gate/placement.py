@@ -11,6 +11,9 @@ slice where MIG is on), and a pool that hands each case one device at a time.
   never compared across SM counts.
 - On a MIG runner the cases go to the slices with the fewest SMs (where the defect was found), without a flag.
 
+The cases of every speculative method (`--methods`) are cases like any other: they share the pool and `--jobs`,
+each method's beside the others on one GPU.
+
 MPS cases stay on the first device, under one daemon (gate_run.run_gate, repro.run.mps_cases): one MPS daemon per
 device is not built yet.
 

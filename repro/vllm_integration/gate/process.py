@@ -26,6 +26,7 @@ from repro.vllm_integration.gate.cache import PRIVATE, WRITER, GateCache
 from repro.vllm_integration.gate.case import GateCase, case_env, expected
 from repro.vllm_integration.gate.judge import annotate, finish
 from repro.vllm_integration.gate.launch import Launcher
+from repro.vllm_integration.gate.methods import DEFAULT_METHOD, not_applicable
 from repro.vllm_integration.gate.placement import GateDevice
 from repro.vllm_integration.releases.builds import VllmBuild
 
@@ -69,6 +70,8 @@ def run_case(
     model_dir = cache.build_dir(case.build) / "models" if cache is not None else log_dir / f"{case.case_id}.models"
     cmd = [sys.executable, "-m", "repro.vllm_integration.gate.worker", "--out", str(model_dir)]
     cmd += ["--attention-backend", case.backend]
+    if case.method != DEFAULT_METHOD:  # the worker's default: the command of an EAGLE case stays as it was
+        cmd += ["--method", case.method]
     if case.reference:
         cmd.append("--reference")
     else:
@@ -225,3 +228,29 @@ def skipped(case: GateCase, reason: str) -> CaseResult:
     if not case.reference:
         res.expected = expected(case)
     return res
+
+
+NOT_APPLICABLE_STEP = "not applicable"  # a result's history step: its method is not one its build has
+
+
+def not_applicable_result(case: GateCase, why: str) -> CaseResult:
+    """A case of a method its build does not have, or captures no FULL draft graph for (gate.methods.not_applicable):
+    a skip that says why, never clean; the policy lists it as not applicable (run.control_of)."""
+    return skipped(case, f"not applicable: {why}").revised(NOT_APPLICABLE_STEP, why, evidence=f"not applicable: {why}")
+
+
+def not_applicable_of(res: CaseResult) -> str | None:
+    """Why a result is not applicable (not_applicable_result), None for every other result."""
+    return next((h["why"] for h in res.history if h.get("step") == NOT_APPLICABLE_STEP), None)
+
+
+def set_apart_not_applicable(cases: list[GateCase]) -> tuple[list[GateCase], list[tuple[GateCase, CaseResult]]]:
+    """(the cases to run, the cases of a method their build does not have with their not-applicable results), read
+    from each build's files once per method (gate.methods.not_applicable)."""
+    why = {}
+    for c in cases:
+        key = (c.build, c.method)
+        if key not in why:
+            why[key] = not_applicable(c.build.package_dir, c.method)
+    run = [c for c in cases if not why[(c.build, c.method)]]
+    return run, [(c, not_applicable_result(c, why[(c.build, c.method)])) for c in cases if why[(c.build, c.method)]]

@@ -16,6 +16,8 @@ from repro.vllm_integration.gate import bench as gate_bench
 from repro.vllm_integration.gate.cache import COLD, KEPT, PRIVATE, WARM
 from repro.vllm_integration.gate.case import expected
 from repro.vllm_integration.gate.judge import passes
+from repro.vllm_integration.gate.methods import DEFAULT_METHOD
+from repro.vllm_integration.gate.process import not_applicable_of
 from repro.vllm_integration.gate.run import GateRun
 from repro.vllm_integration.releases import release_range
 from repro.vllm_integration.releases.source_check import check_tree
@@ -39,6 +41,7 @@ def rows(run: GateRun) -> list[dict]:
                     "build": c.build.label,
                     "role": c.build.role,
                     "vllm_version": r.vllm_version or c.build.version,
+                    "method": c.method,
                     "mode": "reference" if c.reference else c.mode.name,
                     "sm": c.mode.sm.label,
                     "rep": c.rep,
@@ -47,7 +50,7 @@ def rows(run: GateRun) -> list[dict]:
                     "kernel": r.kernel or "-",
                     "descriptor": r.descriptor or "-",
                     "expected": (r.expected or expected(c)) if kind == "case" else "-",
-                    "ok": passes(c, r) if kind == "case" else None,
+                    "ok": (passes(c, r) or bool(not_applicable_of(r))) if kind == "case" else None,
                     "engine": (r.backend_identity or {}).get("engine"),
                     "counters": (r.backend_identity or {}).get("counters"),
                     "acceptance": (r.backend_identity or {}).get("acceptance"),
@@ -63,6 +66,7 @@ def rows(run: GateRun) -> list[dict]:
 COUNTS = ("checks", "views_checked", "attention_forwards", "sched_calls", "sched_sm_margin", "fwd_sm_margin")
 COUNTS += ("poison_calls", "entries_poisoned")
 PER_KIND = ("captures", "captures_with_attention", "captures_audited", "captures_stale")
+BY_MANAGER = ("captures_by_manager", "full_captures_by_manager", "injected_by_manager")  # plugin.counters
 CONFIG = ("model_runner", "model_runner_v2", "attention_backend", "fa_version", "cudagraph_mode", "compilation_mode")
 CONFIG += ("speculative_method", "num_speculative_tokens")
 
@@ -73,6 +77,7 @@ def coverage(pairs) -> dict:
     counts: dict = {k: 0 for k in COUNTS}
     kinds: dict = {k: {} for k in PER_KIND}
     fa: dict = {}
+    managers: dict = {}  # capture manager -> [captures, FULL captures, injected captures]
     config: dict = {k: [] for k in CONFIG}
     acc: dict = {}
     reported = 0
@@ -89,6 +94,9 @@ def coverage(pairs) -> dict:
                 kinds[k][kind] = kinds[k].get(kind, 0) + n
         for v, n in (c.get("fa_versions") or {}).items():
             fa[v] = fa.get(v, 0) + n
+        for i, name in enumerate(BY_MANAGER):
+            for m, n in (c.get(name) or {}).items():
+                managers.setdefault(m, [0] * len(BY_MANAGER))[i] += n
         for k in CONFIG:
             if e.get(k) is not None and e.get(k) not in config[k]:
                 config[k].append(e.get(k))
@@ -97,7 +105,15 @@ def coverage(pairs) -> dict:
                 acc[k] = acc.get(k, 0) + v
             elif k == "unavailable":
                 acc.setdefault(k, v)
-    return {"cases_reporting": reported, **counts, **kinds, "fa_versions": fa, "config": config, "acceptance": acc}
+    return {
+        "cases_reporting": reported,
+        **counts,
+        **kinds,
+        "fa_versions": fa,
+        "managers": managers,
+        "config": config,
+        "acceptance": acc,
+    }
 
 
 def _kinds(d: dict) -> str:
@@ -148,10 +164,12 @@ def caches(run: GateRun, label: str) -> str:
 
 
 def build_summary(run: GateRun) -> list[dict]:
-    """One line per build: affected or not, in which modes, with how many repetitions."""
+    """One line per build and speculative method (EAGLE's row carries the build's label alone): affected or not, in
+    which modes, with how many repetitions; a method the build lacks is a row that says so (not_applicable)."""
     by_build: dict[str, list] = defaultdict(list)
     for c, r in run.cases:  # a build's self control is a row of its own: a positive control, never the build's answer
-        by_build[c.build.label + (" (self control)" if c.inject else "")].append((c, r))
+        method = "" if c.method == DEFAULT_METHOD else f" {c.method}"
+        by_build[c.build.label + method + (" (self control)" if c.inject else "")].append((c, r))
     out = []
     for label, pairs in by_build.items():
         b = pairs[0][0].build
@@ -165,6 +183,8 @@ def build_summary(run: GateRun) -> list[dict]:
         out.append(
             {
                 "build": label,
+                "method": pairs[0][0].method,
+                "not_applicable": not_applicable_of(pairs[0][1]),
                 "role": SELF_CONTROL if injected else b.role,
                 "vllm_version": next((r.vllm_version for _, r in pairs if r.vllm_version), b.version)
                 or "unknown (no case reported it)",
@@ -175,7 +195,7 @@ def build_summary(run: GateRun) -> list[dict]:
                 "source_check": src.verdict if src else "-",
                 "wall_s": run.build_wall_s.get(b.label),
                 "caches": caches(run, b.label),
-                "ok": all(passes(c, r) for c, r in pairs),
+                "ok": all(passes(c, r) or not_applicable_of(r) for c, r in pairs),
                 "coverage": coverage(pairs),
             }
         )
@@ -226,8 +246,9 @@ def fidelity_markdown(run: GateRun) -> list[str]:
 
 
 def releases_only(summaries: list[dict]) -> list[dict]:
-    """The builds as releases (the release range): self-control rows left out, they answer for the harness."""
-    return [s for s in summaries if s["role"] != SELF_CONTROL]
+    """The builds as releases (the release range): self-control rows left out, they answer for the harness, and a
+    method's rows where the build lacks it (no answer about the release)."""
+    return [s for s in summaries if s["role"] != SELF_CONTROL and not s.get("not_applicable")]
 
 
 def markdown(run: GateRun, env: dict | None = None, need_control: bool = True) -> str:
@@ -243,7 +264,10 @@ def markdown(run: GateRun, env: dict | None = None, need_control: bool = True) -
     lines += ["|---|---|---|---|---|---|---|---|---|"]
     for s in build_summary(run):
         per_mode = "; ".join(f"{m}: {', '.join(vs)}" for m, vs in s["modes"].items())
-        if s["role"] == SELF_CONTROL:  # a positive control: was the re-created defect caught?
+        if s.get("not_applicable"):  # the build lacks the method: no answer either way, and no failure
+            answer = "not applicable"
+            per_mode = s["not_applicable"]
+        elif s["role"] == SELF_CONTROL:  # a positive control: was the re-created defect caught?
             answer = "defect re-created: caught" if s["affected"] else "defect re-created: NOT caught"
         elif not s["affected"] and s["could_not_vouch"] and len(s["could_not_vouch"]) == len(s["modes"]):
             answer = "cannot tell"  # no case of the build gave an answer either way
@@ -288,6 +312,11 @@ def markdown(run: GateRun, env: dict | None = None, need_control: bool = True) -
             f"{cov['attention_forwards']} ({_kinds(cov['fa_versions'])}) | {cov['sched_sm_margin']}/"
             f"{cov['fwd_sm_margin']} | {cov['entries_poisoned']} | {_acceptance(cov['acceptance'])} |"
         )
+    lines += ["", "Captures per capture manager (total/FULL/injected by the self control), per build and method:", ""]
+    lines += ["| build | captures per capture manager |", "|---|---|"]
+    for s in build_summary(run):
+        per = "; ".join(f"{m} {'/'.join(map(str, n))}" for m, n in sorted(s["coverage"]["managers"].items()))
+        lines.append(f"| {s['build']} | {per or 'none reported'} |")
     lines += [
         "",
         "| case | configuration | captures per kind | checks | views | forwards | sm_margin sched/fwd | poisoned | "

@@ -43,15 +43,16 @@ from repro.vllm_integration.gate.case import (
 )
 from repro.vllm_integration.gate.judge import PLATFORM_CHECK, finish, passes, platform_failed, validate_reference
 from repro.vllm_integration.gate.launch import FORK, Launcher, launcher_kind
-from repro.vllm_integration.gate.placement import (
-    DevicePool,
-    GateDevice,
-    case_gib,
-    kind_of,
-    main_kind,
-    per_device_jobs,
+from repro.vllm_integration.gate.methods import DEFAULT_METHOD
+from repro.vllm_integration.gate.placement import DevicePool, GateDevice, case_gib, kind_of, main_kind, per_device_jobs
+from repro.vllm_integration.gate.process import (
+    attributed_beside,
+    not_applicable_of,
+    result_line,
+    run_control,
+    set_apart_not_applicable,
+    skipped,
 )
-from repro.vllm_integration.gate.process import attributed_beside, result_line, run_control, skipped
 from repro.vllm_integration.gate.worker import COMPILES, DEFAULT_COMPILE
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
 from repro.vllm_integration.plugin.inject import STALE_CAPTURE
@@ -84,8 +85,9 @@ class GateRun:
         return d
 
     def affected(self) -> list[tuple[GateCase, CaseResult]]:
-        """Builds under test whose case did not come back clean (the bug, or no answer)."""
-        return [(c, r) for c, r in self.cases if not c.is_control and not passes(c, r)]
+        """Builds under test whose case did not come back clean (the bug, or no answer); a method the build does not
+        have is neither (not applicable)."""
+        return [(c, r) for c, r in self.cases if not c.is_control and not passes(c, r) and not_applicable_of(r) is None]
 
     def not_vouched(self) -> list[tuple[GateCase, CaseResult]]:
         """Cases (under test or control) whose checked feature did not fire."""
@@ -138,6 +140,7 @@ def control_of(case: GateCase, res: CaseResult) -> policy.Control:
         res.verdict,
         case.mode.name,
         res.reason,
+        not_applicable=not_applicable_of(res),
         kind=case.control_kind,
         subject=f"{case.build.label} {case.backend}" if case.control_kind == policy.KNOWN_BAD else None,
     )
@@ -151,10 +154,12 @@ def plan(
     backends: tuple[str, ...] = (DEFAULT_BACKEND,),
     self_control: str = "under-test",
     compile: str = DEFAULT_COMPILE,
+    methods: tuple[str, ...] = (DEFAULT_METHOD,),
 ) -> list[GateCase]:
-    """Every case: build x attention backend x mode x repetition, and the self control of each build that gets one
-    (gate_case.self_controls_for) in every mode beside the build's own cases. sm_margin and poison hook FA3's own
-    calls: with another backend they are refused. `compile`: every speculative case's torch.compile (COMPILES)."""
+    """Every case: build x speculative method x attention backend x mode x repetition, and the self control of each
+    build that gets one (gate_case.self_controls_for) in every method and mode beside the build's own cases. sm_margin
+    and poison hook FA3's own calls: with another backend they are refused. `compile`: every speculative case's
+    torch.compile (COMPILES). Whether a build has a method is run_gate's to say (methods.not_applicable)."""
     if compile not in COMPILES:
         raise ConfigError(f"--compile {compile!r}: use one of {', '.join(COMPILES)}")
     if repeat < 1:
@@ -163,8 +168,9 @@ def plan(
     if fa3_only and any(b != DEFAULT_BACKEND for b in backends):
         raise ConfigError(f"mode {fa3_only[0]} hooks FA3's calls: run it with --backends {DEFAULT_BACKEND} only")
     return [
-        GateCase(b, m, rep=r, timeout_s=timeout_s, backend=be, inject=inj, compile=compile)
+        GateCase(b, m, rep=r, timeout_s=timeout_s, backend=be, inject=inj, compile=compile, method=meth)
         for b in builds
+        for meth in methods
         for inj in ((None, STALE_CAPTURE) if self_controls_for(b, self_control) else (None,))
         for be in backends
         for m in modes
@@ -190,6 +196,7 @@ def run_gate(
     compile: str = DEFAULT_COMPILE,
     keep_forkserver: float | None = None,
     memory: MemoryBudget | None | str = "free GPU",
+    methods: tuple[str, ...] = (DEFAULT_METHOD,),
 ) -> GateRun:
     """Every case, references included; non-MPS cases `jobs` at a time; MPS cases under a daemon owned by the run
     (repro.run.mps_cases' shared policy, as the matrix runs them): the cases expected clean several at a time, each
@@ -210,7 +217,10 @@ def run_gate(
     share of `memory` (placement.case_gib; "free GPU": the free memory at the start, MemoryBudget) while it runs."""
     if not builds:
         raise ConfigError("no vLLM build to test: install vllm, or set REPRO_VLLM / REPRO_VLLM_CONTROL")
-    cases = plan([only] if only is not None else builds, modes, repeat, timeout_s, backends, self_control, compile)
+    cases = plan(
+        [only] if only is not None else builds, modes, repeat, timeout_s, backends, self_control, compile, methods
+    )
+    cases, skipped_na = set_apart_not_applicable(cases)  # a method the build lacks: no process, no reference
     asked = [m for m in modes if m.sm.kind in ("sm_margin", "mps")]
     if asked:
         try:
@@ -354,6 +364,10 @@ def run_gate(
         run.launches = launch.summary()
         launch.close()
     run.cases = [(c, finish(c, r, outputs.get(c.case_id), *done[reference_for(c).case_id])) for c, r in run.cases]
+    run.cases += skipped_na
+    cases += [c for c, _ in skipped_na]
+    for c, r in skipped_na if progress else ():
+        progress(c, r)
     order = {c.case_id: i for i, c in enumerate(cases)}
     run.cases.sort(key=lambda cr: order[cr[0].case_id])
     run.wall_s = round(time.time() - t0, 1)

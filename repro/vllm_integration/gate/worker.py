@@ -30,27 +30,11 @@ from pathlib import Path
 from repro.run import own_alloc
 from repro.run.channel import emit
 from repro.run.tags import DEVICE_TAG, ENGINE_TAG, PLUGIN_TAG, RESULT_TAG
+from repro.vllm_integration.gate.methods import DEFAULT_METHOD, DRAFT, TABLE, TARGET  # noqa: F401  TARGET, DRAFT: re-exported
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
+from repro.vllm_integration.releases.builds import add_site_dirs
 
-TARGET = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 1024,
-    "intermediate_size": 2048,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "head_dim": 128,
-    "num_hidden_layers": 2,
-    "vocab_size": 4096,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "torch_dtype": "bfloat16",
-    "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-DRAFT = {**TARGET, "architectures": ["EagleLlamaForCausalLM"], "num_hidden_layers": 1}
+# the models of each speculative method: repro.vllm_integration.gate.methods (TARGET and DRAFT are EAGLE's)
 PROMPTS = [[11, 12, 13, 14, 15, 16, 17], [21, 22, 23], [31, 32, 33, 34, 35], [41, 42, 43, 44]]
 KV_CACHE_BYTES = 1 << 30
 SPEC_TOKENS = 3
@@ -62,13 +46,14 @@ DEFAULT_COMPILE = "inductor"
 MAX_NEW = 16
 
 
-def write_models(root: str | Path) -> tuple[Path, Path]:
-    """The target and draft model folders (config.json each) under root; a config already there with the same text is
-    left alone, a changed one replaced whole (one rename): concurrent cases may share the folder. vLLM's
-    compile-cache key includes the model's path, so the cases of one build share one folder (the gate cache's)."""
+def write_models(root: str | Path, method: str = DEFAULT_METHOD) -> tuple[Path, Path | None]:
+    """The method's target and draft model folders (config.json each; no draft folder for MTP, whose draft is the
+    target's own layer) under root; a config already there with the same text is left alone, a changed one replaced
+    whole (one rename): concurrent cases may share the folder. vLLM's compile-cache key includes the model's path, so
+    the cases of one build share one folder (the gate cache's); the methods share the Llama target's."""
     root = Path(root)
     paths = []
-    for name, cfg in (("target", TARGET), ("draft", DRAFT)):
+    for name, cfg in TABLE[method].models():
         d = root / name
         d.mkdir(parents=True, exist_ok=True)
         text = json.dumps(cfg, indent=1)
@@ -78,20 +63,21 @@ def write_models(root: str | Path) -> tuple[Path, Path]:
             tmp.write_text(text)
             os.replace(tmp, cfg_file)
         paths.append(d)
-    return paths[0], paths[1]
+    return paths[0], (paths[1] if len(paths) > 1 else None)
 
 
 def llm_kwargs(
     target: Path,
-    draft: Path,
+    draft: Path | None,
     reference: bool,
     spec_tokens: int,
     gpu_memory: float,
     backend: str = DEFAULT_BACKEND,
     compile: str = DEFAULT_COMPILE,
+    method: str = DEFAULT_METHOD,
 ) -> dict:
     """The LLM(...) arguments of a gate run. Reference: the same speculative decoding, no CUDA graphs. `compile`: one of
-    COMPILES (the reference never compiles)."""
+    COMPILES (the reference never compiles); `method`: one of gate.methods.METHODS."""
     if compile not in COMPILES:
         raise ValueError(f"compile {compile!r}: expected one of {', '.join(COMPILES)}")
     kw = dict(
@@ -107,7 +93,7 @@ def llm_kwargs(
         seed=0,
     )
     kw["disable_log_stats"] = False  # LLM.get_metrics(): the speculative-decoding acceptance counters
-    kw["speculative_config"] = {"method": "eagle", "model": str(draft), "num_speculative_tokens": spec_tokens}
+    kw["speculative_config"] = TABLE[method].speculative_config(draft, spec_tokens)
     if reference:
         kw["enforce_eager"] = True
     elif compile == "none":
@@ -266,8 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--gpu-memory", type=float, default=0.1, help="share of GPU memory that must be free at start")
     p.add_argument("--compile", choices=COMPILES, default=DEFAULT_COMPILE, help="torch.compile of the speculative run")
+    p.add_argument("--method", choices=tuple(TABLE), default=DEFAULT_METHOD, help="speculative method (gate.methods)")
     a = p.parse_args(argv)
     t0 = time.time()
+    sites = add_site_dirs()  # the build's prefixes as site folders: their .pth files take effect, as in that env
     import torch  # torch after t0: the import is part of the timed start (timing_s)
 
     own = os.environ.get(own_alloc.LIB_ENV)
@@ -293,10 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     if device is not None:
         device["startup_s"] = startup
         emit(DEVICE_TAG, device)
-    target, draft = write_models(a.out)
+    target, draft = write_models(a.out, a.method)
     inspection = inspect_in_process()
     own_before = own_alloc.counters() if own else {}  # the GEMM check's allocations are not vLLM's
-    llm = LLM(**llm_kwargs(target, draft, a.reference, a.spec_tokens, a.gpu_memory, a.attention_backend, a.compile))
+    llm = LLM(
+        **llm_kwargs(target, draft, a.reference, a.spec_tokens, a.gpu_memory, a.attention_backend, a.compile, a.method)
+    )
     t_engine = time.time()
     params = SamplingParams(
         temperature=0.0, max_tokens=a.max_new, detokenize=False, ignore_eos=True, logprobs=2 if a.reference else None
@@ -314,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = resolved_engine(llm)  # the reference's too: the configuration it ran with is part of its validation
     engine["acceptance"] = acceptance(llm)
     engine["model_inspection"] = inspection
+    engine["method"] = a.method
+    engine["site_dirs"] = sites
     emit(ENGINE_TAG, engine)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     margins = [[top2_margin(lp) for lp in (o.outputs[0].logprobs or [])] for o in outs] if a.reference else None

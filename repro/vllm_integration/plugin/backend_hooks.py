@@ -157,7 +157,8 @@ def _after_build(builder: Any, md: Any, spec: BackendFields) -> Any:
             sched = getattr(md, "scheduler_metadata", None)
             if sched is not None and hasattr(sched, "numel"):
                 injector.fill_padding(layout_of(build_shape(builder, md), sched.numel()), POISON_FILL)
-    elif role == "draft":
+    elif role == "draft":  # any speculator's capture manager (capture.manager_of names it: per method)
+        counters.bump("inject_builds_by_manager", capture.manager_of(sys._getframe(2)))
         injector.new_pass()
         injector.inject(id(md), tensor_fields(md, spec)[0], "draft build")
         md = injector.reuse(builder, md, capture_pass(sys._getframe(2)))

@@ -32,6 +32,7 @@ class _Capture:
     metadata: dict[int, tuple[Any, BackendFields]] = field(default_factory=dict)
     refreshed: set[int] = field(default_factory=set)  # ids of the metadata refreshed in place inside this capture
     injected: bool = False  # an attention forward of this capture read buffers the self control wrote
+    manager: str = UNKNOWN_KIND  # the capture manager recording it, and whose it is (manager_of)
 
 
 _CAPTURES: list[_Capture] = []
@@ -73,12 +74,38 @@ def graph_kind(frame: Any, depth: int = 40) -> str:
     if mgr is None and not texts and not seen_vllm:
         return UNKNOWN_KIND
     words = [w.lower() for w in (attr or "", *texts, type(mgr).__name__ if mgr is not None else "")]
-    phase = next((p for w in words for p in ("prefill", "decode", "mixed") if p in w), None)
-    if draft:
-        return f"draft {phase}" if phase in ("prefill", "decode") else f"draft ({UNKNOWN_KIND})"
+    phase = next((p for w in words for p in ("prefill", "decode", "mixed", "query") if p in w), None)
+    if draft:  # query: DFlash's parallel-drafting graph (query_cudagraph_manager)
+        return f"draft {phase}" if phase in ("prefill", "decode", "query") else f"draft ({UNKNOWN_KIND})"
     if mgr is None and not texts:
         return UNKNOWN_KIND
     return f"target {phase}" if phase else f"target ({UNKNOWN_KIND})"
+
+
+def manager_of(frame: Any, depth: int = 40) -> str:
+    """The capture manager recording a graph and whose it is, from the call stack: `<manager class>.<attribute> of
+    <owner class>` (SpeculatorCudaGraphManager.prefill_cudagraph_manager of StandaloneARSpeculator,
+    DFlashCudaGraphManager.query_cudagraph_manager of DFlashSpeculator, CudaGraphManager.cudagraph_manager of
+    GPUModelRunner): each speculative method's captures, per capture manager. UNKNOWN_KIND when no manager is on it."""
+    mgr, owner, attr = None, None, None
+    f = frame
+    for _ in range(depth):
+        if f is None:
+            break
+        obj = f.f_locals.get("self")
+        if obj is not None and mgr is None and "CudaGraphManager" in type(obj).__name__:
+            mgr = obj
+        elif obj is not None and mgr is not None and owner is None and obj is not mgr:
+            try:
+                attr = next((k for k, v in vars(obj).items() if v is mgr), None)
+            except TypeError:
+                attr = None
+            owner = obj if attr is not None else None
+        f = f.f_back
+    if mgr is None:
+        return UNKNOWN_KIND
+    where = f".{attr} of {type(owner).__name__}" if owner is not None else ""
+    return f"{type(mgr).__name__}{where}"
 
 
 def draft_on_stack(frame: Any, depth: int = 40) -> bool:
@@ -104,7 +131,7 @@ def install_capture_tracker(cuda: Any) -> None:
         _repro_tracked = True
 
         def __enter__(self):
-            _CAPTURES.append(_Capture(graph_kind(sys._getframe(1))))
+            _CAPTURES.append(_Capture(graph_kind(sys._getframe(1)), manager=manager_of(sys._getframe(1))))
             if "on" in _INJECTOR:  # before recording starts: nothing the injection writes is in the graph
                 _INJECTOR["on"].capture_begins(_CAPTURES[-1].kind)
             try:
@@ -127,10 +154,13 @@ def install_capture_tracker(cuda: Any) -> None:
 
 def _finish_capture(cap: _Capture, failed: bool) -> None:
     counters.bump("captures", cap.kind)
+    counters.bump("captures_by_manager", cap.manager)
     if cap.forwards:
         counters.bump("captures_with_attention", cap.kind)
+        counters.bump("full_captures_by_manager", cap.manager)
     if cap.injected and not failed:
         counters.bump("captures_injected", cap.kind)
+        counters.bump("injected_by_manager", cap.manager)
     if failed or not _AUDIT_ON["on"]:
         return
     auditor = counters.AUDITOR

@@ -25,6 +25,11 @@ def new_counters() -> dict[str, Any]:
     return {
         "captures": {},  # graph kind -> CUDA graph captures seen
         "captures_with_attention": {},  # kind -> captures an attention forward ran in (FULL graphs)
+        # per capture manager (capture.manager_of: "<manager class>.<attribute> of <owner class>"): every method's
+        # captures where they were recorded
+        "captures_by_manager": {},  # manager -> CUDA graph captures it recorded
+        "full_captures_by_manager": {},  # manager -> of those, captures an attention forward ran in (FULL graphs)
+        "injected_by_manager": {},  # manager -> captures whose attention read buffers the self control wrote
         "captures_audited": {},  # kind -> captures whose attention metadata the auditor checked at capture end
         "captures_stale": {},  # kind -> of those, captures with stale views
         "checks": 0,  # auditor checks (eager forwards and capture ends)

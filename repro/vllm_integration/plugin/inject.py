@@ -26,6 +26,14 @@ pass (warmup or captured; 0.20-0.25 build once per descriptor for both passes: t
 both): its largest descriptor's, as the source mutant `bisect stale-draft-capture` does (`reuse`, counted in
 inject_reused). Fixed releases (0.26.0) take both; the buffers alone already fault there.
 
+Every speculative method's capture is reached the same way (repro.vllm_integration.gate.methods): the hook points
+are the attention builder's builds inside any `*CudaGraphManager.capture` with a speculator on the stack, and the
+pass that `create_forward_fn(desc, warmup)` names. In vLLM 0.26-0.34 that is SpeculatorCudaGraphManager for EAGLE,
+EAGLE3 and MTP (TargetDependentARSpeculator: the target's attention groups where it can reuse them) and draft_model
+(StandaloneARSpeculator, 0.34.0: the draft's own buffers, builders and slot-mapping buffer, given the target's
+contents field by field), and DFlashCudaGraphManager (_prepare_dflash_inputs_to_capture, the DFlash family); which
+manager each write reached is counted (inject_builds_by_manager, and injected_by_manager at capture end).
+
 It writes buffers and tells nobody: the auditor compares what the views show with what their build wrote, and the
 kernels read what they read. Its counters say whether it reached the draft's FULL captures (`captures_injected`): a
 self control it never reached is no control (the gate cannot vouch)."""

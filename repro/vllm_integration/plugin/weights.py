@@ -15,6 +15,11 @@ built to agree with it, so that the draft's output reaches the result (acceptanc
   the target's RMSNorm makes of it) and drops the target's hidden state. The draft's position i holds token x(i+1)
   (EAGLE's shift), so attending to position i-1 it reads x(i) and proposes SIGMA[x(i)]: the target's token at i+2.
   A draft whose attention reads the wrong positions or requests (stale metadata) proposes tokens the target rejects.
+- The other methods (repro.vllm_integration.gate.methods) get the same layer by the same names: an EAGLE3 draft's
+  first layer normalizes the embedding itself and concatenates the target's hidden state after it (the qkv columns
+  of that half stay as noise draws them, head 0's are zero); a MiMo MTP layer's input_proj passes the normed
+  embedding through ([target hidden, embedding] -> embedding) and its Qwen2 q/k/v biases are zero; a standalone
+  draft Llama (draft_model) is a one-layer copy of the target's construction and proposes what the target decides.
 
 `agree` fills what the construction leaves zero (the other heads, the MLPs, the later layers) with random values as
 `margin` draws them, the outputs into the residual stream scaled by NOISE_GAIN: every kernel computes on realistic
@@ -136,7 +141,8 @@ def agreement_weights(model: Any, seed: int = SEED, noise: bool = True) -> dict:
             w = torch.zeros(tuple(p.shape), dtype=torch.float64)
             layer = int(m.group(1)) if (m := _LAYER.search(name)) else None
             if p.dim() < 2:
-                w.fill_(1.0)  # RMSNorm weights (the Llama family has no biases)
+                if not name.endswith(".bias"):  # Qwen2's (MiMo's) q/k/v biases stay zero
+                    w.fill_(1.0)  # RMSNorm weights
             elif name.endswith("embed_tokens.weight"):
                 w[:, :CODE_DIMS] = code[: p.shape[0]]
                 w[:, CONST_DIM] = 1.0
@@ -147,6 +153,8 @@ def agreement_weights(model: Any, seed: int = SEED, noise: bool = True) -> dict:
                 w[:rows, READ_AT : READ_AT + CODE_DIMS] = LOGIT_GAIN * code[inv]
             elif name.endswith("fc.weight"):  # EAGLE: [embedding, target hidden] -> hidden; the embedding, normed
                 w[:hidden, :hidden] = torch.eye(hidden, dtype=torch.float64) / rms
+            elif name.endswith("input_proj.weight"):  # MTP (MiMo): [target hidden, normed embedding] -> the embedding
+                w[:, hidden : 2 * hidden] = torch.eye(hidden, dtype=torch.float64)
             elif layer is not None and layer != first:  # later layers: they run, and add (next to) nothing
                 if not name.endswith(LINEAR):
                     unknown.append(name)

@@ -167,6 +167,34 @@ def build_pythonpath(build: VllmBuild, all_builds: list[VllmBuild], current: str
     return os.pathsep.join(own + [p for p in parts if str(Path(p).resolve()) not in own])
 
 
+SITE_DIRS_ENV = "REPRO_SITE_DIRS"  # a case's build prefixes, processed as site folders in its process (add_site_dirs)
+
+
+def site_dirs(build: VllmBuild) -> str:
+    """The folders of a build that its case process adds as site folders (its torch's, then its own prefix): a
+    prefix is often a site-packages folder whose .pth files put modules on sys.path (nvidia-cutlass-dsl's), which
+    PYTHONPATH alone never processes."""
+    return os.pathsep.join(p for p in (build.torch_prefix, build.prefix) if p)
+
+
+def add_site_dirs(environ: dict[str, str] | None = None) -> list[str]:
+    """In a case process, before torch or vLLM is imported: site.addsitedir for every folder SITE_DIRS_ENV names, so
+    their .pth files take effect as in that environment (the folders stay where PYTHONPATH put them). Returns the
+    folders added."""
+    import site  # only in a case process (and the CPU tests): the parent never adds site folders
+
+    env = os.environ if environ is None else environ
+    dirs = [d for d in env.get(SITE_DIRS_ENV, "").split(os.pathsep) if d and os.path.isdir(d)]
+    for d in dirs:
+        if d not in _SITES_ADDED:  # once per process (a case forked from its forkserver inherits the forkserver's)
+            site.addsitedir(d)
+            _SITES_ADDED.add(d)
+    return dirs
+
+
+_SITES_ADDED: set[str] = set()
+
+
 @dataclass(frozen=True)
 class Overlay:
     """--overlay LABEL=SOURCES@BASE, judged (check_overlay) and not made yet: one release's Python sources over

@@ -1,0 +1,292 @@
+"""The speculative methods a gate case runs (`--methods`, a case parameter like the mode and the backend): each one's
+tiny target/draft pair, built by the harness (a config.json per model folder, the weights constructed after vLLM's
+dummy loader: repro.vllm_integration.plugin.weights), its speculative_config, and whether a build has it at all.
+
+  eagle        Llama target + EagleLlama draft (the gate's method since it began; its case ids carry no method)
+  eagle3       the same Llama target + an Eagle3 Llama draft reading three of the target's hidden states
+  draft_model  the same Llama target + a second, one-layer Llama as a standalone draft (its own KV cache and
+               metadata: StandaloneARSpeculator in 0.34.0, the first release whose capture() records FULL graphs)
+  mtp          a MiMo target (Qwen2 layers) with one multi-token-prediction layer; the draft is the target's own
+               MTP layer (MTPSpeculator: a TargetDependentARSpeculator)
+
+Each pair agrees by construction (the `agree` weights: every model's head 0 reads the previous position's token,
+its LM head maps it through one permutation; a draft fed one token ahead predicts what the target will), so the
+reference's acceptance is asserted as it is for EAGLE (gate.judge.MIN_ACCEPTANCE).
+
+Applicability is read from the build's own files (never a version list): the method must be one its V2 model
+runner dispatches (speculator_config's method table, 0.27+; else init_speculator's branches, 0.24-0.26; a tree with
+neither drafts with EAGLE only), and the speculator class it resolves to must have a capture() that does something
+(BaseSpeculator.capture is `pass`: draft_model in 0.33.0 captured nothing). A method that is not applicable is a
+skip that says why, never a clean case. The DFlash family (parallel drafting, its own capture builder) is not here:
+the harness has no agreeing DFlash pair yet (`--methods dflash` is refused with that reason)."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+from repro.errors import ConfigError
+
+EAGLE, EAGLE3, DRAFT_MODEL, MTP = "eagle", "eagle3", "draft_model", "mtp"
+METHODS = (EAGLE, EAGLE3, DRAFT_MODEL, MTP)
+DEFAULT_METHOD = EAGLE  # a case without a method is an EAGLE case (records from before --methods)
+# `gate --methods` when not given: EAGLE alone, the method every recorded run measured; `all` (every method of
+# METHODS, each not applicable where the build lacks it) until the other pairs are measured on a GPU
+DEFAULT_METHODS = EAGLE
+NOT_HERE = {
+    "dflash": "the harness has no agreeing DFlash pair yet (parallel drafting over the target's hidden states); "
+    "its capture builder (spec_decode/dflash/cudagraph.py) is not exercised",
+}
+
+TARGET = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 1024,
+    "intermediate_size": 2048,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "num_hidden_layers": 2,
+    "vocab_size": 4096,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+DRAFT = {**TARGET, "architectures": ["EagleLlamaForCausalLM"], "num_hidden_layers": 1}
+# EAGLE3: the draft's fc reads the target's hidden states at layers 0 (its input), 1 and 2 (after each layer)
+DRAFT_EAGLE3 = {
+    **TARGET,
+    "architectures": ["Eagle3LlamaForCausalLM"],
+    "num_hidden_layers": 1,
+    "draft_vocab_size": TARGET["vocab_size"],
+    "eagle_aux_hidden_state_layer_ids": [0, 1, 2],
+}
+DRAFT_LLAMA = {**TARGET, "num_hidden_layers": 1}  # draft_model: a standalone Llama sharing the vocabulary
+# MTP: MiMo (Qwen2 layers, head_dim = hidden / heads = 128) with one MTP layer; model_type qwen2 so that no remote
+# code is needed for its config (vLLM recognizes MiMo's MTP by the architecture name)
+TARGET_MTP = {
+    **{k: v for k, v in TARGET.items() if k != "head_dim"},
+    "architectures": ["MiMoForCausalLM"],
+    "model_type": "qwen2",
+    "num_nextn_predict_layers": 1,
+    "use_sliding_window": False,
+    "max_window_layers": 2,
+}
+
+
+@dataclass(frozen=True)
+class SpecMethod:
+    name: str
+    target: tuple[str, dict]  # (folder name, config)
+    draft: tuple[str, dict] | None  # None: the draft is the target's own layers (MTP)
+
+    def models(self) -> tuple[tuple[str, dict], ...]:
+        return (self.target,) + ((self.draft,) if self.draft else ())
+
+    def speculative_config(self, draft: Path | None, spec_tokens: int) -> dict:
+        """LLM(speculative_config=...): the method, its draft model folder (none for MTP: the target's), k."""
+        out = {"method": self.name, "num_speculative_tokens": spec_tokens}
+        if draft is not None:
+            out["model"] = str(draft)
+        return out
+
+
+TABLE = {
+    EAGLE: SpecMethod(EAGLE, ("target", TARGET), ("draft", DRAFT)),
+    EAGLE3: SpecMethod(EAGLE3, ("target", TARGET), ("draft-eagle3", DRAFT_EAGLE3)),
+    DRAFT_MODEL: SpecMethod(DRAFT_MODEL, ("target", TARGET), ("draft-llama", DRAFT_LLAMA)),
+    MTP: SpecMethod(MTP, ("target-mtp", TARGET_MTP), None),
+}
+
+
+def parse_methods(text: str) -> tuple[str, ...]:
+    """--methods: names of METHODS, or `all`, comma-separated, each at most once."""
+    names = [x.strip().lower() for x in text.split(",") if x.strip()]
+    out: list[str] = []
+    for n in names:
+        for m in METHODS if n == "all" else (n,):
+            if m in NOT_HERE:
+                raise ConfigError(f"--methods {m}: {NOT_HERE[m]}")
+            if m not in TABLE:
+                raise ConfigError(f"--methods {m!r}: use {', '.join(METHODS)} or all")
+            if m in out:
+                raise ConfigError(f"--methods: {m} given twice (one case id each; use --repeat to run again)")
+            out.append(m)
+    if not out:
+        raise ConfigError("no speculative method given")
+    return tuple(out)
+
+
+def add_option(parser: argparse.ArgumentParser) -> None:
+    """`gate --methods` (parsed: a tuple of method names; a bad value is argparse's usage error, with the reason)."""
+
+    def methods(text: str) -> tuple[str, ...]:
+        try:
+            return parse_methods(text)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parser.add_argument(
+        "--methods",
+        type=methods,
+        default=DEFAULT_METHODS,
+        help=f"speculative methods, each a case parameter with its own model pair, reference and self control: "
+        f"{', '.join(METHODS)}, or all (a method the build lacks, or captures no FULL draft graph for, is not "
+        "applicable there; --compare-paths runs eagle) (default %(default)s)",
+    )
+
+
+SPEC = Path("v1") / "worker" / "gpu" / "spec_decode"
+
+
+def _parse(path: Path) -> ast.Module | None:
+    try:
+        return ast.parse(path.read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
+def _module_file(package_dir: Path, module: str) -> Path:
+    rel = Path(*module.split(".")[1:])  # vllm.a.b -> <package_dir>/a/b.py
+    return (
+        package_dir / rel.with_suffix(".py")
+        if (package_dir / rel.with_suffix(".py")).exists()
+        else package_dir / rel / "__init__.py"
+    )
+
+
+def _strings(node: ast.AST) -> list[str]:
+    return [n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+
+def _imports(tree: ast.Module) -> dict[str, str]:
+    """name -> the module it is imported from, for every `from X import name` in a file (function bodies too)."""
+    return {
+        a.asname or a.name: n.module
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and n.module
+        for a in n.names
+    }
+
+
+def _find_class(
+    package_dir: Path, module: str, name: str, depth: int = 0
+) -> tuple[ast.ClassDef, ast.Module, str] | None:
+    tree = _parse(_module_file(package_dir, module))
+    if tree is None or depth > 8:
+        return None
+    for n in tree.body:
+        if isinstance(n, ast.ClassDef) and n.name == name:
+            return n, tree, module
+    src = _imports(tree).get(name)
+    return _find_class(package_dir, src, name, depth + 1) if src else None
+
+
+def _lookup(package_dir: Path, module: str, cls: str, want, depth: int = 0):
+    """The first of `cls` and its bases (in order, across files) for which want(class node) is not None."""
+    found = _find_class(package_dir, module, cls)
+    if found is None or depth > 8:
+        return None
+    node, tree, where = found
+    if (got := want(node)) is not None:
+        return got
+    imports = _imports(tree)
+    for b in node.bases:
+        base = ast.unparse(b).split(".")[-1]
+        got = _lookup(package_dir, imports.get(base, where), base, want, depth + 1)
+        if got is not None:
+            return got
+    return None
+
+
+def _assigned(node: ast.ClassDef, attr: str) -> str | None:
+    for n in node.body:
+        targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) else []
+        if any(isinstance(t, ast.Name) and t.id == attr for t in targets) and n.value is not None:
+            value = "".join(_strings(n.value))
+            return value or "None"
+    return None
+
+
+def _capture_body(node: ast.ClassDef) -> list[ast.stmt] | None:
+    for n in node.body:
+        if isinstance(n, ast.FunctionDef) and n.name == "capture":
+            return [s for s in n.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    return None
+
+
+def _noop(body: list[ast.stmt]) -> bool:
+    """A capture() that records nothing: only pass, `...`, a bare return or a log line."""
+    for s in body:
+        if isinstance(s, ast.Pass) or isinstance(s, ast.Return) and s.value is None:
+            continue
+        if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call) and "logger" in ast.unparse(s.value.func):
+            continue
+        return False
+    return True
+
+
+# init_speculator's branches that name no method: the SpeculativeConfig predicate each method answers true to
+PREDICATES = {EAGLE: "use_eagle()", EAGLE3: "use_eagle()", DRAFT_MODEL: "uses_draft_model()"}
+
+
+def _speculator_of(package_dir: Path, method: str) -> tuple[str | None, str]:
+    """(the speculator class's qualified name or None, where it was read / why none)."""
+    spec = package_dir / SPEC
+    table = _parse(spec / "speculator_config.py")
+    if table is not None:  # 0.27+: a method table of config classes, each naming its speculator class
+        for n in ast.walk(table):
+            if isinstance(n, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == EAGLE for k in n.keys):
+                entries = {k.value: v for k, v in zip(n.keys, n.values) if isinstance(k, ast.Constant)}
+                if method not in entries:
+                    return None, f"not a speculative method of this build (its methods: {', '.join(sorted(entries))})"
+                parts = _strings(entries[method])
+                cfg_module, cfg_cls = f"vllm.v1.worker.gpu.spec_decode.{parts[0]}", parts[-1]
+                qual = _lookup(package_dir, cfg_module, cfg_cls, lambda c: _assigned(c, "speculator_class"))
+                if not qual or qual == "None":
+                    return None, f"{cfg_cls} names no V2 speculator class"
+                return qual, "speculator_config"
+    init = _parse(spec / "__init__.py")
+    fn = (
+        next((n for n in ast.walk(init) if isinstance(n, ast.FunctionDef) and n.name == "init_speculator"), None)
+        if init
+        else None
+    )
+    if fn is None:  # 0.20-0.23: no dispatch, the V2 runner drafts with EAGLE
+        if method == EAGLE:
+            return "", "no method dispatch (EAGLE only)"
+        return None, "this build's V2 runner has no method dispatch (init_speculator / speculator_config): EAGLE only"
+    for n in ast.walk(fn):
+        if not isinstance(n, ast.If):
+            continue
+        test = ast.unparse(n.test)
+        if f"'{method}'" in test or f'"{method}"' in test or PREDICATES.get(method, "?") in test:
+            imported = [(i.module, a.name) for i in ast.walk(ast.Module(body=n.body, type_ignores=[]))
+                        if isinstance(i, ast.ImportFrom) and i.module for a in i.names]  # fmt: skip
+            if imported:
+                return f"{imported[0][0]}.{imported[0][1]}", "init_speculator"
+    return None, f"init_speculator of this build has no branch for method {method!r}"
+
+
+def not_applicable(package_dir: Path | None, method: str) -> str | None:
+    """Why this build cannot run `method` with FULL draft graphs (None: it can, or its files cannot tell)."""
+    if package_dir is None or not (package_dir / SPEC).is_dir():
+        return None
+    qual, where = _speculator_of(package_dir, method)
+    if qual is None:
+        return f"method {method}: {where}"
+    if not qual:
+        return None
+    module, _, cls = qual.rpartition(".")
+    body = _lookup(package_dir, module, cls, _capture_body)
+    if body is None:
+        return f"method {method}: its speculator {cls} ({where}) has no capture()"
+    if _noop(body):
+        return f"method {method}: its speculator {cls}'s capture() records nothing (no FULL draft graph)"
+    return None
