@@ -29,6 +29,9 @@ process it starts; each feature is off unless its environment variable turns it 
 - REPRO_INJECT=stale-capture  the self control: the defect of vLLM 0.21.0-0.25.1 re-created inside this build (the
                           draft's FULL captures run on buffers holding the target's last capture build;
                           repro.vllm_integration.plugin.inject). Counted per capture kind (captures_injected).
+  REPRO_INJECT=stale-descriptor  its second form: every draft FULL pass gets the metadata of another descriptor of
+                          the same capture list, object and buffers one consistent build (StaleDescriptorInjector):
+                          only the auditor's descriptor check can see it.
 - REPRO_WEIGHTS=agree     after vLLM's DummyModelLoader, the gate's constructed weights (repro.vllm_integration.
                           weights): a target decided by a wide margin at every token and an EAGLE draft that agrees
                           with it. `margin`: every parameter redrawn from a per-name seed (near ties, no acceptance).
@@ -156,7 +159,7 @@ def register() -> None:
                 atexit.register(counters.write_report)
                 emit(PLUGIN_TAG, {"installed": "audit", "backend": spec.name})
         if want["inject"] and "inject" not in installed:
-            if install_inject(backend, spec=spec, source=want["inject_source"]):
+            if install_inject(backend, spec=spec, source=want["inject_source"], form=want["inject"]):
                 emit(PLUGIN_TAG, {"installed": "inject", "injection": want["inject"], "backend": spec.name})
     if (want["sm_margin"] or want["poison"]) and "fa3" not in installed:
         import torch  # torch and vLLM only when a feature asks for them: the plugin loads in every vLLM process
