@@ -17,6 +17,7 @@ from repro.vllm_integration.gate.cache import COLD, KEPT, PRIVATE, WARM
 from repro.vllm_integration.gate.case import expected
 from repro.vllm_integration.gate.judge import passes
 from repro.vllm_integration.gate.run import GateRun
+from repro.vllm_integration.plugin.inject import STALE_CAPTURE
 from repro.vllm_integration.releases import release_range
 from repro.vllm_integration.releases.source_check import check_tree
 
@@ -151,7 +152,8 @@ def build_summary(run: GateRun) -> list[dict]:
     """One line per build: affected or not, in which modes, with how many repetitions."""
     by_build: dict[str, list] = defaultdict(list)
     for c, r in run.cases:  # a build's self control is a row of its own: a positive control, never the build's answer
-        by_build[c.build.label + (" (self control)" if c.inject else "")].append((c, r))
+        form = "" if c.inject == STALE_CAPTURE else f", {c.inject}"  # the second form's row says which it is
+        by_build[c.build.label + (f" (self control{form})" if c.inject else "")].append((c, r))
     out = []
     for label, pairs in by_build.items():
         b = pairs[0][0].build

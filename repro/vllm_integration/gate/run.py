@@ -54,7 +54,7 @@ from repro.vllm_integration.gate.placement import (
 from repro.vllm_integration.gate.process import attributed_beside, result_line, run_control, skipped
 from repro.vllm_integration.gate.worker import COMPILES, DEFAULT_COMPILE
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
-from repro.vllm_integration.plugin.inject import STALE_CAPTURE
+from repro.vllm_integration.plugin.inject import INJECTIONS
 from repro.vllm_integration.releases.builds import VllmBuild
 
 NO_CONTROL = "no positive control ran in a gating mode"
@@ -152,8 +152,9 @@ def plan(
     self_control: str = "under-test",
     compile: str = DEFAULT_COMPILE,
 ) -> list[GateCase]:
-    """Every case: build x attention backend x mode x repetition, and the self control of each build that gets one
-    (gate_case.self_controls_for) in every mode beside the build's own cases. sm_margin and poison hook FA3's own
+    """Every case: build x attention backend x mode x repetition, and the self controls of each build that gets them
+    (gate_case.self_controls_for: one per form of the injection, INJECTIONS) in every mode beside the build's own
+    cases. sm_margin and poison hook FA3's own
     calls: with another backend they are refused. `compile`: every speculative case's torch.compile (COMPILES)."""
     if compile not in COMPILES:
         raise ConfigError(f"--compile {compile!r}: use one of {', '.join(COMPILES)}")
@@ -165,7 +166,7 @@ def plan(
     return [
         GateCase(b, m, rep=r, timeout_s=timeout_s, backend=be, inject=inj, compile=compile)
         for b in builds
-        for inj in ((None, STALE_CAPTURE) if self_controls_for(b, self_control) else (None,))
+        for inj in ((None, *INJECTIONS) if self_controls_for(b, self_control) else (None,))
         for be in backends
         for m in modes
         for r in range(repeat)

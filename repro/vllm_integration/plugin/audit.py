@@ -48,6 +48,15 @@ class Mismatch:
         )
 
 
+def in_words(record: dict) -> str:
+    """A Mismatch's record (to_dict, as an AUDIT line or the audit file holds it) in words: a contents mismatch as
+    staleness.stale_entry names it (as recorded before the descriptor check), a stale-descriptor one as str()."""
+    if record.get("kind") == STALE_DESCRIPTOR:
+        return str(Mismatch(**{k: v for k, v in record.items() if k in Mismatch.__dataclass_fields__}))
+    r = record
+    return stale_entry(r["descriptor"], r["buffer"], r["field"], r["index"], r["now"], r["built"])
+
+
 @dataclass
 class _Build:
     descriptor: str
