@@ -19,8 +19,11 @@ process it starts; each feature is off unless its environment variable turns it 
                           Where the builder has update_draft_decode_metadata (vLLM 0.28 on: the fused draft loop
                           refreshes the draft-decode metadata in place, inside the captured graph), an eager refresh
                           becomes the metadata's new reference, and a refresh inside a capture marks the fields it
-                          rewrites as the graph's to compute (not compared at that capture's end). Findings go to
-                          stderr as `REPRO_AUDIT <json>` lines and, at exit, to REPRO_AUDIT_FILE.
+                          rewrites as the graph's to compute (not compared at that capture's end). At every FULL
+                          capture pass (warmup forward, capture end) the descriptor check too: the metadata in use
+                          against what the builder gives for the descriptor being captured (stale-descriptor;
+                          plugin.audit.descriptor_mismatches). Findings go to stderr as `REPRO_AUDIT <json>` lines
+                          and, at exit, to REPRO_AUDIT_FILE.
 - REPRO_SM_MARGIN=N       FA3 plans and launches for N fewer SMs: sm_margin passed to vLLM's get_scheduler_metadata
                           and to every torch.ops._vllm_fa3_C.fwd call (vLLM itself always passes 0). Counted per call.
 - REPRO_POISON=<fill>     the entries FA3's get_scheduler_metadata never writes are filled (repro.case.poison) before vLLM
