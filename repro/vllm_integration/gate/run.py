@@ -151,11 +151,13 @@ def plan(
     backends: tuple[str, ...] = (DEFAULT_BACKEND,),
     self_control: str = "under-test",
     compile: str = DEFAULT_COMPILE,
+    forms: tuple[str, ...] = INJECTIONS,
 ) -> list[GateCase]:
     """Every case: build x attention backend x mode x repetition, and the self controls of each build that gets them
-    (gate_case.self_controls_for: one per form of the injection, INJECTIONS) in every mode beside the build's own
-    cases. sm_margin and poison hook FA3's own
-    calls: with another backend they are refused. `compile`: every speculative case's torch.compile (COMPILES)."""
+    (gate_case.self_controls_for: one per form of the injection, `forms`, every one of INJECTIONS unless a replay of
+    a record from before the second form names fewer) in every mode beside the build's own cases. sm_margin and
+    poison hook FA3's own calls: with another backend they are refused. `compile`: every speculative case's
+    torch.compile (COMPILES)."""
     if compile not in COMPILES:
         raise ConfigError(f"--compile {compile!r}: use one of {', '.join(COMPILES)}")
     if repeat < 1:
@@ -166,7 +168,7 @@ def plan(
     return [
         GateCase(b, m, rep=r, timeout_s=timeout_s, backend=be, inject=inj, compile=compile)
         for b in builds
-        for inj in ((None, *INJECTIONS) if self_controls_for(b, self_control) else (None,))
+        for inj in ((None, *forms) if self_controls_for(b, self_control) else (None,))
         for be in backends
         for m in modes
         for r in range(repeat)
@@ -191,6 +193,7 @@ def run_gate(
     compile: str = DEFAULT_COMPILE,
     keep_forkserver: float | None = None,
     memory: MemoryBudget | None | str = "free GPU",
+    self_control_forms: tuple[str, ...] = INJECTIONS,
 ) -> GateRun:
     """Every case, references included; non-MPS cases `jobs` at a time; MPS cases under a daemon owned by the run
     (repro.run.mps_cases' shared policy, as the matrix runs them): the cases expected clean several at a time, each
@@ -208,10 +211,12 @@ def run_gate(
     running one's timeout ends at it; a case the deadline stopped is a skip that says so, or its stale-audit where the
     auditor had caught stale views (gate.process.past_deadline). A skipped build under test cannot be vouched for; a
     skipped control can leave its mode without evidence (HARNESS BLIND). On one device each case process holds its
-    share of `memory` (placement.case_gib; "free GPU": the free memory at the start, MemoryBudget) while it runs."""
+    share of `memory` (placement.case_gib; "free GPU": the free memory at the start, MemoryBudget) while it runs.
+    self_control_forms: the self control's forms (plan's `forms`)."""
     if not builds:
         raise ConfigError("no vLLM build to test: install vllm, or set REPRO_VLLM / REPRO_VLLM_CONTROL")
-    cases = plan([only] if only is not None else builds, modes, repeat, timeout_s, backends, self_control, compile)
+    which = [only] if only is not None else builds
+    cases = plan(which, modes, repeat, timeout_s, backends, self_control, compile, self_control_forms)
     asked = [m for m in modes if m.sm.kind in ("sm_margin", "mps")]
     if asked:
         try:
