@@ -14,7 +14,7 @@ from enum import IntEnum
 
 from repro.judge.policy import GateOutcome
 from repro.judge.verdicts import CLEAN, SKIP
-from repro.vllm_integration.releases.source_check import BAD, GOOD
+from repro.vllm_integration.releases.source_check import BAD, GOOD, NO_KNOWN_BAD
 
 
 class Exit(IntEnum):
@@ -90,11 +90,12 @@ def run(verdict: str) -> Exit:
 
 def source(verdicts: Iterable[str]) -> Exit:
     """The source check's verdicts (repro.vllm_integration.releases.source_check) of one tree (`bisect --status`, a
-    `--check source` bisect step) or several (`vllm-check`): 1 when one is bad, 0 when every one is good, else 125."""
+    `--check source` bisect step) or several (`vllm-check`): 1 when one is bad, 0 when every one is good or has no
+    known bad pattern (unverified: not run on a GPU; 0 keeps `git bisect run` working), else 125."""
     seen = list(verdicts)
     if BAD in seen:
         return Exit.BUG
-    return Exit.OK if seen and all(v == GOOD for v in seen) else Exit.UNTESTABLE
+    return Exit.OK if seen and all(v in (GOOD, NO_KNOWN_BAD) for v in seen) else Exit.UNTESTABLE
 
 
 def gate_step(returncode: int) -> Exit:
@@ -138,7 +139,13 @@ EXIT_CODES: dict[str, dict[int, str]] = {
         2: "bad input (not a git checkout, unknown revision, no vllm/ at --bad)",
         125: "only untestable commits were left (--status: this commit is untestable)",
     },
-    "vllm-check": {0: "every source good", 1: "a source is bad", 2: "bad input", 125: "a source is untestable"},
+    "vllm-check": {
+        0: "no known bad pattern in any source (unverified: `good` only where a GPU record of that release vouches for "
+        "its published files)",
+        1: "a source has a known bad pattern (or its release's GPU record says affected)",
+        2: "bad input",
+        125: "a source is untestable",
+    },
     "agree": {0: "every verdict agrees", 1: "a verdict disagrees", 2: "bad input"},
     "xdist-report": {0: "every worker on a GPU of its own", 1: "a worker shared or changed GPUs", 2: "bad input"},
     "bench": {0: "written", 2: "bad input"},

@@ -13,6 +13,9 @@ Behaviours (`behaviour` argument):
   stale-crash    the draft prefill capture reuses an overwritten target build, then an illegal memory access; with
                  CUDA_LAUNCH_BLOCKING=1 the faulting line names flash_fwd_combine_launch_template.h, as on the H200
   stale-quiet    reuses it, no fault
+  stale-descriptor  the draft prefill capture builds each descriptor's metadata for the other descriptor of its
+                 capture list (object and buffers consistent with each other), no fault: only the auditor's
+                 descriptor check sees it
   wrong          tokens of the CUDA-graph run differ from the reference at a decided position
   broken         the speculative engine fails to start, no fault
   abort          good, but the speculative engine's process aborts (SIGABRT) after its captures
@@ -36,6 +39,7 @@ BEHAVIOURS = (
     "good",
     "stale-crash",
     "stale-quiet",
+    "stale-descriptor",
     "wrong",
     "broken",
     "abort",
@@ -180,6 +184,7 @@ class LLM:
 """
 
 BACKEND = """
+import torch
 from vllm.v1.attention.backends import flash_attn
 if BEHAVIOUR == "other-backend":
     from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl as Impl
@@ -190,14 +195,28 @@ else:
     Impl, Builder = flash_attn.FlashAttentionImpl, flash_attn.FlashAttentionMetadataBuilder
 
 
-def forward(impl, md):
+def forward(impl, md, num_tokens=None):
+    # query: the pass's tokens (None: not said); the kernels read as many as the metadata says
+    query = None if num_tokens is None else torch.zeros(num_tokens)
     if BEHAVIOUR == "no-forward":
-        return impl.forward_impl(None, None, None, None, None, md)
-    return impl.forward(None, None, None, None, None, md)
+        return impl.forward_impl(None, query, None, None, None, md)
+    return impl.forward(None, query, None, None, None, md)
 """
 
 CUDAGRAPH_UTILS = """
 import torch
+
+
+class _Mode:
+    def __init__(self, name):
+        self.name = name
+
+
+class BatchExecutionDescriptor:
+    # vLLM's (cudagraph_utils.py): a FULL uniform-decode descriptor of n requests, 4 tokens each
+    def __init__(self, n):
+        self.cg_mode, self.num_tokens, self.num_reqs = _Mode("FULL"), 4 * n, n
+        self.uniform_token_count, self.max_query_len = 4, None
 
 
 class CudaGraphManager:
@@ -207,10 +226,10 @@ class CudaGraphManager:
     def capture(self, create_forward_fn, progress_bar_desc="Capturing CUDA graphs"):
         if not self.full:
             return
-        for n in (8, 1):  # larger graphs first
-            run = create_forward_fn(n, True)
+        for desc in (BatchExecutionDescriptor(8), BatchExecutionDescriptor(1)):  # larger graphs first
+            run = create_forward_fn(desc, warmup=True)
             run()  # warm-up, eager
-            run = create_forward_fn(n, False)
+            run = create_forward_fn(desc, warmup=False)
             with torch.cuda.graph(object(), None):
                 run()
 """
@@ -236,10 +255,11 @@ class GPUModelRunner:
     def capture_model(self):
         saved = {}
 
-        def create(n, warmup):
+        def create(desc, warmup):
+            n = desc.num_reqs
             md = self.builder.build(n)
             saved[n] = md
-            return lambda: forward(self.impl, md)
+            return lambda: forward(self.impl, md, desc.num_tokens)
 
         self.cudagraph_manager.capture(create, "Capturing decode CUDA graphs (FULL)")
         if self.speculator is not None and self.cudagraph_manager.full:
@@ -257,7 +277,7 @@ class GPUModelRunner:
             time.sleep(SLOW_S)
 
     def execute_model(self, n):
-        forward(self.impl, self.builder.build(n))
+        forward(self.impl, self.builder.build(n), 4 * n)
 """
 
 SPECULATOR = """
@@ -275,12 +295,16 @@ class Speculator:
         self.decode_cudagraph_manager = SpeculatorCudaGraphManager(mode)
 
     def capture(self, attn_states):
-        def prefill(n, warmup):
+        def prefill(desc, warmup):
+            n = desc.num_reqs
             # stale builds reuse the target's saved metadata, whose buffers the target's later builds overwrote
-            md = attn_states[n] if BEHAVIOUR.startswith("stale") else self.builder.build(n)
+            if BEHAVIOUR == "stale-descriptor":  # a fresh build, for the other descriptor of the capture list
+                md = self.builder.build(1 if n == 8 else 8)
+            else:
+                md = attn_states[n] if BEHAVIOUR.startswith("stale") else self.builder.build(n)
 
             def run():
-                forward(self.impl, md)
+                forward(self.impl, md, desc.num_tokens)
                 if BEHAVIOUR == "stale-crash":
                     if os.environ.get("CUDA_LAUNCH_BLOCKING") == "1":
                         print("Capturing prefill CUDA graphs (FULL):  49%| 24/49 CUDA error "
@@ -293,9 +317,9 @@ class Speculator:
 
             return run
 
-        def decode(n, warmup):
-            md = self.builder.build(n)
-            return lambda: forward(self.impl, md)
+        def decode(desc, warmup):
+            md = self.builder.build(desc.num_reqs)
+            return lambda: forward(self.impl, md, desc.num_tokens)
 
         self.prefill_cudagraph_manager.capture(prefill, progress_bar_desc="Capturing prefill CUDA graphs")
         self.decode_cudagraph_manager.capture(decode, progress_bar_desc="Capturing draft decode CUDA graphs")
@@ -352,8 +376,12 @@ class FlashAttentionImpl:
         md = attn_metadata
         n = md.seq_lens.shape[0] if md is not None else 0
         # the kernels' reaction to buffers that hold another batch's contents (what the H200 showed: a fault in the
-        # split-KV combine kernel), except in the build whose stale reads stay silent
-        if n and BEHAVIOUR not in ("stale-quiet", "stale-crash") and md.seq_lens.tolist() != [100 + n] * n:
+        # split-KV combine kernel), except in the build whose stale reads stay silent, or to metadata of more tokens
+        # than the pass has (FA3 reads past the query: the self control's second form, except in the build whose
+        # kernels stay in bounds)
+        past = md is not None and query is not None and md.num_actual_tokens > query.shape[0]
+        past = past and BEHAVIOUR != "stale-descriptor"
+        if n and BEHAVIOUR not in ("stale-quiet", "stale-crash") and (md.seq_lens.tolist() != [100 + n] * n or past):
             if os.environ.get("CUDA_LAUNCH_BLOCKING") == "1":
                 print("CUDA error (flash_fwd_combine_launch_template.h:60): an illegal memory access was encountered",
                       file=sys.stderr)

@@ -19,6 +19,7 @@ from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import run as gate_run
 from repro.vllm_integration.gate.case import GateCase, parse_backends, parse_modes
 from repro.vllm_integration.gate.run import KEPT_LINE, run_gate
+from repro.vllm_integration.plugin.inject import INJECTIONS, STALE_CAPTURE
 from tests.records import load
 
 
@@ -115,6 +116,8 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
         self_control=self_control,
         launcher="spawn",  # the processes are replayed: no forkserver to start
         compile=m[1] if (m := re.search(r"--compile (\S+)", command)) else "inductor",
+        # the self control's forms the run made (a record from before the second form has the first alone)
+        self_control_forms=INJECTIONS if any("-stale-descriptor-" in c for c in rows) else (STALE_CAPTURE,),
     )
     got = {c.case_id: r for pairs in (run.cases, run.references, run.attributions) for c, r in pairs}
     return doc, rows, run, got

@@ -13,7 +13,7 @@ import pytest
 from repro import exit_codes
 from repro.exit_codes import EXIT_CODES, Exit
 from repro.judge.policy import GateOutcome
-from repro.vllm_integration.releases.source_check import BAD, GOOD, UNTESTABLE
+from repro.vllm_integration.releases.source_check import BAD, GOOD, NO_KNOWN_BAD, UNTESTABLE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -164,8 +164,10 @@ def test_the_readme_quotes_the_codes_the_module_decides():
     for outcome in GateOutcome:
         assert f"{exit_codes.gate(outcome)} {outcome}" in gate_line, (outcome, gate_line)
     check_line = next(ln for ln in readme.splitlines() if ln.startswith("python -m repro vllm-check "))
-    for verdict in (GOOD, BAD):
-        assert f"{exit_codes.source([verdict])} {verdict}" in check_line, (verdict, check_line)
+    # 0 is "no known bad pattern" (the source check cannot vouch: `good` only with a GPU record), 1 bad
+    for verdict, words in ((NO_KNOWN_BAD, "no known bad pattern"), (BAD, "bad")):
+        assert f"{exit_codes.source([verdict])} {words}" in check_line, (verdict, check_line)
+    assert exit_codes.source([GOOD]) == exit_codes.source([NO_KNOWN_BAD])
     assert f"{exit_codes.source([UNTESTABLE])} untestable" in check_line
     short = readme.split("## Exit codes", 1)[1].split("\n## ", 1)[0]
     assert all(f"**{int(code)}**" in short for code in Exit if code != Exit.INTERRUPTED), short

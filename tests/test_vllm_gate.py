@@ -146,6 +146,7 @@ def test_compile_none_runs_full_graphs_without_torch_compile_in_every_speculativ
     run = run_gate(builds, parse_modes("audit"), tmp_path / "logs", jobs=4, timeout_s=120, compile="none")
     v = _verdicts(run)
     assert set(v) == {"good-under-test-compile-none-audit", "good-self-control-compile-none-audit",
+                      "good-self-control-stale-descriptor-compile-none-audit",
                       "crash-control-compile-none-audit"}  # fmt: skip
     engine = v["good-under-test-compile-none-audit"].backend_identity["engine"]
     assert (engine["compilation_mode"], engine["cudagraph_mode"]) == ("NONE", "FULL")
@@ -165,7 +166,9 @@ def test_gate_command_exit_codes_and_report(tmp_path, fakes, capsys):
     doc = json.loads((out / "results.json").read_text())
     assert doc["kind"] == "vllm-gate" and doc["passed"]
     affected = {b["build"]: b["affected"] for b in doc["builds"]}
-    assert affected == {"0.26.0": False, "0.25.1": True, "0.26.0 (self control)": True}
+    assert affected == {
+        "0.26.0": False, "0.25.1": True, "0.26.0 (self control)": True, "0.26.0 (self control, stale-descriptor)": True
+    }  # fmt: skip
     md = (out / "verdicts.md").read_text()
     assert "**Gate: PASS**" in md and "draft prefill 2/2/0/0" in md  # captures per kind: total/attention/audited/stale
     cov = {b["build"]: b["coverage"] for b in doc["builds"]}["0.26.0"]
@@ -176,7 +179,7 @@ def test_gate_command_exit_codes_and_report(tmp_path, fakes, capsys):
     # no known-bad build: the build's own self control is the positive control (the re-created defect caught)
     assert cli([*args, "--vllm", f"0.26.0={fakes['good']}"]) == 0
     decision = json.loads((out / "results.json").read_text())["decision"]
-    assert any("mode plain: 1 of 1" in x and "self-control: 1 of 1" in x for x in decision), decision
+    assert any("mode plain: 2 of 2" in x and "self-control: 2 of 2" in x for x in decision), decision
     assert cli([*args, "--vllm", f"0.26.0={fakes['good']}", "--self-control", "none"]) == 3  # no control: BLIND
     assert cli([*args, "--vllm", f"0.26.0={fakes['good']}", "--no-control"]) == 0  # a bisect step's answer
     assert json.loads((out / "results.json").read_text())["passed"]  # the report agrees with the exit code

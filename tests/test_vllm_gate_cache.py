@@ -186,9 +186,9 @@ def test_kept_references_and_warm_caches_give_the_same_verdicts(tmp_path):
     assert {r.phases["vllm_cache"] for _, r in first.cases} <= {WRITER, COLD}
     assert {r.phases["vllm_cache"] for _, r in second.cases} == {WARM}  # the stand-in's captures ran: compiled
     # the self control shares its build's caches and reference: it runs beside the build's cases, never cold on its own
-    rows = [("good", "cold"), ("good (self control)", "cold"), ("crash", "cold")]
-    assert [(b["build"], b["caches"]) for b in build_summary(first)] == rows
-    assert [b["caches"] for b in build_summary(second)] == ["warm", "warm", "warm"]
+    rows = [("good", "cold"), ("good (self control)", "cold"), ("good (self control, stale-descriptor)", "cold")]
+    assert [(b["build"], b["caches"]) for b in build_summary(first)] == [*rows, ("crash", "cold")]
+    assert [b["caches"] for b in build_summary(second)] == ["warm"] * 4
     assert len(second.references) == 2  # one per build: the self control is judged against its build's
     assert "| 0.26.0 | **no** |" in gate_report.markdown(second) and "(warm) | ok |" in gate_report.markdown(second)
     ref = next(r for c, r in second.cases if c.case_id.endswith("good-under-test-plain"))

@@ -172,8 +172,10 @@ def test_each_method_is_a_case_parameter_with_a_readable_id_and_its_own_referenc
     assert ids == [
         "stale_metadata-vllm-0.34.0-under-test-audit",  # eagle: the id as recorded
         "stale_metadata-vllm-0.34.0-self-control-audit",
+        "stale_metadata-vllm-0.34.0-self-control-stale-descriptor-audit",  # the second form of the injection
         "stale_metadata-vllm-0.34.0-under-test-draft-model-audit",
         "stale_metadata-vllm-0.34.0-self-control-draft-model-audit",
+        "stale_metadata-vllm-0.34.0-self-control-stale-descriptor-draft-model-audit",
     ]
     refs = {reference_for(c).case_id for c in cases}
     assert refs == {

@@ -14,6 +14,7 @@ from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import run as gate_run
 from repro.vllm_integration.gate.case import parse_modes
 from repro.vllm_integration.gate.report import markdown, to_json
+from repro.vllm_integration.plugin.inject import STALE_CAPTURE
 from repro.vllm_integration.releases.builds import CONTROL, UNDER_TEST, VllmBuild
 from tests.recorded_gate import StandInMps
 
@@ -56,7 +57,9 @@ def _gate(monkeypatch, tmp_path, answer, modes="mps:16,mps:24", jobs=4):
         VllmBuild("0.26.0", str(tmp_path / "a"), UNDER_TEST, "0.26.0"),
         VllmBuild("0.25.1", str(tmp_path / "b"), CONTROL, "0.25.1"),
     ]
-    run = gate_run.run_gate(builds, parse_modes(modes), tmp_path / "logs", jobs=jobs, self_control="under-test")
+    # the first self-control form alone: these tests count cases by how they are scheduled, not by form
+    run = gate_run.run_gate(builds, parse_modes(modes), tmp_path / "logs", jobs=jobs, self_control="under-test",
+                            self_control_forms=(STALE_CAPTURE,))  # fmt: skip
     return run, seen
 
 
@@ -149,7 +152,8 @@ def _deadline_gate(monkeypatch, tmp_path, modes, answer, deadline_s, self_contro
     builds = builds or [VllmBuild("0.26.0", str(tmp_path), UNDER_TEST, "0.26.0")]
     t0 = time.time()
     run = gate_run.run_gate(builds, parse_modes(modes), tmp_path / "logs", jobs=4, timeout_s=5.0,
-                            self_control=self_control, deadline_s=deadline_s, launcher="spawn")  # fmt: skip
+                            self_control=self_control, deadline_s=deadline_s, launcher="spawn",
+                            self_control_forms=(STALE_CAPTURE,))  # fmt: skip
     assert isinstance(run.cases[0][0], GateCase)
     return run, [(cid, at - t0, to) for cid, at, to in seen], time.time() - t0
 

@@ -46,7 +46,8 @@ def add_parsers(sub) -> None:
     )
     bi.add_argument("gate_cmd", nargs=argparse.REMAINDER, help="-- command for --check gate (default: none)")
     what = (
-        "source verdict and auditor hooks of vLLM checkouts or wheels (no import); exit 0 good, 1 bad, 125 untestable"
+        "code patterns and auditor hooks of vLLM checkouts or wheels (no import; cannot vouch: 'good' only for a "
+        "release the gate ran on a GPU, with its published files); exit 0 no known bad pattern, 1 bad, 125 untestable"
     )
     vc = sub.add_parser("vllm-check", help=what, description=what)
     vc.add_argument("sources", nargs="+", help="vLLM checkout folders or .whl files")
@@ -379,8 +380,7 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
     for path in a.sources:
         c = check_source(path)
         rows.append(c.to_dict())
-        print(f"{c.source}: {c.verdict} ({c.layout or '-'}): {c.reason}")
-        print(f"  auditor hooks: {'ok' if c.plugin_ok else 'MISSING'}: {'; '.join(c.plugin_notes)}")
+        print("\n".join(c.describe()))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
     return exit_codes.source(r["verdict"] for r in rows)

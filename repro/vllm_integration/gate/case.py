@@ -18,9 +18,12 @@ Every case runs one speculative method (`--methods`, repro.vllm_integration.gate
 draft_model, mtp; its id names it unless it is eagle), with its own reference and self control; a method the build
 does not have, or whose speculator captures no FULL graph, is not applicable there (a skip saying why, never clean).
 
-Every mode also runs as a self control of a build (`inject`): the same build, engine, kernels and SM configuration
-with the capture defect re-created inside it (repro.vllm_integration.plugin.inject), a positive control that ran in this
-environment. Builds under test must be `clean` in every mode and repetition; a control (a known-bad build, or a
+Every mode also runs as a self control of a build (`inject`), once per form of the injection (INJECTIONS: the
+target's capture contents in the draft's buffers, `stale-capture`; another descriptor's metadata, object and buffers
+together, `stale-descriptor`, whose case ids say it): the same build, engine, kernels and SM configuration with the
+capture defect re-created inside it (repro.vllm_integration.plugin.inject), a positive control that ran in this
+environment. In the audit modes a self control must be caught by the auditor itself (judge.vouch), not by a fault
+alone. Builds under test must be `clean` in every mode and repetition; a control (a known-bad build, or a
 self control) must be detected with kernel evidence (fault, hang, wrong tokens) in every gating mode, or by the audit
 in the audit mode (`expected`)."""
 
@@ -49,7 +52,7 @@ from repro.vllm_integration.plugin import ENV as AUDIT_ENV
 from repro.vllm_integration.plugin import SWITCHES as PLUGIN_SWITCHES
 from repro.vllm_integration.plugin.backend_fields import BACKENDS, DEFAULT_BACKEND, known_name
 from repro.vllm_integration.plugin.counters import FILE_ENV
-from repro.vllm_integration.plugin.inject import INJECT_ENV
+from repro.vllm_integration.plugin.inject import INJECT_ENV, STALE_CAPTURE
 from repro.vllm_integration.plugin.weights import AGREE
 from repro.vllm_integration.releases.builds import SITE_DIRS_ENV, UNDER_TEST, VllmBuild, build_pythonpath, site_dirs
 
@@ -229,6 +232,8 @@ class GateCase:
             parts.insert(4, f"compile-{self.compile}")
         if self.method != DEFAULT_METHOD:  # EAGLE ids stay as recorded
             parts.insert(4, self.method.replace("_", "-"))
+        if self.inject not in (None, STALE_CAPTURE):  # the first form's ids stay as recorded; the others say theirs
+            parts.insert(4, self.inject)
         if self.rep:
             parts.append(f"rep{self.rep}")
         if self.attempt:

@@ -32,6 +32,8 @@ class Need:
     message: Callable[[dict], str] | None = None
     keys: str | None = None
     in_reference: bool = False
+    at_most: int | None = None  # a counter of what could not be done: it must stay at or below this (at_least unused)
+    absent_passes: bool = False  # a record from before the counter existed (the key absent) is not read as short
 
     def count(self, counters: dict) -> float:
         value = counters.get(self.counter) if self.counter else None
@@ -40,8 +42,12 @@ class Need:
         return value or 0
 
     def short(self, counters: dict) -> bool:
-        """Did the counter stay below its threshold? (False for a row without a counter.)"""
-        return self.counter is not None and self.count(counters) < self.at_least
+        """Did the counter stay below its threshold (or rise above at_most)? False for a row without a counter, and
+        for an absent counter where absent_passes."""
+        if self.counter is None or self.absent_passes and self.counter not in counters:
+            return False
+        n = self.count(counters)
+        return n > self.at_most if self.at_most is not None else n < self.at_least
 
 
 def _injection_missed(c: dict) -> str:
@@ -50,9 +56,18 @@ def _injection_missed(c: dict) -> str:
         "the self control's injection reached no draft FULL capture (writes "
         f"{', '.join(f'{k} {v}' for k, v in writes.items()) or 'none'}; target capture builds copied "
         f"{c.get('inject_snapshots', 0)}; passes with nothing to write {c.get('inject_no_source') or 'none'}; "
-        f"draft metadata reused {c.get('inject_reused') or 'none'}; draft capture builds per capture manager "
+        f"draft metadata reused {c.get('inject_reused') or 'none'}; another descriptor's given "
+        f"{c.get('inject_rebuilt') or 'none'}; draft capture builds per capture manager "
         f"{c.get('inject_builds_by_manager') or 'none'}): "
         "this layout or backend keeps the draft's capture out of its reach"
+    )
+
+
+def _descriptors_unchecked(c: dict) -> str:
+    why = c.get("descriptor_unchecked") or {}
+    return (
+        f"the descriptor check could not run at {sum(why.values())} FULL capture pass(es) "
+        f"({'; '.join(f'{k} ({v})' for k, v in why.items())}): the metadata there is not known to be its descriptor's"
     )
 
 
@@ -71,6 +86,25 @@ NEEDS: tuple[Need, ...] = (
         "audit",
         counter="checks",
         message=lambda c: "the freshness auditor made 0 checks",
+    ),
+    Need(  # the descriptor check (plugin.audit.descriptor_mismatches); records from before it lack its counters
+        "audit",
+        lambda case: case.mode.audit,
+        "audit",
+        counter="descriptor_checks",
+        keys="",
+        message=lambda c: "the descriptor check never ran (no FULL capture pass's descriptor found on the stack)",
+        absent_passes=True,
+    ),
+    Need(
+        "audit",
+        lambda case: case.mode.audit,
+        "audit",
+        counter="descriptor_unchecked",
+        keys="",
+        at_most=0,
+        message=_descriptors_unchecked,
+        absent_passes=True,
     ),
     Need(
         "self control (inject)",

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from repro.attention.staleness import count_fields, stale_entry
+from repro.attention.staleness import count_fields
 from repro.case.spec import CaseResult
 from repro.judge import policy
 from repro.judge.verdicts import CANNOT_VOUCH as NOT_VOUCHED
@@ -21,6 +21,7 @@ from repro.run.smcontrol import mps_sm_mismatch
 from repro.run.tags import AUDIT_TAG, COUNTERS_TAG, DEVICE_TAG, ENGINE_TAG, PLUGIN_TAG, RESULT_TAG
 from repro.vllm_integration.gate.case import GateCase, expected
 from repro.vllm_integration.gate.coverage import applying, features_needed, not_fired
+from repro.vllm_integration.plugin.audit import STALE_DESCRIPTOR, in_words
 
 TIE_MARGIN = 0.1  # nats: a reference token whose top-2 margin is below this is a tie, not a reference
 MIN_COVERAGE = 0.5  # a comparison that covers less than this share of the tokens cannot vouch for a build
@@ -83,7 +84,9 @@ def annotate(res: CaseResult, case: GateCase, output: str | Channel, audit_file:
     if case.mode.sanitizer and res.verdict not in (OOB, SKIP):
         evidence.append("memcheck: no finding")
     if case.mode.audit and not case.reference:
-        evidence.append(f"audit: {audit['stale']} stale fields in {audit['checks']} checks")
+        by_descriptor = f" ({audit['descriptor']} of them stale-descriptor)" if audit["descriptor"] else ""
+        checked = f" and {audit['descriptor_checks']} descriptor checks" if audit["descriptor_checks"] else ""
+        evidence.append(f"audit: {audit['stale']} stale fields{by_descriptor} in {audit['checks']} checks{checked}")
     res = replace(
         res,
         vllm_version=result.get("vllm_version") or case.build.version,
@@ -115,13 +118,13 @@ def annotate(res: CaseResult, case: GateCase, output: str | Channel, audit_file:
         return res.revised(PLATFORM_CHECK, why, verdict=ERROR, reason=why)
     if res.verdict == CLEAN and audit["stale"]:
         why = f"no fault this run, but the auditor caught stale views: {audit['first'][0]}"
-        return res.revised("audit", why, verdict=STALE_AUDIT, reason=why, descriptor=audit["descriptor"])
+        return res.revised("audit", why, verdict=STALE_AUDIT, reason=why, descriptor=audit["first_descriptor"])
     if audit["stale"] and res.verdict in (CRASH, HANG):
         return res.revised(
             "audit",
             "the auditor saw stale views before the fault",
             reason=res.reason + f"; the auditor caught stale views before it: {audit['first'][0]}",
-            descriptor=res.descriptor or audit["descriptor"],
+            descriptor=res.descriptor or audit["first_descriptor"],
         )
     return res
 
@@ -151,42 +154,52 @@ def platform_problem(device: dict) -> str | None:
 
 
 def _audit_evidence(ch: Channel, audit_file: Path | None) -> dict:
-    """What the auditor reported for the case: its mismatches (the audit file, else the AUDIT records), checks, stale
-    views per field, the first three in words and the first one's descriptor."""
+    """What the auditor reported for the case: its mismatches (the audit file, else the AUDIT records; how many were
+    stale-descriptor), checks, descriptor checks, stale views per field, the first three in words, the first's."""
     lines = ch.of(AUDIT_TAG)
     stale = [x["stale"] for x in lines if "stale" in x and isinstance(x["stale"], dict)]
-    checks = 0
+    checks = descriptor_checks = 0
     if audit_file is not None:
         try:
             report = json.loads(audit_file.read_text())
-            checks = int(report.get("checks", 0))
+            checks, descriptor_checks = int(report.get("checks", 0)), int(report.get("descriptor_checks", 0))
             stale = report.get("mismatches", stale) or stale
         except (OSError, ValueError):
             pass
     summaries = [x for x in lines if "checks" in x]
     if summaries:
         checks = max(checks, int(summaries[-1]["checks"]))
+        descriptor_checks = max(descriptor_checks, int(summaries[-1].get("descriptor_checks", 0)))
     fields = count_fields((m["buffer"], m["field"]) for m in stale)  # stale views per field: see count_fields
-    first = [stale_entry(m["descriptor"], m["buffer"], m["field"], m["index"], m["now"], m["built"]) for m in stale[:3]]
+    first = [in_words(m) for m in stale[:3]]
     return {
         "stale": len(stale),
+        "descriptor": sum(1 for m in stale if m.get("kind") == STALE_DESCRIPTOR),
         "checks": checks,
+        "descriptor_checks": descriptor_checks,
         "fields": fields,
         "first": first,
-        "descriptor": stale[0]["descriptor"] if stale else None,
+        "first_descriptor": stale[0]["descriptor"] if stale else None,
     }
 
 
 def vouch(case: GateCase, res: CaseResult) -> CaseResult:
     """A case that would be clean or stale-audit, but whose feature did not fire, becomes cannot-vouch with the
     reason (a new record); a crash, a hang or wrong tokens stay evidence, except in a self control whose injection
-    never wrote before it (its fault is then not the re-created defect's); an error or a skip stays what it is."""
+    never wrote before it (then not the re-created defect's), or, in an audit mode, that the auditor caught nothing
+    of (a fault alone does not show that the auditor sees that form; records from before the descriptor check, without
+    its counter, as they were judged); an error or a skip stays what it is."""
     if case.reference or res.verdict in (ERROR, SKIP):  # no evidence to discount, nothing fired to vouch for
         return res
     if res.verdict not in (CLEAN, STALE_AUDIT):
-        if not case.inject or (res.backend_identity or {}).get("injection"):
+        counters = (res.backend_identity or {}).get("counters") or {}
+        blind = case.mode.audit and not res.stale_fields and "descriptor_checks" in counters
+        wrote = (res.backend_identity or {}).get("injection")
+        if not case.inject or wrote and not blind:
             return res
         missing = [f"the self control's injection never wrote before this {res.verdict}: not the re-created defect's"]
+        if wrote:
+            missing = [f"the auditor caught nothing of the re-created defect ({case.inject}): the {res.verdict} alone"]
     else:
         missing = not_fired(case, res.backend_identity)
     if not missing:

@@ -19,6 +19,7 @@ from repro.vllm_integration.gate.judge import passes
 from repro.vllm_integration.gate.methods import DEFAULT_METHOD
 from repro.vllm_integration.gate.process import not_applicable_of
 from repro.vllm_integration.gate.run import GateRun
+from repro.vllm_integration.plugin.inject import STALE_CAPTURE
 from repro.vllm_integration.releases import release_range
 from repro.vllm_integration.releases.source_check import check_tree
 
@@ -169,7 +170,8 @@ def build_summary(run: GateRun) -> list[dict]:
     by_build: dict[str, list] = defaultdict(list)
     for c, r in run.cases:  # a build's self control is a row of its own: a positive control, never the build's answer
         method = "" if c.method == DEFAULT_METHOD else f" {c.method}"
-        by_build[c.build.label + method + (" (self control)" if c.inject else "")].append((c, r))
+        form = "" if c.inject == STALE_CAPTURE else f", {c.inject}"  # the second form's row says which it is
+        by_build[c.build.label + method + (f" (self control{form})" if c.inject else "")].append((c, r))
     out = []
     for label, pairs in by_build.items():
         b = pairs[0][0].build

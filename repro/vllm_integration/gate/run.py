@@ -55,7 +55,7 @@ from repro.vllm_integration.gate.process import (
 )
 from repro.vllm_integration.gate.worker import COMPILES, DEFAULT_COMPILE
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
-from repro.vllm_integration.plugin.inject import STALE_CAPTURE
+from repro.vllm_integration.plugin.inject import INJECTIONS
 from repro.vllm_integration.releases.builds import VllmBuild
 
 NO_CONTROL = "no positive control ran in a gating mode"
@@ -155,11 +155,11 @@ def plan(
     self_control: str = "under-test",
     compile: str = DEFAULT_COMPILE,
     methods: tuple[str, ...] = (DEFAULT_METHOD,),
+    forms: tuple[str, ...] = INJECTIONS,
 ) -> list[GateCase]:
-    """Every case: build x speculative method x attention backend x mode x repetition, and the self control of each
-    build that gets one (gate_case.self_controls_for) in every method and mode beside the build's own cases. sm_margin
-    and poison hook FA3's own calls: with another backend they are refused. `compile`: every speculative case's
-    torch.compile (COMPILES). Whether a build has a method is run_gate's to say (methods.not_applicable)."""
+    """Every case: build x method x backend x mode x repetition, and each build's self controls (self_controls_for:
+    one per injection form, `forms`) in every method and mode beside its cases. sm_margin and poison hook FA3's calls:
+    with another backend they are refused. `compile`: COMPILES. A method the build lacks: methods.not_applicable."""
     if compile not in COMPILES:
         raise ConfigError(f"--compile {compile!r}: use one of {', '.join(COMPILES)}")
     if repeat < 1:
@@ -171,7 +171,7 @@ def plan(
         GateCase(b, m, rep=r, timeout_s=timeout_s, backend=be, inject=inj, compile=compile, method=meth)
         for b in builds
         for meth in methods
-        for inj in ((None, STALE_CAPTURE) if self_controls_for(b, self_control) else (None,))
+        for inj in ((None, *forms) if self_controls_for(b, self_control) else (None,))
         for be in backends
         for m in modes
         for r in range(repeat)
@@ -197,6 +197,7 @@ def run_gate(
     keep_forkserver: float | None = None,
     memory: MemoryBudget | None | str = "free GPU",
     methods: tuple[str, ...] = (DEFAULT_METHOD,),
+    self_control_forms: tuple[str, ...] = INJECTIONS,
 ) -> GateRun:
     """Every case, references included; non-MPS cases `jobs` at a time; MPS cases under a daemon owned by the run
     (repro.run.mps_cases' shared policy, as the matrix runs them): the cases expected clean several at a time, each
@@ -214,12 +215,12 @@ def run_gate(
     running one's timeout ends at it; a case the deadline stopped is a skip that says so, or its stale-audit where the
     auditor had caught stale views (gate.process.past_deadline). A skipped build under test cannot be vouched for; a
     skipped control can leave its mode without evidence (HARNESS BLIND). On one device each case process holds its
-    share of `memory` (placement.case_gib; "free GPU": the free memory at the start, MemoryBudget) while it runs."""
+    share of `memory` (placement.case_gib; "free GPU": the free memory at the start, MemoryBudget) while it runs.
+    self_control_forms: the self control's forms (plan's `forms`)."""
     if not builds:
         raise ConfigError("no vLLM build to test: install vllm, or set REPRO_VLLM / REPRO_VLLM_CONTROL")
-    cases = plan(
-        [only] if only is not None else builds, modes, repeat, timeout_s, backends, self_control, compile, methods
-    )
+    which = [only] if only is not None else builds
+    cases = plan(which, modes, repeat, timeout_s, backends, self_control, compile, methods, self_control_forms)
     cases, skipped_na = set_apart_not_applicable(cases)  # a method the build lacks: no process, no reference
     asked = [m for m in modes if m.sm.kind in ("sm_margin", "mps")]
     if asked:

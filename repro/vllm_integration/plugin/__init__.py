@@ -19,8 +19,11 @@ process it starts; each feature is off unless its environment variable turns it 
                           Where the builder has update_draft_decode_metadata (vLLM 0.28 on: the fused draft loop
                           refreshes the draft-decode metadata in place, inside the captured graph), an eager refresh
                           becomes the metadata's new reference, and a refresh inside a capture marks the fields it
-                          rewrites as the graph's to compute (not compared at that capture's end). Findings go to
-                          stderr as `REPRO_AUDIT <json>` lines and, at exit, to REPRO_AUDIT_FILE.
+                          rewrites as the graph's to compute (not compared at that capture's end). At every FULL
+                          capture pass (warmup forward, capture end) the descriptor check too: the metadata in use
+                          against what the builder gives for the descriptor being captured (stale-descriptor;
+                          plugin.audit.descriptor_mismatches). Findings go to stderr as `REPRO_AUDIT <json>` lines
+                          and, at exit, to REPRO_AUDIT_FILE.
 - REPRO_SM_MARGIN=N       FA3 plans and launches for N fewer SMs: sm_margin passed to vLLM's get_scheduler_metadata
                           and to every torch.ops._vllm_fa3_C.fwd call (vLLM itself always passes 0). Counted per call.
 - REPRO_POISON=<fill>     the entries FA3's get_scheduler_metadata never writes are filled (repro.case.poison) before vLLM
@@ -29,6 +32,9 @@ process it starts; each feature is off unless its environment variable turns it 
 - REPRO_INJECT=stale-capture  the self control: the defect of vLLM 0.21.0-0.25.1 re-created inside this build (the
                           draft's FULL captures run on buffers holding the target's last capture build;
                           repro.vllm_integration.plugin.inject). Counted per capture kind (captures_injected).
+  REPRO_INJECT=stale-descriptor  its second form: every draft FULL pass gets the metadata of another descriptor of
+                          the same capture list, object and buffers one consistent build (StaleDescriptorInjector):
+                          only the auditor's descriptor check can see it.
 - REPRO_WEIGHTS=agree     after vLLM's DummyModelLoader, the gate's constructed weights (repro.vllm_integration.
                           weights): a target decided by a wide margin at every token and an EAGLE draft that agrees
                           with it. `margin`: every parameter redrawn from a per-name seed (near ties, no acceptance).
@@ -156,7 +162,7 @@ def register() -> None:
                 atexit.register(counters.write_report)
                 emit(PLUGIN_TAG, {"installed": "audit", "backend": spec.name})
         if want["inject"] and "inject" not in installed:
-            if install_inject(backend, spec=spec, source=want["inject_source"]):
+            if install_inject(backend, spec=spec, source=want["inject_source"], form=want["inject"]):
                 emit(PLUGIN_TAG, {"installed": "inject", "injection": want["inject"], "backend": spec.name})
     if (want["sm_margin"] or want["poison"]) and "fa3" not in installed:
         import torch  # torch and vLLM only when a feature asks for them: the plugin loads in every vLLM process

@@ -17,6 +17,10 @@ from repro.attention.staleness import stale_entry
 
 FIELDS = ("query_start_loc", "seq_lens", "scheduler_metadata")  # FA3's views: what the auditor checked first
 Number = int | float  # bool tensors read as ints; floating tensors (none checked in vLLM's tables today) as floats
+# the kinds of evidence a Mismatch is: a view whose buffer no longer holds what its build wrote, or metadata (object and
+# buffers, consistent with each other) built for another batch descriptor than the one being captured
+STALE_CONTENTS, STALE_DESCRIPTOR = "stale-contents", "stale-descriptor"
+SCALARS = ("num_actual_tokens", "num_reqs", "max_query_len")  # the object fields the descriptor check compares
 
 
 @dataclass(frozen=True)
@@ -25,16 +29,32 @@ class Mismatch:
     buffer: str
     field: str  # decoded field for scheduler_metadata
     index: int  # first differing index within the field (flat index for a view of more than one dimension)
-    built: Number
+    built: Number  # what the build wrote (stale-descriptor: what the builder gives for the captured descriptor)
     now: Number
+    kind: str = STALE_CONTENTS  # STALE_CONTENTS or STALE_DESCRIPTOR (records without it are contents mismatches)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def __str__(self) -> str:
+        if self.kind == STALE_DESCRIPTOR:
+            where = self.field if self.field != self.buffer else f"{self.field}[{self.index}]"
+            return (
+                f"attention metadata built for another descriptor while capturing {self.descriptor}: "
+                f"{where} is {self.now}, the builder gives {self.built} for this descriptor"
+            )
         return "stale attention metadata for " + stale_entry(
             self.descriptor, self.buffer, self.field, self.index, self.now, self.built
         )
+
+
+def in_words(record: dict) -> str:
+    """A Mismatch's record (to_dict, as an AUDIT line or the audit file holds it) in words: a contents mismatch as
+    staleness.stale_entry names it (as recorded before the descriptor check), a stale-descriptor one as str()."""
+    if record.get("kind") == STALE_DESCRIPTOR:
+        return str(Mismatch(**{k: v for k, v in record.items() if k in Mismatch.__dataclass_fields__}))
+    r = record
+    return stale_entry(r["descriptor"], r["buffer"], r["field"], r["index"], r["now"], r["built"])
 
 
 @dataclass
@@ -55,6 +75,7 @@ class FreshnessAuditor:
     loop_advances: int = (
         0  # seq_lens views the draft loop had advanced in place (uniformly, by at most `advance`): not stale
     )
+    descriptor_checks: int = 0  # metadata compared with the descriptor of the FULL capture pass using it
 
     def record_build(
         self, key: int, descriptor: str, views: dict[str, Any], shape: dict[str, Any] | None = None
@@ -123,6 +144,30 @@ class FreshnessAuditor:
         self.mismatches += found
         return found
 
+    def check_descriptor(
+        self,
+        key: int,
+        desc: CaptureDescriptor,
+        fields: dict[str, Any],
+        views: dict[str, Any],
+        skip: frozenset[str] | set[str] = frozenset(),
+    ) -> tuple[list[Mismatch], str | None]:
+        """At a FULL capture pass: was the metadata in use (its object's `fields` now, metadata_views.build_shape; its
+        views' contents now) built for the descriptor being captured (descriptor_mismatches)? Returns (the
+        mismatches, kept; None) when the check ran, ([], why) when it could not: no build of this metadata recorded
+        (its builder was not hooked), or nothing of it comparable (a metadata shape it does not know)."""
+        b = self.builds.get(key)
+        if b is None:
+            return [], "no build of the metadata in use was recorded (its builder not hooked)"
+        nows = {name: _ints(v) for name, v in views.items() if v is not None and name not in skip}
+        layout = {k: v for k, v in b.shape.items() if k not in SCALARS}  # what decodes FA3's layout, with `fields`
+        found, compared = descriptor_mismatches(desc, {**layout, **fields}, nows)
+        if not compared:
+            return [], "the metadata shows none of num_actual_tokens, query_start_loc, seq_lens, slot_mapping"
+        self.descriptor_checks += 1
+        self.mismatches += found
+        return found, None
+
     def _field(self, name: str, b: _Build, size: int, index: int) -> tuple[str, int]:
         if name != "scheduler_metadata":
             return name, index
@@ -143,6 +188,80 @@ class FreshnessAuditor:
             f"freshness audit: {len(self.mismatches)} stale fields in {self.checks} checks "
             f"(descriptors {', '.join(descs)}); first: {first}"
         )
+
+
+@dataclass(frozen=True)
+class CaptureDescriptor:
+    """The batch descriptor a FULL capture pass captures, as the capture manager on the call stack holds it (vLLM's
+    BatchExecutionDescriptor: num_tokens, num_reqs, uniform_token_count / max_query_len; a speculator's
+    num_speculative_tokens)."""
+
+    mode: str
+    num_tokens: int
+    num_reqs: int | None  # None: the manager's rule could not be read (the request checks are left out)
+    query_len: int | None  # uniform_token_count, else max_query_len; None: the descriptor does not fix it
+    uniform: bool = False  # every request has query_len tokens (uniform decode)
+    spec_tokens: int | None = None  # recorded in the label; no metadata field holds it
+
+    @property
+    def label(self) -> str:
+        q = f" q{self.query_len}" if self.query_len else ""
+        k = f" k{self.spec_tokens}" if self.spec_tokens is not None else ""
+        return f"{self.mode} t{self.num_tokens}r{self.num_reqs if self.num_reqs is not None else '?'}{q}{k}"
+
+
+def descriptor_mismatches(
+    desc: CaptureDescriptor, built: dict[str, Any], nows: dict[str, list[Number]]
+) -> tuple[list[Mismatch], list[str]]:
+    """What vLLM's metadata builder gives for a descriptor of R requests, T tokens and query length q (build:
+    num_actual_tokens = T, max_query_len = q; query_start_loc has R + 1 entries from 0 to T, each request q tokens
+    in a uniform decode and at most q otherwise; seq_lens R entries, slot_mapping T; FA3's scheduler_metadata sized
+    for R requests) against the metadata in use: `built` its build's object fields (the plugin's build shape), `nows`
+    its views' contents now, by field path (top-level fields only: FlashInfer's nested wrappers are not read here).
+    Returns (the mismatches, kind STALE_DESCRIPTOR; the names compared)."""
+    out: list[Mismatch] = []
+    compared: list[str] = []
+    R, T, q = desc.num_reqs, desc.num_tokens, desc.query_len
+
+    def differs(name: str, index: int, want: Number, now: Number, what: str | None = None) -> None:
+        """`what`: a property of the view (its length, its plan's batch size) rather than an entry of it."""
+        out.append(Mismatch(desc.label, name, what or name, index, want, now, STALE_DESCRIPTOR))
+
+    def scalar(name: str, want: Number | None) -> None:
+        now = built.get(name)
+        if want is None or not isinstance(now, int):
+            return
+        compared.append(name)
+        if now != want:
+            differs(name, 0, want, now, f"{name} (object field)")
+
+    scalar("num_actual_tokens", T)
+    scalar("num_reqs", R)
+    scalar("max_query_len", q)
+    qsl = nows.get("query_start_loc")
+    if qsl:
+        compared.append("query_start_loc")
+        lens = [b - a for a, b in zip(qsl, qsl[1:])]
+        if R is not None and len(qsl) != R + 1:
+            differs("query_start_loc", 0, R + 1, len(qsl), "len(query_start_loc)")  # one per request, plus one
+        elif qsl[0] != 0:
+            differs("query_start_loc", 0, 0, qsl[0])
+        elif qsl[-1] != T:
+            differs("query_start_loc", len(qsl) - 1, T, qsl[-1])
+        elif q and (bad := next((i for i, n in enumerate(lens) if n > q or desc.uniform and n != q), None)) is not None:
+            differs("query_start_loc", bad + 1, qsl[bad] + q, qsl[bad + 1])
+    for name, want in (("seq_lens", R), ("slot_mapping", T)):
+        now = nows.get(name)
+        if now is not None and want is not None:
+            compared.append(name)
+            if len(now) != want:
+                differs(name, 0, want, len(now), f"len({name})")  # one entry per request (seq_lens), token (slots)
+    sched = nows.get("scheduler_metadata")
+    if sched and R is not None and layout_of(built, len(sched)) is not None:
+        compared.append("scheduler_metadata")
+        if layout_of({**built, "num_reqs": R}, len(sched)) is None:
+            differs("scheduler_metadata", 0, R, built.get("num_reqs"), "scheduler_metadata batch size")
+    return out, compared
 
 
 def layout_of(shape: dict[str, Any], size: int, flavor: str = VLLM) -> Any:

@@ -16,7 +16,14 @@ from repro.run.tags import AUDIT_TAG, PLUGIN_TAG
 from repro.vllm_integration.plugin import capture, counters
 from repro.vllm_integration.plugin.audit import layout_of
 from repro.vllm_integration.plugin.backend_fields import FLASH_ATTN, BackendFields, find_classes, tensor_fields
-from repro.vllm_integration.plugin.inject import SOURCES, StaleCaptureInjector, capture_pass, capture_role
+from repro.vllm_integration.plugin.inject import (
+    SOURCES,
+    STALE_CAPTURE,
+    StaleDescriptorInjector,
+    capture_pass,
+    capture_role,
+    make_injector,
+)
 from repro.vllm_integration.plugin.metadata_views import build_shape, label_of, views_of
 
 POISON_FILL = "int-max"  # what the self control leaves in the scheduler-metadata entries FA3 never writes
@@ -52,9 +59,13 @@ def _wrap_forward(impl_cls: Any, spec: BackendFields = FLASH_ATTN) -> None:
                 if injector.inject(id(attn_metadata), tensor_fields(attn_metadata, spec)[0], "draft warmup"):
                     counters.bump("injected_forwards")
         if not capture._CAPTURES and capture._AUDIT_ON["on"] and attn_metadata is not None and not capture.capturing():
-            advance = capture.MAX_DRAFT_LOOP_ADVANCE if capture.draft_on_stack(sys._getframe(1)) else 0
+            frame = sys._getframe(1)
+            advance = capture.MAX_DRAFT_LOOP_ADVANCE if capture.draft_on_stack(frame) else 0
             for m in counters.AUDITOR.check(id(attn_metadata), views_of(attn_metadata, spec), advance=advance):
                 emit(AUDIT_TAG, {"stale": m.to_dict(), "message": str(m)})
+            where = capture.capture_descriptor(frame)  # a FULL capture's eager warmup pass: (None, None) elsewhere
+            if where != (None, None):
+                capture.audit_descriptor(attn_metadata, spec, where, capture.graph_kind(frame))
         return orig_forward(self, layer, query, key, value, kv_cache, attn_metadata, *a, **k)
 
     forward._repro_wrapped = True  # type: ignore[attr-defined]
@@ -157,6 +168,10 @@ def _after_build(builder: Any, md: Any, spec: BackendFields) -> Any:
             sched = getattr(md, "scheduler_metadata", None)
             if sched is not None and hasattr(sched, "numel"):
                 injector.fill_padding(layout_of(build_shape(builder, md), sched.numel()), POISON_FILL)
+    elif role == "draft" and isinstance(injector, StaleDescriptorInjector):  # the second form: another descriptor's
+        counters.bump("inject_builds_by_manager", capture.manager_of(sys._getframe(2)))
+        injector.new_pass()
+        md = injector.other_descriptor(builder, md, tensor_fields(md, spec)[0], capture_pass(sys._getframe(2)))
     elif role == "draft":  # any speculator's capture manager (capture.manager_of names it: per method)
         counters.bump("inject_builds_by_manager", capture.manager_of(sys._getframe(2)))
         injector.new_pass()
@@ -165,10 +180,16 @@ def _after_build(builder: Any, md: Any, spec: BackendFields) -> Any:
     return md
 
 
-def install_inject(module: Any, cuda: Any = None, spec: BackendFields = FLASH_ATTN, source: str = SOURCES[0]) -> bool:
-    """The self control (repro.vllm_integration.plugin.inject) on an attention backend module (and torch.cuda, or a
-    stand-in): the builder's builds and the impl's forwards wrapped, the capture tracker installed. False, with an
-    error line, when the backend's classes are not there."""
+def install_inject(
+    module: Any,
+    cuda: Any = None,
+    spec: BackendFields = FLASH_ATTN,
+    source: str = SOURCES[0],
+    form: str = STALE_CAPTURE,
+) -> bool:
+    """The self control (repro.vllm_integration.plugin.inject) in the form `form` (INJECTIONS) on an attention
+    backend module (and torch.cuda, or a stand-in): the builder's builds and the impl's forwards wrapped, the capture
+    tracker installed. False, with an error line, when the backend's classes are not there."""
     found = _classes(module, spec)
     if found is None:
         return False
@@ -182,9 +203,7 @@ def install_inject(module: Any, cuda: Any = None, spec: BackendFields = FLASH_AT
         return False
     _wrap_forward(impl_cls, spec)
     capture.install_capture_tracker(cuda)
-    capture._INJECTOR["on"] = StaleCaptureInjector(
-        counters.COUNTERS, announce=lambda record: emit(PLUGIN_TAG, record), keep=source
-    )
+    capture._INJECTOR["on"] = make_injector(form, counters.COUNTERS, lambda record: emit(PLUGIN_TAG, record), source)
     counters._installed.add("inject")
     return True
 

@@ -14,9 +14,10 @@ from typing import Any
 from repro.run.channel import emit
 from repro.run.tags import AUDIT_TAG
 from repro.vllm_integration.plugin import counters
+from repro.vllm_integration.plugin.audit import CaptureDescriptor
 from repro.vllm_integration.plugin.backend_fields import BackendFields
 from repro.vllm_integration.plugin.inject import StaleCaptureInjector, is_draft_frame
-from repro.vllm_integration.plugin.metadata_views import views_of
+from repro.vllm_integration.plugin.metadata_views import fields_of, views_of
 
 UNKNOWN_KIND = "unknown kind"
 # A draft decode graph runs the draft steps after the first; each but the last advances seq_lens by one in place
@@ -33,6 +34,9 @@ class _Capture:
     refreshed: set[int] = field(default_factory=set)  # ids of the metadata refreshed in place inside this capture
     injected: bool = False  # an attention forward of this capture read buffers the self control wrote
     manager: str = UNKNOWN_KIND  # the capture manager recording it, and whose it is (manager_of)
+    # the FULL descriptor this capture records (capture_descriptor: (descriptor, None), (None, why it is unreadable),
+    # or (None, None) outside a FULL capture pass)
+    descriptor: tuple[CaptureDescriptor | None, str | None] = (None, None)
 
 
 _CAPTURES: list[_Capture] = []
@@ -131,7 +135,10 @@ def install_capture_tracker(cuda: Any) -> None:
         _repro_tracked = True
 
         def __enter__(self):
-            _CAPTURES.append(_Capture(graph_kind(sys._getframe(1)), manager=manager_of(sys._getframe(1))))
+            frame = sys._getframe(1)
+            _CAPTURES.append(
+                _Capture(graph_kind(frame), manager=manager_of(frame), descriptor=capture_descriptor(frame))
+            )
             if "on" in _INJECTOR:  # before recording starts: nothing the injection writes is in the graph
                 _INJECTOR["on"].capture_begins(_CAPTURES[-1].kind)
             try:
@@ -176,10 +183,81 @@ def _finish_capture(cap: _Capture, failed: bool) -> None:
         for m in auditor.check(id(md), views, skip, advance):
             stale = True
             emit(AUDIT_TAG, {"stale": m.to_dict(), "message": str(m), "capture": cap.kind})
+    for md, spec in cap.metadata.values():  # every metadata the graph baked in, built for the descriptor captured?
+        skip = {p for p in views_of(md, spec) if spec.refreshed(p)} if id(md) in cap.refreshed else set()
+        stale = audit_descriptor(md, spec, cap.descriptor, cap.kind, skip) or stale
     if known:
         counters.bump("captures_audited", cap.kind)
     if stale:
         counters.bump("captures_stale", cap.kind)
+
+
+def _manager_desc(frame: Any, depth: int) -> tuple[Any, Any]:
+    """(the capture manager, its loop's batch descriptor) of the nearest CudaGraphManager.capture frame holding a
+    `desc` with a cg_mode (the loop of vLLM's capture, 0.20-0.34), or (None, None)."""
+    f = frame
+    for _ in range(depth):
+        if f is None:
+            break
+        obj, desc = f.f_locals.get("self"), f.f_locals.get("desc")
+        if f.f_code.co_name == "capture" and "CudaGraphManager" in type(obj).__name__ and hasattr(desc, "cg_mode"):
+            return obj, desc
+        f = f.f_back
+    return None, None
+
+
+def capture_descriptor(frame: Any, depth: int = 60) -> tuple[CaptureDescriptor | None, str | None]:
+    """The FULL batch descriptor the capture manager on the call stack is capturing (its warmup or captured pass):
+    (descriptor, None); (None, why) for a FULL descriptor the check cannot read (no token count, microbatches);
+    (None, None) outside every FULL capture pass (no manager on the stack, or a PIECEWISE descriptor). A descriptor
+    without num_reqs takes the manager's rule for it (min(num_tokens, max_num_reqs), vLLM 0.26-0.34)."""
+    mgr, desc = _manager_desc(frame, depth)
+    mode = str(getattr(getattr(desc, "cg_mode", None), "name", getattr(desc, "cg_mode", None)))
+    if desc is None or mode != "FULL":
+        return None, None
+    tokens, reqs = getattr(desc, "num_tokens", None), getattr(desc, "num_reqs", None)
+    if not isinstance(tokens, int):
+        return None, f"a FULL descriptor without a token count ({type(desc).__name__})"
+    if (getattr(desc, "num_ubatches", 1) or 1) > 1:
+        return None, f"a FULL descriptor split into {desc.num_ubatches} microbatches (metadata per microbatch)"
+    if not isinstance(reqs, int):
+        most = getattr(mgr, "max_num_reqs", None)
+        reqs = min(tokens, most) if isinstance(most, int) else None
+    uniform = getattr(desc, "uniform_token_count", None)
+    longest = getattr(desc, "max_query_len", None)
+    query = uniform if isinstance(uniform, int) else longest if isinstance(longest, int) else None
+    spec = getattr(desc, "num_speculative_tokens", None)
+    return CaptureDescriptor(
+        mode, tokens, reqs, query, isinstance(uniform, int), spec if isinstance(spec, int) else None
+    ), None
+
+
+def audit_descriptor(
+    md: Any,
+    spec: BackendFields,
+    where: tuple[CaptureDescriptor | None, str | None],
+    kind: str,
+    skip: frozenset[str] | set[str] = frozenset(),
+) -> bool:
+    """The descriptor check (audit.descriptor_mismatches) of one metadata object in a FULL capture pass, `where`
+    being capture_descriptor's answer; counted per capture kind when it ran (descriptor_checks), per reason when it
+    could not (descriptor_unchecked: the gate cannot vouch), nothing outside a FULL pass. True when it found the
+    metadata built for another descriptor (each finding an AUDIT_TAG line, kind stale-descriptor)."""
+    desc, why = where
+    if desc is None and why is None:
+        return False
+    found: list = []
+    if desc is not None:
+        found, why = counters.AUDITOR.check_descriptor(id(md), desc, fields_of(md), views_of(md, spec), skip)
+    if why is not None:
+        counters.bump("descriptor_unchecked", f"{kind}: {why}")
+        return False
+    counters.bump("descriptor_checks", kind)
+    for m in found:
+        emit(AUDIT_TAG, {"stale": m.to_dict(), "message": str(m), "capture": kind})
+    if found:
+        counters.bump("descriptor_stale", kind)
+    return bool(found)
 
 
 def capturing() -> bool:

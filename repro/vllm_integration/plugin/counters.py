@@ -43,6 +43,10 @@ def new_counters() -> dict[str, Any]:
         "draft_refreshes": 0,  # eager update_draft_decode_metadata calls that became their metadata's reference
         "draft_refreshes_in_graph": 0,  # ... called inside a capture (the refreshed fields are the graph's)
         "captures_refreshed_in_graph": {},  # kind -> captures whose metadata was refreshed inside them
+        # the descriptor check (audit.descriptor_mismatches) at every FULL capture pass, warmup forwards and capture ends
+        "descriptor_checks": {},  # kind -> metadata compared with the descriptor being captured
+        "descriptor_stale": {},  # kind -> of those, found built for another descriptor (stale-descriptor)
+        "descriptor_unchecked": {},  # "kind: why" -> FULL passes whose metadata could not be compared (cannot vouch)
         "spec_layout": None,  # V2 spec-decode layout of the vLLM that loaded the plugin (source_check.spec_layout)
         "spec_layout_known": None,  # is it one of KNOWN_SPEC_LAYOUTS (None: not looked at, the probe is off)
         "sched_calls": 0,  # get_scheduler_metadata calls (fa3 hooks installed)
@@ -85,6 +89,7 @@ def write_report() -> None:
             "checks": AUDITOR.checks,
             "views": AUDITOR.views,
             "stale": len(AUDITOR.mismatches),
+            "descriptor_checks": AUDITOR.descriptor_checks,
         },
     )
     if path:
@@ -93,6 +98,7 @@ def write_report() -> None:
                 {
                     "checks": AUDITOR.checks,
                     "views": AUDITOR.views,
+                    "descriptor_checks": AUDITOR.descriptor_checks,
                     "mismatches": [m.to_dict() for m in AUDITOR.mismatches],
                     "summary": AUDITOR.report(),
                     "counters": snapshot(),

@@ -46,7 +46,11 @@ from typing import Any
 
 INJECT_ENV = "REPRO_INJECT"
 STALE_CAPTURE = "stale-capture"
-INJECTIONS = (STALE_CAPTURE,)
+# the second form (StaleDescriptorInjector): a draft FULL pass gets metadata built for another descriptor of the same
+# capture list, its object and its buffers' contents together (consistent with each other: only a check against the
+# descriptor being captured sees it)
+STALE_DESCRIPTOR = "stale-descriptor"
+INJECTIONS = (STALE_CAPTURE, STALE_DESCRIPTOR)
 # which of the target's capture builds the draft's buffers are given: its last (what 0.21.0-0.25.1 left in them), or
 # its first (the largest batch descriptor: the contents furthest from any draft descriptor's)
 INJECT_SOURCE_ENV = "REPRO_INJECT_SOURCE"
@@ -287,3 +291,85 @@ class StaleCaptureInjector:
             t is not None and hasattr(t, "untyped_storage") and t.untyped_storage().data_ptr() in self.injected
             for t in views.values()
         )
+
+
+@dataclass
+class StaleDescriptorInjector(StaleCaptureInjector):
+    """The self control's second form (REPRO_INJECT=stale-descriptor): inside a draft FULL capture, every pass's
+    metadata build returns the object the same builder built first for that graph manager, graph mode and pass (its
+    largest descriptor's, as `reuse` does) AND the whole buffers behind that object's views get back the contents
+    its own build wrote (kept when it was built, every tensor field: the defect's views, block table, slot mapping).
+    Object and buffers are then one consistent build for another descriptor of the same capture list: what a release
+    whose capture builds each descriptor's metadata for the wrong descriptor does. The auditor's contents check sees
+    nothing wrong in it; only its descriptor check (audit.descriptor_mismatches) does. Counted in inject_rebuilt;
+    nothing is taken from the target's captures."""
+
+    # (builder id, graph manager id, graph mode, warmup) -> (the first metadata, [(its view, its whole buffer's bytes)])
+    kept: dict[tuple[int, int, str, bool | None], tuple[Any, list[tuple[Any, Any]]]] = field(default_factory=dict)
+
+    def target_built(self, label: str, views: dict[str, Any]) -> bool:
+        return False  # this form takes nothing from the target's captures
+
+    def inject(self, md_id: int, views: dict[str, Any], when: str) -> bool:
+        return False  # a draft warmup forward is given nothing more: other_descriptor wrote after the build
+
+    def other_descriptor(
+        self, builder: Any, md: Any, views: dict[str, Any], where: tuple[int, str, bool | None] | None
+    ) -> Any:
+        """A draft capture's build returned md (its views `views`): for a FULL pass, the first metadata of the same
+        builder, manager, graph mode and pass instead, its buffers given back what its build wrote; the first build
+        of each pass is kept (copied) and returned as built. `where`: capture_pass's answer (None: left as built)."""
+        if md is None:
+            return md
+        if where is None:
+            self._bump("inject_reuse_unplaced")
+            return md
+        if where[1] != "FULL":
+            return md
+        key = (id(builder), *where)
+        if key not in self.kept:
+            self.kept[key] = (md, self._copies(views))
+        first, copies = self.kept[key]
+        if first is md:
+            self.last = []  # this pass runs on its own build: nothing to write again as its capture begins
+            return md
+        writes = [(_storage_bytes(view), snap, snap.numel()) for view, snap in copies]
+        self._write(writes)
+        self.last = writes
+        self.reused_ids.add(id(first))
+        self._bump("inject_rebuilt", PASS_NAMES[where[2]])
+        if sum(self.counters["inject_rebuilt"].values()) == 1:
+            self.announce({"injection_wrote": "draft metadata of another descriptor", "source": label_of_pass(where)})
+        return first
+
+    def _copies(self, views: dict[str, Any]) -> list[tuple[Any, Any]]:
+        """(view, a copy of the whole buffer behind it) for every tensor view, one per buffer; a view into an
+        allocation over MAX_BUFFER_BYTES is not a metadata buffer (counted in inject_skipped_large, left alone)."""
+        out, seen = [], set()
+        for path, t in views.items():
+            if t is None or not hasattr(t, "untyped_storage") or t.untyped_storage().data_ptr() in seen:
+                continue
+            seen.add(t.untyped_storage().data_ptr())
+            src = _storage_bytes(t)
+            if src.numel() > MAX_BUFFER_BYTES:
+                self._bump("inject_skipped_large", path)
+                continue
+            out.append((t, src.clone()))
+        return out
+
+    def capture_begins(self, kind: str) -> None:
+        """Before a draft capture starts recording: the last pass's buffers written again (what happened between
+        its build and the recording is undone); a target capture forgets them."""
+        self.new_pass()
+        if not kind.startswith("draft"):
+            self.last = []
+        elif self.last:
+            self._write(self.last)
+            self._bump("inject_writes", "capture begins")
+
+
+def make_injector(form: str, counters: dict[str, Any], announce: Callable[[dict], None], keep: str) -> Any:
+    """The self control's injector for a form of INJECTIONS (REPRO_INJECT)."""
+    if form == STALE_DESCRIPTOR:
+        return StaleDescriptorInjector(counters, announce=announce, keep=keep)
+    return StaleCaptureInjector(counters, announce=announce, keep=keep)

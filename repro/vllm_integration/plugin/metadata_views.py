@@ -35,7 +35,9 @@ def _num_reqs(md: Any) -> int | None:
 
 
 def _shape(md: Any) -> dict[str, Any]:
+    tokens = getattr(md, "num_actual_tokens", None)
     return {
+        "num_actual_tokens": tokens if isinstance(tokens, int) else None,
         "num_reqs": _num_reqs(md),
         "max_query_len": getattr(md, "max_query_len", 1),
         "max_seq_len": getattr(md, "max_seq_len", 1 << 30),
@@ -48,6 +50,15 @@ def label_of(md: Any) -> str:
     """The descriptor label of a metadata object: t<tokens>r<requests>."""
     s = _shape(md)
     return f"t{getattr(md, 'num_actual_tokens', '?')}r{s['num_reqs']}"
+
+
+def fields_of(md: Any) -> dict[str, Any]:
+    """The object fields of a metadata object the descriptor check compares (num_actual_tokens, num_reqs,
+    max_query_len), as they are now; a field the object does not have is left out."""
+    s = _shape(md)
+    return {k: s[k] for k in ("num_actual_tokens", "num_reqs") if isinstance(s[k], int)} | (
+        {"max_query_len": s["max_query_len"]} if isinstance(getattr(md, "max_query_len", None), int) else {}
+    )
 
 
 def build_shape(builder: Any, md: Any) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from pathlib import Path
 from repro import CHECKOUT, exit_codes
 from repro.errors import AbiMismatch, ConfigError
 from repro.exit_codes import Exit
-from repro.vllm_integration.releases.source_check import check_tree
+from repro.vllm_integration.releases.source_check import GOOD, check_tree
 
 _TORCH_PIN = re.compile(r"^\s*(?:Requires-Dist:\s*)?torch\s*==\s*([\w.+]+)", re.M)
 
@@ -201,7 +201,8 @@ def step(repo: str, check: str, gate_cmd: list[str] | None = None, overlay: str 
     """One `git bisect run` step on the checkout's current commit."""
     if check == "source":
         v = check_tree(repo)
-        print(f"[repro bisect] {v.verdict}: {v.reason}" + (f" (layout {v.layout})" if v.layout else ""), flush=True)
+        said = "no known bad pattern (not run on a GPU)" if v.verdict == GOOD else v.verdict  # a pattern, not a run
+        print(f"[repro bisect] {said}: {v.reason}" + (f" (layout {v.layout})" if v.layout else ""), flush=True)
         return exit_codes.source([v.verdict])
     if check == "gate":
         if not gate_cmd:

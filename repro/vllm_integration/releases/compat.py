@@ -1,19 +1,36 @@
 """Checks a vLLM source tree or wheel without importing it: the capture-defect source verdict, whether the
 auditor plugin's hooks (class, method and attribute names in the FlashAttention backend) are all there, and the
 plugin facts of every attention backend the auditor has a table for (plugin_facts: names, flags and signatures
-derived from the sources, never their text), recorded per release in results/vllm-versions.json."""
+derived from the sources, never their text), recorded per release in results/vllm-versions.json.
+
+The source check reads code patterns; it cannot vouch. Its answer (`vllm-check`) says what it rests on: the pattern
+found or not found (source_check), which release the sources are and whether they are that release's published files
+(a wheel's files against its RECORD, an installed folder's against its dist-info RECORD, a git checkout's status and
+tag: published), and whether the gate ran that release on a GPU (results/vllm-gpu-records.json names the gate record
+of each release: gpu_record). Only a release with a GPU record whose files are the published ones reads `good` (or
+`bad`, as the gate found it); sources with no known bad pattern otherwise read NO_KNOWN_BAD, "no known bad pattern (not
+run on a GPU)": exit 0 like good (`git bisect run` keeps working), the JSON saying `verified: false`."""
 
 from __future__ import annotations
 
 import ast
+import base64
+import hashlib
+import json
+import re
+import subprocess
 import tempfile
 import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from repro import CHECKOUT
 from repro.errors import ConfigError
 from repro.vllm_integration.plugin.backend_fields import BACKENDS, METADATA_ARG
-from repro.vllm_integration.releases.source_check import SPEC_DIR, check_tree, spec_layout
+from repro.vllm_integration.releases.source_check import BAD, GOOD, NO_KNOWN_BAD, SPEC_DIR, check_tree, spec_layout
+
+GPU_RECORDS = CHECKOUT / "results" / "vllm-gpu-records.json"  # release -> the gate record that answered it on a GPU
+VERDICT_WORDS = {GOOD: "good (GPU record)", NO_KNOWN_BAD: "no known bad pattern (not run on a GPU)"}
 
 FLASH_ATTN = "vllm/v1/attention/backends/flash_attn.py"
 NEEDED_FIELDS = ("query_start_loc", "seq_lens", "scheduler_metadata", "num_actual_tokens", "max_query_len")
@@ -22,14 +39,31 @@ NEEDED_FIELDS = ("query_start_loc", "seq_lens", "scheduler_metadata", "num_actua
 @dataclass
 class Compat:
     source: str
-    verdict: str
+    verdict: str  # GOOD, BAD (a known bad pattern, or the GPU record), NO_KNOWN_BAD, or untestable
     reason: str
     layout: str | None
     plugin_ok: bool
     plugin_notes: list[str] = field(default_factory=list)
+    pattern: str | None = None  # the pattern verdict of the code alone (source_check: good, bad, untestable)
+    patterns: list[str] = field(default_factory=list)  # every capture manager read, with the pattern found or not
+    release: str | None = None  # which release the sources say they are (None: not said)
+    published: str = "unknown"  # "identical", "differs: ...", "unknown: ..." (published)
+    gpu_record: dict | None = None  # {"release", "answer": good|bad, "record": results/<dir>} of the release
+    verified: bool = False  # does a GPU record of these very files stand behind the verdict?
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def describe(self) -> list[str]:
+        """The answer in words (vllm-check): the verdict and why, every capture manager with the pattern found or
+        not, the release and its files, the GPU record, the auditor's hooks."""
+        rec = f"{self.gpu_record['answer']} ({self.gpu_record['record']})" if self.gpu_record else "none"
+        return [
+            f"{self.source}: {VERDICT_WORDS.get(self.verdict, self.verdict)} ({self.layout or '-'}): {self.reason}",
+            *(f"  pattern: {line}" for line in self.patterns),
+            f"  release {self.release or 'not named'}; files {self.published}; GPU record: {rec}",
+            f"  auditor hooks: {'ok' if self.plugin_ok else 'MISSING'}: {'; '.join(self.plugin_notes)}",
+        ]
 
 
 def plugin_compat(root: Path) -> tuple[bool, list[str]]:
@@ -159,7 +193,8 @@ def check_source(path: str | Path) -> Compat:
     """A checkout folder, or a vllm wheel (its Python files are read from the archive)."""
     path = Path(path)
     with tempfile.TemporaryDirectory() as tmp:
-        return _check(_python_tree(path, tmp), path.name if path.suffix == ".whl" else str(path))
+        tree = _python_tree(path, tmp)
+        return _check(tree, path.name if path.suffix == ".whl" else str(path), *published(path))
 
 
 def source_facts(path: str | Path) -> dict:
@@ -168,8 +203,103 @@ def source_facts(path: str | Path) -> dict:
         return plugin_facts(_python_tree(Path(path), tmp))
 
 
-def _check(root: Path, label: str) -> Compat:
-    """The verdict of the tree at root, named by `label` (what the user gave: never a temporary extraction folder)."""
+def _check(root: Path, label: str, release: str | None = None, published: str = "unknown") -> Compat:
+    """The answer for the tree at root, named by `label` (what the user gave: never a temporary extraction folder):
+    the pattern verdict, then what it rests on (the module docstring)."""
     v = check_tree(root)
     ok, notes = plugin_compat(root)
-    return Compat(label, v.verdict, v.reason.replace(str(root), label), v.layout, ok, notes)
+    pattern = NO_KNOWN_BAD if v.verdict == GOOD else v.verdict  # what the code alone shows: never "good"
+    c = Compat(label, v.verdict, v.reason.replace(str(root), label), v.layout, ok, notes, pattern, v.evidence)
+    c.release, c.published = release, published
+    c.gpu_record = gpu_record(release) if release else None
+    if v.verdict == BAD:
+        c.reason = f"known bad pattern: {c.reason}"
+    if v.verdict != GOOD:  # a bad pattern needs no GPU to say so; untestable sources stay untestable
+        return c
+    rec = c.gpu_record
+    if rec and published == "identical":
+        c.verdict, c.verified = (GOOD if rec["answer"] == GOOD else BAD), True
+        c.reason = (
+            f"the gate found {release} {rec['answer']} on a GPU ({rec['record']}); no known bad pattern: {c.reason}"
+        )
+        return c
+    why = (
+        f"no GPU record of {release or 'these sources (no release named)'}"
+        if not rec
+        else f"{release} has a GPU record ({rec['record']}), but these files are not known to be its published "
+        f"files ({published})"
+    )
+    c.verdict, c.reason = NO_KNOWN_BAD, f"unverified, not run on a GPU ({why}); {c.reason}"
+    return c
+
+
+def gpu_record(release: str, records: Path | None = None) -> dict | None:
+    """The gate's answer for a release on a GPU: results/vllm-gpu-records.json names the record (a gate run's
+    results/<dir>), its results.json gives the build's answer (`affected`). None when no record names the release,
+    or the record is not in this checkout."""
+    records = GPU_RECORDS if records is None else records
+    try:
+        named = json.loads(records.read_text()).get(release)
+        doc = json.loads((records.parent / named / "results.json").read_text()) if named else None
+    except (OSError, ValueError):
+        return None
+    row = next((b for b in (doc or {}).get("builds", []) if b.get("build") == release), None)
+    if row is None:
+        return None
+    return {"release": release, "answer": BAD if row.get("affected") else GOOD, "record": f"results/{named}"}
+
+
+def _sha256(data: bytes) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def _against_record(record: str, files: dict[str, bytes]) -> str:
+    """The vllm/ Python files against a RECORD's hashes: identical, or what differs (changed, not listed)."""
+    listed = dict(line.split(",")[:2] for line in record.splitlines() if line.count(",") >= 2)
+    changed = sorted(n for n, data in files.items() if n in listed and listed[n] != _sha256(data))
+    extra = sorted(n for n in files if n not in listed)
+    if not changed and not extra:
+        return "identical"
+    parts = [
+        f"{len(changed)} changed (first {changed[0]})" if changed else "",
+        f"{len(extra)} not in RECORD" if extra else "",
+    ]
+    return "differs: " + ", ".join(p for p in parts if p)
+
+
+def _dist_release(name: str) -> str | None:
+    """The release of a dist-info folder's name (vllm-0.34.0.dist-info -> 0.34.0)."""
+    m = re.fullmatch(r"vllm-(.+)\.dist-info", name)
+    return m.group(1) if m else None
+
+
+def published(path: Path) -> tuple[str | None, str]:
+    """(the release these sources say they are, whether they are its published files): a wheel against its RECORD,
+    an installed folder (vllm/ beside vllm-X.dist-info) against its dist-info RECORD, a git checkout by its status
+    and an exact release tag; "unknown: why" when none of these can tell."""
+    if path.suffix == ".whl":
+        with zipfile.ZipFile(path) as z:
+            rec = next((n for n in z.namelist() if n.endswith(".dist-info/RECORD")), None)
+            if rec is None:
+                return None, "unknown: the wheel has no RECORD"
+            files = {n: z.read(n) for n in z.namelist() if n.startswith("vllm/") and n.endswith(".py")}
+            return _dist_release(rec.split("/")[0]), _against_record(z.read(rec).decode(), files)
+    infos = sorted(path.glob("vllm-*.dist-info"))
+    if infos and (infos[-1] / "RECORD").exists():
+        files = {str(f.relative_to(path)): f.read_bytes() for f in (path / "vllm").rglob("*.py")}
+        return _dist_release(infos[-1].name), _against_record((infos[-1] / "RECORD").read_text(), files)
+    git = ["git", "-C", str(path)]
+    try:
+        top = subprocess.run([*git, "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True)
+        if Path(top.stdout.strip()).resolve() != path.resolve():
+            raise subprocess.CalledProcessError(1, "git")  # a folder inside another repository is no vLLM checkout
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain", "--", "vllm"], capture_output=True, text=True, check=True
+        )
+        tag = subprocess.run([*git, "describe", "--tags", "--exact-match"], capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None, "unknown: no RECORD (wheel or dist-info) and not a git checkout"
+    release = m.group(1) if (m := re.fullmatch(r"v?(\d+\.\d+\.\d+)", tag.stdout.strip())) else None
+    if dirty.stdout.strip():
+        return release, f"differs: git status shows {len(dirty.stdout.splitlines())} changed file(s) under vllm/"
+    return release, "identical" if release else "unknown: a git commit that is no release tag"

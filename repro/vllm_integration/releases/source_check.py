@@ -1,19 +1,32 @@
-"""Static check of a vLLM checkout: does the V2 runner's draft capture reuse the target's attention states?
+"""Static check of a vLLM checkout: does the V2 runner's draft capture reuse the target's attention states? It reads
+code patterns and runs nothing: it can name a known bad pattern, never vouch for a build (repro.vllm_integration.
+releases.compat says what the answer rests on).
 
 Before PR #48261 a speculator graph manager's `capture` took the target's saved states (`attn_states`, indexed by
-the batch descriptor, `.warmup` / `.captured`); after it, every speculator manager builds dummy inputs and metadata
-through `prepare_inputs_to_capture` for each pass. The V2 runner moved (spec_decode/eagle*, spec_decode/autoregressive
-in 0.24-0.26, spec_decode/target_dependent_ar later); a tree without it is reported as untestable."""
+the batch descriptor, `.warmup` / `.captured`: BAD_PATTERN); after it, every speculator manager builds dummy inputs and
+metadata through `prepare_inputs_to_capture` for each pass (GOOD_PATTERN; the DFlash family's own
+`_prepare_dflash_inputs_to_capture` in spec_decode/dflash/cudagraph.py, 0.34.0, is the same pattern). Every capture
+manager of the V2 runner's spec-decode tree and capture utilities is read, each named with the pattern found or not
+found; a manager with neither is listed as unrecognized. The V2 runner moved (spec_decode/eagle*,
+spec_decode/autoregressive in 0.24-0.26, spec_decode/target_dependent_ar later); a tree without it is untestable."""
 
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 GOOD, BAD, UNTESTABLE = "good", "bad", "untestable"
+# the answer for sources with no known bad pattern that no GPU record of theirs vouches for (compat: vllm-check)
+NO_KNOWN_BAD = "no-known-bad-pattern"
 V2_DIR = "vllm/v1/worker/gpu"
 SPEC_DIR = f"{V2_DIR}/spec_decode"
+BAD_PATTERN = "reuses saved attention states (attn_states / .warmup / .captured)"
+GOOD_PATTERN = "builds inputs and metadata for every pass (prepare_inputs_to_capture)"
+PREPARE = re.compile(
+    r"\b_?prepare\w*_inputs_to_capture\("
+)  # prepare_inputs_to_capture, _prepare_dflash_inputs_to_capture
 
 
 @dataclass
@@ -35,8 +48,9 @@ def spec_layout(root: Path) -> str | None:
 
 
 def _manager_files(root: Path) -> list[Path]:
-    spec = root / SPEC_DIR
-    return sorted(p for p in spec.rglob("*.py") if "cudagraph" in p.name or p.parent == spec and p.name == "eagle.py")
+    """Every file of the spec-decode tree, and the V2 runner's own capture utilities (the target's manager)."""
+    v2 = root / V2_DIR
+    return sorted({*(root / SPEC_DIR).rglob("*.py"), *v2.glob("cudagraph*.py"), *(v2 / "cudagraph").glob("*.py")})
 
 
 def _capture_methods(tree: ast.AST):
@@ -79,7 +93,7 @@ def check_tree(root: str | Path) -> SourceVerdict:
     layout = spec_layout(root)
     if layout is None:
         return SourceVerdict(UNTESTABLE, "V2 runner has no speculative-decoding capture code in a known layout")
-    bad, good = [], []
+    bad, good, other = [], [], []
     for path in _manager_files(root):
         try:
             tree = ast.parse(path.read_text())
@@ -91,15 +105,21 @@ def check_tree(root: str | Path) -> SourceVerdict:
             body = ast.unparse(fn)
             if any("attn_state" in a for a in args) or ".captured" in body and ".warmup" in body:
                 bad.append(f"{where} reuses saved attention states ({', '.join(a for a in args if 'attn' in a)})")
-            elif "prepare_inputs_to_capture" in body:
-                good.append(f"{where} builds inputs and metadata for every pass")
+            elif m := PREPARE.search(body):
+                good.append(f"{where} builds inputs and metadata for every pass ({m.group(0)[:-1]})")
+            elif "create_forward_fn" in args:  # the capture loop itself: each pass's inputs are its caller's
+                continue
+            else:
+                other.append(f"{where}: neither pattern found (unrecognized)")
     calls = _capture_calls(root)
     if bad and calls and not any(passes for _, passes in calls):
         # the reusing capture is dead code: every call site hands the managers something else (e.g. a local fix)
         good += [f"{b} (never called with saved states: {', '.join(w for w, _ in calls)})" for b in bad]
         bad = []
     if bad:
-        return SourceVerdict(BAD, "draft capture reuses the target's attention metadata: " + bad[0], layout, bad + good)
+        reason = "draft capture reuses the target's attention metadata: " + bad[0]
+        return SourceVerdict(BAD, reason, layout, bad + good + other)
     if good:
-        return SourceVerdict(GOOD, "every speculator capture rebuilds its metadata", layout, good)
-    return SourceVerdict(UNTESTABLE, "no speculator CudaGraphManager.capture found", layout)
+        rest = f"; {len(other)} capture manager(s) unrecognized" if other else ""
+        return SourceVerdict(GOOD, f"{len(good)} capture manager(s) rebuild their metadata{rest}", layout, good + other)
+    return SourceVerdict(UNTESTABLE, "no speculator CudaGraphManager.capture found", layout, other)

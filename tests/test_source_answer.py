@@ -1,0 +1,178 @@
+"""`vllm-check` says what it is: a reading of code patterns that cannot vouch. Its answer names the pattern found in
+every capture manager (the DFlash family's own builder included), which release the sources are and whether they are
+its published files (a wheel's or an installed folder's RECORD, a git checkout's status and tag), and whether the
+gate ran that release on a GPU. `good` only for a release with a GPU record and its published files; otherwise "no
+known bad pattern (not run on a GPU)", exit 0 like good so `git bisect run` keeps working, `verified: false`."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from repro import exit_codes
+from repro.cli import main as cli
+from repro.vllm_integration.releases import compat
+from repro.vllm_integration.releases.compat import check_source
+from repro.vllm_integration.releases.source_check import BAD, GOOD, NO_KNOWN_BAD, UNTESTABLE
+
+SPEC = "vllm/v1/worker/gpu/spec_decode"
+GOOD_MANAGER = """
+class SpeculatorCudaGraphManager(CudaGraphManager):
+    def capture(self, forward_fn, model_state, input_buffers, block_tables, attn_groups, kv_cache_config):
+        def create_forward_fn(desc, warmup):
+            md = prepare_inputs_to_capture(desc.num_reqs, desc.num_tokens, model_state, input_buffers)
+            return lambda mode: forward_fn(md, mode)
+        super().capture(create_forward_fn)
+"""
+DFLASH_MANAGER = """
+class DFlashCudaGraphManager(CudaGraphManager):
+    def capture(self, forward_fn, input_buffers, block_tables, attn_groups, kv_cache_config, max_model_len, causal):
+        def create_forward_fn(desc, warmup):
+            attn_state = _prepare_dflash_inputs_to_capture(desc.num_reqs, desc.num_tokens, input_buffers)
+            return lambda mode: forward_fn(attn_state, mode)
+        super().capture(create_forward_fn)
+"""
+BAD_MANAGER = """
+class PrefillSpeculatorCudaGraphManager(CudaGraphManager):
+    def capture(self, forward_fn, attn_states, progress_bar_desc="x"):
+        def create_forward_fn(desc, warmup):
+            pair = attn_states[desc]
+            return forward_fn, pair.warmup if warmup else pair.captured
+        super().capture(create_forward_fn, progress_bar_desc)
+"""
+LOOP = """
+class CudaGraphManager:
+    def capture(self, create_forward_fn, progress_bar_desc="Capturing CUDA graphs"):
+        for desc in self.descs:
+            create_forward_fn(desc, warmup=True)
+"""
+
+
+def _files(bad: bool = False) -> dict[str, str]:
+    """A vLLM 0.34.0-shaped tree: the capture loop, the speculator's manager and DFlash's."""
+    return {
+        "vllm/__init__.py": "",
+        "vllm/v1/worker/gpu/cudagraph_utils.py": LOOP,
+        f"{SPEC}/autoregressive/cudagraph_utils.py": BAD_MANAGER if bad else GOOD_MANAGER,
+        f"{SPEC}/target_dependent_ar/__init__.py": "",
+        f"{SPEC}/dflash/cudagraph.py": DFLASH_MANAGER,
+    }
+
+
+def _hash(text: str) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+
+
+def _wheel(tmp: Path, version: str, bad: bool = False, patch: str | None = None) -> Path:
+    """A wheel whose RECORD lists its files' hashes; `patch`: a file changed after RECORD was written."""
+    files = _files(bad)
+    record = "".join(f"{n},{_hash(t)},{len(t)}\n" for n, t in files.items())
+    if patch:
+        files[patch] += "\n# patched\n"
+    path = tmp / f"vllm-{version}-cp38-abi3-manylinux_2_28_x86_64.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for n, t in files.items():
+            z.writestr(n, t)
+        z.writestr(f"vllm-{version}.dist-info/RECORD", record)
+    return path
+
+
+@pytest.fixture
+def records(tmp_path, monkeypatch):
+    """results/vllm-gpu-records.json naming gate records: 0.26.0 clean, 0.25.1 affected."""
+    root = tmp_path / "results"
+    for name, version, affected in (("gate-a", "0.26.0", False), ("gate-b", "0.25.1", True)):
+        (root / name).mkdir(parents=True)
+        doc = {"kind": "vllm-gate", "builds": [{"build": version, "affected": affected}]}
+        (root / name / "results.json").write_text(json.dumps(doc))
+    (root / "vllm-gpu-records.json").write_text(json.dumps({"0.26.0": "gate-a", "0.25.1": "gate-b"}))
+    monkeypatch.setattr(compat, "GPU_RECORDS", root / "vllm-gpu-records.json")
+    return root
+
+
+def test_every_capture_manager_is_named_with_its_pattern_the_dflash_builder_too(tmp_path, records):
+    c = check_source(_wheel(tmp_path, "0.34.0"))
+    assert c.pattern == NO_KNOWN_BAD and len(c.patterns) == 2  # the loop itself delegates: not a manager of its own
+    assert any("DFlashCudaGraphManager.capture" in p and "_prepare_dflash_inputs_to_capture" in p for p in c.patterns)
+    assert any("SpeculatorCudaGraphManager.capture" in p and "(prepare_inputs_to_capture)" in p for p in c.patterns)
+
+
+def test_a_release_no_gpu_record_holds_reads_no_known_bad_pattern_never_good(tmp_path, records, capsys):
+    whl = _wheel(tmp_path, "0.34.0")
+    c = check_source(whl)
+    assert (c.verdict, c.release, c.published, c.gpu_record, c.verified) == (
+        NO_KNOWN_BAD,
+        "0.34.0",
+        "identical",
+        None,
+        False,
+    )
+    assert "not run on a GPU (no GPU record of 0.34.0)" in c.reason
+    out = tmp_path / "check.json"
+    assert cli(["vllm-check", str(whl), "--json", str(out)]) == 0  # exit 0: `git bisect run` reads it as good
+    printed = capsys.readouterr().out
+    assert "no known bad pattern (not run on a GPU)" in printed and ": good" not in printed
+    row = json.loads(out.read_text())[0]
+    assert row["verdict"] == NO_KNOWN_BAD and row["verified"] is False and row["pattern"] != GOOD
+
+
+def test_a_recorded_release_with_its_published_files_reads_as_the_gpu_found_it(tmp_path, records):
+    good = check_source(_wheel(tmp_path, "0.26.0"))
+    assert (good.verdict, good.verified) == (GOOD, True) and "results/gate-a" in good.reason
+    assert good.gpu_record == {"release": "0.26.0", "answer": GOOD, "record": "results/gate-a"}
+    (tmp_path / "b").mkdir()
+    affected = check_source(_wheel(tmp_path / "b", "0.25.1"))  # no bad pattern in these sources; the GPU said affected
+    assert affected.verdict == BAD and affected.verified and exit_codes.source([affected.verdict]) == 1
+
+
+def test_patched_files_of_a_recorded_release_are_not_its_record(tmp_path, records):
+    c = check_source(_wheel(tmp_path, "0.26.0", patch=f"{SPEC}/dflash/cudagraph.py"))
+    assert c.verdict == NO_KNOWN_BAD and not c.verified and c.published.startswith("differs: 1 changed")
+    assert "has a GPU record (results/gate-a), but these files are not known to be its published files" in c.reason
+
+
+def test_an_installed_folder_is_read_against_its_dist_info_record(tmp_path, records):
+    whl = _wheel(tmp_path, "0.26.0")
+    site = tmp_path / "site"
+    with zipfile.ZipFile(whl) as z:
+        z.extractall(site)
+    assert check_source(site).verdict == GOOD
+    (site / SPEC / "dflash" / "extra.py").write_text("x = 1\n")  # an overlay adds a file RECORD does not list
+    c = check_source(site)
+    assert c.verdict == NO_KNOWN_BAD and "1 not in RECORD" in c.published
+
+
+def _git(repo: Path, *args: str) -> None:
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    subprocess.run(
+        ["git", "-C", str(repo), *args], check=True, capture_output=True, env={**env, "PATH": "/usr/bin:/bin"}
+    )
+
+
+def test_a_git_checkout_is_its_tag_while_clean(tmp_path, records):
+    repo = tmp_path / "vllm-checkout"
+    for name, text in _files().items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "release")
+    _git(repo, "tag", "v0.26.0")
+    assert (check_source(repo).verdict, check_source(repo).published) == (GOOD, "identical")
+    (repo / SPEC / "dflash" / "cudagraph.py").write_text(DFLASH_MANAGER + "\n# local change\n")
+    c = check_source(repo)
+    assert c.verdict == NO_KNOWN_BAD and "git status shows 1 changed file" in c.published
+
+
+def test_a_known_bad_pattern_is_bad_with_or_without_a_record(tmp_path, records):
+    for version in ("0.34.0", "0.26.0"):
+        (tmp_path / version).mkdir()
+        c = check_source(_wheel(tmp_path / version, version, bad=True))
+        assert c.verdict == BAD and c.reason.startswith("known bad pattern: draft capture reuses")
+    assert exit_codes.source([NO_KNOWN_BAD, GOOD]) == 0 and exit_codes.source([NO_KNOWN_BAD, UNTESTABLE]) == 125
