@@ -208,3 +208,52 @@ def test_architecture_lists_every_module_and_only_modules_that_exist():
     assert not listed - files, f"docs/architecture.md lists modules that do not exist: {sorted(listed - files)}"
     folders = set(re.findall(r"`(repro/[\w/]+)/`", text))
     assert all((ROOT / f).is_dir() for f in folders), sorted(f for f in folders if not (ROOT / f).is_dir())
+
+
+def _contract() -> dict:
+    """The import-linter layers contract of pyproject.toml (the layers `lint-imports` checks in CI)."""
+    import pytest  # noqa: PLC0415  only these tests skip
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    return next(
+        c
+        for c in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+        if c["type"] == "layers"
+    )
+
+
+def _doc_layers() -> list[set[str]]:
+    """docs/architecture.md's layer table, top to bottom: each row's packages and modules as dotted names."""
+    text = DOC.read_text()
+    table = text[text.index("<!-- layers:") : text.index("<!-- /layers -->")]
+    rows = [line.split("|")[2] for line in table.splitlines() if line.startswith("| ") and "`repro/" in line]
+    return [
+        {re.sub(r"\.py$", "", p.rstrip("/")).replace("/", ".") for p in re.findall(r"`(repro/[\w/.]*)`", cell)}
+        for cell in rows
+    ]
+
+
+def test_the_layer_table_is_the_import_contract_in_its_order():
+    layers = [{x.strip() for x in layer.split("|")} for layer in _contract()["layers"]]
+    assert layers == _doc_layers(), "docs/architecture.md's layer table and pyproject.toml's contract differ"
+
+
+def test_every_module_but_the_package_itself_is_in_one_layer_of_the_contract():
+    layers = [x.strip() for layer in _contract()["layers"] for x in layer.split("|")]
+    outside = {
+        m
+        for m in _modules()
+        if m not in ("repro", "repro.vllm_integration") and not any(m == L or m.startswith(L + ".") for L in layers)
+    }
+    assert not outside, f"modules in no layer of the import contract: {sorted(outside)}"
+
+
+def test_every_debt_the_contract_ignores_is_an_import_that_exists():
+    """An ignored import that is gone must leave the list (the debt was paid), so the list stays the debts of today."""
+    graph = import_graph()
+    gone = [
+        entry
+        for entry in _contract().get("ignore_imports", [])
+        if (pair := [x.strip() for x in entry.split("->")]) and pair[1] not in graph.get(pair[0], set())
+    ]
+    assert not gone, f"the contract ignores imports that no longer exist: {gone}"

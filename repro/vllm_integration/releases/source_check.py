@@ -11,7 +11,9 @@ import ast
 from dataclasses import dataclass, field
 from pathlib import Path
 
-GOOD, BAD, UNTESTABLE = "good", "bad", "untestable"
+from repro.judge.verdicts import SOURCE_BAD, SOURCE_GOOD, SOURCE_UNTESTABLE
+
+GOOD, BAD, UNTESTABLE = SOURCE_GOOD, SOURCE_BAD, SOURCE_UNTESTABLE  # the words: repro.judge.verdicts
 V2_DIR = "vllm/v1/worker/gpu"
 SPEC_DIR = f"{V2_DIR}/spec_decode"
 
