@@ -16,9 +16,11 @@ from repro.judge.classify import classify
 from repro.run import own_alloc, smcontrol
 from repro.run.channel import Channel, path_for
 from repro.run.process import STALLED
+from repro.run.tags import RESULT_TAG
 from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import run as gate_run
 from repro.vllm_integration.gate.case import GateCase, parse_backends, parse_modes
+from repro.vllm_integration.gate.judge import CONFIGURATION, RECORDED_BEFORE
 from repro.vllm_integration.gate.run import KEPT_LINE, run_gate
 
 
@@ -44,6 +46,7 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
         out = (logs / out_log.name).read_text(errors="replace")
         out_log.write_text(out)
         records = (logs / path_for(out_log).name).read_text()
+        records = upgrade_records(records)
         if edit_channel is not None:
             records = edit_channel(case.case_id, records)
         path_for(out_log).write_text(records)
@@ -118,6 +121,26 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
     )
     got = {c.case_id: r for pairs in (run.cases, run.references, run.attributions) for c, r in pairs}
     return doc, rows, run, got
+
+
+def upgrade_records(text: str) -> str:
+    """The one upgrader of recorded channel records, used by the replays only: a RESULT record from before the
+    references reported their configuration (no 'nonfinite') is marked as such (judge.RECORDED_BEFORE), the mark the
+    judging reads instead of trusting a record for what it lacks. Live runs never pass through here: there a record
+    missing a key is an error."""
+    out = []
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            out.append(line)
+            continue
+        data = rec.get("data") if isinstance(rec, dict) else None
+        if rec.get("tag") == RESULT_TAG and isinstance(data, dict) and data.get("tokens") and "nonfinite" not in data:
+            rec["data"] = {**data, RECORDED_BEFORE: [*data.get(RECORDED_BEFORE, []), CONFIGURATION]}
+            line = json.dumps(rec)
+        out.append(line)
+    return "\n".join(out) + ("\n" if text.endswith("\n") else "")
 
 
 class StandInMps:

@@ -311,3 +311,113 @@ def test_a_gpu_that_computes_matrix_products_wrong_makes_any_case_an_error(verdi
     good = {**bad, "sms": 132, "gemm_check": {**bad["gemm_check"], "ok": True, "max_error": 0.008}}
     lines[2] = "REPRO_DEVICE " + json.dumps(good)
     assert gate_judge.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, "\n".join(lines), None).verdict == CLEAN
+
+
+# The reference checks and the comparison each rule of reference_problems / apply_reference / annotate rests on; each
+# test below is named in tests/mutation_check.py beside the mutation that deletes its rule.
+GOOD_REF_OUT = {"tokens": [[1, 2, 3, 4]], "margins": [[5.0, 5.0, 5.0, 5.0]], "nonfinite": []}
+GOOD_REF_ENGINE = {"cudagraph_mode": "NONE", "speculative_method": "eagle", "num_speculative_tokens": 3}
+GOOD_REF_ACCEPTANCE = {"spec_decode_num_accepted_tokens": 90, "spec_decode_num_draft_tokens": 100}
+
+
+def _ref(engine: dict | None = None, acceptance: dict | None = None) -> tuple[GateCase, CaseResult]:
+    ref = reference_for(case("plain"))
+    ident = {"engine": {**GOOD_REF_ENGINE, **(engine or {})}, "counters": {}, "acceptance": acceptance}
+    return ref, CaseResult(ref.case_id, CLEAN, "ran", backend_identity=ident)
+
+
+def test_a_reference_that_reports_a_sound_configuration_is_trusted():
+    ref, res = _ref(acceptance=GOOD_REF_ACCEPTANCE)
+    assert gate_judge.reference_problems(ref, res, GOOD_REF_OUT) == []
+    assert gate_judge.validate_reference(ref, res, GOOD_REF_OUT).verdict == CLEAN
+
+
+def test_a_reference_that_ran_with_cuda_graphs_is_not_trusted():
+    ref, res = _ref({"cudagraph_mode": "FULL_AND_PIECEWISE"}, GOOD_REF_ACCEPTANCE)
+    assert gate_judge.reference_problems(ref, res, GOOD_REF_OUT) == [
+        "the reference ran with CUDA graphs (cudagraph mode FULL_AND_PIECEWISE)"
+    ]
+    assert gate_judge.validate_reference(ref, res, GOOD_REF_OUT).verdict == ERROR
+
+
+def test_a_speculative_reference_whose_draft_is_rarely_accepted_is_not_trusted():
+    ref, res = _ref(acceptance={"spec_decode_num_accepted_tokens": 0, "spec_decode_num_draft_tokens": 100})
+    (why,) = gate_judge.reference_problems(ref, res, GOOD_REF_OUT)
+    assert why.startswith("the reference's draft (no CUDA graphs): 0 of 100 draft tokens accepted (0%), below 50%")
+
+
+def test_a_live_reference_record_without_its_configuration_is_an_error_not_trusted():
+    """Drop 'nonfinite' from today's worker: a reference with CUDA graphs at 0% acceptance must not slip through as a
+    record from before the validation; only the replays' upgrader may mark a record as that old."""
+    ref, res = _ref(
+        {"cudagraph_mode": "FULL"}, {"spec_decode_num_accepted_tokens": 0, "spec_decode_num_draft_tokens": 9}
+    )
+    live = {k: v for k, v in GOOD_REF_OUT.items() if k != "nonfinite"}
+    got = gate_judge.validate_reference(ref, res, live)
+    assert got.verdict == ERROR and "lacks 'nonfinite'" in got.reason
+    old = {**live, gate_judge.RECORDED_BEFORE: [gate_judge.CONFIGURATION]}  # what the upgrader writes
+    assert gate_judge.reference_problems(ref, res, old) == []  # its tokens are all an old record can show
+    assert gate_judge.validate_reference(ref, res, old).verdict == CLEAN
+
+
+def test_the_replays_upgrader_marks_only_result_records_without_their_configuration():
+    from repro.run.tags import ENGINE_TAG, RESULT_TAG
+    from tests.recorded_gate import upgrade_records
+
+    def rec(tag, data):
+        return json.dumps({"schema": 1, "tag": tag, "pid": 1, "data": data})
+
+    text = "\n".join(
+        [rec(RESULT_TAG, {"tokens": [[1]]}), rec(RESULT_TAG, {"tokens": [[1]], "nonfinite": []}), rec(ENGINE_TAG, {})]
+    )
+    got = [json.loads(line)["data"] for line in upgrade_records(text).splitlines()]
+    assert got[0][gate_judge.RECORDED_BEFORE] == [gate_judge.CONFIGURATION]
+    assert gate_judge.RECORDED_BEFORE not in got[1] and gate_judge.RECORDED_BEFORE not in got[2]
+
+
+def _case_out(sms: int | None) -> dict:
+    return {"tokens": [[1, 2, 3, 4]], "device": {"sms": sms}}
+
+
+def test_a_reference_on_another_sm_count_cannot_judge_a_case():
+    c = case("plain")
+    ref, ref_res = _ref(acceptance=GOOD_REF_ACCEPTANCE)
+    res = CaseResult(c.case_id, CLEAN, "ran", backend_identity=identity())
+    got = gate_judge.apply_reference(res, _case_out(132), ref_res, {**GOOD_REF_OUT, "device": {"sms": 66}})
+    assert got.verdict == ERROR and got.reason == (
+        "the reference ran on 66 SMs, this case on 132: not the same SM configuration"
+    )
+    same = gate_judge.apply_reference(res, _case_out(132), ref_res, {**GOOD_REF_OUT, "device": {"sms": 132}})
+    assert same.verdict != ERROR
+
+
+def test_an_mps_case_that_got_other_sms_than_it_asked_is_an_error():
+    c = case("mps:16")
+    lines = [
+        'REPRO_PLUGIN {"installed": "probe"}',
+        'REPRO_PLUGIN {"installed": "weights"}',
+        'REPRO_DEVICE {"gpu": "NVIDIA H200", "sms": 132}',
+        'REPRO_RESULT {"tokens": [[1]], "summary": "1 request"}',
+    ]
+    got = gate_judge.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, "\n".join(lines), None)
+    assert got.verdict == ERROR and got.reason == "MPS gave this process 132 SMs, the case asked for 16"
+    assert got.history[-1]["step"] == "MPS SM count"
+    lines[2] = 'REPRO_DEVICE {"gpu": "NVIDIA H200", "sms": 16}'
+    assert gate_judge.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, "\n".join(lines), None).verdict == CLEAN
+
+
+def test_near_ties_between_case_and_reference_are_counted_and_stop_the_request():
+    tie = gate_judge.TIE_MARGIN / 2
+    chk = gate_judge.compare_tokens([[1, 9, 3], [4, 5, 6]], [[1, 2, 3], [4, 5, 6]], [[5.0, tie, 5.0], [5.0] * 3])
+    assert (chk.ties, chk.compared, chk.total, chk.wrong) == (1, 4, 6, [])
+    assert "1 request(s) stopped at a near tie" in chk.describe()
+    decided = gate_judge.compare_tokens([[1, 9, 3]], [[1, 2, 3]], [[5.0, gate_judge.TIE_MARGIN, 5.0]])
+    assert (decided.ties, len(decided.wrong)) == (0, 1)  # a margin at TIE_MARGIN is decided: wrong output
+    # too many ties: the comparison covers too little to vouch
+    ref, ref_res = _ref(acceptance=GOOD_REF_ACCEPTANCE)
+    c = case("plain")
+    res = CaseResult(c.case_id, CLEAN, "ran", backend_identity=identity())
+    out = {"tokens": [[1, 9, 9, 9]], "device": {"sms": 132}}
+    ref_out = {"tokens": [[1, 2, 3, 4]], "margins": [[5.0, tie, 5.0, 5.0]], "device": {"sms": 132}}
+    got = gate_judge.apply_reference(res, out, ref_res, ref_out)
+    assert got.verdict == ERROR and "covered 1 of 4 tokens: too many near ties" in got.reason

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from repro import CHECKOUT
-from repro.case.spec import CaseResult, CaseSpec
+from repro.case.spec import STALLED, CaseResult, CaseSpec
 from repro.errors import ConfigError, Unavailable
 from repro.judge.classify import classify
 from repro.judge.verdicts import EVIDENCE
@@ -149,6 +149,7 @@ def stalled(res: CaseResult, run: ProcessRun, stall: Stall | None) -> CaseResult
     if run.stalled and stall is not None:
         res.reason = f"{stall.why()}, {run.wall_s:.0f} s in; {res.reason}"
         res.evidence = f"{EVIDENCE[res.verdict]}: stalled {run.wall_s:.0f} s in (the stall rule, not the timeout)"
+        res.flags.append(STALLED)
     return res
 
 

@@ -195,10 +195,19 @@ def vouch(case: GateCase, res: CaseResult) -> CaseResult:
     return res.revised("coverage", "; ".join(missing), verdict=NOT_VOUCHED, reason=reason)
 
 
-def _reports_configuration(out: dict | None) -> bool:
-    """Does a reference's RESULT record come from a process that reported its configuration (records from before
-    the validation existed carry tokens and margins only)?"""
-    return "nonfinite" in (out or {})
+# A RESULT record's list of what it predates: written by no process, only by the replays' upgrader of recorded runs
+# (tests/recorded_gate.py, upgrade_records), so that the one leniency for old records is explicit and a live record
+# missing a key is an error, never trusted.
+RECORDED_BEFORE = "recorded_before"
+CONFIGURATION = "configuration"  # a record from before references reported their configuration (tokens, margins only)
+
+
+def _reports_configuration(out: dict | None) -> bool | None:
+    """Does a reference's RESULT record report its configuration (True), come from before that existed as the
+    replays' upgrader marked it (False), or lack it with no such mark (None: a live record missing its key)?"""
+    if "nonfinite" in (out or {}):
+        return True
+    return False if CONFIGURATION in (out or {}).get(RECORDED_BEFORE, ()) else None
 
 
 DEGENERATE_MIN = 4  # tokens: a request of at least this many that repeats one token after the first is degenerate
@@ -233,7 +242,10 @@ def reference_problems(case: GateCase, res: CaseResult, out: dict | None) -> lis
             break
     identity = res.backend_identity or {}
     e, c = identity.get("engine"), identity.get("counters") or {}
-    if not _reports_configuration(out):  # a record from before the validation: its tokens are all it can show
+    reports = _reports_configuration(out)
+    if reports is None:  # a live record without the key: its worker did not check what a reference must show
+        return problems + ["the reference's RESULT record lacks 'nonfinite': its configuration is unchecked"]
+    if not reports:  # a recorded run from before the validation (the upgrader's mark): its tokens are all it shows
         return problems
     if not e:
         problems.append("the reference reported no engine configuration (no REPRO_ENGINE record)")

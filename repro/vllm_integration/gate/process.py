@@ -13,11 +13,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from repro.case.spec import CaseResult
+from repro.case.spec import STALLED, CaseResult
 from repro.errors import Unavailable
 from repro.judge.verdicts import CLEAN, CRASH, HANG, SKIP, STALE_AUDIT, WRONG
 from repro.run.channel import Channel
-from repro.run.process import STALLED
 from repro.run.runner import case_logs, device_sm_count, run_process
 from repro.run.smcontrol import MpsDaemon
 from repro.run.tags import COUNTERS_TAG, DEVICE_TAG, RESULT_TAG
@@ -211,7 +210,7 @@ def past_deadline(case: GateCase, res: CaseResult) -> CaseResult:
     """A case whose timeout the run's deadline cut: a HANG there is the deadline's kill, not a hang (a stall the
     watch stopped stays one). What the auditor had caught before the kill stays evidence (stale views in an audit
     mode); else the case is a skip that says so."""
-    if res.verdict != HANG or STALLED in res.reason:
+    if res.verdict != HANG or STALLED in res.flags:
         return res
     why = f"stopped at the run's --deadline, {res.wall_s:.0f} s in (its own timeout: {case.timeout_s:g} s)"
     if case.mode.audit and res.stale_fields:
