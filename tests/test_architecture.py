@@ -257,3 +257,72 @@ def test_every_debt_the_contract_ignores_is_an_import_that_exists():
         if (pair := [x.strip() for x in entry.split("->")]) and pair[1] not in graph.get(pair[0], set())
     ]
     assert not gone, f"the contract ignores imports that no longer exist: {gone}"
+
+
+def _defines(path: Path, name: str) -> bool:
+    """Does the module define `name` at its top level (a class, a function, or an assignment)?"""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            return True
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
+        for t in targets:
+            if name in {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}:
+                return True
+    return False
+
+
+def test_every_name_the_doc_places_in_a_module_is_defined_there():
+    """`module.py` (NAME...) in docs/architecture.md says NAME lives in that module (LATE_VARS once was placed in
+    launch.py, defined in forkserver.py): each such name, CamelCase, CAPS or with an underscore, is defined there."""
+    text = DOC.read_text()
+    wrong, checked = [], 0
+    for m in re.finditer(r"`?((?:repro/)?[\w/]+\.py)`?[^\w`(]{0,3}\(([A-Za-z_][A-Za-z0-9_]*)[:,) ]", text):
+        rel, name = m.group(1), m.group(2)
+        if not ("_" in name or (name[0].isupper() and len(name) > 2)):
+            continue  # a word, not a name
+        path = ROOT / (rel if rel.startswith("repro/") else f"repro/{rel}")
+        checked += 1
+        if not path.exists() or not _defines(path, name):
+            wrong.append(f"{rel}: {name}")
+    assert checked >= 10 and not wrong, f"docs/architecture.md places names where they are not defined: {wrong}"
+
+
+def test_each_cli_module_holds_the_subcommands_its_row_names():
+    """The module table's row of each cli module names, in backticks, exactly the subcommands it registers."""
+    import argparse  # noqa: PLC0415  only this test builds parsers
+
+    from repro import cli  # noqa: PLC0415  the cli imports much: only this test needs it
+
+    rows = dict(re.findall(r"^\| `repro/cli/(\w+)\.py` \| (.*) \|$", DOC.read_text(), re.M))
+    for name in ("matrix", "run", "serve", "vllm", "reports"):
+        sub = argparse.ArgumentParser().add_subparsers()
+        getattr(cli, name).add_parsers(sub)
+        named = set(re.findall(r"`([a-z][a-z-]*)`", rows[name].split(":")[0]))
+        assert named == set(sub.choices), f"repro/cli/{name}.py registers {sorted(sub.choices)}, its row names {named}"
+
+
+def test_no_module_but_exit_codes_writes_an_exit_code_as_a_number():
+    """docs/architecture.md: every command's code for its outcome comes from repro/exit_codes.py: no other module
+    returns from a command or exits with a non-zero number of its own."""
+    found = []
+    for name, path in _modules().items():
+        if name == "repro.exit_codes":
+            continue
+        tree = ast.parse(path.read_text())
+        for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+            command = fn.name == "main" or fn.name.startswith("cmd_")
+            for node in ast.walk(fn):
+                value = None
+                if isinstance(node, ast.Return) and command:
+                    value = node.value
+                elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("sys.exit", "SystemExit"):
+                    value = node.args[0] if node.args else None
+                if isinstance(value, ast.Constant) and isinstance(value.value, int) and value.value not in (0, None):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    # known debts, each a process's own code no command returns: the forkserver's refusal (read by its REFUSED record,
+    # not its code) and the release-facts recorder's bad input
+    debts = {"repro/vllm_integration/gate/fork.py", "repro/vllm_integration/releases/versions.py"}
+    found = [f for f in found if f.split(":")[0] not in debts]
+    assert not found, f"exit codes written as numbers outside repro/exit_codes.py: {found}"

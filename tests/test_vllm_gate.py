@@ -434,6 +434,20 @@ def test_the_gate_outcome_reads_failure_kinds_not_their_words(monkeypatch):
     assert run.blind(need_control=False)[0].startswith("something else entirely")
 
 
+def test_the_outcome_of_an_affected_build_and_of_one_that_gave_no_answer():
+    """AFFECTED when a build under test showed the bug, CANNOT VOUCH when it gave no answer (an error), whatever the
+    controls; a build under test's own failure is never the harness's blindness."""
+    from repro.vllm_integration.gate.run import GateRun
+
+    case = GateCase(VllmBuild("0.26.0", None, UNDER_TEST, "0.26.0"), GateMode.parse("plain"))
+    crashed = GateRun(cases=[(case, CaseResult(case.case_id, CRASH, "fault", expected="clean"))])
+    assert crashed.outcome() == crashed.outcome(need_control=False) == "AFFECTED"
+    assert crashed.blind(need_control=False) == []  # its failure is the build's answer, not the harness's
+    errored = GateRun(cases=[(case, CaseResult(case.case_id, ERROR, "no answer", expected="clean"))])
+    assert errored.outcome() == errored.outcome(need_control=False) == "CANNOT VOUCH"
+    assert errored.judge(need_control=False).outcome == "CANNOT VOUCH" and errored.judged() is errored.judgment
+
+
 def test_compare_paths_reports_the_outcome_its_exit_code_reads(tmp_path):
     """--compare-paths --no-control: each path's run is judged once for the question asked, and paths.json, each
     path's results.json and verdicts.md and the exit code all read that one answer (paths.json once said HARNESS

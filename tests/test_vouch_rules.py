@@ -421,3 +421,28 @@ def test_near_ties_between_case_and_reference_are_counted_and_stop_the_request()
     ref_out = {"tokens": [[1, 2, 3, 4]], "margins": [[5.0, tie, 5.0, 5.0]], "device": {"sms": 132}}
     got = gate_judge.apply_reference(res, out, ref_res, ref_out)
     assert got.verdict == ERROR and "covered 1 of 4 tokens: too many near ties" in got.reason
+
+
+def test_a_reference_without_an_engine_record_is_not_trusted():
+    ref, res = _ref()
+    res = replace(res, backend_identity={"counters": {}})
+    assert gate_judge.reference_problems(ref, res, GOOD_REF_OUT) == [
+        "the reference reported no engine configuration (no REPRO_ENGINE record)"
+    ]
+
+
+def test_each_judging_step_makes_a_new_record_and_leaves_the_earlier_as_it_was():
+    """docs/architecture.md: classify builds the first record; annotation, reference validation and comparison and
+    coverage each make a new one through CaseResult.revised, its history saying why."""
+    ref, ref_res = _ref({"cudagraph_mode": "FULL"}, GOOD_REF_ACCEPTANCE)
+    before = copy.deepcopy(ref_res)
+    got = gate_judge.validate_reference(ref, ref_res, GOOD_REF_OUT)
+    assert got is not ref_res and ref_res == before and got.history[-1]["step"] == "reference validation"
+    c = case("plain")
+    res = CaseResult(c.case_id, CLEAN, "ran", backend_identity=identity())
+    before = copy.deepcopy(res)
+    out = {"tokens": [[1, 9, 3, 4]], "device": {"sms": 132}}
+    got = gate_judge.apply_reference(
+        res, out, _ref(acceptance=GOOD_REF_ACCEPTANCE)[1], {**GOOD_REF_OUT, "device": {"sms": 132}}
+    )
+    assert got.verdict == WRONG and res == before and got.history[-1]["step"] == "reference comparison"
