@@ -260,6 +260,48 @@ REFERENCE = [
         {"test_near_ties_between_case_and_reference_are_counted_and_stop_the_request"},
     ),
     (
+        "reference_problems: no tokens",
+        GJ,
+        *_off('    if not out or not out.get("tokens"):'),
+        {"test_a_reference_whose_tokens_cannot_be_ground_truth_is_not_trusted"},
+    ),
+    (
+        "reference_problems: non-finite log-probabilities",
+        GJ,
+        *_off("    if nonfinite:"),
+        {"test_a_reference_whose_tokens_cannot_be_ground_truth_is_not_trusted"},
+    ),
+    (
+        "reference_problems: a position without a finite margin",
+        GJ,
+        *_off("    if missing and not nonfinite:"),
+        {"test_a_reference_whose_tokens_cannot_be_ground_truth_is_not_trusted"},
+    ),
+    (
+        "reference_problems: a degenerate reference",
+        GJ,
+        *_off("        if len(toks) >= DEGENERATE_MIN and len(set(toks[1:])) == 1:"),
+        {"test_a_reference_whose_tokens_cannot_be_ground_truth_is_not_trusted"},
+    ),
+    (
+        "apply_reference: no clean reference",
+        GJ,
+        *_off("    if ref.verdict != CLEAN or not ref_out or not out:"),
+        {"test_a_case_without_a_clean_reference_cannot_be_compared"},
+    ),
+    (
+        "compare_acceptance: a case without acceptance",
+        GJ,
+        *_off("    if acceptance_rate(got) is None:"),
+        {"test_a_case_without_acceptance_cannot_vouch_against_a_speculative_reference"},
+    ),
+    (
+        "compare_acceptance: a drop beyond noise",
+        GJ,
+        *_off("    if acceptance_rate(got) < acceptance_rate(want) - ACCEPTANCE_DROP:"),
+        {"test_a_drop_beyond_noise_is_a_silently_wrong_draft"},
+    ),
+    (
         "annotate: MPS gave the SM count asked for",
         GJ,
         *_off('    if devices and (why := mps_sm_mismatch(case.mode.sm, devices[-1].get("sms"))):'),
@@ -305,10 +347,8 @@ OUTCOME = [
     (
         "judge: the answer for the question asked",
         RUN,
-        "        d = self.decision(need_control)\n        self.judgment = policy.GateJudgment(need_control, "
-        "self.outcome(need_control),",
-        "        d = self.decision(need_control)\n        self.judgment = policy.GateJudgment(need_control, "
-        "self.outcome(),",
+        "            need_control, self.outcome(need_control), tuple(self.blind(need_control)), d",
+        "            need_control, self.outcome(), tuple(self.blind(need_control)), d",
         False,
         {"test_compare_paths_reports_the_outcome_its_exit_code_reads"},
     ),
@@ -596,7 +636,7 @@ POLICY = [
 ]
 SETS = {
     "vouch": ("tests/test_vouch_rules.py", VOUCH),
-    "reference": ("tests/test_vouch_rules.py", REFERENCE),
+    "reference": ("tests/test_vouch_rules.py tests/test_acceptance.py", REFERENCE),
     "outcome": ("tests/test_vllm_gate.py -k outcome", OUTCOME),
     "policy": ("tests/test_policy.py", POLICY),
 }

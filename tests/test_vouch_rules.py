@@ -446,3 +446,29 @@ def test_each_judging_step_makes_a_new_record_and_leaves_the_earlier_as_it_was()
         res, out, _ref(acceptance=GOOD_REF_ACCEPTANCE)[1], {**GOOD_REF_OUT, "device": {"sms": 132}}
     )
     assert got.verdict == WRONG and res == before and got.history[-1]["step"] == "reference comparison"
+
+
+@pytest.mark.parametrize(
+    "out,why",
+    [
+        ({"tokens": []}, "the reference run decoded no tokens"),
+        ({**GOOD_REF_OUT, "nonfinite": ["request 0 token 2"]}, "non-finite log-probabilities (NaN or inf logits) at 1"),
+        ({**GOOD_REF_OUT, "margins": [[5.0, None, 5.0, 5.0]]}, "no finite top-2 margin at 1 position(s)"),
+        ({**GOOD_REF_OUT, "tokens": [[7, 3, 3, 3]]}, "request 0 decodes 7 then repeats 3 (a degenerate reference)"),
+    ],
+    ids=["no-tokens", "nonfinite", "no-margin", "degenerate"],
+)
+def test_a_reference_whose_tokens_cannot_be_ground_truth_is_not_trusted(out, why):
+    ref, res = _ref(acceptance=GOOD_REF_ACCEPTANCE)
+    problems = gate_judge.reference_problems(ref, res, out)
+    assert len(problems) == 1 and problems[0].startswith(why), problems
+    assert gate_judge.validate_reference(ref, res, out).verdict == ERROR
+
+
+def test_a_case_without_a_clean_reference_cannot_be_compared():
+    c = case("plain")
+    res = CaseResult(c.case_id, CLEAN, "ran", backend_identity=identity())
+    ref, ref_res = _ref(acceptance=GOOD_REF_ACCEPTANCE)
+    broken = replace(ref_res, verdict=ERROR, reason="reference not trusted: x")
+    got = gate_judge.apply_reference(res, _case_out(132), broken, {**GOOD_REF_OUT, "device": {"sms": 132}})
+    assert got.verdict == ERROR and got.reason.startswith("no reference to compare with")
