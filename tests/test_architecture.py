@@ -70,14 +70,57 @@ def _function_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
     return [n for n in _imports(tree, inside_functions=True) if id(n) not in top]
 
 
+REGISTRY = "repro.entrypoints"  # the one module that names project modules as strings
+
+
+def _named(value: str, mods) -> str | None:
+    """The project module a string names ("repro.x.y", or "repro.x.y:attribute"), else None."""
+    module, colon, attr = value.partition(":")
+    if module == "repro":  # the program's name (`python -m repro`), not a module another imports
+        return None
+    return module if module in mods and (not colon or attr.isidentifier()) else None
+
+
+def registry_names() -> dict[str, set[str]]:
+    """Each constant of repro.entrypoints -> the project modules its value names (strings, tuples, dicts' values)."""
+    import importlib  # noqa: PLC0415  only the registry's values are read by importing it
+
+    reg, mods = importlib.import_module(REGISTRY), _modules()
+
+    def strings(v) -> list[str]:
+        if isinstance(v, str):
+            return [v]
+        if isinstance(v, dict):
+            v = list(v.values())
+        return [x for item in v for x in strings(item)] if isinstance(v, (tuple, list, frozenset, set)) else []
+
+    return {k: {m for x in strings(getattr(reg, k)) if (m := _named(x, mods))} for k in dir(reg) if k.isupper()}
+
+
+def _registry_uses(tree: ast.Module) -> set[str]:
+    """The registry's names a module uses: `entrypoints.NAME`, or `from repro.entrypoints import NAME`."""
+    used = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "entrypoints":
+            used.add(node.attr)
+        elif isinstance(node, ast.ImportFrom) and node.module == REGISTRY:
+            used |= {a.name for a in node.names}
+    return used
+
+
 def import_graph(inside_functions: bool = True) -> dict[str, set[str]]:
-    """repro module -> the repro modules it imports (at top level and, with inside_functions, in its functions)."""
+    """repro module -> the repro modules it imports (at top level and, with inside_functions, in its functions), and
+    those it names through the registry (repro.entrypoints: started as a process, imported by name)."""
     mods = _modules()
+    named = registry_names()
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         targets: set[str] = set()
-        for node in _imports(ast.parse(path.read_text(), str(path)), inside_functions):
+        tree = ast.parse(path.read_text(), str(path))
+        for used in _registry_uses(tree):
+            targets |= named.get(used, set())
+        for node in _imports(tree, inside_functions):
             if isinstance(node, ast.Import):
                 targets |= {a.name for a in node.names}
                 continue
@@ -326,3 +369,57 @@ def test_no_module_but_exit_codes_writes_an_exit_code_as_a_number():
     debts = {"repro/vllm_integration/gate/fork.py", "repro/vllm_integration/releases/versions.py"}
     found = [f for f in found if f.split(":")[0] not in debts]
     assert not found, f"exit codes written as numbers outside repro/exit_codes.py: {found}"
+
+
+BY_NAME_CALLS = ("importlib.import_module", "import_module", "__import__", "importlib.util.find_spec", "find_spec")
+# modules that import by a name no project module has: vLLM's attention backends named in BACKENDS' table
+THIRD_PARTY_BY_NAME = {"repro.vllm_integration.plugin"}
+# a string equal to a module's name that names no import: the CPU model's backend identity
+LABELS = {("repro.fa3_model.predict", "repro.fa3_model")}
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    return {
+        id(body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and (body := node.body)
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+    }
+
+
+def test_no_project_module_is_named_as_a_string_outside_the_registry():
+    """`python -m repro.x`, importlib.import_module("repro.x"), find_spec: only repro/entrypoints.py names a project
+    module as a string (the cycle test counts its names); nowhere else does a module import one by name."""
+    mods, found = _modules(), []
+    for name, path in mods.items():
+        if name == REGISTRY:
+            continue
+        tree = ast.parse(path.read_text())
+        docs = _docstrings(tree)
+        for node in ast.walk(tree):
+            where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                if (m := _named(node.value, mods)) and (name, m) not in LABELS:
+                    found.append(f"{where}: {node.value!r}")
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) in BY_NAME_CALLS and node.args:
+                arg = node.args[0]
+                constant = isinstance(arg, ast.Constant) and not str(arg.value).startswith("repro")
+                if not constant and name not in THIRD_PARTY_BY_NAME:
+                    found.append(f"{where}: {ast.unparse(node)}")
+    assert not found, "project modules named as strings outside repro/entrypoints.py:\n" + "\n".join(found)
+
+
+def test_the_cycle_test_sees_the_modules_named_through_the_registry():
+    graph = import_graph()
+    assert "repro.attention.worker" in graph["repro.run.runner"]  # started as `python -m`, or its main forked
+    assert "repro.vllm_integration.gate.worker" in graph["repro.vllm_integration.gate.process"]
+    assert "repro.vllm_integration.gate.fork" in graph["repro.vllm_integration.gate.forkserver"]
+    assert {"repro.attention.worker", "repro.backends.preload"} <= graph["repro.run.executor"]  # its preload
+    names = registry_names()
+    assert names["GATE_PRELOAD"] == {"repro.run.channel", "repro.vllm_integration.plugin", GATE_WORKER}
+    assert all(names.values()), [k for k, v in names.items() if not v]  # every name names a module
+
+
+GATE_WORKER = "repro.vllm_integration.gate.worker"

@@ -5,7 +5,6 @@ attempts when it decoded without a fault (run_control). repro.vllm_integration.g
 from __future__ import annotations
 
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from repro import entrypoints
 from repro.case.spec import STALLED, CaseResult
 from repro.errors import Unavailable
 from repro.judge.verdicts import CLEAN, CRASH, HANG, SKIP, STALE_AUDIT, WRONG
@@ -66,7 +66,7 @@ def run_case(
         env["VLLM_CACHE_ROOT"] = str(root)
     # the models' folder is part of vLLM's compile-cache key: one folder per build on the new path
     model_dir = cache.build_dir(case.build) / "models" if cache is not None else log_dir / f"{case.case_id}.models"
-    cmd = [sys.executable, "-m", "repro.vllm_integration.gate.worker", "--out", str(model_dir)]
+    cmd = entrypoints.command(entrypoints.GATE_WORKER, "--out", str(model_dir))
     cmd += ["--attention-backend", case.backend]
     if case.reference:
         cmd.append("--reference")
