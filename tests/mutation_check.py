@@ -209,7 +209,7 @@ REFERENCE = [
     (
         "reference_problems: an old record only by the upgrader's mark",
         GJ,
-        "    return False if CONFIGURATION in (out or {}).get(RECORDED_BEFORE, ()) else None",
+        "    return False if CONFIGURATION in recorded_before(out) else None",
         "    return False",
         False,
         {"test_a_live_reference_record_without_its_configuration_is_an_error_not_trusted"},
@@ -300,6 +300,14 @@ REFERENCE = [
         GJ,
         *_off("    if acceptance_rate(got) < acceptance_rate(want) - ACCEPTANCE_DROP:"),
         {"test_a_drop_beyond_noise_is_a_silently_wrong_draft"},
+    ),
+    (
+        "not_fired: a live engine record without its compilation mode",
+        COV,
+        *_off(
+            '    if case.compile != DEFAULT_COMPILE and "compilation_mode" not in e and COMPILATION not in recorded_before(e):'
+        ),
+        {"test_a_live_engine_record_without_its_compilation_mode_cannot_vouch_for_compile_none"},
     ),
     (
         "annotate: MPS gave the SM count asked for",

@@ -16,11 +16,11 @@ from repro.judge.classify import classify
 from repro.run import own_alloc, smcontrol
 from repro.run.channel import Channel, path_for
 from repro.run.process import STALLED
-from repro.run.tags import RESULT_TAG
+from repro.run.tags import ENGINE_TAG, RESULT_TAG
 from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import run as gate_run
 from repro.vllm_integration.gate.case import GateCase, parse_backends, parse_modes
-from repro.vllm_integration.gate.judge import CONFIGURATION, RECORDED_BEFORE
+from repro.vllm_integration.gate.coverage import COMPILATION, CONFIGURATION, RECORDED_BEFORE
 from repro.vllm_integration.gate.run import KEPT_LINE, run_gate
 
 
@@ -125,8 +125,9 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
 
 def upgrade_records(text: str) -> str:
     """The one upgrader of recorded channel records, used by the replays only: a RESULT record from before the
-    references reported their configuration (no 'nonfinite') is marked as such (judge.RECORDED_BEFORE), the mark the
-    judging reads instead of trusting a record for what it lacks. Live runs never pass through here: there a record
+    references reported their configuration (no 'nonfinite'), an ENGINE record from before the engine's compilation
+    mode was reported, each marked as such (coverage.RECORDED_BEFORE), the mark the judging reads instead of trusting
+    a record for what it lacks. Live runs never pass through here: there a record
     missing a key is an error."""
     out = []
     for line in text.splitlines():
@@ -136,8 +137,13 @@ def upgrade_records(text: str) -> str:
             out.append(line)
             continue
         data = rec.get("data") if isinstance(rec, dict) else None
+        marks = []
         if rec.get("tag") == RESULT_TAG and isinstance(data, dict) and data.get("tokens") and "nonfinite" not in data:
-            rec["data"] = {**data, RECORDED_BEFORE: [*data.get(RECORDED_BEFORE, []), CONFIGURATION]}
+            marks.append(CONFIGURATION)
+        if rec.get("tag") == ENGINE_TAG and isinstance(data, dict) and "compilation_mode" not in data:
+            marks.append(COMPILATION)
+        if marks:
+            rec["data"] = {**data, RECORDED_BEFORE: [*data.get(RECORDED_BEFORE, []), *marks]}
             line = json.dumps(rec)
         out.append(line)
     return "\n".join(out) + ("\n" if text.endswith("\n") else "")

@@ -355,7 +355,7 @@ def test_a_live_reference_record_without_its_configuration_is_an_error_not_trust
     live = {k: v for k, v in GOOD_REF_OUT.items() if k != "nonfinite"}
     got = gate_judge.validate_reference(ref, res, live)
     assert got.verdict == ERROR and "lacks 'nonfinite'" in got.reason
-    old = {**live, gate_judge.RECORDED_BEFORE: [gate_judge.CONFIGURATION]}  # what the upgrader writes
+    old = {**live, coverage.RECORDED_BEFORE: [coverage.CONFIGURATION]}  # what the upgrader writes
     assert gate_judge.reference_problems(ref, res, old) == []  # its tokens are all an old record can show
     assert gate_judge.validate_reference(ref, res, old).verdict == CLEAN
 
@@ -368,11 +368,25 @@ def test_the_replays_upgrader_marks_only_result_records_without_their_configurat
         return json.dumps({"schema": 1, "tag": tag, "pid": 1, "data": data})
 
     text = "\n".join(
-        [rec(RESULT_TAG, {"tokens": [[1]]}), rec(RESULT_TAG, {"tokens": [[1]], "nonfinite": []}), rec(ENGINE_TAG, {})]
+        [
+            rec(RESULT_TAG, {"tokens": [[1]]}),
+            rec(RESULT_TAG, {"tokens": [[1]], "nonfinite": []}),
+            rec(ENGINE_TAG, {"compilation_mode": None}),
+            rec(ENGINE_TAG, {"cudagraph_mode": "FULL"}),
+        ]
     )
     got = [json.loads(line)["data"] for line in upgrade_records(text).splitlines()]
-    assert got[0][gate_judge.RECORDED_BEFORE] == [gate_judge.CONFIGURATION]
-    assert gate_judge.RECORDED_BEFORE not in got[1] and gate_judge.RECORDED_BEFORE not in got[2]
+    assert got[0][coverage.RECORDED_BEFORE] == [coverage.CONFIGURATION]
+    assert coverage.RECORDED_BEFORE not in got[1] and coverage.RECORDED_BEFORE not in got[2]
+    assert got[3][coverage.RECORDED_BEFORE] == [coverage.COMPILATION]
+
+
+def test_a_live_engine_record_without_its_compilation_mode_cannot_vouch_for_compile_none():
+    c = replace(case(), compile="none")
+    live = identity(engine={"compilation_mode": None})  # the key dropped
+    assert only(c, live) == "--compile none: the engine record reports no compilation mode (a live record lacks it)"
+    old = identity(engine={"compilation_mode": None, coverage.RECORDED_BEFORE: [coverage.COMPILATION]})
+    assert coverage.not_fired(c, old) == []  # a record the upgrader marked as from before the key existed
 
 
 def _case_out(sms: int | None) -> dict:

@@ -20,7 +20,13 @@ from repro.run.channel import Channel
 from repro.run.smcontrol import mps_sm_mismatch
 from repro.run.tags import AUDIT_TAG, COUNTERS_TAG, DEVICE_TAG, ENGINE_TAG, PLUGIN_TAG, RESULT_TAG
 from repro.vllm_integration.gate.case import GateCase, expected
-from repro.vllm_integration.gate.coverage import applying, features_needed, not_fired
+from repro.vllm_integration.gate.coverage import (
+    CONFIGURATION,
+    applying,
+    features_needed,
+    not_fired,
+    recorded_before,
+)
 
 TIE_MARGIN = 0.1  # nats: a reference token whose top-2 margin is below this is a tie, not a reference
 MIN_COVERAGE = 0.5  # a comparison that covers less than this share of the tokens cannot vouch for a build
@@ -195,19 +201,12 @@ def vouch(case: GateCase, res: CaseResult) -> CaseResult:
     return res.revised("coverage", "; ".join(missing), verdict=NOT_VOUCHED, reason=reason)
 
 
-# A RESULT record's list of what it predates: written by no process, only by the replays' upgrader of recorded runs
-# (tests/recorded_gate.py, upgrade_records), so that the one leniency for old records is explicit and a live record
-# missing a key is an error, never trusted.
-RECORDED_BEFORE = "recorded_before"
-CONFIGURATION = "configuration"  # a record from before references reported their configuration (tokens, margins only)
-
-
 def _reports_configuration(out: dict | None) -> bool | None:
     """Does a reference's RESULT record report its configuration (True), come from before that existed as the
     replays' upgrader marked it (False), or lack it with no such mark (None: a live record missing its key)?"""
     if "nonfinite" in (out or {}):
         return True
-    return False if CONFIGURATION in (out or {}).get(RECORDED_BEFORE, ()) else None
+    return False if CONFIGURATION in recorded_before(out) else None
 
 
 DEGENERATE_MIN = 4  # tokens: a request of at least this many that repeats one token after the first is degenerate
