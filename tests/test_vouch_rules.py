@@ -11,7 +11,12 @@ fail, and runs them (`python tests/mutation_check.py vouch`). A row of NEEDS is 
 deleting it fails its counter's test and its feature's case of test_the_features_annotate_needs_come_from_the_table
 (the sm_margin rows share the feature fa3, so deleting one fails its counter's test only). The reference early return
 of vouch is redundant for a reference made by reference_for (nothing injected, so a crash stays evidence anyway):
-its test builds a reference that carries an injection to see it."""
+its test builds a reference that carries an injection to see it.
+
+The reference checks (reference_problems, validate_reference, apply_reference's SM count and near ties,
+compare_tokens, compare_acceptance, annotate's MPS SM count) and the live-record rules are the tests at the end of
+this file; `python tests/mutation_check.py reference` deletes each of those 19 rules in turn and names the test that
+must fail (with tests/test_acceptance.py)."""
 
 from __future__ import annotations
 
