@@ -123,28 +123,42 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
     return doc, rows, run, got
 
 
+def _upgraded(tag: str, data: dict) -> dict | None:
+    """A recorded record's data with the marks of what it predates (coverage.RECORDED_BEFORE), or None if none."""
+    marks = []
+    if tag == RESULT_TAG and data.get("tokens") and "nonfinite" not in data:
+        marks.append(CONFIGURATION)
+    if tag == ENGINE_TAG and "compilation_mode" not in data:
+        marks.append(COMPILATION)
+    return {**data, RECORDED_BEFORE: [*data.get(RECORDED_BEFORE, []), *marks]} if marks else None
+
+
+_TEXT_RECORD = re.compile(r"^(REPRO_[A-Z_]+) (\{.*\})$")
+
+
 def upgrade_records(text: str) -> str:
-    """The one upgrader of recorded channel records, used by the replays only: a RESULT record from before the
-    references reported their configuration (no 'nonfinite'), an ENGINE record from before the engine's compilation
-    mode was reported, each marked as such (coverage.RECORDED_BEFORE), the mark the judging reads instead of trusting
-    a record for what it lacks. Live runs never pass through here: there a record
-    missing a key is an error."""
+    """The one upgrader of recorded records, used by the replays only (a channel file's JSON lines, or a log's
+    `TAG {json}` lines from before the channel): a RESULT record from before the references reported their
+    configuration (no 'nonfinite'), an ENGINE record from before the engine's compilation mode was reported, each
+    marked as such (coverage.RECORDED_BEFORE), the mark the judging reads instead of trusting a record for what it
+    lacks. Live runs never pass through here: there a record missing a key is judged as missing it."""
     out = []
     for line in text.splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            out.append(line)
-            continue
-        data = rec.get("data") if isinstance(rec, dict) else None
-        marks = []
-        if rec.get("tag") == RESULT_TAG and isinstance(data, dict) and data.get("tokens") and "nonfinite" not in data:
-            marks.append(CONFIGURATION)
-        if rec.get("tag") == ENGINE_TAG and isinstance(data, dict) and "compilation_mode" not in data:
-            marks.append(COMPILATION)
-        if marks:
-            rec["data"] = {**data, RECORDED_BEFORE: [*data.get(RECORDED_BEFORE, []), *marks]}
-            line = json.dumps(rec)
+        if m := _TEXT_RECORD.match(line):
+            try:
+                data = json.loads(m[2])
+            except ValueError:
+                data = None
+            if isinstance(data, dict) and (new := _upgraded(m[1], data)) is not None:
+                line = f"{m[1]} {json.dumps(new)}"
+        elif line.startswith("{"):
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                rec = None
+            if isinstance(rec, dict) and isinstance(rec.get("data"), dict):
+                if (new := _upgraded(rec.get("tag"), rec["data"])) is not None:
+                    line = json.dumps({**rec, "data": new})
         out.append(line)
     return "\n".join(out) + ("\n" if text.endswith("\n") else "")
 

@@ -384,6 +384,9 @@ def test_the_replays_upgrader_marks_only_result_records_without_their_configurat
     assert got[0][coverage.RECORDED_BEFORE] == [coverage.CONFIGURATION]
     assert coverage.RECORDED_BEFORE not in got[1] and coverage.RECORDED_BEFORE not in got[2]
     assert got[3][coverage.RECORDED_BEFORE] == [coverage.COMPILATION]
+    # a log's `TAG {json}` lines from before the channel, the same way; other lines as they were
+    old = upgrade_records('loading\nREPRO_RESULT {"tokens": [[1]]}\n').splitlines()
+    assert old[0] == "loading" and json.loads(old[1].split(" ", 1)[1])[coverage.RECORDED_BEFORE] == ["configuration"]
 
 
 def test_a_live_engine_record_without_its_compilation_mode_cannot_vouch_for_compile_none():
