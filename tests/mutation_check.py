@@ -1,5 +1,6 @@
-"""Mutation check of tests/test_vouch_rules.py and tests/test_policy.py (not collected by pytest): each mutation
-deletes or weakens one rule in the source, runs that one test file, and compares the tests that failed with the ones
+"""Mutation check of tests/test_vouch_rules.py, tests/test_acceptance.py, tests/test_vllm_gate.py (its outcome
+tests) and tests/test_policy.py (not collected by pytest): each mutation deletes or weakens one rule in the source,
+runs the set's tests, and compares the tests that failed with the ones
 named for the rule (each must fail; a rule others rest on fails more); the source is restored after each run,
 whatever happened.
 
