@@ -14,7 +14,9 @@ from enum import IntEnum
 
 from repro.judge.policy import GateOutcome
 from repro.judge.verdicts import CLEAN, SKIP
-from repro.vllm_integration.releases.source_check import BAD, GOOD, NO_KNOWN_BAD
+from repro.judge.verdicts import SOURCE_BAD as BAD
+from repro.judge.verdicts import SOURCE_GOOD as GOOD
+from repro.judge.verdicts import SOURCE_NO_KNOWN_BAD as NO_KNOWN_BAD
 
 
 class Exit(IntEnum):

@@ -1,9 +1,12 @@
-"""Mutation check of tests/test_vouch_rules.py and tests/test_policy.py (not collected by pytest): each mutation
-deletes or weakens one rule in the source, runs that one test file, and compares the tests that failed with the ones
+"""Mutation check of tests/test_vouch_rules.py, tests/test_acceptance.py, tests/test_vllm_gate.py (its outcome
+tests) and tests/test_policy.py (not collected by pytest): each mutation deletes or weakens one rule in the source,
+runs the set's tests, and compares the tests that failed with the ones
 named for the rule (each must fail; a rule others rest on fails more); the source is restored after each run,
 whatever happened.
 
     python tests/mutation_check.py vouch     # repro/vllm_integration/gate/coverage.py, repro/vllm_integration/gate/judge.py
+    python tests/mutation_check.py reference # every reference check of repro/vllm_integration/gate/judge.py
+    python tests/mutation_check.py outcome   # GateRun.outcome, decision, blind and judge (repro/vllm_integration/gate/run.py)
     python tests/mutation_check.py policy    # repro/judge/policy.py
 
 Exit status 1 when a mutation matched its source other than once, or a test named for it did not fail."""
@@ -143,8 +146,8 @@ VOUCH = [
     (
         "vouch: a reference as it is",
         GJ,
-        "    if case.reference:\n        return res\n    if res.verdict not in",
-        "    if res.verdict not in",
+        "    if case.reference or res.verdict in (ERROR, SKIP):",
+        "    if res.verdict in (ERROR, SKIP):",
         False,
         {"test_vouch_leaves_a_reference_as_it_is"},
     ),
@@ -179,6 +182,184 @@ VOUCH = [
         "        missing = []",
         False,
         {"test_a_clean_or_stale_audit_case_that_did_not_fire_cannot_vouch"},
+    ),
+]
+# every reference check (reference_problems, validate_reference, apply_reference, compare_tokens, annotate's MPS SM
+# count): each deleted or weakened, the tests named must fail
+REFERENCE = [
+    (
+        "reference_problems: a reference with CUDA graphs",
+        GJ,
+        *_off('        if e.get("cudagraph_mode") not in (None, "NONE"):'),
+        {"test_a_reference_that_ran_with_cuda_graphs_is_not_trusted"},
+    ),
+    (
+        "reference_problems: a speculative reference's draft acceptance",
+        GJ,
+        *_off("            if rate is None or rate < MIN_ACCEPTANCE:"),
+        {"test_a_speculative_reference_whose_draft_is_rarely_accepted_is_not_trusted"},
+    ),
+    (
+        "reference_problems: a live record without its configuration",
+        GJ,
+        *_off(
+            "    if reports is None:  # a live record without the key: its worker did not check what a reference must show"
+        ),
+        {"test_a_live_reference_record_without_its_configuration_is_an_error_not_trusted"},
+    ),
+    (
+        "reference_problems: an old record only by the upgrader's mark",
+        GJ,
+        "    return False if CONFIGURATION in recorded_before(out) else None",
+        "    return False",
+        False,
+        {"test_a_live_reference_record_without_its_configuration_is_an_error_not_trusted"},
+    ),
+    (
+        "reference_problems: no engine record",
+        GJ,
+        *_off("    if not e:"),
+        {"test_a_reference_without_an_engine_record_is_not_trusted"},
+    ),
+    (
+        "validate_reference: a broken reference is an error",
+        GJ,
+        '    return res.revised("reference validation", why, verdict=ERROR, reason=why)',
+        '    return res.revised("reference validation", why, reason=why)',
+        False,
+        {
+            "test_a_reference_that_ran_with_cuda_graphs_is_not_trusted",
+            "test_a_live_reference_record_without_its_configuration_is_an_error_not_trusted",
+        },
+    ),
+    (
+        "apply_reference: a reference on another SM count",
+        GJ,
+        *_off("    if sms is not None and ref_sms is not None and sms != ref_sms:"),
+        {"test_a_reference_on_another_sm_count_cannot_judge_a_case"},
+    ),
+    (
+        "compare_tokens: the near-tie count",
+        GJ,
+        "                c.ties += 1\n",
+        "                pass\n",
+        False,
+        {"test_near_ties_between_case_and_reference_are_counted_and_stop_the_request"},
+    ),
+    (
+        "compare_tokens: a tie is below the margin, not at it",
+        GJ,
+        "            if m is not None and m < TIE_MARGIN:",
+        "            if m is not None and m <= TIE_MARGIN:",
+        False,
+        {"test_near_ties_between_case_and_reference_are_counted_and_stop_the_request"},
+    ),
+    (
+        "apply_reference: too many near ties cannot vouch",
+        GJ,
+        *_off("    if chk.coverage < MIN_COVERAGE and res.verdict == CLEAN:"),
+        {"test_near_ties_between_case_and_reference_are_counted_and_stop_the_request"},
+    ),
+    (
+        "reference_problems: no tokens",
+        GJ,
+        *_off('    if not out or not out.get("tokens"):'),
+        {"test_a_reference_whose_tokens_cannot_be_ground_truth_is_not_trusted"},
+    ),
+    (
+        "reference_problems: non-finite log-probabilities",
+        GJ,
+        *_off("    if nonfinite:"),
+        {"test_a_reference_whose_tokens_cannot_be_ground_truth_is_not_trusted"},
+    ),
+    (
+        "reference_problems: a position without a finite margin",
+        GJ,
+        *_off("    if missing and not nonfinite:"),
+        {"test_a_reference_whose_tokens_cannot_be_ground_truth_is_not_trusted"},
+    ),
+    (
+        "reference_problems: a degenerate reference",
+        GJ,
+        *_off("        if len(toks) >= DEGENERATE_MIN and len(set(toks[1:])) == 1:"),
+        {"test_a_reference_whose_tokens_cannot_be_ground_truth_is_not_trusted"},
+    ),
+    (
+        "apply_reference: no clean reference",
+        GJ,
+        *_off("    if ref.verdict != CLEAN or not ref_out or not out:"),
+        {"test_a_case_without_a_clean_reference_cannot_be_compared"},
+    ),
+    (
+        "compare_acceptance: a case without acceptance",
+        GJ,
+        *_off("    if acceptance_rate(got) is None:"),
+        {"test_a_case_without_acceptance_cannot_vouch_against_a_speculative_reference"},
+    ),
+    (
+        "compare_acceptance: a drop beyond noise",
+        GJ,
+        *_off("    if acceptance_rate(got) < acceptance_rate(want) - ACCEPTANCE_DROP:"),
+        {"test_a_drop_beyond_noise_is_a_silently_wrong_draft"},
+    ),
+    (
+        "not_fired: a live engine record without its compilation mode",
+        COV,
+        *_off(
+            '    if case.compile != DEFAULT_COMPILE and "compilation_mode" not in e and COMPILATION not in recorded_before(e):'
+        ),
+        {"test_a_live_engine_record_without_its_compilation_mode_cannot_vouch_for_compile_none"},
+    ),
+    (
+        "annotate: MPS gave the SM count asked for",
+        GJ,
+        *_off('    if devices and (why := mps_sm_mismatch(case.mode.sm, devices[-1].get("sms"))):'),
+        {"test_an_mps_case_that_got_other_sms_than_it_asked_is_an_error"},
+    ),
+]
+RUN = "repro/vllm_integration/gate/run.py"
+# GateRun.outcome and the one stored decision every report reads (tests/test_vllm_gate.py)
+OUTCOME_TEST = "test_the_gate_outcome_reads_failure_kinds_not_their_words"
+OUTCOME = [
+    (
+        "outcome: a self control that missed is never a pass",
+        RUN,
+        "        return policy.GateOutcome.BLIND if self.blind(need_control) else policy.GateOutcome.PASS",
+        "        return policy.GateOutcome.PASS",
+        False,
+        {OUTCOME_TEST, "test_compare_paths_reports_the_outcome_its_exit_code_reads"},
+    ),
+    (
+        "outcome: AFFECTED when a build under test showed the bug",
+        RUN,
+        *_off("        if any(r.verdict in FAULTS for _, r in affected):"),
+        {"test_the_outcome_of_an_affected_build_and_of_one_that_gave_no_answer"},
+    ),
+    (
+        "outcome: CANNOT VOUCH when a build under test gave no answer",
+        RUN,
+        *_off("        if affected or self.not_vouched():"),
+        {"test_the_outcome_of_an_affected_build_and_of_one_that_gave_no_answer"},
+    ),
+    (
+        "decision: --no-control drops the missing control only",
+        RUN,
+        *_off("        if not need_control:"),
+        {OUTCOME_TEST, "test_compare_paths_reports_the_outcome_its_exit_code_reads"},
+    ),
+    (
+        "blind: a build under test's failure is not the harness's",
+        RUN,
+        *_off("            if f.case_id in under:"),
+        {"test_the_outcome_of_an_affected_build_and_of_one_that_gave_no_answer"},
+    ),
+    (
+        "judge: the answer for the question asked",
+        RUN,
+        "            need_control, self.outcome(need_control), tuple(self.blind(need_control)), d",
+        "            need_control, self.outcome(), tuple(self.blind(need_control)), d",
+        False,
+        {"test_compare_paths_reports_the_outcome_its_exit_code_reads"},
     ),
 ]
 DECIDE_TESTS = {  # the decide tests, which rest on what counts as evidence and on a met expectation passing
@@ -462,7 +643,12 @@ POLICY = [
         {"test_the_summary_groups_not_applicable_cases_by_reason"},
     ),
 ]
-SETS = {"vouch": ("tests/test_vouch_rules.py", VOUCH), "policy": ("tests/test_policy.py", POLICY)}
+SETS = {
+    "vouch": ("tests/test_vouch_rules.py", VOUCH),
+    "reference": ("tests/test_vouch_rules.py tests/test_acceptance.py", REFERENCE),
+    "outcome": ("tests/test_vllm_gate.py -k outcome", OUTCOME),
+    "policy": ("tests/test_policy.py", POLICY),
+}
 
 
 def main(which: str) -> int:
@@ -478,7 +664,7 @@ def main(which: str) -> int:
             continue
         path.write_text(mutated)
         try:
-            cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", test_file]
+            cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *test_file.split()]
             run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         finally:
             path.write_text(src)

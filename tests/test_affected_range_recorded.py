@@ -52,7 +52,8 @@ def test_the_affected_range_starts_at_0210_measured_alone(monkeypatch, tmp_path)
         assert wrong.verdict == "wrong-output" and "draft is silently wrong" in wrong.reason
     assert [k for k in rows if "attempt" in k] == [f"{V}0.21.0-self-control-plain-attempt2"]
     assert run.outcome(need_control=False) == doc["outcome"] == "AFFECTED" and gate_exit(run.outcome(False)) == 1
-    again = to_json(run, doc["environment"], need_control=False)["release_range"]
+    run.judge(need_control=False)
+    again = to_json(run, doc["environment"])["release_range"]
     assert [(r["build"], r["gpu"]) for r in again["releases"]] == [("0.20.2", "good"), ("0.21.0", "bad")]
     assert (
         again["transitions"]

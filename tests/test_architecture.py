@@ -70,14 +70,57 @@ def _function_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
     return [n for n in _imports(tree, inside_functions=True) if id(n) not in top]
 
 
+REGISTRY = "repro.entrypoints"  # the one module that names project modules as strings
+
+
+def _named(value: str, mods) -> str | None:
+    """The project module a string names ("repro.x.y", or "repro.x.y:attribute"), else None."""
+    module, colon, attr = value.partition(":")
+    if module == "repro":  # the program's name (`python -m repro`), not a module another imports
+        return None
+    return module if module in mods and (not colon or attr.isidentifier()) else None
+
+
+def registry_names() -> dict[str, set[str]]:
+    """Each constant of repro.entrypoints -> the project modules its value names (strings, tuples, dicts' values)."""
+    import importlib  # noqa: PLC0415  only the registry's values are read by importing it
+
+    reg, mods = importlib.import_module(REGISTRY), _modules()
+
+    def strings(v) -> list[str]:
+        if isinstance(v, str):
+            return [v]
+        if isinstance(v, dict):
+            v = list(v.values())
+        return [x for item in v for x in strings(item)] if isinstance(v, (tuple, list, frozenset, set)) else []
+
+    return {k: {m for x in strings(getattr(reg, k)) if (m := _named(x, mods))} for k in dir(reg) if k.isupper()}
+
+
+def _registry_uses(tree: ast.Module) -> set[str]:
+    """The registry's names a module uses: `entrypoints.NAME`, or `from repro.entrypoints import NAME`."""
+    used = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "entrypoints":
+            used.add(node.attr)
+        elif isinstance(node, ast.ImportFrom) and node.module == REGISTRY:
+            used |= {a.name for a in node.names}
+    return used
+
+
 def import_graph(inside_functions: bool = True) -> dict[str, set[str]]:
-    """repro module -> the repro modules it imports (at top level and, with inside_functions, in its functions)."""
+    """repro module -> the repro modules it imports (at top level and, with inside_functions, in its functions), and
+    those it names through the registry (repro.entrypoints: started as a process, imported by name)."""
     mods = _modules()
+    named = registry_names()
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         targets: set[str] = set()
-        for node in _imports(ast.parse(path.read_text(), str(path)), inside_functions):
+        tree = ast.parse(path.read_text(), str(path))
+        for used in _registry_uses(tree):
+            targets |= named.get(used, set())
+        for node in _imports(tree, inside_functions):
             if isinstance(node, ast.Import):
                 targets |= {a.name for a in node.names}
                 continue
@@ -210,22 +253,173 @@ def test_architecture_lists_every_module_and_only_modules_that_exist():
     assert all((ROOT / f).is_dir() for f in folders), sorted(f for f in folders if not (ROOT / f).is_dir())
 
 
-def test_the_layers_table_gives_each_package_exactly_its_modules():
-    """docs/architecture.md's layer table: one row per package of repro/, naming every module that package holds (the
-    ones the module list shows) and no file it does not hold, and every package in one layer."""
+def _contract() -> dict:
+    """The import-linter layers contract of pyproject.toml (the layers `lint-imports` checks in CI)."""
+    import pytest  # noqa: PLC0415  only these tests skip
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    return next(
+        c
+        for c in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+        if c["type"] == "layers"
+    )
+
+
+def _doc_layers() -> list[set[str]]:
+    """docs/architecture.md's layer table, top to bottom: each row's packages and modules as dotted names."""
     text = DOC.read_text()
-    table = text[text.index("<!-- layers") : text.index("<!-- /layers -->")]
-    rows = re.findall(r"^\| ([^|]+) \| `(repro/[\w/]*)` \| ([^|]+) \|$", table, flags=re.M)
-    assert rows, "no layer rows found"
-    packages = [package.rstrip("/") for _, package, _ in rows]
-    assert len(packages) == len(set(packages)), "a package in two layers"
-    files = _listed_files()
-    for _, package, named in rows:
-        package = package.rstrip("/")
-        held = {f.rpartition("/")[2] for f in files if f.rpartition("/")[0] == package}
-        there = {p.name for p in (ROOT / package).glob("*.py")}  # an __init__.py of a docstring alone may be named
-        named = set(re.findall(r"`([\w]+\.py)`", named))
-        assert held <= named <= there, f"{package}: missing {sorted(held - named)}, not there {sorted(named - there)}"
-    missing = {f.rpartition("/")[0] for f in files} - set(packages)
-    assert not missing, f"packages of repro/ missing from the layer table: {sorted(missing)}"
-    assert all((ROOT / p).is_dir() for p in packages)
+    table = text[text.index("<!-- layers:") : text.index("<!-- /layers -->")]
+    rows = [line.split("|")[2] for line in table.splitlines() if line.startswith("| ") and "`repro/" in line]
+    return [
+        {re.sub(r"\.py$", "", p.rstrip("/")).replace("/", ".") for p in re.findall(r"`(repro/[\w/.]*)`", cell)}
+        for cell in rows
+    ]
+
+
+def test_the_layer_table_is_the_import_contract_in_its_order():
+    layers = [{x.strip() for x in layer.split("|")} for layer in _contract()["layers"]]
+    assert layers == _doc_layers(), "docs/architecture.md's layer table and pyproject.toml's contract differ"
+
+
+def test_every_module_but_the_package_itself_is_in_one_layer_of_the_contract():
+    layers = [x.strip() for layer in _contract()["layers"] for x in layer.split("|")]
+    outside = {
+        m
+        for m in _modules()
+        if m not in ("repro", "repro.vllm_integration") and not any(m == L or m.startswith(L + ".") for L in layers)
+    }
+    assert not outside, f"modules in no layer of the import contract: {sorted(outside)}"
+
+
+def test_every_debt_the_contract_ignores_is_an_import_that_exists():
+    """An ignored import that is gone must leave the list (the debt was paid), so the list stays the debts of today."""
+    graph = import_graph()
+    gone = [
+        entry
+        for entry in _contract().get("ignore_imports", [])
+        if (pair := [x.strip() for x in entry.split("->")]) and pair[1] not in graph.get(pair[0], set())
+    ]
+    assert not gone, f"the contract ignores imports that no longer exist: {gone}"
+
+
+def _defines(path: Path, name: str) -> bool:
+    """Does the module define `name` at its top level (a class, a function, or an assignment)?"""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            return True
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
+        for t in targets:
+            if name in {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}:
+                return True
+    return False
+
+
+def test_every_name_the_doc_places_in_a_module_is_defined_there():
+    """`module.py` (NAME...) in docs/architecture.md says NAME lives in that module (LATE_VARS once was placed in
+    launch.py, defined in forkserver.py): each such name, CamelCase, CAPS or with an underscore, is defined there."""
+    text = DOC.read_text()
+    wrong, checked = [], 0
+    for m in re.finditer(r"`?((?:repro/)?[\w/]+\.py)`?[^\w`(]{0,3}\(([A-Za-z_][A-Za-z0-9_]*)[:,) ]", text):
+        rel, name = m.group(1), m.group(2)
+        if not ("_" in name or (name[0].isupper() and len(name) > 2)):
+            continue  # a word, not a name
+        path = ROOT / (rel if rel.startswith("repro/") else f"repro/{rel}")
+        checked += 1
+        if not path.exists() or not _defines(path, name):
+            wrong.append(f"{rel}: {name}")
+    assert checked >= 10 and not wrong, f"docs/architecture.md places names where they are not defined: {wrong}"
+
+
+def test_each_cli_module_holds_the_subcommands_its_row_names():
+    """The module table's row of each cli module names, in backticks, exactly the subcommands it registers."""
+    import argparse  # noqa: PLC0415  only this test builds parsers
+
+    from repro import cli  # noqa: PLC0415  the cli imports much: only this test needs it
+
+    rows = dict(re.findall(r"^\| `repro/cli/(\w+)\.py` \| (.*) \|$", DOC.read_text(), re.M))
+    for name in ("matrix", "run", "serve", "vllm", "reports"):
+        sub = argparse.ArgumentParser().add_subparsers()
+        getattr(cli, name).add_parsers(sub)
+        named = set(re.findall(r"`([a-z][a-z-]*)`", rows[name].split(":")[0]))
+        assert named == set(sub.choices), f"repro/cli/{name}.py registers {sorted(sub.choices)}, its row names {named}"
+
+
+def test_no_module_but_exit_codes_writes_an_exit_code_as_a_number():
+    """docs/architecture.md: every command's code for its outcome comes from repro/exit_codes.py: no other module
+    returns from a command or exits with a non-zero number of its own."""
+    found = []
+    for name, path in _modules().items():
+        if name == "repro.exit_codes":
+            continue
+        tree = ast.parse(path.read_text())
+        for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+            command = fn.name == "main" or fn.name.startswith("cmd_")
+            for node in ast.walk(fn):
+                value = None
+                if isinstance(node, ast.Return) and command:
+                    value = node.value
+                elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("sys.exit", "SystemExit"):
+                    value = node.args[0] if node.args else None
+                if isinstance(value, ast.Constant) and isinstance(value.value, int) and value.value not in (0, None):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    # known debts, each a process's own code no command returns: the forkserver's refusal (read by its REFUSED record,
+    # not its code) and the release-facts recorder's bad input
+    debts = {"repro/vllm_integration/gate/fork.py", "repro/vllm_integration/releases/versions.py"}
+    found = [f for f in found if f.split(":")[0] not in debts]
+    assert not found, f"exit codes written as numbers outside repro/exit_codes.py: {found}"
+
+
+BY_NAME_CALLS = ("importlib.import_module", "import_module", "__import__", "importlib.util.find_spec", "find_spec")
+# modules that import by a name no project module has: vLLM's attention backends named in BACKENDS' table
+THIRD_PARTY_BY_NAME = {"repro.vllm_integration.plugin"}
+# a string equal to a module's name that names no import: the CPU model's backend identity
+LABELS = {("repro.fa3_model.predict", "repro.fa3_model")}
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    return {
+        id(body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and (body := node.body)
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+    }
+
+
+def test_no_project_module_is_named_as_a_string_outside_the_registry():
+    """`python -m repro.x`, importlib.import_module("repro.x"), find_spec: only repro/entrypoints.py names a project
+    module as a string (the cycle test counts its names); nowhere else does a module import one by name."""
+    mods, found = _modules(), []
+    for name, path in mods.items():
+        if name == REGISTRY:
+            continue
+        tree = ast.parse(path.read_text())
+        docs = _docstrings(tree)
+        for node in ast.walk(tree):
+            where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                if (m := _named(node.value, mods)) and (name, m) not in LABELS:
+                    found.append(f"{where}: {node.value!r}")
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) in BY_NAME_CALLS and node.args:
+                arg = node.args[0]
+                constant = isinstance(arg, ast.Constant) and not str(arg.value).startswith("repro")
+                if not constant and name not in THIRD_PARTY_BY_NAME:
+                    found.append(f"{where}: {ast.unparse(node)}")
+    assert not found, "project modules named as strings outside repro/entrypoints.py:\n" + "\n".join(found)
+
+
+def test_the_cycle_test_sees_the_modules_named_through_the_registry():
+    graph = import_graph()
+    assert "repro.attention.worker" in graph["repro.run.runner"]  # started as `python -m`, or its main forked
+    assert "repro.vllm_integration.gate.worker" in graph["repro.vllm_integration.gate.process"]
+    assert "repro.vllm_integration.gate.fork" in graph["repro.vllm_integration.gate.forkserver"]
+    assert {"repro.attention.worker", "repro.backends.preload"} <= graph["repro.run.executor"]  # its preload
+    names = registry_names()
+    assert names["GATE_PRELOAD"] == {"repro.run.channel", "repro.vllm_integration.plugin", GATE_WORKER}
+    assert all(names.values()), [k for k, v in names.items() if not v]  # every name names a module
+
+
+GATE_WORKER = "repro.vllm_integration.gate.worker"

@@ -137,6 +137,23 @@ def test_a_client_refused_after_its_mps_neighbour_faulted(fixtures):
     assert r.phases["import_s"] > 0 and r.gpu_uuid and r.verdict not in TRUSTED_IN_BATCH
 
 
+def test_refusal_and_rerun_are_typed_flags_not_the_words_of_a_reason(fixtures):
+    """A refused process is known by its flag (its reason says 'rerun alone' too: the words once counted it as an MPS
+    rerun); a reason that merely reads like a refusal, or a stall, decides nothing."""
+    from dataclasses import replace
+
+    from repro.case.spec import REFUSED, RERUN_ALONE, STALLED, CaseResult
+    from repro.judge.classify import REFUSED as REFUSED_TEXT
+    from repro.judge.classify import refused
+
+    r = classify(SPEC, _out(fixtures, "mps-neighbour-busy-memcheck.out.log"), 1, False, None, 6.0)
+    assert r.flags == [REFUSED] and refused(r) and RERUN_ALONE not in r.flags
+    assert not refused(replace(r, flags=[]))  # the same words without the flag: not a refusal
+    worded = CaseResult("x", ERROR, f"{REFUSED_TEXT}: another client faulted it; rerun alone")
+    assert not refused(worded) and STALLED not in worded.flags
+    assert CaseResult.__dataclass_fields__["flags"].default_factory() == []  # a fresh record has none
+
+
 def test_out_of_gpu_memory_is_read_where_the_process_died_only():
     """torch's exception at the end of the output, or memcheck's failed cudaMalloc with torch's answer to the NULL
     memcheck:own's allocator returned; an earlier failure torch recovered from (its caching allocator retries) is

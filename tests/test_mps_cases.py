@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from repro.case.spec import CaseResult, CaseSpec, SmConfig
+from repro.case.spec import RERUN_ALONE, CaseResult, CaseSpec, SmConfig
 from repro.errors import Unavailable
 from repro.judge.verdicts import CLEAN, CRASH, ERROR, SKIP
 from repro.run.mps_cases import PER_CASE, SHARED, run_mps_cases
@@ -135,6 +135,8 @@ def test_a_batch_with_a_fault_reruns_its_faulted_cases_alone():
     assert "rerun alone: crash in a batch of 4 MPS clients" in out[2].reason
     assert "rerun alone" in out[3].reason and "rerun alone" not in out[5].reason
     assert daemons.started == 4  # the shared one, then one for each of the three reruns
+    # the flag the reports count reruns by (repro.report.benchmark), never the reason's words
+    assert {k for k, r in out.items() if RERUN_ALONE in r.flags} == {2, 3, 4}
 
 
 def test_an_error_under_the_shared_daemon_reruns_alone():

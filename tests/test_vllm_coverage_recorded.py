@@ -29,6 +29,7 @@ from repro.vllm_integration.gate import report as gate_report
 from repro.vllm_integration.gate.case import GateCase, parse_modes
 from repro.vllm_integration.gate.run import run_gate
 from repro.vllm_integration.releases.builds import VllmBuild
+from tests.recorded_gate import upgrade_records
 from tests.records import RESULTS
 
 RECORD = RESULTS / "h200-vllm-coverage"
@@ -62,7 +63,7 @@ def replay(monkeypatch, tmp_path: Path, edit=None):
     def recorded_process(case, cmd, env, log_dir, sanitizer, executor=None, target=None):
         r = ROWS[case.case_id]["result"]
         assert GateCase.from_dict(r["spec"]) == case, case.case_id  # the plan rebuilt the recorded case
-        out = (LOGS / f"{case.case_id}.out.log").read_text(errors="replace")
+        out = upgrade_records((LOGS / f"{case.case_id}.out.log").read_text(errors="replace"))  # records from before
         if edit is not None:
             out = edit(case.case_id, out)
         log_dir = Path(log_dir)

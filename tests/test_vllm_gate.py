@@ -437,6 +437,44 @@ def test_the_gate_outcome_reads_failure_kinds_not_their_words(monkeypatch):
     assert run.blind(need_control=False)[0].startswith("something else entirely")
 
 
+def test_the_outcome_of_an_affected_build_and_of_one_that_gave_no_answer():
+    """AFFECTED when a build under test showed the bug, CANNOT VOUCH when it gave no answer (an error), whatever the
+    controls; a build under test's own failure is never the harness's blindness."""
+    from repro.vllm_integration.gate.run import GateRun
+
+    case = GateCase(VllmBuild("0.26.0", None, UNDER_TEST, "0.26.0"), GateMode.parse("plain"))
+    crashed = GateRun(cases=[(case, CaseResult(case.case_id, CRASH, "fault", expected="clean"))])
+    assert crashed.outcome() == crashed.outcome(need_control=False) == "AFFECTED"
+    assert crashed.blind(need_control=False) == []  # its failure is the build's answer, not the harness's
+    errored = GateRun(cases=[(case, CaseResult(case.case_id, ERROR, "no answer", expected="clean"))])
+    assert errored.outcome() == errored.outcome(need_control=False) == "CANNOT VOUCH"
+    assert errored.judge(need_control=False).outcome == "CANNOT VOUCH" and errored.judged() is errored.judgment
+
+
+def test_compare_paths_reports_the_outcome_its_exit_code_reads(tmp_path):
+    """--compare-paths --no-control: each path's run is judged once for the question asked, and paths.json, each
+    path's results.json and verdicts.md and the exit code all read that one answer (paths.json once said HARNESS
+    BLIND where the command exited 0)."""
+    from repro.exit_codes import compare_paths as exit_of
+    from repro.vllm_integration.gate.paths import write_comparison
+    from repro.vllm_integration.gate.run import GateRun
+
+    build = VllmBuild("0.26.0", None, UNDER_TEST, "0.26.0")
+    case = GateCase(build, GateMode.parse("plain"))
+    runs = {p: GateRun(cases=[(case, CaseResult(case.case_id, CLEAN, "", expected="clean"))]) for p in ("old", "new")}
+    for need, want in ((False, "PASS"), (True, "HARNESS BLIND")):
+        out = tmp_path / str(need)
+        out.mkdir()
+        differ = write_comparison(runs, out, need_control=need)
+        paths = json.loads((out / "paths.json").read_text())["paths"]
+        assert {p["outcome"] for p in paths.values()} == {want}
+        for folder in (d for d in out.iterdir() if d.is_dir()):
+            assert json.loads((folder / "results.json").read_text())["outcome"] == want
+            assert f"**Gate: {want}**" in (folder / "verdicts.md").read_text()
+        assert not differ and (exit_of(differ, runs["new"].judged().outcome) == 0) == (want == "PASS")
+        assert all(r.judged().need_control is need for r in runs.values())
+
+
 @needs_entry_point
 def test_the_report_of_a_build_that_gave_no_answer_and_of_no_control(tmp_path):
     """A build whose every case errored is 'cannot tell', never 'affected no'; with --no-control the cases are not
@@ -480,3 +518,16 @@ def test_the_pytest_tier_runs_each_build_and_mode_through_the_gates_own_run(tmp_
     with pytest.raises(pytest.skip.Exception, match="not applicable here: method mtp: .*EAGLE only"):
         tier.test_stale_metadata_vllm_gate((builds[0], plain, builds, "mtp"), lambda k, v: na.__setitem__(k, v))
     assert "EAGLE only" in na["not_applicable"] and na["method"] == "mtp" and na["verdict"] == "skip"
+
+
+def test_a_stall_is_known_by_its_flag_when_the_deadline_cut_a_case():
+    """past_deadline keeps a hang its Stall watch stopped (the flag runner.stalled sets) and turns the deadline's kill
+    into a skip; a reason that merely starts like a stall's decides nothing."""
+    from repro.case.spec import STALLED
+    from repro.run.process import STALLED as STALL_TEXT
+    from repro.vllm_integration.gate.process import past_deadline
+
+    case = GateCase(VllmBuild("0.26.0", None, UNDER_TEST, "0.26.0"), GateMode.parse("plain"))
+    hang = CaseResult(case.case_id, "hang", f"{STALL_TEXT} for 30 s after 'x' (killed as hung)", wall_s=40.0)
+    assert past_deadline(case, replace(hang, flags=[STALLED])).verdict == "hang"
+    assert past_deadline(case, hang).verdict == "skip"

@@ -11,7 +11,12 @@ fail, and runs them (`python tests/mutation_check.py vouch`). A row of NEEDS is 
 deleting it fails its counter's test and its feature's case of test_the_features_annotate_needs_come_from_the_table
 (the sm_margin rows share the feature fa3, so deleting one fails its counter's test only). The reference early return
 of vouch is redundant for a reference made by reference_for (nothing injected, so a crash stays evidence anyway):
-its test builds a reference that carries an injection to see it."""
+its test builds a reference that carries an injection to see it.
+
+The reference checks (reference_problems, validate_reference, apply_reference's SM count and near ties,
+compare_tokens, compare_acceptance, annotate's MPS SM count) and the live-record rules are the tests at the end of
+this file; `python tests/mutation_check.py reference` deletes each of those 19 rules in turn and names the test that
+must fail (with tests/test_acceptance.py)."""
 
 from __future__ import annotations
 
@@ -311,3 +316,181 @@ def test_a_gpu_that_computes_matrix_products_wrong_makes_any_case_an_error(verdi
     good = {**bad, "sms": 132, "gemm_check": {**bad["gemm_check"], "ok": True, "max_error": 0.008}}
     lines[2] = "REPRO_DEVICE " + json.dumps(good)
     assert gate_judge.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, "\n".join(lines), None).verdict == CLEAN
+
+
+# The reference checks and the comparison each rule of reference_problems / apply_reference / annotate rests on; each
+# test below is named in tests/mutation_check.py beside the mutation that deletes its rule.
+GOOD_REF_OUT = {"tokens": [[1, 2, 3, 4]], "margins": [[5.0, 5.0, 5.0, 5.0]], "nonfinite": []}
+GOOD_REF_ENGINE = {"cudagraph_mode": "NONE", "speculative_method": "eagle", "num_speculative_tokens": 3}
+GOOD_REF_ACCEPTANCE = {"spec_decode_num_accepted_tokens": 90, "spec_decode_num_draft_tokens": 100}
+
+
+def _ref(engine: dict | None = None, acceptance: dict | None = None) -> tuple[GateCase, CaseResult]:
+    ref = reference_for(case("plain"))
+    ident = {"engine": {**GOOD_REF_ENGINE, **(engine or {})}, "counters": {}, "acceptance": acceptance}
+    return ref, CaseResult(ref.case_id, CLEAN, "ran", backend_identity=ident)
+
+
+def test_a_reference_that_reports_a_sound_configuration_is_trusted():
+    ref, res = _ref(acceptance=GOOD_REF_ACCEPTANCE)
+    assert gate_judge.reference_problems(ref, res, GOOD_REF_OUT) == []
+    assert gate_judge.validate_reference(ref, res, GOOD_REF_OUT).verdict == CLEAN
+
+
+def test_a_reference_that_ran_with_cuda_graphs_is_not_trusted():
+    ref, res = _ref({"cudagraph_mode": "FULL_AND_PIECEWISE"}, GOOD_REF_ACCEPTANCE)
+    assert gate_judge.reference_problems(ref, res, GOOD_REF_OUT) == [
+        "the reference ran with CUDA graphs (cudagraph mode FULL_AND_PIECEWISE)"
+    ]
+    assert gate_judge.validate_reference(ref, res, GOOD_REF_OUT).verdict == ERROR
+
+
+def test_a_speculative_reference_whose_draft_is_rarely_accepted_is_not_trusted():
+    ref, res = _ref(acceptance={"spec_decode_num_accepted_tokens": 0, "spec_decode_num_draft_tokens": 100})
+    (why,) = gate_judge.reference_problems(ref, res, GOOD_REF_OUT)
+    assert why.startswith("the reference's draft (no CUDA graphs): 0 of 100 draft tokens accepted (0%), below 50%")
+
+
+def test_a_live_reference_record_without_its_configuration_is_an_error_not_trusted():
+    """Drop 'nonfinite' from today's worker: a reference with CUDA graphs at 0% acceptance must not slip through as a
+    record from before the validation; only the replays' upgrader may mark a record as that old."""
+    ref, res = _ref(
+        {"cudagraph_mode": "FULL"}, {"spec_decode_num_accepted_tokens": 0, "spec_decode_num_draft_tokens": 9}
+    )
+    live = {k: v for k, v in GOOD_REF_OUT.items() if k != "nonfinite"}
+    got = gate_judge.validate_reference(ref, res, live)
+    assert got.verdict == ERROR and "lacks 'nonfinite'" in got.reason
+    old = {**live, coverage.RECORDED_BEFORE: [coverage.CONFIGURATION]}  # what the upgrader writes
+    assert gate_judge.reference_problems(ref, res, old) == []  # its tokens are all an old record can show
+    assert gate_judge.validate_reference(ref, res, old).verdict == CLEAN
+
+
+def test_the_replays_upgrader_marks_only_result_records_without_their_configuration():
+    from repro.run.tags import ENGINE_TAG, RESULT_TAG
+    from tests.recorded_gate import upgrade_records
+
+    def rec(tag, data):
+        return json.dumps({"schema": 1, "tag": tag, "pid": 1, "data": data})
+
+    text = "\n".join(
+        [
+            rec(RESULT_TAG, {"tokens": [[1]]}),
+            rec(RESULT_TAG, {"tokens": [[1]], "nonfinite": []}),
+            rec(ENGINE_TAG, {"compilation_mode": None}),
+            rec(ENGINE_TAG, {"cudagraph_mode": "FULL"}),
+        ]
+    )
+    got = [json.loads(line)["data"] for line in upgrade_records(text).splitlines()]
+    assert got[0][coverage.RECORDED_BEFORE] == [coverage.CONFIGURATION]
+    assert coverage.RECORDED_BEFORE not in got[1] and coverage.RECORDED_BEFORE not in got[2]
+    assert got[3][coverage.RECORDED_BEFORE] == [coverage.COMPILATION]
+    # a log's `TAG {json}` lines from before the channel, the same way; other lines as they were
+    old = upgrade_records('loading\nREPRO_RESULT {"tokens": [[1]]}\n').splitlines()
+    assert old[0] == "loading" and json.loads(old[1].split(" ", 1)[1])[coverage.RECORDED_BEFORE] == ["configuration"]
+
+
+def test_a_live_engine_record_without_its_compilation_mode_cannot_vouch_for_compile_none():
+    c = replace(case(), compile="none")
+    live = identity(engine={"compilation_mode": None})  # the key dropped
+    assert only(c, live) == "--compile none: the engine record reports no compilation mode (a live record lacks it)"
+    old = identity(engine={"compilation_mode": None, coverage.RECORDED_BEFORE: [coverage.COMPILATION]})
+    assert coverage.not_fired(c, old) == []  # a record the upgrader marked as from before the key existed
+
+
+def _case_out(sms: int | None) -> dict:
+    return {"tokens": [[1, 2, 3, 4]], "device": {"sms": sms}}
+
+
+def test_a_reference_on_another_sm_count_cannot_judge_a_case():
+    c = case("plain")
+    ref, ref_res = _ref(acceptance=GOOD_REF_ACCEPTANCE)
+    res = CaseResult(c.case_id, CLEAN, "ran", backend_identity=identity())
+    got = gate_judge.apply_reference(res, _case_out(132), ref_res, {**GOOD_REF_OUT, "device": {"sms": 66}})
+    assert got.verdict == ERROR and got.reason == (
+        "the reference ran on 66 SMs, this case on 132: not the same SM configuration"
+    )
+    same = gate_judge.apply_reference(res, _case_out(132), ref_res, {**GOOD_REF_OUT, "device": {"sms": 132}})
+    assert same.verdict != ERROR
+
+
+def test_an_mps_case_that_got_other_sms_than_it_asked_is_an_error():
+    c = case("mps:16")
+    lines = [
+        'REPRO_PLUGIN {"installed": "probe"}',
+        'REPRO_PLUGIN {"installed": "weights"}',
+        'REPRO_DEVICE {"gpu": "NVIDIA H200", "sms": 132}',
+        'REPRO_RESULT {"tokens": [[1]], "summary": "1 request"}',
+    ]
+    got = gate_judge.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, "\n".join(lines), None)
+    assert got.verdict == ERROR and got.reason == "MPS gave this process 132 SMs, the case asked for 16"
+    assert got.history[-1]["step"] == "MPS SM count"
+    lines[2] = 'REPRO_DEVICE {"gpu": "NVIDIA H200", "sms": 16}'
+    assert gate_judge.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, "\n".join(lines), None).verdict == CLEAN
+
+
+def test_near_ties_between_case_and_reference_are_counted_and_stop_the_request():
+    tie = gate_judge.TIE_MARGIN / 2
+    chk = gate_judge.compare_tokens([[1, 9, 3], [4, 5, 6]], [[1, 2, 3], [4, 5, 6]], [[5.0, tie, 5.0], [5.0] * 3])
+    assert (chk.ties, chk.compared, chk.total, chk.wrong) == (1, 4, 6, [])
+    assert "1 request(s) stopped at a near tie" in chk.describe()
+    decided = gate_judge.compare_tokens([[1, 9, 3]], [[1, 2, 3]], [[5.0, gate_judge.TIE_MARGIN, 5.0]])
+    assert (decided.ties, len(decided.wrong)) == (0, 1)  # a margin at TIE_MARGIN is decided: wrong output
+    # too many ties: the comparison covers too little to vouch
+    ref, ref_res = _ref(acceptance=GOOD_REF_ACCEPTANCE)
+    c = case("plain")
+    res = CaseResult(c.case_id, CLEAN, "ran", backend_identity=identity())
+    out = {"tokens": [[1, 9, 9, 9]], "device": {"sms": 132}}
+    ref_out = {"tokens": [[1, 2, 3, 4]], "margins": [[5.0, tie, 5.0, 5.0]], "device": {"sms": 132}}
+    got = gate_judge.apply_reference(res, out, ref_res, ref_out)
+    assert got.verdict == ERROR and "covered 1 of 4 tokens: too many near ties" in got.reason
+
+
+def test_a_reference_without_an_engine_record_is_not_trusted():
+    ref, res = _ref()
+    res = replace(res, backend_identity={"counters": {}})
+    assert gate_judge.reference_problems(ref, res, GOOD_REF_OUT) == [
+        "the reference reported no engine configuration (no REPRO_ENGINE record)"
+    ]
+
+
+def test_each_judging_step_makes_a_new_record_and_leaves_the_earlier_as_it_was():
+    """docs/architecture.md: classify builds the first record; annotation, reference validation and comparison and
+    coverage each make a new one through CaseResult.revised, its history saying why."""
+    ref, ref_res = _ref({"cudagraph_mode": "FULL"}, GOOD_REF_ACCEPTANCE)
+    before = copy.deepcopy(ref_res)
+    got = gate_judge.validate_reference(ref, ref_res, GOOD_REF_OUT)
+    assert got is not ref_res and ref_res == before and got.history[-1]["step"] == "reference validation"
+    c = case("plain")
+    res = CaseResult(c.case_id, CLEAN, "ran", backend_identity=identity())
+    before = copy.deepcopy(res)
+    out = {"tokens": [[1, 9, 3, 4]], "device": {"sms": 132}}
+    got = gate_judge.apply_reference(
+        res, out, _ref(acceptance=GOOD_REF_ACCEPTANCE)[1], {**GOOD_REF_OUT, "device": {"sms": 132}}
+    )
+    assert got.verdict == WRONG and res == before and got.history[-1]["step"] == "reference comparison"
+
+
+@pytest.mark.parametrize(
+    "out,why",
+    [
+        ({"tokens": []}, "the reference run decoded no tokens"),
+        ({**GOOD_REF_OUT, "nonfinite": ["request 0 token 2"]}, "non-finite log-probabilities (NaN or inf logits) at 1"),
+        ({**GOOD_REF_OUT, "margins": [[5.0, None, 5.0, 5.0]]}, "no finite top-2 margin at 1 position(s)"),
+        ({**GOOD_REF_OUT, "tokens": [[7, 3, 3, 3]]}, "request 0 decodes 7 then repeats 3 (a degenerate reference)"),
+    ],
+    ids=["no-tokens", "nonfinite", "no-margin", "degenerate"],
+)
+def test_a_reference_whose_tokens_cannot_be_ground_truth_is_not_trusted(out, why):
+    ref, res = _ref(acceptance=GOOD_REF_ACCEPTANCE)
+    problems = gate_judge.reference_problems(ref, res, out)
+    assert len(problems) == 1 and problems[0].startswith(why), problems
+    assert gate_judge.validate_reference(ref, res, out).verdict == ERROR
+
+
+def test_a_case_without_a_clean_reference_cannot_be_compared():
+    c = case("plain")
+    res = CaseResult(c.case_id, CLEAN, "ran", backend_identity=identity())
+    ref, ref_res = _ref(acceptance=GOOD_REF_ACCEPTANCE)
+    broken = replace(ref_res, verdict=ERROR, reason="reference not trusted: x")
+    got = gate_judge.apply_reference(res, _case_out(132), broken, {**GOOD_REF_OUT, "device": {"sms": 132}})
+    assert got.verdict == ERROR and got.reason.startswith("no reference to compare with")

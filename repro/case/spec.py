@@ -129,6 +129,13 @@ class CaseSpec:
         return cls(**d)
 
 
+# What happened to a case process beyond its verdict, as typed flags later steps decide by (CaseResult.flags), never by
+# words of its reason: its Stall watch stopped it as hung; the GPU (an MPS server recovering) refused its process, so
+# it never ran; it ran again alone under an MPS daemon of its own after a shared run it could not trust.
+STALLED, REFUSED, RERUN_ALONE = "stalled", "refused", "rerun-alone"
+FLAGS = (STALLED, REFUSED, RERUN_ALONE)
+
+
 @dataclass
 class CaseResult:
     case_id: str
@@ -155,6 +162,7 @@ class CaseResult:
     spec: dict | None = None
     log_tail: str = ""
     history: list[dict] = field(default_factory=list)  # the later steps that made this record from earlier ones
+    flags: list[str] = field(default_factory=list)  # of FLAGS: what happened to its process, decided on by later steps
 
     def revised(self, step: str, why: str, **changes) -> CaseResult:
         """A new record from a later step (the vLLM gate's reference comparison, attribution rerun, coverage check),

@@ -318,10 +318,11 @@ def cmd_gate(a: argparse.Namespace) -> int:
         keep_forkserver=keep,
         methods=a.methods,
     )
-    written = gate_report.write(run, out, collect(), need_control=not a.no_control)
-    print(gate_report.markdown(run, need_control=not a.no_control).split("\n| case |")[0])
+    judgment = run.judge(need_control=not a.no_control)  # the one decision: the reports and the exit code read it
+    written = gate_report.write(run, out, collect())
+    print(gate_report.markdown(run).split("\n| case |")[0])
     print(f"written: {', '.join(str(p) for p in written)}")
-    return exit_codes.gate(run.outcome(need_control=not a.no_control))
+    return exit_codes.gate(judgment.outcome)
 
 
 def cmd_bisect(a: argparse.Namespace) -> int:
@@ -397,4 +398,4 @@ def _compare_paths(a: argparse.Namespace, paths, builds, modes, backends, out: P
         builds, modes, logs, cache_root, a.jobs, a.timeout, progress, backends, paths, a.self_control, a.compile
     )
     differ = write_comparison(runs, out, need_control=not a.no_control)
-    return exit_codes.compare_paths(differ, list(runs.values())[-1].outcome(need_control=not a.no_control))
+    return exit_codes.compare_paths(differ, list(runs.values())[-1].judged().outcome)  # judged in write_comparison

@@ -9,6 +9,7 @@ import json
 import re
 
 from repro.attention.staleness import add_counts
+from repro.case.spec import REFUSED as REFUSED_FLAG
 from repro.case.spec import CaseResult
 from repro.judge.verdicts import CLEAN, CRASH, ERROR, EVIDENCE, HANG, LAUNCH_FAIL, OOB, SKIP, STALE_AUDIT, WRONG
 from repro.run.channel import Channel
@@ -71,7 +72,7 @@ REFUSED = "the GPU refused this process (busy or unavailable)"
 
 def refused(res: CaseResult) -> bool:
     """Did the case never run because the GPU (an MPS server still recovering) refused its process?"""
-    return res.verdict == ERROR and res.reason.startswith(REFUSED)
+    return res.verdict == ERROR and REFUSED_FLAG in res.flags
 
 
 def classify(
@@ -134,6 +135,7 @@ def classify(
     if timed_out:
         return done(HANG, f"no exit within {spec.timeout_s:g} s (last launch: {last})", f"{spec.timeout_s:g} s", last)
     if not results and "busy or unavailable" in output:
+        res.flags.append(REFUSED_FLAG)
         return done(ERROR, f"{REFUSED}: another client faulted it; rerun alone", "", last)
     if not results:
         lines = output.splitlines()

@@ -224,6 +224,18 @@ class GateOutcome(StrValue):
     CANNOT_VOUCH = "CANNOT VOUCH"
 
 
+@dataclass(frozen=True)
+class GateJudgment:
+    """A gate run's answer, decided once (GateRun.judge) for the question it was asked (need_control: False for
+    `--no-control`, where the builds answer for themselves) and stored on the run: every report, paths.json and the
+    exit code read this one record, never a decision of their own."""
+
+    need_control: bool
+    outcome: GateOutcome
+    blind: tuple[str, ...]
+    decision: GateDecision
+
+
 @dataclass
 class GateDecision:
     failures: list[Failure] = field(default_factory=list)

@@ -63,6 +63,10 @@ VERDICTS = tuple(Verdict)  # in the order above: the order of every report
 MEMORY_FAULTS = (OOB, CRASH)
 KERNEL_EVIDENCE = (OOB, CRASH, LAUNCH_FAIL, HANG, WRONG)
 FAULTS = (*KERNEL_EVIDENCE, STALE_AUDIT)  # "the bug is visible", by any evidence
+# the static source check's verdicts on a vLLM tree (repro.vllm_integration.releases.source_check), here below every
+# layer that reads them: exit_codes decides a code from them without importing the releases layer
+SOURCE_GOOD, SOURCE_BAD, SOURCE_UNTESTABLE = "good", "bad", "untestable"
+SOURCE_NO_KNOWN_BAD = "no-known-bad-pattern"  # sources with no known bad pattern that no GPU record vouches for
 EVIDENCE = {
     OOB: "memcheck finding",
     CRASH: "CUDA memory fault",

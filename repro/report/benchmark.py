@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from repro.case.matrix import MatrixRun, run_matrix
+from repro.case.spec import RERUN_ALONE
 from repro.errors import ConfigError
 from repro.report.results import load_json
 from repro.run import server
@@ -133,7 +134,7 @@ def paths_markdown(runs: dict[str, MatrixRun]) -> str:
     va = {s.case_id: r.verdict for s, r in runs["old"].results}
     vb = {s.case_id: r.verdict for s, r in runs["new"].results}
     diff = sorted(f"{k}: {va[k]} -> {vb.get(k)}" for k in va if va[k] != vb.get(k))
-    reruns = [s.case_id for s, r in runs["new"].results if "rerun alone" in r.reason]
+    reruns = [s.case_id for s, r in runs["new"].results if RERUN_ALONE in r.flags]
     lines = [
         "## Case execution paths, side by side on one matrix",
         "",
@@ -163,7 +164,7 @@ def paths_markdown(runs: dict[str, MatrixRun]) -> str:
     for name in (n for n in runs if n not in ("old", "new")):  # further paths: against the old one
         vc = {s.case_id: r.verdict for s, r in runs[name].results}
         more = sorted(f"{k}: {va[k]} -> {vc.get(k)}" for k in va if va[k] != vc.get(k))
-        again = [s.case_id for s, r in runs[name].results if "rerun alone" in r.reason]
+        again = [s.case_id for s, r in runs[name].results if RERUN_ALONE in r.flags]
         lines += ["", f"MPS cases rerun alone on the {name} path: {len(again)}"] + [f"- {c}" for c in again]
         lines += ["", f"Verdict diff, old -> {name}: {len(more)} case(s)" + (":" if more else " (the paths agree)")]
         lines += [f"- {d}" for d in more]

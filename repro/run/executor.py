@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import multiprocessing
 import os
@@ -33,11 +32,12 @@ from dataclasses import dataclass
 from multiprocessing import forkserver
 from pathlib import Path
 
+from repro import entrypoints
 from repro.run.channel import ENV as CHANNEL_ENV
 from repro.run.process import ProcessRun, exit_code, kill_group, run_child
 from repro.run.sanitizer import find_sanitizer, sanitizer_command
 
-PRELOAD = ("torch", "repro.attention.worker", "repro.backends.preload")
+PRELOAD = entrypoints.EXECUTOR_PRELOAD
 EXECUTORS = ("process", "forkserver", "server")  # what make_executor (repro.run.runner) can start cases with
 DEFAULT_EXECUTOR = "forkserver"  # or the repro server, when one runs this very code (repro.run.runner.default_executor)
 
@@ -183,7 +183,7 @@ class WarmPool:
         self.started += 1
         log, startup = self.dir / f"{k}.memcheck.log", self.dir / f"{k}.startup.log"
         cmd = sanitizer_command(self.exe, str(log), kernel_filter="flash")
-        cmd += [sys.executable, "-m", "repro.run.executor", "warm", ",".join(self.preload)]
+        cmd += entrypoints.command(entrypoints.EXECUTOR, "warm", ",".join(self.preload))
         with open(startup, "w") as f:
             proc = subprocess.Popen(
                 cmd,
@@ -244,7 +244,7 @@ def _warm_main(preload: list[str]) -> None:
     """A warm process: import, wait for one case on stdin, run it with the case's environment plus what
     compute-sanitizer added to this process's (its injection), in this process (under the sanitizer)."""
     for module in preload:
-        importlib.import_module(module)
+        entrypoints.load(module)
     print(READY_LINE, flush=True)
     line = sys.stdin.readline()
     if not line.strip():

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from repro.case.spec import CaseResult, CaseSpec
+from repro.case.spec import RERUN_ALONE, CaseResult, CaseSpec
 from repro.errors import Unavailable
 from repro.judge.classify import refused
 from repro.judge.verdicts import CLEAN, ERROR, OOB, SKIP
@@ -129,6 +129,7 @@ def run_mps_cases(
         before_rerun(s, attempt)
         r = _alone(s, run_one, daemon_factory)
         r.reason = f"{r.reason} (rerun alone: {why})".strip()
+        r.flags.append(RERUN_ALONE)
         yield s, r
 
 

@@ -4,7 +4,6 @@ process, its exit code, killing its session, and the record of how it ran (Proce
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import signal
 import sys
@@ -12,6 +11,8 @@ import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from repro import entrypoints
 
 EXIT_SUFFIX = ".exit"  # beside a forked case's output: the exit code the case process ended with
 LOST_STATUS = 255  # what multiprocessing reports when the forkserver's report of a child's exit was lost
@@ -91,10 +92,9 @@ def run_child(target: str, argv: list[str], env: dict[str, str], out_path: str, 
     os.close(fd)
     os.environ.clear()
     os.environ.update(env)  # before anything initializes CUDA: device pinning, MPS, allocator settings
-    module, _, func = target.partition(":")
     code = 1
     try:
-        code = getattr(importlib.import_module(module), func)(argv) or 0
+        code = entrypoints.load(target)(argv) or 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from repro import CHECKOUT
-from repro.case.spec import CaseResult, CaseSpec
+from repro import CHECKOUT, entrypoints
+from repro.case.spec import STALLED, CaseResult, CaseSpec
 from repro.errors import ConfigError, Unavailable
 from repro.judge.classify import classify
 from repro.judge.verdicts import EVIDENCE
@@ -71,9 +70,9 @@ def run_case(spec: CaseSpec, log_dir: str | Path, mps: MpsDaemon | None = None, 
         env = worker_env(spec, mps)
     except Unavailable as e:
         return CaseResult.skipped(spec, str(e))
-    cmd = [sys.executable, "-m", "repro.attention.worker", spec.to_json()]
+    cmd = entrypoints.command(entrypoints.ATTENTION_WORKER, spec.to_json())
     return run_process(
-        spec, cmd, env, log_dir, spec.sanitizer, executor, ("repro.attention.worker:main", [spec.to_json()])
+        spec, cmd, env, log_dir, spec.sanitizer, executor, (entrypoints.ATTENTION_WORKER_MAIN, [spec.to_json()])
     )[0]
 
 
@@ -149,6 +148,7 @@ def stalled(res: CaseResult, run: ProcessRun, stall: Stall | None) -> CaseResult
     if run.stalled and stall is not None:
         res.reason = f"{stall.why()}, {run.wall_s:.0f} s in; {res.reason}"
         res.evidence = f"{EVIDENCE[res.verdict]}: stalled {run.wall_s:.0f} s in (the stall rule, not the timeout)"
+        res.flags.append(STALLED)
     return res
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib
 import json
 import os
 import selectors
@@ -32,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from repro import CHECKOUT, PACKAGE
+from repro import CHECKOUT, PACKAGE, entrypoints
 from repro.errors import ConfigError
 from repro.run.executor import PRELOAD, MemcheckAhead
 from repro.run.process import ProcessRun, exit_code, kill_group, reaped, run_child
@@ -106,7 +105,7 @@ def code_fingerprint(preload: tuple[str, ...] = PRELOAD) -> str:
 def serve(path: Path, idle_s: float, preload: tuple[str, ...]) -> None:
     t0 = time.time()
     for module in preload:
-        importlib.import_module(module)
+        entrypoints.load(module)
     facts = {
         "pid": os.getpid(),
         "fingerprint": code_fingerprint(preload),
@@ -238,7 +237,7 @@ def start(path: Path, idle_s: float = DEFAULT_IDLE_S, preload: tuple[str, ...] =
     if path.parent.stat().st_uid != os.getuid():
         raise ConfigError(f"{path.parent} belongs to another user: choose a socket with {SOCKET_ENV}=/path/to.sock")
     log = path.with_suffix(".log")
-    cmd = [sys.executable, "-m", "repro.run.server", str(path), str(idle_s), ",".join(preload)]
+    cmd = entrypoints.command(entrypoints.SERVER, str(path), str(idle_s), ",".join(preload))
     env = dict(os.environ)
     root = str(CHECKOUT)  # importable from wherever the command runs
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

@@ -204,7 +204,7 @@ def compare_markdown(runs: dict) -> str:
     for name, run in runs.items():
         walls = run.build_wall_s
         cells = " | ".join(_fmt(walls.get(b)) for b in labels)
-        lines.append(f"| {name} | {run.outcome()} | {_fmt(run.wall_s)} | {cells} |")
+        lines.append(f"| {name} | {run.judged().outcome} | {_fmt(run.wall_s)} | {cells} |")
     lines.append("")
     for name, run in runs.items():
         goal = PER_BUILD_GOAL_WARM_S if "warm" in name else PER_BUILD_GOAL_COLD_S if "cold" in name else None
@@ -240,7 +240,7 @@ def path_verdicts(runs: dict) -> dict[str, dict[str, tuple[str, bool]]]:
 def compare_json(runs: dict) -> dict:
     return {
         name: {
-            "outcome": run.outcome(),
+            "outcome": run.judged().outcome,  # the answer its command decided (GateRun.judge), not a default
             "wall_s": run.wall_s,
             "build_wall_s": run.build_wall_s,
             "launches": run.launches,

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from repro import entrypoints
 from repro.case.spec import CaseResult
 from repro.report.environment import gpu_facts
 from repro.vllm_integration.gate.case import GateCase
@@ -52,16 +53,7 @@ _EDGE = 1 << 20  # bytes read from each end of a compiled extension
 # The gate's model, prompts and weights: a reference depends on their text. Each module's text is hashed under a
 # label, the file's name when the key began, not under its place: a module's folder is not what a reference depends on
 # (its text is: an edit, an import rewritten by a move included, makes the kept references cold).
-_GATE_SOURCES = {
-    "gate.py": "repro.vllm_integration.gate.worker",
-    "plugin.py": "repro.vllm_integration.plugin",
-    "backend_hooks.py": "repro.vllm_integration.plugin.backend_hooks",
-    "capture.py": "repro.vllm_integration.plugin.capture",
-    "counters.py": "repro.vllm_integration.plugin.counters",
-    "fa3_hooks.py": "repro.vllm_integration.plugin.fa3_hooks",
-    "metadata_views.py": "repro.vllm_integration.plugin.metadata_views",
-    "weights.py": "repro.vllm_integration.plugin.weights",
-}
+_GATE_SOURCES = entrypoints.GATE_SOURCES
 
 
 def default_root() -> Path:
@@ -106,7 +98,7 @@ def gate_code_fingerprint() -> str:
     """The gate's model configuration, prompts and weights code: a cached reference is for one version of them."""
     h = hashlib.sha256()
     for label, module in _GATE_SOURCES.items():
-        h.update(label.encode() + b"\0" + Path(importlib.util.find_spec(module).origin).read_bytes())
+        h.update(label.encode() + b"\0" + Path(entrypoints.source(module)).read_bytes())
     h.update(f"weights={os.environ.get(WEIGHTS_ENV, '')}".encode())  # chosen in the gate's environment
     return h.hexdigest()[:16]
 

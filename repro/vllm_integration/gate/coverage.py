@@ -50,6 +50,19 @@ class Need:
         return n > self.at_most if self.at_most is not None else n < self.at_least
 
 
+# A record's list of what it predates, written by no process: only the replays' upgrader of recorded runs
+# (tests/recorded_gate.py, upgrade_records) marks an old record so, and only what it marks is read leniently; a live
+# record missing a key is judged as missing it.
+RECORDED_BEFORE = "recorded_before"
+CONFIGURATION = "configuration"  # a reference RESULT record from before references reported their configuration
+COMPILATION = "compilation_mode"  # an ENGINE record from before the engine's compilation mode was reported
+
+
+def recorded_before(record: dict | None) -> tuple[str, ...]:
+    """What the replays' upgrader marked this record as predating (empty for every live record)."""
+    return tuple((record or {}).get(RECORDED_BEFORE) or ())
+
+
 def _injection_missed(c: dict) -> str:
     writes = c.get("inject_writes") or {}
     return (
@@ -208,8 +221,10 @@ def not_fired(case: GateCase, identity: dict | None) -> list[str]:
         out.append(f"cudagraph mode {mode}: no FULL CUDA graphs")
     elif not sum((c.get("captures_with_attention") or {}).values()):
         out.append(f"cudagraph mode {mode}, but no CUDA graph capture ran an attention forward (no FULL graph seen)")
-    compiled = e.get("compilation_mode")  # records from before it was reported lack it: not read as a mismatch
-    if case.compile != DEFAULT_COMPILE and compiled is not None and compiled != "NONE":
+    compiled = e.get("compilation_mode")
+    if case.compile != DEFAULT_COMPILE and "compilation_mode" not in e and COMPILATION not in recorded_before(e):
+        out.append(f"--compile {case.compile}: the engine record reports no compilation mode (a live record lacks it)")
+    elif case.compile != DEFAULT_COMPILE and compiled is not None and compiled != "NONE":
         out.append(
             f"--compile {case.compile} asked for no torch.compile, but the engine's compilation mode is {compiled}"
         )

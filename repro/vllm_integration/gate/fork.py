@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import importlib
 import json
 import os
 import selectors
@@ -40,6 +39,7 @@ import threading
 import time
 import traceback
 
+from repro import entrypoints
 from repro.errors import ProtocolError
 from repro.run.process import reaped
 
@@ -47,19 +47,8 @@ SCHEMA = 1
 RUN, KILL, STOP = "run", "kill", "stop"  # gate -> forkserver
 READY, REFUSED, STARTED, EXITED, NOT_STARTED = "ready", "refused", "started", "exit", "not-started"  # and back
 KINDS = frozenset({RUN, KILL, STOP, READY, REFUSED, STARTED, EXITED, NOT_STARTED})
-TARGET = "repro.vllm_integration.gate.worker"  # what a case process runs (python -m repro.vllm_integration.gate.worker)
-# what a case process imports before its engine starts: torch, vLLM's LLM and SamplingParams (gate.main), the
-# channel and the plugin vLLM loads through its entry point (not registered here: that is the case's, with its
-# environment), the gate module itself
-PRELOAD = (
-    "torch",
-    "vllm",
-    "vllm:LLM",
-    "vllm:SamplingParams",
-    "repro.run.channel",
-    "repro.vllm_integration.plugin",
-    TARGET,
-)
+TARGET = entrypoints.GATE_WORKER  # what a case process runs (its main)
+PRELOAD = entrypoints.GATE_PRELOAD  # what a case process imports before its engine starts
 CUDA_NOT_INITIALIZED = 3  # CUresult of a driver call before cuInit
 
 
@@ -132,7 +121,7 @@ def _vllm_problems() -> list[str]:
     plugins = sys.modules.get("vllm.plugins")
     if plugins is not None and vars(plugins).get("plugins_loaded"):
         out.append("vLLM loaded its general plugins while importing: the plugin would not see a case's environment")
-    counters = sys.modules.get("repro.vllm_integration.plugin.counters")
+    counters = sys.modules.get(entrypoints.PLUGIN_COUNTERS)
     if counters is not None and getattr(counters, "_installed", None):
         out.append(f"the plugin installed {sorted(counters._installed)} in the forkserver")
     return out
@@ -150,10 +139,7 @@ def prepare(preload: list[str], late: frozenset[str]) -> tuple[dict, list[str]]:
     add_site_dirs()  # before the preloads: the build's .pth files take effect in the cases it forks
     try:
         for item in preload:
-            module, _, attr = item.partition(":")
-            mod = importlib.import_module(module)
-            if attr:
-                getattr(mod, attr)
+            entrypoints.load(item)
     finally:
         watched.watching = False
         os.environ = real  # noqa: B003  the same data: a module that kept the watched one sees every change
@@ -377,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     if msg is None:
         return 0
     become_case(msg, facts)
-    return importlib.import_module(TARGET).main(msg["argv"])
+    return entrypoints.load(TARGET).main(msg["argv"])
 
 
 if __name__ == "__main__":

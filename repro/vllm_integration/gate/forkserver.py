@@ -10,11 +10,11 @@ import contextlib
 import itertools
 import os
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
+from repro import entrypoints
 from repro.errors import ConfigError, ForkServerDied, ForkUnavailable, ProtocolError
 from repro.run.channel import ENV as CHANNEL_ENV
 from repro.run.process import ProcessRun, Stall, kill_group
@@ -82,7 +82,7 @@ class ForkServer:
         self._next = 0
         self._wlock = threading.Lock()
         self.t0 = time.time()
-        cmd = [sys.executable, "-m", "repro.vllm_integration.gate.fork", "--preload", ",".join(preload)]
+        cmd = entrypoints.command(entrypoints.GATE_FORK, "--preload", ",".join(preload))
         cmd += ["--late", ",".join(sorted(LATE_VARS))]
         if keep_s:
             try:
@@ -281,6 +281,4 @@ class ForkServer:
 
 def _gate_file() -> str:
     """sys.argv[0] of `python -m repro.vllm_integration.gate.worker`: the module's file."""
-    import importlib.util  # noqa: PLC0415  only when a forked case starts
-
-    return str(importlib.util.find_spec("repro.vllm_integration.gate.worker").origin)
+    return entrypoints.source(entrypoints.GATE_WORKER)

@@ -20,7 +20,13 @@ from repro.run.channel import Channel
 from repro.run.smcontrol import mps_sm_mismatch
 from repro.run.tags import AUDIT_TAG, COUNTERS_TAG, DEVICE_TAG, ENGINE_TAG, PLUGIN_TAG, RESULT_TAG
 from repro.vllm_integration.gate.case import GateCase, expected
-from repro.vllm_integration.gate.coverage import applying, features_needed, not_fired
+from repro.vllm_integration.gate.coverage import (
+    CONFIGURATION,
+    applying,
+    features_needed,
+    not_fired,
+    recorded_before,
+)
 from repro.vllm_integration.plugin.audit import STALE_DESCRIPTOR, in_words
 
 TIE_MARGIN = 0.1  # nats: a reference token whose top-2 margin is below this is a tie, not a reference
@@ -208,10 +214,12 @@ def vouch(case: GateCase, res: CaseResult) -> CaseResult:
     return res.revised("coverage", "; ".join(missing), verdict=NOT_VOUCHED, reason=reason)
 
 
-def _reports_configuration(out: dict | None) -> bool:
-    """Does a reference's RESULT record come from a process that reported its configuration (records from before
-    the validation existed carry tokens and margins only)?"""
-    return "nonfinite" in (out or {})
+def _reports_configuration(out: dict | None) -> bool | None:
+    """Does a reference's RESULT record report its configuration (True), come from before that existed as the
+    replays' upgrader marked it (False), or lack it with no such mark (None: a live record missing its key)?"""
+    if "nonfinite" in (out or {}):
+        return True
+    return False if CONFIGURATION in recorded_before(out) else None
 
 
 DEGENERATE_MIN = 4  # tokens: a request of at least this many that repeats one token after the first is degenerate
@@ -246,7 +254,10 @@ def reference_problems(case: GateCase, res: CaseResult, out: dict | None) -> lis
             break
     identity = res.backend_identity or {}
     e, c = identity.get("engine"), identity.get("counters") or {}
-    if not _reports_configuration(out):  # a record from before the validation: its tokens are all it can show
+    reports = _reports_configuration(out)
+    if reports is None:  # a live record without the key: its worker did not check what a reference must show
+        return problems + ["the reference's RESULT record lacks 'nonfinite': its configuration is unchecked"]
+    if not reports:  # a recorded run from before the validation (the upgrader's mark): its tokens are all it shows
         return problems
     if not e:
         problems.append("the reference reported no engine configuration (no REPRO_ENGINE record)")

@@ -110,8 +110,9 @@ def parse_paths(text: str | None, compare: bool) -> tuple[str, ...]:
 
 
 def write_comparison(runs: dict[str, GateRun], out: Path, need_control: bool) -> bool:
-    """Each path's gate report in OUT/<path>/, the side-by-side table in OUT/paths.md and paths.json, the table's
-    head printed. Returns whether a case's answer differs between the paths."""
+    """Each path's run judged once for the question asked (need_control: False for --no-control), then its gate
+    report in OUT/<path>/, the side-by-side table in OUT/paths.md and paths.json (each reads that one answer), the
+    table's head printed. Returns whether a case's answer differs between the paths."""
     from repro.report import results as report  # the reports' modules: only when a comparison ran
     from repro.report.environment import collect  # as above
     from repro.report.redact import redact  # as above
@@ -120,7 +121,8 @@ def write_comparison(runs: dict[str, GateRun], out: Path, need_control: bool) ->
 
     env = collect()
     for name, run in runs.items():
-        gate_report.write(run, out / path_folder(name), env, need_control=need_control)
+        run.judge(need_control)
+        gate_report.write(run, out / path_folder(name), env)
     md = gate_bench.compare_markdown(runs)
     (out / "paths.md").write_text(redact("\n".join(report.header("vLLM gate: old and new path", env))) + "\n" + md)
     (out / "paths.json").write_text(json.dumps({"environment": env, "paths": gate_bench.compare_json(runs)}, indent=1))

@@ -5,7 +5,6 @@ attempts when it decoded without a fault (run_control). repro.vllm_integration.g
 from __future__ import annotations
 
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -13,11 +12,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from repro.case.spec import CaseResult
+from repro import entrypoints
+from repro.case.spec import STALLED, CaseResult
 from repro.errors import Unavailable
 from repro.judge.verdicts import CLEAN, CRASH, HANG, SKIP, STALE_AUDIT, WRONG
 from repro.run.channel import Channel
-from repro.run.process import STALLED
 from repro.run.runner import case_logs, device_sm_count, run_process
 from repro.run.smcontrol import MpsDaemon
 from repro.run.tags import COUNTERS_TAG, DEVICE_TAG, RESULT_TAG
@@ -68,7 +67,7 @@ def run_case(
         env["VLLM_CACHE_ROOT"] = str(root)
     # the models' folder is part of vLLM's compile-cache key: one folder per build on the new path
     model_dir = cache.build_dir(case.build) / "models" if cache is not None else log_dir / f"{case.case_id}.models"
-    cmd = [sys.executable, "-m", "repro.vllm_integration.gate.worker", "--out", str(model_dir)]
+    cmd = entrypoints.command(entrypoints.GATE_WORKER, "--out", str(model_dir))
     cmd += ["--attention-backend", case.backend]
     if case.method != DEFAULT_METHOD:  # the worker's default: the command of an EAGLE case stays as it was
         cmd += ["--method", case.method]
@@ -214,7 +213,7 @@ def past_deadline(case: GateCase, res: CaseResult) -> CaseResult:
     """A case whose timeout the run's deadline cut: a HANG there is the deadline's kill, not a hang (a stall the
     watch stopped stays one). What the auditor had caught before the kill stays evidence (stale views in an audit
     mode); else the case is a skip that says so."""
-    if res.verdict != HANG or STALLED in res.reason:
+    if res.verdict != HANG or STALLED in res.flags:
         return res
     why = f"stopped at the run's --deadline, {res.wall_s:.0f} s in (its own timeout: {case.timeout_s:g} s)"
     if case.mode.audit and res.stale_fields:

@@ -253,9 +253,11 @@ def releases_only(summaries: list[dict]) -> list[dict]:
     return [s for s in summaries if s["role"] != SELF_CONTROL and not s.get("not_applicable")]
 
 
-def markdown(run: GateRun, env: dict | None = None, need_control: bool = True) -> str:
+def markdown(run: GateRun, env: dict | None = None) -> str:
+    """verdicts.md: the run's stored answer (GateRun.judged), its builds, cases and what each checked."""
     lines = header("vLLM gate: is this vLLM build affected by the stale-metadata capture bug?", env)
-    verdict = run.outcome(need_control)
+    j = run.judged()
+    verdict = j.outcome
     lines += [
         f"**Gate: {verdict}** ({len(run.cases)} cases, {len(run.references)} references, {run.wall_s:.0f} s wall)",
         "",
@@ -281,12 +283,12 @@ def markdown(run: GateRun, env: dict | None = None, need_control: bool = True) -
             f"{'ok' if s['ok'] else 'FAIL'} |"
         )
     lines += [""] + release_range.markdown(releases_only(build_summary(run)))
-    for why in run.blind(need_control):
+    for why in j.blind:
         lines.append(f"\nHARNESS BLIND: {why}")
     for c, r in run.not_vouched():
         lines.append(f"\nCANNOT VOUCH: {c.case_id}: {r.reason[:300]}")
-    summary = run.decision(need_control).summary()
-    if not need_control:  # the builds answer for themselves: their cases are not controls
+    summary = j.decision.summary()
+    if not j.need_control:  # the builds answer for themselves: their cases are not controls
         summary[0] = f"gate: {len(run.cases)} case(s) ran; no positive control needed (--no-control)"
     lines += [""] + summary
     lines += fidelity_markdown(run)
@@ -350,7 +352,9 @@ def markdown(run: GateRun, env: dict | None = None, need_control: bool = True) -
     return redact("\n".join(lines)) + "\n"
 
 
-def to_json(run: GateRun, env: dict | None = None, need_control: bool = True) -> dict:
+def to_json(run: GateRun, env: dict | None = None) -> dict:
+    """results.json: the run's stored answer (GateRun.judged) and every record."""
+    j = run.judged()
     results = {
         c.case_id: r.to_dict()
         for pairs in (run.cases, run.references, run.attributions, run.attempts)
@@ -359,12 +363,13 @@ def to_json(run: GateRun, env: dict | None = None, need_control: bool = True) ->
     return {
         "kind": RESULTS_KIND,
         "environment": env or {},
-        "outcome": run.outcome(need_control),
-        "passed": run.outcome(need_control) == GateOutcome.PASS,
+        "outcome": j.outcome,
+        "need_control": j.need_control,
+        "passed": j.outcome == GateOutcome.PASS,
         "affected": [c.case_id for c, _ in run.affected()],
         "cannot_vouch": [c.case_id for c, _ in run.not_vouched()],
-        "blind": run.blind(need_control),
-        "decision": run.decision(need_control).summary(),
+        "blind": list(j.blind),
+        "decision": j.decision.summary(),
         "wall_s": run.wall_s,
         "launches": run.launches,
         "mps_reruns": run.mps_reruns,
@@ -375,10 +380,10 @@ def to_json(run: GateRun, env: dict | None = None, need_control: bool = True) ->
     }
 
 
-def write(run: GateRun, out_dir: str | Path, env: dict | None = None, need_control: bool = True) -> list[Path]:
+def write(run: GateRun, out_dir: str | Path, env: dict | None = None) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     md, js = out / "verdicts.md", out / "results.json"
-    md.write_text(markdown(run, env, need_control))
-    js.write_text(redact(json.dumps(to_json(run, env, need_control), indent=1, default=str)) + "\n")
+    md.write_text(markdown(run, env))
+    js.write_text(redact(json.dumps(to_json(run, env), indent=1, default=str)) + "\n")
     return [md, js]

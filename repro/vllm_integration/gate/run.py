@@ -71,6 +71,7 @@ class GateRun:
     build_wall_s: dict[str, float] = field(default_factory=dict)
     launches: dict[str, dict] = field(default_factory=dict)  # per build: how its case processes started (Launcher)
     mps_reruns: list[dict] = field(default_factory=list)  # MPS cases run again (repro.run.mps_cases): which, after what
+    judgment: policy.GateJudgment | None = None  # the answer, decided once (judge) and read by every report
 
     def controls(self) -> list[policy.Control]:
         """Every case as the policy sees it (control_of)."""
@@ -119,6 +120,18 @@ class GateRun:
         if affected or self.not_vouched():
             return policy.GateOutcome.CANNOT_VOUCH
         return policy.GateOutcome.BLIND if self.blind(need_control) else policy.GateOutcome.PASS
+
+    def judge(self, need_control: bool = True) -> policy.GateJudgment:
+        """Decide the run's answer once, for the question asked (need_control), and store it: reports read it."""
+        d = self.decision(need_control)
+        self.judgment = policy.GateJudgment(
+            need_control, self.outcome(need_control), tuple(self.blind(need_control)), d
+        )
+        return self.judgment
+
+    def judged(self) -> policy.GateJudgment:
+        """The stored answer (judge); a run no command judged answers the gate's own question (a control needed)."""
+        return self.judgment or self.judge()
 
 
 class _Ran(NamedTuple):

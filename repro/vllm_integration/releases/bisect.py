@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from repro import CHECKOUT, exit_codes
+from repro import CHECKOUT, entrypoints, exit_codes
 from repro.errors import AbiMismatch, ConfigError
 from repro.exit_codes import Exit
 from repro.vllm_integration.releases.source_check import GOOD, check_tree
@@ -242,7 +242,7 @@ def run_bisect(
     if started.returncode != 0:
         git("bisect", "reset", check_rc=False)
         raise ConfigError(f"git bisect start {bad} {good} failed: {started.stderr.strip().splitlines()[-1:]}")
-    cmd = [sys.executable, "-m", "repro.vllm_integration.releases.bisect", "step", "--repo", repo, "--check", check]
+    cmd = entrypoints.command(entrypoints.BISECT, "step", "--repo", repo, "--check", check)
     if overlay:
         cmd += ["--overlay", overlay]
     if gate_cmd:

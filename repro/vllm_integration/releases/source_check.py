@@ -17,9 +17,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-GOOD, BAD, UNTESTABLE = "good", "bad", "untestable"
+from repro.judge.verdicts import SOURCE_BAD, SOURCE_GOOD, SOURCE_NO_KNOWN_BAD, SOURCE_UNTESTABLE
+
+GOOD, BAD, UNTESTABLE = SOURCE_GOOD, SOURCE_BAD, SOURCE_UNTESTABLE  # the words: repro.judge.verdicts
 # the answer for sources with no known bad pattern that no GPU record of theirs vouches for (compat: vllm-check)
-NO_KNOWN_BAD = "no-known-bad-pattern"
+NO_KNOWN_BAD = SOURCE_NO_KNOWN_BAD
 V2_DIR = "vllm/v1/worker/gpu"
 SPEC_DIR = f"{V2_DIR}/spec_decode"
 BAD_PATTERN = "reuses saved attention states (attn_states / .warmup / .captured)"
