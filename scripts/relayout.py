@@ -75,6 +75,8 @@ LAYOUT: list[tuple[str, str, str | None, list[tuple[str, str]]]] = [
             same("repro/cli/run.py"),
             same("repro/cli/serve.py"),
             same("repro/cli/vllm.py"),
+            same("repro/cli/bisect.py"),
+            same("repro/cli/outputs.py"),
             same("repro/cli/reports.py"),
             move("repro/doctor.py", "repro/cli/doctor.py"),
         ],

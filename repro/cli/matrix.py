@@ -25,11 +25,8 @@ from repro.cli.common import (
     MAX_REPEAT,
     add_shape_args,
     check_file_and_folder,
-    check_out_dir,
-    check_out_file,
     command_started_at,
     gpu_present,
-    out_dir,
     parse_backends,
     parse_ints,
     parse_items,
@@ -37,6 +34,7 @@ from repro.cli.common import (
     repeats,
     shape_config,
 )
+from repro.cli.outputs import check_file, check_folder, json_of, open_folder, replacing
 from repro.errors import ConfigError
 from repro.fa3_model.scope import H200_SMS
 from repro.judge.expectations import unmodelled
@@ -218,9 +216,9 @@ def cmd_matrix(a: argparse.Namespace) -> int:
             print(s.case_id)
         return exit_codes.Exit.OK
     check_file_and_folder(a.json, a.out)
-    check_out_file(a.json)
-    check_out_dir(a.out)
-    out = out_dir(a.out, "matrix") if (a.out or not model) else None
+    check_file(a.json, own=json_of(lambda doc: isinstance(doc["cases"], list)))  # a results.json
+    check_folder(a.out, a.overwrite)
+    out = open_folder(a.out, "matrix", a.overwrite) if (a.out or not model) else None
     # Beside the run: the environment table's facts (a child that imports torch; run_matrix computes the controls'
     # expectations beside its cases): seconds, which the first case need not wait for.
     beside = ThreadPoolExecutor(max_workers=1)
@@ -272,7 +270,8 @@ def cmd_matrix(a: argparse.Namespace) -> int:
         report.write_json(run, out / "results.json", env)
         report.heatmap(run, out / "heatmap.png")
     if a.json:
-        report.write_json(run, a.json, env)
+        with replacing(a.json) as tmp:
+            report.write_json(run, tmp, env)
     print((banner + "\n\n" if model else "") + md)
     if out is not None:
         print(f"reports: {out}")

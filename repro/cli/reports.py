@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from repro import exit_codes
-from repro.cli.common import check_exists, check_out_file
+from repro.cli.common import check_exists
 from repro.cli.doctor import doctor
+from repro.cli.outputs import check_file, write_file
 from repro.errors import ConfigError
 from repro.report.benchmark import benchmark_markdown, paths_from_files
 from repro.report.redact import redact, redact_tree
@@ -57,7 +57,7 @@ def cmd_agree(a: argparse.Namespace) -> int:
 
     for p in a.results:
         check_exists(p)
-    check_out_file(a.out, "--out")
+    check_file(a.out, "--out", inputs=tuple(a.results))
     gate_runs = [p for p in a.results if is_vllm_gate_record(p)]
     for p in gate_runs:
         print(f"note: {p} is a real-vLLM gate record (no attention-layer cases): left out", file=sys.stderr)
@@ -72,7 +72,7 @@ def cmd_agree(a: argparse.Namespace) -> int:
     rows = compare(measured)
     md = markdown(rows, measured)
     if a.out:
-        Path(a.out).write_text(redact(md))
+        write_file(a.out, redact(md))
     print(md)
     return exit_codes.check(all(r.verdict_agrees for r in rows))
 
@@ -84,10 +84,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
         raise ConfigError("give two results.json (PLAIN MEMCHECK) or --paths OLD NEW, one of the two")
     for path in a.paths or given:
         check_exists(path)
-    check_out_file(a.out, "--out")
+    check_file(a.out, "--out", inputs=tuple(a.paths or given))
     md = paths_from_files(*a.paths) if a.paths else benchmark_markdown(a.plain, a.memcheck)
     if a.out:
-        Path(a.out).write_text(redact(md))
+        write_file(a.out, redact(md))
     print(md)
     return exit_codes.Exit.OK
 
@@ -97,11 +97,11 @@ def cmd_xdist(a: argparse.Namespace) -> int:
     if a.workers is not None and a.workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {a.workers}")
     check_exists(a.junit)
-    check_out_file(a.out, "--out")
+    check_file(a.out, "--out", inputs=(a.junit,))
     rep = check_junit(a.junit, a.workers)
     md = junit_markdown(rep, a.junit)
     if a.out:
-        Path(a.out).write_text(redact(md))
+        write_file(a.out, redact(md))
     print(md)
     return exit_codes.check(rep.ok)
 

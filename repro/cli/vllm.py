@@ -1,11 +1,10 @@
-"""`python -m repro gate | bisect | vllm-check`: real vLLM builds: the gate, bisecting, the source check."""
+"""`python -m repro gate | vllm-check`: real vLLM builds: the gate, the source check (bisect: repro.cli.bisect)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import zipfile
@@ -17,33 +16,17 @@ from repro.cli.common import (
     MAX_REPEAT,
     check_exists,
     check_out_dir,
-    check_out_file,
     gpu_present,
-    out_dir,
     repeats,
     seconds,
 )
+from repro.cli.outputs import OVERWRITE_HELP, check_file, check_folder, json_of, open_folder, write_file
 from repro.errors import ConfigError
 from repro.vllm_integration.gate.worker import COMPILES, DEFAULT_COMPILE
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
-from repro.vllm_integration.releases.bisect import add_check_option, run_bisect  # every parser build reads its option
-from repro.vllm_integration.releases.source_check import check_tree
 
 
 def add_parsers(sub) -> None:
-    bi = sub.add_parser("bisect", help="git bisect a vLLM checkout for the stale-metadata capture defect")
-    bi.add_argument("--vllm", required=True, help="path of the vLLM git checkout (required)")
-    bi.add_argument("--good", default="HEAD~1", help="a revision without the defect (default %(default)s)")
-    bi.add_argument("--bad", default="HEAD", help="a revision with the defect (default %(default)s)")
-    add_check_option(bi, "each commit's")
-    bi.add_argument(
-        "--overlay",
-        help="installed vllm package folder: reuse its compiled extensions (Python-only changes) (default: none)",
-    )
-    bi.add_argument(
-        "--status", action="store_true", help="only check the current commit (exit 0 good, 1 bad, 125 untestable)"
-    )
-    bi.add_argument("gate_cmd", nargs=argparse.REMAINDER, help="-- command for --check gate (default: none)")
     what = (
         "source verdict and auditor hooks of vLLM checkouts or wheels (no import); exit 0 good, 1 bad, 125 untestable"
     )
@@ -140,6 +123,7 @@ def add_parsers(sub) -> None:
     gt.add_argument(
         "--out", help="folder for verdicts.md, results.json, logs/ (default: a new folder under the temp folder)"
     )
+    gt.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     gt.add_argument("--logs", help="folder for each case's output and logs (default OUT/logs)")
     gt.add_argument(
         "--cache-dir",
@@ -189,7 +173,6 @@ def add_parsers(sub) -> None:
         "code: no import of torch and vLLM) until S s pass without one (default: REPRO_GATE_KEEP_FORKSERVER, else none)",
     )
     gt.add_argument("--dry-run", action="store_true", help="list case ids only")
-    sub.choices["bisect"].set_defaults(func=cmd_bisect)
     sub.choices["vllm-check"].set_defaults(func=cmd_vllm_check)
     sub.choices["gate"].set_defaults(func=cmd_gate)
 
@@ -235,7 +218,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
     from repro.vllm_integration.gate.paths import parse_paths  # the gate's modules load only for it
 
     paths = parse_paths(a.paths, a.compare_paths)
-    check_out_dir(a.out)  # every value judged before the builds are looked for (no build, no GPU: exit 4)
+    check_folder(a.out, a.overwrite)  # every value judged before the builds are looked for (no build, no GPU: exit 4)
     check_out_dir(a.logs, "--logs")
     check_out_dir(a.cache_dir, "--cache-dir")
     overlays = parse_overlays(a.overlay)  # judged here, made once the cases can run
@@ -277,7 +260,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
     if not gpu:  # only builds without compiled extensions get here: stand-ins (tests/fake_vllm.py)
         print("[gate] no CUDA GPU: these builds have no compiled extensions (stand-ins?); their answer says nothing "
               "about a real vLLM", file=sys.stderr)  # fmt: skip
-    out = out_dir(a.out, "gate")
+    out = open_folder(a.out, "gate", a.overwrite)
     if overlays:
         dest = out / "overlays" if a.out else Path(tempfile.mkdtemp(prefix="repro-overlays-"))
         builds += make_overlays(overlays, dest, builds, overlay_torch)
@@ -322,41 +305,6 @@ def cmd_gate(a: argparse.Namespace) -> int:
     return exit_codes.gate(run.outcome(need_control=not a.no_control))
 
 
-def cmd_bisect(a: argparse.Namespace) -> int:
-    check_exists(a.vllm)
-    if a.overlay is not None and not os.path.isdir(a.overlay):  # every step would exit 2, which git reads as "bad"
-        raise ConfigError(f"--overlay {a.overlay}: no such folder")
-    if not os.path.isdir(os.path.join(a.vllm, ".git")):
-        raise ConfigError(f"{a.vllm}: not a git checkout")
-    if a.check == "gate" and not a.gate_cmd:
-        raise ConfigError("--check gate needs a gate command after --")
-    for flag, rev in (("--good", a.good), ("--bad", a.bad)):
-        r = subprocess.run(
-            ["git", "-C", a.vllm, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
-            capture_output=True,
-            text=True,
-        )
-        if r.returncode != 0:
-            raise ConfigError(f"{flag} {rev}: git knows no such commit in {a.vllm} (git rev-parse --verify failed)")
-    if a.status:
-        v = check_tree(a.vllm)
-        print(f"{v.verdict}: {v.reason}" + (f" (layout {v.layout})" if v.layout else ""))
-        return exit_codes.source([v.verdict])
-    has_pkg = subprocess.run(["git", "-C", a.vllm, "cat-file", "-e", f"{a.bad}:vllm"], capture_output=True)
-    if has_pkg.returncode != 0:
-        raise ConfigError(f"{a.vllm}: not a vLLM checkout (no vllm/ package at --bad {a.bad})")
-    first, log = run_bisect(a.vllm, a.good, a.bad, a.check, [x for x in a.gate_cmd if x != "--"] or None, a.overlay)
-    print(log[-4000:])
-    only_untestable = "only 'skip'ped commits left" in log
-    if first:
-        print(f"first bad commit: {first}")
-    elif only_untestable:
-        print("bisect found no first bad commit: every commit left was untestable (git's log above)", file=sys.stderr)
-    else:
-        print("bisect found no first bad commit: git's log is printed above", file=sys.stderr)
-    return exit_codes.bisect(first, only_untestable)
-
-
 def cmd_vllm_check(a: argparse.Namespace) -> int:
     from repro.vllm_integration.releases.compat import check_source  # only for vllm-check
 
@@ -374,14 +322,14 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
         with zipfile.ZipFile(path) as z:
             if not any(n.startswith("vllm/") for n in z.namelist()):
                 raise ConfigError(f"{path}: not a vLLM wheel (no vllm/ package inside)")
-    check_out_file(a.json)
+    check_file(a.json, inputs=tuple(a.sources), own=json_of(lambda rows: all("verdict" in r for r in rows)))
     for path in a.sources:
         c = check_source(path)
         rows.append(c.to_dict())
         print(f"{c.source}: {c.verdict} ({c.layout or '-'}): {c.reason}")
         print(f"  auditor hooks: {'ok' if c.plugin_ok else 'MISSING'}: {'; '.join(c.plugin_notes)}")
     if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
+        write_file(a.json, json.dumps(rows, indent=1) + "\n")
     return exit_codes.source(r["verdict"] for r in rows)
 
 
