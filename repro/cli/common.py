@@ -41,6 +41,28 @@ def seconds(text: str) -> float:
     return value
 
 
+def positive(text: str) -> float:
+    """argparse type of a positive, finite number (nan and inf are none)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number, got {text!r}")
+    return value
+
+
+MAX_SPLITS = 256  # FA3 refuses more splits than this
+
+
+def splits(values: tuple[int, ...], flag: str) -> tuple[int, ...]:
+    """FA3 num_splits values: 0 (its heuristic) to MAX_SPLITS."""
+    for n in values:
+        if not 0 <= n <= MAX_SPLITS:
+            raise ConfigError(f"{flag} {n}: FA3 takes 0 (its heuristic) to {MAX_SPLITS} splits")
+    return values
+
+
 def repeats(text: str) -> int:
     """argparse type of --repeat: 1 to MAX_REPEAT runs of every case (each one a case of its own, listed up front)."""
     try:

@@ -33,6 +33,7 @@ from repro.cli.common import (
     poison_arg,
     repeats,
     shape_config,
+    splits,
 )
 from repro.cli.outputs import check_file, check_folder, json_of, open_folder, replacing
 from repro.errors import ConfigError
@@ -174,7 +175,7 @@ def cmd_matrix(a: argparse.Namespace) -> int:
         strategies=parse_items(a.strategies),
         sms=parse_items(a.sms if a.sms is not None else ",".join(DEFAULT_SMS)),
         modes=parse_items(a.modes if a.modes is not None else DEFAULT_MODES),
-        splits=parse_ints(a.splits),
+        splits=splits(parse_ints(a.splits), "--splits"),
         poison=poison_arg(a.poison),
         sanitizer=a.sanitizer,
         timeout_s=a.timeout,

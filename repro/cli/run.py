@@ -17,6 +17,7 @@ from repro.cli.common import (
     gpu_present,
     poison_arg,
     shape_config,
+    splits,
 )
 from repro.cli.outputs import check_file, check_folder, json_of, open_folder, write_file
 from repro.errors import ConfigError, Unavailable
@@ -101,7 +102,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     check_file(a.json, own=json_of(lambda doc: "verdict" in doc and "case_id" in doc))  # a result `run` wrote
     check_folder(a.out, a.overwrite)
     sm = SmConfig.parse(a.sm)
-    cfg = shape_config(a, a.num_splits)
+    cfg = shape_config(a, splits((a.num_splits,), "--num-splits")[0])
     pair = (a.built_for, a.launched) if a.scenario == PAIR else None
     if pair:
         pair_descriptors(pair, cfg)

@@ -8,6 +8,7 @@ import os
 import sys
 import tempfile
 import zipfile
+import zlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,11 +18,12 @@ from repro.cli.common import (
     check_exists,
     check_out_dir,
     gpu_present,
+    positive,
     repeats,
     seconds,
 )
 from repro.cli.outputs import OVERWRITE_HELP, check_file, check_folder, json_of, open_folder, write_file
-from repro.errors import ConfigError
+from repro.errors import ConfigError, Unavailable
 from repro.vllm_integration.gate.worker import COMPILES, DEFAULT_COMPILE
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
 
@@ -138,7 +140,7 @@ def add_parsers(sub) -> None:
     )
     gt.add_argument(
         "--cache-max-age-days",
-        type=float,
+        type=positive,
         default=30.0,
         help="a build folder unused this long is removed from the cache (default %(default)s)",
     )
@@ -223,15 +225,24 @@ def cmd_gate(a: argparse.Namespace) -> int:
     check_out_dir(a.cache_dir, "--cache-dir")
     overlays = parse_overlays(a.overlay)  # judged here, made once the cases can run
     builds = find_builds(include_installed=not a.no_installed)
-    builds += parse_builds(",".join(a.vllm), UNDER_TEST, "--vllm") + parse_builds(
-        ",".join(a.control), CONTROL, "--control"
-    )
+    for flag, given, role in (("--vllm", a.vllm, UNDER_TEST), ("--control", a.control, CONTROL)):
+        builds += [b for item in given for b in parse_builds(item, role, flag)]  # one item: one build, commas kept
     if a.installed_label:
         builds = [replace(b, label=a.installed_label) if b.prefix is None else b for b in builds]
     # --torch may name an overlay too; an overlay not named runs with its base build's torch (its compiled parts
     # link that one)
     listed = attach_torch(builds + [o.listed() for o in overlays], ",".join(a.torch))
     builds, overlay_torch = listed[: len(builds)], {b.label: b.torch_prefix for b in listed[len(builds) :]}
+    labels = [b.label for b in listed]
+    if twice := sorted({x for x in labels if labels.count(x) > 1}):  # their case ids and logs would collide
+        raise ConfigError(
+            f"two builds share the label {twice[0]!r} (--vllm, --control, --overlay): give distinct labels"
+        )
+    try:
+        devices = gate_devices(a.devices)  # judged before anything is written, a dry run's too
+    except Unavailable as e:
+        print(f"repro: cannot run here: {e}", file=sys.stderr)
+        return exit_codes.Exit.NOT_RUN
     if not builds and not overlays:
         gpu = gpu_present()
         print(
@@ -269,7 +280,6 @@ def cmd_gate(a: argparse.Namespace) -> int:
         print(f"[gate] {c.case_id}: {r.verdict} ({r.wall_s:.0f} s) {r.evidence or ''} {r.reason[:160]}", flush=True)
 
     logs = Path(a.logs) if a.logs else out / "logs"
-    devices = gate_devices(a.devices)
     if a.jobs is None:
         a.jobs, why = fit_jobs(cpu_cores(), gpu_memory_gib(), len(devices) or 1)
         print(f"[gate] cases at a time: {why} (--jobs to choose)", flush=True)
@@ -306,13 +316,17 @@ def cmd_gate(a: argparse.Namespace) -> int:
 
 
 def cmd_vllm_check(a: argparse.Namespace) -> int:
-    from repro.vllm_integration.releases.compat import check_source  # only for vllm-check
+    from repro.vllm_integration.releases.compat import Compat, check_source  # only for vllm-check
+    from repro.vllm_integration.releases.source_check import UNTESTABLE  # as above
+    from repro.vllm_integration.releases.versions import measured, wheel_version  # as above
 
     rows = []
     for path in a.sources:
         check_exists(path)
         if os.path.isfile(os.path.join(path, "__init__.py")) and not os.path.isdir(os.path.join(path, "vllm")):
             raise ConfigError(f"{path}: the vllm package itself; name the folder that holds it ({Path(path).parent})")
+        if os.path.isdir(path) and not os.path.isdir(os.path.join(path, "vllm")):  # as for a wheel: bad input
+            raise ConfigError(f"{path}: not a vLLM checkout (no vllm/ package)")
         if os.path.isdir(path):
             continue
         if not path.endswith(".whl"):
@@ -324,10 +338,15 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
                 raise ConfigError(f"{path}: not a vLLM wheel (no vllm/ package inside)")
     check_file(a.json, inputs=tuple(a.sources), own=json_of(lambda rows: all("verdict" in r for r in rows)))
     for path in a.sources:
-        c = check_source(path)
+        try:
+            c = check_source(path)
+        except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as e:  # a damaged member: judged nothing
+            c = Compat(Path(path).name, UNTESTABLE, f"cannot read the wheel ({type(e).__name__}: {e})", None, False, [])
         rows.append(c.to_dict())
         print(f"{c.source}: {c.verdict} ({c.layout or '-'}): {c.reason}")
         print(f"  auditor hooks: {'ok' if c.plugin_ok else 'MISSING'}: {'; '.join(c.plugin_notes)}")
+        version = wheel_version(path) if Path(path).name.startswith("vllm-") and path.endswith(".whl") else None
+        print(f"  {measured(version)}")  # measured where a GPU record ran the release, else predicted
     if a.json:
         write_file(a.json, json.dumps(rows, indent=1) + "\n")
     return exit_codes.source(r["verdict"] for r in rows)

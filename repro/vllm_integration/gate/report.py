@@ -255,8 +255,11 @@ def markdown(run: GateRun, env: dict | None = None, need_control: bool = True) -
             f"{'ok' if s['ok'] else 'FAIL'} |"
         )
     lines += [""] + release_range.markdown(releases_only(build_summary(run)))
-    for why in run.blind(need_control):
-        lines.append(f"\nHARNESS BLIND: {why}")
+    for why in run.blind(need_control):  # one headline per outcome: HARNESS BLIND only when it is the outcome
+        if verdict == GateOutcome.BLIND:
+            lines.append(f"\nHARNESS BLIND: {why}")
+        else:
+            lines.append(f"\nalso (the outcome is {verdict}, which comes first): {why.replace('GATE FAILED: ', '')}")
     for c, r in run.not_vouched():
         lines.append(f"\nCANNOT VOUCH: {c.case_id}: {r.reason[:300]}")
     summary = run.decision(need_control).summary()
