@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from repro import exit_codes
@@ -115,7 +115,34 @@ def add_parsers(sub) -> None:
         help="strict: fail unless every control ran and every positive control showed kernel evidence",
     )
     add_shape_args(m)
+    out = next(x for x in m._actions if x.dest == "out")
+    out.help = (
+        "a new or empty folder for verdicts.md, results.json, heatmap.png, logs/ (default: on a GPU a new folder under "
+        "the temp folder; the CPU model's predictions: none, the table is printed)"
+    )
     sub.choices["matrix"].set_defaults(func=cmd_matrix)
+
+
+class Beside:
+    """`fn()` in a daemon thread; `result()` waits for it (and raises what it raised)."""
+
+    def __init__(self, fn):
+        self._out: list = []
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            self._out.append((fn(), None))
+        except Exception as e:  # handed to result()
+            self._out.append((None, e))
+
+    def result(self):
+        self._thread.join()
+        value, error = self._out[0]
+        if error is not None:
+            raise error
+        return value
 
 
 def _model_specs(a: argparse.Namespace, opts, specs: list[CaseSpec]) -> list[CaseSpec]:
@@ -143,6 +170,8 @@ def _model_specs(a: argparse.Namespace, opts, specs: list[CaseSpec]) -> list[Cas
             raise ConfigError(f"{flag} chooses how case processes run on a GPU; the CPU model runs none")
     if a.sms is None:  # the model's own SM list
         sms = parse_ints(a.model_sms)
+        if twice := sorted({n for n in sms if sms.count(n) > 1}):  # its own flag, never blamed on --sms
+            raise ConfigError(f"--model-sms: {twice[0]} given twice (one case id each)")
         if not sms or min(sms) <= 0 or max(sms) > H200_SMS:
             raise ConfigError(f"model SM counts must be in 1..{H200_SMS}")
         labels = tuple("full" if n == H200_SMS else f"sm_margin:{n}" for n in sms)
@@ -189,6 +218,9 @@ def cmd_matrix(a: argparse.Namespace) -> int:
             raise ConfigError(f"unknown strategy {st!r}; choose from {', '.join(STRATEGIES)}")
     specs = build_specs(opts)  # validates every axis, GPU or not
     model = a.model or a.backend == "model"
+    if not a.quiet:
+        print(f"[matrix] {len(specs)} case(s); " + ("the CPU model predicts them" if model else "looking for a GPU "
+              "(without one, the CPU model predicts them)"), file=sys.stderr, flush=True)  # fmt: skip
     t_probe = time.time()
     gpu = None if model else gpu_present()  # with --model the GPU is not asked
     if not model and not gpu:
@@ -222,11 +254,12 @@ def cmd_matrix(a: argparse.Namespace) -> int:
     out = open_folder(a.out, "matrix", a.overwrite) if (a.out or not model) else None
     # Beside the run: the environment table's facts (a child that imports torch; run_matrix computes the controls'
     # expectations beside its cases): seconds, which the first case need not wait for.
-    beside = ThreadPoolExecutor(max_workers=1)
-    facts = beside.submit(environment.collect)
+    facts = Beside(environment.collect)  # a daemon thread: Ctrl-C never waits for it
     if model:
         from repro.fa3_model.predict import predict_specs  # the CPU model (numpy): for --model only
 
+        if not a.quiet:
+            print(f"[matrix] predicting {len(specs)} case(s) with the CPU model", file=sys.stderr, flush=True)
         t0 = time.time()
         run = MatrixRun(predict_specs(specs), round(time.time() - t0, 2), None, source=report.MODEL)
         attach_expectations(run.results, {})

@@ -48,7 +48,7 @@ def add_parsers(sub) -> None:
 
 def cmd_doctor(a: argparse.Namespace) -> int:
 
-    print(doctor())
+    doctor(say=lambda line: print(line, flush=True))  # each line as it is known
     return exit_codes.Exit.OK
 
 
@@ -58,18 +58,25 @@ def cmd_agree(a: argparse.Namespace) -> int:
     for p in a.results:
         check_exists(p)
     check_file(a.out, "--out", inputs=tuple(a.results))
+    print(f"[agree] reading {len(a.results)} file(s)", file=sys.stderr, flush=True)
     gate_runs = [p for p in a.results if is_vllm_gate_record(p)]
-    for p in gate_runs:
-        print(f"note: {p} is a real-vLLM gate record (no attention-layer cases): left out", file=sys.stderr)
     given = [p for p in a.results if p not in gate_runs]
     runs = {p: load_json(p) for p in given}  # one line, exit 2, for anything that is not a results.json
     measured = [p for p, run in runs.items() if run.source != MODEL]
-    for p in given:
-        if p not in measured:
-            print(f"note: {p} holds CPU-model predictions, not GPU verdicts: left out", file=sys.stderr)
+    predicted = [p for p in given if p not in measured]
+    for what, left in (
+        ("real-vLLM gate record(s) (no attention-layer cases)", gate_runs),
+        ("file(s) of CPU-model predictions, not GPU verdicts", predicted),
+    ):
+        if left:  # one line per kind, however many files
+            names = ", ".join(map(str, left[:3])) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
+            print(f"note: {len(left)} {what} left out: {names}", file=sys.stderr)
     if not measured:
         raise ConfigError("no GPU run to compare with: give results.json files of GPU runs (e.g. results/h200-*/)")
-    rows = compare(measured)
+    rows = []
+    for i, p in enumerate(measured, 1):  # the model predicts every case of a file: seconds each
+        rows += compare([p])
+        print(f"[agree] {i}/{len(measured)} {p}: {len(rows)} case(s) compared so far", file=sys.stderr, flush=True)
     md = markdown(rows, measured)
     if a.out:
         write_file(a.out, redact(md))

@@ -54,7 +54,7 @@ def add_parsers(sub) -> None:
         choices=COMPILES,
         default=os.environ.get("REPRO_GATE_COMPILE") or DEFAULT_COMPILE,
         help="torch.compile of the speculative cases: inductor (what vLLM users run) or none (FULL CUDA graphs of the "
-        "eager model: no compile seconds per case, but another engine configuration, recorded for 0.25.1 and 0.26.0 "
+        "eager model: no compile seconds per case, but another engine configuration, recorded for 0.23.0 to 0.26.0 "
         "only: docs/vllm-gate.md#speed) (default: REPRO_GATE_COMPILE, else %(default)s)",
     )
     gt.add_argument(
@@ -123,7 +123,8 @@ def add_parsers(sub) -> None:
         "skips that say so, and the report is written (a CI job's time limit; default: none)",
     )
     gt.add_argument(
-        "--out", help="folder for verdicts.md, results.json, logs/ (default: a new folder under the temp folder)"
+        "--out",
+        help="a new or empty folder for verdicts.md, results.json, logs/ (default: a new folder under the temp folder)",
     )
     gt.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     gt.add_argument("--logs", help="folder for each case's output and logs (default OUT/logs)")
