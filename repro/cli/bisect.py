@@ -56,6 +56,13 @@ def cmd_bisect(a: argparse.Namespace) -> int:
         raise ConfigError(f"{a.vllm}: not a git checkout")
     if a.check == "gate" and not a.gate_cmd:
         raise ConfigError("--check gate needs a gate command after --")
+    if a.status:  # reads the checkout as it is (inside a bisect of the user's too): moves nothing
+        return _bisect(a)
+    with checkout_kept(a.vllm):  # refused at once: a bisect in progress, another `repro bisect`, changed files
+        return _bisect(a)
+
+
+def _bisect(a: argparse.Namespace) -> int:
     for flag, rev in (("--good", a.good), ("--bad", a.bad)):
         if _git(a.vllm, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}").returncode != 0:
             raise ConfigError(f"{flag} {rev}: git knows no such commit in {a.vllm} (git rev-parse --verify failed)")
@@ -68,9 +75,8 @@ def cmd_bisect(a: argparse.Namespace) -> int:
     if _git(a.vllm, "cat-file", "-e", f"{a.bad}:vllm").returncode != 0:
         raise ConfigError(f"{a.vllm}: not a vLLM checkout (no vllm/ package at --bad {a.bad})")
     print(f"[bisect] {a.good}..{a.bad} in {a.vllm}, one {a.check} check per commit", flush=True)
-    with checkout_kept(a.vllm):
-        gate_cmd = [x for x in a.gate_cmd if x != "--"] or None
-        first, log = run_bisect(a.vllm, a.good, a.bad, a.check, gate_cmd, a.overlay)
+    gate_cmd = [x for x in a.gate_cmd if x != "--"] or None
+    first, log = run_bisect(a.vllm, a.good, a.bad, a.check, gate_cmd, a.overlay)
     print("\n".join(steps(log)))
     only_untestable = "only 'skip'ped commits left" in log
     if first:

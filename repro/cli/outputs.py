@@ -267,10 +267,6 @@ def checkout_kept(repo: str) -> Iterator[None]:
     """`bisect`'s checkout, given back as it was on any exit (Ctrl-C and SIGTERM included); ConfigError when a
     bisect is in progress there, its tracked files are changed, or another `repro bisect` runs on it."""
     git_dir = Path(repo, _git(repo, "rev-parse", "--git-dir").stdout.strip())
-    if (git_dir / "BISECT_START").exists() or (git_dir / "BISECT_LOG").exists():
-        raise ConfigError(
-            f"{repo}: a git bisect is in progress there (`git bisect log`): finish it or `git bisect reset` first"
-        )
     lock = os.open(git_dir / "repro-bisect.lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -278,6 +274,10 @@ def checkout_kept(repo: str) -> Iterator[None]:
         os.close(lock)
         raise ConfigError(f"{repo}: another `repro bisect` runs on this checkout now: wait for it") from None
     try:
+        if (git_dir / "BISECT_START").exists() or (git_dir / "BISECT_LOG").exists():
+            raise ConfigError(
+                f"{repo}: a git bisect is in progress there (`git bisect log`): finish it or `git bisect reset` first"
+            )
         if _git(repo, "status", "--porcelain", "--untracked-files=no").stdout.strip():
             raise ConfigError(f"{repo}: has changes to tracked files, which bisecting would move: commit or stash them")
         branch = _git(repo, "symbolic-ref", "-q", "--short", "HEAD").stdout.strip()
@@ -289,7 +289,7 @@ def checkout_kept(repo: str) -> Iterator[None]:
         finally:
             sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C cannot stop the give-back
             try:
-                _git(repo, "bisect", "reset", "--quiet", head)
+                _git(repo, "bisect", "reset", head)
                 if (branch and _git(repo, "symbolic-ref", "-q", "--short", "HEAD").stdout.strip() != branch) or (
                     not branch and _git(repo, "rev-parse", "HEAD").stdout.strip() != head
                 ):
