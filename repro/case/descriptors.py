@@ -55,12 +55,6 @@ class AttnConfig:
                 f"more than any GPU holds (an H200: {MAX_DEVICE_BYTES / 1e9:.0f} GB): lower --max-model-len, "
                 "--max-num-seqs, --capture-sizes, --page-size or the head counts"
             )
-        q, biggest = self.decode_query_len, max(self.capture_sizes)
-        if -(-biggest // q) > self.max_num_seqs:  # vLLM captures no batch of more requests than it schedules
-            raise ConfigError(
-                f"capture size {biggest} is {-(-biggest // q)} requests of {q} tokens, more than max_num_seqs "
-                f"{self.max_num_seqs}: lower --capture-sizes or raise --max-num-seqs"
-            )
 
     def device_bytes(self) -> int:
         """What a case of this shape allocates on the GPU, at least: K and V caches in bf16 (every request owns

@@ -149,7 +149,7 @@ def shape_config(a: argparse.Namespace, splits: int) -> AttnConfig:
         raise ConfigError(f"--spec-tokens must be >= 0, got {a.spec_tokens}")
     if a.window < -1:  # FA3 reads any negative left window as none: the case id would name a window it never had
         raise ConfigError(f"--window must be -1 (no window) or >= 0, got {a.window}")
-    return AttnConfig(
+    cfg = AttnConfig(
         num_heads_q=a.q_heads,
         num_heads_kv=a.kv_heads,
         head_dim=a.head_dim,
@@ -162,6 +162,13 @@ def shape_config(a: argparse.Namespace, splits: int) -> AttnConfig:
         capture_sizes=parse_ints(a.capture_sizes),
         max_num_seqs=a.max_num_seqs,
     )
+    q, biggest = cfg.decode_query_len, max(cfg.capture_sizes)
+    if -(-biggest // q) > cfg.max_num_seqs:  # vLLM captures no uniform decode batch of more requests than it schedules
+        raise ConfigError(
+            f"--capture-sizes {biggest} is {-(-biggest // q)} requests of {q} tokens, more than --max-num-seqs "
+            f"{cfg.max_num_seqs}: lower --capture-sizes or raise --max-num-seqs"
+        )
+    return cfg
 
 
 def check_exists(backend_path: str | None) -> None:

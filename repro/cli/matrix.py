@@ -218,9 +218,6 @@ def cmd_matrix(a: argparse.Namespace) -> int:
             raise ConfigError(f"unknown strategy {st!r}; choose from {', '.join(STRATEGIES)}")
     specs = build_specs(opts)  # validates every axis, GPU or not
     model = a.model or a.backend == "model"
-    if not a.quiet:
-        print(f"[matrix] {len(specs)} case(s); " + ("the CPU model predicts them" if model else "looking for a GPU "
-              "(without one, the CPU model predicts them)"), file=sys.stderr, flush=True)  # fmt: skip
     t_probe = time.time()
     gpu = None if model else gpu_present()  # with --model the GPU is not asked
     if not model and not gpu:

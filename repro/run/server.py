@@ -242,16 +242,18 @@ def start(path: Path, idle_s: float = DEFAULT_IDLE_S, preload: tuple[str, ...] =
     env = dict(os.environ)
     root = str(CHECKOUT)  # importable from wherever the command runs
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    with open(log, "w") as f:
-        proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+    proc = None
     try:
+        with open(log, "w") as f:
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
         return _wait_started(proc, path, log)
     except BaseException:  # Ctrl-C while it starts: the server started here stops (its own session never sees it)
-        with contextlib.suppress(OSError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        if proc is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
         if path.is_socket():  # checked before: absent or a socket, now this server's
             path.unlink()
         tidy(path)
