@@ -131,7 +131,7 @@ def test_json_and_out_on_one_path_are_refused(tmp_path, args):
 @pytest.mark.parametrize(
     "sock, msg",
     [
-        ("/proc/x/s.sock", "the socket's folder /proc/x: cannot create it"),
+        ("/proc/x/s.sock", "the socket's folder /proc/x does not exist"),
         ("@" + "a" * 120 + "/s.sock", "bytes long, over the 107 a Unix socket's path may hold"),
         ("@notes.txt", "notes.txt exists and is not a socket"),  # the server would have replaced the file
     ],

@@ -58,7 +58,6 @@ def cmd_agree(a: argparse.Namespace) -> int:
     for p in a.results:
         check_exists(p)
     check_file(a.out, "--out", inputs=tuple(a.results))
-    print(f"[agree] reading {len(a.results)} file(s)", file=sys.stderr, flush=True)
     gate_runs = [p for p in a.results if is_vllm_gate_record(p)]
     given = [p for p in a.results if p not in gate_runs]
     runs = {p: load_json(p) for p in given}  # one line, exit 2, for anything that is not a results.json
