@@ -133,25 +133,29 @@ EXIT_CODES: dict[str, dict[int, str]] = {
         1: "AFFECTED",
         2: "bad input",
         3: "HARNESS BLIND (--compare-paths: also when the paths' verdicts differ)",
-        4: "CANNOT VOUCH, no GPU, or no vLLM build",
+        4: "CANNOT VOUCH, no GPU (--devices all: none found), or no vLLM build that can run here",
     },
     "bisect": {
         0: "found the first bad commit (--status: this commit is good)",
         1: "no first bad commit found (--status: this commit is bad)",
-        2: "bad input (not a git checkout, unknown revision, no vllm/ at --bad)",
+        2: "bad input (not a git checkout, unknown revision, no vllm/ at --bad or, with --status, in the checkout; a bisect in progress, changed tracked files, another `repro bisect` on it)",
         125: "only untestable commits were left (--status: this commit is untestable)",
     },
     "vllm-check": {
         0: "no known bad pattern in any source (unverified: `good` only where a GPU record of that release vouches for "
         "its published files)",
         1: "a source has a known bad pattern (or its release's GPU record says affected)",
-        2: "bad input",
-        125: "a source is untestable",
+        2: "bad input (also a folder or wheel without vllm/: not a vLLM source)",
+        125: "a source is untestable (also a wheel that cannot be read whole)",
     },
     "agree": {0: "every verdict agrees", 1: "a verdict disagrees", 2: "bad input"},
-    "xdist-report": {0: "every worker on a GPU of its own", 1: "a worker shared or changed GPUs", 2: "bad input"},
+    "xdist-report": {
+        0: "every worker on a GPU of its own",
+        1: "a worker shared or changed GPUs",
+        2: "bad input (also XML that is not JUnit)",
+    },
     "bench": {0: "written", 2: "bad input"},
-    "redact": {0: "done", 2: "bad input"},
+    "redact": {0: "done", 2: "bad input (also a file it cannot read or write: nothing rewritten)"},
     "records": {
         0: "done (--stale: every README GPU command's last record ran the code it runs now)",
         1: "--stale: a README GPU command has no record, or its last record ran older code",
@@ -159,6 +163,12 @@ EXIT_CODES: dict[str, dict[int, str]] = {
     },
     "doctor": {0: "always (it reports what is missing)"},
     "serve": {0: "started, running, stopped or status shown", 2: "bad input, or the server did not start"},
+    "pytest --gate": {
+        0: "the gate passed (else pytest's own status)",
+        1: "the gate failed, or a test failed",
+        2: "bad input: --gate-require naming no known feature",
+        4: "pytest's own usage error (an option it does not know, `--gate=yes`): pytest's code, not 'could not run here'",
+    },
     "repro.run.smcontrol --probe-coexistence": {
         0: "MPS clients and plain processes coexist",
         1: "they do not",

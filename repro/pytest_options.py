@@ -11,7 +11,8 @@ gate option's value given space-separated that names an existing path), the comm
 
 Bad input is what the project says it is (docs/exit-codes.md): `--gate-require bogus` (or a bad REPRO_GATE_REQUIRE
 in a gate run) is one line on stderr and exit 2, with or without --gate, before any case runs; pytest's own usage
-errors exit 4, which here means "could not run here". Without a gate run, --gate-require and --gate-report are
+errors (`--gate=yes`, an option pytest does not know) keep pytest's USAGE_ERROR, 4 (docs/exit-codes.md: under pytest,
+4 is pytest's refusal of its command line). Without a gate run, --gate-require and --gate-report are
 ignored, and said to be. The gate itself: repro/report/pytest_gate.py's GatePlugin, which conftest.py registers for a
 gate run."""
 

@@ -29,6 +29,7 @@ STANDIN = ("tests.standin_worker",)
 @pytest.fixture
 def sock(tmp_path, monkeypatch):
     path = tmp_path / "s" / "server.sock"
+    path.parent.mkdir()  # `serve` makes no folder for a socket REPRO_SERVER names (docs/outputs.md)
     monkeypatch.setenv(server.SOCKET_ENV, str(path))
     return path
 

@@ -160,8 +160,8 @@ def test_compile_none_runs_full_graphs_without_torch_compile_in_every_speculativ
 
 @needs_entry_point
 def test_gate_command_exit_codes_and_report(tmp_path, fakes, capsys):
-    out = tmp_path / "out"
-    args = ["gate", "--no-installed", "--modes", "plain", "--out", str(out), "--jobs", "2"]
+    out = tmp_path / "out"  # one folder for every run below: --overwrite replaces the report before (docs/outputs.md)
+    args = ["gate", "--no-installed", "--modes", "plain", "--out", str(out), "--overwrite", "--jobs", "2"]
     assert cli([*args, "--vllm", f"0.26.0={fakes['good']}", "--control", f"0.25.1={fakes['stale-crash']}"]) == 0
     doc = json.loads((out / "results.json").read_text())
     assert doc["kind"] == "vllm-gate" and doc["passed"]

@@ -16,6 +16,9 @@ MODES = ("eager", "graph")
 SM_KINDS = ("full", "sm_margin", "mps", "green", "mig")
 
 
+MAX_SMS = 1024  # more SMs than any GPU has: refused before a GPU is asked
+
+
 @dataclass(frozen=True)
 class SmConfig:
     """How the case restricts SMs. sms: the SM count FA3 should plan for (None = whole GPU or MIG slice)."""
@@ -44,14 +47,16 @@ class SmConfig:
         kind, _, arg = text.partition(":")
         if kind == "mig":
             return cls("mig", None, arg or None)
-        if kind == "full":
+        if kind == "full" and not arg:
             return cls("full")
         try:
-            sms = int(arg)
+            sms = int(arg) if kind in ("sm_margin", "mps", "green") else None
         except ValueError:
-            raise ConfigError(
-                f"bad SM configuration {text!r}: use full, sm_margin:N, mps:N, green:N or mig[:uuid]"
-            ) from None
+            sms = None
+        if sms is None:  # `full:12`, `mps:x`, `bogus:3`: never a count dropped or a kind guessed
+            raise ConfigError(f"bad SM configuration {text!r}: use full, sm_margin:N, mps:N, green:N or mig[:uuid]")
+        if not 0 <= sms <= MAX_SMS:  # a GPU's own count is checked where one is (sm_refusal)
+            raise ConfigError(f"{text}: impossible SM count (no GPU has more than {MAX_SMS} SMs)")
         return cls(kind, sms)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from repro.backends import BACKENDS
 from repro.case.descriptors import AttnConfig
 from repro.case.poison import DEFAULT_POISON, parse_poison
+from repro.cli.outputs import OVERWRITE_HELP
 from repro.errors import ConfigError, Unavailable
 from repro.exit_codes import Exit
 from repro.run.smcontrol import device_sm_count
@@ -38,6 +39,28 @@ def seconds(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text!r}")
     return value
+
+
+def positive(text: str) -> float:
+    """argparse type of a positive, finite number (nan and inf are none)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number, got {text!r}")
+    return value
+
+
+MAX_SPLITS = 256  # FA3 refuses more splits than this
+
+
+def splits(values: tuple[int, ...], flag: str) -> tuple[int, ...]:
+    """FA3 num_splits values: 0 (its heuristic) to MAX_SPLITS."""
+    for n in values:
+        if not 0 <= n <= MAX_SPLITS:
+            raise ConfigError(f"{flag} {n}: FA3 takes 0 (its heuristic) to {MAX_SPLITS} splits")
+    return values
 
 
 def repeats(text: str) -> int:
@@ -105,7 +128,10 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
         "(default %(default)s: the fill that made stale faults repeatable on the H200)",
     )
     p.add_argument("--sanitizer", action="store_true", help="run under compute-sanitizer memcheck (default off)")
-    p.add_argument("--out", help="folder for logs and reports (default: a new folder under the system temp folder)")
+    p.add_argument(
+        "--out", help="a new or empty folder for logs and reports (default: a new folder under the system temp folder)"
+    )
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
 
 
 def shape_config(a: argparse.Namespace, splits: int) -> AttnConfig:
@@ -123,7 +149,7 @@ def shape_config(a: argparse.Namespace, splits: int) -> AttnConfig:
         raise ConfigError(f"--spec-tokens must be >= 0, got {a.spec_tokens}")
     if a.window < -1:  # FA3 reads any negative left window as none: the case id would name a window it never had
         raise ConfigError(f"--window must be -1 (no window) or >= 0, got {a.window}")
-    return AttnConfig(
+    cfg = AttnConfig(
         num_heads_q=a.q_heads,
         num_heads_kv=a.kv_heads,
         head_dim=a.head_dim,
@@ -136,6 +162,13 @@ def shape_config(a: argparse.Namespace, splits: int) -> AttnConfig:
         capture_sizes=parse_ints(a.capture_sizes),
         max_num_seqs=a.max_num_seqs,
     )
+    q, biggest = cfg.decode_query_len, max(cfg.capture_sizes)
+    if -(-biggest // q) > cfg.max_num_seqs:  # vLLM captures no uniform decode batch of more requests than it schedules
+        raise ConfigError(
+            f"--capture-sizes {biggest} is {-(-biggest // q)} requests of {q} tokens, more than --max-num-seqs "
+            f"{cfg.max_num_seqs}: lower --capture-sizes or raise --max-num-seqs"
+        )
+    return cfg
 
 
 def check_exists(backend_path: str | None) -> None:
@@ -143,24 +176,9 @@ def check_exists(backend_path: str | None) -> None:
         raise ConfigError(f"{backend_path}: no such file or folder")
 
 
-def out_dir(path: str | None, kind: str) -> Path:
-    """The folder a command writes into: the one asked for (created), or a new one under the temp folder."""
-
-    if path is None:
-        return Path(tempfile.mkdtemp(prefix=f"repro-{kind}-"))
-    out = Path(path)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {path}: exists and is not a folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"--out {path}: cannot create it ({e.strerror or e})") from None
-    return out
-
-
 def check_out_dir(path: str | None, flag: str = "--out") -> None:
-    """Fail before any work when the folder cannot be made or written into; leaves nothing behind (out_dir makes it
-    later, once there is something to write)."""
+    """Fail before any work when a folder the command may write into (--logs, --cache-dir, a socket's) cannot be
+    made or written into; leaves nothing behind (report folders: repro.cli.outputs)."""
 
     if path is None:
         return
@@ -183,23 +201,6 @@ def check_out_dir(path: str | None, flag: str = "--out") -> None:
     except OSError as e:
         what = "write into it" if p.exists() else "create it"
         raise ConfigError(f"{flag} {path}: cannot {what} ({e.strerror or e})") from None
-
-
-def check_out_file(path: str | None, flag: str = "--json") -> None:
-    """Fail before any work when a report file cannot be written; leaves nothing behind."""
-    if path is None:
-        return
-    p = Path(path)
-    if p.is_dir():
-        raise ConfigError(f"{flag} {path}: is a folder; give a file name")
-    existed = p.exists()
-    try:
-        with open(p, "a"):
-            pass
-    except OSError as e:
-        raise ConfigError(f"{flag} {path}: cannot write it ({e.strerror or e})") from None
-    if not existed:
-        p.unlink()
 
 
 def check_file_and_folder(file: str | None, folder: str | None, file_flag: str = "--json", folder_flag: str = "--out"):

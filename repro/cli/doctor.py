@@ -23,42 +23,43 @@ def _probe_backend(name: str) -> str:
     return r.stdout.strip() or r.stderr.strip().splitlines()[-1] if (r.stdout or r.stderr) else "no answer"
 
 
-def doctor() -> str:
+def doctor(say=None) -> str:
+    """What this machine can run, a line per fact; `say` is handed each line as soon as it is known (the probes
+    take seconds: torch, NVML, each FA3 build in a child process)."""
+    lines: list[str] = []
 
-    lines = []
+    def add(line: str) -> None:
+        lines.append(line)
+        if say is not None:
+            say(line)
+
     facts = gpu_facts()
-    lines.append(
-        f"torch:             {facts.get('torch') or 'not installed (pip install torch)'} (CUDA {facts.get('cuda')})"
-    )
+    add(f"torch:             {facts.get('torch') or 'not installed (pip install torch)'} (CUDA {facts.get('cuda')})")
     if facts.get("gpu"):
-        lines.append(f"GPU:               {facts['gpu']}, {facts['sms']} SMs, compute capability {facts['capability']}")
+        add(f"GPU:               {facts['gpu']}, {facts['sms']} SMs, compute capability {facts['capability']}")
         if facts.get("capability") != "9.0":
-            lines.append("                   FA3 needs Hopper (9.0): GPU cases will skip")
+            add("                   FA3 needs Hopper (9.0): GPU cases will skip")
     else:
-        lines.append(
-            "GPU:               none visible; GPU cases skip; `python -m repro matrix` predicts with the CPU model"
-        )
+        add("GPU:               none visible; GPU cases skip; `python -m repro matrix` predicts with the CPU model")
     try:
         gpus = enumerate_gpus()
         for g in gpus:
-            lines.append(
-                f"NVML GPU {g.index}:        {g.name} MIG {'on' if g.mig_mode else 'off'}, {len(g.slices)} slices"
-            )
+            add(f"NVML GPU {g.index}:        {g.name} MIG {'on' if g.mig_mode else 'off'}, {len(g.slices)} slices")
             for s in g.slices:
-                lines.append(f"  slice {s.index}: {s.profile} {s.sms} SMs {s.memory_mib} MiB {s.uuid}")
+                add(f"  slice {s.index}: {s.profile} {s.sms} SMs {s.memory_mib} MiB {s.uuid}")
     except Unavailable as e:
-        lines.append(f"NVML:              {e}")
-    lines.append(f"green contexts:    {_green_line(facts)}")
+        add(f"NVML:              {e}")
+    add(f"green contexts:    {_green_line(facts)}")
     mps = shutil.which("nvidia-cuda-mps-control")
-    lines.append(f"MPS:               {mps or 'nvidia-cuda-mps-control not found: MPS cases skip'}")
+    add(f"MPS:               {mps or 'nvidia-cuda-mps-control not found: MPS cases skip'}")
     san = find_sanitizer()
-    lines.append(f"compute-sanitizer: {san or 'not found: install the CUDA toolkit or put it on PATH'}")
+    add(f"compute-sanitizer: {san or 'not found: install the CUDA toolkit or put it on PATH'}")
     for b in ("upstream", "vllm"):
-        lines.append(f"{'FA3 ' + b + ':':<19}{_probe_backend(b)}")
+        add(f"{'FA3 ' + b + ':':<19}{_probe_backend(b)}")
     can_run = bool(facts.get("gpu")) and facts.get("capability") == "9.0"
-    lines.append(f"repro server:      {_server_line(can_run)}")
+    add(f"repro server:      {_server_line(can_run)}")
     if not can_run:  # what a machine without a Hopper GPU can still answer
-        lines.append(
+        add(
             "here you can run:  `vllm-check WHEEL_OR_CHECKOUT` (is a build affected, from its sources), `bisect` "
             "(the first bad commit of a checkout), `matrix` (the CPU model's predicted table), the CPU tests"
         )

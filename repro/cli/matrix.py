@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from repro import exit_codes
@@ -25,18 +25,17 @@ from repro.cli.common import (
     MAX_REPEAT,
     add_shape_args,
     check_file_and_folder,
-    check_out_dir,
-    check_out_file,
     command_started_at,
     gpu_present,
-    out_dir,
     parse_backends,
     parse_ints,
     parse_items,
     poison_arg,
     repeats,
     shape_config,
+    splits,
 )
+from repro.cli.outputs import check_file, check_folder, json_of, open_folder, replacing
 from repro.errors import ConfigError
 from repro.fa3_model.scope import H200_SMS
 from repro.judge.expectations import unmodelled
@@ -116,7 +115,34 @@ def add_parsers(sub) -> None:
         help="strict: fail unless every control ran and every positive control showed kernel evidence",
     )
     add_shape_args(m)
+    out = next(x for x in m._actions if x.dest == "out")
+    out.help = (
+        "a new or empty folder for verdicts.md, results.json, heatmap.png, logs/ (default: on a GPU a new folder under "
+        "the temp folder; the CPU model's predictions: none, the table is printed)"
+    )
     sub.choices["matrix"].set_defaults(func=cmd_matrix)
+
+
+class Beside:
+    """`fn()` in a daemon thread; `result()` waits for it (and raises what it raised)."""
+
+    def __init__(self, fn):
+        self._out: list = []
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            self._out.append((fn(), None))
+        except Exception as e:  # handed to result()
+            self._out.append((None, e))
+
+    def result(self):
+        self._thread.join()
+        value, error = self._out[0]
+        if error is not None:
+            raise error
+        return value
 
 
 def _model_specs(a: argparse.Namespace, opts, specs: list[CaseSpec]) -> list[CaseSpec]:
@@ -144,6 +170,8 @@ def _model_specs(a: argparse.Namespace, opts, specs: list[CaseSpec]) -> list[Cas
             raise ConfigError(f"{flag} chooses how case processes run on a GPU; the CPU model runs none")
     if a.sms is None:  # the model's own SM list
         sms = parse_ints(a.model_sms)
+        if twice := sorted({n for n in sms if sms.count(n) > 1}):  # its own flag, never blamed on --sms
+            raise ConfigError(f"--model-sms: {twice[0]} given twice (one case id each)")
         if not sms or min(sms) <= 0 or max(sms) > H200_SMS:
             raise ConfigError(f"model SM counts must be in 1..{H200_SMS}")
         labels = tuple("full" if n == H200_SMS else f"sm_margin:{n}" for n in sms)
@@ -176,7 +204,7 @@ def cmd_matrix(a: argparse.Namespace) -> int:
         strategies=parse_items(a.strategies),
         sms=parse_items(a.sms if a.sms is not None else ",".join(DEFAULT_SMS)),
         modes=parse_items(a.modes if a.modes is not None else DEFAULT_MODES),
-        splits=parse_ints(a.splits),
+        splits=splits(parse_ints(a.splits), "--splits"),
         poison=poison_arg(a.poison),
         sanitizer=a.sanitizer,
         timeout_s=a.timeout,
@@ -218,16 +246,17 @@ def cmd_matrix(a: argparse.Namespace) -> int:
             print(s.case_id)
         return exit_codes.Exit.OK
     check_file_and_folder(a.json, a.out)
-    check_out_file(a.json)
-    check_out_dir(a.out)
-    out = out_dir(a.out, "matrix") if (a.out or not model) else None
+    check_file(a.json, own=json_of(lambda doc: isinstance(doc["cases"], list)))  # a results.json
+    check_folder(a.out, a.overwrite)
+    out = open_folder(a.out, "matrix", a.overwrite) if (a.out or not model) else None
     # Beside the run: the environment table's facts (a child that imports torch; run_matrix computes the controls'
     # expectations beside its cases): seconds, which the first case need not wait for.
-    beside = ThreadPoolExecutor(max_workers=1)
-    facts = beside.submit(environment.collect)
+    facts = Beside(environment.collect)  # a daemon thread: Ctrl-C never waits for it
     if model:
         from repro.fa3_model.predict import predict_specs  # the CPU model (numpy): for --model only
 
+        if not a.quiet:
+            print(f"[matrix] predicting {len(specs)} case(s) with the CPU model", file=sys.stderr, flush=True)
         t0 = time.time()
         run = MatrixRun(predict_specs(specs), round(time.time() - t0, 2), None, source=report.MODEL)
         attach_expectations(run.results, {})
@@ -272,7 +301,8 @@ def cmd_matrix(a: argparse.Namespace) -> int:
         report.write_json(run, out / "results.json", env)
         report.heatmap(run, out / "heatmap.png")
     if a.json:
-        report.write_json(run, a.json, env)
+        with replacing(a.json) as tmp:
+            report.write_json(run, tmp, env)
     print((banner + "\n\n" if model else "") + md)
     if out is not None:
         print(f"reports: {out}")

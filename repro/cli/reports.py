@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 from repro import exit_codes
-from repro.cli.common import check_exists, check_out_file
+from repro.cli.common import check_exists
 from repro.cli.doctor import doctor
+from repro.cli.outputs import check_file, write_file
 from repro.errors import ConfigError
 from repro.report.benchmark import benchmark_markdown, paths_from_files
 from repro.report.redact import redact, redact_tree
@@ -65,7 +66,7 @@ def add_parsers(sub) -> None:
 
 def cmd_doctor(a: argparse.Namespace) -> int:
 
-    print(doctor())
+    doctor(say=lambda line: print(line, flush=True))  # each line as it is known
     return exit_codes.Exit.OK
 
 
@@ -74,22 +75,28 @@ def cmd_agree(a: argparse.Namespace) -> int:
 
     for p in a.results:
         check_exists(p)
-    check_out_file(a.out, "--out")
+    check_file(a.out, "--out", inputs=tuple(a.results))
     gate_runs = [p for p in a.results if is_vllm_gate_record(p)]
-    for p in gate_runs:
-        print(f"note: {p} is a real-vLLM gate record (no attention-layer cases): left out", file=sys.stderr)
     given = [p for p in a.results if p not in gate_runs]
     runs = {p: load_json(p) for p in given}  # one line, exit 2, for anything that is not a results.json
     measured = [p for p, run in runs.items() if run.source != MODEL]
-    for p in given:
-        if p not in measured:
-            print(f"note: {p} holds CPU-model predictions, not GPU verdicts: left out", file=sys.stderr)
+    predicted = [p for p in given if p not in measured]
+    for what, left in (
+        ("real-vLLM gate record(s) (no attention-layer cases)", gate_runs),
+        ("file(s) of CPU-model predictions, not GPU verdicts", predicted),
+    ):
+        if left:  # one line per kind, however many files
+            names = ", ".join(map(str, left[:3])) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
+            print(f"note: {len(left)} {what} left out: {names}", file=sys.stderr)
     if not measured:
         raise ConfigError("no GPU run to compare with: give results.json files of GPU runs (e.g. results/h200-*/)")
-    rows = compare(measured)
+    rows = []
+    for i, p in enumerate(measured, 1):  # the model predicts every case of a file: seconds each
+        rows += compare([p])
+        print(f"[agree] {i}/{len(measured)} {p}: {len(rows)} case(s) compared so far", file=sys.stderr, flush=True)
     md = markdown(rows, measured)
     if a.out:
-        Path(a.out).write_text(redact(md))
+        write_file(a.out, redact(md))
     print(md)
     return exit_codes.check(all(r.verdict_agrees for r in rows))
 
@@ -101,10 +108,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
         raise ConfigError("give two results.json (PLAIN MEMCHECK) or --paths OLD NEW, one of the two")
     for path in a.paths or given:
         check_exists(path)
-    check_out_file(a.out, "--out")
+    check_file(a.out, "--out", inputs=tuple(a.paths or given))
     md = paths_from_files(*a.paths) if a.paths else benchmark_markdown(a.plain, a.memcheck)
     if a.out:
-        Path(a.out).write_text(redact(md))
+        write_file(a.out, redact(md))
     print(md)
     return exit_codes.Exit.OK
 
@@ -114,11 +121,11 @@ def cmd_xdist(a: argparse.Namespace) -> int:
     if a.workers is not None and a.workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {a.workers}")
     check_exists(a.junit)
-    check_out_file(a.out, "--out")
+    check_file(a.out, "--out", inputs=(a.junit,))
     rep = check_junit(a.junit, a.workers)
     md = junit_markdown(rep, a.junit)
     if a.out:
-        Path(a.out).write_text(redact(md))
+        write_file(a.out, redact(md))
     print(md)
     return exit_codes.check(rep.ok)
 

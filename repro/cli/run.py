@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
 from repro import exit_codes
 from repro.case.scenarios import DEFAULT_PAIR, PAIR, SCENARIOS, STRATEGIES, V2, pair_descriptors
@@ -15,13 +14,12 @@ from repro.cli.common import (
     add_shape_args,
     check_exists,
     check_file_and_folder,
-    check_out_dir,
-    check_out_file,
     gpu_present,
-    out_dir,
     poison_arg,
     shape_config,
+    splits,
 )
+from repro.cli.outputs import check_file, check_folder, json_of, open_folder, write_file
 from repro.errors import ConfigError, Unavailable
 from repro.run.runner import device_sm_count, run_case
 from repro.run.smcontrol import maybe_mps, sm_refusal
@@ -101,10 +99,10 @@ def cmd_run(a: argparse.Namespace) -> int:
 
     check_backend_path(a.backend, a.backend_path)
     check_file_and_folder(a.json, a.out)
-    check_out_file(a.json)
-    check_out_dir(a.out)
+    check_file(a.json, own=json_of(lambda doc: "verdict" in doc and "case_id" in doc))  # a result `run` wrote
+    check_folder(a.out, a.overwrite)
     sm = SmConfig.parse(a.sm)
-    cfg = shape_config(a, a.num_splits)
+    cfg = shape_config(a, splits((a.num_splits,), "--num-splits")[0])
     pair = (a.built_for, a.launched) if a.scenario == PAIR else None
     if pair:
         pair_descriptors(pair, cfg)
@@ -130,7 +128,7 @@ def cmd_run(a: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return exit_codes.Exit.NOT_RUN
-    out = out_dir(a.out, "run")
+    out = open_folder(a.out, "run", a.overwrite)
     try:
         with maybe_mps(sm.kind == "mps") as mps:
             res = run_case(spec, out, mps)
@@ -146,5 +144,5 @@ def cmd_run(a: argparse.Namespace) -> int:
     for d in res.first_diffs:
         print(f"  {d}")
     if a.json:
-        Path(a.json).write_text(json.dumps(res.to_dict(), indent=1) + "\n")
+        write_file(a.json, json.dumps(res.to_dict(), indent=1) + "\n")
     return exit_codes.run(res.verdict)

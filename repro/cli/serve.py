@@ -57,6 +57,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
         print(f"the repro server at {path} (pid {facts['pid']}) already runs this code")
         return exit_codes.Exit.OK
     server.check_socket_path(path)
+    if not path.parent.is_dir() and path.parent != server.user_dir():  # only the default folder is made
+        raise ConfigError(
+            f"{server.SOCKET_ENV}: the socket's folder {path.parent} does not exist: make it, or choose another path"
+        )
     check_out_dir(str(path.parent), f"{server.SOCKET_ENV}: the socket's folder")
     if facts is not None:
         server.stop(path)

@@ -1,14 +1,14 @@
-"""`python -m repro gate | bisect | vllm-check`: real vLLM builds: the gate, bisecting, the source check."""
+"""`python -m repro gate | vllm-check`: real vLLM builds: the gate, the source check (bisect: repro.cli.bisect)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import zipfile
+import zlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,34 +17,19 @@ from repro.cli.common import (
     MAX_REPEAT,
     check_exists,
     check_out_dir,
-    check_out_file,
     gpu_present,
-    out_dir,
+    positive,
     repeats,
     seconds,
 )
-from repro.errors import ConfigError
+from repro.cli.outputs import OVERWRITE_HELP, check_file, check_folder, json_of, open_folder, write_file
+from repro.errors import ConfigError, Unavailable
 from repro.vllm_integration.gate.methods import add_option as add_methods_option
 from repro.vllm_integration.gate.worker import COMPILES, DEFAULT_COMPILE
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
-from repro.vllm_integration.releases.bisect import add_check_option, run_bisect  # every parser build reads its option
-from repro.vllm_integration.releases.source_check import check_tree
 
 
 def add_parsers(sub) -> None:
-    bi = sub.add_parser("bisect", help="git bisect a vLLM checkout for the stale-metadata capture defect")
-    bi.add_argument("--vllm", required=True, help="path of the vLLM git checkout (required)")
-    bi.add_argument("--good", default="HEAD~1", help="a revision without the defect (default %(default)s)")
-    bi.add_argument("--bad", default="HEAD", help="a revision with the defect (default %(default)s)")
-    add_check_option(bi, "each commit's")
-    bi.add_argument(
-        "--overlay",
-        help="installed vllm package folder: reuse its compiled extensions (Python-only changes) (default: none)",
-    )
-    bi.add_argument(
-        "--status", action="store_true", help="only check the current commit (exit 0 good, 1 bad, 125 untestable)"
-    )
-    bi.add_argument("gate_cmd", nargs=argparse.REMAINDER, help="-- command for --check gate (default: none)")
     what = (
         "code patterns and auditor hooks of vLLM checkouts or wheels (no import; cannot vouch: 'good' only for a "
         "release the gate ran on a GPU, with its published files); exit 0 no known bad pattern, 1 bad, 125 untestable"
@@ -72,7 +57,7 @@ def add_parsers(sub) -> None:
         choices=COMPILES,
         default=os.environ.get("REPRO_GATE_COMPILE") or DEFAULT_COMPILE,
         help="torch.compile of the speculative cases: inductor (what vLLM users run) or none (FULL CUDA graphs of the "
-        "eager model: no compile seconds per case, but another engine configuration, recorded for 0.25.1 and 0.26.0 "
+        "eager model: no compile seconds per case, but another engine configuration, recorded for 0.23.0 to 0.26.0 "
         "only: docs/vllm-gate.md#speed) (default: REPRO_GATE_COMPILE, else %(default)s)",
     )
     gt.add_argument(
@@ -141,8 +126,10 @@ def add_parsers(sub) -> None:
         "skips that say so, and the report is written (a CI job's time limit; default: none)",
     )
     gt.add_argument(
-        "--out", help="folder for verdicts.md, results.json, logs/ (default: a new folder under the temp folder)"
+        "--out",
+        help="a new or empty folder for verdicts.md, results.json, logs/ (default: a new folder under the temp folder)",
     )
+    gt.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     gt.add_argument("--logs", help="folder for each case's output and logs (default OUT/logs)")
     gt.add_argument(
         "--cache-dir",
@@ -157,7 +144,7 @@ def add_parsers(sub) -> None:
     )
     gt.add_argument(
         "--cache-max-age-days",
-        type=float,
+        type=positive,
         default=30.0,
         help="a build folder unused this long is removed from the cache (default %(default)s)",
     )
@@ -192,7 +179,6 @@ def add_parsers(sub) -> None:
         "code: no import of torch and vLLM) until S s pass without one (default: REPRO_GATE_KEEP_FORKSERVER, else none)",
     )
     gt.add_argument("--dry-run", action="store_true", help="list case ids only")
-    sub.choices["bisect"].set_defaults(func=cmd_bisect)
     sub.choices["vllm-check"].set_defaults(func=cmd_vllm_check)
     sub.choices["gate"].set_defaults(func=cmd_gate)
 
@@ -236,20 +222,29 @@ def cmd_gate(a: argparse.Namespace) -> int:
     if a.cache_keep < 1 or a.cache_max_age_days <= 0:
         raise ConfigError("--cache-keep must be at least 1, --cache-max-age-days positive")
     paths = parse_paths(a.paths, a.compare_paths)
-    check_out_dir(a.out)  # every value judged before the builds are looked for (no build, no GPU: exit 4)
+    check_folder(a.out, a.overwrite)  # every value judged before the builds are looked for (no build, no GPU: exit 4)
     check_out_dir(a.logs, "--logs")
     check_out_dir(a.cache_dir, "--cache-dir")
     overlays = parse_overlays(a.overlay)  # judged here, made once the cases can run
     builds = find_builds(include_installed=not a.no_installed)
-    builds += parse_builds(",".join(a.vllm), UNDER_TEST, "--vllm") + parse_builds(
-        ",".join(a.control), CONTROL, "--control"
-    )
+    for flag, given, role in (("--vllm", a.vllm, UNDER_TEST), ("--control", a.control, CONTROL)):
+        builds += [b for item in given for b in parse_builds(item, role, flag)]  # one item: one build, commas kept
     if a.installed_label:
         builds = [replace(b, label=a.installed_label) if b.prefix is None else b for b in builds]
     # --torch may name an overlay too; an overlay not named runs with its base build's torch (its compiled parts
     # link that one)
     listed = attach_torch(builds + [o.listed() for o in overlays], ",".join(a.torch))
     builds, overlay_torch = listed[: len(builds)], {b.label: b.torch_prefix for b in listed[len(builds) :]}
+    labels = [b.label for b in listed]
+    if twice := sorted({x for x in labels if labels.count(x) > 1}):  # their case ids and logs would collide
+        raise ConfigError(
+            f"two builds share the label {twice[0]!r} (--vllm, --control, --overlay): give distinct labels"
+        )
+    try:
+        devices = gate_devices(a.devices)  # judged before anything is written, a dry run's too
+    except Unavailable as e:
+        print(f"repro: cannot run here: {e}", file=sys.stderr)
+        return exit_codes.Exit.NOT_RUN
     if not builds and not overlays:
         gpu = gpu_present()
         print(
@@ -278,7 +273,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
     if not gpu:  # only builds without compiled extensions get here: stand-ins (tests/fake_vllm.py)
         print("[gate] no CUDA GPU: these builds have no compiled extensions (stand-ins?); their answer says nothing "
               "about a real vLLM", file=sys.stderr)  # fmt: skip
-    out = out_dir(a.out, "gate")
+    out = open_folder(a.out, "gate", a.overwrite)
     if overlays:
         dest = out / "overlays" if a.out else Path(tempfile.mkdtemp(prefix="repro-overlays-"))
         builds += make_overlays(overlays, dest, builds, overlay_torch)
@@ -287,7 +282,6 @@ def cmd_gate(a: argparse.Namespace) -> int:
         print(f"[gate] {c.case_id}: {r.verdict} ({r.wall_s:.0f} s) {r.evidence or ''} {r.reason[:160]}", flush=True)
 
     logs = Path(a.logs) if a.logs else out / "logs"
-    devices = gate_devices(a.devices)
     if a.jobs is None:
         a.jobs, why = fit_jobs(cpu_cores(), gpu_memory_gib(), len(devices) or 1)
         print(f"[gate] cases at a time: {why} (--jobs to choose)", flush=True)
@@ -325,49 +319,17 @@ def cmd_gate(a: argparse.Namespace) -> int:
     return exit_codes.gate(judgment.outcome)
 
 
-def cmd_bisect(a: argparse.Namespace) -> int:
-    check_exists(a.vllm)
-    if a.overlay is not None and not os.path.isdir(a.overlay):  # every step would exit 2, which git reads as "bad"
-        raise ConfigError(f"--overlay {a.overlay}: no such folder")
-    if not os.path.isdir(os.path.join(a.vllm, ".git")):
-        raise ConfigError(f"{a.vllm}: not a git checkout")
-    if a.check == "gate" and not a.gate_cmd:
-        raise ConfigError("--check gate needs a gate command after --")
-    for flag, rev in (("--good", a.good), ("--bad", a.bad)):
-        r = subprocess.run(
-            ["git", "-C", a.vllm, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
-            capture_output=True,
-            text=True,
-        )
-        if r.returncode != 0:
-            raise ConfigError(f"{flag} {rev}: git knows no such commit in {a.vllm} (git rev-parse --verify failed)")
-    if a.status:
-        v = check_tree(a.vllm)
-        print(f"{v.verdict}: {v.reason}" + (f" (layout {v.layout})" if v.layout else ""))
-        return exit_codes.source([v.verdict])
-    has_pkg = subprocess.run(["git", "-C", a.vllm, "cat-file", "-e", f"{a.bad}:vllm"], capture_output=True)
-    if has_pkg.returncode != 0:
-        raise ConfigError(f"{a.vllm}: not a vLLM checkout (no vllm/ package at --bad {a.bad})")
-    first, log = run_bisect(a.vllm, a.good, a.bad, a.check, [x for x in a.gate_cmd if x != "--"] or None, a.overlay)
-    print(log[-4000:])
-    only_untestable = "only 'skip'ped commits left" in log
-    if first:
-        print(f"first bad commit: {first}")
-    elif only_untestable:
-        print("bisect found no first bad commit: every commit left was untestable (git's log above)", file=sys.stderr)
-    else:
-        print("bisect found no first bad commit: git's log is printed above", file=sys.stderr)
-    return exit_codes.bisect(first, only_untestable)
-
-
 def cmd_vllm_check(a: argparse.Namespace) -> int:
-    from repro.vllm_integration.releases.compat import check_source  # only for vllm-check
+    from repro.vllm_integration.releases.compat import Compat, check_source  # only for vllm-check
+    from repro.vllm_integration.releases.source_check import UNTESTABLE  # as above
 
     rows = []
     for path in a.sources:
         check_exists(path)
         if os.path.isfile(os.path.join(path, "__init__.py")) and not os.path.isdir(os.path.join(path, "vllm")):
             raise ConfigError(f"{path}: the vllm package itself; name the folder that holds it ({Path(path).parent})")
+        if os.path.isdir(path) and not os.path.isdir(os.path.join(path, "vllm")):  # as for a wheel: bad input
+            raise ConfigError(f"{path}: not a vLLM checkout (no vllm/ package)")
         if os.path.isdir(path):
             continue
         if not path.endswith(".whl"):
@@ -377,13 +339,16 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
         with zipfile.ZipFile(path) as z:
             if not any(n.startswith("vllm/") for n in z.namelist()):
                 raise ConfigError(f"{path}: not a vLLM wheel (no vllm/ package inside)")
-    check_out_file(a.json)
+    check_file(a.json, inputs=tuple(a.sources), own=json_of(lambda rows: all("verdict" in r for r in rows)))
     for path in a.sources:
-        c = check_source(path)
+        try:
+            c = check_source(path)
+        except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as e:  # a damaged member: judged nothing
+            c = Compat(Path(path).name, UNTESTABLE, f"cannot read the wheel ({type(e).__name__}: {e})", None, False, [])
         rows.append(c.to_dict())
         print("\n".join(c.describe()))
     if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
+        write_file(a.json, json.dumps(rows, indent=1) + "\n")
     return exit_codes.source(r["verdict"] for r in rows)
 
 

@@ -4,8 +4,11 @@ files), `<site-packages>/…` (installed packages) or `<path>/basename`. Applied
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
+
+from repro.errors import ConfigError
 
 PROJECT_DIRS = {"repro", "cases", "tests", "results", ".gpu", "scratch", ".ci"}
 _PATH = re.compile(
@@ -34,24 +37,53 @@ def redact(text: str, xml: bool = False) -> str:
     return _PATH.sub(_one, text)
 
 
-def redact_file(path: str | Path) -> bool:
-    """Rewrite one record in place; True when something changed. Only the paths change: every other byte stays as
-    it was (bytes that are not UTF-8 pass through, line endings are kept), and a binary file (one with a NUL byte,
-    such as a PNG) is left untouched."""
-    p = Path(path)
-    data = p.read_bytes()
+def _redacted(p: Path) -> bytes | None:
+    """The bytes `p` should hold, or None when they stay as they are. Only the paths change: every other byte stays
+    as it was (bytes that are not UTF-8 pass through, line endings are kept), and a binary file (one with a NUL
+    byte, such as a PNG) is left untouched."""
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read it ({e.strerror or e}); nothing was rewritten") from None
     if b"\0" in data:
-        return False
+        return None
     text = data.decode("utf-8", "surrogateescape")
     new = redact(text, xml=p.suffix == ".xml")
-    if new != text:
-        p.write_bytes(new.encode("utf-8", "surrogateescape"))
-    return new != text
+    return None if new == text else new.encode("utf-8", "surrogateescape")
+
+
+def redact_file(path: str | Path) -> bool:
+    """Rewrite one record in place (see _redacted); True when something changed."""
+    p = Path(path)
+    new = _redacted(p)
+    if new is not None:
+        p.write_bytes(new)
+    return new is not None
+
+
+def _files(root: Path) -> list[Path]:
+    """The records under a folder, never through a symbolic link (to a file or a folder: it may lead out of it)."""
+    found = []
+    for folder, _, names in os.walk(root):  # os.walk does not enter linked folders
+        found += [Path(folder, n) for n in names if Path(n).suffix in SUFFIXES and not Path(folder, n).is_symlink()]
+    return sorted(found)
 
 
 def redact_tree(paths: list[str | Path]) -> list[Path]:
-    changed = []
+    """Every record named, or under a folder named (links not followed), rewritten; ConfigError, before any file
+    is rewritten, when one that would change cannot be read or written."""
+    todo = []
     for root in map(Path, paths):
-        files = [root] if root.is_file() else sorted(f for f in root.rglob("*") if f.suffix in SUFFIXES)
-        changed += [f for f in files if redact_file(f)]
-    return changed
+        for f in [root] if root.is_file() else _files(root):
+            new = _redacted(f)
+            if new is not None:
+                todo.append((f, new))
+    for f, _ in todo:
+        if not os.access(f, os.W_OK):
+            raise ConfigError(f"{f}: cannot write it (permission denied); nothing was rewritten")
+    for f, new in todo:
+        try:
+            f.write_bytes(new)
+        except OSError as e:
+            raise ConfigError(f"{f}: cannot write it ({e.strerror or e})") from None
+    return [f for f, _ in todo]

@@ -198,7 +198,8 @@ def load_json(path: str | Path) -> MatrixRun:
     except OSError as e:
         raise ConfigError(f"{path}: cannot read it ({e.strerror or e})") from None
     except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{path}: not a results.json written by python -m repro matrix ({e})") from None
+        why = f"a case has no {e.args[0]!r} field" if isinstance(e, KeyError) else str(e)  # never a bare 'cfg'
+        raise ConfigError(f"{path}: not a results.json written by python -m repro matrix ({why})") from None
     return MatrixRun(
         results,
         doc.get("wall_s", 0.0),

@@ -42,6 +42,8 @@ def check_junit(path: str | Path, expect_workers: int | None = None) -> PinningR
     except OSError as e:
         raise ConfigError(f"{path}: cannot read it ({e.strerror or e})") from None
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    if not suites:  # XML, but no test suite in it: bad input (2), not "a worker shared GPUs" (1)
+        raise ConfigError(f"{path}: not a JUnit XML file (no <testsuite> element, the root is <{root.tag}>)")
     rep = PinningReport(sum(float(s.get("time", 0)) for s in suites))
     workers: dict[str, set[str]] = defaultdict(set)
     pinned: dict[str, set[str]] = defaultdict(set)

@@ -113,7 +113,7 @@ def serve(path: Path, idle_s: float, preload: tuple[str, ...]) -> None:
         "started": t0,
         "idle_s": idle_s,
     }
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, exist_ok=True)  # never the folders above it (docs/outputs.md)
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -231,7 +231,7 @@ def start(path: Path, idle_s: float = DEFAULT_IDLE_S, preload: tuple[str, ...] =
     """Start a server in the background (a session of its own) and wait until it answers."""
     check_socket_path(path)
     try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, exist_ok=True)  # never the folders above it (docs/outputs.md)
     except OSError as e:
         raise ConfigError(f"{SOCKET_ENV}: cannot make the socket's folder {path.parent} ({e.strerror or e})") from None
     if path.parent.stat().st_uid != os.getuid():
@@ -241,10 +241,25 @@ def start(path: Path, idle_s: float = DEFAULT_IDLE_S, preload: tuple[str, ...] =
     env = dict(os.environ)
     root = str(CHECKOUT)  # importable from wherever the command runs
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    with open(log, "w") as f:
-        proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+    proc = None
+    try:
+        with open(log, "w") as f:
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        return _wait_started(proc, path, log)
+    except BaseException:  # Ctrl-C while it starts: the server started here stops (its own session never sees it)
+        if proc is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if path.is_socket():  # checked before: absent or a socket, now this server's
+            path.unlink()
+        tidy(path)
+        raise
+
+
+def _wait_started(proc: subprocess.Popen, path: Path, log: Path) -> dict:
     t0 = time.time()
     while time.time() - t0 < START_TIMEOUT_S:
         if proc.poll() is not None:

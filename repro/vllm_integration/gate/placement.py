@@ -57,11 +57,11 @@ def gate_devices(spec: str | None, discover: Callable[[], list[GpuInfo]] = enume
         found = [GateDevice(dev, kind, sms) for dev, kind, sms in devices_from(discover())]
     except Unavailable as e:
         if spec.strip().lower() == "all":
-            raise ConfigError(f"--devices all: no device found ({e})") from None
+            raise Unavailable(f"--devices all: no device found ({e})") from None  # could not run here: exit 4
         found = []
     if spec.strip().lower() == "all":
         if not found:
-            raise ConfigError("--devices all: NVML found no GPU")
+            raise Unavailable("--devices all: NVML found no GPU")
         mig = [d for d in found if d.kind == "mig"]
         if mig:  # a MIG runner: the smallest slices, where the defect shows
             least = min(d.sms for d in mig if d.sms is not None) if any(d.sms for d in mig) else None

@@ -283,8 +283,13 @@ def markdown(run: GateRun, env: dict | None = None) -> str:
             f"{'ok' if s['ok'] else 'FAIL'} |"
         )
     lines += [""] + release_range.markdown(releases_only(build_summary(run)))
-    for why in j.blind:
-        lines.append(f"\nHARNESS BLIND: {why}")
+    blind = j.blind  # one headline per outcome: HARNESS BLIND only when it is the outcome
+    if blind and verdict != GateOutcome.BLIND:
+        lines.append(f"\nAlso, under this {verdict} outcome (it comes first), controls without evidence:")
+    for why in blind:
+        lines.append(
+            f"\nHARNESS BLIND: {why}" if verdict == GateOutcome.BLIND else f"- {why.replace('GATE FAILED: ', '')}"
+        )
     for c, r in run.not_vouched():
         lines.append(f"\nCANNOT VOUCH: {c.case_id}: {r.reason[:300]}")
     summary = j.decision.summary()

@@ -101,9 +101,9 @@ def _declared_version(prefix: str | Path, package: str, version_file: str) -> st
 
 def _label_prefixes(text: str, variable: str, example: str) -> list[tuple[str, str]]:
     """The (LABEL, PREFIX) pairs of a LABEL=PREFIX[,LABEL=PREFIX...] option (empty items skipped), ConfigError for an
-    item of another form."""
+    item of another form. A new item starts at a comma followed by LABEL=, so a folder's name may hold a comma."""
     out = []
-    for item in (x.strip() for x in text.split(",")):
+    for item in (x.strip() for x in re.split(r",(?=[\w.+-]+=)", text)):  # a comma inside a PREFIX stays in it
         if not item:
             continue
         label, sep, prefix = item.partition("=")
@@ -290,10 +290,14 @@ def parse_overlays(items: list[str]) -> list[Overlay]:
 
 
 def needs_gpu(builds: list[VllmBuild]) -> bool:
-    """Whether a build's cases need a GPU: a real vLLM ships compiled CUDA extensions (vllm/_C.abi3.so, ...); a
-    pure-Python stand-in (tests/fake_vllm.py, for the CPU tests) runs its cases without one."""
+    """Whether a build's cases need a GPU: a real vLLM ships compiled CUDA extensions (vllm/_C.abi3.so, ...), and a
+    real vLLM's sources without them (a checkout, a wheel unpacked without its .so files: vllm/entrypoints/ is there)
+    cannot run a case at all; a pure-Python stand-in (tests/fake_vllm.py, for the CPU tests) runs its cases without
+    one."""
     for b in builds:
         pkg = b.package_dir
         if pkg is None or next(pkg.glob("*.so"), None) or next(pkg.glob("*/*.so"), None):
+            return True
+        if (pkg / "entrypoints").is_dir():
             return True
     return False

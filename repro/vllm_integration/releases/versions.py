@@ -108,20 +108,47 @@ def _fa3_hooks(h: dict) -> str:
     return "no: " + ", ".join(k for k, ok in h.items() if not ok)
 
 
+def gpu_records(results: Path = RESULTS) -> dict[str, list[str]]:
+    """release -> the gate records under results/ that ran it on a GPU (a build under test or a control whose
+    vllm_version the record names): what is measured; every other release's verdict is predicted from its sources."""
+    found: dict[str, list[str]] = {}
+    for path in sorted(results.glob("*/results.json")):
+        try:
+            builds = json.loads(path.read_text()).get("builds")
+        except (OSError, ValueError, AttributeError):
+            continue
+        for b in builds if isinstance(builds, list) else []:
+            version = isinstance(b, dict) and b.get("role") != "self-control" and b.get("vllm_version")
+            if version and path.parent.name not in found.setdefault(version, []):
+                found[version].append(path.parent.name)
+    return found
+
+
+def measured(version: str | None, records: dict[str, list[str]] | None = None) -> str:
+    """What a release's verdict rests on: `measured` with its GPU records, else `predicted` (its sources read)."""
+    records = gpu_records() if records is None else records
+    if version and records.get(version):
+        runs = records[version]
+        return f"measured on the H200 (results/{runs[0]}" + (f" and {len(runs) - 1} more)" if len(runs) > 1 else ")")
+    return "predicted: read from its sources, never run on a GPU"
+
+
 def markdown(facts: list[dict] | None = None, sources: list[dict] | None = None) -> str:
     """docs/versions.md's table: per release, the source check's verdict, the spec-decode layout (and whether the
-    plugin knows it), the auditor per backend, the in-graph draft-decode refresh, the FA3 sm_margin/poison hooks."""
+    plugin knows it), the auditor per backend, the in-graph draft-decode refresh, the FA3 sm_margin/poison hooks,
+    and whether the verdict was measured on a GPU or predicted from the sources (gpu_records)."""
     facts = load() if facts is None else facts
     sources = load(SOURCE_FILE) if sources is None else sources
     verdicts = {wheel_version(s["source"]): s["verdict"] for s in sources}
     names = list(BACKENDS)
     head = ["vLLM", "source check", "spec-decode layout", *(f"auditor {n}" for n in names)]
-    head += ["in-graph refresh", "sm_margin / poison hooks"]
+    head += ["in-graph refresh", "sm_margin / poison hooks", "on a GPU"]
+    records = gpu_records()
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(facts, key=lambda r: version_key(r["version"])):
         cells = [r["version"], verdicts.get(r["version"], "not recorded"), _layout(r["layout"])]
         cells += [_auditor(r["backends"][n]) if n in r["backends"] else "not recorded" for n in names]
-        cells += [_refresh(r), _fa3_hooks(r["fa3_hooks"])]
+        cells += [_refresh(r), _fa3_hooks(r["fa3_hooks"]), measured(r["version"], records).split(" (")[0]]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 

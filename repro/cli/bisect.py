@@ -1,0 +1,89 @@
+"""`python -m repro bisect`: git bisect a vLLM checkout, the checkout given back as it was (repro.cli.outputs)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+from repro import exit_codes
+from repro.cli.common import check_exists
+from repro.cli.outputs import checkout_kept
+from repro.errors import ConfigError
+from repro.vllm_integration.releases.bisect import add_check_option, run_bisect  # every parser build reads its option
+from repro.vllm_integration.releases.source_check import check_tree
+
+LOG_LINES = 30  # git's bisect log lines shown: the steps, never the first bad commit's diffstat
+
+
+def add_parsers(sub) -> None:
+    bi = sub.add_parser("bisect", help="git bisect a vLLM checkout for the stale-metadata capture defect")
+    bi.add_argument("--vllm", required=True, help="path of the vLLM git checkout (required)")
+    bi.add_argument("--good", default="HEAD~1", help="a revision without the defect (default %(default)s)")
+    bi.add_argument("--bad", default="HEAD", help="a revision with the defect (default %(default)s)")
+    add_check_option(bi, "each commit's")
+    bi.add_argument(
+        "--overlay",
+        help="installed vllm package folder: reuse its compiled extensions (Python-only changes) (default: none)",
+    )
+    bi.add_argument(
+        "--status", action="store_true", help="only check the current commit (exit 0 good, 1 bad, 125 untestable)"
+    )
+    bi.add_argument("gate_cmd", nargs=argparse.REMAINDER, help="-- command for --check gate (default: none)")
+    bi.set_defaults(func=cmd_bisect)
+
+
+def _git(repo: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True)
+
+
+def steps(log: str) -> list[str]:
+    """git's bisect log up to its answer: the commit it names is shown with its subject instead of git's diffstat."""
+    kept = []
+    for line in log.splitlines():
+        if line.endswith("is the first bad commit"):
+            break
+        kept.append(line)
+    return kept[-LOG_LINES:]
+
+
+def cmd_bisect(a: argparse.Namespace) -> int:
+    check_exists(a.vllm)
+    if a.overlay is not None and not os.path.isdir(a.overlay):  # every step would exit 2, which git reads as "bad"
+        raise ConfigError(f"--overlay {a.overlay}: no such folder")
+    if not os.path.isdir(os.path.join(a.vllm, ".git")):
+        raise ConfigError(f"{a.vllm}: not a git checkout")
+    if a.check == "gate" and not a.gate_cmd:
+        raise ConfigError("--check gate needs a gate command after --")
+    if a.status:  # reads the checkout as it is (inside a bisect of the user's too): moves nothing
+        return _bisect(a)
+    with checkout_kept(a.vllm):  # refused at once: a bisect in progress, another `repro bisect`, changed files
+        return _bisect(a)
+
+
+def _bisect(a: argparse.Namespace) -> int:
+    for flag, rev in (("--good", a.good), ("--bad", a.bad)):
+        if _git(a.vllm, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}").returncode != 0:
+            raise ConfigError(f"{flag} {rev}: git knows no such commit in {a.vllm} (git rev-parse --verify failed)")
+    if a.status:
+        if not os.path.isdir(os.path.join(a.vllm, "vllm")):  # as at --bad below, and vllm-check: bad input
+            raise ConfigError(f"{a.vllm}: not a vLLM checkout (no vllm/ package in its working tree)")
+        v = check_tree(a.vllm)
+        print(f"{v.verdict}: {v.reason}" + (f" (layout {v.layout})" if v.layout else ""))
+        return exit_codes.source([v.verdict])
+    if _git(a.vllm, "cat-file", "-e", f"{a.bad}:vllm").returncode != 0:
+        raise ConfigError(f"{a.vllm}: not a vLLM checkout (no vllm/ package at --bad {a.bad})")
+    print(f"[bisect] {a.good}..{a.bad} in {a.vllm}, one {a.check} check per commit", flush=True)
+    gate_cmd = [x for x in a.gate_cmd if x != "--"] or None
+    first, log = run_bisect(a.vllm, a.good, a.bad, a.check, gate_cmd, a.overlay)
+    print("\n".join(steps(log)))
+    only_untestable = "only 'skip'ped commits left" in log
+    if first:
+        subject = _git(a.vllm, "log", "-1", "--format=%s", first).stdout.strip()
+        print(f"first bad commit: {first} {subject}")
+    elif only_untestable:
+        print("bisect found no first bad commit: every commit left was untestable (git's log above)", file=sys.stderr)
+    else:
+        print("bisect found no first bad commit: git's log is printed above", file=sys.stderr)
+    return exit_codes.bisect(first, only_untestable)
