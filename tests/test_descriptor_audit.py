@@ -265,7 +265,7 @@ def test_every_right_build_passes_with_the_check_counted_in_every_capture_manage
         "target decode": 6,
         "draft prefill": 6,
         "draft decode": 6,
-        "draft (unknown kind)": 4,
+        "draft query": 4,
     }
     assert counters.AUDITOR.descriptor_checks == 22 and not c["descriptor_stale"]
 
@@ -292,8 +292,8 @@ def test_the_second_self_control_form_is_caught_by_the_descriptor_check_alone(pl
     # every draft manager (prefill, decode, DFlash's), every FULL descriptor but the first (largest) of each
     assert c["inject_rebuilt"] == {"warmup": 5, "capture": 5}
     # captures that read buffers the injection wrote: every draft capture after its first write, no target capture
-    assert c["captures_injected"] == {"draft prefill": 2, "draft decode": 3, "draft (unknown kind)": 2}
-    assert c["descriptor_stale"] == {"draft prefill": 4, "draft decode": 4, "draft (unknown kind)": 2}
+    assert c["captures_injected"] == {"draft prefill": 2, "draft decode": 3, "draft query": 2}
+    assert c["descriptor_stale"] == {"draft prefill": 4, "draft decode": 4, "draft query": 2}
     assert not c["descriptor_unchecked"] and not c.get("captures_stale", {}).get("target decode")
 
 

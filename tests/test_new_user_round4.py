@@ -23,6 +23,7 @@ from repro.cli import main, outputs
 from repro.exit_codes import EXIT_CODES
 from repro.vllm_integration.releases import versions
 from tests.commands import ROOT, fake_vllm, isolated_env, no_traceback, refused, repro_cmd, run_repro, tree
+from tests.records import RESULTS
 
 
 def _main(*args: str) -> int:
@@ -80,7 +81,7 @@ def test_vllm_check_never_overwrites_the_wheel_it_reads_directly_or_through_a_li
 
 def test_report_files_of_agree_bench_and_xdist_report_are_never_their_inputs(tmp_path, capsys):
     record = tmp_path / "results.json"
-    record.write_bytes((ROOT / "results" / "h200-default" / "results.json").read_bytes())
+    record.write_bytes((RESULTS / "h200-default" / "results.json").read_bytes())
     before = record.read_bytes()
     assert _main("bench", "--paths", str(record), str(record), "--out", str(record)) == 2
     (tmp_path / "j.xml").write_text('<testsuite name="x"></testsuite>')
@@ -309,7 +310,7 @@ def test_harness_blind_is_never_printed_under_a_cannot_vouch_outcome(monkeypatch
     from repro.vllm_integration.gate import report
     from tests.recorded_gate import replay
 
-    _, _, run, _ = replay(monkeypatch, tmp_path, ROOT / "results" / "h200-hidden-sweep-full")  # MPS 24/40 broken
+    _, _, run, _ = replay(monkeypatch, tmp_path, RESULTS / "h200-hidden-sweep-full")  # MPS 24/40 broken
     assert str(run.outcome()) == "CANNOT VOUCH" and run.blind()
     md = report.markdown(run)
     assert "HARNESS BLIND" not in md.split("| case |")[0] and "under this CANNOT VOUCH outcome" in md
@@ -399,7 +400,7 @@ def test_messages_name_what_was_wrong(tmp_path, capsys):
     assert "--nope" in capsys.readouterr().err
     assert _main("matrix", "--dry-run", "--model-sms", "16,16") == 2
     assert "--model-sms: 16 given twice" in capsys.readouterr().err
-    record = json.loads((ROOT / "results" / "h200-default" / "results.json").read_text())
+    record = json.loads((RESULTS / "h200-default" / "results.json").read_text())
     del record["cases"][0]["result"]["spec"]["cfg"]
     (tmp_path / "r.json").write_text(json.dumps(record))
     assert _main("bench", "--paths", str(tmp_path / "r.json"), str(tmp_path / "r.json")) == 2
@@ -481,8 +482,8 @@ def test_long_work_says_what_it_does_as_it_goes(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(doctor, "_probe_backend", probe)
     doctor.doctor(say=said.append)
     assert len(said) > 3
-    record = str(ROOT / "results" / "h200-default" / "results.json")
-    gate_record = str(ROOT / "results" / "h200-compile-none" / "results.json")
+    record = str(RESULTS / "h200-default" / "results.json")
+    gate_record = str(RESULTS / "h200-compile-none" / "results.json")
     assert _main("agree", record, gate_record, gate_record) in (0, 1)
     err = capsys.readouterr().err
     assert "[agree] 1/1" in err and err.count("note:") == 1

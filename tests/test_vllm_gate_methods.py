@@ -182,8 +182,8 @@ def test_each_method_is_a_case_parameter_with_a_readable_id_and_its_own_referenc
         "stale_metadata-vllm-0.34.0-under-test-reference-sm-all",
         "stale_metadata-vllm-0.34.0-under-test-draft-model-reference-sm-all",
     }
-    round_trip = GateCase.from_dict(json.loads(cases[2].to_json()))
-    assert round_trip == cases[2] and round_trip.method == "draft_model"
+    round_trip = GateCase.from_dict(json.loads(cases[3].to_json()))
+    assert round_trip == cases[3] and round_trip.method == "draft_model"
 
 
 def test_a_not_applicable_method_runs_nothing_and_is_listed_never_clean(tmp_path):
@@ -191,7 +191,8 @@ def test_a_not_applicable_method_runs_nothing_and_is_listed_never_clean(tmp_path
     b = VllmBuild("old", str(prefix))
     cases = plan([b], (GateMode.parse("plain"),), 1, 60.0, methods=("eagle", "mtp"))
     run_cases, na = set_apart_not_applicable(cases)
-    assert [c.method for c in run_cases] == ["eagle", "eagle"] and [c.method for c, _ in na] == ["mtp", "mtp"]
+    # each method: the build, its self control in both injection forms
+    assert [c.method for c in run_cases] == ["eagle"] * 3 and [c.method for c, _ in na] == ["mtp"] * 3
     for c, r in na:
         assert r.verdict == SKIP and "EAGLE only" in not_applicable_of(r) and r.reason.startswith("not applicable")
         assert control_of(c, r).not_applicable == not_applicable_of(r)

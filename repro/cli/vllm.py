@@ -322,6 +322,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
 def cmd_vllm_check(a: argparse.Namespace) -> int:
     from repro.vllm_integration.releases.compat import Compat, check_source  # only for vllm-check
     from repro.vllm_integration.releases.source_check import UNTESTABLE  # as above
+    from repro.vllm_integration.releases.versions import measured, wheel_version  # only for vllm-check
 
     rows = []
     for path in a.sources:
@@ -347,6 +348,8 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
             c = Compat(Path(path).name, UNTESTABLE, f"cannot read the wheel ({type(e).__name__}: {e})", None, False, [])
         rows.append(c.to_dict())
         print("\n".join(c.describe()))
+        version = wheel_version(path) if Path(path).name.startswith("vllm-") and path.endswith(".whl") else None
+        print(f"  {measured(version)}")  # measured where a GPU record ran the release, else predicted
     if a.json:
         write_file(a.json, json.dumps(rows, indent=1) + "\n")
     return exit_codes.source(r["verdict"] for r in rows)

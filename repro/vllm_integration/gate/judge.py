@@ -1,8 +1,7 @@
-"""How a finished gate case process becomes its record: the shared classification (repro.judge.classify) completed with
-what the case process and the plugin inside vLLM reported (annotate), compared with the build's reference run
-(apply_reference, compare_tokens), and checked for what it exists to exercise having fired (vouch, over the table
-of repro.vllm_integration.gate.coverage and its not_fired). Each step returns a new record through CaseResult.revised
-that says what changed it; `finish` is the order they run in, `passes` the policy's answer for the final record (policy.problem; policy.satisfies alone says whether a verdict meets an expectation)."""
+"""How a finished gate case process becomes its record: classification (repro.judge.classify) completed with what
+the case and the plugin reported (annotate), compared with the build's reference (apply_reference, compare_tokens),
+vouched for (vouch, over gate.coverage). Each step returns a new record (CaseResult.revised); `finish` runs them in
+order, `passes` is the policy's answer for the final record."""
 
 from __future__ import annotations
 
@@ -59,11 +58,9 @@ def describe_acceptance(a: tuple[int, int] | None) -> str:
 
 
 def annotate(res: CaseResult, case: GateCase, output: str | Channel, audit_file: Path | None) -> CaseResult:
-    """The gate's record of a case: the shared classification completed with what the gate case process and the
-    plugin inside vLLM reported on the channel (version, engine configuration and counters in backend_identity:
-    {"engine", "counters", "acceptance"}, the auditor's stale views, the evidence line), then revised where that
-    changes the verdict (an install error of any hook under any tag, an MPS SM count other than asked, stale views
-    behind a clean run). `output`: the case's Channel, or a log's text (records written before the channel)."""
+    """The gate's record of a case: the shared classification with what the case process and the plugin reported on
+    the channel (`output`: a Channel, or a log's text), revised where that changes the verdict (a hook's install
+    error, an MPS SM count other than asked, stale views behind a clean run)."""
     ch = output if isinstance(output, Channel) else Channel.from_output(output)
     result = ch.last(RESULT_TAG) or {}
     plugin = ch.of(PLUGIN_TAG)
@@ -190,11 +187,8 @@ def _audit_evidence(ch: Channel, audit_file: Path | None) -> dict:
 
 
 def vouch(case: GateCase, res: CaseResult) -> CaseResult:
-    """A case that would be clean or stale-audit, but whose feature did not fire, becomes cannot-vouch with the
-    reason (a new record); a crash, a hang or wrong tokens stay evidence, except in a self control whose injection
-    never wrote before it (then not the re-created defect's), or, in an audit mode, that the auditor caught nothing
-    of (a fault alone does not show that the auditor sees that form; records from before the descriptor check, without
-    its counter, as they were judged); an error or a skip stays what it is."""
+    """A clean or stale-audit case whose feature did not fire becomes cannot-vouch; kernel evidence stays, except in a
+    self control whose injection never wrote before it or, in an audit mode, that the auditor caught nothing of."""
     if case.reference or res.verdict in (ERROR, SKIP):  # no evidence to discount, nothing fired to vouch for
         return res
     if res.verdict not in (CLEAN, STALE_AUDIT):
@@ -226,12 +220,9 @@ DEGENERATE_MIN = 4  # tokens: a request of at least this many that repeats one t
 
 
 def reference_problems(case: GateCase, res: CaseResult, out: dict | None) -> list[str]:
-    """Why a finished reference run must not be trusted as ground truth, empty when it may: it decoded tokens, every
-    log-probability it returned is finite and every position has a top-2 margin, no request is one token repeated
-    (what NaN logits decode to), the engine ran as a reference (no CUDA graphs; a speculative reference's draft
-    accepted at least MIN_ACCEPTANCE of its tokens, or it cannot judge a draft) and in its case's SM configuration
-    (MPS: the SM count the process saw, checked in annotate; sm_margin: the injected margin reached
-    get_scheduler_metadata and FA3's forward)."""
+    """Why a finished reference must not be trusted, empty when it may: tokens decoded, finite log-probabilities with
+    top-2 margins, no request one token repeated, no CUDA graphs, a draft accepting MIN_ACCEPTANCE, and the case's SM
+    configuration (MPS: the SM count seen; sm_margin: the margin reached FA3)."""
     if not out or not out.get("tokens"):
         return ["the reference run decoded no tokens"]
     problems = []
@@ -377,10 +368,8 @@ def apply_reference(res: CaseResult, out: dict | None, ref: CaseResult, ref_out:
 
 
 def compare_acceptance(res: CaseResult, ref: CaseResult) -> CaseResult:
-    """The draft judged by what the target accepted (a new record): wrong-output when the case's acceptance is more
-    than ACCEPTANCE_DROP below its speculative reference's (the same build and SM configuration without CUDA graphs);
-    cannot-vouch when the reference is speculative and the case reported no acceptance. A reference without
-    speculative decoding (recorded runs from before the gate's references had one): the record as it was."""
+    """The draft judged by what the target accepted: wrong-output more than ACCEPTANCE_DROP below its reference's;
+    cannot-vouch when the case reported no acceptance; an old reference without speculation: the record as it was."""
     step = "draft acceptance"
     want = acceptance_of(ref.backend_identity)
     if acceptance_rate(want) is None:

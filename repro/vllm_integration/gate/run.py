@@ -212,24 +212,12 @@ def run_gate(
     methods: tuple[str, ...] = (DEFAULT_METHOD,),
     self_control_forms: tuple[str, ...] = INJECTIONS,
 ) -> GateRun:
-    """Every case, references included; non-MPS cases `jobs` at a time; MPS cases under a daemon owned by the run
-    (repro.run.mps_cases' shared policy, as the matrix runs them): the cases expected clean several at a time, each
-    control alone, and a shared case whose verdict a neighbour's fault could have caused again alone (a faulting MPS
-    client can take the server's other clients down). With a cache (the new path,
-    repro.vllm_integration.gate.cache) the cases share their build's vLLM caches and a reference kept for the build's
-    fingerprint, SM configuration, GPU and gate code is used instead of running it again; without, the old path.
-    With devices (repro.vllm_integration.gate.placement), each case process runs on one of them, of one kind (main_kind:
-    a case and its reference on the same SM count), `--jobs` divided over them; MPS cases on the first. `only`: the
-    cases of that one build (its self control too); the other builds still keep their prefixes off its PYTHONPATH
-    (the pytest tier runs one build and mode per test this way). The launcher (gate_launch.launcher_kind: spawn, the
-    default, or fork) says how case processes start; with fork, every build's forkserver starts importing at once,
-    and GateRun.launches says what each build's cases got. deadline_s bounds the whole run (`--deadline`): every case
-    carries the end (GateCase.deadline_at); no process of it (attempts and reruns included) starts after it, and a
-    running one's timeout ends at it; a case the deadline stopped is a skip that says so, or its stale-audit where the
-    auditor had caught stale views (gate.process.past_deadline). A skipped build under test cannot be vouched for; a
-    skipped control can leave its mode without evidence (HARNESS BLIND). On one device each case process holds its
-    share of `memory` (placement.case_gib; "free GPU": the free memory at the start, MemoryBudget) while it runs.
-    self_control_forms: the self control's forms (plan's `forms`)."""
+    """Every case, references included, `jobs` at a time; MPS cases under a daemon of the run (repro.run.mps_cases:
+    controls alone, a neighbour's fault rerun alone). A cache (gate.cache) shares the build's vLLM caches and a kept
+    reference; devices (gate.placement) place each case with its reference on one SM kind. `only`: that one build's
+    cases (the pytest tier). The launcher (spawn or fork) says how case processes start (GateRun.launches). deadline_s
+    (`--deadline`) ends every process; a case it stopped is a skip, or its stale-audit (gate.process.past_deadline).
+    Each case holds its share of `memory` (placement.case_gib). self_control_forms: plan's `forms`."""
     if not builds:
         raise ConfigError("no vLLM build to test: install vllm, or set REPRO_VLLM / REPRO_VLLM_CONTROL")
     which = [only] if only is not None else builds

@@ -109,19 +109,15 @@ def _fa3_hooks(h: dict) -> str:
 
 
 def gpu_records(results: Path = RESULTS) -> dict[str, list[str]]:
-    """release -> the gate records under results/ that ran it on a GPU (a build under test or a control whose
-    vllm_version the record names): what is measured; every other release's verdict is predicted from its sources."""
-    found: dict[str, list[str]] = {}
-    for path in sorted(results.glob("*/results.json")):
-        try:
-            builds = json.loads(path.read_text()).get("builds")
-        except (OSError, ValueError, AttributeError):
-            continue
-        for b in builds if isinstance(builds, list) else []:
-            version = isinstance(b, dict) and b.get("role") != "self-control" and b.get("vllm_version")
-            if version and path.parent.name not in found.setdefault(version, []):
-                found[version].append(path.parent.name)
-    return found
+    """release -> the gate record under results/ that ran it on a GPU: results/vllm-gpu-records.json (the table
+    vllm-check's answer reads too), each named record present (packed NAME.tar.xz, or a folder not packed yet). Every
+    other release's verdict is predicted from its sources."""
+    try:
+        table = json.loads((results / "vllm-gpu-records.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    present = lambda n: (results / n).is_dir() or (results / f"{n}.tar.xz").is_file()  # noqa: E731
+    return {v: [n] for v, n in table.items() if isinstance(n, str) and present(n)}
 
 
 def measured(version: str | None, records: dict[str, list[str]] | None = None) -> str:
