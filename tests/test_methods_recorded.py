@@ -1,0 +1,60 @@
+"""vLLM 0.34.0 through the gate with every speculative method the harness builds a pair for, and source mutants of
+0.34.0 that build a draft capture's metadata for another descriptor (results/h200-methods-0.34.0,
+results/h200-mutants-0.34.0; written by the gate on the H200): each method's self control is caught in both injection
+forms, a method whose constructed draft does not agree is CANNOT VOUCH (never clean), and each mutant is caught by the
+audit's descriptor check on its own capture path and nowhere else."""
+
+from __future__ import annotations
+
+import re
+
+from tests.records import RESULTS, load
+
+METHODS = load(RESULTS / "h200-methods-0.34.0" / "results.json")
+MUTANTS = load(RESULTS / "h200-mutants-0.34.0" / "results.json")
+
+
+def _stale(case: dict) -> int:
+    """The stale fields the audit counted in a case (its evidence line: "audit: N stale fields ...")."""
+    return int(re.search(r"audit: (\d+) stale fields", case["evidence"] or "")[1])
+
+
+def _rows(doc: dict) -> dict[str, dict]:
+    return {c["case"]: c for c in doc["cases"]}
+
+
+def test_every_method_that_agrees_is_clean_and_every_self_control_form_is_caught():
+    rows = _rows(METHODS)
+    for method in ("", "-draft-model", "-mtp"):  # eagle's ids name no method
+        for mode in ("audit", "plain"):
+            case = rows[f"stale_metadata-vllm-0.34.0-under-test{method}-compile-none-{mode}"]
+            assert case["verdict"] == "clean", case["reason"]
+            assert "100%" in case["evidence"]  # the draft accepted as in its reference
+    controls = [c for c in rows.values() if "-self-control-" in c["case"] and c["case"].endswith(("audit", "plain"))]
+    assert len(controls) == 16 and {c["verdict"] for c in controls} == {"crash"}
+    assert sum("stale-descriptor" in c["case"] for c in controls) == 8
+    for c in controls:  # in audit mode the auditor itself saw the re-created defect, not only the fault
+        assert not c["case"].endswith("audit") or _stale(c) > 0, c
+
+
+def test_a_method_whose_draft_does_not_agree_is_cannot_vouch_never_clean():
+    assert METHODS["outcome"] == "CANNOT VOUCH"
+    rows = _rows(METHODS)
+    ref = rows["stale_metadata-vllm-0.34.0-under-test-eagle3-reference-sm-all"]
+    assert ref["verdict"] == "error" and "0 of 180 draft tokens accepted" in ref["reason"]
+    for mode in ("audit", "plain"):
+        assert rows[f"stale_metadata-vllm-0.34.0-under-test-eagle3-compile-none-{mode}"]["verdict"] == "error"
+
+
+def test_each_mutant_is_caught_by_the_descriptor_check_on_its_own_path_only():
+    assert MUTANTS["outcome"] == "AFFECTED"
+    rows = _rows(MUTANTS)
+    hit = {"td": "", "sa": "-draft-model"}  # target-dependent (eagle) and standalone (draft_model) capture paths
+    for mutant, method in hit.items():
+        for other in ("", "-draft-model"):
+            case = rows[f"stale_metadata-vllm-0.34.0-{mutant}-under-test{other}-compile-none-audit"]
+            if other == method:
+                assert case["verdict"] != "clean" and "stale-descriptor" in case["evidence"], case
+                assert _stale(case) > 0
+            else:
+                assert case["verdict"] == "clean" and _stale(case) == 0, case
