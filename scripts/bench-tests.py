@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
 PREFIX = "cpu-tier-"
-COMMAND = ["-m", "pytest", "-n", "2", "-q", "-p", "no:cacheprovider", "--durations=10"]
+COMMAND = ["-m", "pytest", "-n", "2", "-q", "-p", "no:cacheprovider"]
 
 
 def _machine() -> dict:
@@ -150,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python scripts/bench-tests.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--name", help="the record folder under results/ (default: cpu-tier-<UTC date>)")
     p.add_argument("--compare-only", action="store_true", help="print the table of the last two records, run nothing")
+    p.add_argument("--durations", type=int, default=10, help="pytest's --durations N (default %(default)s)")
+    p.add_argument("--log", type=Path, help="keep pytest's output in this file (default: not kept)")
     a = p.parse_args(argv)
     if a.compare_only:
         docs = [json.loads(r.read_text()) for r in records()[-2:]]
@@ -167,14 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     junit = out / "junit.xml"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     started = time.monotonic()
-    with open(out / "pytest.log", "w") as log:
-        rc = subprocess.run(
-            [sys.executable, *COMMAND, f"--junitxml={junit}"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
-        ).returncode
+    log_path = a.log or out / "pytest.log"
+    with open(log_path, "w") as log:
+        cmd = [sys.executable, *COMMAND, f"--durations={a.durations}", f"--junitxml={junit}"]
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     wall = time.monotonic() - started
     doc = summarize(_tests(junit), wall, rc, machine, [round(x, 2) for x in os.getloadavg()])
     junit.unlink()  # the summary keeps what the record is for; the full XML is large and names machine paths
-    (out / "pytest.log").unlink()
+    if not a.log:
+        log_path.unlink()
     (out / "cpu-tier.json").write_text(json.dumps(doc, indent=1) + "\n")
     (out / "cpu-tier.md").write_text(markdown(doc))
     before = [r for r in previous if r.parent != out]
