@@ -25,6 +25,7 @@ def _pytest_cmd(*args: str) -> list[str]:
         "-k",
         "stale_metadata and pair",
         *args,
+        "cases",  # the selected cases' folder: collecting tests/ too imports every test module (3x the CPU time)
     ]
 
 

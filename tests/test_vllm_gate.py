@@ -311,25 +311,36 @@ HOOK_NOTHING = {  # stand-in behaviour -> what the cannot-vouch reason must name
 }
 
 
+@pytest.fixture(scope="module")
+def hook_nothing_gate(tmp_path_factory):
+    """One `python -m repro gate` subprocess over every stand-in of HOOK_NOTHING, each a build under test of its own
+    (labelled by its behaviour, with its self control and reference): its exit code and results.json. One process
+    and one GPU probe for the six builds instead of six."""
+    root = tmp_path_factory.mktemp("hook-nothing")
+    out = root / "out"
+    cmd = [sys.executable, "-m", "repro", "gate", "--no-installed", "--no-control", "--modes", "audit,plain"]
+    for behaviour in sorted(HOOK_NOTHING):
+        cmd += ["--vllm", f"{behaviour}={write_fake_vllm(root / behaviour, '0.26.0', behaviour)}"]
+    p = subprocess.run([*cmd, "--out", str(out), "--jobs", "2"], capture_output=True, text=True)
+    return p, out
+
+
 @needs_entry_point
 @pytest.mark.parametrize("behaviour", sorted(HOOK_NOTHING))
-def test_builds_that_hook_nothing_cannot_be_vouched_for_through_the_cli(tmp_path, behaviour):
+def test_builds_that_hook_nothing_cannot_be_vouched_for_through_the_cli(hook_nothing_gate, behaviour):
     """`python -m repro gate` as a subprocess: a stand-in whose checked features never fire is CANNOT VOUCH, exit 4,
     never PASS; the report names what did not fire."""
-    prefix = write_fake_vllm(tmp_path / behaviour, "0.26.0", behaviour)
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "repro", "gate", "--no-installed", "--no-control", "--modes", "audit,plain"]
-    p = subprocess.run(
-        [*cmd, "--vllm", f"x={prefix}", "--out", str(out), "--jobs", "2"], capture_output=True, text=True
-    )
+    p, out = hook_nothing_gate
     assert p.returncode == 4, p.stdout[-2000:] + p.stderr[-2000:]
     doc = json.loads((out / "results.json").read_text())
-    assert doc["outcome"] == "CANNOT VOUCH" and len(doc["cannot_vouch"]) >= 2
-    for c in doc["cases"]:
-        if c["kind"] == "case" and "self-control" not in c["case"]:
+    mine = [c for c in doc["cases"] if c["kind"] == "case" and c["build"] == behaviour]
+    assert doc["outcome"] == "CANNOT VOUCH" and len([c for c in mine if c["case"] in doc["cannot_vouch"]]) >= 2
+    assert {c["case"].rsplit("-", 1)[1] for c in mine} == {"audit", "plain"}
+    for c in mine:  # no case of this build is PASS, whatever the other builds did
+        if "self-control" not in c["case"]:
             assert c["verdict"] == CANNOT_VOUCH and HOOK_NOTHING[behaviour] in c["reason"], c["reason"]
     if behaviour in ("no-forward", "other-backend"):
-        audit = next(c for c in doc["cases"] if c["case"].endswith("-audit"))
+        audit = next(c for c in mine if c["case"].endswith("-audit"))
         assert "the freshness auditor made 0 checks" in audit["reason"]
     assert "CANNOT VOUCH" in (out / "verdicts.md").read_text()
 

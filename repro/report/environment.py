@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import platform
 import re
 import shlex
@@ -21,8 +22,22 @@ def _cmd(args: list[str]) -> str | None:
     return r.stdout.strip() if r.returncode == 0 else None
 
 
+# What decides the probe's answer: the interpreter and the variables that pick torch, the driver and the devices.
+_PROBE_VARS = ("CUDA", "NVIDIA", "PYTHON", "LD_", "PATH", "HIP", "ROCR", "TORCH")
+_probed: dict[tuple, dict] = {}
+
+
 def gpu_facts() -> dict:
-    """Probed in a child process so the caller never initializes CUDA."""
+    """Probed in a child process so the caller never initializes CUDA; once per process and environment (each probe
+    imports torch: seconds), again whenever a variable that picks the interpreter's torch or the devices changed."""
+    key = (sys.executable, *sorted((k, v) for k, v in os.environ.items() if k.startswith(_PROBE_VARS)))
+    facts = _probed.get(key) or _probe_gpu()
+    if facts.get("torch"):  # a probe that gave no answer (a timeout on a busy machine) is asked again next time
+        _probed[key] = facts
+    return dict(facts)
+
+
+def _probe_gpu() -> dict:
     code = (
         "import json, torch\n"
         "d = {'torch': torch.__version__, 'cuda': torch.version.cuda, 'gpu': None}\n"
