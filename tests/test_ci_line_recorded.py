@@ -1,6 +1,6 @@
 """The README's GPU CI line as recorded on the H200 after the xdist fix (results/h200-ci-line-n8, -n4, -n1; written by
 scripts/gpu-evidence.sh ci-line): every worker count ran every case, the gate passed, and the verdicts are the same
-case by case whatever the number of workers."""
+case by case whatever the number of workers; h200-ci-line-final is the line again on the session's last code."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from tests.records import RESULTS
 WORKERS = (8, 4, 1)
 
 
-def _record(n: int) -> tuple[dict, dict[str, dict]]:
-    folder = RESULTS / f"h200-ci-line-n{n}"
+def _record(n: int | str) -> tuple[dict, dict[str, dict]]:
+    folder = RESULTS / (f"h200-ci-line-n{n}" if isinstance(n, int) else f"h200-ci-line-{n}")
     gate = json.loads((folder / "gate.json").read_text())
     cases = {}
     for tc in ET.parse(folder / "junit.xml").getroot().iter("testcase"):
@@ -23,9 +23,10 @@ def _record(n: int) -> tuple[dict, dict[str, dict]]:
     return gate, cases
 
 
-@pytest.mark.parametrize("n", WORKERS, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("n", [*WORKERS, "final"], ids=lambda n: f"n{n}" if isinstance(n, int) else n)
 def test_the_ci_line_passed_with_every_case_run_at_each_worker_count(n):
     gate, cases = _record(n)
+    n = 8 if n == "final" else n  # the session's last code, the README's line as given
     assert gate["outcome"] == "GATE PASSED" and gate["passed"] is True and not gate["unreported"]
     assert f"-n {n} --gate" in gate["environment"]["command"] and gate["environment"]["gpu"] == "NVIDIA H200"
     assert len(gate["controls"]) == len(cases) == 95
@@ -38,6 +39,6 @@ def test_the_ci_line_passed_with_every_case_run_at_each_worker_count(n):
 
 
 def test_the_verdicts_are_equal_across_worker_counts():
-    verdicts = {n: {c["case_id"]: c["verdict"] for c in _record(n)[0]["controls"]} for n in WORKERS}
-    assert verdicts[8] == verdicts[4] == verdicts[1]
+    verdicts = {n: {c["case_id"]: c["verdict"] for c in _record(n)[0]["controls"]} for n in (*WORKERS, "final")}
+    assert verdicts[8] == verdicts[4] == verdicts[1] == verdicts["final"]
     assert {"crash", "oob", "clean"} <= set(verdicts[8].values())
