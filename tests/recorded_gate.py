@@ -23,7 +23,7 @@ from repro.vllm_integration.gate.case import GateCase, parse_backends, parse_mod
 from repro.vllm_integration.gate.coverage import COMPILATION, CONFIGURATION, RECORDED_BEFORE
 from repro.vllm_integration.gate.run import KEPT_LINE, run_gate
 from repro.vllm_integration.plugin.inject import INJECTIONS, STALE_CAPTURE
-from tests.records import load
+from tests.records import RESULTS, load
 
 
 def _whole(out_log: Path) -> bool:
@@ -196,3 +196,22 @@ def _gate_default(option: str):
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return sub.choices["gate"].get_default(option)
+
+
+FAULTS = ("crash", "hang", "oob")  # kernel evidence a replayed self control shows
+
+
+def replayed(monkeypatch, tmp_path, record: str):
+    """replay() of results/RECORD, with its verdicts checked equal to the recorded ones (a self control's further
+    attempts are kept in its row)."""
+    doc, rows, run, got = replay(monkeypatch, tmp_path, RESULTS / record)
+    assert {k: r.verdict for k, r in got.items()} == {k: rows[k]["verdict"] for k in got}
+    assert all("-attempt" in k for k in set(rows) - set(got))  # a self control's further attempts: kept in its row
+    return doc, rows, run, got
+
+
+def same_verdicts(got, rows, run=None):
+    """The replayed verdicts are the recorded ones, a self control's further attempts (run.attempts) included."""
+    if run is not None:
+        got = {**got, **{c.case_id: r for c, r in run.attempts}}
+    assert {k: r.verdict for k, r in got.items()} == {k: row["verdict"] for k, row in rows.items()}

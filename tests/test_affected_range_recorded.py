@@ -9,33 +9,16 @@ import json
 
 from repro.exit_codes import gate as gate_exit
 from repro.vllm_integration.gate.report import to_json
-from tests.recorded_gate import replay
+from tests.recorded_gate import FAULTS, replay, replayed, same_verdicts
 from tests.records import RESULTS
 
 V = "stale_metadata-vllm-"
 
 
-def _replayed(monkeypatch, tmp_path, record: str):
-    doc, rows, run, got = replay(monkeypatch, tmp_path, RESULTS / record)
-    assert {k: r.verdict for k, r in got.items()} == {k: rows[k]["verdict"] for k in got}
-    assert all("-attempt" in k for k in set(rows) - set(got))  # a self control's further attempts: kept in its row
-    return doc, rows, run, got
-
-
-FAULTS = ("crash", "hang", "oob")
-
-
-def _same_verdicts(got, rows, run=None):
-    """The replayed verdicts are the recorded ones, a self control's further attempts (run.attempts) included."""
-    if run is not None:
-        got = {**got, **{c.case_id: r for c, r in run.attempts}}
-    assert {k: r.verdict for k, r in got.items()} == {k: row["verdict"] for k, row in rows.items()}
-
-
 def test_the_affected_range_starts_at_0210_measured_alone(monkeypatch, tmp_path):
     record = RESULTS / "h200-eagle-0.20.2-0.21.0-alone"
     doc, rows, run, got = replay(monkeypatch, tmp_path, record)
-    _same_verdicts(got, rows, run)
+    same_verdicts(got, rows, run)
     assert got[f"{V}0.20.2-under-test-audit"].verdict == got[f"{V}0.20.2-under-test-plain"].verdict == "clean"
     assert {got[f"{V}0.20.2-self-control-{m}"].verdict for m in ("audit", "plain")} <= set(FAULTS)
     stale = got[f"{V}0.21.0-under-test-audit"]
@@ -66,11 +49,11 @@ def test_the_eagle_self_control_faults_with_the_object_handed_over(monkeypatch, 
     """0.20-0.22 build a draft capture's metadata once per descriptor for both passes; before, the injection could not
     place such a build and wrote the buffers alone: 0.20.2's self control decoded cleanly in plain (HARNESS BLIND).
     Handed the first descriptor's metadata too, it faults in audit and plain, in the combine kernel."""
-    before = _replayed(monkeypatch, tmp_path / "before", "h200-release-table-2")[3]
+    before = replayed(monkeypatch, tmp_path / "before", "h200-release-table-2")[3]
     assert before[f"{V}0.20.2-self-control-plain"].verdict == "clean"
     old = RESULTS / "h200-release-table-2" / "logs" / f"{V}0.20.2-self-control-audit.audit.json"
     assert json.loads(old.read_text())["counters"]["inject_reuse_unplaced"] == 147
-    doc, rows, run, got = _replayed(monkeypatch, tmp_path / "after", "h200-eagle-0.20.2-0.21.0")
+    doc, rows, run, got = replayed(monkeypatch, tmp_path / "after", "h200-eagle-0.20.2-0.21.0")
     plain = got[f"{V}0.20.2-self-control-plain"]
     assert plain.verdict == "crash" and plain.kernel == "combine"
     assert got[f"{V}0.20.2-self-control-audit"].verdict == "crash"
@@ -92,7 +75,7 @@ def test_the_eagle_self_control_faults_with_the_object_handed_over(monkeypatch, 
 def test_five_releases_cold_on_the_fast_path_under_two_minutes(monkeypatch, tmp_path):
     record = RESULTS / "h200-release-sweep-fast-2"
     doc, rows, run, got = replay(monkeypatch, tmp_path, record)
-    _same_verdicts(got, rows)
+    same_verdicts(got, rows)
     again = to_json(run, doc["environment"])["release_range"]
     assert [(r["build"], r["gpu"]) for r in again["releases"]] == [
         ("0.23.0", "bad"),
@@ -112,7 +95,7 @@ def test_five_releases_cold_on_the_fast_path_under_two_minutes(monkeypatch, tmp_
 def test_a_sweep_whose_overlays_lack_their_dist_info_cannot_vouch_for_them(monkeypatch, tmp_path):
     """0.24.0's and 0.25.0's vllm/ without a dist-info (fixed since: Overlay.make writes one): vLLM found no platform in
     every case. The three other builds answered: 0.23.0 stale in audit, 0.25.1 crashing, 0.26.0 clean."""
-    doc, rows, run, got = _replayed(monkeypatch, tmp_path, "h200-release-sweep-fast")
+    doc, rows, run, got = replayed(monkeypatch, tmp_path, "h200-release-sweep-fast")
     log = (
         RESULTS / "h200-release-sweep-fast" / "logs" / f"{V}0.24.0-under-test-compile-none-plain.out.log"
     ).read_text()

@@ -9,27 +9,10 @@ import lzma
 import pytest
 
 from repro.judge.classify import OUT_OF_MEMORY
-from tests.recorded_gate import replay
+from tests.recorded_gate import replay, replayed, same_verdicts
 from tests.records import RESULTS
 
 V = "stale_metadata-vllm-"
-
-
-def _replayed(monkeypatch, tmp_path, record: str):
-    doc, rows, run, got = replay(monkeypatch, tmp_path, RESULTS / record)
-    assert {k: r.verdict for k, r in got.items()} == {k: rows[k]["verdict"] for k in got}
-    assert all("-attempt" in k for k in set(rows) - set(got))  # a self control's further attempts: kept in its row
-    return doc, rows, run, got
-
-
-FAULTS = ("crash", "hang", "oob")
-
-
-def _same_verdicts(got, rows, run=None):
-    """The replayed verdicts are the recorded ones, a self control's further attempts (run.attempts) included."""
-    if run is not None:
-        got = {**got, **{c.case_id: r for c, r in run.attempts}}
-    assert {k: r.verdict for k, r in got.items()} == {k: row["verdict"] for k, row in rows.items()}
 
 
 @pytest.mark.parametrize(
@@ -41,7 +24,7 @@ def _same_verdicts(got, rows, run=None):
     ],
 )
 def test_a_case_that_ran_out_of_gpu_memory_says_so(monkeypatch, tmp_path, record, case):
-    got = _replayed(monkeypatch, tmp_path, record)[3]
+    got = replayed(monkeypatch, tmp_path, record)[3]
     r = got[V + case]
     assert r.verdict == "error" and r.reason.startswith(OUT_OF_MEMORY) and "out of memory" in r.reason
 
@@ -50,14 +33,14 @@ def test_memcheck_with_poisoned_or_guarded_entries_names_no_access_of_0251s_own_
     """Issue 31's first goal, two more routes: int-max in the entries FA3 never writes makes 0.25.1 hang under memcheck
     (no finding in 240 s), splits-33 leaves it clean; guards as large as each tensor: a hang, no finding. The self
     control is an out-of-bounds read in FA3's main kernel under every one of them."""
-    got = _replayed(monkeypatch, tmp_path / "p", "h200-memcheck-own-poison")[3]
+    got = replayed(monkeypatch, tmp_path / "p", "h200-memcheck-own-poison")[3]
     mode = "compile-none-memcheck-own-poison-"
     assert (
         got[f"{V}0.25.1-control-{mode}int-max"].verdict == "hang"
         and not got[f"{V}0.25.1-control-{mode}int-max"].findings
     )
     assert got[f"{V}0.25.1-control-{mode}splits-33"].verdict == "clean"
-    guard = _replayed(monkeypatch, tmp_path / "g", "h200-memcheck-own-guard")[3]
+    guard = replayed(monkeypatch, tmp_path / "g", "h200-memcheck-own-guard")[3]
     assert guard[f"{V}0.25.1-control-compile-none-memcheck-own"].verdict == "hang"
     for g, m in ((got, f"{mode}int-max"), (got, f"{mode}splits-33"), (guard, "compile-none-memcheck-own")):
         caught = g[f"{V}0.26.0-self-control-{m}"]
@@ -67,7 +50,7 @@ def test_memcheck_with_poisoned_or_guarded_entries_names_no_access_of_0251s_own_
 def test_initcheck_on_memcheck_owns_allocator_cannot_vouch(monkeypatch, tmp_path):
     record = RESULTS / "h200-initcheck-own-nofill"
     doc, rows, run, got = replay(monkeypatch, tmp_path, record)
-    _same_verdicts(got, rows)
+    same_verdicts(got, rows)
     assert run.outcome() == doc["outcome"] == "CANNOT VOUCH"
     for case in ("0.26.0-under-test", "0.25.1-control"):
         res = got[f"{V}{case}-compile-none-memcheck-own"]

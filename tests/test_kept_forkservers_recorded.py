@@ -5,27 +5,9 @@ from __future__ import annotations
 
 import json
 
-from tests.recorded_gate import replay
 from tests.records import RESULTS
 
 V = "stale_metadata-vllm-"
-
-
-def _replayed(monkeypatch, tmp_path, record: str):
-    doc, rows, run, got = replay(monkeypatch, tmp_path, RESULTS / record)
-    assert {k: r.verdict for k, r in got.items()} == {k: rows[k]["verdict"] for k in got}
-    assert all("-attempt" in k for k in set(rows) - set(got))  # a self control's further attempts: kept in its row
-    return doc, rows, run, got
-
-
-FAULTS = ("crash", "hang", "oob")
-
-
-def _same_verdicts(got, rows, run=None):
-    """The replayed verdicts are the recorded ones, a self control's further attempts (run.attempts) included."""
-    if run is not None:
-        got = {**got, **{c.case_id: r for c, r in run.attempts}}
-    assert {k: r.verdict for k, r in got.items()} == {k: row["verdict"] for k, row in rows.items()}
 
 
 def test_kept_forkservers_meet_the_per_build_goals_with_the_old_paths_verdicts():

@@ -7,25 +7,15 @@ from __future__ import annotations
 from repro.exit_codes import gate as gate_exit
 from repro.run.channel import Channel
 from repro.run.tags import DEVICE_TAG
-from tests.recorded_gate import replay
+from tests.recorded_gate import FAULTS, replay, same_verdicts
 from tests.records import RESULTS
 
 V = "stale_metadata-vllm-"
 
 
-FAULTS = ("crash", "hang", "oob")
-
-
-def _same_verdicts(got, rows, run=None):
-    """The replayed verdicts are the recorded ones, a self control's further attempts (run.attempts) included."""
-    if run is not None:
-        got = {**got, **{c.case_id: r for c, r in run.attempts}}
-    assert {k: r.verdict for k, r in got.items()} == {k: row["verdict"] for k, row in rows.items()}
-
-
 def test_the_readme_gate_line_passes_alone(monkeypatch, tmp_path):
     doc, rows, run, got = replay(monkeypatch, tmp_path, RESULTS / "h200-readme-gate-7")
-    _same_verdicts(got, rows)
+    same_verdicts(got, rows)
     assert all(got[f"{V}0.26.0-under-test-{m}"].verdict == "clean" for m in ("audit", "plain"))
     assert all(got[f"{V}0.26.0-self-control-{m}"].verdict in FAULTS for m in ("audit", "plain"))
     assert got[f"{V}0.25.1-control-audit"].verdict == "stale-audit"  # its plain mode: rule 5's listed miss
@@ -34,7 +24,7 @@ def test_the_readme_gate_line_passes_alone(monkeypatch, tmp_path):
 
 def test_unseen_sm_configurations_no_false_alarm_no_miss(monkeypatch, tmp_path):
     doc, rows, run, got = replay(monkeypatch, tmp_path, RESULTS / "h200-unseen-sm-12-32")
-    _same_verdicts(got, rows)
+    same_verdicts(got, rows)
     for label in ("audit-smmargin12", "smmargin12", "mps12", "mps32"):
         assert got[f"{V}0.26.0-under-test-compile-none-{label}"].verdict == "clean", label
         assert got[f"{V}0.25.1-control-compile-none-{label}"].verdict in FAULTS, label

@@ -8,14 +8,13 @@ import math
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from repro.backends import BACKENDS
 from repro.case.descriptors import AttnConfig
 from repro.case.poison import DEFAULT_POISON, parse_poison
-from repro.cli.outputs import OVERWRITE_HELP
+from repro.cli.outputs import OVERWRITE_HELP, check_writable
 from repro.errors import ConfigError, Unavailable
 from repro.exit_codes import Exit
 from repro.run.smcontrol import device_sm_count
@@ -185,22 +184,7 @@ def check_out_dir(path: str | None, flag: str = "--out") -> None:
     p = Path(path).absolute()
     if p.exists() and not p.is_dir():
         raise ConfigError(f"{flag} {path}: exists and is not a folder")
-    missing = p
-    while not missing.parent.exists():
-        missing = missing.parent
-    try:
-        if p.exists():
-            with tempfile.TemporaryFile(dir=p):
-                pass
-        else:
-            p.mkdir(parents=True)
-            for d in [p, *p.parents]:  # remove what was made, the deepest first
-                d.rmdir()
-                if d == missing:
-                    break
-    except OSError as e:
-        what = "write into it" if p.exists() else "create it"
-        raise ConfigError(f"{flag} {path}: cannot {what} ({e.strerror or e})") from None
+    check_writable(p, path, flag)
 
 
 def check_file_and_folder(file: str | None, folder: str | None, file_flag: str = "--json", folder_flag: str = "--out"):

@@ -81,22 +81,7 @@ def check_folder(path: str | None, overwrite: bool = False, flag: str = "--out")
                 f"{flag} {path}: holds files that are not a repro report: --overwrite replaces only a report "
                 "folder; give a new or empty folder"
             )
-    missing = p
-    while not missing.parent.exists():
-        missing = missing.parent
-    try:
-        if p.exists():
-            with tempfile.TemporaryFile(dir=p):
-                pass
-        else:
-            p.mkdir(parents=True)
-            for d in [p, *p.parents]:  # remove what was made, the deepest first
-                d.rmdir()
-                if d == missing:
-                    break
-    except OSError as e:
-        what = "write into it" if p.exists() else "create it"
-        raise ConfigError(f"{flag} {path}: cannot {what} ({e.strerror or e})") from None
+    check_writable(p, path, flag)
 
 
 class ReportFolder:
@@ -299,3 +284,24 @@ def checkout_kept(repo: str) -> Iterator[None]:
                 signal.signal(signal.SIGTERM, term)
     finally:
         os.close(lock)  # the lock file stays in .git (removing it would let a third run lock another file)
+
+
+def check_writable(p: Path, path: str, flag: str) -> None:
+    """ConfigError when folder `p` (as the user gave it: `path`) cannot be made or written into; a probe that leaves
+    nothing behind (the folders it made are removed, the deepest first)."""
+    missing = p
+    while not missing.parent.exists():
+        missing = missing.parent
+    try:
+        if p.exists():
+            with tempfile.TemporaryFile(dir=p):
+                pass
+        else:
+            p.mkdir(parents=True)
+            for d in [p, *p.parents]:  # remove what was made, the deepest first
+                d.rmdir()
+                if d == missing:
+                    break
+    except OSError as e:
+        what = "write into it" if p.exists() else "create it"
+        raise ConfigError(f"{flag} {path}: cannot {what} ({e.strerror or e})") from None
