@@ -311,8 +311,11 @@ def test_a_descriptor_the_check_cannot_read_is_counted_unchecked_never_clean(plu
     class Odd:  # a FULL descriptor without a token count
         cg_mode: _Mode
 
+    built = []  # kept alive: a freed object's id() can be the next one's (the plugin keys builds by id)
+
     def create(desc, warmup):
         md = prepare_inputs_to_capture(2, 8, builder, 4)
+        built.append(md)
         return lambda cg_mode: impl.forward(None, None, None, None, None, md)
 
     CudaGraphManager([Odd(FULL)]).capture(create)

@@ -37,7 +37,7 @@ def test_the_gate_names_and_counts_the_auditors_mismatches_as_the_auditor_does()
     ]
     out = "\n".join(f"{AUDIT_TAG} {json.dumps({'stale': m.to_dict()})}" for m in ms)
     ev = _audit_evidence(Channel.from_output(out), None)
-    assert ev["stale"] == 3 and ev["descriptor"] == "t32r8"
+    assert ev["stale"] == 3 and ev["first_descriptor"] == "t32r8" and ev["descriptor"] == 0  # none stale-descriptor
     assert ev["fields"] == {"query_start_loc": 2, "scheduler_metadata.prepare_seqlen_q": 1}
     assert [f"stale attention metadata for {x}" for x in ev["first"]] == [str(m) for m in ms]
     assert ev["first"][0] == "t32r8: query_start_loc.query_start_loc[2] is 9, the build wrote 7"

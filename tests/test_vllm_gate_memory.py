@@ -62,7 +62,7 @@ def test_memcheck_own_cases_run_beside_each_other_only_as_far_as_the_budget_hold
     build = VllmBuild("0.26.0", str(tmp_path / "prefix"), UNDER_TEST)
     budget = MemoryBudget(budget_gib * GIB)
     run = run_gate([build], parse_modes("memcheck:own"), tmp_path / "logs", jobs=4, memory=budget, launcher="spawn")
-    assert len(run.cases) == 2  # the build and its self control, both under memcheck:own
+    assert len(run.cases) == 3  # the build and its self control in both forms, all under memcheck:own
     assert most[0] == together and budget.held == 0
     assert budget.worst <= budget.total
 
@@ -83,5 +83,5 @@ def test_a_plain_control_holds_room_for_its_launch_blocking_rerun_beside_it(monk
         VllmBuild("0.25.1", str(tmp_path / "bad"), CONTROL),
     ]
     run_gate(builds, parse_modes("plain"), tmp_path / "logs", jobs=4, memory=Spy(100 * GIB), launcher="spawn")
-    # the build and both references hold one case's; its self control and the known-bad build, both controls, two
-    assert sorted(asked) == [GIB_PER_CASE] * 3 + [2 * GIB_PER_CASE] * 2
+    # the build and both references hold one case's; its self control (both forms) and the known-bad build, two
+    assert sorted(asked) == [GIB_PER_CASE] * 3 + [2 * GIB_PER_CASE] * 3

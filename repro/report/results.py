@@ -7,7 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 from repro.case.matrix import MatrixRun, expected_of
-from repro.case.spec import CaseResult, CaseSpec
+from repro.case.spec import RERUN_ALONE, CaseResult, CaseSpec
 from repro.errors import ConfigError
 from repro.judge.expectations import gate_mode
 from repro.judge.policy import Control, GateDecision, decide, satisfies
@@ -194,6 +194,8 @@ def load_json(path: str | Path) -> MatrixRun:
             r = CaseResult(**c["result"])
             if r.expected is None and c.get("expected"):  # older records kept it in the row only
                 r.expected = c["expected"]
+            if "flags" not in c["result"] and "rerun alone" in r.reason and not r.reason.startswith("refused"):
+                r.flags.append(RERUN_ALONE)  # records from before typed flags (2026-12-03) said it in the reason
             results.append((CaseSpec.from_json(json.dumps(r.spec)), r))
     except OSError as e:
         raise ConfigError(f"{path}: cannot read it ({e.strerror or e})") from None
