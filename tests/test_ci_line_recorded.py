@@ -23,10 +23,10 @@ def _record(n: int | str) -> tuple[dict, dict[str, dict]]:
     return gate, cases
 
 
-@pytest.mark.parametrize("n", [*WORKERS, "final"], ids=lambda n: f"n{n}" if isinstance(n, int) else n)
+@pytest.mark.parametrize("n", [*WORKERS, "final", "final-2"], ids=lambda n: f"n{n}" if isinstance(n, int) else n)
 def test_the_ci_line_passed_with_every_case_run_at_each_worker_count(n):
     gate, cases = _record(n)
-    n = 8 if n == "final" else n  # the session's last code, the README's line as given
+    n = 8 if isinstance(n, str) else n  # the session's last code, the README's line as given
     assert gate["outcome"] == "GATE PASSED" and gate["passed"] is True and not gate["unreported"]
     assert f"-n {n} --gate" in gate["environment"]["command"] and gate["environment"]["gpu"] == "NVIDIA H200"
     assert len(gate["controls"]) == len(cases) == 95
@@ -39,6 +39,8 @@ def test_the_ci_line_passed_with_every_case_run_at_each_worker_count(n):
 
 
 def test_the_verdicts_are_equal_across_worker_counts():
-    verdicts = {n: {c["case_id"]: c["verdict"] for c in _record(n)[0]["controls"]} for n in (*WORKERS, "final")}
-    assert verdicts[8] == verdicts[4] == verdicts[1] == verdicts["final"]
+    verdicts = {
+        n: {c["case_id"]: c["verdict"] for c in _record(n)[0]["controls"]} for n in (*WORKERS, "final", "final-2")
+    }
+    assert verdicts[8] == verdicts[4] == verdicts[1] == verdicts["final"] == verdicts["final-2"]
     assert {"crash", "oob", "clean"} <= set(verdicts[8].values())
