@@ -287,3 +287,84 @@ def test_an_mtp_layer_proposes_the_targets_next_tokens(models):
         want = torch.tensor(seq[lo + 2 :])
         assert torch.equal(lg[lo:].argmax(-1)[: len(want)], want)
         assert margins(lg[lo:]).min().item() > 5.0
+
+
+def target_aux(m: FakeModel, toks: list[int]) -> list:
+    """The three auxiliary hidden states an EAGLE3 target hands its draft (layer ids 0, 1, 2), as vLLM leaves them:
+    layer 0's is the embedding tensor itself, which the fused residual adds then update in place, so the draft reads
+    the whole residual stream there; the states after layers 0 and 1 are fresh sums (hidden + residual)."""
+    pos = torch.arange(len(toks))
+    residual = m.w("model.embed_tokens.weight")[torch.tensor(toks)]
+    mlp, after = torch.zeros_like(residual), []
+    for n in m.layers:
+        residual = residual + mlp
+        x = rms(residual) * m.w(f"model.layers.{n}.input_layernorm.weight")
+        residual, mlp = layer(m, n, x, residual, pos)
+        after.append(residual + mlp)
+    return [after[-1]] + after
+
+
+class Eagle3Model(FakeModel):
+    """vLLM's Eagle3LlamaForCausalLM (TP 1): fc over three target states, one layer whose qkv reads [normed
+    embedding, normed hidden], a hidden_norm, a final norm, its own LM head."""
+
+    def __init__(self, cfg: dict, layer_id: int):
+        super().__init__(cfg, [layer_id], draft=True)
+        h = cfg["hidden_size"]
+        pre = f"model.layers.{layer_id}."
+        shapes = {n: tuple(p.shape) for n, p in zip(self.names, self.ps)}
+        shapes[pre + "input_layernorm.weight"] = (h,)
+        shapes[pre + "hidden_norm.weight"] = (h,)
+        shapes[pre + "self_attn.qkv_proj.weight"] = (shapes[pre + "self_attn.qkv_proj.weight"][0], 2 * h)
+        shapes["model.fc.weight"] = (h, 3 * h)
+        shapes["model.norm.weight"] = (h,)
+        self.names = list(shapes)
+        self.ps = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.randn(s).to(torch.bfloat16), requires_grad=False) for s in shapes.values()]
+        )
+
+
+def eagle3_step(m: Eagle3Model, toks, hidden):
+    """The draft layer over positions 0..len-1 (toks[i]: the token at i+1; hidden[i]: what the draft reads with it):
+    the logits, and the pre-norm residual stream it carries to the next step."""
+    n, pos = m.layers[0], torch.arange(len(toks))
+    pre = f"model.layers.{n}."
+    e = rms(m.w("model.embed_tokens.weight")[torch.tensor(toks)]) * m.w(pre + "input_layernorm.weight")
+    x = torch.cat([e, rms(hidden) * m.w(pre + "hidden_norm.weight")], -1)
+    residual, mlp = layer(m, n, x, hidden, pos)
+    carried = residual + mlp
+    return rms(carried) * m.w("model.norm.weight") @ m.w("lm_head.weight").T, carried
+
+
+def eagle3_proposals(t: FakeModel, dr: Eagle3Model, seq: list[int], k: int) -> list[int]:
+    """k draft tokens after seq (vLLM's EAGLE3 loop: a prefill over the shifted sequence with fc(aux), then k-1
+    steps, each reading the hidden state the previous one carried)."""
+    lg, _ = target_logits(t, seq)
+    toks = seq[1:] + [int(lg[-1].argmax())]
+    hidden = torch.cat(target_aux(t, seq), -1) @ dr.w("model.fc.weight").T
+    out = []
+    for _ in range(k):
+        lg, carried = eagle3_step(dr, toks, hidden)
+        out.append(int(lg[-1].argmax()))
+        toks, hidden = toks + [out[-1]], torch.cat([hidden, carried[-1:]])
+    return out
+
+
+def test_an_eagle3_draft_proposes_the_targets_next_tokens_at_every_step(models):
+    from repro.vllm_integration.gate.methods import DRAFT_EAGLE3
+
+    t, _ = models
+    dr = Eagle3Model(DRAFT_EAGLE3, TARGET["num_hidden_layers"])
+    rec = weights.agreement_weights(dr)
+    assert rec["unknown"] == [] and rec["parameters"] == len(dr.names)
+    seq = decode(t, PROMPTS[1], 6)[0]
+    for cut in (len(PROMPTS[1]), len(PROMPTS[1]) + 2):
+        assert eagle3_proposals(t, dr, seq[:cut], 3) == seq[cut + 1 : cut + 4]
+    # without the head that cancels the carried code, the steps after the first propose the token they were given
+    head = DRAFT_EAGLE3["num_attention_heads"] // DRAFT_EAGLE3["num_key_value_heads"]
+    d = DRAFT_EAGLE3["head_dim"]
+    o_proj = dr.names.index(f"model.layers.{TARGET['num_hidden_layers']}.self_attn.o_proj.weight")
+    dr.ps[o_proj][:, head * d : (head + 1) * d] = 0
+    cut = len(PROMPTS[1])
+    got = eagle3_proposals(t, dr, seq[:cut], 3)
+    assert got[0] == seq[cut + 1] and got[1:] != seq[cut + 2 : cut + 4]

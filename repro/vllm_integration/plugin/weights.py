@@ -17,7 +17,14 @@ built to agree with it, so that the draft's output reaches the result (acceptanc
   A draft whose attention reads the wrong positions or requests (stale metadata) proposes tokens the target rejects.
 - The other methods (repro.vllm_integration.gate.methods) get the same layer by the same names: an EAGLE3 draft's
   first layer normalizes the embedding itself and concatenates the target's hidden state after it (the qkv columns
-  of that half stay as noise draws them, head 0's are zero); a MiMo MTP layer's input_proj passes the normed
+  of that half stay as noise draws them, head 0's are zero). EAGLE3 differs twice more (`_eagle3`): its fc reads the
+  target's auxiliary hidden states, of which it takes the embedding dimensions of the state after the target's first
+  layer (vLLM appends the embedding tensor itself as layer 0's state, and the target's fused residual adds then
+  update it in place: by the time the draft reads it, it holds the target's decision); and the hidden state it
+  carries from one draft step to the next is its own residual stream, decided token included, so one head of the
+  second KV group attends to its own position and subtracts the READ dimensions the carried state brings (without
+  it the draft's READ holds two codes, and it proposes the token it was given as often as the next one). A MiMo MTP
+  layer's input_proj passes the normed
   embedding through ([target hidden, embedding] -> embedding) and its Qwen2 q/k/v biases are zero; a standalone
   draft Llama (draft_model) is a one-layer copy of the target's construction and proposes what the target decides.
 
@@ -134,6 +141,7 @@ def agreement_weights(model: Any, seed: int = SEED, noise: bool = True) -> dict:
     rms = embed_rms(hidden)
     q0, k0 = head0_query_key(d, c["theta"])
     unknown, n = [], 0
+    eagle3 = any(name.endswith("hidden_norm.weight") for name in params)  # vLLM's Eagle3 draft layer has one
     with torch.no_grad():
         for name, p in params.items():
             if not torch.is_floating_point(p):
@@ -151,6 +159,10 @@ def agreement_weights(model: Any, seed: int = SEED, noise: bool = True) -> dict:
                 inv = torch.empty(rows, dtype=torch.long)
                 inv[torch.tensor(perm[:rows])] = torch.arange(rows)  # row SIGMA[v] reads the code of v
                 w[:rows, READ_AT : READ_AT + CODE_DIMS] = LOGIT_GAIN * code[inv]
+            elif name.endswith("fc.weight") and eagle3:  # EAGLE3: [aux 0, aux 1, aux 2] -> aux 1's embedding part
+                w[: CONST_DIM + 1, hidden : hidden + CONST_DIM + 1] = (
+                    torch.eye(CONST_DIM + 1, dtype=torch.float64) / rms
+                )
             elif name.endswith("fc.weight"):  # EAGLE: [embedding, target hidden] -> hidden; the embedding, normed
                 w[:hidden, :hidden] = torch.eye(hidden, dtype=torch.float64) / rms
             elif name.endswith("input_proj.weight"):  # MTP (MiMo): [target hidden, normed embedding] -> the embedding
@@ -181,9 +193,45 @@ def agreement_weights(model: Any, seed: int = SEED, noise: bool = True) -> dict:
                         w[READ_AT : READ_AT + CODE_DIMS] = 0.0
             else:
                 unknown.append(name)
+            if eagle3 and layer == first and name.endswith(("qkv_proj.weight", "o_proj.weight")):
+                _eagle3(name, w, c)
             p.copy_(w.to(p.dtype))
             n += 1
     return {"parameters": n, "unknown": unknown, "layer": first}
+
+
+def carried_rms(hidden: int) -> float:
+    """The root mean square of the residual stream an EAGLE3 draft step carries to the next: its fc's output (the
+    embedding over its rms: rms 1) plus one code in READ (CODE_DIMS entries of about 1)."""
+    return math.sqrt(1 + CODE_DIMS / hidden)
+
+
+def _eagle3(name: str, w: Any, c: dict) -> None:
+    """EAGLE3's draft layer, written over the `agree` construction (see the module): the first head of the second KV
+    group attends to its own position (query = key: the score peaks at offset 0) and its value is minus the READ
+    dimensions of the carried hidden state (the second half of the layer's input, normed: times carried_rms to undo
+    the norm); its output lands in READ, so the carried code cancels and head 0's code is the one READ holds."""
+    import torch  # as above
+
+    hidden, d, nq, nkv = c["hidden"], c["head_dim"], c["heads"], c["kv_heads"]
+    if nkv < 2:
+        raise ValueError(f"the EAGLE3 agreement weights need two KV heads: {c}")
+    head = nq // nkv  # the first query head that reads KV head 1
+    _, k0 = head0_query_key(d, c["theta"])
+    rms = embed_rms(hidden)
+    if name.endswith("qkv_proj.weight"):
+        k_at, v_at = nq * d + d, (nq + nkv) * d + d  # KV head 1's key and value rows
+        for rows in (slice(head * d, (head + 1) * d), slice(k_at, k_at + d), slice(v_at, v_at + d)):
+            w[rows] = 0.0
+        w[head * d : (head + 1) * d, CONST_DIM] = k0 * rms
+        w[k_at : k_at + d, CONST_DIM] = k0 * rms
+        carried = hidden + READ_AT  # the carried state's READ, in the normed second half of the input
+        w[v_at : v_at + CODE_DIMS, carried : carried + CODE_DIMS] = -torch.eye(CODE_DIMS, dtype=torch.float64) * (
+            carried_rms(hidden)
+        )
+    else:  # o_proj: that head's output goes to READ and nowhere else
+        w[:, head * d : (head + 1) * d] = 0.0
+        w[READ_AT : READ_AT + CODE_DIMS, head * d : head * d + CODE_DIMS] = torch.eye(CODE_DIMS, dtype=torch.float64)
 
 
 def margin_weights(model: Any, seed: int = SEED) -> int:
