@@ -18,6 +18,8 @@ from repro.vllm_integration.plugin.inject import STALE_CAPTURE
 from repro.vllm_integration.releases.builds import CONTROL, UNDER_TEST, VllmBuild
 from tests.recorded_gate import StandInMps
 
+OVERLAP = 0.3  # seconds a stand-in client expected clean waits for another one to join its daemon
+
 
 class _Daemon(StandInMps):
     """A stand-in MPS daemon that counts its clients while they run."""
@@ -25,7 +27,7 @@ class _Daemon(StandInMps):
     made: list[_Daemon] = []
 
     def __init__(self):
-        self.clients, self.worst, self.lock = 0, 0, threading.Lock()
+        self.clients, self.worst, self.arrivals, self.lock = 0, 0, 0, threading.Condition()
         _Daemon.made.append(self)
 
 
@@ -36,13 +38,17 @@ def _gate(monkeypatch, tmp_path, answer, modes="mps:16,mps:24", jobs=4):
     seen, lock = [], threading.Lock()
 
     def stand_in(case, builds, log_dir, mps=None, cache=None, device=None, launcher=None):
+        # alone: no other client when it came, and none came while it stayed (it stays until one does, or OVERLAP s:
+        # a batch's clients meet however slowly a loaded machine starts their threads)
         with mps.lock:
             mps.clients += 1
+            mps.arrivals += 1
+            mine, others = mps.arrivals, mps.clients > 1
             mps.worst = max(mps.worst, mps.clients)
-            first = mps.clients == 1
-        time.sleep(0.03)
-        with mps.lock:
-            alone = first and mps.clients == 1
+            mps.lock.notify_all()
+            # a control is meant to run alone: no wait (another client there while it runs is what would be caught)
+            mps.lock.wait_for(lambda: mps.arrivals > mine, timeout=0.03 if case.is_control else OVERLAP)
+            alone = not others and mps.arrivals == mine
             mps.clients -= 1
         with lock:
             seen.append((case, mps, alone))
