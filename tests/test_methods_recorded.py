@@ -1,8 +1,9 @@
 """vLLM 0.34.0 through the gate with every speculative method the harness builds a pair for, and source mutants of
 0.34.0 that build a draft capture's metadata for another descriptor (results/h200-methods-0.34.0,
-results/h200-mutants-0.34.0; written by the gate on the H200): each method's self control is caught in both injection
-forms, a method whose constructed draft does not agree is CANNOT VOUCH (never clean), and each mutant is caught by the
-audit's descriptor check on its own capture path and nowhere else."""
+results/h200-methods-0.34.0-2, results/h200-mutants-0.34.0; written by the gate on the H200): each method's self control
+is caught in both injection forms, by the auditor's contents check in audit mode; a method whose constructed draft
+does not agree is CANNOT VOUCH (never clean), and once its weights agree (EAGLE3's, -2) every method is clean and the
+gate passes; each mutant is caught by the audit's descriptor check on its own capture path and nowhere else."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import re
 from tests.records import RESULTS, load
 
 METHODS = load(RESULTS / "h200-methods-0.34.0" / "results.json")
+AGREEING = load(RESULTS / "h200-methods-0.34.0-2" / "results.json")  # EAGLE3 weights that agree
 MUTANTS = load(RESULTS / "h200-mutants-0.34.0" / "results.json")
 
 
@@ -23,9 +25,9 @@ def _rows(doc: dict) -> dict[str, dict]:
     return {c["case"]: c for c in doc["cases"]}
 
 
-def test_every_method_that_agrees_is_clean_and_every_self_control_form_is_caught():
-    rows = _rows(METHODS)
-    for method in ("", "-draft-model", "-mtp"):  # eagle's ids name no method
+def _every_agreeing_method_clean_and_every_self_control_caught(doc: dict, methods: tuple[str, ...]) -> None:
+    rows = _rows(doc)
+    for method in methods:
         for mode in ("audit", "plain"):
             case = rows[f"stale_metadata-vllm-0.34.0-under-test{method}-compile-none-{mode}"]
             assert case["verdict"] == "clean", case["reason"]
@@ -35,6 +37,23 @@ def test_every_method_that_agrees_is_clean_and_every_self_control_form_is_caught
     assert sum("stale-descriptor" in c["case"] for c in controls) == 8
     for c in controls:  # in audit mode the auditor itself saw the re-created defect, not only the fault
         assert not c["case"].endswith("audit") or _stale(c) > 0, c
+        # the second form (one capture's metadata built for another descriptor) is seen as that by the auditor
+        if "stale-descriptor" in c["case"] and c["case"].endswith("audit"):
+            assert re.search(r"\(([1-9]\d*) of them stale-descriptor\)", c["evidence"]), c
+
+
+def test_every_method_that_agrees_is_clean_and_every_self_control_form_is_caught():
+    _every_agreeing_method_clean_and_every_self_control_caught(METHODS, ("", "-draft-model", "-mtp"))  # eagle: no id
+
+
+def test_with_eagle3_weights_that_agree_every_method_is_clean_and_the_gate_passes():
+    assert AGREEING["outcome"] == "PASS"
+    _every_agreeing_method_clean_and_every_self_control_caught(AGREEING, ("", "-eagle3", "-draft-model", "-mtp"))
+    rows = _rows(AGREEING)
+    assert (
+        "48 of 48 draft tokens accepted"
+        in rows["stale_metadata-vllm-0.34.0-under-test-eagle3-reference-sm-all"]["evidence"]
+    )
 
 
 def test_a_method_whose_draft_does_not_agree_is_cannot_vouch_never_clean():
@@ -58,3 +77,35 @@ def test_each_mutant_is_caught_by_the_descriptor_check_on_its_own_path_only():
                 assert _stale(case) > 0
             else:
                 assert case["verdict"] == "clean" and _stale(case) == 0, case
+
+
+RELEASE_032 = load(RESULTS / "h200-methods-0.32.0" / "results.json")  # vLLM 0.32.0 on torch 2.13
+
+
+def test_a_release_on_torch_2_13_passes_with_each_method_it_captures_and_draft_model_not_applicable():
+    assert RELEASE_032["outcome"] == "PASS"
+    _every_agreeing_method_clean_and_every_self_control_caught_or_wrong(RELEASE_032)
+    rows = _rows(RELEASE_032)
+    for form in ("under-test", "self-control", "self-control-stale-descriptor"):
+        for mode in ("audit", "plain"):
+            case = rows[f"stale_metadata-vllm-0.32.0-{form}-draft-model-compile-none-{mode}"]
+            assert case["verdict"] == "skip" and "capture() records nothing" in case["reason"], case
+    # the stale-descriptor form of eagle's self control did not fault on 0.32.0: the agreeing draft caught it
+    case = rows["stale_metadata-vllm-0.32.0-self-control-stale-descriptor-compile-none-plain"]
+    assert case["verdict"] == "wrong-output" and "0 of 180 draft tokens accepted" in case["evidence"]
+
+
+def _every_agreeing_method_clean_and_every_self_control_caught_or_wrong(doc: dict) -> None:
+    rows = _rows(doc)
+    for method in ("", "-eagle3", "-mtp"):
+        for mode in ("audit", "plain"):
+            case = rows[f"stale_metadata-vllm-0.32.0-under-test{method}-compile-none-{mode}"]
+            assert case["verdict"] == "clean" and "100%" in case["evidence"], case
+    controls = [
+        c
+        for c in rows.values()
+        if "-self-control-" in c["case"] and c["case"].endswith(("audit", "plain")) and "draft-model" not in c["case"]
+    ]
+    assert len(controls) == 12 and {c["verdict"] for c in controls} <= {"crash", "wrong-output"}
+    for c in controls:
+        assert not c["case"].endswith("audit") or _stale(c) > 0, c

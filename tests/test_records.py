@@ -3,6 +3,7 @@ model's agreement with the GPU records, the shipped predictions, the xdist suite
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -69,3 +70,16 @@ def test_xdist_summary_quotes_the_junit_suite_times():
     assert f"took {two:.1f} s against {one:.1f} s for 16 on one worker" in readme
     for n, seconds in ((1, one), (2, two)):
         assert f"Suite time {seconds:.1f} s." in (RESULTS / "h200x2-xdist" / f"xdist-n{n}.md").read_text()
+
+
+def test_every_release_the_gpu_table_names_gets_its_answer_from_the_kept_record():
+    """results/vllm-gpu-records.json names a record per release; kept packed (NAME.tar.xz), each still answers
+    (vllm-check read none of them once they were packed: "GPU record: none" for every release)."""
+    from repro.vllm_integration.releases import compat
+    from repro.vllm_integration.releases.source_check import BAD, GOOD
+
+    table = json.loads(compat.GPU_RECORDS.read_text())
+    for release, name in table.items():
+        rec = compat.gpu_record(release)
+        assert rec is not None and rec["record"] == f"results/{name}", release
+    assert compat.gpu_record("0.25.1")["answer"] == BAD and compat.gpu_record("0.34.0")["answer"] == GOOD

@@ -240,13 +240,26 @@ def gpu_record(release: str, records: Path | None = None) -> dict | None:
     records = GPU_RECORDS if records is None else records
     try:
         named = json.loads(records.read_text()).get(release)
-        doc = json.loads((records.parent / named / "results.json").read_text()) if named else None
-    except (OSError, ValueError):
+        doc = _record_results(records.parent, named) if named else None
+    except (OSError, ValueError, KeyError):
         return None
     row = next((b for b in (doc or {}).get("builds", []) if b.get("build") == release), None)
     if row is None:
         return None
     return {"release": release, "answer": BAD if row.get("affected") else GOOD, "record": f"results/{named}"}
+
+
+def _record_results(results: Path, name: str) -> dict:
+    """A record's results.json, from its folder or from NAME.tar.xz, the form records are kept in (`python -m repro
+    records --add` packs them: repro.report.records, a layer above this one, whose archives hold NAME/...)."""
+    import tarfile  # only for a packed record
+
+    folder = results / name / "results.json"
+    if folder.is_file():
+        return json.loads(folder.read_text())
+    with tarfile.open(results / f"{name}.tar.xz", "r:xz") as tar:
+        member = tar.extractfile(f"{name}/results.json")  # KeyError when the archive lacks it
+        return json.loads(member.read()) if member else {}
 
 
 def _sha256(data: bytes) -> str:
