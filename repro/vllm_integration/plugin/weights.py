@@ -20,6 +20,9 @@ built to agree with it, so that the draft's output reaches the result (acceptanc
   of that half stay as noise draws them, head 0's are zero); a MiMo MTP layer's input_proj passes the normed
   embedding through ([target hidden, embedding] -> embedding) and its Qwen2 q/k/v biases are zero; a standalone
   draft Llama (draft_model) is a one-layer copy of the target's construction and proposes what the target decides.
+- A DFlash draft (dflash_weights, method dflash) gets the same layer with head 0's query two positions back: its block
+  query at P reads the context or the bonus token at P-2 and proposes SIGMA of it (block positions 1 and 2 agree; from
+  3 on, two back is a mask token). docs/dflash.md has the derivation.
 
 `agree` fills what the construction leaves zero (the other heads, the MLPs, the later layers) with random values as
 `margin` draws them, the outputs into the residual stream scaled by NOISE_GAIN: every kernel computes on realistic
@@ -186,6 +189,63 @@ def agreement_weights(model: Any, seed: int = SEED, noise: bool = True) -> dict:
     return {"parameters": n, "unknown": unknown, "layer": first}
 
 
+DFLASH_MODELS = ("DFlashQwen3ForCausalLM",)  # the DFlash drafts dflash_weights constructs (gate method `dflash`)
+DFLASH_BACK = 2  # the DFlash draft's head 0 reads the position this many back: the target's own rule (docs/dflash.md)
+
+
+def query_back(head_dim: int, theta: float, back: int) -> Any:
+    """Head 0's query that, against head0_query_key's key, peaks at the position `back` before the query's (neox
+    pairs): the key rotated back by `back` positions (head0_query_key's query is back=1)."""
+    import torch  # as above
+
+    half = head_dim // 2
+    inv = theta ** (-torch.arange(half, dtype=torch.float64) * 2 / head_dim)
+    amp = math.sqrt(SCORE_NORM2 / PAIRS)
+    q = torch.zeros(head_dim, dtype=torch.float64)
+    q[:PAIRS] = amp * torch.cos(back * inv[:PAIRS])
+    q[half : half + PAIRS] = -amp * torch.sin(back * inv[:PAIRS])
+    return q
+
+
+def dflash_weights(model: Any, seed: int = SEED, noise: bool = True) -> dict:
+    """The `agree` construction for a DFlash draft (vLLM's DFlashQwen3ForCausalLM, method `dflash`), written over
+    agreement_weights' (the same layer by the same names). DFlash drafts a block in one non-causal pass: the query at
+    q0 holds the target's bonus token, q0+1.. hold the mask token, and the query at position P is the draft for P; its
+    keys are the context (the target's hidden states at accepted positions, through fc, hidden_norm and the layer's
+    own K/V rows) and the block's queries. The target decides x(P) = SIGMA[x(P-2)]: so head 0 reads the position two
+    back (context for P = q0+1, the bonus for q0+2; a mask token, no token, from q0+3 on) and the shared LM head
+    applies SIGMA. Over agreement_weights:
+      fc           the first aux state's code and constant dimensions through (its x(p) embedding part), the rest 0
+      qkv_proj     head 0's query rotated back DFLASH_BACK positions (its key and value as agreement_weights')
+      q_norm/k_norm  Qwen3's per-head norms make |q| = |k| = sqrt(head_dim): weights sqrt(SCORE_NORM2 / head_dim)
+                   keep head 0's score scale
+      mask_embedding  zero (used only with a mask_embedding.pt, which dummy loading never reads)"""
+    import torch  # as above
+
+    rec = agreement_weights(model, seed, noise)
+    c = _config(model)
+    d, rms = c["head_dim"], embed_rms(c["hidden"])
+    q = query_back(d, c["theta"], DFLASH_BACK)
+    norm = math.sqrt(SCORE_NORM2 / d)
+    with torch.no_grad():
+        for name, p in dict(model.named_parameters()).items():
+            if name.endswith("fc.weight"):
+                w = torch.zeros(tuple(p.shape), dtype=torch.float64)
+                w[: CONST_DIM + 1, : CONST_DIM + 1] = torch.eye(CONST_DIM + 1, dtype=torch.float64)
+            elif name.endswith("self_attn.qkv_proj.weight") and _LAYER.search(name):
+                w = p.detach().to(torch.float64).clone()
+                w[:d] = 0.0
+                w[:d, CONST_DIM] = q * rms
+            elif name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+                w = torch.full(tuple(p.shape), norm, dtype=torch.float64)
+            elif name.endswith("mask_embedding"):
+                w = torch.zeros(tuple(p.shape), dtype=torch.float64)
+            else:
+                continue
+            p.copy_(w.to(p.dtype))
+    return {**rec, "construction": "dflash"}
+
+
 def margin_weights(model: Any, seed: int = SEED) -> int:
     """Redraw every floating parameter from a seed of its own name; returns how many were drawn."""
     import torch  # as above
@@ -212,7 +272,8 @@ def install(loader_cls: Any, kind: str, emit: Any) -> None:
     def load_weights(self, model: Any, model_config: Any) -> None:
         orig(self, model, model_config)
         if kind in (AGREE, AGREE_EXACT):
-            rec = agreement_weights(model, noise=kind == AGREE)
+            build = dflash_weights if type(model).__name__ in DFLASH_MODELS else agreement_weights
+            rec = build(model, noise=kind == AGREE)
             emit({"weights": kind, "model": type(model).__name__, **rec})
         else:
             emit({"weights": MARGIN, "model": type(model).__name__, "parameters": margin_weights(model)})

@@ -1,0 +1,199 @@
+"""The DFlash draft's `agree` weights (repro.vllm_integration.plugin.weights.dflash_weights) in a CPU re-implementation
+of vLLM 0.34.0's DFlash step (DFlashQwen3ForCausalLM under DFlashSpeculator): the context K/V from the target's aux
+hidden states (fc, hidden_norm, the layer's K/V rows, k_norm, neox RoPE at the context positions), the block's queries
+(the bonus token, then mask tokens) attending non-causally to the context and to each other, Qwen3's per-head q/k
+norms, one layer with its MLP, the final norm and the target's shared LM head; with the gate's pair
+(gate.methods TARGET / DRAFT_DFLASH) in bf16. Block positions 1 and 2 propose the target's tokens by a margin, position
+3 (two back is a mask token) does not, and a context read from another request proposes tokens the target rejects."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from repro.vllm_integration.gate.methods import DRAFT_DFLASH, TARGET  # noqa: E402
+from repro.vllm_integration.gate.worker import PROMPTS  # noqa: E402
+from repro.vllm_integration.plugin import weights  # noqa: E402
+from tests.test_weights import FakeModel, decode, layer, margins, rms, rope  # noqa: E402
+
+K = 3  # the gate's num_speculative_tokens: a block of 1 + K queries
+
+
+class DFlashModel(torch.nn.Module):
+    """Parameters named and shaped as vLLM's DFlashQwen3ForCausalLM names them (TP 1; its layers numbered after the
+    target's: start_layer_id)."""
+
+    def __init__(self, cfg: dict, first_layer: int):
+        super().__init__()
+        self.config = SimpleNamespace(**cfg)
+        h, d, nq, nkv, v, i = (cfg[k] for k in ("hidden_size", "head_dim", "num_attention_heads",
+                                                "num_key_value_heads", "vocab_size", "intermediate_size"))  # fmt: skip
+        aux = len(cfg["dflash_config"]["target_layer_ids"])
+        pre = f"model.layers.{first_layer}."
+        p = {"model.embed_tokens.weight": (v, h), "model.mask_embedding": (h,)}
+        p[pre + "input_layernorm.weight"] = (h,)
+        p[pre + "self_attn.qkv_proj.weight"] = ((nq + 2 * nkv) * d, h)
+        p[pre + "self_attn.q_norm.weight"] = (d,)
+        p[pre + "self_attn.k_norm.weight"] = (d,)
+        p[pre + "self_attn.o_proj.weight"] = (h, nq * d)
+        p[pre + "post_attention_layernorm.weight"] = (h,)
+        p[pre + "mlp.gate_up_proj.weight"] = (2 * i, h)
+        p[pre + "mlp.down_proj.weight"] = (h, i)
+        p["model.fc.weight"] = (h, aux * h)
+        p["model.hidden_norm.weight"] = (h,)
+        p["model.norm.weight"] = (h,)
+        p["lm_head.weight"] = (v, h)
+        self.names = list(p)
+        self.ps = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.randn(s).to(torch.bfloat16), requires_grad=False) for s in p.values()]
+        )
+        self.pre, self.cfg, self.cache = pre, cfg, {}
+
+    def named_parameters(self, *a, **k):
+        return iter(zip(self.names, self.ps))
+
+    def w(self, name: str):  # float32 copies, made once (the construction is written before the first read)
+        if name not in self.cache:
+            self.cache[name] = dict(self.named_parameters())[name].float()
+        return self.cache[name]
+
+
+def target_aux(t: FakeModel, toks: list[int], layer_ids: list[int]):
+    """The target's residual stream after each of layer_ids (DFlash's target_layer_ids: "after layer i")."""
+    pos = torch.arange(len(toks))
+    residual = t.w("model.embed_tokens.weight")[torch.tensor(toks)]
+    mlp = torch.zeros_like(residual)
+    after = {}
+    for n in t.layers:
+        residual = residual + mlp
+        x = rms(residual) * t.w(f"model.layers.{n}.input_layernorm.weight")
+        residual, mlp = layer(t, n, x, residual, pos)
+        after[n] = residual + mlp
+    return torch.cat([after[i] for i in layer_ids], -1)
+
+
+def _heads(m: DFlashModel, x, pos, part: str):
+    c = m.cfg
+    d, nq, nkv = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
+    y = x @ m.w(m.pre + "self_attn.qkv_proj.weight").T
+    if part == "q":
+        q = rms(y[:, : nq * d].view(-1, nq, d)) * m.w(m.pre + "self_attn.q_norm.weight")
+        return rope(q, pos, c["rope_theta"])
+    k = rms(y[:, nq * d : (nq + nkv) * d].view(-1, nkv, d)) * m.w(m.pre + "self_attn.k_norm.weight")
+    return rope(k, pos, c["rope_theta"]), y[:, (nq + nkv) * d :].view(-1, nkv, d)
+
+
+def dflash_block(m: DFlashModel, shared: dict, ctx_aux, bonus: int, q0: int):
+    """One DFlash step: context = the target's aux states at positions 0..q0-1; queries at q0..q0+K hold the bonus
+    token, then the mask token. Returns the block's logits [1 + K, vocab]; shared: the target's embedding and LM
+    head, which the draft uses (vLLM shares them: the dummy loader never marks the draft's own)."""
+    c = m.cfg
+    d, nq, nkv = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
+    ctx = rms(ctx_aux @ m.w("model.fc.weight").T) * m.w("model.hidden_norm.weight")
+    ck, cv = _heads(m, ctx, torch.arange(len(ctx)), "kv")
+    toks = torch.tensor([bonus] + [c["dflash_config"]["mask_token_id"]] * K)
+    qpos = torch.arange(q0, q0 + 1 + K)
+    emb = shared["embed"][toks]
+    x = rms(emb) * m.w(m.pre + "input_layernorm.weight")
+    q = _heads(m, x, qpos, "q")
+    qk, qv = _heads(m, x, qpos, "kv")
+    k, v = torch.cat([ck, qk]), torch.cat([cv, qv])  # non-causal: every query sees the whole context and block
+    k, v = k.repeat_interleave(nq // nkv, 1), v.repeat_interleave(nq // nkv, 1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * d**-0.5
+    o = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(len(qpos), nq * d)
+    residual = emb + o @ m.w(m.pre + "self_attn.o_proj.weight").T
+    g, u = (rms(residual) * m.w(m.pre + "post_attention_layernorm.weight") @ m.w(
+        m.pre + "mlp.gate_up_proj.weight").T).chunk(2, -1)  # fmt: skip
+    mlp = torch.nn.functional.silu(g) * u @ m.w(m.pre + "mlp.down_proj.weight").T
+    final = rms(residual + mlp) * m.w("model.norm.weight")
+    return final @ shared["lm_head"].T
+
+
+@pytest.fixture(scope="module")
+def pair():
+    t = FakeModel({**TARGET}, list(range(TARGET["num_hidden_layers"])), draft=False)
+    assert weights.agreement_weights(t)["unknown"] == []
+    floats, read = {}, t.w  # the target's float32 copies, made once (its weights are written)
+    t.w = lambda name: floats[name] if name in floats else floats.setdefault(name, read(name))
+    dr = DFlashModel(DRAFT_DFLASH, TARGET["num_hidden_layers"])
+    rec = weights.dflash_weights(dr)
+    assert rec["unknown"] == [] and rec["parameters"] == len(dr.names) and rec["construction"] == "dflash"
+    shared = {"embed": t.w("model.embed_tokens.weight"), "lm_head": t.w("lm_head.weight")}
+    seqs = [decode(t, p, 9)[0] for p in PROMPTS]
+    return SimpleNamespace(t=t, dr=dr, shared=shared, seqs=seqs)
+
+
+def steps(pair, seq: list[int], prompt_len: int, ctx_from=None):
+    """(anchor, block logits) for every anchor whose block lies in seq's decoded part; ctx_from: another request's
+    aux states as the context (what a stale block table or seq_lens reads)."""
+    aux = target_aux(pair.t, seq, DRAFT_DFLASH["dflash_config"]["target_layer_ids"])
+    for q0 in range(prompt_len, len(seq) - K):
+        ctx = (ctx_from if ctx_from is not None else aux)[:q0]
+        yield q0, dflash_block(pair.dr, pair.shared, ctx, seq[q0], q0)
+
+
+def test_dflash_block_positions_1_and_2_propose_the_targets_tokens_and_position_3_reads_a_mask(pair):
+    agreed = third = 0
+    for prompt, seq in zip(PROMPTS, pair.seqs):
+        for q0, lg in steps(pair, seq, len(prompt)):
+            want = torch.tensor(seq[q0 + 1 : q0 + 1 + K])
+            got = lg[1:].argmax(-1)
+            assert torch.equal(got[:2], want[:2]), (prompt, q0, got, want)
+            assert margins(lg[1:3].log_softmax(-1)).min().item() > 5.0
+            agreed += 2
+            third += int(got[2] == want[2])
+    assert agreed >= 40 and third == 0  # position 3: SIGMA[mask], never the target's SIGMA^2 of the context
+
+
+def test_a_dflash_context_read_from_another_request_proposes_rejected_tokens(pair):
+    seqs = pair.seqs
+    other = target_aux(pair.t, seqs[1], DRAFT_DFLASH["dflash_config"]["target_layer_ids"])
+    wrong = total = 0
+    for q0, lg in steps(pair, seqs[0], len(PROMPTS[0]), ctx_from=other):
+        if q0 > len(seqs[1]):
+            break
+        wrong += int(lg[1].argmax() != seqs[0][q0 + 1])  # position 1 reads the context two back
+        total += 1
+    assert total >= 3 and wrong == total
+
+
+def test_dflash_head0_reads_two_back_and_the_nearest_rival_is_far_below():
+    d, theta = DRAFT_DFLASH["head_dim"], DRAFT_DFLASH["rope_theta"]
+    _, k = weights.head0_query_key(d, theta)
+    q = weights.query_back(d, theta, weights.DFLASH_BACK)
+    norm = (weights.SCORE_NORM2 / d) ** 0.5  # the q_norm / k_norm weights dflash_weights writes
+    qn, kn = rms(q.float()) * norm, rms(k.float()) * norm
+    m = 600  # a query in the middle: keys before and after it (non-causal)
+    pos = torch.arange(2 * m)
+    qm = rope(qn[None, None, :], torch.tensor([m]), theta)[0, 0]
+    ks = rope(kn[None, :].expand(len(pos), 1, d).clone(), pos, theta)[:, 0]
+    s = ks @ qm * d**-0.5
+    assert int(s.argmax()) == m - weights.DFLASH_BACK
+    rival = torch.cat([s[: m - 2], s[m - 1 :]]).max()
+    assert (s[m - 2] - rival).item() > 5.0
+    assert abs(s[m - 2].item() - weights.SCORE_NORM2 * d**-0.5) < 0.5  # the target's score scale, after the norms
+
+
+def test_install_writes_the_dflash_construction_for_a_dflash_draft_and_agree_for_others():
+    calls = []
+
+    class Loader:
+        def load_weights(self, model, model_config):
+            calls.append(type(model).__name__)
+
+    emitted = []
+    weights.install(Loader, weights.AGREE, emitted.append)
+    draft = type("DFlashQwen3ForCausalLM", (DFlashModel,), {})(DRAFT_DFLASH, TARGET["num_hidden_layers"])
+    target = FakeModel({**TARGET}, [0, 1], draft=False)
+    Loader().load_weights(draft, None)
+    Loader().load_weights(target, None)
+    assert calls == ["DFlashQwen3ForCausalLM", "FakeModel"]  # vLLM's dummy fill first, then the construction
+    assert [e.get("construction") for e in emitted] == ["dflash", None]
+    assert all(e["unknown"] == [] for e in emitted)
+    norm = draft.w(draft.pre + "self_attn.q_norm.weight")
+    assert torch.allclose(
+        norm, torch.full_like(norm, (weights.SCORE_NORM2 / DRAFT_DFLASH["head_dim"]) ** 0.5), rtol=1e-2
+    )
