@@ -13,6 +13,7 @@ from repro.vllm_integration.gate import methods
 from repro.vllm_integration.gate.case import GateMode, reference_for
 from repro.vllm_integration.gate.run import plan
 from repro.vllm_integration.gate.worker import llm_kwargs, write_models
+from repro.vllm_integration.plugin import weights
 from repro.vllm_integration.releases.builds import VllmBuild
 from tests.test_vllm_gate_methods import SPEC, _tree, table_tree
 
@@ -73,7 +74,9 @@ def test_the_dflash_pair_is_the_llama_target_and_a_one_layer_dflash_draft_vllm_a
     t, d = (json.loads((p / "config.json").read_text()) for p in (target, draft))
     assert d["architectures"] == ["DFlashDraftModel"] and d["model_type"] == "qwen3" and d["num_hidden_layers"] == 1
     dc = d["dflash_config"]
-    assert 0 <= dc["mask_token_id"] < t["vocab_size"] and dc["causal"] is False
+    assert dc["causal"] is False
+    # a special id (pad): SIGMA keeps it, so block position 3 (two back is a mask) proposes a token the target never decodes
+    assert dc["mask_token_id"] < weights.SPECIAL
     # DFlash's target_layer_ids are "after layer i": each must be one of the target's layers
     assert dc["target_layer_ids"] and all(0 <= i < t["num_hidden_layers"] for i in dc["target_layer_ids"])
     for k in ("hidden_size", "head_dim", "num_attention_heads", "num_key_value_heads", "vocab_size", "rope_theta"):
