@@ -1,6 +1,6 @@
 """The `dflash` method of the gate (repro.vllm_integration.gate.methods): applicable where the build's method table
 resolves dflash to a speculator whose capture() records graphs, not applicable with the reason elsewhere; its pair
-(the Llama target, a one-layer DFlash draft vLLM 0.34.0 accepts with dummy weights and no tokenizer) written by the
+(the Llama target, a two-layer DFlash draft vLLM 0.34.0 accepts with dummy weights and no tokenizer) written by the
 harness; readable case ids; the family members without an agreeing pair refused by name, pointing to dflash."""
 
 from __future__ import annotations
@@ -68,15 +68,15 @@ def test_a_dflash_family_member_without_a_pair_is_refused_by_name_pointing_to_df
     assert member not in methods.parse_methods("all") and "dflash" in methods.parse_methods("all")
 
 
-def test_the_dflash_pair_is_the_llama_target_and_a_one_layer_dflash_draft_vllm_accepts(tmp_path):
+def test_the_dflash_pair_is_the_llama_target_and_a_two_layer_dflash_draft_vllm_accepts(tmp_path):
     target, draft = write_models(tmp_path, "dflash")
     assert target == write_models(tmp_path, "eagle")[0]  # the methods share the Llama target's folder
     t, d = (json.loads((p / "config.json").read_text()) for p in (target, draft))
-    assert d["architectures"] == ["DFlashDraftModel"] and d["model_type"] == "qwen3" and d["num_hidden_layers"] == 1
+    assert d["architectures"] == ["DFlashDraftModel"] and d["model_type"] == "qwen3"
     dc = d["dflash_config"]
-    assert dc["causal"] is False
-    # a special id (pad): SIGMA keeps it, so block position 3 (two back is a mask) proposes a token the target never decodes
-    assert dc["mask_token_id"] < weights.SPECIAL
+    assert dc["causal"] is False and dc["mask_token_id"] < weights.SPECIAL  # a special id (pad): never decoded
+    # the construction's room: two layers (the second reads what the first's lookup wrote), the lookup's units
+    assert d["num_hidden_layers"] == 2 and d["intermediate_size"] >= t["vocab_size"] + weights.CODE_DIMS
     # DFlash's target_layer_ids are "after layer i": each must be one of the target's layers
     assert dc["target_layer_ids"] and all(0 <= i < t["num_hidden_layers"] for i in dc["target_layer_ids"])
     for k in ("hidden_size", "head_dim", "num_attention_heads", "num_key_value_heads", "vocab_size", "rope_theta"):

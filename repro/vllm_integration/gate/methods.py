@@ -8,10 +8,10 @@ dummy loader: repro.vllm_integration.plugin.weights), its speculative_config, an
                metadata: StandaloneARSpeculator in 0.34.0, the first release whose capture() records FULL graphs)
   mtp          a MiMo target (Qwen2 layers) with one multi-token-prediction layer; the draft is the target's own
                MTP layer (MTPSpeculator: a TargetDependentARSpeculator)
-  dflash       the same Llama target + a one-layer DFlash draft (Qwen3 layers, non-causal, parallel drafting of a
+  dflash       the same Llama target + a two-layer DFlash draft (Qwen3 layers, non-causal, parallel drafting of a
                block from two of the target's hidden states and mask tokens; DFlashSpeculator, whose capture builds
-               its own metadata: spec_decode/dflash/cudagraph.py). Its pair agrees at block positions 1 and 2 only
-               (position 3 reads a mask token): 2 of 3 draft tokens accepted at k=3 (docs/dflash.md)
+               its own metadata: spec_decode/dflash/cudagraph.py). It agrees at block positions 1..4 (k <= 4; the
+               gate runs 3): docs/dflash.md
 
 Each pair agrees by construction (the `agree` weights: every model's head 0 reads the previous position's token,
 its LM head maps it through one permutation; a draft fed one token ahead predicts what the target will), so the
@@ -82,19 +82,20 @@ DRAFT_EAGLE3 = {
     "draft_vocab_size": TARGET["vocab_size"],
     "eagle_aux_hidden_state_layer_ids": [0, 1, 2],
 }
-DRAFT_LLAMA = {**TARGET, "num_hidden_layers": 1}
-# DFlash: a one-layer Qwen3 draft (model_type qwen3: no remote code; EAGLEConfig keeps DFlashDraftModel). Its fc reads
-# the target's hidden states after layers 0 and 1 (DFlash's target_layer_ids: "after layer i", aux ids i + 1); the mask
-# token is the pad id 0 (SIGMA keeps it: block position 3, which reads a mask token, proposes 0, which the target never
-# decodes); non-causal as DFlash checkpoints are (vLLM's default, said explicitly)
+DRAFT_LLAMA = {**TARGET, "num_hidden_layers": 1}  # draft_model: a standalone Llama sharing the vocabulary
+# DFlash: a two-layer Qwen3 draft (model_type qwen3: no remote code; EAGLEConfig keeps DFlashDraftModel). Its fc reads
+# the target's hidden states after layers 0 and 1 (DFlash's target_layer_ids: "after layer i", aux ids i + 1); its
+# first MLP is a lookup table over the vocabulary (intermediate_size: the vocabulary and 2048 more); the mask token is
+# the pad id 0; non-causal as DFlash checkpoints are (vLLM's default, said explicitly). weights.dflash_weights
 DRAFT_DFLASH = {
     **TARGET,
     "architectures": ["DFlashDraftModel"],
     "model_type": "qwen3",
-    "num_hidden_layers": 1,
+    "num_hidden_layers": 2,
+    "intermediate_size": TARGET["vocab_size"] + 2048,
     "attention_bias": False,
     "dflash_config": {"mask_token_id": 0, "target_layer_ids": [0, 1], "causal": False},
-}  # draft_model: a standalone Llama sharing the vocabulary
+}
 # MTP: MiMo (Qwen2 layers, head_dim = hidden / heads = 128) with one MTP layer; model_type qwen2 so that no remote
 # code is needed for its config (vLLM recognizes MiMo's MTP by the architecture name)
 TARGET_MTP = {
