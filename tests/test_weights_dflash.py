@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 from repro.vllm_integration.gate.methods import DRAFT_DFLASH, TARGET  # noqa: E402
 from repro.vllm_integration.gate.worker import PROMPTS  # noqa: E402
 from repro.vllm_integration.plugin import weights  # noqa: E402
-from tests.test_weights import FakeModel, decode, layer, margins, rms, rope  # noqa: E402
+from tests.test_weights import FakeModel, layer, margins, rms, rope, target_logits  # noqa: E402
 
 K = 3  # the gate's num_speculative_tokens: a block of 1 + K queries
 
@@ -110,6 +110,14 @@ def dflash_block(m: DFlashModel, shared: dict, ctx_aux, bonus: int, q0: int, k: 
     return (rms(stream) * m.w("model.norm.weight")) @ shared["lm_head"].T
 
 
+def rule_sequence(prompt: list[int], n: int) -> list[int]:
+    """The prompt and n tokens of the target's rule x(P) = SIGMA[x(P-2)] (tests/test_weights: its model decodes it)."""
+    s, seq = weights.sigma(TARGET["vocab_size"]), list(prompt)
+    for _ in range(n):
+        seq.append(s[seq[-2]])
+    return seq
+
+
 @pytest.fixture(scope="module")
 def pair():
     t = FakeModel({**TARGET}, list(range(TARGET["num_hidden_layers"])), draft=False)
@@ -120,7 +128,9 @@ def pair():
     rec = weights.dflash_weights(dr)
     assert rec["unknown"] == [] and rec["parameters"] == len(dr.names) and rec["construction"] == "dflash"
     shared = {"embed": t.w("model.embed_tokens.weight"), "lm_head": t.w("lm_head.weight")}
-    seqs = [decode(t, p, 9)[0] for p in PROMPTS]
+    seqs = [rule_sequence(p, 9) for p in PROMPTS]
+    for p, seq in zip(PROMPTS, seqs):  # what the target decodes greedily (one forward over the whole sequence)
+        assert target_logits(t, seq)[0][len(p) - 1 : -1].argmax(-1).tolist() == seq[len(p) :]
     return SimpleNamespace(t=t, dr=dr, shared=shared, seqs=seqs)
 
 
