@@ -81,8 +81,16 @@ def test_the_dflash_pair_is_the_llama_target_and_a_two_layer_dflash_draft_vllm_a
     assert dc["target_layer_ids"] and all(0 <= i < t["num_hidden_layers"] for i in dc["target_layer_ids"])
     for k in ("hidden_size", "head_dim", "num_attention_heads", "num_key_value_heads", "vocab_size", "rope_theta"):
         assert d[k] == t[k], k  # the construction's geometry; the embedding and LM head are the target's (shared)
-    spec = llm_kwargs(target, draft, False, 3, 0.1, method="dflash")["speculative_config"]
-    assert spec == {"method": "dflash", "num_speculative_tokens": 3, "model": str(draft)}
+    spec = llm_kwargs(target, draft, False, 3, 0.1, "TRITON_ATTN", method="dflash")["speculative_config"]
+    # the draft's backend is named: DFlash's loader would choose its own (FLASH_ATTN on Hopper) for a TRITON_ATTN case
+    assert spec == {
+        "method": "dflash",
+        "num_speculative_tokens": 3,
+        "model": str(draft),
+        "attention_backend": "TRITON_ATTN",
+    }
+    eagle = llm_kwargs(target, draft, False, 3, 0.1, "TRITON_ATTN", method="eagle")["speculative_config"]
+    assert "attention_backend" not in eagle  # EAGLE's draft inherits the target's, as every record ran it
 
 
 def test_dflash_cases_carry_a_readable_method_id_and_their_own_reference():

@@ -113,15 +113,22 @@ class SpecMethod:
     name: str
     target: tuple[str, dict]  # (folder name, config)
     draft: tuple[str, dict] | None  # None: the draft is the target's own layers (MTP)
+    # the draft picks its own attention backend unless the speculative_config names one: DFlash's loader builds the
+    # draft with speculative_config.attention_backend, None choosing again (0.34.0 spec_decode/dflash/utils.py), where
+    # the other drafts inherit the target's
+    names_backend: bool = False
 
     def models(self) -> tuple[tuple[str, dict], ...]:
         return (self.target,) + ((self.draft,) if self.draft else ())
 
-    def speculative_config(self, draft: Path | None, spec_tokens: int) -> dict:
-        """LLM(speculative_config=...): the method, its draft model folder (none for MTP: the target's), k."""
+    def speculative_config(self, draft: Path | None, spec_tokens: int, backend: str | None = None) -> dict:
+        """LLM(speculative_config=...): the method, its draft model folder (none for MTP: the target's), k; the case's
+        attention backend where the draft would not inherit it (names_backend)."""
         out = {"method": self.name, "num_speculative_tokens": spec_tokens}
         if draft is not None:
             out["model"] = str(draft)
+        if self.names_backend and backend:
+            out["attention_backend"] = backend
         return out
 
 
@@ -130,7 +137,7 @@ TABLE = {
     EAGLE3: SpecMethod(EAGLE3, ("target", TARGET), ("draft-eagle3", DRAFT_EAGLE3)),
     DRAFT_MODEL: SpecMethod(DRAFT_MODEL, ("target", TARGET), ("draft-llama", DRAFT_LLAMA)),
     MTP: SpecMethod(MTP, ("target-mtp", TARGET_MTP), None),
-    DFLASH: SpecMethod(DFLASH, ("target", TARGET), ("draft-dflash", DRAFT_DFLASH)),
+    DFLASH: SpecMethod(DFLASH, ("target", TARGET), ("draft-dflash", DRAFT_DFLASH), names_backend=True),
 }
 
 
