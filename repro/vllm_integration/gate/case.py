@@ -15,8 +15,9 @@ Detection modes (`--modes`, each a case parameter):
   memcheck:own+poison:FILL  the same with the entries FA3 never writes poisoned: a read of one memcheck names
 
 Every case runs one speculative method (`--methods`, repro.vllm_integration.gate.methods: eagle, eagle3,
-draft_model, mtp; its id names it unless it is eagle), with its own reference and self control; a method the build
-does not have, or whose speculator captures no FULL graph, is not applicable there (a skip saying why, never clean).
+draft_model, mtp, dflash; its id names it unless it is eagle), with its own reference and self control; a method
+the build does not have, or whose speculator captures no FULL graph, is not applicable there (a skip saying why,
+never clean).
 
 Every mode also runs as a self control of a build (`inject`), once per form of the injection (INJECTIONS: the
 target's capture contents in the draft's buffers, `stale-capture`; another descriptor's metadata, object and buffers

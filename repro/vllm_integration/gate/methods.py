@@ -8,6 +8,10 @@ dummy loader: repro.vllm_integration.plugin.weights), its speculative_config, an
                metadata: StandaloneARSpeculator in 0.34.0, the first release whose capture() records FULL graphs)
   mtp          a MiMo target (Qwen2 layers) with one multi-token-prediction layer; the draft is the target's own
                MTP layer (MTPSpeculator: a TargetDependentARSpeculator)
+  dflash       the same Llama target + a two-layer DFlash draft (Qwen3 layers, non-causal, parallel drafting of a
+               block from two of the target's hidden states and mask tokens; DFlashSpeculator, whose capture builds
+               its own metadata: spec_decode/dflash/cudagraph.py). It agrees at block positions 1..4 (k <= 4; the
+               gate runs 3): docs/dflash.md
 
 Each pair agrees by construction (the `agree` weights: every model's head 0 reads the previous position's token,
 its LM head maps it through one permutation; a draft fed one token ahead predicts what the target will), so the
@@ -17,8 +21,9 @@ Applicability is read from the build's own files (never a version list): the met
 runner dispatches (speculator_config's method table, 0.27+; else init_speculator's branches, 0.24-0.26; a tree with
 neither drafts with EAGLE only), and the speculator class it resolves to must have a capture() that does something
 (BaseSpeculator.capture is `pass`: draft_model in 0.33.0 captured nothing). A method that is not applicable is a
-skip that says why, never a clean case. The DFlash family (parallel drafting, its own capture builder) is not here:
-the harness has no agreeing DFlash pair yet (`--methods dflash` is refused with that reason)."""
+skip that says why, never a clean case. The rest of the DFlash family (DFlash2, XPress, LiLiCorr under method
+dflash with their own draft architectures; DSpark) shares dflash's capture path but has no agreeing pair here: each
+is refused by name with its reason (NOT_HERE)."""
 
 from __future__ import annotations
 
@@ -30,14 +35,24 @@ from pathlib import Path
 from repro.errors import ConfigError
 
 EAGLE, EAGLE3, DRAFT_MODEL, MTP = "eagle", "eagle3", "draft_model", "mtp"
-METHODS = (EAGLE, EAGLE3, DRAFT_MODEL, MTP)
+DFLASH = "dflash"
+METHODS = (EAGLE, EAGLE3, DRAFT_MODEL, MTP, DFLASH)
 DEFAULT_METHOD = EAGLE  # a case without a method is an EAGLE case (records from before --methods)
 # `gate --methods` when not given: EAGLE alone, the method every recorded run measured; `all` (every method of
 # METHODS, each not applicable where the build lacks it) until the other pairs are measured on a GPU
 DEFAULT_METHODS = EAGLE
+# the DFlash family beyond `dflash`: each captures through DFlashSpeculator.capture and its DFlashCudaGraphManager (the
+# builder `dflash` exercises), each with a draft architecture the harness cannot yet make agree (docs/dflash.md)
+_SAME_CAPTURE = "; its capture path (DFlashSpeculator.capture, spec_decode/dflash/cudagraph.py) is dflash's: use dflash"
 NOT_HERE = {
-    "dflash": "the harness has no agreeing DFlash pair yet (parallel drafting over the target's hidden states); "
-    "its capture builder (spec_decode/dflash/cudagraph.py) is not exercised",
+    "dflash2": "runs as method dflash with a DFlash2DraftModel draft (grouped convolutions, a candidate selector): "
+    "the harness has no agreeing DFlash2 draft" + _SAME_CAPTURE,
+    "lilicorr": "runs as method dflash with a LiLiCorrDraftModel draft (DFlash2's candidate heads): "
+    "the harness has no agreeing LiLiCorr draft" + _SAME_CAPTURE,
+    "xpress": "runs as method dflash with a Qwen3XPressModel draft (a top-c candidate head): "
+    "the harness has no agreeing XPress draft" + _SAME_CAPTURE,
+    "dspark": "a DSpark draft (Qwen3DSparkModel: a Markov head, anchor sampling): the harness has no agreeing "
+    "DSpark draft" + _SAME_CAPTURE,
 }
 
 TARGET = {
@@ -68,6 +83,19 @@ DRAFT_EAGLE3 = {
     "eagle_aux_hidden_state_layer_ids": [0, 1, 2],
 }
 DRAFT_LLAMA = {**TARGET, "num_hidden_layers": 1}  # draft_model: a standalone Llama sharing the vocabulary
+# DFlash: a two-layer Qwen3 draft (model_type qwen3: no remote code; EAGLEConfig keeps DFlashDraftModel). Its fc reads
+# the target's hidden states after layers 0 and 1 (DFlash's target_layer_ids: "after layer i", aux ids i + 1); its
+# first MLP is a lookup table over the vocabulary (intermediate_size: the vocabulary and 2048 more); the mask token is
+# the pad id 0; non-causal as DFlash checkpoints are (vLLM's default, said explicitly). weights.dflash_weights
+DRAFT_DFLASH = {
+    **TARGET,
+    "architectures": ["DFlashDraftModel"],
+    "model_type": "qwen3",
+    "num_hidden_layers": 2,
+    "intermediate_size": TARGET["vocab_size"] + 2048,
+    "attention_bias": False,
+    "dflash_config": {"mask_token_id": 0, "target_layer_ids": [0, 1], "causal": False},
+}
 # MTP: MiMo (Qwen2 layers, head_dim = hidden / heads = 128) with one MTP layer; model_type qwen2 so that no remote
 # code is needed for its config (vLLM recognizes MiMo's MTP by the architecture name)
 TARGET_MTP = {
@@ -85,15 +113,22 @@ class SpecMethod:
     name: str
     target: tuple[str, dict]  # (folder name, config)
     draft: tuple[str, dict] | None  # None: the draft is the target's own layers (MTP)
+    # the draft picks its own attention backend unless the speculative_config names one: DFlash's loader builds the
+    # draft with speculative_config.attention_backend, None choosing again (0.34.0 spec_decode/dflash/utils.py), where
+    # the other drafts inherit the target's
+    names_backend: bool = False
 
     def models(self) -> tuple[tuple[str, dict], ...]:
         return (self.target,) + ((self.draft,) if self.draft else ())
 
-    def speculative_config(self, draft: Path | None, spec_tokens: int) -> dict:
-        """LLM(speculative_config=...): the method, its draft model folder (none for MTP: the target's), k."""
+    def speculative_config(self, draft: Path | None, spec_tokens: int, backend: str | None = None) -> dict:
+        """LLM(speculative_config=...): the method, its draft model folder (none for MTP: the target's), k; the case's
+        attention backend where the draft would not inherit it (names_backend)."""
         out = {"method": self.name, "num_speculative_tokens": spec_tokens}
         if draft is not None:
             out["model"] = str(draft)
+        if self.names_backend and backend:
+            out["attention_backend"] = backend
         return out
 
 
@@ -102,6 +137,7 @@ TABLE = {
     EAGLE3: SpecMethod(EAGLE3, ("target", TARGET), ("draft-eagle3", DRAFT_EAGLE3)),
     DRAFT_MODEL: SpecMethod(DRAFT_MODEL, ("target", TARGET), ("draft-llama", DRAFT_LLAMA)),
     MTP: SpecMethod(MTP, ("target-mtp", TARGET_MTP), None),
+    DFLASH: SpecMethod(DFLASH, ("target", TARGET), ("draft-dflash", DRAFT_DFLASH), names_backend=True),
 }
 
 
@@ -233,7 +269,7 @@ def _noop(body: list[ast.stmt]) -> bool:
 
 
 # init_speculator's branches that name no method: the SpeculativeConfig predicate each method answers true to
-PREDICATES = {EAGLE: "use_eagle()", EAGLE3: "use_eagle()", DRAFT_MODEL: "uses_draft_model()"}
+PREDICATES = {EAGLE: "use_eagle()", EAGLE3: "use_eagle()", DRAFT_MODEL: "uses_draft_model()", DFLASH: "use_dflash()"}
 
 
 def _speculator_of(package_dir: Path, method: str) -> tuple[str | None, str]:

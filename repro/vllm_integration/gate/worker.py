@@ -93,7 +93,7 @@ def llm_kwargs(
         seed=0,
     )
     kw["disable_log_stats"] = False  # LLM.get_metrics(): the speculative-decoding acceptance counters
-    kw["speculative_config"] = TABLE[method].speculative_config(draft, spec_tokens)
+    kw["speculative_config"] = TABLE[method].speculative_config(draft, spec_tokens, backend)
     if reference:
         kw["enforce_eager"] = True
     elif compile == "none":

@@ -67,6 +67,7 @@ from repro.case.poison import parse_poison
 from repro.run.channel import emit
 from repro.run.tags import PLUGIN_TAG
 from repro.vllm_integration.plugin import counters
+from repro.vllm_integration.plugin import weights_dflash as dflash_weights
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND, backend_for
 from repro.vllm_integration.plugin.backend_hooks import install, install_inject, install_probe
 from repro.vllm_integration.plugin.fa3_hooks import install_fa3_hooks
@@ -185,6 +186,6 @@ def register() -> None:
         if loader is None or not callable(getattr(loader, "load_weights", None)):
             emit(PLUGIN_TAG, {"error": f"{dummy_loader.__name__}: DummyModelLoader.load_weights not found"})
             return
-        install_weights(loader, want["weights"], lambda record: emit(PLUGIN_TAG, record))
+        install_weights(loader, want["weights"], lambda record: emit(PLUGIN_TAG, record), dflash_weights.BY_MODEL)
         installed.add("weights")
         emit(PLUGIN_TAG, {"installed": "weights", "weights": want["weights"]})

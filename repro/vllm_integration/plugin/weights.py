@@ -27,6 +27,9 @@ built to agree with it, so that the draft's output reaches the result (acceptanc
   layer's input_proj passes the normed
   embedding through ([target hidden, embedding] -> embedding) and its Qwen2 q/k/v biases are zero; a standalone
   draft Llama (draft_model) is a one-layer copy of the target's construction and proposes what the target decides.
+- A DFlash draft (dflash_weights, method dflash: a block drafted in one non-causal pass) gets two layers whose head 0
+  reads two positions back, the first with an MLP lookup table that writes SIGMA of what it read where a mask token
+  sits, so every block position up to 4 proposes what the target decides (docs/dflash.md has the derivation).
 
 `agree` fills what the construction leaves zero (the other heads, the MLPs, the later layers) with random values as
 `margin` draws them, the outputs into the residual stream scaled by NOISE_GAIN: every kernel computes on realistic
@@ -253,14 +256,17 @@ def margin_weights(model: Any, seed: int = SEED) -> int:
     return n
 
 
-def install(loader_cls: Any, kind: str, emit: Any) -> None:
-    """After vLLM's dummy loader fills a model, write `kind`'s weights and emit what was written."""
+def install(loader_cls: Any, kind: str, emit: Any, by_model: dict | None = None) -> None:
+    """After vLLM's dummy loader fills a model, write `kind`'s weights and emit what was written. by_model: model class
+    name -> the `agree` construction for that class where it is not agreement_weights (the DFlash draft's:
+    weights_dflash.BY_MODEL, passed by the plugin)."""
     orig = loader_cls.load_weights
+    by_model = by_model or {}
 
     def load_weights(self, model: Any, model_config: Any) -> None:
         orig(self, model, model_config)
         if kind in (AGREE, AGREE_EXACT):
-            rec = agreement_weights(model, noise=kind == AGREE)
+            rec = by_model.get(type(model).__name__, agreement_weights)(model, noise=kind == AGREE)
             emit({"weights": kind, "model": type(model).__name__, **rec})
         else:
             emit({"weights": MARGIN, "model": type(model).__name__, "parameters": margin_weights(model)})
