@@ -109,3 +109,16 @@ def _every_agreeing_method_clean_and_every_self_control_caught_or_wrong(doc: dic
     assert len(controls) == 12 and {c["verdict"] for c in controls} <= {"crash", "wrong-output"}
     for c in controls:
         assert not c["case"].endswith("audit") or _stale(c) > 0, c
+
+
+DFLASH = load(RESULTS / "h200-dflash-0.34.0" / "results.json")  # --methods dflash, cut by a short --deadline
+
+
+def test_the_dflash_pair_agrees_on_the_gpu_and_cases_the_deadline_cut_are_cannot_vouch_never_clean():
+    rows = _rows(DFLASH)
+    ref = rows["stale_metadata-vllm-0.34.0-under-test-dflash-reference-sm-all"]
+    assert ref["verdict"] == "clean" and "draft 48 of 48 draft tokens accepted (100%)" in ref["evidence"]
+    assert ref["engine"]["speculative_method"] == "dflash"
+    cut = [c for c in rows.values() if not c["case"].endswith("reference-sm-all")]
+    assert len(cut) == 6 and all(c["verdict"] == "skip" and "--deadline" in c["reason"] for c in cut)
+    assert DFLASH["outcome"] == "CANNOT VOUCH"
