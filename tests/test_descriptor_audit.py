@@ -30,6 +30,7 @@ from repro.vllm_integration.plugin.audit import (
 )
 from repro.vllm_integration.plugin.inject import STALE_CAPTURE
 from repro.vllm_integration.plugin.inject import STALE_DESCRIPTOR as FORM_2
+from tests.fake_vllm import FakeGraph
 from tests.reused_address import reborn
 
 
@@ -139,17 +140,6 @@ def prepare_inputs_to_capture(num_reqs, num_tokens, builder, max_query_len=None)
         max_query_len or num_tokens, BUF["block_table"][:num_reqs], BUF["slot_mapping"][:num_tokens],
     )  # fmt: skip
     return builder.build(0, cm)
-
-
-class FakeGraph:
-    def __init__(self, *a, **k):
-        pass
-
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 CUDA = types.SimpleNamespace(graph=FakeGraph)

@@ -127,10 +127,10 @@ def test_bisect_gives_the_checkout_back_after_ctrl_c_and_allows_one_run_per_chec
 
 
 def test_bisect_names_the_first_bad_commit_with_its_subject_and_shows_no_diffstat(tmp_path):
-    from tests.test_vllm_integration import MANAGER_BAD, MANAGER_GOOD, _tree
+    from tests.fake_vllm import MANAGER_BAD, MANAGER_GOOD, write_manager_tree
 
     repo = tmp_path / "vllm-repo"
-    _tree(repo, "autoregressive", MANAGER_GOOD)
+    write_manager_tree(repo, "autoregressive", MANAGER_GOOD)
     _git(repo, "init", "-q")
     _git(repo, "add", "-A")
     _git(repo, "commit", "-qm", "good 1")

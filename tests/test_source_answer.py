@@ -20,16 +20,9 @@ from repro.cli import main as cli
 from repro.vllm_integration.releases import compat
 from repro.vllm_integration.releases.compat import check_source
 from repro.vllm_integration.releases.source_check import BAD, GOOD, NO_KNOWN_BAD, UNTESTABLE
+from tests.fake_vllm import MANAGER_BAD, MANAGER_GOOD
+from tests.fake_vllm import SPEC_DECODE as SPEC
 
-SPEC = "vllm/v1/worker/gpu/spec_decode"
-GOOD_MANAGER = """
-class SpeculatorCudaGraphManager(CudaGraphManager):
-    def capture(self, forward_fn, model_state, input_buffers, block_tables, attn_groups, kv_cache_config):
-        def create_forward_fn(desc, warmup):
-            md = prepare_inputs_to_capture(desc.num_reqs, desc.num_tokens, model_state, input_buffers)
-            return lambda mode: forward_fn(md, mode)
-        super().capture(create_forward_fn)
-"""
 DFLASH_MANAGER = """
 class DFlashCudaGraphManager(CudaGraphManager):
     def capture(self, forward_fn, input_buffers, block_tables, attn_groups, kv_cache_config, max_model_len, causal):
@@ -37,14 +30,6 @@ class DFlashCudaGraphManager(CudaGraphManager):
             attn_state = _prepare_dflash_inputs_to_capture(desc.num_reqs, desc.num_tokens, input_buffers)
             return lambda mode: forward_fn(attn_state, mode)
         super().capture(create_forward_fn)
-"""
-BAD_MANAGER = """
-class PrefillSpeculatorCudaGraphManager(CudaGraphManager):
-    def capture(self, forward_fn, attn_states, progress_bar_desc="x"):
-        def create_forward_fn(desc, warmup):
-            pair = attn_states[desc]
-            return forward_fn, pair.warmup if warmup else pair.captured
-        super().capture(create_forward_fn, progress_bar_desc)
 """
 LOOP = """
 class CudaGraphManager:
@@ -59,7 +44,7 @@ def _files(bad: bool = False) -> dict[str, str]:
     return {
         "vllm/__init__.py": "",
         "vllm/v1/worker/gpu/cudagraph_utils.py": LOOP,
-        f"{SPEC}/autoregressive/cudagraph_utils.py": BAD_MANAGER if bad else GOOD_MANAGER,
+        f"{SPEC}/autoregressive/cudagraph_utils.py": MANAGER_BAD if bad else MANAGER_GOOD,
         f"{SPEC}/target_dependent_ar/__init__.py": "",
         f"{SPEC}/dflash/cudagraph.py": DFLASH_MANAGER,
     }
