@@ -33,6 +33,7 @@ Builds that hook nothing (the gate must not vouch for them):
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 BEHAVIOURS = (
@@ -522,3 +523,23 @@ def write_manager_tree(root: Path, layout: str, manager: str | None) -> None:
     d = root / SPEC_DECODE / layout
     d.mkdir(parents=True, exist_ok=True)
     (d / "cudagraph_utils.py").write_text(manager)
+
+
+def write_manager_history(repo: Path, managers: list[str]) -> list[str]:
+    """A git checkout of a vLLM source tree whose autoregressive capture manager changes commit by commit: first
+    MANAGER_GOOD ("good 1"), then each text of `managers` ("change 0", "change 1", ...). Their commits' shas."""
+
+    def git(*args: str) -> str:
+        cmd = ["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
+
+    write_manager_tree(repo, "autoregressive", MANAGER_GOOD)
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "good 1")
+    shas = []
+    for i, text in enumerate(managers):
+        (repo / SPEC_DECODE / "autoregressive" / "cudagraph_utils.py").write_text(text)
+        git("commit", "-qam", f"change {i}")
+        shas.append(git("rev-parse", "HEAD"))
+    return shas

@@ -18,7 +18,7 @@ from repro.vllm_integration.plugin import backend_hooks, capture, counters
 from repro.vllm_integration.plugin.audit import FreshnessAuditor
 from repro.vllm_integration.releases.bisect import build_overlay, run_bisect, step
 from repro.vllm_integration.releases.source_check import BAD, GOOD, UNTESTABLE, check_tree
-from tests.fake_vllm import MANAGER_BAD, MANAGER_GOOD, FakeGraph, write_manager_tree
+from tests.fake_vllm import MANAGER_BAD, MANAGER_GOOD, FakeGraph, write_manager_history, write_manager_tree
 
 CFG = AttnConfig()
 
@@ -228,38 +228,14 @@ def test_source_check_untestable(tmp_path):
     assert check_tree(tmp_path / "broken").verdict == UNTESTABLE
 
 
-def _git(repo, *args):
-    subprocess.run(
-        ["git", "-C", str(repo), *args],
-        check=True,
-        capture_output=True,
-        env={
-            "GIT_AUTHOR_NAME": "t",
-            "GIT_AUTHOR_EMAIL": "t@t",
-            "GIT_COMMITTER_NAME": "t",
-            "GIT_COMMITTER_EMAIL": "t@t",
-            "PATH": "/usr/bin:/bin",
-        },
-    )
-
-
 def test_git_bisect_run_finds_the_commit_that_introduced_reuse(tmp_path):
     repo = tmp_path / "vllm-repo"
-    write_manager_tree(repo, "autoregressive", MANAGER_GOOD)
-    _git(repo, "init", "-q")
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-qm", "good 1")
-    shas = []
-    for i, manager in enumerate(
+    shas = write_manager_history(
+        repo,
         [MANAGER_GOOD + f"\n# {i}\n" for i in range(2)]
         + [MANAGER_BAD]
-        + [MANAGER_BAD + f"\n# later {i}\n" for i in range(3)]
-    ):
-        (repo / "vllm/v1/worker/gpu/spec_decode/autoregressive/cudagraph_utils.py").write_text(manager)
-        _git(repo, "commit", "-qam", f"change {i}")
-        shas.append(
-            subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-        )
+        + [MANAGER_BAD + f"\n# later {i}\n" for i in range(3)],
+    )
     first, log = run_bisect(str(repo), "HEAD~5", "HEAD")
     assert first == shas[2], log
     # the checkout is left as it was
