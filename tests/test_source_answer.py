@@ -17,7 +17,8 @@ import pytest
 
 from repro import exit_codes
 from repro.cli import main as cli
-from repro.vllm_integration.releases import compat
+from repro.report.records import pack
+from repro.vllm_integration.releases import compat, versions
 from repro.vllm_integration.releases.compat import check_source
 from repro.vllm_integration.releases.source_check import BAD, GOOD, NO_KNOWN_BAD, UNTESTABLE
 from tests.fake_vllm import MANAGER_BAD, MANAGER_GOOD
@@ -114,6 +115,18 @@ def test_a_recorded_release_with_its_published_files_reads_as_the_gpu_found_it(t
     (tmp_path / "b").mkdir()
     affected = check_source(_wheel(tmp_path / "b", "0.25.1"))  # no bad pattern in these sources; the GPU said affected
     assert affected.verdict == BAD and affected.verified and exit_codes.source([affected.verdict]) == 1
+
+
+def test_a_packed_gpu_record_answers_as_its_folder_did_and_both_readers_read_one_table(tmp_path, records):
+    """results/ keeps its records packed (NAME.tar.xz): vllm-check's answer and docs/versions.md's table read the
+    same table through one reader (compat.gpu_records), a packed record as a folder."""
+    pack(records / "gate-a")
+    assert not (records / "gate-a").exists()
+    good = check_source(_wheel(tmp_path, "0.26.0"))
+    assert (good.verdict, good.verified, good.gpu_record["record"]) == (GOOD, True, "results/gate-a")
+    table = records / "vllm-gpu-records.json"
+    assert versions.gpu_records(table) == {"0.26.0": ["gate-a"], "0.25.1": ["gate-b"]}
+    assert "results/gate-a" in versions.measured("0.26.0", versions.gpu_records(table))
 
 
 def test_patched_files_of_a_recorded_release_are_not_its_record(tmp_path, records):
