@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from enum import IntEnum
 
+from repro.contract.verdicts import CLEAN, SKIP
+from repro.contract.verdicts import SOURCE_BAD as BAD
+from repro.contract.verdicts import SOURCE_GOOD as GOOD
+from repro.contract.verdicts import SOURCE_NO_KNOWN_BAD as NO_KNOWN_BAD
 from repro.judge.policy import GateOutcome
-from repro.judge.verdicts import CLEAN, SKIP
-from repro.judge.verdicts import SOURCE_BAD as BAD
-from repro.judge.verdicts import SOURCE_GOOD as GOOD
-from repro.judge.verdicts import SOURCE_NO_KNOWN_BAD as NO_KNOWN_BAD
 
 
 class Exit(IntEnum):

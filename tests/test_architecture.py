@@ -418,7 +418,7 @@ def test_the_cycle_test_sees_the_modules_named_through_the_registry():
     assert "repro.vllm_integration.gate.fork" in graph["repro.vllm_integration.gate.forkserver"]
     assert {"repro.attention.worker", "repro.backends.preload"} <= graph["repro.run.executor"]  # its preload
     names = registry_names()
-    assert names["GATE_PRELOAD"] == {"repro.run.channel", "repro.vllm_integration.plugin", GATE_WORKER}
+    assert names["GATE_PRELOAD"] == {"repro.contract.channel", "repro.vllm_integration.plugin", GATE_WORKER}
     assert all(names.values()), [k for k, v in names.items() if not v]  # every name names a module
 
 

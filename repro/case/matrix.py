@@ -14,10 +14,10 @@ from repro.case.descriptors import AttnConfig
 from repro.case.poison import DEFAULT_POISON
 from repro.case.scenarios import DEFAULT_PAIR, FRESH, PAIR, STALE, V2, pair_descriptors
 from repro.case.spec import CaseResult, CaseSpec, SmConfig
+from repro.contract.verdicts import SKIP
 from repro.errors import ConfigError
 from repro.judge.expectations import expectation, positive_control
 from repro.judge.policy import disagrees, is_positive, problem, satisfies
-from repro.judge.verdicts import SKIP
 from repro.run.memory import MemoryBudget, case_bytes
 from repro.run.mps_cases import PER_CASE, run_mps_cases
 

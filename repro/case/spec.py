@@ -9,8 +9,8 @@ from dataclasses import asdict, dataclass, field, replace
 from repro.case.descriptors import AttnConfig
 from repro.case.poison import parse_poison
 from repro.case.scenarios import PAIR, SCENARIOS, STRATEGIES, V2
+from repro.contract.verdicts import FAULTS, SKIP  # the taxonomy lives in repro.contract.verdicts
 from repro.errors import ConfigError
-from repro.judge.verdicts import FAULTS, SKIP  # the taxonomy lives in repro.judge.verdicts
 
 MODES = ("eager", "graph")
 SM_KINDS = ("full", "sm_margin", "mps", "green", "mig")

@@ -10,9 +10,9 @@ from repro.attention.layout import UPSTREAM, VLLM
 from repro.case.descriptors import AttnConfig
 from repro.case.scenarios import DEFAULT_PAIR, FRESH, PAIR, V2
 from repro.case.spec import CaseSpec
+from repro.contract.verdicts import OOB, WRONG
 from repro.fa3_model.scope import H200_SMS, MODEL_SM_KINDS
 from repro.judge.policy import AUDIT, DETECTED, EXPECT_CLEAN, FAULT
-from repro.judge.verdicts import OOB, WRONG
 
 # Where the CPU model cannot decide: what was measured on the H200 (results/), by (scenario or SM kind, poison).
 MEASURED = {

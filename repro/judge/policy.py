@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from repro.judge.verdicts import (
+from repro.contract.verdicts import (
     CANNOT_VOUCH,
     CLEAN,
     ERROR,

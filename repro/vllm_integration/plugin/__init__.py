@@ -64,8 +64,8 @@ from pathlib import Path
 from typing import Any
 
 from repro.case.poison import parse_poison
-from repro.run.channel import emit
-from repro.run.tags import PLUGIN_TAG
+from repro.contract.channel import emit
+from repro.contract.tags import PLUGIN_TAG
 from repro.vllm_integration.plugin import counters
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND, backend_for
 from repro.vllm_integration.plugin.backend_hooks import install, install_inject, install_probe

@@ -11,8 +11,8 @@ import functools
 import sys
 from typing import Any
 
-from repro.run.channel import emit
-from repro.run.tags import AUDIT_TAG, PLUGIN_TAG
+from repro.contract.channel import emit
+from repro.contract.tags import AUDIT_TAG, PLUGIN_TAG
 from repro.vllm_integration.plugin import capture, counters
 from repro.vllm_integration.plugin.audit import layout_of
 from repro.vllm_integration.plugin.backend_fields import FLASH_ATTN, BackendFields, find_classes, tensor_fields

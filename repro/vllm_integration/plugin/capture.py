@@ -11,8 +11,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from repro.run.channel import emit
-from repro.run.tags import AUDIT_TAG
+from repro.contract.channel import emit
+from repro.contract.tags import AUDIT_TAG
 from repro.vllm_integration.plugin import counters
 from repro.vllm_integration.plugin.audit import CaptureDescriptor
 from repro.vllm_integration.plugin.backend_fields import BackendFields

@@ -11,8 +11,8 @@ import json
 import os
 from typing import Any
 
-from repro.run.channel import emit
-from repro.run.tags import AUDIT_TAG, COUNTERS_TAG
+from repro.contract.channel import emit
+from repro.contract.tags import AUDIT_TAG, COUNTERS_TAG
 from repro.vllm_integration.plugin.audit import FreshnessAuditor
 from repro.vllm_integration.plugin.inject import bump as bump_counter
 

@@ -17,9 +17,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from repro.judge.verdicts import SOURCE_BAD, SOURCE_GOOD, SOURCE_NO_KNOWN_BAD, SOURCE_UNTESTABLE
+from repro.contract.verdicts import SOURCE_BAD, SOURCE_GOOD, SOURCE_NO_KNOWN_BAD, SOURCE_UNTESTABLE
 
-GOOD, BAD, UNTESTABLE = SOURCE_GOOD, SOURCE_BAD, SOURCE_UNTESTABLE  # the words: repro.judge.verdicts
+GOOD, BAD, UNTESTABLE = SOURCE_GOOD, SOURCE_BAD, SOURCE_UNTESTABLE  # the words: repro.contract.verdicts
 # the answer for sources with no known bad pattern that no GPU record of theirs vouches for (compat: vllm-check)
 NO_KNOWN_BAD = SOURCE_NO_KNOWN_BAD
 V2_DIR = "vllm/v1/worker/gpu"
