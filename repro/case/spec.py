@@ -60,6 +60,15 @@ class SmConfig:
         return cls(kind, sms)
 
 
+def mps_sm_mismatch(sm: SmConfig, reported: int | None) -> str | None:
+    """Why a case process under an MPS SM restriction (`sm`) did not get the SMs it asked for, or None: the SM count
+    the process reports must equal the case's (the attention-layer worker and the vLLM gate both check). The machine
+    has MPS and it did not do as asked: an error, never a skip."""
+    if sm.kind == "mps" and reported != sm.sms:
+        return f"MPS gave this process {reported} SMs, the case asked for {sm.sms}"
+    return None
+
+
 @dataclass(frozen=True)
 class CaseSpec:
     backend: str
