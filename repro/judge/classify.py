@@ -14,7 +14,7 @@ from repro.case.spec import CaseResult
 from repro.contract.channel import Channel
 from repro.contract.tags import DEVICE_TAG, PASS_TAG, RESULT_TAG, SKIP_TAG
 from repro.contract.verdicts import CLEAN, CRASH, ERROR, EVIDENCE, HANG, LAUNCH_FAIL, OOB, SKIP, STALE_AUDIT, WRONG
-from repro.run.sanitizer import parse_log
+from repro.judge.memcheck_log import parse_log
 
 FAULT_MARKERS = (  # the CUDA error codes of a kernel's bad memory access; a bare "CUDA error" is not one
     "illegal memory access",

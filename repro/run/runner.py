@@ -19,10 +19,11 @@ from repro.contract.channel import path_for as channel_path
 from repro.contract.verdicts import EVIDENCE
 from repro.errors import ConfigError, Unavailable
 from repro.judge.classify import classify
+from repro.judge.memcheck_log import first_finding_complete
 from repro.run.executor import EXECUTORS, ForkServer, MemcheckAhead
 from repro.run.pinning import PINNED_VAR
 from repro.run.process import ProcessRun, Stall, kill_group
-from repro.run.sanitizer import find_sanitizer, first_finding_complete, sanitizer_command, sanitizer_env
+from repro.run.sanitizer import find_sanitizer, sanitizer_command, sanitizer_env
 from repro.run.server import server_executor
 from repro.run.smcontrol import MpsDaemon, device_sm_count
 
