@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from repro.attention.layout import UPSTREAM, VLLM
+from repro.backends.layout import UPSTREAM, VLLM
 from repro.case.descriptors import AttnConfig
 from repro.contract.verdicts import CRASH, ERROR, HANG, OOB, SKIP
 from repro.fa3_model.predict import predict_case, predict_outcomes

@@ -11,10 +11,10 @@ import time
 from dataclasses import dataclass, replace
 
 from repro.attention.builder import MetadataBuilder
-from repro.attention.layout import UPSTREAM, VLLM
-from repro.attention.scheduler_inputs import SchedulerInputs
 from repro.attention.staleness import add_counts, diff_snapshots, summarize
 from repro.backends.base import BackendIdentity
+from repro.backends.layout import UPSTREAM, VLLM
+from repro.backends.scheduler_inputs import SchedulerInputs
 from repro.case.descriptors import AttnConfig
 from repro.case.poison import DEFAULT_POISON, parse_poison
 from repro.case.scenarios import FRESH, STALE, WARMUP, v2_capture_sequence

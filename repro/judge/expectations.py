@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 
-from repro.attention.layout import UPSTREAM, VLLM
+from repro.backends.layout import UPSTREAM, VLLM
 from repro.case.descriptors import AttnConfig
 from repro.case.scenarios import DEFAULT_PAIR, FRESH, PAIR, V2
 from repro.case.spec import CaseSpec

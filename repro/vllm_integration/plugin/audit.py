@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from repro.attention.layout import VLLM, effective_causal, layout_from_size
 from repro.attention.staleness import stale_entry
+from repro.backends.layout import VLLM, effective_causal, layout_from_size
 from repro.vllm_integration.plugin.identity import ByIdentity
 
 FIELDS = ("query_start_loc", "seq_lens", "scheduler_metadata")  # FA3's views: what the auditor checked first
@@ -270,7 +270,7 @@ def descriptor_mismatches(
 def layout_of(shape: dict[str, Any], size: int, flavor: str = VLLM) -> Any:
     """The FA3 scheduler-metadata layout of a build whose metadata has this shape (num_reqs, causal, window,
     query/sequence lengths, head dim: the plugin's record of the build) and a buffer of `size` ints; None when the
-    shape lacks the batch size or the size is no layout repro.attention.layout knows."""
+    shape lacks the batch size or the size is no layout repro.backends.layout knows."""
     if shape.get("num_reqs") is None:
         return None
     try:

@@ -204,7 +204,7 @@ class StaleCaptureInjector:
     def fill_padding(self, layout: Any, poison_name: str) -> None:
         """In the copy of FA3's scheduler metadata, the entries FA3 never writes (which vLLM copies into its buffer as
         FA3 left them: leftover memory, what made the real defect fault) get a fixed fill (repro.case.poison), so the self
-        control does not depend on leftover memory either. A layout repro.attention.layout does not know: left as copied."""
+        control does not depend on leftover memory either. A layout repro.backends.layout does not know: left as copied."""
         import torch  # torch inside vLLM's process only: the gate's parent imports this module
 
         from repro.case.poison import parse_poison  # only for the self control's fill
