@@ -6,13 +6,13 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from repro.case.matrix import MatrixRun, expected_of
 from repro.case.spec import RERUN_ALONE, CaseResult, CaseSpec
 from repro.contract.verdicts import KERNEL_EVIDENCE, VERDICTS, Verdict
 from repro.errors import ConfigError
 from repro.judge.expectations import gate_mode
 from repro.judge.policy import Control, GateDecision, decide, satisfies
 from repro.report.redact import redact
+from repro.run.matrix import MatrixRun, expected_of
 
 MARK = {True: "ok", False: "FAIL", None: "skip"}
 NOT_ATTRIBUTED = "not attributed"  # kernel evidence whose faulting line named no kernel (memcheck or a
