@@ -120,8 +120,8 @@ def test_features_the_model_does_not_model_expect_audit(tmp_path):
     """A sliding window: the model predicts a fault, the H200 gave wrong-output (issue 26): no guess, `audit`."""
     from repro.case.descriptors import AttnConfig
     from repro.case.spec import CaseResult
-    from repro.fa3_model.agreement import compare
     from repro.judge.expectations import unmodelled
+    from repro.report.agreement import compare
 
     for w in (128, 256):
         for sm in (SmConfig("sm_margin", 16), SmConfig("full"), SmConfig("mps", 16)):
