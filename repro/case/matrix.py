@@ -8,9 +8,8 @@ from dataclasses import dataclass, replace
 from repro.case.descriptors import AttnConfig
 from repro.case.poison import DEFAULT_POISON
 from repro.case.scenarios import DEFAULT_PAIR, FRESH, PAIR, STALE, V2, pair_descriptors
-from repro.case.spec import CaseSpec, SmConfig
+from repro.case.spec import CaseSpec, SmConfig, positive_control
 from repro.errors import ConfigError
-from repro.judge.expectations import positive_control
 
 DEFAULT_SMS = ("sm_margin:16", "mps:16", "full")  # the matrix's SM restrictions (`matrix --sms`)
 

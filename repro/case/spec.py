@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from repro.case.descriptors import AttnConfig
 from repro.case.poison import parse_poison
-from repro.case.scenarios import PAIR, SCENARIOS, STRATEGIES, V2
+from repro.case.scenarios import FRESH, PAIR, SCENARIOS, STRATEGIES, V2
 from repro.contract.verdicts import FAULTS, SKIP  # the taxonomy lives in repro.contract.verdicts
 from repro.errors import ConfigError
 
@@ -148,6 +148,11 @@ class CaseSpec:
 # it never ran; it ran again alone under an MPS daemon of its own after a shared run it could not trust.
 STALLED, REFUSED, RERUN_ALONE = "stalled", "refused", "rerun-alone"
 FLAGS = (STALLED, REFUSED, RERUN_ALONE)
+
+
+def positive_control(spec: CaseSpec) -> bool:
+    """Must the case show the bug (stale metadata)? Known from the case alone (no CPU model, no expectation)."""
+    return spec.strategy != FRESH
 
 
 @dataclass

@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
-from repro.case.spec import CaseResult, CaseSpec
+from repro.case.spec import CaseResult, CaseSpec, positive_control
 from repro.contract.verdicts import SKIP
-from repro.judge.expectations import expectation, positive_control
+from repro.judge.expectations import expectation
 from repro.judge.policy import disagrees, is_positive, problem, satisfies
 from repro.run.memory import MemoryBudget, case_bytes
 from repro.run.mps_cases import PER_CASE, run_mps_cases
