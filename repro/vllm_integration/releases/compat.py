@@ -26,8 +26,9 @@ from pathlib import Path
 
 from repro import CHECKOUT
 from repro.errors import ConfigError
+from repro.vllm_integration.plugin import SPEC_DIR, spec_layout
 from repro.vllm_integration.plugin.backend_fields import BACKENDS, METADATA_ARG
-from repro.vllm_integration.releases.source_check import BAD, GOOD, NO_KNOWN_BAD, SPEC_DIR, check_tree, spec_layout
+from repro.vllm_integration.releases.source_check import BAD, GOOD, NO_KNOWN_BAD, check_tree
 
 GPU_RECORDS = CHECKOUT / "results" / "vllm-gpu-records.json"  # release -> the gate record that answered it on a GPU
 PACKED = ".tar.xz"  # a record packed (repro.report.records.pack): NAME.tar.xz holding NAME/...
