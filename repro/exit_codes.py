@@ -9,14 +9,16 @@ page equal to it, and every code a function below can return listed for its comm
 
 from __future__ import annotations
 
+import argparse
+import sys
 from collections.abc import Iterable
 from enum import IntEnum
 
+from repro.contract.verdicts import CLEAN, SKIP
+from repro.contract.verdicts import SOURCE_BAD as BAD
+from repro.contract.verdicts import SOURCE_GOOD as GOOD
+from repro.contract.verdicts import SOURCE_NO_KNOWN_BAD as NO_KNOWN_BAD
 from repro.judge.policy import GateOutcome
-from repro.judge.verdicts import CLEAN, SKIP
-from repro.judge.verdicts import SOURCE_BAD as BAD
-from repro.judge.verdicts import SOURCE_GOOD as GOOD
-from repro.judge.verdicts import SOURCE_NO_KNOWN_BAD as NO_KNOWN_BAD
 
 
 class Exit(IntEnum):
@@ -32,6 +34,14 @@ class Exit(IntEnum):
 
     __str__ = int.__repr__
     __format__ = int.__format__
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose bad input is one line on stderr and BAD_INPUT (every command's, bisect's step too)."""
+
+    def error(self, message: str):
+        sys.stderr.write(f"repro: error: {message}\n")
+        raise SystemExit(Exit.BAD_INPUT)
 
 
 MEANING = {

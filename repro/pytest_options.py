@@ -24,9 +24,7 @@ import sys
 import pytest
 
 from repro.exit_codes import Exit
-from repro.judge.policy import REQUIRE_ENV, parse_requirements
-
-GATE_ENV = "REPRO_GATE"  # REPRO_GATE=1 is --gate (repro.report.pytest_gate reads it from here)
+from repro.judge.policy import GATE_ENV, REQUIRE_ENV, parse_requirements
 
 
 def pytest_addoption(parser):

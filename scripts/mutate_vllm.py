@@ -56,12 +56,18 @@ VERSION = "0.34.0"
 SPEC = "vllm/v1/worker/gpu/spec_decode"
 
 # The neighbour of `desc` in its manager's FULL capture list (sorted by num_tokens, largest first): the next smaller
-# entry, the smallest takes the next larger. Shared by the three mutants' replacement text.
+# entry, the smallest takes the next larger.
 _NEIGHBOUR = """\
                 full = self._capture_descs[CUDAGraphMode.FULL]
                 i = full.index(desc)
                 md = full[i + 1 if i + 1 < len(full) else max(i - 1, 0)]
 """
+# What every mutant changes in its anchor (a call that prepares a capture's inputs for `desc`): the same call for md
+_FOR_NEIGHBOUR = (
+    ("                num_reqs,\n", "                md.num_reqs or min(md.num_tokens, self.max_num_reqs),\n"),
+    ("                num_tokens,\n", "                md.num_tokens,\n"),
+    ("desc.max_query_len or desc.uniform_token_count", "md.max_query_len or md.uniform_token_count"),
+)
 
 _AR_ANCHOR = """\
             attn_metadata, slot_mappings = prepare_inputs_to_capture(
@@ -77,30 +83,6 @@ _AR_ANCHOR = """\
                 slot_mappings_buffer=slot_mappings_buffer,
             )
 """
-
-
-def _ar_replacement(path_condition: str) -> str:
-    return (
-        "            md = desc\n"
-        f"            if desc.cg_mode == CUDAGraphMode.FULL and {path_condition}:\n"
-        + _NEIGHBOUR
-        + """\
-            attn_metadata, slot_mappings = prepare_inputs_to_capture(
-                md.num_reqs or min(md.num_tokens, self.max_num_reqs),
-                md.num_tokens,
-                model_state,
-                input_buffers,
-                block_tables,
-                attn_groups,
-                kv_cache_config,
-                full_cudagraph=desc.cg_mode == CUDAGraphMode.FULL,
-                max_query_len=md.max_query_len or md.uniform_token_count,
-                slot_mappings_buffer=slot_mappings_buffer,
-            )
-"""
-    )
-
-
 _DFLASH_ANCHOR = """\
             attn_state = _prepare_dflash_inputs_to_capture(
                 num_reqs,
@@ -108,17 +90,15 @@ _DFLASH_ANCHOR = """\
                 input_buffers,
 """
 
-_DFLASH_REPLACEMENT = (
-    "            md = desc\n"
-    "            if desc.cg_mode == CUDAGraphMode.FULL:\n"
-    + _NEIGHBOUR
-    + """\
-            attn_state = _prepare_dflash_inputs_to_capture(
-                md.num_reqs or min(md.num_tokens, self.max_num_reqs),
-                md.num_tokens,
-                input_buffers,
-"""
-)
+
+def wrong_descriptor(anchor: str, condition: str | None) -> str:
+    """The replacement of a mutant's anchor: the capture's inputs prepared for md, desc's neighbour in the FULL
+    capture list in a FULL capture where `condition` holds too (None: every FULL capture), desc elsewhere."""
+    call = anchor
+    for old, new in _FOR_NEIGHBOUR:
+        call = call.replace(old, new)
+    guard = "desc.cg_mode == CUDAGraphMode.FULL" + (f" and {condition}" if condition else "")
+    return f"            md = desc\n            if {guard}:\n" + _NEIGHBOUR + call
 
 
 @dataclass(frozen=True)
@@ -132,57 +112,53 @@ class Mutant:
     manager: str  # the capture manager it changes
 
 
+# name, file, anchor, the condition beside FULL that selects the capture path, what it does wrong, methods, manager
+_TABLE = (
+    (
+        "target-dependent-wrong-descriptor",
+        f"{SPEC}/autoregressive/cudagraph_utils.py",
+        _AR_ANCHOR,
+        # Only TargetDependentARSpeculator's prefill manager takes this branch: its capture passes no slot-mapping
+        # buffer (StandaloneAR passes its expanded one), and the decode managers have query length 1.
+        "slot_mappings_buffer is None and self.decode_query_len > 1",
+        "TargetDependentARSpeculator's draft-prefill FULL capture (EAGLE, EAGLE3, MTP, Gemma4) builds its "
+        "attention metadata and the target's shared persistent buffers (query_start_loc, seq_lens, FA3 "
+        "scheduler_metadata, through the target's input buffers and attention groups) for the neighbouring "
+        "entry of its FULL capture list, not for the descriptor captured; the graph and the forward keep the "
+        "captured descriptor's token and request counts. Draft decode graphs and StandaloneAR are untouched.",
+        ("eagle", "eagle3", "mtp"),
+        "SpeculatorCudaGraphManager (TargetDependentAR prefill)",
+    ),
+    (
+        "standalone-wrong-descriptor",
+        f"{SPEC}/autoregressive/cudagraph_utils.py",
+        _AR_ANCHOR,
+        # Only StandaloneARSpeculator's prefill capture passes a slot-mapping buffer (its expanded_slot_mappings).
+        "slot_mappings_buffer is not None",
+        "StandaloneARSpeculator's (method draft_model, FULL graphs new in 0.34.0) expanded-prefill FULL "
+        "capture builds its attention metadata, the persistent buffers and its own slot-mapping buffer "
+        "(expanded_slot_mappings, filled for the neighbour's token count) for the neighbouring entry of its "
+        "FULL capture list, not for the descriptor captured. Draft decode graphs and TargetDependentAR are "
+        "untouched.",
+        ("draft_model",),
+        "SpeculatorCudaGraphManager (StandaloneAR prefill)",
+    ),
+    (
+        "dflash-wrong-descriptor",
+        f"{SPEC}/dflash/cudagraph.py",
+        _DFLASH_ANCHOR,
+        None,
+        "DFlashCudaGraphManager's parallel-drafting query FULL capture (its own "
+        "_prepare_dflash_inputs_to_capture, the builder beside the one PR #48261 fixed) builds the dummy "
+        "batch, block tables, slot mappings and attention metadata for the neighbouring entry of its FULL "
+        "capture list; prepare_forward and the forward keep the captured descriptor's counts.",
+        ("dflash", "dflash2", "dspark", "xpress", "lilicorr"),
+        "DFlashCudaGraphManager (query forward)",
+    ),
+)
 MUTANTS = {
-    m.name: m
-    for m in (
-        Mutant(
-            name="target-dependent-wrong-descriptor",
-            file=f"{SPEC}/autoregressive/cudagraph_utils.py",
-            anchor=_AR_ANCHOR,
-            # Only TargetDependentARSpeculator's prefill manager takes this branch: its capture passes no slot-mapping
-            # buffer (StandaloneAR passes its expanded one), and the decode managers have query length 1.
-            replacement=_ar_replacement("slot_mappings_buffer is None and self.decode_query_len > 1"),
-            wrong=(
-                "TargetDependentARSpeculator's draft-prefill FULL capture (EAGLE, EAGLE3, MTP, Gemma4) builds its "
-                "attention metadata and the target's shared persistent buffers (query_start_loc, seq_lens, FA3 "
-                "scheduler_metadata, through the target's input buffers and attention groups) for the neighbouring "
-                "entry of its FULL capture list, not for the descriptor captured; the graph and the forward keep the "
-                "captured descriptor's token and request counts. Draft decode graphs and StandaloneAR are untouched."
-            ),
-            methods=("eagle", "eagle3", "mtp"),
-            manager="SpeculatorCudaGraphManager (TargetDependentAR prefill)",
-        ),
-        Mutant(
-            name="standalone-wrong-descriptor",
-            file=f"{SPEC}/autoregressive/cudagraph_utils.py",
-            anchor=_AR_ANCHOR,
-            # Only StandaloneARSpeculator's prefill capture passes a slot-mapping buffer (its expanded_slot_mappings).
-            replacement=_ar_replacement("slot_mappings_buffer is not None"),
-            wrong=(
-                "StandaloneARSpeculator's (method draft_model, FULL graphs new in 0.34.0) expanded-prefill FULL "
-                "capture builds its attention metadata, the persistent buffers and its own slot-mapping buffer "
-                "(expanded_slot_mappings, filled for the neighbour's token count) for the neighbouring entry of its "
-                "FULL capture list, not for the descriptor captured. Draft decode graphs and TargetDependentAR are "
-                "untouched."
-            ),
-            methods=("draft_model",),
-            manager="SpeculatorCudaGraphManager (StandaloneAR prefill)",
-        ),
-        Mutant(
-            name="dflash-wrong-descriptor",
-            file=f"{SPEC}/dflash/cudagraph.py",
-            anchor=_DFLASH_ANCHOR,
-            replacement=_DFLASH_REPLACEMENT,
-            wrong=(
-                "DFlashCudaGraphManager's parallel-drafting query FULL capture (its own "
-                "_prepare_dflash_inputs_to_capture, the builder beside the one PR #48261 fixed) builds the dummy "
-                "batch, block tables, slot mappings and attention metadata for the neighbouring entry of its FULL "
-                "capture list; prepare_forward and the forward keep the captured descriptor's counts."
-            ),
-            methods=("dflash", "dflash2", "dspark", "xpress", "lilicorr"),
-            manager="DFlashCudaGraphManager (query forward)",
-        ),
-    )
+    name: Mutant(name, file, anchor, wrong_descriptor(anchor, condition), wrong, methods, manager)
+    for name, file, anchor, condition, wrong, methods, manager in _TABLE
 }
 
 

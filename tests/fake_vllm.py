@@ -33,6 +33,7 @@ Builds that hook nothing (the gate must not vouch for them):
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 BEHAVIOURS = (
@@ -471,3 +472,74 @@ def write_fake_vllm(prefix: str | Path, version: str, behaviour: str) -> Path:
         (prefix / rel).parent.mkdir(parents=True, exist_ok=True)
         (prefix / rel).write_text(text)
     return prefix
+
+
+# Stand-ins the in-process tests share (the plugin's hooks and the source check, without a stand-in vLLM installed):
+
+
+class FakeGraph:
+    """torch.cuda.graph on a machine without CUDA: a context that records nothing (the capture tracker wraps it)."""
+
+    def __init__(self, *a, **k):
+        pass
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+SPEC_DECODE = "vllm/v1/worker/gpu/spec_decode"
+# a speculator's capture manager as the source check reads it: the bad pattern (the capture takes saved attention
+# states: the draft's FULL capture runs on another descriptor's metadata, 0.21.0-0.25.1) and the fixed one (fresh
+# metadata built for each descriptor, 0.26.0+)
+MANAGER_BAD = """
+class PrefillSpeculatorCudaGraphManager(CudaGraphManager):
+    def capture(self, forward_fn, attn_states, progress_bar_desc="x"):
+        def create_forward_fn(desc, warmup):
+            pair = attn_states[desc]
+            state = pair.warmup if warmup else pair.captured
+            return forward_fn, state
+        super().capture(create_forward_fn, progress_bar_desc)
+"""
+MANAGER_GOOD = """
+class SpeculatorCudaGraphManager(CudaGraphManager):
+    def capture(self, forward_fn, model_state, input_buffers, block_tables, attn_groups, kv_cache_config):
+        def create_forward_fn(desc, warmup):
+            md = prepare_inputs_to_capture(desc.num_reqs, desc.num_tokens, model_state, input_buffers)
+            return lambda mode: forward_fn(md, mode)
+        super().capture(create_forward_fn)
+"""
+
+
+def write_manager_tree(root: Path, layout: str, manager: str | None) -> None:
+    """A vLLM source tree (for the source check, never imported) with one speculator layout's capture manager,
+    `manager` (None: vllm/ alone, no spec-decode package)."""
+    (root / "vllm").mkdir(parents=True, exist_ok=True)
+    (root / "vllm" / "__init__.py").write_text("")
+    if manager is None:
+        return
+    d = root / SPEC_DECODE / layout
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "cudagraph_utils.py").write_text(manager)
+
+
+def write_manager_history(repo: Path, managers: list[str]) -> list[str]:
+    """A git checkout of a vLLM source tree whose autoregressive capture manager changes commit by commit: first
+    MANAGER_GOOD ("good 1"), then each text of `managers` ("change 0", "change 1", ...). Their commits' shas."""
+
+    def git(*args: str) -> str:
+        cmd = ["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
+
+    write_manager_tree(repo, "autoregressive", MANAGER_GOOD)
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "good 1")
+    shas = []
+    for i, text in enumerate(managers):
+        (repo / SPEC_DECODE / "autoregressive" / "cudagraph_utils.py").write_text(text)
+        git("commit", "-qam", f"change {i}")
+        shas.append(git("rev-parse", "HEAD"))
+    return shas

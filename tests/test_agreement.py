@@ -19,7 +19,7 @@ def test_agree_accepts_what_matrix_writes(tmp_path):
 
 
 def test_agree_reports_verdict_and_descriptor_agreement_apart():
-    from repro.fa3_model.agreement import Agreement, counts, markdown
+    from repro.report.agreement import Agreement, counts, markdown
 
     rows = [
         Agreement("a", "crash", None, "t48r12", "oob", "main", "t64r16", ("oob",)),  # one verdict, two passes

@@ -30,6 +30,8 @@ from repro.vllm_integration.plugin.audit import (
 )
 from repro.vllm_integration.plugin.inject import STALE_CAPTURE
 from repro.vllm_integration.plugin.inject import STALE_DESCRIPTOR as FORM_2
+from tests.fake_vllm import FakeGraph
+from tests.reused_address import reborn
 
 
 class _Mode:
@@ -138,17 +140,6 @@ def prepare_inputs_to_capture(num_reqs, num_tokens, builder, max_query_len=None)
         max_query_len or num_tokens, BUF["block_table"][:num_reqs], BUF["slot_mapping"][:num_tokens],
     )  # fmt: skip
     return builder.build(0, cm)
-
-
-class FakeGraph:
-    def __init__(self, *a, **k):
-        pass
-
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 CUDA = types.SimpleNamespace(graph=FakeGraph)
@@ -311,11 +302,8 @@ def test_a_descriptor_the_check_cannot_read_is_counted_unchecked_never_clean(plu
     class Odd:  # a FULL descriptor without a token count
         cg_mode: _Mode
 
-    built = []  # kept alive: a freed object's id() can be the next one's (the plugin keys builds by id)
-
     def create(desc, warmup):
         md = prepare_inputs_to_capture(2, 8, builder, 4)
-        built.append(md)
         return lambda cg_mode: impl.forward(None, None, None, None, None, md)
 
     CudaGraphManager([Odd(FULL)]).capture(create)
@@ -325,6 +313,22 @@ def test_a_descriptor_the_check_cannot_read_is_counted_unchecked_never_clean(plu
     assert any("without a token count" in k for k in unchecked)
     assert any("no build of the metadata in use was recorded" in k for k in unchecked)
     assert not counters.COUNTERS["descriptor_checks"] and not counters.AUDITOR.mismatches
+
+
+def test_metadata_born_at_a_dead_builds_address_is_not_checked_against_that_build(plugin_state):
+    """The auditor keeps a build's record by its metadata object's identity, not its id(): metadata created where a
+    recorded build's object lived (after it died) is no build the auditor knows (counted unchecked: cannot vouch),
+    never checked, and passed, against the dead one's record."""
+    mod = _backend()
+    assert backend_hooks.install(mod, CUDA)
+    builder, impl = mod.FlashAttentionMetadataBuilder(), mod.FlashAttentionImpl()
+    qsl, seq_lens = BUF["query_start_loc"][:3], BUF["seq_lens"][:2]
+    recorded = lambda: prepare_inputs_to_capture(2, 8, builder, 4)  # noqa: E731 (a build for FULL t8r2 q4, recorded)
+    unbuilt = reborn(recorded, lambda: FlashAttentionMetadata(8, 4, qsl, 1024, seq_lens, None, None))
+    CudaGraphManager(_uniform(4, (2,))).capture(lambda d, warmup: lambda m: impl.forward(0, 0, 0, 0, 0, unbuilt))
+    unchecked = counters.COUNTERS["descriptor_unchecked"]
+    assert any("no build of the metadata in use was recorded" in k for k in unchecked)
+    assert not counters.COUNTERS["descriptor_checks"]
 
 
 def test_outside_a_full_capture_pass_nothing_is_checked_or_counted(plugin_state):

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from repro.case.matrix import MatrixRun
 from repro.case.spec import CaseSpec
 from repro.judge.classify import classify
 from repro.judge.policy import Control, decide, satisfies
 from repro.judge.verdicts import ERROR, LAUNCH_FAIL, VERDICTS
 from repro.report import results as report
+from repro.run.matrix import MatrixRun
 from tests.records import RESULTS
 
 ROOT = Path(__file__).resolve().parent.parent

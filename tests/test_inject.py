@@ -9,7 +9,8 @@ import sys
 import torch
 
 from repro.attention.layout import VLLM, metadata_layout
-from repro.vllm_integration.plugin.inject import StaleCaptureInjector, capture_role
+from repro.vllm_integration.plugin.inject import StaleCaptureInjector, capture_pass, capture_role
+from tests.reused_address import reborn
 
 
 class CudaGraphManager:
@@ -156,15 +157,13 @@ class EagleCudaGraphManager(CudaGraphManager):
 
 
 def test_capture_pass_reads_the_descriptor_and_pass_from_the_stack():
-    from repro.vllm_integration.plugin.inject import capture_pass
-
     mgr = DraftCudaGraphManager()
     (row,) = mgr.capture(lambda n: capture_pass(sys._getframe(1)), [_Desc(8)])
-    assert row == (8, (id(mgr), "FULL", True), (id(mgr), "FULL", False))
+    assert row == (8, (mgr, "FULL", True), (mgr, "FULL", False))
     assert capture_pass(sys._getframe()) is None  # no capture pass on this stack
     eagle = EagleCudaGraphManager()
     (row,) = eagle.capture(lambda n: capture_pass(sys._getframe(1)), [_Desc(8)])
-    assert row == (8, (id(eagle), "FULL", None))  # one build for both passes (BOTH)
+    assert row == (8, (eagle, "FULL", None))  # one build for both passes (BOTH)
 
     class LoopCudaGraphManager(CudaGraphManager):  # a build in the capture loop itself, beside its `desc`
         def capture(self, build, descs):
@@ -176,8 +175,6 @@ def test_capture_pass_reads_the_descriptor_and_pass_from_the_stack():
 def test_an_eagle_full_build_gets_the_metadata_built_first_for_both_passes():
     """0.20-0.25's shape (one build per descriptor): later FULL descriptors of the same manager get the first
     descriptor's metadata, counted as `both`; PIECEWISE keeps its own."""
-    from repro.vllm_integration.plugin.inject import capture_pass
-
     counters: dict = {}
     announced = []
     inj = StaleCaptureInjector(counters, announce=announced.append)
@@ -204,8 +201,6 @@ def test_a_draft_full_pass_gets_the_metadata_built_first_for_that_pass():
     """The object half of the defect (what 0.21.0-0.25.1 handed the draft's capture, what the 0.33.0 source mutant
     does): every later FULL pass of the same manager gets its first descriptor's metadata; PIECEWISE passes, other
     managers and builds no pass can be placed for keep their own."""
-    from repro.vllm_integration.plugin.inject import capture_pass
-
     counters: dict = {}
     announced = []
     inj = StaleCaptureInjector(counters, announce=announced.append)
@@ -215,7 +210,7 @@ def test_a_draft_full_pass_gets_the_metadata_built_first_for_that_pass():
         md = {"built_for": n}
         return inj.reuse(builder, md, capture_pass(sys._getframe(1)))
 
-    managers = [DraftCudaGraphManager() for _ in range(3)]  # alive together, as vLLM's are (ids stay distinct)
+    managers = [DraftCudaGraphManager() for _ in range(3)]
     full = managers[0].capture(build, [_Desc(512), _Desc(8), _Desc(1)])
     assert [(n, w["built_for"], c["built_for"]) for n, w, c in full] == [(512, 512, 512), (8, 512, 512), (1, 512, 512)]
     assert full[1][1] is full[0][1] and full[1][2] is full[0][2]  # warmup and captured passes keep their own first
@@ -224,10 +219,48 @@ def test_a_draft_full_pass_gets_the_metadata_built_first_for_that_pass():
     assert announced == [
         {"injection_wrote": "draft metadata reused", "source": "FULL warmup pass: the first descriptor's metadata"}
     ]
-    assert inj.reached({}, id(full[0][1])) and not inj.reached({}, id(object()))
+    assert inj.reached({}, full[0][1]) and not inj.reached({}, object())
     piecewise = managers[1].capture(build, [_Desc(512, "PIECEWISE"), _Desc(8, "PIECEWISE")])
     assert [w["built_for"] for _, w, _ in piecewise] == [512, 8]  # attention outside the graph: not the defect
     other = managers[2].capture(build, [_Desc(8)])
     assert other[0][1]["built_for"] == 8  # another manager (the draft's decode graphs): its own first build
     assert inj.reuse(builder, {"built_for": 3}, None) == {"built_for": 3}
     assert counters["inject_reuse_unplaced"] == 1
+
+
+class _Metadata:
+    """A metadata object (vLLM's are dataclasses: they take weak references)."""
+
+
+class _Builder:
+    pass
+
+
+def test_metadata_born_at_an_injected_ones_address_in_the_same_pass_is_written_too():
+    """The injector writes each metadata object of a pass once, known by its identity, not its id(): metadata created
+    where the pass's injected one lived (after it died) gets its buffers written too."""
+    counters: dict = {}
+    inj = StaleCaptureInjector(counters)
+    buf = _buffers()
+    inj.target_built("t32r8", _build(buf, 8))
+    newcomer = reborn(lambda: inj.inject(md := _Metadata(), _build(buf, 1), "draft build") and md, _Metadata)
+    views = _build(buf, 1)  # rebuilt for the next metadata object, in the same pass (no new_pass between)
+    assert inj.inject(newcomer, views, "draft warmup")
+    assert counters["inject_writes"] == {"draft build": 1, "draft warmup": 1}
+    assert buf["seq_lens"].tolist() == [108] * 8
+
+
+def test_a_builder_born_at_a_dead_builders_address_gets_its_own_first_build():
+    """The first FULL build of each pass is kept per builder by identity, not id(): a builder created where another
+    lived (after it died) is handed its own metadata, never the dead builder's first build."""
+    counters: dict = {}
+    inj = StaleCaptureInjector(counters)
+    mgr = DraftCudaGraphManager()
+
+    def capture_with(builder, n):
+        (row,) = mgr.capture(lambda k: inj.reuse(builder, {"built_for": k}, capture_pass(sys._getframe(1))), [_Desc(n)])
+        return row
+
+    newcomer = reborn(lambda: capture_with(b := _Builder(), 512) and b, _Builder)
+    assert capture_with(newcomer, 8) == (8, {"built_for": 8}, {"built_for": 8})
+    assert "inject_reused" not in counters

@@ -109,7 +109,7 @@ def test_model_matrix_benchmark_under_10_s():
 
 
 def test_agreement_with_recorded_gpu_runs():
-    from repro.fa3_model.agreement import compare
+    from repro.report.agreement import compare
 
     rows = compare(
         [RESULTS / "h200-memcheck-benchmark" / "results.json", RESULTS / "h200-memcheck-nopoison" / "results.json"]
@@ -122,7 +122,7 @@ def test_agreement_with_memcheck_that_destroys_the_faulting_context():
     """results/h200-memcheck-warm (memcheck with --destroy-on-device-error context, stopped at the first whole error):
     the verdicts and the kernel memcheck named first still agree with the model, on both execution paths."""
 
-    from repro.fa3_model.agreement import compare
+    from repro.report.agreement import compare
 
     root = RESULTS / "h200-memcheck-warm"
     rows = compare([root / "old" / "results.json", root / "new" / "results.json"])
@@ -136,7 +136,7 @@ def test_the_cpu_model_does_not_import_the_gpu_runner():
     import sys
 
     code = (
-        "import sys, repro.fa3_model.agreement, repro.fa3_model.predict, repro.report.results\n"
+        "import sys, repro.report.agreement, repro.fa3_model.predict, repro.report.results\n"
         "print(sorted(m for m in ('repro.run.runner', 'repro.attention.worker', 'repro.backends.upstream') if m in sys.modules))"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

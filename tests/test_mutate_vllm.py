@@ -21,29 +21,10 @@ _spec = importlib.util.spec_from_file_location("mutate_vllm", SCRIPT)
 mutate_vllm = sys.modules.setdefault("mutate_vllm", importlib.util.module_from_spec(_spec))  # dataclasses look it up
 _spec.loader.exec_module(mutate_vllm)
 
-SPEC = "vllm/v1/worker/gpu/spec_decode"
-# Few-line excerpts of vLLM 0.34.0's capture code, as its wheel ships them (the anchors the mutants must match).
-AR_EXCERPT = """\
-            attn_metadata, slot_mappings = prepare_inputs_to_capture(
-                num_reqs,
-                num_tokens,
-                model_state,
-                input_buffers,
-                block_tables,
-                attn_groups,
-                kv_cache_config,
-                full_cudagraph=desc.cg_mode == CUDAGraphMode.FULL,
-                max_query_len=desc.max_query_len or desc.uniform_token_count,
-                slot_mappings_buffer=slot_mappings_buffer,
-            )
-"""
-DFLASH_EXCERPT = """\
-            attn_state = _prepare_dflash_inputs_to_capture(
-                num_reqs,
-                num_tokens,
-                input_buffers,
-"""
+SPEC = mutate_vllm.SPEC
 NAMES = ["target-dependent-wrong-descriptor", "standalone-wrong-descriptor", "dflash-wrong-descriptor"]
+# the anchors the mutants match (vLLM 0.34.0's capture code, as its wheel ships it), read from the script
+AR_EXCERPT, DFLASH_EXCERPT = mutate_vllm.MUTANTS[NAMES[0]].anchor, mutate_vllm.MUTANTS[NAMES[2]].anchor
 
 
 def fake_prefix(root: Path, version: str = "0.34.0", ar_excerpt: str = AR_EXCERPT) -> Path:

@@ -127,17 +127,10 @@ def test_bisect_gives_the_checkout_back_after_ctrl_c_and_allows_one_run_per_chec
 
 
 def test_bisect_names_the_first_bad_commit_with_its_subject_and_shows_no_diffstat(tmp_path):
-    from tests.test_vllm_integration import MANAGER_BAD, MANAGER_GOOD, _tree
+    from tests.fake_vllm import MANAGER_BAD, MANAGER_GOOD, write_manager_history
 
     repo = tmp_path / "vllm-repo"
-    _tree(repo, "autoregressive", MANAGER_GOOD)
-    _git(repo, "init", "-q")
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-qm", "good 1")
-    manager = repo / "vllm/v1/worker/gpu/spec_decode/autoregressive/cudagraph_utils.py"
-    for i, text in enumerate([MANAGER_GOOD + "\n# 0\n", MANAGER_BAD, MANAGER_BAD + "\n# later\n"]):
-        manager.write_text(text)
-        _git(repo, "commit", "-qam", f"change {i}")
+    write_manager_history(repo, [MANAGER_GOOD + "\n# 0\n", MANAGER_BAD, MANAGER_BAD + "\n# later\n"])
     r = run_repro("bisect", "--vllm", str(repo), "--good", "HEAD~3", "--bad", "HEAD")
     assert r.returncode == 0, r.stderr
     bad = _git(repo, "rev-parse", "HEAD~1")

@@ -18,7 +18,7 @@ REGENERATE = (
 
 
 def test_model_agreement_summary_is_what_agree_writes_now(monkeypatch):
-    from repro.fa3_model.agreement import compare, markdown
+    from repro.report.agreement import compare, markdown
     from repro.report.redact import redact
     from repro.report.results import MODEL, is_vllm_gate_record, load_json
 

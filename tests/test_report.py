@@ -6,13 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from repro.case.matrix import MatrixOptions, MatrixRun, build_specs
+from repro.case.matrix import MatrixOptions, build_specs
 from repro.case.spec import CaseSpec, SmConfig
 from repro.judge.expectations import expectation
 from repro.judge.policy import EXPECTATIONS, satisfies
 from repro.judge.verdicts import CLEAN, CRASH, HANG, LAUNCH_FAIL, OOB, STALE_AUDIT, WRONG
 from repro.report import results as report
 from repro.report.results import is_vllm_gate_record, load_json
+from repro.run.matrix import MatrixRun
 from tests.commands import no_traceback, run_repro
 from tests.records import RESULTS
 
@@ -119,8 +120,8 @@ def test_features_the_model_does_not_model_expect_audit(tmp_path):
     """A sliding window: the model predicts a fault, the H200 gave wrong-output (issue 26): no guess, `audit`."""
     from repro.case.descriptors import AttnConfig
     from repro.case.spec import CaseResult
-    from repro.fa3_model.agreement import compare
     from repro.judge.expectations import unmodelled
+    from repro.report.agreement import compare
 
     for w in (128, 256):
         for sm in (SmConfig("sm_margin", 16), SmConfig("full"), SmConfig("mps", 16)):
@@ -174,8 +175,8 @@ def test_build_specs_repeats_and_orders():
 
 
 def test_skipped_results_reload_from_json(tmp_path):
-    from repro.case.matrix import MatrixRun
     from repro.case.spec import CaseResult
+    from repro.run.matrix import MatrixRun
 
     spec = _spec(sm=SmConfig("mps", 16))
     report.write_json(MatrixRun([(spec, CaseResult.skipped(spec, "no MPS"))], 1.0, None), tmp_path / "r.json")
@@ -380,9 +381,9 @@ def test_heatmap_of_a_prediction_says_so(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     from matplotlib.axes import Axes
 
-    from repro.case.matrix import MatrixRun
     from repro.case.spec import CaseResult, CaseSpec
     from repro.report import results as report
+    from repro.run.matrix import MatrixRun
 
     titles = []
     monkeypatch.setattr(Axes, "set_title", lambda self, t, *a, **k: titles.append(t))

@@ -2,15 +2,8 @@
 
 import re
 
-from repro.run.sanitizer import (
-    ERROR_EXITCODE,
-    Finding,
-    kernel_role,
-    parse_log,
-    sanitizer_command,
-    sanitizer_env,
-    short_kernel,
-)
+from repro.judge.memcheck_log import Finding, kernel_role, parse_log, short_kernel
+from repro.run.sanitizer import ERROR_EXITCODE, sanitizer_command, sanitizer_env
 
 
 def _log(fixtures, name):
@@ -102,7 +95,7 @@ def _first_block(block: str, name: str) -> Finding:
 def test_first_finding_is_complete_only_once_its_block_ended(fixtures):
     """The early stop of a memcheck case waits for the first error's whole block: cut before its device frames, the
     parser would name the copy helper (role `other`) instead of the combine kernel."""
-    from repro.run.sanitizer import first_finding_complete
+    from repro.judge.memcheck_log import first_finding_complete
 
     for log in sorted((fixtures / "memcheck").glob("*oob*.log")):
         text = log.read_text()

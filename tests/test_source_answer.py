@@ -17,19 +17,13 @@ import pytest
 
 from repro import exit_codes
 from repro.cli import main as cli
-from repro.vllm_integration.releases import compat
+from repro.report.records import pack
+from repro.vllm_integration.releases import compat, versions
 from repro.vllm_integration.releases.compat import check_source
 from repro.vllm_integration.releases.source_check import BAD, GOOD, NO_KNOWN_BAD, UNTESTABLE
+from tests.fake_vllm import MANAGER_BAD, MANAGER_GOOD
+from tests.fake_vllm import SPEC_DECODE as SPEC
 
-SPEC = "vllm/v1/worker/gpu/spec_decode"
-GOOD_MANAGER = """
-class SpeculatorCudaGraphManager(CudaGraphManager):
-    def capture(self, forward_fn, model_state, input_buffers, block_tables, attn_groups, kv_cache_config):
-        def create_forward_fn(desc, warmup):
-            md = prepare_inputs_to_capture(desc.num_reqs, desc.num_tokens, model_state, input_buffers)
-            return lambda mode: forward_fn(md, mode)
-        super().capture(create_forward_fn)
-"""
 DFLASH_MANAGER = """
 class DFlashCudaGraphManager(CudaGraphManager):
     def capture(self, forward_fn, input_buffers, block_tables, attn_groups, kv_cache_config, max_model_len, causal):
@@ -37,14 +31,6 @@ class DFlashCudaGraphManager(CudaGraphManager):
             attn_state = _prepare_dflash_inputs_to_capture(desc.num_reqs, desc.num_tokens, input_buffers)
             return lambda mode: forward_fn(attn_state, mode)
         super().capture(create_forward_fn)
-"""
-BAD_MANAGER = """
-class PrefillSpeculatorCudaGraphManager(CudaGraphManager):
-    def capture(self, forward_fn, attn_states, progress_bar_desc="x"):
-        def create_forward_fn(desc, warmup):
-            pair = attn_states[desc]
-            return forward_fn, pair.warmup if warmup else pair.captured
-        super().capture(create_forward_fn, progress_bar_desc)
 """
 LOOP = """
 class CudaGraphManager:
@@ -59,7 +45,7 @@ def _files(bad: bool = False) -> dict[str, str]:
     return {
         "vllm/__init__.py": "",
         "vllm/v1/worker/gpu/cudagraph_utils.py": LOOP,
-        f"{SPEC}/autoregressive/cudagraph_utils.py": BAD_MANAGER if bad else GOOD_MANAGER,
+        f"{SPEC}/autoregressive/cudagraph_utils.py": MANAGER_BAD if bad else MANAGER_GOOD,
         f"{SPEC}/target_dependent_ar/__init__.py": "",
         f"{SPEC}/dflash/cudagraph.py": DFLASH_MANAGER,
     }
@@ -129,6 +115,18 @@ def test_a_recorded_release_with_its_published_files_reads_as_the_gpu_found_it(t
     (tmp_path / "b").mkdir()
     affected = check_source(_wheel(tmp_path / "b", "0.25.1"))  # no bad pattern in these sources; the GPU said affected
     assert affected.verdict == BAD and affected.verified and exit_codes.source([affected.verdict]) == 1
+
+
+def test_a_packed_gpu_record_answers_as_its_folder_did_and_both_readers_read_one_table(tmp_path, records):
+    """results/ keeps its records packed (NAME.tar.xz): vllm-check's answer and docs/versions.md's table read the
+    same table through one reader (compat.gpu_records), a packed record as a folder."""
+    pack(records / "gate-a")
+    assert not (records / "gate-a").exists()
+    good = check_source(_wheel(tmp_path, "0.26.0"))
+    assert (good.verdict, good.verified, good.gpu_record["record"]) == (GOOD, True, "results/gate-a")
+    table = records / "vllm-gpu-records.json"
+    assert versions.gpu_records(table) == {"0.26.0": ["gate-a"], "0.25.1": ["gate-b"]}
+    assert "results/gate-a" in versions.measured("0.26.0", versions.gpu_records(table))
 
 
 def test_patched_files_of_a_recorded_release_are_not_its_record(tmp_path, records):

@@ -5,7 +5,6 @@ import json
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from repro.vllm_integration.plugin import backend_hooks, capture, counters
 from repro.vllm_integration.plugin.audit import FreshnessAuditor
 from repro.vllm_integration.releases.bisect import build_overlay, run_bisect, step
 from repro.vllm_integration.releases.source_check import BAD, GOOD, UNTESTABLE, check_tree
+from tests.fake_vllm import MANAGER_BAD, MANAGER_GOOD, FakeGraph, write_manager_history, write_manager_tree
 
 CFG = AttnConfig()
 
@@ -161,16 +161,6 @@ def test_capture_kinds_come_from_the_vllm_objects_on_the_stack(monkeypatch):
     """torch.cuda.graph wrapped: each capture counted under the kind its manager, owner attribute and text say."""
     monkeypatch.setattr(counters, "COUNTERS", counters.new_counters())
 
-    class FakeGraph:
-        def __init__(self, *a, **k):
-            pass
-
-        def __enter__(self):
-            return None
-
-        def __exit__(self, *exc):
-            return False
-
     cuda = types.SimpleNamespace(graph=FakeGraph)
     capture.install_capture_tracker(cuda)
 
@@ -208,39 +198,10 @@ def test_capture_kinds_come_from_the_vllm_objects_on_the_stack(monkeypatch):
     assert counters.COUNTERS["runner"].endswith(".GPUModelRunner") and not counters.COUNTERS["captures_with_attention"]
 
 
-MANAGER_BAD = """
-class PrefillSpeculatorCudaGraphManager(CudaGraphManager):
-    def capture(self, forward_fn, attn_states, progress_bar_desc="x"):
-        def create_forward_fn(desc, warmup):
-            pair = attn_states[desc]
-            state = pair.warmup if warmup else pair.captured
-            return forward_fn, state
-        super().capture(create_forward_fn, progress_bar_desc)
-"""
-MANAGER_GOOD = """
-class SpeculatorCudaGraphManager(CudaGraphManager):
-    def capture(self, forward_fn, model_state, input_buffers, block_tables, attn_groups, kv_cache_config):
-        def create_forward_fn(desc, warmup):
-            md = prepare_inputs_to_capture(desc.num_reqs, desc.num_tokens, model_state, input_buffers)
-            return lambda mode: forward_fn(md, mode)
-        super().capture(create_forward_fn)
-"""
-
-
-def _tree(root: Path, layout: str, manager: str | None) -> None:
-    (root / "vllm").mkdir(parents=True, exist_ok=True)
-    (root / "vllm" / "__init__.py").write_text("")
-    if manager is None:
-        return
-    d = root / "vllm/v1/worker/gpu/spec_decode" / layout
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "cudagraph_utils.py").write_text(manager)
-
-
 @pytest.mark.parametrize("layout", ["autoregressive", "target_dependent_ar"])
 def test_source_check_good_bad_and_layouts(tmp_path, layout):
-    _tree(tmp_path / "bad", layout, MANAGER_BAD)
-    _tree(tmp_path / "good", layout, MANAGER_GOOD)
+    write_manager_tree(tmp_path / "bad", layout, MANAGER_BAD)
+    write_manager_tree(tmp_path / "good", layout, MANAGER_GOOD)
     bad, good = check_tree(tmp_path / "bad"), check_tree(tmp_path / "good")
     assert bad.verdict == BAD and "PrefillSpeculatorCudaGraphManager.capture" in bad.reason and bad.layout == layout
     assert good.verdict == GOOD and good.layout == layout
@@ -248,7 +209,7 @@ def test_source_check_good_bad_and_layouts(tmp_path, layout):
 
 def test_source_check_follows_the_call_sites(tmp_path):
     """A capture that takes saved states is bad only while some call hands it saved states (a fix may leave it dead)."""
-    _tree(tmp_path, "autoregressive", MANAGER_BAD + MANAGER_GOOD)
+    write_manager_tree(tmp_path, "autoregressive", MANAGER_BAD + MANAGER_GOOD)
     speculator = tmp_path / "vllm/v1/worker/gpu/spec_decode/autoregressive/speculator.py"
     speculator.write_text("def capture(self, attn_states):\n    self.prefill.capture(self._prefill, attn_states)\n")
     assert check_tree(tmp_path).verdict == BAD
@@ -259,46 +220,22 @@ def test_source_check_follows_the_call_sites(tmp_path):
 
 def test_source_check_untestable(tmp_path):
     assert check_tree(tmp_path).verdict == UNTESTABLE  # no vllm/
-    _tree(tmp_path / "old", "autoregressive", None)
+    write_manager_tree(tmp_path / "old", "autoregressive", None)
     v = check_tree(tmp_path / "old")
     assert v.verdict == UNTESTABLE and "no V2 model runner" in v.reason
     assert step(str(tmp_path / "old"), "source") == 125  # untestable
-    _tree(tmp_path / "broken", "autoregressive", "def capture(:\n")
+    write_manager_tree(tmp_path / "broken", "autoregressive", "def capture(:\n")
     assert check_tree(tmp_path / "broken").verdict == UNTESTABLE
-
-
-def _git(repo, *args):
-    subprocess.run(
-        ["git", "-C", str(repo), *args],
-        check=True,
-        capture_output=True,
-        env={
-            "GIT_AUTHOR_NAME": "t",
-            "GIT_AUTHOR_EMAIL": "t@t",
-            "GIT_COMMITTER_NAME": "t",
-            "GIT_COMMITTER_EMAIL": "t@t",
-            "PATH": "/usr/bin:/bin",
-        },
-    )
 
 
 def test_git_bisect_run_finds_the_commit_that_introduced_reuse(tmp_path):
     repo = tmp_path / "vllm-repo"
-    _tree(repo, "autoregressive", MANAGER_GOOD)
-    _git(repo, "init", "-q")
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-qm", "good 1")
-    shas = []
-    for i, manager in enumerate(
+    shas = write_manager_history(
+        repo,
         [MANAGER_GOOD + f"\n# {i}\n" for i in range(2)]
         + [MANAGER_BAD]
-        + [MANAGER_BAD + f"\n# later {i}\n" for i in range(3)]
-    ):
-        (repo / "vllm/v1/worker/gpu/spec_decode/autoregressive/cudagraph_utils.py").write_text(manager)
-        _git(repo, "commit", "-qam", f"change {i}")
-        shas.append(
-            subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-        )
+        + [MANAGER_BAD + f"\n# later {i}\n" for i in range(3)],
+    )
     first, log = run_bisect(str(repo), "HEAD~5", "HEAD")
     assert first == shas[2], log
     # the checkout is left as it was
@@ -309,8 +246,8 @@ def test_git_bisect_run_finds_the_commit_that_introduced_reuse(tmp_path):
 
 
 def test_bisect_step_exit_codes_from_the_command_line(tmp_path):
-    _tree(tmp_path / "bad", "autoregressive", MANAGER_BAD)
-    _tree(tmp_path / "good", "autoregressive", MANAGER_GOOD)
+    write_manager_tree(tmp_path / "bad", "autoregressive", MANAGER_BAD)
+    write_manager_tree(tmp_path / "good", "autoregressive", MANAGER_GOOD)
 
     def run(p):
         cmd = [sys.executable, "-m", "repro.vllm_integration.releases.bisect", "step", "--repo", str(p)]
@@ -328,7 +265,7 @@ def test_gate_step_maps_exit_codes(tmp_path):
 
 
 def test_overlay_combines_checkout_python_with_installed_extensions(tmp_path):
-    _tree(tmp_path / "co", "autoregressive", MANAGER_GOOD)
+    write_manager_tree(tmp_path / "co", "autoregressive", MANAGER_GOOD)
     inst = tmp_path / "site" / "vllm"
     (inst / "vllm_flash_attn").mkdir(parents=True)
     (inst / "_C.abi3.so").write_bytes(b"\x7fELF")

@@ -9,8 +9,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from repro.attention.layout import MetadataLayout, effective_causal, layout_from_size, vllm_buffer_size
 from repro.backends.base import Fa3Backend
+from repro.backends.layout import MetadataLayout, effective_causal, layout_from_size, vllm_buffer_size
 from repro.case.descriptors import AttnConfig, BatchDescriptor
 from repro.case.poison import Poison
 from repro.errors import ConfigError

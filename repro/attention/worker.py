@@ -15,11 +15,10 @@ from repro.attention.staleness import add_counts, diff_snapshots, summarize
 from repro.backends import load_backend
 from repro.case.poison import parse_poison
 from repro.case.scenarios import CAPTURE, SPEC, WARMUP, passes_for
-from repro.case.spec import CaseSpec
+from repro.case.spec import CaseSpec, mps_sm_mismatch
+from repro.contract.channel import emit
+from repro.contract.tags import DEVICE_TAG, PASS_TAG, RESULT_TAG, SKIP_TAG
 from repro.errors import BackendUnavailable, Unavailable
-from repro.run.channel import emit
-from repro.run.smcontrol import mps_sm_mismatch
-from repro.run.tags import DEVICE_TAG, PASS_TAG, RESULT_TAG, SKIP_TAG
 
 
 def sm_setup(spec: CaseSpec, torch) -> tuple[int, int, object | None]:

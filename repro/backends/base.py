@@ -78,7 +78,7 @@ class Fa3Backend(Protocol):
     """What a case needs from an FA3 build: AOT scheduler metadata and the forward, both with sm_margin."""
 
     name: str
-    flavor: str  # layout flavor: repro.attention.layout.UPSTREAM or VLLM
+    flavor: str  # layout flavor: repro.backends.layout.UPSTREAM or VLLM
 
     def identity(self) -> BackendIdentity: ...
 

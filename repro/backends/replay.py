@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from repro.attention.scheduler_inputs import SchedulerInputs
 from repro.backends.base import BackendIdentity
+from repro.backends.scheduler_inputs import SchedulerInputs
 from repro.errors import BackendUnavailable
 
 

@@ -8,8 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from repro.attention.layout import UPSTREAM
 from repro.backends.base import BackendIdentity, TorchOpsBackend, file_sha256, same_library
+from repro.backends.layout import UPSTREAM
 from repro.errors import BackendUnavailable
 
 ENV_VAR = "FA3_UPSTREAM_PATH"

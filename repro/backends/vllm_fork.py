@@ -8,8 +8,8 @@ import re
 import sys
 from pathlib import Path
 
-from repro.attention.layout import VLLM
 from repro.backends.base import BackendIdentity, TorchOpsBackend, file_sha256, same_library
+from repro.backends.layout import VLLM
 from repro.errors import BackendUnavailable
 
 ENV_VAR = "FA3_VLLM_LIB"

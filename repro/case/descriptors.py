@@ -4,15 +4,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+from repro.backends.layout import round_up
 from repro.errors import ConfigError
 
 # No GPU this harness runs on holds more (an H200: 141 GB). A shape whose buffers need more is impossible: refused
 # before anything is allocated (the CPU model allocates the block table too).
 MAX_DEVICE_BYTES = 141 * 10**9
-
-
-def round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
 
 
 @dataclass(frozen=True)

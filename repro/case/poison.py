@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from repro.attention.layout import MetadataLayout
+from repro.backends.layout import MetadataLayout
 from repro.errors import ConfigError
 
 INT32_MAX = 2**31 - 1

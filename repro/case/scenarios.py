@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from repro.attention.builder import AttnMetadata, MetadataBuilder
 from repro.case.descriptors import (
     AttnConfig,
     BatchDescriptor,
@@ -16,6 +16,9 @@ from repro.case.descriptors import (
     descriptor_from_label,
     full_decode_descriptors,
 )
+
+if TYPE_CHECKING:  # the builder (the attention layer's) is handed in; its types name what it builds
+    from repro.attention.builder import AttnMetadata, MetadataBuilder
 
 STALE = "stale"
 FRESH = "fresh"

@@ -8,9 +8,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 from repro.case.descriptors import AttnConfig
 from repro.case.poison import parse_poison
-from repro.case.scenarios import PAIR, SCENARIOS, STRATEGIES, V2
+from repro.case.scenarios import FRESH, PAIR, SCENARIOS, STRATEGIES, V2
+from repro.contract.verdicts import FAULTS, SKIP  # the taxonomy lives in repro.contract.verdicts
 from repro.errors import ConfigError
-from repro.judge.verdicts import FAULTS, SKIP  # the taxonomy lives in repro.judge.verdicts
 
 MODES = ("eager", "graph")
 SM_KINDS = ("full", "sm_margin", "mps", "green", "mig")
@@ -58,6 +58,15 @@ class SmConfig:
         if not 0 <= sms <= MAX_SMS:  # a GPU's own count is checked where one is (sm_refusal)
             raise ConfigError(f"{text}: impossible SM count (no GPU has more than {MAX_SMS} SMs)")
         return cls(kind, sms)
+
+
+def mps_sm_mismatch(sm: SmConfig, reported: int | None) -> str | None:
+    """Why a case process under an MPS SM restriction (`sm`) did not get the SMs it asked for, or None: the SM count
+    the process reports must equal the case's (the attention-layer worker and the vLLM gate both check). The machine
+    has MPS and it did not do as asked: an error, never a skip."""
+    if sm.kind == "mps" and reported != sm.sms:
+        return f"MPS gave this process {reported} SMs, the case asked for {sm.sms}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -139,6 +148,11 @@ class CaseSpec:
 # it never ran; it ran again alone under an MPS daemon of its own after a shared run it could not trust.
 STALLED, REFUSED, RERUN_ALONE = "stalled", "refused", "rerun-alone"
 FLAGS = (STALLED, REFUSED, RERUN_ALONE)
+
+
+def positive_control(spec: CaseSpec) -> bool:
+    """Must the case show the bug (stale metadata)? Known from the case alone (no CPU model, no expectation)."""
+    return spec.strategy != FRESH
 
 
 @dataclass

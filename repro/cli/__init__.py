@@ -11,9 +11,8 @@ import sys
 
 from repro import __version__
 from repro.cli import bisect, matrix, outputs, reports, run, serve, vllm
-from repro.cli.common import Parser
 from repro.errors import ConfigError
-from repro.exit_codes import Exit
+from repro.exit_codes import Exit, Parser
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""What the subcommands share: defaults, the one-line-error parser (exit 2, repro.exit_codes), list and path parsing,
+"""What the subcommands share: defaults (their one-line-error parser is repro.exit_codes.Parser), list and path parsing,
 output folders and files that fail before any work, the attention-shape flags."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ import argparse
 import math
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,17 +15,10 @@ from repro.case.descriptors import AttnConfig
 from repro.case.poison import DEFAULT_POISON, parse_poison
 from repro.cli.outputs import OVERWRITE_HELP, check_writable
 from repro.errors import ConfigError, Unavailable
-from repro.exit_codes import Exit
 from repro.run.smcontrol import device_sm_count
 
 DEFAULT_MODES = "eager,graph"
 MAX_REPEAT = 1000  # --repeat: every repetition is a case of its own, planned (and listed) before any runs
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2
-        sys.stderr.write(f"repro: error: {message}\n")
-        raise SystemExit(Exit.BAD_INPUT)
 
 
 def seconds(text: str) -> float:

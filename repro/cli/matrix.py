@@ -9,15 +9,7 @@ import time
 from dataclasses import replace
 
 from repro import exit_codes
-from repro.case.matrix import (
-    DEFAULT_SMS,
-    MatrixOptions,
-    MatrixRun,
-    attach_expectations,
-    build_specs,
-    run_matrix,
-    text_progress,
-)
+from repro.case.matrix import DEFAULT_SMS, MatrixOptions, build_specs
 from repro.case.scenarios import DEFAULT_PAIR, SCENARIOS, STRATEGIES, V2
 from repro.case.spec import CaseSpec
 from repro.cli.common import (
@@ -44,6 +36,7 @@ from repro.report import results as report
 from repro.report.benchmark import compare_executors
 from repro.report.redact import redact
 from repro.run.executor import DEFAULT_EXECUTOR, EXECUTORS
+from repro.run.matrix import MatrixRun, attach_expectations, run_matrix, text_progress
 from repro.run.mps_cases import DEFAULT_MPS_DAEMON, MPS_DAEMON_POLICIES
 from repro.run.runner import default_executor, device_sm_count, make_executor
 from repro.run.smcontrol import sm_refusal

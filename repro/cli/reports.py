@@ -71,7 +71,7 @@ def cmd_doctor(a: argparse.Namespace) -> int:
 
 
 def cmd_agree(a: argparse.Namespace) -> int:
-    from repro.fa3_model.agreement import compare, markdown  # the CPU model (numpy): for agree only
+    from repro.report.agreement import compare, markdown  # the CPU model (numpy): for agree only
 
     for p in a.results:
         check_exists(p)

@@ -11,19 +11,19 @@ import time
 from dataclasses import dataclass, replace
 
 from repro.attention.builder import MetadataBuilder
-from repro.attention.layout import UPSTREAM, VLLM
-from repro.attention.scheduler_inputs import SchedulerInputs
 from repro.attention.staleness import add_counts, diff_snapshots, summarize
 from repro.backends.base import BackendIdentity
+from repro.backends.layout import UPSTREAM, VLLM
+from repro.backends.scheduler_inputs import SchedulerInputs
 from repro.case.descriptors import AttnConfig
 from repro.case.poison import DEFAULT_POISON, parse_poison
 from repro.case.scenarios import FRESH, STALE, WARMUP, v2_capture_sequence
 from repro.case.spec import CaseResult, CaseSpec, SmConfig
+from repro.contract.verdicts import CLEAN, OOB, WRONG
 from repro.errors import ConfigError
 from repro.fa3_model.reads import Prediction, predict_launch
 from repro.fa3_model.scheduler import PAD, host_plan, scheduler_metadata
 from repro.fa3_model.scope import H200_SMS, MODEL_SM_KINDS
-from repro.judge.verdicts import CLEAN, OOB, WRONG
 
 MODEL_SMS = (16, 26, 32, 60, 132)
 # The evidence column of a predicted row: what the model predicts, never a measurement (`oob` on a GPU is a memcheck

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from repro.attention.layout import SEMAPHORE, MetadataLayout
-from repro.judge.verdicts import CLEAN, OOB, WRONG
+from repro.backends.layout import SEMAPHORE, MetadataLayout
+from repro.contract.verdicts import CLEAN, OOB, WRONG
 
 HUGE = 1 << 20  # a metadata value this large cannot describe a real batch
 

@@ -12,8 +12,8 @@ import json
 import random
 import sys
 
-from repro.attention.layout import effective_causal, layout_from_size
 from repro.backends import load_backend
+from repro.backends.layout import effective_causal, layout_from_size
 from repro.case.descriptors import AttnConfig, full_decode_descriptors
 
 SHAPES = [(32, 8, 128), (32, 32, 128), (16, 2, 64), (64, 8, 128), (8, 1, 256), (28, 4, 128), (40, 8, 96)]

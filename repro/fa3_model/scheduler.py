@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from repro.attention.layout import MAX_BATCHES_1CTA, UPSTREAM, VLLM, MetadataLayout, effective_causal, metadata_layout
-from repro.attention.scheduler_inputs import SchedulerInputs
+from repro.backends.layout import MAX_BATCHES_1CTA, UPSTREAM, VLLM, MetadataLayout, effective_causal, metadata_layout
+from repro.backends.scheduler_inputs import SchedulerInputs
 
 PAD = None  # a never-written entry
 INT_MIN = -(2**31)

@@ -1,5 +1,5 @@
-"""How a case process's output becomes a verdict (the taxonomy: repro.judge.verdicts): its records (the structured channel,
-repro.run.channel), its exit status, the clock and compute-sanitizer's findings, read once into a CaseResult with its
+"""How a case process's output becomes a verdict (the taxonomy: repro.contract.verdicts): its records (the structured channel,
+repro.contract.channel), its exit status, the clock and compute-sanitizer's findings, read once into a CaseResult with its
 evidence. Later steps (the vLLM gate's reference comparison, attribution rerun, coverage check) never edit that record:
 they make a new one that says what changed it (repro.case.spec.revise)."""
 
@@ -11,10 +11,10 @@ import re
 from repro.attention.staleness import add_counts
 from repro.case.spec import REFUSED as REFUSED_FLAG
 from repro.case.spec import CaseResult
-from repro.judge.verdicts import CLEAN, CRASH, ERROR, EVIDENCE, HANG, LAUNCH_FAIL, OOB, SKIP, STALE_AUDIT, WRONG
-from repro.run.channel import Channel
-from repro.run.sanitizer import parse_log
-from repro.run.tags import DEVICE_TAG, PASS_TAG, RESULT_TAG, SKIP_TAG
+from repro.contract.channel import Channel
+from repro.contract.tags import DEVICE_TAG, PASS_TAG, RESULT_TAG, SKIP_TAG
+from repro.contract.verdicts import CLEAN, CRASH, ERROR, EVIDENCE, HANG, LAUNCH_FAIL, OOB, SKIP, STALE_AUDIT, WRONG
+from repro.judge.memcheck_log import parse_log
 
 FAULT_MARKERS = (  # the CUDA error codes of a kernel's bad memory access; a bare "CUDA error" is not one
     "illegal memory access",
@@ -85,7 +85,7 @@ def classify(
     channel: Channel | None = None,
 ):
     """Turn what a case process left behind into a verdict with its evidence, once: its records (the structured
-    channel, repro.run.channel; for a log recorded before the channel, the tagged lines of its output), its exit, the
+    channel, repro.contract.channel; for a log recorded before the channel, the tagged lines of its output), its exit, the
     clock and memcheck's findings. The free-form output is read for one thing only: the line a fault or a failed
     launch was reported on (and the kernel that line names). Pure: the CPU tier tests it on recorded outputs.
     `spec` needs case_id, timeout_s and to_json() (CaseSpec, the vLLM gate's GateCase)."""

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import functools
 
-from repro.attention.layout import UPSTREAM, VLLM
+from repro.backends.layout import UPSTREAM, VLLM
 from repro.case.descriptors import AttnConfig
-from repro.case.scenarios import DEFAULT_PAIR, FRESH, PAIR, V2
-from repro.case.spec import CaseSpec
+from repro.case.scenarios import DEFAULT_PAIR, PAIR, V2
+from repro.case.spec import CaseSpec, positive_control
+from repro.contract.verdicts import OOB, WRONG
 from repro.fa3_model.scope import H200_SMS, MODEL_SM_KINDS
 from repro.judge.policy import AUDIT, DETECTED, EXPECT_CLEAN, FAULT
-from repro.judge.verdicts import OOB, WRONG
 
 # Where the CPU model cannot decide: what was measured on the H200 (results/), by (scenario or SM kind, poison).
 MEASURED = {
@@ -41,11 +41,6 @@ def _model_outcomes(
     from repro.fa3_model.predict import predict_outcomes  # here: the CPU model imports this module (and numpy)
 
     return predict_outcomes({"upstream": UPSTREAM, "vllm": VLLM}[backend], strategy, sms, cfg, poison, sanitizer)
-
-
-def positive_control(spec: CaseSpec) -> bool:
-    """Must the case show the bug (stale metadata)? Known without the CPU model, which imports torch."""
-    return spec.strategy != FRESH
 
 
 def unmodelled(spec: CaseSpec) -> list[str]:

@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from repro.judge.verdicts import (
+from repro.contract.verdicts import (
     CANNOT_VOUCH,
     CLEAN,
     ERROR,
@@ -100,7 +100,8 @@ REQUIREMENTS = {
     "vllm": "a vLLM build named (REPRO_VLLM, or vllm installed)",
     "sanitizer": "compute-sanitizer (the CUDA toolkit)",
 }
-REQUIRE_ENV = "REPRO_GATE_REQUIRE"
+GATE_ENV = "REPRO_GATE"  # REPRO_GATE=1 is pytest's --gate (repro.pytest_options, repro.report.pytest_gate)
+REQUIRE_ENV = "REPRO_GATE_REQUIRE"  # what a gate run requires, as --gate-require
 
 
 def satisfies(expect: str, verdict: str) -> bool | None:

@@ -9,11 +9,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from repro.case.matrix import MatrixRun, run_matrix
 from repro.case.spec import RERUN_ALONE
 from repro.errors import ConfigError
 from repro.report.results import load_json
 from repro.run import server
+from repro.run.matrix import MatrixRun, run_matrix
 from repro.run.runner import make_executor
 
 PHASES = ("start_s", "import_s", "cuda_init_s", "work_s", "teardown_s")

@@ -26,8 +26,8 @@ import pytest
 
 from repro.errors import Unavailable
 from repro.exit_codes import gate_decision, pytest_session
+from repro.judge.policy import GATE_ENV as ENV
 from repro.judge.policy import REQUIRE_ENV, Control, GateDecision, decide, parse_requirements
-from repro.pytest_options import GATE_ENV as ENV
 from repro.report import environment
 from repro.report.redact import redact
 from repro.report.results import header

@@ -6,13 +6,13 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from repro.case.matrix import MatrixRun, expected_of
 from repro.case.spec import RERUN_ALONE, CaseResult, CaseSpec
+from repro.contract.verdicts import KERNEL_EVIDENCE, VERDICTS, Verdict
 from repro.errors import ConfigError
 from repro.judge.expectations import gate_mode
 from repro.judge.policy import Control, GateDecision, decide, satisfies
-from repro.judge.verdicts import KERNEL_EVIDENCE, VERDICTS, Verdict
 from repro.report.redact import redact
+from repro.run.matrix import MatrixRun, expected_of
 
 MARK = {True: "ok", False: "FAIL", None: "skip"}
 NOT_ATTRIBUTED = "not attributed"  # kernel evidence whose faulting line named no kernel (memcheck or a
@@ -249,7 +249,7 @@ def gate_failures(run: MatrixRun) -> list[str]:
     return gate_decision(run).failures
 
 
-VERDICT_COLORS = {  # one per verdict of repro.judge.verdicts.VERDICTS (a CPU test renders each)
+VERDICT_COLORS = {  # one per verdict of repro.contract.verdicts.VERDICTS (a CPU test renders each)
     Verdict.CLEAN: "#4caf50",
     Verdict.OOB: "#f44336",
     Verdict.CRASH: "#b71c1c",

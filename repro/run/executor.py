@@ -33,7 +33,7 @@ from multiprocessing import forkserver
 from pathlib import Path
 
 from repro import entrypoints
-from repro.run.channel import ENV as CHANNEL_ENV
+from repro.contract.channel import ENV as CHANNEL_ENV
 from repro.run.process import ProcessRun, exit_code, kill_group, run_child
 from repro.run.sanitizer import find_sanitizer, sanitizer_command
 

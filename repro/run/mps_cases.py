@@ -27,9 +27,9 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from repro.case.spec import RERUN_ALONE, CaseResult, CaseSpec
+from repro.contract.verdicts import CLEAN, ERROR, OOB, SKIP
 from repro.errors import Unavailable
 from repro.judge.classify import refused
-from repro.judge.verdicts import CLEAN, ERROR, OOB, SKIP
 from repro.run.smcontrol import MpsDaemon
 
 PER_CASE, SHARED = "per-case", "shared"

@@ -12,17 +12,18 @@ from pathlib import Path
 
 from repro import CHECKOUT, entrypoints
 from repro.case.spec import STALLED, CaseResult, CaseSpec
+from repro.contract.channel import ENV as CHANNEL_ENV
+from repro.contract.channel import SUFFIX as CHANNEL_SUFFIX
+from repro.contract.channel import Channel
+from repro.contract.channel import path_for as channel_path
+from repro.contract.verdicts import EVIDENCE
 from repro.errors import ConfigError, Unavailable
 from repro.judge.classify import classify
-from repro.judge.verdicts import EVIDENCE
-from repro.run.channel import ENV as CHANNEL_ENV
-from repro.run.channel import SUFFIX as CHANNEL_SUFFIX
-from repro.run.channel import Channel
-from repro.run.channel import path_for as channel_path
+from repro.judge.memcheck_log import first_finding_complete
 from repro.run.executor import EXECUTORS, ForkServer, MemcheckAhead
 from repro.run.pinning import PINNED_VAR
 from repro.run.process import ProcessRun, Stall, kill_group
-from repro.run.sanitizer import find_sanitizer, first_finding_complete, sanitizer_command, sanitizer_env
+from repro.run.sanitizer import find_sanitizer, sanitizer_command, sanitizer_env
 from repro.run.server import server_executor
 from repro.run.smcontrol import MpsDaemon, device_sm_count
 
@@ -103,7 +104,7 @@ def run_process(
     memcheck cases run under compute-sanitizer, in a process the executor started ahead (its WarmPool) where the
     environment fits, else as cmd."""
     out_path, memcheck_log = case_logs(log_dir, spec.case_id)
-    records = channel_path(out_path)  # the case's structured channel (repro.run.channel), beside its log
+    records = channel_path(out_path)  # the case's structured channel (repro.contract.channel), beside its log
     records.unlink(missing_ok=True)
     memcheck_log.unlink(missing_ok=True)  # a memcheck log of an earlier run into this folder is not this run's
     env = {**env, CHANNEL_ENV: str(records)}

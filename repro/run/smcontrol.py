@@ -128,15 +128,6 @@ def mps_percentage(sms: int, total: int) -> int:
     return 100
 
 
-def mps_sm_mismatch(sm, reported: int | None) -> str | None:
-    """Why a case process under an MPS SM restriction (`sm`: its SmConfig) did not get the SMs it asked for, or None:
-    the SM count the process reports must equal the case's (the attention-layer worker and the vLLM gate both check).
-    The machine has MPS and it did not do as asked: an error, never a skip."""
-    if sm.kind == "mps" and reported != sm.sms:
-        return f"MPS gave this process {reported} SMs, the case asked for {sm.sms}"
-    return None
-
-
 # SMs of GPU 0 through the CUDA driver alone, in a child of its own (the caller never initializes CUDA): no torch
 # import, so the probe takes a fraction of a second instead of the ~4 s `import torch` takes on an H200.
 _SM_PROBE = """

@@ -16,7 +16,7 @@ import re
 import time
 from collections.abc import Iterable
 
-from repro.judge.verdicts import ERROR, SKIP
+from repro.contract.verdicts import ERROR, SKIP
 from repro.vllm_integration.gate.judge import passes
 
 _STAMP = re.compile(r"^(?:INFO|WARNING|DEBUG|ERROR) (\d\d-\d\d \d\d:\d\d:\d\d)")

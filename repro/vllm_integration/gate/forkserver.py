@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from repro import entrypoints
+from repro.contract.channel import ENV as CHANNEL_ENV
 from repro.errors import ConfigError, ForkServerDied, ForkUnavailable, ProtocolError
-from repro.run.channel import ENV as CHANNEL_ENV
 from repro.run.process import ProcessRun, Stall, kill_group
 from repro.vllm_integration.gate import fork as gate_fork
 from repro.vllm_integration.gate import keep as gate_keep

@@ -11,13 +11,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from repro.attention.staleness import count_fields
-from repro.case.spec import CaseResult
+from repro.case.spec import CaseResult, mps_sm_mismatch
+from repro.contract.channel import Channel
+from repro.contract.tags import AUDIT_TAG, COUNTERS_TAG, DEVICE_TAG, ENGINE_TAG, PLUGIN_TAG, RESULT_TAG
+from repro.contract.verdicts import CANNOT_VOUCH as NOT_VOUCHED
+from repro.contract.verdicts import CLEAN, CRASH, ERROR, HANG, KERNEL_EVIDENCE, OOB, SKIP, STALE_AUDIT, WRONG
 from repro.judge import policy
-from repro.judge.verdicts import CANNOT_VOUCH as NOT_VOUCHED
-from repro.judge.verdicts import CLEAN, CRASH, ERROR, HANG, KERNEL_EVIDENCE, OOB, SKIP, STALE_AUDIT, WRONG
-from repro.run.channel import Channel
-from repro.run.smcontrol import mps_sm_mismatch
-from repro.run.tags import AUDIT_TAG, COUNTERS_TAG, DEVICE_TAG, ENGINE_TAG, PLUGIN_TAG, RESULT_TAG
 from repro.vllm_integration.gate.case import GateCase, expected
 from repro.vllm_integration.gate.coverage import (
     CONFIGURATION,

@@ -14,12 +14,12 @@ from typing import Any
 
 from repro import entrypoints
 from repro.case.spec import STALLED, CaseResult
+from repro.contract.channel import Channel
+from repro.contract.tags import COUNTERS_TAG, DEVICE_TAG, RESULT_TAG
+from repro.contract.verdicts import CLEAN, CRASH, HANG, SKIP, STALE_AUDIT, WRONG
 from repro.errors import Unavailable
-from repro.judge.verdicts import CLEAN, CRASH, HANG, SKIP, STALE_AUDIT, WRONG
-from repro.run.channel import Channel
 from repro.run.runner import case_logs, device_sm_count, run_process
 from repro.run.smcontrol import MpsDaemon
-from repro.run.tags import COUNTERS_TAG, DEVICE_TAG, RESULT_TAG
 from repro.vllm_integration.gate import bench as gate_bench
 from repro.vllm_integration.gate.cache import PRIVATE, WRITER, GateCache
 from repro.vllm_integration.gate.case import GateCase, case_env, expected

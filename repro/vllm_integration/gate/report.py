@@ -8,8 +8,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from repro.contract.verdicts import FAULTS, SKIP
 from repro.judge.policy import NO_EVIDENCE, SELF_CONTROL, GateOutcome
-from repro.judge.verdicts import FAULTS, SKIP
 from repro.report.redact import redact
 from repro.report.results import VLLM_GATE_KIND, header
 from repro.vllm_integration.gate import bench as gate_bench

@@ -21,16 +21,16 @@ from pathlib import Path
 from typing import NamedTuple
 
 from repro.case.spec import CaseResult, SmConfig
+from repro.contract.channel import path_for, write_record
+from repro.contract.tags import RESULT_TAG
+from repro.contract.verdicts import CANNOT_VOUCH as NOT_VOUCHED
+from repro.contract.verdicts import CLEAN, ERROR, FAULTS
 from repro.errors import ConfigError, Unavailable
 from repro.judge import policy
-from repro.judge.verdicts import CANNOT_VOUCH as NOT_VOUCHED
-from repro.judge.verdicts import CLEAN, ERROR, FAULTS
-from repro.run.channel import path_for, write_record
 from repro.run.memory import GIB, MemoryBudget
 from repro.run.mps_cases import SHARED, run_mps_cases
 from repro.run.runner import case_logs, device_sm_count, set_aside_logs
 from repro.run.smcontrol import MpsDaemon, sm_refusal
-from repro.run.tags import RESULT_TAG
 from repro.vllm_integration.gate.cache import GateCache, gpu_identity, kept_reference, ref_key
 from repro.vllm_integration.gate.case import (
     FA3_ONLY,

@@ -27,9 +27,9 @@ import sys
 import time
 from pathlib import Path
 
+from repro.contract.channel import emit
+from repro.contract.tags import DEVICE_TAG, ENGINE_TAG, PLUGIN_TAG, RESULT_TAG
 from repro.run import own_alloc
-from repro.run.channel import emit
-from repro.run.tags import DEVICE_TAG, ENGINE_TAG, PLUGIN_TAG, RESULT_TAG
 from repro.vllm_integration.gate.methods import DEFAULT_METHOD, DRAFT, TABLE, TARGET  # noqa: F401  TARGET, DRAFT: re-exported
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
 from repro.vllm_integration.releases.builds import add_site_dirs

@@ -44,9 +44,9 @@ Each feature that installed is announced as a `REPRO_PLUGIN {"installed": ...}` 
 could not be installed is a `REPRO_PLUGIN {"error": ...}` line (the gate turns either into the case's verdict). The
 counters (COUNTERS) are printed at exit as `REPRO_COUNTERS <json>`; the gate process prints them with the engine's
 configuration after generate (repro.vllm_integration.gate.worker). With the probe on, the counters also name the
-speculative-decoding layout of the vLLM that loaded the plugin (`spec_layout`, read from its files as
-repro.vllm_integration.releases.source_check does) and whether the auditor knows it (`spec_layout_known`: a layout the
-recorded wheels show, KNOWN_SPEC_LAYOUTS); a gate must not vouch for a run whose layout it does not know. Written
+speculative-decoding layout of the vLLM that loaded the plugin (`spec_layout`, read from its files, as the source
+check reads them too) and whether the auditor knows it (`spec_layout_known`: a layout the recorded wheels show,
+KNOWN_SPEC_LAYOUTS); a gate must not vouch for a run whose layout it does not know. Written
 against the names in vllm/v1/attention/backends/ (backend_fields); anything not found is reported, never guessed.
 
 Where each part lives: this module reads the environment (requested) and installs what it asks for (register); the
@@ -64,8 +64,8 @@ from pathlib import Path
 from typing import Any
 
 from repro.case.poison import parse_poison
-from repro.run.channel import emit
-from repro.run.tags import PLUGIN_TAG
+from repro.contract.channel import emit
+from repro.contract.tags import PLUGIN_TAG
 from repro.vllm_integration.plugin import counters
 from repro.vllm_integration.plugin import weights_dflash as dflash_weights
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND, backend_for
@@ -74,7 +74,6 @@ from repro.vllm_integration.plugin.fa3_hooks import install_fa3_hooks
 from repro.vllm_integration.plugin.inject import INJECT_ENV, INJECT_SOURCE_ENV, INJECTIONS, SOURCES
 from repro.vllm_integration.plugin.weights import DUMMY, WEIGHTS
 from repro.vllm_integration.plugin.weights import install as install_weights
-from repro.vllm_integration.releases.source_check import spec_layout
 
 ENV, PROBE_ENV = "REPRO_AUDIT", "REPRO_PROBE"
 SM_MARGIN_ENV, POISON_ENV, WEIGHTS_ENV = "REPRO_SM_MARGIN", "REPRO_POISON", "REPRO_WEIGHTS"
@@ -85,11 +84,25 @@ SWITCHES = (ENV, counters.FILE_ENV, PROBE_ENV, SM_MARGIN_ENV, POISON_ENV, BACKEN
 # results/vllm-versions.json; a CPU test keeps the two equal): another layout cannot be vouched for
 # eagle (0.20-0.22): its draft loop advances seq_lens inside the draft decode graph (audit.check's `advance`)
 KNOWN_SPEC_LAYOUTS = ("eagle", "autoregressive", "target_dependent_ar")
+V2_DIR = "vllm/v1/worker/gpu"  # vLLM's V2 model runner, in its source tree
+SPEC_DIR = f"{V2_DIR}/spec_decode"
+
+
+def spec_layout(root: Path) -> str | None:
+    """The V2 speculative-decoding layout of the vLLM source tree at root (the folder holding vllm/), from its
+    folders alone (the plugin's report and the source check both read it); None when it has none of them."""
+    spec = root / SPEC_DIR
+    for name in ("target_dependent_ar", "autoregressive", "eagle"):
+        if (spec / name).is_dir():
+            return name
+    if (spec / "eagle_cudagraph.py").exists() or (spec / "eagle.py").exists():
+        return "eagle-module"
+    return None
 
 
 def spec_layout_of(vllm_root: str | os.PathLike | None) -> tuple[str | None, bool]:
     """(the V2 speculative-decoding layout of the vLLM installed at vllm_root, the folder holding vllm/; whether the
-    auditor knows it). Read from the files, never imported (repro.vllm_integration.releases.source_check.spec_layout)."""
+    auditor knows it). Read from the files, never imported (spec_layout)."""
     layout = spec_layout(Path(vllm_root)) if vllm_root is not None else None
     return layout, layout in KNOWN_SPEC_LAYOUTS
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from repro.attention.layout import VLLM, effective_causal, layout_from_size
 from repro.attention.staleness import stale_entry
+from repro.backends.layout import VLLM, effective_causal, layout_from_size
+from repro.vllm_integration.plugin.identity import ByIdentity
 
 FIELDS = ("query_start_loc", "seq_lens", "scheduler_metadata")  # FA3's views: what the auditor checked first
 Number = int | float  # bool tensors read as ints; floating tensors (none checked in vLLM's tables today) as floats
@@ -67,7 +68,9 @@ class _Build:
 @dataclass
 class FreshnessAuditor:
     flavor: str = VLLM
-    builds: dict[int, _Build] = field(default_factory=dict)
+    # metadata object -> what its build wrote; by identity, never by id(): metadata built later at a dead object's
+    # address inherits nothing
+    builds: ByIdentity[_Build] = field(default_factory=ByIdentity)
     mismatches: list[Mismatch] = field(default_factory=list)
     checks: int = 0
     views: int = 0  # views compared over all checks (each view of a metadata object counts one per check)
@@ -78,13 +81,13 @@ class FreshnessAuditor:
     descriptor_checks: int = 0  # metadata compared with the descriptor of the FULL capture pass using it
 
     def record_build(
-        self, key: int, descriptor: str, views: dict[str, Any], shape: dict[str, Any] | None = None
+        self, key: Any, descriptor: str, views: dict[str, Any], shape: dict[str, Any] | None = None
     ) -> None:
-        """Right after a build: copy what its views show (they point into persistent buffers). Copies to the host:
-        never call it while a CUDA graph is being captured."""
+        """Right after a build of the metadata object `key`: copy what its views show (they point into persistent
+        buffers). Copies to the host: never call it while a CUDA graph is being captured."""
         self.builds[key] = _Build(descriptor, {k: _ints(v) for k, v in views.items() if v is not None}, shape or {})
 
-    def refresh(self, key: int, views: dict[str, Any]) -> bool:
+    def refresh(self, key: Any, views: dict[str, Any]) -> bool:
         """After an eager in-place refresh of a recorded build's metadata (vLLM's update_draft_decode_metadata and
         the draft step around it): what the views show now is what the next forward must see. False when the build
         is not known. Copies to the host, like record_build."""
@@ -95,11 +98,11 @@ class FreshnessAuditor:
         self.refreshes += 1
         return True
 
-    def knows(self, key: int) -> bool:
+    def knows(self, key: Any) -> bool:
         return key in self.builds
 
     def check(
-        self, key: int, views: dict[str, Any], skip: frozenset[str] | set[str] = frozenset(), advance: int = 0
+        self, key: Any, views: dict[str, Any], skip: frozenset[str] | set[str] = frozenset(), advance: int = 0
     ) -> list[Mismatch]:
         """Before a forward: do the views still show what their build wrote? Returns (and keeps) the mismatches.
         `skip`: views not to compare (rewritten by an in-graph refresh, their contents the graph's to compute).
@@ -146,7 +149,7 @@ class FreshnessAuditor:
 
     def check_descriptor(
         self,
-        key: int,
+        key: Any,
         desc: CaptureDescriptor,
         fields: dict[str, Any],
         views: dict[str, Any],
@@ -267,7 +270,7 @@ def descriptor_mismatches(
 def layout_of(shape: dict[str, Any], size: int, flavor: str = VLLM) -> Any:
     """The FA3 scheduler-metadata layout of a build whose metadata has this shape (num_reqs, causal, window,
     query/sequence lengths, head dim: the plugin's record of the build) and a buffer of `size` ints; None when the
-    shape lacks the batch size or the size is no layout repro.attention.layout knows."""
+    shape lacks the batch size or the size is no layout repro.backends.layout knows."""
     if shape.get("num_reqs") is None:
         return None
     try:

@@ -11,8 +11,8 @@ import functools
 import sys
 from typing import Any
 
-from repro.run.channel import emit
-from repro.run.tags import AUDIT_TAG, PLUGIN_TAG
+from repro.contract.channel import emit
+from repro.contract.tags import AUDIT_TAG, PLUGIN_TAG
 from repro.vllm_integration.plugin import capture, counters
 from repro.vllm_integration.plugin.audit import layout_of
 from repro.vllm_integration.plugin.backend_fields import FLASH_ATTN, BackendFields, find_classes, tensor_fields
@@ -51,17 +51,17 @@ def _wrap_forward(impl_cls: Any, spec: BackendFields = FLASH_ATTN) -> None:
             cap = capture._CAPTURES[-1]
             cap.forwards += 1
             if attn_metadata is not None:
-                cap.metadata.setdefault(id(attn_metadata), (attn_metadata, spec))
+                cap.metadata.setdefault(attn_metadata, (attn_metadata, spec))
                 if injector is not None and not cap.injected:
-                    cap.injected = injector.reached(tensor_fields(attn_metadata, spec)[0], id(attn_metadata))
+                    cap.injected = injector.reached(tensor_fields(attn_metadata, spec)[0], attn_metadata)
         elif injector is not None and attn_metadata is not None and not capture.capturing():
             if capture_role(sys._getframe(1)) == "draft":  # a draft capture's eager warmup pass
-                if injector.inject(id(attn_metadata), tensor_fields(attn_metadata, spec)[0], "draft warmup"):
+                if injector.inject(attn_metadata, tensor_fields(attn_metadata, spec)[0], "draft warmup"):
                     counters.bump("injected_forwards")
         if not capture._CAPTURES and capture._AUDIT_ON["on"] and attn_metadata is not None and not capture.capturing():
             frame = sys._getframe(1)
             advance = capture.MAX_DRAFT_LOOP_ADVANCE if capture.draft_on_stack(frame) else 0
-            for m in counters.AUDITOR.check(id(attn_metadata), views_of(attn_metadata, spec), advance=advance):
+            for m in counters.AUDITOR.check(attn_metadata, views_of(attn_metadata, spec), advance=advance):
                 emit(AUDIT_TAG, {"stale": m.to_dict(), "message": str(m)})
             where = capture.capture_descriptor(frame)  # a FULL capture's eager warmup pass: (None, None) elsewhere
             if where != (None, None):
@@ -109,7 +109,7 @@ def _record(builder: Any, md: Any, spec: BackendFields) -> None:
     if capture._CAPTURES or capture.capturing():
         counters.bump("builds_in_graph")
         return
-    counters.AUDITOR.record_build(id(md), label_of(md), views_of(md, spec), build_shape(builder, md))
+    counters.AUDITOR.record_build(md, label_of(md), views_of(md, spec), build_shape(builder, md))
 
 
 def _wrap_builder(builder_cls: Any, spec: BackendFields) -> list[str]:
@@ -175,7 +175,7 @@ def _after_build(builder: Any, md: Any, spec: BackendFields) -> Any:
     elif role == "draft":  # any speculator's capture manager (capture.manager_of names it: per method)
         counters.bump("inject_builds_by_manager", capture.manager_of(sys._getframe(2)))
         injector.new_pass()
-        injector.inject(id(md), tensor_fields(md, spec)[0], "draft build")
+        injector.inject(md, tensor_fields(md, spec)[0], "draft build")
         md = injector.reuse(builder, md, capture_pass(sys._getframe(2)))
     return md
 
@@ -216,9 +216,9 @@ def _refreshed(md: Any, spec: BackendFields) -> None:
     if capture._CAPTURES or capture.capturing():
         counters.bump("draft_refreshes_in_graph")
         if capture._CAPTURES:
-            capture._CAPTURES[-1].refreshed.add(id(md))
+            capture._CAPTURES[-1].refreshed.add(md)
         return
-    if counters.AUDITOR.refresh(id(md), views_of(md, spec)):
+    if counters.AUDITOR.refresh(md, views_of(md, spec)):
         counters.bump("draft_refreshes")
 
 

@@ -11,11 +11,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from repro.run.channel import emit
-from repro.run.tags import AUDIT_TAG
+from repro.contract.channel import emit
+from repro.contract.tags import AUDIT_TAG
 from repro.vllm_integration.plugin import counters
 from repro.vllm_integration.plugin.audit import CaptureDescriptor
 from repro.vllm_integration.plugin.backend_fields import BackendFields
+from repro.vllm_integration.plugin.identity import ByIdentity
 from repro.vllm_integration.plugin.inject import StaleCaptureInjector, is_draft_frame
 from repro.vllm_integration.plugin.metadata_views import fields_of, views_of
 
@@ -29,9 +30,9 @@ MAX_DRAFT_LOOP_ADVANCE = 8
 class _Capture:
     kind: str
     forwards: int = 0
-    # id -> (metadata object its attention forwards used, its backend's table)
-    metadata: dict[int, tuple[Any, BackendFields]] = field(default_factory=dict)
-    refreshed: set[int] = field(default_factory=set)  # ids of the metadata refreshed in place inside this capture
+    # each metadata object its attention forwards used -> (it, its backend's table)
+    metadata: ByIdentity[tuple[Any, BackendFields]] = field(default_factory=ByIdentity)
+    refreshed: ByIdentity[None] = field(default_factory=ByIdentity)  # metadata refreshed in place inside this capture
     injected: bool = False  # an attention forward of this capture read buffers the self control wrote
     manager: str = UNKNOWN_KIND  # the capture manager recording it, and whose it is (manager_of)
     # the FULL descriptor this capture records (capture_descriptor: (descriptor, None), (None, why it is unreadable),
@@ -171,20 +172,20 @@ def _finish_capture(cap: _Capture, failed: bool) -> None:
     if failed or not _AUDIT_ON["on"]:
         return
     auditor = counters.AUDITOR
-    known = [(md, spec) for key, (md, spec) in cap.metadata.items() if auditor.knows(key)]
+    known = [(md, spec) for md, spec in cap.metadata.values() if auditor.knows(md)]
     if cap.refreshed:
         counters.bump("captures_refreshed_in_graph", cap.kind)
     stale = False
     for md, spec in known:
         views = views_of(md, spec)
         # a field an in-graph refresh rewrote holds what the graph will compute at replay, not what the build wrote
-        skip = {p for p in views if spec.refreshed(p)} if id(md) in cap.refreshed else set()
+        skip = {p for p in views if spec.refreshed(p)} if md in cap.refreshed else set()
         advance = MAX_DRAFT_LOOP_ADVANCE if cap.kind.startswith("draft decode") else 0
-        for m in auditor.check(id(md), views, skip, advance):
+        for m in auditor.check(md, views, skip, advance):
             stale = True
             emit(AUDIT_TAG, {"stale": m.to_dict(), "message": str(m), "capture": cap.kind})
     for md, spec in cap.metadata.values():  # every metadata the graph baked in, built for the descriptor captured?
-        skip = {p for p in views_of(md, spec) if spec.refreshed(p)} if id(md) in cap.refreshed else set()
+        skip = {p for p in views_of(md, spec) if spec.refreshed(p)} if md in cap.refreshed else set()
         stale = audit_descriptor(md, spec, cap.descriptor, cap.kind, skip) or stale
     if known:
         counters.bump("captures_audited", cap.kind)
@@ -248,7 +249,7 @@ def audit_descriptor(
         return False
     found: list = []
     if desc is not None:
-        found, why = counters.AUDITOR.check_descriptor(id(md), desc, fields_of(md), views_of(md, spec), skip)
+        found, why = counters.AUDITOR.check_descriptor(md, desc, fields_of(md), views_of(md, spec), skip)
     if why is not None:
         counters.bump("descriptor_unchecked", f"{kind}: {why}")
         return False

@@ -11,8 +11,8 @@ import json
 import os
 from typing import Any
 
-from repro.run.channel import emit
-from repro.run.tags import AUDIT_TAG, COUNTERS_TAG
+from repro.contract.channel import emit
+from repro.contract.tags import AUDIT_TAG, COUNTERS_TAG
 from repro.vllm_integration.plugin.audit import FreshnessAuditor
 from repro.vllm_integration.plugin.inject import bump as bump_counter
 
@@ -47,7 +47,7 @@ def new_counters() -> dict[str, Any]:
         "descriptor_checks": {},  # kind -> metadata compared with the descriptor being captured
         "descriptor_stale": {},  # kind -> of those, found built for another descriptor (stale-descriptor)
         "descriptor_unchecked": {},  # "kind: why" -> FULL passes whose metadata could not be compared (cannot vouch)
-        "spec_layout": None,  # V2 spec-decode layout of the vLLM that loaded the plugin (source_check.spec_layout)
+        "spec_layout": None,  # V2 spec-decode layout of the vLLM that loaded the plugin (plugin.spec_layout)
         "spec_layout_known": None,  # is it one of KNOWN_SPEC_LAYOUTS (None: not looked at, the probe is off)
         "sched_calls": 0,  # get_scheduler_metadata calls (fa3 hooks installed)
         "sched_sm_margin": 0,  # ... that received the injected sm_margin

@@ -8,9 +8,9 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from repro.attention.layout import VLLM, effective_causal, layout_from_size
-from repro.run.channel import emit
-from repro.run.tags import PLUGIN_TAG
+from repro.backends.layout import VLLM, effective_causal, layout_from_size
+from repro.contract.channel import emit
+from repro.contract.tags import PLUGIN_TAG
 from repro.vllm_integration.plugin import counters
 
 

@@ -44,6 +44,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from repro.vllm_integration.plugin.identity import ByIdentity
+
 INJECT_ENV = "REPRO_INJECT"
 STALE_CAPTURE = "stale-capture"
 # the second form (StaleDescriptorInjector): a draft FULL pass gets metadata built for another descriptor of the same
@@ -102,7 +104,11 @@ BOTH = None
 PASS_NAMES = {True: "warmup", False: "capture", BOTH: "both"}
 
 
-def label_of_pass(where: tuple[int, str, bool | None]) -> str:
+# where a draft build's pass is (capture_pass): (the graph manager capturing, the descriptor's graph mode, warmup)
+Pass = tuple[Any, str, bool | None]
+
+
+def label_of_pass(where: Pass) -> str:
     """How a capture pass reads in a record: its graph mode and pass."""
     kind = {True: "warmup pass", False: "captured pass", BOTH: "warmup and captured passes"}[where[2]]
     return f"{where[1]} {kind}: the first descriptor's metadata"
@@ -113,8 +119,8 @@ def _mode_name(desc: Any) -> str:
     return str(getattr(desc.cg_mode, "name", desc.cg_mode))
 
 
-def capture_pass(frame: Any, depth: int = 60) -> tuple[int, str, bool | None] | None:
-    """(the graph manager's id, the batch descriptor's graph mode, warmup) of the capture pass a metadata build is
+def capture_pass(frame: Any, depth: int = 60) -> Pass | None:
+    """(the graph manager, the batch descriptor's graph mode, warmup) of the capture pass a metadata build is
     for, under a CudaGraphManager's capture: a frame with `desc` (its cg_mode) and `warmup` locals (create_forward_fn
     (desc, warmup), 0.26-0.33: one build per pass), or else the nearest create_forward_fn frame with `desc` alone
     (create_forward_fn(desc), 0.20-0.25: one build for the warmup and the captured pass, BOTH); None when the stack
@@ -137,7 +143,7 @@ def capture_pass(frame: Any, depth: int = 60) -> tuple[int, str, bool | None] | 
             and obj is not None
             and "CudaGraphManager" in type(obj).__name__
         ):
-            mgr = id(obj)
+            mgr = obj
         f = f.f_back
     if mgr is None or (mode is None and desc_only is None):
         return None
@@ -166,10 +172,11 @@ class StaleCaptureInjector:
     source: str | None = None  # descriptor label of the target build the snapshots hold
     last: list[tuple[Any, Any, int]] = field(default_factory=list)  # (destination bytes, snapshot, n) of the last write
     injected: set[int] = field(default_factory=set)  # every storage pointer the injection ever wrote
-    done_ids: set[int] = field(default_factory=set)  # metadata objects injected in the current pass
-    # (builder id, graph manager id, graph mode, warmup) -> the metadata that builder built first for that pass
-    first_built: dict[tuple[int, int, str, bool], Any] = field(default_factory=dict)
-    reused_ids: set[int] = field(default_factory=set)  # metadata objects handed to a later pass than their own
+    done: ByIdentity[None] = field(default_factory=ByIdentity)  # metadata objects injected in the current pass
+    # builder -> graph manager -> (graph mode, warmup) -> what _first kept of the metadata it built first for that pass
+    # (by identity, never by id(): a new builder or manager at a dead one's address inherits nothing)
+    first_built: ByIdentity[ByIdentity[dict[tuple[str, bool | None], Any]]] = field(default_factory=ByIdentity)
+    reused: ByIdentity[None] = field(default_factory=ByIdentity)  # metadata handed to a later pass than their own
 
     def _bump(self, name: str, key: str | None = None, n: int = 1) -> None:
         bump(self.counters, name, key, n)
@@ -197,7 +204,7 @@ class StaleCaptureInjector:
     def fill_padding(self, layout: Any, poison_name: str) -> None:
         """In the copy of FA3's scheduler metadata, the entries FA3 never writes (which vLLM copies into its buffer as
         FA3 left them: leftover memory, what made the real defect fault) get a fixed fill (repro.case.poison), so the self
-        control does not depend on leftover memory either. A layout repro.attention.layout does not know: left as copied."""
+        control does not depend on leftover memory either. A layout repro.backends.layout does not know: left as copied."""
         import torch  # torch inside vLLM's process only: the gate's parent imports this module
 
         from repro.case.poison import parse_poison  # only for the self control's fill
@@ -210,14 +217,14 @@ class StaleCaptureInjector:
 
     def new_pass(self) -> None:
         """A capture began or ended, or metadata was built: the next pass's metadata is injected again."""
-        self.done_ids.clear()
+        self.done.clear()
 
-    def inject(self, md_id: int, views: dict[str, Any], when: str) -> bool:
-        """Write the target capture contents kept (target_built) into the buffers behind these (draft) views; False
-        when there is nothing to write (no target capture seen, or no field in common)."""
-        if md_id in self.done_ids:
+    def inject(self, md: Any, views: dict[str, Any], when: str) -> bool:
+        """Write the target capture contents kept (target_built) into the buffers behind these (draft) views of the
+        metadata md; False when there is nothing to write (no target capture seen, or no field in common)."""
+        if md in self.done:
             return True
-        self.done_ids.add(md_id)
+        self.done.add(md)
         if not self.snapshots:
             self._bump("inject_no_source", when)
             return False
@@ -263,29 +270,42 @@ class StaleCaptureInjector:
             self._write(self.last)
             self._wrote("capture begins", {})
 
-    def reuse(self, builder: Any, md: Any, where: tuple[int, str, bool | None] | None) -> Any:
+    def replaces(self, md: Any, where: Pass | None) -> bool:
+        """Is md, a draft capture's build for the pass `where` (capture_pass's answer), one the object half replaces:
+        built (not None), in a pass the stack places (None: counted in inject_reuse_unplaced) and a FULL one?"""
+        if md is None:
+            return False
+        if where is None:
+            self._bump("inject_reuse_unplaced")
+            return False
+        return where[1] == "FULL"
+
+    def _first(self, builder: Any, where: Pass, kept: Callable[[], Any]) -> Any:
+        """What is kept of the first metadata this builder built for the same graph manager, graph mode and pass:
+        kept() on that first build."""
+        per_pass = self.first_built.setdefault(builder, ByIdentity()).setdefault(where[0], {})
+        if where[1:] not in per_pass:
+            per_pass[where[1:]] = kept()
+        return per_pass[where[1:]]
+
+    def reuse(self, builder: Any, md: Any, where: Pass | None) -> Any:
         """A draft capture's build returned md: for a FULL pass, the metadata this builder built first for the same
         graph manager, graph mode and pass (warmup or captured) instead, kept on the first build (see the module).
         `where` is capture_pass's answer; None (the stack does not say which pass) leaves md as built."""
-        if md is None:
+        if not self.replaces(md, where):
             return md
-        if where is None:
-            self._bump("inject_reuse_unplaced")
-            return md
-        if where[1] != "FULL":
-            return md
-        first = self.first_built.setdefault((id(builder), *where), md)
+        first = self._first(builder, where, lambda: md)
         if first is md:
             return md
-        self.reused_ids.add(id(first))
+        self.reused.add(first)
         self._bump("inject_reused", PASS_NAMES[where[2]])
         if sum(self.counters["inject_reused"].values()) == 1:
             self.announce({"injection_wrote": "draft metadata reused", "source": label_of_pass(where)})
         return first
 
-    def reached(self, views: dict[str, Any], md_id: int | None = None) -> bool:
-        """Do these views point into a buffer the injection wrote, or is this metadata one it reused?"""
-        if md_id is not None and md_id in self.reused_ids:
+    def reached(self, views: dict[str, Any], md: Any = None) -> bool:
+        """Do these views point into a buffer the injection wrote, or is this metadata (md) one it reused?"""
+        if md is not None and md in self.reused:
             return True
         return any(
             t is not None and hasattr(t, "untyped_storage") and t.untyped_storage().data_ptr() in self.injected
@@ -304,39 +324,28 @@ class StaleDescriptorInjector(StaleCaptureInjector):
     nothing wrong in it; only its descriptor check (audit.descriptor_mismatches) does. Counted in inject_rebuilt;
     nothing is taken from the target's captures."""
 
-    # (builder id, graph manager id, graph mode, warmup) -> (the first metadata, [(its view, its whole buffer's bytes)])
-    kept: dict[tuple[int, int, str, bool | None], tuple[Any, list[tuple[Any, Any]]]] = field(default_factory=dict)
+    # first_built keeps (the first metadata, [(its view, its whole buffer's bytes)]) for each pass
 
     def target_built(self, label: str, views: dict[str, Any]) -> bool:
         return False  # this form takes nothing from the target's captures
 
-    def inject(self, md_id: int, views: dict[str, Any], when: str) -> bool:
+    def inject(self, md: Any, views: dict[str, Any], when: str) -> bool:
         return False  # a draft warmup forward is given nothing more: other_descriptor wrote after the build
 
-    def other_descriptor(
-        self, builder: Any, md: Any, views: dict[str, Any], where: tuple[int, str, bool | None] | None
-    ) -> Any:
+    def other_descriptor(self, builder: Any, md: Any, views: dict[str, Any], where: Pass | None) -> Any:
         """A draft capture's build returned md (its views `views`): for a FULL pass, the first metadata of the same
         builder, manager, graph mode and pass instead, its buffers given back what its build wrote; the first build
         of each pass is kept (copied) and returned as built. `where`: capture_pass's answer (None: left as built)."""
-        if md is None:
+        if not self.replaces(md, where):
             return md
-        if where is None:
-            self._bump("inject_reuse_unplaced")
-            return md
-        if where[1] != "FULL":
-            return md
-        key = (id(builder), *where)
-        if key not in self.kept:
-            self.kept[key] = (md, self._copies(views))
-        first, copies = self.kept[key]
+        first, copies = self._first(builder, where, lambda: (md, self._copies(views)))
         if first is md:
             self.last = []  # this pass runs on its own build: nothing to write again as its capture begins
             return md
         writes = [(_storage_bytes(view), snap, snap.numel()) for view, snap in copies]
         self._write(writes)
         self.last = writes
-        self.reused_ids.add(id(first))
+        self.reused.add(first)
         self._bump("inject_rebuilt", PASS_NAMES[where[2]])
         if sum(self.counters["inject_rebuilt"].values()) == 1:
             self.announce({"injection_wrote": "draft metadata of another descriptor", "source": label_of_pass(where)})

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from repro import CHECKOUT, entrypoints, exit_codes
 from repro.errors import AbiMismatch, ConfigError
-from repro.exit_codes import Exit
+from repro.exit_codes import Exit, Parser
 from repro.vllm_integration.releases.source_check import GOOD, check_tree
 
 _TORCH_PIN = re.compile(r"^\s*(?:Requires-Dist:\s*)?torch\s*==\s*([\w.+]+)", re.M)
@@ -267,8 +267,6 @@ def add_check_option(p: argparse.ArgumentParser, whose: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from repro.cli.common import Parser  # one line on stderr and exit 2 for bad input
-
     p = Parser(prog="python -m repro.vllm_integration.releases.bisect")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
     s = sub.add_parser("step", help="one bisect step: exit 0 good, 1 bad, 2 bad input, 125 untestable")

@@ -26,10 +26,12 @@ from pathlib import Path
 
 from repro import CHECKOUT
 from repro.errors import ConfigError
+from repro.vllm_integration.plugin import SPEC_DIR, spec_layout
 from repro.vllm_integration.plugin.backend_fields import BACKENDS, METADATA_ARG
-from repro.vllm_integration.releases.source_check import BAD, GOOD, NO_KNOWN_BAD, SPEC_DIR, check_tree, spec_layout
+from repro.vllm_integration.releases.source_check import BAD, GOOD, NO_KNOWN_BAD, check_tree
 
 GPU_RECORDS = CHECKOUT / "results" / "vllm-gpu-records.json"  # release -> the gate record that answered it on a GPU
+PACKED = ".tar.xz"  # a record packed (repro.report.records.pack): NAME.tar.xz holding NAME/...
 VERDICT_WORDS = {GOOD: "good (GPU record)", NO_KNOWN_BAD: "no known bad pattern (not run on a GPU)"}
 
 FLASH_ATTN = "vllm/v1/attention/backends/flash_attn.py"
@@ -233,33 +235,59 @@ def _check(root: Path, label: str, release: str | None = None, published: str = 
     return c
 
 
-def gpu_record(release: str, records: Path | None = None) -> dict | None:
-    """The gate's answer for a release on a GPU: results/vllm-gpu-records.json names the record (a gate run's
-    results/<dir>), its results.json gives the build's answer (`affected`). None when no record names the release,
-    or the record is not in this checkout."""
-    records = GPU_RECORDS if records is None else records
+def gpu_records(table: Path | None = None) -> dict[str, Path]:
+    """release -> where the gate record that ran it on a GPU is: results/vllm-gpu-records.json names it (read here
+    and nowhere else: vllm-check's answer and docs/versions.md's table both ask this), present in this checkout as a
+    folder (not packed yet) or NAME.tar.xz. A release whose record is absent is left out; {} without the table."""
+    table = GPU_RECORDS if table is None else table
     try:
-        named = json.loads(records.read_text()).get(release)
-        doc = _record_results(records.parent, named) if named else None
-    except (OSError, ValueError, KeyError):
+        named = json.loads(table.read_text())
+    except (OSError, ValueError):
+        return {}
+    found = {}
+    for release, name in named.items() if isinstance(named, dict) else ():
+        if isinstance(name, str):
+            where = next((p for p in (table.parent / name, table.parent / f"{name}{PACKED}") if p.exists()), None)
+            if where is not None:
+                found[release] = where
+    return found
+
+
+def record_name(where: Path) -> str:
+    """A record's name, from its folder or its archive."""
+    return where.name.removesuffix(PACKED)
+
+
+def _results_json(where: Path) -> dict:
+    """A gate record's results.json, from its folder or its archive; OSError or ValueError when it has none."""
+    if where.is_dir():
+        return json.loads((where / "results.json").read_text())
+    import tarfile  # only for a packed record
+
+    with tarfile.open(where, "r:xz") as tar:
+        try:
+            member = tar.extractfile(f"{record_name(where)}/results.json")
+        except KeyError as e:
+            raise OSError(f"{where}: no results.json") from e
+        return json.loads(member.read() if member is not None else b"")
+
+
+def gpu_record(release: str, records: Path | None = None) -> dict | None:
+    """The gate's answer for a release on a GPU (gpu_records: the record that ran it, its results.json the build's
+    answer, `affected`). None when no record names the release, or the record is not in this checkout."""
+    where = gpu_records(records).get(release)
+    try:
+        doc = _results_json(where) if where is not None else None
+    except (OSError, ValueError):
         return None
     row = next((b for b in (doc or {}).get("builds", []) if b.get("build") == release), None)
     if row is None:
         return None
-    return {"release": release, "answer": BAD if row.get("affected") else GOOD, "record": f"results/{named}"}
-
-
-def _record_results(results: Path, name: str) -> dict:
-    """A record's results.json, from its folder or from NAME.tar.xz, the form records are kept in (`python -m repro
-    records --add` packs them: repro.report.records, a layer above this one, whose archives hold NAME/...)."""
-    import tarfile  # only for a packed record
-
-    folder = results / name / "results.json"
-    if folder.is_file():
-        return json.loads(folder.read_text())
-    with tarfile.open(results / f"{name}.tar.xz", "r:xz") as tar:
-        member = tar.extractfile(f"{name}/results.json")  # KeyError when the archive lacks it
-        return json.loads(member.read()) if member else {}
+    return {
+        "release": release,
+        "answer": BAD if row.get("affected") else GOOD,
+        "record": f"results/{record_name(where)}",
+    }
 
 
 def _sha256(data: bytes) -> str:

@@ -17,13 +17,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from repro.judge.verdicts import SOURCE_BAD, SOURCE_GOOD, SOURCE_NO_KNOWN_BAD, SOURCE_UNTESTABLE
+from repro.contract.verdicts import SOURCE_BAD, SOURCE_GOOD, SOURCE_NO_KNOWN_BAD, SOURCE_UNTESTABLE
+from repro.vllm_integration.plugin import SPEC_DIR, V2_DIR, spec_layout
 
-GOOD, BAD, UNTESTABLE = SOURCE_GOOD, SOURCE_BAD, SOURCE_UNTESTABLE  # the words: repro.judge.verdicts
+GOOD, BAD, UNTESTABLE = SOURCE_GOOD, SOURCE_BAD, SOURCE_UNTESTABLE  # the words: repro.contract.verdicts
 # the answer for sources with no known bad pattern that no GPU record of theirs vouches for (compat: vllm-check)
 NO_KNOWN_BAD = SOURCE_NO_KNOWN_BAD
-V2_DIR = "vllm/v1/worker/gpu"
-SPEC_DIR = f"{V2_DIR}/spec_decode"
 BAD_PATTERN = "reuses saved attention states (attn_states / .warmup / .captured)"
 GOOD_PATTERN = "builds inputs and metadata for every pass (prepare_inputs_to_capture)"
 PREPARE = re.compile(
@@ -37,16 +36,6 @@ class SourceVerdict:
     reason: str
     layout: str | None = None  # which V2 spec-decode layout the tree has
     evidence: list[str] = field(default_factory=list)
-
-
-def spec_layout(root: Path) -> str | None:
-    spec = root / SPEC_DIR
-    for name in ("target_dependent_ar", "autoregressive", "eagle"):
-        if (spec / name).is_dir():
-            return name
-    if (spec / "eagle_cudagraph.py").exists() or (spec / "eagle.py").exists():
-        return "eagle-module"
-    return None
 
 
 def _manager_files(root: Path) -> list[Path]:

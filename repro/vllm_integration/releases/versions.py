@@ -18,8 +18,9 @@ from pathlib import Path
 from repro import CHECKOUT
 from repro.vllm_integration.plugin import KNOWN_SPEC_LAYOUTS
 from repro.vllm_integration.plugin.backend_fields import BACKENDS
+from repro.vllm_integration.releases import compat
 from repro.vllm_integration.releases.bisect import torch_pin
-from repro.vllm_integration.releases.compat import source_facts
+from repro.vllm_integration.releases.compat import record_name, source_facts
 
 RESULTS = CHECKOUT / "results"
 FACTS_FILE = RESULTS / "vllm-versions.json"
@@ -108,16 +109,10 @@ def _fa3_hooks(h: dict) -> str:
     return "no: " + ", ".join(k for k, ok in h.items() if not ok)
 
 
-def gpu_records(results: Path = RESULTS) -> dict[str, list[str]]:
-    """release -> the gate record under results/ that ran it on a GPU: results/vllm-gpu-records.json (the table
-    vllm-check's answer reads too), each named record present (packed NAME.tar.xz, or a folder not packed yet). Every
-    other release's verdict is predicted from its sources."""
-    try:
-        table = json.loads((results / "vllm-gpu-records.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    present = lambda n: (results / n).is_dir() or (results / f"{n}.tar.xz").is_file()  # noqa: E731
-    return {v: [n] for v, n in table.items() if isinstance(n, str) and present(n)}
+def gpu_records(table: Path | None = None) -> dict[str, list[str]]:
+    """release -> the names of the gate records under results/ that ran it on a GPU (compat.gpu_records, the one
+    reader of results/vllm-gpu-records.json). Every other release's verdict is predicted from its sources."""
+    return {release: [record_name(where)] for release, where in compat.gpu_records(table).items()}
 
 
 def measured(version: str | None, records: dict[str, list[str]] | None = None) -> str:

@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from repro.attention.layout import UPSTREAM, VLLM
+from repro.backends.layout import UPSTREAM, VLLM
 from repro.case.descriptors import AttnConfig
+from repro.contract.verdicts import CRASH, ERROR, HANG, OOB, SKIP
 from repro.fa3_model.predict import predict_case, predict_outcomes
 from repro.fa3_model.scope import H200_SMS
 from repro.judge.expectations import unmodelled
-from repro.judge.verdicts import CRASH, ERROR, HANG, OOB, SKIP
 from repro.report.results import MODEL, load_json
 
 
