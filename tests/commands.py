@@ -5,9 +5,12 @@ build folder."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,6 +49,61 @@ def run_in(cmd: list[str], tmp_path: Path, timeout: float = 300, **env: str) -> 
     return subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=isolated_env(tmp_path, **env)
     )
+
+
+@contextlib.contextmanager
+def as_a_process(cwd: Path, env: dict[str, str]):
+    """This process made to look as `run_in`'s child would: cwd, os.environ replaced by env, the temp folder read from
+    it afresh; each put back on the way out."""
+    saved_env, saved_cwd, saved_tmp = dict(os.environ), os.getcwd(), tempfile.tempdir
+    os.environ.clear()
+    os.environ.update(env)
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    os.chdir(cwd)
+    try:
+        yield
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        tempfile.tempdir = saved_tmp
+
+
+def main_in(
+    args: list[str], tmp_path: Path, cwd: Path | None = None, entry=None, **env: str
+) -> subprocess.CompletedProcess:
+    """`python -m repro ARGS` through repro.cli.main (or another module's main, `entry`) in this process (no
+    interpreter to start, nothing to import again): in cwd (default tmp_path) under isolated_env(tmp_path), stdout and
+    stderr captured, argparse's SystemExit taken as the exit code. A traceback would be an exception raised here,
+    failing the test that called it. Each entry point keeps tests that run it as a real subprocess (run_repro, run_in,
+    refused)."""
+    if entry is None:
+        from repro.cli import main as entry  # the command line's entry, as `python -m repro` calls it
+
+    out, err = io.StringIO(), io.StringIO()
+    with as_a_process(cwd or tmp_path, isolated_env(tmp_path, **env)):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = entry(list(args))
+            except SystemExit as e:
+                if isinstance(e.code, str):  # as the interpreter does: the message on stderr, exit 1
+                    print(e.code, file=sys.stderr)
+                code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    return subprocess.CompletedProcess(["python", "-m", "repro", *args], int(code), out.getvalue(), err.getvalue())
+
+
+def refused_in(
+    args: list[str], tmp_path: Path, code: int, msg: str, entry=None, **env: str
+) -> subprocess.CompletedProcess:
+    """refused() for `python -m repro ARGS` (or `entry`) run in this process (main_in): one line on stderr holding
+    `msg`, exit `code`, nothing new anywhere under tmp_path."""
+    isolated_env(tmp_path)  # the temp folder exists before, so it is no change
+    before = tree(tmp_path)
+    r = main_in(args, tmp_path, entry=entry, **env)
+    assert r.returncode == code, (args, r.returncode, r.stderr[-2000:])
+    assert len(r.stderr.strip().splitlines()) == 1 and msg in r.stderr, (args, r.stderr[-2000:])
+    assert tree(tmp_path) == before, sorted(map(str, tree(tmp_path) - before))
+    return r
 
 
 def tree(tmp_path: Path) -> set[Path]:

@@ -3,18 +3,18 @@ apart, and what `matrix` writes accepted as input."""
 
 from __future__ import annotations
 
-from tests.commands import no_traceback, run_repro
+from tests.commands import main_in
 from tests.records import RESULTS
 
 H200_RUN = RESULTS / "h200-default" / "results.json"
 
 
 def test_agree_accepts_what_matrix_writes(tmp_path):
-    assert run_repro("matrix", "--json", str(tmp_path / "m.json"), "--model-sms", "16").returncode == 0
-    r = run_repro("agree", str(tmp_path / "m.json"))
-    no_traceback(r)
+    """Both commands through repro.cli.main in this process (tests/commands.py main_in): a TypeError would raise."""
+    assert main_in(["matrix", "--json", str(tmp_path / "m.json"), "--model-sms", "16"], tmp_path).returncode == 0
+    r = main_in(["agree", str(tmp_path / "m.json")], tmp_path)
     assert r.returncode == 2 and "no GPU run to compare with" in r.stderr  # predictions only: said, not a TypeError
-    r = run_repro("agree", str(tmp_path / "m.json"), str(H200_RUN))
+    r = main_in(["agree", str(tmp_path / "m.json"), str(H200_RUN)], tmp_path)
     assert r.returncode == 0 and "left out" in r.stderr and "Verdicts agree in" in r.stdout
 
 

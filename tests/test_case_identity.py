@@ -17,7 +17,7 @@ from repro.case.matrix import MatrixOptions, build_specs
 from repro.case.spec import CaseSpec, SmConfig
 from repro.errors import ConfigError
 from repro.run.pytest_cases import RUN_ENV, start_run_logs
-from tests.commands import run_repro
+from tests.commands import main_in
 from tests.records import RESULTS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,9 +88,8 @@ def test_same_case_under_two_names_is_refused():
     assert SmConfig.parse("sm_margin:16").label != SmConfig.parse("mps:16").label
 
 
-def test_cli_refuses_duplicate_axis_values():
-    r = subprocess.run([sys.executable, "-m", "repro", "matrix", "--strategies", "stale,stale"],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
+def test_cli_refuses_duplicate_axis_values(tmp_path):
+    r = main_in(["matrix", "--strategies", "stale,stale"], tmp_path)
     assert r.returncode == 2 and "given twice" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
@@ -103,7 +102,7 @@ def test_each_run_and_worker_logs_to_a_folder_of_its_own(tmp_path):
     assert other.parent != gw0.parent or other.parent.name.endswith(str(__import__("os").getpid()))
 
 
-def test_poison_none_and_no_poison_mean_the_same_case():
-    a = run_repro("matrix", "--dry-run", "--poison", "none").stdout.split()
-    b = run_repro("matrix", "--dry-run", "--poison", "0").stdout.split()
+def test_poison_none_and_no_poison_mean_the_same_case(tmp_path):
+    a = main_in(["matrix", "--dry-run", "--poison", "none"], tmp_path).stdout.split()
+    b = main_in(["matrix", "--dry-run", "--poison", "0"], tmp_path).stdout.split()
     assert a and all("poison" not in x for x in a) and all(x.endswith("poison-0") for x in b)

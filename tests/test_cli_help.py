@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from tests.commands import run_in, run_repro, subcommands
+from tests.commands import main_in, run_in, subcommands
 
 
-def test_matrix_help_names_every_default():
-    r = run_repro("matrix", "--help")
+def test_matrix_help_names_every_default(tmp_path):
+    r = main_in(["matrix", "--help"], tmp_path)
     options = r.stdout.split("options:", 1)[1]
     for flag in ("--backends", "--strategies", "--sms", "--modes", "--splits", "--repeat", "--poison", "--jobs"):
         block = options.split(flag, 1)[1].split("\n  --", 1)[0]

@@ -1,6 +1,9 @@
-"""Bad input as a newcomer types it, each command a subprocess on a machine without a GPU: one line on stderr with
-the exit code docs/exit-codes.md gives (2 bad input, 4 could not run here), no traceback, and nothing written: not in
-the folder it runs in, not in the temp folder (TMPDIR points into tmp_path)."""
+"""Bad input as a newcomer types it, on a machine without a GPU: one line on stderr with the exit code
+docs/exit-codes.md gives (2 bad input, 4 could not run here), no traceback, and nothing written: not in the folder it
+runs in, not in the temp folder (TMPDIR points into tmp_path). Most commands run through repro.cli.main in this process
+(tests/commands.py main_in: the same cwd, environment and temp folder a subprocess gets); a few run as real
+subprocesses, proving the `python -m repro` path says the same (and those that could take the machine's memory run
+apart from it)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.commands import fake_vllm, no_traceback, refused, repro_cmd, run_in, run_repro, tree
+from tests.commands import fake_vllm, main_in, no_traceback, refused, refused_in, repro_cmd, run_repro, tree
 
 
 @pytest.fixture
@@ -67,6 +70,16 @@ BAD = [
 @pytest.mark.parametrize("args, msg", BAD, ids=[" ".join(a)[:60] for a, _ in BAD])
 def test_bad_input_is_one_line_exit_2_nothing_written(files, args, msg):
     args = [str(files / a[1:]) if a.startswith("@") else a for a in args]
+    refused_in(args, files, 2, msg)  # no partial report, no ./results/latest, nothing in the temp folder
+
+
+AS_PROCESSES = [BAD[0], BAD[11], BAD[22]]  # argparse's refusal, a file read and refused, a build looked for
+
+
+@pytest.mark.parametrize("args, msg", AS_PROCESSES, ids=[" ".join(a)[:60] for a, _ in AS_PROCESSES])
+def test_bad_input_is_one_line_exit_2_nothing_written_as_a_subprocess(files, args, msg):
+    """The same refusals from `python -m repro` itself: the interpreter's exit code, its stderr, nothing written."""
+    args = [str(files / a[1:]) if a.startswith("@") else a for a in args]
     before = set(files.rglob("*"))
     r = run_repro(*args, cwd=files)
     no_traceback(r)
@@ -86,18 +99,18 @@ def _one_commit(repo: Path, file: str) -> Path:
 
 def test_bisect_names_a_revision_git_does_not_know(tmp_path):
     repo = _one_commit(tmp_path / "vllm-src", "vllm/__init__.py")
-    r = run_repro("bisect", "--vllm", str(repo), "--good", "nosuchtag")
-    no_traceback(r)
+    r = main_in(["bisect", "--vllm", str(repo), "--good", "nosuchtag"], tmp_path)
     assert r.returncode == 2 and "--good nosuchtag: git knows no such commit" in r.stderr
 
 
 def test_bisect_on_a_repo_without_vllm_is_bad_input_at_once(tmp_path):
     repo = _one_commit(tmp_path / "not-vllm", "src/x.py")
-    r = run_repro("bisect", "--vllm", str(repo), "--good", "HEAD", "--bad", "HEAD")
-    no_traceback(r)
+    r = main_in(["bisect", "--vllm", str(repo), "--good", "HEAD", "--bad", "HEAD"], tmp_path)
     assert r.returncode == 2 and "not a vLLM checkout (no vllm/ package at --bad HEAD)" in r.stderr
     assert "bisect" not in subprocess.run(["git", "-C", str(repo), "status"], capture_output=True, text=True).stdout
-    r = run_repro("bisect", "--vllm", str(repo), "--good", "HEAD", "--status")  # "not a vLLM source": 2 everywhere
+    r = main_in(
+        ["bisect", "--vllm", str(repo), "--good", "HEAD", "--status"], tmp_path
+    )  # "not a vLLM source": 2 everywhere
     assert r.returncode == 2 and "not a vLLM checkout" in r.stderr
 
 
@@ -125,7 +138,7 @@ def test_impossible_sizes_are_refused_before_allocating(tmp_path, args):
     ids=lambda a: " ".join(a),
 )
 def test_json_and_out_on_one_path_are_refused(tmp_path, args):
-    refused(repro_cmd(*args), tmp_path, 2, "are one path: --json takes a file, --out a folder")
+    refused_in(list(args), tmp_path, 2, "are one path: --json takes a file, --out a folder")
 
 
 @pytest.mark.parametrize(
@@ -139,7 +152,7 @@ def test_json_and_out_on_one_path_are_refused(tmp_path, args):
 def test_serve_at_a_socket_path_no_server_can_have(tmp_path, sock, msg):
     (tmp_path / "notes.txt").write_text("a user's file\n")
     sock = str(tmp_path / sock[1:]) if sock.startswith("@") else sock
-    refused(repro_cmd("serve", "--idle", "5"), tmp_path, 2, msg, REPRO_SERVER=sock)
+    refused_in(["serve", "--idle", "5"], tmp_path, 2, msg, REPRO_SERVER=sock)
     assert (tmp_path / "notes.txt").read_text() == "a user's file\n"
 
 
@@ -157,12 +170,12 @@ def test_serve_at_a_socket_path_no_server_can_have(tmp_path, sock, msg):
     ids=lambda a: " ".join(a),
 )
 def test_nan_and_inf_are_refused_wherever_seconds_are_read(tmp_path, args):
-    refused(repro_cmd(*args), tmp_path, 2, "must be a positive, finite number of seconds")
+    refused_in(list(args), tmp_path, 2, "must be a positive, finite number of seconds")
 
 
 @pytest.mark.parametrize("args", [("matrix", "--window", "-5"), ("run", "--backend", "vllm", "--window", "-2")])
 def test_window_below_minus_one_is_refused(tmp_path, args):
-    refused(repro_cmd(*args), tmp_path, 2, "--window must be -1 (no window) or >= 0")
+    refused_in(list(args), tmp_path, 2, "--window must be -1 (no window) or >= 0")
 
 
 @pytest.mark.parametrize(
@@ -181,10 +194,10 @@ def test_gate_overlay_is_judged_before_anything_is_made(tmp_path, overlay, code,
     fake_vllm(tmp_path / "base", compiled=True)
     overlay = overlay.replace("@sources", str(tmp_path / "sources")).replace("@base", str(tmp_path / "base"))
     overlay = overlay.replace("@plain", str(tmp_path / "plain"))
-    refused(repro_cmd("gate", "--no-installed", "--overlay", overlay), tmp_path, code, msg)
+    refused_in(["gate", "--no-installed", "--overlay", overlay], tmp_path, code, msg)
     if code == 4:  # listing its cases makes nothing either
         before = tree(tmp_path)
-        r = run_in(repro_cmd("gate", "--no-installed", "--overlay", overlay, "--dry-run"), tmp_path)
+        r = main_in(["gate", "--no-installed", "--overlay", overlay, "--dry-run"], tmp_path)
         assert r.returncode == 0 and "stale_metadata-vllm-0.24.0-under-test-audit" in r.stdout, r.stderr
         assert tree(tmp_path) == before
 
@@ -203,9 +216,7 @@ def test_repeat_is_bounded(tmp_path, args):
 def test_the_largest_repeat_lists_at_once(tmp_path):
     build = fake_vllm(tmp_path / "vllm-0.25.1", compiled=True)
     t0 = time.time()
-    r = run_in(
-        repro_cmd("gate", "--no-installed", "--control", f"0.25.1={build}", "--repeat", "1000", "--dry-run"), tmp_path
-    )
+    r = main_in(["gate", "--no-installed", "--control", f"0.25.1={build}", "--repeat", "1000", "--dry-run"], tmp_path)
     assert r.returncode == 0 and len(r.stdout.split()) == 2000 and time.time() - t0 < 60, r.stderr
 
 
@@ -221,25 +232,33 @@ def test_the_largest_repeat_lists_at_once(tmp_path):
 )
 def test_gate_refuses_a_value_twice_and_an_unknown_backend(tmp_path, args, msg):
     build = fake_vllm(tmp_path / "vllm-0.25.1", compiled=True)
-    refused(repro_cmd("gate", "--no-installed", "--control", f"0.25.1={build}", *args, "--dry-run"), tmp_path, 2, msg)
+    refused_in(["gate", "--no-installed", "--control", f"0.25.1={build}", *args, "--dry-run"], tmp_path, 2, msg)
 
 
 def step(*args: str) -> list[str]:
     return [sys.executable, "-m", "repro.vllm_integration.releases.bisect", "step", *args]
 
 
+def test_bisect_step_bad_input_is_exit_2_in_one_line_as_a_subprocess(tmp_path):
+    refused(step("--repo", "/nonexistent"), tmp_path, 2, "--repo /nonexistent: no such folder")
+
+
 @pytest.mark.parametrize(
     "cmd, msg",
     [
-        (step("--repo", "/nonexistent"), "--repo /nonexistent: no such folder"),
-        (step("--repo", ".", "--overlay", "/nonexistent", "--check", "gate", "--", "true"), "--overlay /nonexistent"),
-        (step("--check", "bogus"), "argument --check: invalid choice: 'bogus'"),
-        (repro_cmd("bisect", "--vllm", ".", "--overlay", "/nonexistent"), "--overlay /nonexistent: no such folder"),
+        (
+            ["step", "--repo", ".", "--overlay", "/nonexistent", "--check", "gate", "--", "true"],
+            "--overlay /nonexistent",
+        ),
+        (["step", "--check", "bogus"], "argument --check: invalid choice: 'bogus'"),
+        (["bisect", "--vllm", ".", "--overlay", "/nonexistent"], "--overlay /nonexistent: no such folder"),
     ],
-    ids=lambda c: " ".join(c[2:]) if isinstance(c, list) else c,
+    ids=lambda c: " ".join(c) if isinstance(c, list) else c,
 )
 def test_bisect_step_bad_input_is_exit_2_in_one_line(tmp_path, cmd, msg):
-    refused(cmd, tmp_path, 2, msg)
+    from repro.vllm_integration.releases import bisect  # the step's own entry (python -m ...releases.bisect)
+
+    refused_in(cmd, tmp_path, 2, msg, entry=bisect.main if cmd[0] == "step" else None)
 
 
 @pytest.mark.parametrize(
@@ -264,12 +283,12 @@ def test_bad_values_are_judged_before_builds_or_a_gpu(tmp_path, args, msg):
     (tmp_path / "notes.txt").write_text("not a library\n")
     (tmp_path / "lib").mkdir()
     args = [str(tmp_path / a[1:]) if a.startswith("@") else a for a in args]
-    refused(repro_cmd(*args), tmp_path, 2, msg)
+    refused_in(args, tmp_path, 2, msg)
 
 
 def test_vllm_check_of_a_zip_without_vllm_names_the_file(tmp_path):
     whl = tmp_path / "random.whl"
     with zipfile.ZipFile(whl, "w") as z:
         z.writestr("other/__init__.py", "")
-    r = refused(repro_cmd("vllm-check", str(whl)), tmp_path, 2, f"{whl}: not a vLLM wheel (no vllm/ package inside)")
+    r = refused_in(["vllm-check", str(whl)], tmp_path, 2, f"{whl}: not a vLLM wheel (no vllm/ package inside)")
     assert str(tmp_path / "tmp") not in r.stderr

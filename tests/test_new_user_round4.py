@@ -22,7 +22,16 @@ import pytest
 from repro.cli import main, outputs
 from repro.exit_codes import EXIT_CODES
 from repro.vllm_integration.releases import versions
-from tests.commands import ROOT, fake_vllm, isolated_env, no_traceback, refused, repro_cmd, run_repro, tree
+from tests.commands import (
+    ROOT,
+    fake_vllm,
+    isolated_env,
+    main_in,
+    refused_in,
+    repro_cmd,
+    run_repro,
+    tree,
+)
 from tests.records import RESULTS
 
 
@@ -96,8 +105,7 @@ def test_bisect_refuses_a_bisect_the_user_has_in_progress_and_leaves_it_as_it_wa
     repo = _repo(tmp_path / "src")
     _git(repo, "bisect", "start", "HEAD", "HEAD~3")
     head = _git(repo, "rev-parse", "HEAD")
-    r = run_repro("bisect", "--vllm", str(repo), "--good", "HEAD~1", "--bad", "HEAD")
-    no_traceback(r)
+    r = main_in(["bisect", "--vllm", str(repo), "--good", "HEAD~1", "--bad", "HEAD"], tmp_path)
     assert r.returncode == 2 and "a git bisect is in progress" in r.stderr
     assert (repo / ".git" / "BISECT_LOG").exists() and _git(repo, "rev-parse", "HEAD") == head
 
@@ -114,7 +122,7 @@ def test_bisect_gives_the_checkout_back_after_ctrl_c_and_allows_one_run_per_chec
             if (repo / ".git" / "BISECT_LOG").exists() and _git(repo, "rev-parse", "HEAD") != head:
                 break
             time.sleep(0.1)
-        second = run_repro("bisect", "--vllm", str(repo), "--good", "HEAD~4", "--bad", "HEAD")
+        second = main_in(["bisect", "--vllm", str(repo), "--good", "HEAD~4", "--bad", "HEAD"], tmp_path)
         assert second.returncode == 2 and "another `repro bisect` runs on this checkout" in second.stderr
         os.killpg(first.pid, signal.SIGINT)  # Ctrl-C at a terminal: the whole foreground group
         assert first.wait(timeout=60) == 130
@@ -171,7 +179,7 @@ def test_redact_refuses_a_file_it_cannot_write_in_one_line_before_rewriting_any(
 
 def test_serve_makes_no_folder_for_the_socket_it_is_given(tmp_path):
     sock = tmp_path / "nonexistent" / "dir" / "s.sock"
-    refused(repro_cmd("serve"), tmp_path, 2, "does not exist", REPRO_SERVER=str(sock))
+    refused_in(["serve"], tmp_path, 2, "does not exist", REPRO_SERVER=str(sock))
     assert not (tmp_path / "nonexistent").exists()
 
 
@@ -267,9 +275,9 @@ def test_ctrl_c_during_matrix_leaves_no_unmarked_report_folder_and_stops_at_once
 def test_gate_with_a_bad_devices_writes_nothing(tmp_path):
     fake_vllm(tmp_path / "standin", compiled=False)
     for devices in ("0,0", ","):
-        refused(
-            repro_cmd("gate", "--no-installed", "--vllm", f"x={tmp_path / 'standin'}", "--devices", devices, "--out",
-                      str(tmp_path / "o")),
+        refused_in(
+            ["gate", "--no-installed", "--vllm", f"x={tmp_path / 'standin'}", "--devices", devices, "--out",
+             str(tmp_path / "o")],
             tmp_path, 2, "--devices", HOME=str(tmp_path),
         )  # fmt: skip
 
@@ -277,8 +285,8 @@ def test_gate_with_a_bad_devices_writes_nothing(tmp_path):
 def test_a_gate_that_cannot_run_here_writes_nothing_not_even_its_cache(tmp_path):
     src = fake_vllm(tmp_path / "checkout", compiled=False)
     (src / "vllm" / "entrypoints").mkdir()  # a real vLLM's sources, without their compiled parts
-    r = refused(
-        repro_cmd("gate", "--no-installed", "--vllm", f"x={src}", "--out", str(tmp_path / "o")),
+    r = refused_in(
+        ["gate", "--no-installed", "--vllm", f"x={src}", "--out", str(tmp_path / "o")],
         tmp_path, 4, "cannot run here", HOME=str(tmp_path),
     )  # fmt: skip
     assert "HARNESS BLIND" not in r.stdout + r.stderr
@@ -291,8 +299,7 @@ def test_a_damaged_wheel_is_untestable_not_affected(tmp_path):
     wheel = _wheel(tmp_path / "vllm-0.25.1-py3-none-any.whl", {"vllm/__init__.py": "", "vllm/a.py": "A" * 64}, True)
     data = wheel.read_bytes()
     wheel.write_bytes(data.replace(b"A" * 64, b"B" * 64))  # the member's bytes no longer match its CRC
-    r = run_repro("vllm-check", str(wheel))
-    no_traceback(r)
+    r = main_in(["vllm-check", str(wheel)], tmp_path)
     assert r.returncode == 125 and "cannot read the wheel" in r.stdout
 
 
@@ -338,8 +345,8 @@ def test_xml_that_is_not_junit_is_bad_input_for_xdist_report(tmp_path, capsys):
 
 def test_no_gpu_behind_devices_all_is_could_not_run_here(tmp_path):
     fake_vllm(tmp_path / "standin", compiled=False)
-    refused(
-        repro_cmd("gate", "--no-installed", "--vllm", f"x={tmp_path / 'standin'}", "--devices", "all"),
+    refused_in(
+        ["gate", "--no-installed", "--vllm", f"x={tmp_path / 'standin'}", "--devices", "all"],
         tmp_path, 4, "cannot run here", HOME=str(tmp_path),
     )  # fmt: skip
 

@@ -14,7 +14,7 @@ import pytest
 
 from repro.report import records
 from repro.report.stale import COMMANDS, code_paths
-from tests.commands import ROOT, run_repro
+from tests.commands import ROOT, main_in, run_repro
 
 GATE_LINE = "python -m repro gate --no-installed --vllm 0.26.0=<path>/v0260 --control 0.25.1=<path>/v0251"
 
@@ -49,6 +49,12 @@ def _record(command: str, outcome: str = "PASS") -> dict[str, str]:
         "cases": [{"case": "a", "verdict": "clean"}, {"case": "b", "verdict": "crash"}],
     }
     return {"results.json": json.dumps(doc), "logs/a.out.log": "the case's own log\n"}
+
+
+def _records(*args: str, root: Path):
+    """`python -m repro records ARGS --root ROOT` through repro.cli.main in this process (tests/commands.py main_in);
+    the first test below runs it as a real subprocess."""
+    return main_in(["records", *args, "--root", str(root)], root.parent)
 
 
 @pytest.fixture
@@ -135,7 +141,7 @@ def test_add_packs_a_new_record_and_indexes_it_with_the_commit_that_added_it(rep
 
 def test_a_record_not_committed_yet_is_indexed_at_head_and_says_so(repo):
     head = _git(repo, "rev-parse", "HEAD")
-    assert run_repro("records", "--add", "rec-a", "--note", "what it shows", "--root", str(repo)).returncode == 0
+    assert _records("--add", "rec-a", "--note", "what it shows", root=repo).returncode == 0
     (entry,) = json.loads((repo / "results" / "index.json").read_text())["records"]
     assert (entry["commit"], entry["committed"], entry["note"]) == (head, False, "what it shows")
 
@@ -145,7 +151,7 @@ def test_a_removed_record_keeps_its_index_line_with_where_it_was_last_present(re
     _git(repo, "rm", "-rq", "results/rec-a")
     _write(repo, {"results/rec-b/results.json": json.dumps({"environment": {"command": "python -m repro matrix"}})})
     _commit(repo, "curated")
-    assert run_repro("records", "--index", "--root", str(repo)).returncode == 0
+    assert _records("--index", root=repo).returncode == 0
     index = {e["name"]: e for e in json.loads((repo / "results" / "index.json").read_text())["records"]}
     assert index["rec-a"]["stored"] is None and index["rec-a"]["last_present"] == last
     assert index["rec-a"]["commands"] == [GATE_LINE]  # read from git at that commit
@@ -154,19 +160,19 @@ def test_a_removed_record_keeps_its_index_line_with_where_it_was_last_present(re
 
 def test_stale_names_the_command_whose_code_changed_after_its_last_record(repo):
     _commit(repo, "record rec-a")
-    assert run_repro("records", "--add", "rec-a", "--root", str(repo)).returncode == 0
+    assert _records("--add", "rec-a", root=repo).returncode == 0
     _commit(repo, "packed")
-    r = run_repro("records", "--stale", "--root", str(repo))
+    r = _records("--stale", root=repo)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.splitlines() == [
         f"fresh  gate: results/rec-a ({_git(repo, 'log', '--format=%H', '-2').split()[1][:10]}) ran the code it runs now"
     ]
     _write(repo, {"repro/attention/worker.py": "# the matrix's code: not the gate's\n"})
     _commit(repo, "matrix only")
-    assert run_repro("records", "--stale", "--root", str(repo)).returncode == 0
+    assert _records("--stale", root=repo).returncode == 0
     _write(repo, {"repro/vllm_integration/gate/fork.py": "# named as a string by run.py\n"})
     changed = _commit(repo, "the gate's forkserver")
-    r = run_repro("records", "--stale", "--root", str(repo))
+    r = _records("--stale", root=repo)
     assert r.returncode == 1
     assert r.stdout.startswith("STALE  gate: results/rec-a") and changed[:10] in r.stdout
     assert "repro/vllm_integration/gate/fork.py" in r.stdout
@@ -175,13 +181,13 @@ def test_stale_names_the_command_whose_code_changed_after_its_last_record(repo):
 def test_stale_counts_a_readme_command_with_no_record(repo):
     _write(repo, {"README.md": f"{COMMANDS[0].readme}\n{COMMANDS[-1].readme} here\n"})
     _commit(repo, "readme gives the matrix too")
-    r = run_repro("records", "--stale", "--root", str(repo))
+    r = _records("--stale", root=repo)
     assert r.returncode == 1 and "STALE  matrix: no record" in r.stdout
 
 
 def test_stale_outside_a_git_checkout_is_bad_input(tmp_path):
-    (tmp_path / "results").mkdir()
-    r = run_repro("records", "--stale", "--root", str(tmp_path))
+    (tmp_path / "checkout" / "results").mkdir(parents=True)
+    r = _records("--stale", root=tmp_path / "checkout")
     assert r.returncode == 2 and "not a git checkout" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -231,9 +237,9 @@ def test_the_stale_check_knows_the_readmes_gpu_commands():
 
 
 def test_unpack_writes_every_record_as_its_folder(repo):
-    assert run_repro("records", "--add", "rec-a", "--root", str(repo)).returncode == 0
+    assert _records("--add", "rec-a", root=repo).returncode == 0
     _write(repo, {"results/rec-new/results.json": "{}"})  # a new record, not packed yet
-    r = run_repro("records", "--unpack", str(repo / "out"), "--root", str(repo))
+    r = _records("--unpack", str(repo / "out"), root=repo)
     assert r.returncode == 0, r.stderr
     assert (repo / "out" / "results" / "rec-a" / "logs" / "a.out.log").read_text() == "the case's own log\n"
     assert (repo / "out" / "results" / "rec-new" / "results.json").read_text() == "{}"
