@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 import types
@@ -321,7 +322,9 @@ def hook_nothing_gate(tmp_path_factory):
     cmd = [sys.executable, "-m", "repro", "gate", "--no-installed", "--no-control", "--modes", "audit,plain"]
     for behaviour in sorted(HOOK_NOTHING):
         cmd += ["--vllm", f"{behaviour}={write_fake_vllm(root / behaviour, '0.26.0', behaviour)}"]
-    p = subprocess.run([*cmd, "--out", str(out), "--jobs", "2"], capture_output=True, text=True)
+    # a module fixture runs before conftest's per-test private cache: it names its own, never the user's
+    env = {**os.environ, "REPRO_CACHE_DIR": str(root / "repro-cache")}
+    p = subprocess.run([*cmd, "--out", str(out), "--jobs", "2"], capture_output=True, text=True, env=env)
     return p, out
 
 
