@@ -1,6 +1,7 @@
 """The README's GPU CI line as recorded on the H200 after the xdist fix (results/h200-ci-line-n8, -n4, -n1; written by
 scripts/gpu-evidence.sh ci-line): every worker count ran every case, the gate passed, and the verdicts are the same
-case by case whatever the number of workers; h200-ci-line-final is the line again on the session's last code."""
+case by case whatever the number of workers; h200-ci-line-final(-2) is the line again on a session's last code, and
+h200-ci-line-last-n8 / -n4 on the last code of the session after (both worker counts)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from tests.records import RESULTS
 
 WORKERS = (8, 4, 1)
+LATER = {"final": 8, "final-2": 8, "last-n8": 8, "last-n4": 4}  # records of later code: name -> workers
 
 
 def _record(n: int | str) -> tuple[dict, dict[str, dict]]:
@@ -23,10 +25,10 @@ def _record(n: int | str) -> tuple[dict, dict[str, dict]]:
     return gate, cases
 
 
-@pytest.mark.parametrize("n", [*WORKERS, "final", "final-2"], ids=lambda n: f"n{n}" if isinstance(n, int) else n)
+@pytest.mark.parametrize("n", [*WORKERS, *LATER], ids=lambda n: f"n{n}" if isinstance(n, int) else n)
 def test_the_ci_line_passed_with_every_case_run_at_each_worker_count(n):
     gate, cases = _record(n)
-    n = 8 if isinstance(n, str) else n  # the session's last code, the README's line as given
+    n = LATER[n] if isinstance(n, str) else n  # a later session's code: the worker count it ran with
     assert gate["outcome"] == "GATE PASSED" and gate["passed"] is True and not gate["unreported"]
     assert f"-n {n} --gate" in gate["environment"]["command"] and gate["environment"]["gpu"] == "NVIDIA H200"
     assert len(gate["controls"]) == len(cases) == 95
@@ -39,8 +41,6 @@ def test_the_ci_line_passed_with_every_case_run_at_each_worker_count(n):
 
 
 def test_the_verdicts_are_equal_across_worker_counts():
-    verdicts = {
-        n: {c["case_id"]: c["verdict"] for c in _record(n)[0]["controls"]} for n in (*WORKERS, "final", "final-2")
-    }
-    assert verdicts[8] == verdicts[4] == verdicts[1] == verdicts["final"] == verdicts["final-2"]
+    verdicts = {n: {c["case_id"]: c["verdict"] for c in _record(n)[0]["controls"]} for n in (*WORKERS, *LATER)}
+    assert all(v == verdicts[8] for v in verdicts.values()), {n: len(v) for n, v in verdicts.items()}
     assert {"crash", "oob", "clean"} <= set(verdicts[8].values())
