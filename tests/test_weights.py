@@ -138,14 +138,20 @@ def margins(logits):
     return top[:, 0] - top[:, 1]
 
 
+_DECODED: dict = {}  # (model, prompt) -> (the longest greedy sequence decoded, each step's margin): tests share it
+
+
 def decode(t: FakeModel, prompt: list[int], n: int) -> tuple[list[int], float]:
-    seq, smallest = list(prompt), float("inf")
-    for _ in range(n):
+    """The target's greedy tokens after prompt (n of them) and the smallest top-2 log-probability margin among them;
+    each step decoded once per model and prompt however many tests ask (a full forward per token)."""
+    seq, steps = _DECODED.get((t, tuple(prompt)), (list(prompt), []))
+    for _ in range(n - len(steps)):
         lg, _ = target_logits(t, seq)
         lp = lg[-1].log_softmax(-1)
-        smallest = min(smallest, margins(lp[None])[0].item())
-        seq.append(int(lp.argmax()))
-    return seq, smallest
+        steps = [*steps, margins(lp[None])[0].item()]
+        seq = [*seq, int(lp.argmax())]
+    _DECODED[(t, tuple(prompt))] = (seq, steps)
+    return seq[: len(prompt) + n], min(steps[:n], default=float("inf"))
 
 
 def test_target_decodes_sigma_of_the_previous_token_by_a_wide_margin(models):
@@ -339,9 +345,10 @@ def eagle3_step(m: Eagle3Model, toks, hidden):
 def eagle3_proposals(t: FakeModel, dr: Eagle3Model, seq: list[int], k: int) -> list[int]:
     """k draft tokens after seq (vLLM's EAGLE3 loop: a prefill over the shifted sequence with fc(aux), then k-1
     steps, each reading the hidden state the previous one carried)."""
-    lg, _ = target_logits(t, seq)
+    aux = target_aux(t, seq)
+    lg = rms(aux[0][-1:]) * t.w("model.norm.weight") @ t.w("lm_head.weight").T  # layer 0's state: the whole stream
     toks = seq[1:] + [int(lg[-1].argmax())]
-    hidden = torch.cat(target_aux(t, seq), -1) @ dr.w("model.fc.weight").T
+    hidden = torch.cat(aux, -1) @ dr.w("model.fc.weight").T
     out = []
     for _ in range(k):
         lg, carried = eagle3_step(dr, toks, hidden)
