@@ -71,11 +71,13 @@ def _wheel(tmp: Path, version: str, bad: bool = False, patch: str | None = None)
 
 @pytest.fixture
 def records(tmp_path, monkeypatch):
-    """results/vllm-gpu-records.json naming gate records: 0.26.0 clean, 0.25.1 affected."""
+    """results/vllm-gpu-records.json naming gate records: 0.26.0 clean, 0.25.1 affected (rows as the gate writes them:
+    an affected build under test is not ok)."""
     root = tmp_path / "results"
     for name, version, affected in (("gate-a", "0.26.0", False), ("gate-b", "0.25.1", True)):
         (root / name).mkdir(parents=True)
-        doc = {"kind": "vllm-gate", "builds": [{"build": version, "affected": affected}]}
+        row = {"build": version, "role": "under-test", "affected": affected, "ok": not affected}
+        doc = {"kind": "vllm-gate", "builds": [row]}
         (root / name / "results.json").write_text(json.dumps(doc))
     (root / "vllm-gpu-records.json").write_text(json.dumps({"0.26.0": "gate-a", "0.25.1": "gate-b"}))
     monkeypatch.setattr(compat, "GPU_RECORDS", root / "vllm-gpu-records.json")
@@ -174,3 +176,25 @@ def test_a_known_bad_pattern_is_bad_with_or_without_a_record(tmp_path, records):
         c = check_source(_wheel(tmp_path / version, version, bad=True))
         assert c.verdict == BAD and c.reason.startswith("known bad pattern: draft capture reuses")
     assert exit_codes.source([NO_KNOWN_BAD, GOOD]) == 0 and exit_codes.source([NO_KNOWN_BAD, UNTESTABLE]) == 125
+
+
+def test_a_gpu_record_answers_only_for_rows_it_judged_and_any_affected_method_makes_it_bad(tmp_path, records):
+    """A release's rows, one per speculative method, self controls aside: a row the gate could not vouch for (not
+    affected, not ok: CANNOT VOUCH) is no answer, never good; an affected method is bad whatever the others say; an
+    unreadable archive is no answer, never a crash."""
+
+    def answer(rows):
+        (records / "gate-a" / "results.json").write_text(json.dumps({"kind": "vllm-gate", "builds": rows}))
+        rec = compat.gpu_record("0.26.0")
+        return rec and rec["answer"]
+
+    ok = {"build": "0.26.0", "role": "under-test", "affected": False, "ok": True}
+    caught = {"build": "0.26.0 (self control)", "role": "self-control", "affected": True, "ok": True}
+    assert answer([ok, caught]) == GOOD
+    assert answer([{**ok, "ok": False}, caught]) is None  # cut by a deadline, cannot vouch
+    assert answer([ok, {**ok, "build": "0.26.0 eagle3", "affected": True, "ok": False}]) == BAD
+    assert answer([{**ok, "build": "0.26.0 mtp"}]) == GOOD  # a record of one method names it after the release
+    assert answer([caught]) is None  # self controls alone answer nothing for the build
+    pack(records / "gate-a")
+    (records / "gate-a.tar.xz").write_bytes(b"not xz at all")
+    assert compat.gpu_record("0.26.0") is None

@@ -273,21 +273,31 @@ def _results_json(where: Path) -> dict:
 
 
 def gpu_record(release: str, records: Path | None = None) -> dict | None:
-    """The gate's answer for a release on a GPU (gpu_records: the record that ran it, its results.json the build's
-    answer, `affected`). None when no record names the release, or the record is not in this checkout."""
+    """The gate's answer for a release on a GPU (gpu_records: the record that ran it; its results.json's rows of that
+    release, one per speculative method, self controls aside): BAD when any row is affected, GOOD when every row is
+    not affected and was judged (`ok`: a row the gate could not vouch for is no answer), else None. None too when no
+    record names the release, or the record is not in this checkout or cannot be read."""
+    import lzma  # a packed record's errors
+    import tarfile
+
     where = gpu_records(records).get(release)
     try:
         doc = _results_json(where) if where is not None else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, EOFError, lzma.LZMAError, tarfile.TarError):
         return None
-    row = next((b for b in (doc or {}).get("builds", []) if b.get("build") == release), None)
-    if row is None:
+    rows = [
+        b
+        for b in (doc or {}).get("builds", [])
+        if (b.get("build") == release or str(b.get("build", "")).startswith(f"{release} "))
+        and b.get("role") != "self-control"
+    ]
+    if any(b.get("affected") for b in rows):
+        answer = BAD
+    elif rows and all(b.get("ok") is True for b in rows):
+        answer = GOOD
+    else:
         return None
-    return {
-        "release": release,
-        "answer": BAD if row.get("affected") else GOOD,
-        "record": f"results/{record_name(where)}",
-    }
+    return {"release": release, "answer": answer, "record": f"results/{record_name(where)}"}
 
 
 def _sha256(data: bytes) -> str:
