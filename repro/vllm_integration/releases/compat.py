@@ -277,8 +277,8 @@ def gpu_record(release: str, records: Path | None = None) -> dict | None:
     release, one per speculative method, self controls aside): BAD when any row is affected, GOOD when every row is
     not affected and was judged (`ok`: a row the gate could not vouch for is no answer), else None. None too when no
     record names the release, or the record is not in this checkout or cannot be read."""
-    import lzma  # a packed record's errors
-    import tarfile
+    import lzma  # only for a packed record's errors
+    import tarfile  # only for a packed record's errors
 
     where = gpu_records(records).get(release)
     try:
