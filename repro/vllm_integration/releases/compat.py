@@ -259,17 +259,22 @@ def record_name(where: Path) -> str:
 
 
 def _results_json(where: Path) -> dict:
-    """A gate record's results.json, from its folder or its archive; OSError or ValueError when it has none."""
+    """A gate record's results.json, from its folder or its archive; OSError or ValueError when it has none or cannot
+    be read (an archive that is not xz, or cut short, included)."""
     if where.is_dir():
         return json.loads((where / "results.json").read_text())
+    import lzma  # only for a packed record
     import tarfile  # only for a packed record
 
-    with tarfile.open(where, "r:xz") as tar:
-        try:
+    try:
+        with tarfile.open(where, "r:xz") as tar:
             member = tar.extractfile(f"{record_name(where)}/results.json")
-        except KeyError as e:
-            raise OSError(f"{where}: no results.json") from e
-        return json.loads(member.read() if member is not None else b"")
+            data = member.read() if member is not None else b""
+    except KeyError as e:
+        raise OSError(f"{where}: no results.json") from e
+    except (EOFError, lzma.LZMAError, tarfile.TarError) as e:
+        raise OSError(f"{where}: not a readable record archive ({e})") from e
+    return json.loads(data)
 
 
 def gpu_record(release: str, records: Path | None = None) -> dict | None:
@@ -277,13 +282,10 @@ def gpu_record(release: str, records: Path | None = None) -> dict | None:
     release, one per speculative method, self controls aside): BAD when any row is affected, GOOD when every row is
     not affected and was judged (`ok`: a row the gate could not vouch for is no answer), else None. None too when no
     record names the release, or the record is not in this checkout or cannot be read."""
-    import lzma  # only for a packed record's errors
-    import tarfile  # only for a packed record's errors
-
     where = gpu_records(records).get(release)
     try:
         doc = _results_json(where) if where is not None else None
-    except (OSError, ValueError, EOFError, lzma.LZMAError, tarfile.TarError):
+    except (OSError, ValueError):
         return None
     rows = [
         b
