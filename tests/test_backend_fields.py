@@ -280,6 +280,27 @@ def test_a_refresh_inside_a_capture_makes_its_fields_the_graphs(draft_loop):
     assert {m.buffer for m in counters.AUDITOR.mismatches} == {"query_start_loc"}
 
 
+def test_a_dflash_query_graph_skips_only_the_scheduler_metadata_its_refresh_rewrites(draft_loop, monkeypatch):
+    """DFlash's query graph refreshes scheduler_metadata in the graph but runs no draft loop: seq_lens and
+    slot_mapping that moved inside it are stale, not the loop's step; a draft decode graph's are its loop's."""
+    builder, impl, bufs, cuda = draft_loop
+
+    def capture_as(kind):
+        monkeypatch.setattr(capture, "graph_kind", lambda frame: kind)
+        counters.AUDITOR.mismatches.clear()
+        md = builder.build(0, 2)
+        with cuda.graph():
+            impl.forward(None, 0, 0, 0, None, md)
+            builder.update_draft_decode_metadata(md)
+            bufs["scheduler_metadata"][0] += 7  # the refresh's recomputation, the graph's to compute
+            _advance(bufs, 2)
+        return {m.buffer for m in counters.AUDITOR.mismatches}
+
+    assert capture_as("draft query") == {"seq_lens", "slot_mapping"}
+    assert counters.COUNTERS["captures_stale"] == {"draft query": 1}
+    assert capture_as("draft decode") == set()
+
+
 def test_without_a_refresh_a_capture_still_reports_stale_views(draft_loop):
     builder, impl, bufs, cuda = draft_loop
     md = builder.build(0, 3)

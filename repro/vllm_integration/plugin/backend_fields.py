@@ -69,8 +69,14 @@ class BackendFields:
     def listed(self, path: str) -> bool:
         return any(fnmatch.fnmatchcase(path, pat) for pat in self.checked) or self.excluded_reason(path) is not None
 
-    def refreshed(self, path: str) -> bool:
-        return any(fnmatch.fnmatchcase(path, pat) for pat in self.refreshed_in_graph)
+    def refreshed(self, path: str, draft_loop: bool = True) -> bool:
+        """Does an in-graph refresh rewrite this field? The draft loop's own step (DRAFT_STEP: seq_lens, slot_mapping
+        advanced between draft steps) only in a capture that runs a draft loop; a single-forward draft capture
+        (DFlash's query graph: update_draft_decode_metadata only) leaves those fields as its build wrote them."""
+        return any(
+            fnmatch.fnmatchcase(path, pat) and (draft_loop or why != DRAFT_STEP)
+            for pat, why in self.refreshed_in_graph.items()
+        )
 
 
 _COMMON_CHECKED = {

@@ -178,19 +178,33 @@ def _finish_capture(cap: _Capture, failed: bool) -> None:
     stale = False
     for md, spec in known:
         views = views_of(md, spec)
-        # a field an in-graph refresh rewrote holds what the graph will compute at replay, not what the build wrote
-        skip = {p for p in views if spec.refreshed(p)} if md in cap.refreshed else set()
+        skip = _refreshed_fields(cap, md, spec, views)
         advance = MAX_DRAFT_LOOP_ADVANCE if cap.kind.startswith("draft decode") else 0
         for m in auditor.check(md, views, skip, advance):
             stale = True
             emit(AUDIT_TAG, {"stale": m.to_dict(), "message": str(m), "capture": cap.kind})
     for md, spec in cap.metadata.values():  # every metadata the graph baked in, built for the descriptor captured?
-        skip = {p for p in views_of(md, spec) if spec.refreshed(p)} if md in cap.refreshed else set()
+        skip = _refreshed_fields(cap, md, spec, views_of(md, spec))
         stale = audit_descriptor(md, spec, cap.descriptor, cap.kind, skip) or stale
     if known:
         counters.bump("captures_audited", cap.kind)
     if stale:
         counters.bump("captures_stale", cap.kind)
+
+
+SINGLE_FORWARD_DRAFT = "draft query"  # DFlash's query graph (graph_kind): one forward per block, no draft loop
+
+
+def _refreshed_fields(cap: _Capture, md: Any, spec: BackendFields, views: dict[str, Any]) -> set[str]:
+    """The fields of md an in-graph refresh of this capture rewrote: they hold what the graph will compute at replay,
+    not what the build wrote, so the capture-end checks skip them. Only for metadata refreshed inside this capture.
+    DFlash's query graph refreshes scheduler_metadata (update_draft_decode_metadata) but runs no draft loop, so the
+    loop's step fields (seq_lens, slot_mapping) stay checked there (vLLM 0.34 dflash/speculator.py
+    _prepare_graph_forward); any other capture, its kind known or not, may run the loop."""
+    if md not in cap.refreshed:
+        return set()
+    loop = not cap.kind.startswith(SINGLE_FORWARD_DRAFT)
+    return {p for p in views if spec.refreshed(p, draft_loop=loop)}
 
 
 def _manager_desc(frame: Any, depth: int) -> tuple[Any, Any]:
