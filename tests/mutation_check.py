@@ -435,8 +435,8 @@ POLICY = [
     (
         "is_positive",
         POL,
-        "    return expect in (FAULT, DETECTED, AUDIT, KNOWN_BAD_BUILD)",
-        "    return expect in (FAULT, DETECTED, KNOWN_BAD_BUILD)",
+        "    return expect in (FAULT, DETECTED, AUDIT, KNOWN_BAD_BUILD, ANY_FORM)",
+        "    return expect in (FAULT, DETECTED, KNOWN_BAD_BUILD, ANY_FORM)",
         False,
         {"test_fault_detected_and_audit_are_the_positive_expectations"},
     ),
@@ -627,6 +627,37 @@ POLICY = [
         POL,
         *_off("        elif silent:"),
         {"test_a_known_bad_build_silent_in_one_mode_but_caught_in_another_is_a_listed_miss"},
+    ),
+    (
+        "rule 6: a self control's form is decided over the forms of its mode",
+        POL,
+        *_off("    if expect == ANY_FORM:"),
+        {
+            "test_any_form_is_met_by_kernel_evidence_and_judged_over_the_forms_of_its_mode",
+            "test_a_self_control_form_silent_beside_a_caught_form_is_a_listed_miss",
+        },
+    ),
+    (
+        "rule 6: a self control silent in every form of a mode fails",
+        POL,
+        *_off("        if not shown:"),
+        {"test_a_self_control_silent_in_every_form_of_a_mode_fails_naming_its_forms"},
+    ),
+    (
+        "rule 6: the silent form is listed",
+        POL,
+        "            d.form_misses += [",
+        "            d.form_misses += [] and [",
+        False,
+        {"test_a_self_control_form_silent_beside_a_caught_form_is_a_listed_miss"},
+    ),
+    (
+        "rule 6: forms grouped per subject",
+        POL,
+        "                forms.setdefault(c.subject, []).append(c)",
+        "                forms.setdefault(c.mode, []).append(c)",
+        False,
+        {"test_forms_are_judged_per_subject_not_across_modes_or_methods"},
     ),
     (
         "summary: kinds only beside known-bad",

@@ -59,7 +59,13 @@ def test_an_unknown_expectation_is_refused():
 
 
 def test_fault_detected_and_audit_are_the_positive_expectations():
-    assert [e for e in policy.EXPECTATIONS if policy.is_positive(e)] == ["fault", "detected", "audit", "known-bad"]
+    assert [e for e in policy.EXPECTATIONS if policy.is_positive(e)] == [
+        "fault",
+        "detected",
+        "audit",
+        "known-bad",
+        "any-form",
+    ]
 
 
 def test_kernel_evidence_counts_in_every_mode():
@@ -276,6 +282,50 @@ def test_a_known_bad_build_that_errored_fails_as_any_control_without_evidence():
         ]
     )
     assert [f.case_id for f in d.failures] == ["kb-plain"]
+
+
+# rule 6: a self control's injection forms are judged together in each mode outside the audit
+# (results/h200-dflash-0.34.0-2: DFlash's stale-capture form decoded right in plain, its stale-descriptor form crashed)
+def _forms(capture: str, descriptor: str, mode: str = "plain", subject: str = "0.34.0 dflash plain") -> list:
+    return [
+        Control(f"sc-{mode}", "any-form", capture, mode, "decoded", kind=SC, subject=subject),
+        Control(f"sc-desc-{mode}", "any-form", descriptor, mode, "", kind=SC, subject=subject),
+    ]
+
+
+def test_any_form_is_met_by_kernel_evidence_and_judged_over_the_forms_of_its_mode():
+    assert met("any-form") == set(KERNEL)
+    assert policy.problem("any-form", "clean") is None
+    assert policy.problem("any-form", "error") is not None  # a form that did not run shows nothing either way
+
+
+def test_a_self_control_form_silent_beside_a_caught_form_is_a_listed_miss():
+    d = decide(_forms("clean", "crash"))
+    assert d.passed, d.failures
+    assert d.form_misses == ["sc-plain: clean (caught by sc-desc-plain)"] and not d.misses
+    assert (
+        "  self-control form silent in this mode, another form caught (rule 6): sc-plain: clean (caught by "
+        "sc-desc-plain)" in d.summary()
+    )
+    assert decide(_forms("crash", "wrong-output")).form_misses == []
+
+
+def test_a_self_control_silent_in_every_form_of_a_mode_fails_naming_its_forms():
+    d = decide(_forms("clean", "clean") + _forms("crash", "crash", "mps:16", "0.34.0 dflash mps:16"))
+    assert [f.kind for f in d.failures] == [policy.CONTROL_FAILED, policy.MODE_WITHOUT_EVIDENCE]
+    f = d.failures[0]
+    assert f.case_id == "sc-plain" and "mode plain" in d.failures[1]
+    assert "self control 0.34.0 dflash plain showed no evidence in any of its injection forms" in f
+    assert "(sc-plain: clean, sc-desc-plain: clean)" in f
+
+
+def test_forms_are_judged_per_subject_not_across_modes_or_methods():
+    """A form caught in another mode, or another method's form in this mode, does not cover a silent self control."""
+    d = decide(
+        _forms("clean", "clean", "plain", "0.34.0 dflash plain")
+        + _forms("crash", "crash", "plain", "0.34.0 eagle plain")
+    )
+    assert [f.case_id for f in d.failures] == ["sc-plain"] and "dflash" in d.failures[0]
 
 
 def test_stale_audit_outside_the_audit_mode_is_not_a_known_bad_builds_evidence():

@@ -104,3 +104,50 @@ def test_dflash_cases_carry_a_readable_method_id_and_their_own_reference():
     assert ids[0] == "stale_metadata-vllm-0.34.0-under-test-dflash-audit"
     assert all("-dflash-" in i for i in ids) and {c.method for c in cases} == {"dflash"}
     assert reference_for(cases[0]).case_id == "stale_metadata-vllm-0.34.0-under-test-dflash-reference-sm-all"
+
+
+def _forms_run(verdicts: dict[tuple[str, str], str]):
+    """A gate run of 0.34.0's dflash cases in audit and plain: the build clean, each self control form's verdict
+    from `verdicts` ((mode, form) -> verdict), each result holding the expectation the gate fixes before it runs."""
+    from repro.case.spec import CaseResult
+    from repro.vllm_integration.gate.case import GateCase, expected
+    from repro.vllm_integration.gate.run import GateRun
+    from repro.vllm_integration.plugin.inject import INJECTIONS
+    from repro.vllm_integration.releases.builds import UNDER_TEST
+
+    build = VllmBuild("0.34.0", None, UNDER_TEST, "0.34.0")
+    cases = []
+    for mode in ("audit", "plain"):
+        case = GateCase(build, GateMode.parse(mode), method="dflash", compile="none")
+        cases.append((case, CaseResult(case.case_id, "clean", "", expected=expected(case))))
+        for form in INJECTIONS:
+            sc = GateCase(build, GateMode.parse(mode), method="dflash", compile="none", inject=form)
+            cases.append((sc, CaseResult(sc.case_id, verdicts[mode, form], "", expected=expected(sc))))
+    return GateRun(cases=cases)
+
+
+CAUGHT = {
+    ("audit", "stale-capture"): "stale-audit",
+    ("audit", "stale-descriptor"): "stale-audit",
+    ("plain", "stale-capture"): "clean",  # results/h200-dflash-0.34.0-2: the graph recomputes what this form wrote
+    ("plain", "stale-descriptor"): "crash",
+}
+
+
+def test_a_self_control_form_silent_in_plain_beside_a_caught_form_passes_listed_as_a_miss():
+    run = _forms_run(CAUGHT)
+    assert run.outcome() == "PASS", run.decision().failures
+    (miss,) = run.decision().form_misses
+    assert "dflash-compile-none-plain: clean (caught by " in miss and "stale-descriptor" in miss.split("caught by")[1]
+
+
+@pytest.mark.parametrize(
+    "silent",
+    [("plain", "stale-descriptor"), ("audit", "stale-capture"), ("audit", "stale-descriptor")],
+    ids=lambda s: "-".join(s),
+)
+def test_a_self_control_is_harness_blind_when_no_form_of_a_mode_or_one_form_in_the_audit_is_caught(silent):
+    """Plain: both forms silent; audit: every form must be caught by the auditor on its own (rule 1, not 6)."""
+    run = _forms_run({**CAUGHT, silent: "clean"})
+    assert run.outcome() == "HARNESS BLIND"
+    assert any(silent[0] in f and "self-control" in f for f in run.blind())

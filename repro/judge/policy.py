@@ -1,17 +1,10 @@
 """The control policy, in one place for `matrix --gate`, `pytest --gate` and `repro gate`: what each control must show,
 which evidence meets it, which modes gate, and what a gate run needs from its controls.
 
-Expectations (stored in each result before its case runs; repro.judge.expectations computes them for attention-layer
-cases, repro.vllm_integration.gate.case for vLLM builds):
+Expectations are stored in each result before its case runs (repro.judge.expectations computes them for
+attention-layer cases, repro.vllm_integration.gate.case.expected for vLLM builds).
 
-| expectation | met by | used for |
-|---|---|---|
-| `fault` | the kernels failed: oob, crash, launch-failure | stale eager cases the CPU model says read out of bounds |
-| `detected` | kernel evidence: oob, crash, launch-failure, hang, wrong-output | stale cases whose kernels must show it |
-| `audit` | kernel evidence, or stale-audit | stale cases whose kernels may not show it (listed in `AUDIT_CONTROLS`) |
-| `known-bad` | kernel evidence (or the engine's audit in its audit mode); a miss in one mode is listed, not failed | a known-bad vLLM build in a mode where its symptom may stay silent |
-| `clean` | clean | fresh metadata; vLLM builds under test |
-| `recorded` | any verdict but error, skip, cannot-vouch | memcheck on real vLLM: recorded, never gating |
+`MEETS` says which verdicts meet each expectation, `markdown()` what each means (docs/policy.md shows both).
 
 What a gate run needs (`decide`):
 1. Every applicable control ran and met its expectation (skip, error and cannot-vouch meet none); a positive
@@ -25,12 +18,13 @@ What a gate run needs (`decide`):
    the auditor. The attention-layer stale-audit is the harness's bookkeeping: it meets an
    `audit` control but never counts as a mode's evidence.
 4. At least one positive control ran.
-5. A known-bad build (`known-bad` controls, grouped by `Control.subject`) shows evidence in at least one of its modes.
-   In one mode it may decode right without a fault: whether the real 0.21-0.25.1 defect faults outside the audit
-   depends on what FA3's never-written scheduler entries hold (the weights' leftovers in reused memory:
-   results/h200-agree-selfcontrol, 0.25.1 clean in plain; results/h200-margin-weights-0.25.1, the same build crashed).
-   Such a miss is listed (`GateDecision.misses`); the mode still needs evidence from a positive control of its own
-   (rule 3: the self control, which the gate makes deterministic), so a mode no control showed evidence in fails."""
+5. A known-bad build (`known-bad` controls, grouped by `Control.subject`) shows evidence in at least one of its modes;
+   a mode's miss is listed (`GateDecision.misses`): whether the real defect faults outside the audit depends on
+   memory leftovers (docs/policy.md). The mode still needs evidence from a positive control of its own (rule 3).
+6. A self control outside the audit (`any-form` controls, grouped by `Control.subject`: build, method, backend, mode,
+   repetition) shows kernel evidence in at least one of its injection forms; a silent form beside a caught one is
+   listed (`GateDecision.form_misses`): whether a form faults depends on what the speculator's capture recomputes at
+   replay (docs/policy.md: DFlash). In the audit mode every form is its own `audit` control (rule 1)."""
 
 from __future__ import annotations
 
@@ -50,14 +44,8 @@ from repro.contract.verdicts import (
     Verdict,
 )
 
-FAULT, DETECTED, AUDIT, KNOWN_BAD_BUILD, EXPECT_CLEAN, RECORDED = (
-    "fault",
-    "detected",
-    "audit",
-    "known-bad",
-    "clean",
-    "recorded",
-)
+FAULT, DETECTED, AUDIT, KNOWN_BAD_BUILD = "fault", "detected", "audit", "known-bad"
+ANY_FORM, EXPECT_CLEAN, RECORDED = "any-form", "clean", "recorded"  # the order of EXPECTATIONS: MEETS's
 # kinds of positive control a vLLM gate mode can rely on: a second installation known to be bad, or the build under
 # test with the defect re-created inside it (repro.vllm_integration.plugin.inject)
 KNOWN_BAD, SELF_CONTROL = "known-bad build", "self-control"
@@ -68,6 +56,7 @@ MEETS: dict[str, tuple[str, ...]] = {
     DETECTED: KERNEL_EVIDENCE,
     AUDIT: (*KERNEL_EVIDENCE, STALE_AUDIT),
     KNOWN_BAD_BUILD: (*KERNEL_EVIDENCE, STALE_AUDIT),  # STALE_AUDIT counts only in ENGINE_AUDIT_MODES (rule 5)
+    ANY_FORM: KERNEL_EVIDENCE,
     EXPECT_CLEAN: (CLEAN,),
     RECORDED: (CLEAN, *KERNEL_EVIDENCE, STALE_AUDIT),
 }
@@ -114,7 +103,7 @@ def satisfies(expect: str, verdict: str) -> bool | None:
 
 
 def is_positive(expect: str) -> bool:
-    return expect in (FAULT, DETECTED, AUDIT, KNOWN_BAD_BUILD)
+    return expect in (FAULT, DETECTED, AUDIT, KNOWN_BAD_BUILD, ANY_FORM)
 
 
 def counts_as_evidence(verdict: str, mode: str) -> bool:
@@ -143,7 +132,7 @@ class Control:
     not_applicable: str | None = None  # why this configuration cannot exist on this runner
     needs: str | None = None  # the REQUIREMENTS feature whose absence made it not applicable
     kind: str | None = None  # a positive control's kind where it matters (vLLM gate: known-bad build, self-control)
-    subject: str | None = None  # the known-bad build a control runs (a vLLM build's label): rule 5 groups by it
+    subject: str | None = None  # what rules 5 and 6 judge it over: its known-bad build, or its self control's forms
 
     @property
     def gating(self) -> bool:
@@ -246,9 +235,9 @@ class GateDecision:
     evidence: dict[str, tuple[int, int]] = field(default_factory=dict)  # mode -> (positive controls, with evidence)
     # mode -> control kind -> (positive controls, with evidence): which kind of control each mode relied on
     evidence_by_kind: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
-    misses: list[str] = field(
-        default_factory=list
-    )  # a known-bad build silent in one mode, detected in another (rule 5)
+    # listed, not failed: a known-bad build silent in one mode, caught in another (5); a form beside a caught one (6)
+    misses: list[str] = field(default_factory=list)
+    form_misses: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -269,6 +258,8 @@ class GateDecision:
             lines.append(f"  evidence of another kind than expected (not gating): {x}")
         for x in self.misses:
             lines.append(f"  known-bad build silent in this mode, detected in another (rule 5): {x}")
+        for x in self.form_misses:
+            lines.append(f"  self-control form silent in this mode, another form caught (rule 6): {x}")
         by_reason: dict[str, list[str]] = {}
         for case, why in self.not_applicable:
             by_reason.setdefault(why, []).append(case)
@@ -285,6 +276,8 @@ def problem(expect: str, verdict: str) -> str | None:
         return f"{verdict}: the gate has no evidence from this control"
     if expect == KNOWN_BAD_BUILD:
         return None  # a known-bad build that ran: one mode's miss is judged over all its modes (decide, rule 5)
+    if expect == ANY_FORM:
+        return None  # a self control's form that ran: judged over the forms of its mode (decide, rule 6)
     if satisfies(expect, verdict) or (is_positive(expect) and verdict in KERNEL_EVIDENCE):
         return None
     if expect == EXPECT_CLEAN:
@@ -293,9 +286,10 @@ def problem(expect: str, verdict: str) -> str | None:
 
 
 def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) -> GateDecision:
-    """The gate's decision over every control of a run (rules 1-5 of this module's docstring)."""
+    """The gate's decision over every control of a run (rules 1-6 of this module's docstring)."""
     d = GateDecision()
     bad_builds: dict[str, list[Control]] = {}  # rule 5: subject -> its positive controls that ran
+    forms: dict[str, list[Control]] = {}  # rule 6: subject -> the injection forms of one self control that ran
     for c in controls:
         if c.not_applicable is not None:
             if c.needs and c.needs in required:
@@ -312,7 +306,9 @@ def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) 
             d.disagreements.append(f"{c.case_id}: {c.verdict}, the expectation was {c.expected}")
         if c.gating:
             pos, ev = d.evidence.get(c.mode, (0, 0))
-            if c.subject is not None and is_positive(c.expected) and c.verdict not in NO_EVIDENCE:
+            if c.subject is not None and c.expected == ANY_FORM and c.verdict not in NO_EVIDENCE:
+                forms.setdefault(c.subject, []).append(c)
+            elif c.subject is not None and is_positive(c.expected) and c.verdict not in NO_EVIDENCE:
                 bad_builds.setdefault(c.subject, []).append(c)
             if is_positive(c.expected):
                 shown = counts_as_evidence(c.verdict, c.mode)
@@ -337,6 +333,7 @@ def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) 
             d.misses += [
                 f"{c.case_id}: {c.verdict} (detected in {', '.join(sorted({x.mode for x in shown}))})" for c in silent
             ]
+    _judge_forms(d, forms)
     for mode, (pos, ev) in sorted(d.evidence.items()):
         if not pos:  # only negative controls in this mode: nothing shows that the mode could see the bug
             d.failures.append(
@@ -363,6 +360,25 @@ def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) 
     return d
 
 
+def _judge_forms(d: GateDecision, forms: dict[str, list[Control]]) -> None:
+    """Rule 6: a self control none of whose forms showed evidence in its mode fails; a silent one beside another is listed."""
+    for subject, cs in forms.items():
+        shown = [c.case_id for c in cs if counts_as_evidence(c.verdict, c.mode)]
+        silent = [c for c in cs if not counts_as_evidence(c.verdict, c.mode)]
+        if not shown:
+            d.failures.append(
+                Failure(
+                    f"{silent[0].case_id}: positive control came back {silent[0].verdict}: self control {subject} "
+                    f"showed no evidence in any of its injection forms "
+                    f"({', '.join(f'{c.case_id}: {c.verdict}' for c in cs)}): {silent[0].reason[:160]}",
+                    CONTROL_FAILED,
+                    silent[0].case_id,
+                )
+            )
+        else:
+            d.form_misses += [f"{c.case_id}: {c.verdict} (caught by {', '.join(shown)})" for c in silent]
+
+
 def markdown() -> str:
     """The rule as docs/policy.md shows it (a CPU test keeps the page's copy equal to this)."""
     why = {
@@ -370,6 +386,8 @@ def markdown() -> str:
         DETECTED: "kernel evidence",
         AUDIT: "kernel evidence, or the capture-time audit's stale views",
         KNOWN_BAD_BUILD: "a known-bad vLLM build: evidence in at least one of its modes (a mode's miss is listed)",
+        ANY_FORM: "a self control outside the audit: evidence from at least one of its injection forms in the mode "
+        "(a silent form is listed)",
         EXPECT_CLEAN: "ran, output equals the reference, nothing stale",
         RECORDED: "anything that ran (memcheck on real vLLM: recorded, never gating)",
     }

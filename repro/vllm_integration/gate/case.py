@@ -26,7 +26,8 @@ capture defect re-created inside it (repro.vllm_integration.plugin.inject), a po
 environment. In the audit modes a self control must be caught by the auditor itself (judge.vouch), not by a fault
 alone. Builds under test must be `clean` in every mode and repetition; a control (a known-bad build, or a
 self control) must be detected with kernel evidence (fault, hang, wrong tokens) in every gating mode, or by the audit
-in the audit mode (`expected`)."""
+in the audit mode (`expected`): a known-bad build in at least one of its modes (policy rule 5), a self control outside
+the audit in at least one of its injection forms per mode (rule 6), every form by the audit."""
 
 from __future__ import annotations
 
@@ -326,8 +327,9 @@ def case_env(
 
 def expected(case: GateCase) -> str:
     """The policy expectation (repro.judge.policy) of a gate case: clean (a build under test), audit (a control in the
-    audit mode: the auditor's stale views from the engine count too), detected (a self control: kernel evidence; the
-    injection fills FA3's never-written entries, so its symptom does not hang on leftovers), known-bad (a known-bad
+    audit mode: the auditor's stale views from the engine count too), any-form (a self control outside the audit:
+    kernel evidence from it or from another injection form of it in the same mode, a silent form listed: policy
+    rule 6; the injection fills FA3's never-written entries, so its symptom does not hang on leftovers), known-bad (a known-bad
     build outside the audit mode: kernel evidence, but a silent mode is listed, not failed, when another of its modes
     caught it: policy rule 5) or recorded (memcheck on a control: what it finds is recorded, not required)."""
     if not case.is_control:
@@ -336,7 +338,15 @@ def expected(case: GateCase) -> str:
         return policy.RECORDED
     if case.mode.audit:
         return policy.AUDIT
-    return policy.DETECTED if case.inject is not None else policy.KNOWN_BAD_BUILD
+    return policy.ANY_FORM if case.inject is not None else policy.KNOWN_BAD_BUILD
+
+
+def subject_of(case: GateCase, expect: str) -> str | None:
+    """What policy rules 5 and 6 judge a control over: a known-bad build (its label and backend, over its modes), or
+    a self control outside the audit (one subject for its injection forms in one mode and repetition); None else."""
+    if expect == policy.ANY_FORM:
+        return f"{case.build.label} {case.method} {case.backend} {case.mode.name} rep{case.rep}"
+    return f"{case.build.label} {case.backend}" if case.control_kind == policy.KNOWN_BAD else None
 
 
 SELF_CONTROL_CHOICES = ("under-test", "all", "none")

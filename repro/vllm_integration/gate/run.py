@@ -40,6 +40,7 @@ from repro.vllm_integration.gate.case import (
     expected,
     reference_for,
     self_controls_for,
+    subject_of,
 )
 from repro.vllm_integration.gate.judge import PLATFORM_CHECK, finish, passes, platform_failed, validate_reference
 from repro.vllm_integration.gate.launch import FORK, Launcher, launcher_kind
@@ -146,17 +147,10 @@ class _Ran(NamedTuple):
 
 def control_of(case: GateCase, res: CaseResult) -> policy.Control:
     """A gate case as the policy sees it, in `repro gate` and in the pytest tier alike: mode = the gate mode's name,
-    the kind of control, and for a known-bad build the build and backend policy rule 5 judges it over."""
-    return policy.Control(
-        case.case_id,
-        res.expected or expected(case),
-        res.verdict,
-        case.mode.name,
-        res.reason,
-        not_applicable=not_applicable_of(res),
-        kind=case.control_kind,
-        subject=f"{case.build.label} {case.backend}" if case.control_kind == policy.KNOWN_BAD else None,
-    )
+    the kind of control, and what policy rules 5 and 6 judge it over (subject_of)."""
+    expect, na = res.expected or expected(case), not_applicable_of(res)
+    c = policy.Control(case.case_id, expect, res.verdict, case.mode.name, res.reason, na, kind=case.control_kind)
+    return replace(c, subject=subject_of(case, expect))
 
 
 def plan(
