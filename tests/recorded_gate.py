@@ -120,6 +120,7 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
         self_control=self_control,
         launcher="spawn",  # the processes are replayed: no forkserver to start
         compile=m[1] if (m := re.search(r"--compile (\S+)", command)) else "inductor",
+        methods=tuple(m[1].split(",")) if (m := re.search(r"--methods (\S+)", command)) else ("eagle",),
         # the self control's forms the run made (a record from before the second form has the first alone)
         self_control_forms=INJECTIONS if any("-stale-descriptor-" in c for c in rows) else (STALE_CAPTURE,),
     )

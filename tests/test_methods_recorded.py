@@ -119,3 +119,29 @@ def test_the_dflash_pair_agrees_on_the_gpu_and_cases_the_deadline_cut_are_cannot
     cut = [c for c in rows.values() if not c["case"].endswith("reference-sm-all")]
     assert len(cut) == 6 and all(c["verdict"] == "skip" and "--deadline" in c["reason"] for c in cut)
     assert DFLASH["outcome"] == "CANNOT VOUCH"
+
+
+def test_dflash_recorded_harness_blind_on_a_harmless_form_replays_as_a_pass_with_the_form_listed(monkeypatch, tmp_path):
+    """results/h200-dflash-0.34.0-2 (written before policy rule 6): DFlash clean in audit and plain with its draft
+    accepted; both self-control forms caught by the auditor; in plain the stale-descriptor form crashed and the
+    stale-capture form decoded right, 48 of 48 draft tokens accepted (the query graph recomputes what it wrote), which the policy of that day called
+    HARNESS BLIND. Replayed from its logs with today's code: the same verdicts, PASS, the silent form listed."""
+    from tests.recorded_gate import replayed
+
+    doc, rows, run, got = replayed(monkeypatch, tmp_path, "h200-dflash-0.34.0-2")
+    assert doc["outcome"] == "HARNESS BLIND"
+    plain = "stale_metadata-vllm-0.34.0-self-control-dflash-compile-none-plain"
+    assert [b.split(":")[0] for b in doc["blind"]] == [plain]
+    acc = rows[plain]["result"]["backend_identity"]["acceptance"]  # the silent form's draft: every token accepted
+    assert rows[plain]["verdict"] == "clean" and acc["spec_decode_num_accepted_tokens"] == 48
+    assert acc["spec_decode_num_draft_tokens"] == 48
+    for mode in ("audit", "plain"):
+        assert rows[f"stale_metadata-vllm-0.34.0-under-test-dflash-compile-none-{mode}"]["verdict"] == "clean"
+    for form in ("", "-stale-descriptor"):  # every form seen by the auditor itself
+        assert _stale(rows[f"stale_metadata-vllm-0.34.0-self-control{form}-dflash-compile-none-audit"]) > 0
+    assert rows["stale_metadata-vllm-0.34.0-self-control-stale-descriptor-dflash-compile-none-plain"]["verdict"] == (
+        "crash"
+    )
+    assert run.judge().outcome == "PASS", run.blind()
+    (miss,) = run.judged().decision.form_misses
+    assert miss.startswith(f"{plain}: clean (caught by ") and "stale-descriptor" in miss
