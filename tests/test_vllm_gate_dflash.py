@@ -68,9 +68,9 @@ def test_a_dflash_family_member_without_a_pair_is_refused_by_name_pointing_to_df
     assert member not in methods.parse_methods("all")
 
 
-def test_all_is_the_methods_measured_on_a_gpu_and_dflash_is_asked_for_by_name():
-    assert methods.parse_methods("all") == methods.ALL and "dflash" not in methods.ALL
-    assert methods.parse_methods("all,dflash") == (*methods.ALL, "dflash")
+def test_all_is_the_methods_measured_on_a_gpu_dflash_included():
+    assert methods.parse_methods("all") == methods.ALL == ("eagle", "eagle3", "draft_model", "mtp", "dflash")
+    assert methods.parse_methods("dflash") == ("dflash",)
 
 
 def test_the_dflash_pair_is_the_llama_target_and_a_two_layer_dflash_draft_vllm_accepts(tmp_path):

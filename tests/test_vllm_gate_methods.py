@@ -158,7 +158,7 @@ def test_a_build_without_method_dispatch_runs_eagle_only(tmp_path):
 
 
 def test_methods_parse_with_all_and_refuse_unknown_twice_and_a_dflash_member_without_a_pair():
-    assert methods.parse_methods("all") == methods.ALL == methods.METHODS[:4]
+    assert methods.parse_methods("all") == methods.ALL == methods.METHODS
     assert methods.parse_methods(" MTP , eagle ") == ("mtp", "eagle")
     for bad, words in (("medusa", "use eagle"), ("eagle,eagle", "twice"), ("dflash2", "no agreeing DFlash2 draft")):
         with pytest.raises(ValueError, match=words):

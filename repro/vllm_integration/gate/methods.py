@@ -39,10 +39,8 @@ DFLASH = "dflash"
 METHODS = (EAGLE, EAGLE3, DRAFT_MODEL, MTP, DFLASH)
 DEFAULT_METHOD = EAGLE  # a case without a method is an EAGLE case (records from before --methods)
 # `--methods all`: the methods whose FULL-graph cases and self controls ran on a GPU (results/h200-methods-0.34.0-2,
-# h200-methods-0.32.0), each not applicable where the build lacks it. dflash is asked for by name: its pair agrees on
-# the H200 (results/h200-dflash-0.34.0: the reference accepted 48 of 48) but its FULL-graph cases and self control
-# have not run there yet
-ALL = (EAGLE, EAGLE3, DRAFT_MODEL, MTP)
+# h200-methods-0.32.0, h200-dflash-0.34.0-2), each not applicable where the build lacks it
+ALL = (EAGLE, EAGLE3, DRAFT_MODEL, MTP, DFLASH)
 # `gate --methods` when not given: EAGLE alone, the method every record before 0.32.0 measured (CI: `--methods all`)
 DEFAULT_METHODS = EAGLE
 # the DFlash family beyond `dflash`: each captures through DFlashSpeculator.capture and its DFlashCudaGraphManager (the
@@ -177,7 +175,7 @@ def add_option(parser: argparse.ArgumentParser) -> None:
         type=methods,
         default=DEFAULT_METHODS,
         help=f"speculative methods, each a case parameter with its own model pair, reference and self control: "
-        f"{', '.join(METHODS)}, or all ({', '.join(ALL)}: the methods measured on a GPU; dflash by name) (a method "
+        f"{', '.join(METHODS)}, or all ({', '.join(ALL)}: the methods measured on a GPU) (a method "
         "the build lacks, or captures no FULL draft graph for, is not applicable there; --compare-paths runs eagle) "
         "(default %(default)s)",
     )
