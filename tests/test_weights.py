@@ -374,4 +374,16 @@ def test_an_eagle3_draft_proposes_the_targets_next_tokens_at_every_step(models):
     dr.ps[o_proj][:, head * d : (head + 1) * d] = 0
     cut = len(PROMPTS[1])
     got = eagle3_proposals(t, dr, seq[:cut], 3)
-    assert got[0] == seq[cut + 1] and got[1:] != seq[cut + 2 : cut + 4]
+    assert got == [seq[cut + 1]] * 3 and seq[cut + 2] != seq[cut + 1]  # each step repeats the token it was given
+
+
+def test_a_model_with_a_hidden_norm_that_is_no_eagle3_draft_is_refused_not_built_as_one():
+    """EAGLE3 is told by its class (Eagle3*), not by the hidden_norm a DFlash layer has too: a draft the construction
+    does not know is refused, never given weights that cannot agree."""
+    from repro.vllm_integration.gate.methods import DRAFT_EAGLE3
+
+    class DFlashQwen3ForCausalLM(Eagle3Model):
+        pass
+
+    with pytest.raises(ValueError, match="no Eagle3 draft"):
+        weights.agreement_weights(DFlashQwen3ForCausalLM(DRAFT_EAGLE3, TARGET["num_hidden_layers"]))

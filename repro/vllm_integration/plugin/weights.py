@@ -144,7 +144,11 @@ def agreement_weights(model: Any, seed: int = SEED, noise: bool = True) -> dict:
     rms = embed_rms(hidden)
     q0, k0 = head0_query_key(d, c["theta"])
     unknown, n = [], 0
-    eagle3 = any(name.endswith("hidden_norm.weight") for name in params)  # vLLM's Eagle3 draft layer has one
+    eagle3 = "Eagle3" in type(model).__name__  # vLLM's Eagle3*ForCausalLM classes (registry.py, 0.27-0.34)
+    if not eagle3 and any(name.endswith("hidden_norm.weight") for name in params):  # a DFlash layer has one too
+        raise ValueError(
+            f"{type(model).__name__} has a hidden_norm but is no Eagle3 draft: no `agree` construction here"
+        )
     with torch.no_grad():
         for name, p in params.items():
             if not torch.is_floating_point(p):
