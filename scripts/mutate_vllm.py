@@ -30,7 +30,7 @@ mutant is then inert (the script cannot know the capture list; the gate's config
 Which gate methods each changes (`--methods`): target-dependent-wrong-descriptor eagle, eagle3, mtp (TargetDependentAR
 prefill only: its capture passes no slot-mapping buffer and its query length is above 1); standalone-wrong-descriptor
 draft_model (StandaloneAR prefill only: the one capture that passes its own slot-mapping buffer); dflash-wrong-descriptor
-the DFlash family (no gate method runs it yet). Draft decode graphs are untouched by all three. The anchors, not the
+the DFlash family (the gate's dflash method). Draft decode graphs are untouched by all three. The anchors, not the
 version, decide: 0.33.0 has no autoregressive/cudagraph_utils.py (refused), but its dflash/cudagraph.py is 0.34.0's.
 
 On the machine that runs the gate, with the 0.34.0 build in PREFIX and its torch in TORCH (the mutant is a known-bad
