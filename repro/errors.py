@@ -10,6 +10,7 @@
 | ForkUnavailable | a build's forkserver cannot take a case (refused, gone, not ready) | the case is spawned plainly, its phases say why |
 | ForkServerDied | a build's forkserver died while a case ran | the case runs again, spawned plainly, and the run's notes say so |
 | ProtocolError | a line on a forkserver's pipes is not a record of its schema | the gate: that forkserver is killed, its cases spawned plainly |
+| BadRequest | a gate case's request (repro.contract.request) has a key unknown or missing, or a value of another type | the case process: its traceback and exit 1 (an ERROR naming the key); the plugin: an error record |
 
 This module imports nothing: every layer (the plugin inside vLLM and the forkserver included) can import it."""
 
@@ -42,3 +43,7 @@ class ForkServerDied(Exception):
 
 class ProtocolError(ValueError):
     """A line that is not a record of this schema."""
+
+
+class BadRequest(ProtocolError):
+    """A case request that is not one of its schema: the key unknown, missing or of another type is named."""

@@ -12,10 +12,11 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
+from repro.case.spec import STALLED
 from repro.judge.classify import classify
+from repro.report.records import upgrade_result
 from repro.run import own_alloc, smcontrol
 from repro.run.channel import Channel, path_for
-from repro.run.process import STALLED
 from repro.run.tags import ENGINE_TAG, RESULT_TAG
 from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import run as gate_run
@@ -55,10 +56,11 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
         audit = logs / f"{case.case_id}.audit.json"
         if audit.exists():
             shutil.copy(audit, Path(log_dir) / audit.name)
-        # a process the gate killed at its timeout, or as stalled (its Stall watch: the reason says so); the record
-        # keeps its exit, wall time and reason, not the flag
+        # a process the gate killed at its timeout, or as stalled (its Stall watch: the flag, in a record from before
+        # typed flags its reason's words, through the one upgrader of recorded results)
         killed = r["returncode"] in (-9, 137)
-        timed_out = killed and (r["wall_s"] >= case.timeout_s - 0.5 or rows[case.case_id]["reason"].startswith(STALLED))
+        stalled = STALLED in upgrade_result(r, rows[case.case_id])["flags"]
+        timed_out = killed and (r["wall_s"] >= case.timeout_s - 0.5 or stalled)
         ch = Channel.read(path_for(out_log))
         memcheck = logs / f"{case.case_id}.memcheck.log"  # compute-sanitizer's own log, where it ran (large: .xz)
         packed = memcheck.with_name(memcheck.name + ".xz")

@@ -11,11 +11,13 @@ import types
 import pytest
 import torch
 
+from repro.contract import request
 from repro.vllm_integration import plugin
 from repro.vllm_integration.plugin import audit, backend_fields, backend_hooks, capture, counters, metadata_views
 from repro.vllm_integration.plugin.audit import FreshnessAuditor
 from repro.vllm_integration.plugin.backend_fields import BACKENDS, FLASHINFER, TRITON_ATTN, find_classes, generic
 from repro.vllm_integration.releases.versions import load
+from tests.case_requests import case_request, plugin_request
 
 RECORD = load()
 
@@ -320,10 +322,15 @@ def test_without_a_refresh_a_capture_still_reports_stale_views(draft_loop):
 
 
 def test_the_backend_comes_from_the_environment():
-    assert plugin.requested({})["attention_backend"] == backend_fields.DEFAULT_BACKEND
-    assert plugin.requested({"REPRO_ATTENTION_BACKEND": "TRITON_ATTN"})["attention_backend"] == "TRITON_ATTN"
-    with pytest.raises(ValueError, match="REPRO_ATTENTION_BACKEND"):
-        plugin.requested({"REPRO_ATTENTION_BACKEND": "triton; rm"})
+    def asked(env):
+        return plugin.requested(plugin.from_environment(env))["attention_backend"]
+
+    assert asked({"REPRO_AUDIT": "1"}) == backend_fields.DEFAULT_BACKEND
+    assert asked({"REPRO_AUDIT": "1", "REPRO_ATTENTION_BACKEND": "TRITON_ATTN"}) == "TRITON_ATTN"
+    triton = case_request(plugin_request(attention_backend="TRITON_ATTN"))
+    assert asked({request.ENV: triton.to_json()}) == "TRITON_ATTN"  # a gate case's request
+    with pytest.raises(ValueError, match="attention_backend"):
+        asked({"REPRO_AUDIT": "1", "REPRO_ATTENTION_BACKEND": "triton; rm"})
 
 
 def test_register_hooks_the_backend_named_and_says_when_it_cannot(monkeypatch, capsys, fresh_plugin):

@@ -280,6 +280,7 @@ def test_a_memcheck_own_case_builds_its_allocator_outside_the_runs_logs(tmp_path
     """The library is a binary: it is kept in this user's build folder, so a run's logs (what results/ records) hold
     none; the case's environment names it. A build folder others could write to leaves the mode unavailable here
     (its reason given), never an exception out of the case's environment."""
+    from repro.contract import request
     from repro.vllm_integration.gate.case import GateCase, case_env
     from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
 
@@ -290,7 +291,7 @@ def test_a_memcheck_own_case_builds_its_allocator_outside_the_runs_logs(tmp_path
     logs = tmp_path / "logs"
     case = GateCase(build, GateMode.parse("memcheck:own"))
     env = case_env(case, [build], logs / "c.audit.json", None, lambda: 132)
-    lib = Path(env[own_alloc.LIB_ENV])
+    lib = Path(request.read(env).own_alloc)
     assert lib.parent == own_alloc.build_folder() and logs not in lib.parents and lib.exists()
     own_alloc.build_folder().chmod(0o777)
     monkeypatch.setattr(own_alloc, "_failed", {})

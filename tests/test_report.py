@@ -8,6 +8,7 @@ import pytest
 
 from repro.case.matrix import MatrixOptions, build_specs
 from repro.case.spec import CaseSpec, SmConfig
+from repro.errors import ConfigError
 from repro.judge.expectations import expectation
 from repro.judge.policy import EXPECTATIONS, satisfies
 from repro.judge.verdicts import CLEAN, CRASH, HANG, LAUNCH_FAIL, OOB, STALE_AUDIT, WRONG
@@ -431,3 +432,46 @@ def test_gpu_table_says_why_a_crash_names_no_kernel():
     line = next(ln for ln in legend.splitlines() if "not attributed" in ln)
     assert "faulting line" in line and "--sanitizer" in line and "CUDA_LAUNCH_BLOCKING=1 rerun" in line
     assert "prediction of the CPU model" not in legend
+
+
+def test_a_live_results_json_missing_a_key_is_an_error_naming_it(tmp_path):
+    """A results.json of this schema is read as written: a case result without its flags is no record of it (never
+    read as flagless), the key named."""
+    from repro.case.spec import CaseResult
+    from repro.run.matrix import MatrixRun
+
+    spec = _spec()
+    report.write_json(
+        MatrixRun([(spec, CaseResult(spec.case_id, "clean", "ok", spec=json.loads(spec.to_json())))], 1.0, None),
+        tmp_path / "r.json",
+    )
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["schema"] == report.SCHEMA and report.load_json(tmp_path / "r.json").results[0][1].flags == []
+    del doc["cases"][0]["result"]["flags"]
+    (tmp_path / "r.json").write_text(json.dumps(doc))
+    with pytest.raises(ConfigError, match="has no 'flags' field"):
+        report.load_json(tmp_path / "r.json")
+
+
+def test_a_recorded_results_json_gets_its_flags_from_the_one_upgrader_and_a_refused_case_is_not_a_rerun(tmp_path):
+    """A record of an older schema said in its reasons what flags say now: its reruns alone get RERUN_ALONE, a case
+    the GPU refused gets REFUSED and not RERUN_ALONE (its reason ends 'rerun alone' as advice), a stall STALLED."""
+    from repro.case.spec import REFUSED, RERUN_ALONE, STALLED
+    from repro.report.records import upgrade_result
+
+    path = RESULTS / "h200-default" / "results.json"
+    assert json.loads(path.read_text()).get("schema", 1) < report.SCHEMA  # recorded before typed flags
+    reasons = {
+        "the GPU refused this process (busy or unavailable): another client faulted it; rerun alone": [REFUSED],
+        "9 passes, max |out - reference| = 0.0156 (rerun alone: error in a batch of 12 MPS clients)": [RERUN_ALONE],
+        "stalled: no output for 45 s after 'Capturing CUDA graphs' (killed as hung)": [STALLED],
+        "9 passes, max |out - reference| = 0.0": [],
+    }
+    for reason, flags in reasons.items():
+        assert upgrade_result({"reason": reason})["flags"] == flags, reason
+    assert upgrade_result({"reason": "(rerun alone: x)", "flags": []})["flags"] == []  # a result with its flags: as is
+
+    def refused(row):
+        row["result"]["reason"] = next(iter(reasons))
+
+    assert not any(RERUN_ALONE in r.flags for _, r in _changed(path, tmp_path, refused).results)

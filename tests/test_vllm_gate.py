@@ -18,6 +18,7 @@ import torch
 from repro.case.poison import parse_poison
 from repro.case.spec import CaseResult
 from repro.cli import main as cli
+from repro.contract import request
 from repro.errors import ConfigError
 from repro.judge.classify import classify
 from repro.judge.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, STALE_AUDIT, WRONG
@@ -35,6 +36,7 @@ from repro.vllm_integration.releases.builds import (
     find_builds,
     parse_builds,
 )
+from tests.case_requests import case_request, plugin_request
 from tests.fake_vllm import write_fake_vllm
 
 needs_entry_point = pytest.mark.skipif(
@@ -193,12 +195,13 @@ def test_gate_command_exit_codes_and_report(tmp_path, fakes, capsys):
 
 
 def test_plugin_features_from_the_environment():
-    assert plugin.requested({})["audit"] is False
-    want = plugin.requested({"REPRO_AUDIT": "1", "REPRO_SM_MARGIN": "116", "REPRO_POISON": "int-max"})
+    assert plugin.requested(plugin.from_environment({}))["audit"] is False
+    env = {request.ENV: case_request(plugin_request(audit=True, sm_margin=116, poison="int-max")).to_json()}
+    want = plugin.requested(plugin.from_environment(env))
     assert want["audit"] and want["sm_margin"] == 116 and want["poison"].value == 2**31 - 1
-    for bad in ({"REPRO_SM_MARGIN": "x"}, {"REPRO_SM_MARGIN": "-1"}, {"REPRO_POISON": "nope"}, {"REPRO_WEIGHTS": "?"}):
+    for bad in ({"sm_margin": "x"}, {"sm_margin": -1}, {"poison": "nope"}, {"weights": "?"}):
         with pytest.raises((ValueError, ConfigError)):
-            plugin.requested(bad)
+            plugin.requested(plugin_request(**bad))
 
 
 def test_fa3_hooks_pass_sm_margin_and_poison_the_never_written_entries():

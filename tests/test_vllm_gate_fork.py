@@ -132,7 +132,7 @@ def test_a_forked_crash_keeps_its_exit_code_log_and_attribution(tmp_path):
 
 def test_only_the_per_case_variables_may_differ_from_the_forkservers():
     launch = {"PYTHONPATH": "/b", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    late = {"CUDA_VISIBLE_DEVICES": "1", "CUDA_LAUNCH_BLOCKING": "1", "REPRO_AUDIT": "1", "VLLM_CACHE_ROOT": "/c"}
+    late = {"CUDA_VISIBLE_DEVICES": "1", "CUDA_LAUNCH_BLOCKING": "1", "REPRO_REQUEST": "{}", "VLLM_CACHE_ROOT": "/c"}
     assert differs({**launch, **late}, launch) == []
     assert differs({**launch, "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, launch) == [
         "PYTORCH_CUDA_ALLOC_CONF"

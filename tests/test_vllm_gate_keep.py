@@ -42,7 +42,7 @@ def test_one_run_at_a_time_a_second_is_told_busy_and_the_next_is_served(short_di
         assert first is not None and _first(first)["kind"] == gate_fork.READY
         second = gate_keep.try_connect(path)
         refused = _first(second)
-        assert refused["kind"] == gate_fork.REFUSED and "busy" in refused["reason"]
+        assert refused["kind"] == gate_fork.REFUSED and refused["busy"] is True and "busy" in refused["reason"]
         first.sendall(gate_fork.encode(gate_fork.STOP))
         first.close()
         third, first_line, reader = gate_keep.take(None, path, proc, 10)  # asked again while it says busy

@@ -33,9 +33,8 @@ def test_the_inspection_runs_in_the_case_process_with_the_same_result(monkeypatc
 
 
 def test_the_environment_leaves_vllms_own_process(monkeypatch):
-    monkeypatch.setenv(worker.INSPECT_ENV, "vllm")
     registry = _fake_registry(monkeypatch, _run_in_subprocess=_never)
-    assert worker.inspect_in_process() == f"vLLM's own process ({worker.INSPECT_ENV}=vllm)"
+    assert worker.inspect_in_process(vllm_inspects=True) == f"vLLM's own process ({worker.INSPECT_ENV}=vllm)"
     assert registry._run_in_subprocess is _never
 
 

@@ -131,7 +131,7 @@ def test_plugin_wraps_a_backend_module(monkeypatch):
 
 
 def test_register_is_inert_unless_enabled(monkeypatch, capsys):
-    for var in ("REPRO_AUDIT", "REPRO_PROBE", "REPRO_SM_MARGIN", "REPRO_POISON", "REPRO_WEIGHTS"):
+    for var in ("REPRO_AUDIT", "REPRO_REQUEST"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.delitem(sys.modules, "vllm", raising=False)
     before, graph = set(counters._installed), torch.cuda.graph
@@ -149,8 +149,8 @@ def test_register_announces_only_what_installed(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
     monkeypatch.setattr(sys.modules["vllm.v1.attention.backends"], "flash_attn", fake, raising=False)
     monkeypatch.setattr(counters, "_installed", set())
-    monkeypatch.setenv("REPRO_AUDIT", "1")
-    monkeypatch.delenv("REPRO_WEIGHTS", raising=False)
+    monkeypatch.setenv("REPRO_AUDIT", "1")  # a person's own vLLM run: the auditor alone (plugin.from_environment)
+    monkeypatch.delenv("REPRO_REQUEST", raising=False)
     plugin.register()
     lines = [json.loads(x.split(" ", 1)[1]) for x in capsys.readouterr().out.splitlines() if x.startswith("REPRO_")]
     assert lines and all("error" in x for x in lines), lines

@@ -188,6 +188,8 @@ CONTROL_FAILED, NOT_COVERED, MODE_WITHOUT_POSITIVE, MODE_WITHOUT_EVIDENCE, NO_PO
     "no positive control",
 )
 NEEDS_A_CONTROL = (MODE_WITHOUT_POSITIVE, NO_POSITIVE)  # failures that only say no positive control ran
+# failures of a mode or of the whole gate, no one case's (their text begins "GATE FAILED")
+GATE_WIDE = (MODE_WITHOUT_POSITIVE, MODE_WITHOUT_EVIDENCE, NO_POSITIVE)
 
 
 class Failure(str):

@@ -27,7 +27,7 @@ import pytest
 from repro.errors import Unavailable
 from repro.exit_codes import gate_decision, pytest_session
 from repro.judge.policy import GATE_ENV as ENV
-from repro.judge.policy import REQUIRE_ENV, Control, GateDecision, decide, parse_requirements
+from repro.judge.policy import GATE_WIDE, REQUIRE_ENV, Control, GateDecision, decide, parse_requirements
 from repro.report import environment
 from repro.report.redact import redact
 from repro.report.results import header
@@ -179,7 +179,7 @@ class Evidence:
         lines = d.summary()
         if self.unreported:
             lines.append(f"  {len(self.unreported)} GPU case(s) could not run here (no verdict): {self.unreported[0]}")
-        why = d.failures[-1] if d.failures and d.failures[-1].startswith("GATE FAILED") else None
+        why = d.failures[-1] if d.failures and d.failures[-1].kind in GATE_WIDE else None
         if why is None and d.failures:
             why = f"GATE FAILED: {len(d.failures)} control(s) failed, first: {d.failures[0]}"
         if why is None and self.unreported:

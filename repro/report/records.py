@@ -5,6 +5,7 @@ builds, and what it shows in one line, all derived from the record's own files a
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import re
@@ -13,6 +14,10 @@ import tarfile
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+
+from repro.case.spec import REFUSED, RERUN_ALONE, STALLED, CaseResult
+from repro.judge.classify import REFUSED as REFUSED_WORDS
+from repro.run.process import STALLED as STALLED_WORDS
 
 PACKED = ".tar.xz"
 INDEX = "index.json"
@@ -283,3 +288,34 @@ def write_index(root: Path, notes: dict[str, str] | None = None) -> Path:
     path = Path(root) / "results" / INDEX
     path.write_text(json.dumps(build_index(root, notes), indent=1) + "\n")
     return path
+
+
+# --- the one upgrader of recorded results ---------------------------------------------------------------------------
+# What a case result written before typed flags (CaseResult.flags, 2026-12-03) said in its reason's words instead:
+# its stall (the Stall watch's message first), the GPU's refusal (classify's message first), its rerun alone under an
+# MPS daemon of its own (run.mps_cases' suffix). Read here, and only here: live records carry their flags.
+_WORDS_OF_FLAG = (
+    (STALLED, lambda reason: reason.startswith(STALLED_WORDS)),
+    (REFUSED, lambda reason: reason.startswith(REFUSED_WORDS)),
+    (RERUN_ALONE, lambda reason: "(rerun alone: " in reason),
+)
+
+
+def upgrade_result(result: dict, row: dict | None = None) -> dict:
+    """A recorded case result (a results.json's `result`, matrix or gate) as this code writes one: one from before
+    typed flags gets the flags its reason said in words (_WORDS_OF_FLAG), one from before results kept their
+    expectation gets its row's, a field added after it was written its default (what reading it gave before). The one upgrader of recorded results: results.load_json calls it for a record of an
+    older schema, the gate replays (tests/recorded_gate.py) for every recorded row; a result that has its flags is
+    returned as it was (a live record is never read leniently)."""
+    out = dict(result)
+    if out.get("expected") is None and (row or {}).get("expected"):  # older records kept it in the row only
+        out["expected"] = row["expected"]
+    if "flags" not in out:
+        reason = str(out.get("reason") or "")
+        out["flags"] = [flag for flag, said in _WORDS_OF_FLAG if said(reason)]
+    for f in dataclasses.fields(CaseResult):  # a field the result predates: its default, as it was read before
+        if f.name not in out and f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.name not in out and f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import fields
 from pathlib import Path
 
-from repro.case.spec import RERUN_ALONE, CaseResult, CaseSpec
+from repro.case.spec import CaseResult, CaseSpec
 from repro.contract.verdicts import KERNEL_EVIDENCE, VERDICTS, Verdict
 from repro.errors import ConfigError
 from repro.judge.expectations import gate_mode
 from repro.judge.policy import Control, GateDecision, decide, satisfies
+from repro.report.records import upgrade_result
 from repro.report.redact import redact
 from repro.run.matrix import MatrixRun, expected_of
 
@@ -18,7 +20,10 @@ MARK = {True: "ok", False: "FAIL", None: "skip"}
 NOT_ATTRIBUTED = "not attributed"  # kernel evidence whose faulting line named no kernel (memcheck or a
 # CUDA_LAUNCH_BLOCKING=1 rerun names it: `matrix --sanitizer`)
 GPU, MODEL = "gpu", "model"  # results.json "source": kernels ran, or the CPU model predicted
-SCHEMA = 2
+# 3: every case result whole, its typed flags included (CaseResult.flags); a record of an older schema is read through
+# repro.report.records.upgrade_result, one of this schema never (a key it lacks is an error)
+SCHEMA = 3
+RESULT_KEYS = tuple(f.name for f in fields(CaseResult))
 
 
 def _fields(r: CaseResult) -> str:
@@ -189,13 +194,13 @@ def load_json(path: str | Path) -> MatrixRun:
         doc = json.loads(Path(path).read_text())
         if not isinstance(doc, dict) or not isinstance(doc.get("cases"), list):
             raise ValueError("no 'cases' list")
+        old = doc.get("schema", 1) < SCHEMA  # a recorded run of an older schema: through the one upgrader
         results = []
         for c in doc["cases"]:
-            r = CaseResult(**c["result"])
-            if r.expected is None and c.get("expected"):  # older records kept it in the row only
-                r.expected = c["expected"]
-            if "flags" not in c["result"] and "rerun alone" in r.reason and not r.reason.startswith("refused"):
-                r.flags.append(RERUN_ALONE)  # records from before typed flags (2026-12-03) said it in the reason
+            result = upgrade_result(c["result"], c) if old else c["result"]
+            if missing := [k for k in RESULT_KEYS if k not in result]:
+                raise ValueError(f"a case's result of schema {SCHEMA} has no {missing[0]!r} field")
+            r = CaseResult(**result)
             results.append((CaseSpec.from_json(json.dumps(r.spec)), r))
     except OSError as e:
         raise ConfigError(f"{path}: cannot read it ({e.strerror or e})") from None

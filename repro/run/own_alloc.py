@@ -11,8 +11,8 @@ launchers refuse them (results/h200-compile-none, h200-memcheck-nostatic).
   graph's and is never freed), and the statistics torch asks an allocator for come from its counters (the
   pluggable allocator keeps none: vLLM's memory accounting would raise).
 - `counters()`: allocations, frees, kept for graphs, bytes now and at peak, failed allocations.
-- fill: new allocations are filled with DEFAULT_FILL (REPRO_OWN_ALLOC_FILL), as reused memory would hold leftovers
-  (a fresh cudaMalloc reads as zeros, which hides a kernel reading what nobody wrote).
+- fill: new allocations are filled with DEFAULT_FILL (REPRO_OWN_ALLOC_FILL in the gate's environment), as reused
+  memory would hold leftovers (a fresh cudaMalloc reads as zeros, which hides a kernel reading what nobody wrote).
 - PADDING: bytes of compute-sanitizer's guard after every allocation (`--padding`), so a read past one tensor never
   lands in the next one."""
 
@@ -31,7 +31,6 @@ from repro.errors import Unavailable
 from repro.run.server import private_dir
 
 SOURCE = Path(__file__).with_name("own_alloc.c")
-LIB_ENV = "REPRO_OWN_ALLOC"  # the built library, in a memcheck:own case's environment
 MALLOC, FREE = "repro_own_malloc", "repro_own_free"
 PADDING = 65536
 GUARD_ENV = "REPRO_OWN_ALLOC_GUARD"  # "1": guards as large as each tensor, through NVTX (guard_wanted)
@@ -155,9 +154,10 @@ def _stats(device=None) -> dict:
     }
 
 
-def install(path: str | Path) -> dict:
+def install(path: str | Path, fill: int | None) -> dict:
     """Make the library at path torch's CUDA allocator in this process (before CUDA starts: torch refuses to swap an
-    allocator it initialised). Returns the record the case announces."""
+    allocator it initialised), its new allocations filled with the byte `fill` (None: not filled; the gate reads
+    FILL_ENV with fill_byte into the case's request). Returns the record the case announces."""
     global _lib
     import torch  # in the case process only: the gate that builds the library never needs torch
 
@@ -165,7 +165,6 @@ def install(path: str | Path) -> dict:
     lib = ctypes.CDLL(path)
     lib.repro_own_capture.argtypes = [ctypes.c_int]
     lib.repro_own_fill.argtypes = [ctypes.c_int]
-    fill = fill_byte(os.environ.get(FILL_ENV))
     lib.repro_own_fill(-1 if fill is None else fill)
     torch.cuda.memory.change_current_allocator(torch.cuda.memory.CUDAPluggableAllocator(path, MALLOC, FREE))
     _lib = lib

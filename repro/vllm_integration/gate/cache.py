@@ -34,10 +34,9 @@ from pathlib import Path
 from repro import entrypoints
 from repro.case.spec import CaseResult
 from repro.report.environment import gpu_facts
-from repro.vllm_integration.gate.case import GateCase
+from repro.vllm_integration.gate.case import WEIGHTS_ENV, GateCase
 from repro.vllm_integration.gate.methods import DEFAULT_METHOD
 from repro.vllm_integration.gate.worker import COMPILES, DEFAULT_COMPILE
-from repro.vllm_integration.plugin import WEIGHTS_ENV
 from repro.vllm_integration.releases.builds import VllmBuild
 
 CACHE_ENV = "REPRO_CACHE_DIR"

@@ -40,6 +40,8 @@ from pathlib import Path
 from repro import CHECKOUT
 from repro.case.poison import parse_poison
 from repro.case.spec import SmConfig
+from repro.contract import request
+from repro.contract.request import CaseRequest, PluginRequest
 from repro.errors import ConfigError, Unavailable
 from repro.judge import policy
 from repro.judge.policy import KNOWN_BAD, SELF_CONTROL
@@ -48,13 +50,11 @@ from repro.run.process import StallRule
 from repro.run.sanitizer import sanitizer_env
 from repro.run.smcontrol import MpsDaemon
 from repro.vllm_integration.gate.methods import DEFAULT_METHOD
-from repro.vllm_integration.gate.worker import DEFAULT_COMPILE
-from repro.vllm_integration.plugin import BACKEND_ENV, POISON_ENV, PROBE_ENV, SM_MARGIN_ENV, WEIGHTS_ENV
+from repro.vllm_integration.gate.worker import DEFAULT_COMPILE, INSPECT_ENV
+from repro.vllm_integration.plugin import BACKEND_ENV, FILE_ENV
 from repro.vllm_integration.plugin import ENV as AUDIT_ENV
-from repro.vllm_integration.plugin import SWITCHES as PLUGIN_SWITCHES
 from repro.vllm_integration.plugin.backend_fields import BACKENDS, DEFAULT_BACKEND, known_name
-from repro.vllm_integration.plugin.counters import FILE_ENV
-from repro.vllm_integration.plugin.inject import INJECT_ENV, STALE_CAPTURE
+from repro.vllm_integration.plugin.inject import SOURCES, STALE_CAPTURE
 from repro.vllm_integration.plugin.weights import AGREE
 from repro.vllm_integration.releases.builds import SITE_DIRS_ENV, UNDER_TEST, VllmBuild, build_pythonpath, site_dirs
 
@@ -69,8 +69,13 @@ BASE_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
     "PYTHONUNBUFFERED": "1",
-    WEIGHTS_ENV: AGREE,  # repro.vllm_integration.plugin.weights: wide margins and a draft the target accepts
 }
+# a person's choices in the gate's environment, read here into each case's request (repro.contract.request): the
+# model's weights (repro.vllm_integration.plugin.weights; default AGREE: wide margins and a draft the target accepts)
+# and whose capture contents the self control injects (plugin.inject.SOURCES; default the first)
+WEIGHTS_ENV, INJECT_SOURCE_ENV = "REPRO_WEIGHTS", "REPRO_INJECT_SOURCE"
+# the plugin's variables for a person's own vLLM run: never passed on to a gate case, whose request is the one
+PLUGIN_OWN_VARS = (AUDIT_ENV, FILE_ENV, BACKEND_ENV)
 
 
 @dataclass(frozen=True)
@@ -272,17 +277,16 @@ def case_env(
     total_sms: Callable[[], int],
     base: dict[str, str] | None = None,
     device: str | None = None,
+    models: str | Path | None = None,
 ) -> dict[str, str]:
-    """The environment of one gate case process (on `device`, a CUDA_VISIBLE_DEVICES value, when placed). Raises
-    Unavailable when the machine cannot give the mode."""
+    """The environment of one gate case process (on `device`, a CUDA_VISIBLE_DEVICES value, when placed), its request
+    (case_request) in the one variable repro.contract.request.ENV; `models`: the folder its model configs go to (else
+    one of its own beside its logs). Raises Unavailable when the machine cannot give the mode."""
     env = dict(os.environ if base is None else base)
-    for k in (*PLUGIN_SWITCHES, "CUDA_LAUNCH_BLOCKING"):
+    for k in (*PLUGIN_OWN_VARS, request.ENV, "CUDA_LAUNCH_BLOCKING"):
         env.pop(k, None)
-    weights = env.get(WEIGHTS_ENV)  # the gate's weights may be chosen in its environment (default: BASE_ENV's)
+    user = dict(env)  # the gate's environment: a person's choices (WEIGHTS_ENV, ...) are read from it
     env.update(BASE_ENV)
-    if weights:
-        env[WEIGHTS_ENV] = weights
-    env[BACKEND_ENV] = case.backend
     root = str(CHECKOUT)
     path = build_pythonpath(case.build, builds, env.get("PYTHONPATH"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (path, root) if p)
@@ -290,25 +294,19 @@ def case_env(
     # torch.compile artifacts of concurrent cases must not share one folder; inductor's own cache locks itself
     env["VLLM_CACHE_ROOT"] = str(audit_file.parent / f"{case.case_id}.vllm-cache")
     mode = case.mode
-    if not case.reference:
-        env[PROBE_ENV] = "1"  # coverage counters in every case but the references
-    if mode.audit and not case.reference:
-        env.update({AUDIT_ENV: "1", FILE_ENV: str(audit_file)})
-    if mode.poison and not case.reference:
-        env[POISON_ENV] = mode.poison
-    if case.inject and not case.reference:
-        env[INJECT_ENV] = case.inject
+    sm_margin = 0
     if mode.sm.kind == "sm_margin":
         total = total_sms()
         if mode.sm.sms > total:
             raise ConfigError(f"sm_margin:{mode.sm.sms}: this GPU has {total} SMs")
-        env[SM_MARGIN_ENV] = str(total - mode.sm.sms)
+        sm_margin = total - mode.sm.sms
     elif mode.sm.kind == "mps":
         if mps is None:
             raise Unavailable("MPS case without an MPS daemon")
         env.update(mps.client_env(mode.sm.sms, total_sms()))
     elif mode.sm.kind != "full":
         raise ConfigError(f"gate SM restriction {mode.sm.kind!r} is not supported (full, mps:N, sm_margin:N)")
+    own = fill = None
     if mode.sanitizer and not case.reference:
         if mode.sanitizer == "async":
             env = sanitizer_env(env)
@@ -316,13 +314,55 @@ def case_env(
             env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
         if mode.sanitizer == "own":  # built once per source text into this user's build folder (never into a
             # run's logs: a record holds no binary); the worker installs it
-            lib = own_alloc.build(guard=own_alloc.guard_wanted(env))  # its folder: own_alloc.build_folder()
-            env[own_alloc.LIB_ENV] = str(lib)
+            own = str(own_alloc.build(guard=own_alloc.guard_wanted(user)))  # its folder: own_alloc.build_folder()
+            try:
+                fill = own_alloc.fill_byte(user.get(own_alloc.FILL_ENV))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
     if case.launch_blocking:
         env["CUDA_LAUNCH_BLOCKING"] = "1"
     if device is not None:
         env["CUDA_VISIBLE_DEVICES"] = device
+    models = audit_file.parent / f"{case.case_id}.models" if models is None else models
+    env[request.ENV] = case_request(case, audit_file, models, sm_margin, own, fill, user).to_json()
     return env
+
+
+def case_request(
+    case: GateCase,
+    audit_file: Path,
+    models: str | Path,
+    sm_margin: int,
+    own_alloc_lib: str | None,
+    own_alloc_fill: int | None,
+    environ: dict[str, str],
+) -> CaseRequest:
+    """What one gate case process runs and what its plugin installs (repro.contract.request), decided here once: a
+    reference runs without the probe, the auditor, the poison, the injection and memcheck's allocator, with the SM
+    configuration and the weights of its cases; environ is the gate's, for a person's choices (WEIGHTS_ENV,
+    INJECT_SOURCE_ENV, worker.INSPECT_ENV)."""
+    case_only = not case.reference
+    plugin = PluginRequest(
+        attention_backend=case.backend,
+        probe=case_only,  # coverage counters in every case but the references
+        audit=case.mode.audit and case_only,
+        audit_file=str(audit_file) if case.mode.audit and case_only else None,
+        sm_margin=sm_margin,
+        poison=case.mode.poison if case_only else None,
+        inject=case.inject if case_only else None,
+        inject_source=environ.get(INJECT_SOURCE_ENV) or SOURCES[0],
+        weights=environ.get(WEIGHTS_ENV) or AGREE,
+    )
+    return CaseRequest(
+        models=str(models),
+        reference=case.reference,
+        method=case.method,
+        compile=case.compile,
+        vllm_inspects=environ.get(INSPECT_ENV) == "vllm",
+        own_alloc=own_alloc_lib if case_only else None,
+        own_alloc_fill=own_alloc_fill if own_alloc_lib and case_only else None,
+        plugin=plugin,
+    )
 
 
 def expected(case: GateCase) -> str:

@@ -246,7 +246,7 @@ def _busy(listener: socket.socket) -> None:
         conn, _ = listener.accept()
         with conn:
             conn.setblocking(True)
-            conn.sendall(encode(REFUSED, reason="busy: it serves another gate run"))
+            conn.sendall(encode(REFUSED, reason="busy: it serves another gate run", busy=True))
 
 
 def listen(path: str, idle_s: float, facts: dict, refusal: str | None) -> dict | None:

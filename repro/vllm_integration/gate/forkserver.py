@@ -15,13 +15,12 @@ import time
 from pathlib import Path
 
 from repro import entrypoints
+from repro.contract import request
 from repro.contract.channel import ENV as CHANNEL_ENV
 from repro.errors import ConfigError, ForkServerDied, ForkUnavailable, ProtocolError
 from repro.run.process import ProcessRun, Stall, kill_group
 from repro.vllm_integration.gate import fork as gate_fork
 from repro.vllm_integration.gate import keep as gate_keep
-from repro.vllm_integration.plugin import SWITCHES as PLUGIN_SWITCHES
-from repro.vllm_integration.plugin.inject import INJECT_SOURCE_ENV
 
 TARGET_MAIN = f"{gate_fork.TARGET}:main"
 READY_TIMEOUT_S = 300.0  # a forkserver importing longer than this is given up (its build launched plainly)
@@ -36,8 +35,7 @@ LATE_VARS = frozenset(
         "CUDA_LAUNCH_BLOCKING",  # the attribution rerun: read when the CUDA context is made
         "VLLM_CACHE_ROOT",  # vllm.envs reads it when asked (the model registry, torch.compile), not at import
         CHANNEL_ENV,  # read at each record
-        *PLUGIN_SWITCHES,  # read by plugin.register when vLLM loads its general plugins
-        INJECT_SOURCE_ENV,
+        request.ENV,  # the case's request: read by the worker's main and by plugin.register when vLLM loads it
     }
 )
 

@@ -166,7 +166,7 @@ def _busy(line: bytes) -> bool:
         rec = gate_fork.decode(line)
     except ProtocolError:  # not a record: the reader says so
         return False
-    return rec["kind"] == gate_fork.REFUSED and str(rec.get("reason", "")).startswith("busy")
+    return rec["kind"] == gate_fork.REFUSED and rec.get("busy") is True  # its flag, never its reason's words
 
 
 def log_of(path: Path) -> Path:

@@ -3,7 +3,7 @@ repro.vllm_integration.gate.worker`, a fresh interpreter that imports torch, vLL
 forked from its build's forkserver (repro.vllm_integration.gate.fork), which imported them once, without CUDA.
 
 - One forkserver per build, started with the environment the build's cases get less the variables that differ per
-  case (LATE_VARS: the device, MPS, CUDA_LAUNCH_BLOCKING, the plugin's REPRO_* switches, the case's VLLM_CACHE_ROOT
+  case (LATE_VARS: the device, MPS, CUDA_LAUNCH_BLOCKING, the case's request (REPRO_REQUEST), the case's VLLM_CACHE_ROOT
   and channel file; CUDA_VISIBLE_DEVICES is kept as the run has it), all read after import: at CUDA's start, at the
   plugin's registration, at the engine's start.
 - A case whose environment differs from its forkserver's in any other variable (one read at import: the Python path,

@@ -25,7 +25,7 @@ from repro.vllm_integration.gate.cache import PRIVATE, WRITER, GateCache
 from repro.vllm_integration.gate.case import GateCase, case_env, expected
 from repro.vllm_integration.gate.judge import annotate, finish
 from repro.vllm_integration.gate.launch import Launcher
-from repro.vllm_integration.gate.methods import DEFAULT_METHOD, not_applicable
+from repro.vllm_integration.gate.methods import not_applicable
 from repro.vllm_integration.gate.placement import GateDevice
 from repro.vllm_integration.releases.builds import VllmBuild
 
@@ -56,8 +56,12 @@ def run_case(
                                                 total_sms, cache, device, launcher))  # fmt: skip
     audit_file = log_dir / f"{case.case_id}.audit.json"
     audit_file.unlink(missing_ok=True)  # an earlier run into this folder must not lend this case its mismatches
+    # the models' folder is part of vLLM's compile-cache key: one folder per build on the new path
+    model_dir = cache.build_dir(case.build) / "models" if cache is not None else log_dir / f"{case.case_id}.models"
     try:
-        env = case_env(case, builds, audit_file, mps, total_sms, device=device.dev if device else None)
+        env = case_env(
+            case, builds, audit_file, mps, total_sms, device=device.dev if device else None, models=model_dir
+        )
     except Unavailable as e:
         return skipped(case, str(e))
     private = Path(env["VLLM_CACHE_ROOT"])
@@ -65,16 +69,7 @@ def run_case(
     if cache is not None:
         root, vllm_cache = cache.case_cache(case.build, private, may_write=not case.reference, compile=case.compile)
         env["VLLM_CACHE_ROOT"] = str(root)
-    # the models' folder is part of vLLM's compile-cache key: one folder per build on the new path
-    model_dir = cache.build_dir(case.build) / "models" if cache is not None else log_dir / f"{case.case_id}.models"
-    cmd = entrypoints.command(entrypoints.GATE_WORKER, "--out", str(model_dir))
-    cmd += ["--attention-backend", case.backend]
-    if case.method != DEFAULT_METHOD:  # the worker's default: the command of an EAGLE case stays as it was
-        cmd += ["--method", case.method]
-    if case.reference:
-        cmd.append("--reference")
-    else:
-        cmd += ["--compile", case.compile]
+    cmd = entrypoints.command(entrypoints.GATE_WORKER)  # what it runs: its request (repro.contract.request) in env
     sanitized = bool(case.mode.sanitizer) and not case.reference
     if launcher is not None:
         res, out, launched = launcher.launch(case, cmd, env, log_dir, sanitized, run_process)

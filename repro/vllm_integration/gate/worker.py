@@ -1,21 +1,22 @@
 """One gate case process: vLLM's own V2 model runner on a tiny local Llama (no hub: dummy weights redrawn with margins
 by the plugin, no tokenizer, token-id prompts), bf16, FLASH_ATTN (FA3 on Hopper), engine in-process.
 
-  python -m repro.vllm_integration.gate.worker --out DIR                 speculative run: EAGLE draft, 3 speculative tokens,
-                                                                  FULL_AND_PIECEWISE CUDA graphs, vLLM's default
-                                                                  capture sizes (the configuration under test)
-  python -m repro.vllm_integration.gate.worker --out DIR --reference     the same prompts and draft, greedy, no CUDA graphs
-                                                                  (enforce_eager): the gate's reference for the tokens
-                                                                  (with log-probabilities) and for the draft's
-                                                                  acceptance
+  python -m repro.vllm_integration.gate.worker      with its request (repro.contract.request.CaseRequest) in
+                                                    REPRO_REQUEST, as the gate starts it
+
+What it runs is its request, read once and validated (a key unknown, missing or of another type: BadRequest, exit 1):
+the speculative run (its method's draft, 3 speculative tokens, FULL_AND_PIECEWISE CUDA graphs or, with compile
+`none`, FULL graphs of the eager model, vLLM's default capture sizes: the configuration under test), or with
+`reference` the same prompts and draft, greedy, no CUDA graphs (enforce_eager): the gate's reference for the tokens
+(with log-probabilities) and for the draft's acceptance.
 
 Prints `REPRO_DEVICE` (the GPU and the SM count this process sees, and whether bf16 matrix products come out right
 there: gemm_check), `REPRO_ENGINE` (the engine's resolved
 configuration: model runner, attention backend and FA version, cudagraph mode, speculative method and k; the plugin's
-coverage counters; acceptance counts where vLLM exposes them) and `REPRO_RESULT` (tokens; with --reference the top-2
+coverage counters; acceptance counts where vLLM exposes them) and `REPRO_RESULT` (tokens; with a reference the top-2
 log-probability margin of every generated token) lines; the parent (repro.vllm_integration.gate.run, through
-gate_judge) turns the process's output into a verdict. The plugin features (audit, sm_margin, poison, weights) come
-from the environment, loaded by vLLM through the entry point."""
+gate_judge) turns the process's output into a verdict. The plugin features (audit, sm_margin, poison, weights) are
+the request's plugin part, read by the plugin that vLLM loads through its entry point."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from repro.contract import request
 from repro.contract.channel import emit
 from repro.contract.tags import DEVICE_TAG, ENGINE_TAG, PLUGIN_TAG, RESULT_TAG
 from repro.run import own_alloc
@@ -44,6 +46,7 @@ SPEC_TOKENS = 3
 COMPILES = ("inductor", "none")
 DEFAULT_COMPILE = "inductor"
 MAX_NEW = 16
+GPU_MEMORY = 0.1  # share of GPU memory that must be free at start
 
 
 def write_models(root: str | Path, method: str = DEFAULT_METHOD) -> tuple[Path, Path | None]:
@@ -217,19 +220,21 @@ def acceptance(llm) -> dict:
     return out or {"unavailable": "no spec_decode metric in LLM.get_metrics()"}
 
 
-INSPECT_ENV = "REPRO_GATE_INSPECT"  # "vllm": leave vLLM's registry inspection as it is (a process of its own)
+INSPECT_ENV = (
+    "REPRO_GATE_INSPECT"  # "vllm": leave vLLM's registry inspection as it is (the gate reads it: vllm_inspects)
+)
 
 
-def inspect_in_process() -> str:
+def inspect_in_process(vllm_inspects: bool = False) -> str:
     """Where vLLM inspects the model classes it has no cached record of. vLLM runs each inspection in a fresh
     interpreter (registry._run_in_subprocess: `python -m vllm.model_executor.models.registry`, which imports torch and
     vLLM again) so that its caller never starts CUDA; on an empty cache folder that is 20-24 s each, for the target and
     for the draft: 44 s of every cold case (results/h200-fast-cold, phase `config`). A gate case process starts CUDA
     itself a moment later, so here the inspection runs in this process, on the vLLM it already imported; what it
     returns (the class's _ModelInfo) and the cache record vLLM writes from it are the same. Returns how it runs:
-    "in-process", or "vLLM's own process" with why (REPRO_GATE_INSPECT=vllm, or a registry without that function),
-    for the ENGINE record."""
-    if os.environ.get(INSPECT_ENV) == "vllm":
+    "in-process", or "vLLM's own process" with why (the request's vllm_inspects: REPRO_GATE_INSPECT=vllm in the
+    gate's environment, or a registry without that function), for the ENGINE record."""
+    if vllm_inspects:
         return f"vLLM's own process ({INSPECT_ENV}=vllm)"
     try:
         from vllm.model_executor.models import registry  # vLLM in the case process only
@@ -242,25 +247,21 @@ def inspect_in_process() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m repro.vllm_integration.gate.worker")
-    p.add_argument("--out", required=True)
-    p.add_argument("--reference", action="store_true")
-    p.add_argument("--spec-tokens", type=int, default=SPEC_TOKENS)
-    p.add_argument("--max-new", type=int, default=MAX_NEW)
-    p.add_argument(
-        "--attention-backend", default=DEFAULT_BACKEND, help="vLLM's attention backend (default %(default)s)"
+    p = argparse.ArgumentParser(
+        prog="python -m repro.vllm_integration.gate.worker",
+        description=f"one gate case: what it runs is its request, in {request.ENV} (repro.contract.request)",
     )
-    p.add_argument("--gpu-memory", type=float, default=0.1, help="share of GPU memory that must be free at start")
-    p.add_argument("--compile", choices=COMPILES, default=DEFAULT_COMPILE, help="torch.compile of the speculative run")
-    p.add_argument("--method", choices=tuple(TABLE), default=DEFAULT_METHOD, help="speculative method (gate.methods)")
-    a = p.parse_args(argv)
+    p.parse_args(argv)
+    req = request.read()
+    if req is None:
+        p.error(f"no request: {request.ENV} is not set (the gate sets it: repro.vllm_integration.gate.case.case_env)")
     t0 = time.time()
     sites = add_site_dirs()  # the build's prefixes as site folders: their .pth files take effect, as in that env
     import torch  # torch after t0: the import is part of the timed start (timing_s)
 
-    own = os.environ.get(own_alloc.LIB_ENV)
+    own = req.own_alloc
     if own:  # memcheck:own: torch's allocator is replaced before anything starts CUDA
-        emit(PLUGIN_TAG, own_alloc.install(own))
+        emit(PLUGIN_TAG, own_alloc.install(own, req.own_alloc_fill))
     t_torch = time.time()
     device = None
     if torch.cuda.is_available():
@@ -281,15 +282,14 @@ def main(argv: list[str] | None = None) -> int:
     if device is not None:
         device["startup_s"] = startup
         emit(DEVICE_TAG, device)
-    target, draft = write_models(a.out, a.method)
-    inspection = inspect_in_process()
+    target, draft = write_models(req.models, req.method)
+    inspection = inspect_in_process(req.vllm_inspects)
     own_before = own_alloc.counters() if own else {}  # the GEMM check's allocations are not vLLM's
-    llm = LLM(
-        **llm_kwargs(target, draft, a.reference, a.spec_tokens, a.gpu_memory, a.attention_backend, a.compile, a.method)
-    )
+    backend = req.plugin.attention_backend
+    llm = LLM(**llm_kwargs(target, draft, req.reference, SPEC_TOKENS, GPU_MEMORY, backend, req.compile, req.method))
     t_engine = time.time()
     params = SamplingParams(
-        temperature=0.0, max_tokens=a.max_new, detokenize=False, ignore_eos=True, logprobs=2 if a.reference else None
+        temperature=0.0, max_tokens=MAX_NEW, detokenize=False, ignore_eos=True, logprobs=2 if req.reference else None
     )
     outs = llm.generate([{"prompt_token_ids": t} for t in PROMPTS], params)
     t_done = time.time()
@@ -304,17 +304,17 @@ def main(argv: list[str] | None = None) -> int:
     engine = resolved_engine(llm)  # the reference's too: the configuration it ran with is part of its validation
     engine["acceptance"] = acceptance(llm)
     engine["model_inspection"] = inspection
-    engine["method"] = a.method
+    engine["method"] = req.method
     engine["site_dirs"] = sites
     emit(ENGINE_TAG, engine)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    margins = [[top2_margin(lp) for lp in (o.outputs[0].logprobs or [])] for o in outs] if a.reference else None
+    margins = [[top2_margin(lp) for lp in (o.outputs[0].logprobs or [])] for o in outs] if req.reference else None
     result = {
         "vllm_version": vllm.__version__,
-        "reference": a.reference,
+        "reference": req.reference,
         "tokens": tokens,
         "margins": margins,
-        "nonfinite": nonfinite_positions(outs) if a.reference else None,
+        "nonfinite": nonfinite_positions(outs) if req.reference else None,
         "device": device,
         "timing_s": {
             "import": round(t_import - t0, 1),
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             "main_at": round(t0, 3),  # epoch s: the parent adds process start and teardown (gate_bench.phases)
             "done_at": round(time.time(), 3),
         },
-        "summary": f"{len(tokens)} requests x {a.max_new} tokens decoded",
+        "summary": f"{len(tokens)} requests x {MAX_NEW} tokens decoded",
     }
     emit(RESULT_TAG, result)
     return 0

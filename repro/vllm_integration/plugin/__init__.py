@@ -1,17 +1,21 @@
 """The harness inside vLLM, as a general plugin (entry point group `vllm.general_plugins`). vLLM loads it in every
-process it starts; each feature is off unless its environment variable turns it on:
+process it starts; each feature is off unless the request asks for it. In a gate case the request is the case's
+PluginRequest (repro.contract.request: the one variable REPRO_REQUEST, which the processes vLLM starts inherit); in
+any other vLLM run a person may ask for the auditor alone: REPRO_AUDIT=1 (REPRO_AUDIT_FILE=PATH for its whole
+report, REPRO_ATTENTION_BACKEND=NAME for another backend), the plugin's only variables of its own
+(from_environment). The request's fields:
 
-- REPRO_ATTENTION_BACKEND=NAME  the attention backend the probe and the auditor hook, named as vLLM names it
-                          (FLASH_ATTN when unset; TRITON_ATTN, FLASHINFER, or any backend vLLM's registry knows: see
-                          repro.vllm_integration.plugin.backend_fields). Set it to the backend the engine is asked to use
+- attention_backend=NAME  the attention backend the probe and the auditor hook, named as vLLM names it
+                          (FLASH_ATTN for REPRO_AUDIT=1 without REPRO_ATTENTION_BACKEND; TRITON_ATTN, FLASHINFER,
+                          or any backend vLLM's registry knows: see repro.vllm_integration.plugin.backend_fields). Set it to the backend the engine is asked to use
                           (LLM(attention_backend=NAME)): the hooks go on that backend's classes only, and a backend
                           whose classes are not found is an error line, never a silent clean run.
-- REPRO_PROBE=1           coverage counters (every gate case but the references): the backend impl's forward calls
+- probe                   coverage counters (every gate case but the references): the backend impl's forward calls
                           (per backend) and, for FLASH_ATTN, the FA version of the impl that made them, and every CUDA graph capture (torch.cuda.graph)
                           with its graph kind (target decode, target mixed, draft prefill, draft decode, read from the
                           vLLM objects on the capture's call stack; "unknown kind" when none says) and whether an
                           attention forward ran inside it (a FULL graph). The model runner class seen capturing.
-- REPRO_AUDIT=1           freshness auditor (implies the probe): wraps the backend's <X>MetadataBuilder.build and
+- audit                   freshness auditor (implies the probe): wraps the backend's <X>MetadataBuilder.build and
                           build_for_cudagraph_capture (record what every tensor of each build's metadata shows, by the
                           backend's field table) and <X>Impl.forward (before every eager forward, check they still
                           show it); at the end of every capture, the metadata its attention forwards used is checked
@@ -23,19 +27,20 @@ process it starts; each feature is off unless its environment variable turns it 
                           capture pass (warmup forward, capture end) the descriptor check too: the metadata in use
                           against what the builder gives for the descriptor being captured (stale-descriptor;
                           plugin.audit.descriptor_mismatches). Findings go to stderr as `REPRO_AUDIT <json>` lines
-                          and, at exit, to REPRO_AUDIT_FILE.
-- REPRO_SM_MARGIN=N       FA3 plans and launches for N fewer SMs: sm_margin passed to vLLM's get_scheduler_metadata
+                          and, at exit, to audit_file.
+- sm_margin=N             FA3 plans and launches for N fewer SMs: sm_margin passed to vLLM's get_scheduler_metadata
                           and to every torch.ops._vllm_fa3_C.fwd call (vLLM itself always passes 0). Counted per call.
-- REPRO_POISON=<fill>     the entries FA3's get_scheduler_metadata never writes are filled (repro.case.poison) before vLLM
+- poison=<fill>           the entries FA3's get_scheduler_metadata never writes are filled (repro.case.poison) before vLLM
                           copies them into its persistent buffer, so a stale read does not depend on leftover memory.
                           The entries poisoned are counted.
-- REPRO_INJECT=stale-capture  the self control: the defect of vLLM 0.21.0-0.25.1 re-created inside this build (the
+- inject=stale-capture    the self control: the defect of vLLM 0.21.0-0.25.1 re-created inside this build (the
                           draft's FULL captures run on buffers holding the target's last capture build;
                           repro.vllm_integration.plugin.inject). Counted per capture kind (captures_injected).
-  REPRO_INJECT=stale-descriptor  its second form: every draft FULL pass gets the metadata of another descriptor of
+  inject=stale-descriptor  its second form: every draft FULL pass gets the metadata of another descriptor of
                           the same capture list, object and buffers one consistent build (StaleDescriptorInjector):
-                          only the auditor's descriptor check can see it.
-- REPRO_WEIGHTS=agree     after vLLM's DummyModelLoader, the gate's constructed weights (repro.vllm_integration.
+                          only the auditor's descriptor check can see it. inject_source: whose capture
+                          contents (first, last).
+- weights=agree           after vLLM's DummyModelLoader, the gate's constructed weights (repro.vllm_integration.
                           weights): a target decided by a wide margin at every token and an EAGLE draft that agrees
                           with it. `margin`: every parameter redrawn from a per-name seed (near ties, no acceptance).
                           vLLM's own dummy weights (uniform +-1e-3) give near-tied logits that flip with the SM count.
@@ -49,14 +54,15 @@ check reads them too) and whether the auditor knows it (`spec_layout_known`: a l
 KNOWN_SPEC_LAYOUTS); a gate must not vouch for a run whose layout it does not know. Written
 against the names in vllm/v1/attention/backends/ (backend_fields); anything not found is reported, never guessed.
 
-Where each part lives: this module reads the environment (requested) and installs what it asks for (register); the
-hooks on the attention backend's classes are repro.vllm_integration.plugin.backend_hooks, the capture tracker
+Where each part lives: this module reads the request (from_environment, requested) and installs what it asks for
+(register); the hooks on the attention backend's classes are repro.vllm_integration.plugin.backend_hooks, the capture tracker
 repro.vllm_integration.plugin.capture, the FA3 hooks repro.vllm_integration.plugin.fa3_hooks, the counters and the auditor's
 report repro.vllm_integration.plugin.counters (one object each, shared by all of them)."""
 
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib
 import os
 import sys
@@ -64,22 +70,22 @@ from pathlib import Path
 from typing import Any
 
 from repro.case.poison import parse_poison
+from repro.contract import request
 from repro.contract.channel import emit
+from repro.contract.request import PluginRequest
 from repro.contract.tags import PLUGIN_TAG
 from repro.vllm_integration.plugin import counters
 from repro.vllm_integration.plugin import weights_dflash as dflash_weights
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND, backend_for
 from repro.vllm_integration.plugin.backend_hooks import install, install_inject, install_probe
 from repro.vllm_integration.plugin.fa3_hooks import install_fa3_hooks
-from repro.vllm_integration.plugin.inject import INJECT_ENV, INJECT_SOURCE_ENV, INJECTIONS, SOURCES
+from repro.vllm_integration.plugin.inject import INJECTIONS, SOURCES
 from repro.vllm_integration.plugin.weights import DUMMY, WEIGHTS
 from repro.vllm_integration.plugin.weights import install as install_weights
 
-ENV, PROBE_ENV = "REPRO_AUDIT", "REPRO_PROBE"
-SM_MARGIN_ENV, POISON_ENV, WEIGHTS_ENV = "REPRO_SM_MARGIN", "REPRO_POISON", "REPRO_WEIGHTS"
-BACKEND_ENV = "REPRO_ATTENTION_BACKEND"
-# the switches a gate case sets for the plugin (and clears when its mode does not ask for them), read by register()
-SWITCHES = (ENV, counters.FILE_ENV, PROBE_ENV, SM_MARGIN_ENV, POISON_ENV, BACKEND_ENV, INJECT_ENV)
+# the plugin's own variables, for a person's vLLM run outside the gate (from_environment): the auditor alone
+ENV, BACKEND_ENV = "REPRO_AUDIT", "REPRO_ATTENTION_BACKEND"
+FILE_ENV = counters.FILE_ENV
 # the V2 speculative-decoding layouts the auditor was checked against (the recorded wheels 0.23.0-0.33.0,
 # results/vllm-versions.json; a CPU test keeps the two equal): another layout cannot be vouched for
 # eagle (0.20-0.22): its draft loop advances seq_lens inside the draft decode graph (audit.check's `advance`)
@@ -114,35 +120,51 @@ def _installed_vllm_root() -> str | None:
     return os.path.dirname(paths[0]) if paths else None
 
 
-def requested(environ: dict[str, str] | None = None) -> dict[str, Any]:
-    """The features the environment asks for, validated (bad values raise ValueError naming the variable)."""
+def from_environment(environ: dict[str, str] | None = None) -> PluginRequest | None:
+    """What this process's plugin is asked for: the gate case's request (repro.contract.request.ENV, validated whole),
+    else the auditor alone when a person set REPRO_AUDIT=1 (with REPRO_AUDIT_FILE and REPRO_ATTENTION_BACKEND), else
+    None (nothing to install)."""
     env = os.environ if environ is None else environ
-    out: dict[str, Any] = {"audit": env.get(ENV) == "1"}
-    out["probe"] = out["audit"] or env.get(PROBE_ENV) == "1"
-    margin = env.get(SM_MARGIN_ENV, "0") or "0"
-    try:
-        out["sm_margin"] = int(margin)
-    except ValueError:
-        raise ValueError(f"{SM_MARGIN_ENV}={margin!r}: expected a whole number of SMs") from None
-    if out["sm_margin"] < 0:
-        raise ValueError(f"{SM_MARGIN_ENV}={margin!r}: must not be negative")
-    out["poison"] = parse_poison(env.get(POISON_ENV))
-    weights = env.get(WEIGHTS_ENV, "") or DUMMY
-    if weights not in (*WEIGHTS, DUMMY):
-        raise ValueError(f"{WEIGHTS_ENV}={weights!r}: expected {', '.join(WEIGHTS)} or {DUMMY}")
-    out["weights"] = None if weights == DUMMY else weights
-    source = env.get(INJECT_SOURCE_ENV, "") or SOURCES[0]
-    if source not in SOURCES:
-        raise ValueError(f"{INJECT_SOURCE_ENV}={source!r}: expected {' or '.join(SOURCES)}")
-    out["inject_source"] = source
-    backend = env.get(BACKEND_ENV, "") or DEFAULT_BACKEND
+    case = request.read(env)
+    if case is not None:
+        return case.plugin
+    if env.get(ENV) != "1":
+        return None
+    return PluginRequest(
+        attention_backend=env.get(BACKEND_ENV) or DEFAULT_BACKEND,
+        probe=True,
+        audit=True,
+        audit_file=env.get(FILE_ENV) or None,
+        sm_margin=0,
+        poison=None,
+        inject=None,
+        inject_source=SOURCES[0],
+        weights=DUMMY,
+    )
+
+
+def requested(want: PluginRequest | None) -> dict[str, Any]:
+    """The features a request asks for, their values checked (a bad one raises ValueError naming its key)."""
+    if want is None:
+        return {"audit": False, "probe": False, "sm_margin": 0, "poison": None, "weights": None, "inject": None}
+    out: dict[str, Any] = {"audit": want.audit, "probe": want.audit or want.probe, "audit_file": want.audit_file}
+    if want.sm_margin < 0:
+        raise ValueError(f"sm_margin={want.sm_margin}: must not be negative")
+    out["sm_margin"] = want.sm_margin
+    out["poison"] = parse_poison(want.poison)
+    if want.weights not in (*WEIGHTS, DUMMY):
+        raise ValueError(f"weights={want.weights!r}: expected {', '.join(WEIGHTS)} or {DUMMY}")
+    out["weights"] = None if want.weights == DUMMY else want.weights
+    if want.inject_source not in SOURCES:
+        raise ValueError(f"inject_source={want.inject_source!r}: expected {' or '.join(SOURCES)}")
+    out["inject_source"] = want.inject_source
+    backend = want.attention_backend
     if not backend.replace("_", "").isalnum() or backend.upper() != backend:
-        raise ValueError(f"{BACKEND_ENV}={backend!r}: expected a vLLM attention backend name such as FLASH_ATTN")
+        raise ValueError(f"attention_backend={backend!r}: expected a vLLM attention backend name such as FLASH_ATTN")
     out["attention_backend"] = backend
-    inject = env.get(INJECT_ENV, "")
-    if inject and inject not in INJECTIONS:
-        raise ValueError(f"{INJECT_ENV}={inject!r}: expected {' or '.join(INJECTIONS)}")
-    out["inject"] = inject or None
+    if want.inject is not None and want.inject not in INJECTIONS:
+        raise ValueError(f"inject={want.inject!r}: expected {' or '.join(INJECTIONS)}")
+    out["inject"] = want.inject
     return out
 
 
@@ -150,8 +172,8 @@ def register() -> None:
     """vLLM calls this in every process it starts (general plugins). A feature is announced as installed only when
     every hook it needs went in; otherwise its error line says what was missing."""
     try:
-        want = requested()
-    except Exception as e:  # a bad variable must be visible, not silently ignored
+        want = requested(from_environment())
+    except Exception as e:  # a bad request must be visible, not silently ignored
         emit(PLUGIN_TAG, {"error": str(e)})
         return
     if not (want["probe"] or want["sm_margin"] or want["poison"] or want["weights"] or want["inject"]):
@@ -173,7 +195,7 @@ def register() -> None:
                 emit(PLUGIN_TAG, {"installed": "probe", "backend": spec.name})
         if want["audit"] and "audit" not in installed:
             if install(backend, spec=spec):
-                atexit.register(counters.write_report)
+                atexit.register(functools.partial(counters.write_report, want["audit_file"]))
                 emit(PLUGIN_TAG, {"installed": "audit", "backend": spec.name})
         if want["inject"] and "inject" not in installed:
             if install_inject(backend, spec=spec, source=want["inject_source"], form=want["inject"]):
@@ -193,7 +215,7 @@ def register() -> None:
             installed.add("fa3")
             emit(PLUGIN_TAG, {"installed": "fa3", "hooks": done})
     if want["weights"] and "weights" not in installed:
-        from vllm.model_executor.model_loader import dummy_loader  # vLLM only when REPRO_WEIGHTS asks for it
+        from vllm.model_executor.model_loader import dummy_loader  # vLLM only when the request's weights ask for it
 
         loader = getattr(dummy_loader, "DummyModelLoader", None)
         if loader is None or not callable(getattr(loader, "load_weights", None)):

@@ -42,7 +42,7 @@ class _Capture:
 
 _CAPTURES: list[_Capture] = []
 _AUDIT_ON = {"on": False}
-_INJECTOR: dict[str, StaleCaptureInjector] = {}  # "on" -> the injector, when REPRO_INJECT asked for one
+_INJECTOR: dict[str, StaleCaptureInjector] = {}  # "on" -> the injector, when the request asked for one
 
 
 def graph_kind(frame: Any, depth: int = 40) -> str:

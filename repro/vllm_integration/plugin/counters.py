@@ -1,6 +1,6 @@
 """The plugin's shared state and what it reports: the counters (COUNTERS, printed at exit as `REPRO_COUNTERS <json>`),
 the freshness auditor's one instance (AUDITOR), the features installed in this process (_installed), and the report
-the auditor writes at exit (stderr lines and REPRO_AUDIT_FILE). Every hook module of repro.vllm_integration reads
+the auditor writes at exit (stderr lines and the request's audit_file). Every hook module of repro.vllm_integration reads
 and bumps these objects through this module (`counters.COUNTERS`, never a copy), so a test that replaces one here
 replaces it for all of them."""
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from typing import Any
 
 from repro.contract.channel import emit
@@ -16,7 +15,7 @@ from repro.contract.tags import AUDIT_TAG, COUNTERS_TAG
 from repro.vllm_integration.plugin.audit import FreshnessAuditor
 from repro.vllm_integration.plugin.inject import bump as bump_counter
 
-FILE_ENV = "REPRO_AUDIT_FILE"
+FILE_ENV = "REPRO_AUDIT_FILE"  # the audit file of a person's REPRO_AUDIT=1 run (plugin.from_environment)
 AUDITOR = FreshnessAuditor()
 _installed: set[str] = set()
 
@@ -55,7 +54,7 @@ def new_counters() -> dict[str, Any]:
         "poison_calls": 0,  # scheduler-metadata buffers poisoned
         "entries_poisoned": 0,  # entries filled over all of them
         "runner": None,  # module.Class of the model runner seen on a capture's call stack
-        # the self control (REPRO_INJECT, repro.vllm_integration.plugin.inject): what it wrote and whether it reached
+        # the self control (the request's inject, repro.vllm_integration.plugin.inject): what it wrote and whether it reached
         "captures_injected": {},  # kind -> captures whose attention forwards read buffers the injection wrote
         "injected_forwards": 0,  # eager draft-capture forwards that ran right after an injection
     }
@@ -78,10 +77,9 @@ def bump(name: str, key: str | None = None, n: int = 1) -> None:
     bump_counter(COUNTERS, name, key, n)
 
 
-def write_report() -> None:
-    """At exit, with the auditor on: its summary as an AUDIT_TAG line and, when REPRO_AUDIT_FILE names one, the
-    whole report (every mismatch, the counters) in that file."""
-    path = os.environ.get(FILE_ENV)
+def write_report(path: str | None) -> None:
+    """At exit, with the auditor on: its summary as an AUDIT_TAG line and, when the request names an audit file
+    (path), the whole report (every mismatch, the counters) in that file."""
     emit(
         AUDIT_TAG,
         {

@@ -1,6 +1,6 @@
-"""The hooks on vLLM's FA3 calls: REPRO_SM_MARGIN passes sm_margin to vLLM's get_scheduler_metadata and to every
+"""The hooks on vLLM's FA3 calls: a request's sm_margin is passed to vLLM's get_scheduler_metadata and to every
 torch.ops._vllm_fa3_C.fwd call (FA3 plans and launches for that many fewer SMs; vLLM itself always passes 0), and
-REPRO_POISON fills the scheduler-metadata entries FA3 never writes (repro.case.poison) before vLLM copies them into its
+its poison fills the scheduler-metadata entries FA3 never writes (repro.case.poison) before vLLM copies them into its
 persistent buffer. Every call, margin and poisoned entry is counted (repro.vllm_integration.plugin.counters)."""
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The self control: the capture defect of vLLM 0.21.0-0.25.1 re-created inside the build under test
-(REPRO_INJECT=stale-capture, installed by repro.vllm_integration.plugin).
+(a request's inject=stale-capture, installed by repro.vllm_integration.plugin).
 
 What those releases did: the draft model's FULL CUDA-graph capture ran (its eager warmup pass and its captured pass)
 on attention metadata whose views point into persistent buffers (query_start_loc, seq_lens, FA3's scheduler
 metadata) that held the contents of another batch descriptor (the target's last capture build). The injection
-re-creates that state and nothing else. Whose contents (REPRO_INJECT_SOURCE): by default the target's FIRST capture
-build (its largest descriptor); `last` gives the last one, what 0.21.0-0.25.1 left. On the H200 the last build's
+re-creates that state and nothing else. Whose contents (the request's inject_source, REPRO_INJECT_SOURCE in the
+gate's environment): by default the target's FIRST capture build (its largest descriptor); `last` gives the last one, what 0.21.0-0.25.1 left. On the H200 the last build's
 contents (t4r1) left 0.26.0's kernels in bounds at 132 SMs and under MPS (missed in plain and mps:16:
 results/h200-selfcontrol-fidelity), the first build's made every mode fault (results/h200-agree-selfcontrol):
 
@@ -46,7 +46,6 @@ from typing import Any
 
 from repro.vllm_integration.plugin.identity import ByIdentity
 
-INJECT_ENV = "REPRO_INJECT"
 STALE_CAPTURE = "stale-capture"
 # the second form (StaleDescriptorInjector): a draft FULL pass gets metadata built for another descriptor of the same
 # capture list, its object and its buffers' contents together (consistent with each other: only a check against the
@@ -55,7 +54,6 @@ STALE_DESCRIPTOR = "stale-descriptor"
 INJECTIONS = (STALE_CAPTURE, STALE_DESCRIPTOR)
 # which of the target's capture builds the draft's buffers are given: its last (what 0.21.0-0.25.1 left in them), or
 # its first (the largest batch descriptor: the contents furthest from any draft descriptor's)
-INJECT_SOURCE_ENV = "REPRO_INJECT_SOURCE"
 SOURCES = ("first", "last")
 # the views of the defect (vLLM PR #48261): per-request offsets, sequence lengths, FA3's AOT scheduler metadata; the
 # KV-cache addressing (block table, slot mapping) is not part of it
@@ -315,7 +313,7 @@ class StaleCaptureInjector:
 
 @dataclass
 class StaleDescriptorInjector(StaleCaptureInjector):
-    """The self control's second form (REPRO_INJECT=stale-descriptor): inside a draft FULL capture, every pass's
+    """The self control's second form (inject=stale-descriptor): inside a draft FULL capture, every pass's
     metadata build returns the object the same builder built first for that graph manager, graph mode and pass (its
     largest descriptor's, as `reuse` does) AND the whole buffers behind that object's views get back the contents
     its own build wrote (kept when it was built, every tensor field: the defect's views, block table, slot mapping).
@@ -378,7 +376,7 @@ class StaleDescriptorInjector(StaleCaptureInjector):
 
 
 def make_injector(form: str, counters: dict[str, Any], announce: Callable[[dict], None], keep: str) -> Any:
-    """The self control's injector for a form of INJECTIONS (REPRO_INJECT)."""
+    """The self control's injector for a form of INJECTIONS (the request's inject)."""
     if form == STALE_DESCRIPTOR:
         return StaleDescriptorInjector(counters, announce=announce, keep=keep)
     return StaleCaptureInjector(counters, announce=announce, keep=keep)

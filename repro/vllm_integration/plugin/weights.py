@@ -1,5 +1,5 @@
-"""The gate model's weights, written over vLLM's dummy weights inside the engine (REPRO_WEIGHTS, installed by
-repro.vllm_integration.plugin after DummyModelLoader.load_weights).
+"""The gate model's weights, written over vLLM's dummy weights inside the engine (a request's weights, REPRO_WEIGHTS in
+the gate's environment, installed by repro.vllm_integration.plugin after DummyModelLoader.load_weights).
 
 `agree` (the gate's default): a target whose every generated token is decided by a wide margin, and an EAGLE draft
 built to agree with it, so that the draft's output reaches the result (acceptance) and numerics cannot flip a token.
