@@ -116,7 +116,7 @@ class GateRun:
         missed, or a gating mode has no evidence from its own control, or none ran while one is needed) or PASS;
         repro.exit_codes.gate gives its exit code."""
         affected = self.affected()
-        if False:
+        if any(r.verdict in FAULTS for _, r in affected):
             return policy.GateOutcome.AFFECTED
         if affected or self.not_vouched():
             return policy.GateOutcome.CANNOT_VOUCH
