@@ -46,8 +46,7 @@ from repro.contract.verdicts import (
 
 FAULT, DETECTED, AUDIT, KNOWN_BAD_BUILD = "fault", "detected", "audit", "known-bad"
 ANY_FORM, EXPECT_CLEAN, RECORDED = "any-form", "clean", "recorded"  # the order of EXPECTATIONS: MEETS's
-# kinds of positive control a vLLM gate mode can rely on: a second installation known to be bad, or the build under
-# test with the defect re-created inside it (repro.vllm_integration.plugin.inject)
+# kinds of positive control a vLLM gate mode relies on: a build known to be bad, or one with the defect re-created
 KNOWN_BAD, SELF_CONTROL = "known-bad build", "self-control"
 MEETS: dict[str, tuple[str, ...]] = {
     # A launch that fails after stale metadata is the kernels failing too: upstream FA3's combine launch check reports
@@ -188,8 +187,7 @@ CONTROL_FAILED, NOT_COVERED, MODE_WITHOUT_POSITIVE, MODE_WITHOUT_EVIDENCE, NO_PO
     "no positive control",
 )
 NEEDS_A_CONTROL = (MODE_WITHOUT_POSITIVE, NO_POSITIVE)  # failures that only say no positive control ran
-# failures of a mode or of the whole gate, no one case's (their text begins "GATE FAILED")
-GATE_WIDE = (MODE_WITHOUT_POSITIVE, MODE_WITHOUT_EVIDENCE, NO_POSITIVE)
+GATE_WIDE = (MODE_WITHOUT_POSITIVE, MODE_WITHOUT_EVIDENCE, NO_POSITIVE)  # a mode's or the gate's, no one case's
 
 
 class Failure(str):
