@@ -1,7 +1,8 @@
 """The README's GPU CI line as recorded on the H200 after the xdist fix (results/h200-ci-line-n8, -n4, -n1; written by
 scripts/gpu-evidence.sh ci-line): every worker count ran every case, the gate passed, and the verdicts are the same
 case by case whatever the number of workers; h200-ci-line-final(-2) is the line again on a session's last code, and
-h200-ci-line-last-n8 / -n4 on the last code of the session after (both worker counts)."""
+h200-ci-line-last-n8 / -n4 on the last code of the session after (both worker counts); h200-ci-line-3-n8 / -n4 after
+the gate case request became one typed record and pytest --gate chose its failure line by kind."""
 
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ import pytest
 from tests.records import RESULTS
 
 WORKERS = (8, 4, 1)
-LATER = {"final": 8, "final-2": 8, "last-n8": 8, "last-n4": 4}  # records of later code: name -> workers
+LATER = {
+    "final": 8,
+    "final-2": 8,
+    "last-n8": 8,
+    "last-n4": 4,
+    "3-n8": 8,
+    "3-n4": 4,
+}  # records of later code: name -> workers
 
 
 def _record(n: int | str) -> tuple[dict, dict[str, dict]]:

@@ -145,3 +145,49 @@ def test_dflash_recorded_harness_blind_on_a_harmless_form_replays_as_a_pass_with
     assert run.judge().outcome == "PASS", run.blind()
     (miss,) = run.judged().decision.form_misses
     assert miss.startswith(f"{plain}: clean (caught by ") and "stale-descriptor" in miss
+
+
+ALL_FIVE = load(RESULTS / "h200-methods-0.34.0-3" / "results.json")  # --methods all with dflash, policy rule 6
+
+
+def test_every_method_dflash_included_is_clean_every_form_caught_by_the_audit_and_the_gate_passes():
+    """results/h200-methods-0.34.0-3: the five methods of `--methods all` clean in audit and plain; every self control
+    caught in both forms, in audit by the auditor's own count; in plain every form faulted but DFlash's stale-capture
+    form, which decoded right (its query graph recomputes what that form wrote) beside its crashed stale-descriptor
+    form: listed by rule 6, and the gate passed."""
+    assert ALL_FIVE["outcome"] == "PASS"
+    methods = ("", "-eagle3", "-draft-model", "-mtp", "-dflash")
+    _every_agreeing_method_clean_and_every_self_control_caught(
+        ALL_FIVE, "0.34.0", methods, 20, {"crash", "clean", "stale-audit"}
+    )
+    rows = _rows(ALL_FIVE)
+    silent = [c["case"] for c in rows.values() if "-self-control" in c["case"] and c["verdict"] == "clean"]
+    plain = "stale_metadata-vllm-0.34.0-self-control-dflash-compile-none-plain"
+    assert silent == [plain, f"{plain}-attempt2", f"{plain}-attempt3"]  # each of its attempts decoded right
+    assert rows[plain]["expected"] == "any-form"
+    assert rows["stale_metadata-vllm-0.34.0-self-control-stale-descriptor-dflash-compile-none-plain"]["verdict"] == (
+        "crash"
+    )
+    assert any("rule 6" in line and silent[0] in line for line in ALL_FIVE["decision"])
+
+
+DFLASH_MUTANT = load(RESULTS / "h200-mutant-dflash-0.34.0" / "results.json")
+
+
+def test_the_dflash_capture_builder_mutant_is_affected_and_its_audit_finds_every_draft_capture_stale():
+    """results/h200-mutant-dflash-0.34.0: scripts/mutate_vllm.py's dflash-wrong-descriptor (DFlashCudaGraphManager
+    builds each FULL descriptor's metadata for its neighbour) as a build under test: AFFECTED, its draft wrong in
+    both modes (its draft accepted 39 of 87 where its reference accepted all), and in audit every audited draft-query
+    capture stale, every stale field one of another descriptor, none of the target's captures."""
+    assert DFLASH_MUTANT["outcome"] == "AFFECTED"
+    rows = _rows(DFLASH_MUTANT)
+    for mode in ("audit", "plain"):
+        case = rows[f"stale_metadata-vllm-0.34.0-df-under-test-dflash-compile-none-{mode}"]
+        assert case["verdict"] == "wrong-output", case
+    audit = rows["stale_metadata-vllm-0.34.0-df-under-test-dflash-compile-none-audit"]
+    # the tokens still equal the reference (the target verifies every draft token): the draft and the audit show it
+    assert "draft: 39 of 87 draft tokens accepted" in audit["evidence"]
+    assert _stale(audit) > 0 and re.search(rf"\({_stale(audit)} of them stale-descriptor\)", audit["evidence"])
+    counters = audit["counters"]
+    assert counters["captures_stale"] == {"draft query": counters["captures_audited"]["draft query"]}
+    assert counters["captures_audited"]["draft query"] > 0
