@@ -315,6 +315,7 @@ HOOK_NOTHING = {  # stand-in behaviour -> what the cannot-vouch reason must name
 }
 
 
+# under xdist, every test reading it runs on one worker (conftest's SHARED_FIXTURE): it runs once
 @pytest.fixture(scope="module")
 def hook_nothing_gate(tmp_path_factory):
     """One `python -m repro gate` subprocess over every stand-in of HOOK_NOTHING, each a build under test of its own
