@@ -111,7 +111,8 @@ def test_token_comparison_stops_at_ties_and_flags_decided_differences():
 def test_gate_end_to_end_on_stand_in_builds(tmp_path, fakes):
     builds = parse_builds(f"good={fakes['good']},wrong={fakes['wrong']}", UNDER_TEST, "REPRO_VLLM")
     builds += parse_builds(f"crash={fakes['stale-crash']},quiet={fakes['stale-quiet']}", CONTROL, "REPRO_VLLM_CONTROL")
-    run = run_gate(builds, parse_modes("audit,plain"), tmp_path / "logs", jobs=4, timeout_s=120)
+    # forked case processes: the spawned ones' records (test_vllm_gate_fork); spawned end to end: compile_none below
+    run = run_gate(builds, parse_modes("audit,plain"), tmp_path / "logs", jobs=4, timeout_s=120, launcher="fork")
     v = _verdicts(run)
     assert v["good-under-test-audit"].verdict == CLEAN, v["good-under-test-audit"].reason
     assert "audit: 0 stale fields in 13 checks" in v["good-under-test-audit"].evidence
