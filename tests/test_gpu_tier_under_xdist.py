@@ -37,6 +37,7 @@ def _tier(tmp_path: Path, name: str, *args: str, **env: str) -> tuple[subprocess
     return r, json.loads((out / "gate.json").read_text()), cases
 
 
+# under xdist, every test reading it runs on one worker (conftest's SHARED_FIXTURE): it runs once
 @pytest.fixture(scope="module")
 def sessions(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tier")

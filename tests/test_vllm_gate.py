@@ -113,7 +113,8 @@ def test_token_comparison_stops_at_ties_and_flags_decided_differences():
 def test_gate_end_to_end_on_stand_in_builds(tmp_path, fakes):
     builds = parse_builds(f"good={fakes['good']},wrong={fakes['wrong']}", UNDER_TEST, "REPRO_VLLM")
     builds += parse_builds(f"crash={fakes['stale-crash']},quiet={fakes['stale-quiet']}", CONTROL, "REPRO_VLLM_CONTROL")
-    run = run_gate(builds, parse_modes("audit,plain"), tmp_path / "logs", jobs=4, timeout_s=120)
+    # forked case processes: the spawned ones' records (test_vllm_gate_fork); spawned end to end: compile_none below
+    run = run_gate(builds, parse_modes("audit,plain"), tmp_path / "logs", jobs=4, timeout_s=120, launcher="fork")
     v = _verdicts(run)
     assert v["good-under-test-audit"].verdict == CLEAN, v["good-under-test-audit"].reason
     assert "audit: 0 stale fields in 13 checks" in v["good-under-test-audit"].evidence
@@ -165,6 +166,9 @@ def test_compile_none_runs_full_graphs_without_torch_compile_in_every_speculativ
 def test_gate_command_exit_codes_and_report(tmp_path, fakes, capsys):
     out = tmp_path / "out"  # one folder for every run below: --overwrite replaces the report before (docs/outputs.md)
     args = ["gate", "--no-installed", "--modes", "plain", "--out", str(out), "--overwrite", "--jobs", "2"]
+    # forked case processes: the spawned launcher's verdicts (test_vllm_gate_fork), torch imported once per build and
+    # run instead of once per case; the default launcher's CLI runs: test_the_report_of_a_build_that_gave_no_answer...
+    args += ["--launcher", "fork"]
     assert cli([*args, "--vllm", f"0.26.0={fakes['good']}", "--control", f"0.25.1={fakes['stale-crash']}"]) == 0
     doc = json.loads((out / "results.json").read_text())
     assert doc["kind"] == "vllm-gate" and doc["passed"]
@@ -315,6 +319,7 @@ HOOK_NOTHING = {  # stand-in behaviour -> what the cannot-vouch reason must name
 }
 
 
+# under xdist, every test reading it runs on one worker (conftest's SHARED_FIXTURE): it runs once
 @pytest.fixture(scope="module")
 def hook_nothing_gate(tmp_path_factory):
     """One `python -m repro gate` subprocess over every stand-in of HOOK_NOTHING, each a build under test of its own
@@ -322,7 +327,11 @@ def hook_nothing_gate(tmp_path_factory):
     and one GPU probe for the six builds instead of six."""
     root = tmp_path_factory.mktemp("hook-nothing")
     out = root / "out"
+    # forked case processes (--launcher fork): the verdicts and reasons the spawned ones give (test_vllm_gate_fork
+    # compares the two launchers on every stand-in behaviour), for a third of the CPU: 78 case processes, each a fresh
+    # interpreter importing torch when spawned
     cmd = [sys.executable, "-m", "repro", "gate", "--no-installed", "--no-control", "--modes", "audit,plain"]
+    cmd += ["--launcher", "fork"]
     for behaviour in sorted(HOOK_NOTHING):
         cmd += ["--vllm", f"{behaviour}={write_fake_vllm(root / behaviour, '0.26.0', behaviour)}"]
     # a module fixture runs before conftest's per-test private cache: it names its own, never the user's
@@ -359,6 +368,7 @@ def test_renamed_backend_classes_and_no_scheduler_call_through_the_cli(tmp_path)
     nosched = write_fake_vllm(tmp_path / "nosched", "0.26.0", "no-sched")
     crash = write_fake_vllm(tmp_path / "crash", "0.25.1", "stale-crash")
     base = [sys.executable, "-m", "repro", "gate", "--no-installed", "--jobs", "2", "--control", f"old={crash}"]
+    base += ["--launcher", "fork"]  # the spawned launcher's verdicts (test_vllm_gate_fork), torch imported per build
     for prefix, modes, verdict, why in (
         (renamed, "audit", ERROR, "FlashAttentionImpl"),
         (nosched, "poison:int-max", CANNOT_VOUCH, "0 scheduler-metadata entries poisoned (0 get_scheduler_metadata"),
@@ -377,6 +387,7 @@ def test_renamed_backend_classes_and_no_scheduler_call_through_the_cli(tmp_path)
 def test_a_control_that_hooks_nothing_is_cannot_vouch_not_blind(tmp_path, fakes):
     nospec = str(write_fake_vllm(tmp_path / "nospec", "0.25.1", "no-spec"))
     args = ["gate", "--no-installed", "--modes", "plain", "--out", str(tmp_path / "out"), "--jobs", "2"]
+    args += ["--launcher", "fork"]  # the spawned launcher's verdicts (test_vllm_gate_fork), torch imported per build
     assert cli([*args, "--vllm", f"new={fakes['good']}", "--control", f"old={nospec}"]) == 4
     doc = json.loads((tmp_path / "out" / "results.json").read_text())
     assert doc["outcome"] == "CANNOT VOUCH" and doc["cannot_vouch"] == ["stale_metadata-vllm-old-control-plain"]

@@ -28,7 +28,8 @@ def test_a_build_for_the_wrong_descriptor_is_affected_through_the_audit_and_both
     good = write_fake_vllm(tmp_path / "good", "0.34.0", "good")
     wrong = write_fake_vllm(tmp_path / "wrong", "0.34.0", "stale-descriptor")
     builds = parse_builds(f"good={good},sd={wrong}", UNDER_TEST, "REPRO_VLLM")
-    run = run_gate(builds, parse_modes("audit,plain"), tmp_path / "logs", jobs=4, timeout_s=120)
+    # forked case processes: the spawned launcher's records on every stand-in behaviour (test_vllm_gate_fork)
+    run = run_gate(builds, parse_modes("audit,plain"), tmp_path / "logs", jobs=4, timeout_s=120, launcher="fork")
     v = {c.case_id.split("-vllm-")[1]: r for c, r in run.cases}
     clean = v["good-under-test-audit"]
     assert clean.verdict == CLEAN and "descriptor checks" in clean.evidence, clean.evidence

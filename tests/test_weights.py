@@ -123,6 +123,7 @@ def draft_logits(m: FakeModel, lm_head, toks, hidden, stale_from=None):
     return (residual + mlp) @ lm_head.T
 
 
+# under xdist, every test reading it runs on one worker (conftest's SHARED_FIXTURE): it runs once
 @pytest.fixture(scope="module")
 def models():
     t = FakeModel({**TARGET}, list(range(TARGET["num_hidden_layers"])), draft=False)

@@ -118,6 +118,7 @@ def rule_sequence(prompt: list[int], n: int) -> list[int]:
     return seq
 
 
+# under xdist, every test reading it runs on one worker (conftest's SHARED_FIXTURE): it runs once
 @pytest.fixture(scope="module")
 def pair():
     t = FakeModel({**TARGET}, list(range(TARGET["num_hidden_layers"])), draft=False)
