@@ -654,7 +654,7 @@ POLICY = [
     (
         "rule 6: forms grouped per subject",
         POL,
-        "                forms.setdefault(c.subject, []).append(c)",
+        "                forms.setdefault(c.subject or c.case_id, []).append(c)",
         "                forms.setdefault(c.mode, []).append(c)",
         False,
         {"test_forms_are_judged_per_subject_not_across_modes_or_methods"},

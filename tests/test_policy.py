@@ -319,6 +319,11 @@ def test_a_self_control_silent_in_every_form_of_a_mode_fails_naming_its_forms():
     assert "(sc-plain: clean, sc-desc-plain: clean)" in f
 
 
+def test_a_form_without_a_subject_is_judged_alone():
+    d = decide([Control("sc-a", "any-form", "clean", "plain", kind=SC), Control("sc-b", "any-form", "crash", "plain")])
+    assert [f.case_id for f in d.failures] == ["sc-a"] and d.form_misses == []
+
+
 def test_forms_are_judged_per_subject_not_across_modes_or_methods():
     """A form caught in another mode, or another method's form in this mode, does not cover a silent self control."""
     d = decide(

@@ -540,7 +540,7 @@ def test_the_pytest_tier_runs_each_build_and_mode_through_the_gates_own_run(tmp_
     quiet: dict = {}
     with pytest.raises(pytest.xfail.Exception, match="known-bad vLLM quiet silent in mode plain"):
         tier.test_stale_metadata_vllm_gate((builds[1], plain, builds, "eagle"), lambda k, v: quiet.__setitem__(k, v))
-    assert quiet["expected"] == "known-bad" and quiet["subject"] == "quiet FLASH_ATTN"
+    assert quiet["expected"] == "known-bad" and quiet["subject"] == "quiet eagle FLASH_ATTN"
     # a method the stand-in does not dispatch (it has no init_speculator: EAGLE only): not applicable, said why
     na: dict = {}
     with pytest.raises(pytest.skip.Exception, match="not applicable here: method mtp: .*EAGLE only"):

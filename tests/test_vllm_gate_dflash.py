@@ -151,3 +151,48 @@ def test_a_self_control_is_harness_blind_when_no_form_of_a_mode_or_one_form_in_t
     run = _forms_run({**CAUGHT, silent: "clean"})
     assert run.outcome() == "HARNESS BLIND"
     assert any(silent[0] in f and "self-control" in f for f in run.blind())
+
+
+def _tier_in_plain(monkeypatch, tmp_path, capture: str, descriptor: str) -> dict:
+    """cases/test_vllm_gate.py's test for 0.34.0's dflash in plain, its run (the build clean, its self control's two
+    forms with these verdicts) handed in as run_gate's answer: the properties it recorded."""
+    import cases.test_vllm_gate as tier
+    import repro.vllm_integration.gate.run as gate_run
+    from repro.run.pytest_cases import RUN_ENV
+
+    run = _forms_run({**CAUGHT, ("plain", "stale-capture"): capture, ("plain", "stale-descriptor"): descriptor})
+    plain = GateMode.parse("plain")
+    run.cases = [(c, r) for c, r in run.cases if c.mode == plain]
+    monkeypatch.setattr(tier, "gpu_skip_reason", lambda: None)
+    monkeypatch.setattr(gate_run, "run_gate", lambda *a, **k: run)  # the tier imports it when it runs
+    monkeypatch.setenv("REPRO_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv(RUN_ENV, str(tmp_path / "logs"))
+    build = run.cases[0][0].build
+    props: dict = {}
+    tier.test_stale_metadata_vllm_gate((build, plain, [build], "dflash"), props.__setitem__)
+    return props
+
+
+def test_the_pytest_tier_judges_a_self_controls_forms_together_as_the_gate_does(monkeypatch, tmp_path):
+    """The pytest GPU tier: a silent form beside a caught one passes, listed; no form caught is HARNESS BLIND."""
+    props = _tier_in_plain(monkeypatch, tmp_path, "clean", "crash")
+    (miss,) = json.loads(props["self_control_form_misses"])
+    assert "self-control-dflash-compile-none-plain: clean (caught by" in miss
+    with pytest.raises(AssertionError, match="HARNESS BLIND: the self control of vLLM 0.34.0: .*no evidence in any"):
+        _tier_in_plain(monkeypatch, tmp_path, "clean", "clean")
+
+
+def test_the_report_marks_a_form_fail_only_where_the_run_failed_it():
+    """verdicts.md's ok column reads the run's stored decision: a silent form beside a caught one is ok (listed), both
+    forms silent are FAIL, whatever each form's own expectation allows."""
+    from repro.vllm_integration.gate.report import build_summary, rows
+
+    def oks(run):
+        return {r["case"]: r["ok"] for r in rows(run) if "plain" in r["case"] and "self-control" in r["case"]}
+
+    assert set(oks(_forms_run(CAUGHT)).values()) == {True}
+    blind = _forms_run({**CAUGHT, ("plain", "stale-descriptor"): "clean"})
+    assert set(oks(blind).values()) == {False}
+    summary = {b["build"] + (" (self control)" if b["role"] == "self-control" else ""): b for b in build_summary(blind)}
+    assert [b["ok"] for b in build_summary(blind) if b["role"] == "self-control"] == [False, False]
+    assert summary

@@ -306,8 +306,8 @@ def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) 
             d.disagreements.append(f"{c.case_id}: {c.verdict}, the expectation was {c.expected}")
         if c.gating:
             pos, ev = d.evidence.get(c.mode, (0, 0))
-            if c.subject is not None and c.expected == ANY_FORM and c.verdict not in NO_EVIDENCE:
-                forms.setdefault(c.subject, []).append(c)
+            if c.expected == ANY_FORM and c.verdict not in NO_EVIDENCE:  # without a subject: a form alone
+                forms.setdefault(c.subject or c.case_id, []).append(c)
             elif c.subject is not None and is_positive(c.expected) and c.verdict not in NO_EVIDENCE:
                 bad_builds.setdefault(c.subject, []).append(c)
             if is_positive(c.expected):

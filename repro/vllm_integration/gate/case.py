@@ -382,11 +382,11 @@ def expected(case: GateCase) -> str:
 
 
 def subject_of(case: GateCase, expect: str) -> str | None:
-    """What policy rules 5 and 6 judge a control over: a known-bad build (its label and backend, over its modes), or
+    """What policy rules 5 and 6 judge a control over: a known-bad build (label, method, backend, over its modes), or
     a self control outside the audit (one subject for its injection forms in one mode and repetition); None else."""
     if expect == policy.ANY_FORM:
         return f"{case.build.label} {case.method} {case.backend} {case.mode.name} rep{case.rep}"
-    return f"{case.build.label} {case.backend}" if case.control_kind == policy.KNOWN_BAD else None
+    return f"{case.build.label} {case.method} {case.backend}" if case.control_kind == policy.KNOWN_BAD else None
 
 
 SELF_CONTROL_CHOICES = ("under-test", "all", "none")

@@ -1,6 +1,5 @@
-"""The gate's answer for people (verdicts.md: per build, is it affected, and the evidence per mode; what vLLM resolved
-and what the hooks counted, per build and per case, so a PASS shows what it checked) and for machines (results.json:
-the same rows, every case's full result, environment and command)."""
+"""The gate's answer for people (verdicts.md: per build, affected or not, the evidence per mode, what vLLM resolved and
+the hooks counted, so a PASS shows what it checked) and machines (results.json: the rows, results, environment)."""
 
 from __future__ import annotations
 
@@ -8,22 +7,31 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from repro.case.spec import CaseResult
 from repro.contract.verdicts import FAULTS, SKIP
 from repro.judge.policy import NO_EVIDENCE, SELF_CONTROL, GateOutcome
 from repro.report.redact import redact
 from repro.report.results import VLLM_GATE_KIND, header
 from repro.vllm_integration.gate import bench as gate_bench
 from repro.vllm_integration.gate.cache import COLD, KEPT, PRIVATE, WARM
-from repro.vllm_integration.gate.case import expected
+from repro.vllm_integration.gate.case import GateCase, expected
 from repro.vllm_integration.gate.judge import passes
 from repro.vllm_integration.gate.methods import DEFAULT_METHOD
 from repro.vllm_integration.gate.process import not_applicable_of
-from repro.vllm_integration.gate.run import GateRun
+from repro.vllm_integration.gate.run import GateRun, control_of
 from repro.vllm_integration.plugin.inject import STALE_CAPTURE
 from repro.vllm_integration.releases import release_range
 from repro.vllm_integration.releases.source_check import check_tree
 
 RESULTS_KIND = VLLM_GATE_KIND
+
+
+def _ok(run: GateRun, case: GateCase, res: CaseResult) -> bool:
+    """Not applicable, or met its expectation with no failure of it in the run's stored decision (rules 5 and 6)."""
+    failed = {f.case_id for f in run.judged().decision.failures}  # a failure names one control of its subject: all fail
+    hit = {control_of(c, r).subject or c.case_id for c, r in run.cases if c.case_id in failed}
+    mine = control_of(case, res).subject or case.case_id
+    return bool(not_applicable_of(res)) or passes(case, res) and mine not in hit
 
 
 def rows(run: GateRun) -> list[dict]:
@@ -51,7 +59,7 @@ def rows(run: GateRun) -> list[dict]:
                     "kernel": r.kernel or "-",
                     "descriptor": r.descriptor or "-",
                     "expected": (r.expected or expected(c)) if kind == "case" else "-",
-                    "ok": (passes(c, r) or bool(not_applicable_of(r))) if kind == "case" else None,
+                    "ok": _ok(run, c, r) if kind == "case" else None,
                     "engine": (r.backend_identity or {}).get("engine"),
                     "counters": (r.backend_identity or {}).get("counters"),
                     "acceptance": (r.backend_identity or {}).get("acceptance"),
@@ -73,8 +81,7 @@ CONFIG += ("speculative_method", "num_speculative_tokens")
 
 
 def coverage(pairs) -> dict:
-    """The counters summed over cases, the resolved configuration values seen (a set per key) and the acceptance
-    counters summed: what a build's cases checked."""
+    """What a build's cases checked: counters and acceptance summed, the configuration values seen (a set per key)."""
     counts: dict = {k: 0 for k in COUNTS}
     kinds: dict = {k: {} for k in PER_KIND}
     fa: dict = {}
@@ -197,7 +204,7 @@ def build_summary(run: GateRun) -> list[dict]:
                 "source_check": src.verdict if src else "-",
                 "wall_s": run.build_wall_s.get(b.label),
                 "caches": caches(run, b.label),
-                "ok": all(passes(c, r) or not_applicable_of(r) for c, r in pairs),
+                "ok": all(_ok(run, c, r) for c, r in pairs),
                 "coverage": coverage(pairs),
             }
         )
@@ -248,8 +255,7 @@ def fidelity_markdown(run: GateRun) -> list[str]:
 
 
 def releases_only(summaries: list[dict]) -> list[dict]:
-    """The builds as releases (the release range): self-control rows left out, they answer for the harness, and a
-    method's rows where the build lacks it (no answer about the release)."""
+    """The builds as releases (the release range): no self-control rows, nor a method's where the build lacks it."""
     return [s for s in summaries if s["role"] != SELF_CONTROL and not s.get("not_applicable")]
 
 
