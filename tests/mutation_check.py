@@ -103,7 +103,8 @@ VOUCH = [
         False,
         {FEATURES},
     ),
-    ("NEEDS row: audit checks", COV, *_row("checks"), {"test_audit_mode_needs_auditor_checks", FEATURES}),
+    # the audit feature stays in the table through its other rows (descriptor checks): only the rule's own test fails
+    ("NEEDS row: audit checks", COV, *_row("checks"), {"test_audit_mode_needs_auditor_checks"}),
     (
         "NEEDS row: inject captures_injected[draft*]",
         COV,
@@ -154,15 +155,15 @@ VOUCH = [
     (
         "vouch: a crash, a hang, wrong tokens stay evidence",
         GJ,
-        '        if not case.inject or (res.backend_identity or {}).get("injection"):',
-        '        if (res.backend_identity or {}).get("injection"):',
+        "        if not case.inject or wrote and not blind:",
+        "        if wrote and not blind:",
         False,
         {"test_a_crash_a_hang_or_wrong_tokens_stay_evidence"},
     ),
     (
         "vouch: ... in a self control whose injection wrote too",
         GJ,
-        '        if not case.inject or (res.backend_identity or {}).get("injection"):',
+        "        if not case.inject or wrote and not blind:",
         "        if not case.inject:",
         False,
         {"test_a_crash_a_hang_or_wrong_tokens_stay_evidence"},
@@ -170,10 +171,18 @@ VOUCH = [
     (
         "vouch: a self control whose injection never wrote",
         GJ,
-        '        if not case.inject or (res.backend_identity or {}).get("injection"):',
+        "        if not case.inject or wrote and not blind:",
         "        if True:",
         False,
         {"test_a_self_control_whose_injection_never_wrote_cannot_vouch"},
+    ),
+    (
+        "vouch: in audit a self control's fault needs the auditor's catch",
+        GJ,
+        '        blind = case.mode.audit and not res.stale_fields and "descriptor_checks" in counters',
+        "        blind = False",
+        False,
+        {"test_in_the_audit_mode_a_self_controls_fault_alone_cannot_vouch_the_auditor_must_catch_it"},
     ),
     (
         "vouch: clean/stale-audit that did not fire",

@@ -6,7 +6,7 @@ it, comes back.
 
 Mutation-checked: for each rule, the rule was deleted from its module (a row of NEEDS, an `if` of not_fired or
 vouch made False, the reference check of reference_problems), this file was run, exactly the test named for the
-rule failed, and the source was restored. tests/mutation_check.py holds the 25 mutations and the tests each must
+rule failed, and the source was restored. tests/mutation_check.py holds the 26 mutations and the tests each must
 fail, and runs them (`python tests/mutation_check.py vouch`). A row of NEEDS is one rule with two consequences:
 deleting it fails its counter's test and its feature's case of test_the_features_annotate_needs_come_from_the_table
 (the sm_margin rows share the feature fa3, so deleting one fails its counter's test only). The reference early return
@@ -287,6 +287,22 @@ def test_a_self_control_whose_injection_never_wrote_cannot_vouch(verdict):
     assert got.reason.startswith(
         f"the self control's injection never wrote before this {verdict}: not the re-created defect's (case verdict"
     )
+
+
+@pytest.mark.parametrize("verdict", [CRASH, HANG, WRONG])
+def test_in_the_audit_mode_a_self_controls_fault_alone_cannot_vouch_the_auditor_must_catch_it(verdict):
+    """Issue 44: in audit mode each injection form must be caught by the auditor's own contents check, not only by a
+    fault; a build with the descriptor check that saw no stale field is cannot-vouch. A record from before the
+    descriptor check (no descriptor_checks counter) keeps its fault."""
+    c = case("audit", inject=True)
+    res = CaseResult(c.case_id, verdict, "it faulted", backend_identity=identity(counters={"descriptor_checks": 12}))
+    got = gate_judge.vouch(c, res)
+    assert got.verdict == CANNOT_VOUCH
+    assert got.reason.startswith(f"the auditor caught nothing of the re-created defect (stale-capture): the {verdict}")
+    caught = replace(res, stale_fields={"seq_lens": 3})
+    assert gate_judge.vouch(c, caught) is caught
+    before = CaseResult(c.case_id, verdict, "", backend_identity=identity(counters={"descriptor_checks": None}))
+    assert gate_judge.vouch(c, before) is before
 
 
 def test_vouch_leaves_a_reference_as_it_is():
