@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from repro.report.results import SCHEMA
 from tests.commands import ROOT, fake_vllm, no_traceback, one_line_nothing_written, run_repro
 
 
@@ -23,7 +24,7 @@ def test_matrix_without_gpu_writes_only_where_asked(tmp_path):
     assert r.returncode == 0, r.stderr
     assert {p.name for p in out.iterdir()} >= {"verdicts.md", "results.json"}  # heatmap.png too with matplotlib
     doc = json.loads((tmp_path / "m.json").read_text())
-    assert doc["source"] == "model" and doc["schema"] == 2 and len(doc["cases"]) == 8
+    assert doc["source"] == "model" and doc["schema"] == SCHEMA and len(doc["cases"]) == 8
 
 
 def test_matrix_gate_without_gpu_fails(tmp_path):
