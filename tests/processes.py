@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -36,3 +37,10 @@ def group_alive(pgid: int) -> bool:
         if int(fields[2]) == pgid and fields[0] != "Z":
             return True
     return False
+
+
+def at_a_terminal() -> None:
+    """A Popen preexec_fn for a process a test interrupts with Ctrl-C: SIGINT's default action, as a shell gives its
+    foreground job. A test run started in the background of a non-interactive shell (`cmd &` in a script, as CI may
+    do) inherits SIGINT ignored, and so would every process it starts: its Ctrl-C would then never arrive."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

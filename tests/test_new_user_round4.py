@@ -32,6 +32,7 @@ from tests.commands import (
     run_repro,
     tree,
 )
+from tests.processes import at_a_terminal
 from tests.records import RESULTS
 
 
@@ -116,7 +117,9 @@ def test_bisect_gives_the_checkout_back_after_ctrl_c_and_allows_one_run_per_chec
     slow = [sys.executable, "-c", "import time; time.sleep(60)"]
     cmd = repro_cmd("bisect", "--vllm", str(repo), "--good", "HEAD~4", "--bad", "HEAD", "--check", "gate", "--", *slow)
     env = isolated_env(tmp_path)
-    first = subprocess.Popen(cmd, cwd=tmp_path, env=env, start_new_session=True, stdout=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, start_new_session=True, stdout=subprocess.PIPE, text=True, preexec_fn=at_a_terminal
+    )
     try:
         for _ in range(300):  # until git bisect has moved the checkout
             if (repo / ".git" / "BISECT_LOG").exists() and _git(repo, "rev-parse", "HEAD") != head:
@@ -186,7 +189,8 @@ def test_serve_makes_no_folder_for_the_socket_it_is_given(tmp_path):
 def test_serve_interrupted_while_it_starts_stops_the_server_it_started(tmp_path):
     sock = tmp_path / "s.sock"
     env = isolated_env(tmp_path, REPRO_SERVER=str(sock))
-    p = subprocess.Popen(repro_cmd("serve", "--idle", "600"), cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    cmd = repro_cmd("serve", "--idle", "600")
+    p = subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True, preexec_fn=at_a_terminal)
     for _ in range(200):  # the server's log appears when it is started, its socket once it imported
         if sock.with_suffix(".log").exists():
             break
@@ -255,7 +259,7 @@ def test_ctrl_c_during_matrix_leaves_no_unmarked_report_folder_and_stops_at_once
     out = tmp_path / "o"
     p = subprocess.Popen(
         repro_cmd("matrix", "--out", str(out)), cwd=tmp_path, env=isolated_env(tmp_path), start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=at_a_terminal,
     )  # fmt: skip
     assert p.stderr.readline().startswith("[matrix] ")  # past its imports and checks: a command at work
     time.sleep(0.5)
