@@ -101,7 +101,7 @@ def test_stale_metadata_vllm_gate(gate_build, record_property):
     # outside it at least one form with kernel evidence, a silent form listed)
     judged = policy.decide([control_of(c, r) for c, r in self_controls])
     failed = [f for f in judged.failures if f.kind == policy.CONTROL_FAILED]
-    assert not failed, f"HARNESS BLIND: the self control of vLLM {build.label}: {failed[0] if failed else ''}"
+    assert not failed, f"HARNESS BLIND: the self control of vLLM {build.label}: {failed[0]}"
     record_property("self_control_form_misses", json.dumps(judged.form_misses))
     if build.role == CONTROL:
         assert passes(case, res), f"HARNESS BLIND: control vLLM {build.label} came back {res.verdict}: {res.reason}"

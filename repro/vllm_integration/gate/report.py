@@ -7,14 +7,13 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from repro.case.spec import CaseResult
 from repro.contract.verdicts import FAULTS, SKIP
 from repro.judge.policy import NO_EVIDENCE, SELF_CONTROL, GateOutcome
 from repro.report.redact import redact
 from repro.report.results import VLLM_GATE_KIND, header
 from repro.vllm_integration.gate import bench as gate_bench
 from repro.vllm_integration.gate.cache import COLD, KEPT, PRIVATE, WARM
-from repro.vllm_integration.gate.case import GateCase, expected
+from repro.vllm_integration.gate.case import expected
 from repro.vllm_integration.gate.judge import passes
 from repro.vllm_integration.gate.methods import DEFAULT_METHOD
 from repro.vllm_integration.gate.process import not_applicable_of
@@ -26,16 +25,17 @@ from repro.vllm_integration.releases.source_check import check_tree
 RESULTS_KIND = VLLM_GATE_KIND
 
 
-def _ok(run: GateRun, case: GateCase, res: CaseResult) -> bool:
-    """Not applicable, or met its expectation with no failure of it in the run's stored decision (rules 5 and 6)."""
-    failed = {f.case_id for f in run.judged().decision.failures}  # a failure names one control of its subject: all fail
-    hit = {control_of(c, r).subject or c.case_id for c, r in run.cases if c.case_id in failed}
-    mine = control_of(case, res).subject or case.case_id
-    return bool(not_applicable_of(res)) or passes(case, res) and mine not in hit
+def _oks(run: GateRun) -> dict[str, bool]:
+    """Each case's ok: not applicable, or it met its expectation and the run's stored decision fails no control of its
+    subject (a failure names one control; policy rules 5 and 6 fail every mode or form of its subject with it)."""
+    subject = {c.case_id: control_of(c, r).subject or c.case_id for c, r in run.cases}
+    hit = {subject[f.case_id] for f in run.judged().decision.failures if f.case_id in subject}
+    ok = {c.case_id: passes(c, r) and subject[c.case_id] not in hit for c, r in run.cases}
+    return {c.case_id: bool(not_applicable_of(r)) or ok[c.case_id] for c, r in run.cases}
 
 
 def rows(run: GateRun) -> list[dict]:
-    out = []
+    out, oks = [], _oks(run)
     for kind, pairs in (
         ("case", run.cases),
         ("reference", run.references),
@@ -59,7 +59,7 @@ def rows(run: GateRun) -> list[dict]:
                     "kernel": r.kernel or "-",
                     "descriptor": r.descriptor or "-",
                     "expected": (r.expected or expected(c)) if kind == "case" else "-",
-                    "ok": _ok(run, c, r) if kind == "case" else None,
+                    "ok": oks[c.case_id] if kind == "case" else None,
                     "engine": (r.backend_identity or {}).get("engine"),
                     "counters": (r.backend_identity or {}).get("counters"),
                     "acceptance": (r.backend_identity or {}).get("acceptance"),
@@ -179,7 +179,7 @@ def build_summary(run: GateRun) -> list[dict]:
         method = "" if c.method == DEFAULT_METHOD else f" {c.method}"
         form = "" if c.inject == STALE_CAPTURE else f", {c.inject}"  # the second form's row says which it is
         by_build[c.build.label + method + (f" (self control{form})" if c.inject else "")].append((c, r))
-    out = []
+    out, oks = [], _oks(run)
     for label, pairs in by_build.items():
         b = pairs[0][0].build
         injected = pairs[0][0].inject is not None
@@ -204,7 +204,7 @@ def build_summary(run: GateRun) -> list[dict]:
                 "source_check": src.verdict if src else "-",
                 "wall_s": run.build_wall_s.get(b.label),
                 "caches": caches(run, b.label),
-                "ok": all(_ok(run, c, r) for c, r in pairs),
+                "ok": all(oks[c.case_id] for c, _ in pairs),
                 "coverage": coverage(pairs),
             }
         )
