@@ -168,7 +168,8 @@ def add_parsers(sub) -> None:
         choices=("fork", "spawn"),
         help="how case processes start: fork (from a forkserver per build that imported torch, vLLM and the plugin "
         "once; a case that cannot be forked is launched plainly, and the report says why) or spawn (a fresh "
-        "interpreter per case) (default: REPRO_GATE_LAUNCHER, else spawn; fork ran real vLLM on the H200: docs/vllm-gate.md)",
+        "interpreter per case) (default: REPRO_GATE_LAUNCHER, else fork: the same verdicts as spawn on the H200, "
+        "docs/vllm-gate.md#speed)",
     )
     gt.add_argument(
         "--keep-forkserver",

@@ -42,6 +42,8 @@ from repro.vllm_integration.releases.builds import VllmBuild
 CACHE_ENV = "REPRO_CACHE_DIR"
 VLLM_CACHE = "vllm-cache"
 COMPLETE, CLAIM = f"{VLLM_CACHE}.complete", f"{VLLM_CACHE}.claim"  # markers beside it
+TRITON_CACHE = "triton-cache"  # the build's Triton kernels, beside its vLLM cache (GateCache.triton_dir)
+TRITON_ENV = "TRITON_CACHE_DIR"  # vLLM keeps a value given (compilation/compiler_interface.initialize_inductor_cache)
 WARM, WRITER, COLD = "warm", "cold, writer", "cold"  # what a case's VLLM_CACHE_ROOT is (case_cache)
 PRIVATE, KEPT = "private", "reference kept"  # the old path (no cache); a reference not run, its kept record used
 USED = "used"
@@ -210,6 +212,15 @@ class GateCache:
             else:
                 shutil.rmtree(d / folder, ignore_errors=True)
             (d / claim).unlink(missing_ok=True)
+
+    def triton_dir(self, build: VllmBuild) -> Path:
+        """The build's Triton kernel cache (TRITON_CACHE_DIR of its cases): vLLM's JIT warmup and inductor's kernels.
+        Shared by concurrent cases (Triton names each entry by its own content key and writes it by rename), so a
+        warm case compiles none of them. Without it vLLM points Triton into the compiling case's folder, and a case
+        that loads its compiled artifacts instead into ~/.triton: outside the cache, and cold there the first time."""
+        d = self.build_dir(build) / TRITON_CACHE
+        d.mkdir(parents=True, exist_ok=True)
+        return d
 
     # --- references -----------------------------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ LATE_VARS = frozenset(
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
         "CUDA_LAUNCH_BLOCKING",  # the attribution rerun: read when the CUDA context is made
         "VLLM_CACHE_ROOT",  # vllm.envs reads it when asked (the model registry, torch.compile), not at import
+        "TRITON_CACHE_DIR",  # read when a kernel compiles (vLLM's compile and JIT warmup), not at import
         CHANNEL_ENV,  # read at each record
         request.ENV,  # the case's request: read by the worker's main and by plugin.register when vLLM loads it
     }

@@ -32,9 +32,10 @@ from repro.vllm_integration.gate.forkserver import TARGET_MAIN, ForkServer, diff
 FORK, SPAWN = "fork", "spawn"
 LAUNCHERS = (FORK, SPAWN)
 LAUNCHER_ENV = "REPRO_GATE_LAUNCHER"
-# fork gives the spawned records on every stand-in behaviour (tests/test_vllm_gate_fork.py) but has not run real vLLM
-# on a GPU yet: opt in with --launcher fork until a GPU run of `gate --compare-paths` shows no verdict difference
-DEFAULT_LAUNCHER = SPAWN
+# fork: the spawned records on every stand-in behaviour (tests/test_vllm_gate_fork.py), and the same verdicts as spawned
+# cases on the H200 with --compile none (results/h200-paths-kept, -kept-2) and with inductor, vLLM 0.34.0 and its self
+# control's two forms (results/h200-paths-inductor-0.34.0); every case it cannot fork is spawned, with why
+DEFAULT_LAUNCHER = FORK
 PRELOAD_ENV = "REPRO_GATE_PRELOAD"  # more modules for the forkserver to import (MODULE[:ATTR],...), e.g. the runner's
 
 

@@ -21,7 +21,7 @@ from repro.errors import Unavailable
 from repro.run.runner import case_logs, device_sm_count, run_process
 from repro.run.smcontrol import MpsDaemon
 from repro.vllm_integration.gate import bench as gate_bench
-from repro.vllm_integration.gate.cache import PRIVATE, WRITER, GateCache
+from repro.vllm_integration.gate.cache import PRIVATE, TRITON_CACHE, TRITON_ENV, WRITER, GateCache
 from repro.vllm_integration.gate.case import GateCase, case_env, expected
 from repro.vllm_integration.gate.judge import annotate, finish
 from repro.vllm_integration.gate.launch import Launcher
@@ -69,6 +69,8 @@ def run_case(
     if cache is not None:
         root, vllm_cache = cache.case_cache(case.build, private, may_write=not case.reference, compile=case.compile)
         env["VLLM_CACHE_ROOT"] = str(root)
+    # Triton's kernels: the build's folder on the cache path, the case's own cold one without (never ~/.triton)
+    env[TRITON_ENV] = str(cache.triton_dir(case.build) if cache is not None else private / TRITON_CACHE)
     cmd = entrypoints.command(entrypoints.GATE_WORKER)  # what it runs: its request (repro.contract.request) in env
     sanitized = bool(case.mode.sanitizer) and not case.reference
     if launcher is not None:
