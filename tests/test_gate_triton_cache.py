@@ -43,9 +43,7 @@ def test_every_case_of_a_build_shares_its_triton_folder_on_the_cache_path_and_no
     monkeypatch.setenv(TRITON_ENV, str(tmp_path / "home-triton"))  # what the gate's own environment says is replaced
     build = parse_builds(f"b={write_fake_vllm(tmp_path / 'b', '0.26.0', 'good')}", UNDER_TEST, "REPRO_VLLM")[0]
     cache = GateCache(tmp_path / "cache")
-    envs = [
-        _env_of(GateCase(build, GateMode.parse(m)), [build], tmp_path / "logs", cache) for m in ("audit", "plain")
-    ]
+    envs = [_env_of(GateCase(build, GateMode.parse(m)), [build], tmp_path / "logs", cache) for m in ("audit", "plain")]
     want = cache.build_dir(build) / TRITON_CACHE
     assert [e[TRITON_ENV] for e in envs] == [str(want)] * 2 and want.is_dir()
     old = _env_of(GateCase(build, GateMode.parse("plain")), [build], tmp_path / "old", None)

@@ -141,7 +141,9 @@ def test_only_the_per_case_variables_may_differ_from_the_forkservers():
     read = ["CUDA_VISIBLE_DEVICES"]  # read while the forkserver imported: must equal the forkserver's value
     assert differs({**launch, "CUDA_VISIBLE_DEVICES": "1"}, {**launch, "CUDA_VISIBLE_DEVICES": "1"}, read) == []
     assert differs({**launch, "CUDA_VISIBLE_DEVICES": "2"}, {**launch, "CUDA_VISIBLE_DEVICES": "1"}, read) == read
-    assert launcher_kind(None, {}) == FORK and launcher_kind(None, {"REPRO_GATE_LAUNCHER": "spawn"}) == SPAWN  # the default
+    assert (
+        launcher_kind(None, {}) == FORK and launcher_kind(None, {"REPRO_GATE_LAUNCHER": "spawn"}) == SPAWN
+    )  # the default
     assert launcher_kind("spawn", {"REPRO_GATE_LAUNCHER": "fork"}) == SPAWN
     with pytest.raises(Exception, match="launcher"):
         launcher_kind("vfork", {})
