@@ -1,0 +1,59 @@
+"""The README's bare `gate` on its default path (forked case processes, inductor, each build's vLLM and Triton caches
+in the gate's cache folder), judged again on a CPU from the H200 records it wrote: vLLM 0.34.0 with both forms of its
+self control, cold (results/h200-readme-gate-8-cold) and warm (-warm), and the path comparison that found the warm
+spawned path recompiling vLLM's JIT warmup kernels outside the cache (results/h200-paths-inductor-0.34.0)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from repro.exit_codes import gate as gate_exit
+from tests.recorded_gate import FAULTS, replay, same_verdicts
+from tests.records import RESULTS
+
+V = "stale_metadata-vllm-0.34.0-"
+COLD, WARM, PATHS = (
+    RESULTS / n for n in ("h200-readme-gate-8-cold", "h200-readme-gate-8-warm", "h200-paths-inductor-0.34.0")
+)
+JIT = re.compile(r"JIT kernel warmup finished in ([0-9.]+)s")
+
+
+def _jit_seconds(logs) -> list[float]:
+    """vLLM's own figure for its JIT warmup, per case process that got that far."""
+    return [float(m[1]) for p in sorted(logs.glob("*.out.log")) if (m := JIT.search(p.read_text(errors="replace")))]
+
+
+def test_the_bare_gate_passes_cold_and_warm_with_the_same_answers(monkeypatch, tmp_path):
+    for record in (COLD, WARM):
+        doc, rows, run, got = replay(monkeypatch, tmp_path / record.name, record)
+        same_verdicts(got, rows)
+        assert all(got[f"{V}under-test-{m}"].verdict == "clean" for m in ("audit", "plain"))
+        for form in ("self-control", "self-control-stale-descriptor"):
+            assert all(got[f"{V}{form}-{m}"].verdict in FAULTS for m in ("audit", "plain")), form
+        assert run.outcome() == doc["outcome"] == "PASS" and gate_exit(run.outcome()) == 0
+
+
+def test_every_case_was_forked_and_the_warm_run_compiled_no_jit_kernels_again():
+    for record in (COLD, WARM):
+        doc = json.loads((record / "results.json").read_text())
+        (launch,) = doc["launches"].values()
+        assert launch["launcher"] == "fork" and launch["spawned"] == 0 and launch["forked"] >= 6, launch
+    cold, warm = _jit_seconds(COLD / "logs"), _jit_seconds(WARM / "logs")
+    assert len(cold) >= 4 and len(warm) >= 4  # the cases that got past the engine's start, in both runs
+    assert min(cold) > 20 and max(warm) < 5, (cold, warm)  # the build's Triton cache, found warm
+    assert (
+        json.loads((WARM / "results.json").read_text())["wall_s"]
+        < 0.6 * json.loads((COLD / "results.json").read_text())["wall_s"]
+    )
+
+
+def test_before_the_fix_a_warm_spawned_case_compiled_its_jit_kernels_again():
+    """The comparison on 7fb1149: the warm spawned path loaded the compiled model from the cache, but vLLM then points
+    Triton at ~/.triton, cold there: its first cases spent 37 s in vLLM's JIT warmup (those started after them found
+    what the first ones left there: 1.5 s), as the kept warm path did not only because it ran after it. The same
+    verdicts on every path."""
+    doc = json.loads((PATHS / "paths.json").read_text())
+    assert {p: r["outcome"] for p, r in doc["paths"].items()} == dict.fromkeys(doc["paths"], "PASS")
+    new_warm = _jit_seconds(PATHS / "logs" / "new-warm")
+    assert len(new_warm) >= 4 and max(new_warm) > 20, new_warm
