@@ -14,8 +14,10 @@ import pytest
 
 from repro.contract import request
 from repro.contract.request import CaseRequest, PluginRequest
-from repro.errors import BadRequest
+from repro.errors import BadRequest, ConfigError
+from repro.vllm_integration.gate import run as gate_run
 from repro.vllm_integration.gate.case import GateCase, GateMode, case_env, reference_for
+from repro.vllm_integration.plugin import requested
 from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
 from tests.case_requests import case_request, plugin_request
 
@@ -142,6 +144,35 @@ def test_the_gates_environment_gives_a_persons_choices_to_the_request_and_nothin
     req = request.read(env)
     assert (req.plugin.weights, req.plugin.inject_source, req.vllm_inspects) == ("margin", "last", True)
     assert req.plugin.inject == "stale-descriptor" and not req.plugin.audit and "REPRO_AUDIT" not in env
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "allowed"),
+    [
+        ("REPRO_WEIGHTS", "agreed", "agree, agree-exact, margin, dummy"),
+        ("REPRO_INJECT_SOURCE", "middle", "first, last"),
+    ],
+)
+def test_a_choice_the_plugin_would_refuse_is_refused_where_the_gate_builds_the_request(
+    tmp_path, monkeypatch, var, value, allowed
+):
+    """A misspelt REPRO_WEIGHTS or REPRO_INJECT_SOURCE is the gate's ConfigError naming the variable and its values,
+    not a request the case's plugin refuses after vLLM started (its check stays as the second line)."""
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError, match=f"{var}='{value}': use one of {allowed}"):
+        _case_env(tmp_path, "plain")
+    with pytest.raises(ValueError, match=value):  # the second line, inside the case
+        requested(plugin_request(**{"weights" if var == "REPRO_WEIGHTS" else "inject_source": value}))
+
+
+def test_the_gate_refuses_a_bad_choice_before_any_case_starts(tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(gate_run, "run_control", lambda c, *a, **k: started.append(c) or pytest.fail("a case ran"))
+    monkeypatch.setenv("REPRO_INJECT_SOURCE", "middle")
+    build = VllmBuild("b", str(tmp_path / "prefix"), UNDER_TEST)
+    with pytest.raises(ConfigError, match="REPRO_INJECT_SOURCE='middle'"):
+        gate_run.run_gate([build], (GateMode.parse("plain"),), tmp_path / "logs", launcher="spawn", memory=None)
+    assert not started
 
 
 def test_the_case_process_refuses_to_run_without_a_request_or_with_a_bad_one():
