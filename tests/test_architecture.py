@@ -339,7 +339,7 @@ def test_each_cli_module_holds_the_subcommands_its_row_names():
     from repro import cli  # noqa: PLC0415  the cli imports much: only this test needs it
 
     rows = dict(re.findall(r"^\| `repro/cli/(\w+)\.py` \| (.*) \|$", DOC.read_text(), re.M))
-    for name in ("matrix", "run", "serve", "vllm", "reports"):
+    for name in ("matrix", "run", "serve", "vllm", "reports", "plugin"):
         sub = argparse.ArgumentParser().add_subparsers()
         getattr(cli, name).add_parsers(sub)
         named = set(re.findall(r"`([a-z][a-z-]*)`", rows[name].split(":")[0]))

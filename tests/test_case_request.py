@@ -8,7 +8,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 
@@ -195,3 +195,53 @@ def test_a_plugin_request_alone_is_a_persons_auditor():
     assert plugin.from_environment({"REPRO_AUDIT": "0"}) is None
     asked = case_request(plugin_request(probe=True))
     assert plugin.from_environment({"REPRO_AUDIT": "1", request.ENV: asked.to_json()}) == asked.plugin  # the gate's
+
+
+def test_a_persons_plugin_request_printed_by_the_command_is_what_the_plugin_in_their_vllm_run_installs(tmp_path):
+    """A person's own vLLM run asks for the plugin's other features (SM margin, poison, injection, weights) with one
+    request of the plugin alone, as `python -m repro plugin-request` prints it; it wins over REPRO_AUDIT=1."""
+    from repro.vllm_integration import plugin  # noqa: PLC0415  the plugin's reading of a person's variables
+
+    cmd = [sys.executable, "-m", "repro", "plugin-request", "--sm-margin", "16", "--poison", "int-max"]
+    cmd += ["--inject", "stale-capture", "--inject-source", "last", "--weights", "margin", "--audit-file", "a.json"]
+    out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    env = {request.ENV: out.stdout.strip(), "REPRO_AUDIT": "1"}
+    want = plugin_request(probe=True, audit=True, audit_file="a.json", sm_margin=16, poison="int-max")
+    want = replace(want, inject="stale-capture", inject_source="last", weights="margin")
+    assert plugin.from_environment(env) == want
+    asked = plugin.requested(plugin.from_environment(env))
+    assert (asked["sm_margin"], asked["poison"].name, asked["inject"], asked["weights"]) == (
+        16,
+        "int-max",
+        "stale-capture",
+        "margin",
+    )
+    with pytest.raises(BadRequest, match="missing key 'models'"):  # a gate case process refuses a person's request
+        request.read(env)
+
+
+def test_the_plugin_request_command_refuses_what_the_plugin_would_refuse(capsys):
+    from repro.cli import main  # noqa: PLC0415  the command line, in this process
+
+    assert main(["plugin-request", "--poison", "lukewarm"]) == 2
+    assert "lukewarm" in capsys.readouterr().err
+    assert main(["plugin-request", "--sm-margin", "-1"]) == 2
+    assert "sm_margin=-1" in capsys.readouterr().err
+    assert main(["plugin-request", "--no-audit"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert (
+        printed["schema"] == request.SCHEMA
+        and printed["plugin"]["audit"] is False
+        and set(printed) == {"schema", "plugin"}
+    )
+
+
+def test_a_persons_plugin_request_is_validated_whole():
+    doc = json.loads(plugin_request().to_json())
+    doc["plugin"]["margin"] = 3
+    with pytest.raises(BadRequest, match="unknown key 'plugin.margin'"):
+        request.plugin_of({request.ENV: json.dumps(doc)})
+    del doc["plugin"]["margin"], doc["plugin"]["weights"]
+    with pytest.raises(BadRequest, match="missing key 'plugin.weights'"):
+        request.plugin_of({request.ENV: json.dumps(doc)})
