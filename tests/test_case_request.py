@@ -245,3 +245,15 @@ def test_a_persons_plugin_request_is_validated_whole():
     del doc["plugin"]["margin"], doc["plugin"]["weights"]
     with pytest.raises(BadRequest, match="missing key 'plugin.weights'"):
         request.plugin_of({request.ENV: json.dumps(doc)})
+
+
+def test_a_request_classs_field_types_are_read_once_per_class(monkeypatch):
+    """Every request made or read checks its fields against the class's type hints; they are read once per class, not
+    once per request (nor twice: by the reading and by the checking)."""
+    calls = []
+    real = request.typing.get_type_hints
+    monkeypatch.setattr(request.typing, "get_type_hints", lambda cls: calls.append(cls) or real(cls))
+    text = case_request(plugin_request(probe=True)).to_json()
+    for _ in range(5):
+        CaseRequest.from_json(text)
+    assert len(calls) <= 2 and len(set(calls)) == len(calls), calls  # CaseRequest and PluginRequest, at most once each

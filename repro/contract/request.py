@@ -13,6 +13,7 @@ default put in its place. What a value means (a backend name, a poison fill) is 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import types
@@ -114,7 +115,7 @@ def _from_dict(cls: type, doc: dict, where: str) -> Any:
         raise BadRequest(f"{ENV}: unknown key '{where}{unknown[0]}' (a {cls.__name__} has {', '.join(names)})")
     if missing := [n for n in names if n not in doc]:
         raise BadRequest(f"{ENV}: missing key '{where}{missing[0]}' (a {cls.__name__} has no default)")
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     values = {}
     for n in names:
         hint = hints[n]
@@ -127,6 +128,12 @@ def _from_dict(cls: type, doc: dict, where: str) -> Any:
     return cls(**values)
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """A request class's field types, read once per class (every request made or read checks against them)."""
+    return typing.get_type_hints(cls)
+
+
 def _allowed(hint: Any) -> tuple[type, ...]:
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         return tuple(a for h in typing.get_args(hint) for a in _allowed(h))
@@ -135,7 +142,7 @@ def _allowed(hint: Any) -> tuple[type, ...]:
 
 def _check_types(obj: Any) -> None:
     """Each field's value of its annotated type: bool is not a number here, nor a number a bool."""
-    hints = typing.get_type_hints(type(obj))
+    hints = _hints(type(obj))
     for f in dataclasses.fields(obj):
         value, allowed = getattr(obj, f.name), _allowed(hints[f.name])
         ok = any(type(value) is t if t in (bool, int) else isinstance(value, t) for t in allowed)
