@@ -84,7 +84,7 @@ VOUCH = [
     (
         "not_fired: spec layout known",
         COV,
-        *_off('    if c.get("spec_layout_known") is False:'),
+        *_off("    if known is False:"),
         {"test_an_unknown_spec_layout"},
     ),
     (
@@ -179,7 +179,7 @@ VOUCH = [
     (
         "vouch: in audit a self control's fault needs the auditor's catch",
         GJ,
-        '        blind = case.mode.audit and not res.stale_fields and "descriptor_checks" in counters',
+        "        blind = case.mode.audit and not res.stale_fields and descriptor_check_existed(counters)",
         "        blind = False",
         False,
         {"test_in_the_audit_mode_a_self_controls_fault_alone_cannot_vouch_the_auditor_must_catch_it"},
