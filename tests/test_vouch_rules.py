@@ -548,3 +548,20 @@ def test_a_case_without_a_clean_reference_cannot_be_compared():
     broken = replace(ref_res, verdict=ERROR, reason="reference not trusted: x")
     got = gate_judge.apply_reference(res, _case_out(132), broken, {**GOOD_REF_OUT, "device": {"sms": 132}})
     assert got.verdict == ERROR and got.reason.startswith("no reference to compare with")
+
+
+def test_a_recorded_results_backend_identity_is_marked_by_the_same_upgrader_and_then_vouches_as_it_did():
+    """A results.json result recorded before the descriptor check, the spec layout and the per-backend count (its
+    backend_identity as annotate stored it) is marked by upgrade_result, and only then read as it was read then."""
+    from repro.report.records import upgrade_result  # noqa: PLC0415  the one upgrader of recorded results
+
+    c = case("audit")
+    counters = {k: v for k, v in FIRED["counters"].items() if k not in ("descriptor_checks", "descriptor_unchecked")}
+    counters = {k: v for k, v in counters.items() if k not in ("spec_layout_known", "backends")}
+    counters["attention_forwards"] = 40
+    recorded = {"backend_identity": {**FIRED, "counters": counters, "engine": dict(FIRED["engine"])}}
+    assert len(coverage.not_fired(c, recorded["backend_identity"])) >= 3  # as a live record: each key said missing
+    got = upgrade_result(recorded)["backend_identity"]
+    assert got["counters"][RECORDED_BEFORE] == [channel.DESCRIPTOR_CHECK, channel.SPEC_LAYOUT, channel.BACKENDS]
+    assert got["engine"][RECORDED_BEFORE] == [channel.COMPILATION]
+    assert coverage.not_fired(c, got) == []
