@@ -313,9 +313,11 @@ _WORDS_OF_FLAG = (
 def upgrade_result(result: dict, row: dict | None = None) -> dict:
     """A recorded case result (a results.json's `result`, matrix or gate) as this code writes one: one from before
     typed flags gets the flags its reason said in words (_WORDS_OF_FLAG), one from before results kept their
-    expectation gets its row's, a field added after it was written its default (what reading it gave before). The one upgrader of recorded results: results.load_json calls it for a record of an
-    older schema, the gate replays (tests/recorded_gate.py) for every recorded row; a result that has its flags is
-    returned as it was (a live record is never read leniently)."""
+    expectation gets its row's, a field added after it was written its default (what reading it gave before), its
+    backend_identity's engine and counters the marks of what they predate (_upgraded, as upgrade_channel marks the
+    records they came from). The one upgrader of recorded results: results.load_json calls it for a record of an
+    older schema, the gate replays (tests/recorded_gate.py) for every recorded row; a result that has its flags keeps
+    them (a live record never passes through here: it is never read leniently)."""
     out = dict(result)
     if out.get("expected") is None and (row or {}).get("expected"):  # older records kept it in the row only
         out["expected"] = row["expected"]
