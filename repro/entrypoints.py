@@ -13,6 +13,8 @@ import sys
 
 ATTENTION_WORKER = "repro.attention.worker"  # one attention-layer case (python -m, or main() in a forked process)
 ATTENTION_WORKER_MAIN = ATTENTION_WORKER + ":main"
+SPEC_WORKER = "repro.specdecode.worker"  # one spec-decode case (the scenario SPEC), the same way
+SPEC_WORKER_MAIN = SPEC_WORKER + ":main"
 BACKENDS_PRELOAD = "repro.backends.preload"  # the FA3 libraries, loaded and hashed once in a forkserver
 EXECUTOR = "repro.run.executor"  # a warm process under memcheck (`python -m repro.run.executor warm`)
 SERVER = "repro.run.server"  # the repro server (`python -m repro.run.server`)

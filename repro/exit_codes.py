@@ -173,6 +173,7 @@ EXIT_CODES: dict[str, dict[int, str]] = {
     },
     "doctor": {0: "always (it reports what is missing)"},
     "serve": {0: "started, running, stopped or status shown", 2: "bad input, or the server did not start"},
+    "plugin-request": {0: "printed", 2: "bad input (a value the plugin would refuse)"},
     "pytest --gate": {
         0: "the gate passed (else pytest's own status)",
         1: "the gate failed, or a test failed",

@@ -24,6 +24,7 @@ COV, GJ, POL = (
     "repro/vllm_integration/gate/judge.py",
     "repro/judge/policy.py",
 )
+CHANNEL = "repro/contract/channel.py"
 
 
 def _row(counter: str) -> tuple[str, str, bool]:
@@ -84,7 +85,7 @@ VOUCH = [
     (
         "not_fired: spec layout known",
         COV,
-        *_off('    if c.get("spec_layout_known") is False:'),
+        *_off("    if known is False:"),
         {"test_an_unknown_spec_layout"},
     ),
     (
@@ -179,7 +180,7 @@ VOUCH = [
     (
         "vouch: in audit a self control's fault needs the auditor's catch",
         GJ,
-        '        blind = case.mode.audit and not res.stale_fields and "descriptor_checks" in counters',
+        "        blind = case.mode.audit and not res.stale_fields and descriptor_check_existed(counters)",
         "        blind = False",
         False,
         {"test_in_the_audit_mode_a_self_controls_fault_alone_cannot_vouch_the_auditor_must_catch_it"},
@@ -191,6 +192,26 @@ VOUCH = [
         "        missing = []",
         False,
         {"test_a_clean_or_stale_audit_case_that_did_not_fire_cannot_vouch"},
+    ),
+    (
+        "channel.has: a live record missing a key is not excused as an old one",
+        CHANNEL,
+        '    raise MissingKey(f"{what} lacks',
+        '    return False\n    raise MissingKey(f"{what} lacks',
+        False,
+        {
+            "test_a_live_audit_record_without_the_descriptor_checks_counters_cannot_vouch",
+            "test_an_unknown_spec_layout",
+            "test_no_forward_through_the_hooked_backend",
+        },
+    ),
+    (
+        "vouch: only a record marked as predating the descriptor check excuses a self control's fault alone",
+        COV,
+        '    return "descriptor_checks" in counters or DESCRIPTOR_CHECK not in recorded_before(counters)',
+        '    return "descriptor_checks" in counters',
+        False,
+        {"test_in_the_audit_mode_a_self_controls_fault_alone_cannot_vouch_the_auditor_must_catch_it"},
     ),
 ]
 # every reference check (reference_problems, validate_reference, apply_reference, compare_tokens, annotate's MPS SM

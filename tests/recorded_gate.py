@@ -5,7 +5,6 @@ attribution rerun, the reference comparison, the coverage check and repro.judge.
 from __future__ import annotations
 
 import argparse
-import json
 import lzma
 import re
 import shutil
@@ -14,14 +13,12 @@ from pathlib import Path
 
 from repro.case.spec import STALLED
 from repro.judge.classify import classify
-from repro.report.records import upgrade_result
+from repro.report.records import upgrade_channel, upgrade_result
 from repro.run import own_alloc, smcontrol
 from repro.run.channel import Channel, path_for
-from repro.run.tags import ENGINE_TAG, RESULT_TAG
 from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import run as gate_run
 from repro.vllm_integration.gate.case import GateCase, parse_backends, parse_modes
-from repro.vllm_integration.gate.coverage import COMPILATION, CONFIGURATION, RECORDED_BEFORE
 from repro.vllm_integration.gate.run import KEPT_LINE, run_gate
 from repro.vllm_integration.plugin.inject import INJECTIONS, STALE_CAPTURE
 from tests.records import RESULTS, load
@@ -49,7 +46,7 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
         out = (logs / out_log.name).read_text(errors="replace")
         out_log.write_text(out)
         records = (logs / path_for(out_log).name).read_text()
-        records = upgrade_records(records)
+        records = upgrade_channel(records)
         if edit_channel is not None:
             records = edit_channel(case.case_id, records)
         path_for(out_log).write_text(records)
@@ -128,46 +125,6 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
     )
     got = {c.case_id: r for pairs in (run.cases, run.references, run.attributions) for c, r in pairs}
     return doc, rows, run, got
-
-
-def _upgraded(tag: str, data: dict) -> dict | None:
-    """A recorded record's data with the marks of what it predates (coverage.RECORDED_BEFORE), or None if none."""
-    marks = []
-    if tag == RESULT_TAG and data.get("tokens") and "nonfinite" not in data:
-        marks.append(CONFIGURATION)
-    if tag == ENGINE_TAG and "compilation_mode" not in data:
-        marks.append(COMPILATION)
-    return {**data, RECORDED_BEFORE: [*data.get(RECORDED_BEFORE, []), *marks]} if marks else None
-
-
-_TEXT_RECORD = re.compile(r"^(REPRO_[A-Z_]+) (\{.*\})$")
-
-
-def upgrade_records(text: str) -> str:
-    """The one upgrader of recorded records, used by the replays only (a channel file's JSON lines, or a log's
-    `TAG {json}` lines from before the channel): a RESULT record from before the references reported their
-    configuration (no 'nonfinite'), an ENGINE record from before the engine's compilation mode was reported, each
-    marked as such (coverage.RECORDED_BEFORE), the mark the judging reads instead of trusting a record for what it
-    lacks. Live runs never pass through here: there a record missing a key is judged as missing it."""
-    out = []
-    for line in text.splitlines():
-        if m := _TEXT_RECORD.match(line):
-            try:
-                data = json.loads(m[2])
-            except ValueError:
-                data = None
-            if isinstance(data, dict) and (new := _upgraded(m[1], data)) is not None:
-                line = f"{m[1]} {json.dumps(new)}"
-        elif line.startswith("{"):
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                rec = None
-            if isinstance(rec, dict) and isinstance(rec.get("data"), dict):
-                if (new := _upgraded(rec.get("tag"), rec["data"])) is not None:
-                    line = json.dumps({**rec, "data": new})
-        out.append(line)
-    return "\n".join(out) + ("\n" if text.endswith("\n") else "")
 
 
 class StandInMps:

@@ -291,6 +291,15 @@ def test_every_module_but_the_package_itself_is_in_one_layer_of_the_contract():
     assert not outside, f"modules in no layer of the import contract: {sorted(outside)}"
 
 
+def test_the_attention_layer_imports_nothing_of_the_spec_decode_layer_above_it():
+    """The debt the contract ignored until it was paid: the attention worker ran the spec-decode case (now
+    repro.specdecode.worker runs it around the attention worker's main). Counted with imports inside functions and
+    the names the registry gives."""
+    graph = import_graph()
+    up = {f"{m} -> {t}" for m, ts in graph.items() if m.startswith("repro.attention") for t in ts if "specdecode" in t}
+    assert not up, f"the attention layer imports the spec-decode layer: {sorted(up)}"
+
+
 def test_every_debt_the_contract_ignores_is_an_import_that_exists():
     """An ignored import that is gone must leave the list (the debt was paid), so the list stays the debts of today."""
     graph = import_graph()
@@ -339,7 +348,7 @@ def test_each_cli_module_holds_the_subcommands_its_row_names():
     from repro import cli  # noqa: PLC0415  the cli imports much: only this test needs it
 
     rows = dict(re.findall(r"^\| `repro/cli/(\w+)\.py` \| (.*) \|$", DOC.read_text(), re.M))
-    for name in ("matrix", "run", "serve", "vllm", "reports"):
+    for name in ("matrix", "run", "serve", "vllm", "reports", "plugin"):
         sub = argparse.ArgumentParser().add_subparsers()
         getattr(cli, name).add_parsers(sub)
         named = set(re.findall(r"`([a-z][a-z-]*)`", rows[name].split(":")[0]))

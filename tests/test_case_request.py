@@ -8,14 +8,16 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 
 from repro.contract import request
 from repro.contract.request import CaseRequest, PluginRequest
-from repro.errors import BadRequest
+from repro.errors import BadRequest, ConfigError
+from repro.vllm_integration.gate import run as gate_run
 from repro.vllm_integration.gate.case import GateCase, GateMode, case_env, reference_for
+from repro.vllm_integration.plugin import requested
 from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
 from tests.case_requests import case_request, plugin_request
 
@@ -144,6 +146,35 @@ def test_the_gates_environment_gives_a_persons_choices_to_the_request_and_nothin
     assert req.plugin.inject == "stale-descriptor" and not req.plugin.audit and "REPRO_AUDIT" not in env
 
 
+@pytest.mark.parametrize(
+    ("var", "value", "allowed"),
+    [
+        ("REPRO_WEIGHTS", "agreed", "agree, agree-exact, margin, dummy"),
+        ("REPRO_INJECT_SOURCE", "middle", "first, last"),
+    ],
+)
+def test_a_choice_the_plugin_would_refuse_is_refused_where_the_gate_builds_the_request(
+    tmp_path, monkeypatch, var, value, allowed
+):
+    """A misspelt REPRO_WEIGHTS or REPRO_INJECT_SOURCE is the gate's ConfigError naming the variable and its values,
+    not a request the case's plugin refuses after vLLM started (its check stays as the second line)."""
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError, match=f"{var}='{value}': use one of {allowed}"):
+        _case_env(tmp_path, "plain")
+    with pytest.raises(ValueError, match=value):  # the second line, inside the case
+        requested(plugin_request(**{"weights" if var == "REPRO_WEIGHTS" else "inject_source": value}))
+
+
+def test_the_gate_refuses_a_bad_choice_before_any_case_starts(tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(gate_run, "run_control", lambda c, *a, **k: started.append(c) or pytest.fail("a case ran"))
+    monkeypatch.setenv("REPRO_INJECT_SOURCE", "middle")
+    build = VllmBuild("b", str(tmp_path / "prefix"), UNDER_TEST)
+    with pytest.raises(ConfigError, match="REPRO_INJECT_SOURCE='middle'"):
+        gate_run.run_gate([build], (GateMode.parse("plain"),), tmp_path / "logs", launcher="spawn", memory=None)
+    assert not started
+
+
 def test_the_case_process_refuses_to_run_without_a_request_or_with_a_bad_one():
     env = {k: v for k, v in os.environ.items() if k != request.ENV} | {"PYTHONPATH": ROOT}
     cmd = [sys.executable, "-m", "repro.vllm_integration.gate.worker"]
@@ -164,3 +195,65 @@ def test_a_plugin_request_alone_is_a_persons_auditor():
     assert plugin.from_environment({"REPRO_AUDIT": "0"}) is None
     asked = case_request(plugin_request(probe=True))
     assert plugin.from_environment({"REPRO_AUDIT": "1", request.ENV: asked.to_json()}) == asked.plugin  # the gate's
+
+
+def test_a_persons_plugin_request_printed_by_the_command_is_what_the_plugin_in_their_vllm_run_installs(tmp_path):
+    """A person's own vLLM run asks for the plugin's other features (SM margin, poison, injection, weights) with one
+    request of the plugin alone, as `python -m repro plugin-request` prints it; it wins over REPRO_AUDIT=1."""
+    from repro.vllm_integration import plugin  # noqa: PLC0415  the plugin's reading of a person's variables
+
+    cmd = [sys.executable, "-m", "repro", "plugin-request", "--sm-margin", "16", "--poison", "int-max"]
+    cmd += ["--inject", "stale-capture", "--inject-source", "last", "--weights", "margin", "--audit-file", "a.json"]
+    out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    env = {request.ENV: out.stdout.strip(), "REPRO_AUDIT": "1"}
+    want = plugin_request(probe=True, audit=True, audit_file="a.json", sm_margin=16, poison="int-max")
+    want = replace(want, inject="stale-capture", inject_source="last", weights="margin")
+    assert plugin.from_environment(env) == want
+    asked = plugin.requested(plugin.from_environment(env))
+    assert (asked["sm_margin"], asked["poison"].name, asked["inject"], asked["weights"]) == (
+        16,
+        "int-max",
+        "stale-capture",
+        "margin",
+    )
+    with pytest.raises(BadRequest, match="missing key 'models'"):  # a gate case process refuses a person's request
+        request.read(env)
+
+
+def test_the_plugin_request_command_refuses_what_the_plugin_would_refuse(capsys):
+    from repro.cli import main  # noqa: PLC0415  the command line, in this process
+
+    assert main(["plugin-request", "--poison", "lukewarm"]) == 2
+    assert "lukewarm" in capsys.readouterr().err
+    assert main(["plugin-request", "--sm-margin", "-1"]) == 2
+    assert "sm_margin=-1" in capsys.readouterr().err
+    assert main(["plugin-request", "--no-audit"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert (
+        printed["schema"] == request.SCHEMA
+        and printed["plugin"]["audit"] is False
+        and set(printed) == {"schema", "plugin"}
+    )
+
+
+def test_a_persons_plugin_request_is_validated_whole():
+    doc = json.loads(plugin_request().to_json())
+    doc["plugin"]["margin"] = 3
+    with pytest.raises(BadRequest, match="unknown key 'plugin.margin'"):
+        request.plugin_of({request.ENV: json.dumps(doc)})
+    del doc["plugin"]["margin"], doc["plugin"]["weights"]
+    with pytest.raises(BadRequest, match="missing key 'plugin.weights'"):
+        request.plugin_of({request.ENV: json.dumps(doc)})
+
+
+def test_a_request_classs_field_types_are_read_once_per_class(monkeypatch):
+    """Every request made or read checks its fields against the class's type hints; they are read once per class, not
+    once per request (nor twice: by the reading and by the checking)."""
+    calls = []
+    real = request.typing.get_type_hints
+    monkeypatch.setattr(request.typing, "get_type_hints", lambda cls: calls.append(cls) or real(cls))
+    text = case_request(plugin_request(probe=True)).to_json()
+    for _ in range(5):
+        CaseRequest.from_json(text)
+    assert len(calls) <= 2 and len(set(calls)) == len(calls), calls  # CaseRequest and PluginRequest, at most once each

@@ -159,3 +159,47 @@ def test_graph_vs_eager_comparison_sees_draft_proposals_the_tokens_hide():
     b.proposals[0] = a.proposals[0]
     b.verify_logits[1] = b.verify_logits[1] + 0.5
     assert compare_runs(a, b)["max_logit_err"] == pytest.approx(0.5, abs=1e-3) and compare_runs(a, b)["wrong"]
+
+
+def test_a_spec_decode_case_runs_in_the_spec_decode_layers_worker_and_never_in_the_attention_worker(
+    monkeypatch, tmp_path
+):
+    """The runner starts a spec-decode case as repro.specdecode.worker (its main, when forked), any other scenario as
+    repro.attention.worker, which refuses a spec-decode case: the attention layer runs nothing of the layer above."""
+    from repro.attention import worker as attention_worker  # noqa: PLC0415  the case process's module
+    from repro.case.spec import CaseSpec  # noqa: PLC0415
+    from repro.run import runner  # noqa: PLC0415
+
+    started = []
+    monkeypatch.setattr(runner, "worker_env", lambda spec, mps: {})
+    monkeypatch.setattr(runner, "run_process", lambda spec, cmd, *a: started.append((cmd[2], a[-1][0])) or (None,))
+    runner.run_case(CaseSpec("upstream", "stale", scenario="spec-decode"), tmp_path)
+    runner.run_case(CaseSpec("upstream", "stale"), tmp_path)
+    assert started == [
+        ("repro.specdecode.worker", "repro.specdecode.worker:main"),
+        ("repro.attention.worker", "repro.attention.worker:main"),
+    ]
+    with pytest.raises(ValueError, match="repro.specdecode.worker"):
+        attention_worker.run_case(CaseSpec("upstream", "stale", scenario="spec-decode"))
+
+
+def test_the_spec_decode_worker_is_a_case_process_of_its_own(tmp_path):
+    """`python -m repro.specdecode.worker SPEC` runs the attention worker's process around its case: without a GPU
+    it reports the skip on the channel and exits 0, as the attention worker does."""
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from repro.case.spec import CaseSpec  # noqa: PLC0415
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "CUDA_VISIBLE_DEVICES": "", "REPRO_CHANNEL": str(tmp_path / "c.jsonl")}
+    env.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)
+    spec = CaseSpec("upstream", "stale", scenario="spec-decode").to_json()
+    p = subprocess.run(
+        [sys.executable, "-m", "repro.specdecode.worker", spec], env=env, capture_output=True, timeout=120
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "c.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["tag"] for r in records] == ["REPRO_SKIP"] and "no CUDA device" in records[0]["data"]["reason"]

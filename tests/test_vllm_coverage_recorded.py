@@ -22,6 +22,7 @@ from repro.exit_codes import gate as gate_exit
 from repro.judge.classify import classify
 from repro.judge.policy import decide
 from repro.judge.verdicts import CANNOT_VOUCH, CLEAN, CRASH
+from repro.report.records import upgrade_channel
 from repro.run import smcontrol
 from repro.run.tags import AUDIT_TAG, COUNTERS_TAG, ENGINE_TAG
 from repro.vllm_integration.gate import process as gate_process
@@ -29,7 +30,6 @@ from repro.vllm_integration.gate import report as gate_report
 from repro.vllm_integration.gate.case import GateCase, parse_modes
 from repro.vllm_integration.gate.run import run_gate
 from repro.vllm_integration.releases.builds import VllmBuild
-from tests.recorded_gate import upgrade_records
 from tests.records import RESULTS
 
 RECORD = RESULTS / "h200-vllm-coverage"
@@ -63,7 +63,7 @@ def replay(monkeypatch, tmp_path: Path, edit=None):
     def recorded_process(case, cmd, env, log_dir, sanitizer, executor=None, target=None):
         r = ROWS[case.case_id]["result"]
         assert GateCase.from_dict(r["spec"]) == case, case.case_id  # the plan rebuilt the recorded case
-        out = upgrade_records((LOGS / f"{case.case_id}.out.log").read_text(errors="replace"))  # records from before
+        out = upgrade_channel((LOGS / f"{case.case_id}.out.log").read_text(errors="replace"))  # records from before
         if edit is not None:
             out = edit(case.case_id, out)
         log_dir = Path(log_dir)

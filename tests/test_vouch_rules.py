@@ -27,6 +27,8 @@ from dataclasses import replace
 import pytest
 
 from repro.case.spec import CaseResult
+from repro.contract import channel
+from repro.contract.channel import RECORDED_BEFORE
 from repro.judge.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, HANG, STALE_AUDIT, WRONG
 from repro.vllm_integration.gate import coverage
 from repro.vllm_integration.gate import judge as gate_judge
@@ -51,6 +53,8 @@ FIRED = {  # everything every mode needs, counted
         "spec_layout": "v2-eagle",
         "spec_layout_known": True,
         "checks": 12,
+        "descriptor_checks": {"draft decode": 4},
+        "descriptor_unchecked": {},
         "captures_injected": {"draft FULL": 2},
         "inject_writes": {"draft build": 2},
         "sched_calls": 9,
@@ -116,10 +120,14 @@ def test_no_forward_through_the_hooked_backend():
     why = only(case(), identity(counters={"backends": {"FLASHINFER": 40}}))
     assert why.startswith("no attention forward went through the hooked FLASH_ATTN impl (forwards counted per")
     assert "FLASHINFER 40" in why
-    # records from before the per-backend count: attention_forwards is FLASH_ATTN's
-    assert coverage.not_fired(case(), identity(counters={"backends": None, "attention_forwards": 40})) == []
-    legacy = identity(counters={"backends": None, "attention_forwards": 0})
+    # records from before the per-backend count, as the replays' upgrader marks them: attention_forwards is FLASH_ATTN's
+    old = {"backends": None, "attention_forwards": 40, RECORDED_BEFORE: [channel.BACKENDS]}
+    assert coverage.not_fired(case(), identity(counters=old)) == []
+    legacy = identity(counters={**old, "attention_forwards": 0})
     assert only(case(), legacy).startswith("no attention forward went through the hooked FLASH_ATTN impl")
+    # a live record without the per-backend count: not read as an old one's attention_forwards
+    live = coverage.not_fired(case(), identity(counters={"backends": None, "attention_forwards": 40}))
+    assert live[0].startswith("the counters record lacks 'backends'") and "no attention forward went through" in live[1]
 
 
 def test_flash_attn_must_be_fa3():
@@ -162,7 +170,11 @@ def test_speculative_decoding_with_zero_drafts():
 def test_an_unknown_spec_layout():
     why = only(case(), identity(counters={"spec_layout_known": False, "spec_layout": "v3"}))
     assert why == "speculative-decoding layout v3 is not one the auditor knows (plugin.KNOWN_SPEC_LAYOUTS)"
-    assert coverage.not_fired(case(), identity(counters={"spec_layout_known": None})) == []  # older records
+    old = identity(counters={"spec_layout_known": None, RECORDED_BEFORE: [channel.SPEC_LAYOUT]})
+    assert coverage.not_fired(case(), old) == []  # a recorded run from before the key, as the upgrader marks it
+    assert only(case(), identity(counters={"spec_layout_known": None})).startswith(
+        "the counters record lacks 'spec_layout_known' (a live record"
+    )
 
 
 # -- not_fired: the rows of coverage.NEEDS --
@@ -199,7 +211,8 @@ def test_poison_must_fill_entries():
 
 def test_a_reference_in_sm_margin_needs_the_margin_too():
     ref = reference_for(case("sm_margin:16"))
-    res = CaseResult(ref.case_id, CLEAN, "", backend_identity={"engine": {"cudagraph_mode": "NONE"}, "counters": {}})
+    ident = {"engine": GOOD_REF_ENGINE, "counters": {}, "acceptance": GOOD_REF_ACCEPTANCE}
+    res = CaseResult(ref.case_id, CLEAN, "", backend_identity=ident)
     out = {"tokens": [[1, 2, 3]], "margins": [[5.0, 5.0, 5.0]], "nonfinite": []}
     assert gate_judge.reference_problems(ref, res, out) == [
         "the reference's SM configuration sm_margin:16 did not reach FA3 (0 get_scheduler_metadata and 0 forward "
@@ -301,8 +314,23 @@ def test_in_the_audit_mode_a_self_controls_fault_alone_cannot_vouch_the_auditor_
     assert got.reason.startswith(f"the auditor caught nothing of the re-created defect (stale-capture): the {verdict}")
     caught = replace(res, stale_fields={"seq_lens": 3})
     assert gate_judge.vouch(c, caught) is caught
-    before = CaseResult(c.case_id, verdict, "", backend_identity=identity(counters={"descriptor_checks": None}))
+    old = {"descriptor_checks": None, RECORDED_BEFORE: [channel.DESCRIPTOR_CHECK]}  # as the upgrader marks it
+    before = CaseResult(c.case_id, verdict, "", backend_identity=identity(counters=old))
     assert gate_judge.vouch(c, before) is before
+    live = replace(before, backend_identity=identity(counters={"descriptor_checks": None}))
+    assert gate_judge.vouch(c, live).verdict == CANNOT_VOUCH  # a live record without the counter is not excused
+
+
+@pytest.mark.parametrize("key", ["descriptor_checks", "descriptor_unchecked"])
+def test_a_live_audit_record_without_the_descriptor_checks_counters_cannot_vouch(key):
+    """Drop the descriptor check's counters from today's plugin: an audit case must not pass as a record from before
+    the check; only the replays' upgrader may mark a record as that old."""
+    c = case("audit")
+    assert only(c, identity(counters={key: None})).startswith(f"the counters record lacks {key!r} (a live record")
+    res = CaseResult(c.case_id, CLEAN, "tokens equal", backend_identity=identity(counters={key: None}))
+    assert gate_judge.vouch(c, res).verdict == CANNOT_VOUCH
+    old = {"descriptor_checks": None, "descriptor_unchecked": None, RECORDED_BEFORE: [channel.DESCRIPTOR_CHECK]}
+    assert coverage.not_fired(c, identity(counters=old)) == []
 
 
 def test_vouch_leaves_a_reference_as_it_is():
@@ -376,14 +404,14 @@ def test_a_live_reference_record_without_its_configuration_is_an_error_not_trust
     live = {k: v for k, v in GOOD_REF_OUT.items() if k != "nonfinite"}
     got = gate_judge.validate_reference(ref, res, live)
     assert got.verdict == ERROR and "lacks 'nonfinite'" in got.reason
-    old = {**live, coverage.RECORDED_BEFORE: [coverage.CONFIGURATION]}  # what the upgrader writes
+    old = {**live, RECORDED_BEFORE: [channel.CONFIGURATION]}  # what the upgrader writes
     assert gate_judge.reference_problems(ref, res, old) == []  # its tokens are all an old record can show
     assert gate_judge.validate_reference(ref, res, old).verdict == CLEAN
 
 
 def test_the_replays_upgrader_marks_only_result_records_without_their_configuration():
-    from repro.run.tags import ENGINE_TAG, RESULT_TAG
-    from tests.recorded_gate import upgrade_records
+    from repro.report.records import upgrade_channel as upgrade_records
+    from repro.run.tags import COUNTERS_TAG, ENGINE_TAG, RESULT_TAG
 
     def rec(tag, data):
         return json.dumps({"schema": 1, "tag": tag, "pid": 1, "data": data})
@@ -394,22 +422,32 @@ def test_the_replays_upgrader_marks_only_result_records_without_their_configurat
             rec(RESULT_TAG, {"tokens": [[1]], "nonfinite": []}),
             rec(ENGINE_TAG, {"compilation_mode": None}),
             rec(ENGINE_TAG, {"cudagraph_mode": "FULL"}),
+            rec(COUNTERS_TAG, {"checks": 3}),
+            rec(COUNTERS_TAG, FIRED["counters"]),
+            rec(ENGINE_TAG, {"compilation_mode": None, "counters": {"checks": 3, "backends": {}}}),
         ]
     )
     got = [json.loads(line)["data"] for line in upgrade_records(text).splitlines()]
-    assert got[0][coverage.RECORDED_BEFORE] == [coverage.CONFIGURATION]
-    assert coverage.RECORDED_BEFORE not in got[1] and coverage.RECORDED_BEFORE not in got[2]
-    assert got[3][coverage.RECORDED_BEFORE] == [coverage.COMPILATION]
+    assert got[0][RECORDED_BEFORE] == [channel.CONFIGURATION]
+    assert RECORDED_BEFORE not in got[1] and RECORDED_BEFORE not in got[2]
+    assert got[3][RECORDED_BEFORE] == [channel.COMPILATION]
+    # counters (the COUNTERS record, an ENGINE record's own) marked with each key they predate, today's not at all
+    assert got[4][RECORDED_BEFORE] == [channel.DESCRIPTOR_CHECK, channel.SPEC_LAYOUT, channel.BACKENDS]
+    assert got[5] == FIRED["counters"]
+    assert RECORDED_BEFORE not in got[6] and got[6]["counters"][RECORDED_BEFORE] == [
+        channel.DESCRIPTOR_CHECK,
+        channel.SPEC_LAYOUT,
+    ]
     # a log's `TAG {json}` lines from before the channel, the same way; other lines as they were
     old = upgrade_records('loading\nREPRO_RESULT {"tokens": [[1]]}\n').splitlines()
-    assert old[0] == "loading" and json.loads(old[1].split(" ", 1)[1])[coverage.RECORDED_BEFORE] == ["configuration"]
+    assert old[0] == "loading" and json.loads(old[1].split(" ", 1)[1])[RECORDED_BEFORE] == ["configuration"]
 
 
 def test_a_live_engine_record_without_its_compilation_mode_cannot_vouch_for_compile_none():
     c = replace(case(), compile="none")
     live = identity(engine={"compilation_mode": None})  # the key dropped
     assert only(c, live) == "--compile none: the engine record reports no compilation mode (a live record lacks it)"
-    old = identity(engine={"compilation_mode": None, coverage.RECORDED_BEFORE: [coverage.COMPILATION]})
+    old = identity(engine={"compilation_mode": None, RECORDED_BEFORE: [channel.COMPILATION]})
     assert coverage.not_fired(c, old) == []  # a record the upgrader marked as from before the key existed
 
 
@@ -510,3 +548,20 @@ def test_a_case_without_a_clean_reference_cannot_be_compared():
     broken = replace(ref_res, verdict=ERROR, reason="reference not trusted: x")
     got = gate_judge.apply_reference(res, _case_out(132), broken, {**GOOD_REF_OUT, "device": {"sms": 132}})
     assert got.verdict == ERROR and got.reason.startswith("no reference to compare with")
+
+
+def test_a_recorded_results_backend_identity_is_marked_by_the_same_upgrader_and_then_vouches_as_it_did():
+    """A results.json result recorded before the descriptor check, the spec layout and the per-backend count (its
+    backend_identity as annotate stored it) is marked by upgrade_result, and only then read as it was read then."""
+    from repro.report.records import upgrade_result  # noqa: PLC0415  the one upgrader of recorded results
+
+    c = case("audit")
+    counters = {k: v for k, v in FIRED["counters"].items() if k not in ("descriptor_checks", "descriptor_unchecked")}
+    counters = {k: v for k, v in counters.items() if k not in ("spec_layout_known", "backends")}
+    counters["attention_forwards"] = 40
+    recorded = {"backend_identity": {**FIRED, "counters": counters, "engine": dict(FIRED["engine"])}}
+    assert len(coverage.not_fired(c, recorded["backend_identity"])) >= 3  # as a live record: each key said missing
+    got = upgrade_result(recorded)["backend_identity"]
+    assert got["counters"][RECORDED_BEFORE] == [channel.DESCRIPTOR_CHECK, channel.SPEC_LAYOUT, channel.BACKENDS]
+    assert got["engine"][RECORDED_BEFORE] == [channel.COMPILATION]
+    assert coverage.not_fired(c, got) == []

@@ -1,4 +1,5 @@
-"""Runs ONE case inside its own process (a memory error poisons the CUDA context): `python -m repro.attention.worker SPEC`.
+"""Runs ONE case inside its own process (a memory error poisons the CUDA context): `python -m repro.attention.worker SPEC`
+(a spec-decode case: `python -m repro.specdecode.worker SPEC`, the layer above, through this module's main).
 
 Prints progress lines `REPRO_PASS <json>` before every launch (so a crash or hang names its descriptor) and one
 `REPRO_RESULT <json>` at the end. The parent (repro.run.runner) adds the process-level verdict."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 
 from repro.attention.builder import MetadataBuilder
 from repro.attention.reference import paged_attention_reference, tolerance
@@ -43,19 +45,16 @@ def sm_setup(spec: CaseSpec, torch) -> tuple[int, int, object | None]:
 
 
 def run_case(spec: CaseSpec) -> dict:
+    """One attention-layer case of any scenario but the spec-decode one (repro.specdecode.worker runs that)."""
     import torch  # main imported (and timed) it before this runs: bound here, the module loads without torch
 
+    if spec.scenario == SPEC:
+        raise ValueError("a spec-decode case runs in repro.specdecode.worker, not in the attention worker")
     torch.manual_seed(spec.seed)
     reported, margin, _green = sm_setup(spec, torch)
     backend = load_backend(spec.backend, spec.backend_path)
     cfg = spec.cfg
     poison = parse_poison(spec.poison)
-    if spec.scenario == SPEC:
-        from repro.specdecode.case import run_spec_case  # imports torch (the models): spec-decode cases only
-
-        res = run_spec_case(spec, backend, margin, poison, lambda ev: emit(PASS_TAG, ev))
-        res.update(sms_reported=reported, sms_planned=reported - margin, backend_identity=backend.identity().to_dict())
-        return res
     dev = torch.device("cuda", 0)
     builder = MetadataBuilder(backend, cfg, dev, sm_margin=margin, poison=poison)
     shadow = MetadataBuilder(backend, cfg, dev, sm_margin=margin, poison=poison)  # fresh reference, own buffers
@@ -122,7 +121,9 @@ def run_case(spec: CaseSpec) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, run: Callable[[CaseSpec], dict] = run_case) -> int:
+    """The case process: its spec from argv (or stdin for "-"), torch and the device record, `run` (this module's
+    run_case, or the spec-decode worker's), a skip or the RESULT record with its phases."""
     argv = sys.argv[1:] if argv is None else argv
     spec = CaseSpec.from_json(argv[0] if argv[0] != "-" else sys.stdin.read())
     t0 = time.time()
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                 "phases": phases,
             },
         )
-        res = run_case(spec)
+        res = run(spec)
     except (BackendUnavailable, Unavailable) as e:
         emit(SKIP_TAG, {"reason": str(e)})
         return 0

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from repro.contract.tags import TAGS
+from repro.errors import MissingKey
 
 ENV = "REPRO_CHANNEL"
 SCHEMA = 1
@@ -129,6 +130,32 @@ class Channel:
         if path.exists():
             return cls.read(path)
         return cls.from_output(output if output is not None else _read(out_log))
+
+
+# What a recorded record predates: a key of its data that no process writes. Only the replays' upgrader of recorded
+# runs (repro.report.records.upgrade_channel) marks an old record so, and only what it marks is read as it was read
+# then; a live record missing a key is a MissingKey (has), judged as cannot-vouch or error, never as harmless.
+RECORDED_BEFORE = "recorded_before"
+CONFIGURATION = "configuration"  # a reference RESULT record from before references reported their configuration
+COMPILATION = "compilation_mode"  # an ENGINE record from before the engine's compilation mode was reported
+DESCRIPTOR_CHECK = "descriptor_check"  # counters from before the auditor's descriptor check (descriptor_checks, ...)
+SPEC_LAYOUT = "spec_layout"  # counters from before the plugin reported vLLM's spec-decode layout (spec_layout_known)
+BACKENDS = "backends"  # counters from before forwards were counted per backend (attention_forwards: FLASH_ATTN's)
+
+
+def recorded_before(record: dict | None) -> tuple[str, ...]:
+    """What the replays' upgrader marked this record as predating (empty for every live record)."""
+    return tuple((record or {}).get(RECORDED_BEFORE) or ())
+
+
+def has(record: dict | None, key: str, mark: str, what: str) -> bool:
+    """Does `record` (`what`, for the message) hold `key`: True; False where the replays' upgrader marked it as
+    predating `mark` (a recorded run, read as it was then); a live record without the key raises MissingKey."""
+    if key in (record or {}):
+        return True
+    if mark in recorded_before(record):
+        return False
+    raise MissingKey(f"{what} lacks {key!r} (a live record missing a key its writer always writes: not trusted)")
 
 
 def _read(path: str | Path) -> str:

@@ -3,7 +3,8 @@
 JSON into ONE environment variable of the case process (ENV) and read once there: by the case process
 (repro.vllm_integration.gate.worker) and by the plugin in every process vLLM starts (repro.vllm_integration.plugin:
 vLLM enters it through its entry point in processes it spawns, which inherit the variable), never by parsing
-anything else.
+anything else. A person's own vLLM run outside the gate may give the plugin its part alone in the same variable
+(PluginRequest.to_json, printed by `python -m repro plugin-request`; plugin_of reads either).
 
 A request is validated whole when it is read, and when it is made: a key it does not know, a key it lacks, a value of
 another type (a bool where a number is asked, a string where a bool is) is a BadRequest naming the key, never a
@@ -12,6 +13,7 @@ default put in its place. What a value means (a backend name, a poison fill) is 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import types
@@ -42,6 +44,11 @@ class PluginRequest:
     def __post_init__(self) -> None:
         _check_types(self)
 
+    def to_json(self) -> str:
+        """A person's request of the plugin alone, for a vLLM run outside the gate (ENV holds it; plugin_of reads it;
+        `python -m repro plugin-request` prints one)."""
+        return json.dumps({"schema": SCHEMA, "plugin": asdict(self)}, sort_keys=True)
+
 
 @dataclass(frozen=True)
 class CaseRequest:
@@ -64,16 +71,7 @@ class CaseRequest:
 
     @classmethod
     def from_json(cls, text: str) -> CaseRequest:
-        try:
-            doc = json.loads(text)
-        except ValueError as e:
-            raise BadRequest(f"{ENV}: not JSON ({e})") from None
-        if not isinstance(doc, dict):
-            raise BadRequest(f"{ENV}: a JSON object expected, got {type(doc).__name__}")
-        doc = dict(doc)
-        if doc.pop("schema", None) != SCHEMA:
-            raise BadRequest(f"{ENV}: not a request of schema {SCHEMA}")
-        return _from_dict(cls, doc, "")
+        return _from_dict(cls, _document(text), "")
 
 
 def read(environ: dict[str, str] | None = None) -> CaseRequest | None:
@@ -82,13 +80,42 @@ def read(environ: dict[str, str] | None = None) -> CaseRequest | None:
     return None if text is None else CaseRequest.from_json(text)
 
 
+def plugin_of(environ: dict[str, str] | None = None) -> PluginRequest | None:
+    """What the plugin is asked for by ENV, validated whole: a gate case's request's plugin part, or a person's request
+    of the plugin alone (PluginRequest.to_json: the key `plugin` and nothing else of a case); None when ENV is unset.
+    A case process given a person's request refuses it (read: a CaseRequest's keys are missing)."""
+    text = (os.environ if environ is None else environ).get(ENV)
+    if text is None:
+        return None
+    doc = _document(text)
+    if set(doc) != {"plugin"}:
+        return _from_dict(CaseRequest, doc, "").plugin
+    if not isinstance(doc["plugin"], dict):
+        raise BadRequest(f"{ENV}: key 'plugin' must be an object, not {doc['plugin']!r}")
+    return _from_dict(PluginRequest, doc["plugin"], "plugin.")
+
+
+def _document(text: str) -> dict:
+    """The JSON object of a request, its schema checked and taken out."""
+    try:
+        doc = json.loads(text)
+    except ValueError as e:
+        raise BadRequest(f"{ENV}: not JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise BadRequest(f"{ENV}: a JSON object expected, got {type(doc).__name__}")
+    doc = dict(doc)
+    if doc.pop("schema", None) != SCHEMA:
+        raise BadRequest(f"{ENV}: not a request of schema {SCHEMA}")
+    return doc
+
+
 def _from_dict(cls: type, doc: dict, where: str) -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     if unknown := sorted(set(doc) - set(names)):
         raise BadRequest(f"{ENV}: unknown key '{where}{unknown[0]}' (a {cls.__name__} has {', '.join(names)})")
     if missing := [n for n in names if n not in doc]:
         raise BadRequest(f"{ENV}: missing key '{where}{missing[0]}' (a {cls.__name__} has no default)")
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     values = {}
     for n in names:
         hint = hints[n]
@@ -101,6 +128,12 @@ def _from_dict(cls: type, doc: dict, where: str) -> Any:
     return cls(**values)
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """A request class's field types, read once per class (every request made or read checks against them)."""
+    return typing.get_type_hints(cls)
+
+
 def _allowed(hint: Any) -> tuple[type, ...]:
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         return tuple(a for h in typing.get_args(hint) for a in _allowed(h))
@@ -109,7 +142,7 @@ def _allowed(hint: Any) -> tuple[type, ...]:
 
 def _check_types(obj: Any) -> None:
     """Each field's value of its annotated type: bool is not a number here, nor a number a bool."""
-    hints = typing.get_type_hints(type(obj))
+    hints = _hints(type(obj))
     for f in dataclasses.fields(obj):
         value, allowed = getattr(obj, f.name), _allowed(hints[f.name])
         ok = any(type(value) is t if t in (bool, int) else isinstance(value, t) for t in allowed)

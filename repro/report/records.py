@@ -16,6 +16,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from repro.case.spec import REFUSED, RERUN_ALONE, STALLED, CaseResult
+from repro.contract.channel import (
+    BACKENDS,
+    COMPILATION,
+    CONFIGURATION,
+    DESCRIPTOR_CHECK,
+    RECORDED_BEFORE,
+    SPEC_LAYOUT,
+)
+from repro.contract.tags import COUNTERS_TAG, ENGINE_TAG, RESULT_TAG
 from repro.judge.classify import REFUSED as REFUSED_WORDS
 from repro.run.process import STALLED as STALLED_WORDS
 
@@ -304,9 +313,11 @@ _WORDS_OF_FLAG = (
 def upgrade_result(result: dict, row: dict | None = None) -> dict:
     """A recorded case result (a results.json's `result`, matrix or gate) as this code writes one: one from before
     typed flags gets the flags its reason said in words (_WORDS_OF_FLAG), one from before results kept their
-    expectation gets its row's, a field added after it was written its default (what reading it gave before). The one upgrader of recorded results: results.load_json calls it for a record of an
-    older schema, the gate replays (tests/recorded_gate.py) for every recorded row; a result that has its flags is
-    returned as it was (a live record is never read leniently)."""
+    expectation gets its row's, a field added after it was written its default (what reading it gave before), its
+    backend_identity's engine and counters the marks of what they predate (_upgraded, as upgrade_channel marks the
+    records they came from). The one upgrader of recorded results: results.load_json calls it for a record of an
+    older schema, the gate replays (tests/recorded_gate.py) for every recorded row; a result that has its flags keeps
+    them (a live record never passes through here: it is never read leniently)."""
     out = dict(result)
     if out.get("expected") is None and (row or {}).get("expected"):  # older records kept it in the row only
         out["expected"] = row["expected"]
@@ -318,4 +329,64 @@ def upgrade_result(result: dict, row: dict | None = None) -> dict:
             out[f.name] = f.default
         elif f.name not in out and f.default_factory is not dataclasses.MISSING:
             out[f.name] = f.default_factory()
+    if isinstance(identity := out.get("backend_identity"), dict):  # the engine's and counters' records, as annotated
+        tags = {"engine": ENGINE_TAG, "counters": COUNTERS_TAG}
+        out["backend_identity"] = {k: _upgraded(tags.get(k, ""), v) or v for k, v in identity.items()}
     return out
+
+
+# --- the one upgrader of recorded channel records -------------------------------------------------------------------
+# Each mark (repro.contract.channel.RECORDED_BEFORE) says what a record predates; the judging reads a key a marked
+# record lacks as it read it then, and a live record lacking it as a MissingKey (never harmless).
+_COUNTERS_BEFORE = (("descriptor_checks", DESCRIPTOR_CHECK), ("spec_layout_known", SPEC_LAYOUT), ("backends", BACKENDS))
+
+
+def _marked(data: dict, marks: list[str]) -> dict:
+    return {**data, RECORDED_BEFORE: [*data.get(RECORDED_BEFORE, []), *marks]} if marks else data
+
+
+def _upgraded(tag: str, data: dict) -> dict | None:
+    """A recorded record's data with the marks of what it predates, or None when it predates nothing: a reference's
+    RESULT without 'nonfinite' (CONFIGURATION), an ENGINE without 'compilation_mode' (COMPILATION), counters (the
+    COUNTERS record, an ENGINE record's own) without the descriptor check's, the layout's or the per-backend count."""
+    if not isinstance(data, dict):
+        return None
+    marks = []
+    if tag == RESULT_TAG and data.get("tokens") and "nonfinite" not in data:
+        marks.append(CONFIGURATION)
+    if tag == ENGINE_TAG and "compilation_mode" not in data:
+        marks.append(COMPILATION)
+    new = dict(data)
+    if tag == COUNTERS_TAG:
+        new = _marked(new, [m for key, m in _COUNTERS_BEFORE if key not in data])
+    elif tag == ENGINE_TAG and isinstance(data.get("counters"), dict):
+        new["counters"] = _upgraded(COUNTERS_TAG, data["counters"]) or data["counters"]
+    new = _marked(new, marks)
+    return new if new != data else None
+
+
+_TEXT_RECORD = re.compile(r"^(REPRO_[A-Z_]+) (\{.*\})$")
+
+
+def upgrade_channel(text: str) -> str:
+    """The one upgrader of recorded channel records, used by the replays only (a channel file's JSON lines, or a log's
+    `TAG {json}` lines from before the channel): each record marked with what it predates (_upgraded). Live runs never
+    pass through here: there a record missing a key is a MissingKey (repro.contract.channel.has)."""
+    out = []
+    for line in text.splitlines():
+        if m := _TEXT_RECORD.match(line):
+            try:
+                data = json.loads(m[2])
+            except ValueError:
+                data = None
+            if (new := _upgraded(m[1], data)) is not None:
+                line = f"{m[1]} {json.dumps(new)}"
+        elif line.startswith("{"):
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                rec = None
+            if isinstance(rec, dict) and (new := _upgraded(rec.get("tag"), rec.get("data"))) is not None:
+                line = json.dumps({**rec, "data": new})
+        out.append(line)
+    return "\n".join(out) + ("\n" if text.endswith("\n") else "")

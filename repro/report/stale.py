@@ -22,7 +22,12 @@ GATE_ENTRIES = (
     "repro/vllm_integration/plugin/__init__.py",  # loaded by vLLM (entry point)
     "repro/run/own_alloc.c",  # memcheck:own's allocator, built by nvcc
 )
-MATRIX_ENTRIES = ("repro/cli/matrix.py", "repro/attention/worker.py", "repro/run/server.py")
+MATRIX_ENTRIES = (
+    "repro/cli/matrix.py",
+    "repro/attention/worker.py",
+    "repro/specdecode/worker.py",
+    "repro/run/server.py",
+)
 PYTEST_ENTRIES = ("conftest.py", "cases", "repro/pytest_options.py", *MATRIX_ENTRIES[1:], *GATE_ENTRIES[1:])
 # options that leave `repro gate` the README's line: which builds, where, how long, where caches and reports go
 _PLAIN_GATE = {"--no-installed", "--vllm", "--control", "--torch", "--deadline", "--timeout", "--jobs", "--out"}

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from repro import CHECKOUT, entrypoints
+from repro.case.scenarios import SPEC
 from repro.case.spec import STALLED, CaseResult, CaseSpec
 from repro.contract.channel import ENV as CHANNEL_ENV
 from repro.contract.channel import SUFFIX as CHANNEL_SUFFIX
@@ -71,10 +72,11 @@ def run_case(spec: CaseSpec, log_dir: str | Path, mps: MpsDaemon | None = None, 
         env = worker_env(spec, mps)
     except Unavailable as e:
         return CaseResult.skipped(spec, str(e))
-    cmd = entrypoints.command(entrypoints.ATTENTION_WORKER, spec.to_json())
-    return run_process(
-        spec, cmd, env, log_dir, spec.sanitizer, executor, (entrypoints.ATTENTION_WORKER_MAIN, [spec.to_json()])
-    )[0]
+    worker, main = entrypoints.ATTENTION_WORKER, entrypoints.ATTENTION_WORKER_MAIN
+    if spec.scenario == SPEC:  # the spec-decode layer's worker, above the attention layer's (its main around it)
+        worker, main = entrypoints.SPEC_WORKER, entrypoints.SPEC_WORKER_MAIN
+    cmd = entrypoints.command(worker, spec.to_json())
+    return run_process(spec, cmd, env, log_dir, spec.sanitizer, executor, (main, [spec.to_json()]))[0]
 
 
 LOG_SUFFIXES = (".out.log", ".memcheck.log")  # a case process's output, and memcheck's log when it ran under it

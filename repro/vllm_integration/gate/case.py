@@ -14,20 +14,19 @@ Detection modes (`--modes`, each a case parameter):
                    memory kept, a guard after each): an over-read past a tensor is a finding; gating
   memcheck:own+poison:FILL  the same with the entries FA3 never writes poisoned: a read of one memcheck names
 
-Every case runs one speculative method (`--methods`, repro.vllm_integration.gate.methods: eagle, eagle3,
-draft_model, mtp, dflash; its id names it unless it is eagle), with its own reference and self control; a method
-the build does not have, or whose speculator captures no FULL graph, is not applicable there (a skip saying why,
-never clean).
+Every case runs one speculative method (`--methods`, repro.vllm_integration.gate.methods: eagle, eagle3, draft_model,
+mtp, dflash; its id names it unless it is eagle), with its own reference and self control; a method the build does not
+have, or whose speculator captures no FULL graph, is not applicable there (a skip saying why, never clean).
 
-Every mode also runs as a self control of a build (`inject`), once per form of the injection (INJECTIONS: the
-target's capture contents in the draft's buffers, `stale-capture`; another descriptor's metadata, object and buffers
-together, `stale-descriptor`, whose case ids say it): the same build, engine, kernels and SM configuration with the
-capture defect re-created inside it (repro.vllm_integration.plugin.inject), a positive control that ran in this
-environment. In the audit modes a self control must be caught by the auditor itself (judge.vouch), not by a fault
-alone. Builds under test must be `clean` in every mode and repetition; a control (a known-bad build, or a
-self control) must be detected with kernel evidence (fault, hang, wrong tokens) in every gating mode, or by the audit
-in the audit mode (`expected`): a known-bad build in at least one of its modes (policy rule 5), a self control outside
-the audit in at least one of its injection forms per mode (rule 6), every form by the audit."""
+Every mode also runs as a self control of a build (`inject`), once per form of the injection (INJECTIONS: the target's
+capture contents in the draft's buffers, `stale-capture`; another descriptor's metadata, object and buffers together,
+`stale-descriptor`, whose case ids say it): the same build, engine, kernels and SM configuration with the capture defect
+re-created inside it (repro.vllm_integration.plugin.inject), a positive control that ran in this environment. In the
+audit modes a self control must be caught by the auditor itself (judge.vouch), not by a fault alone. Builds under test
+must be `clean` in every mode and repetition; a control (a known-bad build, or a self control) must be detected with
+kernel evidence (fault, hang, wrong tokens) in every gating mode, or by the audit in the audit mode (`expected`): a
+known-bad build in at least one of its modes (policy rule 5), a self control outside the audit in at least one of its
+injection forms per mode (rule 6), every form by the audit."""
 
 from __future__ import annotations
 
@@ -55,7 +54,7 @@ from repro.vllm_integration.plugin import BACKEND_ENV, FILE_ENV
 from repro.vllm_integration.plugin import ENV as AUDIT_ENV
 from repro.vllm_integration.plugin.backend_fields import BACKENDS, DEFAULT_BACKEND, known_name
 from repro.vllm_integration.plugin.inject import SOURCES, STALE_CAPTURE
-from repro.vllm_integration.plugin.weights import AGREE
+from repro.vllm_integration.plugin.weights import AGREE, DUMMY, WEIGHTS
 from repro.vllm_integration.releases.builds import SITE_DIRS_ENV, UNDER_TEST, VllmBuild, build_pythonpath, site_dirs
 
 DEFAULT_MODES = ("audit", "plain")
@@ -70,9 +69,7 @@ BASE_ENV = {
     "DO_NOT_TRACK": "1",
     "PYTHONUNBUFFERED": "1",
 }
-# a person's choices in the gate's environment, read here into each case's request (repro.contract.request): the
-# model's weights (repro.vllm_integration.plugin.weights; default AGREE: wide margins and a draft the target accepts)
-# and whose capture contents the self control injects (plugin.inject.SOURCES; default the first)
+# a person's choices in the gate's environment for every case's request (persons_choices): weights, inject_source
 WEIGHTS_ENV, INJECT_SOURCE_ENV = "REPRO_WEIGHTS", "REPRO_INJECT_SOURCE"
 # the plugin's variables for a person's own vLLM run: never passed on to a gate case, whose request is the one
 PLUGIN_OWN_VARS = (AUDIT_ENV, FILE_ENV, BACKEND_ENV)
@@ -190,16 +187,12 @@ class GateCase:
     mode: GateMode
     reference: bool = False
     rep: int = 0
-    attempt: int = (
-        0  # a self control's attempt after one that decoded without a fault (gate.process.SELF_CONTROL_ATTEMPTS)
-    )
+    attempt: int = 0  # a self control's attempt after one that decoded without a fault (process.SELF_CONTROL_ATTEMPTS)
     launch_blocking: bool = False
     timeout_s: float = 300.0
     backend: str = DEFAULT_BACKEND  # vLLM's attention backend (attention_backend=...)
     compile: str = DEFAULT_COMPILE  # the speculative run's torch.compile (COMPILES); references never compile
-    inject: str | None = (
-        None  # the self control's injection (repro.vllm_integration.plugin.inject), None: the build as is
-    )
+    inject: str | None = None  # the self control's injection (vllm_integration.plugin.inject), None: the build as is
     deadline_at: float | None = None  # `gate --deadline`: when (time.time()) the run ends; every process stops by then
     method: str = DEFAULT_METHOD  # the speculative method (repro.vllm_integration.gate.methods), a case parameter
 
@@ -255,8 +248,7 @@ class GateCase:
     @classmethod
     def from_dict(cls, d: dict) -> GateCase:
         """The inverse of to_json (results.json keeps it as each result's spec)."""
-        mode = dict(d["mode"])
-        mode["sm"] = SmConfig(**mode["sm"])
+        mode = {**d["mode"], "sm": SmConfig(**d["mode"]["sm"])}
         return cls(**{**d, "build": VllmBuild(**d["build"]), "mode": GateMode(**mode)})
 
 
@@ -312,9 +304,8 @@ def case_env(
             env = sanitizer_env(env)
         else:  # torch's caching allocator: inductor's launcher fails under memcheck with cudaMallocAsync
             env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-        if mode.sanitizer == "own":  # built once per source text into this user's build folder (never into a
-            # run's logs: a record holds no binary); the worker installs it
-            own = str(own_alloc.build(guard=own_alloc.guard_wanted(user)))  # its folder: own_alloc.build_folder()
+        if mode.sanitizer == "own":  # built once per source text into own_alloc.build_folder() (never into a run's
+            own = str(own_alloc.build(guard=own_alloc.guard_wanted(user)))  # logs: no binary); the worker installs it
             try:
                 fill = own_alloc.fill_byte(user.get(own_alloc.FILL_ENV))
             except ValueError as e:
@@ -339,9 +330,8 @@ def case_request(
 ) -> CaseRequest:
     """What one gate case process runs and what its plugin installs (repro.contract.request), decided here once: a
     reference runs without the probe, the auditor, the poison, the injection and memcheck's allocator, with the SM
-    configuration and the weights of its cases; environ is the gate's, for a person's choices (WEIGHTS_ENV,
-    INJECT_SOURCE_ENV, worker.INSPECT_ENV)."""
-    case_only = not case.reference
+    configuration and the weights of its cases; environ is the gate's (persons_choices, worker.INSPECT_ENV)."""
+    case_only, (weights, inject_source) = not case.reference, persons_choices(environ)
     plugin = PluginRequest(
         attention_backend=case.backend,
         probe=case_only,  # coverage counters in every case but the references
@@ -350,8 +340,8 @@ def case_request(
         sm_margin=sm_margin,
         poison=case.mode.poison if case_only else None,
         inject=case.inject if case_only else None,
-        inject_source=environ.get(INJECT_SOURCE_ENV) or SOURCES[0],
-        weights=environ.get(WEIGHTS_ENV) or AGREE,
+        inject_source=inject_source,
+        weights=weights,
     )
     return CaseRequest(
         models=str(models),
@@ -363,6 +353,16 @@ def case_request(
         own_alloc_fill=own_alloc_fill if own_alloc_lib and case_only else None,
         plugin=plugin,
     )
+
+
+def persons_choices(environ: dict[str, str]) -> tuple[str, str]:
+    """(weights, inject_source) a person chose in the gate's environment (unset: AGREE, the first source), checked
+    here and by run_gate before any case starts; the plugin checks the request again in the case (plugin.requested)."""
+    weights, source = environ.get(WEIGHTS_ENV) or AGREE, environ.get(INJECT_SOURCE_ENV) or SOURCES[0]
+    for var, value, allowed in ((WEIGHTS_ENV, weights, (*WEIGHTS, DUMMY)), (INJECT_SOURCE_ENV, source, SOURCES)):
+        if value not in allowed:
+            raise ConfigError(f"{var}={value!r}: use one of {', '.join(allowed)} (or leave it unset)")
+    return weights, source
 
 
 def expected(case: GateCase) -> str:

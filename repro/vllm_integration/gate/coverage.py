@@ -10,6 +10,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from repro.contract.channel import (  # the marks of what a recorded record predates: the replays' upgrader's
+    BACKENDS,
+    COMPILATION,
+    DESCRIPTOR_CHECK,
+    SPEC_LAYOUT,
+    has,
+    recorded_before,
+)
+from repro.errors import MissingKey
 from repro.vllm_integration.gate.case import GateCase
 from repro.vllm_integration.gate.worker import DEFAULT_COMPILE
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
@@ -33,7 +42,8 @@ class Need:
     keys: str | None = None
     in_reference: bool = False
     at_most: int | None = None  # a counter of what could not be done: it must stay at or below this (at_least unused)
-    absent_passes: bool = False  # a record from before the counter existed (the key absent) is not read as short
+    predates: str | None = None  # the mark of a recorded run from before the counter existed (channel.has): there
+    # the key's absence is not read as short; a live record without it is a MissingKey
 
     def count(self, counters: dict) -> float:
         value = counters.get(self.counter) if self.counter else None
@@ -43,24 +53,13 @@ class Need:
 
     def short(self, counters: dict) -> bool:
         """Did the counter stay below its threshold (or rise above at_most)? False for a row without a counter, and
-        for an absent counter where absent_passes."""
-        if self.counter is None or self.absent_passes and self.counter not in counters:
+        for an absent counter in a record marked as predating it (`predates`); MissingKey for a live one."""
+        if self.counter is None:
+            return False
+        if self.predates is not None and not has(counters, self.counter, self.predates, "the counters record"):
             return False
         n = self.count(counters)
         return n > self.at_most if self.at_most is not None else n < self.at_least
-
-
-# A record's list of what it predates, written by no process: only the replays' upgrader of recorded runs
-# (tests/recorded_gate.py, upgrade_records) marks an old record so, and only what it marks is read leniently; a live
-# record missing a key is judged as missing it.
-RECORDED_BEFORE = "recorded_before"
-CONFIGURATION = "configuration"  # a reference RESULT record from before references reported their configuration
-COMPILATION = "compilation_mode"  # an ENGINE record from before the engine's compilation mode was reported
-
-
-def recorded_before(record: dict | None) -> tuple[str, ...]:
-    """What the replays' upgrader marked this record as predating (empty for every live record)."""
-    return tuple((record or {}).get(RECORDED_BEFORE) or ())
 
 
 def _injection_missed(c: dict) -> str:
@@ -107,7 +106,7 @@ NEEDS: tuple[Need, ...] = (
         counter="descriptor_checks",
         keys="",
         message=lambda c: "the descriptor check never ran (no FULL capture pass's descriptor found on the stack)",
-        absent_passes=True,
+        predates=DESCRIPTOR_CHECK,
     ),
     Need(
         "audit",
@@ -117,7 +116,7 @@ NEEDS: tuple[Need, ...] = (
         keys="",
         at_most=0,
         message=_descriptors_unchecked,
-        absent_passes=True,
+        predates=DESCRIPTOR_CHECK,
     ),
     Need(
         "self control (inject)",
@@ -171,9 +170,9 @@ ENGINE_CHECKS = (
     "runner: vLLM's V2 model runner (model_runner_v2)",
     "backend: attention forwards through the hooked impl of the case's backend (counters' backends); FLASH_ATTN: FA3",
     "graphs: a FULL cudagraph mode (FULL_MODES) and a CUDA graph capture that ran an attention forward",
-    "compile: under --compile none, the engine's compilation mode NONE (older records without the key pass)",
+    "compile: under --compile none, the engine's compilation mode NONE (a live record without the key cannot vouch)",
     "speculative decoding: a method and k configured, and vLLM counted drafts",
-    "spec layout: one the auditor knows (plugin.KNOWN_SPEC_LAYOUTS; older records without the key pass)",
+    "spec layout: one the auditor knows (plugin.KNOWN_SPEC_LAYOUTS; a live record without the key cannot vouch)",
 )
 
 
@@ -189,8 +188,31 @@ def features_needed(case: GateCase) -> set[str]:
 
 
 def unmet(case: GateCase, counters: dict) -> list[str]:
-    """The reasons of the rows whose counter stayed below its threshold."""
-    return [n.message(counters) if n.message else n.counter for n in applying(case) if n.short(counters)]
+    """The reasons of the rows whose counter stayed below its threshold, or that a live record lacks (MissingKey)."""
+    out = []
+    for n in applying(case):
+        try:
+            if n.short(counters):
+                out.append(n.message(counters) if n.message else n.counter)
+        except MissingKey as e:
+            out.append(str(e))
+    return out
+
+
+def said(record: dict | None, key: str, mark: str, what: str, out: list[str]) -> bool:
+    """Does the record hold key (channel.has); a live record without it adds MissingKey's words to `out` and reads
+    as not holding it, as does a recorded one marked as predating it (`mark`)."""
+    try:
+        return has(record, key, mark, what)
+    except MissingKey as e:
+        out.append(str(e))
+        return False
+
+
+def descriptor_check_existed(counters: dict) -> bool:
+    """Did the auditor's descriptor check exist when these counters were written: False only for a recorded run the
+    replays' upgrader marked as predating it (a live record without its counters is not excused)."""
+    return "descriptor_checks" in counters or DESCRIPTOR_CHECK not in recorded_before(counters)
 
 
 def not_fired(case: GateCase, identity: dict | None) -> list[str]:
@@ -205,7 +227,10 @@ def not_fired(case: GateCase, identity: dict | None) -> list[str]:
     if not e.get("model_runner_v2"):
         out.append(f"not the V2 model runner (runner: {e.get('model_runner') or 'none seen'})")
     backend = case.backend
-    by_backend = c.get("backends") or ({DEFAULT_BACKEND: c.get("attention_forwards", 0)} if "backends" not in c else {})
+    if said(c, "backends", BACKENDS, "the counters record", out):
+        by_backend = c.get("backends") or {}
+    else:  # a recorded run from before the per-backend count: attention_forwards is FLASH_ATTN's (a live one: none)
+        by_backend = {DEFAULT_BACKEND: c.get("attention_forwards", 0)} if BACKENDS in recorded_before(c) else {}
     if not by_backend.get(backend):
         seen = ", ".join(f"{k} {v}" for k, v in by_backend.items() if v) or "none"
         out.append(
@@ -237,7 +262,11 @@ def not_fired(case: GateCase, identity: dict | None) -> list[str]:
         drafts = acc.get("spec_decode_num_drafts")
         if isinstance(drafts, (int, float)) and drafts == 0:
             out.append("speculative decoding configured, but vLLM counted 0 drafts")
-    if c.get("spec_layout_known") is False:  # older records lack the key: not read as unknown
+    # a recorded run from before the key: its layout was not reported; a live record without it: said, not known
+    known = (
+        c.get("spec_layout_known") if said(c, "spec_layout_known", SPEC_LAYOUT, "the counters record", out) else None
+    )
+    if known is False:
         out.append(
             f"speculative-decoding layout {c.get('spec_layout') or 'none found'} is not one the auditor knows "
             "(plugin.KNOWN_SPEC_LAYOUTS)"

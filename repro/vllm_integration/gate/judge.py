@@ -12,19 +12,13 @@ from pathlib import Path
 
 from repro.attention.staleness import count_fields
 from repro.case.spec import CaseResult, mps_sm_mismatch
-from repro.contract.channel import Channel
+from repro.contract.channel import CONFIGURATION, Channel, recorded_before
 from repro.contract.tags import AUDIT_TAG, COUNTERS_TAG, DEVICE_TAG, ENGINE_TAG, PLUGIN_TAG, RESULT_TAG
 from repro.contract.verdicts import CANNOT_VOUCH as NOT_VOUCHED
 from repro.contract.verdicts import CLEAN, CRASH, ERROR, HANG, KERNEL_EVIDENCE, OOB, SKIP, STALE_AUDIT, WRONG
 from repro.judge import policy
 from repro.vllm_integration.gate.case import GateCase, expected
-from repro.vllm_integration.gate.coverage import (
-    CONFIGURATION,
-    applying,
-    features_needed,
-    not_fired,
-    recorded_before,
-)
+from repro.vllm_integration.gate.coverage import applying, descriptor_check_existed, features_needed, not_fired
 from repro.vllm_integration.plugin.audit import STALE_DESCRIPTOR, in_words
 
 TIE_MARGIN = 0.1  # nats: a reference token whose top-2 margin is below this is a tie, not a reference
@@ -192,7 +186,7 @@ def vouch(case: GateCase, res: CaseResult) -> CaseResult:
         return res
     if res.verdict not in (CLEAN, STALE_AUDIT):
         counters = (res.backend_identity or {}).get("counters") or {}
-        blind = case.mode.audit and not res.stale_fields and "descriptor_checks" in counters
+        blind = case.mode.audit and not res.stale_fields and descriptor_check_existed(counters)
         wrote = (res.backend_identity or {}).get("injection")
         if not case.inject or wrote and not blind:
             return res

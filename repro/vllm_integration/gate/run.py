@@ -12,6 +12,7 @@ PASS (a policy.GateOutcome; repro.exit_codes.gate gives its exit code)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +39,7 @@ from repro.vllm_integration.gate.case import (
     GateMode,
     case_env,
     expected,
+    persons_choices,
     reference_for,
     self_controls_for,
     subject_of,
@@ -214,6 +216,7 @@ def run_gate(
     Each case holds its share of `memory` (placement.case_gib). self_control_forms: plan's `forms`."""
     if not builds:
         raise ConfigError("no vLLM build to test: install vllm, or set REPRO_VLLM / REPRO_VLLM_CONTROL")
+    persons_choices(os.environ)  # a bad REPRO_WEIGHTS or REPRO_INJECT_SOURCE stops the run before any case starts
     which = [only] if only is not None else builds
     cases = plan(which, modes, repeat, timeout_s, backends, self_control, compile, methods, self_control_forms)
     cases, skipped_na = set_apart_not_applicable(cases)  # a method the build lacks: no process, no reference

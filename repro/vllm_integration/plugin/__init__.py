@@ -1,9 +1,10 @@
 """The harness inside vLLM, as a general plugin (entry point group `vllm.general_plugins`). vLLM loads it in every
 process it starts; each feature is off unless the request asks for it. In a gate case the request is the case's
-PluginRequest (repro.contract.request: the one variable REPRO_REQUEST, which the processes vLLM starts inherit); in
-any other vLLM run a person may ask for the auditor alone: REPRO_AUDIT=1 (REPRO_AUDIT_FILE=PATH for its whole
-report, REPRO_ATTENTION_BACKEND=NAME for another backend), the plugin's only variables of its own
-(from_environment). The request's fields:
+PluginRequest (repro.contract.request: the one variable REPRO_REQUEST, which the processes vLLM starts inherit). In
+a person's own vLLM run: REPRO_AUDIT=1 alone asks for the probe and the auditor, nothing else (REPRO_AUDIT_FILE=PATH
+for its whole report, REPRO_ATTENTION_BACKEND=NAME for another backend: the plugin's only variables of its own); any
+other feature (sm_margin, poison, inject, weights) is asked for by a request of the plugin alone in REPRO_REQUEST,
+which `python -m repro plugin-request ...` prints (from_environment). The request's fields:
 
 - attention_backend=NAME  the attention backend the probe and the auditor hook, named as vLLM names it
                           (FLASH_ATTN for REPRO_AUDIT=1 without REPRO_ATTENTION_BACKEND; TRITON_ATTN, FLASHINFER,
@@ -121,13 +122,13 @@ def _installed_vllm_root() -> str | None:
 
 
 def from_environment(environ: dict[str, str] | None = None) -> PluginRequest | None:
-    """What this process's plugin is asked for: the gate case's request (repro.contract.request.ENV, validated whole),
-    else the auditor alone when a person set REPRO_AUDIT=1 (with REPRO_AUDIT_FILE and REPRO_ATTENTION_BACKEND), else
-    None (nothing to install)."""
+    """What this process's plugin is asked for: the request in repro.contract.request.ENV (a gate case's, or a
+    person's of the plugin alone; validated whole), else the auditor alone when a person set REPRO_AUDIT=1 (with
+    REPRO_AUDIT_FILE and REPRO_ATTENTION_BACKEND), else None (nothing to install)."""
     env = os.environ if environ is None else environ
-    case = request.read(env)
-    if case is not None:
-        return case.plugin
+    asked = request.plugin_of(env)
+    if asked is not None:
+        return asked
     if env.get(ENV) != "1":
         return None
     return PluginRequest(

@@ -1,0 +1,59 @@
+"""`python -m repro plugin-request`: the plugin's request for a person's own vLLM run outside the gate, printed as the
+value of REPRO_REQUEST (repro.contract.request.PluginRequest.to_json). REPRO_AUDIT=1 alone asks for the probe and the
+auditor; this asks for any feature of the plugin (the SM margin, the poison, the self control's injection, the gate's
+weights), each value checked here as the plugin checks it (repro.vllm_integration.plugin.requested)."""
+
+from __future__ import annotations
+
+import argparse
+
+from repro import exit_codes
+from repro.contract.request import ENV, PluginRequest
+from repro.errors import BadRequest, ConfigError
+from repro.vllm_integration.plugin import requested
+from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
+from repro.vllm_integration.plugin.inject import INJECTIONS, SOURCES
+from repro.vllm_integration.plugin.weights import DUMMY, WEIGHTS
+
+
+def add_parsers(sub) -> None:
+    what = (
+        f'print the plugin\'s request for your own vLLM run: export {ENV}="$(python -m repro plugin-request ...)" '
+        "(REPRO_AUDIT=1 alone: the auditor only)"
+    )
+    p = sub.add_parser("plugin-request", help=what, description=what)
+    p.add_argument("--backend", default=DEFAULT_BACKEND, help="vLLM's attention backend to hook (default %(default)s)")
+    p.add_argument("--no-audit", action="store_true", help="no freshness auditor (the probe's counters still run)")
+    p.add_argument("--audit-file", help="where the auditor writes its whole report at exit (default: none)")
+    p.add_argument("--sm-margin", type=int, default=0, help="FA3 plans and launches for N fewer SMs (default 0)")
+    p.add_argument("--poison", help="fill FA3's never-written scheduler entries (repro.case.poison; default: none)")
+    p.add_argument(
+        "--inject", choices=INJECTIONS, help="re-create the capture defect (the self control; default: none)"
+    )
+    p.add_argument("--inject-source", choices=SOURCES, default=SOURCES[0], help="whose capture (default %(default)s)")
+    p.add_argument(
+        "--weights", choices=(*WEIGHTS, DUMMY), default=DUMMY, help="the model's weights (default %(default)s)"
+    )
+    p.set_defaults(func=cmd_plugin_request)
+
+
+def cmd_plugin_request(a: argparse.Namespace) -> int:
+    try:
+        want = PluginRequest(
+            attention_backend=a.backend,
+            probe=True,
+            audit=not a.no_audit,
+            audit_file=None if a.no_audit else a.audit_file,
+            sm_margin=a.sm_margin,
+            poison=a.poison,
+            inject=a.inject,
+            inject_source=a.inject_source,
+            weights=a.weights,
+        )
+        requested(want)  # what the plugin would refuse inside vLLM is refused here
+    except (BadRequest, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    if a.no_audit and a.audit_file:
+        raise ConfigError("--audit-file with --no-audit: no auditor writes it")
+    print(want.to_json())
+    return exit_codes.Exit.OK
