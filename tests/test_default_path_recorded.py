@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 from repro.exit_codes import gate as gate_exit
 from tests.recorded_gate import FAULTS, replay, same_verdicts
 from tests.records import RESULTS
@@ -57,3 +59,22 @@ def test_before_the_fix_a_warm_spawned_case_compiled_its_jit_kernels_again():
     assert {p: r["outcome"] for p, r in doc["paths"].items()} == dict.fromkeys(doc["paths"], "PASS")
     new_warm = _jit_seconds(PATHS / "logs" / "new-warm")
     assert len(new_warm) >= 4 and max(new_warm) > 20, new_warm
+
+
+def test_the_phases_name_the_model_load_and_the_jit_warmup_apart_from_the_rest_of_the_engine():
+    """gate_bench.phases on recorded cases of 0.34.0 (the comparison's kept paths): the JIT warmup (cold: about 59 s,
+    warm: about 1 s) and the models' load are phases of their own, taken out of engine_rest, which the record (written
+    before they were) held them in."""
+    from repro.run.channel import Channel, path_for
+    from repro.run.tags import RESULT_TAG
+    from repro.vllm_integration.gate import bench as gate_bench
+
+    paths = json.loads((PATHS / "paths.json").read_text())["paths"]
+    for path, folder, jit in (("kept (cold)", "kept-cold", (40, 90)), ("kept (warm)", "kept-warm", (0, 5))):
+        for case in (f"{V}under-test-plain", f"{V}under-test-audit"):
+            log = PATHS / "logs" / folder / f"{case}.out.log"
+            recorded = paths[path]["cases"][case]["phases"]
+            result = Channel.read(path_for(log)).last(RESULT_TAG)
+            now = gate_bench.phases(log.read_text(errors="replace"), result, None, recorded["wall"])
+            assert jit[0] < now["jit"] < jit[1] and now["load"] > 1, (path, now)
+            assert now["engine_rest"] == pytest.approx(recorded["engine_rest"] - now["jit"] - now["load"], abs=0.2)

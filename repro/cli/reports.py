@@ -45,7 +45,8 @@ def add_parsers(sub) -> None:
     r = sub.add_parser(
         "records",
         help="the recorded runs under results/: pack and index a new one (--add), rewrite the index (--index), list the "
-        "README's GPU commands whose last record ran older code (--stale), unpack them all (--unpack DIR)",
+        "README's GPU commands whose last record ran older code (--stale), unpack them all (--unpack DIR), compare gate "
+        "speed records (--speed)",
     )
     act = r.add_mutually_exclusive_group(required=True)
     act.add_argument(
@@ -54,6 +55,13 @@ def add_parsers(sub) -> None:
     act.add_argument("--index", action="store_true", help="write results/index.json from the records and git")
     act.add_argument("--stale", action="store_true", help="exit 1 when a README GPU command's last record is stale")
     act.add_argument("--unpack", metavar="DIR", help="write every record, unpacked, under DIR/results/")
+    act.add_argument(
+        "--speed",
+        nargs="+",
+        metavar="NAME",
+        help="gate runs and path comparisons side by side, one table: outcome, wall, median seconds per phase (a "
+        "benchmark against its previous record: give both)",
+    )
     r.add_argument("--note", help="with --add: one line of what the record shows, kept in its index entry")
     r.add_argument("--root", default=".", help="the checkout whose results/ to read (default: this folder)")
     sub.choices["doctor"].set_defaults(func=cmd_doctor)
@@ -155,6 +163,8 @@ def cmd_records(a: argparse.Namespace) -> int:
         for s in found:
             print(s.line())
         return exit_codes.check(not any(s.stale for s in found))
+    if a.speed:
+        return _speed(results, a.speed)
     if a.unpack:
         dest = Path(a.unpack) / "results"
         dest.mkdir(parents=True, exist_ok=True)
@@ -175,4 +185,27 @@ def cmd_records(a: argparse.Namespace) -> int:
         if a.note:
             notes[name] = a.note
     print(f"wrote {records.write_index(root, notes)}")
+    return exit_codes.Exit.OK
+
+
+def _speed(results: Path, names: list[str]) -> int:
+    """`records --speed`: each named record unpacked into a temporary folder (never beside the records), its rows."""
+    import tempfile  # as above
+
+    from repro.report import records  # as above
+    from repro.vllm_integration.gate import speed  # as above
+
+    found = records.records(results)
+    if missing := [n for n in names if n not in found]:
+        raise ConfigError(f"no record {', '.join(missing)} under {results}")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="repro-speed-") as tmp:
+        for name in names:
+            where = found[name]
+            folder = where if where.is_dir() else records.unpack(where, Path(tmp))
+            try:
+                rows += speed.record_rows(name, Path(folder))
+            except (ValueError, KeyError, OSError) as e:
+                raise ConfigError(f"--speed {name}: {e}") from None
+    print(speed.speed_table(rows), end="")
     return exit_codes.Exit.OK

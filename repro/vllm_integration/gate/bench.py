@@ -24,8 +24,11 @@ _COMPILE = re.compile(r"torch\.compile (?:took|takes) ([\d.]+) s in total")
 _CAPTURE = re.compile(r"Graph capturing finished in ([\d.]+) secs")
 _INIT = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")
 _LOADED = re.compile(r"Directly load (?:AOT compilation|the compiled graph)")
+_LOAD = re.compile(r"Model loading took [\d.]+ GiB memory and ([\d.]+) seconds")  # weights, the plugin's included
+_JIT = re.compile(r"JIT kernel warmup finished in ([\d.]+)s")  # vLLM's Triton warmup kernels (0.34.0: 92 keys)
 _CONFIG_START, _CONFIG_END = "non-default args", "Initializing a V1 LLM engine"
-PHASES = ("start", "import", "cuda", "config", "compile", "capture", "engine_rest", "decode", "teardown")
+PHASES = ("start", "import", "cuda", "config", "load", "compile", "jit", "capture", "engine_rest", "decode", "teardown")
+_IN_ENGINE = ("config", "load", "compile", "jit", "capture")  # the engine's start, less these: engine_rest
 
 
 def _stamp(line: str, year: int) -> float | None:
@@ -46,8 +49,8 @@ def log_phases(log_text: str) -> dict:
     out: dict = {}
     start = end = None
     year = time.gmtime().tm_year
-    compile_s = capture_s = 0.0
-    n_compile = n_capture = loaded = 0
+    compile_s = capture_s = load_s = jit_s = 0.0
+    n_compile = n_capture = n_load = n_jit = loaded = 0
     for line in log_text.splitlines():
         if _CONFIG_START in line and start is None:
             start = _stamp(line, year)
@@ -59,6 +62,12 @@ def log_phases(log_text: str) -> dict:
         if m := _CAPTURE.search(line):
             capture_s += float(m[1])
             n_capture += 1
+        if m := _LOAD.search(line):
+            load_s += float(m[1])
+            n_load += 1
+        if m := _JIT.search(line):
+            jit_s += float(m[1])
+            n_jit += 1
         if m := _INIT.search(line):
             out["init_engine_s"] = float(m[1])
         if _LOADED.search(line):
@@ -69,6 +78,10 @@ def log_phases(log_text: str) -> dict:
         out["compile_s"] = round(compile_s, 2)
     if n_capture:
         out["capture_s"] = capture_s
+    if n_load:
+        out["load_s"] = round(load_s, 2)
+    if n_jit:
+        out["jit_s"] = round(jit_s, 2)
     out["compile_loaded"] = loaded
     return out
 
@@ -90,11 +103,11 @@ def phases(
         p["cuda"] = round(split["cuda_init"], 1)
     elif "import" in timing:
         p["import"] = timing["import"]
-    for k in ("config", "compile", "capture"):
+    for k in _IN_ENGINE:
         if f"{k}_s" in lp:
             p[k] = lp[f"{k}_s"]
     if "engine" in timing:
-        known = sum(p.get(k, 0.0) for k in ("config", "compile", "capture"))
+        known = sum(p.get(k, 0.0) for k in _IN_ENGINE)
         p["engine"] = timing["engine"]
         p["engine_rest"] = round(max(0.0, timing["engine"] - known), 1)
     if "generate" in timing:
