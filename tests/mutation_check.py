@@ -323,8 +323,19 @@ REFERENCE = [
     (
         "compare_acceptance: a case without acceptance",
         GJ,
-        *_off("    if acceptance_rate(got) is None:"),
-        {"test_a_case_without_acceptance_cannot_vouch_against_a_speculative_reference"},
+        *_off("    if acceptance_rate(want) is None or acceptance_rate(got) is None:"),
+        {
+            "test_a_case_without_acceptance_cannot_vouch_against_a_speculative_reference",
+            "test_a_live_reference_without_acceptance_cannot_judge_a_case_that_drafted",
+        },
+    ),
+    (
+        "compare_acceptance: a live reference read as a recorded one",
+        GJ,
+        "acceptance_rate(got) is None or not engine or ACCEPTANCE in recorded_before(engine)",
+        "acceptance_rate(got) is None or True",
+        False,
+        {"test_a_live_reference_without_acceptance_cannot_judge_a_case_that_drafted"},
     ),
     (
         "compare_acceptance: a drop beyond noise",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from repro.case.spec import CaseResult
+from repro.contract.channel import ACCEPTANCE, RECORDED_BEFORE
 from repro.judge.verdicts import CANNOT_VOUCH, CLEAN, ERROR, WRONG
 from repro.vllm_integration.gate import judge as gate_judge
 from repro.vllm_integration.gate.case import GateCase, GateMode, reference_for
@@ -48,9 +49,22 @@ def test_a_case_without_acceptance_cannot_vouch_against_a_speculative_reference(
     assert res.verdict == CANNOT_VOUCH
 
 
-def test_a_reference_without_speculative_decoding_leaves_an_old_record_as_it_was():
+def test_a_recorded_reference_from_before_references_drafted_leaves_the_record_as_it_was():
+    """Marked so by the replays' upgrader (an ENGINE record without acceptance), or without any ENGINE record."""
     case = result("c", counters(0, 180))
-    assert gate_judge.compare_acceptance(case, result("r", None, spec=False)) is case
+    old = result("r", None, spec=False)
+    old.backend_identity["engine"][RECORDED_BEFORE] = [ACCEPTANCE]
+    assert gate_judge.compare_acceptance(case, old) is case
+    assert gate_judge.compare_acceptance(case, CaseResult("r", CLEAN, "", backend_identity=None)) is case
+
+
+@pytest.mark.parametrize("acc", [None, {"unavailable": "stats off"}, counters(0, 0)])
+def test_a_live_reference_without_acceptance_cannot_judge_a_case_that_drafted(acc):
+    """The reference ran no draft (or reported none) while the case did: nothing to judge the case's draft by."""
+    res = gate_judge.compare_acceptance(result("c", counters(0, 180)), result("r", acc, spec=acc is not None))
+    assert res.verdict == CANNOT_VOUCH and "its reference reported" in res.reason
+    neither = result("c", None, spec=False)  # no speculation in either: nothing to compare, nothing said
+    assert gate_judge.compare_acceptance(neither, result("r", acc, spec=False)) is neither
 
 
 def _case():

@@ -409,6 +409,9 @@ def test_a_live_reference_record_without_its_configuration_is_an_error_not_trust
     assert gate_judge.validate_reference(ref, res, old).verdict == CLEAN
 
 
+DRAFTED = {"spec_decode_num_draft_tokens": 3, "spec_decode_num_accepted_tokens": 3}
+
+
 def test_the_replays_upgrader_marks_only_result_records_without_their_configuration():
     from repro.report.records import upgrade_channel as upgrade_records
     from repro.run.tags import COUNTERS_TAG, ENGINE_TAG, RESULT_TAG
@@ -420,17 +423,19 @@ def test_the_replays_upgrader_marks_only_result_records_without_their_configurat
         [
             rec(RESULT_TAG, {"tokens": [[1]]}),
             rec(RESULT_TAG, {"tokens": [[1]], "nonfinite": []}),
-            rec(ENGINE_TAG, {"compilation_mode": None}),
+            rec(ENGINE_TAG, {"compilation_mode": None, "acceptance": DRAFTED}),
             rec(ENGINE_TAG, {"cudagraph_mode": "FULL"}),
             rec(COUNTERS_TAG, {"checks": 3}),
             rec(COUNTERS_TAG, FIRED["counters"]),
-            rec(ENGINE_TAG, {"compilation_mode": None, "counters": {"checks": 3, "backends": {}}}),
+            rec(
+                ENGINE_TAG, {"compilation_mode": None, "acceptance": DRAFTED, "counters": {"checks": 3, "backends": {}}}
+            ),
         ]
     )
     got = [json.loads(line)["data"] for line in upgrade_records(text).splitlines()]
     assert got[0][RECORDED_BEFORE] == [channel.CONFIGURATION]
     assert RECORDED_BEFORE not in got[1] and RECORDED_BEFORE not in got[2]
-    assert got[3][RECORDED_BEFORE] == [channel.COMPILATION]
+    assert got[3][RECORDED_BEFORE] == [channel.COMPILATION, channel.ACCEPTANCE]  # nor the draft's acceptance
     # counters (the COUNTERS record, an ENGINE record's own) marked with each key they predate, today's not at all
     assert got[4][RECORDED_BEFORE] == [channel.DESCRIPTOR_CHECK, channel.SPEC_LAYOUT, channel.BACKENDS]
     assert got[5] == FIRED["counters"]
@@ -559,9 +564,16 @@ def test_a_recorded_results_backend_identity_is_marked_by_the_same_upgrader_and_
     counters = {k: v for k, v in FIRED["counters"].items() if k not in ("descriptor_checks", "descriptor_unchecked")}
     counters = {k: v for k, v in counters.items() if k not in ("spec_layout_known", "backends")}
     counters["attention_forwards"] = 40
-    recorded = {"backend_identity": {**FIRED, "counters": counters, "engine": dict(FIRED["engine"])}}
+    recorded = {
+        "backend_identity": {**FIRED, "counters": counters, "engine": dict(FIRED["engine"]), "acceptance": DRAFTED}
+    }
     assert len(coverage.not_fired(c, recorded["backend_identity"])) >= 3  # as a live record: each key said missing
     got = upgrade_result(recorded)["backend_identity"]
     assert got["counters"][RECORDED_BEFORE] == [channel.DESCRIPTOR_CHECK, channel.SPEC_LAYOUT, channel.BACKENDS]
     assert got["engine"][RECORDED_BEFORE] == [channel.COMPILATION]
+    undrafted = {**recorded["backend_identity"], "acceptance": None}  # a reference from before references drafted
+    assert upgrade_result({"backend_identity": undrafted})["backend_identity"]["engine"][RECORDED_BEFORE] == [
+        channel.COMPILATION,
+        channel.ACCEPTANCE,
+    ]
     assert coverage.not_fired(c, got) == []

@@ -141,6 +141,7 @@ COMPILATION = "compilation_mode"  # an ENGINE record from before the engine's co
 DESCRIPTOR_CHECK = "descriptor_check"  # counters from before the auditor's descriptor check (descriptor_checks, ...)
 SPEC_LAYOUT = "spec_layout"  # counters from before the plugin reported vLLM's spec-decode layout (spec_layout_known)
 BACKENDS = "backends"  # counters from before forwards were counted per backend (attention_forwards: FLASH_ATTN's)
+ACCEPTANCE = "acceptance"  # an ENGINE record without the draft's acceptance counters (references ran no draft then)
 
 
 def recorded_before(record: dict | None) -> tuple[str, ...]:

@@ -17,12 +17,14 @@ from pathlib import Path
 
 from repro.case.spec import REFUSED, RERUN_ALONE, STALLED, CaseResult
 from repro.contract.channel import (
+    ACCEPTANCE,
     BACKENDS,
     COMPILATION,
     CONFIGURATION,
     DESCRIPTOR_CHECK,
     RECORDED_BEFORE,
     SPEC_LAYOUT,
+    recorded_before,
 )
 from repro.contract.tags import COUNTERS_TAG, ENGINE_TAG, RESULT_TAG
 from repro.judge.classify import REFUSED as REFUSED_WORDS
@@ -332,6 +334,10 @@ def upgrade_result(result: dict, row: dict | None = None) -> dict:
     if isinstance(identity := out.get("backend_identity"), dict):  # the engine's and counters' records, as annotated
         tags = {"engine": ENGINE_TAG, "counters": COUNTERS_TAG}
         out["backend_identity"] = {k: _upgraded(tags.get(k, ""), v) or v for k, v in identity.items()}
+        engine = out["backend_identity"].get("engine")  # its acceptance kept apart by annotate: judged from there
+        if "spec_decode_num_draft_tokens" in (identity.get("acceptance") or {}) and isinstance(engine, dict):
+            rest = {k: v for k, v in engine.items() if k != RECORDED_BEFORE}
+            out["backend_identity"]["engine"] = _marked(rest, [m for m in recorded_before(engine) if m != ACCEPTANCE])
     return out
 
 
@@ -347,8 +353,8 @@ def _marked(data: dict, marks: list[str]) -> dict:
 
 def _upgraded(tag: str, data: dict) -> dict | None:
     """A recorded record's data with the marks of what it predates, or None when it predates nothing: a reference's
-    RESULT without 'nonfinite' (CONFIGURATION), an ENGINE without 'compilation_mode' (COMPILATION), counters (the
-    COUNTERS record, an ENGINE record's own) without the descriptor check's, the layout's or the per-backend count."""
+    RESULT without 'nonfinite' (CONFIGURATION), an ENGINE without 'compilation_mode' (COMPILATION) or the draft's
+    acceptance (ACCEPTANCE), counters (COUNTERS, ENGINE's own) without the descriptor check's, layout's or backends'."""
     if not isinstance(data, dict):
         return None
     marks = []
@@ -356,6 +362,8 @@ def _upgraded(tag: str, data: dict) -> dict | None:
         marks.append(CONFIGURATION)
     if tag == ENGINE_TAG and "compilation_mode" not in data:
         marks.append(COMPILATION)
+    if tag == ENGINE_TAG and "spec_decode_num_draft_tokens" not in (data.get("acceptance") or {}):
+        marks.append(ACCEPTANCE)
     new = dict(data)
     if tag == COUNTERS_TAG:
         new = _marked(new, [m for key, m in _COUNTERS_BEFORE if key not in data])

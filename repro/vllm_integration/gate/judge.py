@@ -12,7 +12,7 @@ from pathlib import Path
 
 from repro.attention.staleness import count_fields
 from repro.case.spec import CaseResult, mps_sm_mismatch
-from repro.contract.channel import CONFIGURATION, Channel, recorded_before
+from repro.contract.channel import ACCEPTANCE, CONFIGURATION, Channel, recorded_before
 from repro.contract.tags import AUDIT_TAG, COUNTERS_TAG, DEVICE_TAG, ENGINE_TAG, PLUGIN_TAG, RESULT_TAG
 from repro.contract.verdicts import CANNOT_VOUCH as NOT_VOUCHED
 from repro.contract.verdicts import CLEAN, CRASH, ERROR, HANG, KERNEL_EVIDENCE, OOB, SKIP, STALE_AUDIT, WRONG
@@ -362,14 +362,19 @@ def apply_reference(res: CaseResult, out: dict | None, ref: CaseResult, ref_out:
 
 def compare_acceptance(res: CaseResult, ref: CaseResult) -> CaseResult:
     """The draft judged by what the target accepted: wrong-output more than ACCEPTANCE_DROP below its reference's;
-    cannot-vouch when the case reported no acceptance; an old reference without speculation: the record as it was."""
+    cannot-vouch when the case or its reference reported none while the other did (nothing to judge it by); neither
+    (no speculation): the record as it was."""
     step = "draft acceptance"
     want = acceptance_of(ref.backend_identity)
-    if acceptance_rate(want) is None:
-        return res  # a record from before references ran the draft: nothing to compare with (the gate always runs one)
     got = acceptance_of(res.backend_identity)
-    if acceptance_rate(got) is None:
-        why = f"the case reported {describe_acceptance(got)}: its draft cannot be judged against the reference's"
+    engine = (ref.backend_identity or {}).get("engine")  # a reference from before the ENGINE record: none
+    if acceptance_rate(want) is None and (
+        acceptance_rate(got) is None or not engine or ACCEPTANCE in recorded_before(engine)
+    ):
+        return res  # no draft in either (no speculation, no decode), or a recorded reference from before it ran one
+    if acceptance_rate(want) is None or acceptance_rate(got) is None:
+        who, said = ("its reference", want) if acceptance_rate(want) is None else ("the case", got)
+        why = f"{who} reported {describe_acceptance(said)}: the draft cannot be judged against the reference's"
         return res.revised(step, why, verdict=NOT_VOUCHED, reason=why)
     line = f"draft: {describe_acceptance(got)}, reference {acceptance_rate(want):.0%}"
     evidence = "; ".join(x for x in (res.evidence, line) if x)
