@@ -363,24 +363,29 @@ def test_builds_that_hook_nothing_cannot_be_vouched_for_through_the_cli(hook_not
 @needs_entry_point
 def test_renamed_backend_classes_and_no_scheduler_call_through_the_cli(tmp_path):
     """Renamed classes: the hooks cannot go in, every case is an error naming them; no get_scheduler_metadata call:
-    the poison mode poisoned nothing. Both exit 4 with a control that is caught."""
+    the poison mode poisoned nothing. Exit 4 with a control that is caught (one `python -m repro gate` subprocess for
+    both builds, each in both modes)."""
     renamed = write_fake_vllm(tmp_path / "renamed", "0.26.0", "renamed")
     nosched = write_fake_vllm(tmp_path / "nosched", "0.26.0", "no-sched")
     crash = write_fake_vllm(tmp_path / "crash", "0.25.1", "stale-crash")
-    base = [sys.executable, "-m", "repro", "gate", "--no-installed", "--jobs", "2", "--control", f"old={crash}"]
-    base += ["--launcher", "fork"]  # the spawned launcher's verdicts (test_vllm_gate_fork), torch imported per build
-    for prefix, modes, verdict, why in (
-        (renamed, "audit", ERROR, "FlashAttentionImpl"),
-        (nosched, "poison:int-max", CANNOT_VOUCH, "0 scheduler-metadata entries poisoned (0 get_scheduler_metadata"),
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "repro", "gate", "--no-installed", "--jobs", "2", "--control", f"old={crash}"]
+    cmd += ["--launcher", "fork"]  # the spawned launcher's verdicts (test_vllm_gate_fork), torch imported per build
+    cmd += ["--modes", "audit,poison:int-max", "--vllm", f"renamed={renamed}", "--vllm", f"nosched={nosched}"]
+    p = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True)
+    assert p.returncode == 4, p.stdout[-2000:] + p.stderr[-2000:]
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["outcome"] == "CANNOT VOUCH"
+    cases = [c for c in doc["cases"] if c["kind"] == "case" and "self-control" not in c["case"]]
+    mine = {(c["build"], c["case"].rsplit("-", 1)[1]): c for c in cases}
+    for build, mode, verdict, why in (
+        ("renamed", "audit", ERROR, "FlashAttentionImpl"),
+        ("renamed", "max", ERROR, "FlashAttentionImpl"),  # poison:int-max: the case id ends in -poison-int-max
+        ("nosched", "max", CANNOT_VOUCH, "0 scheduler-metadata entries poisoned (0 get_scheduler_metadata"),
     ):
-        out = tmp_path / f"out-{prefix.name}"
-        p = subprocess.run(
-            [*base, "--modes", modes, "--vllm", f"x={prefix}", "--out", str(out)], capture_output=True, text=True
-        )
-        assert p.returncode == 4, p.stdout[-2000:] + p.stderr[-2000:]
-        doc = json.loads((out / "results.json").read_text())
-        mine = next(c for c in doc["cases"] if c["kind"] == "case" and c["build"] == "x")
-        assert doc["outcome"] == "CANNOT VOUCH" and mine["verdict"] == verdict and why in mine["reason"], mine
+        c = mine[(build, mode)]
+        assert c["verdict"] == verdict and why in c["reason"], c
+    assert mine[("old", "audit")]["verdict"] == CRASH  # the control caught
 
 
 @needs_entry_point
@@ -527,6 +532,9 @@ def test_the_pytest_tier_runs_each_build_and_mode_through_the_gates_own_run(tmp_
     from repro.run.pytest_cases import RUN_ENV
 
     monkeypatch.setenv(RUN_ENV, str(tmp_path / "logs"))  # this test's case logs, never another run's folder
+    # forked case processes (REPRO_GATE_LAUNCHER, which the tier's run_gate reads): the spawned launcher's records
+    # (test_vllm_gate_fork); a forkserver for the one build each test runs, none for a method it lacks
+    monkeypatch.setenv("REPRO_GATE_LAUNCHER", "fork")
     builds = parse_builds(f"good={fakes['good']}", UNDER_TEST, "REPRO_VLLM")
     builds += parse_builds(f"quiet={fakes['stale-quiet']}", CONTROL, "REPRO_VLLM_CONTROL")
     (plain,) = parse_modes("plain")
@@ -535,6 +543,8 @@ def test_the_pytest_tier_runs_each_build_and_mode_through_the_gates_own_run(tmp_
     assert props["verdict"] == CLEAN and props["role"] == UNDER_TEST
     assert json.loads(props["self_control"])  # the self control ran beside it, in the same run
     assert list((tmp_path / "cache").rglob("*.json")), "the reference was kept in the shared cache"
+    assert json.loads(props["counters"]) and list((tmp_path / "logs").rglob("forkserver-good.log"))
+    assert not list((tmp_path / "logs").rglob("forkserver-quiet.log"))  # `only` the build under test: no other's
     # the known-bad build silent in plain: not a pass, not a failure by itself (policy rule 5: `pytest --gate`
     # decides over its modes, grouped by the subject it records)
     quiet: dict = {}

@@ -245,8 +245,8 @@ def run_gate(
     workers = pool.per_device * len(pool.devices) if pool else max(1, jobs)
     budget = None if pool else MemoryBudget.of_free_gpu() if memory == "free GPU" else memory
     launch = Launcher(launcher_kind(launcher), log_dir, keep_s=keep_forkserver)  # keep: forkservers outlive the run
-    if launch.kind == FORK:
-        for b in builds:  # the environment of the build's cases, less what differs per case (gate_forkserver.LATE_VARS)
+    if launch.kind == FORK:  # the builds with a case to run (`only`: that one; a method it lacks: none), each once
+        for b in dict.fromkeys(c.build for c in cases):  # its cases' environment, less LATE_VARS (gate_forkserver)
             plain = GateCase(b, GateMode.parse("plain"))
             launch.start(b, case_env(plain, builds, Path(log_dir) / "forkserver.audit.json", None, lambda: 0))
 
