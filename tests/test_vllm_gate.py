@@ -332,6 +332,9 @@ def hook_nothing_gate(tmp_path_factory):
     # interpreter importing torch when spawned
     cmd = [sys.executable, "-m", "repro", "gate", "--no-installed", "--no-control", "--modes", "audit,plain"]
     cmd += ["--launcher", "fork"]
+    # one attempt of each self control: three of the six (no-spec, other-backend, piecewise) decode without a fault
+    # in plain whatever the injection, and a second and third attempt (12 case processes) would only repeat that
+    cmd += ["--self-control-attempts", "1"]
     for behaviour in sorted(HOOK_NOTHING):
         cmd += ["--vllm", f"{behaviour}={write_fake_vllm(root / behaviour, '0.26.0', behaviour)}"]
     # a module fixture runs before conftest's per-test private cache: it names its own, never the user's
@@ -358,6 +361,17 @@ def test_builds_that_hook_nothing_cannot_be_vouched_for_through_the_cli(hook_not
         audit = next(c for c in mine if c["case"].endswith("-audit"))
         assert "the freshness auditor made 0 checks" in audit["reason"]
     assert "CANNOT VOUCH" in (out / "verdicts.md").read_text()
+    assert not [c["case"] for c in doc["cases"] if "-attempt" in c["case"]]  # --self-control-attempts 1
+
+
+def test_the_gate_command_attempts_a_self_control_as_often_as_the_gate_does_unless_told():
+    from repro.cli import build_parser
+    from repro.vllm_integration.gate.process import SELF_CONTROL_ATTEMPTS
+
+    assert build_parser().parse_args(["gate"]).self_control_attempts == SELF_CONTROL_ATTEMPTS
+    assert build_parser().parse_args(["gate", "--self-control-attempts", "1"]).self_control_attempts == 1
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["gate", "--self-control-attempts", "0"])
 
 
 @needs_entry_point

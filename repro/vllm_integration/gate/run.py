@@ -205,13 +205,15 @@ def run_gate(
     memory: MemoryBudget | None | str = "free GPU",
     methods: tuple[str, ...] = (DEFAULT_METHOD,),
     self_control_forms: tuple[str, ...] = INJECTIONS,
+    self_control_attempts: int | None = None,
 ) -> GateRun:
     """Every case, references included, `jobs` at a time; MPS cases under a daemon of the run (repro.run.mps_cases:
     controls alone, a neighbour's fault rerun alone). A cache (gate.cache) shares the build's vLLM caches and a kept
     reference; devices (gate.placement) place each case with its reference on one SM kind. `only`: that one build's
     cases (the pytest tier). The launcher (spawn or fork) says how case processes start (GateRun.launches). deadline_s
     (`--deadline`) ends every process; a case it stopped is a skip, or its stale-audit (gate.process.past_deadline).
-    Each case holds its share of `memory` (placement.case_gib). self_control_forms: plan's `forms`."""
+    Each case holds its share of `memory` (placement.case_gib). self_control_forms: plan's `forms`;
+    self_control_attempts: gate.process.run_control's `attempts` (`--self-control-attempts`)."""
     if not builds:
         raise ConfigError("no vLLM build to test: install vllm, or set REPRO_VLLM / REPRO_VLLM_CONTROL")
     which = [only] if only is not None else builds
@@ -274,9 +276,9 @@ def run_gate(
         try:
             need = int(case_gib(c) * GIB) * (2 if attributed_beside(c) else 1)  # its launch-blocking rerun beside it
             with budget.hold(need) if budget is not None else contextlib.nullcontext():
-                ref_id = reference_for(c).case_id
+                ref_id, kw = reference_for(c).case_id, dict(device=dev, launcher=launch, attempts=self_control_attempts)
                 res, attribution, ran, tried = run_control(
-                    c, builds, log_dir, mps, cache, device=dev, launcher=launch, reference=lambda: done.get(ref_id)
+                    c, builds, log_dir, mps, cache, reference=lambda: done.get(ref_id), **kw
                 )
         finally:
             if dev is not None and mps is None:
