@@ -162,6 +162,7 @@ def test_compile_none_runs_full_graphs_without_torch_compile_in_every_speculativ
         run_gate(builds, parse_modes("audit"), tmp_path / "logs2", compile="fast")
 
 
+@pytest.mark.slow  # seven gate runs (conftest: started first)
 @needs_entry_point
 def test_gate_command_exit_codes_and_report(tmp_path, fakes, capsys):
     out = tmp_path / "out"  # one folder for every run below: --overwrite replaces the report before (docs/outputs.md)

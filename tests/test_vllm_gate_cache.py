@@ -206,6 +206,7 @@ def test_kept_references_and_warm_caches_give_the_same_verdicts(tmp_path):
     assert [h["step"] for h in third.references[0][1].history] == ["reference validation"]
 
 
+@pytest.mark.slow  # five gate runs (conftest: started first)
 def test_compare_paths_runs_old_cold_warm_and_forked_with_no_verdict_difference(tmp_path):
     builds = [_build(tmp_path, "good")]
     builds += parse_builds(f"crash={write_fake_vllm(tmp_path / 'crash', '0.25.1', 'stale-crash')}", CONTROL, "x")

@@ -55,6 +55,7 @@ def _env(build, builds, tmp_path, **extra) -> dict[str, str]:
     return {**case_env(GateCase(build, GateMode.parse("plain")), builds, tmp_path / "a.json", None, lambda: 0), **extra}
 
 
+@pytest.mark.slow  # the tier's longest test (conftest: started first)
 @needs_entry_point
 def test_fork_and_spawn_give_the_same_records_for_every_stand_in_behaviour(tmp_path):
     """Every behaviour of the stand-in the gate's tests use, in the audit and plain modes (and the poison mode for a
