@@ -44,6 +44,7 @@ SHARED_FIXTURE = (
     "tests/test_gpu_tier_under_xdist.py::",  # three pytest sessions of the GPU tier
     "tests/test_weights.py::",  # the gate model's weights
     "tests/test_weights_dflash.py::",  # the target's and the DFlash draft's weights
+    "tests/test_cli_without_gpu.py::",  # the CPU model's matrix run (two of its tests)
 )
 
 
