@@ -19,6 +19,8 @@ import os
 import platform
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections import defaultdict
@@ -108,10 +110,17 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def records() -> list[Path]:
-    """The recorded cpu-tier.json files, oldest first (by the date they hold)."""
-    found = [p / "cpu-tier.json" for p in RESULTS.glob(PREFIX + "*") if (p / "cpu-tier.json").is_file()]
-    return sorted(found, key=lambda p: json.loads(p.read_text())["date"])
+def records() -> list[dict]:
+    """The recorded cpu-tier.json documents, oldest first (by the date they hold): a record's folder, or its packed
+    NAME.tar.xz (`python -m repro records --pack`)."""
+    docs = [json.loads((p / "cpu-tier.json").read_text()) for p in RESULTS.glob(PREFIX + "*") if p.is_dir()
+            if (p / "cpu-tier.json").is_file()]  # fmt: skip
+    for packed in RESULTS.glob(PREFIX + "*.tar.xz"):
+        if not (RESULTS / packed.name.removesuffix(".tar.xz")).is_dir():  # a record held both ways: its folder
+            with tarfile.open(packed) as tar:
+                member = tar.extractfile(f"{packed.name.removesuffix('.tar.xz')}/cpu-tier.json")
+                docs += [json.loads(member.read())] if member else []
+    return sorted(docs, key=lambda d: d["date"])
 
 
 def compare(old: dict | None, new: dict) -> str:
@@ -154,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log", type=Path, help="keep pytest's output in this file (default: not kept)")
     a = p.parse_args(argv)
     if a.compare_only:
-        docs = [json.loads(r.read_text()) for r in records()[-2:]]
+        docs = records()[-2:]
         if not docs:
             print("no cpu-tier record under results/", file=sys.stderr)
             return 4
@@ -163,25 +172,24 @@ def main(argv: list[str] | None = None) -> int:
     previous = records()
     name = a.name or PREFIX + datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     out = RESULTS / name
-    out.mkdir(parents=True, exist_ok=True)
     machine = _machine()
     machine["load_1_5_15"] = [round(x, 2) for x in os.getloadavg()]
-    junit = out / "junit.xml"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
-    started = time.monotonic()
-    log_path = a.log or out / "pytest.log"
-    with open(log_path, "w") as log:
-        cmd = [sys.executable, *COMMAND, f"--durations={a.durations}", f"--junitxml={junit}"]
-        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-    wall = time.monotonic() - started
-    doc = summarize(_tests(junit), wall, rc, machine, [round(x, 2) for x in os.getloadavg()])
-    junit.unlink()  # the summary keeps what the record is for; the full XML is large and names machine paths
-    if not a.log:
-        log_path.unlink()
+    # the JUnit XML and the log outside results/ while the tier runs: a record folder there before its index line
+    # fails the tier's own check of results/ (test_records_index)
+    with tempfile.TemporaryDirectory(prefix="bench-tests-") as scratch:
+        junit = Path(scratch) / "junit.xml"  # the summary keeps what the record is for; the XML names machine paths
+        started = time.monotonic()
+        with open(a.log or Path(scratch) / "pytest.log", "w") as log:
+            cmd = [sys.executable, *COMMAND, f"--durations={a.durations}", f"--junitxml={junit}"]
+            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        wall = time.monotonic() - started
+        doc = summarize(_tests(junit), wall, rc, machine, [round(x, 2) for x in os.getloadavg()])
+    out.mkdir(parents=True, exist_ok=True)
     (out / "cpu-tier.json").write_text(json.dumps(doc, indent=1) + "\n")
     (out / "cpu-tier.md").write_text(markdown(doc))
-    before = [r for r in previous if r.parent != out]
-    print(compare(json.loads(before[-1].read_text()) if before else None, doc), end="")
+    before = [r for r in previous if r["date"] != doc["date"]]
+    print(compare(before[-1] if before else None, doc), end="")
     return rc
 
 

@@ -44,7 +44,15 @@ SHARED_FIXTURE = (
     "tests/test_gpu_tier_under_xdist.py::",  # three pytest sessions of the GPU tier
     "tests/test_weights.py::",  # the gate model's weights
     "tests/test_weights_dflash.py::",  # the target's and the DFlash draft's weights
+    "tests/test_cli_without_gpu.py::",  # the CPU model's matrix run (two of its tests)
 )
+
+
+def pytest_collection_modifyitems(config, items):
+    """This folder's tests marked slow (the tier's longest, over a minute of CPU on a loaded 2-core machine) first, the rest in
+    their order (a stable sort): under `pytest -n N` xdist deals them out after the SHARED_FIXTURE groups, so that
+    they run beside the many short tests instead of one of them starting late and running alone at the end."""
+    items.sort(key=lambda item: not (item.get_closest_marker("slow") and Path(__file__).parent in item.path.parents))
 
 
 @pytest.hookimpl(optionalhook=True)

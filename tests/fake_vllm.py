@@ -241,7 +241,7 @@ import vllm
 from vllm.v1.worker.gpu._backend import Builder, Impl, forward
 from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 BEHAVIOUR = vllm.BEHAVIOUR
-SLOW_S = 4.0
+SLOW_S = 2.0  # long enough to kill its forkserver under it (the kill follows its start by 0.1 s)
 
 
 class GPUModelRunner:

@@ -15,10 +15,23 @@ from repro.report.results import SCHEMA
 from tests.commands import ROOT, fake_vllm, no_traceback, one_line_nothing_written, run_repro
 
 
-def test_matrix_without_gpu_writes_only_where_asked(tmp_path):
-    r = run_repro("matrix", cwd=tmp_path)
+# under xdist, every test of this file runs on one worker (conftest's SHARED_FIXTURE): it runs once
+@pytest.fixture(scope="module")
+def matrix_here(tmp_path_factory):
+    """`python -m repro matrix --json FILE` in an empty folder (the CPU model's 40 predictions, the costly part of
+    this file): the process, the folder it ran in, and FILE, outside that folder. Two tests read it."""
+    root = tmp_path_factory.mktemp("matrix-here")
+    (root / "cwd").mkdir()
+    with pytest.MonkeyPatch.context() as mp:  # a module fixture runs before conftest's per-test private cache
+        mp.setenv("REPRO_CACHE_DIR", str(root / "repro-cache"))
+        r = run_repro("matrix", "--json", str(root / "m.json"), cwd=root / "cwd")
+    return r, root / "cwd", root / "m.json"
+
+
+def test_matrix_without_gpu_writes_only_where_asked(tmp_path, matrix_here):
+    r, cwd, _ = matrix_here
     no_traceback(r)
-    assert r.returncode == 0 and r.stdout.startswith("No GPU here") and not any(tmp_path.iterdir())
+    assert r.returncode == 0 and r.stdout.startswith("No GPU here") and not any(cwd.iterdir())  # its --json only
     out = tmp_path / "out"
     r = run_repro("matrix", "--out", str(out), "--json", str(tmp_path / "m.json"), "--model-sms", "16", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -33,7 +46,7 @@ def test_matrix_gate_without_gpu_fails(tmp_path):
     assert r.returncode == 1 and "GATE FAILED" in r.stderr
 
 
-def test_dry_run_lists_exactly_what_the_run_runs_here(tmp_path):
+def test_dry_run_lists_exactly_what_the_run_runs_here(tmp_path, matrix_here):
     dry = run_repro("matrix", "--dry-run", cwd=tmp_path)
     no_traceback(dry)
     assert dry.returncode == 0 and len(dry.stderr.strip().splitlines()) == 1, dry.stderr
@@ -43,9 +56,9 @@ def test_dry_run_lists_exactly_what_the_run_runs_here(tmp_path):
         return
     assert dry.stderr.startswith("dry run: 40 cases, the CPU model's predictions (no GPU here;"), dry.stderr
     assert not any(tmp_path.iterdir())  # a dry run writes nothing
-    r = run_repro("matrix", "--json", str(tmp_path / "m.json"), cwd=tmp_path)
+    r, _, ran = matrix_here  # the run itself, in the same environment
     assert r.returncode == 0, r.stderr
-    assert ids == [c["case"] for c in json.loads((tmp_path / "m.json").read_text())["cases"]]
+    assert ids == [c["case"] for c in json.loads(ran.read_text())["cases"]]
     assert all("-eager-" in i for i in ids)  # the model predicts the eager warmups only
     gpu = run_repro("matrix", "--dry-run", "--gpu-only", cwd=tmp_path)  # the GPU matrix, listed where it cannot run
     assert gpu.returncode == 0 and len(gpu.stdout.split()) == 48 and len(gpu.stderr.strip().splitlines()) == 1

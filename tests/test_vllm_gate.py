@@ -162,6 +162,7 @@ def test_compile_none_runs_full_graphs_without_torch_compile_in_every_speculativ
         run_gate(builds, parse_modes("audit"), tmp_path / "logs2", compile="fast")
 
 
+@pytest.mark.slow  # seven gate runs (conftest: started first)
 @needs_entry_point
 def test_gate_command_exit_codes_and_report(tmp_path, fakes, capsys):
     out = tmp_path / "out"  # one folder for every run below: --overwrite replaces the report before (docs/outputs.md)
@@ -332,6 +333,9 @@ def hook_nothing_gate(tmp_path_factory):
     # interpreter importing torch when spawned
     cmd = [sys.executable, "-m", "repro", "gate", "--no-installed", "--no-control", "--modes", "audit,plain"]
     cmd += ["--launcher", "fork"]
+    # one attempt of each self control: three of the six (no-spec, other-backend, piecewise) decode without a fault
+    # in plain whatever the injection, and a second and third attempt (12 case processes) would only repeat that
+    cmd += ["--self-control-attempts", "1"]
     for behaviour in sorted(HOOK_NOTHING):
         cmd += ["--vllm", f"{behaviour}={write_fake_vllm(root / behaviour, '0.26.0', behaviour)}"]
     # a module fixture runs before conftest's per-test private cache: it names its own, never the user's
@@ -358,29 +362,45 @@ def test_builds_that_hook_nothing_cannot_be_vouched_for_through_the_cli(hook_not
         audit = next(c for c in mine if c["case"].endswith("-audit"))
         assert "the freshness auditor made 0 checks" in audit["reason"]
     assert "CANNOT VOUCH" in (out / "verdicts.md").read_text()
+    assert not [c["case"] for c in doc["cases"] if "-attempt" in c["case"]]  # --self-control-attempts 1
+
+
+def test_the_gate_command_attempts_a_self_control_as_often_as_the_gate_does_unless_told():
+    from repro.cli import build_parser
+    from repro.vllm_integration.gate.process import SELF_CONTROL_ATTEMPTS
+
+    assert build_parser().parse_args(["gate"]).self_control_attempts == SELF_CONTROL_ATTEMPTS
+    assert build_parser().parse_args(["gate", "--self-control-attempts", "1"]).self_control_attempts == 1
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["gate", "--self-control-attempts", "0"])
 
 
 @needs_entry_point
 def test_renamed_backend_classes_and_no_scheduler_call_through_the_cli(tmp_path):
     """Renamed classes: the hooks cannot go in, every case is an error naming them; no get_scheduler_metadata call:
-    the poison mode poisoned nothing. Both exit 4 with a control that is caught."""
+    the poison mode poisoned nothing. Exit 4 with a control that is caught (one `python -m repro gate` subprocess for
+    both builds, each in both modes)."""
     renamed = write_fake_vllm(tmp_path / "renamed", "0.26.0", "renamed")
     nosched = write_fake_vllm(tmp_path / "nosched", "0.26.0", "no-sched")
     crash = write_fake_vllm(tmp_path / "crash", "0.25.1", "stale-crash")
-    base = [sys.executable, "-m", "repro", "gate", "--no-installed", "--jobs", "2", "--control", f"old={crash}"]
-    base += ["--launcher", "fork"]  # the spawned launcher's verdicts (test_vllm_gate_fork), torch imported per build
-    for prefix, modes, verdict, why in (
-        (renamed, "audit", ERROR, "FlashAttentionImpl"),
-        (nosched, "poison:int-max", CANNOT_VOUCH, "0 scheduler-metadata entries poisoned (0 get_scheduler_metadata"),
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "repro", "gate", "--no-installed", "--jobs", "2", "--control", f"old={crash}"]
+    cmd += ["--launcher", "fork"]  # the spawned launcher's verdicts (test_vllm_gate_fork), torch imported per build
+    cmd += ["--modes", "audit,poison:int-max", "--vllm", f"renamed={renamed}", "--vllm", f"nosched={nosched}"]
+    p = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True)
+    assert p.returncode == 4, p.stdout[-2000:] + p.stderr[-2000:]
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["outcome"] == "CANNOT VOUCH"
+    cases = [c for c in doc["cases"] if c["kind"] == "case" and "self-control" not in c["case"]]
+    mine = {(c["build"], c["case"].rsplit("-", 1)[1]): c for c in cases}
+    for build, mode, verdict, why in (
+        ("renamed", "audit", ERROR, "FlashAttentionImpl"),
+        ("renamed", "max", ERROR, "FlashAttentionImpl"),  # poison:int-max: the case id ends in -poison-int-max
+        ("nosched", "max", CANNOT_VOUCH, "0 scheduler-metadata entries poisoned (0 get_scheduler_metadata"),
     ):
-        out = tmp_path / f"out-{prefix.name}"
-        p = subprocess.run(
-            [*base, "--modes", modes, "--vllm", f"x={prefix}", "--out", str(out)], capture_output=True, text=True
-        )
-        assert p.returncode == 4, p.stdout[-2000:] + p.stderr[-2000:]
-        doc = json.loads((out / "results.json").read_text())
-        mine = next(c for c in doc["cases"] if c["kind"] == "case" and c["build"] == "x")
-        assert doc["outcome"] == "CANNOT VOUCH" and mine["verdict"] == verdict and why in mine["reason"], mine
+        c = mine[(build, mode)]
+        assert c["verdict"] == verdict and why in c["reason"], c
+    assert mine[("old", "audit")]["verdict"] == CRASH  # the control caught
 
 
 @needs_entry_point
@@ -527,6 +547,9 @@ def test_the_pytest_tier_runs_each_build_and_mode_through_the_gates_own_run(tmp_
     from repro.run.pytest_cases import RUN_ENV
 
     monkeypatch.setenv(RUN_ENV, str(tmp_path / "logs"))  # this test's case logs, never another run's folder
+    # forked case processes (REPRO_GATE_LAUNCHER, which the tier's run_gate reads): the spawned launcher's records
+    # (test_vllm_gate_fork); a forkserver for the one build each test runs, none for a method it lacks
+    monkeypatch.setenv("REPRO_GATE_LAUNCHER", "fork")
     builds = parse_builds(f"good={fakes['good']}", UNDER_TEST, "REPRO_VLLM")
     builds += parse_builds(f"quiet={fakes['stale-quiet']}", CONTROL, "REPRO_VLLM_CONTROL")
     (plain,) = parse_modes("plain")
@@ -535,6 +558,8 @@ def test_the_pytest_tier_runs_each_build_and_mode_through_the_gates_own_run(tmp_
     assert props["verdict"] == CLEAN and props["role"] == UNDER_TEST
     assert json.loads(props["self_control"])  # the self control ran beside it, in the same run
     assert list((tmp_path / "cache").rglob("*.json")), "the reference was kept in the shared cache"
+    assert json.loads(props["counters"]) and list((tmp_path / "logs").rglob("forkserver-good.log"))
+    assert not list((tmp_path / "logs").rglob("forkserver-quiet.log"))  # `only` the build under test: no other's
     # the known-bad build silent in plain: not a pass, not a failure by itself (policy rule 5: `pytest --gate`
     # decides over its modes, grouped by the subject it records)
     quiet: dict = {}

@@ -169,8 +169,11 @@ def test_kept_references_and_warm_caches_give_the_same_verdicts(tmp_path):
     builds += parse_builds(f"crash={write_fake_vllm(tmp_path / 'crash', '0.25.1', 'stale-crash')}", CONTROL, "x")
     cache = GateCache(tmp_path / "c")
     modes = parse_modes("audit,plain")
-    first = run_gate(builds, modes, tmp_path / "l1", jobs=4, timeout_s=120, cache=cache)
-    second = run_gate(builds, modes, tmp_path / "l2", jobs=4, timeout_s=120, cache=GateCache(tmp_path / "c"))
+    # forked case processes: the cache is the question, not the launcher (the spawned paths' caches and kept
+    # references: test_compare_paths_runs_old_cold_warm_and_forked_with_no_verdict_difference)
+    kw = dict(jobs=4, timeout_s=120, launcher="fork")
+    first = run_gate(builds, modes, tmp_path / "l1", cache=cache, **kw)
+    second = run_gate(builds, modes, tmp_path / "l2", cache=GateCache(tmp_path / "c"), **kw)
     assert [(c.case_id, r.verdict) for c, r in first.cases] == [(c.case_id, r.verdict) for c, r in second.cases]
     assert first.outcome() == second.outcome() == "PASS"
     assert all(
@@ -197,12 +200,13 @@ def test_kept_references_and_warm_caches_give_the_same_verdicts(tmp_path):
     (Path(builds[0].prefix) / "vllm" / "_version.py").write_text('__version__ = "0.26.0+local"\n')
     third = run_gate(  # its self control aside: the reference is the question
         builds[:1], parse_modes("plain"), tmp_path / "l3", timeout_s=120, cache=GateCache(tmp_path / "c"),
-        self_control="none",
+        self_control="none", launcher="fork",
     )  # fmt: skip
     # a changed build: its reference runs again (validated, not kept)
     assert [h["step"] for h in third.references[0][1].history] == ["reference validation"]
 
 
+@pytest.mark.slow  # five gate runs (conftest: started first)
 def test_compare_paths_runs_old_cold_warm_and_forked_with_no_verdict_difference(tmp_path):
     builds = [_build(tmp_path, "good")]
     builds += parse_builds(f"crash={write_fake_vllm(tmp_path / 'crash', '0.25.1', 'stale-crash')}", CONTROL, "x")

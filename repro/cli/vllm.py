@@ -111,6 +111,13 @@ def add_parsers(sub) -> None:
         "--repeat", type=repeats, default=1, help=f"repetitions of every case, 1 to {MAX_REPEAT} (default 1)"
     )
     gt.add_argument(
+        "--self-control-attempts",
+        type=repeats,
+        default=3,
+        help="attempts in all of a self control outside the audit mode that decoded without a fault, until one "
+        "faults or hangs (default %(default)s; 1: no second attempt)",
+    )
+    gt.add_argument(
         "--jobs",
         type=int,
         default=None,
@@ -312,6 +319,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
         compile=a.compile,
         keep_forkserver=keep,
         methods=a.methods,
+        self_control_attempts=a.self_control_attempts,
     )
     judgment = run.judge(need_control=not a.no_control)  # the one decision: the reports and the exit code read it
     written = gate_report.write(run, out, collect())

@@ -168,15 +168,16 @@ def run_control(
     log_dir: str | Path,
     *where: Any,
     reference: Callable[[], tuple[CaseResult, dict | None] | None] = lambda: None,
+    attempts: int | None = None,
     **how: Any,
 ) -> tuple[CaseResult, tuple[GateCase, CaseResult] | None, GateCase, list[tuple[GateCase, CaseResult]]]:
     """run_attributed (with the same arguments after the case: builds, log_dir, mps, cache, device, launcher), then,
     for a `retried` case that came back clean, more attempts (each its own process and logs, case id ...-attemptN)
-    until one shows a fault or hang, at most SELF_CONTROL_ATTEMPTS in all, or until a clean attempt's tokens or draft
-    are already wrong against its reference: `reference()` gives the reference's result and RESULT record once it
-    finished (else None), and the judging the run ends with (judge.finish: the comparison, then vouch, which discounts
-    a wrong answer whose injection never wrote) is made early (0.21.0's self control: a silently wrong draft, which
-    further attempts only repeated, 100 s each). Returns the result kept under the case's own id (the first attempt
+    until one shows a fault or hang, at most `attempts` in all (None: SELF_CONTROL_ATTEMPTS, read when called), or
+    until a clean attempt's tokens or draft are already wrong against its reference: `reference()` gives the
+    reference's result and RESULT record once it finished (else None), and the judging the run ends with
+    (judge.finish: the comparison, then vouch, which discounts a wrong answer whose injection never wrote) is made
+    early (0.21.0's self control: a silently wrong draft, which further attempts only repeated, 100 s each). Returns the result kept under the case's own id (the first attempt
     with evidence, revised to say which; else the first), its attribution rerun, the case whose logs hold it, and
     every further attempt as it came back (results.json keeps them, so a replay makes the attempts the run made)."""
 
@@ -186,17 +187,18 @@ def run_control(
         ref = reference()
         return ref is not None and finish(ran, res, result_line(log_dir, ran), *ref).verdict == WRONG
 
+    attempts = SELF_CONTROL_ATTEMPTS if attempts is None else attempts
     res, attribution = run_attributed(case, builds, log_dir, *where, **how)
     ran, tried = case, []
     found = not retried(case) or evident(case, res)  # each attempt is judged once
-    for k in range(1, SELF_CONTROL_ATTEMPTS):
+    for k in range(1, attempts):
         if found:
             break
         again = replace(case, attempt=k)
         r, a = run_attributed(again, builds, log_dir, *where, **how)
         tried.append((again, r))
         if found := evident(again, r):
-            why = f"attempt {k + 1} of {SELF_CONTROL_ATTEMPTS} ({again.case_id}); the earlier decoded without a fault"
+            why = f"attempt {k + 1} of {attempts} ({again.case_id}); the earlier decoded without a fault"
             res, attribution, ran = r.revised("self-control attempt", why, case_id=case.case_id), a, again
     return res, attribution, ran, tried
 

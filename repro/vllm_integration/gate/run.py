@@ -207,13 +207,15 @@ def run_gate(
     memory: MemoryBudget | None | str = "free GPU",
     methods: tuple[str, ...] = (DEFAULT_METHOD,),
     self_control_forms: tuple[str, ...] = INJECTIONS,
+    self_control_attempts: int | None = None,
 ) -> GateRun:
     """Every case, references included, `jobs` at a time; MPS cases under a daemon of the run (repro.run.mps_cases:
     controls alone, a neighbour's fault rerun alone). A cache (gate.cache) shares the build's vLLM caches and a kept
     reference; devices (gate.placement) place each case with its reference on one SM kind. `only`: that one build's
     cases (the pytest tier). The launcher (spawn or fork) says how case processes start (GateRun.launches). deadline_s
     (`--deadline`) ends every process; a case it stopped is a skip, or its stale-audit (gate.process.past_deadline).
-    Each case holds its share of `memory` (placement.case_gib). self_control_forms: plan's `forms`."""
+    Each case holds its share of `memory` (placement.case_gib). self_control_forms: plan's `forms`;
+    self_control_attempts: gate.process.run_control's `attempts` (`--self-control-attempts`)."""
     if not builds:
         raise ConfigError("no vLLM build to test: install vllm, or set REPRO_VLLM / REPRO_VLLM_CONTROL")
     persons_choices(os.environ)  # a bad REPRO_WEIGHTS or REPRO_INJECT_SOURCE stops the run before any case starts
@@ -248,8 +250,8 @@ def run_gate(
     workers = pool.per_device * len(pool.devices) if pool else max(1, jobs)
     budget = None if pool else MemoryBudget.of_free_gpu() if memory == "free GPU" else memory
     launch = Launcher(launcher_kind(launcher), log_dir, keep_s=keep_forkserver)  # keep: forkservers outlive the run
-    if launch.kind == FORK:
-        for b in builds:  # the environment of the build's cases, less what differs per case (gate_forkserver.LATE_VARS)
+    if launch.kind == FORK:  # the builds with a case to run (`only`: that one; a method it lacks: none), each once
+        for b in dict.fromkeys(c.build for c in cases):  # its cases' environment, less LATE_VARS (gate_forkserver)
             plain = GateCase(b, GateMode.parse("plain"))
             launch.start(b, case_env(plain, builds, Path(log_dir) / "forkserver.audit.json", None, lambda: 0))
 
@@ -277,9 +279,9 @@ def run_gate(
         try:
             need = int(case_gib(c) * GIB) * (2 if attributed_beside(c) else 1)  # its launch-blocking rerun beside it
             with budget.hold(need) if budget is not None else contextlib.nullcontext():
-                ref_id = reference_for(c).case_id
+                ref_id, kw = reference_for(c).case_id, dict(device=dev, launcher=launch, attempts=self_control_attempts)
                 res, attribution, ran, tried = run_control(
-                    c, builds, log_dir, mps, cache, device=dev, launcher=launch, reference=lambda: done.get(ref_id)
+                    c, builds, log_dir, mps, cache, reference=lambda: done.get(ref_id), **kw
                 )
         finally:
             if dev is not None and mps is None:
