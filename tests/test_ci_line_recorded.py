@@ -2,7 +2,8 @@
 scripts/gpu-evidence.sh ci-line): every worker count ran every case, the gate passed, and the verdicts are the same
 case by case whatever the number of workers; h200-ci-line-final(-2) is the line again on a session's last code, and
 h200-ci-line-last-n8 / -n4 on the last code of the session after (both worker counts); h200-ci-line-3-n8 / -n4 after
-the gate case request became one typed record and pytest --gate chose its failure line by kind."""
+the gate case request became one typed record and pytest --gate chose its failure line by kind; h200-ci-line-4-n8 on
+the code of 2026-12-04 (the fork launcher the default, the spec-decode case's own worker)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ LATER = {
     "last-n4": 4,
     "3-n8": 8,
     "3-n4": 4,
+    "4-n8": 8,
 }  # records of later code: name -> workers
 
 

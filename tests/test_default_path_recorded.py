@@ -15,6 +15,7 @@ from tests.recorded_gate import FAULTS, replay, same_verdicts
 from tests.records import RESULTS
 
 V = "stale_metadata-vllm-0.34.0-"
+FINAL = RESULTS / "h200-readme-gate-9-cold"  # the same command on the code the session of 2026-12-04 ended with
 COLD, WARM, PATHS = (
     RESULTS / n for n in ("h200-readme-gate-8-cold", "h200-readme-gate-8-warm", "h200-paths-inductor-0.34.0")
 )
@@ -27,7 +28,7 @@ def _jit_seconds(logs) -> list[float]:
 
 
 def test_the_bare_gate_passes_cold_and_warm_with_the_same_answers(monkeypatch, tmp_path):
-    for record in (COLD, WARM):
+    for record in (COLD, WARM, FINAL):
         doc, rows, run, got = replay(monkeypatch, tmp_path / record.name, record)
         same_verdicts(got, rows)
         assert all(got[f"{V}under-test-{m}"].verdict == "clean" for m in ("audit", "plain"))
@@ -37,7 +38,7 @@ def test_the_bare_gate_passes_cold_and_warm_with_the_same_answers(monkeypatch, t
 
 
 def test_every_case_was_forked_and_the_warm_run_compiled_no_jit_kernels_again():
-    for record in (COLD, WARM):
+    for record in (COLD, WARM, FINAL):
         doc = json.loads((record / "results.json").read_text())
         (launch,) = doc["launches"].values()
         assert launch["launcher"] == "fork" and launch["spawned"] == 0 and launch["forked"] >= 6, launch
