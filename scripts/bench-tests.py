@@ -112,13 +112,16 @@ def markdown(doc: dict) -> str:
 
 def records() -> list[dict]:
     """The recorded cpu-tier.json documents, oldest first (by the date they hold): a record's folder, or its packed
-    NAME.tar.xz (`python -m repro records --pack`)."""
+    NAME.tar.xz (`python -m repro records --add`)."""
     docs = [json.loads((p / "cpu-tier.json").read_text()) for p in RESULTS.glob(PREFIX + "*") if p.is_dir()
             if (p / "cpu-tier.json").is_file()]  # fmt: skip
     for packed in RESULTS.glob(PREFIX + "*.tar.xz"):
         if not (RESULTS / packed.name.removesuffix(".tar.xz")).is_dir():  # a record held both ways: its folder
             with tarfile.open(packed) as tar:
-                member = tar.extractfile(f"{packed.name.removesuffix('.tar.xz')}/cpu-tier.json")
+                try:  # a packed folder of that prefix without the document: not a record of this script's
+                    member = tar.extractfile(f"{packed.name.removesuffix('.tar.xz')}/cpu-tier.json")
+                except KeyError:
+                    continue
                 docs += [json.loads(member.read())] if member else []
     return sorted(docs, key=lambda d: d["date"])
 

@@ -9,6 +9,7 @@ Layout: ROOT/vllm-gate/<fingerprint>/
   vllm-cache/         the build's VLLM_CACHE_ROOT, written in place by one case (vllm-cache.claim holds its process
                       id; cases running meanwhile get an empty folder of their own) and used in place by later cases
                       once that case got past torch.compile (vllm-cache.complete; its probe counted captures)
+  triton-cache/       the build's Triton kernels (its cases' TRITON_CACHE_DIR, shared: entries keyed by content)
   references/<key>.json  a clean reference run: RESULT record and verdict; <key> also covers the SM configuration, the
                       GPU and the gate's own model, prompts and weights code (repro.vllm_integration.gate.worker, plugin)
 

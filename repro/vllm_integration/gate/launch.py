@@ -4,7 +4,7 @@ forked from its build's forkserver (repro.vllm_integration.gate.fork), which imp
 
 - One forkserver per build, started with the environment the build's cases get less the variables that differ per
   case (LATE_VARS: the device, MPS, CUDA_LAUNCH_BLOCKING, the case's request (REPRO_REQUEST), the case's VLLM_CACHE_ROOT
-  and channel file; CUDA_VISIBLE_DEVICES is kept as the run has it), all read after import: at CUDA's start, at the
+  and TRITON_CACHE_DIR and channel file; CUDA_VISIBLE_DEVICES is kept as the run has it), all read after import: at CUDA's start, at the
   plugin's registration, at the engine's start.
 - A case whose environment differs from its forkserver's in any other variable (one read at import: the Python path,
   PYTORCH_CUDA_ALLOC_CONF, LD_*, TORCH_*, ...), or in a per-case variable that Python code read while the forkserver
@@ -34,7 +34,8 @@ LAUNCHERS = (FORK, SPAWN)
 LAUNCHER_ENV = "REPRO_GATE_LAUNCHER"
 # fork: the spawned records on every stand-in behaviour (tests/test_vllm_gate_fork.py), and the same verdicts as spawned
 # cases on the H200 with --compile none (results/h200-paths-kept, -kept-2) and with inductor, vLLM 0.34.0 and its self
-# control's two forms (results/h200-paths-inductor-0.34.0); every case it cannot fork is spawned, with why
+# control's two forms (results/h200-paths-inductor-0.34.0, code 7fb1149: before the Triton cache and gc.freeze; the
+# final code's records ran forked only: h200-readme-gate-9-cold); every case it cannot fork is spawned, with why
 DEFAULT_LAUNCHER = FORK
 PRELOAD_ENV = "REPRO_GATE_PRELOAD"  # more modules for the forkserver to import (MODULE[:ATTR],...), e.g. the runner's
 
