@@ -228,6 +228,9 @@ def test_the_plugin_request_command_refuses_what_the_plugin_would_refuse(capsys)
     assert "lukewarm" in capsys.readouterr().err
     assert main(["plugin-request", "--sm-margin", "-1"]) == 2
     assert "sm_margin=-1" in capsys.readouterr().err
+    assert main(["plugin-request", "--backend", "NOPE_XYZ"]) == 2  # no backend vLLM could name so
+    assert "NOPE_XYZ" in capsys.readouterr().err
+    assert main(["plugin-request", "--backend", "TRITON_ATTN"]) == 0 and "TRITON_ATTN" in capsys.readouterr().out
     assert main(["plugin-request", "--no-audit"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert (

@@ -11,7 +11,7 @@ from repro import exit_codes
 from repro.contract.request import ENV, PluginRequest
 from repro.errors import BadRequest, ConfigError
 from repro.vllm_integration.plugin import requested
-from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
+from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND, known_name
 from repro.vllm_integration.plugin.inject import INJECTIONS, SOURCES
 from repro.vllm_integration.plugin.weights import DUMMY, WEIGHTS
 
@@ -53,6 +53,8 @@ def cmd_plugin_request(a: argparse.Namespace) -> int:
         requested(want)  # what the plugin would refuse inside vLLM is refused here
     except (BadRequest, ValueError) as e:
         raise ConfigError(str(e)) from None
+    if not known_name(a.backend):  # as `gate --backends` judges a name: no hook could go on it
+        raise ConfigError(f"--backend {a.backend}: not a name vLLM gives a backend (FLASH_ATTN, TRITON_ATTN, ...)")
     if a.no_audit and a.audit_file:
         raise ConfigError("--audit-file with --no-audit: no auditor writes it")
     print(want.to_json())
