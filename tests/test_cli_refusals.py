@@ -54,7 +54,7 @@ BAD = [
     (["run", "--backend", "vllm", "--poison", "banana"], "bad poison"),
     (["gate", "--modes", "bogus", "--vllm", "x=/nonexistent"], "unknown gate mode"),
     (["gate", "--no-installed", "--vllm", "x=/nonexistent"], "holds no vllm package"),
-    (["gate", "--keep-forkserver", "60", "--launcher", "spawn"], "no --launcher spawn"),
+    (["gate", "--keep-forkserver", "60", "--launcher", "spawn"], "give --launcher fork"),
     # issue 20, second round: tracebacks, and impossible input that was accepted
     (["matrix", "--kv-heads", "0"], "--kv-heads must be positive"),
     (["run", "--backend", "vllm", "--q-heads", "-1"], "--q-heads must be positive"),

@@ -183,7 +183,7 @@ def add_parsers(sub) -> None:
         type=seconds,
         default=None,
         metavar="S",
-        help="each build's forkserver (the fork launcher, the default) serves later runs (same build, environment, harness "
+        help="with --launcher fork: each build's forkserver serves later runs (same build, environment, harness "
         "code: no import of torch and vLLM) until S s pass without one (default: REPRO_GATE_KEEP_FORKSERVER, else none)",
     )
     gt.add_argument("--dry-run", action="store_true", help="list case ids only")

@@ -38,7 +38,7 @@ def keep_seconds(
     value that is no duration, or a socket folder that is not this user's alone."""
     if flag and not forking:
         raise ConfigError(
-            "--keep-forkserver keeps the fork launcher's forkservers (the default): no --launcher spawn, no --compare-paths"
+            "--keep-forkserver keeps the fork launcher's forkservers: give --launcher fork, no --compare-paths"
         )
     text = ((os.environ if environ is None else environ).get(KEEP_ENV) or "").strip()
     value = flag
