@@ -170,12 +170,27 @@ def test_stale_names_the_command_whose_code_changed_after_its_last_record(repo):
     _write(repo, {"repro/attention/worker.py": "# the matrix's code: not the gate's\n"})
     _commit(repo, "matrix only")
     assert _records("--stale", root=repo).returncode == 0
-    _write(repo, {"repro/vllm_integration/gate/fork.py": "# named as a string by run.py\n"})
+    _write(repo, {"repro/vllm_integration/gate/fork.py": "SERVES = 1  # named as a string by run.py\n"})
     changed = _commit(repo, "the gate's forkserver")
     r = _records("--stale", root=repo)
     assert r.returncode == 1
     assert r.stdout.startswith("STALE  gate: results/rec-a") and changed[:10] in r.stdout
     assert "repro/vllm_integration/gate/fork.py" in r.stdout
+
+
+def test_a_change_of_comments_and_docstrings_alone_leaves_a_record_fresh_and_says_so(repo):
+    _commit(repo, "record rec-a")
+    assert _records("--add", "rec-a", root=repo).returncode == 0
+    _commit(repo, "packed")
+    run = '"""The gate."""\n\n\ndef run_gate():\n    """Runs it."""\n    return "repro.vllm_integration.gate.fork"  # the forkserver\n'
+    _write(repo, {"repro/vllm_integration/gate/run.py": run})
+    _commit(repo, "docstrings and a comment")
+    r = _records("--stale", root=repo)
+    assert r.returncode == 0 and "changed since in comments and docstrings only" in r.stdout, r.stdout
+    _write(repo, {"repro/vllm_integration/gate/run.py": run.replace("gate.fork", "gate.keep")})
+    _commit(repo, "a string the code returns")
+    r = _records("--stale", root=repo)
+    assert r.returncode == 1 and "repro/vllm_integration/gate/run.py" in r.stdout, r.stdout
 
 
 def test_stale_counts_a_readme_command_with_no_record(repo):

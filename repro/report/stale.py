@@ -193,6 +193,7 @@ class Staleness:
     commit: str | None  # the code that record ran
     changed_in: str | None  # the last commit that changed the code the command runs
     changed: tuple[str, ...]  # the files changed between the record's commit and that one
+    text_only: bool = False  # changed since, but in comments and docstrings only
 
     @property
     def stale(self) -> bool:
@@ -204,7 +205,10 @@ class Staleness:
             return head + "no record of it in results/index.json"
         at = f"results/{self.record} ({(self.commit or '?')[:10]})"
         if not self.stale:
-            return head + f"{at} ran the code it runs now"
+            since = (
+                f" (changed since in comments and docstrings only, to {self.changed_in[:10]})" if self.text_only else ""
+            )
+            return head + f"{at} ran the code it runs now{since}"
         more = f" and {len(self.changed) - 3} more" if len(self.changed) > 3 else ""
         return head + f"{at} is older than {self.changed_in[:10]}, which changed {', '.join(self.changed[:3])}{more}"
 
@@ -229,8 +233,42 @@ def check(root: Path) -> list[Staleness]:
         changed = (
             () if fresh else tuple(git(root, "diff", "--name-only", f"{commit}..{changed_in}", "--", *paths).split())
         )
+        if changed and commit:  # a change of comments and docstrings alone is no change of the code that ran
+            changed = tuple(p for p in changed if not _same_code(root, p, commit, changed_in)) or ("",)
+        if changed == ("",):
+            out.append(Staleness(cmd, last["name"], commit, changed_in, (), text_only=True))
+            continue
         out.append(Staleness(cmd, last["name"], commit, changed_in, changed or (() if fresh else ("(unknown)",))))
     return out
+
+
+def _code(text: str) -> str | None:
+    """A Python file's syntax tree less its docstrings (comments are not in it); None when it does not parse."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body:
+            if isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+                if isinstance(body[0].value.value, str):
+                    node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+def _same_code(root: Path, path: str, old: str, new: str) -> bool:
+    """Does `path` hold the same code at both commits: a Python file the same tree less docstrings, any other file
+    the same bytes. A file missing at either commit, or not parsing, is changed."""
+    a, b = (
+        subprocess.run(["git", "-C", str(root), "show", f"{c}:{path}"], capture_output=True, text=True)
+        for c in (old, new)
+    )
+    if a.returncode or b.returncode:
+        return False
+    if path.endswith(".py"):
+        return _code(a.stdout) is not None and _code(a.stdout) == _code(b.stdout)
+    return a.stdout == b.stdout
 
 
 def _ancestor(root: Path, older: str, newer: str) -> bool:
