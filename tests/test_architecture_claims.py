@@ -501,3 +501,30 @@ def test_the_pytest_tiers_cases_come_from_the_modules_the_doc_names():
     assert len(calls) == 1 and "only" in {k.arg for k in calls[0].keywords}
     sets = _sources("repro/case/sets.py")["repro/case/sets.py"]
     assert not any(m.startswith("repro.vllm_integration") for m in _imported_names(sets))
+
+
+def _marks_in_code() -> set[str]:
+    """The marks of what a recorded record predates: channel.py's constants after RECORDED_BEFORE, up to the function
+    that reads them."""
+    body, marks, inside = _sources(CHANNEL)[CHANNEL].body, set(), False
+    for node in body:
+        if isinstance(node, ast.FunctionDef) and inside:
+            break
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            name = node.targets[0].id
+            if inside:
+                marks.add(name)
+            inside = inside or name == "RECORDED_BEFORE"
+    return marks
+
+
+def test_the_doc_lists_every_mark_of_what_a_record_predates_and_the_upgrader_writes_each():
+    """The doc's list of RECORDED_BEFORE's marks is channel.py's (a mark added there must be named), and each is one
+    the replays' upgrader (repro/report/records.py) imports to write."""
+    m = re.search(r"\(`RECORDED_BEFORE`, and the marks: (.*?)\); a live", _doc(), re.S)
+    assert m, "docs/architecture.md no longer lists the marks of what a record predates"
+    named = set(re.findall(r"\b[A-Z][A-Z_]{3,}\b", m.group(1)))
+    code = _marks_in_code()
+    assert len(code) >= 6 and named == code, f"the doc lists {sorted(named)}, contract/channel.py has {sorted(code)}"
+    imported = _imported_names(_sources(UPGRADER)[UPGRADER]).get("repro.contract.channel", set())
+    assert code <= imported, f"marks the upgrader never writes: {sorted(code - imported)}"
