@@ -528,3 +528,52 @@ def test_the_doc_lists_every_mark_of_what_a_record_predates_and_the_upgrader_wri
     assert len(code) >= 6 and named == code, f"the doc lists {sorted(named)}, contract/channel.py has {sorted(code)}"
     imported = _imported_names(_sources(UPGRADER)[UPGRADER]).get("repro.contract.channel", set())
     assert code <= imported, f"marks the upgrader never writes: {sorted(code - imported)}"
+
+
+# what runs inside a case process: the attention and spec-decode workers, the FA3 backends, the gate's worker and the
+# plugin inside vLLM, over the contract they share
+CASE_PROCESS = (
+    "repro/attention",
+    "repro/specdecode",
+    "repro/backends",
+    "repro/vllm_integration/plugin",
+    "repro/vllm_integration/gate/worker.py",
+    "repro/contract",
+)
+# the variables a case process may read: its request, its channel (the build's site folders: releases.builds, read
+# through add_site_dirs), and the plugin's own three for a person's vLLM run outside the gate
+CASE_VARIABLES = {"REPRO_REQUEST", "REPRO_CHANNEL", "REPRO_AUDIT", "REPRO_AUDIT_FILE", "REPRO_ATTENTION_BACKEND"}
+# named there, read elsewhere: the gate reads REPRO_GATE_INSPECT (worker.INSPECT_ENV) into the request
+NAMED_FOR_THE_GATE = {("repro/vllm_integration/gate/worker.py", "REPRO_GATE_INSPECT")}
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    return {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+
+
+def test_no_case_process_module_names_a_persons_knob():
+    """ "A person's knobs, read where the command starts (never by a case process; the gate copies the case's part into
+    its request)": the modules that run inside a case process name no REPRO_* variable but the request, the channel
+    and the plugin's own (and the record tags they print)."""
+    tags, found = _tags(), []
+    for path, tree in _sources(*CASE_PROCESS).items():
+        docs = _docstrings(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                name = node.value
+                if re.fullmatch(r"REPRO_[A-Z_]*[A-Z]", name) and name not in CASE_VARIABLES | tags:
+                    if (path, name) not in NAMED_FOR_THE_GATE:
+                        found.append(f"{path}:{node.lineno}: {name}")
+    assert not found, "a person's knob named inside a case process:\n" + "\n".join(found)
+    gate_case = _sources("repro/vllm_integration/gate/case.py")["repro/vllm_integration/gate/case.py"]
+    popped = next(
+        n for n in gate_case.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "PLUGIN_OWN_VARS"
+    )
+    assert ast.unparse(popped.value) == "(AUDIT_ENV, FILE_ENV, BACKEND_ENV)"  # a gate case never passes them on
