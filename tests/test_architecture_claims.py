@@ -559,7 +559,7 @@ def _docstrings(tree: ast.Module) -> set[int]:
 
 
 def test_no_case_process_module_names_a_persons_knob():
-    """ "A person's knobs, read where the command starts (never by a case process; the gate copies the case's part into
+    """The doc: "A person's knobs, read where the command starts (never by a case process; the gate copies the case's part into
     its request)": the modules that run inside a case process name no REPRO_* variable but the request, the channel
     and the plugin's own (and the record tags they print)."""
     tags, found = _tags(), []
@@ -577,3 +577,24 @@ def test_no_case_process_module_names_a_persons_knob():
         n for n in gate_case.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "PLUGIN_OWN_VARS"
     )
     assert ast.unparse(popped.value) == "(AUDIT_ENV, FILE_ENV, BACKEND_ENV)"  # a gate case never passes them on
+
+
+def test_what_happened_to_a_process_is_one_of_three_flags_set_where_the_doc_says():
+    """The doc: "what happened to the process beside its verdict (stalled, refused, rerun alone under MPS) is a typed flag
+    (CaseResult.flags)": the three flags of case/spec.py, each added by the one module that saw it (a refusal by
+    classify, from the process's records; a stall by the runner; a rerun alone by the MPS scheduler)."""
+    spec = _sources("repro/case/spec.py")["repro/case/spec.py"]
+    flags = next(n for n in spec.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "FLAGS")
+    assert ast.unparse(flags.value) == "(STALLED, REFUSED, RERUN_ALONE)"
+    assert "(stalled, refused, rerun alone under MPS) is a typed flag (`CaseResult.flags`)" in _doc()
+    added = {
+        (p, ast.unparse(n.args[0]))
+        for p, t in _repro().items()
+        for n in _calls(t, "append")
+        if isinstance(n.func, ast.Attribute) and ast.unparse(n.func.value).endswith(".flags")
+    }
+    assert added == {
+        ("repro/judge/classify.py", "REFUSED_FLAG"),
+        ("repro/run/runner.py", "STALLED"),
+        ("repro/run/mps_cases.py", "RERUN_ALONE"),
+    }, sorted(added)
