@@ -559,9 +559,9 @@ def _docstrings(tree: ast.Module) -> set[int]:
 
 
 def test_no_case_process_module_names_a_persons_knob():
-    """The doc: "A person's knobs, read where the command starts (never by a case process; the gate copies the case's part into
-    its request)": the modules that run inside a case process name no REPRO_* variable but the request, the channel
-    and the plugin's own (and the record tags they print)."""
+    """The doc: "A person's knobs, read where the command starts (never by a case process; the gate copies the case's
+    part into its request)": the modules that run inside a case process name no REPRO_* variable but the request,
+    the channel and the plugin's own (and the record tags they print)."""
     tags, found = _tags(), []
     for path, tree in _sources(*CASE_PROCESS).items():
         docs = _docstrings(tree)
@@ -580,8 +580,8 @@ def test_no_case_process_module_names_a_persons_knob():
 
 
 def test_what_happened_to_a_process_is_one_of_three_flags_set_where_the_doc_says():
-    """The doc: "what happened to the process beside its verdict (stalled, refused, rerun alone under MPS) is a typed flag
-    (CaseResult.flags)": the three flags of case/spec.py, each added by the one module that saw it (a refusal by
+    """The doc: "what happened to the process beside its verdict (stalled, refused, rerun alone under MPS) is a typed
+    flag (CaseResult.flags)": the three flags of case/spec.py, each added by the one module that saw it (a refusal by
     classify, from the process's records; a stall by the runner; a rerun alone by the MPS scheduler)."""
     spec = _sources("repro/case/spec.py")["repro/case/spec.py"]
     flags = next(n for n in spec.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "FLAGS")
