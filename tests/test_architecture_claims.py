@@ -598,3 +598,21 @@ def test_what_happened_to_a_process_is_one_of_three_flags_set_where_the_doc_says
         ("repro/run/runner.py", "STALLED"),
         ("repro/run/mps_cases.py", "RERUN_ALONE"),
     }, sorted(added)
+
+
+def test_the_recorded_metadata_backend_serves_the_cpu_tests_only():
+    """`repro/backends/replay.py`: "for the CPU tests only, not the CLI": no module of repro/ or cases/ imports it or
+    names it (load_backend knows upstream and vllm alone); the CPU tests do."""
+    users = [
+        p
+        for p, t in _sources("repro", "cases", "conftest.py").items()
+        if p != "repro/backends/replay.py"
+        and (
+            "repro.backends.replay" in _imported_names(t)
+            or "replay" in _imported_names(t).get("repro.backends", set())
+            or any(isinstance(n, ast.Constant) and n.value == "repro.backends.replay" for n in ast.walk(t))
+        )
+    ]
+    assert not users, users
+    tests = [p.name for p in (ROOT / "tests").glob("test_*.py") if "repro.backends.replay" in p.read_text()]
+    assert tests, "no CPU test uses the recorded metadata backend: the doc's row is stale"
