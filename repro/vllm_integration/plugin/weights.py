@@ -117,14 +117,24 @@ def head0_query_key(head_dim: int, theta: float) -> tuple[Any, Any]:
     return q, k
 
 
-def _noise(name: str, shape: tuple, seed: int) -> Any:
+def _noise(name: str, shape: tuple, seed: int, device: Any = "cpu") -> Any:
     """A random fill for a parameter the construction leaves zero: N(0, 1/fan_in), outputs into the residual stream
-    (o_proj, down_proj) scaled by NOISE_GAIN."""
+    (o_proj, down_proj) scaled by NOISE_GAIN. Drawn on `device` (the parameter's: in vLLM's process the GPU, where
+    the draws cost milliseconds instead of seconds on a CPU thread; on the CPU, the same values as ever)."""
     import torch  # as above
 
-    g = torch.Generator().manual_seed(seed ^ zlib.crc32(name.encode()))
+    g = torch.Generator(device=device).manual_seed(seed ^ zlib.crc32(name.encode()))
     gain = NOISE_GAIN if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
-    return torch.randn(shape, generator=g, dtype=torch.float64) * shape[1] ** -0.5 * gain
+    return torch.randn(shape, generator=g, dtype=torch.float64, device=device) * shape[1] ** -0.5 * gain
+
+
+def device_of(params: dict) -> Any:
+    """Where a model's floating parameters are (the first one's device; the CPU for a model without one): the
+    constructions build their tensors there (inside `with torch.device(...)`), so that a GPU model's weights are
+    made on the GPU."""
+    import torch  # as above
+
+    return next((p.device for p in params.values() if torch.is_floating_point(p)), torch.device("cpu"))
 
 
 def agreement_weights(model: Any, seed: int = SEED, noise: bool = True) -> dict:
@@ -139,17 +149,18 @@ def agreement_weights(model: Any, seed: int = SEED, noise: bool = True) -> dict:
     params = dict(model.named_parameters())
     layers = sorted({int(m.group(1)) for n in params if (m := _LAYER.search(n))})
     first = layers[0] if layers else None
-    code = codes(vocab, seed)
+    dev = device_of(params)
+    code = codes(vocab, seed).to(dev)
     perm = sigma(vocab, seed)
     rms = embed_rms(hidden)
-    q0, k0 = head0_query_key(d, c["theta"])
+    q0, k0 = (t.to(dev) for t in head0_query_key(d, c["theta"]))
     unknown, n = [], 0
     eagle3 = "Eagle3" in type(model).__name__  # vLLM's Eagle3*ForCausalLM classes (registry.py, 0.27-0.34)
     if not eagle3 and any(name.endswith("hidden_norm.weight") for name in params):  # a DFlash layer has one too
         raise ValueError(
             f"{type(model).__name__} has a hidden_norm but is no Eagle3 draft: no `agree` construction here"
         )
-    with torch.no_grad():
+    with torch.no_grad(), torch.device(dev):
         for name, p in params.items():
             if not torch.is_floating_point(p):
                 continue
@@ -178,24 +189,24 @@ def agreement_weights(model: Any, seed: int = SEED, noise: bool = True) -> dict:
                 if not name.endswith(LINEAR):
                     unknown.append(name)
                 elif noise:
-                    w = _noise(name, tuple(p.shape), seed)
+                    w = _noise(name, tuple(p.shape), seed, dev)
             elif name.endswith("qkv_proj.weight"):  # rows: q heads, k heads, v heads
                 k_at, v_at = nq * d, (nq + nkv) * d  # head 0's key and value rows
                 if noise:
-                    w = _noise(name, tuple(p.shape), seed)
+                    w = _noise(name, tuple(p.shape), seed, dev)
                     w[:d], w[k_at : k_at + d], w[v_at : v_at + d] = 0.0, 0.0, 0.0  # head 0's q, k, v are exact
                 w[:d, CONST_DIM] = q0 * rms  # the normed constant is 1/rms
                 w[k_at : k_at + d, CONST_DIM] = k0 * rms
                 w[v_at : v_at + CODE_DIMS, :CODE_DIMS] = torch.eye(CODE_DIMS, dtype=torch.float64) * rms
             elif name.endswith("o_proj.weight"):
                 if noise:
-                    w = _noise(name, tuple(p.shape), seed)
+                    w = _noise(name, tuple(p.shape), seed, dev)
                     w[:, :d] = 0.0  # head 0's output lands in READ only
                     w[READ_AT : READ_AT + CODE_DIMS] = 0.0  # and nothing else does
                 w[READ_AT : READ_AT + CODE_DIMS, :CODE_DIMS] = torch.eye(CODE_DIMS, dtype=torch.float64)
             elif name.endswith(("gate_up_proj.weight", "down_proj.weight")):
                 if noise:  # the MLP adds (next to) nothing, and never to READ
-                    w = _noise(name, tuple(p.shape), seed)
+                    w = _noise(name, tuple(p.shape), seed, dev)
                     if name.endswith("down_proj.weight"):
                         w[READ_AT : READ_AT + CODE_DIMS] = 0.0
             else:
@@ -224,7 +235,7 @@ def _eagle3(name: str, w: Any, c: dict) -> None:
     if nkv < 2:
         raise ValueError(f"the EAGLE3 agreement weights need two KV heads: {c}")
     head = nq // nkv  # the first query head that reads KV head 1
-    _, k0 = head0_query_key(d, c["theta"])
+    k0 = head0_query_key(d, c["theta"])[1].to(w.device)
     rms = embed_rms(hidden)
     if name.endswith("qkv_proj.weight"):
         k_at, v_at = nq * d + d, (nq + nkv) * d + d  # KV head 1's key and value rows
@@ -233,12 +244,14 @@ def _eagle3(name: str, w: Any, c: dict) -> None:
         w[head * d : (head + 1) * d, CONST_DIM] = k0 * rms
         w[k_at : k_at + d, CONST_DIM] = k0 * rms
         carried = hidden + READ_AT  # the carried state's READ, in the normed second half of the input
-        w[v_at : v_at + CODE_DIMS, carried : carried + CODE_DIMS] = -torch.eye(CODE_DIMS, dtype=torch.float64) * (
-            carried_rms(hidden)
-        )
+        w[v_at : v_at + CODE_DIMS, carried : carried + CODE_DIMS] = -torch.eye(
+            CODE_DIMS, dtype=torch.float64, device=w.device
+        ) * (carried_rms(hidden))
     else:  # o_proj: that head's output goes to READ and nowhere else
         w[:, head * d : (head + 1) * d] = 0.0
-        w[READ_AT : READ_AT + CODE_DIMS, head * d : head * d + CODE_DIMS] = torch.eye(CODE_DIMS, dtype=torch.float64)
+        w[READ_AT : READ_AT + CODE_DIMS, head * d : head * d + CODE_DIMS] = torch.eye(
+            CODE_DIMS, dtype=torch.float64, device=w.device
+        )
 
 
 def margin_weights(model: Any, seed: int = SEED) -> int:

@@ -21,6 +21,7 @@ from repro.vllm_integration.plugin.weights import (
     _config,
     _noise,
     codes,
+    device_of,
     embed_rms,
     head0_query_key,
     sigma,
@@ -63,7 +64,7 @@ def _dflash_mlp(w: Any, up: bool, inter: int, code: Any, perm: list[int], hidden
     g = LOOKUP_GATE * r / (CODE_DIMS - LOOKUP_MATCH)  # per unit of <code v, A1> - LOOKUP_MATCH at rms r
     a1, pred = slice(DFLASH_A1, DFLASH_A1 + CODE_DIMS), slice(DFLASH_PRED, DFLASH_PRED + CODE_DIMS)
     cancel = slice(vocab, vocab + CODE_DIMS)
-    eye = torch.eye(CODE_DIMS, dtype=torch.float64)
+    eye = torch.eye(CODE_DIMS, dtype=torch.float64, device=w.device)
     if up:
         w[:vocab, a1] = g * code
         w[:vocab, CONST_DIM] = -g * LOOKUP_MATCH
@@ -71,7 +72,7 @@ def _dflash_mlp(w: Any, up: bool, inter: int, code: Any, perm: list[int], hidden
         w[cancel, CONST_DIM] = LOOKUP_GATE * r
         w[inter + vocab : inter + vocab + CODE_DIMS, :CODE_DIMS] = -eye
     else:  # silu(gate) * up is LOOKUP_GATE / r times the wanted value at the nominal rms
-        w[pred, :vocab] = code[torch.tensor(perm)].T * r / LOOKUP_GATE
+        w[pred, :vocab] = code[torch.tensor(perm, device=code.device)].T * r / LOOKUP_GATE
         w[:CODE_DIMS, cancel] = eye * r / LOOKUP_GATE
 
 
@@ -101,15 +102,16 @@ def dflash_weights(model: Any, seed: int = SEED, noise: bool = True) -> dict:
         raise ValueError(f"the DFlash construction needs head_dim >= {CODE_DIMS}, hidden >= {DFLASH_PRED + CODE_DIMS}")
     params = dict(model.named_parameters())
     layers = sorted({int(m.group(1)) for n in params if (m := _LAYER.search(n))})
-    code, perm = codes(vocab, seed), sigma(vocab, seed)
-    _, k0 = head0_query_key(d, c["theta"])
-    q0 = query_back(d, c["theta"], DFLASH_BACK)
-    eye = torch.eye(CODE_DIMS, dtype=torch.float64)
+    dev = device_of(params)
+    code, perm = codes(vocab, seed).to(dev), sigma(vocab, seed)
+    k0 = head0_query_key(d, c["theta"])[1].to(dev)
+    q0 = query_back(d, c["theta"], DFLASH_BACK).to(dev)
+    eye = torch.eye(CODE_DIMS, dtype=torch.float64, device=dev)
     rms1, rms2 = embed_rms(hidden), math.sqrt((2 * CODE_DIMS + 1) / hidden)  # each layer's input, nominal
     read, pred = slice(READ_AT, READ_AT + CODE_DIMS), slice(DFLASH_PRED, DFLASH_PRED + CODE_DIMS)
     kept = [slice(DFLASH_A1, DFLASH_A1 + CODE_DIMS), pred, read]  # no noise writes here
     unknown, n = [], 0
-    with torch.no_grad():
+    with torch.no_grad(), torch.device(dev):
         for name, p in params.items():
             if not torch.is_floating_point(p):
                 continue
@@ -136,7 +138,7 @@ def dflash_weights(model: Any, seed: int = SEED, noise: bool = True) -> dict:
                 unknown.append(name)
             elif name.endswith("qkv_proj.weight"):
                 if noise:
-                    w = _noise(name, shape, seed)
+                    w = _noise(name, shape, seed, dev)
                 k_at, v_at = nq * d, (nq + nkv) * d
                 w[:d], w[k_at : k_at + d], w[v_at : v_at + d] = 0.0, 0.0, 0.0
                 w[:d, CONST_DIM], w[k_at : k_at + d, CONST_DIM] = q0, k0
@@ -145,7 +147,7 @@ def dflash_weights(model: Any, seed: int = SEED, noise: bool = True) -> dict:
                     w[v_at : v_at + CODE_DIMS, pred] = eye * rms2
             elif name.endswith("o_proj.weight"):
                 if noise:
-                    w = _noise(name, shape, seed)
+                    w = _noise(name, shape, seed, dev)
                     w[:, :d] = 0.0
                     for k in kept:
                         w[k] = 0.0
@@ -157,7 +159,7 @@ def dflash_weights(model: Any, seed: int = SEED, noise: bool = True) -> dict:
                 if inter < units:
                     raise ValueError(f"the DFlash construction needs intermediate_size >= {units}: {inter}")
                 if noise:
-                    w = _noise(name, shape, seed)
+                    w = _noise(name, shape, seed, dev)
                     if up:
                         w[:units], w[inter : inter + units] = 0.0, 0.0
                     else:
