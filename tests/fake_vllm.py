@@ -205,6 +205,7 @@ def forward(impl, md, num_tokens=None):
 """
 
 CUDAGRAPH_UTILS = """
+import sys
 import torch
 
 
@@ -227,6 +228,7 @@ class CudaGraphManager:
     def capture(self, create_forward_fn, progress_bar_desc="Capturing CUDA graphs"):
         if not self.full:
             return
+        print(f"{progress_bar_desc}: 100%", file=sys.stderr, flush=True)  # vLLM's progress bar (the gate's marker)
         for desc in (BatchExecutionDescriptor(8), BatchExecutionDescriptor(1)):  # larger graphs first
             run = create_forward_fn(desc, warmup=True)
             run()  # warm-up, eager
@@ -262,7 +264,7 @@ class GPUModelRunner:
             saved[n] = md
             return lambda: forward(self.impl, md, desc.num_tokens)
 
-        self.cudagraph_manager.capture(create, "Capturing decode CUDA graphs (FULL)")
+        self.cudagraph_manager.capture(create, "Capturing CUDA graphs (FULL)")  # the target's, as vLLM 0.34 says it
         if self.speculator is not None and self.cudagraph_manager.full:
             self.speculator.capture(saved)
         if self.cudagraph_manager.full and BEHAVIOUR == "abort":

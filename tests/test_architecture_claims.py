@@ -579,14 +579,18 @@ def test_no_case_process_module_names_a_persons_knob():
     assert ast.unparse(popped.value) == "(AUDIT_ENV, FILE_ENV, BACKEND_ENV)"  # a gate case never passes them on
 
 
-def test_what_happened_to_a_process_is_one_of_three_flags_set_where_the_doc_says():
-    """The doc: "what happened to the process beside its verdict (stalled, refused, rerun alone under MPS) is a typed
-    flag (CaseResult.flags)": the three flags of case/spec.py, each added by the one module that saw it (a refusal by
-    classify, from the process's records; a stall by the runner; a rerun alone by the MPS scheduler)."""
+def test_what_happened_to_a_process_is_one_of_four_flags_set_where_the_doc_says():
+    """The doc: "what happened to the process beside its verdict (stalled, refused, rerun alone under MPS, stopped
+    while capturing) is a typed flag (CaseResult.flags)": the four flags of case/spec.py, each added by the one module
+    that saw it (a refusal by classify, from the process's records; a stall by the runner; a rerun alone by the MPS
+    scheduler; a timeout after vLLM's capture began by the gate's process step, from vLLM's output)."""
     spec = _sources("repro/case/spec.py")["repro/case/spec.py"]
     flags = next(n for n in spec.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "FLAGS")
-    assert ast.unparse(flags.value) == "(STALLED, REFUSED, RERUN_ALONE)"
-    assert "(stalled, refused, rerun alone under MPS) is a typed flag (`CaseResult.flags`)" in _doc()
+    assert ast.unparse(flags.value) == "(STALLED, REFUSED, RERUN_ALONE, CAPTURING)"
+    assert (
+        "(stalled, refused, rerun alone under MPS, stopped while capturing) is a typed flag (`CaseResult.flags`)"
+        in (_doc())
+    )
     added = {
         (p, ast.unparse(n.args[0]))
         for p, t in _repro().items()
@@ -597,6 +601,7 @@ def test_what_happened_to_a_process_is_one_of_three_flags_set_where_the_doc_says
         ("repro/judge/classify.py", "REFUSED_FLAG"),
         ("repro/run/runner.py", "STALLED"),
         ("repro/run/mps_cases.py", "RERUN_ALONE"),
+        ("repro/vllm_integration/gate/process.py", "CAPTURING"),
     }, sorted(added)
 
 

@@ -13,7 +13,10 @@ from dataclasses import replace
 
 import pytest
 
-from repro.judge.verdicts import CLEAN, HANG
+from repro.case.spec import CAPTURING, STALLED
+from repro.judge import policy
+from repro.judge.policy import GateOutcome
+from repro.judge.verdicts import CLEAN, ERROR, HANG
 from repro.run.process import Stall, StallRule
 from repro.run.runner import supervise
 from repro.vllm_integration.gate import case as gate_case
@@ -95,3 +98,21 @@ def test_a_gate_case_that_stalls_is_a_hang_that_says_so(tmp_path, monkeypatch, l
     assert time.time() - t0 < 60
     log = (tmp_path / "logs" / f"{case.case_id}.out.log").read_text()
     assert gone(int(re.search(r"stand-in hang: helper process (\d+)", log)[1]))
+
+
+@pytest.mark.parametrize("marker", ["stand-in hang", "never printed"], ids=["after-the-marker", "before-the-marker"])
+def test_a_hang_counts_as_evidence_only_once_the_captures_had_begun(tmp_path, monkeypatch, marker):
+    """A case stopped at its timeout (no stall: the quiet time is longer) is a hang, kernel evidence, only when its
+    output showed the captures begun (the CAPTURING flag); before that (vLLM's import, its engine's start, a
+    compile) a hang says nothing of the captures: an error, never a control's evidence."""
+    monkeypatch.setattr(gate_case, "CAPTURE_STALL", replace(CAPTURE_STALL, marker=marker, quiet_s=300.0))
+    build = _build(tmp_path, "hang")
+    run = run_gate([build], parse_modes("plain"), tmp_path / "logs", timeout_s=12, self_control="none", launcher=SPAWN)
+    res = run.cases[0][1]
+    if marker == "stand-in hang":
+        assert res.verdict == HANG and CAPTURING in res.flags and STALLED not in res.flags
+        assert policy.problem(policy.KNOWN_BAD_BUILD, res.verdict) is None  # a control's evidence
+    else:
+        assert res.verdict == ERROR and "before vLLM began capturing CUDA graphs" in res.reason
+        assert policy.problem(policy.KNOWN_BAD_BUILD, res.verdict) is not None  # never a control's evidence
+        assert run.outcome() == GateOutcome.CANNOT_VOUCH

@@ -145,9 +145,10 @@ class CaseSpec:
 
 # What happened to a case process beyond its verdict, as typed flags later steps decide by (CaseResult.flags), never by
 # words of its reason: its Stall watch stopped it as hung; the GPU (an MPS server recovering) refused its process, so
-# it never ran; it ran again alone under an MPS daemon of its own after a shared run it could not trust.
-STALLED, REFUSED, RERUN_ALONE = "stalled", "refused", "rerun-alone"
-FLAGS = (STALLED, REFUSED, RERUN_ALONE)
+# it never ran; it ran again alone under an MPS daemon of its own after a shared run it could not trust; it was stopped
+# at its timeout after its output showed the captures begun (the vLLM gate: its stall rule's marker).
+STALLED, REFUSED, RERUN_ALONE, CAPTURING = "stalled", "refused", "rerun-alone", "capturing"
+FLAGS = (STALLED, REFUSED, RERUN_ALONE, CAPTURING)
 
 
 def positive_control(spec: CaseSpec) -> bool:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from repro.attention.staleness import count_fields
-from repro.case.spec import CaseResult, mps_sm_mismatch
+from repro.case.spec import CAPTURING, STALLED, CaseResult, mps_sm_mismatch
 from repro.contract.channel import ACCEPTANCE, CONFIGURATION, Channel, recorded_before
 from repro.contract.tags import AUDIT_TAG, COUNTERS_TAG, DEVICE_TAG, ENGINE_TAG, PLUGIN_TAG, RESULT_TAG
 from repro.contract.verdicts import CANNOT_VOUCH as NOT_VOUCHED
@@ -23,11 +23,9 @@ from repro.vllm_integration.plugin.audit import STALE_DESCRIPTOR, in_words
 
 TIE_MARGIN = 0.1  # nats: a reference token whose top-2 margin is below this is a tie, not a reference
 MIN_COVERAGE = 0.5  # a comparison that covers less than this share of the tokens cannot vouch for a build
-# the draft's acceptance: a speculative reference (no CUDA graphs) below MIN_ACCEPTANCE cannot judge a draft; a case
-# whose acceptance is more than ACCEPTANCE_DROP below its reference's has a silently wrong draft (the gate's weights
-# give 100% to a right draft, and a draft reading the wrong positions near 0%: repro.vllm_integration.plugin.weights)
-MIN_ACCEPTANCE = 0.5
-ACCEPTANCE_DROP = 0.15
+# a speculative reference (no CUDA graphs) accepting below MIN_ACCEPTANCE cannot judge a draft; a case accepting over
+# ACCEPTANCE_DROP below its reference has a silently wrong draft (the gate's weights: 100% right, near 0% stale)
+MIN_ACCEPTANCE, ACCEPTANCE_DROP = 0.5, 0.15
 
 
 def acceptance_of(identity: dict | None) -> tuple[int, int] | None:
@@ -112,6 +110,9 @@ def annotate(res: CaseResult, case: GateCase, output: str | Channel, audit_file:
         return res.revised("MPS SM count", why, verdict=ERROR, reason=why)
     if devices and (why := platform_problem(devices[-1])):
         return res.revised(PLATFORM_CHECK, why, verdict=ERROR, reason=why)
+    if res.verdict == HANG and not {STALLED, CAPTURING} & set(res.flags):  # no sign its captures had begun
+        why = f"{res.reason}, before vLLM began capturing CUDA graphs: no evidence about the captures"
+        return res.revised(HUNG_EARLY, why, verdict=ERROR, reason=why)
     if res.verdict == CLEAN and audit["stale"]:
         why = f"no fault this run, but the auditor caught stale views: {audit['first'][0]}"
         return res.revised("audit", why, verdict=STALE_AUDIT, reason=why, descriptor=audit["first_descriptor"])
@@ -125,6 +126,7 @@ def annotate(res: CaseResult, case: GateCase, output: str | Channel, audit_file:
     return res
 
 
+HUNG_EARLY = "hang before capture"  # the step of a hang whose output never showed the captures begun (annotate)
 PLATFORM_CHECK = "platform check"  # the step of a result whose process's GPU failed the GEMM check (platform_problem)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from repro import entrypoints
-from repro.case.spec import STALLED, CaseResult
+from repro.case.spec import CAPTURING, STALLED, CaseResult
 from repro.contract.channel import Channel
 from repro.contract.tags import COUNTERS_TAG, DEVICE_TAG, RESULT_TAG
 from repro.contract.verdicts import CLEAN, CRASH, HANG, SKIP, STALE_AUDIT, WRONG
@@ -21,9 +21,10 @@ from repro.errors import Unavailable
 from repro.run.runner import case_logs, device_sm_count, run_process
 from repro.run.smcontrol import MpsDaemon
 from repro.vllm_integration.gate import bench as gate_bench
+from repro.vllm_integration.gate import case as gate_case
 from repro.vllm_integration.gate.cache import PRIVATE, TRITON_CACHE, TRITON_ENV, WRITER, GateCache
 from repro.vllm_integration.gate.case import GateCase, case_env, expected
-from repro.vllm_integration.gate.judge import annotate, finish
+from repro.vllm_integration.gate.judge import HUNG_EARLY, annotate, finish
 from repro.vllm_integration.gate.launch import Launcher
 from repro.vllm_integration.gate.methods import not_applicable
 from repro.vllm_integration.gate.placement import GateDevice
@@ -78,6 +79,10 @@ def run_case(
     else:
         (res, out), launched = run_process(case, cmd, env, log_dir, sanitized), {"launcher": "spawn"}
     ch = Channel.of_case(case_logs(log_dir, case.case_id)[0], out)
+    if (
+        res.verdict == HANG and gate_case.CAPTURE_STALL.marker in out
+    ):  # vLLM's own words: its captures had begun (memcheck too)
+        res.flags.append(CAPTURING)
     if vllm_cache == WRITER:  # captures ran: torch.compile had finished and saved into the build's folder
         captured = bool(sum(((ch.last(COUNTERS_TAG) or {}).get("captures") or {}).values()))
         cache.release(case.build, captured, compile=case.compile)
@@ -212,7 +217,8 @@ def past_deadline(case: GateCase, res: CaseResult) -> CaseResult:
     """A case whose timeout the run's deadline cut: a HANG there is the deadline's kill, not a hang (a stall the
     watch stopped stays one). What the auditor had caught before the kill stays evidence (stale views in an audit
     mode); else the case is a skip that says so."""
-    if res.verdict != HANG or STALLED in res.flags:
+    hung = res.verdict == HANG or any(h["step"] == HUNG_EARLY for h in res.history)  # before its captures too
+    if not hung or STALLED in res.flags:
         return res
     why = f"stopped at the run's --deadline, {res.wall_s:.0f} s in (its own timeout: {case.timeout_s:g} s)"
     if case.mode.audit and res.stale_fields:
