@@ -202,23 +202,6 @@ class GateCache:
         private.mkdir(parents=True)
         return private, COLD
 
-    def warm(self, build: VllmBuild, compile: str = DEFAULT_COMPILE) -> bool:
-        """Is the build's compiled model complete in the cache (case_cache answers WARM)?"""
-        shared, done, _ = (self.build_dir(build) / n for n in self._names(compile))
-        return done.exists() and shared.is_dir()
-
-    def pilots(self, cases: list[GateCase]) -> list[GateCase]:
-        """The cases to run before the others, one per build whose compiled model is not in the cache: its first case
-        expected clean that compiles (no reference, no control, outside compute-sanitizer). It writes the build's
-        vLLM cache and compiles vLLM's JIT kernels into the build's Triton folder alone; the cases after it load both.
-        Started together, every case compiled the same kernels at once (H200, vLLM 0.34.0, 8 cases: the JIT warmup
-        took 39-54 s a case, about 1 s warm: results/h200-readme-gate-10-cold, -warm)."""
-        first: dict[str, GateCase] = {}
-        for c in cases:
-            if not (c.reference or c.is_control or c.mode.sanitizer or self.warm(c.build, c.compile)):
-                first.setdefault(c.build.label, c)
-        return list(first.values())
-
     def release(self, build: VllmBuild, compiled: bool, compile: str = DEFAULT_COMPILE) -> None:
         """The writer's case ended: its folder is the build's cache when it got past torch.compile (`compiled`: its
         probe counted captures), else it is removed; the claim is given up either way."""

@@ -2,9 +2,8 @@
 as its own process (repro.vllm_integration.gate.worker) under a timeout, classified by the same verdict code as the
 attention-layer cases (repro.judge.classify) and judged (repro.vllm_integration.gate.judge: annotation, the comparison
 with the build's own reference run in the same SM configuration, coverage); a crash in the plain mode rerun once with
-CUDA_LAUNCH_BLOCKING=1 to name the kernel; non-MPS cases in parallel, after a cold build's pilot (GateCache.pilots);
-MPS cases under a daemon of the run, the cases expected clean as its concurrent clients, each control alone, a rerun
-alone under a daemon of its own (repro.run.mps_cases).
+CUDA_LAUNCH_BLOCKING=1 to name the kernel; non-MPS cases in parallel; MPS cases under a daemon owned by the run, the cases expected clean as its concurrent
+clients, each control alone, a rerun alone under a daemon of its own (repro.run.mps_cases).
 
 The outcome goes through repro.judge.policy: AFFECTED when a build under test showed the bug, CANNOT VOUCH when a case's
 checked feature did not fire, HARNESS BLIND when a control build (known bad) was not detected in a gating mode, else
@@ -82,7 +81,8 @@ class GateRun:
         return [control_of(c, r) for c, r in self.cases]
 
     def decision(self, need_control: bool = True) -> policy.GateDecision:
-        """policy.decide over every case; without need_control (a bisect step) a missing positive control is no failure."""
+        """repro.judge.policy.decide over every case; without need_control (a bisect step answering for its build alone)
+        the missing positive control is not a failure."""
         d = policy.decide(self.controls())
         if not need_control:
             d.failures = [f for f in d.failures if f.kind not in policy.NEEDS_A_CONTROL]
@@ -256,8 +256,9 @@ def run_gate(
             launch.start(b, case_env(plain, builds, Path(log_dir) / "forkserver.audit.json", None, lambda: 0))
 
     ran_last: dict[str, _Ran] = {}  # case id -> what its last process left beside its verdict
-    # an MPS SM configuration (and its torch) -> (case id, why): its process found bf16 products computed wrong there
-    # (24 and 40 SMs); later cases in it are errors that say so, no process each (20-60 s); others judged case by case
+    # an MPS SM configuration (with the torch that computes in it) -> (case id, why): its process found the GPU
+    # computing bf16 products wrong there (measured at 24 and 40 SMs); later cases in it are errors that say so, not
+    # processes that would each find it again (20-60 s apiece); the full GPU and sm_margin are judged case by case
     broken: dict[tuple[SmConfig, str | None], tuple[str, str]] = {}
     done: dict[str, tuple[CaseResult, dict | None]] = {}  # finished reference's id -> its result, RESULT record
 
@@ -315,7 +316,7 @@ def run_gate(
         if progress:
             progress(c, res)
 
-    everything = cases + refs  # speculative cases first: one writes the build's vLLM cache (a pilot: GateCache.pilots)
+    everything = cases + refs  # speculative cases first: one of them writes the build's vLLM cache the rest then use
     under_mps = [c for c in everything if c.mode.sm.kind == "mps"]
     parallel = [c for c in everything if c.mode.sm.kind != "mps"]
 
@@ -355,10 +356,8 @@ def run_gate(
     try:
         mps_thread = threading.Thread(target=mps_part, daemon=True)
         mps_thread.start()
-        first = cache.pilots(parallel) if cache is not None else []  # a cold build: one case compiles alone first
         with ThreadPoolExecutor(max_workers=workers) as threads:
-            for wave in (first, [c for c in parallel if c not in first]):
-                list(threads.map(lambda c: record(c, run_one(c, None)), wave))
+            list(threads.map(lambda c: record(c, run_one(c, None)), parallel))
         mps_thread.join()
         if mps_failed:
             raise mps_failed[0]
