@@ -56,6 +56,8 @@ def cmd_bisect(a: argparse.Namespace) -> int:
         raise ConfigError(f"{a.vllm}: not a git checkout")
     if a.check == "gate" and not a.gate_cmd:
         raise ConfigError("--check gate needs a gate command after --")
+    if a.check != "gate" and [x for x in a.gate_cmd if x != "--"]:  # it would never run
+        raise ConfigError(f"a command after -- runs only with --check gate (--check is {a.check})")
     if a.status:  # reads the checkout as it is (inside a bisect of the user's too): moves nothing
         return _bisect(a)
     with checkout_kept(a.vllm):  # refused at once: a bisect in progress, another `repro bisect`, changed files

@@ -210,6 +210,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
         CONTROL,
         UNDER_TEST,
         attach_torch,
+        check_label,
         find_builds,
         make_overlays,
         needs_gpu,
@@ -237,7 +238,8 @@ def cmd_gate(a: argparse.Namespace) -> int:
     builds = find_builds(include_installed=not a.no_installed)
     for flag, given, role in (("--vllm", a.vllm, UNDER_TEST), ("--control", a.control, CONTROL)):
         builds += [b for item in given for b in parse_builds(item, role, flag)]  # one item: one build, commas kept
-    if a.installed_label:
+    if a.installed_label is not None:
+        check_label(a.installed_label, "--installed-label")
         builds = [replace(b, label=a.installed_label) if b.prefix is None else b for b in builds]
     # --torch may name an overlay too; an overlay not named runs with its base build's torch (its compiled parts
     # link that one)
@@ -331,7 +333,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
 def cmd_vllm_check(a: argparse.Namespace) -> int:
     from repro.vllm_integration.releases.compat import Compat, check_source  # only for vllm-check
     from repro.vllm_integration.releases.source_check import UNTESTABLE  # as above
-    from repro.vllm_integration.releases.versions import measured, wheel_version  # only for vllm-check
+    from repro.vllm_integration.releases.versions import measured  # only for vllm-check
 
     rows = []
     for path in a.sources:
@@ -357,8 +359,8 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
             c = Compat(Path(path).name, UNTESTABLE, f"cannot read the wheel ({type(e).__name__}: {e})", None, False, [])
         rows.append(c.to_dict())
         print("\n".join(c.describe()))
-        version = wheel_version(path) if Path(path).name.startswith("vllm-") and path.endswith(".whl") else None
-        print(f"  {measured(version)}")  # measured where a GPU record ran the release, else predicted
+        # measured only where these are the release's published files (a wheel's name alone proves nothing)
+        print(f"  {measured(c.release if c.published == 'identical' else None)}")
     if a.json:
         write_file(a.json, json.dumps(rows, indent=1) + "\n")
     return exit_codes.source(r["verdict"] for r in rows)
