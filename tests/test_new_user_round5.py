@@ -1,0 +1,149 @@
+"""A demanding new user's fifth round (branch rev53), each guarantee a test: a bisect answers for the checkout it was
+given however the path was written, a build's label never names a folder of its own, a damaged record is an error
+before anything is packed, unpacked or written (and `records --stale` that checked nothing is no answer), `vllm-check`
+says "measured" only for a release's published files, and an option that would be ignored is refused."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import zipfile
+from pathlib import Path
+
+from tests.commands import fake_vllm, main_in, refused_in, tree
+
+
+def _git(repo: Path, *args: str) -> str:
+    cmd = ["git", "-C", str(repo), "-c", "user.email=a@b", "-c", "user.name=a", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
+
+
+# 1. bisect: the first bad commit of the checkout named, whether its path is absolute or relative.
+
+
+def test_a_bisect_of_a_checkout_given_by_a_relative_path_names_the_right_first_bad_commit(tmp_path):
+    from tests.fake_vllm import MANAGER_BAD, MANAGER_GOOD, write_manager_history
+
+    shas = write_manager_history(
+        tmp_path / "vllm-repo", [MANAGER_GOOD + "\n# 0\n", MANAGER_GOOD + "\n# 1\n", MANAGER_BAD, MANAGER_BAD + "\n#\n"]
+    )
+    # git runs each step in the checkout: a step handed "vllm-repo" found no such folder there and exited 2, which git
+    # read as bad at every commit (first bad: shas[0])
+    r = main_in(["bisect", "--vllm", "vllm-repo", "--good", "HEAD~4", "--bad", "HEAD"], tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"first bad commit: {shas[2]} change 2" in r.stdout, r.stdout
+
+
+def test_a_gate_command_after_dashes_is_refused_without_check_gate(tmp_path):
+    (tmp_path / "repo").mkdir()
+    _git(tmp_path / "repo", "init", "-q")
+    refused_in(
+        ["bisect", "--vllm", str(tmp_path / "repo"), "--", "python", "-m", "repro", "gate"],
+        tmp_path,
+        2,
+        "runs only with --check gate",
+    )
+
+
+# 2. a build's label names its case ids, logs and overlay folder: never a path, never dots alone.
+
+
+def test_a_build_label_is_never_dots_alone_or_a_path(tmp_path):
+    src, base = fake_vllm(tmp_path / "src", compiled=False), fake_vllm(tmp_path / "base", compiled=True)
+    out = str(tmp_path / "out")
+    # an overlay is made at DEST/LABEL after removing what is there: DEST/.. is the folder above (the temp folder
+    # itself without --out)
+    for args in (
+        ["--overlay", f"..={src}@{base}"],
+        ["--overlay", f".={src}@{base}"],
+        ["--vllm", f"..={src}"],
+        ["--control", f"...={src}"],
+    ):
+        refused_in(["gate", *args, "--no-installed", "--out", out], tmp_path, 2, "not dots alone")
+    for label in ("x/../../y", "", ".."):  # the installed build's label: a case id, so a log file's name
+        refused_in(
+            ["gate", "--installed-label", label, "--vllm", f"a={src}", "--out", out], tmp_path, 2, "--installed-label"
+        )
+
+
+# 3. a damaged record is an error, never read as a record, and nothing is half-done.
+
+
+def _results(root: Path) -> Path:
+    """A checkout's results/ with one good record (packed) and one whose results.json is empty."""
+    from repro.report.records import pack
+
+    results = root / "results"
+    (results / "good").mkdir(parents=True)
+    (results / "good" / "results.json").write_text(json.dumps({"kind": "vllm-gate", "outcome": "PASS"}))
+    pack(results / "good")
+    return results
+
+
+def test_a_damaged_record_is_refused_before_anything_is_packed_or_indexed(tmp_path):
+    root = tmp_path / "checkout"
+    results = _results(root)
+    (results / "new").mkdir()
+    (results / "new" / "results.json").write_text(json.dumps({"kind": "vllm-gate", "outcome": "PASS"}))
+    (results / "broken").mkdir()
+    (results / "broken" / "results.json").write_text("")  # an empty summary
+    for args in (["--add", "new"], ["--index"]):
+        r = refused_in(["records", *args, "--root", str(root)], tmp_path, 2, "results/broken: cannot be read")
+        assert "Traceback" not in r.stderr
+    assert (results / "new").is_dir() and not (results / "new.tar.xz").exists()  # not packed without its index line
+
+
+def test_a_truncated_packed_record_is_an_error_to_every_reader(tmp_path):
+    root = tmp_path / "checkout"
+    results = _results(root)
+    data = (results / "good.tar.xz").read_bytes()
+    (results / "cut.tar.xz").write_bytes(data[: len(data) // 2])
+    refused_in(["records", "--speed", "cut", "--root", str(root)], tmp_path, 2, "--speed cut")
+    refused_in(["records", "--index", "--root", str(root)], tmp_path, 2, "results/cut: cannot be read")
+    # --unpack: nothing half-unpacked left, not even the folder it made
+    refused_in(["records", "--unpack", str(tmp_path / "new" / "dir"), "--root", str(root)], tmp_path, 2, "results/cut")
+
+
+def test_unpack_never_writes_over_an_existing_results_folder_or_through_a_file(tmp_path):
+    root = tmp_path / "checkout"
+    _results(root)
+    mine = tmp_path / "mine" / "results" / "good"
+    mine.mkdir(parents=True)
+    (mine / "results.json").write_text("my own edits\n")
+    refused_in(["records", "--unpack", str(tmp_path / "mine"), "--root", str(root)], tmp_path, 2, "holds files")
+    assert (mine / "results.json").read_text() == "my own edits\n"
+    (tmp_path / "afile").write_text("x\n")
+    refused_in(["records", "--unpack", str(tmp_path / "afile"), "--root", str(root)], tmp_path, 2, "not a folder")
+    r = main_in(["records", "--unpack", str(tmp_path / "fresh"), "--root", str(root)], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert {p.name for p in (tmp_path / "fresh").iterdir()} == {"results"}  # no staging folder left beside it
+    assert json.loads((tmp_path / "fresh" / "results" / "good" / "results.json").read_text())["outcome"] == "PASS"
+
+
+def test_stale_that_found_no_readme_command_to_check_is_no_answer(tmp_path):
+    root = tmp_path / "checkout"
+    _results(root)
+    (root / "README.md").write_text("# another project\n")
+    _git(root, "init", "-q")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-qm", "x")
+    before = tree(tmp_path)
+    r = main_in(["records", "--stale", "--root", str(root)], tmp_path)
+    assert r.returncode == 2 and "shows none of the GPU commands" in r.stderr, (r.returncode, r.stdout, r.stderr)
+    assert tree(tmp_path) - before <= {tmp_path / "tmp"}
+
+
+# 4. vllm-check: "measured on the H200" only where the files are the measured release's.
+
+
+def test_a_wheel_named_as_a_measured_release_is_not_measured_unless_its_files_are_that_release(tmp_path):
+    from tests.fake_vllm import MANAGER_GOOD
+    from tests.fake_vllm import SPEC_DECODE as SPEC
+
+    whl = tmp_path / "vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl"  # 0.34.0 has GPU records (results/)
+    with zipfile.ZipFile(whl, "w") as z:
+        z.writestr("vllm/__init__.py", "")
+        z.writestr(f"{SPEC}/autoregressive/cudagraph_utils.py", MANAGER_GOOD)
+    r = main_in(["vllm-check", str(whl)], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "measured on the H200" not in r.stdout and "never run on a GPU" in r.stdout, r.stdout
