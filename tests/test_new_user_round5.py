@@ -147,3 +147,20 @@ def test_a_wheel_named_as_a_measured_release_is_not_measured_unless_its_files_ar
     r = main_in(["vllm-check", str(whl)], tmp_path)
     assert r.returncode == 0, r.stderr
     assert "measured on the H200" not in r.stdout and "never run on a GPU" in r.stdout, r.stdout
+
+
+# 5. plugin-request: the audit file the plugin writes at the end of a person's vLLM run is judged when it is asked for.
+
+
+def test_the_plugin_requests_audit_file_never_overwrites_a_file_and_is_judged_before_the_run(tmp_path):
+    mine = tmp_path / "notes.txt"
+    mine.write_text("my notes\n")
+    # each was accepted, then at the end of the vLLM run the auditor's open(path, "w") overwrote the file or raised
+    refused_in(["plugin-request", "--audit-file", str(mine)], tmp_path, 2, "is not a report this command writes")
+    refused_in(["plugin-request", "--audit-file", str(tmp_path)], tmp_path, 2, "is a folder")
+    refused_in(["plugin-request", "--audit-file", str(tmp_path / "no" / "a.json")], tmp_path, 2, "cannot write it")
+    assert mine.read_text() == "my notes\n"
+    r = main_in(["plugin-request", "--audit-file", "audit.json"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["plugin"]["audit_file"] == str(tmp_path / "audit.json")  # whatever vLLM's cwd
+    assert not (tmp_path / "audit.json").exists()

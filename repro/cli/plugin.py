@@ -6,8 +6,10 @@ weights), each value checked here as the plugin checks it (repro.vllm_integratio
 from __future__ import annotations
 
 import argparse
+import os
 
 from repro import exit_codes
+from repro.cli.outputs import check_file, json_of
 from repro.contract.request import ENV, PluginRequest
 from repro.errors import BadRequest, ConfigError
 from repro.vllm_integration.plugin import requested
@@ -38,6 +40,9 @@ def add_parsers(sub) -> None:
 
 
 def cmd_plugin_request(a: argparse.Namespace) -> int:
+    if a.audit_file is not None and not a.no_audit:  # the auditor writes it at the end of a vLLM run: judged now
+        check_file(a.audit_file, "--audit-file", own=json_of(lambda d: "checks" in d and "mismatches" in d))
+        a.audit_file = os.path.abspath(a.audit_file)  # every process of the run writes this one file, whatever its cwd
     try:
         want = PluginRequest(
             attention_backend=a.backend,
