@@ -164,3 +164,19 @@ def test_the_plugin_requests_audit_file_never_overwrites_a_file_and_is_judged_be
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["plugin"]["audit_file"] == str(tmp_path / "audit.json")  # whatever vLLM's cwd
     assert not (tmp_path / "audit.json").exists()
+
+
+# 6. --overwrite empties a report folder: never one that holds an input of the command.
+
+
+def test_overwrite_never_removes_a_build_or_a_cache_that_lies_in_the_report_folder(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "verdicts.md").write_text("# an earlier report\n")  # a report folder: --overwrite may empty it
+    build = fake_vllm(out / "build", compiled=False)
+    other = fake_vllm(tmp_path / "other", compiled=False)
+    args = ["gate", "--no-installed", "--out", str(out), "--overwrite"]
+    # the build under test was removed with the old report, then the gate died on it (a traceback)
+    refused_in([*args, "--vllm", f"a={build}"], tmp_path, 2, "which --overwrite would remove")
+    refused_in([*args, "--vllm", f"a={other}", "--cache-dir", str(out / "cache")], tmp_path, 2, "out/cache")
+    assert (build / "vllm" / "__init__.py").is_file() and (out / "verdicts.md").is_file()

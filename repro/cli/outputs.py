@@ -84,6 +84,20 @@ def check_folder(path: str | None, overwrite: bool = False, flag: str = "--out")
     check_writable(p, path, flag)
 
 
+def check_inputs_kept(path: str | None, overwrite: bool, inputs: list[str | None], flag: str = "--out") -> None:
+    """With --overwrite, before any work: ConfigError when one of the command's inputs (a build, a cache) lies in the
+    report folder that --overwrite would empty."""
+    if path is None or not overwrite or not Path(path).is_dir():
+        return
+    p = Path(path).resolve()
+    for given in filter(None, inputs):
+        if p == Path(given).resolve() or p in Path(given).resolve().parents:
+            raise ConfigError(
+                f"{flag} {path}: holds {given}, an input of this command, which --overwrite would remove: give "
+                "another folder"
+            )
+
+
 class ReportFolder:
     """A folder a command is writing its report into, with the lock on its MARKER."""
 

@@ -22,7 +22,15 @@ from repro.cli.common import (
     repeats,
     seconds,
 )
-from repro.cli.outputs import OVERWRITE_HELP, check_file, check_folder, json_of, open_folder, write_file
+from repro.cli.outputs import (
+    OVERWRITE_HELP,
+    check_file,
+    check_folder,
+    check_inputs_kept,
+    json_of,
+    open_folder,
+    write_file,
+)
 from repro.errors import ConfigError, Unavailable
 from repro.vllm_integration.gate.methods import add_option as add_methods_option
 from repro.vllm_integration.gate.worker import COMPILES, DEFAULT_COMPILE
@@ -250,6 +258,9 @@ def cmd_gate(a: argparse.Namespace) -> int:
         raise ConfigError(
             f"two builds share the label {twice[0]!r} (--vllm, --control, --overlay): give distinct labels"
         )
+    cache_root = None if a.no_cache or (a.compare_paths and not a.cache_dir) else a.cache_dir or default_root()
+    kept = [p for b in listed for p in (b.prefix, b.torch_prefix)] + [str(o.sources) for o in overlays]
+    check_inputs_kept(a.out, a.overwrite, [*kept, *(str(o.base) for o in overlays), cache_root and str(cache_root)])
     try:
         devices = gate_devices(a.devices)  # judged before anything is written, a dry run's too
     except Unavailable as e:
