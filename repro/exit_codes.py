@@ -177,7 +177,7 @@ EXIT_CODES: dict[str, dict[int, str]] = {
     "pytest --gate": {
         0: "the gate passed (else pytest's own status)",
         1: "the gate failed, or a test failed",
-        2: "bad input: --gate-require naming no known feature",
+        2: "bad input: --gate-require naming no known feature, a --gate-report that is a file or cannot be written",
         4: "pytest's own usage error (an option it does not know, `--gate=yes`): pytest's code, not 'could not run here'",
     },
     "repro.run.smcontrol --probe-coexistence": {

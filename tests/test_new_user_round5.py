@@ -6,11 +6,13 @@ says "measured" only for a release's published files, and an option that would b
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
-from tests.commands import fake_vllm, main_in, refused_in, tree
+from tests.commands import ROOT, fake_vllm, main_in, refused_in, tree
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -180,3 +182,19 @@ def test_overwrite_never_removes_a_build_or_a_cache_that_lies_in_the_report_fold
     refused_in([*args, "--vllm", f"a={build}"], tmp_path, 2, "which --overwrite would remove")
     refused_in([*args, "--vllm", f"a={other}", "--cache-dir", str(out / "cache")], tmp_path, 2, "out/cache")
     assert (build / "vllm" / "__init__.py").is_file() and (out / "verdicts.md").is_file()
+
+
+# 7. pytest --gate: the report folder it writes when the session ends is judged before any case runs.
+
+
+def test_a_gate_report_that_is_a_file_is_refused_before_the_gpu_tier_runs_and_kept(tmp_path):
+    mine = tmp_path / "report"
+    mine.write_text("mine\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "REPRO_", "STANDIN_"))}
+    cmd = [sys.executable, "-m", "pytest", "cases", "-m", "gpu", "-k", "stale_metadata", "--gate", "-q"]
+    cmd += ["-p", "tests.standin_gpu_tier", "-p", "no:cacheprovider", f"--gate-report={mine}"]
+    # the whole tier ran, then the session died making the folder (a traceback, the report lost)
+    r = subprocess.run(cmd, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stderr.strip() == f"repro: error: --gate-report {mine}: exists and is not a folder", r.stderr
+    assert "Traceback" not in r.stdout and mine.read_text() == "mine\n"
