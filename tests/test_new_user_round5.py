@@ -198,3 +198,18 @@ def test_a_gate_report_that_is_a_file_is_refused_before_the_gpu_tier_runs_and_ke
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert r.stderr.strip() == f"repro: error: --gate-report {mine}: exists and is not a folder", r.stderr
     assert "Traceback" not in r.stdout and mine.read_text() == "mine\n"
+
+
+# 8. bisect --status reads the current commit's source alone: never `good` from a pattern, and no --good needed.
+
+
+def test_bisect_status_on_a_first_commit_reads_its_source_and_never_says_good(tmp_path):
+    from tests.fake_vllm import write_manager_history
+
+    repo = tmp_path / "vllm-repo"
+    write_manager_history(
+        repo, []
+    )  # one commit whose manager rebuilds its metadata; no HEAD~1 (--status reads no --good)
+    r = main_in(["bisect", "--vllm", str(repo), "--status"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("no known bad pattern (not run on a GPU): ") and "good" not in r.stdout, r.stdout
