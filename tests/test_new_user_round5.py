@@ -213,3 +213,14 @@ def test_bisect_status_on_a_first_commit_reads_its_source_and_never_says_good(tm
     r = main_in(["bisect", "--vllm", str(repo), "--status"], tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("no known bad pattern (not run on a GPU): ") and "good" not in r.stdout, r.stdout
+
+
+# 9. a person's knob is judged where the command starts, as the flag it stands for.
+
+
+def test_a_cache_folder_named_by_repro_cache_dir_is_judged_as_cache_dir_is(tmp_path):
+    build = fake_vllm(tmp_path / "build", compiled=False)
+    (tmp_path / "afile").write_text("x\n")
+    # it was a traceback once the first case asked the cache for its build folder
+    args = ["gate", "--no-installed", "--vllm", f"a={build}", "--out", str(tmp_path / "out")]
+    refused_in(args, tmp_path, 2, "REPRO_CACHE_DIR", REPRO_CACHE_DIR=str(tmp_path / "afile"))

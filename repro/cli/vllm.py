@@ -207,7 +207,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
     from repro.report.environment import collect  # the gate's modules load only for it
     from repro.run.memory import gpu_memory_gib  # as above
     from repro.vllm_integration.gate import report as gate_report  # as above
-    from repro.vllm_integration.gate.cache import GateCache, default_root  # as above
+    from repro.vllm_integration.gate.cache import CACHE_ENV, GateCache, default_root  # as above
     from repro.vllm_integration.gate.case import parse_backends, parse_modes  # as above
     from repro.vllm_integration.gate.keep import keep_seconds  # as above
     from repro.vllm_integration.gate.launch import launcher_kind  # as above
@@ -242,6 +242,8 @@ def cmd_gate(a: argparse.Namespace) -> int:
     check_folder(a.out, a.overwrite)  # every value judged before the builds are looked for (no build, no GPU: exit 4)
     check_out_dir(a.logs, "--logs")
     check_out_dir(a.cache_dir, "--cache-dir")
+    if a.cache_dir is None and not (a.no_cache or a.compare_paths) and os.environ.get(CACHE_ENV):
+        check_out_dir(os.environ[CACHE_ENV], CACHE_ENV)  # where the cache goes by default: judged as --cache-dir
     overlays = parse_overlays(a.overlay)  # judged here, made once the cases can run
     builds = find_builds(include_installed=not a.no_installed)
     for flag, given, role in (("--vllm", a.vllm, UNDER_TEST), ("--control", a.control, CONTROL)):
