@@ -224,3 +224,10 @@ def test_a_cache_folder_named_by_repro_cache_dir_is_judged_as_cache_dir_is(tmp_p
     # it was a traceback once the first case asked the cache for its build folder
     args = ["gate", "--no-installed", "--vllm", f"a={build}", "--out", str(tmp_path / "out")]
     refused_in(args, tmp_path, 2, "REPRO_CACHE_DIR", REPRO_CACHE_DIR=str(tmp_path / "afile"))
+
+
+def test_a_bad_repro_gate_compile_is_refused_by_its_name_before_anything_is_written(tmp_path):
+    build = fake_vllm(tmp_path / "build", compiled=False)
+    args = ["gate", "--no-installed", "--vllm", f"a={build}", "--out", str(tmp_path / "out")]
+    # it was refused once the run had started (a progress line, the report folder made and removed), as '--compile'
+    refused_in(args, tmp_path, 2, "REPRO_GATE_COMPILE='fast'", REPRO_GATE_COMPILE="fast")

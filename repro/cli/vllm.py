@@ -227,6 +227,8 @@ def cmd_gate(a: argparse.Namespace) -> int:
     )
 
     modes, backends = parse_modes(a.modes), parse_backends(a.backends)
+    if a.compile not in COMPILES:  # argparse checks a choice typed, never its default, read from the variable
+        raise ConfigError(f"REPRO_GATE_COMPILE={a.compile!r}: use one of {', '.join(COMPILES)} (or --compile)")
     if a.compare_paths and (a.no_cache or a.repeat != 1 or a.launcher):
         raise ConfigError(
             "--compare-paths runs each path once, with its own cache and launcher: leave out --no-cache, --repeat and "
