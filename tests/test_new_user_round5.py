@@ -231,3 +231,21 @@ def test_a_bad_repro_gate_compile_is_refused_by_its_name_before_anything_is_writ
     args = ["gate", "--no-installed", "--vllm", f"a={build}", "--out", str(tmp_path / "out")]
     # it was refused once the run had started (a progress line, the report folder made and removed), as '--compile'
     refused_in(args, tmp_path, 2, "REPRO_GATE_COMPILE='fast'", REPRO_GATE_COMPILE="fast")
+
+
+# 10. an empty --out folder the user made is theirs: a stopped command empties it again, never removes it.
+
+
+def test_an_empty_out_folder_the_user_made_is_never_removed_when_a_command_stops(tmp_path):
+    from repro.cli import outputs
+
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o750)
+    out = outputs.open_folder(str(mine), "gate")
+    (out / "logs").mkdir()  # made by the command, nothing written into it
+    outputs.abandon("interrupted with Ctrl-C")
+    assert mine.is_dir() and not any(mine.iterdir()) and (mine.stat().st_mode & 0o777) == 0o750
+    made = tmp_path / "new" / "out"  # one the command made, with its parent: removed again, both
+    outputs.open_folder(str(made), "gate")
+    outputs.abandon("refused")
+    assert not (tmp_path / "new").exists()

@@ -208,7 +208,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
     from repro.run.memory import gpu_memory_gib  # as above
     from repro.vllm_integration.gate import report as gate_report  # as above
     from repro.vllm_integration.gate.cache import CACHE_ENV, GateCache, default_root  # as above
-    from repro.vllm_integration.gate.case import parse_backends, parse_modes  # as above
+    from repro.vllm_integration.gate.case import parse_backends, parse_modes, persons_choices  # as above
     from repro.vllm_integration.gate.keep import keep_seconds  # as above
     from repro.vllm_integration.gate.launch import launcher_kind  # as above
     from repro.vllm_integration.gate.paths import parse_paths  # as above
@@ -229,6 +229,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
     modes, backends = parse_modes(a.modes), parse_backends(a.backends)
     if a.compile not in COMPILES:  # argparse checks a choice typed, never its default, read from the variable
         raise ConfigError(f"REPRO_GATE_COMPILE={a.compile!r}: use one of {', '.join(COMPILES)} (or --compile)")
+    persons_choices(os.environ)  # REPRO_WEIGHTS, REPRO_INJECT_SOURCE: judged before anything is written
     if a.compare_paths and (a.no_cache or a.repeat != 1 or a.launcher):
         raise ConfigError(
             "--compare-paths runs each path once, with its own cache and launcher: leave out --no-cache, --repeat and "
