@@ -146,7 +146,7 @@ EXIT_CODES: dict[str, dict[int, str]] = {
         4: "CANNOT VOUCH, no GPU (--devices all: none found), or no vLLM build that can run here",
     },
     "bisect": {
-        0: "found the first bad commit (--status: this commit is good)",
+        0: "found the first bad commit (--status: no known bad pattern in this commit's source)",
         1: "no first bad commit found (--status: this commit is bad)",
         2: "bad input (not a git checkout, unknown revision, no vllm/ at --bad or, with --status, in the checkout; a bisect in progress, changed tracked files, another `repro bisect` on it)",
         125: "only untestable commits were left (--status: this commit is untestable)",
