@@ -249,3 +249,22 @@ def test_an_empty_out_folder_the_user_made_is_never_removed_when_a_command_stops
     outputs.open_folder(str(made), "gate")
     outputs.abandon("refused")
     assert not (tmp_path / "new").exists()
+
+
+# 11. vllm-check: sources this Python cannot read are untestable or missing hooks, never a traceback (exit 1: "bad").
+
+
+def test_sources_that_do_not_parse_are_said_so_never_a_traceback_read_as_bad(tmp_path):
+    from tests.fake_vllm import MANAGER_GOOD, write_manager_tree
+
+    tree = tmp_path / "checkout"
+    write_manager_tree(tree, "autoregressive", MANAGER_GOOD)
+    backend = tree / "vllm" / "v1" / "attention" / "backends" / "flash_attn.py"
+    backend.parent.mkdir(parents=True)
+    backend.write_text("class (\n")  # a checkout mid-edit (or syntax newer than this Python)
+    r = main_in(["vllm-check", str(tree)], tmp_path)
+    assert r.returncode == 0 and "flash_attn.py does not parse (SyntaxError" in r.stdout, (r.returncode, r.stdout)
+    manager = tree / "vllm" / "v1" / "worker" / "gpu" / "spec_decode" / "autoregressive" / "cudagraph_utils.py"
+    manager.write_bytes(b"\xff\xfe not UTF-8")
+    r = main_in(["vllm-check", str(tree)], tmp_path)
+    assert r.returncode == 125 and "untestable" in r.stdout and "does not parse" in r.stdout, (r.returncode, r.stdout)
