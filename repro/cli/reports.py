@@ -241,8 +241,6 @@ def _unpack(results: Path, top: Path) -> int:
 
 def _speed(results: Path, names: list[str]) -> int:
     """`records --speed`: each named record unpacked into a temporary folder (never beside the records), its rows."""
-    import tempfile  # as above
-
     from repro.report import records  # as above
     from repro.vllm_integration.gate import speed  # as above
 
