@@ -268,3 +268,12 @@ def test_sources_that_do_not_parse_are_said_so_never_a_traceback_read_as_bad(tmp
     manager.write_bytes(b"\xff\xfe not UTF-8")
     r = main_in(["vllm-check", str(tree)], tmp_path)
     assert r.returncode == 125 and "untestable" in r.stdout and "does not parse" in r.stdout, (r.returncode, r.stdout)
+
+
+def test_a_bisect_git_refuses_to_start_says_gits_reason(tmp_path):
+    from tests.fake_vllm import MANAGER_BAD, write_manager_history
+
+    write_manager_history(tmp_path / "vllm-repo", [MANAGER_BAD])
+    r = main_in(["bisect", "--vllm", "vllm-repo", "--good", "HEAD", "--bad", "HEAD~1"], tmp_path)  # swapped
+    assert r.returncode == 2 and "Maybe you mistook good and bad revs?" in r.stderr, r.stderr  # was "failed: []"
+    assert len(r.stderr.strip().splitlines()) == 1
