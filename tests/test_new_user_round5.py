@@ -277,3 +277,20 @@ def test_a_bisect_git_refuses_to_start_says_gits_reason(tmp_path):
     r = main_in(["bisect", "--vllm", "vllm-repo", "--good", "HEAD", "--bad", "HEAD~1"], tmp_path)  # swapped
     assert r.returncode == 2 and "Maybe you mistook good and bad revs?" in r.stderr, r.stderr  # was "failed: []"
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+# 12. agree: a comparison that compared nothing is no answer.
+
+
+def test_agree_with_no_case_it_could_compare_is_no_answer_never_every_verdict_agrees(tmp_path):
+    r = main_in(["matrix", "--model", "--quiet", "--splits", "32", "--out", str(tmp_path / "model")], tmp_path)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads((tmp_path / "model" / "results.json").read_text())
+    doc["source"] = "gpu"  # a GPU run whose every case skipped (no FA3 build there): nothing measured
+    for case in doc["cases"]:
+        case["verdict"] = case["result"]["verdict"] = "skip"
+    (tmp_path / "skipped.json").write_text(json.dumps(doc))
+    # it printed "Verdicts agree in 0 of 0 cases" and exit 0: every verdict agrees
+    r = main_in(["agree", str(tmp_path / "skipped.json"), "--out", str(tmp_path / "agree.md")], tmp_path)
+    assert r.returncode == 2 and r.stderr.splitlines()[-1].startswith("repro: error: no case of"), r.stderr
+    assert not (tmp_path / "agree.md").exists() and "Verdicts agree" not in r.stdout

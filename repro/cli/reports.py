@@ -106,6 +106,11 @@ def cmd_agree(a: argparse.Namespace) -> int:
     for i, p in enumerate(measured, 1):  # the model predicts every case of a file: seconds each
         rows += compare([p])
         print(f"[agree] {i}/{len(measured)} {p}: {len(rows)} case(s) compared so far", file=sys.stderr, flush=True)
+    if not rows:  # 0 of 0 agree is no answer, never "every verdict agrees"
+        raise ConfigError(
+            f"no case of {', '.join(measured)} can be compared with the CPU model (it predicts eager v2-capture cases "
+            "at sm_margin, MPS or the full GPU, and the GPU gave no verdict or none of those ran): nothing written"
+        )
     md = markdown(rows, measured)
     if a.out:
         write_file(a.out, redact(md))
