@@ -294,3 +294,9 @@ def test_agree_with_no_case_it_could_compare_is_no_answer_never_every_verdict_ag
     r = main_in(["agree", str(tmp_path / "skipped.json"), "--out", str(tmp_path / "agree.md")], tmp_path)
     assert r.returncode == 2 and r.stderr.splitlines()[-1].startswith("repro: error: no case of"), r.stderr
     assert not (tmp_path / "agree.md").exists() and "Verdicts agree" not in r.stdout
+
+
+def test_an_inject_source_without_inject_is_refused_as_it_would_choose_nothing(tmp_path):
+    refused_in(["plugin-request", "--inject-source", "last"], tmp_path, 2, "give --inject too")
+    r = main_in(["plugin-request", "--inject", "stale-capture", "--inject-source", "last"], tmp_path)
+    assert r.returncode == 0 and json.loads(r.stdout)["plugin"]["inject_source"] == "last"
