@@ -300,3 +300,9 @@ def test_an_inject_source_without_inject_is_refused_as_it_would_choose_nothing(t
     refused_in(["plugin-request", "--inject-source", "last"], tmp_path, 2, "give --inject too")
     r = main_in(["plugin-request", "--inject", "stale-capture", "--inject-source", "last"], tmp_path)
     assert r.returncode == 0 and json.loads(r.stdout)["plugin"]["inject_source"] == "last"
+
+
+def test_a_number_out_of_range_is_named_with_its_value(tmp_path):
+    for flag, value in (("--jobs", "0"), ("--jobs", "-3"), ("--cache-keep", "0")):
+        # it was "--repeat and --jobs must be at least 1, --timeout positive" whichever one it was
+        refused_in(["gate", flag, value], tmp_path, 2, f"{flag} must be at least 1, got {value}")

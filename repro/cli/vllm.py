@@ -237,10 +237,9 @@ def cmd_gate(a: argparse.Namespace) -> int:
         )
     forking = not a.compare_paths and launcher_kind(a.launcher) == "fork"
     keep = keep_seconds(a.keep_forkserver, forking, check_dir=not a.dry_run)
-    if a.repeat < 1 or (a.jobs is not None and a.jobs < 1) or a.timeout <= 0:
-        raise ConfigError("--repeat and --jobs must be at least 1, --timeout positive")
-    if a.cache_keep < 1 or a.cache_max_age_days <= 0:
-        raise ConfigError("--cache-keep must be at least 1, --cache-max-age-days positive")
+    for flag, n in (("--jobs", a.jobs), ("--cache-keep", a.cache_keep)):  # --repeat, --timeout: their types
+        if n is not None and n < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {n}")
     paths = parse_paths(a.paths, a.compare_paths)
     check_folder(a.out, a.overwrite)  # every value judged before the builds are looked for (no build, no GPU: exit 4)
     check_out_dir(a.logs, "--logs")
