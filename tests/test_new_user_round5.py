@@ -306,3 +306,7 @@ def test_a_number_out_of_range_is_named_with_its_value(tmp_path):
     for flag, value in (("--jobs", "0"), ("--jobs", "-3"), ("--cache-keep", "0")):
         # it was "--repeat and --jobs must be at least 1, --timeout positive" whichever one it was
         refused_in(["gate", flag, value], tmp_path, 2, f"{flag} must be at least 1, got {value}")
+
+
+def test_a_negative_sm_count_is_not_told_it_is_too_many(tmp_path):
+    refused_in(["gate", "--modes", "sm_margin:-3"], tmp_path, 2, "sm_margin:-3: impossible SM count: 0 to 1024")
