@@ -146,7 +146,7 @@ EXIT_CODES: dict[str, dict[int, str]] = {
         4: "CANNOT VOUCH, no GPU (--devices all: none found), or no vLLM build that can run here",
     },
     "bisect": {
-        0: "found the first bad commit (--status: this commit is good)",
+        0: "found the first bad commit (--status: no known bad pattern in this commit's source)",
         1: "no first bad commit found (--status: this commit is bad)",
         2: "bad input (not a git checkout, unknown revision, no vllm/ at --bad or, with --status, in the checkout; a bisect in progress, changed tracked files, another `repro bisect` on it)",
         125: "only untestable commits were left (--status: this commit is untestable)",
@@ -177,7 +177,7 @@ EXIT_CODES: dict[str, dict[int, str]] = {
     "pytest --gate": {
         0: "the gate passed (else pytest's own status)",
         1: "the gate failed, or a test failed",
-        2: "bad input: --gate-require naming no known feature",
+        2: "bad input: --gate-require naming no known feature, a --gate-report that is a file or cannot be written",
         4: "pytest's own usage error (an option it does not know, `--gate=yes`): pytest's code, not 'could not run here'",
     },
     "repro.run.smcontrol --probe-coexistence": {

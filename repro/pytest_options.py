@@ -10,7 +10,8 @@ gate option's value given space-separated that names an existing path), the comm
 `--gate-report=DIR`, the form pytest reads the same way at every stage.
 
 Bad input is what the project says it is (docs/exit-codes.md): `--gate-require bogus` (or a bad REPRO_GATE_REQUIRE
-in a gate run) is one line on stderr and exit 2, with or without --gate, before any case runs; pytest's own usage
+in a gate run) is one line on stderr and exit 2, with or without --gate, before any case runs, and so is a gate run's
+`--gate-report` that is a file or a folder that cannot be made or written into (the report is written at the end); pytest's own usage
 errors (`--gate=yes`, an option pytest does not know) keep pytest's USAGE_ERROR, 4 (docs/exit-codes.md: under pytest,
 4 is pytest's refusal of its command line). Without a gate run, --gate-require and --gate-report are
 ignored, and said to be. The gate itself: repro/report/pytest_gate.py's GatePlugin, which conftest.py registers for a
@@ -20,9 +21,12 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
+from repro.cli.outputs import check_writable
+from repro.errors import ConfigError
 from repro.exit_codes import Exit
 from repro.judge.policy import GATE_ENV, REQUIRE_ENV, parse_requirements
 
@@ -81,7 +85,18 @@ def pytest_cmdline_main(config):
             where = f"--gate-require {given}" if given is not None else f"{REQUIRE_ENV}={text}"
             sys.stderr.write(f"repro: error: {where}: {e}\n")
             return Exit.BAD_INPUT
-    ignored = [f for f, v in (("--gate-require", given), ("--gate-report", config.getoption("gate_report"))) if v]
+    report = config.getoption("gate_report", default=None)
+    if (
+        report is not None and gating and not hasattr(config, "workerinput")
+    ):  # written when the session ends: judged now
+        try:
+            if Path(report).exists() and not Path(report).is_dir():
+                raise ConfigError(f"--gate-report {report}: exists and is not a folder")
+            check_writable(Path(report).absolute(), report, "--gate-report")
+        except ConfigError as e:
+            sys.stderr.write(f"repro: error: {e}\n")
+            return Exit.BAD_INPUT
+    ignored = [f for f, v in (("--gate-require", given), ("--gate-report", report)) if v]
     if ignored and not gating and not hasattr(config, "workerinput"):
         sys.stderr.write(
             f"repro: note: {' and '.join(ignored)} ignored: the gate's options take effect in a gate run only "

@@ -204,10 +204,12 @@ def test_a_persons_plugin_request_printed_by_the_command_is_what_the_plugin_in_t
 
     cmd = [sys.executable, "-m", "repro", "plugin-request", "--sm-margin", "16", "--poison", "int-max"]
     cmd += ["--inject", "stale-capture", "--inject-source", "last", "--weights", "margin", "--audit-file", "a.json"]
-    out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     env = {request.ENV: out.stdout.strip(), "REPRO_AUDIT": "1"}
-    want = plugin_request(probe=True, audit=True, audit_file="a.json", sm_margin=16, poison="int-max")
+    # the audit file as the person named it, from where they are: every process of their vLLM run writes that one
+    want = plugin_request(probe=True, audit=True, audit_file=str(tmp_path / "a.json"), sm_margin=16, poison="int-max")
     want = replace(want, inject="stale-capture", inject_source="last", weights="margin")
     assert plugin.from_environment(env) == want
     asked = plugin.requested(plugin.from_environment(env))

@@ -6,7 +6,9 @@ command runs in this process through repro.cli.main."""
 
 from __future__ import annotations
 
+import base64
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -437,10 +439,20 @@ def test_measured_only_where_a_gpu_record_exists_predicted_elsewhere(tmp_path, c
     for v in table:
         row = next(ln for ln in page.splitlines() if ln.startswith(f"| {v} |"))
         assert ("measured" in row) == bool(records.get(v)) and ("predicted" in row) != bool(records.get(v)), row
-    for v, word in (("0.30.0", "predicted"), ("0.25.1", "measured")):
-        wheel = _wheel(tmp_path / f"vllm-{v}-py3-none-any.whl", {"vllm/__init__.py": ""})
+    empty = "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(b"").digest()).rstrip(b"=").decode()
+    for v, word, files in (
+        ("0.30.0", "predicted", {"vllm/__init__.py": ""}),
+        (
+            "0.25.1",
+            "measured",
+            {"vllm/__init__.py": "", "vllm-0.25.1.dist-info/RECORD": f"vllm/__init__.py,{empty},0\n"},
+        ),
+        ("0.25.1", "predicted", {"vllm/__init__.py": ""}),  # its name alone: not known to be the release's files
+    ):
+        (tmp_path / word / v).mkdir(parents=True, exist_ok=True)
+        wheel = _wheel(tmp_path / word / v / f"vllm-{v}-py3-none-any.whl", files)
         _main("vllm-check", str(wheel))
-        assert word in capsys.readouterr().out, v
+        assert word in capsys.readouterr().out, (v, files)
 
 
 # 13. The first screen: a GPU user never copies a line that replaces their CUDA torch.

@@ -56,7 +56,7 @@ class SmConfig:
         if sms is None:  # `full:12`, `mps:x`, `bogus:3`: never a count dropped or a kind guessed
             raise ConfigError(f"bad SM configuration {text!r}: use full, sm_margin:N, mps:N, green:N or mig[:uuid]")
         if not 0 <= sms <= MAX_SMS:  # a GPU's own count is checked where one is (sm_refusal)
-            raise ConfigError(f"{text}: impossible SM count (no GPU has more than {MAX_SMS} SMs)")
+            raise ConfigError(f"{text}: impossible SM count: 0 to {MAX_SMS} (no GPU has more SMs)")
         return cls(kind, sms)
 
 

@@ -12,7 +12,7 @@ from repro.cli.common import check_exists
 from repro.cli.outputs import checkout_kept
 from repro.errors import ConfigError
 from repro.vllm_integration.releases.bisect import add_check_option, run_bisect  # every parser build reads its option
-from repro.vllm_integration.releases.source_check import check_tree
+from repro.vllm_integration.releases.source_check import GOOD, check_tree
 
 LOG_LINES = 30  # git's bisect log lines shown: the steps, never the first bad commit's diffstat
 
@@ -28,7 +28,9 @@ def add_parsers(sub) -> None:
         help="installed vllm package folder: reuse its compiled extensions (Python-only changes) (default: none)",
     )
     bi.add_argument(
-        "--status", action="store_true", help="only check the current commit (exit 0 good, 1 bad, 125 untestable)"
+        "--status",
+        action="store_true",
+        help="only check the current commit's source (exit 0 no known bad pattern, 1 bad, 125 untestable)",
     )
     bi.add_argument("gate_cmd", nargs=argparse.REMAINDER, help="-- command for --check gate (default: none)")
     bi.set_defaults(func=cmd_bisect)
@@ -56,6 +58,8 @@ def cmd_bisect(a: argparse.Namespace) -> int:
         raise ConfigError(f"{a.vllm}: not a git checkout")
     if a.check == "gate" and not a.gate_cmd:
         raise ConfigError("--check gate needs a gate command after --")
+    if a.check != "gate" and [x for x in a.gate_cmd if x != "--"]:  # it would never run
+        raise ConfigError(f"a command after -- runs only with --check gate (--check is {a.check})")
     if a.status:  # reads the checkout as it is (inside a bisect of the user's too): moves nothing
         return _bisect(a)
     with checkout_kept(a.vllm):  # refused at once: a bisect in progress, another `repro bisect`, changed files
@@ -63,14 +67,15 @@ def cmd_bisect(a: argparse.Namespace) -> int:
 
 
 def _bisect(a: argparse.Namespace) -> int:
-    for flag, rev in (("--good", a.good), ("--bad", a.bad)):
+    for flag, rev in () if a.status else (("--good", a.good), ("--bad", a.bad)):  # --status reads neither
         if _git(a.vllm, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}").returncode != 0:
             raise ConfigError(f"{flag} {rev}: git knows no such commit in {a.vllm} (git rev-parse --verify failed)")
     if a.status:
         if not os.path.isdir(os.path.join(a.vllm, "vllm")):  # as at --bad below, and vllm-check: bad input
             raise ConfigError(f"{a.vllm}: not a vLLM checkout (no vllm/ package in its working tree)")
         v = check_tree(a.vllm)
-        print(f"{v.verdict}: {v.reason}" + (f" (layout {v.layout})" if v.layout else ""))
+        said = "no known bad pattern (not run on a GPU)" if v.verdict == GOOD else v.verdict  # as a bisect step says
+        print(f"{said}: {v.reason}" + (f" (layout {v.layout})" if v.layout else ""))
         return exit_codes.source([v.verdict])
     if _git(a.vllm, "cat-file", "-e", f"{a.bad}:vllm").returncode != 0:
         raise ConfigError(f"{a.vllm}: not a vLLM checkout (no vllm/ package at --bad {a.bad})")

@@ -7,7 +7,8 @@ nothing half-done after Ctrl-C or a refusal.
   that holds anything else. While a command writes, the folder's MARKER holds a lock: a second command given the same
   folder is refused, `--overwrite` or not.
 - Stopped before it finished (Ctrl-C, a refusal, an error): a folder that received nothing is removed again, with
-  the parent folders the command made for it; one that holds something gets an INTERRUPTED file saying so.
+  the parent folders the command made for it (an empty folder the user gave is emptied again, never removed); one
+  that holds something gets an INTERRUPTED file saying so.
 - A report file (`--json`, `--out FILE`) is never one of the command's inputs (a symbolic link to one included), an
   existing one is replaced only when it is a report of the command's own kind, and it is written whole or not at
   all (a temporary file renamed into place).
@@ -84,11 +85,26 @@ def check_folder(path: str | None, overwrite: bool = False, flag: str = "--out")
     check_writable(p, path, flag)
 
 
+def check_inputs_kept(path: str | None, overwrite: bool, inputs: list[str | None], flag: str = "--out") -> None:
+    """With --overwrite, before any work: ConfigError when one of the command's inputs (a build, a cache) lies in the
+    report folder that --overwrite would empty."""
+    if path is None or not overwrite or not Path(path).is_dir():
+        return
+    p = Path(path).resolve()
+    for given in filter(None, inputs):
+        if p == Path(given).resolve() or p in Path(given).resolve().parents:
+            raise ConfigError(
+                f"{flag} {path}: holds {given}, an input of this command, which --overwrite would remove: give "
+                "another folder"
+            )
+
+
 class ReportFolder:
     """A folder a command is writing its report into, with the lock on its MARKER."""
 
-    def __init__(self, path: Path, made: list[Path], command: str):
+    def __init__(self, path: Path, made: list[Path], command: str, existed: bool = False):
         self.path, self.made, self.command, self.started = path, made, command, time.time()
+        self.existed = existed  # the user's own (empty) folder: emptied again, never removed
         self.fd = os.open(path / MARKER, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -113,6 +129,10 @@ class ReportFolder:
                     (self.path / INTERRUPTED).unlink()
                 return
             if all(f.name == MARKER for f in self.path.rglob("*") if not f.is_dir()):
+                if self.existed:
+                    for entry in self.path.iterdir():
+                        shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+                    return
                 shutil.rmtree(self.path, ignore_errors=True)
                 for d in self.made:  # the parents made for it, the deepest first, while empty
                     with contextlib.suppress(OSError):
@@ -132,10 +152,12 @@ _OPEN: list[ReportFolder] = []
 def open_folder(path: str | None, command: str, overwrite: bool = False) -> Path:
     """The report folder of `command`: the one asked for (made, or emptied with --overwrite after check_folder), or
     a new one under the temp folder; locked, and closed by finish() or abandon()."""
+    existed = False
     if path is None:
         out, made = Path(tempfile.mkdtemp(prefix=f"repro-{command}-")), []
     else:
         out = Path(path)
+        existed = out.is_dir()
         made = [d for d in [out.absolute(), *out.absolute().parents] if not d.exists()][1:]
         if out.is_dir() and overwrite and not _locked_by_other(out / MARKER):
             for entry in out.iterdir():  # a report folder (check_folder): its entries, never through a link
@@ -147,7 +169,7 @@ def open_folder(path: str | None, command: str, overwrite: bool = False) -> Path
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"--out {path}: cannot create it ({e.strerror or e})") from None
-    _OPEN.append(ReportFolder(out, made, command))
+    _OPEN.append(ReportFolder(out, made, command, existed))
     return out
 
 

@@ -6,8 +6,10 @@ weights), each value checked here as the plugin checks it (repro.vllm_integratio
 from __future__ import annotations
 
 import argparse
+import os
 
 from repro import exit_codes
+from repro.cli.outputs import check_file, json_of
 from repro.contract.request import ENV, PluginRequest
 from repro.errors import BadRequest, ConfigError
 from repro.vllm_integration.plugin import requested
@@ -30,7 +32,7 @@ def add_parsers(sub) -> None:
     p.add_argument(
         "--inject", choices=INJECTIONS, help="re-create the capture defect (the self control; default: none)"
     )
-    p.add_argument("--inject-source", choices=SOURCES, default=SOURCES[0], help="whose capture (default %(default)s)")
+    p.add_argument("--inject-source", choices=SOURCES, help=f"with --inject: whose capture (default {SOURCES[0]})")
     p.add_argument(
         "--weights", choices=(*WEIGHTS, DUMMY), default=DUMMY, help="the model's weights (default %(default)s)"
     )
@@ -38,6 +40,11 @@ def add_parsers(sub) -> None:
 
 
 def cmd_plugin_request(a: argparse.Namespace) -> int:
+    if a.inject_source is not None and a.inject is None:  # it would choose nothing
+        raise ConfigError("--inject-source chooses whose capture --inject re-creates the defect in: give --inject too")
+    if a.audit_file is not None and not a.no_audit:  # the auditor writes it at the end of a vLLM run: judged now
+        check_file(a.audit_file, "--audit-file", own=json_of(lambda d: "checks" in d and "mismatches" in d))
+        a.audit_file = os.path.abspath(a.audit_file)  # every process of the run writes this one file, whatever its cwd
     try:
         want = PluginRequest(
             attention_backend=a.backend,
@@ -47,7 +54,7 @@ def cmd_plugin_request(a: argparse.Namespace) -> int:
             sm_margin=a.sm_margin,
             poison=a.poison,
             inject=a.inject,
-            inject_source=a.inject_source,
+            inject_source=a.inject_source or SOURCES[0],
             weights=a.weights,
         )
         requested(want)  # what the plugin would refuse inside vLLM is refused here

@@ -4,8 +4,12 @@ recorded results."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import lzma
 import shutil
 import sys
+import tarfile
+import tempfile
 from pathlib import Path
 
 from repro import exit_codes
@@ -102,6 +106,11 @@ def cmd_agree(a: argparse.Namespace) -> int:
     for i, p in enumerate(measured, 1):  # the model predicts every case of a file: seconds each
         rows += compare([p])
         print(f"[agree] {i}/{len(measured)} {p}: {len(rows)} case(s) compared so far", file=sys.stderr, flush=True)
+    if not rows:  # 0 of 0 agree is no answer, never "every verdict agrees"
+        raise ConfigError(
+            f"no case of {', '.join(measured)} can be compared with the CPU model (it predicts eager v2-capture cases "
+            "at sm_margin, MPS or the full GPU, and the GPU gave no verdict or none of those ran): nothing written"
+        )
     md = markdown(rows, measured)
     if a.out:
         write_file(a.out, redact(md))
@@ -160,25 +169,27 @@ def cmd_records(a: argparse.Namespace) -> int:
         if not records.git(root, "rev-parse", "HEAD"):
             raise ConfigError(f"{root} is not a git checkout with history: --stale compares commits")
         found = stale.check(root)
+        if not found:  # nothing checked is no answer, never "every record fresh"
+            raise ConfigError(f"{root / 'README.md'} shows none of the GPU commands --stale checks: give --root this "
+                              "project's checkout")  # fmt: skip
         for s in found:
             print(s.line())
         return exit_codes.check(not any(s.stale for s in found))
     if a.speed:
         return _speed(results, a.speed)
     if a.unpack:
-        dest = Path(a.unpack) / "results"
-        dest.mkdir(parents=True, exist_ok=True)
-        for name, where in records.records(results).items():
-            if where.is_dir():
-                shutil.copytree(where, dest / name, dirs_exist_ok=True)
-            else:
-                records.unpack(where, dest)
-        print(f"unpacked {len(records.records(results))} record(s) under {dest}")
-        return exit_codes.Exit.OK
+        return _unpack(results, Path(a.unpack))
     notes = {}
     for name in a.add or []:
         if name not in records.records(results):
             raise ConfigError(f"no record results/{name}/ (or {name}{records.PACKED}) to add")
+    for name, where in records.records(results).items():  # the index reads each: a damaged one, before any packing
+        try:
+            records.describe(records.members(where, records.indexed))
+        except UNREADABLE as e:
+            raise ConfigError(
+                f"results/{name}: cannot be read ({type(e).__name__}: {e}); nothing packed or written"
+            ) from None
     for name in a.add or []:
         if (results / name).is_dir():
             print(f"packed {records.pack(results / name)}")
@@ -188,10 +199,53 @@ def cmd_records(a: argparse.Namespace) -> int:
     return exit_codes.Exit.OK
 
 
+# what a damaged record raises when read: a truncated or corrupt archive, a summary that is not JSON or not its shape
+UNREADABLE = (tarfile.TarError, EOFError, lzma.LZMAError, OSError, ValueError, KeyError, TypeError, AttributeError)
+
+
+def _unpack(results: Path, top: Path) -> int:
+    """`records --unpack DIR`: every record under DIR/results/, a new or empty folder, written whole or not at all
+    (unpacked beside it first, then renamed into place); a damaged record is refused, nothing left behind."""
+    from repro.report import records  # as above
+
+    dest = top / "results"
+    for p in (top, dest):
+        if p.exists() and not p.is_dir():
+            raise ConfigError(f"--unpack {top}: {p} exists and is not a folder")
+    if dest.is_dir() and any(dest.iterdir()):
+        raise ConfigError(f"--unpack {top}: {dest} holds files: give a folder without a non-empty results/")
+    found = records.records(results)  # before the staging folder exists (DIR may lie under results/)
+    made = [d for d in [top.absolute(), *top.absolute().parents] if not d.exists()]
+    try:
+        top.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".results-", dir=top))
+        staging.chmod(0o755)  # as a folder made plainly
+    except OSError as e:
+        raise ConfigError(f"--unpack {top}: cannot write there ({e.strerror or e})") from None
+    try:
+        for name, where in found.items():
+            try:
+                if where.is_dir():
+                    shutil.copytree(where, staging / name)
+                else:
+                    records.unpack(where, staging)
+            except UNREADABLE as e:
+                raise ConfigError(
+                    f"results/{name}: cannot be unpacked ({type(e).__name__}: {e}); nothing written"
+                ) from None
+        staging.replace(dest)  # an empty dest is replaced
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        for d in made:  # the folders made for it, the deepest first, while empty
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
+    print(f"unpacked {len(found)} record(s) under {dest}")
+    return exit_codes.Exit.OK
+
+
 def _speed(results: Path, names: list[str]) -> int:
     """`records --speed`: each named record unpacked into a temporary folder (never beside the records), its rows."""
-    import tempfile  # as above
-
     from repro.report import records  # as above
     from repro.vllm_integration.gate import speed  # as above
 
@@ -202,10 +256,10 @@ def _speed(results: Path, names: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="repro-speed-") as tmp:
         for name in names:
             where = found[name]
-            folder = where if where.is_dir() else records.unpack(where, Path(tmp))
             try:
+                folder = where if where.is_dir() else records.unpack(where, Path(tmp))
                 rows += speed.record_rows(name, Path(folder))
-            except (ValueError, KeyError, OSError) as e:
-                raise ConfigError(f"--speed {name}: {e}") from None
+            except UNREADABLE as e:
+                raise ConfigError(f"--speed {name}: {e or type(e).__name__}") from None
     print(speed.speed_table(rows), end="")
     return exit_codes.Exit.OK

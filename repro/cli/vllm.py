@@ -22,7 +22,15 @@ from repro.cli.common import (
     repeats,
     seconds,
 )
-from repro.cli.outputs import OVERWRITE_HELP, check_file, check_folder, json_of, open_folder, write_file
+from repro.cli.outputs import (
+    OVERWRITE_HELP,
+    check_file,
+    check_folder,
+    check_inputs_kept,
+    json_of,
+    open_folder,
+    write_file,
+)
 from repro.errors import ConfigError, Unavailable
 from repro.vllm_integration.gate.methods import add_option as add_methods_option
 from repro.vllm_integration.gate.worker import COMPILES, DEFAULT_COMPILE
@@ -199,8 +207,8 @@ def cmd_gate(a: argparse.Namespace) -> int:
     from repro.report.environment import collect  # the gate's modules load only for it
     from repro.run.memory import gpu_memory_gib  # as above
     from repro.vllm_integration.gate import report as gate_report  # as above
-    from repro.vllm_integration.gate.cache import GateCache, default_root  # as above
-    from repro.vllm_integration.gate.case import parse_backends, parse_modes  # as above
+    from repro.vllm_integration.gate.cache import CACHE_ENV, GateCache, default_root  # as above
+    from repro.vllm_integration.gate.case import parse_backends, parse_modes, persons_choices  # as above
     from repro.vllm_integration.gate.keep import keep_seconds  # as above
     from repro.vllm_integration.gate.launch import launcher_kind  # as above
     from repro.vllm_integration.gate.paths import parse_paths  # as above
@@ -210,6 +218,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
         CONTROL,
         UNDER_TEST,
         attach_torch,
+        check_label,
         find_builds,
         make_overlays,
         needs_gpu,
@@ -218,6 +227,9 @@ def cmd_gate(a: argparse.Namespace) -> int:
     )
 
     modes, backends = parse_modes(a.modes), parse_backends(a.backends)
+    if a.compile not in COMPILES:  # argparse checks a choice typed, never its default, read from the variable
+        raise ConfigError(f"REPRO_GATE_COMPILE={a.compile!r}: use one of {', '.join(COMPILES)} (or --compile)")
+    persons_choices(os.environ)  # REPRO_WEIGHTS, REPRO_INJECT_SOURCE: judged before anything is written
     if a.compare_paths and (a.no_cache or a.repeat != 1 or a.launcher):
         raise ConfigError(
             "--compare-paths runs each path once, with its own cache and launcher: leave out --no-cache, --repeat and "
@@ -225,19 +237,21 @@ def cmd_gate(a: argparse.Namespace) -> int:
         )
     forking = not a.compare_paths and launcher_kind(a.launcher) == "fork"
     keep = keep_seconds(a.keep_forkserver, forking, check_dir=not a.dry_run)
-    if a.repeat < 1 or (a.jobs is not None and a.jobs < 1) or a.timeout <= 0:
-        raise ConfigError("--repeat and --jobs must be at least 1, --timeout positive")
-    if a.cache_keep < 1 or a.cache_max_age_days <= 0:
-        raise ConfigError("--cache-keep must be at least 1, --cache-max-age-days positive")
+    for flag, n in (("--jobs", a.jobs), ("--cache-keep", a.cache_keep)):  # --repeat, --timeout: their types
+        if n is not None and n < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {n}")
     paths = parse_paths(a.paths, a.compare_paths)
     check_folder(a.out, a.overwrite)  # every value judged before the builds are looked for (no build, no GPU: exit 4)
     check_out_dir(a.logs, "--logs")
     check_out_dir(a.cache_dir, "--cache-dir")
+    if a.cache_dir is None and not (a.no_cache or a.compare_paths) and os.environ.get(CACHE_ENV):
+        check_out_dir(os.environ[CACHE_ENV], CACHE_ENV)  # where the cache goes by default: judged as --cache-dir
     overlays = parse_overlays(a.overlay)  # judged here, made once the cases can run
     builds = find_builds(include_installed=not a.no_installed)
     for flag, given, role in (("--vllm", a.vllm, UNDER_TEST), ("--control", a.control, CONTROL)):
         builds += [b for item in given for b in parse_builds(item, role, flag)]  # one item: one build, commas kept
-    if a.installed_label:
+    if a.installed_label is not None:
+        check_label(a.installed_label, "--installed-label")
         builds = [replace(b, label=a.installed_label) if b.prefix is None else b for b in builds]
     # --torch may name an overlay too; an overlay not named runs with its base build's torch (its compiled parts
     # link that one)
@@ -248,6 +262,9 @@ def cmd_gate(a: argparse.Namespace) -> int:
         raise ConfigError(
             f"two builds share the label {twice[0]!r} (--vllm, --control, --overlay): give distinct labels"
         )
+    cache_root = None if a.no_cache or (a.compare_paths and not a.cache_dir) else a.cache_dir or default_root()
+    kept = [p for b in listed for p in (b.prefix, b.torch_prefix)] + [str(o.sources) for o in overlays]
+    check_inputs_kept(a.out, a.overwrite, [*kept, *(str(o.base) for o in overlays), cache_root and str(cache_root)])
     try:
         devices = gate_devices(a.devices)  # judged before anything is written, a dry run's too
     except Unavailable as e:
@@ -331,7 +348,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
 def cmd_vllm_check(a: argparse.Namespace) -> int:
     from repro.vllm_integration.releases.compat import Compat, check_source  # only for vllm-check
     from repro.vllm_integration.releases.source_check import UNTESTABLE  # as above
-    from repro.vllm_integration.releases.versions import measured, wheel_version  # only for vllm-check
+    from repro.vllm_integration.releases.versions import measured  # only for vllm-check
 
     rows = []
     for path in a.sources:
@@ -357,8 +374,8 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
             c = Compat(Path(path).name, UNTESTABLE, f"cannot read the wheel ({type(e).__name__}: {e})", None, False, [])
         rows.append(c.to_dict())
         print("\n".join(c.describe()))
-        version = wheel_version(path) if Path(path).name.startswith("vllm-") and path.endswith(".whl") else None
-        print(f"  {measured(version)}")  # measured where a GPU record ran the release, else predicted
+        # measured only where these are the release's published files (a wheel's name alone proves nothing)
+        print(f"  {measured(c.release if c.published == 'identical' else None)}")
     if a.json:
         write_file(a.json, json.dumps(rows, indent=1) + "\n")
     return exit_codes.source(r["verdict"] for r in rows)

@@ -118,7 +118,7 @@ def members(where: Path, wanted: Callable[[str], bool]) -> dict[str, bytes]:
     return out
 
 
-def _wanted(rel: str) -> bool:
+def indexed(rel: str) -> bool:
     """The files a record's index line is derived from (never its logs)."""
     name = Path(rel).name
     return "logs/" not in rel and (name in _SUMMARIES or name == "command.txt" or name.endswith(".xml"))
@@ -242,11 +242,11 @@ def _from_git(root: Path, commit: str, name: str) -> dict[str, bytes]:
             tmp = Path(root) / ".git" / f"repro-{name}{PACKED}"
             tmp.write_bytes(blob)
             try:
-                return members(tmp, _wanted)
+                return members(tmp, indexed)
             finally:
                 tmp.unlink()
         rel = path[len(f"results/{name}/") :]
-        if _wanted(rel):
+        if indexed(rel):
             out[rel] = blob
     return out
 
@@ -266,7 +266,7 @@ def build_index(root: Path, notes: dict[str, str] | None = None) -> dict:
         entry = dict(old.get(name, {}))
         if name in present:
             where = present[name]
-            entry.update(describe(members(where, _wanted)))
+            entry.update(describe(members(where, indexed)))
             entry["stored"] = where.relative_to(root).as_posix() + ("/" if where.is_dir() else "")
             entry["last_present"] = None
         elif not entry.get("last_present"):

@@ -241,10 +241,13 @@ def run_bisect(
     started = git("bisect", "start", bad, good, check_rc=False)
     if started.returncode != 0:
         git("bisect", "reset", check_rc=False)
-        raise ConfigError(f"git bisect start {bad} {good} failed: {started.stderr.strip().splitlines()[-1:]}")
-    cmd = entrypoints.command(entrypoints.BISECT, "step", "--repo", repo, "--check", check)
+        said = (started.stderr.strip() or started.stdout.strip()).replace("\n", " ") or "no reason given"
+        raise ConfigError(f"git bisect start {bad} {good} failed: {said}")
+    # git runs each step in the checkout's top folder: a path given relative to here would name nothing there (the
+    # step's exit 2, which git reads as "bad", at every commit)
+    cmd = entrypoints.command(entrypoints.BISECT, "step", "--repo", os.path.abspath(repo), "--check", check)
     if overlay:
-        cmd += ["--overlay", overlay]
+        cmd += ["--overlay", os.path.abspath(overlay)]
     if gate_cmd:
         cmd += ["--", *gate_cmd]
     env = dict(os.environ)

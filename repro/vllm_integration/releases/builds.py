@@ -25,7 +25,14 @@ from repro.vllm_integration.releases.bisect import (  # bisect's overlay, shared
 
 UNDER_TEST, CONTROL = "under-test", "control"
 BUILDS_ENV, CONTROL_ENV = "REPRO_VLLM", "REPRO_VLLM_CONTROL"
-_LABEL = re.compile(r"^[A-Za-z0-9._+-]+$")
+_LABEL = re.compile(r"^(?!\.+$)[A-Za-z0-9._+-]+$")  # dots alone (".", "..") would name a folder above its own
+
+
+def check_label(label: str, flag: str) -> str:
+    """A build's label: it names the build's case ids, log files and overlay folder, so never a path of its own."""
+    if not _LABEL.match(label):
+        raise ConfigError(f"{flag}: label {label!r} may hold letters, digits and . _ + - only (not dots alone)")
+    return label
 
 
 @dataclass(frozen=True)
@@ -117,8 +124,7 @@ def parse_builds(text: str, role: str, variable: str) -> list[VllmBuild]:
     """LABEL=PREFIX[,LABEL=PREFIX...]; every prefix must hold a vllm package."""
     out = []
     for label, prefix in _label_prefixes(text, variable, "0.25.1=/opt/vllm-0.25.1"):
-        if not _LABEL.match(label):
-            raise ConfigError(f"{variable}: label {label!r} may hold letters, digits and . _ + - only")
+        check_label(label, variable)
         if not (Path(prefix) / "vllm" / "__init__.py").exists():
             hint = (
                 ": a wheel runs installed, e.g. `python -m pip install --no-deps --target DIR WHEEL`, then LABEL=DIR"
@@ -244,8 +250,7 @@ def check_overlay(label: str, sources: str | Path, base: str | Path) -> Overlay:
     """Every reason an overlay cannot be made, as ConfigError, before anything is written: a bad label, a side without
     its vllm package, torch pins or required extension modules that differ (bisect.abi_problem), a base without
     compiled extensions."""
-    if not _LABEL.match(label):
-        raise ConfigError(f"--overlay: label {label!r} may hold letters, digits and . _ + - only")
+    check_label(label, "--overlay")
     src, base = Path(sources), Path(base)
     if not (src / "vllm" / "__init__.py").exists():
         raise ConfigError(f"--overlay {label}: {src} holds no vllm/ package of sources")

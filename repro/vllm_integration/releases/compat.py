@@ -72,7 +72,10 @@ def plugin_compat(root: Path) -> tuple[bool, list[str]]:
     path = root / FLASH_ATTN
     if not path.exists():
         return False, [f"{FLASH_ATTN} missing"]
-    tree = ast.parse(path.read_text())
+    try:
+        tree = ast.parse(path.read_text())
+    except (SyntaxError, UnicodeDecodeError) as e:  # sources this Python cannot read: no hook is known to be there
+        return False, [f"{FLASH_ATTN} does not parse ({type(e).__name__}: {e})"]
     classes = {c.name: c for c in ast.walk(tree) if isinstance(c, ast.ClassDef)}
     notes = []
     b = classes.get("FlashAttentionMetadataBuilder")

@@ -59,7 +59,7 @@ def _capture_calls(root: Path) -> list[tuple[str, bool]]:
     for path in sorted((root / SPEC_DIR).rglob("*.py")):
         try:
             tree = ast.parse(path.read_text())
-        except SyntaxError:
+        except (SyntaxError, UnicodeDecodeError):
             continue
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "capture":
@@ -88,7 +88,7 @@ def check_tree(root: str | Path) -> SourceVerdict:
     for path in _manager_files(root):
         try:
             tree = ast.parse(path.read_text())
-        except SyntaxError as e:
+        except (SyntaxError, UnicodeDecodeError) as e:
             return SourceVerdict(UNTESTABLE, f"{path.relative_to(root)}: does not parse ({e})", layout)
         for cls, fn in _capture_methods(tree):
             where = f"{path.relative_to(root)}:{fn.lineno} {cls}.capture"
