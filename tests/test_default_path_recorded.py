@@ -79,3 +79,74 @@ def test_the_phases_name_the_model_load_and_the_jit_warmup_apart_from_the_rest_o
             now = gate_bench.phases(log.read_text(errors="replace"), result, None, recorded["wall"])
             assert jit[0] < now["jit"] < jit[1] and now["load"] > 1, (path, now)
             assert now["engine_rest"] == pytest.approx(recorded["engine_rest"] - now["jit"] - now["load"], abs=0.2)
+
+
+LAST_COLD, LAST_WARM, KEPT_1, KEPT_2, PILOT = (
+    RESULTS / n
+    for n in (
+        "h200-readme-gate-12-cold",
+        "h200-readme-gate-12-warm",
+        "h200-readme-gate-10-kept-1",
+        "h200-readme-gate-10-kept-2",
+        "h200-readme-gate-11-cold",
+    )
+)
+
+
+LOAD = re.compile(r"Model loading took [0-9.]+ GiB memory and ([0-9.]+) seconds")
+
+
+def _median_load_s(record) -> float:
+    """vLLM's own figure for its model loading (the dummy loader, then the gate's weights), the median case's."""
+    got = sorted(float(m[1]) for p in (record / "logs").glob("*.out.log") if (m := LOAD.search(p.read_text())))
+    assert len(got) >= 4, record.name
+    return got[len(got) // 2]
+
+
+def test_the_last_bare_gate_passes_cold_and_warm_each_mode_caught_by_a_self_control_form(monkeypatch, tmp_path):
+    """The README's bare gate on the code of 2026-12-04's second session (weights built on the GPU, hangs before the
+    captures no evidence, the new user's fifth round): PASS cold and warm; in each mode at least one self-control form
+    showed kernel evidence (policy rule 6: a form that decoded right is listed, h200-readme-gate-12-cold's plain
+    stale-capture form), the build itself clean."""
+    for record in (LAST_COLD, LAST_WARM, PILOT):
+        doc, rows, run, got = replay(monkeypatch, tmp_path / record.name, record)
+        same_verdicts(got, rows)
+        assert all(got[f"{V}under-test-{m}"].verdict == "clean" for m in ("audit", "plain"))
+        for m in ("audit", "plain"):
+            forms = [got[f"{V}{form}-{m}"].verdict for form in ("self-control", "self-control-stale-descriptor")]
+            assert any(v in FAULTS for v in forms), (record.name, m, forms)
+        assert run.outcome() == doc["outcome"] == "PASS" and gate_exit(run.outcome()) == 0
+
+
+def test_the_model_loads_in_about_a_second_once_its_weights_are_built_on_the_gpu():
+    """The gate's weights were drawn on one CPU thread per case (vLLM sets torch's threads to 1): 9 s of model
+    loading a case warm (h200-readme-gate-8-warm); built on the model's device, about 1 s (h200-readme-gate-12-*)."""
+    assert _median_load_s(WARM) > 7
+    assert _median_load_s(LAST_WARM) < 3 and _median_load_s(LAST_COLD) < 3
+
+
+def test_a_kept_forkserver_takes_the_import_off_a_warm_run():
+    """--keep-forkserver 120, run twice: the second run took the first one's forkserver (ready at once) and its wall
+    is the cases' alone (30 s against 55 s)."""
+    first, second = (json.loads((r / "results.json").read_text()) for r in (KEPT_1, KEPT_2))
+    (l1,), (l2,) = first["launches"].values(), second["launches"].values()
+    assert l1["forkserver"]["ready_after_s"] > 15 and l2["forkserver"]["ready_after_s"] < 1
+    assert first["outcome"] == second["outcome"] == "PASS" and second["wall_s"] < 0.7 * first["wall_s"]
+
+
+def test_sm_margin_and_mps_cases_fork_from_the_forkserver_with_the_same_answers(monkeypatch, tmp_path):
+    """`gate --modes sm_margin:16,mps:16` under the fork default (h200-sm16-fork-0.34.0): every case forked, each
+    SM configuration with its own validated reference, the build clean and each self-control form caught in both."""
+    record = RESULTS / "h200-sm16-fork-0.34.0"
+    doc, rows, run, got = replay(monkeypatch, tmp_path, record)
+    same_verdicts(got, rows)
+    (launch,) = doc["launches"].values()
+    assert launch["launcher"] == "fork" and launch["spawned"] == 0 and launch["forked"] == 8
+    assert {c.case_id for c, r in run.references if r.verdict == "clean"} == {
+        f"{V}under-test-reference-smmargin16",
+        f"{V}under-test-reference-mps16",
+    }
+    for m in ("smmargin16", "mps16"):
+        assert got[f"{V}under-test-{m}"].verdict == "clean"
+        assert all(got[f"{V}{f}-{m}"].verdict in FAULTS for f in ("self-control", "self-control-stale-descriptor"))
+    assert run.outcome() == doc["outcome"] == "PASS"
