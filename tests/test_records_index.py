@@ -200,6 +200,20 @@ def test_stale_counts_a_readme_command_with_no_record(repo):
     assert r.returncode == 1 and "STALE  matrix: no record" in r.stdout
 
 
+def test_a_removed_packed_record_is_read_from_git_under_its_own_name(repo):
+    """A packed record (NAME.tar.xz) committed, then removed from the tree: the index reads it from git at the commit
+    where it was last present, as an archive of its own name (its members are checked to lie under NAME/)."""
+    assert _records("--add", "rec-a", root=repo).returncode == 0
+    last = _commit(repo, "record rec-a, packed")
+    _git(repo, "rm", "-q", "results/rec-a.tar.xz")
+    _commit(repo, "curated")
+    r = _records("--index", root=repo)
+    assert r.returncode == 0, r.stderr
+    index = {e["name"]: e for e in json.loads((repo / "results" / "index.json").read_text())["records"]}
+    assert index["rec-a"]["stored"] is None and index["rec-a"]["last_present"] == last
+    assert index["rec-a"]["commands"] == [GATE_LINE]
+
+
 def test_stale_outside_a_git_checkout_is_bad_input(tmp_path):
     (tmp_path / "checkout" / "results").mkdir(parents=True)
     r = _records("--stale", root=tmp_path / "checkout")

@@ -11,6 +11,7 @@ import json
 import re
 import subprocess
 import tarfile
+import tempfile
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -238,13 +239,10 @@ def _from_git(root: Path, commit: str, name: str) -> dict[str, bytes]:
     out = {}
     for path in listing.splitlines():
         blob = subprocess.run(["git", "-C", str(root), "show", f"{commit}:{path}"], capture_output=True).stdout
-        if path.endswith(PACKED):
-            tmp = Path(root) / ".git" / f"repro-{name}{PACKED}"
-            tmp.write_bytes(blob)
-            try:
+        if path.endswith(PACKED):  # read as an archive of its own name (members checks each path under NAME/)
+            with tempfile.TemporaryDirectory(prefix="repro-record-") as d:
+                (tmp := Path(d) / f"{name}{PACKED}").write_bytes(blob)
                 return members(tmp, indexed)
-            finally:
-                tmp.unlink()
         rel = path[len(f"results/{name}/") :]
         if indexed(rel):
             out[rel] = blob
