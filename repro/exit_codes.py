@@ -30,6 +30,7 @@ class Exit(IntEnum):
     BLIND = 3  # gate only: HARNESS BLIND, a known-bad control came back clean (or none ran)
     NOT_RUN = 4  # could not run here (no GPU, no MPS, no vLLM build...): neither clean nor affected
     UNTESTABLE = 125  # bisect and vllm-check only: git bisect's "skip this commit" (the source cannot be judged)
+    ABORT = 128  # the bisect step's bad input: over 127, `git bisect run` stops (2 would read as "bad" at every commit)
     INTERRUPTED = 130  # Ctrl-C
 
     __str__ = int.__repr__
@@ -51,6 +52,7 @@ MEANING = {
     Exit.BLIND: "HARNESS BLIND (`gate`: a known-bad control came back clean, or none ran)",
     Exit.NOT_RUN: "could not run here (no GPU, no MPS, no vLLM build: one line, before any case runs)",
     Exit.UNTESTABLE: 'untestable (`bisect`, `vllm-check` and the bisect step: git bisect\'s "skip this commit")',
+    Exit.ABORT: "the bisect step's bad input: `git bisect run` stops there (any code over 127 aborts it)",
     Exit.INTERRUPTED: "interrupted (Ctrl-C)",
 }
 
@@ -186,7 +188,12 @@ EXIT_CODES: dict[str, dict[int, str]] = {
         2: "bad input",
         4: "no GPU or MPS to probe",
     },
-    "repro.vllm_integration.releases.bisect step": {0: "good", 1: "bad", 2: "bad input", 125: "untestable"},
+    "repro.vllm_integration.releases.bisect step": {
+        0: "good",
+        1: "bad",
+        125: "untestable",
+        128: "bad input (a flag, a folder that is not there): the same at every commit, so git bisect run stops",
+    },
 }
 
 

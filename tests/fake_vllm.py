@@ -264,7 +264,8 @@ class GPUModelRunner:
             saved[n] = md
             return lambda: forward(self.impl, md, desc.num_tokens)
 
-        self.cudagraph_manager.capture(create, "Capturing CUDA graphs (FULL)")  # the target's, as vLLM 0.34 says it
+        print("Capturing CUDA graphs (PIECEWISE): 100%", file=sys.stderr, flush=True)  # vLLM's first line (the marker)
+        self.cudagraph_manager.capture(create, "Capturing decode CUDA graphs (FULL)")
         if self.speculator is not None and self.cudagraph_manager.full:
             self.speculator.capture(saved)
         if self.cudagraph_manager.full and BEHAVIOUR == "abort":

@@ -7,6 +7,7 @@ apart from it)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.commands import fake_vllm, main_in, no_traceback, refused, refused_in, repro_cmd, run_repro, tree
+from tests.commands import ROOT, fake_vllm, main_in, no_traceback, refused, refused_in, repro_cmd, run_repro, tree
 
 
 @pytest.fixture
@@ -239,8 +240,9 @@ def step(*args: str) -> list[str]:
     return [sys.executable, "-m", "repro.vllm_integration.releases.bisect", "step", *args]
 
 
-def test_bisect_step_bad_input_is_exit_2_in_one_line_as_a_subprocess(tmp_path):
-    refused(step("--repo", "/nonexistent"), tmp_path, 2, "--repo /nonexistent: no such folder")
+def test_bisect_step_bad_input_stops_git_bisect_in_one_line_as_a_subprocess(tmp_path):
+    """The step's bad input is the same at every commit: 128 makes `git bisect run` stop (2 would read as "bad")."""
+    refused(step("--repo", "/nonexistent"), tmp_path, 128, "--repo /nonexistent: no such folder")
 
 
 @pytest.mark.parametrize(
@@ -255,10 +257,11 @@ def test_bisect_step_bad_input_is_exit_2_in_one_line_as_a_subprocess(tmp_path):
     ],
     ids=lambda c: " ".join(c) if isinstance(c, list) else c,
 )
-def test_bisect_step_bad_input_is_exit_2_in_one_line(tmp_path, cmd, msg):
+def test_bisect_step_bad_input_stops_git_bisect_and_bisect_refuses_it_in_one_line(tmp_path, cmd, msg):
     from repro.vllm_integration.releases import bisect  # the step's own entry (python -m ...releases.bisect)
 
-    refused_in(cmd, tmp_path, 2, msg, entry=bisect.main if cmd[0] == "step" else None)
+    code = 128 if cmd[0] == "step" else 2  # the step's: git bisect run stops; `repro bisect` refuses before git runs
+    refused_in(cmd, tmp_path, code, msg, entry=bisect.main if cmd[0] == "step" else None)
 
 
 @pytest.mark.parametrize(
@@ -292,3 +295,25 @@ def test_vllm_check_of_a_zip_without_vllm_names_the_file(tmp_path):
         z.writestr("other/__init__.py", "")
     r = refused_in(["vllm-check", str(whl)], tmp_path, 2, f"{whl}: not a vLLM wheel (no vllm/ package inside)")
     assert str(tmp_path / "tmp") not in r.stderr
+
+
+def test_git_bisect_run_stops_at_a_steps_bad_input_instead_of_naming_a_first_bad_commit(tmp_path):
+    """The hand-run flow (docs/vllm-gate.md): `git bisect run python -m repro.vllm_integration.releases.bisect step
+    ... --overlay PATH -- CMD` with a mistyped overlay. Its 2 once told git "bad" at every commit, and git named a
+    first bad commit although CMD says every commit is good; 128 makes git bisect stop and name none."""
+    from tests.fake_vllm import MANAGER_GOOD, write_manager_history
+
+    repo = tmp_path / "vllm"
+    write_manager_history(repo, [MANAGER_GOOD + f"\n# change {i}\n" for i in range(3)])
+    git = ["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run([*git, "bisect", "start", "HEAD", "HEAD~3"], check=True, capture_output=True)
+    step = [sys.executable, "-m", "repro.vllm_integration.releases.bisect", "step", "--check", "gate"]
+    r = subprocess.run(
+        [*git, "bisect", "run", *step, "--overlay", str(tmp_path / "nonexistent"), "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert r.returncode != 0 and "is the first bad commit" not in r.stdout, r.stdout[-2000:]
+    assert "no such folder" in r.stderr + r.stdout

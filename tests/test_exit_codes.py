@@ -26,6 +26,7 @@ def test_the_codes_are_the_numbers_scripts_test():
         "BLIND": 3,
         "NOT_RUN": 4,
         "UNTESTABLE": 125,
+        "ABORT": 128,
         "INTERRUPTED": 130,
     }
     assert f"{Exit.BLIND}" == str(Exit.BLIND) == "3"
@@ -107,7 +108,7 @@ def test_every_code_a_command_can_give_is_in_its_row():
     assert {exit_codes.source([v]) for v in (GOOD, BAD, UNTESTABLE)} | bad_input == rows["vllm-check"]
     assert {exit_codes.bisect(f, u) for f in ("x", None) for u in (True, False)} | bad_input == rows["bisect"]
     step = {exit_codes.source([v]) for v in (GOOD, BAD, UNTESTABLE)} | {exit_codes.gate_step(c) for c in range(256)}
-    assert step | bad_input == rows["repro.vllm_integration.releases.bisect step"]
+    assert step | {Exit.ABORT} == rows["repro.vllm_integration.releases.bisect step"]  # its bad input stops git
     assert {exit_codes.matrix(e, g) for e in (True, False) for g in (None, True, False)} | bad_input | {
         Exit.NOT_RUN
     } == rows["matrix"]

@@ -272,7 +272,7 @@ def add_check_option(p: argparse.ArgumentParser, whose: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m repro.vllm_integration.releases.bisect")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
-    s = sub.add_parser("step", help="one bisect step: exit 0 good, 1 bad, 2 bad input, 125 untestable")
+    s = sub.add_parser("step", help="one bisect step: exit 0 good, 1 bad, 125 untestable, 128 bad input")
     s.add_argument("--repo", default=".", help="the vLLM checkout at the commit to judge (default: this folder)")
     add_check_option(s, "the commit's")
     s.add_argument("--overlay", help="installed vllm package folder whose compiled extensions to reuse")
@@ -281,12 +281,16 @@ def main(argv: list[str] | None = None) -> int:
         f = sub.add_parser(name, help=f"copy a tree's vllm/ with {what}")
         f.add_argument("tree", help=f"a tree holding vllm/ in the {layout} layout")
         f.add_argument("dest", help="where the patched copy's vllm/ goes")
-    a = p.parse_args(argv)
+    args = sys.argv[1:] if argv is None else list(argv)
+    try:
+        a = p.parse_args(args)
+    except SystemExit as e:  # a step's bad input: 2 would tell git bisect "bad" at every commit; over 127 stops it
+        raise SystemExit(Exit.ABORT if args[:1] == ["step"] and e.code == Exit.BAD_INPUT else e.code) from None
     if a.cmd == "step":  # bad input, the same at every commit: said once, before anything runs
         for flag, folder in (("--repo", a.repo), ("--overlay", a.overlay)):
             if folder is not None and not os.path.isdir(folder):
-                sys.stderr.write(f"repro: error: {flag} {folder}: no such folder\n")
-                return Exit.BAD_INPUT
+                sys.stderr.write(f"repro: error: {flag} {folder}: no such folder (git bisect run stops here)\n")
+                return Exit.ABORT
     if a.cmd in PATCHES:
         try:
             print(patched_copy(a.cmd, a.tree, a.dest))
