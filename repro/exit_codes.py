@@ -171,7 +171,8 @@ EXIT_CODES: dict[str, dict[int, str]] = {
     "records": {
         0: "done (--stale: every README GPU command's last record ran the code it runs now)",
         1: "--stale: a README GPU command has no record, or its last record ran older code",
-        2: "bad input (no results/ folder, no such record, --stale outside a git checkout)",
+        2: "bad input (no results/ folder, no such record, a record that cannot be read, here or in git history; "
+        "--stale outside a git checkout, or with no README GPU command to check)",
     },
     "doctor": {0: "always (it reports what is missing)"},
     "serve": {0: "started, running, stopped or status shown", 2: "bad input, or the server did not start"},

@@ -264,7 +264,8 @@ class GPUModelRunner:
             saved[n] = md
             return lambda: forward(self.impl, md, desc.num_tokens)
 
-        print("Capturing CUDA graphs (PIECEWISE): 100%", file=sys.stderr, flush=True)  # vLLM's first line (the marker)
+        if self.cudagraph_manager.full:  # vLLM's first capture line (the gate's marker), only where it captures
+            print("Capturing CUDA graphs (PIECEWISE): 100%", file=sys.stderr, flush=True)
         self.cudagraph_manager.capture(create, "Capturing decode CUDA graphs (FULL)")
         if self.speculator is not None and self.cudagraph_manager.full:
             self.speculator.capture(saved)

@@ -214,6 +214,19 @@ def test_a_removed_packed_record_is_read_from_git_under_its_own_name(repo):
     assert index["rec-a"]["commands"] == [GATE_LINE]
 
 
+def test_a_damaged_record_left_in_git_history_is_refused_in_one_line_before_anything_is_written(repo):
+    assert _records("--add", "rec-a", root=repo).returncode == 0
+    packed = repo / "results" / "rec-a.tar.xz"
+    packed.write_bytes(packed.read_bytes()[:200])  # truncated, then committed, then removed from the tree
+    _commit(repo, "a damaged record")
+    _git(repo, "rm", "-q", "results/rec-a.tar.xz")
+    _commit(repo, "curated")
+    index = (repo / "results" / "index.json").read_bytes()
+    r = _records("--index", root=repo)
+    assert r.returncode == 2 and "a record in git history cannot be read" in r.stderr, r.stderr
+    assert (repo / "results" / "index.json").read_bytes() == index
+
+
 def test_stale_outside_a_git_checkout_is_bad_input(tmp_path):
     (tmp_path / "checkout" / "results").mkdir(parents=True)
     r = _records("--stale", root=tmp_path / "checkout")

@@ -97,3 +97,45 @@ def test_the_gate_runs_its_cases_through_the_attempts(monkeypatch, tmp_path):
     assert sorted(s for s in seen if "attempt" in s) == sorted(attempts)
     # results.json keeps them (kind "attempt"), so a replay of the record makes the same attempts
     assert sorted(x["case"] for x in rows(run) if x["kind"] == "attempt") == sorted(attempts)
+
+
+def test_a_timeout_before_the_captures_is_no_evidence_and_the_attempts_go_on(monkeypatch, tmp_path):
+    """An attempt stopped at its timeout before vLLM began capturing (annotate: an error, step HUNG_EARLY) says
+    nothing of the captures: it neither ends the attempts nor replaces the result as if it were evidence."""
+    from repro.judge.verdicts import ERROR, HANG
+    from repro.vllm_integration.gate.judge import HUNG_EARLY
+
+    def early(cid):
+        return CaseResult(cid, HANG, "no exit within 300 s").revised(HUNG_EARLY, "before capture", verdict=ERROR)
+
+    answers = [lambda cid: CaseResult(cid, CLEAN, "stand-in"), early, lambda cid: CaseResult(cid, CRASH, "stand-in")]
+    seen = []
+
+    def stand_in(case, builds, log_dir, mps=None, cache=None, device=None, launcher=None):
+        seen.append(case.case_id)
+        return answers.pop(0)(case.case_id), None
+
+    monkeypatch.setattr(gate_process, "run_attributed", stand_in)
+    build = VllmBuild("0.26.0", str(tmp_path), UNDER_TEST, "0.26.0")
+    case = GateCase(build, parse_modes("plain")[0], inject=STALE_CAPTURE)
+    res, _, ran, tried = gate_process.run_control(case, [build], tmp_path)
+    assert len(seen) == 3 and res.verdict == CRASH and ran.case_id.endswith("-attempt3")
+    assert [r.verdict for _, r in tried] == [ERROR, CRASH]
+
+
+def test_a_deadline_cut_is_a_skip_whatever_annotate_made_of_the_hang(tmp_path):
+    """past_deadline: a case the run's --deadline stopped is a skip, also where annotate had revised the hang (before
+    the captures, or before vLLM loaded the plugin); a stall the watch stopped stays what it is."""
+    from repro.case.spec import STALLED
+    from repro.judge.verdicts import ERROR, HANG, SKIP
+
+    build = VllmBuild("0.26.0", str(tmp_path), UNDER_TEST, "0.26.0")
+    case = GateCase(build, parse_modes("plain")[0])
+    hang = CaseResult(case.case_id, HANG, "no exit within 20 s")
+    for step in ("hang before capture", "plugin"):
+        assert gate_process.past_deadline(case, hang.revised(step, "x", verdict=ERROR)).verdict == SKIP
+    assert gate_process.past_deadline(case, hang).verdict == SKIP
+    crash = CaseResult(case.case_id, CRASH, "fault")
+    assert gate_process.past_deadline(case, crash) is crash
+    stalled = CaseResult(case.case_id, HANG, "stalled", flags=[STALLED])
+    assert gate_process.past_deadline(case, stalled) is stalled

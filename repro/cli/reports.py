@@ -190,6 +190,12 @@ def cmd_records(a: argparse.Namespace) -> int:
             raise ConfigError(
                 f"results/{name}: cannot be read ({type(e).__name__}: {e}); nothing packed or written"
             ) from None
+    try:  # the records git history holds too (a damaged one there: refused before anything is packed)
+        records.build_index(root)
+    except UNREADABLE as e:
+        raise ConfigError(
+            f"a record in git history cannot be read ({type(e).__name__}: {e}); nothing written"
+        ) from None
     for name in a.add or []:
         if (results / name).is_dir():
             print(f"packed {records.pack(results / name)}")

@@ -16,7 +16,7 @@ from repro import entrypoints
 from repro.case.spec import CAPTURING, STALLED, CaseResult
 from repro.contract.channel import Channel
 from repro.contract.tags import COUNTERS_TAG, DEVICE_TAG, RESULT_TAG
-from repro.contract.verdicts import CLEAN, CRASH, HANG, SKIP, STALE_AUDIT, WRONG
+from repro.contract.verdicts import CLEAN, CRASH, ERROR, HANG, SKIP, STALE_AUDIT, WRONG
 from repro.errors import Unavailable
 from repro.run.runner import case_logs, device_sm_count, run_process
 from repro.run.smcontrol import MpsDaemon
@@ -24,7 +24,7 @@ from repro.vllm_integration.gate import bench as gate_bench
 from repro.vllm_integration.gate import case as gate_case
 from repro.vllm_integration.gate.cache import PRIVATE, TRITON_CACHE, TRITON_ENV, WRITER, GateCache
 from repro.vllm_integration.gate.case import GateCase, case_env, expected
-from repro.vllm_integration.gate.judge import HUNG_EARLY, annotate, finish
+from repro.vllm_integration.gate.judge import annotate, finish
 from repro.vllm_integration.gate.launch import Launcher
 from repro.vllm_integration.gate.methods import not_applicable
 from repro.vllm_integration.gate.placement import GateDevice
@@ -187,8 +187,8 @@ def run_control(
     every further attempt as it came back (results.json keeps them, so a replay makes the attempts the run made)."""
 
     def evident(ran: GateCase, res: CaseResult) -> bool:
-        if res.verdict != CLEAN:
-            return True
+        if res.verdict != CLEAN:  # a timeout that annotate made an error (before the captures) is no evidence: again
+            return not (res.verdict == ERROR and was_hang(res))
         ref = reference()
         return ref is not None and finish(ran, res, result_line(log_dir, ran), *ref).verdict == WRONG
 
@@ -217,13 +217,18 @@ def past_deadline(case: GateCase, res: CaseResult) -> CaseResult:
     """A case whose timeout the run's deadline cut: a HANG there is the deadline's kill, not a hang (a stall the
     watch stopped stays one). What the auditor had caught before the kill stays evidence (stale views in an audit
     mode); else the case is a skip that says so."""
-    hung = res.verdict == HANG or any(h["step"] == HUNG_EARLY for h in res.history)  # before its captures too
-    if not hung or STALLED in res.flags:
+    if not was_hang(res) or STALLED in res.flags:  # a hang, whatever annotate made of it (before capture, or plugin)
         return res
     why = f"stopped at the run's --deadline, {res.wall_s:.0f} s in (its own timeout: {case.timeout_s:g} s)"
     if case.mode.audit and res.stale_fields:
         return res.revised("deadline", why, verdict=STALE_AUDIT, reason=f"{why}; {res.reason}")
     return skipped(case, why)
+
+
+def was_hang(res: CaseResult) -> bool:
+    """Did classify make the case a hang (its process stopped at its timeout), before any later step revised it?"""
+    first = next((h["changed"]["verdict"][0] for h in res.history if "verdict" in h.get("changed", {})), res.verdict)
+    return first == HANG
 
 
 def skipped(case: GateCase, reason: str) -> CaseResult:
