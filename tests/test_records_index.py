@@ -193,6 +193,28 @@ def test_a_change_of_comments_and_docstrings_alone_leaves_a_record_fresh_and_say
     assert r.returncode == 1 and "repro/vllm_integration/gate/run.py" in r.stdout, r.stdout
 
 
+@pytest.mark.parametrize("ran", ["this commit's code", "other code"])
+def test_a_record_whose_run_says_it_ran_other_code_than_its_commit_is_stale(repo, ran):
+    """A record carries the digest of the harness code its run ran (environment.harness_code); `--stale` checks it
+    against the commit the record is indexed at, instead of trusting that it was added on the code that made it."""
+    from repro.report.environment import harness_code
+
+    code = harness_code(repo) if ran == "this commit's code" else "0" * 20
+    doc = json.loads((repo / "results" / "rec-a" / "results.json").read_text())
+    doc["environment"]["harness_code"] = code
+    (repo / "results" / "rec-a" / "results.json").write_text(json.dumps(doc))
+    head = _git(repo, "rev-parse", "HEAD")
+    assert _records("--add", "rec-a", root=repo).returncode == 0  # indexed at HEAD, the code of its run or not
+    r = _records("--stale", root=repo)
+    if ran == "this commit's code":
+        assert r.returncode == 0 and r.stdout.startswith("fresh  gate: results/rec-a"), r.stdout
+    else:
+        assert r.returncode == 1 and r.stdout.startswith(f"STALE  gate: results/rec-a ({head[:10]}): its run's"), (
+            r.stdout
+        )
+        assert "harness code is not that commit's" in r.stdout
+
+
 def test_stale_counts_a_readme_command_with_no_record(repo):
     _write(repo, {"README.md": f"{COMMANDS[0].readme}\n{COMMANDS[-1].readme} here\n"})
     _commit(repo, "readme gives the matrix too")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import os
 import platform
@@ -10,8 +11,11 @@ import re
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 from repro.run.sanitizer import find_sanitizer
+
+HARNESS = ("repro", "cases", "conftest.py")  # the harness's code a recorded run ran: its Python files under these
 
 
 def _cmd(args: list[str]) -> str | None:
@@ -52,11 +56,28 @@ def _probe_gpu() -> dict:
     return json.loads(out.splitlines()[-1]) if out else {"torch": None, "gpu": None}
 
 
+def code_digest(files: list[tuple[str, bytes]]) -> str:
+    """The digest of the harness's code: each Python file's path (relative to the checkout) and bytes, by path."""
+    h = hashlib.sha256()
+    for rel, data in sorted(files):
+        h.update(rel.encode() + b"\0" + data + b"\0")
+    return h.hexdigest()[:20]
+
+
+def harness_code(root: Path | None = None) -> str:
+    """code_digest of this checkout's harness (HARNESS): what a record says it ran, so that `records --stale` can
+    check it against the commit the record is indexed at (repro.report.stale.code_at) instead of trusting it."""
+    root = Path(root) if root else Path(__file__).resolve().parents[2]
+    found = [p for top in HARNESS for p in ([root / top] if top.endswith(".py") else (root / top).rglob("*.py"))]
+    return code_digest([(p.relative_to(root).as_posix(), p.read_bytes()) for p in found if p.is_file()])
+
+
 def collect(argv: list[str] | None = None) -> dict:
     env = {
         "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "command": shlex.join(["python", "-m", "repro", *(argv if argv is not None else sys.argv[1:])]),
+        "harness_code": harness_code(),
     }
     env.update(gpu_facts())
     smi = _cmd(["nvidia-smi", "--query-gpu=driver_version,mig.mode.current", "--format=csv,noheader"])

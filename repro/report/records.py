@@ -172,7 +172,7 @@ def _builds(doc: dict) -> list[str]:
 
 def describe(files: dict[str, bytes]) -> dict:
     """A record's index fields from its own files: commands, when it was recorded, builds, what it shows."""
-    commands, when, builds, shows = [], [], [], []
+    commands, when, builds, shows, codes = [], [], [], [], set()
     docs = {rel: json.loads(data) for rel, data in files.items() if Path(rel).name in _SUMMARIES}
     for rel, data in files.items():
         if Path(rel).name == "command.txt":
@@ -183,8 +183,8 @@ def describe(files: dict[str, bytes]) -> dict:
         env = doc.get("environment") or {}
         if env.get("command") and not any(Path(r).name == "command.txt" for r in files):
             commands.append(_command(env["command"]))
-        if env.get("when"):
-            when.append(env["when"])
+        when += [env["when"]] if env.get("when") else []
+        codes |= {env["harness_code"]} if env.get("harness_code") else set()  # environment.harness_code
         builds += [b for b in _builds(doc) if b not in builds]
         where = str(Path(rel).parent)
         if not (where != "." and Path(rel).name == "results.json" and f"{where}/paths.json" in files):
@@ -194,6 +194,7 @@ def describe(files: dict[str, bytes]) -> dict:
         "recorded": min(when) if when else None,
         "builds": builds,
         "shows": " | ".join(shows) if shows else None,
+        "harness_code": codes.pop() if len(codes) == 1 else None,
     }
 
 
@@ -283,6 +284,7 @@ def build_index(root: Path, notes: dict[str, str] | None = None) -> dict:
 
 
 _FIELDS = ("stored", "last_present", "commit", "committed", "added", "recorded", "commands", "builds", "shows", "note")
+_FIELDS += ("harness_code",)  # the code its run says it ran (stale.code_at checks it against `commit`)
 
 
 def load_index(results: Path) -> dict[str, dict]:

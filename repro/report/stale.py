@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from repro.report.environment import HARNESS, code_digest
 from repro.report.records import git, load_index
 
 GATE_ENTRIES = (
@@ -194,6 +195,7 @@ class Staleness:
     changed_in: str | None  # the last commit that changed the code the command runs
     changed: tuple[str, ...]  # the files changed between the record's commit and that one
     text_only: bool = False  # changed since, but in comments and docstrings only
+    other_code: bool = False  # its run says it ran other harness code than its commit's (environment.harness_code)
 
     @property
     def stale(self) -> bool:
@@ -204,6 +206,8 @@ class Staleness:
         if self.record is None:
             return head + "no record of it in results/index.json"
         at = f"results/{self.record} ({(self.commit or '?')[:10]})"
+        if self.other_code:
+            return head + f"{at}: its run's harness code is not that commit's (it ran other code than it is dated to)"
         if not self.stale:
             since = (
                 f" (changed since in comments and docstrings only, to {self.changed_in[:10]})" if self.text_only else ""
@@ -229,6 +233,9 @@ def check(root: Path) -> list[Staleness]:
         paths = code_paths(root, cmd.entries)
         changed_in = git(root, "log", "-1", "--format=%H", "--", *paths)
         commit = last.get("commit")
+        if commit and last.get("harness_code") and last["harness_code"] != code_at(root, commit):
+            out.append(Staleness(cmd, last["name"], commit, changed_in or commit, ("",), other_code=True))
+            continue
         fresh = bool(commit) and _ancestor(root, changed_in, commit)
         changed = (
             () if fresh else tuple(git(root, "diff", "--name-only", f"{commit}..{changed_in}", "--", *paths).split())
@@ -269,6 +276,27 @@ def _same_code(root: Path, path: str, old: str, new: str) -> bool:
     if path.endswith(".py"):
         return _code(a.stdout) is not None and _code(a.stdout) == _code(b.stdout)
     return a.stdout == b.stdout
+
+
+def code_at(root: Path, commit: str) -> str | None:
+    """environment.harness_code of the checkout as it was at `commit` (from git); None when git cannot say."""
+    names = git(root, "ls-tree", "-r", "--name-only", commit, "--", *HARNESS).splitlines()
+    names = [n for n in names if n.endswith(".py")]
+    if not names:
+        return None
+    blobs = subprocess.run(
+        ["git", "-C", str(root), "cat-file", "--batch"],
+        input="".join(f"{commit}:{n}\n" for n in names).encode(),
+        capture_output=True,
+        check=False,
+    ).stdout
+    files, at = [], 0
+    for n in names:  # each answer: "<sha> blob <size>\n<bytes>\n"
+        head_end = blobs.index(b"\n", at)
+        size = int(blobs[at:head_end].split()[2])
+        files.append((n, blobs[head_end + 1 : head_end + 1 + size]))
+        at = head_end + 1 + size + 1
+    return code_digest(files)
 
 
 def _ancestor(root: Path, older: str, newer: str) -> bool:
