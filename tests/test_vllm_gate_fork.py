@@ -314,16 +314,18 @@ def test_a_gate_that_is_killed_takes_its_forkserver_and_cases_with_it(tmp_path):
 
 
 @needs_entry_point
-def test_a_kept_forkserver_serves_the_next_run_and_idles_out(tmp_path, monkeypatch):
+def test_a_kept_forkserver_serves_the_next_run_and_idles_out(tmp_path, monkeypatch, request):
     """--keep-forkserver: the first run starts the build's forkserver at a socket of its own; a second run with the
     same build and environment forks its cases from that one (no import), with the same records; another
     environment gets another forkserver; once the idle time passes without a run, the forkserver exits and its socket
     is gone."""
+    import shutil
     import tempfile
 
     from repro.vllm_integration.gate import keep as gate_keep
 
     short = tempfile.mkdtemp(prefix="k", dir="/tmp")  # a Unix socket's path holds at most 107 bytes
+    request.addfinalizer(lambda: shutil.rmtree(short, ignore_errors=True))  # outside tmp_path: not left in /tmp
     monkeypatch.setenv("XDG_RUNTIME_DIR", short)
     build = _build(tmp_path, "good")
     # the second run connects within a second of the first's end even on a loaded CI machine; the idle-out below

@@ -5,6 +5,7 @@ where it asked, and the settings that decide whether a run keeps its forkservers
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -20,7 +21,8 @@ from repro.vllm_integration.gate import keep as gate_keep
 def short_dir(monkeypatch):
     d = tempfile.mkdtemp(prefix="k", dir="/tmp")  # a Unix socket's path holds at most 107 bytes
     monkeypatch.setenv("XDG_RUNTIME_DIR", d)
-    return Path(d)
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)  # outside tmp_path: removed here, or every run leaves one in /tmp
 
 
 def _first(sock) -> dict:

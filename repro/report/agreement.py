@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,9 @@ def compare(paths: list[str | Path]) -> list[Agreement]:
     whose features it models (repro.judge.expectations.UNMODELLED)."""
     out = []
     flavors = {"upstream": UPSTREAM, "vllm": VLLM}
+    # one prediction per distinct case: the records repeat their cases (predicted 934 times over results/ on
+    # 2026-12-04, 336 distinct); AttnConfig is frozen, a key
+    case, outcomes_of = functools.cache(predict_case), functools.cache(predict_outcomes)
     for path in paths:
         run = load_json(path)
         if run.source == MODEL:  # predictions: nothing measured to compare with
@@ -64,8 +68,8 @@ def compare(paths: list[str | Path]) -> list[Agreement]:
                 continue
             sms = s.sm.sms or H200_SMS
             cfg = AttnConfig.from_dict({**s.cfg.to_dict()})
-            pred, desc = predict_case(flavors[s.backend], s.strategy, sms, cfg, s.poison, s.sanitizer)
-            outcomes = predict_outcomes(flavors[s.backend], s.strategy, sms, cfg, s.poison, s.sanitizer)
+            pred, desc = case(flavors[s.backend], s.strategy, sms, cfg, s.poison, s.sanitizer)
+            outcomes = outcomes_of(flavors[s.backend], s.strategy, sms, cfg, s.poison, s.sanitizer)
             out.append(
                 Agreement(s.case_id, r.verdict, r.kernel, r.descriptor, pred.verdict, pred.kernel, desc, outcomes)
             )
