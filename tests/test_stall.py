@@ -107,7 +107,7 @@ def test_a_hang_counts_as_evidence_only_once_the_captures_had_begun(tmp_path, mo
     compile) a hang says nothing of the captures: an error, never a control's evidence."""
     monkeypatch.setattr(gate_case, "CAPTURE_STALL", replace(CAPTURE_STALL, marker=marker, quiet_s=300.0))
     build = _build(tmp_path, "hang")
-    run = run_gate([build], parse_modes("plain"), tmp_path / "logs", timeout_s=12, self_control="none", launcher=SPAWN)
+    run = run_gate([build], parse_modes("plain"), tmp_path / "logs", timeout_s=6, self_control="none", launcher=FORK)
     res = run.cases[0][1]
     if marker == "stand-in hang":
         assert res.verdict == HANG and CAPTURING in res.flags and STALLED not in res.flags
