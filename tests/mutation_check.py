@@ -8,6 +8,7 @@ whatever happened.
     python tests/mutation_check.py reference # every reference check of repro/vllm_integration/gate/judge.py
     python tests/mutation_check.py outcome   # GateRun.outcome, decision, blind and judge (repro/vllm_integration/gate/run.py)
     python tests/mutation_check.py policy    # repro/judge/policy.py
+    python tests/mutation_check.py hang      # when a hang is evidence (gate/judge.py annotate, gate/process.py)
 
 Exit status 1 when a mutation matched its source other than once, or a test named for it did not fail."""
 
@@ -715,7 +716,44 @@ POLICY = [
         {"test_the_summary_groups_not_applicable_cases_by_reason"},
     ),
 ]
+GP = "repro/vllm_integration/gate/process.py"
+# when a hang is a control's evidence: once vLLM's output showed its captures begun (judge.annotate, process's flag);
+# a timeout before them neither ends a self control's attempts nor survives a deadline's cut as an error
+HANG_RULES = [
+    (
+        "annotate: a hang before the captures is an error",
+        GJ,
+        *_off(
+            "    if res.verdict == HANG and not {STALLED, CAPTURING} & set(res.flags):  # no sign its captures had begun"
+        ),
+        {"test_a_hang_counts_as_evidence_only_once_the_captures_had_begun"},
+    ),
+    (
+        "process: vLLM's capture line sets CAPTURING",
+        GP,
+        *_off("    if res.verdict == HANG and gate_case.CAPTURE_STALL.marker in out:"),
+        {"test_a_hang_counts_as_evidence_only_once_the_captures_had_begun"},
+    ),
+    (
+        "run_control: a timeout before the captures is no evidence",
+        GP,
+        "            return not (res.verdict == ERROR and was_hang(res))",
+        "            return True",
+        False,
+        {"test_a_timeout_before_the_captures_is_no_evidence_and_the_attempts_go_on"},
+    ),
+    (
+        "past_deadline: a hang whatever annotate made of it",
+        GP,
+        "    if not was_hang(res) or STALLED in res.flags:",
+        "    if res.verdict != HANG or STALLED in res.flags:",
+        False,
+        {"test_a_deadline_cut_is_a_skip_whatever_annotate_made_of_the_hang"},
+    ),
+]
+
 SETS = {
+    "hang": ("tests/test_stall.py tests/test_vllm_selfcontrol_attempts.py", HANG_RULES),
     "vouch": ("tests/test_vouch_rules.py", VOUCH),
     "reference": ("tests/test_vouch_rules.py tests/test_acceptance.py", REFERENCE),
     "outcome": ("tests/test_vllm_gate.py -k outcome", OUTCOME),
