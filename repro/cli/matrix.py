@@ -246,9 +246,11 @@ def cmd_matrix(a: argparse.Namespace) -> int:
     # expectations beside its cases): seconds, which the first case need not wait for.
     facts = Beside(environment.collect)  # a daemon thread: Ctrl-C never waits for it
     if model:
+        import torch  # noqa: F401  the model's buffers are torch's: imported before the line that says it works
+
         from repro.fa3_model.predict import predict_specs  # the CPU model (numpy): for --model only
 
-        if not a.quiet:
+        if not a.quiet:  # a Ctrl-C after this line never lands in torch's import (its C++ init then aborts)
             print(f"[matrix] predicting {len(specs)} case(s) with the CPU model", file=sys.stderr, flush=True)
         t0 = time.time()
         run = MatrixRun(predict_specs(specs), round(time.time() - t0, 2), None, source=report.MODEL)
