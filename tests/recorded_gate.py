@@ -18,8 +18,9 @@ from repro.run import own_alloc, smcontrol
 from repro.run.channel import Channel, path_for
 from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import run as gate_run
+from repro.vllm_integration.gate.cache import KEPT_LINE
 from repro.vllm_integration.gate.case import GateCase, parse_backends, parse_modes
-from repro.vllm_integration.gate.run import KEPT_LINE, run_gate
+from repro.vllm_integration.gate.run import run_gate
 from repro.vllm_integration.plugin.inject import INJECTIONS, STALE_CAPTURE
 from tests.records import RESULTS, load
 

@@ -391,6 +391,8 @@ def test_renamed_backend_classes_and_no_scheduler_call_through_the_cli(tmp_path)
     assert p.returncode == 4, p.stdout[-2000:] + p.stderr[-2000:]
     doc = json.loads((out / "results.json").read_text())
     assert doc["outcome"] == "CANNOT VOUCH"
+    # the command's time beside the run's (the setup before run_gate: CLI, builds, GPU probes), for records --speed
+    assert 0 < doc["setup_s"] < doc["command_s"] and doc["wall_s"] < doc["command_s"]
     cases = [c for c in doc["cases"] if c["kind"] == "case" and "self-control" not in c["case"]]
     mine = {(c["build"], c["case"].rsplit("-", 1)[1]): c for c in cases}
     for build, mode, verdict, why in (

@@ -355,3 +355,47 @@ def test_a_kept_forkserver_serves_the_next_run_and_idles_out(tmp_path, monkeypat
     while time.time() < deadline and (list(gate_keep.socket_dir().glob("*.sock")) or not all(map(gone, pids))):
         time.sleep(0.2)
     assert not list(gate_keep.socket_dir().glob("*.sock")) and all(map(gone, pids))
+
+
+@needs_entry_point
+def test_the_forkserver_starts_before_the_gpu_probes_and_stops_when_they_fail(tmp_path, monkeypatch):
+    """The forkserver's import (about 20 s of torch and vLLM on an H200 host) runs beside the run's GPU probes (the
+    GPU's identity for kept references: a child importing torch; the free memory: nvidia-smi), not after them; a
+    probe that fails, or a Ctrl-C in it, stops the forkserver just started."""
+    from repro.vllm_integration.gate import run as gate_run
+    from repro.vllm_integration.gate.cache import GateCache
+
+    build, order, servers = _build(tmp_path, "good"), [], []
+
+    class Watched(Launcher):
+        def start(self, b, env):
+            server = super().start(b, env)  # each case asks for its build's too: the first call starts it
+            if server not in servers:
+                order.append("forkserver started")
+                servers.append(server)
+            return server
+
+    def probe(fails: bool):
+        def gpu_identity() -> str:
+            order.append("gpu probed")
+            if fails:
+                raise KeyboardInterrupt
+            return "no GPU"
+
+        return gpu_identity
+
+    monkeypatch.setattr(gate_run, "Launcher", Watched)
+    monkeypatch.setattr(gate_run, "gpu_identity", probe(fails=False))
+    kw = dict(timeout_s=60, self_control="none", launcher=FORK, cache=GateCache(tmp_path / "cache"))
+    run = run_gate([build], parse_modes("plain"), tmp_path / "ok", **kw)
+    assert order == ["forkserver started", "gpu probed"]
+    assert run.cases[0][1].verdict == CLEAN and run.cases[0][1].phases["launcher"] == FORK
+    assert run.started_at > 0 and run.setup_s is None  # no command around it: run_gate alone says nothing of one
+
+    order.clear()
+    monkeypatch.setattr(gate_run, "gpu_identity", probe(fails=True))
+    with pytest.raises(KeyboardInterrupt):
+        run_gate([build], parse_modes("plain"), tmp_path / "stopped", **kw)
+    assert order == ["forkserver started", "gpu probed"]
+    proc = servers[-1].proc
+    assert proc is not None and proc.wait(timeout=30) is not None  # stopped with the run, not left importing

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import zipfile
 import zlib
 from dataclasses import replace
@@ -17,6 +18,7 @@ from repro.cli.common import (
     MAX_REPEAT,
     check_exists,
     check_out_dir,
+    command_started_at,
     gpu_present,
     positive,
     repeats,
@@ -338,8 +340,11 @@ def cmd_gate(a: argparse.Namespace) -> int:
         methods=a.methods,
         self_control_attempts=a.self_control_attempts,
     )
+    run.setup_s = round(run.started_at - command_started_at(), 2)  # CLI, build discovery, GPU probes
     judgment = run.judge(need_control=not a.no_control)  # the one decision: the reports and the exit code read it
-    written = gate_report.write(run, out, collect())
+    env = collect()
+    run.command_s = round(time.time() - command_started_at(), 1)  # to the report, its environment collected
+    written = gate_report.write(run, out, env)
     print(gate_report.markdown(run).split("\n| case |")[0])
     print(f"written: {', '.join(str(p) for p in written)}")
     return exit_codes.gate(judgment.outcome)

@@ -34,7 +34,10 @@ from pathlib import Path
 
 from repro import entrypoints
 from repro.case.spec import CaseResult
+from repro.contract.channel import path_for, write_record
+from repro.contract.tags import RESULT_TAG
 from repro.report.environment import gpu_facts
+from repro.run.runner import case_logs
 from repro.vllm_integration.gate.case import WEIGHTS_ENV, GateCase
 from repro.vllm_integration.gate.methods import DEFAULT_METHOD
 from repro.vllm_integration.gate.worker import COMPILES, DEFAULT_COMPILE
@@ -334,3 +337,21 @@ def kept_reference(case: GateCase, kept: dict) -> CaseResult:
         f"reference run of {kept.get('stored')} kept for this build ({kept['path']})",
         phases={"wall": 0.0, "vllm_cache": KEPT},
     )
+
+
+KEPT_LINE = "reference kept:"  # the first words of a kept reference's out.log (keep_in_logs)
+
+
+def keep_in_logs(log_dir: str | Path, case: GateCase, kept: dict) -> None:
+    """A kept reference's record in the run's logs, as its process left it: a line of output that says where it came
+    from, and the channel records it wrote (a reference kept before they were stored: its RESULT record alone), so
+    that the run's record holds everything its verdicts were judged from."""
+    out_log = case_logs(log_dir, case.case_id)[0]
+    out_log.parent.mkdir(parents=True, exist_ok=True)
+    out_log.write_text(f"{KEPT_LINE} the run of {kept.get('stored')} for this build, SM configuration and GPU\n")
+    channel = path_for(out_log)
+    channel.unlink(missing_ok=True)
+    if kept.get("records"):
+        channel.write_text(kept["records"])
+    else:
+        write_record(channel, RESULT_TAG, kept["result"])

@@ -262,8 +262,7 @@ def releases_only(summaries: list[dict]) -> list[dict]:
 def markdown(run: GateRun, env: dict | None = None) -> str:
     """verdicts.md: the run's stored answer (GateRun.judged), its builds, cases and what each checked."""
     lines = header("vLLM gate: is this vLLM build affected by the stale-metadata capture bug?", env)
-    j = run.judged()
-    verdict = j.outcome
+    verdict = (j := run.judged()).outcome
     lines += [
         f"**Gate: {verdict}** ({len(run.cases)} cases, {len(run.references)} references, {run.wall_s:.0f} s wall)",
         "",
@@ -289,10 +288,9 @@ def markdown(run: GateRun, env: dict | None = None) -> str:
             f"{'ok' if s['ok'] else 'FAIL'} |"
         )
     lines += [""] + release_range.markdown(releases_only(build_summary(run)))
-    blind = j.blind  # one headline per outcome: HARNESS BLIND only when it is the outcome
-    if blind and verdict != GateOutcome.BLIND:
+    if j.blind and verdict != GateOutcome.BLIND:  # one headline per outcome: HARNESS BLIND only when it is the outcome
         lines.append(f"\nAlso, under this {verdict} outcome (it comes first), controls without evidence:")
-    for why in blind:
+    for why in j.blind:
         lines.append(
             f"\nHARNESS BLIND: {why}" if verdict == GateOutcome.BLIND else f"- {why.replace('GATE FAILED: ', '')}"
         )
@@ -382,6 +380,8 @@ def to_json(run: GateRun, env: dict | None = None) -> dict:
         "blind": list(j.blind),
         "decision": j.decision.summary(),
         "wall_s": run.wall_s,
+        "setup_s": run.setup_s,
+        "command_s": run.command_s,
         "launches": run.launches,
         "mps_reruns": run.mps_reruns,
         "builds": build_summary(run),

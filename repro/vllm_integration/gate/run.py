@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from repro.case.spec import CaseResult, SmConfig
-from repro.contract.channel import path_for, write_record
-from repro.contract.tags import RESULT_TAG
+from repro.contract.channel import path_for
 from repro.contract.verdicts import CANNOT_VOUCH as NOT_VOUCHED
 from repro.contract.verdicts import CLEAN, ERROR, FAULTS
 from repro.errors import ConfigError, Unavailable
@@ -32,7 +31,7 @@ from repro.run.memory import GIB, MemoryBudget
 from repro.run.mps_cases import SHARED, run_mps_cases
 from repro.run.runner import case_logs, device_sm_count, set_aside_logs
 from repro.run.smcontrol import MpsDaemon, sm_refusal
-from repro.vllm_integration.gate.cache import GateCache, gpu_identity, kept_reference, ref_key
+from repro.vllm_integration.gate.cache import GateCache, gpu_identity, keep_in_logs, kept_reference, ref_key
 from repro.vllm_integration.gate.case import (
     FA3_ONLY,
     GateCase,
@@ -71,6 +70,9 @@ class GateRun:
     attributions: list[tuple[GateCase, CaseResult]] = field(default_factory=list)  # launch-blocking reruns
     attempts: list[tuple[GateCase, CaseResult]] = field(default_factory=list)  # a self control's further attempts
     wall_s: float = 0.0
+    started_at: float = 0.0  # when run_gate began (epoch s)
+    setup_s: float | None = None  # a command's start-up before run_gate (CLI, builds, GPU probes); None: no command
+    command_s: float | None = None  # the command's wall from its start to its report (None: no command)
     build_wall_s: dict[str, float] = field(default_factory=dict)
     launches: dict[str, dict] = field(default_factory=dict)  # per build: how its case processes started (Launcher)
     mps_reruns: list[dict] = field(default_factory=list)  # MPS cases run again (repro.run.mps_cases): which, after what
@@ -235,25 +237,29 @@ def run_gate(
     if deadline_s is not None:  # every process of every case (attempts and reruns too) stops by then: gate.process
         end = time.time() + deadline_s
         cases, refs = [replace(c, deadline_at=end) for c in cases], [replace(r, deadline_at=end) for r in refs]
-    run = GateRun()
+    run = GateRun(started_at=time.time())
     lock = threading.Lock()
     starts: dict[str, list[float]] = {}
     outputs: dict[str, dict | None] = {}
-    t0 = time.time()
+    t0 = run.started_at
 
-    gpu = gpu_identity() if cache is not None else ""
-
-    placed = list(devices or [])
-    kind = main_kind(placed) if placed else None
-    chosen = [d for d in placed if kind_of(d) == kind]
-    pool = DevicePool(chosen, per_device_jobs(jobs, chosen)) if placed else None
-    workers = pool.per_device * len(pool.devices) if pool else max(1, jobs)
-    budget = None if pool else MemoryBudget.of_free_gpu() if memory == "free GPU" else memory
+    # forkservers first: each imports torch and vLLM (~20 s) while the GPU probes below (seconds) run beside them
     launch = Launcher(launcher_kind(launcher), log_dir, keep_s=keep_forkserver)  # keep: forkservers outlive the run
     if launch.kind == FORK:  # the builds with a case to run (`only`: that one; a method it lacks: none), each once
         for b in dict.fromkeys(c.build for c in cases):  # its cases' environment, less LATE_VARS (gate_forkserver)
             plain = GateCase(b, GateMode.parse("plain"))
             launch.start(b, case_env(plain, builds, Path(log_dir) / "forkserver.audit.json", None, lambda: 0))
+    try:
+        gpu = gpu_identity() if cache is not None else ""
+        placed = list(devices or [])
+        kind = main_kind(placed) if placed else None
+        chosen = [d for d in placed if kind_of(d) == kind]
+        pool = DevicePool(chosen, per_device_jobs(jobs, chosen)) if placed else None
+        workers = pool.per_device * len(pool.devices) if pool else max(1, jobs)
+        budget = None if pool else MemoryBudget.of_free_gpu() if memory == "free GPU" else memory
+    except BaseException:  # Ctrl-C or a failed probe: the forkservers just started stop with the run
+        launch.close()
+        raise
 
     ran_last: dict[str, _Ran] = {}  # case id -> what its last process left beside its verdict
     # an MPS SM configuration (with the torch that computes in it) -> (case id, why): its process found the GPU
@@ -379,21 +385,3 @@ def run_gate(
 def platform_key(case: GateCase) -> tuple[SmConfig, str | None]:
     """What a failed platform check holds for (run_gate's memo): the SM configuration and the torch computing in it."""
     return case.mode.sm, case.build.torch_prefix
-
-
-KEPT_LINE = "reference kept:"  # the first words of a kept reference's out.log (keep_in_logs)
-
-
-def keep_in_logs(log_dir: str | Path, case: GateCase, kept: dict) -> None:
-    """A kept reference's record in the run's logs, as its process left it: a line of output that says where it came
-    from, and the channel records it wrote (a reference kept before they were stored: its RESULT record alone), so
-    that the run's record holds everything its verdicts were judged from."""
-    out_log = case_logs(log_dir, case.case_id)[0]
-    out_log.parent.mkdir(parents=True, exist_ok=True)
-    out_log.write_text(f"{KEPT_LINE} the run of {kept.get('stored')} for this build, SM configuration and GPU\n")
-    channel = path_for(out_log)
-    channel.unlink(missing_ok=True)
-    if kept.get("records"):
-        channel.write_text(kept["records"])
-    else:
-        write_record(channel, RESULT_TAG, kept["result"])

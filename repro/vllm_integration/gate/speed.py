@@ -15,8 +15,8 @@ from pathlib import Path
 from repro.run.channel import Channel, path_for
 from repro.run.tags import RESULT_TAG
 from repro.vllm_integration.gate import bench as gate_bench
+from repro.vllm_integration.gate.cache import KEPT_LINE
 from repro.vllm_integration.gate.paths import path_folder
-from repro.vllm_integration.gate.run import KEPT_LINE
 
 COLUMNS = ("import", "load", "compile", "jit", "capture", "engine_rest", "decode")
 
@@ -28,7 +28,14 @@ def _ready(launches: dict | None) -> float | None:
 
 
 def _row(
-    name: str, path: str, outcome: str, wall_s: float, logs: Path, walls: dict[str, float], launches: dict | None
+    name: str,
+    path: str,
+    outcome: str,
+    wall_s: float,
+    logs: Path,
+    walls: dict[str, float],
+    launches: dict | None,
+    command_s: float | None = None,
 ) -> dict:
     """One run's row: `walls` case id -> its process's wall (s) for the cases whose process ran."""
     per_case = []
@@ -46,7 +53,7 @@ def _row(
     }
     ready = _ready(launches)
     return {"record": name, "path": path, "outcome": outcome, "wall_s": wall_s, "processes": len(per_case),
-            "forkserver": ready, **med}  # fmt: skip
+            "forkserver": ready, "command_s": command_s, **med}  # fmt: skip
 
 
 def record_rows(name: str, folder: Path) -> list[dict]:
@@ -71,19 +78,20 @@ def record_rows(name: str, folder: Path) -> list[dict]:
     if doc.get("kind") != "vllm-gate" and "launches" not in doc:
         raise ValueError(f"{name}: neither a gate run (results.json of `repro gate`) nor a path comparison")
     walls = {c["case"]: c.get("wall_s") or 0.0 for c in doc.get("cases", []) + doc.get("references", [])}
-    return [_row(name, "gate", doc.get("outcome", "-"), doc.get("wall_s"), folder / "logs", walls, doc.get("launches"))]
+    launches, command = doc.get("launches"), doc.get("command_s")  # command_s: recorded since 2026-12-04
+    return [_row(name, "gate", doc.get("outcome", "-"), doc.get("wall_s"), folder / "logs", walls, launches, command)]
 
 
 def speed_table(rows: list[dict]) -> str:
     """The rows as one markdown table, in the order given."""
-    head = "| record | path | outcome | wall s | forkserver ready s | processes | median case s | "
-    lines = [head + " | ".join(COLUMNS) + " |", "|" + "---|" * (7 + len(COLUMNS))]
+    head = "| record | path | outcome | command s | wall s | forkserver ready s | processes | median case s | "
+    lines = [head + " | ".join(COLUMNS) + " |", "|" + "---|" * (8 + len(COLUMNS))]
     for r in rows:
         cells = " | ".join(f"{r[k]:.1f}" if k in r else "-" for k in COLUMNS)
-        wall = f"{r['wall_s']:.1f}" if isinstance(r.get("wall_s"), (int, float)) else "-"
+        wall, cmd = (f"{r[k]:.1f}" if isinstance(r.get(k), (int, float)) else "-" for k in ("wall_s", "command_s"))
         median = f"{r['wall']:.1f}" if "wall" in r else "-"
         ready = "spawned" if r.get("forkserver") is None else f"{r['forkserver']:.1f}"
         lines.append(
-            f"| {r['record']} | {r['path']} | {r['outcome']} | {wall} | {ready} | {r['processes']} | {median} | {cells} |"
+            f"| {r['record']} | {r['path']} | {r['outcome']} | {cmd} | {wall} | {ready} | {r['processes']} | {median} | {cells} |"
         )
     return "\n".join(lines) + "\n"
