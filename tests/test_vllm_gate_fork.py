@@ -399,3 +399,26 @@ def test_the_forkserver_starts_before_the_gpu_probes_and_stops_when_they_fail(tm
     assert order == ["forkserver started", "gpu probed"]
     proc = servers[-1].proc
     assert proc is not None and proc.wait(timeout=30) is not None  # stopped with the run, not left importing
+
+
+@needs_entry_point
+def test_the_report_parses_each_builds_sources_once_a_run(tmp_path, monkeypatch):
+    """verdicts.md, results.json and the terminal's summary each show every build's source check, on one row per
+    build, self control and form: the tree is parsed once a run (on the H200 the report took 8-10 s when each row of
+    each report parsed it again)."""
+    build, parsed = _build(tmp_path, "good"), []
+
+    def counted(prefix):
+        parsed.append(prefix)
+        return check_tree(prefix)
+
+    from repro.vllm_integration.releases.source_check import check_tree
+
+    monkeypatch.setattr(gate_report, "check_tree", counted)
+    run = run_gate([build], parse_modes("plain"), tmp_path / "logs", timeout_s=60, launcher=FORK)
+    assert len({c.inject for c, _ in run.cases}) == 3  # the build's rows: itself and both self-control forms
+    gate_report.write(run, tmp_path / "out", {})
+    gate_report.markdown(run)
+    assert parsed == [build.prefix]
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())["builds"]
+    assert {r["source_check"] for r in rows} == {check_tree(build.prefix).verdict}

@@ -182,13 +182,13 @@ def build_summary(run: GateRun) -> list[dict]:
     out, oks = [], _oks(run)
     for label, pairs in by_build.items():
         b = pairs[0][0].build
-        injected = pairs[0][0].inject is not None
-        modes: dict[str, list[str]] = defaultdict(list)
+        injected, modes = pairs[0][0].inject is not None, defaultdict(list)
         for c, r in pairs:
             modes[c.mode.name].append(r.verdict)
         detected = sorted(m for m, vs in modes.items() if any(v in FAULTS for v in vs))
         unsure = sorted(m for m, vs in modes.items() if any(v in NO_EVIDENCE for v in vs))
-        src = check_tree(b.prefix) if b.prefix else None
+        if b.prefix and b.prefix not in run.source_checks:  # each report reads it: the tree parsed once a run
+            run.source_checks[b.prefix] = check_tree(b.prefix).verdict
         out.append(
             {
                 "build": label,
@@ -201,7 +201,7 @@ def build_summary(run: GateRun) -> list[dict]:
                 "detected_in": detected,
                 "could_not_vouch": unsure,
                 "modes": {m: vs for m, vs in modes.items()},
-                "source_check": src.verdict if src else "-",
+                "source_check": run.source_checks.get(b.prefix or "", "-"),
                 "wall_s": run.build_wall_s.get(b.label),
                 "caches": caches(run, b.label),
                 "ok": all(oks[c.case_id] for c, _ in pairs),

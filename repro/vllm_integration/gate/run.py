@@ -76,6 +76,7 @@ class GateRun:
     build_wall_s: dict[str, float] = field(default_factory=dict)
     launches: dict[str, dict] = field(default_factory=dict)  # per build: how its case processes started (Launcher)
     mps_reruns: list[dict] = field(default_factory=list)  # MPS cases run again (repro.run.mps_cases): which, after what
+    source_checks: dict[str, str] = field(default_factory=dict)  # build prefix -> its source check (report), once
     judgment: policy.GateJudgment | None = None  # the answer, decided once (judge) and read by every report
 
     def controls(self) -> list[policy.Control]:
