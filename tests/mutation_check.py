@@ -4,11 +4,11 @@ runs the set's tests, and compares the tests that failed with the ones
 named for the rule (each must fail; a rule others rest on fails more); the source is restored after each run,
 whatever happened.
 
-    python tests/mutation_check.py vouch     # repro/vllm_integration/gate/coverage.py, repro/vllm_integration/gate/judge.py
-    python tests/mutation_check.py reference # every reference check of repro/vllm_integration/gate/judge.py
+    python tests/mutation_check.py vouch     # gate/coverage.py, gate/judge.py, gate/steps.py (annotate's checks)
+    python tests/mutation_check.py reference # every reference check of gate/judge.py and gate/steps.py
     python tests/mutation_check.py outcome   # GateRun.outcome, decision, blind and judge (repro/vllm_integration/gate/run.py)
     python tests/mutation_check.py policy    # repro/judge/policy.py
-    python tests/mutation_check.py hang      # when a hang is evidence (gate/judge.py annotate, gate/process.py)
+    python tests/mutation_check.py hang      # when a hang is evidence (gate/steps.py annotate, gate/process.py)
 
 Exit status 1 when a mutation matched its source other than once, or a test named for it did not fail."""
 
@@ -20,9 +20,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-COV, GJ, POL = (
+COV, GJ, GS, POL = (
     "repro/vllm_integration/gate/coverage.py",
     "repro/vllm_integration/gate/judge.py",
+    "repro/vllm_integration/gate/steps.py",
     "repro/judge/policy.py",
 )
 CHANNEL = "repro/contract/channel.py"
@@ -132,7 +133,7 @@ VOUCH = [
     ),
     (
         "annotate: needed features from the table",
-        GJ,
+        GS,
         "    needed = features_needed(case)",
         "    needed = set()",
         False,
@@ -354,8 +355,8 @@ REFERENCE = [
     ),
     (
         "annotate: MPS gave the SM count asked for",
-        GJ,
-        *_off('    if devices and (why := mps_sm_mismatch(case.mode.sm, devices[-1].get("sms"))):'),
+        GS,
+        *_off('    if devices and (why := mps_sm_mismatch(f.case.mode.sm, devices[-1].get("sms"))):'),
         {"test_an_mps_case_that_got_other_sms_than_it_asked_is_an_error"},
     ),
 ]
@@ -717,12 +718,12 @@ POLICY = [
     ),
 ]
 GP = "repro/vllm_integration/gate/process.py"
-# when a hang is a control's evidence: once vLLM's output showed its captures begun (judge.annotate, process's flag);
+# when a hang is a control's evidence: once vLLM's output showed its captures begun (steps.annotate, process's flag);
 # a timeout before them neither ends a self control's attempts nor survives a deadline's cut as an error
 HANG_RULES = [
     (
         "annotate: a hang before the captures is an error",
-        GJ,
+        GS,
         *_off(
             "    if res.verdict == HANG and not {STALLED, CAPTURING} & set(res.flags):  # no sign its captures had begun"
         ),

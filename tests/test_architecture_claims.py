@@ -205,7 +205,11 @@ def test_every_subcommand_is_registered_by_the_one_cli_module_whose_row_names_it
 
 # --- one verdict, one decision --------------------------------------------------------------------------------------
 
-JUDGING = ("repro/vllm_integration/gate/judge.py", "repro/vllm_integration/gate/coverage.py")
+JUDGING = (
+    "repro/vllm_integration/gate/judge.py",
+    "repro/vllm_integration/gate/steps.py",
+    "repro/vllm_integration/gate/coverage.py",
+)
 ORCHESTRATOR = "repro/vllm_integration/gate/run.py"
 # what a record's judging decides: once classify built it, the gate's judging never edits these in place
 JUDGED_FIELDS = {"verdict", "reason", "evidence", "kernel", "expected", "stale_fields", "flags", "history"}

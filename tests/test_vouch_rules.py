@@ -32,6 +32,7 @@ from repro.contract.channel import RECORDED_BEFORE
 from repro.judge.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, HANG, STALE_AUDIT, WRONG
 from repro.vllm_integration.gate import coverage
 from repro.vllm_integration.gate import judge as gate_judge
+from repro.vllm_integration.gate import steps as gate_steps
 from repro.vllm_integration.gate.case import GateCase, GateMode, reference_for
 from repro.vllm_integration.plugin.inject import STALE_CAPTURE
 from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
@@ -238,7 +239,7 @@ def test_the_features_annotate_needs_come_from_the_table(c, want):
 
 
 def test_annotate_refuses_a_case_without_a_feature_the_table_needs(monkeypatch):
-    monkeypatch.setattr(gate_judge, "features_needed", lambda case: {"weights", "probe", "zeta"})  # any row's
+    monkeypatch.setattr(gate_steps, "features_needed", lambda case: {"weights", "probe", "zeta"})  # any row's
     c = case("audit")
     out = "\n".join(
         [
@@ -247,7 +248,7 @@ def test_annotate_refuses_a_case_without_a_feature_the_table_needs(monkeypatch):
             'REPRO_RESULT {"tokens": [[1]], "summary": "1 request"}',
         ]
     )
-    got = gate_judge.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, out, None)
+    got = gate_steps.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, out, None)
     assert got.verdict == ERROR and got.reason.startswith("plugin features ['zeta'] not installed"), got.reason
 
 
@@ -256,16 +257,16 @@ def test_a_case_stopped_before_vllm_loaded_its_plugins_is_not_told_the_plugin_is
     # timeout inside torch before vLLM loaded any plugin; an error that says so, not "pip install the plugin"
     c = case("plain")
     out = 'REPRO_PLUGIN {"installed": "own_allocator"}'
-    got = gate_judge.annotate(CaseResult(c.case_id, HANG, "no exit within 240 s", evidence="timeout"), c, out, None)
+    got = gate_steps.annotate(CaseResult(c.case_id, HANG, "no exit within 240 s", evidence="timeout"), c, out, None)
     assert got.verdict == ERROR and got.reason.startswith("the process was stopped before vLLM loaded"), got.reason
     assert "no exit within 240 s" in got.reason  # the case's own verdict stays in the reason
     # the same process with a result (it got past the engine's start) lacks the plugin indeed
     out += '\nREPRO_RESULT {"tokens": [[1]], "summary": "1 request"}'
-    got = gate_judge.annotate(CaseResult(c.case_id, HANG, "no exit within 240 s", evidence="timeout"), c, out, None)
+    got = gate_steps.annotate(CaseResult(c.case_id, HANG, "no exit within 240 s", evidence="timeout"), c, out, None)
     assert got.reason.startswith("plugin features ['probe', 'weights'] not installed"), got.reason
     # a hang after vLLM loaded the plugin (one of its features installed) is not "stopped before" it either
     out = 'REPRO_PLUGIN {"installed": "own_allocator"}\nREPRO_PLUGIN {"installed": "probe"}'
-    got = gate_judge.annotate(CaseResult(c.case_id, HANG, "no exit within 240 s", evidence="timeout"), c, out, None)
+    got = gate_steps.annotate(CaseResult(c.case_id, HANG, "no exit within 240 s", evidence="timeout"), c, out, None)
     assert got.reason.startswith("plugin features ['weights'] not installed"), got.reason
 
 
@@ -355,11 +356,11 @@ def test_a_gpu_that_computes_matrix_products_wrong_makes_any_case_an_error(verdi
         "REPRO_DEVICE " + json.dumps(bad),
         'REPRO_RESULT {"tokens": [[1]], "summary": "1 request"}',
     ]
-    got = gate_judge.annotate(CaseResult(c.case_id, verdict, "ran", evidence="seen"), c, "\n".join(lines), None)
+    got = gate_steps.annotate(CaseResult(c.case_id, verdict, "ran", evidence="seen"), c, "\n".join(lines), None)
     assert got.verdict == ERROR and "matrix products wrong" in got.reason and "5.869" in got.reason
     good = {**bad, "sms": 132, "gemm_check": {**bad["gemm_check"], "ok": True, "max_error": 0.008}}
     lines[2] = "REPRO_DEVICE " + json.dumps(good)
-    assert gate_judge.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, "\n".join(lines), None).verdict == CLEAN
+    assert gate_steps.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, "\n".join(lines), None).verdict == CLEAN
 
 
 # The reference checks and the comparison each rule of reference_problems / apply_reference / annotate rests on; each
@@ -480,11 +481,11 @@ def test_an_mps_case_that_got_other_sms_than_it_asked_is_an_error():
         'REPRO_DEVICE {"gpu": "NVIDIA H200", "sms": 132}',
         'REPRO_RESULT {"tokens": [[1]], "summary": "1 request"}',
     ]
-    got = gate_judge.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, "\n".join(lines), None)
+    got = gate_steps.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, "\n".join(lines), None)
     assert got.verdict == ERROR and got.reason == "MPS gave this process 132 SMs, the case asked for 16"
     assert got.history[-1]["step"] == "MPS SM count"
     lines[2] = 'REPRO_DEVICE {"gpu": "NVIDIA H200", "sms": 16}'
-    assert gate_judge.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, "\n".join(lines), None).verdict == CLEAN
+    assert gate_steps.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, "\n".join(lines), None).verdict == CLEAN
 
 
 def test_near_ties_between_case_and_reference_are_counted_and_stop_the_request():
