@@ -513,6 +513,76 @@ def test_a_reference_without_an_engine_record_is_not_trusted():
     ]
 
 
+def _stale_audit_output(c: GateCase, engine: dict) -> str:
+    """A case process's channel records: every feature it needs installed, its engine record (counters and acceptance
+    inside), one stale view the auditor caught, its RESULT record on 132 SMs."""
+    stale = {"descriptor": "t32r8", "buffer": "seq_lens", "field": "seq_lens", "index": 0, "now": 9, "built": 7}
+    lines = [f"REPRO_PLUGIN {json.dumps({'installed': f})}" for f in sorted(coverage.features_needed(c))]
+    lines += [
+        "REPRO_ENGINE " + json.dumps(engine),
+        "REPRO_AUDIT " + json.dumps({"stale": stale}),
+        "REPRO_AUDIT " + json.dumps({"checks": 12, "descriptor_checks": 4}),
+        "REPRO_RESULT " + json.dumps(_case_out(132)),
+    ]
+    return "\n".join(lines)
+
+
+def test_a_cases_history_shows_the_declared_steps_in_their_order():
+    """A case through every phase (steps.STEPS): annotated (the auditor's stale views), its reference validated, then
+    compared (tokens, the draft's acceptance) and vouched for (the V2 runner did not run): its history names those
+    steps, in STEPS's order."""
+    c = case("audit")
+    engine = {
+        **FIRED["engine"],
+        "model_runner_v2": False,
+        "counters": FIRED["counters"],
+        "acceptance": {"spec_decode_num_accepted_tokens": 85, "spec_decode_num_draft_tokens": 100},
+    }
+    res = gate_steps.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, _stale_audit_output(c, engine), None)
+    ref, ref_res = _ref(acceptance=GOOD_REF_ACCEPTANCE)
+    ref_out = {**GOOD_REF_OUT, "device": {"sms": 132}}
+    ref_res = gate_steps.validate(ref, ref_res, ref_out)
+    got = gate_steps.finish(c, res, _case_out(132), ref_res, ref_out)
+    assert got.verdict == CANNOT_VOUCH and "not the V2 model runner" in got.reason
+    steps = [h["step"] for h in got.history]
+    assert steps == ["audit", "reference comparison", "draft acceptance", "coverage"]
+    assert [h["step"] for h in ref_res.history] == ["reference validation"]
+    declared = [s.name for s in gate_steps.STEPS]
+    assert [declared.index(s) for s in steps] == sorted(declared.index(s) for s in steps)
+    # the phases in their order too: what its process left, then its reference's record, then the reference known
+    phases = [s.when for s in gate_steps.STEPS]
+    assert phases == sorted(phases, key=[gate_steps.ENDED, gate_steps.READ, gate_steps.KNOWN].index)
+
+
+def test_the_first_finding_of_a_process_decides_and_a_skip_is_judged_no_further():
+    """An MPS case whose plugin reported an install error and that got other SMs than it asked: the first check in
+    STEPS's order (plugin) decides, the later (MPS SM count) is not asked; a skip gets no step at all."""
+    c = case("mps:16")
+    out = "\n".join(
+        [
+            'REPRO_PLUGIN {"error": "probe: no such class"}',
+            'REPRO_DEVICE {"gpu": "NVIDIA H200", "sms": 132}',
+            'REPRO_RESULT {"tokens": [[1]], "summary": "1 request"}',
+        ]
+    )
+    got = gate_steps.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, out, None)
+    assert [h["step"] for h in got.history] == ["plugin"] and got.verdict == ERROR
+    skip = CaseResult(c.case_id, "skip", "no GPU")
+    assert gate_steps.annotate(skip, c, out, None).history == []
+    assert gate_steps.finish(c, skip, None, *_ref()[1:], None) is skip
+
+
+def test_a_draft_is_not_judged_once_the_tokens_were_wrong():
+    c = case("plain")
+    res = CaseResult(c.case_id, CLEAN, "ran", backend_identity=identity())  # its acceptance: none reported
+    ref_out = {**GOOD_REF_OUT, "device": {"sms": 132}}
+    out = {"tokens": [[1, 9, 3, 4]], "device": {"sms": 132}}
+    got = gate_steps.finish(c, res, out, _ref(acceptance=GOOD_REF_ACCEPTANCE)[1], ref_out)
+    assert got.verdict == WRONG and [h["step"] for h in got.history] == ["reference comparison"]
+    right = gate_steps.finish(c, res, _case_out(132), _ref(acceptance=GOOD_REF_ACCEPTANCE)[1], ref_out)
+    assert right.verdict == CANNOT_VOUCH and right.history[-1]["step"] == "draft acceptance"
+
+
 def test_each_judging_step_makes_a_new_record_and_leaves_the_earlier_as_it_was():
     """docs/architecture.md: classify builds the first record; annotation, reference validation and comparison and
     coverage each make a new one through CaseResult.revised, its history saying why."""
