@@ -527,6 +527,11 @@ def _stale_audit_output(c: GateCase, engine: dict) -> str:
     return "\n".join(lines)
 
 
+def _result_line() -> str:
+    """A case process's RESULT record: it decoded (past the engine's start, its plugin loaded)."""
+    return 'REPRO_RESULT {"tokens": [[1]], "summary": "1 request"}'
+
+
 def test_a_cases_history_shows_the_declared_steps_in_their_order():
     """A case through every phase (steps.STEPS): annotated (the auditor's stale views), its reference validated, then
     compared (tokens, the draft's acceptance) and vouched for (the V2 runner did not run): its history names those
@@ -558,14 +563,9 @@ def test_the_first_finding_of_a_process_decides_and_a_skip_is_judged_no_further(
     """An MPS case whose plugin reported an install error and that got other SMs than it asked: the first check in
     STEPS's order (plugin) decides, the later (MPS SM count) is not asked; a skip gets no step at all."""
     c = case("mps:16")
-    out = "\n".join(
-        [
-            'REPRO_PLUGIN {"error": "probe: no such class"}',
-            'REPRO_DEVICE {"gpu": "NVIDIA H200", "sms": 132}',
-            'REPRO_RESULT {"tokens": [[1]], "summary": "1 request"}',
-        ]
-    )
-    got = gate_steps.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, out, None)
+    found = {"error": "probe: no such class"}, {"gpu": "NVIDIA H200", "sms": 132}  # a hook's error; 132 SMs, not 16
+    out = "\n".join(f"{tag} {json.dumps(r)}" for tag, r in zip(("REPRO_PLUGIN", "REPRO_DEVICE"), found))
+    got = gate_steps.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, out + "\n" + _result_line(), None)
     assert [h["step"] for h in got.history] == ["plugin"] and got.verdict == ERROR
     skip = CaseResult(c.case_id, "skip", "no GPU")
     assert gate_steps.annotate(skip, c, out, None).history == []
