@@ -16,7 +16,9 @@ its test builds a reference that carries an injection to see it.
 The reference checks (reference_problems, validate_reference, apply_reference's SM count and near ties,
 compare_tokens, compare_acceptance, annotate's MPS SM count) and the live-record rules are the tests at the end of
 this file; `python tests/mutation_check.py reference` deletes each of those 19 rules in turn and names the test that
-must fail (with tests/test_acceptance.py)."""
+must fail (with tests/test_acceptance.py). The judging's declared steps (gate.steps.STEPS: their order in a history,
+the first finding of a process deciding, a skip judged no further) are tested beside them; `python
+tests/mutation_check.py steps` moves or removes a step and weakens each rule of the runner of their phases."""
 
 from __future__ import annotations
 
