@@ -4,11 +4,12 @@ runs the set's tests, and compares the tests that failed with the ones
 named for the rule (each must fail; a rule others rest on fails more); the source is restored after each run,
 whatever happened.
 
-    python tests/mutation_check.py vouch     # repro/vllm_integration/gate/coverage.py, repro/vllm_integration/gate/judge.py
-    python tests/mutation_check.py reference # every reference check of repro/vllm_integration/gate/judge.py
+    python tests/mutation_check.py vouch     # gate/coverage.py, gate/judge.py, gate/steps.py (annotate's checks)
+    python tests/mutation_check.py reference # every reference check of gate/judge.py and gate/steps.py
     python tests/mutation_check.py outcome   # GateRun.outcome, decision, blind and judge (repro/vllm_integration/gate/run.py)
     python tests/mutation_check.py policy    # repro/judge/policy.py
-    python tests/mutation_check.py hang      # when a hang is evidence (gate/judge.py annotate, gate/process.py)
+    python tests/mutation_check.py hang      # when a hang is evidence (gate/steps.py annotate, gate/process.py)
+    python tests/mutation_check.py steps     # the judging's declared steps and the runner of their phases (gate/steps.py)
 
 Exit status 1 when a mutation matched its source other than once, or a test named for it did not fail."""
 
@@ -20,9 +21,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-COV, GJ, POL = (
+COV, GJ, GS, POL = (
     "repro/vllm_integration/gate/coverage.py",
     "repro/vllm_integration/gate/judge.py",
+    "repro/vllm_integration/gate/steps.py",
     "repro/judge/policy.py",
 )
 CHANNEL = "repro/contract/channel.py"
@@ -132,7 +134,7 @@ VOUCH = [
     ),
     (
         "annotate: needed features from the table",
-        GJ,
+        GS,
         "    needed = features_needed(case)",
         "    needed = set()",
         False,
@@ -354,8 +356,8 @@ REFERENCE = [
     ),
     (
         "annotate: MPS gave the SM count asked for",
-        GJ,
-        *_off('    if devices and (why := mps_sm_mismatch(case.mode.sm, devices[-1].get("sms"))):'),
+        GS,
+        *_off('    if devices and (why := mps_sm_mismatch(f.case.mode.sm, devices[-1].get("sms"))):'),
         {"test_an_mps_case_that_got_other_sms_than_it_asked_is_an_error"},
     ),
 ]
@@ -717,12 +719,12 @@ POLICY = [
     ),
 ]
 GP = "repro/vllm_integration/gate/process.py"
-# when a hang is a control's evidence: once vLLM's output showed its captures begun (judge.annotate, process's flag);
+# when a hang is a control's evidence: once vLLM's output showed its captures begun (steps.annotate, process's flag);
 # a timeout before them neither ends a self control's attempts nor survives a deadline's cut as an error
 HANG_RULES = [
     (
         "annotate: a hang before the captures is an error",
-        GJ,
+        GS,
         *_off(
             "    if res.verdict == HANG and not {STALLED, CAPTURING} & set(res.flags):  # no sign its captures had begun"
         ),
@@ -752,12 +754,65 @@ HANG_RULES = [
     ),
 ]
 
+# the judging's declared steps (gate/steps.py): their order, the phase runner's rules, a step removed
+STEPS_RULES = [
+    (
+        "judged: the first finding of a process decides",
+        GS,
+        "        if new.verdict == SKIP or (step.ends and new is not res):",
+        "        if new.verdict == SKIP:",
+        False,
+        {"test_the_first_finding_of_a_process_decides_and_a_skip_is_judged_no_further"},
+    ),
+    (
+        "judged: a skip is judged no further",
+        GS,
+        "        if new.verdict == SKIP or (step.ends and new is not res):",
+        "        if step.ends and new is not res:",
+        False,
+        {"test_the_first_finding_of_a_process_decides_and_a_skip_is_judged_no_further"},
+    ),
+    (
+        "acceptance_check: only after a comparison that found nothing wrong",
+        GS,
+        "    return compare_acceptance(res, f.ref) if res.verdict in (CLEAN, STALE_AUDIT) else res",
+        "    return compare_acceptance(res, f.ref)",
+        False,
+        {"test_a_draft_is_not_judged_once_the_tokens_were_wrong"},
+    ),
+    (
+        "STEPS: coverage before the comparison",
+        GS,
+        r"(    Step\(\n        \"reference comparison\",.*?\n    \),\n)(.*?)"
+        r"(    Step\(\"coverage\".*?\),\n)",
+        r"\3\1\2",
+        True,
+        {
+            "test_a_cases_history_shows_the_declared_steps_in_their_order",
+            "test_the_gates_judging_is_the_declared_list_of_steps_the_doc_lists_in_its_order",
+        },
+    ),
+    (
+        "STEPS: the draft's acceptance removed",
+        GS,
+        '    Step("draft acceptance", KNOWN, acceptance_check, "the draft\'s acceptance against the reference\'s"),\n',
+        "",
+        False,
+        {
+            "test_a_cases_history_shows_the_declared_steps_in_their_order",
+            "test_the_gates_judging_is_the_declared_list_of_steps_the_doc_lists_in_its_order",
+            "test_every_step_a_gate_history_names_is_a_declared_step_or_one_of_the_runs_the_doc_names",
+        },
+    ),
+]
+
 SETS = {
     "hang": ("tests/test_stall.py tests/test_vllm_selfcontrol_attempts.py", HANG_RULES),
     "vouch": ("tests/test_vouch_rules.py", VOUCH),
     "reference": ("tests/test_vouch_rules.py tests/test_acceptance.py", REFERENCE),
     "outcome": ("tests/test_vllm_gate.py -k outcome", OUTCOME),
     "policy": ("tests/test_policy.py", POLICY),
+    "steps": ("tests/test_vouch_rules.py tests/test_architecture_claims.py", STEPS_RULES),
 }
 
 

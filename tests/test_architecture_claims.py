@@ -1,7 +1,7 @@
-"""docs/architecture.md's claims about the code, each checked against the source (ast and text, no GPU, no import of
-torch or vLLM): where a decision is made, which module may write what, which variables cross a process boundary,
-which entry points installed environments load. Each test is named for the claim it keeps true; a change that makes
-a claim false fails its test, and the doc or the code must change with it."""
+"""docs/architecture.md's claims about the code, each checked against the source (ast and text, and the gate's
+declared steps imported; no GPU, no import of torch or vLLM): where a decision is made, which module may write what,
+which variables cross a process boundary, which entry points installed environments load. Each test is named for the
+claim it keeps true; a change that makes a claim false fails its test, and the doc or the code must change with it."""
 
 from __future__ import annotations
 
@@ -205,7 +205,11 @@ def test_every_subcommand_is_registered_by_the_one_cli_module_whose_row_names_it
 
 # --- one verdict, one decision --------------------------------------------------------------------------------------
 
-JUDGING = ("repro/vllm_integration/gate/judge.py", "repro/vllm_integration/gate/coverage.py")
+JUDGING = (
+    "repro/vllm_integration/gate/judge.py",
+    "repro/vllm_integration/gate/steps.py",
+    "repro/vllm_integration/gate/coverage.py",
+)
 ORCHESTRATOR = "repro/vllm_integration/gate/run.py"
 # what a record's judging decides: once classify built it, the gate's judging never edits these in place
 JUDGED_FIELDS = {"verdict", "reason", "evidence", "kernel", "expected", "stale_fields", "flags", "history"}
@@ -258,6 +262,72 @@ def test_the_gates_judging_makes_new_records_and_never_edits_one():
         if n.func.attr == "revised"
     )
     assert revised >= 5, revised  # the judging's steps do revise
+
+
+def _doc_steps() -> list[tuple[str, str]]:
+    """The steps' list of "From a command to a report": (name, phase) per row, in its order."""
+    block = re.search(r"<!-- steps:.*?-->(.*?)<!-- /steps -->", _section("From a command to a report"), re.S)
+    assert block, "docs/architecture.md lists no judging steps"
+    rows = [line.split("|")[1:3] for line in block[1].splitlines() if line.startswith("| `")]
+    return [(name.strip().strip("`"), phase.strip()) for name, phase in rows]
+
+
+def test_the_gates_judging_is_the_declared_list_of_steps_the_doc_lists_in_its_order():
+    """`the gate's judging of a case is one declared, ordered list of named steps (STEPS ...)`: the doc's list is
+    STEPS, name and phase, in its order (a step added, removed, renamed or moved in one and not the other fails)."""
+    from repro.vllm_integration.gate import steps  # noqa: PLC0415  (its imports hold no torch or vLLM)
+
+    assert _doc_steps() == [(s.name, s.when) for s in steps.STEPS]
+
+
+def _history_words(path: str, tree: ast.Module, constants: dict[str, str]) -> list[tuple[str | None, str]]:
+    """(the step word, where) of every CaseResult.revised call in a module: a string, a module's constant (any gate
+    module's), or a name the same function bound to a string; None where it is none of those."""
+    out = []
+    for fn in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.Lambda))]:
+        local = {
+            t.id: a.value.value
+            for a in ast.walk(fn)
+            if isinstance(a, ast.Assign) and isinstance(a.value, ast.Constant) and isinstance(a.value.value, str)
+            for t in a.targets
+            if isinstance(t, ast.Name)
+        }
+        for call in _calls(fn, "revised"):
+            if not call.args or call in {c for c, _ in out}:
+                continue
+            arg = call.args[0]
+            word = arg.value if isinstance(arg, ast.Constant) else None
+            if isinstance(arg, ast.Name):
+                word = local.get(arg.id, constants.get(arg.id))
+            out.append((call, word))
+    return [(word, _where(path, call)) for call, word in out]
+
+
+def test_every_step_a_gate_history_names_is_a_declared_step_or_one_of_the_runs_the_doc_names():
+    """Every word a gate module writes into a history (CaseResult.revised's step) is a step of STEPS or one of the
+    run's own the doc names beside them, and each of those is still written somewhere: an unknown step, or a declared
+    one no code writes any more, fails."""
+    from repro.vllm_integration.gate import steps  # noqa: PLC0415  (its imports hold no torch or vLLM)
+
+    trees = _sources("repro/vllm_integration/gate")
+    constants = {
+        t.id: n.value.value
+        for tree in trees.values()
+        for n in tree.body
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    }
+    found = [w for p, t in trees.items() for w in _history_words(p, t, constants)]
+    runs = re.search(r"<!-- run steps -->(.*?)<!-- /run steps -->", _section("From a command to a report"), re.S)
+    assert runs, "docs/architecture.md names none of the run's own steps"
+    run_words = set(re.findall(r"`([^`/]+?)`", runs[1])) - {p.rsplit("/", 1)[-1] for p in trees}
+    declared = {s.name for s in steps.STEPS}
+    unknown = [where for word, where in found if word not in declared | run_words]
+    assert not unknown, "history words neither declared in STEPS nor named by the doc:\n" + "\n".join(unknown)
+    written = {word for word, _ in found}
+    assert declared - written == {"annotation"}, declared - written  # the annotation completes a record, no history
+    assert run_words <= written, run_words - written
 
 
 def test_after_classify_a_verdict_or_reason_changes_only_through_revised():

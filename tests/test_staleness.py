@@ -10,7 +10,7 @@ import sys
 from repro.attention.staleness import FieldDiff, count_fields, field_key, summarize
 from repro.run.channel import Channel
 from repro.run.tags import AUDIT_TAG
-from repro.vllm_integration.gate.judge import _audit_evidence
+from repro.vllm_integration.gate.judge import audit_evidence
 from repro.vllm_integration.plugin.audit import Mismatch
 
 
@@ -36,7 +36,7 @@ def test_the_gate_names_and_counts_the_auditors_mismatches_as_the_auditor_does()
         Mismatch("t16r4", "query_start_loc", "query_start_loc", 1, 3, 5),
     ]
     out = "\n".join(f"{AUDIT_TAG} {json.dumps({'stale': m.to_dict()})}" for m in ms)
-    ev = _audit_evidence(Channel.from_output(out), None)
+    ev = audit_evidence(Channel.from_output(out), None)
     assert ev["stale"] == 3 and ev["first_descriptor"] == "t32r8" and ev["descriptor"] == 0  # none stale-descriptor
     assert ev["fields"] == {"query_start_loc": 2, "scheduler_metadata.prepare_seqlen_q": 1}
     assert [f"stale attention metadata for {x}" for x in ev["first"]] == [str(m) for m in ms]

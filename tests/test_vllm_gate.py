@@ -24,9 +24,10 @@ from repro.judge.classify import classify
 from repro.judge.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, STALE_AUDIT, WRONG
 from repro.vllm_integration import plugin
 from repro.vllm_integration.gate.case import GateCase, GateMode, parse_modes
-from repro.vllm_integration.gate.judge import annotate, apply_reference, compare_tokens, not_fired
+from repro.vllm_integration.gate.judge import apply_reference, compare_tokens, not_fired
 from repro.vllm_integration.gate.process import run_case
 from repro.vllm_integration.gate.run import run_gate
+from repro.vllm_integration.gate.steps import annotate
 from repro.vllm_integration.plugin import fa3_hooks, weights
 from repro.vllm_integration.releases.builds import (
     CONTROL,

@@ -57,7 +57,7 @@ def _gate(monkeypatch, tmp_path, answer, modes="mps:16,mps:24", jobs=4):
     monkeypatch.setattr(gate_process, "run_attributed", stand_in)
     monkeypatch.setattr(gate_run, "MpsDaemon", _Daemon)
     # the processes' verdicts as they are: the reference comparison is not what these tests are about
-    monkeypatch.setattr(gate_run, "validate_reference", lambda c, r, out: r)
+    monkeypatch.setattr(gate_run, "validate", lambda c, r, out: r)
     monkeypatch.setattr(gate_run, "finish", lambda c, r, out, ref, ref_out: r)
     builds = [
         VllmBuild("0.26.0", str(tmp_path / "a"), UNDER_TEST, "0.26.0"),
@@ -153,7 +153,7 @@ def _deadline_gate(monkeypatch, tmp_path, modes, answer, deadline_s, self_contro
 
     monkeypatch.setattr(gate_process, "run_process", process)
     monkeypatch.setattr(gate_process, "annotate", lambda res, case, ch, audit: res)
-    monkeypatch.setattr(gate_run, "validate_reference", lambda c, r, out: r)
+    monkeypatch.setattr(gate_run, "validate", lambda c, r, out: r)
     monkeypatch.setattr(gate_run, "finish", lambda c, r, out, ref, ref_out: r)
     builds = builds or [VllmBuild("0.26.0", str(tmp_path), UNDER_TEST, "0.26.0")]
     t0 = time.time()

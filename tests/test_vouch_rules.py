@@ -16,7 +16,9 @@ its test builds a reference that carries an injection to see it.
 The reference checks (reference_problems, validate_reference, apply_reference's SM count and near ties,
 compare_tokens, compare_acceptance, annotate's MPS SM count) and the live-record rules are the tests at the end of
 this file; `python tests/mutation_check.py reference` deletes each of those 19 rules in turn and names the test that
-must fail (with tests/test_acceptance.py)."""
+must fail (with tests/test_acceptance.py). The judging's declared steps (gate.steps.STEPS: their order in a history,
+the first finding of a process deciding, a skip judged no further) are tested beside them; `python
+tests/mutation_check.py steps` moves or removes a step and weakens each rule of the runner of their phases."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from repro.contract.channel import RECORDED_BEFORE
 from repro.judge.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, HANG, STALE_AUDIT, WRONG
 from repro.vllm_integration.gate import coverage
 from repro.vllm_integration.gate import judge as gate_judge
+from repro.vllm_integration.gate import steps as gate_steps
 from repro.vllm_integration.gate.case import GateCase, GateMode, reference_for
 from repro.vllm_integration.plugin.inject import STALE_CAPTURE
 from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
@@ -238,7 +241,7 @@ def test_the_features_annotate_needs_come_from_the_table(c, want):
 
 
 def test_annotate_refuses_a_case_without_a_feature_the_table_needs(monkeypatch):
-    monkeypatch.setattr(gate_judge, "features_needed", lambda case: {"weights", "probe", "zeta"})  # any row's
+    monkeypatch.setattr(gate_steps, "features_needed", lambda case: {"weights", "probe", "zeta"})  # any row's
     c = case("audit")
     out = "\n".join(
         [
@@ -247,7 +250,7 @@ def test_annotate_refuses_a_case_without_a_feature_the_table_needs(monkeypatch):
             'REPRO_RESULT {"tokens": [[1]], "summary": "1 request"}',
         ]
     )
-    got = gate_judge.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, out, None)
+    got = gate_steps.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, out, None)
     assert got.verdict == ERROR and got.reason.startswith("plugin features ['zeta'] not installed"), got.reason
 
 
@@ -256,16 +259,16 @@ def test_a_case_stopped_before_vllm_loaded_its_plugins_is_not_told_the_plugin_is
     # timeout inside torch before vLLM loaded any plugin; an error that says so, not "pip install the plugin"
     c = case("plain")
     out = 'REPRO_PLUGIN {"installed": "own_allocator"}'
-    got = gate_judge.annotate(CaseResult(c.case_id, HANG, "no exit within 240 s", evidence="timeout"), c, out, None)
+    got = gate_steps.annotate(CaseResult(c.case_id, HANG, "no exit within 240 s", evidence="timeout"), c, out, None)
     assert got.verdict == ERROR and got.reason.startswith("the process was stopped before vLLM loaded"), got.reason
     assert "no exit within 240 s" in got.reason  # the case's own verdict stays in the reason
     # the same process with a result (it got past the engine's start) lacks the plugin indeed
     out += '\nREPRO_RESULT {"tokens": [[1]], "summary": "1 request"}'
-    got = gate_judge.annotate(CaseResult(c.case_id, HANG, "no exit within 240 s", evidence="timeout"), c, out, None)
+    got = gate_steps.annotate(CaseResult(c.case_id, HANG, "no exit within 240 s", evidence="timeout"), c, out, None)
     assert got.reason.startswith("plugin features ['probe', 'weights'] not installed"), got.reason
     # a hang after vLLM loaded the plugin (one of its features installed) is not "stopped before" it either
     out = 'REPRO_PLUGIN {"installed": "own_allocator"}\nREPRO_PLUGIN {"installed": "probe"}'
-    got = gate_judge.annotate(CaseResult(c.case_id, HANG, "no exit within 240 s", evidence="timeout"), c, out, None)
+    got = gate_steps.annotate(CaseResult(c.case_id, HANG, "no exit within 240 s", evidence="timeout"), c, out, None)
     assert got.reason.startswith("plugin features ['weights'] not installed"), got.reason
 
 
@@ -355,11 +358,11 @@ def test_a_gpu_that_computes_matrix_products_wrong_makes_any_case_an_error(verdi
         "REPRO_DEVICE " + json.dumps(bad),
         'REPRO_RESULT {"tokens": [[1]], "summary": "1 request"}',
     ]
-    got = gate_judge.annotate(CaseResult(c.case_id, verdict, "ran", evidence="seen"), c, "\n".join(lines), None)
+    got = gate_steps.annotate(CaseResult(c.case_id, verdict, "ran", evidence="seen"), c, "\n".join(lines), None)
     assert got.verdict == ERROR and "matrix products wrong" in got.reason and "5.869" in got.reason
     good = {**bad, "sms": 132, "gemm_check": {**bad["gemm_check"], "ok": True, "max_error": 0.008}}
     lines[2] = "REPRO_DEVICE " + json.dumps(good)
-    assert gate_judge.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, "\n".join(lines), None).verdict == CLEAN
+    assert gate_steps.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, "\n".join(lines), None).verdict == CLEAN
 
 
 # The reference checks and the comparison each rule of reference_problems / apply_reference / annotate rests on; each
@@ -480,11 +483,11 @@ def test_an_mps_case_that_got_other_sms_than_it_asked_is_an_error():
         'REPRO_DEVICE {"gpu": "NVIDIA H200", "sms": 132}',
         'REPRO_RESULT {"tokens": [[1]], "summary": "1 request"}',
     ]
-    got = gate_judge.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, "\n".join(lines), None)
+    got = gate_steps.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, "\n".join(lines), None)
     assert got.verdict == ERROR and got.reason == "MPS gave this process 132 SMs, the case asked for 16"
     assert got.history[-1]["step"] == "MPS SM count"
     lines[2] = 'REPRO_DEVICE {"gpu": "NVIDIA H200", "sms": 16}'
-    assert gate_judge.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, "\n".join(lines), None).verdict == CLEAN
+    assert gate_steps.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, "\n".join(lines), None).verdict == CLEAN
 
 
 def test_near_ties_between_case_and_reference_are_counted_and_stop_the_request():
@@ -510,6 +513,76 @@ def test_a_reference_without_an_engine_record_is_not_trusted():
     assert gate_judge.reference_problems(ref, res, GOOD_REF_OUT) == [
         "the reference reported no engine configuration (no REPRO_ENGINE record)"
     ]
+
+
+def _stale_audit_output(c: GateCase, engine: dict) -> str:
+    """A case process's channel records: every feature it needs installed, its engine record (counters and acceptance
+    inside), one stale view the auditor caught, its RESULT record on 132 SMs."""
+    stale = {"descriptor": "t32r8", "buffer": "seq_lens", "field": "seq_lens", "index": 0, "now": 9, "built": 7}
+    lines = [f"REPRO_PLUGIN {json.dumps({'installed': f})}" for f in sorted(coverage.features_needed(c))]
+    lines += [
+        "REPRO_ENGINE " + json.dumps(engine),
+        "REPRO_AUDIT " + json.dumps({"stale": stale}),
+        "REPRO_AUDIT " + json.dumps({"checks": 12, "descriptor_checks": 4}),
+        "REPRO_RESULT " + json.dumps(_case_out(132)),
+    ]
+    return "\n".join(lines)
+
+
+def _result_line() -> str:
+    """A case process's RESULT record: it decoded (past the engine's start, its plugin loaded)."""
+    return 'REPRO_RESULT {"tokens": [[1]], "summary": "1 request"}'
+
+
+def test_a_cases_history_shows_the_declared_steps_in_their_order():
+    """A case through every phase (steps.STEPS): annotated (the auditor's stale views), its reference validated, then
+    compared (tokens, the draft's acceptance) and vouched for (the V2 runner did not run): its history names those
+    steps, in STEPS's order."""
+    c = case("audit")
+    engine = {
+        **FIRED["engine"],
+        "model_runner_v2": False,
+        "counters": FIRED["counters"],
+        "acceptance": {"spec_decode_num_accepted_tokens": 85, "spec_decode_num_draft_tokens": 100},
+    }
+    res = gate_steps.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, _stale_audit_output(c, engine), None)
+    ref, ref_res = _ref(acceptance=GOOD_REF_ACCEPTANCE)
+    ref_out = {**GOOD_REF_OUT, "device": {"sms": 132}}
+    ref_res = gate_steps.validate(ref, ref_res, ref_out)
+    got = gate_steps.finish(c, res, _case_out(132), ref_res, ref_out)
+    assert got.verdict == CANNOT_VOUCH and "not the V2 model runner" in got.reason
+    steps = [h["step"] for h in got.history]
+    assert steps == ["audit", "reference comparison", "draft acceptance", "coverage"]
+    assert [h["step"] for h in ref_res.history] == ["reference validation"]
+    declared = [s.name for s in gate_steps.STEPS]
+    assert [declared.index(s) for s in steps] == sorted(declared.index(s) for s in steps)
+    # the phases in their order too: what its process left, then its reference's record, then the reference known
+    phases = [s.when for s in gate_steps.STEPS]
+    assert phases == sorted(phases, key=[gate_steps.ENDED, gate_steps.READ, gate_steps.KNOWN].index)
+
+
+def test_the_first_finding_of_a_process_decides_and_a_skip_is_judged_no_further():
+    """An MPS case whose plugin reported an install error and that got other SMs than it asked: the first check in
+    STEPS's order (plugin) decides, the later (MPS SM count) is not asked; a skip gets no step at all."""
+    c = case("mps:16")
+    found = {"error": "probe: no such class"}, {"gpu": "NVIDIA H200", "sms": 132}  # a hook's error; 132 SMs, not 16
+    out = "\n".join(f"{tag} {json.dumps(r)}" for tag, r in zip(("REPRO_PLUGIN", "REPRO_DEVICE"), found))
+    got = gate_steps.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, out + "\n" + _result_line(), None)
+    assert [h["step"] for h in got.history] == ["plugin"] and got.verdict == ERROR
+    skip = CaseResult(c.case_id, "skip", "no GPU")
+    assert gate_steps.annotate(skip, c, out, None).history == []
+    assert gate_steps.finish(c, skip, None, *_ref()[1:], None) is skip
+
+
+def test_a_draft_is_not_judged_once_the_tokens_were_wrong():
+    c = case("plain")
+    res = CaseResult(c.case_id, CLEAN, "ran", backend_identity=identity())  # its acceptance: none reported
+    ref_out = {**GOOD_REF_OUT, "device": {"sms": 132}}
+    out = {"tokens": [[1, 9, 3, 4]], "device": {"sms": 132}}
+    got = gate_steps.finish(c, res, out, _ref(acceptance=GOOD_REF_ACCEPTANCE)[1], ref_out)
+    assert got.verdict == WRONG and [h["step"] for h in got.history] == ["reference comparison"]
+    right = gate_steps.finish(c, res, _case_out(132), _ref(acceptance=GOOD_REF_ACCEPTANCE)[1], ref_out)
+    assert right.verdict == CANNOT_VOUCH and right.history[-1]["step"] == "draft acceptance"
 
 
 def test_each_judging_step_makes_a_new_record_and_leaves_the_earlier_as_it_was():

@@ -1,24 +1,26 @@
-"""How a finished gate case process becomes its record: classification (repro.judge.classify) completed with what
-the case and the plugin reported (annotate), compared with the build's reference (apply_reference, compare_tokens),
-vouched for (vouch, over gate.coverage). Each step returns a new record (CaseResult.revised); `finish` runs them in
-order, `passes` is the policy's answer for the final record."""
+"""The rules a finished gate case is judged by, each step a function that returns a new record (CaseResult.revised):
+the auditor's evidence (audit_evidence) and the platform's GEMM check (platform_problem) the annotation reads, a
+reference's validation (validate_reference), the comparison with the build's reference (apply_reference,
+compare_tokens), the draft's acceptance (compare_acceptance), what fired (vouch, over gate.coverage).
+repro.vllm_integration.gate.steps declares the steps and their order and runs them; `passes` is the policy's answer
+for the final record."""
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from repro.attention.staleness import count_fields
-from repro.case.spec import CAPTURING, STALLED, CaseResult, mps_sm_mismatch
+from repro.case.spec import CaseResult
 from repro.contract.channel import ACCEPTANCE, CONFIGURATION, Channel, recorded_before
-from repro.contract.tags import AUDIT_TAG, COUNTERS_TAG, DEVICE_TAG, ENGINE_TAG, PLUGIN_TAG, RESULT_TAG
+from repro.contract.tags import AUDIT_TAG
 from repro.contract.verdicts import CANNOT_VOUCH as NOT_VOUCHED
-from repro.contract.verdicts import CLEAN, CRASH, ERROR, HANG, KERNEL_EVIDENCE, OOB, SKIP, STALE_AUDIT, WRONG
+from repro.contract.verdicts import CLEAN, ERROR, SKIP, STALE_AUDIT, WRONG
 from repro.judge import policy
 from repro.vllm_integration.gate.case import GateCase, expected
-from repro.vllm_integration.gate.coverage import applying, descriptor_check_existed, features_needed, not_fired
+from repro.vllm_integration.gate.coverage import applying, descriptor_check_existed, not_fired
 from repro.vllm_integration.plugin.audit import STALE_DESCRIPTOR, in_words
 
 TIE_MARGIN = 0.1  # nats: a reference token whose top-2 margin is below this is a tie, not a reference
@@ -48,84 +50,6 @@ def describe_acceptance(a: tuple[int, int] | None) -> str:
     return f"{a[0]} of {a[1]} draft tokens accepted ({acceptance_rate(a):.0%})" if a[1] else "0 draft tokens"
 
 
-def annotate(res: CaseResult, case: GateCase, output: str | Channel, audit_file: Path | None) -> CaseResult:
-    """The gate's record of a case: the shared classification with what the case process and the plugin reported on
-    the channel (`output`: a Channel, or a log's text), revised where that changes the verdict (a hook's install
-    error, an MPS SM count other than asked, stale views behind a clean run)."""
-    ch = output if isinstance(output, Channel) else Channel.from_output(output)
-    result = ch.last(RESULT_TAG) or {}
-    plugin = ch.of(PLUGIN_TAG)
-    installed = {p["installed"] for p in plugin if "installed" in p}
-    needed = features_needed(case)  # coverage.NEEDS
-    engine, counters = ch.last(ENGINE_TAG), ch.last(COUNTERS_TAG)
-    identity = res.backend_identity
-    if engine or counters:
-        e = dict(engine or {})
-        identity = {
-            "engine": {k: v for k, v in e.items() if k not in ("counters", "acceptance")},
-            "counters": e.get("counters") or counters or {},
-            "acceptance": e.get("acceptance"),
-        }
-    if case.inject:  # the injection's own records, written as it wrote: they survive a fault or a hang after them
-        identity = {**(identity or {}), "injection": [p for p in plugin if "injection_wrote" in p]}
-    audit = _audit_evidence(ch, audit_file)
-    # without CUDA_LAUNCH_BLOCKING=1 a crash surfaces at any later call: not attributed (with it, classify named the
-    # kernel from the first fault line only)
-    kernel = None if res.verdict == CRASH and not case.launch_blocking else res.kernel
-    evidence = []
-    if res.verdict in KERNEL_EVIDENCE:
-        evidence.append(res.evidence + (f", {kernel} kernel" if kernel else ""))
-    if case.mode.sanitizer and res.verdict not in (OOB, SKIP):
-        evidence.append("memcheck: no finding")
-    if case.mode.audit and not case.reference:
-        by_descriptor = f" ({audit['descriptor']} of them stale-descriptor)" if audit["descriptor"] else ""
-        checked = f" and {audit['descriptor_checks']} descriptor checks" if audit["descriptor_checks"] else ""
-        evidence.append(f"audit: {audit['stale']} stale fields{by_descriptor} in {audit['checks']} checks{checked}")
-    res = replace(
-        res,
-        vllm_version=result.get("vllm_version") or case.build.version,
-        kernel=kernel,
-        backend_identity=identity,
-        stale_fields=audit["fields"] if audit["stale"] else res.stale_fields,
-        first_diffs=audit["first"] if audit["stale"] else res.first_diffs,
-        evidence="; ".join(evidence) or None,
-    )
-    if res.verdict == SKIP:
-        return res
-    errors = ch.errors()  # an install error of any hook, under any tag, reaches the verdict
-    missing = needed - installed
-    if errors or (missing and (result or plugin)):
-        what = "; ".join(errors) or (
-            # stopped before vLLM loads its plugins (a memcheck case's own start can take its whole timeout): no
-            # sign that the plugin is missing, and no evidence about the build either
-            f"the process was stopped before vLLM loaded the repro plugin (features {sorted(missing)} never installed)"
-            if res.verdict == HANG and not result and installed <= {"own_allocator"}  # (the worker's own, not vLLM's)
-            else f"plugin features {sorted(missing)} not installed: vLLM did not load the repro plugin through its "
-            "entry point (python -m pip install -e <this project> in the environment that runs vLLM)"
-        )
-        why = f"{what} (case verdict would have been {res.verdict}: {res.reason})"
-        return res.revised("plugin", "a hook reported an error or was not installed", verdict=ERROR, reason=why)
-    devices = ch.of(DEVICE_TAG)
-    if devices and (why := mps_sm_mismatch(case.mode.sm, devices[-1].get("sms"))):
-        return res.revised("MPS SM count", why, verdict=ERROR, reason=why)
-    if devices and (why := platform_problem(devices[-1])):
-        return res.revised(PLATFORM_CHECK, why, verdict=ERROR, reason=why)
-    if res.verdict == HANG and not {STALLED, CAPTURING} & set(res.flags):  # no sign its captures had begun
-        why = f"{res.reason}, before vLLM began capturing CUDA graphs: no evidence about the captures"
-        return res.revised(HUNG_EARLY, why, verdict=ERROR, reason=why)
-    if res.verdict == CLEAN and audit["stale"]:
-        why = f"no fault this run, but the auditor caught stale views: {audit['first'][0]}"
-        return res.revised("audit", why, verdict=STALE_AUDIT, reason=why, descriptor=audit["first_descriptor"])
-    if audit["stale"] and res.verdict in (CRASH, HANG):
-        return res.revised(
-            "audit",
-            "the auditor saw stale views before the fault",
-            reason=res.reason + f"; the auditor caught stale views before it: {audit['first'][0]}",
-            descriptor=res.descriptor or audit["first_descriptor"],
-        )
-    return res
-
-
 HUNG_EARLY = "hang before capture"  # the step of a hang whose output never showed the captures begun (annotate)
 PLATFORM_CHECK = "platform check"  # the step of a result whose process's GPU failed the GEMM check (platform_problem)
 
@@ -151,7 +75,7 @@ def platform_problem(device: dict) -> str | None:
     )
 
 
-def _audit_evidence(ch: Channel, audit_file: Path | None) -> dict:
+def audit_evidence(ch: Channel, audit_file: Path | None) -> dict:
     """What the auditor reported for the case: its mismatches (the audit file, else the AUDIT records; how many were
     stale-descriptor), checks, descriptor checks, stale views per field, the first three in words, the first's."""
     lines = ch.of(AUDIT_TAG)
@@ -358,8 +282,7 @@ def apply_reference(res: CaseResult, out: dict | None, ref: CaseResult, ref_out:
     if chk.coverage < MIN_COVERAGE and res.verdict == CLEAN:
         why = f"the reference comparison covered {chk.compared} of {chk.total} tokens: too many near ties"
         return res.revised(step, why, verdict=ERROR, reason=why, evidence=evidence)
-    res = res.revised(step, chk.describe(), evidence=evidence)
-    return compare_acceptance(res, ref)
+    return res.revised(step, chk.describe(), evidence=evidence)
 
 
 def compare_acceptance(res: CaseResult, ref: CaseResult) -> CaseResult:
@@ -387,11 +310,6 @@ def compare_acceptance(res: CaseResult, ref: CaseResult) -> CaseResult:
         )
         return res.revised(step, why, verdict=WRONG, reason=why, evidence=evidence)
     return res.revised(step, line, evidence=evidence)
-
-
-def finish(case: GateCase, res: CaseResult, out: dict | None, ref: CaseResult, ref_out: dict | None) -> CaseResult:
-    """Judge a finished case: its reference comparison, then what fired (vouch); each a new record."""
-    return vouch(case, apply_reference(res, out, ref, ref_out))
 
 
 def passes(case: GateCase, res: CaseResult) -> bool:

@@ -24,10 +24,10 @@ from repro.vllm_integration.gate import bench as gate_bench
 from repro.vllm_integration.gate import case as gate_case
 from repro.vllm_integration.gate.cache import PRIVATE, TRITON_CACHE, TRITON_ENV, WRITER, GateCache
 from repro.vllm_integration.gate.case import GateCase, case_env, expected
-from repro.vllm_integration.gate.judge import annotate, finish
 from repro.vllm_integration.gate.launch import Launcher
 from repro.vllm_integration.gate.methods import not_applicable
 from repro.vllm_integration.gate.placement import GateDevice
+from repro.vllm_integration.gate.steps import annotate, finish
 from repro.vllm_integration.releases.builds import VllmBuild
 
 
@@ -180,7 +180,7 @@ def run_control(
     until one shows a fault or hang, at most `attempts` in all (None: SELF_CONTROL_ATTEMPTS, read when called), or
     until a clean attempt's tokens or draft are already wrong against its reference: `reference()` gives the
     reference's result and RESULT record once it finished (else None), and the judging the run ends with
-    (judge.finish: the comparison, then vouch, which discounts a wrong answer whose injection never wrote) is made
+    (steps.finish: the comparison, then vouch, which discounts a wrong answer whose injection never wrote) is made
     early (0.21.0's self control: a silently wrong draft, which further attempts only repeated, 100 s each). Returns the result kept under the case's own id (the first attempt
     with evidence, revised to say which; else the first), its attribution rerun, the case whose logs hold it, and
     every further attempt as it came back (results.json keeps them, so a replay makes the attempts the run made)."""

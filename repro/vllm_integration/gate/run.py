@@ -43,7 +43,7 @@ from repro.vllm_integration.gate.case import (
     self_controls_for,
     subject_of,
 )
-from repro.vllm_integration.gate.judge import PLATFORM_CHECK, finish, passes, platform_failed, validate_reference
+from repro.vllm_integration.gate.judge import PLATFORM_CHECK, passes, platform_failed
 from repro.vllm_integration.gate.launch import FORK, Launcher, launcher_kind
 from repro.vllm_integration.gate.methods import DEFAULT_METHOD
 from repro.vllm_integration.gate.placement import DevicePool, GateDevice, case_gib, kind_of, main_kind, per_device_jobs
@@ -55,6 +55,7 @@ from repro.vllm_integration.gate.process import (
     set_apart_not_applicable,
     skipped,
 )
+from repro.vllm_integration.gate.steps import finish, validate
 from repro.vllm_integration.gate.worker import COMPILES, DEFAULT_COMPILE
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
 from repro.vllm_integration.plugin.inject import INJECTIONS
@@ -305,7 +306,7 @@ def run_gate(
         if out is None:
             out = result_line(log_dir, ran.logs)
             if c.reference:
-                res = validate_reference(c, res, out)
+                res = validate(c, res, out)
             if cache is not None and c.reference and res.verdict == CLEAN and out and out.get("tokens"):
                 records = path_for(case_logs(log_dir, ran.logs.case_id)[0])
                 text = records.read_text(errors="replace") if records.exists() else ""
