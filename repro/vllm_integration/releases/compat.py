@@ -36,7 +36,7 @@ from repro.vllm_integration.releases.source_check import BAD, GOOD, NO_KNOWN_BAD
 
 GPU_RECORDS = CHECKOUT / "results" / "vllm-gpu-records.json"  # release -> the gate record that answered it on a GPU
 PACKED = ".tar.xz"  # a record packed (repro.report.records.pack): NAME.tar.xz holding NAME/...
-VERDICT_WORDS = {GOOD: "good (GPU record)", NO_KNOWN_BAD: "no known bad pattern (not run on a GPU)"}
+VERDICT_WORDS = {NO_KNOWN_BAD: "no known bad pattern (not run on a GPU)"}  # never "good": the module docstring
 
 FLASH_ATTN = "vllm/v1/attention/backends/flash_attn.py"
 NEEDED_FIELDS = ("query_start_loc", "seq_lens", "scheduler_metadata", "num_actual_tokens", "max_query_len")
