@@ -154,8 +154,8 @@ EXIT_CODES: dict[str, dict[int, str]] = {
         125: "only untestable commits were left (--status: this commit is untestable)",
     },
     "vllm-check": {
-        0: "no known bad pattern in any source (unverified: `good` only where a GPU record of that release vouches for "
-        "its published files)",
+        0: "no known bad pattern in any source (unverified, never `good`: a source's files are checked against its own "
+        "RECORD or tag, never the published release's)",
         1: "a source has a known bad pattern (or its release's GPU record says affected)",
         2: "bad input (also a folder or wheel without vllm/: not a vLLM source)",
         125: "a source is untestable (also a wheel that cannot be read whole)",

@@ -440,19 +440,24 @@ def test_measured_only_where_a_gpu_record_exists_predicted_elsewhere(tmp_path, c
         row = next(ln for ln in page.splitlines() if ln.startswith(f"| {v} |"))
         assert ("measured" in row) == bool(records.get(v)) and ("predicted" in row) != bool(records.get(v)), row
     empty = "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(b"").digest()).rstrip(b"=").decode()
-    for v, word, files in (
-        ("0.30.0", "predicted", {"vllm/__init__.py": ""}),
+    # vllm-check: these files are never "measured" (they were not compared with the published release's); the GPU
+    # record of the release their own RECORD names is shown beside them as the release's
+    for n, (v, words, files) in enumerate(
         (
-            "0.25.1",
-            "measured",
-            {"vllm/__init__.py": "", "vllm-0.25.1.dist-info/RECORD": f"vllm/__init__.py,{empty},0\n"},
-        ),
-        ("0.25.1", "predicted", {"vllm/__init__.py": ""}),  # its name alone: not known to be the release's files
+            ("0.30.0", ["these files: predicted", "GPU record of the release: none"], {"vllm/__init__.py": ""}),
+            (
+                "0.25.1",
+                ["these files: predicted", "GPU record of the release: found affected on a GPU (results/"],
+                {"vllm/__init__.py": "", "vllm-0.25.1.dist-info/RECORD": f"vllm/__init__.py,{empty},0\n"},
+            ),
+            ("0.25.1", ["these files: predicted", "GPU record of the release: none"], {"vllm/__init__.py": ""}),
+        )
     ):
-        (tmp_path / word / v).mkdir(parents=True, exist_ok=True)
-        wheel = _wheel(tmp_path / word / v / f"vllm-{v}-py3-none-any.whl", files)
+        (tmp_path / str(n) / v).mkdir(parents=True, exist_ok=True)
+        wheel = _wheel(tmp_path / str(n) / v / f"vllm-{v}-py3-none-any.whl", files)
         _main("vllm-check", str(wheel))
-        assert word in capsys.readouterr().out, (v, files)
+        out = capsys.readouterr().out
+        assert all(w in out for w in words) and "measured" not in out, (v, files, out)
 
 
 # 13. The first screen: a GPU user never copies a line that replaces their CUDA torch.

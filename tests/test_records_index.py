@@ -307,3 +307,81 @@ def test_unpack_writes_every_record_as_its_folder(repo):
     assert r.returncode == 0, r.stderr
     assert (repo / "out" / "results" / "rec-a" / "logs" / "a.out.log").read_text() == "the case's own log\n"
     assert (repo / "out" / "results" / "rec-new" / "results.json").read_text() == "{}"
+
+
+# --- `records --add`: all or nothing, the index built once ----------------------------------------------------------
+
+
+def _tree(results: Path) -> dict[str, bytes | None]:
+    """Everything under results/, hidden temporaries included: path -> bytes (None for a folder)."""
+    return {p.relative_to(results).as_posix(): None if p.is_dir() else p.read_bytes() for p in results.rglob("*")}
+
+
+@pytest.fixture
+def two(repo):
+    """The repo with a second new record and an index already written: `--add rec-a rec-b` has two folders to pack."""
+    _write(repo, {f"results/rec-b/{k}": v for k, v in _record(GATE_LINE, "AFFECTED").items()})
+    (repo / "results" / "index.json").write_text('{"generated_by": "before", "records": []}\n')
+    return repo
+
+
+def test_a_ctrl_c_while_packing_leaves_every_record_folder_and_the_index_as_they_were(two, monkeypatch):
+    """Ctrl-C while the second record is packed (xz is slow): before, the first record's folder was already gone,
+    packed, with no line in the index; now nothing under results/ has changed, no temporary is left."""
+    import tarfile
+
+    before, opened = _tree(two / "results"), []
+    real = tarfile.open
+
+    def interrupted(*args, **kwargs):
+        opened.append(args)
+        if len(opened) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tarfile, "open", interrupted)
+    r = _records("--add", "rec-a", "rec-b", "--note", "n", root=two)
+    assert r.returncode == 130 and "interrupted" in r.stderr, (r.returncode, r.stderr)
+    assert _tree(two / "results") == before
+
+
+def test_a_failure_writing_the_index_leaves_every_record_folder_and_the_index_as_they_were(two, monkeypatch):
+    """results/index.json cannot be written (a full disk, once): before, the record was packed and its folder removed
+    with no index line; now the archives already renamed into place are taken back and the folders stay."""
+    before, failed = _tree(two / "results"), []
+
+    def once(method):
+        real = getattr(Path, method)
+
+        def failing(self, *args, **kwargs):
+            target = Path(args[0]) if method == "replace" else self
+            if target.name == "index.json" and not failed:
+                failed.append(method)
+                raise OSError(28, "No space left on device")
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(Path, method, failing)
+
+    once("write_text")
+    once("replace")
+    with pytest.raises(OSError, match="No space left"):
+        _records("--add", "rec-a", "rec-b", root=two)
+    assert failed and _tree(two / "results") == before
+
+
+def test_add_describes_each_record_once_and_writes_archives_and_index_together(two, monkeypatch):
+    """The index is built once: each record's files are described once (before: three times, the check, a trial
+    index, the index written); then both archives and the index are in place and both folders gone."""
+    described = []
+    real = records.describe
+    monkeypatch.setattr(records, "describe", lambda files: described.append(files) or real(files))
+    r = _records("--add", "rec-a", "rec-b", root=two)
+    assert r.returncode == 0, r.stderr
+    assert len(described) == 2
+    assert sorted(_tree(two / "results")) == ["index.json", "rec-a.tar.xz", "rec-b.tar.xz"]  # no temporary left
+    index = {e["name"]: e for e in json.loads((two / "results" / "index.json").read_text())["records"]}
+    assert {n: e["stored"] for n, e in index.items()} == {f"rec-{x}": f"results/rec-{x}.tar.xz" for x in "ab"}
+    assert index["rec-b"]["shows"].startswith("AFFECTED")
+    assert r.stdout.splitlines() == [f"packed {two}/results/rec-{x}.tar.xz" for x in "ab"] + [
+        f"wrote {two}/results/index.json"
+    ]

@@ -1,8 +1,9 @@
 """`vllm-check` says what it is: a reading of code patterns that cannot vouch. Its answer names the pattern found in
-every capture manager (the DFlash family's own builder included), which release the sources are and whether they are
-its published files (a wheel's or an installed folder's RECORD, a git checkout's status and tag), and whether the
-gate ran that release on a GPU. `good` only for a release with a GPU record and its published files; otherwise "no
-known bad pattern (not run on a GPU)", exit 0 like good so `git bisect run` keeps working, `verified: false`."""
+every capture manager (the DFlash family's own builder included), which release the sources say they are and what
+their files were checked against (a wheel's own RECORD or an installed folder's dist-info RECORD, a git checkout's
+status at its tag: never the published release's files, of which the project records no hashes), and whether the gate
+ran that release on a GPU. Never `good`: "no known bad pattern (not run on a GPU)", exit 0 so `git bisect run` keeps
+working, `verified: false`, the release's GPU record named beside it; a release the gate found affected reads `bad`."""
 
 from __future__ import annotations
 
@@ -55,11 +56,14 @@ def _hash(text: str) -> str:
     return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
 
 
-def _wheel(tmp: Path, version: str, bad: bool = False, patch: str | None = None) -> Path:
-    """A wheel whose RECORD lists its files' hashes; `patch`: a file changed after RECORD was written."""
+def _wheel(tmp: Path, version: str, bad: bool = False, patch: str | None = None, rerecord: bool = False) -> Path:
+    """A wheel whose RECORD lists its files' hashes; `patch`: a file changed after RECORD was written (`rerecord`:
+    before, the RECORD written again over the patched file, as a rebuilt wheel's is)."""
     files = _files(bad)
+    if patch and rerecord:
+        files[patch] += "\n# patched\n"
     record = "".join(f"{n},{_hash(t)},{len(t)}\n" for n, t in files.items())
-    if patch:
+    if patch and not rerecord:
         files[patch] += "\n# patched\n"
     path = tmp / f"vllm-{version}-cp38-abi3-manylinux_2_28_x86_64.whl"
     with zipfile.ZipFile(path, "w") as z:
@@ -94,10 +98,10 @@ def test_every_capture_manager_is_named_with_its_pattern_the_dflash_builder_too(
 def test_a_release_no_gpu_record_holds_reads_no_known_bad_pattern_never_good(tmp_path, records, capsys):
     whl = _wheel(tmp_path, "0.34.0")
     c = check_source(whl)
-    assert (c.verdict, c.release, c.published, c.gpu_record, c.verified) == (
+    assert (c.verdict, c.release, c.files, c.gpu_record, c.verified) == (
         NO_KNOWN_BAD,
         "0.34.0",
-        "identical",
+        "match its own RECORD: not compared with the published wheel",
         None,
         False,
     )
@@ -110,13 +114,35 @@ def test_a_release_no_gpu_record_holds_reads_no_known_bad_pattern_never_good(tmp
     assert row["verdict"] == NO_KNOWN_BAD and row["verified"] is False and row["pattern"] != GOOD
 
 
-def test_a_recorded_release_with_its_published_files_reads_as_the_gpu_found_it(tmp_path, records):
+def test_a_recorded_release_never_reads_good_its_own_record_is_not_the_published_wheel(tmp_path, records):
+    """A wheel of a release the gate found clean, its files as its own RECORD lists them: still no known bad pattern,
+    never `good`, never "published" (only a comparison with the published wheel could say so); its GPU record is
+    named beside the answer. A release the gate found affected reads bad: never verified."""
     good = check_source(_wheel(tmp_path, "0.26.0"))
-    assert (good.verdict, good.verified) == (GOOD, True) and "results/gate-a" in good.reason
+    assert (good.verdict, good.verified) == (NO_KNOWN_BAD, False) and "results/gate-a" in good.reason
+    assert "not compared with its published files" in good.reason
     assert good.gpu_record == {"release": "0.26.0", "answer": GOOD, "record": "results/gate-a"}
     (tmp_path / "b").mkdir()
     affected = check_source(_wheel(tmp_path / "b", "0.25.1"))  # no bad pattern in these sources; the GPU said affected
-    assert affected.verdict == BAD and affected.verified and exit_codes.source([affected.verdict]) == 1
+    assert affected.verdict == BAD and not affected.verified and exit_codes.source([affected.verdict]) == 1
+    assert "the gate found 0.25.1 affected on a GPU (results/gate-b)" in affected.reason
+
+
+def test_a_patched_wheel_with_its_record_written_again_never_reads_as_the_published_release(tmp_path, records, capsys):
+    """The finding: a wheel named as a release the gate found clean, one file patched and its RECORD regenerated over
+    it, matches its own RECORD. Before, that read `good (GPU record)`, "files identical", verified, "measured on the
+    H200": the patched build passed for the published one. Now every line says only what was checked."""
+    whl = _wheel(tmp_path, "0.26.0", patch=f"{SPEC}/dflash/cudagraph.py", rerecord=True)
+    c = check_source(whl)
+    assert (c.verdict, c.verified) == (NO_KNOWN_BAD, False)
+    assert c.files == "match its own RECORD: not compared with the published wheel"
+    assert cli(["vllm-check", str(whl)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"{whl.name}: no known bad pattern (not run on a GPU)")
+    assert ": good" not in printed and "identical" not in printed and "published files" not in printed.split("(")[0]
+    assert "files: match its own RECORD: not compared with the published wheel" in printed
+    assert "these files: predicted: read from its sources, never run on a GPU" in printed
+    assert "measured on the H200" not in printed
 
 
 def test_a_packed_gpu_record_answers_as_its_folder_did_and_both_readers_read_one_table(tmp_path, records):
@@ -125,7 +151,8 @@ def test_a_packed_gpu_record_answers_as_its_folder_did_and_both_readers_read_one
     pack(records / "gate-a")
     assert not (records / "gate-a").exists()
     good = check_source(_wheel(tmp_path, "0.26.0"))
-    assert (good.verdict, good.verified, good.gpu_record["record"]) == (GOOD, True, "results/gate-a")
+    assert (good.verdict, good.verified, good.gpu_record) == (NO_KNOWN_BAD, False, compat.gpu_record("0.26.0"))
+    assert good.gpu_record == {"release": "0.26.0", "answer": GOOD, "record": "results/gate-a"}
     table = records / "vllm-gpu-records.json"
     assert versions.gpu_records(table) == {"0.26.0": ["gate-a"], "0.25.1": ["gate-b"]}
     assert "results/gate-a" in versions.measured("0.26.0", versions.gpu_records(table))
@@ -133,8 +160,11 @@ def test_a_packed_gpu_record_answers_as_its_folder_did_and_both_readers_read_one
 
 def test_patched_files_of_a_recorded_release_are_not_its_record(tmp_path, records):
     c = check_source(_wheel(tmp_path, "0.26.0", patch=f"{SPEC}/dflash/cudagraph.py"))
-    assert c.verdict == NO_KNOWN_BAD and not c.verified and c.published.startswith("differs: 1 changed")
-    assert "has a GPU record (results/gate-a), but these files are not known to be its published files" in c.reason
+    assert c.verdict == NO_KNOWN_BAD and not c.verified and c.files.startswith("differ from its own RECORD: 1 changed")
+    assert (
+        "has a GPU record (found clean, results/gate-a), but these files were not compared with its published"
+        in c.reason
+    )
 
 
 def test_an_installed_folder_is_read_against_its_dist_info_record(tmp_path, records):
@@ -142,10 +172,13 @@ def test_an_installed_folder_is_read_against_its_dist_info_record(tmp_path, reco
     site = tmp_path / "site"
     with zipfile.ZipFile(whl) as z:
         z.extractall(site)
-    assert check_source(site).verdict == GOOD
+    c = check_source(site)
+    assert (
+        c.verdict == NO_KNOWN_BAD and c.files == "match their dist-info RECORD: not compared with the published wheel"
+    )
     (site / SPEC / "dflash" / "extra.py").write_text("x = 1\n")  # an overlay adds a file RECORD does not list
     c = check_source(site)
-    assert c.verdict == NO_KNOWN_BAD and "1 not in RECORD" in c.published
+    assert c.verdict == NO_KNOWN_BAD and "1 not in RECORD" in c.files
 
 
 def _git(repo: Path, *args: str) -> None:
@@ -164,10 +197,11 @@ def test_a_git_checkout_is_its_tag_while_clean(tmp_path, records):
     _git(repo, "add", "-A")
     _git(repo, "commit", "-qm", "release")
     _git(repo, "tag", "v0.26.0")
-    assert (check_source(repo).verdict, check_source(repo).published) == (GOOD, "identical")
+    c = check_source(repo)  # a tag can be made anywhere: not the published release
+    assert (c.verdict, c.files) == (NO_KNOWN_BAD, "clean at tag v0.26.0: not compared with the published release")
     (repo / SPEC / "dflash" / "cudagraph.py").write_text(DFLASH_MANAGER + "\n# local change\n")
     c = check_source(repo)
-    assert c.verdict == NO_KNOWN_BAD and "git status shows 1 changed file" in c.published
+    assert c.verdict == NO_KNOWN_BAD and "git status shows 1 changed file" in c.files
 
 
 def test_a_known_bad_pattern_is_bad_with_or_without_a_record(tmp_path, records):

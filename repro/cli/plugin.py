@@ -26,7 +26,11 @@ def add_parsers(sub) -> None:
     p = sub.add_parser("plugin-request", help=what, description=what)
     p.add_argument("--backend", default=DEFAULT_BACKEND, help="vLLM's attention backend to hook (default %(default)s)")
     p.add_argument("--no-audit", action="store_true", help="no freshness auditor (the probe's counters still run)")
-    p.add_argument("--audit-file", help="where the auditor writes its whole report at exit (default: none)")
+    p.add_argument(
+        "--audit-file",
+        help="where the auditor writes its whole report at exit, one file every process of the vLLM run merges its "
+        "report into (`processes`: each with its checks; default: none)",
+    )
     p.add_argument("--sm-margin", type=int, default=0, help="FA3 plans and launches for N fewer SMs (default 0)")
     p.add_argument("--poison", help="fill FA3's never-written scheduler entries (repro.case.poison; default: none)")
     p.add_argument(
@@ -44,7 +48,7 @@ def cmd_plugin_request(a: argparse.Namespace) -> int:
         raise ConfigError("--inject-source chooses whose capture --inject re-creates the defect in: give --inject too")
     if a.audit_file is not None and not a.no_audit:  # the auditor writes it at the end of a vLLM run: judged now
         check_file(a.audit_file, "--audit-file", own=json_of(lambda d: "checks" in d and "mismatches" in d))
-        a.audit_file = os.path.abspath(a.audit_file)  # every process of the run writes this one file, whatever its cwd
+        a.audit_file = os.path.abspath(a.audit_file)  # every process of the run reports into it, whatever its cwd
     try:
         want = PluginRequest(
             attention_backend=a.backend,

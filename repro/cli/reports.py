@@ -179,29 +179,29 @@ def cmd_records(a: argparse.Namespace) -> int:
         return _speed(results, a.speed)
     if a.unpack:
         return _unpack(results, Path(a.unpack))
-    notes = {}
-    for name in a.add or []:
+    names = list(dict.fromkeys(a.add or []))
+    for name in names:
         if name not in records.records(results):
             raise ConfigError(f"no record results/{name}/ (or {name}{records.PACKED}) to add")
-    for name, where in records.records(results).items():  # the index reads each: a damaged one, before any packing
+    described = {}  # each record read once, the index built once from them, before anything is packed or written
+    for name, where in records.records(results).items():  # a damaged one: refused before any packing
         try:
-            records.describe(records.members(where, records.indexed))
+            described[name] = records.describe(records.members(where, records.indexed))
         except UNREADABLE as e:
             raise ConfigError(
                 f"results/{name}: cannot be read ({type(e).__name__}: {e}); nothing packed or written"
             ) from None
     try:  # the records git history holds too (a damaged one there: refused before anything is packed)
-        records.build_index(root)
+        notes = dict.fromkeys(names, a.note) if a.note else {}
+        index = records.build_index(root, notes, described, {n for n in names if (results / n).is_dir()})
     except UNREADABLE as e:
         raise ConfigError(
             f"a record in git history cannot be read ({type(e).__name__}: {e}); nothing written"
         ) from None
-    for name in a.add or []:
-        if (results / name).is_dir():
-            print(f"packed {records.pack(results / name)}")
-        if a.note:
-            notes[name] = a.note
-    print(f"wrote {records.write_index(root, notes)}")
+    *archives, written = records.add(root, names, index)  # every archive and the index in place, or none of them
+    for path in archives:
+        print(f"packed {path}")
+    print(f"wrote {written}")
     return exit_codes.Exit.OK
 
 

@@ -41,8 +41,9 @@ from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
 
 def add_parsers(sub) -> None:
     what = (
-        "code patterns and auditor hooks of vLLM checkouts or wheels (no import; cannot vouch: 'good' only for a "
-        "release the gate ran on a GPU, with its published files); exit 0 no known bad pattern, 1 bad, 125 untestable"
+        "code patterns and auditor hooks of vLLM checkouts or wheels (no import; cannot vouch, never 'good': files "
+        "are checked against their own RECORD, not the published release's); exit 0 no known bad pattern, 1 bad, 125 "
+        "untestable"
     )
     vc = sub.add_parser("vllm-check", help=what, description=what)
     vc.add_argument("sources", nargs="+", help="vLLM checkout folders or .whl files")
@@ -379,8 +380,8 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
             c = Compat(Path(path).name, UNTESTABLE, f"cannot read the wheel ({type(e).__name__}: {e})", None, False, [])
         rows.append(c.to_dict())
         print("\n".join(c.describe()))
-        # measured only where these are the release's published files (a wheel's name alone proves nothing)
-        print(f"  {measured(c.release if c.published == 'identical' else None)}")
+        # a release's GPU record measured its published files, which these were not compared with (compat)
+        print(f"  these files: {measured(None)}" + (" (the GPU record above is the release's)" if c.gpu_record else ""))
     if a.json:
         write_file(a.json, json.dumps(rows, indent=1) + "\n")
     return exit_codes.source(r["verdict"] for r in rows)

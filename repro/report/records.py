@@ -1,7 +1,8 @@
 """The recorded runs under results/: each record a folder as the harness wrote it, or that folder packed into one
 `NAME.tar.xz` (`pack`); both read the same way (`members`, `unpack`). The index (results/index.json, `build_index`)
 says for every record, present or left in git history, which command it ran, the commit its code was at, when, which
-builds, and what it shows in one line, all derived from the record's own files and git, never written by hand."""
+builds, and what it shows in one line, all derived from the record's own files (repro.report.record_summary) and git,
+never written by hand. `records --add` packs new records and writes the index all or nothing (`add`)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ import re
 import subprocess
 import tarfile
 import tempfile
-from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from repro.case.spec import REFUSED, RERUN_ALONE, STALLED, CaseResult
@@ -29,6 +29,7 @@ from repro.contract.channel import (
 )
 from repro.contract.tags import COUNTERS_TAG, ENGINE_TAG, RESULT_TAG
 from repro.judge.classify import REFUSED as REFUSED_WORDS
+from repro.report.record_summary import describe, indexed
 from repro.run.process import STALLED as STALLED_WORDS
 
 PACKED = ".tar.xz"
@@ -36,15 +37,15 @@ INDEX = "index.json"
 # results/'s files that are not records: summaries generated from them, the source check's data (read by repro)
 NOT_RECORDS = {"README.md", INDEX}
 GENERATED_BY = "python -m repro records --index"
-_SUMMARIES = ("results.json", "paths.json", "gate.json")  # the harness's machine-readable outcomes
-_COMMAND_PREFIX = re.compile(r"^\S*python3?(\.\d+)? ")
 
 
 def records(results: Path) -> dict[str, Path]:
     """Record name -> where it is: its folder (a new record, not packed yet) or its NAME.tar.xz; a name held both ways
-    is the folder's (the newer)."""
+    is the folder's (the newer). A hidden name is none (the temporaries of `add`)."""
     found: dict[str, Path] = {}
     for p in sorted(Path(results).iterdir()):
+        if p.name.startswith("."):
+            continue
         if p.name.endswith(PACKED) and p.is_file():
             found.setdefault(p.name[: -len(PACKED)], p)
         elif p.is_dir():
@@ -53,12 +54,19 @@ def records(results: Path) -> dict[str, Path]:
 
 
 def pack(folder: Path) -> Path:
-    """Pack a record folder into FOLDER.tar.xz beside it, the same bytes for the same files (sorted, no owners, no
-    times), and remove the folder. Its members are NAME/... ."""
+    """Pack a record folder into FOLDER.tar.xz beside it and remove the folder (packed: its bytes)."""
     import shutil  # rmtree: only when packing
 
     folder = Path(folder)
     out = folder.with_name(folder.name + PACKED)
+    out.write_bytes(packed(folder))
+    shutil.rmtree(folder)
+    return out
+
+
+def packed(folder: Path) -> bytes:
+    """A record folder packed as NAME.tar.xz holds it, the same bytes for the same files (sorted, no owners, no
+    times). Its members are NAME/... ."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:xz", preset=6) as tar:
         for p in [folder, *sorted(folder.rglob("*"))]:
@@ -71,9 +79,7 @@ def pack(folder: Path) -> Path:
                 data = p.read_bytes()
                 info.size, info.mode = len(data), 0o644
                 tar.addfile(info, io.BytesIO(data))
-    out.write_bytes(buf.getvalue())
-    shutil.rmtree(folder)
-    return out
+    return buf.getvalue()
 
 
 def _safe_members(tar: tarfile.TarFile, name: str) -> list[tarfile.TarInfo]:
@@ -117,85 +123,6 @@ def members(where: Path, wanted: Callable[[str], bool]) -> dict[str, bytes]:
             if m.isfile() and wanted(rel):
                 out[rel] = tar.extractfile(m).read()
     return out
-
-
-def indexed(rel: str) -> bool:
-    """The files a record's index line is derived from (never its logs)."""
-    name = Path(rel).name
-    return "logs/" not in rel and (name in _SUMMARIES or name == "command.txt" or name.endswith(".xml"))
-
-
-def _junit(data: bytes) -> str:
-    """One line of a JUnit XML (pytest --junitxml): its tests, failures, errors, skips and time."""
-    from xml.etree import ElementTree  # JUnit records only
-
-    try:
-        root = ElementTree.fromstring(data)
-    except ElementTree.ParseError as e:
-        return f"JUnit XML that does not parse ({e})"
-    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
-    n = {k: sum(int(float(s.get(k, 0))) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
-    seconds = sum(float(s.get("time", 0)) for s in suites)
-    return f"pytest: {n['tests']} tests, {n['failures']} failed, {n['errors']} errors, {n['skipped']} skipped, {seconds:.1f} s"
-
-
-def _command(text: str) -> str:
-    """A recorded command line without its interpreter's path or a trailing note (`# exit 0, ...`)."""
-    line = text.strip().splitlines()[0].split("    #")[0].strip()
-    line = re.sub(r"-m repro \S*pytest/__main__\.py", "-m pytest", line)  # how pytest's sys.argv was recorded
-    return _COMMAND_PREFIX.sub("python ", line)
-
-
-def _counts(verdicts: list[str]) -> str:
-    return ", ".join(f"{n} {v}" for v, n in Counter(verdicts).most_common())
-
-
-def _shows(doc: dict) -> str:
-    """One line of what a summary file says: its outcome and verdicts, as the harness wrote them."""
-    if "paths" in doc:  # gate --compare-paths
-        return "; ".join(f"{p}: {d.get('outcome')} in {d.get('wall_s')} s" for p, d in doc["paths"].items())
-    if "controls" in doc:  # pytest --gate's gate.json
-        return f"{doc.get('outcome')} in {doc.get('wall_s')} s; {len(doc['controls'])} controls"
-    verdicts = [c.get("verdict", "?") for c in doc.get("cases", [])]
-    if doc.get("kind") or "outcome" in doc:  # repro gate
-        affected = f", affected: {' '.join(doc['affected'])}" if doc.get("affected") else ""
-        return f"{doc.get('outcome')}{affected}; {len(verdicts)} cases: {_counts(verdicts)}"
-    source = " (CPU model)" if doc.get("source") == "model" else ""
-    return f"{len(verdicts)} cases{source}: {_counts(verdicts)}; wall {doc.get('wall_s')} s"
-
-
-def _builds(doc: dict) -> list[str]:
-    if doc.get("builds"):
-        return [f"vLLM {b['build']} ({b.get('role', '?')})" for b in doc["builds"]]
-    return [f"FA3 {n} {b.get('version', '?')}" for n, b in (doc.get("backends") or {}).items() if isinstance(b, dict)]
-
-
-def describe(files: dict[str, bytes]) -> dict:
-    """A record's index fields from its own files: commands, when it was recorded, builds, what it shows."""
-    commands, when, builds, shows, codes = [], [], [], [], set()
-    docs = {rel: json.loads(data) for rel, data in files.items() if Path(rel).name in _SUMMARIES}
-    for rel, data in files.items():
-        if Path(rel).name == "command.txt":
-            commands.append(_command(data.decode(errors="replace")))
-        elif rel.endswith(".xml"):
-            shows.append(f"{rel}: {_junit(data)}")
-    for rel, doc in docs.items():
-        env = doc.get("environment") or {}
-        if env.get("command") and not any(Path(r).name == "command.txt" for r in files):
-            commands.append(_command(env["command"]))
-        when += [env["when"]] if env.get("when") else []
-        codes |= {env["harness_code"]} if env.get("harness_code") else set()  # environment.harness_code
-        builds += [b for b in _builds(doc) if b not in builds]
-        where = str(Path(rel).parent)
-        if not (where != "." and Path(rel).name == "results.json" and f"{where}/paths.json" in files):
-            shows.append(("" if where == "." else f"{where}: ") + _shows(doc))
-    return {
-        "commands": list(dict.fromkeys(commands)),
-        "recorded": min(when) if when else None,
-        "builds": builds,
-        "shows": " | ".join(shows) if shows else None,
-        "harness_code": codes.pop() if len(codes) == 1 else None,
-    }
 
 
 def git(root: Path, *args: str) -> str:
@@ -250,10 +177,17 @@ def _from_git(root: Path, commit: str, name: str) -> dict[str, bytes]:
     return out
 
 
-def build_index(root: Path, notes: dict[str, str] | None = None) -> dict:
+def build_index(
+    root: Path,
+    notes: dict[str, str] | None = None,
+    described: dict[str, dict] | None = None,
+    packing: Collection[str] = (),
+) -> dict:
     """results/index.json's content for the checkout at root: every record in results/ (packed or a folder), and every
     record the previous index or git history names that is gone from the tree, with the commit it was last present
-    at. `notes` (name -> one line) adds what its files cannot say to a record's entry; a note stays until replaced."""
+    at. `notes` (name -> one line) adds what its files cannot say to a record's entry; a note stays until replaced.
+    `described`: records in results/ already described (name -> describe), read once; `packing`: folders `add` packs,
+    stored as their NAME.tar.xz."""
     root = Path(root)
     results = root / "results"
     old = load_index(results)
@@ -265,8 +199,9 @@ def build_index(root: Path, notes: dict[str, str] | None = None) -> dict:
         entry = dict(old.get(name, {}))
         if name in present:
             where = present[name]
-            entry.update(describe(members(where, indexed)))
-            entry["stored"] = where.relative_to(root).as_posix() + ("/" if where.is_dir() else "")
+            entry.update((described or {}).get(name) or describe(members(where, indexed)))
+            stored = where.with_name(name + PACKED) if name in packing else where
+            entry["stored"] = stored.relative_to(root).as_posix() + ("/" if stored.is_dir() else "")
             entry["last_present"] = None
         elif not entry.get("last_present"):
             last = _last_present(root, name)
@@ -295,10 +230,66 @@ def load_index(results: Path) -> dict[str, dict]:
     return {e["name"]: e for e in json.loads(path.read_text())["records"]}
 
 
-def write_index(root: Path, notes: dict[str, str] | None = None) -> Path:
-    path = Path(root) / "results" / INDEX
-    path.write_text(json.dumps(build_index(root, notes), indent=1) + "\n")
-    return path
+def add(root: Path, names: list[str], index: dict) -> list[Path]:
+    """`records --add` and `--index` (no names), all or nothing: each results/NAME/ packed into a hidden temporary
+    beside it and the index (built once by the caller, the names `packing`) into another, then every one renamed into
+    place with SIGINT and SIGTERM held (a file there moved aside first), and only then the folders removed. A failure
+    or Ctrl-C before that leaves results/ as it was: a folder is never gone before its archive and its index line are
+    in place. The paths written, the index last."""
+    import shutil  # rmtree: only when packing
+    import signal  # the renames held from Ctrl-C: only here
+
+    results = Path(root) / "results"
+    made: list[Path] = []
+    moves: list[tuple[Path, Path]] = []
+    gone: list[Path] = []
+    try:
+        for name in names:
+            if (results / name).is_dir():
+                made.append(_hidden(results, name + PACKED))
+                made[-1].write_bytes(packed(results / name))
+                moves.append((made[-1], results / (name + PACKED)))
+        made.append(_hidden(results, INDEX))
+        made[-1].write_text(json.dumps(index, indent=1) + "\n")
+        moves.append((made[-1], results / INDEX))
+        moves += [(results / name, _hidden(results, name)) for name in names if (results / name).is_dir()]
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            gone = _rename_all(moves)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    except BaseException:
+        for p in made:  # a temporary renamed into place is no longer there
+            p.unlink(missing_ok=True)
+        raise
+    finally:
+        for p in gone:  # what was moved aside once all were in place: the folders packed, a file replaced
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    return [dst for _, dst in moves if dst.parent == results and not dst.name.startswith(".")]
+
+
+def _hidden(results: Path, name: str) -> Path:
+    """A free hidden name beside results/NAME (records() reads no hidden name)."""
+    return Path(tempfile.mktemp(prefix=f".{name}.", dir=results))  # a name to rename to, in this user's checkout
+
+
+def _rename_all(moves: list[tuple[Path, Path]]) -> list[Path]:
+    """Each src renamed to its dst, in order, all or none: a dst already there moved aside first (returned, with every
+    dst whose src is gone, to be removed once all are done); on a failure every rename made is undone."""
+    done: list[tuple[Path, Path]] = []
+    try:
+        for src, dst in moves:
+            if dst.exists():
+                aside = _hidden(dst.parent, dst.name)
+                dst.replace(aside)
+                done.append((dst, aside))
+            src.replace(dst)
+            done.append((src, dst))
+    except BaseException:
+        for src, dst in reversed(done):
+            dst.replace(src)
+        raise
+    return [dst for src, dst in done if dst.name.startswith(".")]
 
 
 # --- the one upgrader of recorded results ---------------------------------------------------------------------------

@@ -28,7 +28,11 @@ which `python -m repro plugin-request ...` prints (from_environment). The reques
                           capture pass (warmup forward, capture end) the descriptor check too: the metadata in use
                           against what the builder gives for the descriptor being captured (stale-descriptor;
                           plugin.audit.descriptor_mismatches). Findings go to stderr as `REPRO_AUDIT <json>` lines
-                          and, at exit, to audit_file.
+                          and, at exit, to audit_file: one report that every process of the run merges its own into
+                          (vLLM's multi-process engine: a front-end that checks nothing, an engine core that runs the
+                          model), whichever exits first; `processes` lists each (pid, name, checks, stale views),
+                          the totals are their sums, an earlier run's report in the file is replaced
+                          (counters.merged_report).
 - sm_margin=N             FA3 plans and launches for N fewer SMs: sm_margin passed to vLLM's get_scheduler_metadata
                           and to every torch.ops._vllm_fa3_C.fwd call (vLLM itself always passes 0). Counted per call.
 - poison=<fill>           the entries FA3's get_scheduler_metadata never writes are filled (repro.case.poison) before vLLM
@@ -63,7 +67,6 @@ report repro.vllm_integration.plugin.counters (one object each, shared by all of
 from __future__ import annotations
 
 import atexit
-import functools
 import importlib
 import os
 import sys
@@ -196,7 +199,7 @@ def register() -> None:
                 emit(PLUGIN_TAG, {"installed": "probe", "backend": spec.name})
         if want["audit"] and "audit" not in installed:
             if install(backend, spec=spec):
-                atexit.register(functools.partial(counters.write_report, want["audit_file"]))
+                atexit.register(counters.report_at_exit(want["audit_file"]))
                 emit(PLUGIN_TAG, {"installed": "audit", "backend": spec.name})
         if want["inject"] and "inject" not in installed:
             if install_inject(backend, spec=spec, source=want["inject_source"], form=want["inject"]):

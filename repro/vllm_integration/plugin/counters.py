@@ -1,6 +1,7 @@
 """The plugin's shared state and what it reports: the counters (COUNTERS, printed at exit as `REPRO_COUNTERS <json>`),
 the freshness auditor's one instance (AUDITOR), the features installed in this process (_installed), and the report
-the auditor writes at exit (stderr lines and the request's audit_file). Every hook module of repro.vllm_integration reads
+the auditor writes at exit (stderr lines and the request's audit_file, one file every process of the run reports to:
+report_at_exit). Every hook module of repro.vllm_integration reads
 and bumps these objects through this module (`counters.COUNTERS`, never a copy), so a test that replaces one here
 replaces it for all of them."""
 
@@ -8,6 +9,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import time
+from collections.abc import Callable
 from typing import Any
 
 from repro.contract.channel import emit
@@ -77,9 +81,18 @@ def bump(name: str, key: str | None = None, n: int = 1) -> None:
     bump_counter(COUNTERS, name, key, n)
 
 
-def write_report(path: str | None) -> None:
+def report_at_exit(path: str | None) -> Callable[[], None]:
+    """What the plugin registers at exit once its auditor installed (atexit): write_report, with the time it installed
+    (which earlier reports in the audit file belong to this run: merged_report)."""
+    installed = time.time()
+    return lambda: write_report(path, installed)
+
+
+def write_report(path: str | None, installed: float | None = None) -> None:
     """At exit, with the auditor on: its summary as an AUDIT_TAG line and, when the request names an audit file
-    (path), the whole report (every mismatch, the counters) in that file."""
+    (path), this process's whole report (every mismatch, the counters) merged into that file (merged_report): every
+    process vLLM starts loads the plugin and reports at its exit (its multi-process engine: the front-end, which
+    checks nothing, and the engine core, which runs the model), so none overwrites another's."""
     emit(
         AUDIT_TAG,
         {
@@ -91,19 +104,61 @@ def write_report(path: str | None) -> None:
         },
     )
     if path:
-        with open(path, "w") as f:
-            json.dump(
-                {
-                    "checks": AUDITOR.checks,
-                    "views": AUDITOR.views,
-                    "descriptor_checks": AUDITOR.descriptor_checks,
-                    "mismatches": [m.to_dict() for m in AUDITOR.mismatches],
-                    "summary": AUDITOR.report(),
-                    "counters": snapshot(),
-                },
-                f,
-                indent=1,
-            )
+        import fcntl  # noqa: PLC0415  one lock per audit file, only where there is one (Linux, as vLLM)
+        import multiprocessing  # noqa: PLC0415  the process's name (vLLM names its engine core's), as above
+
+        mine = {
+            "pid": os.getpid(),
+            "process": multiprocessing.current_process().name,
+            "installed": time.time() if installed is None else installed,
+            "written": time.time(),
+            "checks": AUDITOR.checks,
+            "views": AUDITOR.views,
+            "descriptor_checks": AUDITOR.descriptor_checks,
+            "stale": len(AUDITOR.mismatches),
+            "summary": AUDITOR.report(),
+            "counters": snapshot(),
+        }
+        with open(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+") as f:  # read, merged, written under its lock
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                earlier = json.loads(f.read())
+            except ValueError:  # empty (just made) or not a report: nothing of this run's
+                earlier = None
+            doc = merged_report(earlier, mine, [m.to_dict() for m in AUDITOR.mismatches])
+            f.seek(0)
+            f.truncate()
+            json.dump(doc, f, indent=1)
+
+
+def merged_report(earlier: Any, mine: dict, mismatches: list[dict]) -> dict:
+    """The audit file once this process (`mine`, with its `mismatches`) reported into it: the reports of this run's
+    other processes kept (those written since this process installed its auditor: they ran beside it; an earlier run's
+    file, or one of another shape, is replaced), then the totals every reader reads as one report: `checks`, `views`,
+    `descriptor_checks` summed, `mismatches` every process's in the order of `processes` (each process's count of
+    them its `stale`), `summary` naming each process and what it checked. A process that checked nothing is listed,
+    never in place of one that did."""
+    kept: list[tuple[dict, list]] = []
+    if isinstance(earlier, dict) and isinstance(earlier.get("processes"), list):
+        at = 0
+        for p in earlier["processes"]:
+            n = p.get("stale", 0) if isinstance(p, dict) else 0
+            written = p.get("written") if isinstance(p, dict) else None
+            if isinstance(written, (int, float)) and written >= mine["installed"] and p.get("pid") != mine["pid"]:
+                kept.append(({k: p.get(k, 0) for k in mine}, list(earlier.get("mismatches") or [])[at : at + n]))
+            at += n
+    kept.append((mine, mismatches))
+    processes = [p for p, _ in kept]
+    checked = [p for p in processes if p["checks"]]
+    said = "; ".join(f"{p['process']} (pid {p['pid']}): {p['summary']}" for p in processes)
+    return {
+        "checks": sum(p["checks"] for p in processes),
+        "views": sum(p["views"] for p in processes),
+        "descriptor_checks": sum(p["descriptor_checks"] for p in processes),
+        "mismatches": [m for _, ms in kept for m in ms],
+        "summary": f"{len(processes)} process(es) reported, {len(checked)} with checks: {said}",
+        "processes": processes,
+    }
 
 
 def write_counters() -> None:

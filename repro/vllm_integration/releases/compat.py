@@ -4,12 +4,16 @@ plugin facts of every attention backend the auditor has a table for (plugin_fact
 derived from the sources, never their text), recorded per release in results/vllm-versions.json.
 
 The source check reads code patterns; it cannot vouch. Its answer (`vllm-check`) says what it rests on: the pattern
-found or not found (source_check), which release the sources are and whether they are that release's published files
-(a wheel's files against its RECORD, an installed folder's against its dist-info RECORD, a git checkout's status and
-tag: published), and whether the gate ran that release on a GPU (results/vllm-gpu-records.json names the gate record
-of each release: gpu_record). Only a release with a GPU record whose files are the published ones reads `good` (or
-`bad`, as the gate found it); sources with no known bad pattern otherwise read NO_KNOWN_BAD, "no known bad pattern (not
-run on a GPU)": exit 0 like good (`git bisect run` keeps working), the JSON saying `verified: false`."""
+found or not found (source_check), which release the sources say they are and what their files were checked against
+(`files`, files_checked: a wheel's files against its own RECORD, an installed folder's against its dist-info RECORD, a
+git checkout's status at an exact release tag), and whether the gate ran that release on a GPU
+(results/vllm-gpu-records.json names the gate record of each release: gpu_record). None of those checks compares the
+files with the published release's: a patched wheel whose RECORD was written again matches its own RECORD, and a tag
+can be made anywhere; this project records no hashes of the published wheels to compare with. So vllm-check never says
+`good` nor that files are the published ones: sources with no known bad pattern read NO_KNOWN_BAD, "no known bad
+pattern (not run on a GPU)", exit 0 (`git bisect run` keeps working), the JSON saying `verified: false`, the release's
+GPU record named beside it. The one answer the GPU record gives: a release the gate found affected reads `bad` for files
+that are as their own RECORD or tag says (a false alarm costs a GPU run; a false all-clear would hide the bug)."""
 
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ from repro.vllm_integration.releases.source_check import BAD, GOOD, NO_KNOWN_BAD
 
 GPU_RECORDS = CHECKOUT / "results" / "vllm-gpu-records.json"  # release -> the gate record that answered it on a GPU
 PACKED = ".tar.xz"  # a record packed (repro.report.records.pack): NAME.tar.xz holding NAME/...
-VERDICT_WORDS = {GOOD: "good (GPU record)", NO_KNOWN_BAD: "no known bad pattern (not run on a GPU)"}
+VERDICT_WORDS = {NO_KNOWN_BAD: "no known bad pattern (not run on a GPU)"}  # never "good": the module docstring
 
 FLASH_ATTN = "vllm/v1/attention/backends/flash_attn.py"
 NEEDED_FIELDS = ("query_start_loc", "seq_lens", "scheduler_metadata", "num_actual_tokens", "max_query_len")
@@ -49,9 +53,11 @@ class Compat:
     pattern: str | None = None  # the pattern verdict of the code alone (source_check: good, bad, untestable)
     patterns: list[str] = field(default_factory=list)  # every capture manager read, with the pattern found or not
     release: str | None = None  # which release the sources say they are (None: not said)
-    published: str = "unknown"  # "identical", "differs: ...", "unknown: ..." (published)
+    files: str = "unknown"  # what the files were checked against and how it came out (files_checked)
     gpu_record: dict | None = None  # {"release", "answer": good|bad, "record": results/<dir>} of the release
-    verified: bool = False  # does a GPU record of these very files stand behind the verdict?
+    # does a GPU record of these very files stand behind the verdict? Only a comparison with the published release's
+    # files could say so, and this project records none: false
+    verified: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -59,13 +65,18 @@ class Compat:
     def describe(self) -> list[str]:
         """The answer in words (vllm-check): the verdict and why, every capture manager with the pattern found or
         not, the release and its files, the GPU record, the auditor's hooks."""
-        rec = f"{self.gpu_record['answer']} ({self.gpu_record['record']})" if self.gpu_record else "none"
+        rec = f"{_found(self.gpu_record)} on a GPU ({self.gpu_record['record']})" if self.gpu_record else "none"
         return [
             f"{self.source}: {VERDICT_WORDS.get(self.verdict, self.verdict)} ({self.layout or '-'}): {self.reason}",
             *(f"  pattern: {line}" for line in self.patterns),
-            f"  release {self.release or 'not named'}; files {self.published}; GPU record: {rec}",
+            f"  release {self.release or 'not named'}; files: {self.files}; GPU record of the release: {rec}",
             f"  auditor hooks: {'ok' if self.plugin_ok else 'MISSING'}: {'; '.join(self.plugin_notes)}",
         ]
+
+
+def _found(rec: dict) -> str:
+    """What a release's GPU record found, in words that never read as these files' verdict."""
+    return "found affected" if rec["answer"] == BAD else "found clean"
 
 
 def plugin_compat(root: Path) -> tuple[bool, list[str]]:
@@ -199,7 +210,7 @@ def check_source(path: str | Path) -> Compat:
     path = Path(path)
     with tempfile.TemporaryDirectory() as tmp:
         tree = _python_tree(path, tmp)
-        return _check(tree, path.name if path.suffix == ".whl" else str(path), *published(path))
+        return _check(tree, path.name if path.suffix == ".whl" else str(path), *files_checked(path))
 
 
 def source_facts(path: str | Path) -> dict:
@@ -208,31 +219,33 @@ def source_facts(path: str | Path) -> dict:
         return plugin_facts(_python_tree(Path(path), tmp))
 
 
-def _check(root: Path, label: str, release: str | None = None, published: str = "unknown") -> Compat:
+def _check(root: Path, label: str, release: str | None = None, files: str = "unknown", as_said: bool = False) -> Compat:
     """The answer for the tree at root, named by `label` (what the user gave: never a temporary extraction folder):
-    the pattern verdict, then what it rests on (the module docstring)."""
+    the pattern verdict, then what it rests on (the module docstring); `as_said`: the files are as their own RECORD or
+    release tag says (files_checked), never known to be the published release's."""
     v = check_tree(root)
     ok, notes = plugin_compat(root)
     pattern = NO_KNOWN_BAD if v.verdict == GOOD else v.verdict  # what the code alone shows: never "good"
     c = Compat(label, v.verdict, v.reason.replace(str(root), label), v.layout, ok, notes, pattern, v.evidence)
-    c.release, c.published = release, published
+    c.release, c.files = release, files
     c.gpu_record = gpu_record(release) if release else None
     if v.verdict == BAD:
         c.reason = f"known bad pattern: {c.reason}"
     if v.verdict != GOOD:  # a bad pattern needs no GPU to say so; untestable sources stay untestable
         return c
     rec = c.gpu_record
-    if rec and published == "identical":
-        c.verdict, c.verified = (GOOD if rec["answer"] == GOOD else BAD), True
+    if rec and rec["answer"] == BAD and as_said:  # never verified: the published files were found affected
+        c.verdict = BAD
         c.reason = (
-            f"the gate found {release} {rec['answer']} on a GPU ({rec['record']}); no known bad pattern: {c.reason}"
+            f"the gate found {release} affected on a GPU ({rec['record']}) and these files {files}: read as that "
+            f"release; no known bad pattern in them: {c.reason}"
         )
         return c
     why = (
         f"no GPU record of {release or 'these sources (no release named)'}"
         if not rec
-        else f"{release} has a GPU record ({rec['record']}), but these files are not known to be its published "
-        f"files ({published})"
+        else f"{release} has a GPU record ({_found(rec)}, {rec['record']}), but these files were not compared with "
+        f"its published files ({files})"
     )
     c.verdict, c.reason = NO_KNOWN_BAD, f"unverified, not run on a GPU ({why}); {c.reason}"
     return c
@@ -309,18 +322,22 @@ def _sha256(data: bytes) -> str:
     return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
-def _against_record(record: str, files: dict[str, bytes]) -> str:
-    """The vllm/ Python files against a RECORD's hashes: identical, or what differs (changed, not listed)."""
+OWN_RECORD = "match {}: not compared with the published wheel"  # every vllm/*.py as its RECORD lists it
+
+
+def _against_record(record: str, files: dict[str, bytes], whose: str) -> tuple[str, bool]:
+    """The vllm/ Python files against a RECORD's hashes (`whose`: which RECORD, in words): (what came of it, whether
+    they match it). A match says nothing of the published release: a RECORD is written again with a patch."""
     listed = dict(line.split(",")[:2] for line in record.splitlines() if line.count(",") >= 2)
     changed = sorted(n for n, data in files.items() if n in listed and listed[n] != _sha256(data))
     extra = sorted(n for n in files if n not in listed)
     if not changed and not extra:
-        return "identical"
+        return OWN_RECORD.format(whose), True
     parts = [
         f"{len(changed)} changed (first {changed[0]})" if changed else "",
         f"{len(extra)} not in RECORD" if extra else "",
     ]
-    return "differs: " + ", ".join(p for p in parts if p)
+    return f"differ from {whose}: " + ", ".join(p for p in parts if p), False
 
 
 def _dist_release(name: str) -> str | None:
@@ -329,21 +346,23 @@ def _dist_release(name: str) -> str | None:
     return m.group(1) if m else None
 
 
-def published(path: Path) -> tuple[str | None, str]:
-    """(the release these sources say they are, whether they are its published files): a wheel against its RECORD,
-    an installed folder (vllm/ beside vllm-X.dist-info) against its dist-info RECORD, a git checkout by its status
-    and an exact release tag; "unknown: why" when none of these can tell."""
+def files_checked(path: Path) -> tuple[str | None, str, bool]:
+    """(the release these sources say they are, what their files were checked against and how it came out, whether
+    they are as that says): a wheel against its own RECORD, an installed folder (vllm/ beside vllm-X.dist-info)
+    against its dist-info RECORD, a git checkout by its status at an exact release tag; "unknown: why" when none of
+    these can tell. None of them is a comparison with the published release's files (the module docstring)."""
     if path.suffix == ".whl":
         with zipfile.ZipFile(path) as z:
             rec = next((n for n in z.namelist() if n.endswith(".dist-info/RECORD")), None)
             if rec is None:
-                return None, "unknown: the wheel has no RECORD"
+                return None, "unknown: the wheel has no RECORD", False
             files = {n: z.read(n) for n in z.namelist() if n.startswith("vllm/") and n.endswith(".py")}
-            return _dist_release(rec.split("/")[0]), _against_record(z.read(rec).decode(), files)
+            return _dist_release(rec.split("/")[0]), *_against_record(z.read(rec).decode(), files, "its own RECORD")
     infos = sorted(path.glob("vllm-*.dist-info"))
     if infos and (infos[-1] / "RECORD").exists():
         files = {str(f.relative_to(path)): f.read_bytes() for f in (path / "vllm").rglob("*.py")}
-        return _dist_release(infos[-1].name), _against_record((infos[-1] / "RECORD").read_text(), files)
+        record = (infos[-1] / "RECORD").read_text()
+        return _dist_release(infos[-1].name), *_against_record(record, files, "their dist-info RECORD")
     git = ["git", "-C", str(path)]
     try:
         top = subprocess.run([*git, "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True)
@@ -354,8 +373,10 @@ def published(path: Path) -> tuple[str | None, str]:
         )
         tag = subprocess.run([*git, "describe", "--tags", "--exact-match"], capture_output=True, text=True)
     except (OSError, subprocess.CalledProcessError):
-        return None, "unknown: no RECORD (wheel or dist-info) and not a git checkout"
+        return None, "unknown: no RECORD (wheel or dist-info) and not a git checkout", False
     release = m.group(1) if (m := re.fullmatch(r"v?(\d+\.\d+\.\d+)", tag.stdout.strip())) else None
     if dirty.stdout.strip():
-        return release, f"differs: git status shows {len(dirty.stdout.splitlines())} changed file(s) under vllm/"
-    return release, "identical" if release else "unknown: a git commit that is no release tag"
+        return release, f"differ: git status shows {len(dirty.stdout.splitlines())} changed file(s) under vllm/", False
+    if not release:
+        return None, "unknown: a git commit that is no release tag", False
+    return release, f"clean at tag {tag.stdout.strip()}: not compared with the published release", True
