@@ -41,9 +41,8 @@ from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
 
 def add_parsers(sub) -> None:
     what = (
-        "code patterns and auditor hooks of vLLM checkouts or wheels (no import; cannot vouch, never 'good': files "
-        "are checked against their own RECORD, not the published release's); exit 0 no known bad pattern, 1 bad, 125 "
-        "untestable"
+        "code patterns and auditor hooks of vLLM checkouts or wheels (no import; cannot vouch, never 'good': files are "
+        "checked against their own RECORD, not the published release's); exit 0 no known bad pattern, 1 bad, 125 untestable"
     )
     vc = sub.add_parser("vllm-check", help=what, description=what)
     vc.add_argument("sources", nargs="+", help="vLLM checkout folders or .whl files")
