@@ -422,3 +422,21 @@ def test_the_report_parses_each_builds_sources_once_a_run(tmp_path, monkeypatch)
     assert parsed == [build.prefix]
     rows = json.loads((tmp_path / "out" / "results.json").read_text())["builds"]
     assert {r["source_check"] for r in rows} == {check_tree(build.prefix).verdict}
+
+
+def test_a_kept_forkservers_build_identity_sees_one_module_edited_in_place(tmp_path):
+    """A kept forkserver serves a later run only while the build's files are the ones it imported: an edit of one
+    module deep in the package (a bisect's checkout, a mutant, a hand-made fix), which leaves the package folder's
+    and its __init__.py's size and mtime as they were, is another build; a rerun on the same files is the same one."""
+    from repro.vllm_integration.gate import keep as gate_keep
+
+    build = _build(tmp_path, "good")
+    before = gate_keep.build_identity(build)
+    assert gate_keep.build_identity(build) == before
+    deep = sorted(p for p in build.package_dir.rglob("*.py") if p.parent != build.package_dir)[0]
+    stamps = [(p.stat().st_size, p.stat().st_mtime_ns) for p in (build.package_dir, build.package_dir / "__init__.py")]
+    deep.write_text(deep.read_text() + "\n# edited in place\n")
+    assert stamps == [
+        (p.stat().st_size, p.stat().st_mtime_ns) for p in (build.package_dir, build.package_dir / "__init__.py")
+    ]
+    assert gate_keep.build_identity(build) != before

@@ -64,15 +64,19 @@ def socket_dir() -> Path:
 
 
 def build_identity(build) -> str:
-    """What says a build's files are the ones a kept forkserver imported: its version, its package folder, and the
-    size and mtime of the package's __init__.py and of the folder itself (a reinstall at the same prefix changes them)."""
+    """What says a build's files are the ones a kept forkserver imported: its version, its torch, and the path, size
+    and mtime of every Python module and extension under its package folder (a reinstall at the same prefix, and an
+    edit of one module in place too: a bisect's checkout, a mutant, a hand-made fix, each of which a forkserver that
+    imported the old file would run instead)."""
     pkg = build.package_dir
-    stamps = []
-    for f in (pkg, pkg / "__init__.py") if pkg is not None else ():
-        with contextlib.suppress(OSError):
-            st = f.stat()
-            stamps.append(f"{f}:{st.st_size}:{st.st_mtime_ns}")
-    return "|".join([str(build.version), str(build.torch_prefix or ""), *stamps])
+    h = hashlib.sha256()
+    for root, dirs, files in os.walk(pkg) if pkg is not None else ():
+        dirs.sort()
+        for name in sorted(f for f in files if f.endswith((".py", ".so", ".pth"))):
+            with contextlib.suppress(OSError):
+                st = os.stat(os.path.join(root, name))
+                h.update(f"{os.path.relpath(os.path.join(root, name), pkg)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return "|".join([str(build.version), str(build.torch_prefix or ""), str(pkg or ""), h.hexdigest()[:20]])
 
 
 def socket_for(
