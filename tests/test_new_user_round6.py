@@ -1,11 +1,14 @@
 """A demanding new user's sixth round (branch rev54), each guarantee a test: a duration no wait can take is refused
-before any work."""
+before any work, and the pytest tier's variables are judged, by name, before any case runs."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from tests.commands import fake_vllm, refused_in
+from tests.commands import ROOT, fake_vllm, isolated_env, refused_in
 
 # 1. a duration past what Python's waits can take is bad input, never an OverflowError once the first case waits.
 
@@ -42,3 +45,35 @@ def test_the_longest_wait_allowed_is_one_python_can_take():
 
     assert not threading.Event().wait(min(MAX_WAIT_S, 1e-3))  # the bound itself: a week is far below 24.8 days
     assert MAX_WAIT_S * 1000 < 2**31 - 1  # poll's timeout: milliseconds in a C int
+
+
+# 2. the pytest tier's variables: judged at collection, each error naming its variable.
+
+
+@pytest.mark.parametrize(
+    "var,value",
+    [
+        ("REPRO_GATE_TIMEOUT", "abc"),
+        ("REPRO_GATE_TIMEOUT", "1e12"),
+        ("REPRO_GATE_TIMEOUT", "nan"),
+        ("REPRO_SELF_CONTROL", "under_test"),
+        ("REPRO_GATE_MODES", "sm_margin:0"),
+        ("REPRO_GATE_METHODS", "eagle,eagle"),
+    ],
+)
+def test_the_pytest_tiers_variables_are_judged_by_name_before_any_case_runs(tmp_path, var, value):
+    # REPRO_GATE_TIMEOUT and REPRO_SELF_CONTROL were read only inside a running test: on a CPU the test skipped over
+    # them, on a GPU every test failed with a traceback (or, for a timeout past 24.8 days, an OverflowError mid-run)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "cases/test_vllm_gate.py", "-m", "vllm"]
+    env = isolated_env(tmp_path, **{var: value})
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert r.returncode == 2, r.stdout[-2000:]
+    assert f"ConfigError: {var}={value!r}" in r.stdout, r.stdout[-2000:]
+
+
+def test_the_pytest_tiers_settings_read_as_the_gate_reads_them():
+    from cases.test_vllm_gate import settings
+
+    got = settings({"REPRO_GATE_TIMEOUT": "60", "REPRO_SELF_CONTROL": "none"})
+    assert got["timeout"] == 60.0 and got["self_control"] == "none"
+    assert [m.name for m in got["modes"]] == ["audit", "plain"] and got["methods"] == ("eagle",)
