@@ -77,3 +77,15 @@ def test_the_pytest_tiers_settings_read_as_the_gate_reads_them():
     got = settings({"REPRO_GATE_TIMEOUT": "60", "REPRO_SELF_CONTROL": "none"})
     assert got["timeout"] == 60.0 and got["self_control"] == "none"
     assert [m.name for m in got["modes"]] == ["audit", "plain"] and got["methods"] == ("eagle",)
+
+
+# 3. an option that would be ignored is refused: `run` as `matrix` does.
+
+
+@pytest.mark.parametrize("scenario", ["v2-capture", "spec-decode"])
+def test_run_refuses_the_pair_scenarios_descriptors_for_another_scenario_as_matrix_does(tmp_path, scenario):
+    # run --built-for t4r1 (no --scenario pair) ran, or on a CPU said "no GPU", the v2-capture case: never the pair asked for
+    for flag in ("--built-for", "--launched"):
+        args = ["run", "--backend", "vllm", "--scenario", scenario, flag, "t4r1"]
+        refused_in(args, tmp_path, 2, f"describe the pair scenario, not --scenario {scenario}")
+        refused_in(["matrix", "--dry-run", "--scenario", scenario, flag, "t4r1"], tmp_path, 2, "describe the pair")
