@@ -89,3 +89,10 @@ def test_run_refuses_the_pair_scenarios_descriptors_for_another_scenario_as_matr
         args = ["run", "--backend", "vllm", "--scenario", scenario, flag, "t4r1"]
         refused_in(args, tmp_path, 2, f"describe the pair scenario, not --scenario {scenario}")
         refused_in(["matrix", "--dry-run", "--scenario", scenario, flag, "t4r1"], tmp_path, 2, "describe the pair")
+
+
+def test_matrix_refuses_gpu_only_with_the_cpu_model_rather_than_predicting(tmp_path):
+    # matrix --model --gpu-only printed the CPU model's table and exited 0: --gpu-only says "fail instead of predicting"
+    for model in (["--model"], ["--backend", "model"]):
+        for extra in (["--dry-run"], ["--out", "m"]):
+            refused_in(["matrix", *model, "--gpu-only", *extra], tmp_path, 2, "--gpu-only refuses the CPU model")
