@@ -96,3 +96,25 @@ def test_matrix_refuses_gpu_only_with_the_cpu_model_rather_than_predicting(tmp_p
     for model in (["--model"], ["--backend", "model"]):
         for extra in (["--dry-run"], ["--out", "m"]):
             refused_in(["matrix", *model, "--gpu-only", *extra], tmp_path, 2, "--gpu-only refuses the CPU model")
+
+
+# 4. a check that had nothing to check is no answer, never a failed (or passed) check.
+
+
+def test_xdist_report_of_a_run_where_no_case_recorded_its_gpu_is_no_answer(tmp_path):
+    # it printed a report of an empty table with PROBLEMS and exited 1, "a worker shared or changed GPUs"
+    junit = tmp_path / "j.xml"
+    junit.write_text(
+        '<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="1">'
+        '<testcase classname="a" name="t1" time="0.1"><skipped message="no CUDA GPU"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    r = refused_in(["xdist-report", str(junit), "--out", str(tmp_path / "x.md")], tmp_path, 2, "nothing to check")
+    assert not r.stdout
+
+
+def test_the_exit_code_table_says_what_xdist_report_answers_with_nothing_to_check():
+    from repro.exit_codes import EXIT_CODES
+
+    assert "no case recorded its GPU" in EXIT_CODES["xdist-report"][2]
+    assert "no case recorded its GPU" in (ROOT / "docs" / "exit-codes.md").read_text()

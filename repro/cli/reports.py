@@ -140,6 +140,11 @@ def cmd_xdist(a: argparse.Namespace) -> int:
     check_exists(a.junit)
     check_file(a.out, "--out", inputs=(a.junit,))
     rep = check_junit(a.junit, a.workers)
+    if not rep.workers:  # nothing to check is no answer (as agree's comparison of nothing), never a report
+        raise ConfigError(
+            f"{a.junit}: no case recorded the GPU it ran on: nothing to check (the JUnit XML of a `pytest -n N -m gpu` "
+            "run on a GPU machine, whose cases ran)"
+        )
     md = junit_markdown(rep, a.junit)
     if a.out:
         write_file(a.out, redact(md))
