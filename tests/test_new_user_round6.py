@@ -118,3 +118,27 @@ def test_the_exit_code_table_says_what_xdist_report_answers_with_nothing_to_chec
 
     assert "no case recorded its GPU" in EXIT_CODES["xdist-report"][2]
     assert "no case recorded its GPU" in (ROOT / "docs" / "exit-codes.md").read_text()
+
+
+# 5. a damaged results/index.json is named as what it is, before anything is packed or written, in every reader.
+
+
+@pytest.mark.parametrize(
+    "damage", [b"\xff", b"", b"[]", b'{"records": [{"nam": 1}]}'], ids=["utf8", "empty", "list", "key"]
+)
+def test_a_damaged_index_is_named_before_anything_is_packed_and_stale_says_so_without_a_traceback(tmp_path, damage):
+    import shutil
+
+    root = tmp_path / "co"
+    (root / "results" / "x").mkdir(parents=True)
+    (root / "results" / "x" / "results.json").write_text('{"kind": "vllm-gate", "outcome": "PASS"}')
+    (root / "results" / "index.json").write_bytes(damage)
+    shutil.copy(ROOT / "README.md", root / "README.md")
+    git = ["git", "-C", str(root), "-c", "user.email=a@b", "-c", "user.name=a"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "README.md"], check=True)
+    subprocess.run([*git, "commit", "-qm", "readme"], check=True)
+    # --add and --index said "a record in git history cannot be read"; --stale ended in a UnicodeDecodeError traceback
+    for args in (["--add", "x"], ["--index"], ["--stale"]):
+        refused_in(["records", "--root", str(root), *args], tmp_path, 2, "results/index.json cannot be read")
+    assert (root / "results" / "index.json").read_bytes() == damage and not list(root.rglob("*.tar.xz"))

@@ -170,6 +170,14 @@ def cmd_records(a: argparse.Namespace) -> int:
         raise ConfigError(f"{results} is not a folder: give --root the checkout that holds results/")
     if a.note and not a.add:
         raise ConfigError("--note goes with --add")
+    if a.stale or a.add or a.index:  # they read the index as written: a damaged one is never blamed on a record
+        try:
+            records.load_index(results)
+        except UNREADABLE as e:
+            raise ConfigError(
+                f"{results / records.INDEX} cannot be read ({type(e).__name__}: {e}): restore it (git checkout) or "
+                "remove it to rebuild it from the records and git (its notes are lost); nothing packed or written"
+            ) from None
     if a.stale:
         if not records.git(root, "rev-parse", "HEAD"):
             raise ConfigError(f"{root} is not a git checkout with history: --stale compares commits")
