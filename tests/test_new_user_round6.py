@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.commands import ROOT, fake_vllm, isolated_env, refused_in
+from tests.commands import ROOT, fake_vllm, isolated_env, main_in, refused_in
 
 # 1. a duration past what Python's waits can take is bad input, never an OverflowError once the first case waits.
 
@@ -142,3 +142,22 @@ def test_a_damaged_index_is_named_before_anything_is_packed_and_stale_says_so_wi
     for args in (["--add", "x"], ["--index"], ["--stale"]):
         refused_in(["records", "--root", str(root), *args], tmp_path, 2, "results/index.json cannot be read")
     assert (root / "results" / "index.json").read_bytes() == damage and not list(root.rglob("*.tar.xz"))
+
+
+# 6. bisect answers within the range it was given.
+
+
+def test_a_bisect_of_adjacent_good_and_bad_names_bad_and_says_no_check_ran_never_a_commit_outside_the_range(tmp_path):
+    from tests.fake_vllm import MANAGER_BAD, MANAGER_GOOD, write_manager_history
+
+    shas = write_manager_history(
+        tmp_path / "repo", [MANAGER_GOOD + "\n# 0\n", MANAGER_GOOD + "\n# 1\n", MANAGER_BAD, MANAGER_BAD + "\n#\n"]
+    )
+    # git bisect start named --bad at once; the `git bisect run` after it judged the checkout's HEAD (change 3, bad)
+    # and bisected on from there: "first bad commit: change 2", a descendant of the --bad given
+    r = main_in(["bisect", "--vllm", "repo", "--good", "HEAD~4", "--bad", "HEAD~3"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"first bad commit: {shas[0]} change 0" in r.stdout, r.stdout
+    assert "no commit lies between --good HEAD~4 and --bad HEAD~3: git named --bad, no check ran" in r.stdout
+    head = subprocess.run(["git", "-C", str(tmp_path / "repo"), "rev-parse", "HEAD"], capture_output=True, text=True)
+    assert head.stdout.strip() == shas[3]  # the checkout given back as it was
