@@ -150,14 +150,32 @@ def test_a_damaged_index_is_named_before_anything_is_packed_and_stale_says_so_wi
 def test_a_bisect_of_adjacent_good_and_bad_names_bad_and_says_no_check_ran_never_a_commit_outside_the_range(tmp_path):
     from tests.fake_vllm import MANAGER_BAD, MANAGER_GOOD, write_manager_history
 
+    history = [MANAGER_GOOD + "\n# 0\n", MANAGER_BAD, MANAGER_BAD + "\n#\n", MANAGER_GOOD + "\n# fixed\n"]
+    shas = write_manager_history(tmp_path / "repo", history)
+    # git bisect start named --bad at once; the `git bisect run` after it judged the checkout's HEAD instead (here the
+    # fixed change 3: "bisect found no first bad commit"; with a bad HEAD, a commit past --bad)
+    r = main_in(["bisect", "--vllm", "repo", "--good", "HEAD~3", "--bad", "HEAD~2"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"first bad commit: {shas[1]} change 1" in r.stdout, r.stdout
+    assert "no commit lies between --good HEAD~3 and --bad HEAD~2: git named --bad, no check ran" in r.stdout
+    head = subprocess.run(["git", "-C", str(tmp_path / "repo"), "rev-parse", "HEAD"], capture_output=True, text=True)
+    assert head.stdout.strip() == shas[3]  # the checkout given back as it was
+
+
+def test_a_source_bisect_whose_good_or_bad_the_source_check_contradicts_names_no_commit_never_judged_bad(tmp_path):
+    from tests.fake_vllm import MANAGER_BAD, MANAGER_GOOD, write_manager_history
+
     shas = write_manager_history(
         tmp_path / "repo", [MANAGER_GOOD + "\n# 0\n", MANAGER_GOOD + "\n# 1\n", MANAGER_BAD, MANAGER_BAD + "\n#\n"]
     )
-    # git bisect start named --bad at once; the `git bisect run` after it judged the checkout's HEAD (change 3, bad)
-    # and bisected on from there: "first bad commit: change 2", a descendant of the --bad given
-    r = main_in(["bisect", "--vllm", "repo", "--good", "HEAD~4", "--bad", "HEAD~3"], tmp_path)
-    assert r.returncode == 0, r.stderr
-    assert f"first bad commit: {shas[0]} change 0" in r.stdout, r.stdout
-    assert "no commit lies between --good HEAD~4 and --bad HEAD~3: git named --bad, no check ran" in r.stdout
+    # git takes --good and --bad on trust: it said "first bad commit: change 1" (--bad itself, judged good by its one
+    # step's neighbour and never judged bad) and "change 3" (after a --good that was bad already), each exit 0
+    for good, bad, why in (
+        ("HEAD~4", "HEAD~2", "--bad HEAD~2 shows no known bad pattern in its source"),
+        ("HEAD~1", "HEAD", "--good HEAD~1 shows the bad pattern already in its source"),
+    ):
+        r = main_in(["bisect", "--vllm", "repo", "--good", good, "--bad", bad], tmp_path)
+        assert r.returncode == 1 and "first bad commit" not in r.stdout, (r.returncode, r.stdout)
+        assert r.stderr.startswith(f"bisect found no first bad commit: {why}"), r.stderr
     head = subprocess.run(["git", "-C", str(tmp_path / "repo"), "rev-parse", "HEAD"], capture_output=True, text=True)
-    assert head.stdout.strip() == shas[3]  # the checkout given back as it was
+    assert head.stdout.strip() == shas[3]
