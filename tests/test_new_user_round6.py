@@ -179,3 +179,14 @@ def test_a_source_bisect_whose_good_or_bad_the_source_check_contradicts_names_no
         assert r.stderr.startswith(f"bisect found no first bad commit: {why}"), r.stderr
     head = subprocess.run(["git", "-C", str(tmp_path / "repo"), "rev-parse", "HEAD"], capture_output=True, text=True)
     assert head.stdout.strip() == shas[3]
+
+
+# 7. plugin-request: an SM margin no GPU has is refused, as the gate's sm_margin:N is.
+
+
+def test_plugin_request_refuses_an_sm_margin_no_gpu_has_as_the_gate_does(tmp_path):
+    # it printed a request whose margin leaves FA3 fewer than 0 SMs to plan for, exit 0
+    refused_in(["plugin-request", "--sm-margin", "100000"], tmp_path, 2, "--sm-margin 100000: impossible SM count")
+    refused_in(["gate", "--dry-run", "--modes", "sm_margin:100000"], tmp_path, 2, "impossible SM count: 0 to 1024")
+    r = main_in(["plugin-request", "--sm-margin", "66"], tmp_path)
+    assert r.returncode == 0 and '"sm_margin": 66' in r.stdout
