@@ -190,3 +190,24 @@ def test_plugin_request_refuses_an_sm_margin_no_gpu_has_as_the_gate_does(tmp_pat
     refused_in(["gate", "--dry-run", "--modes", "sm_margin:100000"], tmp_path, 2, "impossible SM count: 0 to 1024")
     r = main_in(["plugin-request", "--sm-margin", "66"], tmp_path)
     assert r.returncode == 0 and '"sm_margin": 66' in r.stdout
+
+
+# 8. redact rewrites each record whole or not at all.
+
+
+def test_a_redact_that_cannot_write_a_record_whole_leaves_it_as_it_was(tmp_path):
+    # a full disk (here: a file-size limit of 4 KiB) while redact rewrote a record in place left the record cut at the
+    # limit, its end lost; now each record is written beside itself and renamed into place
+    record = tmp_path / "r.json"
+    record.write_text("".join(f'{{"log": "/home/someone/work/case-{i}/out.txt"}}\n' for i in range(400)))
+    before = record.read_bytes()
+    code = (
+        "import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)); from repro.cli import main; "
+        f"sys.exit(main(['redact', {str(record)!r}]))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=isolated_env(tmp_path))
+    assert r.returncode == 2 and "cannot write it" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert record.read_bytes() == before and len(before) > 4096
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "tmp"]  # no temporary file left
+    assert main_in(["redact", str(record)], tmp_path).returncode == 0 and "<path>/out.txt" in record.read_text()
