@@ -3,6 +3,7 @@ before any work, and the pytest tier's variables are judged, by name, before any
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -211,3 +212,34 @@ def test_a_redact_that_cannot_write_a_record_whole_leaves_it_as_it_was(tmp_path)
     assert record.read_bytes() == before and len(before) > 4096
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "tmp"]  # no temporary file left
     assert main_in(["redact", str(record)], tmp_path).returncode == 0 and "<path>/out.txt" in record.read_text()
+
+
+# 9. pytest --gate-report: only an earlier gate report is replaced.
+
+
+def _gate_tier(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """The GPU tier through its stand-ins (tests/standin_gpu_tier.py), as tests/test_gpu_tier_under_xdist.py runs it."""
+    cmd = [sys.executable, "-m", "pytest", "cases", "-m", "gpu", "-k", "stale_metadata", "--gate", "-q"]
+    cmd += ["-p", "tests.standin_gpu_tier", "-p", "no:cacheprovider", *args]
+    env = isolated_env(tmp_path, REPRO_EXECUTOR="process", REPRO_LOG_DIR=str(tmp_path / "logs"))
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_a_gate_report_folder_holding_files_of_another_kind_is_refused_before_the_run_and_kept(tmp_path):
+    # gate.json and gate.md were written over at the end of the run, whatever they were
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, text in (("gate.json", '{"my": "settings"}'), ("gate.md", "# my notes\n")):
+        (out / name).write_text(text)
+        r = _gate_tier(tmp_path, f"--gate-report={out}")
+        assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+        assert r.stderr.strip() == f"repro: error: --gate-report {out}: its {name} is not a gate report: give another " \
+            "folder (it is kept)"  # fmt: skip
+        assert (out / name).read_text() == text
+        (out / name).unlink()
+    r = _gate_tier(tmp_path, f"--gate-report={out}")  # an earlier gate report is replaced, run after run
+    assert (out / "gate.json").exists() and (out / "gate.md").exists(), r.stdout[-2000:]
+    first = json.loads((out / "gate.json").read_text())
+    r = _gate_tier(tmp_path, f"--gate-report={out}")
+    assert r.returncode == 0 and json.loads((out / "gate.json").read_text())["outcome"] == first["outcome"]
+    assert sorted(p.name for p in out.iterdir()) == ["gate.json", "gate.md"]  # no temporary file left

@@ -61,24 +61,33 @@ def redact_file(path: str | Path) -> bool:
     p = Path(path)
     new = _redacted(p)
     if new is not None:
-        _write_whole(p, new)
+        write_whole(p, new)
     return new is not None
 
 
-def _write_whole(p: Path, data: bytes) -> None:
-    """`data` into record `p` whole or not at all: written beside it, then renamed into place (its mode kept; a link
-    named directly is written through to its target, as before). A full disk or Ctrl-C mid-write cut the record."""
+def write_whole(p: Path, data: bytes) -> None:
+    """`data` into `p` whole or not at all: written beside it, then renamed into place (an existing file's mode kept;
+    a link named directly is written through to its target). A full disk or Ctrl-C mid-write cut a record."""
     target = Path(os.path.realpath(p))
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".redact", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as out:
             out.write(data)
-        shutil.copymode(target, tmp)
+        if target.exists():
+            shutil.copymode(target, tmp)
+        else:
+            os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _files(root: Path) -> list[Path]:
@@ -103,7 +112,7 @@ def redact_tree(paths: list[str | Path]) -> list[Path]:
             raise ConfigError(f"{f}: cannot write it (permission denied); nothing was rewritten")
     for f, new in todo:
         try:
-            _write_whole(f, new)
+            write_whole(f, new)
         except OSError as e:
             raise ConfigError(f"{f}: cannot write it ({e.strerror or e})") from None
     return [f for f, _ in todo]
