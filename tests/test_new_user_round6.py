@@ -243,3 +243,26 @@ def test_a_gate_report_folder_holding_files_of_another_kind_is_refused_before_th
     r = _gate_tier(tmp_path, f"--gate-report={out}")
     assert r.returncode == 0 and json.loads((out / "gate.json").read_text())["outcome"] == first["outcome"]
     assert sorted(p.name for p in out.iterdir()) == ["gate.json", "gate.md"]  # no temporary file left
+
+
+# 10. gate --devices: a device that is not here is refused, never handed to the cases.
+
+
+def test_gate_devices_refuses_a_device_nvml_does_not_know_or_a_negative_index(tmp_path):
+    from repro.errors import ConfigError
+    from repro.run.smcontrol import GpuInfo, MigSlice
+    from repro.vllm_integration.gate.placement import gate_devices
+
+    def one_gpu():
+        return [GpuInfo(0, "NVIDIA H200", "GPU-0", 132, False)]
+
+    def mig_runner():
+        return [GpuInfo(0, "NVIDIA H200", "GPU-0", 132, True, (MigSlice(0, 0, "MIG-a0", "1g.18gb", 16, 16000),))]
+
+    # `--devices 1` on a one-GPU machine, or -1, went to the cases as CUDA_VISIBLE_DEVICES: no GPU in any of them
+    for bad in ("1", "-1", "GPU-7", "0,MIG-zz"):
+        with pytest.raises(ConfigError, match="no such device here"):
+            gate_devices(bad, one_gpu)
+    assert [(d.dev, d.kind) for d in gate_devices("0,GPU-0", one_gpu)] == [("0", "gpu"), ("GPU-0", "gpu")]
+    assert [d.dev for d in gate_devices("MIG-a0,0", mig_runner)] == ["MIG-a0", "0"]  # a MIG GPU's own index too
+    refused_in(["gate", "--dry-run", "--devices", "-1"], tmp_path, 2, "--devices -1: no such device here")
