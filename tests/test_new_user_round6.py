@@ -266,3 +266,23 @@ def test_gate_devices_refuses_a_device_nvml_does_not_know_or_a_negative_index(tm
     assert [(d.dev, d.kind) for d in gate_devices("0,GPU-0", one_gpu)] == [("0", "gpu"), ("GPU-0", "gpu")]
     assert [d.dev for d in gate_devices("MIG-a0,0", mig_runner)] == ["MIG-a0", "0"]  # a MIG GPU's own index too
     refused_in(["gate", "--dry-run", "--devices", "-1"], tmp_path, 2, "--devices -1: no such device here")
+
+
+# 11. a gate that ran without a GPU (stand-in builds) says so beside its headline, in every report.
+
+
+def test_a_gate_run_without_a_gpu_says_under_its_headline_that_it_vouches_for_no_real_vllm(tmp_path):
+    from tests.fake_vllm import write_fake_vllm
+
+    build = write_fake_vllm(tmp_path / "good", "0.26.0", "good")
+    # only stderr said it: verdicts.md and results.json read "Gate: PASS" with nothing beside it
+    r = main_in(["gate", "--no-installed", "--vllm", f"good={build}", "--out", str(tmp_path / "out")], tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    said = (
+        "**No GPU: these builds have no compiled extensions (stand-ins?); their answer says nothing about a real vLLM**"
+    )
+    md = (tmp_path / "out" / "verdicts.md").read_text()
+    assert "**Gate: PASS** (" in md and md.split("**Gate: PASS**", 1)[1].split("\n\n")[1] == said
+    assert r.stdout.split("**Gate: PASS**", 1)[1].split("\n\n")[1] == said
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert doc["outcome"] == "PASS" and "says nothing about a real vLLM" in doc["environment"]["no_gpu"]

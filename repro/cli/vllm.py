@@ -295,9 +295,11 @@ def cmd_gate(a: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return exit_codes.Exit.NOT_RUN
-    if not gpu:  # only builds without compiled extensions get here: stand-ins (tests/fake_vllm.py)
-        print("[gate] no CUDA GPU: these builds have no compiled extensions (stand-ins?); their answer says nothing "
-              "about a real vLLM", file=sys.stderr)  # fmt: skip
+    caveat = {}  # only builds without compiled extensions get here without a GPU: stand-ins (tests/fake_vllm.py)
+    if not gpu:  # the reports say so under their headline too: a PASS here vouches for no real vLLM
+        caveat = {gate_report.NO_GPU: "these builds have no compiled extensions (stand-ins?); their answer says "
+                  "nothing about a real vLLM"}  # fmt: skip
+        print(f"[gate] no CUDA GPU: {caveat[gate_report.NO_GPU]}", file=sys.stderr)
     out = open_folder(a.out, "gate", a.overwrite)
     if overlays:
         dest = out / "overlays" if a.out else Path(tempfile.mkdtemp(prefix="repro-overlays-"))
@@ -339,8 +341,9 @@ def cmd_gate(a: argparse.Namespace) -> int:
         self_control_attempts=a.self_control_attempts,
     )
     judgment = run.judge(need_control=not a.no_control)  # the one decision: the reports and the exit code read it
-    written = gate_report.write(run, out, collect())
-    print(gate_report.markdown(run).split("\n| case |")[0])
+    written = gate_report.write(run, out, collect() | caveat)
+    no_gpu = f"\n\n**No GPU: {caveat[gate_report.NO_GPU]}**" if caveat else ""  # under the headline, as in verdicts.md
+    print(gate_report.markdown(run).split("\n| case |")[0].replace("\n\n| build |", f"{no_gpu}\n\n| build |", 1))
     print(f"written: {', '.join(str(p) for p in written)}")
     return exit_codes.gate(judgment.outcome)
 
