@@ -286,3 +286,10 @@ def test_a_gate_run_without_a_gpu_says_under_its_headline_that_it_vouches_for_no
     assert r.stdout.split("**Gate: PASS**", 1)[1].split("\n\n")[1] == said
     doc = json.loads((tmp_path / "out" / "results.json").read_text())
     assert doc["outcome"] == "PASS" and "says nothing about a real vLLM" in doc["environment"]["no_gpu"]
+
+
+def test_gate_refuses_an_installed_label_with_no_installed_rather_than_ignore_it(tmp_path):
+    build = fake_vllm(tmp_path / "b", compiled=True)
+    # the label was taken and dropped: the run listed and ran only x's cases, the label named nothing
+    args = ["gate", "--dry-run", "--no-installed", "--installed-label", "mine", "--vllm", f"x={build}"]
+    refused_in(args, tmp_path, 2, "--installed-label names the installed vllm's cases, which --no-installed leaves out")

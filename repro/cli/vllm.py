@@ -250,7 +250,9 @@ def cmd_gate(a: argparse.Namespace) -> int:
     builds = find_builds(include_installed=not a.no_installed)
     for flag, given, role in (("--vllm", a.vllm, UNDER_TEST), ("--control", a.control, CONTROL)):
         builds += [b for item in given for b in parse_builds(item, role, flag)]  # one item: one build, commas kept
-    if a.installed_label is not None:
+    if a.installed_label is not None:  # never ignored: it names the installed vllm's cases
+        if a.no_installed:
+            raise ConfigError("--installed-label names the installed vllm's cases, which --no-installed leaves out")
         check_label(a.installed_label, "--installed-label")
         builds = [replace(b, label=a.installed_label) if b.prefix is None else b for b in builds]
     # --torch may name an overlay too; an overlay not named runs with its base build's torch (its compiled parts
