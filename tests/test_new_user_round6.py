@@ -293,3 +293,23 @@ def test_gate_refuses_an_installed_label_with_no_installed_rather_than_ignore_it
     # the label was taken and dropped: the run listed and ran only x's cases, the label named nothing
     args = ["gate", "--dry-run", "--no-installed", "--installed-label", "mine", "--vllm", f"x={build}"]
     refused_in(args, tmp_path, 2, "--installed-label names the installed vllm's cases, which --no-installed leaves out")
+
+
+# 12. Ctrl-C before the command starts (in python -m repro's imports) is an interruption, exit 130, no traceback.
+
+
+def test_ctrl_c_while_python_m_repro_imports_exits_130_in_one_line(tmp_path):
+    code = (
+        "import builtins, os, runpy, signal, sys\n"
+        "real = builtins.__import__\n"
+        "def imp(name, *a, **k):\n"
+        "    if name == 'repro.cli':\n"
+        "        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C now: Python raises it inside this import\n"
+        "    return real(name, *a, **k)\n"
+        "builtins.__import__ = imp\n"
+        "sys.argv = ['repro', 'doctor']\n"
+        "runpy.run_module('repro', run_name='__main__', alter_sys=True)\n"
+    )
+    # it died by SIGINT (-2) with a KeyboardInterrupt traceback
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=isolated_env(tmp_path))
+    assert r.returncode == 130 and r.stderr == "repro: interrupted\n", (r.returncode, r.stderr[-2000:])
