@@ -313,3 +313,9 @@ def test_ctrl_c_while_python_m_repro_imports_exits_130_in_one_line(tmp_path):
     # it died by SIGINT (-2) with a KeyboardInterrupt traceback
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=isolated_env(tmp_path))
     assert r.returncode == 130 and r.stderr == "repro: interrupted\n", (r.returncode, r.stderr[-2000:])
+
+
+def test_a_capture_size_given_twice_is_refused_as_every_axis_value_given_twice_is(tmp_path):
+    # --capture-sizes 4,4 made a case (id ...-cap4_4-...) whose capture ran one size twice, which vLLM never does
+    refused_in(["matrix", "--dry-run", "--capture-sizes", "4,4"], tmp_path, 2, "--capture-sizes: 4 given twice")
+    refused_in(["run", "--backend", "vllm", "--capture-sizes", "8,4,8"], tmp_path, 2, "--capture-sizes: 8 given twice")

@@ -157,6 +157,8 @@ def shape_config(a: argparse.Namespace, splits: int) -> AttnConfig:
         capture_sizes=parse_ints(a.capture_sizes),
         max_num_seqs=a.max_num_seqs,
     )
+    if twice := sorted({n for n in cfg.capture_sizes if cfg.capture_sizes.count(n) > 1}):  # one capture per size
+        raise ConfigError(f"--capture-sizes: {twice[0]} given twice (vLLM captures each size once)")
     q, biggest = cfg.decode_query_len, max(cfg.capture_sizes)
     if -(-biggest // q) > cfg.max_num_seqs:  # vLLM captures no uniform decode batch of more requests than it schedules
         raise ConfigError(
