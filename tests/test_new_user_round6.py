@@ -319,3 +319,19 @@ def test_a_capture_size_given_twice_is_refused_as_every_axis_value_given_twice_i
     # --capture-sizes 4,4 made a case (id ...-cap4_4-...) whose capture ran one size twice, which vLLM never does
     refused_in(["matrix", "--dry-run", "--capture-sizes", "4,4"], tmp_path, 2, "--capture-sizes: 4 given twice")
     refused_in(["run", "--backend", "vllm", "--capture-sizes", "8,4,8"], tmp_path, 2, "--capture-sizes: 8 given twice")
+
+
+# 13. bench: each record is what its place in the table says it is.
+
+
+def test_bench_refuses_a_plain_run_as_the_memcheck_run_and_one_record_as_both_paths(tmp_path):
+    r = main_in(["matrix", "--model", "--quiet", "--splits", "32", "--out", str(tmp_path / "model")], tmp_path)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads((tmp_path / "model" / "results.json").read_text())
+    doc["source"] = "gpu"  # as a GPU run of the matrix without --sanitizer records it
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(doc))
+    # "Plain: X; memcheck: X" and a sanitizer overhead of 0 s; the paths table said old ran "process" and new
+    # "forkserver", one record read twice
+    refused_in(["bench", str(plain), str(plain)], tmp_path, 2, "did not run under compute-sanitizer")
+    refused_in(["bench", "--paths", str(plain), str(plain)], tmp_path, 2, "one record twice")
