@@ -1,5 +1,11 @@
 """A demanding new user's sixth round (branch rev54), each guarantee a test: a duration no wait can take is refused
-before any work, and the pytest tier's variables are judged, by name, before any case runs."""
+before any work; the pytest tier's variables are judged, by name, before any case runs; an option that would be
+ignored or contradicts another is refused (run's pair descriptors, matrix --model --gpu-only, gate --installed-label
+with --no-installed, a value given twice); a check with nothing to check is no answer (xdist-report); a damaged
+results/index.json is named as itself; bisect answers within its range and never names a commit no check judged bad;
+plugin-request and gate --devices refuse what no GPU has; redact and --gate-report write whole, never over another
+kind of file; a gate run without a GPU says so under its headline; Ctrl-C in python -m repro's imports exits 130; bench
+takes each record for what it is."""
 
 from __future__ import annotations
 
