@@ -341,3 +341,16 @@ def test_bench_refuses_a_plain_run_as_the_memcheck_run_and_one_record_as_both_pa
     # "forkserver", one record read twice
     refused_in(["bench", str(plain), str(plain)], tmp_path, 2, "did not run under compute-sanitizer")
     refused_in(["bench", "--paths", str(plain), str(plain)], tmp_path, 2, "one record twice")
+
+
+def test_agree_and_records_speed_refuse_one_record_named_twice_rather_than_count_its_cases_twice(tmp_path):
+    r = main_in(["matrix", "--model", "--quiet", "--splits", "32", "--out", str(tmp_path / "model")], tmp_path)
+    doc = json.loads((tmp_path / "model" / "results.json").read_text())
+    doc["source"] = "gpu"
+    (tmp_path / "gpu.json").write_text(json.dumps(doc))
+    # "Verdicts agree in 42 of 42 cases" for a record of 21
+    refused_in(["agree", "gpu.json", "./gpu.json"], tmp_path, 2, "gpu.json and ./gpu.json are one record")
+    r = main_in(
+        ["records", "--root", str(ROOT), "--speed", "h200-readme-gate-12-cold", "h200-readme-gate-12-cold"], tmp_path
+    )
+    assert r.returncode == 2 and "are one record" in r.stderr and not r.stdout, r.stderr

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import lzma
+import os
 import shutil
 import sys
 import tarfile
@@ -82,11 +83,21 @@ def cmd_doctor(a: argparse.Namespace) -> int:
     return exit_codes.Exit.OK
 
 
+def _each_once(given: list[str], command: str) -> None:
+    """ConfigError for a record named twice (the same file however written): its cases would count twice."""
+    seen: dict[str, str] = {}
+    for g in given:
+        if (real := os.path.realpath(g)) in seen:
+            raise ConfigError(f"{command}: {seen[real]} and {g} are one record: each case would count twice")
+        seen[real] = g
+
+
 def cmd_agree(a: argparse.Namespace) -> int:
     from repro.report.agreement import compare, markdown  # the CPU model (numpy): for agree only
 
     for p in a.results:
         check_exists(p)
+    _each_once(a.results, "agree")
     check_file(a.out, "--out", inputs=tuple(a.results))
     gate_runs = [p for p in a.results if is_vllm_gate_record(p)]
     given = [p for p in a.results if p not in gate_runs]
@@ -268,6 +279,7 @@ def _speed(results: Path, names: list[str]) -> int:
     from repro.report import records  # as above
     from repro.vllm_integration.gate import speed  # as above
 
+    _each_once(names, "records --speed")
     found = records.records(results)
     if missing := [n for n in names if n not in found]:
         raise ConfigError(f"no record {', '.join(missing)} under {results}")
