@@ -4,8 +4,8 @@ ignored or contradicts another is refused (run's pair descriptors, matrix --mode
 with --no-installed, a value given twice); a check with nothing to check is no answer (xdist-report); a damaged
 results/index.json is named as itself; bisect answers within its range and never names a commit no check judged bad;
 plugin-request and gate --devices refuse what no GPU has; redact and --gate-report write whole, never over another
-kind of file; a gate run without a GPU says so under its headline; Ctrl-C in python -m repro's imports exits 130; bench
-takes each record for what it is."""
+kind of file; a gate run without a GPU says so under its headline; Ctrl-C in python -m repro's imports exits 130; bench,
+agree and records --speed take each record for what it is, once."""
 
 from __future__ import annotations
 
