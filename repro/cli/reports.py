@@ -97,7 +97,6 @@ def cmd_agree(a: argparse.Namespace) -> int:
 
     for p in a.results:
         check_exists(p)
-    _each_once(a.results, "agree")
     check_file(a.out, "--out", inputs=tuple(a.results))
     gate_runs = [p for p in a.results if is_vllm_gate_record(p)]
     given = [p for p in a.results if p not in gate_runs]
@@ -113,6 +112,7 @@ def cmd_agree(a: argparse.Namespace) -> int:
             print(f"note: {len(left)} {what} left out: {names}", file=sys.stderr)
     if not measured:
         raise ConfigError("no GPU run to compare with: give results.json files of GPU runs (e.g. results/h200-*/)")
+    _each_once(measured, "agree")  # the runs compared: a record left out (a note) may be named again
     rows = []
     for i, p in enumerate(measured, 1):  # the model predicts every case of a file: seconds each
         rows += compare([p])
