@@ -164,7 +164,7 @@ EXIT_CODES: dict[str, dict[int, str]] = {
     "xdist-report": {
         0: "every worker on a GPU of its own",
         1: "a worker shared or changed GPUs",
-        2: "bad input (also XML that is not JUnit)",
+        2: "bad input (also XML that is not JUnit, or one where no case recorded its GPU: nothing to check)",
     },
     "bench": {0: "written", 2: "bad input"},
     "redact": {0: "done", 2: "bad input (also a file it cannot read or write: nothing rewritten)"},

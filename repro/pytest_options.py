@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from repro.cli.outputs import check_writable
+from repro.cli.outputs import check_writable, is_text, json_of
 from repro.errors import ConfigError
 from repro.exit_codes import Exit
 from repro.judge.policy import GATE_ENV, REQUIRE_ENV, parse_requirements
@@ -43,6 +43,11 @@ def pytest_addoption(parser):
 
 
 VALUE_OPTIONS = ("--gate-report", "--gate-require")
+# what --gate-report's folder gets (repro.report.pytest_gate.write_report), each with how an earlier one is known
+REPORT_FILES = (
+    ("gate.json", json_of(lambda d: "outcome" in d and "controls" in d)),
+    ("gate.md", lambda p: is_text(p) and p.read_text(errors="replace").startswith("# pytest GPU tier (--gate)")),
+)
 
 
 def joined(args: list[str]) -> list[str] | None:
@@ -93,6 +98,10 @@ def pytest_cmdline_main(config):
             if Path(report).exists() and not Path(report).is_dir():
                 raise ConfigError(f"--gate-report {report}: exists and is not a folder")
             check_writable(Path(report).absolute(), report, "--gate-report")
+            for name, own in REPORT_FILES:  # replaced at the end of the run: only an earlier gate report's
+                if (Path(report) / name).exists() and not own(Path(report) / name):
+                    raise ConfigError(f"--gate-report {report}: its {name} is not a gate report: give another folder "
+                                      "(it is kept)")  # fmt: skip
         except ConfigError as e:
             sys.stderr.write(f"repro: error: {e}\n")
             return Exit.BAD_INPUT

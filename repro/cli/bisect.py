@@ -6,13 +6,14 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 
 from repro import exit_codes
 from repro.cli.common import check_exists
 from repro.cli.outputs import checkout_kept
 from repro.errors import ConfigError
 from repro.vllm_integration.releases.bisect import add_check_option, run_bisect  # every parser build reads its option
-from repro.vllm_integration.releases.source_check import GOOD, check_tree
+from repro.vllm_integration.releases.source_check import BAD, GOOD, check_tree
 
 LOG_LINES = 30  # git's bisect log lines shown: the steps, never the first bad commit's diffstat
 
@@ -79,6 +80,9 @@ def _bisect(a: argparse.Namespace) -> int:
         return exit_codes.source([v.verdict])
     if _git(a.vllm, "cat-file", "-e", f"{a.bad}:vllm").returncode != 0:
         raise ConfigError(f"{a.vllm}: not a vLLM checkout (no vllm/ package at --bad {a.bad})")
+    if a.check == "source" and (why := _ends_contradict(a)):  # git takes --good and --bad on trust: its answer
+        print(f"bisect found no first bad commit: {why}", file=sys.stderr)  # would name a commit never judged bad
+        return exit_codes.bisect(None, False)
     print(f"[bisect] {a.good}..{a.bad} in {a.vllm}, one {a.check} check per commit", flush=True)
     gate_cmd = [x for x in a.gate_cmd if x != "--"] or None
     first, log = run_bisect(a.vllm, a.good, a.bad, a.check, gate_cmd, a.overlay)
@@ -92,3 +96,20 @@ def _bisect(a: argparse.Namespace) -> int:
     else:
         print("bisect found no first bad commit: git's log is printed above", file=sys.stderr)
     return exit_codes.bisect(first, only_untestable)
+
+
+def _ends_contradict(a: argparse.Namespace) -> str | None:
+    """Why the source check contradicts --bad (no known bad pattern there) or --good (the bad pattern already there),
+    or None. Each is read from `git archive`, the checkout never moved; --good not an ancestor of --bad is git's to
+    refuse (bad input, with its reason)."""
+    if _git(a.vllm, "merge-base", "--is-ancestor", a.good, a.bad).returncode != 0:
+        return None
+    for flag, rev, wrong, said in ((("--bad", a.bad, GOOD, "shows no known bad pattern")),
+                                   ("--good", a.good, BAD, "shows the bad pattern already")):  # fmt: skip
+        with tempfile.TemporaryDirectory(prefix="repro-bisect-") as tmp:
+            archive = subprocess.run(["git", "-C", a.vllm, "archive", rev, "vllm"], capture_output=True)
+            subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, capture_output=True)
+            v = check_tree(tmp)
+        if v.verdict == wrong:
+            return f"{flag} {rev} {said} in its source ({v.reason}): nothing in this range to bisect"
+    return None

@@ -15,6 +15,7 @@ from repro.case.descriptors import AttnConfig
 from repro.case.poison import DEFAULT_POISON, parse_poison
 from repro.cli.outputs import OVERWRITE_HELP, check_writable
 from repro.errors import ConfigError, Unavailable
+from repro.run.process import MAX_WAIT_S
 from repro.run.smcontrol import device_sm_count
 
 DEFAULT_MODES = "eager,graph"
@@ -22,13 +23,16 @@ MAX_REPEAT = 1000  # --repeat: every repetition is a case of its own, planned (a
 
 
 def seconds(text: str) -> float:
-    """argparse type of a duration: a positive, finite number of seconds (nan and inf are no duration)."""
+    """argparse type of a duration: a positive, finite number of seconds (nan and inf are no duration), at most
+    MAX_WAIT_S (a week: the longest wait Python's waits take whole)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text!r}")
+    if value > MAX_WAIT_S:
+        raise argparse.ArgumentTypeError(f"at most {MAX_WAIT_S} seconds (a week), got {text!r}")
     return value
 
 
@@ -153,6 +157,8 @@ def shape_config(a: argparse.Namespace, splits: int) -> AttnConfig:
         capture_sizes=parse_ints(a.capture_sizes),
         max_num_seqs=a.max_num_seqs,
     )
+    if twice := sorted({n for n in cfg.capture_sizes if cfg.capture_sizes.count(n) > 1}):  # one capture per size
+        raise ConfigError(f"--capture-sizes: {twice[0]} given twice (vLLM captures each size once)")
     q, biggest = cfg.decode_query_len, max(cfg.capture_sizes)
     if -(-biggest // q) > cfg.max_num_seqs:  # vLLM captures no uniform decode batch of more requests than it schedules
         raise ConfigError(

@@ -190,6 +190,8 @@ def cmd_matrix(a: argparse.Namespace) -> int:
 
     if a.backend is not None and a.backend != "model":
         raise ConfigError(f"--backend takes only 'model' (use --backends for FA3 builds), got {a.backend!r}")
+    if a.gpu_only and (a.model or a.backend == "model"):  # one wins silently otherwise: the model did
+        raise ConfigError("--gpu-only refuses the CPU model that --model asks for: give one of them")
     if a.jobs < 1:
         raise ConfigError("--jobs must be at least 1")
     opts = MatrixOptions(

@@ -9,6 +9,7 @@ import argparse
 import os
 
 from repro import exit_codes
+from repro.case.spec import MAX_SMS
 from repro.cli.outputs import check_file, json_of
 from repro.contract.request import ENV, PluginRequest
 from repro.errors import BadRequest, ConfigError
@@ -44,6 +45,8 @@ def add_parsers(sub) -> None:
 
 
 def cmd_plugin_request(a: argparse.Namespace) -> int:
+    if a.sm_margin > MAX_SMS:  # as gate --modes sm_margin:N: more than any GPU has (FA3 would plan for fewer than 0)
+        raise ConfigError(f"--sm-margin {a.sm_margin}: impossible SM count: 0 to {MAX_SMS} (no GPU has more SMs)")
     if a.inject_source is not None and a.inject is None:  # it would choose nothing
         raise ConfigError("--inject-source chooses whose capture --inject re-creates the defect in: give --inject too")
     if a.audit_file is not None and not a.no_audit:  # the auditor writes it at the end of a vLLM run: judged now

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import lzma
+import os
 import shutil
 import sys
 import tarfile
@@ -82,6 +83,15 @@ def cmd_doctor(a: argparse.Namespace) -> int:
     return exit_codes.Exit.OK
 
 
+def _each_once(given: list[str], command: str) -> None:
+    """ConfigError for a record named twice (the same file however written): its cases would count twice."""
+    seen: dict[str, str] = {}
+    for g in given:
+        if (real := os.path.realpath(g)) in seen:
+            raise ConfigError(f"{command}: {seen[real]} and {g} are one record: each case would count twice")
+        seen[real] = g
+
+
 def cmd_agree(a: argparse.Namespace) -> int:
     from repro.report.agreement import compare, markdown  # the CPU model (numpy): for agree only
 
@@ -102,6 +112,7 @@ def cmd_agree(a: argparse.Namespace) -> int:
             print(f"note: {len(left)} {what} left out: {names}", file=sys.stderr)
     if not measured:
         raise ConfigError("no GPU run to compare with: give results.json files of GPU runs (e.g. results/h200-*/)")
+    _each_once(measured, "agree")  # the runs compared: a record left out (a note) may be named again
     rows = []
     for i, p in enumerate(measured, 1):  # the model predicts every case of a file: seconds each
         rows += compare([p])
@@ -140,6 +151,11 @@ def cmd_xdist(a: argparse.Namespace) -> int:
     check_exists(a.junit)
     check_file(a.out, "--out", inputs=(a.junit,))
     rep = check_junit(a.junit, a.workers)
+    if not rep.workers:  # nothing to check is no answer (as agree's comparison of nothing), never a report
+        raise ConfigError(
+            f"{a.junit}: no case recorded the GPU it ran on: nothing to check (the JUnit XML of a `pytest -n N -m gpu` "
+            "run on a GPU machine, whose cases ran)"
+        )
     md = junit_markdown(rep, a.junit)
     if a.out:
         write_file(a.out, redact(md))
@@ -165,6 +181,14 @@ def cmd_records(a: argparse.Namespace) -> int:
         raise ConfigError(f"{results} is not a folder: give --root the checkout that holds results/")
     if a.note and not a.add:
         raise ConfigError("--note goes with --add")
+    if a.stale or a.add or a.index:  # they read the index as written: a damaged one is never blamed on a record
+        try:
+            records.load_index(results)
+        except UNREADABLE as e:
+            raise ConfigError(
+                f"{results / records.INDEX} cannot be read ({type(e).__name__}: {e}): restore it (git checkout) or "
+                "remove it to rebuild it from the records and git (its notes are lost); nothing packed or written"
+            ) from None
     if a.stale:
         if not records.git(root, "rev-parse", "HEAD"):
             raise ConfigError(f"{root} is not a git checkout with history: --stale compares commits")
@@ -255,6 +279,7 @@ def _speed(results: Path, names: list[str]) -> int:
     from repro.report import records  # as above
     from repro.vllm_integration.gate import speed  # as above
 
+    _each_once(names, "records --speed")
     found = records.records(results)
     if missing := [n for n in names if n not in found]:
         raise ConfigError(f"no record {', '.join(missing)} under {results}")

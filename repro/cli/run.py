@@ -62,12 +62,8 @@ def add_parsers(sub) -> None:
     r.add_argument(
         "--num-splits", type=int, default=32, help="FA3 num_splits; 0 = FA3's heuristic (default %(default)s)"
     )
-    r.add_argument(
-        "--built-for", default=DEFAULT_PAIR[0], help="pair scenario: descriptor the buffers hold (default %(default)s)"
-    )
-    r.add_argument(
-        "--launched", default=DEFAULT_PAIR[1], help="pair scenario: descriptor launched (default %(default)s)"
-    )
+    r.add_argument("--built-for", help=f"pair scenario: descriptor the buffers hold (default {DEFAULT_PAIR[0]})")
+    r.add_argument("--launched", help=f"pair scenario: descriptor launched (default {DEFAULT_PAIR[1]})")
     r.add_argument("--json", help="write the result here (default: none)")
     add_shape_args(r)
     sub.choices["run"].set_defaults(func=cmd_run)
@@ -103,7 +99,9 @@ def cmd_run(a: argparse.Namespace) -> int:
     check_folder(a.out, a.overwrite)
     sm = SmConfig.parse(a.sm)
     cfg = shape_config(a, splits((a.num_splits,), "--num-splits")[0])
-    pair = (a.built_for, a.launched) if a.scenario == PAIR else None
+    if a.scenario != PAIR and (a.built_for or a.launched):  # as matrix refuses them: never ignored
+        raise ConfigError(f"--built-for and --launched describe the pair scenario, not --scenario {a.scenario}")
+    pair = (a.built_for or DEFAULT_PAIR[0], a.launched or DEFAULT_PAIR[1]) if a.scenario == PAIR else None
     if pair:
         pair_descriptors(pair, cfg)
     if sm.sms and gpu_present() and (why := sm_refusal(sm.kind, sm.sms, device_sm_count())):

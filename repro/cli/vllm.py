@@ -252,7 +252,9 @@ def cmd_gate(a: argparse.Namespace) -> int:
     builds = find_builds(include_installed=not a.no_installed)
     for flag, given, role in (("--vllm", a.vllm, UNDER_TEST), ("--control", a.control, CONTROL)):
         builds += [b for item in given for b in parse_builds(item, role, flag)]  # one item: one build, commas kept
-    if a.installed_label is not None:
+    if a.installed_label is not None:  # never ignored: it names the installed vllm's cases
+        if a.no_installed:
+            raise ConfigError("--installed-label names the installed vllm's cases, which --no-installed leaves out")
         check_label(a.installed_label, "--installed-label")
         builds = [replace(b, label=a.installed_label) if b.prefix is None else b for b in builds]
     # --torch may name an overlay too; an overlay not named runs with its base build's torch (its compiled parts
@@ -297,9 +299,11 @@ def cmd_gate(a: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return exit_codes.Exit.NOT_RUN
-    if not gpu:  # only builds without compiled extensions get here: stand-ins (tests/fake_vllm.py)
-        print("[gate] no CUDA GPU: these builds have no compiled extensions (stand-ins?); their answer says nothing "
-              "about a real vLLM", file=sys.stderr)  # fmt: skip
+    caveat = {}  # only builds without compiled extensions get here without a GPU: stand-ins (tests/fake_vllm.py)
+    if not gpu:  # the reports say so under their headline too: a PASS here vouches for no real vLLM
+        caveat = {gate_report.NO_GPU: "these builds have no compiled extensions (stand-ins?); their answer says "
+                  "nothing about a real vLLM"}  # fmt: skip
+        print(f"[gate] no CUDA GPU: {caveat[gate_report.NO_GPU]}", file=sys.stderr)
     out = open_folder(a.out, "gate", a.overwrite)
     if overlays:
         dest = out / "overlays" if a.out else Path(tempfile.mkdtemp(prefix="repro-overlays-"))
@@ -321,31 +325,16 @@ def cmd_gate(a: argparse.Namespace) -> int:
             print(
                 f"[gate] cache: removed {len(removed)} build folder(s) unused longest: {', '.join(map(str, removed))}"
             )
-    run = run_gate(
-        builds,
-        modes,
-        logs,
-        a.repeat,
-        a.jobs,
-        a.timeout,
-        progress,
-        cache,
-        backends,
-        a.self_control,
-        devices=devices,
-        launcher=a.launcher,
-        deadline_s=a.deadline,
-        compile=a.compile,
-        keep_forkserver=keep,
-        methods=a.methods,
-        self_control_attempts=a.self_control_attempts,
-    )
-    run.setup_s = round(run.started_at - command_started_at(), 2)  # CLI, build discovery, GPU probes
+    run = run_gate(builds, modes, logs, a.repeat, a.jobs, a.timeout, progress, cache, backends, a.self_control,
+                   devices=devices, launcher=a.launcher, deadline_s=a.deadline, compile=a.compile, keep_forkserver=keep,
+                   methods=a.methods, self_control_attempts=a.self_control_attempts)  # fmt: skip
+    run.setup_s = round(run.started_at - command_started_at(), 2)  # CLI, build discovery, its GPU check
     judgment = run.judge(need_control=not a.no_control)  # the one decision: the reports and the exit code read it
-    env = collect()
-    run.command_s = round(time.time() - command_started_at(), 1)  # to the report, its environment collected
+    env = collect() | caveat
+    run.command_s = round(time.time() - command_started_at(), 1)  # before its reports, its environment collected
     written = gate_report.write(run, out, env)
-    print(gate_report.markdown(run).split("\n| case |")[0])
+    no_gpu = f"\n\n**No GPU: {caveat[gate_report.NO_GPU]}**" if caveat else ""  # under the headline, as in verdicts.md
+    print(gate_report.markdown(run).split("\n| case |")[0].replace("\n\n| build |", f"{no_gpu}\n\n| build |", 1))
     print(f"written: {', '.join(str(p) for p in written)}")
     return exit_codes.gate(judgment.outcome)
 

@@ -3,6 +3,7 @@ compute-sanitizer overhead per case (the same case ids with and without memcheck
 
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
 import tempfile
@@ -66,6 +67,12 @@ def recorded_gpu_run(path: str | Path) -> MatrixRun:
 def benchmark_markdown(plain_path: str | Path, sanitized_path: str | Path) -> str:
 
     plain, san = recorded_gpu_run(plain_path), recorded_gpu_run(sanitized_path)
+    for path, run, memcheck in ((plain_path, plain, False), (sanitized_path, san, True)):  # each is what it is called
+        if wrong := [sp.case_id for sp, _ in run.results if bool(sp.sanitizer) != memcheck]:
+            ran = "ran under compute-sanitizer" if not memcheck else "did not run under compute-sanitizer"
+            raise ConfigError(f"{path}: {len(wrong)} of its {len(run.results)} cases {ran} ({wrong[0]}): not the "
+                              f"{'memcheck' if memcheck else 'plain'} run (give PLAIN MEMCHECK: matrix without and with "
+                              "--sanitizer)")  # fmt: skip
     a, b, o = summarize(plain), summarize(san), sanitizer_overhead(plain, san)
     lines = [
         "# Benchmark: the default matrix",
@@ -175,6 +182,8 @@ def paths_from_files(old: str | Path, new: str | Path) -> str:
     """paths_markdown for two recorded results.json of the same matrix: the old path's, then the new path's."""
 
     runs = {"old": recorded_gpu_run(old), "new": recorded_gpu_run(new)}
+    if os.path.realpath(old) == os.path.realpath(new):  # one record twice: "the paths" would be one run, labelled two
+        raise ConfigError(f"--paths {old} {new}: one record twice: give the old path's run, then the new path's")
     if sorted(s.case_id for s, _ in runs["old"].results) != sorted(s.case_id for s, _ in runs["new"].results):
         raise ConfigError(f"{old} and {new} hold different matrices: the paths must run the same cases")
     return paths_markdown(runs)

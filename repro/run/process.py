@@ -16,6 +16,10 @@ from repro import entrypoints
 
 EXIT_SUFFIX = ".exit"  # beside a forked case's output: the exit code the case process ended with
 LOST_STATUS = 255  # what multiprocessing reports when the forkserver's report of a child's exit was lost
+# The longest wait a command takes (a case's timeout, a run's deadline, a kept forkserver's idle time): one week.
+# Python's waits overflow past about 24.8 days (poll's milliseconds in a C int): a longer --timeout was taken, then
+# ended the run with an OverflowError once its first case waited.
+MAX_WAIT_S = 7 * 24 * 3600
 
 
 def reaped() -> Iterator[tuple[int, int]]:

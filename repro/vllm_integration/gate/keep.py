@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from repro.errors import ConfigError, ProtocolError
+from repro.run.process import MAX_WAIT_S
 from repro.run.server import code_fingerprint, private_dir
 from repro.vllm_integration.gate import fork as gate_fork
 
@@ -47,8 +48,8 @@ def keep_seconds(
             value = float(text)
         except ValueError:
             raise ConfigError(f"{KEEP_ENV}={text!r}: a number of seconds") from None
-        if not math.isfinite(value) or value < 0:
-            raise ConfigError(f"{KEEP_ENV}={text!r}: a number of seconds, 0 or more")
+        if not math.isfinite(value) or not 0 <= value <= MAX_WAIT_S:
+            raise ConfigError(f"{KEEP_ENV}={text!r}: a number of seconds, 0 to {MAX_WAIT_S} (a week)")
     if value and check_dir:  # a dry run makes no folder
         socket_dir()
     return value or None

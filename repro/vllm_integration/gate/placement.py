@@ -54,11 +54,12 @@ def gate_devices(spec: str | None, discover: Callable[[], list[GpuInfo]] = enume
     if spec is None or spec.strip().lower() in ("", "none"):
         return []
     try:
-        found = [GateDevice(dev, kind, sms) for dev, kind, sms in devices_from(discover())]
+        gpus = discover()
+        found = [GateDevice(dev, kind, sms) for dev, kind, sms in devices_from(gpus)]
     except Unavailable as e:
         if spec.strip().lower() == "all":
             raise Unavailable(f"--devices all: no device found ({e})") from None  # could not run here: exit 4
-        found = []
+        gpus, found = [], []
     if spec.strip().lower() == "all":
         if not found:
             raise Unavailable("--devices all: NVML found no GPU")
@@ -75,6 +76,11 @@ def gate_devices(spec: str | None, discover: Callable[[], list[GpuInfo]] = enume
         if item in (d.dev for d in out):
             raise ConfigError(f"--devices: {item} named twice")
         known = by_id.get(item)
+        here = {g.uuid for g in gpus} | {str(g.index) for g in gpus}  # a MIG GPU's own index or UUID too
+        if item.lstrip("-").isdigit() and int(item) < 0 or found and not known and item not in here:
+            # CUDA_VISIBLE_DEVICES would hide every GPU from the case: each case would fail for want of one
+            names = ", ".join(sorted(set(by_id) | here)) or "none"
+            raise ConfigError(f"--devices {item}: no such device here (NVML found: {names})")
         out.append(GateDevice(item, known.kind, known.sms) if known else GateDevice(item, "given", None))
     if not out:
         raise ConfigError(f"--devices {spec!r}: no device named")

@@ -23,6 +23,7 @@ from repro.vllm_integration.releases import release_range
 from repro.vllm_integration.releases.source_check import check_tree
 
 RESULTS_KIND = VLLM_GATE_KIND
+NO_GPU = "no_gpu"  # the environment's caveat where the builds ran without a GPU (stand-ins): shown under the headline
 
 
 def _oks(run: GateRun) -> dict[str, bool]:
@@ -262,11 +263,9 @@ def releases_only(summaries: list[dict]) -> list[dict]:
 def markdown(run: GateRun, env: dict | None = None) -> str:
     """verdicts.md: the run's stored answer (GateRun.judged), its builds, cases and what each checked."""
     lines = header("vLLM gate: is this vLLM build affected by the stale-metadata capture bug?", env)
-    verdict = (j := run.judged()).outcome
-    lines += [
-        f"**Gate: {verdict}** ({len(run.cases)} cases, {len(run.references)} references, {run.wall_s:.0f} s wall)",
-        "",
-    ]
+    j, ran = run.judged(), f"{len(run.cases)} cases, {len(run.references)} references, {run.wall_s:.0f} s wall"
+    verdict, no_gpu = j.outcome, f"\n\n**No GPU: {env[NO_GPU]}**" if (env or {}).get(NO_GPU) else ""
+    lines += [f"**Gate: {verdict}** ({ran}){no_gpu}", ""]
     lines += [
         "| build | role | vLLM | affected | detected in | verdicts per mode | source check | wall s (caches) | ok |"
     ]

@@ -229,6 +229,9 @@ def step(repo: str, check: str, gate_cmd: list[str] | None = None, overlay: str 
     return Exit.UNTESTABLE
 
 
+NO_STEP = "is the first bad commit"  # git's line naming the answer
+
+
 def run_bisect(
     repo: str, good: str, bad: str, check: str = "source", gate_cmd: list[str] | None = None, overlay: str | None = None
 ) -> tuple[str | None, str]:
@@ -243,6 +246,10 @@ def run_bisect(
         git("bisect", "reset", check_rc=False)
         said = (started.stderr.strip() or started.stdout.strip()).replace("\n", " ") or "no reason given"
         raise ConfigError(f"git bisect start {bad} {good} failed: {said}")
+    if NO_STEP in started.stdout:  # nothing between --good and --bad: git named --bad, and a `git bisect run` now
+        git("bisect", "reset", check_rc=False)  # would judge the checkout's HEAD instead and answer out of the range
+        first = next(x.split()[0] for x in started.stdout.splitlines() if x.endswith(NO_STEP))
+        return first, f"no commit lies between --good {good} and --bad {bad}: git named --bad, no check ran\n"
     # git runs each step in the checkout's top folder: a path given relative to here would name nothing there (the
     # step's exit 2, which git reads as "bad", at every commit)
     cmd = entrypoints.command(entrypoints.BISECT, "step", "--repo", os.path.abspath(repo), "--check", check)
