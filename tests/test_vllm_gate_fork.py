@@ -440,3 +440,27 @@ def test_a_kept_forkservers_build_identity_sees_one_module_edited_in_place(tmp_p
         (p.stat().st_size, p.stat().st_mtime_ns) for p in (build.package_dir, build.package_dir / "__init__.py")
     ]
     assert gate_keep.build_identity(build) != before
+
+
+@needs_entry_point
+def test_a_run_stopped_while_its_forkservers_start_leaves_none_running(tmp_path, monkeypatch):
+    """Ctrl-C (or an error) while the second build's forkserver starts stops the first build's, which was importing:
+    none is left running beside the command (the pytest tier runs the gate in its own process for the session)."""
+    from repro.vllm_integration.gate import run as gate_run
+
+    builds, servers = [_build(tmp_path, "good", label="a"), _build(tmp_path, "good", label="b")], []
+
+    class StoppedAtTheSecond(Launcher):
+        def start(self, b, env):
+            if servers and b is not servers[0][0]:
+                raise KeyboardInterrupt
+            server = super().start(b, env)
+            servers.append((b, server))
+            return server
+
+    monkeypatch.setattr(gate_run, "Launcher", StoppedAtTheSecond)
+    t0 = time.time()
+    with pytest.raises(KeyboardInterrupt):
+        run_gate(builds, parse_modes("plain"), tmp_path / "logs", timeout_s=60, self_control="none", launcher=FORK)
+    proc = servers[0][1].proc
+    assert proc.poll() is not None and time.time() - t0 < 10  # stopped with the run, at once

@@ -267,6 +267,8 @@ class ForkServer:
             if self.proc is not None and self.ready is None:  # started here and never ready: nobody will take it
                 kill_group(self.proc.pid)
             return
+        if self.ready is None:  # still importing (it reads requests once ready): stopped now, not after 10 s
+            kill_group(self.proc.pid)
         with contextlib.suppress(OSError):
             self._send(gate_fork.STOP)
         with contextlib.suppress(OSError):

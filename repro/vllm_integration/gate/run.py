@@ -245,24 +245,6 @@ def run_gate(
     outputs: dict[str, dict | None] = {}
     t0 = run.started_at
 
-    # forkservers first: each imports torch and vLLM (~20 s) while the GPU probes below (seconds) run beside them
-    launch = Launcher(launcher_kind(launcher), log_dir, keep_s=keep_forkserver)  # keep: forkservers outlive the run
-    if launch.kind == FORK:  # the builds with a case to run (`only`: that one; a method it lacks: none), each once
-        for b in dict.fromkeys(c.build for c in cases):  # its cases' environment, less LATE_VARS (gate_forkserver)
-            plain = GateCase(b, GateMode.parse("plain"))
-            launch.start(b, case_env(plain, builds, Path(log_dir) / "forkserver.audit.json", None, lambda: 0))
-    try:
-        gpu = gpu_identity() if cache is not None else ""
-        placed = list(devices or [])
-        kind = main_kind(placed) if placed else None
-        chosen = [d for d in placed if kind_of(d) == kind]
-        pool = DevicePool(chosen, per_device_jobs(jobs, chosen)) if placed else None
-        workers = pool.per_device * len(pool.devices) if pool else max(1, jobs)
-        budget = None if pool else MemoryBudget.of_free_gpu() if memory == "free GPU" else memory
-    except BaseException:  # Ctrl-C or a failed probe: the forkservers just started stop with the run
-        launch.close()
-        raise
-
     ran_last: dict[str, _Ran] = {}  # case id -> what its last process left beside its verdict
     # an MPS SM configuration (with the torch that computes in it) -> (case id, why): its process found the GPU
     # computing bf16 products wrong there (measured at 24 and 40 SMs); later cases in it are errors that say so, not
@@ -361,7 +343,20 @@ def run_gate(
             mps_failed.append(e)
 
     mps_failed: list[BaseException] = []
-    try:
+    launch = Launcher(launcher_kind(launcher), log_dir, keep_s=keep_forkserver)  # keep: forkservers outlive the run
+    try:  # whatever stops the run (a failed probe, Ctrl-C, an error) stops the forkservers started here with it
+        # forkservers first: each imports torch and vLLM (~20 s) while the GPU probes below (seconds) run beside them
+        if launch.kind == FORK:  # the builds with a case to run (`only`: that one; a method it lacks: none), each once
+            for b in dict.fromkeys(c.build for c in cases):  # its cases' environment, less LATE_VARS (gate_forkserver)
+                plain = GateCase(b, GateMode.parse("plain"))
+                launch.start(b, case_env(plain, builds, Path(log_dir) / "forkserver.audit.json", None, lambda: 0))
+        gpu = gpu_identity() if cache is not None else ""
+        placed = list(devices or [])
+        kind = main_kind(placed) if placed else None
+        chosen = [d for d in placed if kind_of(d) == kind]
+        pool = DevicePool(chosen, per_device_jobs(jobs, chosen)) if placed else None
+        workers = pool.per_device * len(pool.devices) if pool else max(1, jobs)
+        budget = None if pool else MemoryBudget.of_free_gpu() if memory == "free GPU" else memory
         mps_thread = threading.Thread(target=mps_part, daemon=True)
         mps_thread.start()
         with ThreadPoolExecutor(max_workers=workers) as threads:
