@@ -804,6 +804,39 @@ STEPS_RULES = [
             "test_every_step_a_gate_history_names_is_a_declared_step_or_one_of_the_runs_the_doc_names",
         },
     ),
+    (
+        "STEPS: the MPS SM count after the platform check",
+        GS,
+        r'(    Step\("MPS SM count".*?\n)(    Step\(PLATFORM_CHECK.*?\n)',
+        r"\2\1",
+        True,
+        {
+            "test_of_two_findings_in_one_process_the_earlier_check_in_steps_decides",
+            "test_the_gates_judging_is_the_declared_list_of_steps_the_doc_lists_in_its_order",
+        },
+    ),
+    (
+        "STEPS: the platform check after the hang before capture",
+        GS,
+        r"(    Step\(PLATFORM_CHECK.*?\n)(    Step\(HUNG_EARLY.*?\n)",
+        r"\2\1",
+        True,
+        {
+            "test_of_two_findings_in_one_process_the_earlier_check_in_steps_decides",
+            "test_the_gates_judging_is_the_declared_list_of_steps_the_doc_lists_in_its_order",
+        },
+    ),
+    (
+        "STEPS: the hang before capture after the audit",
+        GS,
+        r'(    Step\(HUNG_EARLY.*?\n)(    Step\("audit".*?\n)',
+        r"\2\1",
+        True,
+        {
+            "test_of_two_findings_in_one_process_the_earlier_check_in_steps_decides",
+            "test_the_gates_judging_is_the_declared_list_of_steps_the_doc_lists_in_its_order",
+        },
+    ),
 ]
 
 SETS = {

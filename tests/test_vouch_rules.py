@@ -650,3 +650,34 @@ def test_a_recorded_results_backend_identity_is_marked_by_the_same_upgrader_and_
         channel.ACCEPTANCE,
     ]
     assert coverage.not_fired(c, got) == []
+
+
+@pytest.mark.parametrize(
+    "first,later",
+    [("MPS SM count", "platform check"), ("platform check", "hang before capture"), ("hang before capture", "audit")],
+)
+def test_of_two_findings_in_one_process_the_earlier_check_in_steps_decides(first, later):
+    """Each pair of neighbouring checks of a process's record, both finding something: the earlier in STEPS decides
+    and the later is not asked. The order is the rule, not a listing: a hang before the captures with stale views is
+    an error (no evidence about the captures), never a hang a control may count; a GPU that computes wrong at an SM
+    count it was not given is an MPS error (gate.run's platform memo reads which step decided)."""
+    c = case("mps:16")
+    wrong_gemm = {"max_error": 7.5, "tolerance": 0.1, "ok": False, "worst": "19x1024x4096"}
+    fires = {
+        "MPS SM count": lambda d: d.update(sms=132),
+        "platform check": lambda d: d.update(gemm_check=wrong_gemm),
+    }
+    device = {"gpu": "NVIDIA H200", "sms": 16, "gemm_check": {"ok": True}}
+    for name in (first, later):
+        if name in fires:
+            fires[name](device)
+    hung = "hang before capture" in (first, later)
+    stale = 1 if "audit" in (first, later) else 0
+    plugin = [{"installed": f} for f in coverage.features_needed(c)]
+    lines = [f"REPRO_PLUGIN {json.dumps(p)}" for p in plugin] + [f"REPRO_DEVICE {json.dumps(device)}", _result_line()]
+    audit = {"stale": stale, "descriptor": 0, "checks": 9, "descriptor_checks": 9, "fields": {},
+             "first": ["a stale view"] * stale, "first_descriptor": None}  # fmt: skip
+    res = CaseResult(c.case_id, HANG if hung else CLEAN, "no exit within 300 s" if hung else "ran", evidence="hang")
+    facts = gate_steps.Facts(c, channel.Channel.from_output("\n".join(lines)), audit)
+    got = gate_steps.judged(gate_steps.ENDED, facts, res)
+    assert [h["step"] for h in got.history] == [first] and got.verdict == ERROR
