@@ -22,7 +22,8 @@ COLUMNS = ("import", "load", "compile", "jit", "capture", "engine_rest", "decode
 
 
 def _ready(launches: dict | None) -> float | None:
-    """How long the run waited for its slowest forkserver to be ready (0: kept from an earlier run); None: spawned."""
+    """How long its slowest forkserver took to be ready from its start (0: kept from an earlier run; the run's GPU
+    probes ran beside it); None: spawned."""
     waits = [s["forkserver"]["ready_after_s"] for s in (launches or {}).values() if "forkserver" in s]
     return max(waits) if waits else None
 
