@@ -129,9 +129,10 @@ def test_processes_that_report_at_once_each_keep_their_report(tmp_path):
 
 
 # a front-end that starts its engine core with multiprocessing; `who` installed the exit report: the front-end before
-# it started the child (the child inherits it and loads no plugin again, as vLLM forks its engine core), the child alone
-# (the parent doing nothing; a spawned child always installs it: it loads the plugin anew), or the front-end, which checked 5 times itself before it forked a worker that does
-# nothing (a compile pool's worker: it must not report its parent's checks again)
+# it started the child (the child inherits it and loads no plugin again, as vLLM forks its engine core), the child
+# alone (the parent doing nothing; a spawned child always installs it: it loads the plugin anew), or the front-end,
+# which checked 5 times itself before it forked a worker that does nothing (a compile pool's worker: it must not
+# report its parent's checks again)
 STARTS = """
 import multiprocessing, sys
 from repro.vllm_integration.plugin import counters
@@ -154,7 +155,8 @@ if __name__ == "__main__":
         counters.at_exit(counters.report_at_exit(path))
     if who == "worker":
         run_checks(5)
-    child = multiprocessing.get_context(method).Process(target=engine_core, args=(path, method, who), name="EngineCore_DP0")
+    ctx = multiprocessing.get_context(method)
+    child = ctx.Process(target=engine_core, args=(path, method, who), name="EngineCore_DP0")
     child.start()
     child.join()
     print("CHILD", child.pid, child.exitcode, flush=True)

@@ -2,7 +2,8 @@
 `NAME.tar.xz` (`pack`); both read the same way (`members`, `unpack`). The index (results/index.json, `build_index`)
 says for every record, present or left in git history, which command it ran, the commit its code was at, when, which
 builds, and what it shows in one line, all derived from the record's own files (repro.report.record_summary) and git,
-never written by hand. `records --add` packs new records and writes the index all or nothing (repro.report.records_add)."""
+never written by hand. `records --add` packs new records and writes the index all or nothing
+(repro.report.records_add)."""
 
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ def add(root: Path, names: list[str], index: dict) -> list[Path]:
 
 @contextlib.contextmanager
 def _handling(signum: int, handler: Callable) -> Iterator[None]:
-    """signum handled by `handler` inside, its handler restored after (in the main thread: Python runs none elsewhere)."""
+    """signum handled by `handler` inside, its handler restored after (in the main thread: no other runs handlers)."""
     import signal  # as add
 
     main = threading.current_thread() is threading.main_thread()

@@ -1,7 +1,7 @@
 """The plugin's shared state and what it reports: the counters (COUNTERS, printed at exit as `REPRO_COUNTERS <json>`),
 the freshness auditor's one instance (AUDITOR), the features installed in this process (_installed), and the report
 the auditor writes at exit (stderr lines and the request's audit_file, one file every process of the run reports to:
-report_at_exit). Every hook module of repro.vllm_integration reads
+report_at_exit, registered by at_exit). Every hook module of repro.vllm_integration reads
 and bumps these objects through this module (`counters.COUNTERS`, never a copy), so a test that replaces one here
 replaces it for all of them."""
 
@@ -196,10 +196,10 @@ def write_report(
 def merged_report(earlier: Any, mine: dict, mismatches: list[dict]) -> dict:
     """The audit file once this process (`mine`, with its `mismatches`) reported into it: the reports of this run's
     other processes kept (those with its token, `run`: started by the same first process, before or after this one
-    installed its auditor; an earlier run's, or a file of another shape, is replaced), then the totals every reader reads as one report: `checks`, `views`,
-    `descriptor_checks` summed, `mismatches` every process's in the order of `processes` (each process's count of
-    them its `stale`), `summary` naming each process and what it checked. A process that checked nothing is listed,
-    never in place of one that did."""
+    installed its auditor; an earlier run's, or a file of another shape, is replaced), then the totals every reader
+    reads as one report: `checks`, `views`, `descriptor_checks` summed, `mismatches` every process's in the order of
+    `processes` (each process's count of them its `stale`), `summary` naming each process and what it checked. A
+    process that checked nothing is listed, never in place of one that did."""
     kept: list[tuple[dict, list]] = []
     if isinstance(earlier, dict) and isinstance(earlier.get("processes"), list):
         at = 0
