@@ -611,8 +611,15 @@ CASE_PROCESS = (
     "repro/contract",
 )
 # the variables a case process may read: its request, its channel (the build's site folders: releases.builds, read
-# through add_site_dirs), and the plugin's own three for a person's vLLM run outside the gate
-CASE_VARIABLES = {"REPRO_REQUEST", "REPRO_CHANNEL", "REPRO_AUDIT", "REPRO_AUDIT_FILE", "REPRO_ATTENTION_BACKEND"}
+# through add_site_dirs), and the plugin's own for a person's vLLM run outside the gate (three, and the run token it sets)
+CASE_VARIABLES = {
+    "REPRO_REQUEST",
+    "REPRO_CHANNEL",
+    "REPRO_AUDIT",
+    "REPRO_AUDIT_FILE",
+    "REPRO_ATTENTION_BACKEND",
+    "REPRO_AUDIT_RUN",
+}
 # named there, read elsewhere: the gate reads REPRO_GATE_INSPECT (worker.INSPECT_ENV) into the request
 NAMED_FOR_THE_GATE = {("repro/vllm_integration/gate/worker.py", "REPRO_GATE_INSPECT")}
 
@@ -646,7 +653,9 @@ def test_no_case_process_module_names_a_persons_knob():
     popped = next(
         n for n in gate_case.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "PLUGIN_OWN_VARS"
     )
-    assert ast.unparse(popped.value) == "(AUDIT_ENV, FILE_ENV, BACKEND_ENV)"  # a gate case never passes them on
+    assert (
+        ast.unparse(popped.value) == "(AUDIT_ENV, FILE_ENV, BACKEND_ENV, RUN_ENV)"
+    )  # a gate case never passes them on
 
 
 def test_what_happened_to_a_process_is_one_of_four_flags_set_where_the_doc_says():

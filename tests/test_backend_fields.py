@@ -341,7 +341,7 @@ def test_register_hooks_the_backend_named_and_says_when_it_cannot(monkeypatch, c
     monkeypatch.setitem(sys.modules, mod.__name__, mod)
     monkeypatch.setattr(counters, "_installed", set())
     monkeypatch.setattr(capture, "install_capture_tracker", lambda cuda: None)
-    monkeypatch.setattr(plugin.atexit, "register", lambda f: None)
+    monkeypatch.setattr(counters, "at_exit", lambda f: None)
     monkeypatch.delenv("REPRO_WEIGHTS", raising=False)
     monkeypatch.setenv("REPRO_AUDIT", "1")
     monkeypatch.setenv("REPRO_ATTENTION_BACKEND", "TRITON_ATTN")

@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from repro.report import records
 from repro.report.stale import COMMANDS, code_paths
-from tests.commands import ROOT, main_in, run_repro
+from tests.commands import ROOT, main_in, run_in, run_repro
 
 GATE_LINE = "python -m repro gate --no-installed --vllm 0.26.0=<path>/v0260 --control 0.25.1=<path>/v0251"
 
@@ -345,28 +346,81 @@ def test_a_ctrl_c_while_packing_leaves_every_record_folder_and_the_index_as_they
     assert _tree(two / "results") == before
 
 
-def test_a_failure_writing_the_index_leaves_every_record_folder_and_the_index_as_they_were(two, monkeypatch):
-    """results/index.json cannot be written (a full disk, once): before, the record was packed and its folder removed
-    with no index line; now the archives already renamed into place are taken back and the folders stay."""
+@pytest.mark.parametrize("step", ["write_text", "replace"])
+def test_a_failure_writing_the_index_leaves_every_record_folder_and_the_index_as_they_were(two, monkeypatch, step):
+    """results/index.json cannot be written (a full disk, once): its temporary (.index.json.XXXX) not written, or not
+    renamed into place after both archives were. Before, the record was packed and its folder removed with no index
+    line; now the archives already renamed into place are taken back, the folders stay, no temporary is left."""
     before, failed = _tree(two / "results"), []
+    real = getattr(Path, step)
 
-    def once(method):
-        real = getattr(Path, method)
+    def failing(self, *args, **kwargs):
+        target = Path(args[0]) if step == "replace" else self
+        if (
+            target.name == "index.json" if step == "replace" else target.name.startswith(".index.json.")
+        ) and not failed:
+            failed.append(target.name)
+            raise OSError(28, "No space left on device")
+        return real(self, *args, **kwargs)
 
-        def failing(self, *args, **kwargs):
-            target = Path(args[0]) if method == "replace" else self
-            if target.name == "index.json" and not failed:
-                failed.append(method)
-                raise OSError(28, "No space left on device")
-            return real(self, *args, **kwargs)
-
-        monkeypatch.setattr(Path, method, failing)
-
-    once("write_text")
-    once("replace")
+    monkeypatch.setattr(Path, step, failing)
     with pytest.raises(OSError, match="No space left"):
         _records("--add", "rec-a", "rec-b", root=two)
     assert failed and _tree(two / "results") == before
+
+
+# `records --add rec-a rec-b` in a process of its own, sent `what` (SIGINT, SIGTERM; KILL: it ends at once, as by
+# SIGKILL) at one step: `at` "index" as the index is renamed into place (the archives already are), "packing" as the
+# index's temporary is written
+SENT = """
+import os, signal, sys
+from pathlib import Path
+from repro.cli import main
+root, what, at = sys.argv[1:]
+step = "replace" if at == "index" else "write_text"
+real = getattr(Path, step)
+def sent(self, *args, **kwargs):
+    if (Path(args[0]).name == "index.json") if at == "index" else self.name.startswith(".index.json."):
+        os._exit(9) if what == "KILL" else os.kill(os.getpid(), getattr(signal, what))
+    return real(self, *args, **kwargs)
+setattr(Path, step, sent)
+sys.exit(main(["records", "--add", "rec-a", "rec-b", "--root", root]))
+"""
+
+
+def _sent(root: Path, what: str, at: str) -> subprocess.CompletedProcess:
+    return run_in([sys.executable, "-c", SENT, str(root), what, at], root.parent, timeout=120)
+
+
+@pytest.mark.parametrize("what", ["SIGINT", "SIGTERM"])
+def test_a_signal_during_the_renames_is_held_and_the_add_completes_and_says_so(two, what):
+    """Before: SIGTERM, held by a signal mask with its default action, killed the process once the mask was lifted,
+    leaving the folders moved aside (results/.rec-*); a Ctrl-C made it exit 130 "interrupted" though every rename was
+    made. Now either is held until the renames and removals are done: exit 0, everything in place, nothing left."""
+    r = _sent(two, what, "index")
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    assert f"{what} held until every rename was made" in r.stderr and "interrupted" not in r.stderr
+    assert sorted(_tree(two / "results")) == ["index.json", "rec-a.tar.xz", "rec-b.tar.xz"]
+    assert r.stdout.splitlines()[-1] == f"wrote {two}/results/index.json"
+
+
+def test_a_sigterm_while_packing_leaves_results_as_it_was(two):
+    """SIGTERM before the renames: as Ctrl-C (exit 130, the temporaries removed); before, it killed the process and
+    left the archives' hidden temporaries in results/."""
+    before = _tree(two / "results")
+    r = _sent(two, "SIGTERM", "packing")
+    assert r.returncode == 130 and "interrupted" in r.stderr, (r.returncode, r.stderr)
+    assert _tree(two / "results") == before
+
+
+def test_a_kill_as_the_index_is_replaced_leaves_the_index_there(two):
+    """Killed (SIGKILL) as the new index is renamed into place: the index there is replaced atomically, its hard link
+    kept aside, so results/index.json is still the old one (before: it was moved aside first, and a kill between left
+    no index.json: the next `records --index` dropped every note)."""
+    old = (two / "results" / "index.json").read_bytes()
+    r = _sent(two, "KILL", "index")
+    assert r.returncode == 9, r.stderr
+    assert (two / "results" / "index.json").read_bytes() == old
 
 
 def test_add_describes_each_record_once_and_writes_archives_and_index_together(two, monkeypatch):

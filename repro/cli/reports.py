@@ -173,7 +173,7 @@ def cmd_redact(a: argparse.Namespace) -> int:
 
 
 def cmd_records(a: argparse.Namespace) -> int:
-    from repro.report import records, stale  # git and tar: for this command only
+    from repro.report import records, records_add, stale  # git and tar: for this command only
 
     root = Path(a.root)
     results = root / "results"
@@ -222,7 +222,7 @@ def cmd_records(a: argparse.Namespace) -> int:
         raise ConfigError(
             f"a record in git history cannot be read ({type(e).__name__}: {e}); nothing written"
         ) from None
-    *archives, written = records.add(root, names, index)  # every archive and the index in place, or none of them
+    *archives, written = records_add.add(root, names, index)  # every archive and the index in place, or none of them
     for path in archives:
         print(f"packed {path}")
     print(f"wrote {written}")

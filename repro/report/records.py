@@ -2,7 +2,8 @@
 `NAME.tar.xz` (`pack`); both read the same way (`members`, `unpack`). The index (results/index.json, `build_index`)
 says for every record, present or left in git history, which command it ran, the commit its code was at, when, which
 builds, and what it shows in one line, all derived from the record's own files (repro.report.record_summary) and git,
-never written by hand. `records --add` packs new records and writes the index all or nothing (`add`)."""
+never written by hand. `records --add` packs new records and writes the index all or nothing
+(repro.report.records_add)."""
 
 from __future__ import annotations
 
@@ -228,68 +229,6 @@ def load_index(results: Path) -> dict[str, dict]:
     if not path.exists():
         return {}
     return {e["name"]: e for e in json.loads(path.read_text())["records"]}
-
-
-def add(root: Path, names: list[str], index: dict) -> list[Path]:
-    """`records --add` and `--index` (no names), all or nothing: each results/NAME/ packed into a hidden temporary
-    beside it and the index (built once by the caller, the names `packing`) into another, then every one renamed into
-    place with SIGINT and SIGTERM held (a file there moved aside first), and only then the folders removed. A failure
-    or Ctrl-C before that leaves results/ as it was: a folder is never gone before its archive and its index line are
-    in place. The paths written, the index last."""
-    import shutil  # rmtree: only when packing
-    import signal  # the renames held from Ctrl-C: only here
-
-    results = Path(root) / "results"
-    made: list[Path] = []
-    moves: list[tuple[Path, Path]] = []
-    gone: list[Path] = []
-    try:
-        for name in names:
-            if (results / name).is_dir():
-                made.append(_hidden(results, name + PACKED))
-                made[-1].write_bytes(packed(results / name))
-                moves.append((made[-1], results / (name + PACKED)))
-        made.append(_hidden(results, INDEX))
-        made[-1].write_text(json.dumps(index, indent=1) + "\n")
-        moves.append((made[-1], results / INDEX))
-        moves += [(results / name, _hidden(results, name)) for name in names if (results / name).is_dir()]
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        try:
-            gone = _rename_all(moves)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
-    except BaseException:
-        for p in made:  # a temporary renamed into place is no longer there
-            p.unlink(missing_ok=True)
-        raise
-    finally:
-        for p in gone:  # what was moved aside once all were in place: the folders packed, a file replaced
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-    return [dst for _, dst in moves if dst.parent == results and not dst.name.startswith(".")]
-
-
-def _hidden(results: Path, name: str) -> Path:
-    """A free hidden name beside results/NAME (records() reads no hidden name)."""
-    return Path(tempfile.mktemp(prefix=f".{name}.", dir=results))  # a name to rename to, in this user's checkout
-
-
-def _rename_all(moves: list[tuple[Path, Path]]) -> list[Path]:
-    """Each src renamed to its dst, in order, all or none: a dst already there moved aside first (returned, with every
-    dst whose src is gone, to be removed once all are done); on a failure every rename made is undone."""
-    done: list[tuple[Path, Path]] = []
-    try:
-        for src, dst in moves:
-            if dst.exists():
-                aside = _hidden(dst.parent, dst.name)
-                dst.replace(aside)
-                done.append((dst, aside))
-            src.replace(dst)
-            done.append((src, dst))
-    except BaseException:
-        for src, dst in reversed(done):
-            dst.replace(src)
-        raise
-    return [dst for src, dst in done if dst.name.startswith(".")]
 
 
 # --- the one upgrader of recorded results ---------------------------------------------------------------------------

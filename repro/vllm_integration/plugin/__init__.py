@@ -28,11 +28,12 @@ which `python -m repro plugin-request ...` prints (from_environment). The reques
                           capture pass (warmup forward, capture end) the descriptor check too: the metadata in use
                           against what the builder gives for the descriptor being captured (stale-descriptor;
                           plugin.audit.descriptor_mismatches). Findings go to stderr as `REPRO_AUDIT <json>` lines
-                          and, at exit, to audit_file: one report that every process of the run merges its own into
-                          (vLLM's multi-process engine: a front-end that checks nothing, an engine core that runs the
-                          model), whichever exits first; `processes` lists each (pid, name, checks, stale views),
-                          the totals are their sums, an earlier run's report in the file is replaced
-                          (counters.merged_report).
+                          and, at exit (atexit, and multiprocessing's finalizers for a forked engine core:
+                          counters.at_exit), to audit_file: one report that every process of the run (its token,
+                          REPRO_AUDIT_RUN, inherited) merges its own into (vLLM's multi-process engine: a front-end
+                          that checks nothing, an engine core that runs the model), whichever exits first;
+                          `processes` lists each (pid, name, checks, stale views), the totals are their sums, an
+                          earlier run's report in the file is replaced (counters.merged_report).
 - sm_margin=N             FA3 plans and launches for N fewer SMs: sm_margin passed to vLLM's get_scheduler_metadata
                           and to every torch.ops._vllm_fa3_C.fwd call (vLLM itself always passes 0). Counted per call.
 - poison=<fill>           the entries FA3's get_scheduler_metadata never writes are filled (repro.case.poison) before vLLM
@@ -66,7 +67,6 @@ report repro.vllm_integration.plugin.counters (one object each, shared by all of
 
 from __future__ import annotations
 
-import atexit
 import importlib
 import os
 import sys
@@ -89,7 +89,7 @@ from repro.vllm_integration.plugin.weights import install as install_weights
 
 # the plugin's own variables, for a person's vLLM run outside the gate (from_environment): the auditor alone
 ENV, BACKEND_ENV = "REPRO_AUDIT", "REPRO_ATTENTION_BACKEND"
-FILE_ENV = counters.FILE_ENV
+FILE_ENV, RUN_ENV = counters.FILE_ENV, counters.RUN_ENV
 # the V2 speculative-decoding layouts the auditor was checked against (the recorded wheels 0.23.0-0.33.0,
 # results/vllm-versions.json; a CPU test keeps the two equal): another layout cannot be vouched for
 # eagle (0.20-0.22): its draft loop advances seq_lens inside the draft decode graph (audit.check's `advance`)
@@ -195,11 +195,11 @@ def register() -> None:
         counters.COUNTERS["spec_layout"], counters.COUNTERS["spec_layout_known"] = layout
         if want["probe"] and "probe" not in installed:
             if install_probe(backend, spec=spec):
-                atexit.register(counters.write_counters)
+                counters.at_exit(counters.AtExit(counters.write_counters))
                 emit(PLUGIN_TAG, {"installed": "probe", "backend": spec.name})
         if want["audit"] and "audit" not in installed:
             if install(backend, spec=spec):
-                atexit.register(counters.report_at_exit(want["audit_file"]))
+                counters.at_exit(counters.report_at_exit(want["audit_file"]))
                 emit(PLUGIN_TAG, {"installed": "audit", "backend": spec.name})
         if want["inject"] and "inject" not in installed:
             if install_inject(backend, spec=spec, source=want["inject_source"], form=want["inject"]):

@@ -1,7 +1,7 @@
 """The plugin's shared state and what it reports: the counters (COUNTERS, printed at exit as `REPRO_COUNTERS <json>`),
 the freshness auditor's one instance (AUDITOR), the features installed in this process (_installed), and the report
 the auditor writes at exit (stderr lines and the request's audit_file, one file every process of the run reports to:
-report_at_exit). Every hook module of repro.vllm_integration reads
+report_at_exit, registered by at_exit). Every hook module of repro.vllm_integration reads
 and bumps these objects through this module (`counters.COUNTERS`, never a copy), so a test that replaces one here
 replaces it for all of them."""
 
@@ -20,6 +20,9 @@ from repro.vllm_integration.plugin.audit import FreshnessAuditor
 from repro.vllm_integration.plugin.inject import bump as bump_counter
 
 FILE_ENV = "REPRO_AUDIT_FILE"  # the audit file of a person's REPRO_AUDIT=1 run (plugin.from_environment)
+# the run an audit file's reports belong to: set by the first process that installs the auditor with a file, inherited
+# by the processes it starts (fork and spawn); the gate never passes it on (gate.case.PLUGIN_OWN_VARS)
+RUN_ENV = "REPRO_AUDIT_RUN"
 AUDITOR = FreshnessAuditor()
 _installed: set[str] = set()
 
@@ -81,26 +84,84 @@ def bump(name: str, key: str | None = None, n: int = 1) -> None:
     bump_counter(COUNTERS, name, key, n)
 
 
-def report_at_exit(path: str | None) -> Callable[[], None]:
-    """What the plugin registers at exit once its auditor installed (atexit): write_report, with the time it installed
-    (which earlier reports in the audit file belong to this run: merged_report)."""
-    installed = time.time()
-    return lambda: write_report(path, installed)
+def _done() -> tuple[int, ...]:
+    """What this process's plugin has done so far (checks, views, descriptor checks, stale views, forwards)."""
+    a = AUDITOR
+    return a.checks, a.views, a.descriptor_checks, len(a.mismatches), COUNTERS["attention_forwards"]
 
 
-def write_report(path: str | None, installed: float | None = None) -> None:
+class AtExit:
+    """A report made once at a process's exit however the process ends (at_exit): `report(base)`, base None, or in a
+    fork child what its parent had done by the fork (_done): such a child reports only what it did since, and
+    nothing when it did nothing (a pool worker forked from a process that checks never reports its parent's again)."""
+
+    def __init__(self, report: Callable[[tuple[int, ...] | None], None]) -> None:
+        self.report, self.pid, self.base = report, None, None
+
+    def __call__(self) -> None:
+        if self.pid == os.getpid():  # atexit and multiprocessing's finalizers both run in some processes: once
+            return
+        self.pid = os.getpid()
+        if self.base is None or _done() != self.base:
+            self.report(self.base)
+
+    def forked(self) -> None:
+        self.pid, self.base = None, _done()
+
+
+def _refinalize(callback: AtExit) -> None:
+    """In a multiprocessing child, after it cleared the finalizers it inherited: the report's finalizer again."""
+    import multiprocessing.util as mp_util  # noqa: PLC0415  as at_exit
+
+    callback.forked()
+    mp_util.Finalize(None, callback, exitpriority=0)
+
+
+def at_exit(callback: AtExit) -> None:
+    """Register a report for this process's exit and its fork children's: atexit (a process that exits as Python
+    does) and multiprocessing's finalizers (a child multiprocessing started ends through os._exit, no atexit handler
+    runs: vLLM's engine core, forked when vLLM is used as a library, reports through them; its after-fork hook
+    registers the finalizer again in a fork child, which inherits the parent's hooks and loads no plugin again)."""
+    import atexit  # noqa: PLC0415  the plugin's exit hooks, registered once a feature installed
+    import multiprocessing.util as mp_util  # noqa: PLC0415  as above
+
+    atexit.register(callback)
+    mp_util.Finalize(None, callback, exitpriority=0)
+    mp_util.register_after_fork(callback, _refinalize)
+    os.register_at_fork(after_in_child=callback.forked)  # a plain os.fork child too: its parent's work is not its
+
+
+def run_token() -> str:
+    """This run's token (RUN_ENV): the first process of a run sets it, the processes it starts inherit it."""
+    return os.environ.setdefault(RUN_ENV, f"{os.getpid()}-{time.time():.6f}")
+
+
+def report_at_exit(path: str | None) -> AtExit:
+    """What the plugin registers at exit once its auditor installed (at_exit): write_report, with the time it
+    installed and, with an audit file, the run's token (which reports in the file belong to this run: merged_report)."""
+    installed, run = time.time(), run_token() if path else None
+    return AtExit(lambda base: write_report(path, installed, run, base))
+
+
+def write_report(
+    path: str | None, installed: float | None = None, run: str | None = None, base: tuple[int, ...] | None = None
+) -> None:
     """At exit, with the auditor on: its summary as an AUDIT_TAG line and, when the request names an audit file
     (path), this process's whole report (every mismatch, the counters) merged into that file (merged_report): every
     process vLLM starts loads the plugin and reports at its exit (its multi-process engine: the front-end, which
-    checks nothing, and the engine core, which runs the model), so none overwrites another's."""
+    checks nothing, and the engine core, which runs the model), so none overwrites another's. `base`: what a fork
+    child's parent had done by the fork (AtExit), not counted again."""
+    b = base or (0, 0, 0, 0, 0)
+    checks, views, descriptor_checks = AUDITOR.checks - b[0], AUDITOR.views - b[1], AUDITOR.descriptor_checks - b[2]
+    mismatches = AUDITOR.mismatches[b[3] :]
     emit(
         AUDIT_TAG,
         {
             "summary": AUDITOR.report(),
-            "checks": AUDITOR.checks,
-            "views": AUDITOR.views,
-            "stale": len(AUDITOR.mismatches),
-            "descriptor_checks": AUDITOR.descriptor_checks,
+            "checks": checks,
+            "views": views,
+            "stale": len(mismatches),
+            "descriptor_checks": descriptor_checks,
         },
     )
     if path:
@@ -110,12 +171,13 @@ def write_report(path: str | None, installed: float | None = None) -> None:
         mine = {
             "pid": os.getpid(),
             "process": multiprocessing.current_process().name,
+            "run": run_token() if run is None else run,
             "installed": time.time() if installed is None else installed,
             "written": time.time(),
-            "checks": AUDITOR.checks,
-            "views": AUDITOR.views,
-            "descriptor_checks": AUDITOR.descriptor_checks,
-            "stale": len(AUDITOR.mismatches),
+            "checks": checks,
+            "views": views,
+            "descriptor_checks": descriptor_checks,
+            "stale": len(mismatches),
             "summary": AUDITOR.report(),
             "counters": snapshot(),
         }
@@ -125,7 +187,7 @@ def write_report(path: str | None, installed: float | None = None) -> None:
                 earlier = json.loads(f.read())
             except ValueError:  # empty (just made) or not a report: nothing of this run's
                 earlier = None
-            doc = merged_report(earlier, mine, [m.to_dict() for m in AUDITOR.mismatches])
+            doc = merged_report(earlier, mine, [m.to_dict() for m in mismatches])
             f.seek(0)
             f.truncate()
             json.dump(doc, f, indent=1)
@@ -133,18 +195,17 @@ def write_report(path: str | None, installed: float | None = None) -> None:
 
 def merged_report(earlier: Any, mine: dict, mismatches: list[dict]) -> dict:
     """The audit file once this process (`mine`, with its `mismatches`) reported into it: the reports of this run's
-    other processes kept (those written since this process installed its auditor: they ran beside it; an earlier run's
-    file, or one of another shape, is replaced), then the totals every reader reads as one report: `checks`, `views`,
-    `descriptor_checks` summed, `mismatches` every process's in the order of `processes` (each process's count of
-    them its `stale`), `summary` naming each process and what it checked. A process that checked nothing is listed,
-    never in place of one that did."""
+    other processes kept (those with its token, `run`: started by the same first process, before or after this one
+    installed its auditor; an earlier run's, or a file of another shape, is replaced), then the totals every reader
+    reads as one report: `checks`, `views`, `descriptor_checks` summed, `mismatches` every process's in the order of
+    `processes` (each process's count of them its `stale`), `summary` naming each process and what it checked. A
+    process that checked nothing is listed, never in place of one that did."""
     kept: list[tuple[dict, list]] = []
     if isinstance(earlier, dict) and isinstance(earlier.get("processes"), list):
         at = 0
         for p in earlier["processes"]:
             n = p.get("stale", 0) if isinstance(p, dict) else 0
-            written = p.get("written") if isinstance(p, dict) else None
-            if isinstance(written, (int, float)) and written >= mine["installed"] and p.get("pid") != mine["pid"]:
+            if isinstance(p, dict) and p.get("run") == mine["run"] and p.get("pid") != mine["pid"]:
                 kept.append(({k: p.get(k, 0) for k in mine}, list(earlier.get("mismatches") or [])[at : at + n]))
             at += n
     kept.append((mine, mismatches))
@@ -161,6 +222,6 @@ def merged_report(earlier: Any, mine: dict, mismatches: list[dict]) -> dict:
     }
 
 
-def write_counters() -> None:
-    """At exit, with the probe on: the counters as a COUNTERS_TAG line."""
+def write_counters(base: tuple[int, ...] | None = None) -> None:
+    """At exit, with the probe on: the counters as a COUNTERS_TAG line (registered as AtExit(write_counters))."""
     emit(COUNTERS_TAG, snapshot())
