@@ -25,6 +25,8 @@ LATER = {
     "3-n4": 4,
     "4-n8": 8,
     "5-n8": 8,
+    "6-n8": 8,
+    "6-n4": 4,
 }  # records of later code: name -> workers
 
 

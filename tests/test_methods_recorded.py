@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.records import RESULTS, load
 
 METHODS = load(RESULTS / "h200-methods-0.34.0" / "results.json")
@@ -147,14 +149,16 @@ def test_dflash_recorded_harness_blind_on_a_harmless_form_replays_as_a_pass_with
     assert miss.startswith(f"{plain}: clean (caught by ") and "stale-descriptor" in miss
 
 
-ALL_FIVE = load(RESULTS / "h200-methods-0.34.0-3" / "results.json")  # --methods all with dflash, policy rule 6
+ALL_FIVE_RECORDS = ("h200-methods-0.34.0-3", "h200-methods-0.34.0-4")  # 834ae10; the final code of 2026-12-04
 
 
-def test_every_method_dflash_included_is_clean_every_form_caught_by_the_audit_and_the_gate_passes():
-    """results/h200-methods-0.34.0-3: the five methods of `--methods all` clean in audit and plain; every self control
+@pytest.mark.parametrize("name", ALL_FIVE_RECORDS)
+def test_every_method_dflash_included_is_clean_every_form_caught_by_the_audit_and_the_gate_passes(name):
+    """results/h200-methods-0.34.0-3 and -4 (the gate's weights built on the GPU, cases forked): the five methods of `--methods all` clean in audit and plain; every self control
     caught in both forms, in audit by the auditor's own count; in plain every form faulted but DFlash's stale-capture
     form, which decoded right (its query graph recomputes what that form wrote) beside its crashed stale-descriptor
     form: listed by rule 6, and the gate passed."""
+    ALL_FIVE = load(RESULTS / name / "results.json")
     assert ALL_FIVE["outcome"] == "PASS"
     methods = ("", "-eagle3", "-draft-model", "-mtp", "-dflash")
     _every_agreeing_method_clean_and_every_self_control_caught(
