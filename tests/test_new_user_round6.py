@@ -354,3 +354,43 @@ def test_agree_and_records_speed_refuse_one_record_named_twice_rather_than_count
         ["records", "--root", str(ROOT), "--speed", "h200-readme-gate-12-cold", "h200-readme-gate-12-cold"], tmp_path
     )
     assert r.returncode == 2 and "are one record" in r.stderr and not r.stdout, r.stderr
+
+
+# 18. (after the round, from its list of what it found) options that would be ignored, a file named as a folder, an
+# idle time no server can answer in, an empty file name: each refused in one line, nothing written.
+
+
+def _checkout(repo):
+    (repo / "vllm").mkdir(parents=True)
+    (repo / "vllm" / "__init__.py").write_text("")
+    for cmd in (["init", "-q"], ["add", "."], ["-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm", "x"]):
+        subprocess.run(["git", "-C", str(repo), *cmd], check=True, capture_output=True)
+    return repo
+
+
+@pytest.mark.parametrize(
+    "extra,msg",
+    [
+        (["--good", "HEAD~3"], "--good would be ignored"),
+        (["--bad", "HEAD", "--overlay", "x"], "--bad, --overlay would be ignored"),
+        (["--check", "gate"], "--check gate would be ignored"),
+    ],
+    ids=["good", "bad-overlay", "check-gate"],
+)
+def test_bisect_status_refuses_the_options_it_would_ignore(tmp_path, extra, msg):
+    repo = _checkout(tmp_path / "vllm-src")
+    refused_in(["bisect", "--vllm", str(repo), "--status", *extra], tmp_path, 2, msg)
+
+
+def test_a_bisect_overlay_that_is_a_file_is_named_as_no_folder(tmp_path):
+    repo = _checkout(tmp_path / "vllm-src")
+    (tmp_path / "a-file").write_text("")
+    refused_in(["bisect", "--vllm", str(repo), "--overlay", str(tmp_path / "a-file")], tmp_path, 2, "is not a folder")
+
+
+def test_serve_refuses_an_idle_time_no_server_can_answer_in(tmp_path):
+    refused_in(["serve", "--idle", "0.001"], tmp_path, 2, "--idle must be at least 1 s")
+
+
+def test_plugin_request_refuses_an_empty_audit_file_name(tmp_path):
+    refused_in(["plugin-request", "--audit-file", ""], tmp_path, 2, "--audit-file: an empty name")

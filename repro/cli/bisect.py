@@ -18,11 +18,14 @@ from repro.vllm_integration.releases.source_check import BAD, GOOD, check_tree
 LOG_LINES = 30  # git's bisect log lines shown: the steps, never the first bad commit's diffstat
 
 
+GOOD_DEFAULT, BAD_DEFAULT = "HEAD~1", "HEAD"
+
+
 def add_parsers(sub) -> None:
     bi = sub.add_parser("bisect", help="git bisect a vLLM checkout for the stale-metadata capture defect")
     bi.add_argument("--vllm", required=True, help="path of the vLLM git checkout (required)")
-    bi.add_argument("--good", default="HEAD~1", help="a revision without the defect (default %(default)s)")
-    bi.add_argument("--bad", default="HEAD", help="a revision with the defect (default %(default)s)")
+    bi.add_argument("--good", help=f"a revision without the defect (default {GOOD_DEFAULT})")
+    bi.add_argument("--bad", help=f"a revision with the defect (default {BAD_DEFAULT})")
     add_check_option(bi, "each commit's")
     bi.add_argument(
         "--overlay",
@@ -53,8 +56,16 @@ def steps(log: str) -> list[str]:
 
 def cmd_bisect(a: argparse.Namespace) -> int:
     check_exists(a.vllm)
+    if a.status and (
+        given := [f for f, v in (("--good", a.good), ("--bad", a.bad), ("--overlay", a.overlay)) if v is not None]
+    ):
+        raise ConfigError(f"--status reads the checkout as it is: {', '.join(given)} would be ignored; leave it out")
+    if a.status and a.check == "gate":
+        raise ConfigError("--status reads the current commit's source: --check gate would be ignored; leave it out")
+    a.good, a.bad = (GOOD_DEFAULT if a.good is None else a.good), (BAD_DEFAULT if a.bad is None else a.bad)
     if a.overlay is not None and not os.path.isdir(a.overlay):  # every step would exit 2, which git reads as "bad"
-        raise ConfigError(f"--overlay {a.overlay}: no such folder")
+        why = "is not a folder" if os.path.exists(a.overlay) else "no such folder"
+        raise ConfigError(f"--overlay {a.overlay}: {why} (the installed vllm package folder)")
     if not os.path.isdir(os.path.join(a.vllm, ".git")):
         raise ConfigError(f"{a.vllm}: not a git checkout")
     if a.check == "gate" and not a.gate_cmd:

@@ -49,6 +49,8 @@ def cmd_plugin_request(a: argparse.Namespace) -> int:
         raise ConfigError(f"--sm-margin {a.sm_margin}: impossible SM count: 0 to {MAX_SMS} (no GPU has more SMs)")
     if a.inject_source is not None and a.inject is None:  # it would choose nothing
         raise ConfigError("--inject-source chooses whose capture --inject re-creates the defect in: give --inject too")
+    if a.audit_file is not None and not a.audit_file.strip():
+        raise ConfigError("--audit-file: an empty name; give a file name")
     if a.audit_file is not None and not a.no_audit:  # the auditor writes it at the end of a vLLM run: judged now
         check_file(a.audit_file, "--audit-file", own=json_of(lambda d: "checks" in d and "mismatches" in d))
         a.audit_file = os.path.abspath(a.audit_file)  # every process of the run reports into it, whatever its cwd

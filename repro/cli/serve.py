@@ -31,13 +31,16 @@ def add_parsers(sub) -> None:
     s.set_defaults(func=cmd_serve)
 
 
+MIN_IDLE_S = 1.0  # seconds
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
 
     path = server.socket_path()
     if path is None:
         raise ConfigError(f"{server.SOCKET_ENV}=off: no server to {'stop' if a.stop else 'use'}")
-    if a.idle <= 0:
-        raise ConfigError("--idle must be positive")
+    if a.idle < MIN_IDLE_S:  # a server that stops before it answers its first request serves nothing
+        raise ConfigError(f"--idle must be at least {MIN_IDLE_S:g} s, got {a.idle:g}")
     facts = server.running(path)
     if a.stop:
         print(f"stopped the repro server (pid {facts['pid']})" if server.stop(path) else f"no repro server at {path}")
