@@ -151,3 +151,12 @@ def subcommands() -> dict:
 
     sub = next(a for a in build_parser()._actions if a.dest == "cmd")
     return sub.choices
+
+
+def one_commit(repo: Path, file: str) -> Path:
+    """A git checkout at `repo` holding one empty file, in one commit."""
+    (repo / file).parent.mkdir(parents=True)
+    (repo / file).write_text("")
+    for cmd in (["init", "-q"], ["add", "."], ["-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm", "x"]):
+        subprocess.run(["git", "-C", str(repo), *cmd], check=True, capture_output=True)
+    return repo

@@ -12,11 +12,21 @@ import subprocess
 import sys
 import time
 import zipfile
-from pathlib import Path
 
 import pytest
 
-from tests.commands import ROOT, fake_vllm, main_in, no_traceback, refused, refused_in, repro_cmd, run_repro, tree
+from tests.commands import (
+    ROOT,
+    fake_vllm,
+    main_in,
+    no_traceback,
+    one_commit,
+    refused,
+    refused_in,
+    repro_cmd,
+    run_repro,
+    tree,
+)
 
 
 @pytest.fixture
@@ -89,23 +99,14 @@ def test_bad_input_is_one_line_exit_2_nothing_written_as_a_subprocess(files, arg
     assert set(files.rglob("*")) == before  # no partial report, no ./results/latest
 
 
-def _one_commit(repo: Path, file: str) -> Path:
-    """A git checkout at `repo` holding one empty file, in one commit."""
-    (repo / file).parent.mkdir(parents=True)
-    (repo / file).write_text("")
-    for cmd in (["init", "-q"], ["add", "."], ["-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm", "x"]):
-        subprocess.run(["git", "-C", str(repo), *cmd], check=True, capture_output=True)
-    return repo
-
-
 def test_bisect_names_a_revision_git_does_not_know(tmp_path):
-    repo = _one_commit(tmp_path / "vllm-src", "vllm/__init__.py")
+    repo = one_commit(tmp_path / "vllm-src", "vllm/__init__.py")
     r = main_in(["bisect", "--vllm", str(repo), "--good", "nosuchtag"], tmp_path)
     assert r.returncode == 2 and "--good nosuchtag: git knows no such commit" in r.stderr
 
 
 def test_bisect_on_a_repo_without_vllm_is_bad_input_at_once(tmp_path):
-    repo = _one_commit(tmp_path / "not-vllm", "src/x.py")
+    repo = one_commit(tmp_path / "not-vllm", "src/x.py")
     r = main_in(["bisect", "--vllm", str(repo), "--good", "HEAD", "--bad", "HEAD"], tmp_path)
     assert r.returncode == 2 and "not a vLLM checkout (no vllm/ package at --bad HEAD)" in r.stderr
     assert "bisect" not in subprocess.run(["git", "-C", str(repo), "status"], capture_output=True, text=True).stdout

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.commands import ROOT, fake_vllm, isolated_env, main_in, refused_in
+from tests.commands import ROOT, fake_vllm, isolated_env, main_in, one_commit, refused_in
 
 # 1. a duration past what Python's waits can take is bad input, never an OverflowError once the first case waits.
 
@@ -360,14 +360,6 @@ def test_agree_and_records_speed_refuse_one_record_named_twice_rather_than_count
 # idle time no server can answer in, an empty file name: each refused in one line, nothing written.
 
 
-def _checkout(repo):
-    (repo / "vllm").mkdir(parents=True)
-    (repo / "vllm" / "__init__.py").write_text("")
-    for cmd in (["init", "-q"], ["add", "."], ["-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm", "x"]):
-        subprocess.run(["git", "-C", str(repo), *cmd], check=True, capture_output=True)
-    return repo
-
-
 @pytest.mark.parametrize(
     "extra,msg",
     [
@@ -378,12 +370,12 @@ def _checkout(repo):
     ids=["good", "bad-overlay", "check-gate"],
 )
 def test_bisect_status_refuses_the_options_it_would_ignore(tmp_path, extra, msg):
-    repo = _checkout(tmp_path / "vllm-src")
+    repo = one_commit(tmp_path / "vllm-src", "vllm/__init__.py")
     refused_in(["bisect", "--vllm", str(repo), "--status", *extra], tmp_path, 2, msg)
 
 
 def test_a_bisect_overlay_that_is_a_file_is_named_as_no_folder(tmp_path):
-    repo = _checkout(tmp_path / "vllm-src")
+    repo = one_commit(tmp_path / "vllm-src", "vllm/__init__.py")
     (tmp_path / "a-file").write_text("")
     refused_in(["bisect", "--vllm", str(repo), "--overlay", str(tmp_path / "a-file")], tmp_path, 2, "is not a folder")
 
