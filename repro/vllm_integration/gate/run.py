@@ -72,7 +72,7 @@ class GateRun:
     attempts: list[tuple[GateCase, CaseResult]] = field(default_factory=list)  # a self control's further attempts
     wall_s: float = 0.0
     started_at: float = 0.0  # when run_gate began (epoch s)
-    setup_s: float | None = None  # a command's start-up before run_gate (CLI, builds, GPU probes); None: no command
+    setup_s: float | None = None  # a command's start-up before run_gate (CLI, builds, its GPU check); None: no command
     command_s: float | None = None  # the command's wall from its start to its report (None: no command)
     build_wall_s: dict[str, float] = field(default_factory=dict)
     launches: dict[str, dict] = field(default_factory=dict)  # per build: how its case processes started (Launcher)
