@@ -17,12 +17,13 @@ SPEC_WORKER = "repro.specdecode.worker"  # one spec-decode case (the scenario SP
 SPEC_WORKER_MAIN = SPEC_WORKER + ":main"
 BACKENDS_PRELOAD = "repro.backends.preload"  # the FA3 libraries, loaded and hashed once in a forkserver
 EXECUTOR = "repro.run.executor"  # a warm process under memcheck (`python -m repro.run.executor warm`)
-SERVER = "repro.run.server"  # the repro server (`python -m repro.run.server`)
+FORKSERVER = "repro.run.forkserver"  # the harness's one forkserver (`python -m repro.run.forkserver`)
 CHANNEL = "repro.contract.channel"
 PLUGIN = "repro.vllm_integration.plugin"
 PLUGIN_COUNTERS = "repro.vllm_integration.plugin.counters"  # the plugin's counters, looked up if it was imported
 GATE_WORKER = "repro.vllm_integration.gate.worker"  # one gate case (python -m, or main() in a forked process)
-GATE_FORK = "repro.vllm_integration.gate.fork"  # one build's forkserver
+GATE_FORK_SETUP = "repro.vllm_integration.releases.builds:add_site_dirs"  # a gate forkserver's --setup
+GATE_FORK_CHECKS = "repro.vllm_integration.gate.forkserver:problems"  # and its --checks
 BISECT = "repro.vllm_integration.releases.bisect"  # `git bisect run`'s step
 
 # what the attention layer's forkserver, warm processes and server import before their first case

@@ -426,7 +426,8 @@ def test_the_cycle_test_sees_the_modules_named_through_the_registry():
     graph = import_graph()
     assert "repro.attention.worker" in graph["repro.run.runner"]  # started as `python -m`, or its main forked
     assert "repro.vllm_integration.gate.worker" in graph["repro.vllm_integration.gate.process"]
-    assert "repro.vllm_integration.gate.fork" in graph["repro.vllm_integration.gate.forkserver"]
+    assert "repro.run.forkserver" in graph["repro.run.forkclient"]  # the one forkserver, started by its client
+    assert "repro.vllm_integration.releases.builds" in graph["repro.vllm_integration.gate.forkserver"]  # --setup
     assert {"repro.attention.worker", "repro.backends.preload"} <= graph["repro.run.executor"]  # its preload
     names = registry_names()
     assert names["GATE_PRELOAD"] == {"repro.contract.channel", "repro.vllm_integration.plugin", GATE_WORKER}

@@ -12,19 +12,29 @@ import pytest
 
 from repro.case.spec import CaseSpec
 from repro.judge.verdicts import CLEAN, CRASH, ERROR, HANG, OOB
-from repro.run.executor import ForkServer, WarmPool
+from repro.run.executor import ForkExecutor, WarmPool
+from repro.run.process import case_env
 from repro.run.runner import case_logs, make_executor, memcheck_launch_env, run_process
 from tests.processes import gone, group_alive
+
+STANDIN_TARGETS = frozenset(f"tests.standin_worker:{f}" for f in ("clean", "hang", "crash", "boom", "phased"))
+
+
+def forkserver(spares: int = 4) -> ForkExecutor:
+    """The harness's forkserver as a command starts it, preloading and running the stand-in worker."""
+    return ForkExecutor(case_env(), preload=("tests.standin_worker",), spares=spares, targets=STANDIN_TARGETS)
 
 
 @pytest.fixture(scope="module")
 def server():
-    return ForkServer(preload=("tests.standin_worker",))
+    ex = forkserver()
+    yield ex
+    ex.close()
 
 
 def test_output_environment_and_exit_code(server, tmp_path):
     out = tmp_path / "c.out.log"
-    run = server.run("tests.standin_worker:clean", ["x"], {**os.environ, "STANDIN_ENV": "mine"}, out, 60)
+    run = server.run("tests.standin_worker:clean", ["x"], {**case_env(), "STANDIN_ENV": "mine"}, out, 60)
     text = out.read_text()
     assert run.returncode == 0 and not run.timed_out and "stand-in x" in text and "env mine" in text
     assert f"pid {os.getpid()}" not in text  # its own process
@@ -33,14 +43,14 @@ def test_output_environment_and_exit_code(server, tmp_path):
 def test_timeout_kills_the_case_and_its_children(server, tmp_path):
     pidfile = tmp_path / "grandchild.pid"
     t0 = time.time()
-    run = server.run("tests.standin_worker:hang", [str(pidfile)], dict(os.environ), tmp_path / "h.log", 3)
+    run = server.run("tests.standin_worker:hang", [str(pidfile)], case_env(), tmp_path / "h.log", 3)
     assert run.timed_out and time.time() - t0 < 30
     assert gone(int(pidfile.read_text()))  # no orphan left behind
 
 
 def test_verdicts_through_the_runner(server, tmp_path):
     spec = CaseSpec("vllm", "stale", timeout_s=3)
-    env = dict(os.environ)
+    env = case_env()
     verdicts = {}
     for fn in ("clean", "crash", "boom", "hang"):
         argv = [str(tmp_path / "pid")] if fn == "hang" else ["y"]
@@ -50,7 +60,7 @@ def test_verdicts_through_the_runner(server, tmp_path):
 
 
 def test_executor_names():
-    assert make_executor("process") is None and isinstance(make_executor("forkserver"), ForkServer)
+    assert make_executor("process") is None and isinstance(make_executor("forkserver"), ForkExecutor)
     with pytest.raises(Exception, match="unknown executor"):
         make_executor("threads")
 
@@ -93,7 +103,7 @@ def test_both_paths_side_by_side_give_the_same_verdicts(tmp_path, monkeypatch):
 
 def test_phases_split_a_case_process_for_the_benchmark(server, tmp_path):
     spec = CaseSpec("vllm", "fresh", timeout_s=60)
-    res, _ = run_process(spec, [], dict(os.environ), tmp_path, False, server, ("tests.standin_worker:phased", []))
+    res, _ = run_process(spec, [], case_env(), tmp_path, False, server, ("tests.standin_worker:phased", []))
     p = res.phases
     assert res.verdict == CLEAN and set(p) == {"start_s", "import_s", "cuda_init_s", "work_s", "teardown_s"}
     assert p["start_s"] >= 0 and p["teardown_s"] >= 0
@@ -132,7 +142,7 @@ def test_ctrl_c_in_the_parent_kills_the_case_and_its_children(server, tmp_path):
     signal.setitimer(signal.ITIMER_REAL, 3.0)
     try:
         with pytest.raises(KeyboardInterrupt):
-            server.run("tests.standin_worker:hang", [str(pidfile)], dict(os.environ), tmp_path / "c.log", 60)
+            server.run("tests.standin_worker:hang", [str(pidfile)], case_env(), tmp_path / "c.log", 60)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
@@ -161,7 +171,7 @@ def _memcheck_spec():
 
 
 def test_a_warm_process_runs_its_case_with_the_case_environment(standin_sanitizer, tmp_path):
-    server = ForkServer(preload=STANDIN, spares=1)
+    server = ForkExecutor(case_env(), preload=STANDIN, spares=1)
     spec = _memcheck_spec()
     server.prepare([spec], memcheck_launch_env())
     env = {**memcheck_launch_env(), "CUDA_VISIBLE_DEVICES": "7"}  # applied before CUDA starts: it fits
@@ -180,7 +190,7 @@ def test_a_warm_process_runs_its_case_with_the_case_environment(standin_sanitize
 
 
 def test_memcheck_case_stops_once_the_first_error_is_written_whole(standin_sanitizer, tmp_path, fixtures):
-    server = ForkServer(preload=STANDIN, spares=1)
+    server = ForkExecutor(case_env(), preload=STANDIN, spares=1)
     spec = _memcheck_spec()
     server.prepare([spec], memcheck_launch_env())
     log = fixtures / "memcheck" / "combine-oob-upstream-16sm-nopoison.log"
@@ -195,7 +205,7 @@ def test_memcheck_case_stops_once_the_first_error_is_written_whole(standin_sanit
 
 
 def test_a_case_whose_environment_does_not_fit_runs_as_a_program_of_its_own(standin_sanitizer, tmp_path):
-    server = ForkServer(preload=STANDIN, spares=1)
+    server = ForkExecutor(case_env(), preload=STANDIN, spares=1)
     spec = _memcheck_spec()
     server.prepare([spec], memcheck_launch_env())
     env = {**memcheck_launch_env(), "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # fixed at import
@@ -244,28 +254,40 @@ def test_pool_imports_no_more_than_max_importing_at_once(standin_sanitizer):
         pool.close()
 
 
-def test_a_lost_exit_status_is_read_from_what_the_case_wrote(tmp_path):
-    """multiprocessing reports 255 when the forkserver's report of a child's exit is lost (2 of 256 clean cases on
-    the H200 with their result printed: results/h200-launch-failures); the code the case wrote wins then, and only
-    then; a case killed before writing keeps 255."""
-    from repro.run.process import EXIT_SUFFIX, LOST_STATUS, exit_code
-
-    out = tmp_path / "case.out.log"
-    side = tmp_path / ("case.out.log" + EXIT_SUFFIX)
-    side.write_text("0")
-    assert exit_code(LOST_STATUS, out) == 0 and not side.exists()
-    side.write_text("0")
-    assert exit_code(-9, out) == -9  # the parent saw the real end: a kill
-    assert exit_code(LOST_STATUS, out) == LOST_STATUS  # nothing written: the child never got there
-
-
-def test_forked_case_leaves_its_exit_code_only_transiently(tmp_path):
-    from repro.run.process import EXIT_SUFFIX
-
-    fs = ForkServer(preload=("tests.standin_worker",), spares=0)
+def test_a_case_whose_import_time_variable_differs_starts_fresh_and_says_why(tmp_path):
+    """A variable the forkserver's imports read (the allocator, the FA3 libraries, the Python path) that the case sets
+    otherwise: the case is not forked (run() answers None, the runner starts it as its command) and the executor's
+    notes name the variable; a variable read only later (the GPU to use) forks as before."""
+    ex = forkserver(spares=0)
     try:
         out = tmp_path / "c.out.log"
-        run = fs.run("tests.standin_worker:clean", ["x"], dict(os.environ), out, 60)
+        env = {**case_env(), "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+        assert ex.run("tests.standin_worker:clean", ["x"], env, out, 60) is None
+        assert any("PYTORCH_CUDA_ALLOC_CONF" in n for n in ex.notes)
+        late = {**case_env(), "CUDA_VISIBLE_DEVICES": "7", "SOME_SHELL_VAR": "x"}
+        run = ex.run("tests.standin_worker:clean", ["x"], late, out, 60)
+        assert run is not None and run.returncode == 0
     finally:
-        fs.close()
-    assert run.returncode == 0 and not (tmp_path / ("c.out.log" + EXIT_SUFFIX)).exists()
+        ex.close()
+    spec = CaseSpec("vllm", "stale", timeout_s=30)
+    env = {**case_env(), "FA3_LIB": "/elsewhere"}
+    cmd = [sys.executable, "-c", "import sys; print('fresh'); sys.exit(0)"]
+    ex = forkserver(spares=0)
+    try:
+        res, out_text = run_process(spec, cmd, env, tmp_path, False, ex, ("tests.standin_worker:clean", ["y"]))
+    finally:
+        ex.close()
+    assert "fresh" in out_text and "stand-in" not in out_text  # started as its command, not forked
+
+
+def test_a_forked_case_s_exit_status_is_the_forkserver_s_report(tmp_path):
+    ex = forkserver(spares=0)
+    try:
+        runs = {
+            fn: ex.run(f"tests.standin_worker:{fn}", ["x"], case_env(), tmp_path / f"{fn}.log", 60)
+            for fn in ("clean", "crash", "boom")
+        }
+    finally:
+        ex.close()
+    assert runs["clean"].returncode == 0 and runs["boom"].returncode == 1 == runs["crash"].returncode
+    assert not list(tmp_path.glob("*.exit"))  # no side file: the forkserver reaped the case and said how it ended

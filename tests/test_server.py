@@ -4,10 +4,8 @@ stop, the fingerprint that keeps a server of other code from being used, and the
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,12 +16,14 @@ import pytest
 
 from repro.case.spec import CaseSpec
 from repro.judge.verdicts import CLEAN, CRASH, ERROR, HANG
-from repro.run import server
+from repro.run import forkserver, kept, server
+from repro.run.process import case_env
 from repro.run.runner import run_process
 from tests.commands import ROOT, isolated_env, no_traceback
 from tests.processes import gone
 
 STANDIN = ("tests.standin_worker",)
+TARGETS = frozenset(f"tests.standin_worker:{f}" for f in ("clean", "hang", "crash", "boom"))
 
 
 @pytest.fixture
@@ -37,17 +37,19 @@ def sock(tmp_path, monkeypatch):
 @pytest.fixture
 def running(sock):
     facts = server.start(sock, idle_s=60, preload=STANDIN)
-    yield server.ServerExecutor(sock, facts)
+    ex = server.ServerExecutor(sock, facts, targets=TARGETS)
+    yield ex
+    ex.close()
     server.stop(sock)
 
 
 def test_cases_forked_with_their_environment_and_exit_codes(running, tmp_path):
     out = tmp_path / "c.out.log"
-    run = running.run("tests.standin_worker:clean", ["x"], {**os.environ, "STANDIN_ENV": "mine"}, out, 60)
+    run = running.run("tests.standin_worker:clean", ["x"], {**case_env(), "STANDIN_ENV": "mine"}, out, 60)
     text = out.read_text()
     assert run.returncode == 0 and not run.timed_out and "stand-in x" in text and "env mine" in text
     assert f"pid {running.facts['pid']}" not in text  # a process of its own, not the server
-    assert running.run("tests.standin_worker:crash", ["y"], dict(os.environ), out, 60).returncode == 1
+    assert running.run("tests.standin_worker:crash", ["y"], case_env(), out, 60).returncode == 1
 
 
 def test_verdicts_through_the_runner(running, tmp_path):
@@ -55,25 +57,43 @@ def test_verdicts_through_the_runner(running, tmp_path):
     verdicts = {}
     for fn in ("clean", "crash", "boom", "hang"):
         argv = [str(tmp_path / "pid")] if fn == "hang" else ["y"]
-        res, _ = run_process(spec, [], dict(os.environ), tmp_path, False, running, (f"tests.standin_worker:{fn}", argv))
+        res, _ = run_process(spec, [], case_env(), tmp_path, False, running, (f"tests.standin_worker:{fn}", argv))
         verdicts[fn] = res.verdict
     assert verdicts == {"clean": CLEAN, "crash": CRASH, "boom": ERROR, "hang": HANG}
     assert gone(int((tmp_path / "pid").read_text()))  # the hung case's grandchild went with it
 
 
-def test_a_command_that_goes_away_takes_its_case_with_it(running, sock, tmp_path):
+def test_a_command_that_goes_away_takes_its_case_with_it(sock, tmp_path):
+    facts = server.start(sock, idle_s=60, preload=STANDIN)
     pidfile = tmp_path / "grandchild.pid"
-    request = {"op": "run", "target": "tests.standin_worker:hang", "argv": [str(pidfile)], "env": dict(os.environ)}
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.connect(str(sock))
-        s.sendall((json.dumps({**request, "out": str(tmp_path / "h.log")}) + "\n").encode())
-        pid = json.loads(s.makefile("r").readline())["pid"]
-        for _ in range(100):
-            if pidfile.exists() and pidfile.read_text():
-                break
-            time.sleep(0.05)
-    assert gone(pid) and gone(int(pidfile.read_text()))
-    assert server.running(sock)["pid"] == running.facts["pid"]  # the server itself carries on
+    try:
+        with kept.try_connect(sock) as s:
+            lines = s.makefile("rb")
+            assert forkserver.decode(lines.readline())["kind"] == forkserver.READY
+            run = {"target": "tests.standin_worker:hang", "argv": [str(pidfile)], "env": case_env()}
+            s.sendall(forkserver.encode(forkserver.RUN, id=0, out=str(tmp_path / "h.log"), **run))
+            pid = forkserver.decode(lines.readline())["pid"]
+            for _ in range(100):
+                if pidfile.exists() and pidfile.read_text():
+                    break
+                time.sleep(0.05)
+            lines.close()  # the connection closes with the socket: the command went away
+        assert gone(pid) and gone(int(pidfile.read_text()))
+        assert server.running(sock)["pid"] == facts["pid"]  # the server itself carries on
+    finally:
+        server.stop(sock)
+
+
+def test_a_second_command_is_told_the_server_is_busy_and_stop_still_ends_it(running, sock, tmp_path):
+    """The server serves one command at a time: while one holds it, another is told it is busy (and forks from a
+    forkserver of its own); `serve --stop` ends it even then, its socket removed."""
+    out = tmp_path / "c.out.log"
+    assert running.run("tests.standin_worker:clean", ["x"], case_env(), out, 60).returncode == 0  # connected now
+    facts = server.running(sock)
+    assert facts["busy"] and facts["pid"] == running.facts["pid"]
+    assert server.usable(sock)[0] is None and "serves another command" in server.usable(sock)[1]
+    assert server.stop(sock)["pid"] == running.facts["pid"]
+    assert gone(running.facts["pid"]) and not sock.exists()
 
 
 def test_idle_server_stops_and_removes_its_socket(sock):
@@ -83,7 +103,7 @@ def test_idle_server_stops_and_removes_its_socket(sock):
 
 
 def test_a_server_of_other_code_is_not_used(running, sock, monkeypatch):
-    from repro.run.executor import ForkServer
+    from repro.run.executor import ForkExecutor
     from repro.run.runner import default_executor
 
     facts, why = server.usable(sock)
@@ -93,7 +113,7 @@ def test_a_server_of_other_code_is_not_used(running, sock, monkeypatch):
     assert facts["pid"] == running.facts["pid"] and why == ""
     assert isinstance(default_executor(), server.ServerExecutor)
     monkeypatch.setattr(server, "code_fingerprint", lambda *a: "edited")
-    assert isinstance(default_executor(), ForkServer)
+    assert isinstance(default_executor(), ForkExecutor)
 
 
 def test_an_edit_changes_the_fingerprint():

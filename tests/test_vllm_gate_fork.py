@@ -21,7 +21,7 @@ import pytest
 
 from repro.errors import ProtocolError
 from repro.judge.verdicts import CLEAN, CRASH, HANG
-from repro.vllm_integration.gate import fork as gate_fork
+from repro.run import forkserver as gate_fork
 from repro.vllm_integration.gate import report as gate_report
 from repro.vllm_integration.gate.case import GateCase, GateMode, case_env, parse_modes
 from repro.vllm_integration.gate.forkserver import differs
@@ -464,3 +464,27 @@ def test_a_run_stopped_while_its_forkservers_start_leaves_none_running(tmp_path,
         run_gate(builds, parse_modes("plain"), tmp_path / "logs", timeout_s=60, self_control="none", launcher=FORK)
     proc = servers[0][1].proc
     assert proc.poll() is not None and time.time() - t0 < 10  # stopped with the run, at once
+
+
+def test_a_gate_forkserver_is_refused_for_each_thing_vllm_s_imports_did_to_it(monkeypatch):
+    """The gate's --checks (gate.forkserver.problems): vLLM's environment cache on, its general plugins loaded, the
+    plugin installed while importing: each is named, and nothing is named when none happened."""
+    import sys
+    import types
+
+    from repro import entrypoints
+    from repro.vllm_integration.gate.forkserver import problems
+
+    envs, plugins = types.ModuleType("vllm.envs"), types.ModuleType("vllm.plugins")
+    counters = types.ModuleType(entrypoints.PLUGIN_COUNTERS)
+    for mod in (envs, plugins, counters):
+        monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    assert problems() == []
+    envs._env_cache = {}
+    assert problems() == ["vLLM's environment cache is on (enable_envs_cache): a case's variables would not be read"]
+    del envs._env_cache
+    plugins.plugins_loaded = True
+    assert "loaded its general plugins" in problems()[0] and len(problems()) == 1
+    plugins.plugins_loaded = False
+    counters._installed = {"fa3"}
+    assert problems() == ["the plugin installed ['fa3'] in the forkserver"]

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from repro.errors import ConfigError
-from repro.vllm_integration.gate import fork as gate_fork
+from repro.run import forkserver as gate_fork
+from repro.run import kept
 from repro.vllm_integration.gate import keep as gate_keep
 
 
@@ -37,17 +38,17 @@ def _first(sock) -> dict:
 
 def test_one_run_at_a_time_a_second_is_told_busy_and_the_next_is_served(short_dir):
     path = gate_keep.socket_dir() / "t.sock"
-    cmd = [sys.executable, "-m", "repro.vllm_integration.gate.fork", "--preload", "json", "--late", ""]
-    proc = gate_keep.start(cmd, dict(os.environ), path, idle_s=3.0)
+    cmd = [sys.executable, "-m", "repro.run.forkserver", "--preload", "json", "--late", ""]
+    proc = kept.start(cmd, dict(os.environ), path, idle_s=3.0)
     try:
-        first = gate_keep.wait_connect(path, proc, 60)
+        first = kept.wait_connect(path, proc, 60)
         assert first is not None and _first(first)["kind"] == gate_fork.READY
-        second = gate_keep.try_connect(path)
+        second = kept.try_connect(path)
         refused = _first(second)
         assert refused["kind"] == gate_fork.REFUSED and refused["busy"] is True and "busy" in refused["reason"]
         first.sendall(gate_fork.encode(gate_fork.STOP))
         first.close()
-        third, first_line, reader = gate_keep.take(None, path, proc, 10)  # asked again while it says busy
+        third, first_line, reader = kept.take(None, path, proc, 10)  # asked again while it says busy
         ready = gate_fork.decode(first_line)
         assert ready["kind"] == gate_fork.READY and ready["served"] == 2
         reader.close()
@@ -80,12 +81,12 @@ def test_a_socket_folder_others_may_enter_is_refused(short_dir):
 
 
 def test_the_socket_changes_with_the_build_environment_and_preload(short_dir):
-    base = gate_keep.socket_for("b", {"A": "1"}, ("torch",), frozenset({"X"}), "0.26.0|x")
-    assert base == gate_keep.socket_for("b", {"A": "1"}, ("torch",), frozenset({"X"}), "0.26.0|x")
+    base = kept.socket_for(gate_keep.socket_dir(), "b", {"A": "1"}, ("torch",), frozenset({"X"}), "0.26.0|x")
+    assert base == kept.socket_for(gate_keep.socket_dir(), "b", {"A": "1"}, ("torch",), frozenset({"X"}), "0.26.0|x")
     others = [
-        gate_keep.socket_for("b", {"A": "2"}, ("torch",), frozenset({"X"}), "0.26.0|x"),
-        gate_keep.socket_for("b", {"A": "1"}, ("torch", "vllm"), frozenset({"X"}), "0.26.0|x"),
-        gate_keep.socket_for("b", {"A": "1"}, ("torch",), frozenset({"X"}), "0.26.0|reinstalled"),
+        kept.socket_for(gate_keep.socket_dir(), "b", {"A": "2"}, ("torch",), frozenset({"X"}), "0.26.0|x"),
+        kept.socket_for(gate_keep.socket_dir(), "b", {"A": "1"}, ("torch", "vllm"), frozenset({"X"}), "0.26.0|x"),
+        kept.socket_for(gate_keep.socket_dir(), "b", {"A": "1"}, ("torch",), frozenset({"X"}), "0.26.0|reinstalled"),
     ]
     assert base not in others and len(set(others)) == 3
     assert len(os.fsencode(base)) < 108

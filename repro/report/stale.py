@@ -19,7 +19,7 @@ from repro.report.records import git, load_index
 GATE_ENTRIES = (
     "repro/cli/vllm.py",
     "repro/vllm_integration/gate/worker.py",  # the case process (python -m)
-    "repro/vllm_integration/gate/fork.py",  # the forkserver (python -m)
+    "repro/run/forkserver.py",  # the forkserver (python -m)
     "repro/vllm_integration/plugin/__init__.py",  # loaded by vLLM (entry point)
     "repro/run/own_alloc.c",  # memcheck:own's allocator, built by nvcc
 )
@@ -28,6 +28,7 @@ MATRIX_ENTRIES = (
     "repro/attention/worker.py",
     "repro/specdecode/worker.py",
     "repro/run/server.py",
+    "repro/run/forkserver.py",  # the forkserver (python -m)
 )
 PYTEST_ENTRIES = ("conftest.py", "cases", "repro/pytest_options.py", *MATRIX_ENTRIES[1:], *GATE_ENTRIES[1:])
 # options that leave `repro gate` the README's line: which builds, where, how long, where caches and reports go

@@ -1,11 +1,13 @@
 """How case processes start when they need not start from nothing (`matrix --executor forkserver`, the default).
 
-- Plain cases are forked from a server that imported torch and the harness once (Python's forkserver), instead of a
-  fresh `python -m repro.attention.worker` per case. The server never touches CUDA, so every case still gets a CUDA context of
-  its own (a sticky CUDA error cannot leak into another case); what a case saves is the interpreter start and the
-  imports. Each forked case runs in a process session of its own, so a timeout or Ctrl-C kills it with everything
-  it started.
-- Or from the repro server, which outlives the command (repro.run.server, `python -m repro serve`).
+- Plain cases are forked from the harness's one forkserver (repro.run.forkserver, through repro.run.forkclient), which
+  imported torch, the harness and the FA3 libraries once, instead of a fresh `python -m repro.attention.worker` per
+  case. It never touches CUDA, so every case still gets a CUDA context of its own (a sticky CUDA error cannot leak into
+  another case); what a case saves is the interpreter start and the imports. Each forked case runs in a process
+  session of its own, so a timeout or Ctrl-C kills it with everything it started. A case whose environment differs
+  from the forkserver's in a variable read at import (IMPORT_VARS: the Python path, the FA3 libraries, the allocator,
+  ...) is started fresh instead, and the executor's notes say why.
+- Or from the repro server, the same forkserver kept between commands (repro.run.server, `python -m repro serve`).
 - Memcheck cases each need a compute-sanitizer of their own. One sanitizer over a forking server does follow the
   forked children (`--target-processes all`, tried on the H200 with compute-sanitizer 2025.3), but writes every
   process's errors into one log (`--log-file %p` is the sanitizer's pid), without saying which process made them,
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing
 import os
 import shutil
 import subprocess
@@ -29,12 +30,13 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from multiprocessing import forkserver
 from pathlib import Path
 
 from repro import entrypoints
 from repro.contract.channel import ENV as CHANNEL_ENV
-from repro.run.process import ProcessRun, exit_code, kill_group, run_child
+from repro.errors import ForkServerDied, ForkUnavailable
+from repro.run import forkclient
+from repro.run.process import kill_group, run_child
 from repro.run.sanitizer import find_sanitizer, sanitizer_command
 
 PRELOAD = entrypoints.EXECUTOR_PRELOAD
@@ -63,41 +65,79 @@ class MemcheckAhead:
             self.warm = None
 
 
-class ForkServer(MemcheckAhead):
-    """Runs `module:function(argv)` in a forked case process, output to a file, under a timeout."""
+TARGETS = frozenset({entrypoints.ATTENTION_WORKER_MAIN, entrypoints.SPEC_WORKER_MAIN})  # what its cases run
+
+
+def read_at_import(name: str) -> bool:
+    """Is this a variable the forkserver's imports read (IMPORT_VARS), so that a case with another value of it must not
+    fork from it? Every other variable of the case reaches its process before anything reads it."""
+    return name in IMPORT_VARS or name.startswith(IMPORT_PREFIXES)
+
+
+IMPORT_VARS = frozenset(
+    {"PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH", "PYTHONUNBUFFERED", "LD_LIBRARY_PATH", "LD_PRELOAD"}
+    | {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_MODULE_LOADING"}
+)
+IMPORT_PREFIXES = ("FA3_", "TORCH_", "PYTORCH_")
+
+
+class ForkExecutor(MemcheckAhead):
+    """Runs `module:function(argv)` in a case process forked from the harness's forkserver, output to a file, under a
+    timeout; run() returns None when the case cannot fork (its caller starts it fresh, and `notes` say why)."""
 
     name = "forkserver"
     started_by = "a forkserver"  # for reports: what started the cases
 
-    def __init__(self, preload: tuple[str, ...] = PRELOAD, spares: int = 4) -> None:
+    def __init__(
+        self, env: dict[str, str], preload: tuple[str, ...] = PRELOAD, spares: int = 4, targets=TARGETS
+    ) -> None:
+        """`env`: the environment of a case on the whole GPU (repro.run.process.case_env): the forkserver's."""
         super().__init__(preload, spares)
-        self.ctx = multiprocessing.get_context("forkserver")
-        self.ctx.set_forkserver_preload(list(preload))
+        self.env, self.targets = dict(env), targets
+        self.server: forkclient.ForkServer | None = None
+        self.dir: Path | None = None
+        self.notes: list[str] = []  # why a case was started fresh instead
+        self._lock = threading.Lock()
+
+    def _server(self) -> forkclient.ForkServer:
+        with self._lock:
+            if self.server is None:
+                self.dir = Path(tempfile.mkdtemp(prefix="repro-fork-"))
+                launch = forkclient.launch_env(self.env, LATE_VARS)
+                self.server = forkclient.ForkServer(
+                    "attention", launch, self.dir / "forkserver.log", self.preload, LATE_VARS, self.targets
+                )
+            return self.server
 
     def start(self) -> None:
-        """Start the server (it imports the preloaded modules) now instead of at the first case."""
-        forkserver.ensure_running()
+        """Start the forkserver (it imports the preloaded modules) now instead of at the first case."""
+        self._server()
 
     def run(self, target: str, argv: list[str], env: dict[str, str], out_path: Path, timeout_s: float):
-        t0 = time.time()
-        Path(out_path).write_bytes(b"")
-        proc = self.ctx.Process(target=run_child, args=(target, argv, dict(env), str(out_path)), daemon=False)
-        proc.start()
-        timed_out = False
-        try:
-            proc.join(timeout_s)
-            if proc.is_alive():
-                timed_out = True
-                _kill(proc)
-        except BaseException:  # Ctrl-C in the parent: no orphan case left running
-            _kill(proc)
-            raise
-        return ProcessRun(exit_code(proc.exitcode, out_path), timed_out, False, time.time() - t0, t0)
+        server = self._server()
+        why = server.why_not({k: v for k, v in env.items() if read_at_import(k)} | _others(server.launch_env))
+        if why is None:
+            try:
+                return server.run(target, argv, env, out_path, timeout_s)
+            except (ForkUnavailable, ForkServerDied) as e:
+                why = str(e)
+        with self._lock:
+            if why not in self.notes:
+                self.notes.append(why)
+        return None
+
+    def close(self) -> None:
+        super().close()
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _kill(proc) -> None:
-    kill_group(proc.pid)
-    proc.join()
+def _others(launch: dict[str, str]) -> dict[str, str]:
+    """The forkserver's own values of the variables its imports do not read: a case's differ from them freely."""
+    return {k: v for k, v in launch.items() if not read_at_import(k)}
 
 
 # Variables a warm process applies before CUDA starts; any other difference from its start-up environment (the
@@ -252,7 +292,7 @@ def _warm_main(preload: list[str]) -> None:
     req = json.loads(line)
     launch = req["launch_env"]
     injected = {k: v for k, v in os.environ.items() if launch.get(k) != v}
-    run_child(req["target"], req["argv"], {**req["env"], **injected}, req["out"], new_session=False)
+    run_child(req["target"], req["argv"], {**req["env"], **injected}, req["out"])
 
 
 if __name__ == "__main__":  # python -m repro.run.executor warm MODULE,MODULE: a WarmPool process

@@ -1,8 +1,9 @@
-"""The gate's end of a build's forkserver (repro.vllm_integration.gate.fork is the forkserver's process): ForkServer
-starts it with the build's environment less the per-case variables (LATE_VARS), or takes one an earlier run kept
-(repro.vllm_integration.gate.keep), sends RUN, KILL and STOP records, and supervises each forked case as
-repro.run.runner.supervise does a spawned one: its timeout, its stall watch, its whole group killed. `differs` says
-which variables keep a case from forking from it (repro.vllm_integration.gate.launch decides)."""
+"""The starting command's side of the harness's one forkserver (repro.run.forkserver is the forkserver's process):
+ForkServer starts it with its cases' environment less the per-case variables (`late`), or takes one an earlier
+command kept at a socket (repro.run.kept), sends RUN, KILL, STOP and SHUTDOWN records, and supervises each forked case
+as repro.run.runner.supervise does a spawned one: its timeout, its stall watch, its whole group killed. `differs` says
+which variables keep a case from forking from it; `why_not` says whether a case can fork from it at all (its users
+launch that case plainly, and say why)."""
 
 from __future__ import annotations
 
@@ -15,63 +16,64 @@ import time
 from pathlib import Path
 
 from repro import entrypoints
-from repro.contract import request
-from repro.contract.channel import ENV as CHANNEL_ENV
-from repro.errors import ConfigError, ForkServerDied, ForkUnavailable, ProtocolError
+from repro.errors import ForkServerDied, ForkUnavailable, ProtocolError
+from repro.run import forkserver as fs
+from repro.run import kept
 from repro.run.process import ProcessRun, Stall, kill_group
-from repro.vllm_integration.gate import fork as gate_fork
-from repro.vllm_integration.gate import keep as gate_keep
 
-TARGET_MAIN = f"{gate_fork.TARGET}:main"
-READY_TIMEOUT_S = 300.0  # a forkserver importing longer than this is given up (its build launched plainly)
+READY_TIMEOUT_S = 300.0  # a forkserver importing longer than this is given up (its cases launched plainly)
 ANSWER_TIMEOUT_S = 60.0  # a RUN request without a STARTED or NOT_STARTED record by then: the forkserver is stuck
 KILL_WAIT_S = 30.0  # after the kill at a timeout, how long to wait for the forkserver to report the exit
-LATE_VARS = frozenset(
-    {
-        "CUDA_VISIBLE_DEVICES",  # read when CUDA starts (placement)
-        "CUDA_MPS_PIPE_DIRECTORY",  # MPS client: read when CUDA starts
-        "CUDA_MPS_LOG_DIRECTORY",
-        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
-        "CUDA_LAUNCH_BLOCKING",  # the attribution rerun: read when the CUDA context is made
-        "VLLM_CACHE_ROOT",  # vllm.envs reads it when asked (the model registry, torch.compile), not at import
-        "TRITON_CACHE_DIR",  # read when a kernel compiles (vLLM's compile and JIT warmup), not at import
-        CHANNEL_ENV,  # read at each record
-        request.ENV,  # the case's request: read by the worker's main and by plugin.register when vLLM loads it
-    }
-)
 
 
-KEPT_LATE = frozenset({"CUDA_VISIBLE_DEVICES"})  # the same for every case of a run without --devices: kept
+def launch_env(env: dict[str, str], late: frozenset[str], kept_late: frozenset[str] = frozenset()) -> dict[str, str]:
+    """A forkserver's environment: a case's, less what differs per case (`kept_late` kept as the case has it)."""
+    return {k: v for k, v in env.items() if k not in late or k in kept_late}
 
 
-def launch_env(env: dict[str, str]) -> dict[str, str]:
-    """A forkserver's environment: a case's, less what differs per case (KEPT_LATE kept as the case has it)."""
-    return {k: v for k, v in env.items() if k not in LATE_VARS or k in KEPT_LATE}
-
-
-def differs(env: dict[str, str], launch: dict[str, str], read_at_import=()) -> list[str]:
-    """The variables in which a case's environment differs from its forkserver's: any but LATE_VARS, and those of
-    LATE_VARS that Python code read while the forkserver imported."""
-    keys = ((set(env) | set(launch)) - LATE_VARS) | set(read_at_import)
+def differs(env: dict[str, str], launch: dict[str, str], late: frozenset[str], read_at_import=()) -> list[str]:
+    """The variables in which a case's environment differs from its forkserver's: any but `late`, and those of `late`
+    that Python code read while the forkserver imported."""
+    keys = ((set(env) | set(launch)) - late) | set(read_at_import)
     return sorted(k for k in keys if env.get(k) != launch.get(k))
 
 
 class ForkServer:
-    """One build's forkserver process and the gate's end of its pipes. Thread-safe: the gate's case threads share it."""
+    """One forkserver process and the command's end of its pipes or socket. Thread-safe: a command's case threads
+    share it."""
 
     def __init__(
         self,
         label: str,
         env: dict[str, str],
-        log_path: Path,
+        log_path: Path | None,
         preload: tuple[str, ...],
+        late: frozenset[str],
+        targets: frozenset[str],
+        *,
+        setup: str | None = None,
+        checks: str | None = None,
+        tag: str = "",
+        socket: Path | None = None,
         keep_s: float | None = None,
-        identity: str = "",
+        may_start: bool = True,
+        unavailable: str | None = None,
     ) -> None:
-        self.label, self.launch_env, self.log_path = label, launch_env(env), Path(log_path)
-        self.keep_s, self.kept = keep_s, False  # kept: an earlier run's forkserver (gate_keep), not started here
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        """`env`: the forkserver's environment (launch_env of its cases'); `targets`: the `module:function`s its cases
+        may run. With `socket`, a kept one: taken when one listens there, else started there for keep_s (unless
+        may_start is False: the repro server's clients never start one). `unavailable`: why none can be started (its
+        cases are launched plainly)."""
+        self.label, self.launch_env = label, dict(env)
+        self.log_path = Path(log_path) if log_path is not None else None  # its output (None: a kept one's only)
+        self.late, self.targets = late, targets
+        self.keep_s, self.kept = (
+            keep_s,
+            False,
+        )  # kept: an earlier command's forkserver (repro.run.kept), not started here
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.ready: dict | None = None
+        self.refusal: dict | None = None  # its REFUSED record, when it refused (busy: a kept one serving another run)
         self.ready_at: float | None = None
         self.closing = False
         self.failed: str | None = None
@@ -81,17 +83,20 @@ class ForkServer:
         self._next = 0
         self._wlock = threading.Lock()
         self.t0 = time.time()
-        cmd = entrypoints.command(entrypoints.GATE_FORK, "--preload", ",".join(preload))
-        cmd += ["--late", ",".join(sorted(LATE_VARS))]
-        if keep_s:
-            try:
-                self.socket = gate_keep.socket_for(label, self.launch_env, preload, LATE_VARS, identity)
-            except (ConfigError, OSError) as e:  # no folder of this user's alone: its cases are launched plainly
-                self.proc, self.failed = None, f"not kept: {e}"
-                return
-            sock = gate_keep.try_connect(self.socket)
+        cmd = entrypoints.command(entrypoints.FORKSERVER, "--preload", ",".join(preload))
+        cmd += ["--late", ",".join(sorted(late)), "--tag", tag]
+        cmd += [*(["--setup", setup] if setup else []), *(["--checks", checks] if checks else [])]
+        self.socket = socket
+        if unavailable:
+            self.proc, self.socket, self.failed = None, None, unavailable
+            return
+        if socket is not None:
+            sock = kept.try_connect(socket)
             self.kept = sock is not None
-            self.proc = None if self.kept else gate_keep.start(cmd, self.launch_env, self.socket, keep_s)
+            if self.kept or not may_start:
+                self.proc = None
+            else:
+                self.proc = kept.start(cmd, self.launch_env, socket, keep_s or 0.0)
             threading.Thread(target=self._read_kept, args=(sock,), name=f"forkserver-{label}", daemon=True).start()
             return
         req_r, req_w = os.pipe()
@@ -117,10 +122,15 @@ class ForkServer:
 
     def _read_kept(self, sock) -> None:
         """A kept forkserver's records: connect first (to the one found, or once the one started here listens)."""
-        sock, first, reader = gate_keep.take(sock, self.socket, self.proc, READY_TIMEOUT_S)
+        wait = READY_TIMEOUT_S if self.proc is not None or sock is not None else 0.0
+        sock, first, reader = kept.take(sock, self.socket, self.proc, wait)
         if sock is None:
             with self._cv:
-                self.failed = f"no forkserver listened at its socket in {READY_TIMEOUT_S:g} s"
+                self.failed = (
+                    f"no forkserver listened at its socket in {READY_TIMEOUT_S:g} s"
+                    if self.proc is not None
+                    else f"no forkserver listens at {self.socket}"
+                )
                 self._cv.notify_all()
             if self.proc is not None:
                 kill_group(self.proc.pid)
@@ -135,16 +145,17 @@ class ForkServer:
         why = None
         try:
             for line in itertools.chain([first] if first else [], self._rep):
-                rec = gate_fork.decode(line)
+                rec = fs.decode(line)
                 with self._cv:
-                    if rec["kind"] == gate_fork.READY:
-                        log = gate_keep.log_of(self.socket) if self.keep_s else self.log_path
+                    if rec["kind"] == fs.READY:
+                        log = kept.log_of(self.socket) if self.socket is not None else self.log_path
                         self.import_log = log.read_bytes() if log.exists() else b""
-                        if self.keep_s:  # the run's logs keep what the forkserver printed, as a fresh one's would
+                        if self.socket is not None and self.log_path is not None:  # the run's logs keep what it printed
                             self.log_path.write_bytes(self.import_log)
                         self.ready, self.ready_at = rec, time.time()
-                    elif rec["kind"] == gate_fork.REFUSED:
+                    elif rec["kind"] == fs.REFUSED:
                         why = f"refused: {rec.get('reason')}"
+                        self.refusal = rec
                     elif "id" in rec:
                         self._events.setdefault(rec["id"], {})[rec["kind"]] = rec
                     self._cv.notify_all()
@@ -152,7 +163,7 @@ class ForkServer:
             why = f"its records broke off: {e}"
             if self._pid():
                 kill_group(self._pid())
-        if self.keep_s:  # a kept forkserver outlives this connection: it is not waited for
+        if self.socket is not None:  # a kept forkserver outlives this connection: it is not waited for
             end = "its connection closed" if not self.closing else "this run ended"
         else:
             end = f"exited with status {self.proc.wait()}"
@@ -170,7 +181,7 @@ class ForkServer:
             return self.failed is None
 
     def _send(self, kind: str, **fields) -> None:
-        data = memoryview(gate_fork.encode(kind, **fields))
+        data = memoryview(fs.encode(kind, **fields))
         with self._wlock:
             while data:
                 data = data[os.write(self._req, data) :]
@@ -187,8 +198,8 @@ class ForkServer:
         """The case process forked, supervised as runner.supervise would: killed (its group) at timeout_s or when its
         Stall watch says it hangs. Raises ForkUnavailable when nothing started, ForkServerDied when the forkserver
         died under the case."""
-        if target != TARGET_MAIN:
-            raise ValueError(f"a gate forkserver runs {TARGET_MAIN}, not {target}")
+        if target not in self.targets:
+            raise ValueError(f"this forkserver runs {', '.join(sorted(self.targets))}, not {target}")
         if not self.wait_ready():
             raise ForkUnavailable(f"forkserver {self.failed}")
         with self._cv:
@@ -198,21 +209,20 @@ class ForkServer:
         t0 = time.time()
         try:
             self._send(
-                gate_fork.RUN,
+                fs.RUN,
                 id=rid,
+                target=target,
                 argv=argv,
                 env=env,
                 out=str(Path(out_path).resolve()),
-                argv0=_gate_file(),
+                argv0=entrypoints.source(target.partition(":")[0]),  # sys.argv[0] of `python -m module`
                 cwd=os.getcwd(),
             )
         except OSError as e:
             raise ForkUnavailable(f"forkserver gone ({e})") from None
         with self._cv:
-            self._cv.wait_for(
-                lambda: gate_fork.STARTED in ev or gate_fork.NOT_STARTED in ev or self.failed, ANSWER_TIMEOUT_S
-            )
-            started, refused, failed = ev.get(gate_fork.STARTED), ev.get(gate_fork.NOT_STARTED), self.failed
+            self._cv.wait_for(lambda: fs.STARTED in ev or fs.NOT_STARTED in ev or self.failed, ANSWER_TIMEOUT_S)
+            started, refused, failed = ev.get(fs.STARTED), ev.get(fs.NOT_STARTED), self.failed
         if started is None:
             if refused is None and failed is None:
                 self.fail(f"no answer to a case request in {ANSWER_TIMEOUT_S:g} s")
@@ -223,8 +233,8 @@ class ForkServer:
             while True:  # in slices, so that the stall watch looks at the case's output every second
                 with self._cv:
                     left = max(0.0, t0 + timeout_s - time.time())
-                    self._cv.wait_for(lambda: gate_fork.EXITED in ev or self.failed, min(1.0, left))
-                    done = gate_fork.EXITED in ev
+                    self._cv.wait_for(lambda: fs.EXITED in ev or self.failed, min(1.0, left))
+                    done = fs.EXITED in ev
                 if done or self.failed or not left:
                     break
                 if stall is not None and stall.check(time.time()):
@@ -237,16 +247,16 @@ class ForkServer:
                 timed_out = True
                 self._kill(rid, pid)
                 with self._cv:
-                    self._cv.wait_for(lambda: gate_fork.EXITED in ev or self.failed, KILL_WAIT_S)
-        except BaseException:  # Ctrl-C or an error in the gate: leave no case running
+                    self._cv.wait_for(lambda: fs.EXITED in ev or self.failed, KILL_WAIT_S)
+        except BaseException:  # Ctrl-C or an error in the command: leave no case running
             self._kill(rid, pid)
             raise
-        code = ev[gate_fork.EXITED]["returncode"] if gate_fork.EXITED in ev else None
+        code = ev[fs.EXITED]["returncode"] if fs.EXITED in ev else None
         return ProcessRun(code, timed_out, False, time.time() - t0, t0, stalled=hung)
 
     def _kill(self, rid: int, pid: int) -> None:
         with contextlib.suppress(OSError):
-            self._send(gate_fork.KILL, id=rid)
+            self._send(fs.KILL, id=rid)
         kill_group(pid)
 
     def fail(self, why: str) -> None:
@@ -256,13 +266,30 @@ class ForkServer:
         if self._pid():
             kill_group(self._pid())
 
+    def why_not(self, env: dict[str, str]) -> str | None:
+        """None when a case with this environment can fork from this forkserver, else why not (it failed, or a
+        variable read at import differs)."""
+        if not self.wait_ready():
+            return f"forkserver {self.failed}"
+        diff = differs(env, self.launch_env, self.late, self.ready.get("read_late") or ())
+        return f"{', '.join(diff)} differ from the forkserver's environment (read at import)" if diff else None
+
+    def shutdown(self) -> None:
+        """A kept forkserver: end it (SHUTDOWN), not only this command's connection."""
+        with contextlib.suppress(OSError):
+            if self.wait_ready(READY_TIMEOUT_S):
+                self._send(fs.SHUTDOWN)
+        self.close()
+
     def close(self) -> None:
         self.closing = True
-        if self.keep_s:  # STOP ends this run's connection; the forkserver waits for the next run
+        if self.proc is None and self.socket is None:  # never started (unavailable)
+            return
+        if self.socket is not None:  # STOP ends this run's connection; the forkserver waits for the next run
             sock = getattr(self, "_sock", None)
             if sock is not None:
                 with contextlib.suppress(OSError):
-                    self._send(gate_fork.STOP)
+                    self._send(fs.STOP)
                 sock.close()
             if self.proc is not None and self.ready is None:  # started here and never ready: nobody will take it
                 kill_group(self.proc.pid)
@@ -270,7 +297,7 @@ class ForkServer:
         if self.ready is None:  # still importing (it reads requests once ready): stopped now, not after 10 s
             kill_group(self.proc.pid)
         with contextlib.suppress(OSError):
-            self._send(gate_fork.STOP)
+            self._send(fs.STOP)
         with contextlib.suppress(OSError):
             os.close(self._req)
         try:
@@ -278,8 +305,3 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             kill_group(self.proc.pid)
             self.proc.wait()
-
-
-def _gate_file() -> str:
-    """sys.argv[0] of `python -m repro.vllm_integration.gate.worker`: the module's file."""
-    return entrypoints.source(entrypoints.GATE_WORKER)

@@ -1,28 +1,32 @@
-"""The vLLM gate's forkserver: one process per vLLM build that imports torch, vLLM and the harness's plugin modules
-once, without starting CUDA, and forks one gate case process per request (repro.vllm_integration.gate.launch is the
-gate's side of it).
+"""The harness's one forkserver: a process that imports what its cases need once (torch, the FA3 libraries, vLLM:
+whatever its preload names), without starting CUDA, and forks one case process per request. Every path that forks
+its cases uses it: the attention layer's matrix and pytest tier (repro.run.executor), the repro server that outlives
+commands (repro.run.server, a kept forkserver) and the vLLM gate, one per build (repro.vllm_integration.gate.launch).
+repro.run.forkclient is the starting command's side of it.
 
-  python -m repro.vllm_integration.gate.fork --requests FD --replies FD [--preload MODULE[:ATTR],...]
-  python -m repro.vllm_integration.gate.fork --socket PATH --idle S [--preload ...]   kept for later runs (listen)
+  python -m repro.run.forkserver --requests FD --replies FD --preload MODULE[:ATTR],... [--late VARS]
+      [--setup MODULE:FUNC] [--checks MODULE:FUNC] [--tag TEXT]
+  python -m repro.run.forkserver --socket PATH --idle S ...     kept: serves runs one at a time (listen)
 
-Started with its build's environment (PYTHONPATH with the build's prefix and torch, the gate's BASE_ENV), less what
-differs per case (gate_forkserver.LATE_VARS). After its imports it refuses to serve (a REFUSED record, then it exits)
-when torch or the CUDA driver was initialised, when vLLM cached its environment or loaded its plugins, or when an
-import set a per-case variable. The per-case variables Python code read while importing are in its READY record
-(`read_late`): a case that sets another value for one of them is launched plainly (gate_forkserver.differs). Else it
-forks a child per RUN request, each of which:
+Started with its cases' environment less what differs per case (the client's LATE_VARS). `--setup` is called before
+the imports (the gate: the build's site folders). After its imports it refuses to serve (a REFUSED record, then it
+exits) when torch or the CUDA driver was initialised, when `--checks` names problems (the gate: vLLM cached its
+environment or loaded its plugins), or when an import set a per-case variable. The per-case variables Python code read
+while importing are in its READY record (`read_late`): a case that sets another value for one of them is launched
+plainly (forkclient.differs). Else it forks a child per RUN request, each of which:
 - asserts again (before the fork) that torch has not initialised CUDA;
-- starts a session of its own (the gate kills the whole group at the timeout), restores Ctrl-C, sends stdout and
-  stderr to the case's log (appended: the gate wrote the forkserver's import output there first, as a fresh process
+- starts a session of its own (its client kills the whole group at the timeout), restores Ctrl-C, sends stdout and
+  stderr to the case's log (appended: the client wrote the forkserver's import output there first, as a fresh process
   would have printed it), reads nothing from stdin;
 - takes the case's environment whole, plus what the imports set (vLLM's env_override: PYTORCH_NVML_BASED_CUDA_CHECK,
-  TORCHINDUCTOR_COMPILE_THREADS, ...), before anything starts CUDA or loads the plugin;
-- runs repro.vllm_integration.gate.worker's main as `python -m repro.vllm_integration.gate.worker` would, and ends as that process
-  ends (the interpreter's own exit: non-daemon threads joined, atexit handlers run, so the plugin's exit reports
+  TORCHINDUCTOR_COMPILE_THREADS, ...), before anything starts CUDA;
+- runs the request's target (`module:function`, called with its argv) as `python -m module` would, and ends as that
+  process ends (the interpreter's own exit: non-daemon threads joined, atexit handlers run, so a plugin's exit reports
   are written; an exception's traceback and exit 1).
 The forkserver reaps each child and reports its exit status (negative: the signal); it kills its children's groups
-when the gate closes its request pipe or says STOP. Records are JSON lines with a schema and a kind (KINDS), never
-text to parse."""
+when the client closes its request pipe or says STOP. Kept (`--socket`), a client's STOP or closed connection ends
+that run (its cases killed) and the next may connect; SHUTDOWN ends the forkserver. Records are JSON lines with a
+schema and a kind (KINDS), never text to parse."""
 
 from __future__ import annotations
 
@@ -45,11 +49,9 @@ from repro.errors import ProtocolError
 from repro.run.process import reaped
 
 SCHEMA = 1
-RUN, KILL, STOP = "run", "kill", "stop"  # gate -> forkserver
+RUN, KILL, STOP, SHUTDOWN = "run", "kill", "stop", "shutdown"  # client -> forkserver
 READY, REFUSED, STARTED, EXITED, NOT_STARTED = "ready", "refused", "started", "exit", "not-started"  # and back
-KINDS = frozenset({RUN, KILL, STOP, READY, REFUSED, STARTED, EXITED, NOT_STARTED})
-TARGET = entrypoints.GATE_WORKER  # what a case process runs (its main)
-PRELOAD = entrypoints.GATE_PRELOAD  # what a case process imports before its engine starts
+KINDS = frozenset({RUN, KILL, STOP, SHUTDOWN, READY, REFUSED, STARTED, EXITED, NOT_STARTED})
 CUDA_NOT_INITIALIZED = 3  # CUresult of a driver call before cuInit
 
 
@@ -112,33 +114,19 @@ def cuda_problem() -> str | None:
     return None
 
 
-def _vllm_problems() -> list[str]:
-    out = []
-    envs = sys.modules.get("vllm.envs")
-    if envs is not None:
-        getter = vars(envs).get("__getattr__")
-        if hasattr(getter, "__wrapped__") or vars(envs).get("_env_cache") is not None:
-            out.append("vLLM's environment cache is on (enable_envs_cache): a case's variables would not be read")
-    plugins = sys.modules.get("vllm.plugins")
-    if plugins is not None and vars(plugins).get("plugins_loaded"):
-        out.append("vLLM loaded its general plugins while importing: the plugin would not see a case's environment")
-    counters = sys.modules.get(entrypoints.PLUGIN_COUNTERS)
-    if counters is not None and getattr(counters, "_installed", None):
-        out.append(f"the plugin installed {sorted(counters._installed)} in the forkserver")
-    return out
-
-
-def prepare(preload: list[str], late: frozenset[str]) -> tuple[dict, list[str]]:
-    """Import everything in `preload` (MODULE or MODULE:ATTR) and check the process can fork cases: (the READY
-    record's facts, the problems that refuse it)."""
+def prepare(
+    preload: list[str], late: frozenset[str], setup: str | None = None, checks: str | None = None
+) -> tuple[dict, list[str]]:
+    """Call `setup`, import everything in `preload` (MODULE or MODULE:ATTR) and check the process can fork cases (CUDA
+    not started, `checks`' problems, no per-case variable set): (the READY record's facts, the problems that refuse
+    it)."""
     before = dict(os.environ)
     real, watched = os.environ, _WatchedEnviron(os.environ, late)
     os.environ = watched  # noqa: B003  the same environment, watched: os.getenv reads the module's environ too
     t0 = time.time()
-    from repro.vllm_integration.releases.builds import add_site_dirs  # the forkserver's imports are its cases'
-
-    add_site_dirs()  # before the preloads: the build's .pth files take effect in the cases it forks
     try:
+        if setup:  # before the preloads (the gate: the build's .pth files take effect in the cases it forks)
+            entrypoints.load(setup)()
         for item in preload:
             entrypoints.load(item)
     finally:
@@ -147,7 +135,7 @@ def prepare(preload: list[str], late: frozenset[str]) -> tuple[dict, list[str]]:
     import_s = time.time() - t0
     env_set = {k: v for k, v in os.environ.items() if before.get(k) != v}
     env_unset = sorted(set(before) - set(os.environ))
-    problems = [p for p in (cuda_problem(),) if p] + _vllm_problems()
+    problems = [p for p in (cuda_problem(),) if p] + (list(entrypoints.load(checks)()) if checks else [])
     if set(env_set) & late or set(env_unset) & late:
         problems.append(f"the imports set per-case variables: {sorted((set(env_set) | set(env_unset)) & late)}")
     try:
@@ -185,10 +173,14 @@ def _kill_all(children: dict[int, int]) -> None:
                 pass
 
 
-def serve(req_fd: int, rep_fd: int, listener: socket.socket | None = None) -> dict | None:
-    """Answer requests until told to stop (None) or until this is a forked child, which gets its RUN request (a
-    child closes the request and reply descriptors and the listener). A run that connects to the listener meanwhile
-    is told at once that this forkserver is busy (REFUSED): it starts or spawns its own."""
+SHUT = {"kind": SHUTDOWN}  # serve's answer when a kept forkserver was told to end (never a case's request)
+
+
+def serve(req_fd: int, rep_fd: int, listener: socket.socket | None = None, facts: dict | None = None) -> dict | None:
+    """Answer requests until told to stop (None; SHUT for SHUTDOWN) or until this is a forked child, which gets its
+    RUN request (a child closes the request and reply descriptors and the listener). A run that connects to the
+    listener meanwhile is told at once that this forkserver is busy (REFUSED, with its facts): it starts or spawns its
+    own."""
     children: dict[int, int] = {}  # pid -> request id
     sel = selectors.DefaultSelector()
     sel.register(req_fd, selectors.EVENT_READ)
@@ -197,10 +189,10 @@ def serve(req_fd: int, rep_fd: int, listener: socket.socket | None = None) -> di
     buf = b""
     try:
         while True:
-            eof = False
+            eof = waiting = False
             for key, _ in sel.select(timeout=0.05):
-                if key.fileobj is listener:
-                    _busy(listener)
+                if key.fileobj is listener:  # answered after this run's own records: a STOP before it ends the run
+                    waiting = True
                     continue
                 chunk = os.read(req_fd, 1 << 16)
                 eof = not chunk
@@ -208,15 +200,15 @@ def serve(req_fd: int, rep_fd: int, listener: socket.socket | None = None) -> di
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
                 msg = decode(line)
-                if msg["kind"] == STOP:
-                    return None
+                if msg["kind"] in (STOP, SHUTDOWN):
+                    return SHUT if msg["kind"] == SHUTDOWN else None
                 if msg["kind"] == KILL:
                     pid = next((p for p, i in children.items() if i == msg["id"]), None)
                     if pid is not None:
                         _kill_all({pid: msg["id"]})
                     continue
                 if msg["kind"] != RUN:
-                    raise ProtocolError(f"a forkserver takes run, kill and stop, not {msg['kind']!r}")
+                    raise ProtocolError(f"a forkserver takes run, kill, stop and shutdown, not {msg['kind']!r}")
                 problem = cuda_problem()
                 if problem:
                     _send(rep_fd, encode(NOT_STARTED, id=msg["id"], reason=problem))
@@ -235,27 +227,29 @@ def serve(req_fd: int, rep_fd: int, listener: socket.socket | None = None) -> di
                 children[pid] = msg["id"]
                 _send(rep_fd, encode(STARTED, id=msg["id"], pid=pid, at=time.time()))
             _reap(children, rep_fd)
-            if eof:  # the gate closed its end (it ended, or was killed): no case outlives it
+            if eof:  # the client closed its end (it ended, or was killed): no case outlives it
                 return None
+            if waiting:
+                _busy(listener, facts or {})
     finally:
         if children:  # the forkserver's own exit (not a child's return)
             _kill_all(children)
 
 
-def _busy(listener: socket.socket) -> None:
+def _busy(listener: socket.socket, facts: dict) -> None:
     with contextlib.suppress(OSError):
         conn, _ = listener.accept()
         with conn:
             conn.setblocking(True)
-            conn.sendall(encode(REFUSED, reason="busy: it serves another gate run", busy=True))
+            conn.sendall(encode(REFUSED, reason="busy: it serves another run", busy=True, facts=facts))
 
 
 def listen(path: str, idle_s: float, facts: dict, refusal: str | None) -> dict | None:
-    """--socket: a forkserver that outlives the gate run that started it (gate_keep). It serves one gate run at a
-    time, each a connection to the Unix socket at `path`, whose first record is READY (the facts, how many runs it
-    served) or REFUSED; a run's end (STOP, or its connection closing) kills what it left running, and the next run
-    may connect. After idle_s without a connection it removes its socket and exits. Returns None when it stops, the
-    RUN request in a forked child."""
+    """--socket: a forkserver that outlives the run that started it (repro.run.kept). It serves one run at a time,
+    each a connection to the Unix socket at `path`, whose first record is READY (the facts, how many runs it served)
+    or REFUSED; a run's end (STOP, or its connection closing) kills what it left running, and the next run may
+    connect; SHUTDOWN ends it. After idle_s without a connection it removes its socket and exits. Returns None when it
+    stops, the RUN request in a forked child."""
     started, served = time.time(), 0
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with contextlib.suppress(FileNotFoundError):
@@ -278,10 +272,13 @@ def listen(path: str, idle_s: float, facts: dict, refusal: str | None) -> dict |
                 return None
             served += 1
             try:
-                _send(fd, encode(READY, **facts, kept_s=idle_s, served=served, started=round(started, 3)))
-                msg = serve(fd, fd, listener=sock)
+                ready = {**facts, "kept_s": idle_s, "served": served, "started": round(started, 3)}
+                _send(fd, encode(READY, **ready))
+                msg = serve(fd, fd, listener=sock, facts=ready)
             except OSError:  # the run went away mid-record: its cases were killed; wait for the next run
                 msg = None
+            if msg is SHUT:
+                return None
             if msg is not None:
                 child = True
                 return msg
@@ -311,10 +308,11 @@ def _reap(children: dict[int, int], rep_fd: int) -> None:
 def become_case(msg: dict, facts: dict) -> None:
     """In the forked child: the case process's session, output, environment and argv (see the module)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.setsid()
     if msg.get(
         "cwd"
-    ):  # the gate's folder: relative paths in argv and env are its (a kept forkserver started elsewhere)
+    ):  # the client's folder: relative paths in argv and env are its (a kept forkserver started elsewhere)
         os.chdir(msg["cwd"])
     fd = os.open(msg["out"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
@@ -328,28 +326,39 @@ def become_case(msg: dict, facts: dict) -> None:
         env.pop(k, None)
     os.environ.clear()
     os.environ.update(env)
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # as gate.py's __main__ does
-    sys.argv = [msg.get("argv0") or TARGET, *msg["argv"]]
+    sys.argv = [msg.get("argv0") or msg["target"], *msg["argv"]]
+
+
+def _terminated(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+def _names(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m repro.vllm_integration.gate.fork")
-    p.add_argument("--requests", type=int, help="file descriptor the gate writes requests to")
+    p = argparse.ArgumentParser(prog="python -m repro.run.forkserver")
+    p.add_argument("--requests", type=int, help="file descriptor the client writes requests to")
     p.add_argument("--replies", type=int, help="file descriptor this process answers on")
-    p.add_argument("--socket", help="instead: serve gate runs one at a time at this Unix socket (listen)")
+    p.add_argument("--socket", help="instead: serve runs one at a time at this Unix socket (listen)")
     p.add_argument("--idle", type=float, default=600.0, help="with --socket: seconds without a run before it exits")
-    p.add_argument("--preload", default=",".join(PRELOAD), help="MODULE[:ATTR],... (default: PRELOAD)")
-    p.add_argument("--late", default="", help="the per-case variables (gate_forkserver.LATE_VARS), comma-separated")
+    p.add_argument("--preload", default="", help="MODULE[:ATTR],... to import before the first case")
+    p.add_argument("--late", default="", help="the per-case variables (the client's LATE_VARS), comma-separated")
+    p.add_argument("--setup", help="MODULE:FUNC called before the imports")
+    p.add_argument("--checks", help="MODULE:FUNC called after them: the problems that refuse this forkserver")
+    p.add_argument("--tag", default="", help="text its READY record carries back (what the client started it for)")
     a = p.parse_args(argv)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the gate stops it; its own session keeps the terminal's ^C off
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # its client stops it; its own session keeps the terminal's ^C off
+    signal.signal(signal.SIGTERM, _terminated)  # `serve --stop` of a busy server: its cases killed, its socket removed
     if (a.socket is None) == (a.requests is None or a.replies is None):
         p.error("give --requests and --replies, or --socket")
-    late = frozenset(x for x in a.late.split(",") if x)
     try:
-        facts, problems = prepare([x for x in a.preload.split(",") if x], late)
-    except BaseException as e:  # an import that fails: the build's cases are launched plainly
+        facts, problems = prepare(_names(a.preload), frozenset(_names(a.late)), a.setup, a.checks)
+    except BaseException as e:  # an import that fails: its cases are launched plainly
         traceback.print_exc()
-        facts, problems = {}, [f"import failed: {type(e).__name__}: {e}"[:500]]
+        facts, problems = {"pid": os.getpid()}, [f"import failed: {type(e).__name__}: {e}"[:500]]
+    facts["tag"] = a.tag
     sys.stdout.flush()
     sys.stderr.flush()
     # the imports' objects leave the collector's generations: a forked case neither walks them in its collections,
@@ -367,9 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     if msg is None:
         return 0
     become_case(msg, facts)
-    code = entrypoints.load(TARGET).main(msg["argv"])
+    code = entrypoints.load(msg["target"])(msg["argv"])
     gc.freeze()  # what the case made, too: its exit walks none of it (as the spawned worker's)
-    return code
+    return code if isinstance(code, int) else 0
 
 
 if __name__ == "__main__":

@@ -1,90 +1,78 @@
-"""Forkservers that outlive the gate run that started them (`gate --launcher fork --keep-forkserver S`, issue 29).
-A warm gate run is mostly its forkservers' import of torch and vLLM (17-27 s on the H200, results/h200-importtime)
-before its first case can fork. With S given, a build's forkserver serves gate runs one at a time at a Unix socket
-(repro.vllm_integration.gate.fork.listen) and exits once S seconds pass without one; a later run with the same
-forkserver finds it and forks its cases at once.
+"""Forkservers that outlive the command that started them (repro.run.forkserver's `--socket`): the gate's kept
+forkservers (`gate --keep-forkserver S`, one per build: repro.vllm_integration.gate.keep) and the repro server
+(`python -m repro serve`: repro.run.server). A warm gate run is mostly its forkservers' import of torch and vLLM
+(17-27 s on the H200) before its first case can fork; a kept one serves runs one at a time at a Unix socket and exits
+once its idle time passes without one, so a later run finds it and forks its cases at once.
 
-Which forkserver a run may take is in the socket's name: a hash of the build's label, the forkserver's whole
-environment (the Python path, the build's prefix, torch's), what it preloads, the per-case variables, and the
-harness's own sources (repro.run.server.code_fingerprint). Any change starts another forkserver. An earlier one that
-was not taken idles out. The socket and the forkserver's log (its import output, which each case's log starts with)
-sit in this user's folder (socket_dir)."""
+Which forkserver a run may take is in the socket's name (socket_for): a hash of its label, its whole environment
+(the Python path, a build's prefix, torch's), what it preloads, the per-case variables, the identity of what it
+imports and the harness's own sources (code_fingerprint). Any change starts another. The socket and the forkserver's
+log (its import output, which each case's log starts with) sit in this user's folder (private_dir)."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import json
-import math
 import os
 import socket
+import stat
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
-from repro.errors import ConfigError, ProtocolError
-from repro.run.process import MAX_WAIT_S
-from repro.run.server import code_fingerprint, private_dir
-from repro.vllm_integration.gate import fork as gate_fork
+from repro import PACKAGE
+from repro.errors import ProtocolError
+from repro.run import forkserver
 
-KEEP_ENV = "REPRO_GATE_KEEP_FORKSERVER"  # --keep-forkserver's default (seconds; unset or 0: none)
 CONNECT_POLL_S = 0.1
 
 
-def keep_seconds(
-    flag: float | None, forking: bool, environ: dict[str, str] | None = None, check_dir: bool = True
-) -> float | None:
-    """How long the run's forkservers are kept: --keep-forkserver (refused unless the run forks: the fork launcher,
-    no --compare-paths), else KEEP_ENV where the run forks (ignored elsewhere); None for none. ConfigError for a
-    value that is no duration, or a socket folder that is not this user's alone."""
-    if flag and not forking:
-        raise ConfigError(
-            "--keep-forkserver keeps the fork launcher's forkservers: give --launcher fork, no --compare-paths"
-        )
-    text = ((os.environ if environ is None else environ).get(KEEP_ENV) or "").strip()
-    value = flag
-    if value is None and text and forking:
-        try:
-            value = float(text)
-        except ValueError:
-            raise ConfigError(f"{KEEP_ENV}={text!r}: a number of seconds") from None
-        if not math.isfinite(value) or not 0 <= value <= MAX_WAIT_S:
-            raise ConfigError(f"{KEEP_ENV}={text!r}: a number of seconds, 0 to {MAX_WAIT_S} (a week)")
-    if value and check_dir:  # a dry run makes no folder
-        socket_dir()
-    return value or None
+def user_dir() -> Path:
+    """This user's folder for the harness's sockets (the repro server's, the gate's kept forkservers')."""
+    return Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()) / f"repro-{os.getuid()}"
 
 
-def socket_dir() -> Path:
-    """This user's folder of kept forkservers: made for this user alone (a case's whole environment passes through
-    its sockets); ConfigError when one is there that another user owns or others may enter."""
-    try:
-        return private_dir("forkservers")
-    except PermissionError as e:
-        raise ConfigError(f"--keep-forkserver: {e}") from None
+def private_dir(name: str) -> Path:
+    """user_dir()/name, each level made for this user alone; PermissionError when one is there that another user owns
+    or others may enter (a socket or a library in it would be theirs to replace: the kept forkservers', memcheck:own's
+    allocator)."""
+    d = user_dir() / name
+    for folder in (d.parent, d):  # each made for this user alone (parents=True would give the first the umask's)
+        folder.mkdir(mode=0o700, exist_ok=True)
+    for folder in (d.parent, d):
+        st = folder.lstat()
+        if st.st_uid != os.getuid() or st.st_mode & 0o077 or not stat.S_ISDIR(st.st_mode):
+            raise PermissionError(f"{folder} is not this user's alone (owner, mode): remove it")
+    return d
 
 
-def build_identity(build) -> str:
-    """What says a build's files are the ones a kept forkserver imported: its version, its torch, and the path, size
-    and mtime of every Python module and extension under its package folder (a reinstall at the same prefix, and an
-    edit of one module in place too: a bisect's checkout, a mutant, a hand-made fix, each of which a forkserver that
-    imported the old file would run instead)."""
-    pkg = build.package_dir
+def code_fingerprint(preload: tuple[str, ...]) -> str:
+    """What a forked case would run: the harness's sources (where, path, size, mtime), the interpreter, the FA3
+    libraries the environment names, the modules preloaded."""
     h = hashlib.sha256()
-    for root, dirs, files in os.walk(pkg) if pkg is not None else ():
-        dirs.sort()
-        for name in sorted(f for f in files if f.endswith((".py", ".so", ".pth"))):
-            with contextlib.suppress(OSError):
-                st = os.stat(os.path.join(root, name))
-                h.update(f"{os.path.relpath(os.path.join(root, name), pkg)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
-    return "|".join([str(build.version), str(build.torch_prefix or ""), str(pkg or ""), h.hexdigest()[:20]])
+    root = PACKAGE
+    for f in sorted(root.rglob("*.py")):
+        st = f.stat()
+        h.update(f"{f.relative_to(root)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    h.update(f"{root}\n{sys.executable}\n{','.join(preload)}\n".encode())
+    for k in sorted(k for k in os.environ if k.startswith("FA3_")):
+        h.update(f"{k}={os.environ[k]}\n".encode())
+    return h.hexdigest()[:16]
 
 
 def socket_for(
-    label: str, launch_env: dict[str, str], preload: tuple[str, ...], late: frozenset[str], identity: str = ""
+    folder: Path,
+    label: str,
+    launch_env: dict[str, str],
+    preload: tuple[str, ...],
+    late: frozenset[str],
+    identity: str = "",
 ) -> Path:
-    """The socket of the forkserver a run with this build (identity: build_identity), environment and preload may
-    take."""
+    """The socket in `folder` of the forkserver a run with this label, what it imports (identity: the gate's
+    build_identity), environment and preload may take."""
     key = json.dumps(
         {
             "label": label,
@@ -97,7 +85,7 @@ def socket_for(
     )
     digest = hashlib.sha256(f"{key}\n{code_fingerprint(preload)}".encode()).hexdigest()[:20]
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in label)[:24]
-    return socket_dir() / f"{safe}-{digest}.sock"
+    return folder / f"{safe}-{digest}.sock"
 
 
 def try_connect(path: Path) -> socket.socket | None:
@@ -166,12 +154,12 @@ def take(sock: socket.socket | None, path: Path, proc: subprocess.Popen | None, 
 
 
 def _busy(line: bytes) -> bool:
-    """Is this first record the forkserver's answer that it serves another run (fork._busy)?"""
+    """Is this first record the forkserver's answer that it serves another run (forkserver._busy)?"""
     try:
-        rec = gate_fork.decode(line)
+        rec = forkserver.decode(line)
     except ProtocolError:  # not a record: the reader says so
         return False
-    return rec["kind"] == gate_fork.REFUSED and rec.get("busy") is True  # its flag, never its reason's words
+    return rec["kind"] == forkserver.REFUSED and rec.get("busy") is True  # its flag, never its reason's words
 
 
 def log_of(path: Path) -> Path:

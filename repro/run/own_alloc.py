@@ -28,7 +28,7 @@ import threading
 from pathlib import Path
 
 from repro.errors import Unavailable
-from repro.run.server import private_dir
+from repro.run.kept import private_dir
 
 SOURCE = Path(__file__).with_name("own_alloc.c")
 MALLOC, FREE = "repro_own_malloc", "repro_own_free"
@@ -60,7 +60,7 @@ def guard_wanted(environ: dict[str, str] | None = None) -> bool:
 
 
 def build_folder() -> Path:
-    """Where the allocator is built and kept: this user's own folder (repro.run.server.private_dir: no other user can
+    """Where the allocator is built and kept: this user's own folder (repro.run.kept.private_dir: no other user can
     put a library there for a case process to load), one library per source text, compiler and flags (their hash in
     the name); never a run's logs (a record holds no binary)."""
     return private_dir("own-alloc")

@@ -1,5 +1,6 @@
-"""One case process, whoever starts it (repro.run.runner, repro.run.executor, repro.run.server): the body of a forked case
-process, its exit code, killing its session, and the record of how it ran (ProcessRun)."""
+"""One case process, whoever starts it (repro.run.runner, repro.run.executor, repro.run.forkserver): its base
+environment, the body of a warm memcheck process's case, reaping a forkserver's children, killing a case's session, and
+the record of how it ran (ProcessRun)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,23 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from repro import entrypoints
+from repro import CHECKOUT, entrypoints
 
-EXIT_SUFFIX = ".exit"  # beside a forked case's output: the exit code the case process ended with
-LOST_STATUS = 255  # what multiprocessing reports when the forkserver's report of a child's exit was lost
 # The longest wait a command takes (a case's timeout, a run's deadline, a kept forkserver's idle time): one week.
 # Python's waits overflow past about 24.8 days (poll's milliseconds in a C int): a longer --timeout was taken, then
 # ended the run with an OverflowError once its first case waited.
 MAX_WAIT_S = 7 * 24 * 3600
+
+
+def case_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment every case process starts from (`base`, default this process's): unbuffered output, and this
+    checkout first on the Python path, so that the harness imports from wherever the command runs. A forkserver is
+    started with it too (repro.run.executor, repro.run.server)."""
+    env = dict(os.environ if base is None else base)
+    env["PYTHONUNBUFFERED"] = "1"
+    root = str(CHECKOUT)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
 
 
 def reaped() -> Iterator[tuple[int, int]]:
@@ -85,11 +95,10 @@ class Stall:
         return f"{STALLED} for {self.rule.quiet_s:g} s after {self.rule.marker!r} (killed as hung)"
 
 
-def run_child(target: str, argv: list[str], env: dict[str, str], out_path: str, new_session: bool = True) -> None:
-    """Become the case process: own session, output to out_path, the case's environment, run, exit."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # a server that ignores Ctrl-C forked it
-    if new_session:
-        os.setsid()
+def run_child(target: str, argv: list[str], env: dict[str, str], out_path: str) -> None:
+    """Become the case process of a warm memcheck process (repro.run.executor.WarmPool): output to out_path, the
+    case's environment, run, exit."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -107,22 +116,7 @@ def run_child(target: str, argv: list[str], env: dict[str, str], out_path: str, 
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
-        with contextlib.suppress(Exception):  # the parent's own record of how it ended (ForkServer.run)
-            Path(out_path + EXIT_SUFFIX).write_text(str(code))
         os._exit(code)
-
-
-def exit_code(exitcode: int | None, out_path: Path) -> int | None:
-    """A forked case's exit code. multiprocessing says 255 when it could not read the child's status from the
-    forkserver (seen on the H200: 2 of 256 clean cases with their result printed, results/h200-launch-failures); the
-    code the child wrote itself before exiting is then the truth. No file: the child never got there (killed)."""
-    side = Path(str(out_path) + EXIT_SUFFIX)
-    try:
-        written = int(side.read_text())
-    except (OSError, ValueError):
-        written = None
-    side.unlink(missing_ok=True)
-    return written if exitcode == LOST_STATUS and written is not None else exitcode
 
 
 def kill_group(pid: int) -> None:

@@ -1,16 +1,16 @@
 """Case runner: every case in its own process, always under a timeout, optionally under compute-sanitizer.
 
 The verdict comes from the process: the worker's result line, the sanitizer log, the exit status, the clock. What
-starts the processes: make_executor / default_executor (a forkserver, repro.run.executor; or the repro server)."""
+starts the processes: make_executor / default_executor (the harness's forkserver, repro.run.executor; or the repro
+server, the same forkserver kept between commands)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 from pathlib import Path
 
-from repro import CHECKOUT, entrypoints
+from repro import entrypoints
 from repro.case.scenarios import SPEC
 from repro.case.spec import STALLED, CaseResult, CaseSpec
 from repro.contract.channel import ENV as CHANNEL_ENV
@@ -21,9 +21,9 @@ from repro.contract.verdicts import EVIDENCE
 from repro.errors import ConfigError, Unavailable
 from repro.judge.classify import classify
 from repro.judge.memcheck_log import first_finding_complete
-from repro.run.executor import EXECUTORS, ForkServer, MemcheckAhead
+from repro.run.executor import EXECUTORS, ForkExecutor, MemcheckAhead
 from repro.run.pinning import PINNED_VAR
-from repro.run.process import ProcessRun, Stall, kill_group
+from repro.run.process import ProcessRun, Stall, case_env, kill_group
 from repro.run.sanitizer import find_sanitizer, sanitizer_command, sanitizer_env
 from repro.run.server import server_executor
 from repro.run.smcontrol import MpsDaemon, device_sm_count
@@ -33,22 +33,14 @@ from repro.run.smcontrol import MpsDaemon, device_sm_count
 EARLY_STOP_GRACE_S = 0.5
 
 
-def _process_env(base: dict[str, str] | None) -> dict[str, str]:
-    env = dict(os.environ if base is None else base)
-    env["PYTHONUNBUFFERED"] = "1"
-    root = str(CHECKOUT)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
-
-
 def memcheck_launch_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment memcheck case processes start with before they know their case (repro.run.executor.WarmPool):
     worker_env's for a case on the whole GPU."""
-    return sanitizer_env(_process_env(base))
+    return sanitizer_env(case_env(base))
 
 
 def worker_env(spec: CaseSpec, mps: MpsDaemon | None, base: dict[str, str] | None = None) -> dict[str, str]:
-    env = _process_env(base)
+    env = case_env(base)
     if spec.sm.kind == "mig":
         pinned = env.get(PINNED_VAR, "")
         uuid = spec.sm.mig_uuid or (pinned if pinned.startswith("MIG-") else None)
@@ -102,9 +94,10 @@ def run_process(
 ) -> tuple[CaseResult, str]:
     """One case process (under memcheck when asked), supervised and classified: (result, the process's output).
     `spec` needs case_id, timeout_s and to_json() (CaseSpec, the vLLM gate's GateCase). With an executor
-    (repro.run.executor) and a target (`module:function`, argv), the case is forked from it instead of started as cmd;
-    memcheck cases run under compute-sanitizer, in a process the executor started ahead (its WarmPool) where the
-    environment fits, else as cmd."""
+    (repro.run.executor) and a target (`module:function`, argv), the case is forked from it instead of started as cmd
+    (started as cmd when the executor says it cannot fork: run() answers None); memcheck cases run under
+    compute-sanitizer, in a process the executor started ahead (its WarmPool) where the environment fits, else as
+    cmd."""
     out_path, memcheck_log = case_logs(log_dir, spec.case_id)
     records = channel_path(out_path)  # the case's structured channel (repro.contract.channel), beside its log
     records.unlink(missing_ok=True)
@@ -115,9 +108,10 @@ def run_process(
     if executor is not None and target is not None and not sanitizer:
         watched = {"stall": stall} if stall is not None else {}  # only the gate's launcher takes a stall watch
         run = executor.run(target[0], target[1], env, out_path, spec.timeout_s, **watched)
-        out = out_path.read_text(errors="replace") if out_path.exists() else ""
-        res = classify(spec, out, run.returncode, run.timed_out, None, run.wall_s, Channel.read(records))
-        return with_process_phases(stalled(res, run, stall), run), out
+        if run is not None:
+            out = out_path.read_text(errors="replace") if out_path.exists() else ""
+            res = classify(spec, out, run.returncode, run.timed_out, None, run.wall_s, Channel.read(records))
+            return with_process_phases(stalled(res, run, stall), run), out
     san_log = None
     warm = None
     if sanitizer:
@@ -240,12 +234,12 @@ def _has_finding(path: Path) -> bool:
 
 
 def make_executor(name: str, jobs: int = 4) -> MemcheckAhead | None:
-    """None: a fresh interpreter per case; forkserver: ForkServer; server: a running repro server (repro.run.server);
-    each with `jobs` memcheck processes started ahead."""
+    """None: a fresh interpreter per case; forkserver: the harness's forkserver (ForkExecutor); server: a running repro
+    server (repro.run.server); each with `jobs` memcheck processes started ahead."""
     if name == "process":
         return None
     if name == "forkserver":
-        return ForkServer(spares=jobs)
+        return ForkExecutor(case_env(), spares=jobs)
     if name == "server":
         served, why = server_executor(jobs)
         if served is None:
@@ -256,4 +250,4 @@ def make_executor(name: str, jobs: int = 4) -> MemcheckAhead | None:
 
 def default_executor(jobs: int = 4) -> MemcheckAhead:
     """The repro server when one runs this code (its cases start without importing anything), else a forkserver."""
-    return server_executor(jobs)[0] or ForkServer(spares=jobs)
+    return server_executor(jobs)[0] or ForkExecutor(case_env(), spares=jobs)

@@ -1,6 +1,7 @@
 """How a vLLM gate case process starts (`gate --launcher fork|spawn`, REPRO_GATE_LAUNCHER): spawned (`python -m
 repro.vllm_integration.gate.worker`, a fresh interpreter that imports torch, vLLM and the plugin: ~20 s on the H200) or
-forked from its build's forkserver (repro.vllm_integration.gate.fork), which imported them once, without CUDA.
+forked from its build's forkserver (the harness's one, repro.run.forkserver, as the gate uses it:
+repro.vllm_integration.gate.forkserver), which imported them once, without CUDA.
 
 - One forkserver per build, started with the environment the build's cases get less the variables that differ per
   case (LATE_VARS: the device, MPS, CUDA_LAUNCH_BLOCKING, the case's request (REPRO_REQUEST), the case's VLLM_CACHE_ROOT
@@ -11,12 +12,12 @@ forked from its build's forkserver (repro.vllm_integration.gate.fork), which imp
   imported (its READY record's read_late), is launched plainly, and its record says why; so is a memcheck case
   (compute-sanitizer runs a program of its own).
 - A build whose forkserver refused (an import failed, CUDA started while importing, an import set a per-case
-  variable: gate_fork.prepare), did not get ready in READY_TIMEOUT_S, or died, has its cases launched plainly from
+  variable: repro.run.forkserver.prepare), did not get ready in READY_TIMEOUT_S, or died, has its cases launched plainly from
   then on; a case its forkserver was running when it died is killed and launched again plainly. Each such change is
   a note of the build (Launcher.summary, shown in the gate's report), never silent.
 - The gate keeps what it had: the case's timeout from its request, the whole process group killed at it, the exit
   status (negative: the signal), the log and the channel file of the case. Between the gate and a forkserver only
-  typed records pass (gate_fork.encode / decode)."""
+  typed records pass (repro.run.forkserver.encode / decode)."""
 
 from __future__ import annotations
 
@@ -25,9 +26,8 @@ import threading
 from pathlib import Path
 
 from repro.errors import ConfigError, ForkServerDied, ForkUnavailable
-from repro.vllm_integration.gate import fork as gate_fork
 from repro.vllm_integration.gate import keep as gate_keep
-from repro.vllm_integration.gate.forkserver import TARGET_MAIN, ForkServer, differs
+from repro.vllm_integration.gate.forkserver import PRELOAD, TARGET_MAIN, GateForkServer
 
 FORK, SPAWN = "fork", "spawn"
 LAUNCHERS = (FORK, SPAWN)
@@ -50,7 +50,7 @@ def launcher_kind(asked: str | None = None, environ: dict[str, str] | None = Non
 
 def preload_list(environ: dict[str, str] | None = None) -> tuple[str, ...]:
     extra = (os.environ if environ is None else environ).get(PRELOAD_ENV, "")
-    return gate_fork.PRELOAD + tuple(x.strip() for x in extra.split(",") if x.strip())
+    return PRELOAD + tuple(x.strip() for x in extra.split(",") if x.strip())
 
 
 class Launcher:
@@ -63,14 +63,14 @@ class Launcher:
         self.kind, self.keep_s = kind, keep_s
         self.log_dir = Path(log_dir)
         self.preload = preload or preload_list()
-        self._servers: dict[object, ForkServer] = {}
+        self._servers: dict[object, GateForkServer] = {}
         self._lock = threading.RLock()
         self._stats: dict[str, dict] = {}
 
     def _stat(self, label: str) -> dict:
         return self._stats.setdefault(label, {"forked": 0, "spawned": 0, "notes": []})
 
-    def start(self, build, env: dict[str, str]) -> ForkServer | None:
+    def start(self, build, env: dict[str, str]) -> GateForkServer | None:
         """The build's forkserver, started with this case environment (less LATE_VARS) unless it runs already; None
         when the launcher spawns or the build has no package folder to import."""
         if self.kind != FORK:
@@ -85,10 +85,10 @@ class Launcher:
                 return None
             log = self.log_dir / f"forkserver-{build.label}.log"
             identity = gate_keep.build_identity(build) if self.keep_s else ""
-            self._servers[build] = server = ForkServer(build.label, env, log, self.preload, self.keep_s, identity)
+            self._servers[build] = server = GateForkServer(build.label, env, log, self.preload, self.keep_s, identity)
             return server
 
-    def server_for(self, build, env: dict[str, str]) -> tuple[ForkServer | None, str | None]:
+    def server_for(self, build, env: dict[str, str]) -> tuple[GateForkServer | None, str | None]:
         """(the forkserver to fork this case from, None) or (None, why it is launched plainly: None when spawning is
         what was asked)."""
         if self.kind != FORK:
@@ -103,10 +103,8 @@ class Launcher:
         if server.kept and build.version and seen and seen != build.version:  # a kept one that imported another vLLM
             self._note(build.label, f"the kept forkserver imported vLLM {seen}, not {build.version}: launched plainly")
             return None, f"kept forkserver's vLLM is {seen}"
-        diff = differs(env, server.launch_env, server.ready.get("read_late") or ())
-        if diff:
-            return None, f"{', '.join(diff)} differ from the forkserver's environment (read at import)"
-        return server, None
+        why = server.why_not(env)
+        return (None, why) if why else (server, None)
 
     def launch(self, case, cmd: list[str], env: dict[str, str], log_dir: Path, sanitized: bool, run_process):
         """One case process through `run_process` (repro.run.runner's, as gate_run holds it): forked from its build's
