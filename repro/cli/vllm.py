@@ -31,9 +31,9 @@ from repro.cli.outputs import (
     check_inputs_kept,
     json_of,
     open_folder,
-    write_file,
 )
 from repro.errors import ConfigError, Unavailable
+from repro.files import write_whole
 from repro.vllm_integration.gate.methods import add_option as add_methods_option
 from repro.vllm_integration.gate.worker import COMPILES, DEFAULT_COMPILE
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
@@ -371,7 +371,7 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
         # a release's GPU record measured its published files, which these were not compared with (compat)
         print(f"  these files: {measured(None)}" + (" (the GPU record above is the release's)" if c.gpu_record else ""))
     if a.json:
-        write_file(a.json, json.dumps(rows, indent=1) + "\n")
+        write_whole(a.json, json.dumps(rows, indent=1) + "\n")
     return exit_codes.source(r["verdict"] for r in rows)
 
 
