@@ -333,8 +333,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
     env = collect() | caveat
     run.command_s = round(time.time() - command_started_at(), 1)  # before its reports, its environment collected
     written = gate_report.write(run, out, env)
-    no_gpu = f"\n\n**No GPU: {caveat[gate_report.NO_GPU]}**" if caveat else ""  # under the headline, as in verdicts.md
-    print(gate_report.markdown(run).split("\n| case |")[0].replace("\n\n| build |", f"{no_gpu}\n\n| build |", 1))
+    print(gate_report.markdown(run, env, terminal=True))  # verdicts.md's lines up to its per-case tables
     print(f"written: {', '.join(str(p) for p in written)}")
     return exit_codes.gate(judgment.outcome)
 
