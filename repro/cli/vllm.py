@@ -16,6 +16,7 @@ from pathlib import Path
 from repro import exit_codes
 from repro.cli.common import (
     MAX_REPEAT,
+    Given,
     check_exists,
     check_out_dir,
     command_started_at,
@@ -122,6 +123,7 @@ def add_parsers(sub) -> None:
     )
     gt.add_argument(
         "--self-control-attempts",
+        action=Given,
         type=repeats,
         default=3,
         help="attempts in all of a self control outside the audit mode that decoded without a fault, until one "
@@ -155,6 +157,7 @@ def add_parsers(sub) -> None:
     )
     gt.add_argument(
         "--cache-keep",
+        action=Given,
         type=int,
         default=12,
         help="build folders the cache keeps, the most recently used (this run's among them) (default %(default)s)",
@@ -228,6 +231,15 @@ def cmd_gate(a: argparse.Namespace) -> int:
         parse_overlays,
     )
 
+    moot = (  # an option another makes moot is refused, never ignored
+        ("--cache-keep", "cache_keep" in getattr(a, "given", ()) and a.no_cache, "--no-cache keeps no cache"),
+        ("--self-control-attempts", "self_control_attempts" in getattr(a, "given", ()) and a.self_control == "none",
+         "--self-control none runs no self control"),
+        ("--out", a.out is not None and a.dry_run, "--dry-run only lists the case ids, writing nothing"),
+    )  # fmt: skip
+    for flag, refused, why in moot:
+        if refused:
+            raise ConfigError(f"{flag} would be ignored: {why}; give one of the two")
     modes, backends = parse_modes(a.modes), parse_backends(a.backends)
     if a.compile not in COMPILES:  # argparse checks a choice typed, never its default, read from the variable
         raise ConfigError(f"REPRO_GATE_COMPILE={a.compile!r}: use one of {', '.join(COMPILES)} (or --compile)")
