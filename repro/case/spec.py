@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, field, replace
 
 from repro.case.descriptors import AttnConfig
@@ -49,12 +50,12 @@ class SmConfig:
             return cls("mig", None, arg or None)
         if kind == "full" and not arg:
             return cls("full")
-        try:
-            sms = int(arg) if kind in ("sm_margin", "mps", "green") else None
-        except ValueError:
-            sms = None
+        # N in plain digits (a minus: the range below says why not): int() took `1_6`, `+5`, ` 16`
+        sms = int(arg) if kind in ("sm_margin", "mps", "green") and re.fullmatch(r"-?[0-9]+", arg) else None
         if sms is None:  # `full:12`, `mps:x`, `bogus:3`: never a count dropped or a kind guessed
-            raise ConfigError(f"bad SM configuration {text!r}: use full, sm_margin:N, mps:N, green:N or mig[:uuid]")
+            raise ConfigError(
+                f"bad SM configuration {text!r}: use full, sm_margin:N, mps:N, green:N (N in digits 0-9) or mig[:uuid]"
+            )
         if not 0 <= sms <= MAX_SMS:  # a GPU's own count is checked where one is (sm_refusal)
             raise ConfigError(f"{text}: impossible SM count: 0 to {MAX_SMS} (no GPU has more SMs)")
         return cls(kind, sms)

@@ -69,6 +69,15 @@ def repeats(text: str) -> int:
     return value
 
 
+class Given(argparse.Action):
+    """An option stored as argparse stores it, its dest added to the namespace's `given`: a value given is told apart
+    from its default, so an option another makes moot is refused only when it was given."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given = {*getattr(namespace, "given", ()), self.dest}
+
+
 def parse_ints(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x)

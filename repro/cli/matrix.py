@@ -27,9 +27,10 @@ from repro.cli.common import (
     shape_config,
     splits,
 )
-from repro.cli.outputs import check_file, check_folder, json_of, open_folder, replacing
+from repro.cli.outputs import check_file, check_folder, json_of, open_folder
 from repro.errors import ConfigError
 from repro.fa3_model.scope import H200_SMS
+from repro.files import replacing
 from repro.judge.expectations import unmodelled
 from repro.report import environment
 from repro.report import results as report

@@ -11,7 +11,7 @@ nothing half-done after Ctrl-C or a refusal.
   that holds something gets an INTERRUPTED file saying so.
 - A report file (`--json`, `--out FILE`) is never one of the command's inputs (a symbolic link to one included), an
   existing one is replaced only when it is a report of the command's own kind, and it is written whole or not at
-  all (a temporary file renamed into place).
+  all (repro.files: a temporary file renamed into place).
 - A git checkout (`bisect`) is given back as it was, on any exit: a bisect the user has in progress is refused, one
   `repro bisect` at a time per checkout.
 
@@ -241,28 +241,6 @@ def check_file(
         raise ConfigError(f"{flag} {path}: cannot write it ({e.strerror or e})") from None
     if not existed:
         p.unlink()
-
-
-@contextlib.contextmanager
-def replacing(path: str | Path) -> Iterator[Path]:
-    """The whole file or none of it: the caller writes the temporary file this yields, beside `path`, and it is
-    renamed into place when the block ends (a link at `path` is replaced, never written through)."""
-    p = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.absolute().parent)
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        os.replace(tmp, p)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def write_file(path: str | Path, text: str) -> None:
-    """`text` into `path`, whole or not at all (replacing)."""
-    with replacing(path) as tmp:
-        tmp.write_text(text)
 
 
 def _git(repo: str, *args: str) -> subprocess.CompletedProcess:

@@ -16,8 +16,9 @@ from pathlib import Path
 from repro import exit_codes
 from repro.cli.common import check_exists
 from repro.cli.doctor import doctor
-from repro.cli.outputs import check_file, write_file
+from repro.cli.outputs import check_file
 from repro.errors import ConfigError
+from repro.files import write_whole
 from repro.report.benchmark import benchmark_markdown, paths_from_files
 from repro.report.redact import redact, redact_tree
 from repro.report.results import MODEL, is_vllm_gate_record, load_json
@@ -124,7 +125,7 @@ def cmd_agree(a: argparse.Namespace) -> int:
         )
     md = markdown(rows, measured)
     if a.out:
-        write_file(a.out, redact(md))
+        write_whole(a.out, redact(md))
     print(md)
     return exit_codes.check(all(r.verdict_agrees for r in rows))
 
@@ -139,7 +140,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     check_file(a.out, "--out", inputs=tuple(a.paths or given))
     md = paths_from_files(*a.paths) if a.paths else benchmark_markdown(a.plain, a.memcheck)
     if a.out:
-        write_file(a.out, redact(md))
+        write_whole(a.out, redact(md))
     print(md)
     return exit_codes.Exit.OK
 
@@ -158,7 +159,7 @@ def cmd_xdist(a: argparse.Namespace) -> int:
         )
     md = junit_markdown(rep, a.junit)
     if a.out:
-        write_file(a.out, redact(md))
+        write_whole(a.out, redact(md))
     print(md)
     return exit_codes.check(rep.ok)
 

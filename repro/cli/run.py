@@ -19,8 +19,9 @@ from repro.cli.common import (
     shape_config,
     splits,
 )
-from repro.cli.outputs import check_file, check_folder, json_of, open_folder, write_file
+from repro.cli.outputs import check_file, check_folder, json_of, open_folder
 from repro.errors import ConfigError, Unavailable
+from repro.files import write_whole
 from repro.run.runner import device_sm_count, run_case
 from repro.run.smcontrol import maybe_mps, sm_refusal
 
@@ -142,5 +143,5 @@ def cmd_run(a: argparse.Namespace) -> int:
     for d in res.first_diffs:
         print(f"  {d}")
     if a.json:
-        write_file(a.json, json.dumps(res.to_dict(), indent=1) + "\n")
+        write_whole(a.json, json.dumps(res.to_dict(), indent=1) + "\n")
     return exit_codes.run(res.verdict)

@@ -16,6 +16,7 @@ from pathlib import Path
 from repro import exit_codes
 from repro.cli.common import (
     MAX_REPEAT,
+    Given,
     check_exists,
     check_out_dir,
     command_started_at,
@@ -31,9 +32,9 @@ from repro.cli.outputs import (
     check_inputs_kept,
     json_of,
     open_folder,
-    write_file,
 )
 from repro.errors import ConfigError, Unavailable
+from repro.files import write_whole
 from repro.vllm_integration.gate.methods import add_option as add_methods_option
 from repro.vllm_integration.gate.worker import COMPILES, DEFAULT_COMPILE
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
@@ -122,6 +123,7 @@ def add_parsers(sub) -> None:
     )
     gt.add_argument(
         "--self-control-attempts",
+        action=Given,
         type=repeats,
         default=3,
         help="attempts in all of a self control outside the audit mode that decoded without a fault, until one "
@@ -155,6 +157,7 @@ def add_parsers(sub) -> None:
     )
     gt.add_argument(
         "--cache-keep",
+        action=Given,
         type=int,
         default=12,
         help="build folders the cache keeps, the most recently used (this run's among them) (default %(default)s)",
@@ -228,6 +231,15 @@ def cmd_gate(a: argparse.Namespace) -> int:
         parse_overlays,
     )
 
+    moot = (  # an option another makes moot is refused, never ignored
+        ("--cache-keep", "cache_keep" in getattr(a, "given", ()) and a.no_cache, "--no-cache keeps no cache"),
+        ("--self-control-attempts", "self_control_attempts" in getattr(a, "given", ()) and a.self_control == "none",
+         "--self-control none runs no self control"),
+        ("--out", a.out is not None and a.dry_run, "--dry-run only lists the case ids, writing nothing"),
+    )  # fmt: skip
+    for flag, refused, why in moot:
+        if refused:
+            raise ConfigError(f"{flag} would be ignored: {why}; give one of the two")
     modes, backends = parse_modes(a.modes), parse_backends(a.backends)
     if a.compile not in COMPILES:  # argparse checks a choice typed, never its default, read from the variable
         raise ConfigError(f"REPRO_GATE_COMPILE={a.compile!r}: use one of {', '.join(COMPILES)} (or --compile)")
@@ -333,8 +345,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
     env = collect() | caveat
     run.command_s = round(time.time() - command_started_at(), 1)  # before its reports, its environment collected
     written = gate_report.write(run, out, env)
-    no_gpu = f"\n\n**No GPU: {caveat[gate_report.NO_GPU]}**" if caveat else ""  # under the headline, as in verdicts.md
-    print(gate_report.markdown(run).split("\n| case |")[0].replace("\n\n| build |", f"{no_gpu}\n\n| build |", 1))
+    print(gate_report.markdown(run, env, terminal=True))  # verdicts.md's lines up to its per-case tables
     print(f"written: {', '.join(str(p) for p in written)}")
     return exit_codes.gate(judgment.outcome)
 
@@ -371,7 +382,7 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
         # a release's GPU record measured its published files, which these were not compared with (compat)
         print(f"  these files: {measured(None)}" + (" (the GPU record above is the release's)" if c.gpu_record else ""))
     if a.json:
-        write_file(a.json, json.dumps(rows, indent=1) + "\n")
+        write_whole(a.json, json.dumps(rows, indent=1) + "\n")
     return exit_codes.source(r["verdict"] for r in rows)
 
 

@@ -26,10 +26,11 @@ import pytest
 
 from repro.errors import Unavailable
 from repro.exit_codes import gate_decision, pytest_session
+from repro.files import write_whole
 from repro.judge.policy import GATE_ENV as ENV
 from repro.judge.policy import GATE_WIDE, REQUIRE_ENV, Control, GateDecision, decide, parse_requirements
 from repro.report import environment
-from repro.report.redact import redact, write_whole
+from repro.report.redact import redact
 from repro.report.results import header
 from repro.run.pinning import DEVICES_VAR
 from repro.run.smcontrol import enumerate_gpus
@@ -158,7 +159,7 @@ class Evidence:
             md.append(f"| {c.case_id} | {c.mode} | {c.expected} | **{verdict}** | {why_row[:200]} |")
         if d.failures:
             md += ["", "Failures:", ""] + [f"- {f}" for f in d.failures]
-        write_whole(folder / "gate.md", (redact("\n".join(md)) + "\n").encode())
+        write_whole(folder / "gate.md", (redact("\n".join(md)) + "\n").encode(), through_link=True)
         doc = {
             "outcome": outcome,
             "passed": why is None,
@@ -171,7 +172,9 @@ class Evidence:
             "controls": [c.__dict__ for c in self.controls],
             "unreported": self.unreported,
         }
-        write_whole(folder / "gate.json", (redact(json.dumps(doc, indent=1, default=str)) + "\n").encode())
+        write_whole(
+            folder / "gate.json", (redact(json.dumps(doc, indent=1, default=str)) + "\n").encode(), through_link=True
+        )
 
     def summary(self, d: GateDecision | None = None) -> tuple[list[str], str | None]:
         """(lines for the terminal summary, the one failure line or None), from `d` when already decided."""

@@ -4,14 +4,12 @@ files), `<site-packages>/…` (installed packages) or `<path>/basename`. Applied
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 from repro.errors import ConfigError
+from repro.files import write_whole
 
 PROJECT_DIRS = {"repro", "cases", "tests", "results", ".gpu", "scratch", ".ci"}
 # (?=/) first: the lookbehinds are tried only where a path can start (the same matches, a scan several times faster)
@@ -61,33 +59,8 @@ def redact_file(path: str | Path) -> bool:
     p = Path(path)
     new = _redacted(p)
     if new is not None:
-        write_whole(p, new)
+        write_whole(p, new, through_link=True)
     return new is not None
-
-
-def write_whole(p: Path, data: bytes) -> None:
-    """`data` into `p` whole or not at all: written beside it, then renamed into place (an existing file's mode kept;
-    a link named directly is written through to its target). A full disk or Ctrl-C mid-write cut a record."""
-    target = Path(os.path.realpath(p))
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".redact", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-        if target.exists():
-            shutil.copymode(target, tmp)
-        else:
-            os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _files(root: Path) -> list[Path]:
@@ -112,7 +85,7 @@ def redact_tree(paths: list[str | Path]) -> list[Path]:
             raise ConfigError(f"{f}: cannot write it (permission denied); nothing was rewritten")
     for f, new in todo:
         try:
-            write_whole(f, new)
+            write_whole(f, new, through_link=True)
         except OSError as e:
             raise ConfigError(f"{f}: cannot write it ({e.strerror or e})") from None
     return [f for f, _ in todo]

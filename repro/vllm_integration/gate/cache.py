@@ -36,6 +36,7 @@ from repro import entrypoints
 from repro.case.spec import CaseResult
 from repro.contract.channel import path_for, write_record
 from repro.contract.tags import RESULT_TAG
+from repro.files import write_whole
 from repro.report.environment import gpu_facts
 from repro.run.runner import case_logs
 from repro.vllm_integration.gate.case import WEIGHTS_ENV, GateCase
@@ -310,10 +311,8 @@ def _now() -> str:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    """Written whole or not at all (a temporary file of this process and thread, then one rename)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
-    os.replace(tmp, path)
+    """Written whole or not at all (repro.files: a temporary file beside it, then one rename)."""
+    write_whole(path, json.dumps(obj, indent=1, default=str))
 
 
 def ref_key(case: GateCase) -> str:

@@ -23,6 +23,7 @@ from repro.vllm_integration.releases import release_range
 from repro.vllm_integration.releases.source_check import check_tree
 
 RESULTS_KIND = VLLM_GATE_KIND
+TITLE = "vLLM gate: is this vLLM build affected by the stale-metadata capture bug?"
 NO_GPU = "no_gpu"  # the environment's caveat where the builds ran without a GPU (stand-ins): shown under the headline
 
 
@@ -37,12 +38,8 @@ def _oks(run: GateRun) -> dict[str, bool]:
 
 def rows(run: GateRun) -> list[dict]:
     out, oks = [], _oks(run)
-    for kind, pairs in (
-        ("case", run.cases),
-        ("reference", run.references),
-        ("attribution", run.attributions),
-        ("attempt", run.attempts),
-    ):
+    kinds = {"case": run.cases, "reference": run.references, "attribution": run.attributions, "attempt": run.attempts}
+    for kind, pairs in kinds.items():
         for c, r in pairs:
             out.append(
                 {
@@ -260,9 +257,11 @@ def releases_only(summaries: list[dict]) -> list[dict]:
     return [s for s in summaries if s["role"] != SELF_CONTROL and not s.get("not_applicable")]
 
 
-def markdown(run: GateRun, env: dict | None = None) -> str:
-    """verdicts.md: the run's stored answer (GateRun.judged), its builds, cases and what each checked."""
-    lines = header("vLLM gate: is this vLLM build affected by the stale-metadata capture bug?", env)
+def markdown(run: GateRun, env: dict | None = None, terminal: bool = False) -> str:
+    """verdicts.md: the run's stored answer (GateRun.judged), its builds, cases and what each checked. `terminal`: what
+    `gate` prints of it, the same lines (the headline and env's no-GPU line under it) up to its per-case tables, without
+    its environment table."""
+    lines = header(TITLE, None if terminal else env)
     j, ran = run.judged(), f"{len(run.cases)} cases, {len(run.references)} references, {run.wall_s:.0f} s wall"
     verdict, no_gpu = j.outcome, f"\n\n**No GPU: {env[NO_GPU]}**" if (env or {}).get(NO_GPU) else ""
     lines += [f"**Gate: {verdict}** ({ran}){no_gpu}", ""]
@@ -329,6 +328,8 @@ def markdown(run: GateRun, env: dict | None = None) -> str:
     for s in build_summary(run):
         per = "; ".join(f"{m} {'/'.join(map(str, n))}" for m, n in sorted(s["coverage"]["managers"].items()))
         lines.append(f"| {s['build']} | {per or 'none reported'} |")
+    if terminal:
+        return redact("\n".join(lines)) + "\n"
     lines += [
         "",
         "| case | configuration | captures per kind | checks | views | forwards | sm_margin sched/fwd | poisoned | "

@@ -32,6 +32,7 @@ from pathlib import Path
 from repro.contract import request
 from repro.contract.channel import emit
 from repro.contract.tags import DEVICE_TAG, ENGINE_TAG, PLUGIN_TAG, RESULT_TAG
+from repro.files import write_whole
 from repro.run import own_alloc
 from repro.vllm_integration.gate.methods import DEFAULT_METHOD, DRAFT, TABLE, TARGET  # noqa: F401  TARGET, DRAFT: re-exported
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
@@ -63,9 +64,7 @@ def write_models(root: str | Path, method: str = DEFAULT_METHOD) -> tuple[Path, 
         text = json.dumps(cfg, indent=1)
         cfg_file = d / "config.json"
         if not cfg_file.exists() or cfg_file.read_text() != text:
-            tmp = d / f".config.json.{os.getpid()}"
-            tmp.write_text(text)
-            os.replace(tmp, cfg_file)
+            write_whole(cfg_file, text)
         paths.append(d)
     return paths[0], (paths[1] if len(paths) > 1 else None)
 
