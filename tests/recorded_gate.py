@@ -13,13 +13,14 @@ from pathlib import Path
 
 from repro.case.spec import STALLED
 from repro.judge.classify import classify
-from repro.report.records import upgrade_channel, upgrade_result
+from repro.report.records import upgrade_channel, upgrade_gate_row, upgrade_result
 from repro.run import own_alloc, smcontrol
 from repro.run.channel import Channel, path_for
 from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import run as gate_run
 from repro.vllm_integration.gate.cache import KEPT_LINE
 from repro.vllm_integration.gate.case import GateCase, parse_backends, parse_modes
+from repro.vllm_integration.gate.process import recorded_attempts
 from repro.vllm_integration.gate.run import run_gate
 from repro.vllm_integration.plugin.inject import INJECTIONS, STALE_CAPTURE
 from tests.records import RESULTS, load
@@ -30,18 +31,22 @@ def _whole(out_log: Path) -> bool:
     return out_log.exists() and not out_log.read_text(errors="replace").startswith(KEPT_LINE)
 
 
-def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_logs: tuple[Path, ...] = ()):
+def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_logs: tuple[Path, ...] = (), exits=None):
     """(the record's results.json, its rows by case id, the replayed GateRun, every replayed result by case id);
     edit_channel(case_id, text) may change a case's channel records on the way. more_logs: other records' logs
-    folders, for a reference the run took from its cache before the gate wrote kept references into its logs."""
+    folders, for a reference the run took from its cache before the gate wrote kept references into its logs.
+    exits: case id -> (returncode, timed_out, wall_s), a stand-in for a process's exit its record does not keep."""
     doc = load(record / "results.json")  # parsed once per test session (tests/records.py): read, never changed
     rows = {row["case"]: row for row in doc["cases"]}
     own = record / "logs"
+    # every attempt's own process (its exit, clock, timeout) where the record keeps them; None: a row from before
+    attempts = {a.case: a for row in rows.values() for a in recorded_attempts(upgrade_gate_row(row)) or ()}
     monkeypatch.setattr(smcontrol, "_sm_count", lambda env: int(doc["environment"]["sms"]))
 
     def recorded_process(case, cmd, env, log_dir, sanitizer, executor=None, target=None):
         r = rows[case.case_id]["result"]
         out_log = Path(log_dir) / f"{case.case_id}.out.log"
+        tried = attempts.get(case.case_id)  # this attempt as its process ended, whatever result its row kept
         # a reference the run kept from its cache left only its RESULT record: the run that stored it has the rest
         logs = next((d for d in (own, *more_logs) if _whole(d / out_log.name)), own)
         out = (logs / out_log.name).read_text(errors="replace")
@@ -59,6 +64,12 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
         killed = r["returncode"] in (-9, 137)
         stalled = STALLED in upgrade_result(r, rows[case.case_id])["flags"]
         timed_out = killed and (r["wall_s"] >= case.timeout_s - 0.5 or stalled)
+        returncode, wall_s = r["returncode"], r["wall_s"]
+        if tried is not None:  # a record that keeps each attempt: its own exit, as the run classified it
+            assert tried.log == out_log.name, (tried, out_log)
+            returncode, timed_out, wall_s = tried.returncode, tried.timed_out, tried.wall_s
+        if case.case_id in (exits or {}):
+            returncode, timed_out, wall_s = exits[case.case_id]
         ch = Channel.read(path_for(out_log))
         memcheck = logs / f"{case.case_id}.memcheck.log"  # compute-sanitizer's own log, where it ran (large: .xz)
         packed = memcheck.with_name(memcheck.name + ".xz")
@@ -67,7 +78,7 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
             san = memcheck.read_text(errors="replace")
         elif sanitizer and packed.exists():
             san = lzma.decompress(packed.read_bytes()).decode(errors="replace")
-        return classify(case, out, r["returncode"], timed_out, san, r["wall_s"], ch), out
+        return classify(case, out, returncode, timed_out, san, wall_s, ch), out
 
     monkeypatch.setattr(gate_process, "run_process", recorded_process)
     # memcheck:own's allocator was built on the H200 (nvcc): here its case environment only names it
@@ -172,7 +183,11 @@ def replayed(monkeypatch, tmp_path, record: str):
 
 
 def same_verdicts(got, rows, run=None):
-    """The replayed verdicts are the recorded ones, a self control's further attempts (run.attempts) included."""
+    """The replayed verdicts are the recorded ones, a self control's further attempts (run.attempts) included, and
+    each case's attempts (run.attempted) the ones its row keeps, in order (a row from before they were kept: none)."""
     if run is not None:
         got = {**got, **{c.case_id: r for c, r in run.attempts}}
+        for k, row in rows.items():
+            if (kept := recorded_attempts(upgrade_gate_row(row))) is not None:
+                assert [(a.case, a.verdict) for a in run.attempted.get(k, [])] == [(a.case, a.verdict) for a in kept], k
     assert {k: r.verdict for k, r in got.items()} == {k: row["verdict"] for k, row in rows.items()}

@@ -528,17 +528,19 @@ def test_only_the_replays_upgrader_writes_the_marks_of_what_a_record_predates():
 
 
 def test_the_upgraders_are_used_where_the_doc_says():
-    """upgrade_channel: by the replays only (no module of repro/ but its own calls it; tests/recorded_gate.py does);
-    upgrade_result: for a results.json of an older schema (report/results.py's load_json), and the replays."""
+    """upgrade_channel and upgrade_gate_row: by the replays only (no module of repro/ but their own calls them;
+    tests/recorded_gate.py does); upgrade_result: for a results.json of an older schema (report/results.py's
+    load_json), and the replays."""
     trees = _repro()
-    channel_users = {p for p, t in trees.items() if _mentions(t, "upgrade_channel")}
-    assert not channel_users, f"modules of repro/ that use the replays' upgrader of channel records: {channel_users}"
+    for replays_only in ("upgrade_channel", "upgrade_gate_row"):
+        users = {p for p, t in trees.items() if _mentions(t, replays_only)}
+        assert not users, f"modules of repro/ that use the replays' upgrader {replays_only}: {users}"
     defined = {n.name for n in trees[UPGRADER].body if isinstance(n, ast.FunctionDef)}
-    assert {"upgrade_channel", "upgrade_result"} <= defined
+    assert {"upgrade_channel", "upgrade_result", "upgrade_gate_row"} <= defined
     result_users = {p for p, t in trees.items() if _mentions(t, "upgrade_result")}
     assert result_users == {"repro/report/results.py"}, sorted(result_users)
     replays = _sources("tests/recorded_gate.py")["tests/recorded_gate.py"]
-    assert _mentions(replays, "upgrade_channel") and _mentions(replays, "upgrade_result")
+    assert all(_mentions(replays, f) for f in ("upgrade_channel", "upgrade_result", "upgrade_gate_row"))
 
 
 # --- the pytest tier ------------------------------------------------------------------------------------------------

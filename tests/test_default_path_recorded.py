@@ -170,7 +170,8 @@ def test_the_readmes_sm_configurations_fork_every_case_with_the_same_answers(mon
     record = RESULTS / "h200-sm16-fork-0.34.0-2"
     doc, rows, run, got = replay(monkeypatch, tmp_path, record)
     # a self control whose first attempt decoded right and whose second crashed keeps the second's result under its
-    # own id; the first attempt's exit status is not in the record, so its replay is not made (noted: a record gap)
+    # own id; this record predates the rows' `attempts`, so the first attempt's exit status is not in it and its replay
+    # is not made (records written since keep it: tests/test_gate_attempts_recorded.py replays this run whole)
     later = {k for k, row in rows.items() if any(h["step"] == "self-control attempt" for h in row["result"]["history"])}
     assert (
         later == {f"{V}self-control-smmargin16"} and rows[f"{V}self-control-smmargin16-attempt2"]["verdict"] == "crash"

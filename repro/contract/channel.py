@@ -132,9 +132,10 @@ class Channel:
         return cls.from_output(output if output is not None else _read(out_log))
 
 
-# What a recorded record predates: a key of its data that no process writes. Only the replays' upgrader of recorded
-# runs (repro.report.records.upgrade_channel) marks an old record so, and only what it marks is read as it was read
-# then; a live record missing a key is a MissingKey (has), judged as cannot-vouch or error, never as harmless.
+# What a recorded record predates: a key of its data that no process writes (or, ATTEMPTS, that the gate's report
+# writes in a results.json row). Only the replays' upgrader of recorded runs (repro.report.records: upgrade_channel,
+# upgrade_gate_row) marks an old record so, and only what it marks is read as it was read then; a live record missing
+# a key is a MissingKey (has), judged as cannot-vouch or error, never as harmless.
 RECORDED_BEFORE = "recorded_before"
 CONFIGURATION = "configuration"  # a reference RESULT record from before references reported their configuration
 COMPILATION = "compilation_mode"  # an ENGINE record from before the engine's compilation mode was reported
@@ -142,6 +143,7 @@ DESCRIPTOR_CHECK = "descriptor_check"  # counters from before the auditor's desc
 SPEC_LAYOUT = "spec_layout"  # counters from before the plugin reported vLLM's spec-decode layout (spec_layout_known)
 BACKENDS = "backends"  # counters from before forwards were counted per backend (attention_forwards: FLASH_ATTN's)
 ACCEPTANCE = "acceptance"  # an ENGINE record without the draft's acceptance counters (references ran no draft then)
+ATTEMPTS = "attempts"  # a gate results.json row from before it kept each attempt of its case (gate.process.Attempt)
 
 
 def recorded_before(record: dict | None) -> tuple[str, ...]:

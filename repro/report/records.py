@@ -20,6 +20,7 @@ from pathlib import Path
 from repro.case.spec import REFUSED, RERUN_ALONE, STALLED, CaseResult
 from repro.contract.channel import (
     ACCEPTANCE,
+    ATTEMPTS,
     BACKENDS,
     COMPILATION,
     CONFIGURATION,
@@ -269,6 +270,14 @@ def upgrade_result(result: dict, row: dict | None = None) -> dict:
             rest = {k: v for k, v in engine.items() if k != RECORDED_BEFORE}
             out["backend_identity"]["engine"] = _marked(rest, [m for m in recorded_before(engine) if m != ACCEPTANCE])
     return out
+
+
+def upgrade_gate_row(row: dict) -> dict:
+    """A recorded row of a gate results.json (gate.report.rows) as this code writes one: a row from before rows kept
+    each attempt of their case (`attempts`, gate.process.Attempt) marked ATTEMPTS, so the replays read it as they read
+    it then (each process remade from its row's result: a self control's first attempt is not in it where a later one's
+    result was kept). Used by the replays only; a live row lacking them is a MissingKey (gate.process.recorded_attempts)."""
+    return row if "attempts" in row else _marked(row, [ATTEMPTS])
 
 
 # --- the one upgrader of recorded channel records -------------------------------------------------------------------

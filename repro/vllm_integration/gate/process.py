@@ -8,16 +8,16 @@ import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from repro import entrypoints
 from repro.case.spec import CAPTURING, STALLED, CaseResult
-from repro.contract.channel import Channel
+from repro.contract.channel import ATTEMPTS, Channel, has
 from repro.contract.tags import COUNTERS_TAG, DEVICE_TAG, RESULT_TAG
 from repro.contract.verdicts import CLEAN, CRASH, ERROR, HANG, SKIP, STALE_AUDIT, WRONG
-from repro.errors import Unavailable
+from repro.errors import MissingKey, Unavailable
 from repro.run.runner import case_logs, device_sm_count, run_process
 from repro.run.smcontrol import MpsDaemon
 from repro.vllm_integration.gate import bench as gate_bench
@@ -183,7 +183,8 @@ def run_control(
     (steps.finish: the comparison, then vouch, which discounts a wrong answer whose injection never wrote) is made
     early (0.21.0's self control: a silently wrong draft, which further attempts only repeated, 100 s each). Returns the result kept under the case's own id (the first attempt
     with evidence, revised to say which; else the first), its attribution rerun, the case whose logs hold it, and
-    every further attempt as it came back (results.json keeps them, so a replay makes the attempts the run made)."""
+    every attempt as it came back, the first included (results.json keeps each, its further attempts' results whole and
+    every attempt's exit as an Attempt, so a replay makes the attempts the run made, each as its process ended)."""
 
     def evident(ran: GateCase, res: CaseResult) -> bool:
         if res.verdict != CLEAN:  # a timeout that annotate made an error (before the captures) is no evidence: again
@@ -193,7 +194,7 @@ def run_control(
 
     attempts = SELF_CONTROL_ATTEMPTS if attempts is None else attempts
     res, attribution = run_attributed(case, builds, log_dir, *where, **how)
-    ran, tried = case, []
+    ran, tried = case, [(case, res)]
     found = not retried(case) or evident(case, res)  # each attempt is judged once
     for k in range(1, attempts):
         if found:
@@ -205,6 +206,48 @@ def run_control(
             why = f"attempt {k + 1} of {attempts} ({again.case_id}); the earlier decoded without a fault"
             res, attribution, ran = r.revised("self-control attempt", why, case_id=case.case_id), a, again
     return res, attribution, ran, tried
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One attempt of a gate case, its own process, as results.json keeps it beside the case's result (its row's
+    `attempts`): what a replay needs to remake that process's verdict as the run made it, the first attempt's too
+    where a later one's result is kept under the case's id."""
+
+    attempt: int  # 1: the case's first process; k: its further attempt k (case id ...-attemptk)
+    case: str  # the case id its process ran and left its logs under
+    returncode: int | None  # its exit status (None: no process ran, a skip)
+    timed_out: bool  # stopped at its timeout or by its stall watch: classify made it a hang (was_hang)
+    verdict: str  # as run_control judged it: its process ended, before its reference was known
+    reason: str
+    wall_s: float
+    log: str  # its output's name in the run's logs folder (its channel records beside it)
+
+    @classmethod
+    def of(cls, case: GateCase, res: CaseResult) -> Attempt:
+        log = case_logs(Path("."), case.case_id)[0].name
+        return cls(
+            case.attempt + 1, case.case_id, res.returncode, was_hang(res), res.verdict, res.reason, res.wall_s, log
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Attempt:
+        if missing := [f.name for f in fields(cls) if f.name not in d]:
+            raise MissingKey(f"an attempt of {d.get('case')!r} in results.json lacks {missing} (not trusted)")
+        return cls(**{f.name: d[f.name] for f in fields(cls)})
+
+
+def recorded_attempts(row: dict) -> list[Attempt] | None:
+    """The attempts a results.json row of the gate (report.rows) keeps: every process of a case row, none for another
+    kind's row (its result is its one process's); None where the replays' upgrader marked the row as from before rows
+    kept them (records.upgrade_gate_row: its result, a later attempt's where one was kept, is all there is). A row
+    that lacks them unmarked (a live record) is a MissingKey."""
+    if not has(row, "attempts", ATTEMPTS, f"results.json's row {row.get('case')!r}"):
+        return None
+    return [Attempt.from_dict(a) for a in row["attempts"] or ()]
 
 
 def result_line(log_dir: str | Path, case: GateCase) -> dict | None:

@@ -65,6 +65,8 @@ def rows(run: GateRun) -> list[dict]:
                     "stale_fields": r.stale_fields,
                     "wall_s": r.wall_s,
                     "reason": r.reason,
+                    # a case's every process (its attempts: gate.process.Attempt), none for a reference or a rerun
+                    "attempts": [a.to_dict() for a in run.attempted.get(c.case_id, ())] if kind == "case" else [],
                 }
             )
     return out
@@ -364,11 +366,8 @@ def markdown(run: GateRun, env: dict | None = None, terminal: bool = False) -> s
 def to_json(run: GateRun, env: dict | None = None) -> dict:
     """results.json: the run's stored answer (GateRun.judged) and every record."""
     j = run.judged()
-    results = {
-        c.case_id: r.to_dict()
-        for pairs in (run.cases, run.references, run.attributions, run.attempts)
-        for c, r in pairs
-    }
+    pairs = (*run.cases, *run.references, *run.attributions, *run.attempts)
+    results = {c.case_id: r.to_dict() for c, r in pairs}
     return {
         "kind": RESULTS_KIND,
         "environment": env or {},

@@ -48,6 +48,7 @@ from repro.vllm_integration.gate.launch import FORK, Launcher, launcher_kind
 from repro.vllm_integration.gate.methods import DEFAULT_METHOD
 from repro.vllm_integration.gate.placement import DevicePool, GateDevice, case_gib, kind_of, main_kind, per_device_jobs
 from repro.vllm_integration.gate.process import (
+    Attempt,
     attributed_beside,
     not_applicable_of,
     result_line,
@@ -70,6 +71,7 @@ class GateRun:
     references: list[tuple[GateCase, CaseResult]] = field(default_factory=list)
     attributions: list[tuple[GateCase, CaseResult]] = field(default_factory=list)  # launch-blocking reruns
     attempts: list[tuple[GateCase, CaseResult]] = field(default_factory=list)  # a self control's further attempts
+    attempted: dict[str, list[Attempt]] = field(default_factory=dict)  # case id -> each attempt, the first included
     wall_s: float = 0.0
     started_at: float = 0.0  # when run_gate began (epoch s)
     setup_s: float | None = None  # a command's start-up before run_gate (CLI, builds, its GPU check); None: no command
@@ -147,7 +149,7 @@ class _Ran(NamedTuple):
     logs: GateCase  # the case whose logs hold its records (a self control's later attempt, or the case itself)
     started: float
     attribution: tuple[GateCase, CaseResult] | None = None  # its launch-blocking rerun
-    attempts: Sequence[tuple[GateCase, CaseResult]] = ()  # a self control's further attempts
+    attempts: Sequence[tuple[GateCase, CaseResult]] = ()  # every attempt (run_control), the first included
     out: dict | None = None  # its RESULT record where no process left one (a kept reference, a skip); None: read it
 
 
@@ -300,7 +302,9 @@ def run_gate(
             (run.references if c.reference else run.cases).append((c, res))
             if ran.attribution:
                 run.attributions.append(ran.attribution)
-            run.attempts.extend(ran.attempts)
+            run.attempts.extend(ran.attempts[1:])  # a further attempt's result whole; each attempt's exit beside
+            if not c.reference:
+                run.attempted[c.case_id] = [Attempt.of(a, r) for a, r in ran.attempts]
             span = starts.setdefault(c.build.label, [ran.started, ran.started])
             span[0], span[1] = min(span[0], ran.started), max(span[1], time.time())
         if progress:
