@@ -292,7 +292,8 @@ def cmd_matrix(a: argparse.Namespace) -> int:
         title = a.title
     env = facts.result()
     if not model:
-        env["cases started by"] = how
+        fresh = getattr(executor, "notes", None) or []  # cases its forkserver could not start, and why
+        env["cases started by"] = how + (f"; some started fresh instead: {'; '.join(fresh)}" if fresh else "")
     md = report.markdown(run, env, title=title)
     if out is not None:
         (out / "verdicts.md").write_text(md)
