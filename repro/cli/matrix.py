@@ -292,6 +292,7 @@ def cmd_matrix(a: argparse.Namespace) -> int:
         title = a.title
     env = facts.result()
     if not model:
+        how = executor.started_by if executor is not None else how  # the repro server's may have fallen back
         fresh = getattr(executor, "notes", None) or []  # cases its forkserver could not start, and why
         env["cases started by"] = how + (f"; some started fresh instead: {'; '.join(fresh)}" if fresh else "")
     md = report.markdown(run, env, title=title)

@@ -127,6 +127,8 @@ def compare_executors(specs, out_dir: str | Path, jobs: int, progress=None) -> t
             runs[name] = run_matrix(
                 specs, Path(out_dir) / name / "logs", jobs=jobs, progress=progress, executor=ex, mps_daemon=mps_daemon
             )
+            if getattr(ex, "notes", None):  # a case its forkserver could not start: the path's figures count it fresh
+                notes.append(f"The {name} path started some cases fresh instead of forked: {'; '.join(ex.notes)}.")
         finally:
             if sock is not None:
                 server.stop(sock)

@@ -75,15 +75,17 @@ def read_at_import(name: str) -> bool:
 
 
 IMPORT_VARS = frozenset(
-    {"PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH", "PYTHONUNBUFFERED", "LD_LIBRARY_PATH", "LD_PRELOAD"}
-    | {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_MODULE_LOADING"}
+    {"LD_LIBRARY_PATH", "LD_PRELOAD", "LANG", "LANGUAGE", "CUDA_MODULE_LOADING", "CUDA_HOME", "CUDA_PATH"}
 )
-IMPORT_PREFIXES = ("FA3_", "TORCH_", "PYTORCH_")
+# the interpreter's own (PYTHONPATH, PYTHONHASHSEED, PYTHONWARNINGS, ...), the locale's, the FA3 libraries', torch's
+# and its allocator's, and the thread pools' (OpenMP, MKL, OpenBLAS): each is read when the process starts or imports
+IMPORT_PREFIXES = ("PYTHON", "LC_", "FA3_", "TORCH", "PYTORCH_", "OMP_", "MKL_", "KMP_", "OPENBLAS_")
 
 
 class ForkExecutor(MemcheckAhead):
     """Runs `module:function(argv)` in a case process forked from the harness's forkserver, output to a file, under a
-    timeout; run() returns None when the case cannot fork (its caller starts it fresh, and `notes` say why)."""
+    timeout; run() returns None when the case cannot fork (its caller starts it fresh, and `notes` say why and
+    which cases)."""
 
     name = "forkserver"
     started_by = "a forkserver"  # for reports: what started the cases
@@ -96,17 +98,26 @@ class ForkExecutor(MemcheckAhead):
         self.env, self.targets = dict(env), targets
         self.server: forkclient.ForkServer | None = None
         self.dir: Path | None = None
-        self.notes: list[str] = []  # why a case was started fresh instead
+        self.fresh: dict[str, list[str]] = {}  # why cases were started fresh instead -> their output files' names
         self._lock = threading.Lock()
+
+    @property
+    def notes(self) -> list[str]:
+        """Each reason a case was started fresh instead of forked, with the cases (their logs' names)."""
+        return [f"{why} ({', '.join(cases)})" for why, cases in self.fresh.items()]
+
+    def _own(self) -> forkclient.ForkServer:
+        """A forkserver of this command's own, started now."""
+        self.dir = Path(tempfile.mkdtemp(prefix="repro-fork-"))
+        launch = forkclient.launch_env(self.env, LATE_VARS)
+        return forkclient.ForkServer(
+            "attention", launch, self.dir / "forkserver.log", self.preload, LATE_VARS, self.targets
+        )
 
     def _server(self) -> forkclient.ForkServer:
         with self._lock:
             if self.server is None:
-                self.dir = Path(tempfile.mkdtemp(prefix="repro-fork-"))
-                launch = forkclient.launch_env(self.env, LATE_VARS)
-                self.server = forkclient.ForkServer(
-                    "attention", launch, self.dir / "forkserver.log", self.preload, LATE_VARS, self.targets
-                )
+                self.server = self._own()
             return self.server
 
     def start(self) -> None:
@@ -115,15 +126,15 @@ class ForkExecutor(MemcheckAhead):
 
     def run(self, target: str, argv: list[str], env: dict[str, str], out_path: Path, timeout_s: float):
         server = self._server()
-        why = server.why_not({k: v for k, v in env.items() if read_at_import(k)} | _others(server.launch_env))
+        compared = {k: v for k, v in env.items() if read_at_import(k) or k in server.late}  # the rest: free to differ
+        why = server.why_not(compared | _others(server.launch_env))
         if why is None:
             try:
                 return server.run(target, argv, env, out_path, timeout_s)
             except (ForkUnavailable, ForkServerDied) as e:
                 why = str(e)
         with self._lock:
-            if why not in self.notes:
-                self.notes.append(why)
+            self.fresh.setdefault(why, []).append(Path(out_path).name)
         return None
 
     def close(self) -> None:
@@ -137,7 +148,7 @@ class ForkExecutor(MemcheckAhead):
 
 def _others(launch: dict[str, str]) -> dict[str, str]:
     """The forkserver's own values of the variables its imports do not read: a case's differ from them freely."""
-    return {k: v for k, v in launch.items() if not read_at_import(k)}
+    return {k: v for k, v in launch.items() if not read_at_import(k) and k not in LATE_VARS}
 
 
 # Variables a warm process applies before CUDA starts; any other difference from its start-up environment (the

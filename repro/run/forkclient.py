@@ -153,6 +153,8 @@ class ForkServer:
                         if self.socket is not None and self.log_path is not None:  # the run's logs keep what it printed
                             self.log_path.write_bytes(self.import_log)
                         self.ready, self.ready_at = rec, time.time()
+                        if isinstance(rec.get("launch_env"), dict):  # a kept one's own, not what this command assumed
+                            self.launch_env = rec["launch_env"]
                     elif rec["kind"] == fs.REFUSED:
                         why = f"refused: {rec.get('reason')}"
                         self.refusal = rec

@@ -144,6 +144,7 @@ def prepare(
         native = None
     facts = {
         "pid": os.getpid(),
+        "launch_env": before,  # what it was started with: a client compares its cases' with it (forkclient.why_not)
         "import_s": round(import_s, 2),
         "preload": list(preload),
         "env_set": env_set,
@@ -255,6 +256,7 @@ def listen(path: str, idle_s: float, facts: dict, refusal: str | None) -> dict |
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     sock.bind(path)
+    bound = os.stat(path).st_ino  # the socket this forkserver made: never another's, made since at the same path
     sock.listen(4)
     sock.settimeout(idle_s)
     child = False
@@ -291,7 +293,8 @@ def listen(path: str, idle_s: float, facts: dict, refusal: str | None) -> dict |
         if not child:
             sock.close()
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+                if os.stat(path).st_ino == bound:
+                    os.unlink(path)
 
 
 def _reap(children: dict[int, int], rep_fd: int) -> None:
@@ -310,14 +313,15 @@ def become_case(msg: dict, facts: dict) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.setsid()
-    if msg.get(
-        "cwd"
-    ):  # the client's folder: relative paths in argv and env are its (a kept forkserver started elsewhere)
-        os.chdir(msg["cwd"])
     fd = os.open(msg["out"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    if msg.get("cwd"):  # the client's folder: relative paths in argv and env are its (a kept one started elsewhere)
+        try:
+            os.chdir(msg["cwd"])
+        except OSError as e:  # gone since the command started: the case runs where it is, and its log says so
+            print(f"repro forkserver: cannot enter the command's folder {msg['cwd']} ({e.strerror})", file=sys.stderr)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
@@ -355,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give --requests and --replies, or --socket")
     try:
         facts, problems = prepare(_names(a.preload), frozenset(_names(a.late)), a.setup, a.checks)
+    except (SystemExit, KeyboardInterrupt):  # told to end while importing (SIGTERM, _terminated): not a failed import
+        raise
     except BaseException as e:  # an import that fails: its cases are launched plainly
         traceback.print_exc()
         facts, problems = {"pid": os.getpid()}, [f"import failed: {type(e).__name__}: {e}"[:500]]

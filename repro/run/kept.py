@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from repro import PACKAGE
+from repro import CHECKOUT, PACKAGE
 from repro.errors import ProtocolError
 from repro.run import forkserver
 
@@ -108,12 +108,13 @@ def start(cmd: list[str], env: dict[str, str], path: Path, idle_s: float) -> sub
         path.unlink()
     with open(log_of(path), "wb") as log:
         return subprocess.Popen(
-            [*cmd, "--socket", str(path), "--idle", f"{idle_s:g}"],
+            [*cmd, "--socket", os.path.abspath(path), "--idle", f"{idle_s:g}"],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            cwd=CHECKOUT,  # `python -m` puts its folder first on sys.path: the harness's, not the starting command's
         )
 
 

@@ -89,13 +89,16 @@ def running(path: Path | None = None) -> dict | None:
     facts = rec if rec["kind"] == forkserver.READY else rec.get("facts") or {}
     if "pid" not in facts:
         return None
+    busy = rec.get("busy") is True  # its flag, never its reason's words
+    refused = rec["kind"] == forkserver.REFUSED and not busy
     return {
         "pid": facts["pid"],
         "fingerprint": facts.get("tag"),
         "preload_s": facts.get("import_s"),
         "started": facts.get("started", time.time()),
         "idle_s": facts.get("kept_s"),
-        "busy": rec.get("busy") is True,  # its flag, never its reason's words
+        "busy": busy,
+        "refused": rec.get("reason") if refused else None,  # it refused to serve (an import failed, CUDA started)
     }
 
 
@@ -139,6 +142,10 @@ def _wait_started(proc, path: Path, log: Path) -> dict:
             raise ConfigError(f"the repro server did not start: {tail[0]}")
         facts = running(path)
         if facts and facts["pid"] == proc.pid:
+            if facts["refused"]:
+                proc.wait(timeout=10)  # it exits once it has said why
+                tidy(path)
+                raise ConfigError(f"the repro server did not start: it refused to serve: {facts['refused']}")
             return facts
         time.sleep(0.1)
     proc.kill()
@@ -146,26 +153,47 @@ def _wait_started(proc, path: Path, log: Path) -> dict:
 
 
 def stop(path: Path) -> dict | None:
-    """Stop the server at `path` (SHUTDOWN; its cases, if a command is using it, are killed) and remove what it left
-    (its log, the default socket folder when empty); its facts, or None when none ran."""
+    """Stop the server at `path` (SHUTDOWN when it is free; SIGTERM when it serves a command, whose cases go with it)
+    and remove what it left (its log, the default socket folder when empty); its facts, or None when none ran.
+    ConfigError when it still runs after STOP_WAIT_S."""
     facts = running(path)
     if facts:
-        if facts["busy"]:  # it serves a command: that command's cases go with it
-            with contextlib.suppress(OSError):
-                os.killpg(facts["pid"], signal.SIGTERM)
-        else:
-            sock = kept.try_connect(path)
-            if sock is not None:
-                with sock, sock.makefile("rb") as lines, contextlib.suppress(OSError):
-                    lines.readline()
+        said = False
+        sock = kept.try_connect(path)
+        if sock is not None:
+            with sock, sock.makefile("rb") as lines, contextlib.suppress(OSError, ProtocolError):
+                sock.settimeout(5.0)
+                if forkserver.decode(lines.readline())["kind"] == forkserver.READY:
                     sock.sendall(forkserver.encode(forkserver.SHUTDOWN))
-        for _ in range(100):
-            if not path.exists():
-                break
+                    said = True
+        if not said:  # busy, or gone quiet: it is ours (the socket's folder is this user's: running)
+            with contextlib.suppress(OSError):
+                os.kill(facts["pid"], signal.SIGTERM)
+        end = time.time() + STOP_WAIT_S
+        while time.time() < end and _alive(facts["pid"]):
             time.sleep(0.05)
+        if _alive(facts["pid"]):
+            raise ConfigError(f"the repro server (pid {facts['pid']}) did not stop within {STOP_WAIT_S:g} s")
     if not path.exists():
         tidy(path)
     return facts
+
+
+STOP_WAIT_S = 10.0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (its parent, the command that started it, has not reaped it) has stopped
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def tidy(path: Path) -> None:
@@ -178,7 +206,9 @@ def tidy(path: Path) -> None:
 
 
 class ServerExecutor(ForkExecutor):
-    """Cases forked by a running server (the same executor as a command's own forkserver, kept at its socket)."""
+    """Cases forked by a running server (the same executor as a command's own forkserver, kept at its socket); when
+    the server is taken by another command by the time this one connects, or has gone, from a forkserver of this
+    command's own, and its notes say so."""
 
     name = "server"
 
@@ -191,9 +221,15 @@ class ServerExecutor(ForkExecutor):
         with self._lock:
             if self.server is None:
                 launch = forkclient.launch_env(self.env, LATE_VARS)
-                self.server = forkclient.ForkServer(
+                served = forkclient.ForkServer(
                     "server", launch, None, self.preload, LATE_VARS, self.targets, socket=self.path, may_start=False
                 )
+                if served.wait_ready():
+                    self.server = served
+                else:  # busy with another command since usable() asked, or gone
+                    served.close()
+                    self.started_by = f"a forkserver of its own (the repro server: {served.failed})"
+                    self.server = self._own()
             return self.server
 
 
@@ -213,6 +249,8 @@ def usable(path: Path | None = None) -> tuple[dict | None, str]:
         return None, f"no repro server at {path} (start one: python -m repro serve)"
     if facts["busy"]:
         return None, f"the repro server at {path} (pid {facts['pid']}) serves another command now"
+    if facts["refused"]:
+        return None, f"the repro server at {path} (pid {facts['pid']}) refused to serve: {facts['refused']}"
     if facts["fingerprint"] != code_fingerprint():
         return None, (
             f"the repro server at {path} (pid {facts['pid']}) runs other code or FA3 libraries than this command "
