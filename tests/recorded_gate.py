@@ -8,6 +8,7 @@ import argparse
 import lzma
 import re
 import shutil
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,6 +30,9 @@ from tests.records import RESULTS, load
 def _whole(out_log: Path) -> bool:
     """A case's output as its process left it (not a kept reference's one-line stand-in, gate_run.keep_in_logs)."""
     return out_log.exists() and not out_log.read_text(errors="replace").startswith(KEPT_LINE)
+
+
+REFERENCE_WAIT_S = 60.0  # a replayed reference's process takes milliseconds: this is a bound, never a wait
 
 
 def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_logs: tuple[Path, ...] = (), exits=None):
@@ -104,7 +108,14 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
 
         def as_then():
             asked.append(1)
-            return reference() if len(asked) > n else None
+            if len(asked) <= n:
+                return None
+            # the run saw its reference here: in the replay, where every process ends at once, wait until it has
+            # (every case has a worker of its own: none waits behind another), never judge without it by chance
+            end = time.time() + REFERENCE_WAIT_S
+            while (got := reference()) is None and time.time() < end:
+                time.sleep(0.01)
+            return got
 
         return recorded_control(case, builds, log_dir, *where, reference=as_then, **how)
 
@@ -125,7 +136,7 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
         list(builds.values()),
         modes,
         tmp_path / "logs",
-        jobs=4,
+        jobs=max(4, len(rows)),  # a worker per case: a self control waiting for its reference never blocks it
         timeout_s=float(m[1]) if (m := re.search(r"--timeout (\S+)", command)) else _gate_default("timeout"),
         backends=backends,
         self_control=self_control,

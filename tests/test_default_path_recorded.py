@@ -82,6 +82,10 @@ def test_the_phases_name_the_model_load_and_the_jit_warmup_apart_from_the_rest_o
 
 
 FINAL_COLD, FINAL_WARM = RESULTS / "h200-readme-gate-14-cold", RESULTS / "h200-readme-gate-14-warm"
+# the one-forkserver code (14085c4), cold and warm; and cold on the code after the review's fixes to it (877ddb6)
+ONE_COLD, ONE_WARM, ONE_FINAL = (
+    RESULTS / n for n in ("h200-readme-gate-15-cold", "h200-readme-gate-15-warm", "h200-readme-gate-16-cold")
+)
 LAST_COLD, LAST_WARM, KEPT_1, KEPT_2, PILOT = (
     RESULTS / n
     for n in (
@@ -109,7 +113,7 @@ def test_the_last_bare_gate_passes_cold_and_warm_each_mode_caught_by_a_self_cont
     captures no evidence, the new user's fifth round): PASS cold and warm; in each mode at least one self-control form
     showed kernel evidence (policy rule 6: a form that decoded right is listed, h200-readme-gate-12-cold's plain
     stale-capture form), the build itself clean."""
-    for record in (LAST_COLD, LAST_WARM, PILOT, FINAL_COLD, FINAL_WARM):
+    for record in (LAST_COLD, LAST_WARM, PILOT, FINAL_COLD, FINAL_WARM, ONE_COLD, ONE_WARM, ONE_FINAL):
         doc, rows, run, got = replay(monkeypatch, tmp_path / record.name, record)
         same_verdicts(got, rows)
         assert all(got[f"{V}under-test-{m}"].verdict == "clean" for m in ("audit", "plain"))
@@ -157,7 +161,7 @@ def test_the_command_ends_within_seconds_of_its_run_its_forkserver_started_befor
     """On 2026-12-04's final code (h200-readme-gate-14-*): the command's start-up before the run (setup_s) and its
     time after the run to its reports are seconds, not the 8-10 s the reports took when each of their rows parsed the
     vLLM tree again (h200-readme-gate-13-warm: run 52.6 s, the shell's 64.3 s); the records carry both figures."""
-    for record in (FINAL_COLD, FINAL_WARM):
+    for record in (FINAL_COLD, FINAL_WARM, ONE_COLD, ONE_WARM, ONE_FINAL):
         doc = json.loads((record / "results.json").read_text())
         assert doc["outcome"] == "PASS" and doc["setup_s"] < 3, record.name
         assert -0.5 < doc["command_s"] - doc["setup_s"] - doc["wall_s"] < 3, record.name  # each rounded
@@ -189,3 +193,38 @@ def test_the_readmes_sm_configurations_fork_every_case_with_the_same_answers(mon
         assert got[f"{V}under-test-{m}"].verdict == "clean"
         assert any(got[f"{V}{f}-{m}"].verdict in FAULTS for f in ("self-control", "self-control-stale-descriptor"))
     assert doc["outcome"] == "PASS"  # the replay cannot judge the run whole: the first attempt above is not in it
+
+
+def test_every_case_forks_from_the_harness_s_one_forkserver_the_readme_gate_cold_and_warm():
+    """On the one-forkserver code (h200-readme-gate-15-*, -16-cold): every case process of the bare gate forked from
+    its build's forkserver (the harness's one, run/forkserver.py), none spawned, the forkserver ready within its
+    import time and CUDA never started in it (the driver's library mapped at most); warm, the run is its import and one case's time (under 60 s)."""
+    for record in (ONE_COLD, ONE_WARM, ONE_FINAL):
+        doc = json.loads((record / "results.json").read_text())
+        (launch,) = doc["launches"].values()
+        assert launch["launcher"] == "fork" and launch["spawned"] == 0 and launch["forked"] >= 8, record.name
+        fs = launch["forkserver"]
+        assert fs["ready_after_s"] - fs["import_s"] < 1 and fs["driver"] in ("not loaded", "loaded"), record.name
+    assert json.loads((ONE_WARM / "results.json").read_text())["wall_s"] < 60
+
+
+@pytest.mark.parametrize("name, sms", [("h200-sm16-fork-0.34.0-3", "16"), ("h200-sm40-mps32-0.34.0", None)])
+def test_the_sm_configurations_replay_whole_each_self_control_attempt_included(monkeypatch, tmp_path, name, sms):
+    """The README's SM configurations on the one-forkserver code (sm_margin:16 and mps:16), and the first record of
+    sm_margin:40 and mps:32 on vLLM 0.34.0, whose sm_margin:40 self control decoded right on its first attempt and
+    crashed on its second: replayed whole from their rows' attempts, every verdict and the outcome as recorded; each
+    SM configuration with its own validated reference, the build clean and a self-control form caught in each mode."""
+    record = RESULTS / name
+    doc, rows, run, got = replay(monkeypatch, tmp_path, record)
+    same_verdicts(got, rows, run)  # every attempt of every case too
+    assert run.outcome() == doc["outcome"] == "PASS"
+    modes = ("audit", "plain", "smmargin16", "mps16") if sms else ("audit", "plain", "smmargin40", "mps32")
+    assert {c.case_id for c, r in run.references if r.verdict == "clean"} == {
+        f"{V}under-test-reference-{m}" for m in ("sm-all", *modes[2:])
+    }
+    for m in modes:
+        assert got[f"{V}under-test-{m}"].verdict == "clean"
+        assert any(got[f"{V}{f}-{m}"].verdict in FAULTS for f in ("self-control", "self-control-stale-descriptor"))
+    if not sms:
+        tried = run.attempted[f"{V}self-control-smmargin40"]
+        assert [(a.verdict, a.returncode) for a in tried] == [("clean", 0), ("crash", 1)]

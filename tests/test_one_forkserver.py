@@ -134,3 +134,20 @@ def test_a_kept_forkserver_told_to_end_while_importing_ends_at_once(tmp_path):
             proc.kill()
         kept.log_of(path).unlink(missing_ok=True)
         subprocess.run(["rm", "-rf", str(path.parent)], check=False)
+
+
+def test_the_readme_matrix_on_the_one_forkserver_gives_the_same_verdicts_every_case_forked():
+    """results/h200-matrix-readme-2 (the README's matrix on the one-forkserver code, 14085c4) against
+    results/h200-matrix-readme (the stdlib forkserver before it): the same verdict for every case, and every case
+    started by the forkserver (the report's line names none started fresh)."""
+    import json
+
+    from tests.records import RESULTS
+
+    new, old = (
+        json.loads((RESULTS / n / "results.json").read_text()) for n in ("h200-matrix-readme-2", "h200-matrix-readme")
+    )
+    verdicts = [{c["case"]: c["verdict"] for c in d["cases"]} for d in (new, old)]
+    assert verdicts[0] == verdicts[1] and len(verdicts[0]) == 48
+    assert sorted(set(verdicts[0].values())) == ["clean", "crash"]
+    assert new["environment"]["cases started by"] == "a forkserver"
