@@ -32,7 +32,7 @@ def _whole(out_log: Path) -> bool:
     return out_log.exists() and not out_log.read_text(errors="replace").startswith(KEPT_LINE)
 
 
-REFERENCE_WAIT_S = 60.0  # a replayed reference's process takes milliseconds: this is a bound, never a wait
+REFERENCE_WAIT_S = 20.0  # a replayed reference's process takes milliseconds: this is a bound, never a wait
 
 
 def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_logs: tuple[Path, ...] = (), exits=None):
@@ -111,7 +111,7 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
             if len(asked) <= n:
                 return None
             # the run saw its reference here: in the replay, where every process ends at once, wait until it has
-            # (every case has a worker of its own: none waits behind another), never judge without it by chance
+            # (bounded: a reference queued behind the waiting cases is not waited for), never judge without it by chance
             end = time.time() + REFERENCE_WAIT_S
             while (got := reference()) is None and time.time() < end:
                 time.sleep(0.01)
@@ -136,7 +136,7 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
         list(builds.values()),
         modes,
         tmp_path / "logs",
-        jobs=max(4, len(rows)),  # a worker per case: a self control waiting for its reference never blocks it
+        jobs=4,  # as the gate's default: which cases run beside which decides, e.g., a platform check's memo
         timeout_s=float(m[1]) if (m := re.search(r"--timeout (\S+)", command)) else _gate_default("timeout"),
         backends=backends,
         self_control=self_control,
