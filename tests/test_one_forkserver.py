@@ -151,3 +151,54 @@ def test_the_readme_matrix_on_the_one_forkserver_gives_the_same_verdicts_every_c
     assert verdicts[0] == verdicts[1] and len(verdicts[0]) == 48
     assert sorted(set(verdicts[0].values())) == ["clean", "crash"]
     assert new["environment"]["cases started by"] == "a forkserver"
+
+
+def _serve(sock, *args):
+    env = {**os.environ, server.SOCKET_ENV: str(sock)}
+    cmd = [sys.executable, "-m", "repro", "serve", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_serve_and_doctor_say_a_server_is_busy_and_never_restart_one_that_serves_a_command(sock, tmp_path, monkeypatch):
+    """A server of other code (here: other preloads) that serves a command now: `serve --status` and doctor say it
+    is busy; `serve` refuses to restart it (its command's cases would end) and names `serve --stop`; `--stop` ends
+    it and names its pid."""
+    from repro.cli.doctor import _server_line
+
+    facts = server.start(sock, idle_s=60, preload=STANDIN)
+    holder = server.ServerExecutor(sock, facts, targets=TARGETS)
+    try:
+        assert _clean(holder, tmp_path, case_env()).returncode == 0  # it holds the server now
+        status = _serve(sock, "--status")
+        assert status.returncode == 0 and "serves a command now" in status.stdout, status.stdout
+        monkeypatch.setattr(server, "code_fingerprint", lambda *a: facts["fingerprint"])
+        assert _server_line().endswith("(it serves another command now: one at a time)")
+        again = _serve(sock)
+        assert again.returncode == 2 and "serves a command now" in again.stderr and "serve --stop" in again.stderr
+        assert alive(facts["pid"])  # not restarted under the command
+    finally:
+        holder.close()
+    stopped = _serve(sock, "--stop")
+    assert stopped.returncode == 0 and f"stopped the repro server (pid {facts['pid']})" in stopped.stdout
+    assert gone(facts["pid"])
+
+
+def test_doctor_and_status_name_a_server_that_refused_never_call_it_running(sock, monkeypatch):
+    """A forkserver kept at the server's socket that refused (an import failed) answers its first client with why,
+    then exits: doctor says so; `serve --status` then finds none."""
+    from repro.cli.doctor import _server_line
+
+    cmd = [sys.executable, "-m", "repro.run.forkserver", "--preload", "no_such_module_anywhere"]
+    proc = kept.start(cmd, case_env(), sock, idle_s=60)
+    try:
+        for _ in range(200):
+            if sock.exists():
+                break
+            time.sleep(0.05)
+        line = _server_line()
+        assert "refused to serve (import failed: ModuleNotFoundError" in line and "has exited" in line, line
+        assert proc.wait(timeout=10) == 0
+        assert "no repro server at" in _serve(sock, "--status").stdout
+    finally:
+        if proc.poll() is None:
+            proc.kill()

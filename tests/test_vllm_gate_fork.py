@@ -1,5 +1,6 @@
 """The gate's pre-imported launcher on CPU, over stand-in vLLM builds (tests/fake_vllm.py): case processes forked from
-a forkserver per build (repro.vllm_integration.gate.fork, gate_launch) give the records the spawned ones give, a hang
+a forkserver per build (the harness's one, repro.run.forkserver, as repro.vllm_integration.gate.forkserver uses it;
+gate_launch) give the records the spawned ones give, a hang
 is killed at its timeout with its whole group, a crash's exit code and log arrive, a case or build that needs a
 variable at import time is launched plainly, and a forkserver that dies hands its build back to the plain launch,
 each said in the record and the report."""
@@ -21,7 +22,7 @@ import pytest
 
 from repro.errors import ProtocolError
 from repro.judge.verdicts import CLEAN, CRASH, HANG
-from repro.run import forkserver as gate_fork
+from repro.run import forkserver as fs
 from repro.vllm_integration.gate import report as gate_report
 from repro.vllm_integration.gate.case import GateCase, GateMode, case_env, parse_modes
 from repro.vllm_integration.gate.forkserver import differs
@@ -218,7 +219,7 @@ def test_a_forkserver_that_dies_hands_its_build_to_the_plain_launch(tmp_path):
         )
         worker.start()
         for _ in range(300):  # until the forkserver reported the forked case
-            started = [e[gate_fork.STARTED] for e in server._events.values() if gate_fork.STARTED in e]
+            started = [e[fs.STARTED] for e in server._events.values() if fs.STARTED in e]
             if started:
                 break
             time.sleep(0.1)
@@ -247,27 +248,27 @@ def test_the_forkserver_refuses_what_would_break_a_forked_case(tmp_path, monkeyp
 
     monkeypatch.setattr(counters, "_installed", set())  # what earlier tests in this process installed is not ours
     late = frozenset({"CUDA_VISIBLE_DEVICES", "REPRO_PROBE"})
-    facts, problems = gate_fork.prepare(["json", "reads_late"], late)
+    facts, problems = fs.prepare(["json", "reads_late"], late)
     assert problems == [] and facts["read_late"] == ["CUDA_VISIBLE_DEVICES"]  # a case must keep its value to fork
     assert facts["driver"] == "not loaded" and type(os.environ) is os._Environ
-    facts, problems = gate_fork.prepare(["sets_late"], late)
+    facts, problems = fs.prepare(["sets_late"], late)
     assert facts["env_set"] == {"REPRO_PROBE": "1"} and "set per-case variables: ['REPRO_PROBE']" in problems[0]
     monkeypatch.delenv("REPRO_PROBE")
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    assert gate_fork.cuda_problem() == "torch initialised CUDA in the forkserver"
-    assert "torch initialised CUDA" in gate_fork.prepare(["json"], late)[1][0]
+    assert fs.cuda_problem() == "torch initialised CUDA in the forkserver"
+    assert "torch initialised CUDA" in fs.prepare(["json"], late)[1][0]
 
 
 def test_the_forkserver_speaks_typed_records_only():
-    rec = gate_fork.decode(gate_fork.encode(gate_fork.STARTED, id=3, pid=42, at=1.0))
-    assert rec == {"schema": gate_fork.SCHEMA, "kind": "started", "id": 3, "pid": 42, "at": 1.0}
+    rec = fs.decode(fs.encode(fs.STARTED, id=3, pid=42, at=1.0))
+    assert rec == {"schema": fs.SCHEMA, "kind": "started", "id": 3, "pid": 42, "at": 1.0}
     for bad in (b"REPRO_RESULT {}", b'{"kind": "started"}', b'{"schema": 1, "kind": "launch"}', b"[1]"):
         with pytest.raises(ProtocolError):
-            gate_fork.decode(bad)
+            fs.decode(bad)
     with pytest.raises(ProtocolError):
-        gate_fork.encode("hello")
+        fs.encode("hello")
 
 
 GATE_THAT_DIES = """

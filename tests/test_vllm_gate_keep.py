@@ -1,4 +1,4 @@
-"""Kept forkservers (repro.vllm_integration.gate.keep, fork.listen): one gate run at a time per forkserver (a second
+"""Kept forkservers (repro.vllm_integration.gate.keep, repro.run.kept, repro.run.forkserver.listen): one gate run at a time per forkserver (a second
 is told it is busy at once), the next run served after the first ends, a run from another folder gets its files
 where it asked, and the settings that decide whether a run keeps its forkservers."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from repro.errors import ConfigError
-from repro.run import forkserver as gate_fork
+from repro.run import forkserver as fs
 from repro.run import kept
 from repro.vllm_integration.gate import keep as gate_keep
 
@@ -33,7 +33,7 @@ def _first(sock) -> dict:
         if not chunk:
             break
         buf += chunk
-    return gate_fork.decode(buf.split(b"\n", 1)[0])
+    return fs.decode(buf.split(b"\n", 1)[0])
 
 
 def test_one_run_at_a_time_a_second_is_told_busy_and_the_next_is_served(short_dir):
@@ -42,15 +42,15 @@ def test_one_run_at_a_time_a_second_is_told_busy_and_the_next_is_served(short_di
     proc = kept.start(cmd, dict(os.environ), path, idle_s=3.0)
     try:
         first = kept.wait_connect(path, proc, 60)
-        assert first is not None and _first(first)["kind"] == gate_fork.READY
+        assert first is not None and _first(first)["kind"] == fs.READY
         second = kept.try_connect(path)
         refused = _first(second)
-        assert refused["kind"] == gate_fork.REFUSED and refused["busy"] is True and "busy" in refused["reason"]
-        first.sendall(gate_fork.encode(gate_fork.STOP))
+        assert refused["kind"] == fs.REFUSED and refused["busy"] is True and "busy" in refused["reason"]
+        first.sendall(fs.encode(fs.STOP))
         first.close()
         third, first_line, reader = kept.take(None, path, proc, 10)  # asked again while it says busy
-        ready = gate_fork.decode(first_line)
-        assert ready["kind"] == gate_fork.READY and ready["served"] == 2
+        ready = fs.decode(first_line)
+        assert ready["kind"] == fs.READY and ready["served"] == 2
         reader.close()
         third.close()
         proc.wait(timeout=20)  # idle: it exits and takes its socket with it

@@ -83,7 +83,15 @@ def _server_line(can_run: bool = True) -> str:
         facts, _ = server.usable()
         held = f"pid {facts['pid']} runs, but " if facts else ""
         return f"{held}of no use here: no GPU case runs on this machine (the CPU model needs no server)"
-    facts, why = server.usable()
-    if facts:
-        return f"pid {facts['pid']}, runs this code: matrix forks its cases from it"
-    return why if "other code" in why or "=off" in why else "none (`python -m repro serve`: verdicts in seconds)"
+    path = server.socket_path()
+    if path is None:
+        return f"{server.SOCKET_ENV}=off"
+    facts = server.running(path)  # one probe: a server that refused answers once, then exits
+    if facts is None:
+        return "none (`python -m repro serve`: verdicts in seconds)"
+    if facts["refused"]:
+        return f"pid {facts['pid']} refused to serve ({facts['refused']}) and has exited"
+    if facts["fingerprint"] != server.code_fingerprint():
+        return f"pid {facts['pid']} runs other code or FA3 libraries than this command (restart it: serve)"
+    busy = " (it serves another command now: one at a time)" if facts["busy"] else ""
+    return f"pid {facts['pid']}, runs this code: matrix forks its cases from it{busy}"

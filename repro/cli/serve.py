@@ -43,9 +43,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise ConfigError(f"--idle must be at least {MIN_IDLE_S:g} s, got {a.idle:g}")
     facts = server.running(path)
     if a.stop:
-        print(f"stopped the repro server (pid {facts['pid']})" if server.stop(path) else f"no repro server at {path}")
+        stopped = server.stop(path)
+        print(f"stopped the repro server (pid {stopped['pid']})" if stopped else f"no repro server at {path}")
         return exit_codes.Exit.OK
+    if facts is not None and facts["refused"]:  # it said why and exited: there is none to show or keep
+        print(f"the repro server at {path} (pid {facts['pid']}) refused to serve: {facts['refused']}", file=sys.stderr)
+        facts = None
     fits = facts is not None and facts["fingerprint"] == server.code_fingerprint()
+    busy = " It serves a command now (one at a time: another forks from its own)." if facts and facts["busy"] else ""
     if a.status:
         if facts is None:
             print(f"no repro server at {path}")
@@ -54,11 +59,17 @@ def cmd_serve(a: argparse.Namespace) -> int:
             print(
                 f"repro server at {path}: pid {facts['pid']}, up {age:.0f} s, "
                 + ("runs this code" if fits else "runs other code than this command: `serve` restarts it")
+                + busy
             )
         return exit_codes.Exit.OK
     if fits:
-        print(f"the repro server at {path} (pid {facts['pid']}) already runs this code")
+        print(f"the repro server at {path} (pid {facts['pid']}) already runs this code.{busy}")
         return exit_codes.Exit.OK
+    if busy:  # restarting it would end another command's running cases
+        raise ConfigError(
+            f"the repro server at {path} (pid {facts['pid']}) runs other code and serves a command now: "
+            "try again once it is done, or `python -m repro serve --stop` (its cases end)"
+        )
     server.check_socket_path(path)
     if not path.parent.is_dir() and path.parent != server.user_dir():  # only the default folder is made
         raise ConfigError(

@@ -5,8 +5,9 @@
   case. It never touches CUDA, so every case still gets a CUDA context of its own (a sticky CUDA error cannot leak into
   another case); what a case saves is the interpreter start and the imports. Each forked case runs in a process
   session of its own, so a timeout or Ctrl-C kills it with everything it started. A case whose environment differs
-  from the forkserver's in a variable read at import (IMPORT_VARS: the Python path, the FA3 libraries, the allocator,
-  ...) is started fresh instead, and the executor's notes say why.
+  from the forkserver's in a variable read when a process starts or imports (read_at_import: the Python path and the
+  interpreter's, the FA3 libraries', torch's and its allocator's, the locale's, the thread pools'), or in a per-case
+  variable its imports read, is started fresh instead, and the executor's notes say why and which.
 - Or from the repro server, the same forkserver kept between commands (repro.run.server, `python -m repro serve`).
 - Memcheck cases each need a compute-sanitizer of their own. One sanitizer over a forking server does follow the
   forked children (`--target-processes all`, tried on the H200 with compute-sanitizer 2025.3), but writes every

@@ -4,10 +4,12 @@ forkservers (`gate --keep-forkserver S`, one per build: repro.vllm_integration.g
 (17-27 s on the H200) before its first case can fork; a kept one serves runs one at a time at a Unix socket and exits
 once its idle time passes without one, so a later run finds it and forks its cases at once.
 
-Which forkserver a run may take is in the socket's name (socket_for): a hash of its label, its whole environment
-(the Python path, a build's prefix, torch's), what it preloads, the per-case variables, the identity of what it
-imports and the harness's own sources (code_fingerprint). Any change starts another. The socket and the forkserver's
-log (its import output, which each case's log starts with) sit in this user's folder (private_dir)."""
+The gate's: which forkserver a run may take is in the socket's name (socket_for): a hash of its label, its whole
+environment (the Python path, a build's prefix, torch's), what it preloads, the per-case variables, the identity of
+what it imports and the harness's own sources (code_fingerprint). Any change starts another. Those sockets and their
+forkservers' logs (the import output, which each case's log starts with) sit in this user's folder (private_dir). The
+repro server's socket is one per checkout instead (repro.run.server.socket_path): its fingerprint travels in its
+READY record (its --tag), and the environment it started with too, with which each case is compared."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ A server serves only commands that would import the same code: its fingerprint (
 interpreter, the FA3 libraries the environment names: repro.run.kept.code_fingerprint), carried back in its READY
 record, must equal the command's, or the command does not use it (after an edit, `serve` starts a new one). It serves
 one command at a time (a second one, told it is busy, forks from a forkserver of its own). It stops after `idle_s`
-without a command, on `serve --stop` (SHUTDOWN), or when its socket is removed. Each case still runs in a process (and
+without a command, or on `serve --stop` (SHUTDOWN; SIGTERM while it serves a command). Each case still runs in a process (and
 process session) of its own, with its own environment and CUDA context; a command that dies or is interrupted takes
 its running cases with it (its connection closes)."""
 

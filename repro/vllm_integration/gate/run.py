@@ -351,7 +351,7 @@ def run_gate(
     try:  # whatever stops the run (a failed probe, Ctrl-C, an error) stops the forkservers started here with it
         # forkservers first: each imports torch and vLLM (~20 s) while the GPU probes below (seconds) run beside them
         if launch.kind == FORK:  # the builds with a case to run (`only`: that one; a method it lacks: none), each once
-            for b in dict.fromkeys(c.build for c in cases):  # its cases' environment, less LATE_VARS (gate_forkserver)
+            for b in dict.fromkeys(c.build for c in cases):  # its cases' environment, less gate.forkserver's LATE_VARS
                 plain = GateCase(b, GateMode.parse("plain"))
                 launch.start(b, case_env(plain, builds, Path(log_dir) / "forkserver.audit.json", None, lambda: 0))
         gpu = gpu_identity() if cache is not None else ""
