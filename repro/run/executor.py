@@ -112,13 +112,23 @@ class ForkExecutor(MemcheckAhead):
         self.dir = Path(tempfile.mkdtemp(prefix="repro-fork-"))
         launch = forkclient.launch_env(self.env, LATE_VARS)
         return forkclient.ForkServer(
-            "attention", launch, self.dir / "forkserver.log", self.preload, LATE_VARS, self.targets
+            "attention",
+            launch,
+            self.dir / "forkserver.log",
+            self.preload,
+            LATE_VARS,
+            self.targets,
+            matters=read_at_import,
         )
+
+    def _make(self) -> forkclient.ForkServer:
+        """The forkserver its cases fork from, made at the first case (or start)."""
+        return self._own()
 
     def _server(self) -> forkclient.ForkServer:
         with self._lock:
             if self.server is None:
-                self.server = self._own()
+                self.server = self._make()
             return self.server
 
     def start(self) -> None:
@@ -127,8 +137,7 @@ class ForkExecutor(MemcheckAhead):
 
     def run(self, target: str, argv: list[str], env: dict[str, str], out_path: Path, timeout_s: float):
         server = self._server()
-        compared = {k: v for k, v in env.items() if read_at_import(k) or k in server.late}  # the rest: free to differ
-        why = server.why_not(compared | _others(server.launch_env))
+        why = server.why_not(env)  # only the variables read at import count (matters), and the per-case ones read
         if why is None:
             try:
                 return server.run(target, argv, env, out_path, timeout_s)
@@ -145,11 +154,6 @@ class ForkExecutor(MemcheckAhead):
             self.server = None
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _others(launch: dict[str, str]) -> dict[str, str]:
-    """The forkserver's own values of the variables its imports do not read: a case's differ from them freely."""
-    return {k: v for k, v in launch.items() if not read_at_import(k) and k not in LATE_VARS}
 
 
 # Variables a warm process applies before CUDA starts; any other difference from its start-up environment (the

@@ -31,11 +31,23 @@ def launch_env(env: dict[str, str], late: frozenset[str], kept_late: frozenset[s
     return {k: v for k, v in env.items() if k not in late or k in kept_late}
 
 
-def differs(env: dict[str, str], launch: dict[str, str], late: frozenset[str], read_at_import=()) -> list[str]:
-    """The variables in which a case's environment differs from its forkserver's: any but `late`, and those of `late`
-    that Python code read while the forkserver imported."""
-    keys = ((set(env) | set(launch)) - late) | set(read_at_import)
+def differs(
+    env: dict[str, str], launch: dict[str, str], late: frozenset[str], read_at_import=(), matters=None
+) -> list[str]:
+    """The variables in which a case's environment differs from its forkserver's: any but `late` (only those
+    `matters(name)` says its imports read, when given), and those of `late` that Python code read while the
+    forkserver imported."""
+    keys = {k for k in (set(env) | set(launch)) - late if matters is None or matters(k)} | set(read_at_import)
     return sorted(k for k in keys if env.get(k) != launch.get(k))
+
+
+def command(
+    preload: tuple[str, ...], late: frozenset[str], tag: str = "", setup: str | None = None, checks: str | None = None
+) -> list[str]:
+    """The forkserver's command line, without its transport (pipes, or a socket: repro.run.kept.start)."""
+    cmd = entrypoints.command(entrypoints.FORKSERVER, "--preload", ",".join(preload))
+    cmd += ["--late", ",".join(sorted(late)), "--tag", tag]
+    return cmd + [*(["--setup", setup] if setup else []), *(["--checks", checks] if checks else [])]
 
 
 class ForkServer:
@@ -58,18 +70,18 @@ class ForkServer:
         keep_s: float | None = None,
         may_start: bool = True,
         unavailable: str | None = None,
+        matters=None,
     ) -> None:
         """`env`: the forkserver's environment (launch_env of its cases'); `targets`: the `module:function`s its cases
         may run. With `socket`, a kept one: taken when one listens there, else started there for keep_s (unless
         may_start is False: the repro server's clients never start one). `unavailable`: why none can be started (its
-        cases are launched plainly)."""
+        cases are launched plainly). `matters`: which of the variables a case may not set otherwise (differs), when
+        not all but `late`."""
         self.label, self.launch_env = label, dict(env)
         self.log_path = Path(log_path) if log_path is not None else None  # its output (None: a kept one's only)
-        self.late, self.targets = late, targets
-        self.keep_s, self.kept = (
-            keep_s,
-            False,
-        )  # kept: an earlier command's forkserver (repro.run.kept), not started here
+        self.late, self.targets, self.matters = late, targets, matters
+        self.keep_s = keep_s
+        self.kept = False  # an earlier command's forkserver (repro.run.kept), not started here
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.ready: dict | None = None
@@ -83,9 +95,7 @@ class ForkServer:
         self._next = 0
         self._wlock = threading.Lock()
         self.t0 = time.time()
-        cmd = entrypoints.command(entrypoints.FORKSERVER, "--preload", ",".join(preload))
-        cmd += ["--late", ",".join(sorted(late)), "--tag", tag]
-        cmd += [*(["--setup", setup] if setup else []), *(["--checks", checks] if checks else [])]
+        cmd = command(preload, late, tag, setup, checks)
         self.socket = socket
         if unavailable:
             self.proc, self.socket, self.failed = None, None, unavailable
@@ -273,7 +283,7 @@ class ForkServer:
         variable read at import differs)."""
         if not self.wait_ready():
             return f"forkserver {self.failed}"
-        diff = differs(env, self.launch_env, self.late, self.ready.get("read_late") or ())
+        diff = differs(env, self.launch_env, self.late, self.ready.get("read_late") or (), self.matters)
         return f"{', '.join(diff)} differ from the forkserver's environment (read at import)" if diff else None
 
     def shutdown(self) -> None:

@@ -21,10 +21,10 @@ import signal
 import time
 from pathlib import Path
 
-from repro import CHECKOUT, entrypoints
+from repro import CHECKOUT
 from repro.errors import ConfigError, ProtocolError
 from repro.run import forkclient, forkserver, kept
-from repro.run.executor import LATE_VARS, PRELOAD, TARGETS, ForkExecutor
+from repro.run.executor import LATE_VARS, PRELOAD, TARGETS, ForkExecutor, read_at_import
 from repro.run.kept import user_dir
 from repro.run.process import case_env
 
@@ -77,10 +77,8 @@ def running(path: Path | None = None) -> dict | None:
     if sock is None:
         return None
     with sock:
-        sock.settimeout(5.0)
         try:
-            with sock.makefile("rb") as lines:
-                rec = forkserver.decode(lines.readline())
+            rec = _first_record(sock)
             if rec["kind"] == forkserver.READY:
                 with contextlib.suppress(OSError):
                     sock.sendall(forkserver.encode(forkserver.STOP))
@@ -102,6 +100,13 @@ def running(path: Path | None = None) -> dict | None:
     }
 
 
+def _first_record(sock, timeout_s: float = 5.0) -> dict:
+    """A kept forkserver's first record to a connection: READY, or REFUSED (busy, or why it will not serve)."""
+    sock.settimeout(timeout_s)
+    with sock.makefile("rb") as lines:
+        return forkserver.decode(lines.readline())
+
+
 def start(path: Path, idle_s: float = DEFAULT_IDLE_S, preload: tuple[str, ...] = PRELOAD) -> dict:
     """Start a server in the background (a session of its own) and wait until it answers."""
     check_socket_path(path)
@@ -111,8 +116,7 @@ def start(path: Path, idle_s: float = DEFAULT_IDLE_S, preload: tuple[str, ...] =
         raise ConfigError(f"{SOCKET_ENV}: cannot make the socket's folder {path.parent} ({e.strerror or e})") from None
     if path.parent.stat().st_uid != os.getuid():
         raise ConfigError(f"{path.parent} belongs to another user: choose a socket with {SOCKET_ENV}=/path/to.sock")
-    cmd = entrypoints.command(entrypoints.FORKSERVER, "--preload", ",".join(preload))
-    cmd += ["--late", ",".join(sorted(LATE_VARS)), "--tag", kept.code_fingerprint(preload)]
+    cmd = forkclient.command(preload, LATE_VARS, tag=kept.code_fingerprint(preload))
     env = forkclient.launch_env(case_env(), LATE_VARS)  # as a command's own forkserver (repro.run.executor)
     proc = None
     try:
@@ -161,9 +165,8 @@ def stop(path: Path) -> dict | None:
         said = False
         sock = kept.try_connect(path)
         if sock is not None:
-            with sock, sock.makefile("rb") as lines, contextlib.suppress(OSError, ProtocolError):
-                sock.settimeout(5.0)
-                if forkserver.decode(lines.readline())["kind"] == forkserver.READY:
+            with sock, contextlib.suppress(OSError, ProtocolError):
+                if _first_record(sock)["kind"] == forkserver.READY:
                     sock.sendall(forkserver.encode(forkserver.SHUTDOWN))
                     said = True
         if not said:  # busy, or gone quiet: it is ours (the socket's folder is this user's: running)
@@ -217,20 +220,26 @@ class ServerExecutor(ForkExecutor):
         self.path, self.facts = path, facts
         self.started_by = f"the repro server (pid {facts['pid']})"  # for reports: what started the cases
 
-    def _server(self) -> forkclient.ForkServer:
-        with self._lock:
-            if self.server is None:
-                launch = forkclient.launch_env(self.env, LATE_VARS)
-                served = forkclient.ForkServer(
-                    "server", launch, None, self.preload, LATE_VARS, self.targets, socket=self.path, may_start=False
-                )
-                if served.wait_ready():
-                    self.server = served
-                else:  # busy with another command since usable() asked, or gone
-                    served.close()
-                    self.started_by = f"a forkserver of its own (the repro server: {served.failed})"
-                    self.server = self._own()
-            return self.server
+    def _make(self) -> forkclient.ForkServer:
+        """The server's forkserver; when it is busy with another command since usable() asked, or gone, one of this
+        command's own."""
+        launch = forkclient.launch_env(self.env, LATE_VARS)
+        served = forkclient.ForkServer(
+            "server",
+            launch,
+            None,
+            self.preload,
+            LATE_VARS,
+            self.targets,
+            socket=self.path,
+            may_start=False,
+            matters=read_at_import,
+        )
+        if served.wait_ready():
+            return served
+        served.close()
+        self.started_by = f"a forkserver of its own (the repro server: {served.failed})"
+        return self._own()
 
 
 def server_executor(jobs: int = 4) -> tuple[ServerExecutor | None, str]:
