@@ -10,6 +10,7 @@ whatever happened.
     python tests/mutation_check.py policy    # repro/judge/policy.py
     python tests/mutation_check.py hang      # when a hang is evidence (gate/steps.py annotate, gate/process.py)
     python tests/mutation_check.py steps     # the judging's declared steps and the runner of their phases (gate/steps.py)
+    python tests/mutation_check.py ends      # the auditor's count decides however a case ends; library CUDA errors
 
 Exit status 1 when a mutation matched its source other than once, or a test named for it did not fail."""
 
@@ -725,9 +726,7 @@ HANG_RULES = [
     (
         "annotate: a hang before the captures is an error",
         GS,
-        *_off(
-            "    if res.verdict == HANG and not {STALLED, CAPTURING} & set(res.flags):  # no sign its captures had begun"
-        ),
+        *_off('    if res.verdict == HANG and not {STALLED, CAPTURING} & set(res.flags) and not f.audit["stale"]:'),
         {"test_a_hang_counts_as_evidence_only_once_the_captures_had_begun"},
     ),
     (
@@ -775,8 +774,8 @@ STEPS_RULES = [
     (
         "acceptance_check: only after a comparison that found nothing wrong",
         GS,
-        "    return compare_acceptance(res, f.ref) if res.verdict in (CLEAN, STALE_AUDIT) else res",
-        "    return compare_acceptance(res, f.ref)",
+        "    judged = res.verdict in (CLEAN, STALE_AUDIT) and not ended_without_result(res)",
+        "    judged = True",
         False,
         {"test_a_draft_is_not_judged_once_the_tokens_were_wrong"},
     ),
@@ -832,14 +831,82 @@ STEPS_RULES = [
         r'(    Step\(HUNG_EARLY.*?\n)(    Step\("audit".*?\n)',
         r"\2\1",
         True,
-        {
-            "test_of_two_findings_in_one_process_the_earlier_check_in_steps_decides",
-            "test_the_gates_judging_is_the_declared_list_of_steps_the_doc_lists_in_its_order",
-        },
+        # a hang with a count is no hang before capture (hang_check reads the count): only the listing's order shows
+        {"test_the_gates_judging_is_the_declared_list_of_steps_the_doc_lists_in_its_order"},
+    ),
+]
+
+CL = "repro/judge/classify.py"
+ENDS_TEST = "test_a_self_control_the_auditor_counted_is_caught_however_its_process_ends"
+ENDS_BUILD = "test_a_build_the_auditor_counted_stale_is_affected_however_its_process_ends"
+# the auditor's count decides an audit case however its process ended; a CUDA error through any library is a crash
+ENDS_RULES = [
+    (
+        "audit_check: an error with a count becomes stale-audit",
+        GS,
+        *_off('    if res.verdict == ERROR and audit["stale"]:'),
+        {ENDS_TEST, ENDS_BUILD, "test_a_process_that_ended_without_a_result_says_how_beside_the_count"},
+    ),
+    (
+        "hang_check: a hang with a count is no hang before capture",
+        GS,
+        ' and not f.audit["stale"]:',
+        ":",
+        False,
+        {ENDS_TEST, ENDS_BUILD, "test_a_hang_with_a_count_is_not_a_hang_before_capture"},
+    ),
+    (
+        "vouch: a count before an early end is evidence as a fault is",
+        GJ,
+        "    if res.verdict not in (CLEAN, STALE_AUDIT) or ended_without_result(res):\n",
+        "    if res.verdict not in (CLEAN, STALE_AUDIT):\n",
+        False,
+        {ENDS_TEST},
+    ),
+    (
+        "apply_reference: no tokens to compare after an early end",
+        GJ,
+        " or ended_without_result(res):  # no tokens",
+        ":  # no tokens",
+        False,
+        {ENDS_TEST, ENDS_BUILD},
+    ),
+    (
+        "ended_without_result: classify's first verdict decides",
+        GJ,
+        "    return first not in (CLEAN, STALE_AUDIT)",
+        "    return False",
+        False,
+        {ENDS_TEST, ENDS_BUILD},
+    ),
+    (
+        "classify: cuBLAS's execution failure is a fault",
+        CL,
+        '    "CUBLAS_STATUS_EXECUTION_FAILED",\n',
+        "",
+        False,
+        {"test_a_cuda_error_reported_through_any_library_is_a_crash_quoted_whole"},
+    ),
+    (
+        "classify: cuDNN's execution failure is a fault",
+        CL,
+        '    "CUDNN_STATUS_EXECUTION_FAILED",\n',
+        "",
+        False,
+        {"test_a_cuda_error_reported_through_any_library_is_a_crash_quoted_whole"},
+    ),
+    (
+        "classify: a fault line quoted whole",
+        CL,
+        "    return line if len(line) <= QUOTE_MAX else",
+        "    return line[:200] if len(line) <= QUOTE_MAX else",
+        False,
+        {"test_a_cuda_error_reported_through_any_library_is_a_crash_quoted_whole"},
     ),
 ]
 
 SETS = {
+    "ends": ("tests/test_audit_count_decides_however_a_case_ends.py tests/test_vouch_rules.py", ENDS_RULES),
     "hang": ("tests/test_stall.py tests/test_vllm_selfcontrol_attempts.py", HANG_RULES),
     "vouch": ("tests/test_vouch_rules.py", VOUCH),
     "reference": ("tests/test_vouch_rules.py tests/test_acceptance.py", REFERENCE),

@@ -28,7 +28,24 @@ FAULT_MARKERS = (  # the CUDA error codes of a kernel's bad memory access; a bar
     "cudaErrorInvalidAddressSpace",
     "cudaErrorMisalignedAddress",
     "CUDA_ERROR_ILLEGAL_ADDRESS",
+    "CUDA_ERROR_ILLEGAL_INSTRUCTION",
+    "CUDA_ERROR_MISALIGNED_ADDRESS",
+    "CUDA_ERROR_LAUNCH_FAILED",
+    "CUDA_ERROR_HARDWARE_STACK_ERROR",
+    "cudaErrorIllegalInstruction",
+    "cudaErrorHardwareStackError",
+    # an earlier kernel's asynchronous fault reported by the next library call that synchronizes: the libraries' own
+    # words for "a GPU program failed to execute" (seen: cuBLAS after a stale draft forward under inductor)
+    "CUBLAS_STATUS_EXECUTION_FAILED",
+    "CUDNN_STATUS_EXECUTION_FAILED",
+    "CUSPARSE_STATUS_EXECUTION_FAILED",
+    "CUSOLVER_STATUS_EXECUTION_FAILED",
+    "CUFFT_EXEC_FAILED",
+    "CURAND_STATUS_LAUNCH_FAILURE",
 )
+# a fault or launch line is quoted whole in the reason (a cuBLAS call's line runs past 300 characters); this bound only
+# keeps a runaway line (a tensor printed on one line) out of the report
+QUOTE_MAX = 2000
 LAUNCH_MARKERS = (
     "Error Internal",
     "invalid configuration argument",
@@ -143,10 +160,10 @@ def classify(
         launch = next((ln for ln in lines if any(m in ln for m in LAUNCH_MARKERS)), None)
         if fault:
             res.kernel = kernel_in(fault)
-            return done(CRASH, fault.strip()[:200] + during, _marker(fault, FAULT_MARKERS), last)
+            return done(CRASH, quoted(fault) + during, _marker(fault, FAULT_MARKERS), last)
         if launch:
             res.kernel = kernel_in(launch)
-            return done(LAUNCH_FAIL, launch.strip()[:200] + during, _marker(launch, LAUNCH_MARKERS), last)
+            return done(LAUNCH_FAIL, quoted(launch) + during, _marker(launch, LAUNCH_MARKERS), last)
         oom = out_of_memory(lines, sanitizer_log)
         if oom and (returncode or 0) != 0:
             return done(ERROR, f"{OUT_OF_MEMORY}: {oom.strip(' =')[:240]}", "", last)
@@ -178,6 +195,12 @@ def classify(
         + (f" (tolerance {res.tolerance:.3g})" if res.tolerance else "")
     )
     return done(CLEAN, summary, "")
+
+
+def quoted(line: str) -> str:
+    """An output line as a reason quotes it: whole, stripped; only a line past QUOTE_MAX is cut, and says so."""
+    line = line.strip()
+    return line if len(line) <= QUOTE_MAX else line[:QUOTE_MAX] + f" [... {len(line) - QUOTE_MAX} more characters]"
 
 
 def _marker(line: str, markers: tuple[str, ...]) -> str:

@@ -110,7 +110,7 @@ def vouch(case: GateCase, res: CaseResult) -> CaseResult:
     self control whose injection never wrote before it or, in an audit mode, that the auditor caught nothing of."""
     if case.reference or res.verdict in (ERROR, SKIP):  # no evidence to discount, nothing fired to vouch for
         return res
-    if res.verdict not in (CLEAN, STALE_AUDIT):
+    if res.verdict not in (CLEAN, STALE_AUDIT) or ended_without_result(res):
         counters = (res.backend_identity or {}).get("counters") or {}
         blind = case.mode.audit and not res.stale_fields and descriptor_check_existed(counters)
         wrote = (res.backend_identity or {}).get("injection")
@@ -125,6 +125,17 @@ def vouch(case: GateCase, res: CaseResult) -> CaseResult:
         return res
     reason = f"{'; '.join(missing)} (case verdict would have been {res.verdict}: {res.reason[:200]})"
     return res.revised("coverage", "; ".join(missing), verdict=NOT_VOUCHED, reason=reason)
+
+
+def ended_without_result(res: CaseResult) -> bool:
+    """Is this a stale-audit record of a process that did not end with its result (classify's first verdict was not
+    clean or stale-audit: a fault in a library, a kill, a hang, an exit before its RESULT record)? The auditor's count, reported before that
+    end, is its evidence, as a fault is a crash's: what only a whole run reports (the engine record, the counters at
+    exit) is not asked of it."""
+    if res.verdict != STALE_AUDIT:
+        return False
+    first = next((h["changed"]["verdict"][0] for h in res.history if "verdict" in h.get("changed", {})), res.verdict)
+    return first not in (CLEAN, STALE_AUDIT)  # STALE_AUDIT: classify's own, for a process that printed its result
 
 
 def _reports_configuration(out: dict | None) -> bool | None:
@@ -264,7 +275,7 @@ def apply_reference(res: CaseResult, out: dict | None, ref: CaseResult, ref_out:
     """A finished speculative case judged against its reference (a new record): wrong-output where the greedy tokens
     differ where the reference was decided, error without a reference or with too many near ties.
     out, ref_out: the RESULT records of the two processes (result_line)."""
-    if res.verdict not in (CLEAN, STALE_AUDIT):
+    if res.verdict not in (CLEAN, STALE_AUDIT) or ended_without_result(res):  # no tokens: nothing to compare
         return res
     step = "reference comparison"
     if ref.verdict != CLEAN or not ref_out or not out:

@@ -30,6 +30,7 @@ from repro.vllm_integration.gate.judge import (
     apply_reference,
     audit_evidence,
     compare_acceptance,
+    ended_without_result,
     platform_problem,
     validate_reference,
     vouch,
@@ -141,18 +142,31 @@ def platform_check(f: Facts, res: CaseResult) -> CaseResult:
 
 def hang_check(f: Facts, res: CaseResult) -> CaseResult:
     """A hang whose output never showed the captures begun (no flag STALLED or CAPTURING): an error, no evidence."""
-    if res.verdict == HANG and not {STALLED, CAPTURING} & set(res.flags):  # no sign its captures had begun
+    # no sign its captures had begun: neither vLLM's words nor a stale capture the auditor counted
+    if res.verdict == HANG and not {STALLED, CAPTURING} & set(res.flags) and not f.audit["stale"]:
         why = f"{res.reason}, before vLLM began capturing CUDA graphs: no evidence about the captures"
         return res.revised(HUNG_EARLY, why, verdict=ERROR, reason=why)
     return res
 
 
 def audit_check(f: Facts, res: CaseResult) -> CaseResult:
-    """Stale views the auditor caught: a clean run becomes stale-audit, a crash's or hang's reason says so."""
+    """Stale views the auditor caught decide the record however its process ended: a clean run becomes stale-audit, a
+    process that ended without a result (an error in any library, an exit or kill before its RESULT record, memory it
+    could not get) becomes stale-audit with that end quoted, a crash's or hang's reason says so. The counts reported
+    before the end are what the auditor saw; how the process ended after them takes nothing away."""
     audit = f.audit
     if res.verdict == CLEAN and audit["stale"]:
         why = f"no fault this run, but the auditor caught stale views: {audit['first'][0]}"
         return res.revised("audit", why, verdict=STALE_AUDIT, reason=why, descriptor=audit["first_descriptor"])
+    if res.verdict == ERROR and audit["stale"]:
+        why = f"the auditor caught stale views before the process ended ({res.reason}): {audit['first'][0]}"
+        return res.revised(
+            "audit",
+            "the auditor's count decides a process that ended without a result",
+            verdict=STALE_AUDIT,
+            reason=why,
+            descriptor=res.descriptor or audit["first_descriptor"],
+        )
     if audit["stale"] and res.verdict in (CRASH, HANG):
         return res.revised(
             "audit",
@@ -165,7 +179,8 @@ def audit_check(f: Facts, res: CaseResult) -> CaseResult:
 
 def acceptance_check(f: Facts, res: CaseResult) -> CaseResult:
     """The draft's acceptance against the reference's, once the tokens compared found nothing wrong."""
-    return compare_acceptance(res, f.ref) if res.verdict in (CLEAN, STALE_AUDIT) else res
+    judged = res.verdict in (CLEAN, STALE_AUDIT) and not ended_without_result(res)  # a process that ended early
+    return compare_acceptance(res, f.ref) if judged else res  # reported no acceptance: its audit count decides
 
 
 # every step of a gate case's judging, in the order they run; docs/architecture.md lists them (a test keeps the two
@@ -176,7 +191,7 @@ STEPS = (
     Step("MPS SM count", ENDED, mps_check, "MPS gave another SM count than asked", ends=True),
     Step(PLATFORM_CHECK, ENDED, platform_check, "the GPU computes bf16 products wrong here", ends=True),
     Step(HUNG_EARLY, ENDED, hang_check, "a hang before vLLM began capturing", ends=True),
-    Step("audit", ENDED, audit_check, "the auditor's stale views", ends=True),
+    Step("audit", ENDED, audit_check, "the auditor's stale views, however the process ended", ends=True),
     Step(
         "reference validation",
         READ,
