@@ -120,13 +120,14 @@ def test_a_process_that_ended_without_a_result_says_how_beside_the_count():
     got = judged(c, out, 1, False)
     assert got.verdict == STALE_AUDIT
     assert "exit status 1 without a result" in got.reason and "builder gives 23" in got.reason
-    assert [h["step"] for h in got.history] == ["audit"]  # no comparison or acceptance asked of a process without tokens
+    # no comparison or acceptance is asked of a process without tokens
+    assert [h["step"] for h in got.history] == ["audit"]
 
 
 @pytest.mark.parametrize("line", CUDA_ERROR_LINES)
 def test_a_cuda_error_reported_through_any_library_is_a_crash_quoted_whole(line):
     c = case(inject=False)
-    out = "\n".join(["REPRO_PASS {\"descriptor\": \"FULL t4r4\"}", "some log line", line, "further output"])
+    out = "\n".join(['REPRO_PASS {"descriptor": "FULL t4r4"}', "some log line", line, "further output"])
     res = classify(c, out, 1, False, None, 3.0, Channel.from_output(out))
     assert res.verdict == CRASH, res.reason
     assert res.reason.startswith(line.strip()), res.reason  # the CUDA error's own line, never cut
