@@ -1,6 +1,6 @@
 """The vLLM gate as pytest cases (markers gpu and vllm; ids contain stale_metadata): every vLLM build found (the
-installed vllm, REPRO_VLLM=LABEL=PREFIX,..., REPRO_VLLM_CONTROL=LABEL=PREFIX,...) x speculative method (REPRO_GATE_METHODS, default eagle; eagle3, draft_model,
-mtp or all: repro/vllm_integration/gate/methods.py) x detection mode (REPRO_GATE_MODES, default audit,plain; see
+installed vllm, REPRO_VLLM=LABEL=PREFIX,..., REPRO_VLLM_CONTROL=LABEL=PREFIX,...) x speculative method (REPRO_GATE_METHODS, default all; or eagle, eagle3, draft_model,
+mtp, dflash: repro/vllm_integration/gate/methods.py) x detection mode (REPRO_GATE_MODES, default audit,plain; see
 repro/vllm_integration/gate/case.py). A method the build lacks is a skip that says why (not applicable).
 
 Each test is one build in one mode, run by the gate's own orchestrator (repro.vllm_integration.gate.run.run_gate,
@@ -33,7 +33,7 @@ from repro.vllm_integration.gate.methods import DEFAULT_METHOD, DEFAULT_METHODS,
 from repro.vllm_integration.releases.builds import CONTROL, find_builds
 
 SELF_CONTROL_ENV = "REPRO_SELF_CONTROL"
-METHODS_ENV = "REPRO_GATE_METHODS"  # speculative methods (gate.methods): eagle (default), eagle3, draft_model, mtp, all
+METHODS_ENV = "REPRO_GATE_METHODS"  # speculative methods (gate.methods): all (default), or eagle, eagle3, draft_model, mtp, dflash
 
 
 def method_label(method: str) -> str:

@@ -80,10 +80,12 @@ def test_the_pytest_tiers_variables_are_judged_by_name_before_any_case_runs(tmp_
 
 def test_the_pytest_tiers_settings_read_as_the_gate_reads_them():
     from cases.test_vllm_gate import settings
+    from repro.vllm_integration.gate.methods import ALL
 
     got = settings({"REPRO_GATE_TIMEOUT": "60", "REPRO_SELF_CONTROL": "none"})
     assert got["timeout"] == 60.0 and got["self_control"] == "none"
-    assert [m.name for m in got["modes"]] == ["audit", "plain"] and got["methods"] == ("eagle",)
+    assert [m.name for m in got["modes"]] == ["audit", "plain"] and got["methods"] == ALL  # every method by default
+    assert settings({"REPRO_GATE_METHODS": "eagle"})["methods"] == ("eagle",)
 
 
 # 3. an option that would be ignored is refused: `run` as `matrix` does.

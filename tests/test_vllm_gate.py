@@ -167,7 +167,19 @@ def test_compile_none_runs_full_graphs_without_torch_compile_in_every_speculativ
 @needs_entry_point
 def test_gate_command_exit_codes_and_report(tmp_path, fakes, capsys):
     out = tmp_path / "out"  # one folder for every run below: --overwrite replaces the report before (docs/outputs.md)
-    args = ["gate", "--no-installed", "--modes", "plain", "--out", str(out), "--overwrite", "--jobs", "2"]
+    args = [
+        "gate",
+        "--no-installed",
+        "--modes",
+        "plain",
+        "--out",
+        str(out),
+        "--overwrite",
+        "--jobs",
+        "2",
+        "--methods",
+        "eagle",
+    ]
     # forked case processes: the spawned launcher's verdicts (test_vllm_gate_fork), torch imported once per build and
     # run instead of once per case; the default launcher's CLI runs: test_the_report_of_a_build_that_gave_no_answer...
     args += ["--launcher", "fork"]
@@ -332,7 +344,18 @@ def hook_nothing_gate(tmp_path_factory):
     # forked case processes (--launcher fork): the verdicts and reasons the spawned ones give (test_vllm_gate_fork
     # compares the two launchers on every stand-in behaviour), for a third of the CPU: 78 case processes, each a fresh
     # interpreter importing torch when spawned
-    cmd = [sys.executable, "-m", "repro", "gate", "--no-installed", "--no-control", "--modes", "audit,plain"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "repro",
+        "gate",
+        "--no-installed",
+        "--no-control",
+        "--modes",
+        "audit,plain",
+        "--methods",
+        "eagle",
+    ]
     cmd += ["--launcher", "fork"]
     # one attempt of each self control: three of the six (no-spec, other-backend, piecewise) decode without a fault
     # in plain whatever the injection, and a second and third attempt (12 case processes) would only repeat that
@@ -385,7 +408,19 @@ def test_renamed_backend_classes_and_no_scheduler_call_through_the_cli(tmp_path)
     nosched = write_fake_vllm(tmp_path / "nosched", "0.26.0", "no-sched")
     crash = write_fake_vllm(tmp_path / "crash", "0.25.1", "stale-crash")
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "repro", "gate", "--no-installed", "--jobs", "2", "--control", f"old={crash}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "repro",
+        "gate",
+        "--no-installed",
+        "--jobs",
+        "2",
+        "--control",
+        f"old={crash}",
+        "--methods",
+        "eagle",
+    ]
     cmd += ["--launcher", "fork"]  # the spawned launcher's verdicts (test_vllm_gate_fork), torch imported per build
     cmd += ["--modes", "audit,poison:int-max", "--vllm", f"renamed={renamed}", "--vllm", f"nosched={nosched}"]
     p = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True)
@@ -409,7 +444,18 @@ def test_renamed_backend_classes_and_no_scheduler_call_through_the_cli(tmp_path)
 @needs_entry_point
 def test_a_control_that_hooks_nothing_is_cannot_vouch_not_blind(tmp_path, fakes):
     nospec = str(write_fake_vllm(tmp_path / "nospec", "0.25.1", "no-spec"))
-    args = ["gate", "--no-installed", "--modes", "plain", "--out", str(tmp_path / "out"), "--jobs", "2"]
+    args = [
+        "gate",
+        "--no-installed",
+        "--modes",
+        "plain",
+        "--out",
+        str(tmp_path / "out"),
+        "--jobs",
+        "2",
+        "--methods",
+        "eagle",
+    ]
     args += ["--launcher", "fork"]  # the spawned launcher's verdicts (test_vllm_gate_fork), torch imported per build
     assert cli([*args, "--vllm", f"new={fakes['good']}", "--control", f"old={nospec}"]) == 4
     doc = json.loads((tmp_path / "out" / "results.json").read_text())
@@ -532,7 +578,19 @@ def test_the_report_of_a_build_that_gave_no_answer_and_of_no_control(tmp_path):
     counted as controls."""
     broken = write_fake_vllm(tmp_path / "broken", "0.27.0", "broken")
     out = tmp_path / "out"
-    args = ["gate", "--no-installed", "--modes", "plain", "--out", str(out), "--jobs", "2", "--no-control"]
+    args = [
+        "gate",
+        "--no-installed",
+        "--modes",
+        "plain",
+        "--out",
+        str(out),
+        "--jobs",
+        "2",
+        "--no-control",
+        "--methods",
+        "eagle",
+    ]
     assert cli([*args, "--vllm", f"y={broken}", "--self-control", "none"]) == 4
     md = (out / "verdicts.md").read_text()
     assert "| y | under-test | 0.27.0 | **cannot tell** |" in md

@@ -287,3 +287,14 @@ def test_each_capture_is_counted_under_its_capture_manager_and_dflash_query_is_a
     got = make("DFlashCudaGraphManager", "DFlashSpeculator", "query_cudagraph_manager")
     assert got["kind"] == "draft query" and got["manager"].endswith("query_cudagraph_manager of DFlashSpeculator")
     assert capture.manager_of(_sys._getframe()) == capture.UNKNOWN_KIND  # no manager on this stack
+
+
+def test_the_bare_gate_runs_every_method_the_harness_covers():
+    """`python -m repro gate` with no --methods vouches for every capture path (EAGLE/EAGLE3/MTP's manager, the
+    draft-model speculator's, the DFlash family's): a mutant of one manager is caught by its own method alone."""
+    from repro.cli import build_parser
+    from repro.vllm_integration.gate.methods import ALL, DFLASH, DRAFT_MODEL
+
+    got = build_parser().parse_args(["gate"]).methods
+    assert got == ALL and DRAFT_MODEL in got and DFLASH in got
+    assert build_parser().parse_args(["gate", "--methods", "eagle"]).methods == ("eagle",)

@@ -38,12 +38,12 @@ EAGLE, EAGLE3, DRAFT_MODEL, MTP = "eagle", "eagle3", "draft_model", "mtp"
 DFLASH = "dflash"
 METHODS = (EAGLE, EAGLE3, DRAFT_MODEL, MTP, DFLASH)
 DEFAULT_METHOD = EAGLE  # a case without a method is an EAGLE case (records from before --methods)
-# `--methods all`: the methods whose FULL-graph cases and self controls ran on a GPU with --compile none (inductor,
-# the default, not yet for all of them) (results/h200-methods-0.34.0-3,
-# h200-methods-0.32.0, h200-dflash-0.34.0-2), each not applicable where the build lacks it
+# `--methods all`: every capture path the harness covers (EAGLE, EAGLE3 and MTP share one capture manager; the
+# draft-model speculator and the DFlash family have their own), each not applicable where the build lacks it
 ALL = (EAGLE, EAGLE3, DRAFT_MODEL, MTP, DFLASH)
-# `gate --methods` when not given: EAGLE alone, the method every record before 0.32.0 measured (CI: `--methods all`)
-DEFAULT_METHODS = EAGLE
+# `gate --methods` when not given: every method, so the first command vouches for every capture path the build has
+# (a mutant of one capture manager is caught by its own method alone); `--methods eagle` is the quick look
+DEFAULT_METHODS = "all"
 # the DFlash family beyond `dflash`: each captures through DFlashSpeculator.capture and its DFlashCudaGraphManager (the
 # builder `dflash` exercises), each with a draft architecture the harness cannot yet make agree (docs/dflash.md)
 _SAME_CAPTURE = "; its capture path (DFlashSpeculator.capture, spec_decode/dflash/cudagraph.py) is dflash's: use dflash"
