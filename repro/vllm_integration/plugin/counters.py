@@ -7,6 +7,7 @@ replaces it for all of them."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -23,6 +24,11 @@ FILE_ENV = "REPRO_AUDIT_FILE"  # the audit file of a person's REPRO_AUDIT=1 run 
 # the run an audit file's reports belong to: set by the first process that installs the auditor with a file, inherited
 # by the processes it starts (fork and spawn); the gate never passes it on (gate.case.PLUGIN_OWN_VARS)
 RUN_ENV = "REPRO_AUDIT_RUN"
+# `repro audit --strict`: the first stale FULL capture ends its process (capture.stop_if_strict), its report written
+STRICT_ENV = "REPRO_AUDIT_STRICT"
+# `repro audit`'s private folder: every process that installs the auditor leaves `<pid>.json` there at once
+# (mark_started), so a process that dies before its exit report is named, never missed
+STARTED_ENV = "REPRO_AUDIT_STARTED"
 AUDITOR = FreshnessAuditor()
 _installed: set[str] = set()
 
@@ -35,6 +41,8 @@ def new_counters() -> dict[str, Any]:
         # captures where they were recorded
         "captures_by_manager": {},  # manager -> CUDA graph captures it recorded
         "full_captures_by_manager": {},  # manager -> of those, captures an attention forward ran in (FULL graphs)
+        "audited_by_manager": {},  # manager -> captures whose metadata the auditor checked at capture end
+        "stale_by_manager": {},  # manager -> of those, captures with stale views or another descriptor's metadata
         "injected_by_manager": {},  # manager -> captures whose attention read buffers the self control wrote
         "captures_audited": {},  # kind -> captures whose attention metadata the auditor checked at capture end
         "captures_stale": {},  # kind -> of those, captures with stale views
@@ -61,6 +69,8 @@ def new_counters() -> dict[str, Any]:
         "poison_calls": 0,  # scheduler-metadata buffers poisoned
         "entries_poisoned": 0,  # entries filled over all of them
         "runner": None,  # module.Class of the model runner seen on a capture's call stack
+        "speculative_method": None,  # the method that runner's speculative config resolved to (capture.graph_kind)
+        "speculator": None,  # the class of that runner's speculator (its `speculator` or `drafter`)
         # the self control (the request's inject, repro.vllm_integration.plugin.inject): what it wrote and whether it reached
         "captures_injected": {},  # kind -> captures whose attention forwards read buffers the injection wrote
         "injected_forwards": 0,  # eager draft-capture forwards that ran right after an injection
@@ -131,6 +141,33 @@ def at_exit(callback: AtExit) -> None:
     os.register_at_fork(after_in_child=callback.forked)  # a plain os.fork child too: its parent's work is not its
 
 
+_REPORTS: list[AtExit] = []  # the exit reports registered in this process (report_now)
+
+
+def report_now() -> None:
+    """Make this process's exit reports now (a strict stop ends it before its exit): each once, as at exit."""
+    for callback in _REPORTS:
+        callback()
+
+
+_MARKED = {"pid": None}
+
+
+def mark_started(folder: str | None) -> None:
+    """With STARTED_ENV's folder: `<pid>.json` there (pid, process name, run token) as the auditor installs, and in a
+    fork child (which inherits the installed plugin) at its first capture (capture's tracker: mark_started again),
+    so the command that made the folder can name a process that never reported (killed, or died before its exit)."""
+    if not folder or _MARKED["pid"] == os.getpid():
+        return
+    _MARKED["pid"] = os.getpid()
+    import multiprocessing  # noqa: PLC0415  the process's name, only where a folder asks for the mark
+
+    doc = {"pid": os.getpid(), "process": multiprocessing.current_process().name, "run": run_token()}
+    with contextlib.suppress(OSError):  # a mark that cannot be written is a missing mark: never a crash inside vLLM
+        with open(os.path.join(folder, f"{os.getpid()}.json"), "w") as f:
+            json.dump(doc, f)
+
+
 def run_token() -> str:
     """This run's token (RUN_ENV): the first process of a run sets it, the processes it starts inherit it."""
     return os.environ.setdefault(RUN_ENV, f"{os.getpid()}-{time.time():.6f}")
@@ -140,7 +177,9 @@ def report_at_exit(path: str | None) -> AtExit:
     """What the plugin registers at exit once its auditor installed (at_exit): write_report, with the time it
     installed and, with an audit file, the run's token (which reports in the file belong to this run: merged_report)."""
     installed, run = time.time(), run_token() if path else None
-    return AtExit(lambda base: write_report(path, installed, run, base))
+    callback = AtExit(lambda base: write_report(path, installed, run, base))
+    _REPORTS.append(callback)
+    return callback
 
 
 def write_report(
