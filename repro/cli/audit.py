@@ -27,6 +27,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help=outputs.OVERWRITE_HELP)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the command's process group is "
                    "stopped (SIGTERM, then SIGKILL): CANNOT VOUCH (default %(default)s)")  # fmt: skip
+    p.add_argument("--grace", type=float, default=command.GRACE_S, help="seconds the command's processes get to end "
+                   "and report after SIGTERM (timeout) or SIGINT (Ctrl-C) before SIGKILL (default %(default)s)")  # fmt: skip
     p.add_argument("--strict", action="store_true", help="stop the run at the first stale FULL capture (the engine "
                    "process raises there, its report written first): for bisect speed")  # fmt: skip
     p.add_argument("--expect-method", help="the speculative method the command asks vLLM for (eagle, eagle3, "
@@ -45,8 +47,8 @@ def cmd_audit(a: argparse.Namespace) -> int:
     argv = a.argv[1:] if a.argv[:1] == ["--"] else a.argv
     if not argv:
         raise ConfigError("no command to audit: give it after --, e.g. python -m repro audit -- python script.py")
-    if a.timeout <= 0:
-        raise ConfigError(f"--timeout {a.timeout:g}: must be more than 0 seconds")
+    if a.timeout <= 0 or a.grace < 0:
+        raise ConfigError(f"--timeout {a.timeout:g}, --grace {a.grace:g}: a timeout over 0 s, a grace of 0 s or more")
     if a.backend is not None and not known_name(a.backend):
         raise ConfigError(f"--backend {a.backend}: not a name vLLM gives a backend (FLASH_ATTN, TRITON_ATTN, ...)")
     why = command.refusal(dict(os.environ))
@@ -56,7 +58,7 @@ def cmd_audit(a: argparse.Namespace) -> int:
     if a.junit:
         outputs.check_file(a.junit, "--junit", own=lambda p: outputs.is_text(p) and "<testsuites" in p.read_text())
     folder = outputs.open_folder(a.out, "audit", a.overwrite)
-    ran = command.run(argv, folder / "audit", a.timeout, a.strict, a.backend)
+    ran = command.run(argv, folder / "audit", a.timeout, a.strict, a.backend, grace=a.grace)
     j = judge(ran.doc, ran.started, Expect(a.expect_method, a.expect_speculator, a.expect_manager), ran.status)
     if ran.unreadable:  # an audit file that is not a report: never read as clean
         j.reasons.insert(0, f"the audit file could not be read: {ran.unreadable}")
