@@ -110,8 +110,11 @@ def judge(doc: dict | None, started: list[dict], expect: Expect, command: Comman
         _add(stale_mgr, c.get("stale_by_manager"))
         _add(unchecked, c.get("descriptor_unchecked"))
         installed = installed or "audit" in (c.get("installed") or [])
-        if c.get("speculative_method"):
-            methods[_who(p)] = str(c["speculative_method"])
+        ran = sorted(c.get("speculative_methods") or {}) or (
+            [c["speculative_method"]] if c.get("speculative_method") else []
+        )
+        if ran:
+            methods[_who(p)] = ", ".join(map(str, ran))
         if p.get("checks") and c.get("spec_layout_known") is False:
             layouts_unknown.append(f"{_who(p)}: {c.get('spec_layout') or 'none found'}")
     checks = sum(int(p.get("checks") or 0) for p in reported)

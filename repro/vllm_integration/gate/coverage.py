@@ -282,7 +282,8 @@ def _ran(engine: dict, counters: dict) -> list[tuple[str, str]]:
     """(where it was read, the method) for each record of the speculative method vLLM ran."""
     out = [("the case process's request", engine.get("method"))]  # the pair the worker built and configured
     out += [("vLLM's speculative config", engine.get("speculative_method"))]
-    out += [("the model runner the plugin saw capturing", counters.get("speculative_method"))]
+    seen = [*(counters.get("speculative_methods") or {})] or [counters.get("speculative_method")]
+    out += [("the model runner the plugin saw capturing", m) for m in seen]
     return [(where, str(m)) for where, m in out if m]
 
 

@@ -53,7 +53,7 @@ def graph_kind(frame: Any, depth: int = 40) -> str:
     decode_cudagraph_manager, cudagraph_manager), the progress-bar text vLLM passes (`desc`, `progress_bar_desc`) and
     whether a speculator (a spec_decode module, a Speculator/Eagle/Drafter/Proposer class) is on the stack. Also
     records the model runner's class. UNKNOWN_KIND when nothing on the stack says."""
-    mgr, attr, texts, draft, seen_vllm = None, None, [], False, False
+    mgr, attr, texts, draft, seen_vllm, runner_seen = None, None, [], False, False, False
     f = frame
     for _ in range(depth):
         if f is None:
@@ -68,8 +68,10 @@ def graph_kind(frame: Any, depth: int = 40) -> str:
         for k in ("progress_bar_desc", "desc"):
             if isinstance(loc.get(k), str):
                 texts.append(loc[k])
-        if cls.endswith("ModelRunner") and counters.COUNTERS["runner"] is None:
-            counters.COUNTERS["runner"] = f"{type(obj).__module__}.{cls}"
+        if cls.endswith("ModelRunner") and not runner_seen:
+            runner_seen = True
+            if counters.COUNTERS["runner"] is None:
+                counters.COUNTERS["runner"] = f"{type(obj).__module__}.{cls}"
             _record_method(obj)
         if obj is not None and mgr is None and "CudaGraphManager" in cls:
             mgr = obj
@@ -98,6 +100,8 @@ def _record_method(runner: Any) -> None:
         spec = getattr(getattr(runner, "vllm_config", None), "speculative_config", None)
     method = getattr(spec, "method", None)
     counters.COUNTERS["speculative_method"] = str(method) if method is not None else None
+    if method is not None:  # every engine's of this process (`LLM` twice, one method each): captures per method
+        counters.bump("speculative_methods", str(method))
     speculator = getattr(runner, "speculator", None) or getattr(runner, "drafter", None)
     counters.COUNTERS["speculator"] = type(speculator).__name__ if speculator is not None else None
 

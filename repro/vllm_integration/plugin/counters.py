@@ -71,6 +71,7 @@ def new_counters() -> dict[str, Any]:
         "runner": None,  # module.Class of the model runner seen on a capture's call stack
         "speculative_method": None,  # the method that runner's speculative config resolved to (capture.graph_kind)
         "speculator": None,  # the class of that runner's speculator (its `speculator` or `drafter`)
+        "speculative_methods": {},  # method -> captures a runner of that method made (every engine of the process)
         # the self control (the request's inject, repro.vllm_integration.plugin.inject): what it wrote and whether it reached
         "captures_injected": {},  # kind -> captures whose attention forwards read buffers the injection wrote
         "injected_forwards": 0,  # eager draft-capture forwards that ran right after an injection
