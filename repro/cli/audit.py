@@ -70,4 +70,4 @@ def cmd_audit(a: argparse.Namespace) -> int:
     for line in report.lines(j, ran.status, code):
         print(line, file=sys.stderr)
     print(f"report: {folder}", file=sys.stderr)
-    return code
+    return exit_codes.Exit(code)

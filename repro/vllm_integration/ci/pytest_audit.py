@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from repro.entrypoints import PLUGIN_COUNTERS
+
 OPTION, DIR_ENV = "--repro-audit", "REPRO_AUDIT_PYTEST_DIR"  # the session's folder, passed to xdist's workers
 PROP = "repro_audit"  # a report's user_properties key: the test's judgement (JSON), carried by xdist
 LATE = "repro_audit_late"  # a worker's findings after its tests (config.workeroutput)
@@ -213,7 +215,7 @@ def summary(results: dict[str, dict], late: list[str]) -> dict:
 
 def _in_process() -> dict | None:
     """What the auditor in pytest's own process has found so far (an engine run in-process), None if never loaded."""
-    counters = sys.modules.get("repro.vllm_integration.plugin.counters")
+    counters = sys.modules.get(PLUGIN_COUNTERS)
     if counters is None or "audit" not in counters._installed:
         return None
     snap = counters.snapshot()

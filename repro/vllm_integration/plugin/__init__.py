@@ -92,6 +92,7 @@ from repro.vllm_integration.plugin.weights import install as install_weights
 # the plugin's own variables, for a person's vLLM run outside the gate (from_environment): the auditor alone
 ENV, BACKEND_ENV = "REPRO_AUDIT", "REPRO_ATTENTION_BACKEND"
 FILE_ENV, RUN_ENV = counters.FILE_ENV, counters.RUN_ENV
+RUN_VARS = (counters.STARTED_ENV, counters.STRICT_ENV)  # `repro audit`'s, for every process of the command it runs
 # the V2 speculative-decoding layouts the auditor was checked against (the recorded wheels 0.23.0-0.33.0,
 # results/vllm-versions.json; a CPU test keeps the two equal): another layout cannot be vouched for
 # eagle (0.20-0.22): its draft loop advances seq_lens inside the draft decode graph (audit.check's `advance`)
