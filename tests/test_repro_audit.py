@@ -159,14 +159,15 @@ def test_the_timeout_stops_the_command_s_whole_process_group_and_cannot_vouch(tm
     assert not Path(f"/proc/{helper}").exists() or "Z" in Path(f"/proc/{helper}/stat").read_text().split()[2]
 
 
-def test_ctrl_c_stops_the_command_and_marks_the_report_folder_interrupted(tmp_path, builds):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_stops_the_command_and_marks_the_report_folder_interrupted(tmp_path, builds, sig):
     cmd = [sys.executable, "-m", "repro", "audit", "--out", str(tmp_path / "r"), "--grace", "2", *script("inproc")]
     p = subprocess.Popen(cmd, cwd=tmp_path, env=env_for(tmp_path, builds["hang"]), stdout=subprocess.PIPE, text=True)
     line = p.stdout.readline()
     while "helper process" not in line:
         line = p.stdout.readline()
     helper = int(line.split()[-1])
-    p.send_signal(signal.SIGINT)
+    p.send_signal(sig)
     assert p.wait(timeout=60) == 130
     assert (tmp_path / "r" / "INTERRUPTED").exists() and not (tmp_path / "r" / "results.json").exists()
     time.sleep(0.5)

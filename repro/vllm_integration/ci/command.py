@@ -92,14 +92,21 @@ def run(argv: list[str], folder: Path, timeout: float, strict: bool = False, bac
     except OSError as e:
         raise ConfigError(f"cannot start {argv[0]}: {e.strerror or e}") from None
     timed_out = False
+    term = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM (a CI job cancelled) as Ctrl-C
     try:
         p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
         _stop(p, signal.SIGTERM, grace)
     except KeyboardInterrupt:  # the command's group is not the terminal's: stopped here, then the caller's Ctrl-C
-        _stop(p, signal.SIGINT, grace)
+        sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C cannot cut the stop short
+        try:
+            _stop(p, signal.SIGINT, grace)
+        finally:
+            signal.signal(signal.SIGINT, sigint)
         raise
+    finally:
+        signal.signal(signal.SIGTERM, term)
     status = CommandStatus(tuple(argv), None if timed_out else p.returncode, timed_out, time.time() - t0, strict)
     return Ran(status, *read_back(folder))
 
