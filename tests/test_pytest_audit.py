@@ -116,3 +116,23 @@ def test_a_vllm_plugins_that_leaves_the_auditor_out_is_a_usage_error(pytester, m
     pytester.makepyfile(test_plain="def test_one():\n    assert True\n")
     r = _run(pytester, "-p", "no:xdist", "--repro-audit")
     assert r.ret == pytest.ExitCode.USAGE_ERROR and "leaves out the auditor's plugin" in r.stderr.str()
+
+
+@pytest.mark.parametrize("xdist", [("-p", "no:xdist"), ("-n", "2")])
+def test_under_repro_audit_the_per_test_failures_and_the_command_s_answer_both(suite, xdist):
+    """`repro audit -- pytest --repro-audit`: each test judged (stale ones fail), and every test's reports, the
+    in-process engine's findings included, forwarded to the command's audit file: AFFECTED, each descriptor named."""
+    import json
+    import subprocess
+    import sys
+
+    p = suite("stale-quiet")
+    cmd = [sys.executable, "-m", "repro", "audit", "--out", "report", "--grace", "5", "--", sys.executable, "-m",
+           "pytest", "-p", PLUGIN, "-p", "no:cacheprovider", *xdist, "--repro-audit", "test_vllm_style.py"]  # fmt: skip
+    r = subprocess.run(cmd, cwd=p.path, capture_output=True, text=True, timeout=240)
+    assert "FAILED test_vllm_style.py::test_engine_spawned - repro audit: stale" in r.stdout
+    doc = json.loads((p.path / "report" / "results.json").read_text())
+    assert r.returncode == 1 and doc["outcome"] == "AFFECTED" and doc["command"]["returncode"] == 1
+    assert "t32r8" in doc["judgement"]["stale"]
+    in_process = [q for q in doc["judgement"]["processes"] if q["process"] == "pytest (in-process engine)"]
+    assert in_process and all(q["reported"] for q in doc["judgement"]["processes"])

@@ -74,8 +74,12 @@ class AuditPlugin:
                 folder = tempfile.mkdtemp(prefix="repro-audit-")
             os.environ[DIR_ENV] = folder
         self.folder = Path(folder)
+        # under `repro audit -- pytest ...`: its audit file, marks folder and run token, where every test's reports
+        # are forwarded at the session's end (forward), so that command judges the whole run too
+        outer = {k: os.environ.get(k) for k in (command.FILE_ENV, command.STARTED_ENV, command.RUN_ENV)}
+        self.outer = outer if outer[command.FILE_ENV] else None
         os.environ.update({command.ENV: "1"})
-        self.command, self.baseline = command, None
+        self.command, self.baseline, self.session_base = command, None, _in_process()
 
     def _test_folder(self, nodeid: str) -> Path:
         return self.folder / "tests" / _safe(nodeid)
@@ -136,6 +140,7 @@ class AuditPlugin:
                 self.late.append(f"{nodeid}: stale after the test ended: " + "; ".join(j.reasons))
             lost = [r for r in j.reasons if "never reported" in r]
             self.late += [f"{nodeid}: {r}" for r in lost]
+        self.forward()
         if self.worker:
             self.config.workeroutput[LATE] = json.dumps(self.late)
             return
@@ -143,6 +148,25 @@ class AuditPlugin:
         from repro.exit_codes import pytest_audit  # noqa: PLC0415  as __init__
 
         session.exitstatus = pytest_audit(int(session.exitstatus), failed)
+
+    def forward(self) -> None:
+        """Under `repro audit`: every report of this process's tests, its own engine's findings over the session and
+        the start marks, into that command's audit file and marks folder (as the processes' own reports, its run's)."""
+        if self.outer is None:
+            return
+        c, reports = self.command, []
+        for nodeid in sorted(self.ran):
+            doc, marks, _ = c.read_back(self._test_folder(nodeid))
+            reports += _reports(doc, self.outer[c.RUN_ENV])
+            for m in marks:
+                if m.get("pid") != os.getpid() and self.outer[c.STARTED_ENV]:
+                    Path(self.outer[c.STARTED_ENV], f"{m.get('pid')}.json").write_text(json.dumps(m))
+        mine = _with_in_process(None, self.session_base, _in_process())
+        reports += _reports(mine, self.outer[c.RUN_ENV])
+        if reports:
+            from repro.vllm_integration.plugin.counters import merge_into  # noqa: PLC0415  as __init__
+
+            merge_into(self.outer[c.FILE_ENV], reports)
 
     def pytest_runtest_logreport(self, report) -> None:
         if self.worker or report.when != "teardown":
@@ -211,6 +235,18 @@ def summary(results: dict[str, dict], late: list[str]) -> dict:
         cannot.append("no test had a FULL capture audited: nothing was judged")
     not_judged = [k for k, v in results.items() if v["status"] == NOT_JUDGED]
     return {"outcome": outcome, "judged": judged, "stale": stale, "cannot_vouch": cannot, "not_judged": not_judged}
+
+
+def _reports(doc: dict | None, run: str | None) -> list[tuple[dict, list[dict]]]:
+    """A merged audit document as (process report, its mismatches) pairs, each process counted as of `run`."""
+    out, at = [], 0
+    mismatches = (doc or {}).get("mismatches") or []
+    for p in (doc or {}).get("processes") or []:
+        n = int(p.get("stale") or 0)
+        base = {"views": 0, "installed": 0.0, "written": 0.0, "summary": ""}
+        out.append(({**base, **p, "run": run}, mismatches[at : at + n]))
+        at += n
+    return out
 
 
 def _in_process() -> dict | None:

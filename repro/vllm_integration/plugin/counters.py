@@ -205,8 +205,7 @@ def write_report(
         },
     )
     if path:
-        import fcntl  # noqa: PLC0415  one lock per audit file, only where there is one (Linux, as vLLM)
-        import multiprocessing  # noqa: PLC0415  the process's name (vLLM names its engine core's), as above
+        import multiprocessing  # noqa: PLC0415  the process's name (vLLM names its engine core's), only with a file
 
         mine = {
             "pid": os.getpid(),
@@ -221,16 +220,25 @@ def write_report(
             "summary": AUDITOR.report(),
             "counters": snapshot(),
         }
-        with open(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+") as f:  # read, merged, written under its lock
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                earlier = json.loads(f.read())
-            except ValueError:  # empty (just made) or not a report: nothing of this run's
-                earlier = None
-            doc = merged_report(earlier, mine, [m.to_dict() for m in mismatches])
-            f.seek(0)
-            f.truncate()
-            json.dump(doc, f, indent=1)
+        merge_into(path, [(mine, [m.to_dict() for m in mismatches])])
+
+
+def merge_into(path: str, reports: list[tuple[dict, list[dict]]]) -> None:
+    """Each (process report, its mismatches) merged into the audit file at path, under its lock (merged_report):
+    a process's own exit report, or those `pytest --repro-audit` forwards to the `repro audit` around it."""
+    import fcntl  # noqa: PLC0415  one lock per audit file, only where there is one (Linux, as vLLM)
+
+    with open(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+") as f:  # read, merged, written under its lock
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            doc = json.loads(f.read())
+        except ValueError:  # empty (just made) or not a report: nothing of this run's
+            doc = None
+        for mine, mismatches in reports:
+            doc = merged_report(doc, mine, mismatches)
+        f.seek(0)
+        f.truncate()
+        json.dump(doc, f, indent=1)
 
 
 def merged_report(earlier: Any, mine: dict, mismatches: list[dict]) -> dict:
