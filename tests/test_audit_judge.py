@@ -51,6 +51,7 @@ def test_each_thing_that_did_not_fire_is_cannot_vouch_with_its_reason():
         "the descriptor check never ran": _doc(descriptor_checks=0),
         "could not build its reference at 2 FULL pass(es)": _doc(descriptor_unchecked={"draft prefill: why": 2}),
         "a speculative-decoding layout the auditor does not know": _doc(spec_layout_known=False),
+        "1 FULL capture(s) by Other.m of X, none audited": _doc(full_captures_by_manager={MGR: 30, "Other.m of X": 1}),
     }
     for words, doc in cases.items():
         j = judge(doc, [], Expect())

@@ -7,7 +7,8 @@ AFFECTED: any stale view or stale-descriptor field, each descriptor named with i
 reported, the auditor not installed or 0 checks, no FULL capture audited, the descriptor check never ran or could not
 run at a FULL pass, a spec-decode layout the auditor does not know, a process that installed the auditor and never
 reported (killed, or died before its exit report), a run stopped at its timeout, or a method (speculator, capture
-manager) other than the one asked for (gate.coverage.method_problems). PASS otherwise, with what it rests on."""
+manager) other than the one asked for (gate.coverage.method_problems), a capture manager whose FULL captures were
+none of them audited (the hook on its metadata's builder never fired). PASS otherwise, with what it rests on."""
 
 from __future__ import annotations
 
@@ -130,7 +131,7 @@ def judge(doc: dict | None, started: list[dict], expect: Expect, command: Comman
             reasons.append(f"{desc}: {'; '.join(fields)}")
         outcome = GateOutcome.AFFECTED
     else:
-        reasons = _cannot_vouch(reported, installed, checks, dchecks, audited, unchecked, layouts_unknown, lost)
+        reasons = _cannot_vouch(reported, installed, checks, dchecks, full, audited, unchecked, layouts_unknown, lost)
         if command is not None and command.timed_out:
             reasons.append(f"the command was {command.words}: what it had not reached was not audited")
         if expect.method and not methods and reported:
@@ -149,6 +150,7 @@ def _cannot_vouch(
     installed: bool,
     checks: int,
     dchecks: int,
+    full: dict[str, int],
     audited: dict[str, int],
     unchecked: dict[str, int],
     layouts_unknown: list[str],
@@ -166,6 +168,8 @@ def _cannot_vouch(
         out.append("the freshness auditor made 0 checks")
     if reported and not sum(audited.values()):
         out.append("no FULL CUDA graph capture was audited (FULL graphs off, or no capture manager on the stack)")
+    for mgr in sorted(m for m, n in full.items() if n and not audited.get(m)):  # its builder's hook never fired
+        out.append(f"{full[mgr]} FULL capture(s) by {mgr}, none audited (its metadata's builder not hooked)")
     if reported and not dchecks:
         out.append("the descriptor check never ran (no FULL capture pass's descriptor found)")
     if unchecked:

@@ -113,7 +113,7 @@ class AtExit:
         if self.pid == os.getpid():  # atexit and multiprocessing's finalizers both run in some processes: once
             return
         self.pid = os.getpid()
-        if self.base is None or _done() != self.base:
+        if self.base is None or _done() != self.base or _MARKED["pid"] == os.getpid():  # a marked one always says
             self.report(self.base)
 
     def forked(self) -> None:
