@@ -11,6 +11,7 @@
 | ForkServerDied | a build's forkserver died while a case ran | the case runs again, spawned plainly, and the run's notes say so |
 | ProtocolError | a line on a forkserver's pipes is not a record of its schema | the gate: that forkserver is killed, its cases spawned plainly |
 | BadRequest | a gate case's request (repro.contract.request) has a key unknown or missing, or a value of another type | the case process: its traceback and exit 1 (an ERROR naming the key); the plugin: an error record |
+| StaleCapture | `repro audit --strict`: the first FULL capture that baked in stale metadata (repro.vllm_integration.plugin.capture) | inside vLLM: the engine process ends, its report written first; `repro audit` judges the report (AFFECTED, 1) |
 | MissingKey | a live channel record lacks a key its writer always writes, and no replay's upgrader marked it as older (repro.contract.channel.has) | the gate's judging: the case cannot vouch, a reference is not trusted (an error), the reason naming the key |
 
 This module imports nothing: every layer (the plugin inside vLLM and the forkserver included) can import it."""
@@ -52,3 +53,7 @@ class BadRequest(ProtocolError):
 
 class MissingKey(ProtocolError):
     """A live record without a key its writer always writes (never read as if it had said the harmless value)."""
+
+
+class StaleCapture(RuntimeError):
+    """`repro audit --strict`: a FULL capture baked in stale attention metadata; raised inside vLLM to end the run."""

@@ -71,6 +71,23 @@ def gate(outcome: GateOutcome) -> Exit:
     return GATE[GateOutcome(outcome)]
 
 
+# `repro audit`'s answer -> its exit code (no known-bad control runs there: never HARNESS BLIND)
+AUDIT = {GateOutcome.PASS: Exit.OK, GateOutcome.AFFECTED: Exit.BUG, GateOutcome.CANNOT_VOUCH: Exit.NOT_RUN}
+
+
+def audit(outcome: GateOutcome, command_failed: bool = False, command_must_pass: bool = False) -> Exit:
+    """`repro audit`: PASS 0, AFFECTED 1, CANNOT VOUCH 4, whatever the command's own status; with --command-must-pass
+    a clean audit of a command that failed is 1 (its status named beside it)."""
+    code = AUDIT[GateOutcome(outcome)]
+    return Exit.BUG if code == Exit.OK and command_failed and command_must_pass else code
+
+
+def pytest_audit(status: int, failed: bool) -> int:
+    """`pytest --repro-audit`: pytest's own status, or 1 when the audit failed the session (a stale capture found
+    after its test ended, a process that never reported, nothing judged in the whole session)."""
+    return gate_decision(False) if failed and status == Exit.OK else status
+
+
 def compare_paths(verdicts_differ: bool, last: GateOutcome) -> Exit:
     """`gate --compare-paths`: HARNESS BLIND when a case's verdict differs between the paths (the new path cannot
     stand in for the old), else the last path's gate outcome."""
@@ -177,6 +194,20 @@ EXIT_CODES: dict[str, dict[int, str]] = {
     "doctor": {0: "always (it reports what is missing)"},
     "serve": {0: "started, running, stopped or status shown", 2: "bad input, or the server did not start"},
     "plugin-request": {0: "printed", 2: "bad input (a value the plugin would refuse)"},
+    "audit": {
+        0: "PASS: FULL captures audited, descriptor checks > 0, nothing stale (the command's own status beside it)",
+        1: "AFFECTED: stale or stale-descriptor fields, each descriptor named (also with --command-must-pass: a clean "
+        "audit of a command that failed)",
+        2: "bad input (also a VLLM_PLUGINS that leaves the auditor out, a REPRO_REQUEST set, a --out not new or empty)",
+        4: "CANNOT VOUCH: no FULL capture audited, a hook that did not fire, a descriptor check that could not run, a "
+        "process that never reported, the timeout, a speculative method other than --expect-method",
+        130: "interrupted (Ctrl-C): the command's process group stopped, the report folder marked INTERRUPTED",
+    },
+    "pytest --repro-audit": {
+        0: "no test stale (pytest's own status otherwise)",
+        1: "a test during which a FULL capture was stale (it fails), a stale capture reported after its test, a "
+        "process that never reported, or no test judged in the whole session",
+    },
     "pytest --gate": {
         0: "the gate passed (else pytest's own status)",
         1: "the gate failed, or a test failed",

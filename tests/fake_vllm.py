@@ -28,6 +28,8 @@ Builds that hook nothing (the gate must not vouch for them):
   other-backend  attention runs through a TritonAttentionImpl (another backend)
   fa2            FlashAttentionImpl reports FA version 2
   no-spec        the engine resolves no speculative decoding
+  other-method   good, but the engine resolves the speculative method asked for to another one (draft_model, or
+                 eagle when draft_model was asked)
   piecewise      the engine resolves PIECEWISE graphs: no FULL graph
   v1-runner      the model runner is the V1 one (vllm/v1/worker/gpu_model_runner.py)"""
 
@@ -54,6 +56,7 @@ BEHAVIOURS = (
     "no-spec",
     "piecewise",
     "v1-runner",
+    "other-method",
 )
 
 INIT = """
@@ -147,7 +150,10 @@ class LLM:
         spec = None
         if self.spec:
             sc = kw["speculative_config"]
-            spec = _Ns(method=sc["method"], num_speculative_tokens=sc["num_speculative_tokens"])
+            method = sc["method"]
+            if BEHAVIOUR == "other-method":
+                method = "eagle" if method == "draft_model" else "draft_model"
+            spec = _Ns(method=method, num_speculative_tokens=sc["num_speculative_tokens"])
         compiled = not kw.get("enforce_eager") and kw.get("compilation_config", {{}}).get("mode") != 0
         config = _Ns(
             compilation_config=_Ns(cudagraph_mode=_Mode(mode), mode=_Mode("VLLM_COMPILE" if compiled else "NONE")),
@@ -161,6 +167,7 @@ class LLM:
             from vllm.v1.worker.gpu.model_runner import GPUModelRunner
         self.graphs = mode != "NONE"
         self.runner = GPUModelRunner(self.spec, mode)
+        self.runner.speculative_config = spec  # as vLLM's V2 runner holds it
         self.runner.capture_model()
 
     def get_metrics(self):

@@ -154,7 +154,8 @@ def test_the_modules_installed_environments_load_by_name_are_the_entry_points_th
     vllm.general_plugins entry point, `register`): the names pyproject.toml installs, each module and function
     existing."""
     eps = _pyproject()["project"]["entry-points"]
-    assert set(eps["pytest11"].values()) == {"repro.pytest_options"}
+    assert set(eps["pytest11"].values()) == {"repro.pytest_options", "repro.vllm_integration.ci.pytest_audit"}
+    assert all(name == module for name, module in eps["pytest11"].items())  # `-p MODULE` is the same plugin
     assert set(eps["vllm.general_plugins"].values()) == {"repro.vllm_integration.plugin:register"}
     assert (ROOT / "repro" / "pytest_options.py").is_file()
     plugin = ast.parse((ROOT / "repro/vllm_integration/plugin/__init__.py").read_text())
@@ -621,6 +622,8 @@ CASE_VARIABLES = {
     "REPRO_AUDIT_FILE",
     "REPRO_ATTENTION_BACKEND",
     "REPRO_AUDIT_RUN",
+    "REPRO_AUDIT_STARTED",
+    "REPRO_AUDIT_STRICT",
 }
 # named there, read elsewhere: the gate reads REPRO_GATE_INSPECT (worker.INSPECT_ENV) into the request
 NAMED_FOR_THE_GATE = {("repro/vllm_integration/gate/worker.py", "REPRO_GATE_INSPECT")}
@@ -656,7 +659,7 @@ def test_no_case_process_module_names_a_persons_knob():
         n for n in gate_case.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "PLUGIN_OWN_VARS"
     )
     assert (
-        ast.unparse(popped.value) == "(AUDIT_ENV, FILE_ENV, BACKEND_ENV, RUN_ENV)"
+        ast.unparse(popped.value) == "(AUDIT_ENV, FILE_ENV, BACKEND_ENV, RUN_ENV, *RUN_VARS)"
     )  # a gate case never passes them on
 
 

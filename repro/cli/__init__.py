@@ -1,6 +1,6 @@
 """`python -m repro <subcommand>`: a thin entry; each subcommand lives in its own module of this package (run,
 matrix, gate/vllm-check in vllm, bisect, doctor/agree/bench/xdist-report/redact/records in reports, serve,
-plugin-request in plugin; shared pieces in common; the rule for what a command writes in outputs).
+plugin-request in plugin, audit in audit; shared pieces in common; the rule for what a command writes in outputs).
 Bad input: one line on stderr and exit code 2, no traceback."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 import sys
 
 from repro import __version__
-from repro.cli import bisect, matrix, outputs, plugin, reports, run, serve, vllm
+from repro.cli import audit, bisect, matrix, outputs, plugin, reports, run, serve, vllm
 from repro.errors import ConfigError
 from repro.exit_codes import Exit, Parser
 
@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
-    for module in (reports, run, matrix, serve, bisect, vllm, plugin):
+    for module in (reports, run, matrix, serve, bisect, vllm, plugin, audit):
         module.add_parsers(sub)
     return p
 

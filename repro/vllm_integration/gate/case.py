@@ -50,7 +50,7 @@ from repro.run.sanitizer import sanitizer_env
 from repro.run.smcontrol import MpsDaemon
 from repro.vllm_integration.gate.methods import DEFAULT_METHOD
 from repro.vllm_integration.gate.worker import DEFAULT_COMPILE, INSPECT_ENV
-from repro.vllm_integration.plugin import BACKEND_ENV, FILE_ENV, RUN_ENV
+from repro.vllm_integration.plugin import BACKEND_ENV, FILE_ENV, RUN_ENV, RUN_VARS
 from repro.vllm_integration.plugin import ENV as AUDIT_ENV
 from repro.vllm_integration.plugin.backend_fields import BACKENDS, DEFAULT_BACKEND, known_name
 from repro.vllm_integration.plugin.inject import SOURCES, STALE_CAPTURE
@@ -72,7 +72,7 @@ BASE_ENV = {
 # a person's choices in the gate's environment for every case's request (persons_choices): weights, inject_source
 WEIGHTS_ENV, INJECT_SOURCE_ENV = "REPRO_WEIGHTS", "REPRO_INJECT_SOURCE"
 # the plugin's variables for a person's own vLLM run: never passed on to a gate case, whose request is the one
-PLUGIN_OWN_VARS = (AUDIT_ENV, FILE_ENV, BACKEND_ENV, RUN_ENV)
+PLUGIN_OWN_VARS = (AUDIT_ENV, FILE_ENV, BACKEND_ENV, RUN_ENV, *RUN_VARS)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from repro.contract.channel import (  # the marks of what a recorded record pred
 )
 from repro.errors import MissingKey
 from repro.vllm_integration.gate.case import GateCase
+from repro.vllm_integration.gate.methods import speculator_class
 from repro.vllm_integration.gate.worker import DEFAULT_COMPILE
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
 
@@ -172,6 +173,8 @@ ENGINE_CHECKS = (
     "graphs: a FULL cudagraph mode (FULL_MODES) and a CUDA graph capture that ran an attention forward",
     "compile: under --compile none, the engine's compilation mode NONE (a live record without the key cannot vouch)",
     "speculative decoding: a method and k configured, and vLLM counted drafts",
+    "method: the method vLLM ran (its engine's config, the runner the plugin saw capturing) is the one asked for, "
+    "and its speculator the class the build's files resolve that method to (method_problems)",
     "spec layout: one the auditor knows (plugin.KNOWN_SPEC_LAYOUTS; a live record without the key cannot vouch)",
 )
 
@@ -271,4 +274,39 @@ def not_fired(case: GateCase, identity: dict | None) -> list[str]:
             f"speculative-decoding layout {c.get('spec_layout') or 'none found'} is not one the auditor knows "
             "(plugin.KNOWN_SPEC_LAYOUTS)"
         )
-    return out + unmet(case, c)
+    speculator = speculator_class(case.build.package_dir, case.method) if c.get("speculator") else None
+    return out + method_problems(case.method, e, c, speculator=speculator) + unmet(case, c)
+
+
+def _ran(engine: dict, counters: dict) -> list[tuple[str, str]]:
+    """(where it was read, the method) for each record of the speculative method vLLM ran."""
+    out = [("the case process's request", engine.get("method"))]  # the pair the worker built and configured
+    out += [("vLLM's speculative config", engine.get("speculative_method"))]
+    seen = [*(counters.get("speculative_methods") or {})] or [counters.get("speculative_method")]
+    out += [("the model runner the plugin saw capturing", m) for m in seen]
+    return [(where, str(m)) for where, m in out if m]
+
+
+def method_problems(
+    asked: str | None,
+    engine: dict | None,
+    counters: dict | None,
+    speculator: str | None = None,
+    manager: str | None = None,
+) -> list[str]:
+    """The speculative method (and speculator and capture-manager classes) vLLM ran against what was asked for: one
+    reason per disagreement, both named (a mismatch cannot vouch: the run judged is not the run asked for). `asked`
+    None: no method asked for (nothing compared); `speculator`, `manager`: the class names expected, compared only
+    where the plugin recorded them (counters' speculator; the capture managers of full_captures_by_manager)."""
+    e, c, out = engine or {}, counters or {}, []
+    if asked:
+        for where, ran in _ran(e, c):
+            if ran != asked:
+                out.append(f"speculative method asked for: {asked}; {where} ran: {ran}")
+    seen = c.get("speculator")
+    if speculator and seen and seen != speculator:
+        out.append(f"speculator class expected: {speculator}; vLLM ran: {seen}")
+    managers = sorted(k for k, v in (c.get("full_captures_by_manager") or {}).items() if v)
+    if manager and managers and not any(m.split(".")[0] == manager or m.startswith(manager) for m in managers):
+        out.append(f"capture manager expected: {manager}; vLLM's FULL captures were by: {', '.join(managers)}")
+    return out

@@ -314,6 +314,14 @@ def _speculator_of(package_dir: Path, method: str) -> tuple[str | None, str]:
     return None, f"init_speculator of this build has no branch for method {method!r}"
 
 
+def speculator_class(package_dir: Path | None, method: str) -> str | None:
+    """The class name of the speculator this build's files resolve `method` to (None: its files do not say)."""
+    if package_dir is None or not (package_dir / SPEC).is_dir():
+        return None
+    qual, _ = _speculator_of(package_dir, method)
+    return qual.rpartition(".")[2] or None if qual else None
+
+
 def not_applicable(package_dir: Path | None, method: str) -> str | None:
     """Why this build cannot run `method` with FULL draft graphs (None: it can, or its files cannot tell)."""
     if package_dir is None or not (package_dir / SPEC).is_dir():

@@ -2,7 +2,9 @@
 process it starts; each feature is off unless the request asks for it. In a gate case the request is the case's
 PluginRequest (repro.contract.request: the one variable REPRO_REQUEST, which the processes vLLM starts inherit). In
 a person's own vLLM run: REPRO_AUDIT=1 alone asks for the probe and the auditor, nothing else (REPRO_AUDIT_FILE=PATH
-for its whole report, REPRO_ATTENTION_BACKEND=NAME for another backend: the plugin's only variables of its own); any
+for its whole report, REPRO_ATTENTION_BACKEND=NAME for another backend; `repro audit` adds REPRO_AUDIT_STARTED, a
+folder for each process's start mark, and REPRO_AUDIT_STRICT=1, the first stale capture ends the run: the plugin's
+only variables of its own, counters.STARTED_ENV, STRICT_ENV); any
 other feature (sm_margin, poison, inject, weights) is asked for by a request of the plugin alone in REPRO_REQUEST,
 which `python -m repro plugin-request ...` prints (from_environment). The request's fields:
 
@@ -78,7 +80,7 @@ from repro.contract import request
 from repro.contract.channel import emit
 from repro.contract.request import PluginRequest
 from repro.contract.tags import PLUGIN_TAG
-from repro.vllm_integration.plugin import counters
+from repro.vllm_integration.plugin import capture, counters
 from repro.vllm_integration.plugin import weights_dflash as dflash_weights
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND, backend_for
 from repro.vllm_integration.plugin.backend_hooks import install, install_inject, install_probe
@@ -90,6 +92,7 @@ from repro.vllm_integration.plugin.weights import install as install_weights
 # the plugin's own variables, for a person's vLLM run outside the gate (from_environment): the auditor alone
 ENV, BACKEND_ENV = "REPRO_AUDIT", "REPRO_ATTENTION_BACKEND"
 FILE_ENV, RUN_ENV = counters.FILE_ENV, counters.RUN_ENV
+RUN_VARS = (counters.STARTED_ENV, counters.STRICT_ENV)  # `repro audit`'s, for every process of the command it runs
 # the V2 speculative-decoding layouts the auditor was checked against (the recorded wheels 0.23.0-0.33.0,
 # results/vllm-versions.json; a CPU test keeps the two equal): another layout cannot be vouched for
 # eagle (0.20-0.22): its draft loop advances seq_lens inside the draft decode graph (audit.check's `advance`)
@@ -172,6 +175,14 @@ def requested(want: PluginRequest | None) -> dict[str, Any]:
     return out
 
 
+def install_report(audit_file: str | None) -> None:
+    """Once the auditor installed: its report at this process's exit (into audit_file, merged), its start mark in
+    STARTED_ENV's folder (`repro audit`), and whether the first stale capture stops the run (STRICT_ENV)."""
+    counters.at_exit(counters.report_at_exit(audit_file))
+    counters.mark_started(os.environ.get(counters.STARTED_ENV))
+    capture._AUDIT_ON["strict"] = os.environ.get(counters.STRICT_ENV) == "1"
+
+
 def register() -> None:
     """vLLM calls this in every process it starts (general plugins). A feature is announced as installed only when
     every hook it needs went in; otherwise its error line says what was missing."""
@@ -199,7 +210,7 @@ def register() -> None:
                 emit(PLUGIN_TAG, {"installed": "probe", "backend": spec.name})
         if want["audit"] and "audit" not in installed:
             if install(backend, spec=spec):
-                counters.at_exit(counters.report_at_exit(want["audit_file"]))
+                install_report(want["audit_file"])
                 emit(PLUGIN_TAG, {"installed": "audit", "backend": spec.name})
         if want["inject"] and "inject" not in installed:
             if install_inject(backend, spec=spec, source=want["inject_source"], form=want["inject"]):

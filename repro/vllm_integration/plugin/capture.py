@@ -7,12 +7,14 @@ checked when the capture ends (what the graph baked in). Holds the capture bookk
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 from repro.contract.channel import emit
 from repro.contract.tags import AUDIT_TAG
+from repro.errors import StaleCapture
 from repro.vllm_integration.plugin import counters
 from repro.vllm_integration.plugin.audit import CaptureDescriptor
 from repro.vllm_integration.plugin.backend_fields import BackendFields
@@ -41,7 +43,7 @@ class _Capture:
 
 
 _CAPTURES: list[_Capture] = []
-_AUDIT_ON = {"on": False}
+_AUDIT_ON = {"on": False, "strict": False}
 _INJECTOR: dict[str, StaleCaptureInjector] = {}  # "on" -> the injector, when the request asked for one
 
 
@@ -51,7 +53,7 @@ def graph_kind(frame: Any, depth: int = 40) -> str:
     decode_cudagraph_manager, cudagraph_manager), the progress-bar text vLLM passes (`desc`, `progress_bar_desc`) and
     whether a speculator (a spec_decode module, a Speculator/Eagle/Drafter/Proposer class) is on the stack. Also
     records the model runner's class. UNKNOWN_KIND when nothing on the stack says."""
-    mgr, attr, texts, draft, seen_vllm = None, None, [], False, False
+    mgr, attr, texts, draft, seen_vllm, runner_seen = None, None, [], False, False, False
     f = frame
     for _ in range(depth):
         if f is None:
@@ -66,8 +68,11 @@ def graph_kind(frame: Any, depth: int = 40) -> str:
         for k in ("progress_bar_desc", "desc"):
             if isinstance(loc.get(k), str):
                 texts.append(loc[k])
-        if cls.endswith("ModelRunner") and counters.COUNTERS["runner"] is None:
-            counters.COUNTERS["runner"] = f"{type(obj).__module__}.{cls}"
+        if cls.endswith("ModelRunner") and not runner_seen:
+            runner_seen = True
+            if counters.COUNTERS["runner"] is None:
+                counters.COUNTERS["runner"] = f"{type(obj).__module__}.{cls}"
+            _record_method(obj)
         if obj is not None and mgr is None and "CudaGraphManager" in cls:
             mgr = obj
         elif obj is not None and mgr is not None and attr is None and obj is not mgr:
@@ -85,6 +90,20 @@ def graph_kind(frame: Any, depth: int = 40) -> str:
     if mgr is None and not texts:
         return UNKNOWN_KIND
     return f"target {phase}" if phase else f"target ({UNKNOWN_KIND})"
+
+
+def _record_method(runner: Any) -> None:
+    """The speculative method the model runner's config resolved to and its speculator's class (counters'
+    speculative_method, speculator): what vLLM ran, for a check against what was asked. None where it has neither."""
+    spec = getattr(runner, "speculative_config", None)
+    if spec is None:
+        spec = getattr(getattr(runner, "vllm_config", None), "speculative_config", None)
+    method = getattr(spec, "method", None)
+    counters.COUNTERS["speculative_method"] = str(method) if method is not None else None
+    if method is not None:  # every engine's of this process (`LLM` twice, one method each): captures per method
+        counters.bump("speculative_methods", str(method))
+    speculator = getattr(runner, "speculator", None) or getattr(runner, "drafter", None)
+    counters.COUNTERS["speculator"] = type(speculator).__name__ if speculator is not None else None
 
 
 def manager_of(frame: Any, depth: int = 40) -> str:
@@ -137,6 +156,8 @@ def install_capture_tracker(cuda: Any) -> None:
 
         def __enter__(self):
             frame = sys._getframe(1)
+            if _AUDIT_ON["on"]:  # a fork child's first capture: its start mark (the parent's is not its own)
+                counters.mark_started(os.environ.get(counters.STARTED_ENV))
             _CAPTURES.append(
                 _Capture(graph_kind(frame), manager=manager_of(frame), descriptor=capture_descriptor(frame))
             )
@@ -188,8 +209,20 @@ def _finish_capture(cap: _Capture, failed: bool) -> None:
         stale = audit_descriptor(md, spec, cap.descriptor, cap.kind, skip) or stale
     if known:
         counters.bump("captures_audited", cap.kind)
+        counters.bump("audited_by_manager", cap.manager)
     if stale:
         counters.bump("captures_stale", cap.kind)
+        counters.bump("stale_by_manager", cap.manager)
+        stop_if_strict(cap)
+
+
+def stop_if_strict(cap: _Capture) -> None:
+    """Under `repro audit --strict` (_AUDIT_ON's strict): this process's reports written now, then StaleCapture
+    raised in the capture that was stale, which ends vLLM's engine (a bisect step needs no more than the first)."""
+    if not _AUDIT_ON.get("strict"):
+        return
+    counters.report_now()
+    raise StaleCapture(f"strict audit: the {cap.kind} capture of {cap.manager} baked in stale attention metadata")
 
 
 SINGLE_FORWARD_DRAFT = "draft query"  # DFlash's query graph (graph_kind): one forward per block, no draft loop

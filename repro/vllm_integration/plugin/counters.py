@@ -7,6 +7,7 @@ replaces it for all of them."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -23,6 +24,11 @@ FILE_ENV = "REPRO_AUDIT_FILE"  # the audit file of a person's REPRO_AUDIT=1 run 
 # the run an audit file's reports belong to: set by the first process that installs the auditor with a file, inherited
 # by the processes it starts (fork and spawn); the gate never passes it on (gate.case.PLUGIN_OWN_VARS)
 RUN_ENV = "REPRO_AUDIT_RUN"
+# `repro audit --strict`: the first stale FULL capture ends its process (capture.stop_if_strict), its report written
+STRICT_ENV = "REPRO_AUDIT_STRICT"
+# `repro audit`'s private folder: every process that installs the auditor leaves `<pid>.json` there at once
+# (mark_started), so a process that dies before its exit report is named, never missed
+STARTED_ENV = "REPRO_AUDIT_STARTED"
 AUDITOR = FreshnessAuditor()
 _installed: set[str] = set()
 
@@ -35,6 +41,8 @@ def new_counters() -> dict[str, Any]:
         # captures where they were recorded
         "captures_by_manager": {},  # manager -> CUDA graph captures it recorded
         "full_captures_by_manager": {},  # manager -> of those, captures an attention forward ran in (FULL graphs)
+        "audited_by_manager": {},  # manager -> captures whose metadata the auditor checked at capture end
+        "stale_by_manager": {},  # manager -> of those, captures with stale views or another descriptor's metadata
         "injected_by_manager": {},  # manager -> captures whose attention read buffers the self control wrote
         "captures_audited": {},  # kind -> captures whose attention metadata the auditor checked at capture end
         "captures_stale": {},  # kind -> of those, captures with stale views
@@ -61,6 +69,9 @@ def new_counters() -> dict[str, Any]:
         "poison_calls": 0,  # scheduler-metadata buffers poisoned
         "entries_poisoned": 0,  # entries filled over all of them
         "runner": None,  # module.Class of the model runner seen on a capture's call stack
+        "speculative_method": None,  # the method that runner's speculative config resolved to (capture.graph_kind)
+        "speculator": None,  # the class of that runner's speculator (its `speculator` or `drafter`)
+        "speculative_methods": {},  # method -> captures a runner of that method made (every engine of the process)
         # the self control (the request's inject, repro.vllm_integration.plugin.inject): what it wrote and whether it reached
         "captures_injected": {},  # kind -> captures whose attention forwards read buffers the injection wrote
         "injected_forwards": 0,  # eager draft-capture forwards that ran right after an injection
@@ -102,7 +113,7 @@ class AtExit:
         if self.pid == os.getpid():  # atexit and multiprocessing's finalizers both run in some processes: once
             return
         self.pid = os.getpid()
-        if self.base is None or _done() != self.base:
+        if self.base is None or _done() != self.base or _MARKED["pid"] == os.getpid():  # a marked one always says
             self.report(self.base)
 
     def forked(self) -> None:
@@ -131,6 +142,33 @@ def at_exit(callback: AtExit) -> None:
     os.register_at_fork(after_in_child=callback.forked)  # a plain os.fork child too: its parent's work is not its
 
 
+_REPORTS: list[AtExit] = []  # the exit reports registered in this process (report_now)
+
+
+def report_now() -> None:
+    """Make this process's exit reports now (a strict stop ends it before its exit): each once, as at exit."""
+    for callback in _REPORTS:
+        callback()
+
+
+_MARKED = {"pid": None}
+
+
+def mark_started(folder: str | None) -> None:
+    """With STARTED_ENV's folder: `<pid>.json` there (pid, process name, run token) as the auditor installs, and in a
+    fork child (which inherits the installed plugin) at its first capture (capture's tracker: mark_started again),
+    so the command that made the folder can name a process that never reported (killed, or died before its exit)."""
+    if not folder or _MARKED["pid"] == os.getpid():
+        return
+    _MARKED["pid"] = os.getpid()
+    import multiprocessing  # noqa: PLC0415  the process's name, only where a folder asks for the mark
+
+    doc = {"pid": os.getpid(), "process": multiprocessing.current_process().name, "run": run_token()}
+    with contextlib.suppress(OSError):  # a mark that cannot be written is a missing mark: never a crash inside vLLM
+        with open(os.path.join(folder, f"{os.getpid()}.json"), "w") as f:
+            json.dump(doc, f)
+
+
 def run_token() -> str:
     """This run's token (RUN_ENV): the first process of a run sets it, the processes it starts inherit it."""
     return os.environ.setdefault(RUN_ENV, f"{os.getpid()}-{time.time():.6f}")
@@ -140,7 +178,9 @@ def report_at_exit(path: str | None) -> AtExit:
     """What the plugin registers at exit once its auditor installed (at_exit): write_report, with the time it
     installed and, with an audit file, the run's token (which reports in the file belong to this run: merged_report)."""
     installed, run = time.time(), run_token() if path else None
-    return AtExit(lambda base: write_report(path, installed, run, base))
+    callback = AtExit(lambda base: write_report(path, installed, run, base))
+    _REPORTS.append(callback)
+    return callback
 
 
 def write_report(
@@ -165,8 +205,7 @@ def write_report(
         },
     )
     if path:
-        import fcntl  # noqa: PLC0415  one lock per audit file, only where there is one (Linux, as vLLM)
-        import multiprocessing  # noqa: PLC0415  the process's name (vLLM names its engine core's), as above
+        import multiprocessing  # noqa: PLC0415  the process's name (vLLM names its engine core's), only with a file
 
         mine = {
             "pid": os.getpid(),
@@ -181,16 +220,25 @@ def write_report(
             "summary": AUDITOR.report(),
             "counters": snapshot(),
         }
-        with open(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+") as f:  # read, merged, written under its lock
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                earlier = json.loads(f.read())
-            except ValueError:  # empty (just made) or not a report: nothing of this run's
-                earlier = None
-            doc = merged_report(earlier, mine, [m.to_dict() for m in mismatches])
-            f.seek(0)
-            f.truncate()
-            json.dump(doc, f, indent=1)
+        merge_into(path, [(mine, [m.to_dict() for m in mismatches])])
+
+
+def merge_into(path: str, reports: list[tuple[dict, list[dict]]]) -> None:
+    """Each (process report, its mismatches) merged into the audit file at path, under its lock (merged_report):
+    a process's own exit report, or those `pytest --repro-audit` forwards to the `repro audit` around it."""
+    import fcntl  # noqa: PLC0415  one lock per audit file, only where there is one (Linux, as vLLM)
+
+    with open(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+") as f:  # read, merged, written under its lock
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            doc = json.loads(f.read())
+        except ValueError:  # empty (just made) or not a report: nothing of this run's
+            doc = None
+        for mine, mismatches in reports:
+            doc = merged_report(doc, mine, mismatches)
+        f.seek(0)
+        f.truncate()
+        json.dump(doc, f, indent=1)
 
 
 def merged_report(earlier: Any, mine: dict, mismatches: list[dict]) -> dict:

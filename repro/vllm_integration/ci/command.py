@@ -1,0 +1,133 @@
+"""`repro audit -- COMMAND`'s run: the command started in a session of its own with the auditor asked for in every
+vLLM process it starts (REPRO_AUDIT=1, the audit file and start marks in this run's private folder, a fresh run token,
+strict on request), bounded by a timeout (its whole process group stopped: SIGTERM, then SIGKILL after a grace),
+stopped the same way on Ctrl-C; then what the processes left there read back as typed records (judge.judge reads them).
+
+vLLM loads the plugin through its `vllm.general_plugins` entry point in every process unless VLLM_PLUGINS names
+others only: such a VLLM_PLUGINS is refused (no process could audit), as is a REPRO_REQUEST in the environment (a
+request of the plugin's wins over REPRO_AUDIT, and would send the reports elsewhere)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from repro.contract.request import ENV as REQUEST_ENV
+from repro.errors import ConfigError
+from repro.run.process import kill_group
+from repro.vllm_integration.ci.judge import CommandStatus
+from repro.vllm_integration.plugin import BACKEND_ENV, ENV, FILE_ENV, RUN_ENV
+from repro.vllm_integration.plugin.counters import STARTED_ENV, STRICT_ENV
+
+PLUGIN_NAME = "repro_freshness_audit"  # the entry point's name (pyproject.toml), what VLLM_PLUGINS must list
+PLUGINS_ENV = "VLLM_PLUGINS"
+AUDIT_FILE, STARTED = "audit.json", "started"
+GRACE_S = 20.0  # after SIGTERM (timeout) or SIGINT (Ctrl-C): time for vLLM to shut down and its processes to report
+
+
+def refusal(environ: dict[str, str]) -> str | None:
+    """Why the auditor could not ride in this environment's vLLM processes (None: it can)."""
+    plugins = environ.get(PLUGINS_ENV)
+    if plugins is not None and PLUGIN_NAME not in [p.strip() for p in plugins.split(",")]:
+        return (
+            f"{PLUGINS_ENV}={plugins!r} leaves out the auditor's plugin ({PLUGIN_NAME}): vLLM would load no auditor; "
+            f"add it ({PLUGINS_ENV}={plugins + ',' if plugins else ''}{PLUGIN_NAME}) or unset {PLUGINS_ENV}"
+        )
+    if environ.get(REQUEST_ENV):
+        return f"{REQUEST_ENV} is set: a plugin request wins over the auditor this command asks for; unset it"
+    return None
+
+
+def command_env(folder: Path, strict: bool, backend: str | None, environ: dict[str, str]) -> dict[str, str]:
+    """The command's environment: the user's, with the auditor asked for and reporting into `folder`."""
+    env = dict(environ)
+    env[ENV] = "1"
+    env[FILE_ENV] = str(folder / AUDIT_FILE)
+    env[STARTED_ENV] = str(folder / STARTED)
+    env[RUN_ENV] = f"repro-audit-{os.getpid()}-{time.time():.6f}"  # this run's, never one the shell held
+    env.pop(STRICT_ENV, None)
+    if strict:
+        env[STRICT_ENV] = "1"
+    if backend:
+        env[BACKEND_ENV] = backend
+    return env
+
+
+@dataclass
+class Ran:
+    status: CommandStatus
+    doc: dict | None  # the merged audit file, None when no process wrote one
+    started: list[dict]  # each process's start mark
+    unreadable: str | None = None  # the audit file exists but is not a report (said, never read as clean)
+
+
+def _stop(p: subprocess.Popen, sig: int, grace: float) -> None:
+    """Signal the command's process group, give it `grace` s to end (vLLM's processes report at their exit), then
+    SIGKILL whatever is left of the group."""
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        p.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    kill_group(p.pid)
+    p.wait()
+
+
+def run(argv: list[str], folder: Path, timeout: float, strict: bool = False, backend: str | None = None,
+        environ: dict[str, str] | None = None, grace: float = GRACE_S) -> Ran:  # fmt: skip
+    """Run the command with the auditor under `folder` (made empty by the caller), bounded by `timeout` s."""
+    env = command_env(folder, strict, backend, dict(os.environ if environ is None else environ))
+    (folder / STARTED).mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    try:
+        p = subprocess.Popen(argv, env=env, start_new_session=True)
+    except OSError as e:
+        raise ConfigError(f"cannot start {argv[0]}: {e.strerror or e}") from None
+    timed_out = False
+    term = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM (a CI job cancelled) as Ctrl-C
+    try:
+        p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _stop(p, signal.SIGTERM, grace)
+    except KeyboardInterrupt:  # the command's group is not the terminal's: stopped here, then the caller's Ctrl-C
+        sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C cannot cut the stop short
+        try:
+            _stop(p, signal.SIGINT, grace)
+        finally:
+            signal.signal(signal.SIGINT, sigint)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, term)
+    status = CommandStatus(tuple(argv), None if timed_out else p.returncode, timed_out, time.time() - t0, strict)
+    return Ran(status, *read_back(folder))
+
+
+def read_back(folder: Path) -> tuple[dict | None, list[dict], str | None]:
+    """(the merged audit file or None, the start marks, why the audit file could not be read or None)."""
+    doc, unreadable = None, None
+    path = folder / AUDIT_FILE
+    if path.exists():
+        try:
+            doc = json.loads(path.read_text())
+            if not isinstance(doc, dict):
+                doc, unreadable = None, f"{path}: not an audit report"
+        except (OSError, ValueError) as e:
+            unreadable = f"{path}: {e}"
+    marks = []
+    for mark in sorted((folder / STARTED).glob("*.json")):
+        try:
+            got = json.loads(mark.read_text())
+        except (OSError, ValueError):
+            got = {"pid": int(mark.stem) if mark.stem.isdigit() else mark.stem, "process": "(mark unreadable)"}
+        if isinstance(got, dict):  # the folder is this run's alone: every mark in it is one of its processes
+            marks.append(got)
+    return doc, marks, unreadable

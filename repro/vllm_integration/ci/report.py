@@ -1,0 +1,103 @@
+"""`repro audit`'s report, in its folder as the gate's is (verdicts.md, results.json; `--junit FILE` on request) and
+its last lines on the terminal: the gate's words, what they rest on (the FULL captures audited per capture manager,
+the descriptor checks), each stale descriptor with its fields, the command's own exit status beside the answer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from xml.sax.saxutils import escape, quoteattr
+
+from repro.files import write_whole
+from repro.judge.policy import GateOutcome
+from repro.vllm_integration.ci.judge import CommandStatus, Judgement
+
+KIND = "repro-audit"  # results.json's `report`: what `--overwrite` and the JUnit check recognise as ours
+
+
+def lines(j: Judgement, status: CommandStatus | None, code: int) -> list[str]:
+    """The answer in words, the gate's first."""
+    out = [f"repro audit: {j.outcome.value} (exit {code})"]
+    if status is not None:
+        out.append(f"command: {' '.join(status.argv)}: {status.words} (its own status, kept apart from the audit's)")
+    out.append(f"checks: {j.checks}, descriptor checks: {j.descriptor_checks}, stale fields: {j.stale_fields}")
+    for mgr, n in sorted(j.full_by_manager.items()):
+        out.append(
+            f"  FULL captures by {mgr}: {n}, audited {j.audited_by_manager.get(mgr, 0)}, "
+            f"stale {j.stale_by_manager.get(mgr, 0)}"
+        )
+    for who, method in sorted(j.methods.items()):
+        out.append(f"  {who}: speculative method {method}")
+    what = "stale" if j.outcome == GateOutcome.AFFECTED else "cannot vouch" if j.outcome != GateOutcome.PASS else None
+    if what:
+        out += [f"  {what}: {r}" for r in j.reasons]
+    reporting = [p for p in j.processes if p.get("reported")]
+    out.append(f"processes: {len(reporting)} reported, {len(j.processes) - len(reporting)} started and never reported")
+    return out
+
+
+def markdown(j: Judgement, status: CommandStatus | None, code: int) -> str:
+    out = ["# repro audit", "", f"**{j.outcome.value}** (exit {code})", ""]
+    if status is not None:
+        out += [f"Command: `{' '.join(status.argv)}`: {status.words} (its own status, kept apart from the audit's)", ""]
+    out += ["| capture manager | FULL captures | audited | stale |", "|---|---|---|---|"]
+    for mgr in sorted(set(j.full_by_manager) | set(j.audited_by_manager)):
+        out.append(
+            f"| {mgr} | {j.full_by_manager.get(mgr, 0)} | {j.audited_by_manager.get(mgr, 0)} | "
+            f"{j.stale_by_manager.get(mgr, 0)} |"
+        )
+    out += ["", f"Checks {j.checks}, descriptor checks {j.descriptor_checks}, stale fields {j.stale_fields}.", ""]
+    if j.reasons:
+        out += ["## Why" if j.outcome != GateOutcome.AFFECTED else "## Stale descriptors", ""]
+        out += [f"- {r}" for r in j.reasons] + [""]
+    out += [
+        "## Processes",
+        "",
+        "| pid | process | checks | descriptor checks | stale | reported |",
+        "|---|---|---|---|---|---|",
+    ]
+    for p in j.processes:
+        out.append(
+            f"| {p.get('pid')} | {p.get('process')} | {p.get('checks', '')} | {p.get('descriptor_checks', '')} | "
+            f"{p.get('stale', '')} | {'yes' if p.get('reported') else 'no: died before its exit report'} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def junit(j: Judgement, status: CommandStatus | None) -> str:
+    """One testcase for the run's answer, and one per capture manager with FULL captures (a failure where stale)."""
+    cases = []
+    body = ""
+    if j.outcome == GateOutcome.AFFECTED:
+        body = f"<failure message={quoteattr('AFFECTED')}>{escape(chr(10).join(j.reasons))}</failure>"
+    elif j.outcome != GateOutcome.PASS:
+        body = f"<error message={quoteattr(str(j.outcome.value))}>{escape(chr(10).join(j.reasons))}</error>"
+    cases.append(f'<testcase classname="repro.audit" name="audit">{body}</testcase>')
+    for mgr, n in sorted(j.full_by_manager.items()):
+        stale = j.stale_by_manager.get(mgr, 0)
+        inner = f"<failure message={quoteattr(f'{stale} of {n} FULL captures stale')}/>" if stale else ""
+        cases.append(f'<testcase classname={quoteattr("repro.audit." + mgr)} name="FULL captures">{inner}</testcase>')
+    failures = sum("<failure" in c for c in cases)
+    errors = sum("<error" in c for c in cases)
+    return (
+        '<?xml version="1.0" encoding="utf-8"?>\n'
+        f'<testsuites><testsuite name="repro audit" tests="{len(cases)}" failures="{failures}" errors="{errors}">'
+        + "".join(cases)
+        + "</testsuite></testsuites>\n"
+    )
+
+
+def write(folder: Path, j: Judgement, status: CommandStatus | None, code: int, junit_file: str | None) -> None:
+    """verdicts.md and results.json into the report folder, each whole; the JUnit file where asked."""
+    doc = {
+        "report": KIND,
+        "outcome": j.outcome.value,
+        "exit_code": int(code),
+        "command": None if status is None else {**status.__dict__, "argv": list(status.argv), "words": status.words},
+        "judgement": j.to_dict(),
+        "audit_file": "audit/audit.json",
+    }
+    write_whole(folder / "results.json", json.dumps(doc, indent=1) + "\n")
+    write_whole(folder / "verdicts.md", markdown(j, status, code))
+    if junit_file:
+        write_whole(junit_file, junit(j, status))

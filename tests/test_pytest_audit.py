@@ -1,0 +1,138 @@
+"""`pytest --repro-audit` (repro.vllm_integration.ci.pytest_audit) in another project's suite: a stand-in vLLM-style
+suite run with pytester over the stand-in vLLM of tests/fake_vllm.py (its LLM loads the real plugin through its entry
+point), in pytest's own process and in spawned engine processes, plainly and under xdist: a test during which a FULL
+capture was stale fails naming the descriptor and fields, a test with no FULL capture is "not judged", another method
+than the one a test asks for fails it, and the session summary speaks the gate's words."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.commands import ROOT
+from tests.fake_vllm import write_fake_vllm
+
+pytest_plugins = ["pytester"]
+PLUGIN = "repro.vllm_integration.ci.pytest_audit"
+
+SUITE = """
+import multiprocessing
+import pytest
+from vllm import LLM, SamplingParams
+
+
+def engine(method="eagle"):
+    llm = LLM(model="tiny", speculative_config={"method": method, "num_speculative_tokens": 3},
+              compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"})
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4))
+
+
+def test_engine_in_process():
+    engine()
+
+
+def test_engine_spawned():
+    p = multiprocessing.get_context("spawn").Process(target=engine, name="EngineCore")
+    p.start()
+    p.join()
+    assert p.exitcode == 0
+
+
+def test_eager_engine():
+    LLM(model="tiny", enforce_eager=True)
+
+
+def test_no_vllm():
+    assert True
+
+
+@pytest.mark.repro_audit_method("draft_model")
+def test_method_asked_for():
+    engine("eagle")
+"""
+
+
+@pytest.fixture
+def suite(pytester, monkeypatch, tmp_path_factory):
+    def make(behaviour: str):
+        build = write_fake_vllm(tmp_path_factory.mktemp(behaviour), "0.34.0", behaviour)
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join((str(build), str(ROOT), os.environ.get("PYTHONPATH", ""))))
+        for k in ("REPRO_AUDIT", "REPRO_AUDIT_FILE", "REPRO_AUDIT_RUN", "REPRO_REQUEST", "VLLM_PLUGINS"):
+            monkeypatch.delenv(k, raising=False)
+        pytester.makepyfile(test_vllm_style=SUITE)
+        return pytester
+
+    return make
+
+
+def _run(p, *args):
+    return p.runpytest_subprocess("-p", PLUGIN, "-p", "no:cacheprovider", "-p", "no:randomly", *args, timeout=240)
+
+
+def test_off_unless_asked(suite):
+    r = _run(suite("stale-quiet"), "-p", "no:xdist")  # the plugin loaded, its option not given: every test passes
+    r.assert_outcomes(passed=5)
+    assert r.ret == 0 and "repro audit" not in r.stdout.str()
+
+
+def test_stale_tests_fail_naming_descriptor_and_fields_others_not_judged(suite):
+    r = _run(suite("stale-quiet"), "-p", "no:xdist", "--repro-audit")
+    out = r.stdout.str()
+    r.assert_outcomes(passed=2, failed=3)
+    assert "repro audit: stale during test_vllm_style.py::test_engine_in_process" in out
+    assert "repro audit: stale during test_vllm_style.py::test_engine_spawned" in out
+    assert "t32r8: query_start_loc[2] (stale): 0 where its build gives 8" in out
+    assert "repro audit: AFFECTED" in out and "not judged: test_vllm_style.py::test_eager_engine" in out
+    assert r.ret == 1
+
+
+def test_a_clean_build_passes_with_the_method_mismatch_failing_its_test(suite):
+    r = _run(suite("good"), "-p", "no:xdist", "--repro-audit")
+    out = r.stdout.str()
+    r.assert_outcomes(passed=4, failed=1)
+    assert "speculative method asked for: draft_model; the model runner the plugin saw capturing ran: eagle" in out
+    assert "repro audit: CANNOT VOUCH: 2 test(s) judged, 0 stale, 2 not judged" in out
+
+
+def test_under_xdist_each_worker_judges_its_tests_and_the_controller_sums_them(suite):
+    r = _run(suite("stale-quiet"), "-n", "2", "--repro-audit")
+    out = r.stdout.str()
+    r.assert_outcomes(passed=2, failed=3)
+    assert "repro audit: AFFECTED: 3 test(s) judged, 3 stale, 2 not judged" in out
+    assert "stale: test_vllm_style.py::test_engine_spawned" in out
+
+
+def test_nothing_judged_is_cannot_vouch_and_fails_the_session(pytester, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join((str(ROOT), os.environ.get("PYTHONPATH", ""))))
+    pytester.makepyfile(test_plain="def test_one():\n    assert True\n")
+    r = _run(pytester, "-p", "no:xdist", "--repro-audit")
+    assert r.ret == 1 and "repro audit: CANNOT VOUCH: 0 test(s) judged" in r.stdout.str()
+
+
+def test_a_vllm_plugins_that_leaves_the_auditor_out_is_a_usage_error(pytester, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join((str(ROOT), os.environ.get("PYTHONPATH", ""))))
+    monkeypatch.setenv("VLLM_PLUGINS", "other")
+    pytester.makepyfile(test_plain="def test_one():\n    assert True\n")
+    r = _run(pytester, "-p", "no:xdist", "--repro-audit")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR and "leaves out the auditor's plugin" in r.stderr.str()
+
+
+@pytest.mark.parametrize("xdist", [("-p", "no:xdist"), ("-n", "2")])
+def test_under_repro_audit_the_per_test_failures_and_the_command_s_answer_both(suite, xdist):
+    """`repro audit -- pytest --repro-audit`: each test judged (stale ones fail), and every test's reports, the
+    in-process engine's findings included, forwarded to the command's audit file: AFFECTED, each descriptor named."""
+    import json
+    import subprocess
+    import sys
+
+    p = suite("stale-quiet")
+    cmd = [sys.executable, "-m", "repro", "audit", "--out", "report", "--grace", "5", "--", sys.executable, "-m",
+           "pytest", "-p", PLUGIN, "-p", "no:cacheprovider", *xdist, "--repro-audit", "test_vllm_style.py"]  # fmt: skip
+    r = subprocess.run(cmd, cwd=p.path, capture_output=True, text=True, timeout=240)
+    assert "FAILED test_vllm_style.py::test_engine_spawned - repro audit: stale" in r.stdout
+    doc = json.loads((p.path / "report" / "results.json").read_text())
+    assert r.returncode == 1 and doc["outcome"] == "AFFECTED" and doc["command"]["returncode"] == 1
+    assert "t32r8" in doc["judgement"]["stale"]
+    in_process = [q for q in doc["judgement"]["processes"] if q["process"] == "pytest (in-process engine)"]
+    assert in_process and all(q["reported"] for q in doc["judgement"]["processes"])
