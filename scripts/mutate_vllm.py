@@ -17,7 +17,11 @@ version, or a file already patched) the script changes nothing, leaves nothing a
 DEST_PREFIX/MUTANT.json: the mutant's name, what it does wrong, the gate methods it affects, the file, the anchor and
 its replacement, and the unified diff.
 
-The bug class each mutant re-creates (vLLM 0.21-0.25, fixed by PR #48261 for the AR prefill manager): a draft FULL
+The refresh's mutant (`refresh-previous-step`, vLLM 0.34.0's flash_attn.py): the draft-decode refresh of FA3's
+scheduler metadata computes for the previous draft step; only the auditor's refresh judging (plugin/refresh.py) sees
+it in audit. The wrong-descriptor mutants follow.
+
+The bug class each wrong-descriptor mutant re-creates (vLLM 0.21-0.25, fixed by PR #48261 for the AR prefill manager): a draft FULL
 CUDA-graph capture runs with attention metadata built for ANOTHER descriptor than the one being captured. Here the
 object and the persistent buffers behind its views (query_start_loc, seq_lens, FA3 scheduler_metadata, slot
 mappings) are built together, consistently, by the build's own builder, but for the neighbouring entry of the same
@@ -160,6 +164,24 @@ MUTANTS = {
     name: Mutant(name, file, anchor, wrong_descriptor(anchor, condition), wrong, methods, manager)
     for name, file, anchor, condition, wrong, methods, manager in _TABLE
 }
+# The refresh's mutant: FA3's draft-decode refresh (FlashAttentionMetadataBuilder.update_draft_decode_metadata, run
+# eagerly in a draft capture's warmup pass and recorded into every fused draft decode graph) computes the scheduler
+# metadata for the previous draft step (every seq_lens entry one less) instead of the step its views show.
+_REFRESH_ANCHOR = """\
+            max_query_len=metadata.max_query_len,
+            seqlens=metadata.seq_lens,
+"""
+MUTANTS["refresh-previous-step"] = Mutant(
+    "refresh-previous-step",
+    "vllm/v1/attention/backends/flash_attn.py",
+    _REFRESH_ANCHOR,
+    _REFRESH_ANCHOR.replace("seqlens=metadata.seq_lens,", "seqlens=(metadata.seq_lens - 1).clamp(min=0),"),
+    "FlashAttentionMetadataBuilder.update_draft_decode_metadata (the in-graph and eager draft-decode refresh of "
+    "FA3's scheduler_metadata) computes for the previous draft step: seq_lens one less per request than the step "
+    "its views show. Every FULL draft decode graph records it (and DFlash's query graph); builds are untouched.",
+    ("eagle", "eagle3", "mtp", "draft_model", "dflash"),
+    "every speculator's draft-decode refresh (FLASH_ATTN)",
+)
 
 
 class Refused(Exception):

@@ -13,7 +13,7 @@ from typing import Any
 
 from repro.contract.channel import emit
 from repro.contract.tags import AUDIT_TAG
-from repro.vllm_integration.plugin import counters
+from repro.vllm_integration.plugin import counters, refresh
 from repro.vllm_integration.plugin.audit import CaptureDescriptor
 from repro.vllm_integration.plugin.backend_fields import BackendFields
 from repro.vllm_integration.plugin.identity import ByIdentity
@@ -32,7 +32,8 @@ class _Capture:
     forwards: int = 0
     # each metadata object its attention forwards used -> (it, its backend's table)
     metadata: ByIdentity[tuple[Any, BackendFields]] = field(default_factory=ByIdentity)
-    refreshed: ByIdentity[None] = field(default_factory=ByIdentity)  # metadata refreshed in place inside this capture
+    # metadata refreshed in place inside this capture -> the builder that refreshed it (judged at the capture's end)
+    refreshed: ByIdentity[Any] = field(default_factory=ByIdentity)
     injected: bool = False  # an attention forward of this capture read buffers the self control wrote
     manager: str = UNKNOWN_KIND  # the capture manager recording it, and whose it is (manager_of)
     # the FULL descriptor this capture records (capture_descriptor: (descriptor, None), (None, why it is unreadable),
@@ -180,7 +181,10 @@ def _finish_capture(cap: _Capture, failed: bool) -> None:
         views = views_of(md, spec)
         skip = _refreshed_fields(cap, md, spec, views)
         advance = MAX_DRAFT_LOOP_ADVANCE if cap.kind.startswith("draft decode") else 0
-        for m in auditor.check(md, views, skip, advance):
+        found = auditor.check(md, views, skip, advance)
+        if md in cap.refreshed:  # what the refresh computed: the builder's answer for the step the views show
+            found += refresh.judge(auditor, counters.COUNTERS, cap.refreshed.get(md), md, spec, views)
+        for m in found:
             stale = True
             emit(AUDIT_TAG, {"stale": m.to_dict(), "message": str(m), "capture": cap.kind})
     for md, spec in cap.metadata.values():  # every metadata the graph baked in, built for the descriptor captured?
@@ -197,7 +201,9 @@ SINGLE_FORWARD_DRAFT = "draft query"  # DFlash's query graph (graph_kind): one f
 
 def _refreshed_fields(cap: _Capture, md: Any, spec: BackendFields, views: dict[str, Any]) -> set[str]:
     """The fields of md an in-graph refresh of this capture rewrote: they hold what the graph will compute at replay,
-    not what the build wrote, so the capture-end checks skip them. Only for metadata refreshed inside this capture.
+    not what the build wrote, so the capture-end contents and descriptor checks skip them; what the refresh itself
+    computed is judged instead (refresh.judge, against the builder), the draft loop's step fields are the loop's.
+    Only for metadata refreshed inside this capture.
     DFlash's query graph refreshes scheduler_metadata (update_draft_decode_metadata) but runs no draft loop, so the
     loop's step fields (seq_lens, slot_mapping) stay checked there (vLLM 0.34 dflash/speculator.py
     _prepare_graph_forward); any other capture, its kind known or not, may run the loop."""

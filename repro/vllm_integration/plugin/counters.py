@@ -49,6 +49,10 @@ def new_counters() -> dict[str, Any]:
         "draft_refreshes": 0,  # eager update_draft_decode_metadata calls that became their metadata's reference
         "draft_refreshes_in_graph": 0,  # ... called inside a capture (the refreshed fields are the graph's)
         "captures_refreshed_in_graph": {},  # kind -> captures whose metadata was refreshed inside them
+        # the refresh judged (refresh.judge): after each eager refresh, at the end of each capture refreshed inside it
+        "refresh_checks": 0,  # fields a refresh computed, compared with what the builder gives for the step
+        "refresh_stale": 0,  # judgings that found a field computed for another step or batch (stale-refresh)
+        "refresh_unjudged": {},  # "backend.field" -> refreshed fields no rule or builder method could judge
         # the descriptor check (audit.descriptor_mismatches) at every FULL capture pass, warmup forwards and capture ends
         "descriptor_checks": {},  # kind -> metadata compared with the descriptor being captured
         "descriptor_stale": {},  # kind -> of those, found built for another descriptor (stale-descriptor)
@@ -75,6 +79,7 @@ def snapshot() -> dict[str, Any]:
     out = copy.deepcopy(COUNTERS)
     out["checks"], out["views_checked"] = AUDITOR.checks, AUDITOR.views
     out["draft_loop_advances"] = AUDITOR.loop_advances
+    out["refresh_checks"] = AUDITOR.refresh_checks
     out["installed"] = sorted(_installed)
     return out
 
