@@ -19,6 +19,7 @@ from repro.contract.channel import (  # the marks of what a recorded record pred
     recorded_before,
 )
 from repro.errors import MissingKey
+from repro.vllm_integration.gate import dynamic_k
 from repro.vllm_integration.gate.case import GateCase
 from repro.vllm_integration.gate.worker import DEFAULT_COMPILE
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
@@ -151,6 +152,14 @@ NEEDS: tuple[Need, ...] = (
         message=lambda c: (
             "no CUDA graph's memory went through memcheck's own allocator (its captures used another allocator or pool)"
         ),
+    ),
+    Need(  # a dynamic-K method (gate.dynamic_k): its draft decode graphs captured per K, else it tested nothing new
+        "dynamic K",
+        lambda case: dynamic_k.base_of(case.method) is not None,
+        "probe",
+        counter="captures_by_k",
+        keys="",
+        message=lambda c: "a K schedule was configured, but no FULL graph of a K-specialized descriptor was captured",
     ),
     Need(
         "poison:FILL",

@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import argparse
 import ast
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from repro.errors import ConfigError
+from repro.vllm_integration.gate import dynamic_k
 
 EAGLE, EAGLE3, DRAFT_MODEL, MTP = "eagle", "eagle3", "draft_model", "mtp"
 DFLASH = "dflash"
@@ -120,6 +121,8 @@ class SpecMethod:
     # draft with speculative_config.attention_backend, None choosing again (0.34.0 spec_decode/dflash/utils.py), where
     # the other drafts inherit the target's
     names_backend: bool = False
+    base: str | None = None  # a dynamic-K method (gate.dynamic_k): the method it runs, with k_schedule
+    k_schedule: tuple[tuple[int, int, int], ...] | None = None  # num_speculative_tokens_per_batch_size
 
     def models(self) -> tuple[tuple[str, dict], ...]:
         return (self.target,) + ((self.draft,) if self.draft else ())
@@ -127,7 +130,9 @@ class SpecMethod:
     def speculative_config(self, draft: Path | None, spec_tokens: int, backend: str | None = None) -> dict:
         """LLM(speculative_config=...): the method, its draft model folder (none for MTP: the target's), k; the case's
         attention backend where the draft would not inherit it (names_backend)."""
-        out = {"method": self.name, "num_speculative_tokens": spec_tokens}
+        out = {"method": self.base or self.name, "num_speculative_tokens": spec_tokens}
+        if self.k_schedule:
+            out["num_speculative_tokens_per_batch_size"] = [list(e) for e in self.k_schedule]
         if draft is not None:
             out["model"] = str(draft)
         if self.names_backend and backend:
@@ -142,6 +147,13 @@ TABLE = {
     MTP: SpecMethod(MTP, ("target-mtp", TARGET_MTP), None),
     DFLASH: SpecMethod(DFLASH, ("target", TARGET), ("draft-dflash", DRAFT_DFLASH), names_backend=True),
 }
+# each autoregressive method again with a K schedule per batch size (gate.dynamic_k): `--methods dynamic` names them all
+DYNAMIC = tuple(dynamic_k.name_of(b) for b in dynamic_k.BASES)
+TABLE.update(
+    {dynamic_k.name_of(b): replace(TABLE[b], name=dynamic_k.name_of(b), base=b, k_schedule=dynamic_k.SCHEDULE)
+     for b in dynamic_k.BASES}
+)  # fmt: skip
+NOT_HERE.update(dynamic_k.NOT_HERE)
 
 
 def parse_methods(text: str) -> tuple[str, ...]:
@@ -149,11 +161,11 @@ def parse_methods(text: str) -> tuple[str, ...]:
     names = [x.strip().lower() for x in text.split(",") if x.strip()]
     out: list[str] = []
     for n in names:
-        for m in ALL if n == "all" else (n,):
+        for m in ALL if n == "all" else DYNAMIC if n == "dynamic" else (n,):
             if m in NOT_HERE:
                 raise ConfigError(f"--methods {m}: {NOT_HERE[m]}")
             if m not in TABLE:
-                raise ConfigError(f"--methods {m!r}: use {', '.join(METHODS)} or all")
+                raise ConfigError(f"--methods {m!r}: use {', '.join((*METHODS, *DYNAMIC))}, all or dynamic")
             if m in out:
                 raise ConfigError(f"--methods: {m} given twice (one case id each; use --repeat to run again)")
             out.append(m)
@@ -176,7 +188,8 @@ def add_option(parser: argparse.ArgumentParser) -> None:
         type=methods,
         default=DEFAULT_METHODS,
         help=f"speculative methods, each a case parameter with its own model pair, reference and self control: "
-        f"{', '.join(METHODS)}, or all ({', '.join(ALL)}: the methods measured on a GPU) (a method "
+        f"{', '.join(METHODS)}, or all ({', '.join(ALL)}: the methods measured on a GPU); with a K schedule per "
+        f"batch size: {', '.join(DYNAMIC)}, or dynamic (all four) (a method "
         "the build lacks, or captures no FULL draft graph for, is not applicable there; --compare-paths runs eagle) "
         "(default %(default)s)",
     )
@@ -315,9 +328,17 @@ def _speculator_of(package_dir: Path, method: str) -> tuple[str | None, str]:
 
 
 def not_applicable(package_dir: Path | None, method: str) -> str | None:
-    """Why this build cannot run `method` with FULL draft graphs (None: it can, or its files cannot tell)."""
+    """Why this build cannot run `method` with FULL draft graphs (None: it can, or its files cannot tell); a
+    dynamic-K method: its base method's answer, then whether the build specializes its graphs by K."""
     if package_dir is None or not (package_dir / SPEC).is_dir():
         return None
+    if base := dynamic_k.base_of(method):
+        if why := not_applicable(package_dir, base):
+            return why
+        qual, _ = _speculator_of(package_dir, base)
+        module, _, cls = (qual or "").rpartition(".")
+        is_ar = bool(cls) and _lookup(package_dir, module, cls, lambda c: c.name == dynamic_k.AR_BASE or None)
+        return dynamic_k.not_supported(package_dir, cls or None, bool(is_ar))
     qual, where = _speculator_of(package_dir, method)
     if qual is None:
         return f"method {method}: {where}"

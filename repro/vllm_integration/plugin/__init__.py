@@ -50,6 +50,9 @@ which `python -m repro plugin-request ...` prints (from_environment). The reques
   inject=stale-refresh    its third form, asked for by a request (not a gate default): every draft-decode refresh
                           computes for the previous draft step (plugin.refresh.StaleRefreshInjector): only the
                           refresh judged sees it.
+  inject=stale-k          its fourth, the gate's for its dynamic-K methods: each K-specialized draft FULL pass
+                          gets another K's metadata of the same batch shape (plugin.dynamic_k): only the
+                          descriptor check keyed by K sees it.
 - weights=agree           after vLLM's DummyModelLoader, the gate's constructed weights (repro.vllm_integration.
                           weights): a target decided by a wide margin at every token and an EAGLE draft that agrees
                           with it. `margin`: every parameter redrawn from a per-name seed (near ties, no acceptance).

@@ -261,6 +261,11 @@ def descriptor_mismatches(
     scalar("num_actual_tokens", T)
     scalar("num_reqs", R)
     scalar("max_query_len", q)
+    k = built.get("num_speculative_tokens")  # the K of the pass the metadata was built in (plugin.dynamic_k)
+    if desc.spec_tokens is not None and isinstance(k, int):
+        compared.append("num_speculative_tokens")
+        if k != desc.spec_tokens:
+            differs("num_speculative_tokens", 0, desc.spec_tokens, k, "num_speculative_tokens (built for)")
     qsl = nows.get("query_start_loc")
     if qsl:
         compared.append("query_start_loc")

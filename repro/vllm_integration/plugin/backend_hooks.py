@@ -14,12 +14,13 @@ from typing import Any
 
 from repro.contract.channel import emit
 from repro.contract.tags import AUDIT_TAG, PLUGIN_TAG
-from repro.vllm_integration.plugin import capture, counters, refresh
+from repro.vllm_integration.plugin import capture, counters, dynamic_k, refresh
 from repro.vllm_integration.plugin.audit import layout_of
 from repro.vllm_integration.plugin.backend_fields import FLASH_ATTN, BackendFields, find_classes, tensor_fields
 from repro.vllm_integration.plugin.inject import (
     SOURCES,
     STALE_CAPTURE,
+    STALE_K,
     STALE_REFRESH,
     StaleDescriptorInjector,
     capture_pass,
@@ -111,7 +112,8 @@ def _record(builder: Any, md: Any, spec: BackendFields) -> None:
     if capture._CAPTURES or capture.capturing():
         counters.bump("builds_in_graph")
         return
-    counters.AUDITOR.record_build(md, label_of(md), views_of(md, spec), build_shape(builder, md))
+    shape = build_shape(builder, md) | dynamic_k.build_k(sys._getframe(2))  # the K of a K-specialized pass
+    counters.AUDITOR.record_build(md, label_of(md), views_of(md, spec), shape)
 
 
 def _wrap_builder(builder_cls: Any, spec: BackendFields) -> list[str]:
@@ -174,6 +176,8 @@ def _after_build(builder: Any, md: Any, spec: BackendFields) -> Any:
             sched = getattr(md, "scheduler_metadata", None)
             if sched is not None and hasattr(sched, "numel"):
                 injector.fill_padding(layout_of(build_shape(builder, md), sched.numel()), POISON_FILL)
+    elif role == "draft" and isinstance(injector, dynamic_k.StaleKInjector):  # the form stale-k: another K's
+        md = injector.other_k(builder, md, capture_pass(sys._getframe(2)), sys._getframe(2))
     elif role == "draft" and isinstance(injector, StaleDescriptorInjector):  # the second form: another descriptor's
         counters.bump("inject_builds_by_manager", capture.manager_of(sys._getframe(2)))
         injector.new_pass()
@@ -210,11 +214,12 @@ def install_inject(
     _wrap_forward(impl_cls, spec)
     capture.install_capture_tracker(cuda)
     announce = lambda record: emit(PLUGIN_TAG, record)  # noqa: E731
-    capture._INJECTOR["on"] = (
-        refresh.make_refresh_injector(counters.COUNTERS, announce)
-        if form == STALE_REFRESH
-        else make_injector(form, counters.COUNTERS, announce, source)
-    )
+    if form == STALE_REFRESH:
+        capture._INJECTOR["on"] = refresh.make_refresh_injector(counters.COUNTERS, announce)
+    elif form == STALE_K:
+        capture._INJECTOR["on"] = dynamic_k.StaleKInjector(counters.COUNTERS, announce)
+    else:
+        capture._INJECTOR["on"] = make_injector(form, counters.COUNTERS, announce, source)
     counters._installed.add("inject")
     return True
 

@@ -167,6 +167,8 @@ def _finish_capture(cap: _Capture, failed: bool) -> None:
     if cap.forwards:
         counters.bump("captures_with_attention", cap.kind)
         counters.bump("full_captures_by_manager", cap.manager)
+        if cap.descriptor[0] is not None and cap.descriptor[0].spec_tokens is not None:  # a K-specialized graph
+            counters.bump("captures_by_k", str(cap.descriptor[0].spec_tokens))
     if cap.injected and not failed:
         counters.bump("captures_injected", cap.kind)
         counters.bump("injected_by_manager", cap.manager)
@@ -274,6 +276,8 @@ def audit_descriptor(
         counters.bump("descriptor_unchecked", f"{kind}: {why}")
         return False
     counters.bump("descriptor_checks", kind)
+    if desc is not None and desc.spec_tokens is not None:  # a K-specialized graph (plugin.dynamic_k)
+        counters.bump("descriptor_checks_by_k", str(desc.spec_tokens))
     for m in found:
         emit(AUDIT_TAG, {"stale": m.to_dict(), "message": str(m), "capture": kind})
     if found:

@@ -36,6 +36,7 @@ def new_counters() -> dict[str, Any]:
         "captures_by_manager": {},  # manager -> CUDA graph captures it recorded
         "full_captures_by_manager": {},  # manager -> of those, captures an attention forward ran in (FULL graphs)
         "injected_by_manager": {},  # manager -> captures whose attention read buffers the self control wrote
+        "captures_by_k": {},  # K -> FULL captures of a K-specialized descriptor (dynamic speculative decoding)
         "captures_audited": {},  # kind -> captures whose attention metadata the auditor checked at capture end
         "captures_stale": {},  # kind -> of those, captures with stale views
         "checks": 0,  # auditor checks (eager forwards and capture ends)
@@ -56,6 +57,7 @@ def new_counters() -> dict[str, Any]:
         # the descriptor check (audit.descriptor_mismatches) at every FULL capture pass, warmup forwards and capture ends
         "descriptor_checks": {},  # kind -> metadata compared with the descriptor being captured
         "descriptor_stale": {},  # kind -> of those, found built for another descriptor (stale-descriptor)
+        "descriptor_checks_by_k": {},  # K -> of those, in a K-specialized FULL pass (dynamic speculative decoding)
         "descriptor_unchecked": {},  # "kind: why" -> FULL passes whose metadata could not be compared (cannot vouch)
         "spec_layout": None,  # V2 spec-decode layout of the vLLM that loaded the plugin (plugin.spec_layout)
         "spec_layout_known": None,  # is it one of KNOWN_SPEC_LAYOUTS (None: not looked at, the probe is off)
