@@ -23,6 +23,9 @@ Number = int | float  # bool tensors read as ints; floating tensors (none checke
 # buffers, consistent with each other) built for another batch descriptor than the one being captured, or a field a
 # draft-decode refresh computed that is not what the builder gives for the draft step the views show (refresh.judge)
 STALE_CONTENTS, STALE_DESCRIPTOR, STALE_REFRESH = "stale-contents", "stale-descriptor", "stale-refresh"
+# ... or, at a sampled replay of a FULL draft graph, a buffer it reads no longer holds what the runtime's latest build
+# wrote for the batch being replayed (plugin.replay)
+STALE_REPLAY = "stale-replay"
 SCALARS = ("num_actual_tokens", "num_reqs", "max_query_len")  # the object fields the descriptor check compares
 
 
@@ -40,6 +43,11 @@ class Mismatch:
         return asdict(self)
 
     def __str__(self) -> str:
+        if self.kind == STALE_REPLAY:
+            return (
+                f"stale at replay of {self.descriptor}: {self.field}[{self.index}] is {self.now}, the runtime's "
+                f"latest build for the batch being replayed wrote {self.built}"
+            )
         if self.kind == STALE_REFRESH:
             return (
                 f"draft-decode refresh of {self.descriptor} computed for another step or batch: {self.field}"
@@ -60,7 +68,7 @@ def in_words(record: dict) -> str:
     """A Mismatch's record (to_dict, as an AUDIT line or the audit file holds it) in words: a contents mismatch as
     staleness.stale_entry names it (as recorded before the descriptor check), a stale-descriptor or stale-refresh one
     as str()."""
-    if record.get("kind") in (STALE_DESCRIPTOR, STALE_REFRESH):
+    if record.get("kind") in (STALE_DESCRIPTOR, STALE_REFRESH, STALE_REPLAY):
         return str(Mismatch(**{k: v for k, v in record.items() if k in Mismatch.__dataclass_fields__}))
     r = record
     return stale_entry(r["descriptor"], r["buffer"], r["field"], r["index"], r["now"], r["built"])

@@ -14,7 +14,7 @@ from typing import Any
 
 from repro.contract.channel import emit
 from repro.contract.tags import AUDIT_TAG, PLUGIN_TAG
-from repro.vllm_integration.plugin import capture, counters, dynamic_k, refresh
+from repro.vllm_integration.plugin import capture, counters, dynamic_k, refresh, replay
 from repro.vllm_integration.plugin.audit import layout_of
 from repro.vllm_integration.plugin.backend_fields import FLASH_ATTN, BackendFields, find_classes, tensor_fields
 from repro.vllm_integration.plugin.inject import (
@@ -113,7 +113,11 @@ def _record(builder: Any, md: Any, spec: BackendFields) -> None:
         counters.bump("builds_in_graph")
         return
     shape = build_shape(builder, md) | dynamic_k.build_k(sys._getframe(2))  # the K of a K-specialized pass
-    counters.AUDITOR.record_build(md, label_of(md), views_of(md, spec), shape)
+    views = views_of(md, spec)
+    counters.AUDITOR.record_build(md, label_of(md), views, shape)
+    if "on" in capture._REPLAY:  # the runtime's latest build of each buffer view, for the replay check
+        frame = sys._getframe(2)
+        capture._REPLAY["on"].built(label_of(md), views, capture.draft_on_stack(frame) and replay.runtime(frame))
 
 
 def _wrap_builder(builder_cls: Any, spec: BackendFields) -> list[str]:
@@ -256,6 +260,27 @@ def install(module: Any, cuda: Any = None, spec: BackendFields = FLASH_ATTN) -> 
     _wrap_forward(impl_cls, spec)
     if cuda is not None:
         capture.install_capture_tracker(cuda)
+    _install_replay_check(cuda)
     capture._AUDIT_ON["on"] = True
     counters._installed.add("audit")
     return True
+
+
+def _install_replay_check(cuda: Any) -> None:
+    """The replay check (plugin.replay) where torch has the global replay-start hook; off, and said so, where not."""
+    if cuda is None:
+        import torch  # the real torch.cuda only when no stand-in is handed in (vLLM's process; the CPU tier hands one)
+
+        cuda = torch.cuda
+    register, why = replay.hook_of(cuda)
+    counters.COUNTERS["replay_check"] = why or "on"
+    if register is None or "on" in capture._REPLAY:
+        return
+    checker = capture._REPLAY["on"] = replay.ReplayChecker(counters.COUNTERS)
+
+    def replayed(graph: Any) -> None:
+        for m in checker.on_replay(graph):
+            counters.AUDITOR.mismatches.append(m)
+            emit(AUDIT_TAG, {"stale": m.to_dict(), "message": str(m), "capture": "replay"})
+
+    register(replayed)

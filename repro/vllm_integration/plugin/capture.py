@@ -19,6 +19,7 @@ from repro.vllm_integration.plugin.backend_fields import BackendFields
 from repro.vllm_integration.plugin.identity import ByIdentity
 from repro.vllm_integration.plugin.inject import StaleCaptureInjector, is_draft_frame
 from repro.vllm_integration.plugin.metadata_views import fields_of, views_of
+from repro.vllm_integration.plugin.replay import ReplayChecker
 
 UNKNOWN_KIND = "unknown kind"
 # A draft decode graph runs the draft steps after the first; each but the last advances seq_lens by one in place
@@ -39,11 +40,13 @@ class _Capture:
     # the FULL descriptor this capture records (capture_descriptor: (descriptor, None), (None, why it is unreadable),
     # or (None, None) outside a FULL capture pass)
     descriptor: tuple[CaptureDescriptor | None, str | None] = (None, None)
+    graph: Any = None  # the torch.cuda.CUDAGraph it records (the replay check knows its replays by it)
 
 
 _CAPTURES: list[_Capture] = []
 _AUDIT_ON = {"on": False}
 _INJECTOR: dict[str, StaleCaptureInjector] = {}  # "on" -> the injector, when the request asked for one
+_REPLAY: dict[str, ReplayChecker] = {}  # "on" -> the replay check, where torch has the global replay hook
 
 
 def graph_kind(frame: Any, depth: int = 40) -> str:
@@ -141,6 +144,7 @@ def install_capture_tracker(cuda: Any) -> None:
             _CAPTURES.append(
                 _Capture(graph_kind(frame), manager=manager_of(frame), descriptor=capture_descriptor(frame))
             )
+            _CAPTURES[-1].graph = getattr(self, "cuda_graph", None)
             if "on" in _INJECTOR:  # before recording starts: nothing the injection writes is in the graph
                 _INJECTOR["on"].capture_begins(_CAPTURES[-1].kind)
             try:
@@ -192,6 +196,10 @@ def _finish_capture(cap: _Capture, failed: bool) -> None:
     for md, spec in cap.metadata.values():  # every metadata the graph baked in, built for the descriptor captured?
         skip = _refreshed_fields(cap, md, spec, views_of(md, spec))
         stale = audit_descriptor(md, spec, cap.descriptor, cap.kind, skip) or stale
+    desc = cap.descriptor[0]
+    if "on" in _REPLAY and cap.kind.startswith("draft") and desc is not None and cap.metadata:  # a FULL draft graph
+        views = {p: v for md, spec in cap.metadata.values() for p, v in views_of(md, spec).items()}
+        _REPLAY["on"].captured(cap.graph, f"{cap.kind} {desc.label}", views)
     if known:
         counters.bump("captures_audited", cap.kind)
     if stale:

@@ -57,6 +57,13 @@ def new_counters() -> dict[str, Any]:
         # the descriptor check (audit.descriptor_mismatches) at every FULL capture pass, warmup forwards and capture ends
         "descriptor_checks": {},  # kind -> metadata compared with the descriptor being captured
         "descriptor_stale": {},  # kind -> of those, found built for another descriptor (stale-descriptor)
+        # the replay check (plugin.replay): "on", or why it is off (torch without the global replay hook)
+        "replay_check": None,
+        "replay_graphs": 0,  # FULL draft graphs whose replays it watches
+        "replays_seen": 0,  # their replays
+        "replay_checks": 0,  # of those, sampled and checked
+        "replay_check_s": 0.0,  # seconds the checks took (their overhead)
+        "replay_unjudged": {},  # field -> views of a checked replay with no runtime build recorded since capture
         "descriptor_checks_by_k": {},  # K -> of those, in a K-specialized FULL pass (dynamic speculative decoding)
         "descriptor_unchecked": {},  # "kind: why" -> FULL passes whose metadata could not be compared (cannot vouch)
         "spec_layout": None,  # V2 spec-decode layout of the vLLM that loaded the plugin (plugin.spec_layout)
