@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from repro.errors import ConfigError
-from repro.vllm_integration.gate import dynamic_k
+from repro.vllm_integration.gate import dynamic_k, sleep
 
 EAGLE, EAGLE3, DRAFT_MODEL, MTP = "eagle", "eagle3", "draft_model", "mtp"
 DFLASH = "dflash"
@@ -123,6 +123,7 @@ class SpecMethod:
     names_backend: bool = False
     base: str | None = None  # a dynamic-K method (gate.dynamic_k): the method it runs, with k_schedule
     k_schedule: tuple[tuple[int, int, int], ...] | None = None  # num_speculative_tokens_per_batch_size
+    sleep_level: int | None = None  # a sleep-and-wake scenario (gate.sleep): the level, with base
 
     def models(self) -> tuple[tuple[str, dict], ...]:
         return (self.target,) + ((self.draft,) if self.draft else ())
@@ -154,6 +155,12 @@ TABLE.update(
      for b in dynamic_k.BASES}
 )  # fmt: skip
 NOT_HERE.update(dynamic_k.NOT_HERE)
+# each method again with the engine put to sleep and woken before it generates (gate.sleep): `--methods sleep`
+SLEEP = tuple(sleep.name_of(m, level) for m in METHODS for level in sleep.LEVELS)
+TABLE.update(
+    {sleep.name_of(m, lv): replace(TABLE[m], name=sleep.name_of(m, lv), base=m, sleep_level=lv)
+     for m in METHODS for lv in sleep.LEVELS}
+)  # fmt: skip
 
 
 def parse_methods(text: str) -> tuple[str, ...]:
@@ -161,11 +168,13 @@ def parse_methods(text: str) -> tuple[str, ...]:
     names = [x.strip().lower() for x in text.split(",") if x.strip()]
     out: list[str] = []
     for n in names:
-        for m in ALL if n == "all" else DYNAMIC if n == "dynamic" else (n,):
+        for m in {"all": ALL, "dynamic": DYNAMIC, "sleep": SLEEP}.get(n, (n,)):
             if m in NOT_HERE:
                 raise ConfigError(f"--methods {m}: {NOT_HERE[m]}")
             if m not in TABLE:
-                raise ConfigError(f"--methods {m!r}: use {', '.join((*METHODS, *DYNAMIC))}, all or dynamic")
+                raise ConfigError(
+                    f"--methods {m!r}: use {', '.join((*METHODS, *DYNAMIC, *SLEEP))}, all, dynamic or sleep"
+                )
             if m in out:
                 raise ConfigError(f"--methods: {m} given twice (one case id each; use --repeat to run again)")
             out.append(m)
@@ -189,7 +198,8 @@ def add_option(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_METHODS,
         help=f"speculative methods, each a case parameter with its own model pair, reference and self control: "
         f"{', '.join(METHODS)}, or all ({', '.join(ALL)}: the methods measured on a GPU); with a K schedule per "
-        f"batch size: {', '.join(DYNAMIC)}, or dynamic (all four) (a method "
+        f"batch size: {', '.join(DYNAMIC)}, or dynamic (all four); slept and woken before generating: "
+        "<method>_sleep1 and _sleep2, or sleep (every method at both levels) (a method "
         "the build lacks, or captures no FULL draft graph for, is not applicable there; --compare-paths runs eagle) "
         "(default %(default)s)",
     )
@@ -332,6 +342,9 @@ def not_applicable(package_dir: Path | None, method: str) -> str | None:
     dynamic-K method: its base method's answer, then whether the build specializes its graphs by K."""
     if package_dir is None or not (package_dir / SPEC).is_dir():
         return None
+    if level := sleep.level_of(method):
+        base = method[: -len(f"{sleep.SUFFIX}{level}")]
+        return not_applicable(package_dir, base) or sleep.not_supported(package_dir, level)
     if base := dynamic_k.base_of(method):
         if why := not_applicable(package_dir, base):
             return why

@@ -64,6 +64,7 @@ def new_counters() -> dict[str, Any]:
         "replay_checks": 0,  # of those, sampled and checked
         "replay_check_s": 0.0,  # seconds the checks took (their overhead)
         "replay_unjudged": {},  # field -> views of a checked replay with no runtime build recorded since capture
+        "slept": None,  # a sleep-and-wake scenario (gate.sleep): the level the engine slept at and woke from
         "descriptor_checks_by_k": {},  # K -> of those, in a K-specialized FULL pass (dynamic speculative decoding)
         "descriptor_unchecked": {},  # "kind: why" -> FULL passes whose metadata could not be compared (cannot vouch)
         "spec_layout": None,  # V2 spec-decode layout of the vLLM that loaded the plugin (plugin.spec_layout)
