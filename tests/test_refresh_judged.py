@@ -262,3 +262,22 @@ def test_the_refresh_mutant_patches_the_refresh_alone(tmp_path):
     after = (tmp_path / "d" / mutant.file).read_text()
     assert "seqlens=(metadata.seq_lens - 1).clamp(min=0)," in after and "seqlens=seq_lens," in after
     assert (src / mutant.file).read_text() == text
+
+
+def test_the_gate_runs_the_stale_refresh_form_when_asked_and_refuses_an_unknown_form():
+    import argparse
+
+    from repro.vllm_integration.gate import methods
+    from repro.vllm_integration.gate.case import GateMode
+    from repro.vllm_integration.gate.run import plan
+    from repro.vllm_integration.releases.builds import VllmBuild
+
+    parser = argparse.ArgumentParser()
+    methods.add_option(parser)
+    a = parser.parse_args(["--self-control-forms", "stale-capture,stale-refresh"])
+    assert a.forms == (inject.STALE_CAPTURE, inject.STALE_REFRESH)
+    assert parser.parse_args([]).forms == inject.INJECTIONS  # the gate's default forms are unchanged
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--self-control-forms", "stale-nothing"])
+    cases = plan([VllmBuild("0.34.0", None)], (GateMode("audit"),), 1, 60.0, forms=a.forms)
+    assert "stale_metadata-vllm-0.34.0-self-control-stale-refresh-audit" in {c.case_id for c in cases}

@@ -184,7 +184,24 @@ def parse_methods(text: str) -> tuple[str, ...]:
 
 
 def add_option(parser: argparse.ArgumentParser) -> None:
-    """`gate --methods` (parsed: a tuple of method names; a bad value is argparse's usage error, with the reason)."""
+    """`gate --methods` (parsed: a tuple of method names; a bad value is argparse's usage error, with the reason) and
+    `--self-control-forms` (the injection forms every method's self control runs in; a dynamic-K method adds its own)."""
+    from repro.vllm_integration.plugin.inject import ALL_INJECTIONS, INJECTIONS  # the forms: only for the option
+
+    def forms(text: str) -> tuple[str, ...]:
+        out = tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+        if not out or any(f not in ALL_INJECTIONS for f in out):
+            raise argparse.ArgumentTypeError(f"{text!r}: use some of {', '.join(ALL_INJECTIONS)}")
+        return out
+
+    parser.add_argument(
+        "--self-control-forms",
+        dest="forms",
+        type=forms,
+        default=INJECTIONS,
+        help="the self control's injection forms, comma-separated (stale-refresh: every draft-decode refresh for the "
+        "previous step, a build with update_draft_decode_metadata only) (default %(default)s)",
+    )
 
     def methods(text: str) -> tuple[str, ...]:
         try:
