@@ -185,3 +185,31 @@ def test_a_dynamic_k_case_without_a_k_specialized_capture_cannot_vouch():
 def test_the_probe_counts_each_k_specialized_full_capture(plugin_state):
     c, _ = audited()
     assert c["captures_by_k"] == {"3": 3, "2": 3}
+
+
+class OneBuildPerShapeSpeculatorCudaGraphManager(sd.SpeculatorCudaGraphManager):
+    """A release's bug of this class: each batch shape's metadata built once, in its first K's pass, and handed to
+    every K's capture of that shape (the auditor before the K-keyed check passed it: nothing but K differs)."""
+
+    def capture(self, forward_fn, builder, wrong=False, progress_bar_desc="x"):
+        kept = {}
+
+        def create_forward_fn(desc, warmup):
+            key = (desc.num_tokens, warmup)
+            if key not in kept:
+                kept[key] = sd.prepare_inputs_to_capture(desc.num_reqs, desc.num_tokens, builder, 1)
+            md = kept[key]
+            return lambda cg_mode: forward_fn(md)
+
+        sd.CudaGraphManager.capture(self, create_forward_fn, progress_bar_desc)
+
+
+def test_a_capture_manager_that_builds_once_per_shape_across_ks_is_caught(plugin_state):
+    mod = sd._backend()
+    assert backend_hooks.install(mod, sd.CUDA)
+    runner = sd.Runner(mod)
+    spec = DynamicKSpeculator(runner)
+    spec.decode_cudagraph_manager = OneBuildPerShapeSpeculatorCudaGraphManager(spec.decode_cudagraph_manager.descs)
+    spec.decode_cudagraph_manager.capture(runner.forward, runner.builder)
+    found = counters.AUDITOR.mismatches
+    assert found and {(m.kind, m.buffer) for m in found} == {(STALE_DESCRIPTOR, "num_speculative_tokens")}
