@@ -213,3 +213,23 @@ def test_a_capture_manager_that_builds_once_per_shape_across_ks_is_caught(plugin
     spec.decode_cudagraph_manager.capture(runner.forward, runner.builder)
     found = counters.AUDITOR.mismatches
     assert found and {(m.kind, m.buffer) for m in found} == {(STALE_DESCRIPTOR, "num_speculative_tokens")}
+
+
+def test_the_dynamic_k_mutant_builds_once_per_shape_and_parses(tmp_path):
+    """scripts/mutate_vllm.py's dynamic-k-one-build-per-shape: the AR capture's inputs prepared once per (mode,
+    shape, pass) for K-specialized descriptors, what OneBuildPerShapeSpeculatorCudaGraphManager does above; the
+    patched function is valid Python."""
+    import ast
+    import importlib.util
+    import sys as _sys
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "mutate_vllm.py"
+    spec = importlib.util.spec_from_file_location("mutate_vllm", path)
+    mv = _sys.modules.setdefault("mutate_vllm", importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(mv)
+    mutant = mv.MUTANTS["dynamic-k-one-build-per-shape"]
+    body = "def create_forward_fn(self, desc, warmup):\n    if True:\n" + mutant.replacement
+    ast.parse(body)
+    assert "isinstance(desc, SpeculatorBatchDescriptor)" in mutant.replacement
+    assert "attn_metadata, slot_mappings = _kept[_shape]" in mutant.replacement
+    assert set(mutant.methods) == {gate_dynamic_k.name_of(b) for b in gate_dynamic_k.BASES}
