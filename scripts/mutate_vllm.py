@@ -17,7 +17,14 @@ version, or a file already patched) the script changes nothing, leaves nothing a
 DEST_PREFIX/MUTANT.json: the mutant's name, what it does wrong, the gate methods it affects, the file, the anchor and
 its replacement, and the unified diff.
 
-The bug class each mutant re-creates (vLLM 0.21-0.25, fixed by PR #48261 for the AR prefill manager): a draft FULL
+The refresh's mutant (`refresh-previous-step`, vLLM 0.34.0's flash_attn.py): the draft-decode refresh of FA3's
+scheduler metadata computes for the previous draft step; only the auditor's refresh judging (plugin/refresh.py) sees
+it in audit. The dynamic-K mutant (`dynamic-k-one-build-per-shape`, autoregressive/cudagraph_utils.py): a
+K-specialized capture builds each batch shape's metadata once, in its first K's pass, for every K's capture of that
+shape; only the descriptor check keyed by K (plugin/dynamic_k.py) sees it, with a dynamic-K method
+(`--methods eagle_dynamic_k`). The wrong-descriptor mutants follow.
+
+The bug class each wrong-descriptor mutant re-creates (vLLM 0.21-0.25, fixed by PR #48261 for the AR prefill manager): a draft FULL
 CUDA-graph capture runs with attention metadata built for ANOTHER descriptor than the one being captured. Here the
 object and the persistent buffers behind its views (query_start_loc, seq_lens, FA3 scheduler_metadata, slot
 mappings) are built together, consistently, by the build's own builder, but for the neighbouring entry of the same
@@ -160,6 +167,47 @@ MUTANTS = {
     name: Mutant(name, file, anchor, wrong_descriptor(anchor, condition), wrong, methods, manager)
     for name, file, anchor, condition, wrong, methods, manager in _TABLE
 }
+# The dynamic-K mutant: a K-specialized capture (SpeculatorCudaGraphManager.capture with specialize_spec_tokens) builds
+# each batch shape's metadata once per pass kind, in its first K's pass, and hands that build to every other K's
+# capture of the same shape: the graph of one K captured on the metadata of another K's pass.
+_ONE_BUILD_PER_SHAPE = (
+    '            _kept = self.__dict__.setdefault("_one_build_per_shape", {})\n'
+    "            _shape = (desc.cg_mode, num_tokens, num_reqs, warmup)\n"
+    "            if _shape not in _kept or not isinstance(desc, SpeculatorBatchDescriptor):\n"
+    "                _kept[_shape] = prepare_inputs_to_capture(\n"
+)
+MUTANTS["dynamic-k-one-build-per-shape"] = Mutant(
+    "dynamic-k-one-build-per-shape",
+    f"{SPEC}/autoregressive/cudagraph_utils.py",
+    _AR_ANCHOR,
+    _ONE_BUILD_PER_SHAPE
+    + "".join("    " + line + "\n" for line in _AR_ANCHOR.splitlines()[1:])
+    + "            attn_metadata, slot_mappings = _kept[_shape]\n",
+    "SpeculatorCudaGraphManager's K-specialized capture (dynamic speculative decoding, "
+    "num_speculative_tokens_per_batch_size) builds each batch shape's attention metadata once per pass kind, in "
+    "the first K's pass, and hands it to every other K's capture of that shape. Unspecialized captures are "
+    "untouched (the mutant is inert without a K schedule).",
+    ("eagle_dynamic_k", "eagle3_dynamic_k", "mtp_dynamic_k", "draft_model_dynamic_k"),
+    "SpeculatorCudaGraphManager (K-specialized draft decode)",
+)
+# The refresh's mutant: FA3's draft-decode refresh (FlashAttentionMetadataBuilder.update_draft_decode_metadata, run
+# eagerly in a draft capture's warmup pass and recorded into every fused draft decode graph) computes the scheduler
+# metadata for the previous draft step (every seq_lens entry one less) instead of the step its views show.
+_REFRESH_ANCHOR = """\
+            max_query_len=metadata.max_query_len,
+            seqlens=metadata.seq_lens,
+"""
+MUTANTS["refresh-previous-step"] = Mutant(
+    "refresh-previous-step",
+    "vllm/v1/attention/backends/flash_attn.py",
+    _REFRESH_ANCHOR,
+    _REFRESH_ANCHOR.replace("seqlens=metadata.seq_lens,", "seqlens=(metadata.seq_lens - 1).clamp(min=0),"),
+    "FlashAttentionMetadataBuilder.update_draft_decode_metadata (the in-graph and eager draft-decode refresh of "
+    "FA3's scheduler_metadata) computes for the previous draft step: seq_lens one less per request than the step "
+    "its views show. Every FULL draft decode graph records it (and DFlash's query graph); builds are untouched.",
+    ("eagle", "eagle3", "mtp", "draft_model", "dflash"),
+    "every speculator's draft-decode refresh (FLASH_ATTN)",
+)
 
 
 class Refused(Exception):

@@ -15,7 +15,7 @@ from repro.contract.request import ENV, PluginRequest
 from repro.errors import BadRequest, ConfigError
 from repro.vllm_integration.plugin import requested
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND, known_name
-from repro.vllm_integration.plugin.inject import INJECTIONS, SOURCES
+from repro.vllm_integration.plugin.inject import ALL_INJECTIONS, SOURCES
 from repro.vllm_integration.plugin.weights import DUMMY, WEIGHTS
 
 
@@ -35,7 +35,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--sm-margin", type=int, default=0, help="FA3 plans and launches for N fewer SMs (default 0)")
     p.add_argument("--poison", help="fill FA3's never-written scheduler entries (repro.case.poison; default: none)")
     p.add_argument(
-        "--inject", choices=INJECTIONS, help="re-create the capture defect (the self control; default: none)"
+        "--inject", choices=ALL_INJECTIONS, help="re-create the capture defect (the self control; default: none)"
     )
     p.add_argument("--inject-source", choices=SOURCES, help=f"with --inject: whose capture (default {SOURCES[0]})")
     p.add_argument(

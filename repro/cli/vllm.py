@@ -300,7 +300,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
         from repro.vllm_integration.gate.run import plan  # the gate's modules load only for it
 
         listed = builds + [o.listed() for o in overlays]
-        for c in plan(listed, modes, a.repeat, a.timeout, backends, a.self_control, a.compile, a.methods):
+        for c in plan(listed, modes, a.repeat, a.timeout, backends, a.self_control, a.compile, a.methods, a.forms):
             print(c.case_id)
         return exit_codes.Exit.OK
     gpu = gpu_present()  # probed in a child process, and not cached when there is no GPU: once here
@@ -339,7 +339,7 @@ def cmd_gate(a: argparse.Namespace) -> int:
             )
     run = run_gate(builds, modes, logs, a.repeat, a.jobs, a.timeout, progress, cache, backends, a.self_control,
                    devices=devices, launcher=a.launcher, deadline_s=a.deadline, compile=a.compile, keep_forkserver=keep,
-                   methods=a.methods, self_control_attempts=a.self_control_attempts)  # fmt: skip
+                   methods=a.methods, self_control_attempts=a.self_control_attempts, self_control_forms=a.forms)  # fmt: skip
     run.setup_s = round(run.started_at - command_started_at(), 2)  # CLI, build discovery, its GPU check
     judgment = run.judge(need_control=not a.no_control)  # the one decision: the reports and the exit code read it
     env = collect() | caveat

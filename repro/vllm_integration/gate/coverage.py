@@ -19,6 +19,7 @@ from repro.contract.channel import (  # the marks of what a recorded record pred
     recorded_before,
 )
 from repro.errors import MissingKey
+from repro.vllm_integration.gate import dynamic_k, sleep
 from repro.vllm_integration.gate.case import GateCase
 from repro.vllm_integration.gate.methods import speculator_class
 from repro.vllm_integration.gate.worker import DEFAULT_COMPILE
@@ -152,6 +153,21 @@ NEEDS: tuple[Need, ...] = (
         message=lambda c: (
             "no CUDA graph's memory went through memcheck's own allocator (its captures used another allocator or pool)"
         ),
+    ),
+    Need(  # a dynamic-K method (gate.dynamic_k): its draft decode graphs captured per K, else it tested nothing new
+        "dynamic K",
+        lambda case: dynamic_k.base_of(case.method) is not None,
+        "probe",
+        counter="captures_by_k",
+        keys="",
+        message=lambda c: "a K schedule was configured, but no FULL graph of a K-specialized descriptor was captured",
+    ),
+    Need(  # a sleep-and-wake scenario (gate.sleep): the engine slept and woke before it generated
+        "sleep",
+        lambda case: sleep.level_of(case.method) is not None,
+        "probe",
+        counter="slept",
+        message=lambda c: "a sleep-and-wake scenario whose engine never reported that it slept and woke",
     ),
     Need(
         "poison:FILL",

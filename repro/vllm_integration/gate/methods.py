@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import argparse
 import ast
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from repro.errors import ConfigError
+from repro.vllm_integration.gate import dynamic_k, sleep
 
 EAGLE, EAGLE3, DRAFT_MODEL, MTP = "eagle", "eagle3", "draft_model", "mtp"
 DFLASH = "dflash"
@@ -120,6 +121,9 @@ class SpecMethod:
     # draft with speculative_config.attention_backend, None choosing again (0.34.0 spec_decode/dflash/utils.py), where
     # the other drafts inherit the target's
     names_backend: bool = False
+    base: str | None = None  # a dynamic-K method (gate.dynamic_k): the method it runs, with k_schedule
+    k_schedule: tuple[tuple[int, int, int], ...] | None = None  # num_speculative_tokens_per_batch_size
+    sleep_level: int | None = None  # a sleep-and-wake scenario (gate.sleep): the level, with base
 
     def models(self) -> tuple[tuple[str, dict], ...]:
         return (self.target,) + ((self.draft,) if self.draft else ())
@@ -127,7 +131,9 @@ class SpecMethod:
     def speculative_config(self, draft: Path | None, spec_tokens: int, backend: str | None = None) -> dict:
         """LLM(speculative_config=...): the method, its draft model folder (none for MTP: the target's), k; the case's
         attention backend where the draft would not inherit it (names_backend)."""
-        out = {"method": self.name, "num_speculative_tokens": spec_tokens}
+        out = {"method": self.base or self.name, "num_speculative_tokens": spec_tokens}
+        if self.k_schedule:
+            out["num_speculative_tokens_per_batch_size"] = [list(e) for e in self.k_schedule]
         if draft is not None:
             out["model"] = str(draft)
         if self.names_backend and backend:
@@ -142,6 +148,19 @@ TABLE = {
     MTP: SpecMethod(MTP, ("target-mtp", TARGET_MTP), None),
     DFLASH: SpecMethod(DFLASH, ("target", TARGET), ("draft-dflash", DRAFT_DFLASH), names_backend=True),
 }
+# each autoregressive method again with a K schedule per batch size (gate.dynamic_k): `--methods dynamic` names them all
+DYNAMIC = tuple(dynamic_k.name_of(b) for b in dynamic_k.BASES)
+TABLE.update(
+    {dynamic_k.name_of(b): replace(TABLE[b], name=dynamic_k.name_of(b), base=b, k_schedule=dynamic_k.SCHEDULE)
+     for b in dynamic_k.BASES}
+)  # fmt: skip
+NOT_HERE.update(dynamic_k.NOT_HERE)
+# each method again with the engine put to sleep and woken before it generates (gate.sleep): `--methods sleep`
+SLEEP = tuple(sleep.name_of(m, level) for m in METHODS for level in sleep.LEVELS)
+TABLE.update(
+    {sleep.name_of(m, lv): replace(TABLE[m], name=sleep.name_of(m, lv), base=m, sleep_level=lv)
+     for m in METHODS for lv in sleep.LEVELS}
+)  # fmt: skip
 
 
 def parse_methods(text: str) -> tuple[str, ...]:
@@ -149,11 +168,13 @@ def parse_methods(text: str) -> tuple[str, ...]:
     names = [x.strip().lower() for x in text.split(",") if x.strip()]
     out: list[str] = []
     for n in names:
-        for m in ALL if n == "all" else (n,):
+        for m in {"all": ALL, "dynamic": DYNAMIC, "sleep": SLEEP}.get(n, (n,)):
             if m in NOT_HERE:
                 raise ConfigError(f"--methods {m}: {NOT_HERE[m]}")
             if m not in TABLE:
-                raise ConfigError(f"--methods {m!r}: use {', '.join(METHODS)} or all")
+                raise ConfigError(
+                    f"--methods {m!r}: use {', '.join((*METHODS, *DYNAMIC, *SLEEP))}, all, dynamic or sleep"
+                )
             if m in out:
                 raise ConfigError(f"--methods: {m} given twice (one case id each; use --repeat to run again)")
             out.append(m)
@@ -163,7 +184,24 @@ def parse_methods(text: str) -> tuple[str, ...]:
 
 
 def add_option(parser: argparse.ArgumentParser) -> None:
-    """`gate --methods` (parsed: a tuple of method names; a bad value is argparse's usage error, with the reason)."""
+    """`gate --methods` (parsed: a tuple of method names; a bad value is argparse's usage error, with the reason) and
+    `--self-control-forms` (the injection forms every method's self control runs in; a dynamic-K method adds its own)."""
+    from repro.vllm_integration.plugin.inject import ALL_INJECTIONS, INJECTIONS  # the forms: only for the option
+
+    def forms(text: str) -> tuple[str, ...]:
+        out = tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+        if not out or any(f not in ALL_INJECTIONS for f in out):
+            raise argparse.ArgumentTypeError(f"{text!r}: use some of {', '.join(ALL_INJECTIONS)}")
+        return out
+
+    parser.add_argument(
+        "--self-control-forms",
+        dest="forms",
+        type=forms,
+        default=INJECTIONS,
+        help="the self control's injection forms, comma-separated (stale-refresh: every draft-decode refresh for the "
+        "previous step, a build with update_draft_decode_metadata only) (default %(default)s)",
+    )
 
     def methods(text: str) -> tuple[str, ...]:
         try:
@@ -176,7 +214,9 @@ def add_option(parser: argparse.ArgumentParser) -> None:
         type=methods,
         default=DEFAULT_METHODS,
         help=f"speculative methods, each a case parameter with its own model pair, reference and self control: "
-        f"{', '.join(METHODS)}, or all ({', '.join(ALL)}: the methods measured on a GPU) (a method "
+        f"{', '.join(METHODS)}, or all ({', '.join(ALL)}: the methods measured on a GPU); with a K schedule per "
+        f"batch size: {', '.join(DYNAMIC)}, or dynamic (all four); slept and woken before generating: "
+        "<method>_sleep1 and _sleep2, or sleep (every method at both levels) (a method "
         "the build lacks, or captures no FULL draft graph for, is not applicable there; --compare-paths runs eagle) "
         "(default %(default)s)",
     )
@@ -323,9 +363,20 @@ def speculator_class(package_dir: Path | None, method: str) -> str | None:
 
 
 def not_applicable(package_dir: Path | None, method: str) -> str | None:
-    """Why this build cannot run `method` with FULL draft graphs (None: it can, or its files cannot tell)."""
+    """Why this build cannot run `method` with FULL draft graphs (None: it can, or its files cannot tell); a
+    dynamic-K method: its base method's answer, then whether the build specializes its graphs by K."""
     if package_dir is None or not (package_dir / SPEC).is_dir():
         return None
+    if level := sleep.level_of(method):
+        base = method[: -len(f"{sleep.SUFFIX}{level}")]
+        return not_applicable(package_dir, base) or sleep.not_supported(package_dir, level)
+    if base := dynamic_k.base_of(method):
+        if why := not_applicable(package_dir, base):
+            return why
+        qual, _ = _speculator_of(package_dir, base)
+        module, _, cls = (qual or "").rpartition(".")
+        is_ar = bool(cls) and _lookup(package_dir, module, cls, lambda c: c.name == dynamic_k.AR_BASE or None)
+        return dynamic_k.not_supported(package_dir, cls or None, bool(is_ar))
     qual, where = _speculator_of(package_dir, method)
     if qual is None:
         return f"method {method}: {where}"

@@ -31,6 +31,7 @@ from repro.run.memory import GIB, MemoryBudget
 from repro.run.mps_cases import SHARED, run_mps_cases
 from repro.run.runner import case_logs, device_sm_count, set_aside_logs
 from repro.run.smcontrol import MpsDaemon, sm_refusal
+from repro.vllm_integration.gate import dynamic_k
 from repro.vllm_integration.gate.cache import GateCache, gpu_identity, keep_in_logs, kept_reference, ref_key
 from repro.vllm_integration.gate.case import (
     FA3_ONLY,
@@ -186,7 +187,7 @@ def plan(
         GateCase(b, m, rep=r, timeout_s=timeout_s, backend=be, inject=inj, compile=compile, method=meth)
         for b in builds
         for meth in methods
-        for inj in ((None, *forms) if self_controls_for(b, self_control) else (None,))
+        for inj in ((None, *forms, *dynamic_k.forms_for(meth)) if self_controls_for(b, self_control) else (None,))
         for be in backends
         for m in modes
         for r in range(repeat)

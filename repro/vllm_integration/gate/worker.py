@@ -34,6 +34,7 @@ from repro.contract.channel import emit
 from repro.contract.tags import DEVICE_TAG, ENGINE_TAG, PLUGIN_TAG, RESULT_TAG
 from repro.files import write_whole
 from repro.run import own_alloc
+from repro.vllm_integration.gate import sleep
 from repro.vllm_integration.gate.methods import DEFAULT_METHOD, DRAFT, TABLE, TARGET  # noqa: F401  TARGET, DRAFT: re-exported
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
 from repro.vllm_integration.releases.builds import add_site_dirs
@@ -97,6 +98,7 @@ def llm_kwargs(
     )
     kw["disable_log_stats"] = False  # LLM.get_metrics(): the speculative-decoding acceptance counters
     kw["speculative_config"] = TABLE[method].speculative_config(draft, spec_tokens, backend)
+    kw.update(sleep.engine_kwargs(TABLE[method].sleep_level, reference))  # a sleep-and-wake scenario's (gate.sleep)
     if reference:
         kw["enforce_eager"] = True
     elif compile == "none":
@@ -287,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     own_before = own_alloc.counters() if own else {}  # the GEMM check's allocations are not vLLM's
     backend = req.plugin.attention_backend
     llm = LLM(**llm_kwargs(target, draft, req.reference, SPEC_TOKENS, GPU_MEMORY, backend, req.compile, req.method))
+    from repro.vllm_integration.plugin import counters  # the counters the case reports: whether it slept
+
+    sleep.sleep_and_wake(llm, TABLE[req.method].sleep_level, req.reference, counters.COUNTERS)
     t_engine = time.time()
     params = SamplingParams(
         temperature=0.0, max_tokens=MAX_NEW, detokenize=False, ignore_eos=True, logprobs=2 if req.reference else None
@@ -294,8 +299,6 @@ def main(argv: list[str] | None = None) -> int:
     outs = llm.generate([{"prompt_token_ids": t} for t in PROMPTS], params)
     t_done = time.time()
     if own:
-        from repro.vllm_integration.plugin import counters  # the counters the case reports (resolved_engine)
-
         now = own_alloc.counters()  # coverage: vLLM's tensors and graphs went through it
         counters.COUNTERS["own_allocator"] = {
             **now,

@@ -24,9 +24,10 @@ which `python -m repro plugin-request ...` prints (from_environment). The reques
                           show it); at the end of every capture, the metadata its attention forwards used is checked
                           too (what the graph baked in). Nothing is copied to the host while a graph is captured.
                           Where the builder has update_draft_decode_metadata (vLLM 0.28 on: the fused draft loop
-                          refreshes the draft-decode metadata in place, inside the captured graph), an eager refresh
-                          becomes the metadata's new reference, and a refresh inside a capture marks the fields it
-                          rewrites as the graph's to compute (not compared at that capture's end). At every FULL
+                          refreshes the draft-decode metadata in place, inside the captured graph), every refresh is
+                          judged (plugin.refresh): what it computed against what the builder gives for the draft
+                          step its views show (stale-refresh), right after an eager one (then the metadata's new
+                          reference), at the capture's end for one inside a capture. At every FULL
                           capture pass (warmup forward, capture end) the descriptor check too: the metadata in use
                           against what the builder gives for the descriptor being captured (stale-descriptor;
                           plugin.audit.descriptor_mismatches). Findings go to stderr as `REPRO_AUDIT <json>` lines
@@ -48,6 +49,12 @@ which `python -m repro plugin-request ...` prints (from_environment). The reques
                           the same capture list, object and buffers one consistent build (StaleDescriptorInjector):
                           only the auditor's descriptor check can see it. inject_source: whose capture
                           contents (first, last).
+  inject=stale-refresh    its third form, asked for by a request (not a gate default): every draft-decode refresh
+                          computes for the previous draft step (plugin.refresh.StaleRefreshInjector): only the
+                          refresh judged sees it.
+  inject=stale-k          its fourth, the gate's for its dynamic-K methods: each K-specialized draft FULL pass
+                          gets another K's metadata of the same batch shape (plugin.dynamic_k): only the
+                          descriptor check keyed by K sees it.
 - weights=agree           after vLLM's DummyModelLoader, the gate's constructed weights (repro.vllm_integration.
                           weights): a target decided by a wide margin at every token and an EAGLE draft that agrees
                           with it. `margin`: every parameter redrawn from a per-name seed (near ties, no acceptance).
@@ -85,7 +92,7 @@ from repro.vllm_integration.plugin import weights_dflash as dflash_weights
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND, backend_for
 from repro.vllm_integration.plugin.backend_hooks import install, install_inject, install_probe
 from repro.vllm_integration.plugin.fa3_hooks import install_fa3_hooks
-from repro.vllm_integration.plugin.inject import INJECTIONS, SOURCES
+from repro.vllm_integration.plugin.inject import ALL_INJECTIONS, SOURCES
 from repro.vllm_integration.plugin.weights import DUMMY, WEIGHTS
 from repro.vllm_integration.plugin.weights import install as install_weights
 
@@ -169,8 +176,8 @@ def requested(want: PluginRequest | None) -> dict[str, Any]:
     if not backend.replace("_", "").isalnum() or backend.upper() != backend:
         raise ValueError(f"attention_backend={backend!r}: expected a vLLM attention backend name such as FLASH_ATTN")
     out["attention_backend"] = backend
-    if want.inject is not None and want.inject not in INJECTIONS:
-        raise ValueError(f"inject={want.inject!r}: expected {' or '.join(INJECTIONS)}")
+    if want.inject is not None and want.inject not in ALL_INJECTIONS:
+        raise ValueError(f"inject={want.inject!r}: expected {' or '.join(ALL_INJECTIONS)}")
     out["inject"] = want.inject
     return out
 

@@ -5,7 +5,8 @@ A view whose buffer was overwritten by a later build is stale: exactly the defec
 detected on any GPU at any SM count, without waiting for an out-of-bounds read. Which views a backend's metadata
 has is repro.vllm_integration.plugin.backend_fields' business; this core compares whatever views it is handed, by name
 (FA3's scheduler_metadata decoded into its vectors, any other view by flat index). A refresh (vLLM's in-place
-draft-decode update, run eagerly) makes what the views show now the new reference."""
+draft-decode update, run eagerly), once repro.vllm_integration.plugin.refresh judged what it computed against the
+builder, makes what the views show now the new reference."""
 
 from __future__ import annotations
 
@@ -18,9 +19,13 @@ from repro.vllm_integration.plugin.identity import ByIdentity
 
 FIELDS = ("query_start_loc", "seq_lens", "scheduler_metadata")  # FA3's views: what the auditor checked first
 Number = int | float  # bool tensors read as ints; floating tensors (none checked in vLLM's tables today) as floats
-# the kinds of evidence a Mismatch is: a view whose buffer no longer holds what its build wrote, or metadata (object and
-# buffers, consistent with each other) built for another batch descriptor than the one being captured
-STALE_CONTENTS, STALE_DESCRIPTOR = "stale-contents", "stale-descriptor"
+# the kinds of evidence a Mismatch is: a view whose buffer no longer holds what its build wrote, metadata (object and
+# buffers, consistent with each other) built for another batch descriptor than the one being captured, or a field a
+# draft-decode refresh computed that is not what the builder gives for the draft step the views show (refresh.judge)
+STALE_CONTENTS, STALE_DESCRIPTOR, STALE_REFRESH = "stale-contents", "stale-descriptor", "stale-refresh"
+# ... or, at a sampled replay of a FULL draft graph, a buffer it reads no longer holds what the runtime's latest build
+# wrote for the batch being replayed (plugin.replay)
+STALE_REPLAY = "stale-replay"
 SCALARS = ("num_actual_tokens", "num_reqs", "max_query_len")  # the object fields the descriptor check compares
 
 
@@ -32,12 +37,22 @@ class Mismatch:
     index: int  # first differing index within the field (flat index for a view of more than one dimension)
     built: Number  # what the build wrote (stale-descriptor: what the builder gives for the captured descriptor)
     now: Number
-    kind: str = STALE_CONTENTS  # STALE_CONTENTS or STALE_DESCRIPTOR (records without it are contents mismatches)
+    kind: str = STALE_CONTENTS  # STALE_CONTENTS, _DESCRIPTOR or _REFRESH (records without it: contents mismatches)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def __str__(self) -> str:
+        if self.kind == STALE_REPLAY:
+            return (
+                f"stale at replay of {self.descriptor}: {self.field}[{self.index}] is {self.now}, the runtime's "
+                f"latest build for the batch being replayed wrote {self.built}"
+            )
+        if self.kind == STALE_REFRESH:
+            return (
+                f"draft-decode refresh of {self.descriptor} computed for another step or batch: {self.field}"
+                f"[{self.index}] is {self.now}, the builder gives {self.built} for the step its views show"
+            )
         if self.kind == STALE_DESCRIPTOR:
             where = self.field if self.field != self.buffer else f"{self.field}[{self.index}]"
             return (
@@ -51,8 +66,9 @@ class Mismatch:
 
 def in_words(record: dict) -> str:
     """A Mismatch's record (to_dict, as an AUDIT line or the audit file holds it) in words: a contents mismatch as
-    staleness.stale_entry names it (as recorded before the descriptor check), a stale-descriptor one as str()."""
-    if record.get("kind") == STALE_DESCRIPTOR:
+    staleness.stale_entry names it (as recorded before the descriptor check), a stale-descriptor or stale-refresh one
+    as str()."""
+    if record.get("kind") in (STALE_DESCRIPTOR, STALE_REFRESH, STALE_REPLAY):
         return str(Mismatch(**{k: v for k, v in record.items() if k in Mismatch.__dataclass_fields__}))
     r = record
     return stale_entry(r["descriptor"], r["buffer"], r["field"], r["index"], r["now"], r["built"])
@@ -74,7 +90,8 @@ class FreshnessAuditor:
     mismatches: list[Mismatch] = field(default_factory=list)
     checks: int = 0
     views: int = 0  # views compared over all checks (each view of a metadata object counts one per check)
-    refreshes: int = 0  # eager draft-decode refreshes that became their metadata's new reference
+    refreshes: int = 0  # eager draft-decode refreshes that became their metadata's new reference (once judged)
+    refresh_checks: int = 0  # fields a draft-decode refresh computed, compared with the builder's (refresh.judge)
     loop_advances: int = (
         0  # seq_lens views the draft loop had advanced in place (uniformly, by at most `advance`): not stale
     )
@@ -89,8 +106,9 @@ class FreshnessAuditor:
 
     def refresh(self, key: Any, views: dict[str, Any]) -> bool:
         """After an eager in-place refresh of a recorded build's metadata (vLLM's update_draft_decode_metadata and
-        the draft step around it): what the views show now is what the next forward must see. False when the build
-        is not known. Copies to the host, like record_build."""
+        the draft step around it), once refresh.judge compared what it computed with the builder's answer: what the
+        views show now is what the next forward must see. False when the build is not known. Copies to the host,
+        like record_build."""
         b = self.builds.get(key)
         if b is None:
             return False
@@ -100,6 +118,16 @@ class FreshnessAuditor:
 
     def knows(self, key: Any) -> bool:
         return key in self.builds
+
+    def label_of(self, key: Any) -> str:
+        """The descriptor label its build recorded ('?' for a build not recorded)."""
+        b = self.builds.get(key)
+        return b.descriptor if b is not None else "?"
+
+    def field_at(self, key: Any, name: str, size: int, index: int) -> tuple[str, int]:
+        """(field, index) of a view's flat index, FA3's scheduler_metadata decoded by its recorded build's shape."""
+        b = self.builds.get(key)
+        return (name, index) if b is None else self._field(name, b, size, index)
 
     def check(
         self, key: Any, views: dict[str, Any], skip: frozenset[str] | set[str] = frozenset(), advance: int = 0
@@ -241,6 +269,11 @@ def descriptor_mismatches(
     scalar("num_actual_tokens", T)
     scalar("num_reqs", R)
     scalar("max_query_len", q)
+    k = built.get("num_speculative_tokens")  # the K of the pass the metadata was built in (plugin.dynamic_k)
+    if desc.spec_tokens is not None and isinstance(k, int):
+        compared.append("num_speculative_tokens")
+        if k != desc.spec_tokens:
+            differs("num_speculative_tokens", 0, desc.spec_tokens, k, "num_speculative_tokens (built for)")
     qsl = nows.get("query_start_loc")
     if qsl:
         compared.append("query_start_loc")

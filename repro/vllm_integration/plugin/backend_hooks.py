@@ -1,7 +1,8 @@
 """The hooks on an attention backend's classes (found by backend_fields): <X>MetadataBuilder.build and
 build_for_cudagraph_capture (what every build's metadata shows, recorded for the freshness auditor; the self
-control's injection after a build), update_draft_decode_metadata (an eager refresh is the metadata's new reference,
-one inside a capture marks its fields as the graph's) and <X>Impl.forward (counted; an eager forward's metadata
+control's injection after a build), update_draft_decode_metadata (judged by repro.vllm_integration.plugin.refresh:
+an eager refresh against its builder's answer right away, then the metadata's new reference; one inside a capture at
+the capture's end; the self control's form stale-refresh after it) and <X>Impl.forward (counted; an eager forward's metadata
 checked, a captured one's handed to its capture). Installed as the auditor (install), the coverage counters
 (install_probe) or the self control (install_inject)."""
 
@@ -13,12 +14,14 @@ from typing import Any
 
 from repro.contract.channel import emit
 from repro.contract.tags import AUDIT_TAG, PLUGIN_TAG
-from repro.vllm_integration.plugin import capture, counters
+from repro.vllm_integration.plugin import capture, counters, dynamic_k, refresh, replay
 from repro.vllm_integration.plugin.audit import layout_of
 from repro.vllm_integration.plugin.backend_fields import FLASH_ATTN, BackendFields, find_classes, tensor_fields
 from repro.vllm_integration.plugin.inject import (
     SOURCES,
     STALE_CAPTURE,
+    STALE_K,
+    STALE_REFRESH,
     StaleDescriptorInjector,
     capture_pass,
     capture_role,
@@ -109,7 +112,12 @@ def _record(builder: Any, md: Any, spec: BackendFields) -> None:
     if capture._CAPTURES or capture.capturing():
         counters.bump("builds_in_graph")
         return
-    counters.AUDITOR.record_build(md, label_of(md), views_of(md, spec), build_shape(builder, md))
+    shape = build_shape(builder, md) | dynamic_k.build_k(sys._getframe(2))  # the K of a K-specialized pass
+    views = views_of(md, spec)
+    counters.AUDITOR.record_build(md, label_of(md), views, shape)
+    if "on" in capture._REPLAY:  # the runtime's latest build of each buffer view, for the replay check
+        frame = sys._getframe(2)
+        capture._REPLAY["on"].built(label_of(md), views, capture.draft_on_stack(frame) and replay.runtime(frame))
 
 
 def _wrap_builder(builder_cls: Any, spec: BackendFields) -> list[str]:
@@ -146,7 +154,11 @@ def _wrap_builder(builder_cls: Any, spec: BackendFields) -> list[str]:
         @functools.wraps(orig_update)
         def update_draft_decode_metadata(self: Any, metadata: Any, *args: Any, **kwargs: Any) -> Any:
             out = orig_update(self, metadata, *args, **kwargs)
-            _refreshed(metadata, spec)
+            injector = capture._INJECTOR.get("on")
+            if isinstance(injector, refresh.StaleRefreshInjector) and metadata is not None:  # before it is judged
+                busy = bool(capture._CAPTURES) or capture.capturing()
+                injector.after_refresh(self, metadata, spec, tensor_fields(metadata, spec)[0], busy)
+            _refreshed(self, metadata, spec)
             return out
 
         update_draft_decode_metadata._repro_wrapped = True  # type: ignore[attr-defined]
@@ -168,6 +180,8 @@ def _after_build(builder: Any, md: Any, spec: BackendFields) -> Any:
             sched = getattr(md, "scheduler_metadata", None)
             if sched is not None and hasattr(sched, "numel"):
                 injector.fill_padding(layout_of(build_shape(builder, md), sched.numel()), POISON_FILL)
+    elif role == "draft" and isinstance(injector, dynamic_k.StaleKInjector):  # the form stale-k: another K's
+        md = injector.other_k(builder, md, capture_pass(sys._getframe(2)), sys._getframe(2))
     elif role == "draft" and isinstance(injector, StaleDescriptorInjector):  # the second form: another descriptor's
         counters.bump("inject_builds_by_manager", capture.manager_of(sys._getframe(2)))
         injector.new_pass()
@@ -203,22 +217,35 @@ def install_inject(
         return False
     _wrap_forward(impl_cls, spec)
     capture.install_capture_tracker(cuda)
-    capture._INJECTOR["on"] = make_injector(form, counters.COUNTERS, lambda record: emit(PLUGIN_TAG, record), source)
+    announce = lambda record: emit(PLUGIN_TAG, record)  # noqa: E731
+    if form == STALE_REFRESH:
+        capture._INJECTOR["on"] = refresh.make_refresh_injector(counters.COUNTERS, announce)
+    elif form == STALE_K:
+        capture._INJECTOR["on"] = dynamic_k.StaleKInjector(counters.COUNTERS, announce)
+    else:
+        capture._INJECTOR["on"] = make_injector(form, counters.COUNTERS, announce, source)
     counters._installed.add("inject")
     return True
 
 
-def _refreshed(md: Any, spec: BackendFields) -> None:
-    """After vLLM refreshed a metadata object in place: inside a capture, its refreshed fields become the graph's
-    to compute (marked on the capture, nothing copied); outside, what it shows now is its new reference."""
+def _refreshed(builder: Any, md: Any, spec: BackendFields) -> None:
+    """After vLLM refreshed a metadata object in place: inside a capture, marked on the capture with its builder
+    (judged at the capture's end, nothing copied now); outside, with the auditor on, what it computed judged against
+    the builder's answer for this step (refresh.judge: each finding an AUDIT_TAG line, kind stale-refresh), then what
+    it shows is its new reference."""
     if md is None:
         return
     if capture._CAPTURES or capture.capturing():
         counters.bump("draft_refreshes_in_graph")
         if capture._CAPTURES:
-            capture._CAPTURES[-1].refreshed.add(md)
+            capture._CAPTURES[-1].refreshed[md] = builder
         return
-    if counters.AUDITOR.refresh(md, views_of(md, spec)):
+    if not capture._AUDIT_ON["on"] or not counters.AUDITOR.knows(md):
+        return
+    views = views_of(md, spec)
+    for m in refresh.judge(counters.AUDITOR, counters.COUNTERS, builder, md, spec, views):
+        emit(AUDIT_TAG, {"stale": m.to_dict(), "message": str(m), "capture": "eager draft refresh"})
+    if counters.AUDITOR.refresh(md, views):
         counters.bump("draft_refreshes")
 
 
@@ -233,6 +260,27 @@ def install(module: Any, cuda: Any = None, spec: BackendFields = FLASH_ATTN) -> 
     _wrap_forward(impl_cls, spec)
     if cuda is not None:
         capture.install_capture_tracker(cuda)
+    _install_replay_check(cuda)
     capture._AUDIT_ON["on"] = True
     counters._installed.add("audit")
     return True
+
+
+def _install_replay_check(cuda: Any) -> None:
+    """The replay check (plugin.replay) where torch has the global replay-start hook; off, and said so, where not."""
+    if cuda is None:
+        import torch  # the real torch.cuda only when no stand-in is handed in (vLLM's process; the CPU tier hands one)
+
+        cuda = torch.cuda
+    register, why = replay.hook_of(cuda)
+    counters.COUNTERS["replay_check"] = why or "on"
+    if register is None or "on" in capture._REPLAY:
+        return
+    checker = capture._REPLAY["on"] = replay.ReplayChecker(counters.COUNTERS)
+
+    def replayed(graph: Any) -> None:
+        for m in checker.on_replay(graph):
+            counters.AUDITOR.mismatches.append(m)
+            emit(AUDIT_TAG, {"stale": m.to_dict(), "message": str(m), "capture": "replay"})
+
+    register(replayed)

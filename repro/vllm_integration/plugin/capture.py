@@ -15,12 +15,13 @@ from typing import Any
 from repro.contract.channel import emit
 from repro.contract.tags import AUDIT_TAG
 from repro.errors import StaleCapture
-from repro.vllm_integration.plugin import counters
+from repro.vllm_integration.plugin import counters, refresh
 from repro.vllm_integration.plugin.audit import CaptureDescriptor
 from repro.vllm_integration.plugin.backend_fields import BackendFields
 from repro.vllm_integration.plugin.identity import ByIdentity
 from repro.vllm_integration.plugin.inject import StaleCaptureInjector, is_draft_frame
 from repro.vllm_integration.plugin.metadata_views import fields_of, views_of
+from repro.vllm_integration.plugin.replay import ReplayChecker
 
 UNKNOWN_KIND = "unknown kind"
 # A draft decode graph runs the draft steps after the first; each but the last advances seq_lens by one in place
@@ -34,17 +35,20 @@ class _Capture:
     forwards: int = 0
     # each metadata object its attention forwards used -> (it, its backend's table)
     metadata: ByIdentity[tuple[Any, BackendFields]] = field(default_factory=ByIdentity)
-    refreshed: ByIdentity[None] = field(default_factory=ByIdentity)  # metadata refreshed in place inside this capture
+    # metadata refreshed in place inside this capture -> the builder that refreshed it (judged at the capture's end)
+    refreshed: ByIdentity[Any] = field(default_factory=ByIdentity)
     injected: bool = False  # an attention forward of this capture read buffers the self control wrote
     manager: str = UNKNOWN_KIND  # the capture manager recording it, and whose it is (manager_of)
     # the FULL descriptor this capture records (capture_descriptor: (descriptor, None), (None, why it is unreadable),
     # or (None, None) outside a FULL capture pass)
     descriptor: tuple[CaptureDescriptor | None, str | None] = (None, None)
+    graph: Any = None  # the torch.cuda.CUDAGraph it records (the replay check knows its replays by it)
 
 
 _CAPTURES: list[_Capture] = []
 _AUDIT_ON = {"on": False, "strict": False}
 _INJECTOR: dict[str, StaleCaptureInjector] = {}  # "on" -> the injector, when the request asked for one
+_REPLAY: dict[str, ReplayChecker] = {}  # "on" -> the replay check, where torch has the global replay hook
 
 
 def graph_kind(frame: Any, depth: int = 40) -> str:
@@ -161,6 +165,7 @@ def install_capture_tracker(cuda: Any) -> None:
             _CAPTURES.append(
                 _Capture(graph_kind(frame), manager=manager_of(frame), descriptor=capture_descriptor(frame))
             )
+            _CAPTURES[-1].graph = getattr(self, "cuda_graph", None)
             if "on" in _INJECTOR:  # before recording starts: nothing the injection writes is in the graph
                 _INJECTOR["on"].capture_begins(_CAPTURES[-1].kind)
             try:
@@ -187,6 +192,8 @@ def _finish_capture(cap: _Capture, failed: bool) -> None:
     if cap.forwards:
         counters.bump("captures_with_attention", cap.kind)
         counters.bump("full_captures_by_manager", cap.manager)
+        if cap.descriptor[0] is not None and cap.descriptor[0].spec_tokens is not None:  # a K-specialized graph
+            counters.bump("captures_by_k", str(cap.descriptor[0].spec_tokens))
     if cap.injected and not failed:
         counters.bump("captures_injected", cap.kind)
         counters.bump("injected_by_manager", cap.manager)
@@ -201,12 +208,19 @@ def _finish_capture(cap: _Capture, failed: bool) -> None:
         views = views_of(md, spec)
         skip = _refreshed_fields(cap, md, spec, views)
         advance = MAX_DRAFT_LOOP_ADVANCE if cap.kind.startswith("draft decode") else 0
-        for m in auditor.check(md, views, skip, advance):
+        found = auditor.check(md, views, skip, advance)
+        if md in cap.refreshed:  # what the refresh computed: the builder's answer for the step the views show
+            found += refresh.judge(auditor, counters.COUNTERS, cap.refreshed.get(md), md, spec, views)
+        for m in found:
             stale = True
             emit(AUDIT_TAG, {"stale": m.to_dict(), "message": str(m), "capture": cap.kind})
     for md, spec in cap.metadata.values():  # every metadata the graph baked in, built for the descriptor captured?
         skip = _refreshed_fields(cap, md, spec, views_of(md, spec))
         stale = audit_descriptor(md, spec, cap.descriptor, cap.kind, skip) or stale
+    desc = cap.descriptor[0]
+    if "on" in _REPLAY and cap.kind.startswith("draft") and desc is not None and cap.metadata:  # a FULL draft graph
+        views = {p: v for md, spec in cap.metadata.values() for p, v in views_of(md, spec).items()}
+        _REPLAY["on"].captured(cap.graph, f"{cap.kind} {desc.label}", views)
     if known:
         counters.bump("captures_audited", cap.kind)
         counters.bump("audited_by_manager", cap.manager)
@@ -230,7 +244,9 @@ SINGLE_FORWARD_DRAFT = "draft query"  # DFlash's query graph (graph_kind): one f
 
 def _refreshed_fields(cap: _Capture, md: Any, spec: BackendFields, views: dict[str, Any]) -> set[str]:
     """The fields of md an in-graph refresh of this capture rewrote: they hold what the graph will compute at replay,
-    not what the build wrote, so the capture-end checks skip them. Only for metadata refreshed inside this capture.
+    not what the build wrote, so the capture-end contents and descriptor checks skip them; what the refresh itself
+    computed is judged instead (refresh.judge, against the builder), the draft loop's step fields are the loop's.
+    Only for metadata refreshed inside this capture.
     DFlash's query graph refreshes scheduler_metadata (update_draft_decode_metadata) but runs no draft loop, so the
     loop's step fields (seq_lens, slot_mapping) stay checked there (vLLM 0.34 dflash/speculator.py
     _prepare_graph_forward); any other capture, its kind known or not, may run the loop."""
@@ -301,6 +317,8 @@ def audit_descriptor(
         counters.bump("descriptor_unchecked", f"{kind}: {why}")
         return False
     counters.bump("descriptor_checks", kind)
+    if desc is not None and desc.spec_tokens is not None:  # a K-specialized graph (plugin.dynamic_k)
+        counters.bump("descriptor_checks_by_k", str(desc.spec_tokens))
     for m in found:
         emit(AUDIT_TAG, {"stale": m.to_dict(), "message": str(m), "capture": kind})
     if found:

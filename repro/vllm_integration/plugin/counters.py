@@ -44,6 +44,7 @@ def new_counters() -> dict[str, Any]:
         "audited_by_manager": {},  # manager -> captures whose metadata the auditor checked at capture end
         "stale_by_manager": {},  # manager -> of those, captures with stale views or another descriptor's metadata
         "injected_by_manager": {},  # manager -> captures whose attention read buffers the self control wrote
+        "captures_by_k": {},  # K -> FULL captures of a K-specialized descriptor (dynamic speculative decoding)
         "captures_audited": {},  # kind -> captures whose attention metadata the auditor checked at capture end
         "captures_stale": {},  # kind -> of those, captures with stale views
         "checks": 0,  # auditor checks (eager forwards and capture ends)
@@ -57,9 +58,22 @@ def new_counters() -> dict[str, Any]:
         "draft_refreshes": 0,  # eager update_draft_decode_metadata calls that became their metadata's reference
         "draft_refreshes_in_graph": 0,  # ... called inside a capture (the refreshed fields are the graph's)
         "captures_refreshed_in_graph": {},  # kind -> captures whose metadata was refreshed inside them
+        # the refresh judged (refresh.judge): after each eager refresh, at the end of each capture refreshed inside it
+        "refresh_checks": 0,  # fields a refresh computed, compared with what the builder gives for the step
+        "refresh_stale": 0,  # judgings that found a field computed for another step or batch (stale-refresh)
+        "refresh_unjudged": {},  # "backend.field" -> refreshed fields no rule or builder method could judge
         # the descriptor check (audit.descriptor_mismatches) at every FULL capture pass, warmup forwards and capture ends
         "descriptor_checks": {},  # kind -> metadata compared with the descriptor being captured
         "descriptor_stale": {},  # kind -> of those, found built for another descriptor (stale-descriptor)
+        # the replay check (plugin.replay): "on", or why it is off (torch without the global replay hook)
+        "replay_check": None,
+        "replay_graphs": 0,  # FULL draft graphs whose replays it watches
+        "replays_seen": 0,  # their replays
+        "replay_checks": 0,  # of those, sampled and checked
+        "replay_check_s": 0.0,  # seconds the checks took (their overhead)
+        "replay_unjudged": {},  # field -> views of a checked replay with no runtime build recorded since capture
+        "slept": None,  # a sleep-and-wake scenario (gate.sleep): the level the engine slept at and woke from
+        "descriptor_checks_by_k": {},  # K -> of those, in a K-specialized FULL pass (dynamic speculative decoding)
         "descriptor_unchecked": {},  # "kind: why" -> FULL passes whose metadata could not be compared (cannot vouch)
         "spec_layout": None,  # V2 spec-decode layout of the vLLM that loaded the plugin (plugin.spec_layout)
         "spec_layout_known": None,  # is it one of KNOWN_SPEC_LAYOUTS (None: not looked at, the probe is off)
@@ -86,6 +100,7 @@ def snapshot() -> dict[str, Any]:
     out = copy.deepcopy(COUNTERS)
     out["checks"], out["views_checked"] = AUDITOR.checks, AUDITOR.views
     out["draft_loop_advances"] = AUDITOR.loop_advances
+    out["refresh_checks"] = AUDITOR.refresh_checks
     out["installed"] = sorted(_installed)
     return out
 

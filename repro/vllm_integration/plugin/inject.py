@@ -51,7 +51,15 @@ STALE_CAPTURE = "stale-capture"
 # capture list, its object and its buffers' contents together (consistent with each other: only a check against the
 # descriptor being captured sees it)
 STALE_DESCRIPTOR = "stale-descriptor"
-INJECTIONS = (STALE_CAPTURE, STALE_DESCRIPTOR)
+INJECTIONS = (STALE_CAPTURE, STALE_DESCRIPTOR)  # the gate's self-control forms, every build, every mode
+# the third form (repro.vllm_integration.plugin.refresh, StaleRefreshInjector): every draft-decode refresh computes
+# for the previous draft step; a request may ask for it (python -m repro plugin-request --inject), the gate's default
+# forms leave it out (only a build with update_draft_decode_metadata has something for it to change)
+STALE_REFRESH = "stale-refresh"
+# the fourth (repro.vllm_integration.plugin.dynamic_k, StaleKInjector): a K-specialized draft FULL pass gets another
+# K's metadata of the same batch shape; the gate runs it for its dynamic-K methods (gate/dynamic_k.py)
+STALE_K = "stale-k"
+ALL_INJECTIONS = (*INJECTIONS, STALE_REFRESH, STALE_K)
 # which of the target's capture builds the draft's buffers are given: its last (what 0.21.0-0.25.1 left in them), or
 # its first (the largest batch descriptor: the contents furthest from any draft descriptor's)
 SOURCES = ("first", "last")
