@@ -21,9 +21,9 @@ import os
 import pytest
 
 from cases.gpu_env import gpu_skip_reason
+from repro.contract.verdicts import SKIP
 from repro.errors import ConfigError
 from repro.judge import policy
-from repro.judge.verdicts import SKIP
 from repro.report.pytest_gate import NOT_APPLICABLE, not_applicable
 from repro.run.process import MAX_WAIT_S
 from repro.run.pytest_cases import log_dir

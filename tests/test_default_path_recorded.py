@@ -66,8 +66,8 @@ def test_the_phases_name_the_model_load_and_the_jit_warmup_apart_from_the_rest_o
     """gate_bench.phases on recorded cases of 0.34.0 (the comparison's kept paths): the JIT warmup (cold: about 59 s,
     warm: about 1 s) and the models' load are phases of their own, taken out of engine_rest, which the record (written
     before they were) held them in."""
-    from repro.run.channel import Channel, path_for
-    from repro.run.tags import RESULT_TAG
+    from repro.contract.channel import Channel, path_for
+    from repro.contract.tags import RESULT_TAG
     from repro.vllm_integration.gate import bench as gate_bench
 
     paths = json.loads((PATHS / "paths.json").read_text())["paths"]

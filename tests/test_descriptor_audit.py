@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from repro.attention.layout import VLLM, metadata_layout
+from repro.backends.layout import VLLM, metadata_layout
 from repro.vllm_integration.plugin import backend_hooks, capture, counters
 from repro.vllm_integration.plugin.audit import (
     STALE_CONTENTS,

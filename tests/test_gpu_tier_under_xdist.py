@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from repro.judge.verdicts import Verdict
+from repro.contract.verdicts import Verdict
 from repro.report.pytest_gate import plain
 
 ROOT = Path(__file__).resolve().parent.parent

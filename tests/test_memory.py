@@ -10,7 +10,7 @@ import time
 from repro.case.descriptors import AttnConfig
 from repro.case.matrix import MatrixOptions, build_specs
 from repro.case.spec import CaseResult
-from repro.judge.verdicts import CLEAN
+from repro.contract.verdicts import CLEAN
 from repro.run import runner
 from repro.run.matrix import run_matrix
 from repro.run.memory import GIB, KEEP_FREE, MemoryBudget, case_bytes

@@ -8,10 +8,10 @@ import pytest
 
 from repro.case.matrix import MatrixOptions, build_specs
 from repro.case.spec import CaseSpec, SmConfig
+from repro.contract.verdicts import CLEAN, CRASH, HANG, LAUNCH_FAIL, OOB, STALE_AUDIT, WRONG
 from repro.errors import ConfigError
 from repro.judge.expectations import expectation
 from repro.judge.policy import EXPECTATIONS, satisfies
-from repro.judge.verdicts import CLEAN, CRASH, HANG, LAUNCH_FAIL, OOB, STALE_AUDIT, WRONG
 from repro.report import results as report
 from repro.report.results import is_vllm_gate_record, load_json
 from repro.run.matrix import MatrixRun
@@ -76,8 +76,8 @@ def test_harness_blind_and_disagreement_are_the_policys_judgement(expected):
     HARNESS BLIND is a positive control the gate fails (`problem`), DISAGREEMENT one it lists as evidence of another
     kind (`disagrees`); a negative control is neither, whatever its case's strategy, and a skip did not run."""
     from repro.case.spec import CaseResult
+    from repro.contract.verdicts import SKIP, VERDICTS
     from repro.judge.policy import disagrees, is_positive, problem
-    from repro.judge.verdicts import SKIP, VERDICTS
 
     for strategy in ("stale", "fresh"):
         for verdict in VERDICTS:

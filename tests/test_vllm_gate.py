@@ -19,9 +19,9 @@ from repro.case.poison import parse_poison
 from repro.case.spec import CaseResult
 from repro.cli import main as cli
 from repro.contract import request
+from repro.contract.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, STALE_AUDIT, WRONG
 from repro.errors import ConfigError
 from repro.judge.classify import classify
-from repro.judge.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, STALE_AUDIT, WRONG
 from repro.vllm_integration import plugin
 from repro.vllm_integration.gate.case import GateCase, GateMode, parse_modes
 from repro.vllm_integration.gate.judge import apply_reference, compare_tokens, not_fired

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from repro.contract.verdicts import SKIP
 from repro.judge import policy
-from repro.judge.verdicts import SKIP
 from repro.vllm_integration.gate import methods
 from repro.vllm_integration.gate.case import GateCase, GateMode, reference_for
 from repro.vllm_integration.gate.process import not_applicable_of, set_apart_not_applicable
@@ -242,7 +242,7 @@ def test_a_build_prefix_pth_file_takes_effect_in_the_case_process(tmp_path):
 
 def test_the_report_has_a_row_per_method_and_a_lacking_method_reads_not_applicable(tmp_path):
     from repro.case.spec import CaseResult
-    from repro.judge.verdicts import CLEAN
+    from repro.contract.verdicts import CLEAN
     from repro.vllm_integration.gate import report
 
     prefix = _tree(tmp_path, BASE)  # EAGLE only

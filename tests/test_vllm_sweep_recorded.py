@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from repro.run.channel import Channel, path_for
-from repro.run.tags import RESULT_TAG
+from repro.contract.channel import Channel, path_for
+from repro.contract.tags import RESULT_TAG
 from repro.vllm_integration.gate import bench as gate_bench
 from repro.vllm_integration.gate.report import build_summary
 from repro.vllm_integration.releases import release_range

@@ -31,7 +31,7 @@ import pytest
 from repro.case.spec import CaseResult
 from repro.contract import channel
 from repro.contract.channel import RECORDED_BEFORE
-from repro.judge.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, HANG, STALE_AUDIT, WRONG
+from repro.contract.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, HANG, STALE_AUDIT, WRONG
 from repro.vllm_integration.gate import coverage
 from repro.vllm_integration.gate import judge as gate_judge
 from repro.vllm_integration.gate import steps as gate_steps
@@ -416,8 +416,8 @@ DRAFTED = {"spec_decode_num_draft_tokens": 3, "spec_decode_num_accepted_tokens":
 
 
 def test_the_replays_upgrader_marks_only_result_records_without_their_configuration():
+    from repro.contract.tags import COUNTERS_TAG, ENGINE_TAG, RESULT_TAG
     from repro.report.records import upgrade_channel as upgrade_records
-    from repro.run.tags import COUNTERS_TAG, ENGINE_TAG, RESULT_TAG
 
     def rec(tag, data):
         return json.dumps({"schema": 1, "tag": tag, "pid": 1, "data": data})

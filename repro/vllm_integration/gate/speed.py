@@ -12,8 +12,8 @@ import json
 import statistics
 from pathlib import Path
 
-from repro.run.channel import Channel, path_for
-from repro.run.tags import RESULT_TAG
+from repro.contract.channel import Channel, path_for
+from repro.contract.tags import RESULT_TAG
 from repro.vllm_integration.gate import bench as gate_bench
 from repro.vllm_integration.gate.cache import KEPT_LINE
 from repro.vllm_integration.gate.paths import path_folder
