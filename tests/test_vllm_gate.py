@@ -465,7 +465,7 @@ def test_the_kernel_comes_from_the_faulting_line_only(tmp_path):
 def test_the_gate_outcome_reads_failure_kinds_not_their_words(monkeypatch):
     """Rewording a policy message must not change an outcome: GateRun decides by Failure.kind and case id."""
     from repro.judge import policy
-    from repro.vllm_integration.gate.run import GateRun
+    from repro.vllm_integration.gate.outcome import GateRun
 
     build = VllmBuild("0.26.0", None, UNDER_TEST, "0.26.0")
     case = GateCase(build, GateMode.parse("plain"))
@@ -491,7 +491,7 @@ def test_the_gate_outcome_reads_failure_kinds_not_their_words(monkeypatch):
 def test_the_outcome_of_an_affected_build_and_of_one_that_gave_no_answer():
     """AFFECTED when a build under test showed the bug, CANNOT VOUCH when it gave no answer (an error), whatever the
     controls; a build under test's own failure is never the harness's blindness."""
-    from repro.vllm_integration.gate.run import GateRun
+    from repro.vllm_integration.gate.outcome import GateRun
 
     case = GateCase(VllmBuild("0.26.0", None, UNDER_TEST, "0.26.0"), GateMode.parse("plain"))
     crashed = GateRun(cases=[(case, CaseResult(case.case_id, CRASH, "fault", expected="clean"))])
@@ -507,8 +507,8 @@ def test_compare_paths_reports_the_outcome_its_exit_code_reads(tmp_path):
     path's results.json and verdicts.md and the exit code all read that one answer (paths.json once said HARNESS
     BLIND where the command exited 0)."""
     from repro.exit_codes import compare_paths as exit_of
+    from repro.vllm_integration.gate.outcome import GateRun
     from repro.vllm_integration.gate.paths import write_comparison
-    from repro.vllm_integration.gate.run import GateRun
 
     build = VllmBuild("0.26.0", None, UNDER_TEST, "0.26.0")
     case = GateCase(build, GateMode.parse("plain"))

@@ -17,8 +17,9 @@ from repro.contract.verdicts import SKIP
 from repro.judge import policy
 from repro.vllm_integration.gate import methods
 from repro.vllm_integration.gate.case import GateCase, GateMode, reference_for
+from repro.vllm_integration.gate.outcome import GateRun, control_of
 from repro.vllm_integration.gate.process import not_applicable_of, set_apart_not_applicable
-from repro.vllm_integration.gate.run import GateRun, control_of, plan
+from repro.vllm_integration.gate.run import plan
 from repro.vllm_integration.gate.worker import llm_kwargs, write_models
 from repro.vllm_integration.releases.builds import SITE_DIRS_ENV, VllmBuild
 

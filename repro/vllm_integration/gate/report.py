@@ -16,8 +16,8 @@ from repro.vllm_integration.gate.cache import COLD, KEPT, PRIVATE, WARM
 from repro.vllm_integration.gate.case import expected
 from repro.vllm_integration.gate.judge import passes
 from repro.vllm_integration.gate.methods import DEFAULT_METHOD
+from repro.vllm_integration.gate.outcome import GateRun, control_of
 from repro.vllm_integration.gate.process import not_applicable_of
-from repro.vllm_integration.gate.run import GateRun, control_of
 from repro.vllm_integration.plugin.inject import STALE_CAPTURE
 from repro.vllm_integration.releases import release_range
 from repro.vllm_integration.releases.source_check import check_tree
