@@ -1,5 +1,5 @@
 """GPU memory as a budget the matrix's case processes hold (repro.run.memory): cases whose KV caches are large run
-fewer at a time (issue 26: `--max-model-len 131072` at the default jobs put 8 of 16 cases in CUDA out of memory on the
+fewer at a time (`--max-model-len 131072` at the default jobs put 8 of 16 cases in CUDA out of memory on the
 H200), a case larger than the budget runs alone, and without a GPU there is no limit."""
 
 from __future__ import annotations

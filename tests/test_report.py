@@ -118,7 +118,7 @@ def test_expectations_come_from_the_model_or_a_measured_table():
 
 
 def test_features_the_model_does_not_model_expect_audit(tmp_path):
-    """A sliding window: the model predicts a fault, the H200 gave wrong-output (issue 26): no guess, `audit`."""
+    """A sliding window: the model predicts a fault, the H200 gave wrong-output: no guess, `audit`."""
     from repro.case.descriptors import AttnConfig
     from repro.case.spec import CaseResult
     from repro.judge.expectations import unmodelled

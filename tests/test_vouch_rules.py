@@ -307,7 +307,7 @@ def test_a_self_control_whose_injection_never_wrote_cannot_vouch(verdict):
 
 @pytest.mark.parametrize("verdict", [CRASH, HANG, WRONG])
 def test_in_the_audit_mode_a_self_controls_fault_alone_cannot_vouch_the_auditor_must_catch_it(verdict):
-    """Issue 44: in audit mode each injection form must be caught by the auditor's own contents check, not only by a
+    """In audit mode each injection form must be caught by the auditor's own contents check, not only by a
     fault; a build with the descriptor check that saw no stale field is cannot-vouch. A record from before the
     descriptor check (no descriptor_checks counter) keeps its fault."""
     c = case("audit", inject=True)

@@ -79,7 +79,7 @@ def record_rows(name: str, folder: Path) -> list[dict]:
     if doc.get("kind") != "vllm-gate" and "launches" not in doc:
         raise ValueError(f"{name}: neither a gate run (results.json of `repro gate`) nor a path comparison")
     walls = {c["case"]: c.get("wall_s") or 0.0 for c in doc.get("cases", []) + doc.get("references", [])}
-    launches, command = doc.get("launches"), doc.get("command_s")  # command_s: recorded since 2026-12-04
+    launches, command = doc.get("launches"), doc.get("command_s")  # command_s: absent from the older records
     return [_row(name, "gate", doc.get("outcome", "-"), doc.get("wall_s"), folder / "logs", walls, launches, command)]
 
 
