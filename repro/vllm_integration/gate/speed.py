@@ -53,8 +53,16 @@ def _row(
         if (vals := [p[k] for p in per_case if isinstance(p.get(k), (int, float))])
     }
     ready = _ready(launches)
-    return {"record": name, "path": path, "outcome": outcome, "wall_s": wall_s, "processes": len(per_case),
-            "forkserver": ready, "command_s": command_s, **med}  # fmt: skip
+    return {
+        "record": name,
+        "path": path,
+        "outcome": outcome,
+        "wall_s": wall_s,
+        "processes": len(per_case),
+        "forkserver": ready,
+        "command_s": command_s,
+        **med,
+    }
 
 
 def record_rows(name: str, folder: Path) -> list[dict]:
