@@ -374,5 +374,5 @@ def run_gate(
 
 
 def platform_key(case: GateCase) -> tuple[SmConfig, str | None]:
-    """What a failed platform check holds for (run_gate's memo): the SM configuration and the torch computing in it."""
+    """What a failed platform check holds for (GateScheduler.broken): the SM configuration and the torch computing in it."""
     return case.mode.sm, case.build.torch_prefix
