@@ -707,7 +707,8 @@ def test_the_recorded_metadata_backend_serves_the_cpu_tests_only():
 
 GATE_STEPS = ("plan", "launch", "collect", "judge", "report")
 # the modules a `repro gate` run goes through from its command to its report (the spine above, the gate's column)
-GATE_PATH = ("repro/cli/gate.py", ORCHESTRATOR, OUTCOME)
+GATE_PATH = ("repro/cli/gate.py", ORCHESTRATOR, OUTCOME, "repro/vllm_integration/gate/report.py")
+GATE_PATH += ("repro/vllm_integration/gate/checked.py",)
 MAX_FUNCTION_LINES = 60
 
 
@@ -738,7 +739,7 @@ def test_the_gate_run_is_a_scheduler_whose_methods_are_the_steps_the_doc_names_c
 
 def test_no_function_on_the_gates_path_is_over_60_lines():
     """A step reads like its step: no function or method of the gate command, its run or its outcome is longer than
-    60 lines (run_gate was 188 and cmd_gate 144)."""
+    60 lines (run_gate was 188, cmd_gate 144 and the report's markdown 102)."""
     long = [
         f"{path}:{f.lineno} {f.name}: {f.end_lineno - f.lineno + 1} lines"
         for path in GATE_PATH

@@ -38,9 +38,9 @@ EAGLE, EAGLE3, DRAFT_MODEL, MTP = "eagle", "eagle3", "draft_model", "mtp"
 DFLASH = "dflash"
 METHODS = (EAGLE, EAGLE3, DRAFT_MODEL, MTP, DFLASH)
 DEFAULT_METHOD = EAGLE  # a case without a method is an EAGLE case (records from before --methods)
-# `--methods all`: the methods whose FULL-graph cases and self controls ran on a GPU with --compile none (inductor,
-# the default, not yet for all of them) (results/h200-methods-0.34.0-3,
-# h200-methods-0.32.0, h200-dflash-0.34.0-2), each not applicable where the build lacks it
+# `--methods all`: the methods whose FULL-graph cases and self controls ran on a GPU with --compile none (with
+# inductor, the default, not every one of them has a record; docs/history.md), each not applicable where the build
+# lacks it
 ALL = (EAGLE, EAGLE3, DRAFT_MODEL, MTP, DFLASH)
 # `gate --methods` when not given: EAGLE alone, the method every record before 0.32.0 measured (CI: `--methods all`)
 DEFAULT_METHODS = EAGLE
