@@ -12,9 +12,9 @@ import pytest
 
 from cases.gpu_env import backend_skip_reason, gpu_skip_reason, sanitizer_skip_reason
 from repro.case.spec import CaseSpec
+from repro.contract.verdicts import SKIP
 from repro.judge.expectations import expectation, gate_mode
 from repro.judge.policy import EXPECT_CLEAN, problem
-from repro.judge.verdicts import SKIP
 from repro.report.pytest_gate import not_applicable
 from repro.run.pytest_cases import case_executor, log_dir
 from repro.run.runner import run_case

@@ -21,9 +21,9 @@ import os
 import pytest
 
 from cases.gpu_env import gpu_skip_reason
+from repro.contract.verdicts import SKIP
 from repro.errors import ConfigError
 from repro.judge import policy
-from repro.judge.verdicts import SKIP
 from repro.report.pytest_gate import NOT_APPLICABLE, not_applicable
 from repro.run.process import MAX_WAIT_S
 from repro.run.pytest_cases import log_dir
@@ -101,8 +101,9 @@ def test_stale_metadata_vllm_gate(gate_build, record_property):
     if reason:
         pytest.skip(reason)
     from repro.vllm_integration.gate.cache import GateCache, default_root  # noqa: PLC0415  only with a GPU and vLLM
+    from repro.vllm_integration.gate.outcome import control_of  # noqa: PLC0415  only with a GPU and vLLM
     from repro.vllm_integration.gate.process import not_applicable_of  # noqa: PLC0415  only with a GPU and vLLM
-    from repro.vllm_integration.gate.run import control_of, run_gate  # noqa: PLC0415  only with a GPU and vLLM
+    from repro.vllm_integration.gate.run import run_gate  # noqa: PLC0415  only with a GPU and vLLM
 
     build, mode, builds, method = gate_build
     run = run_gate(

@@ -100,8 +100,9 @@ def pytest_cmdline_main(config):
             check_writable(Path(report).absolute(), report, "--gate-report")
             for name, own in REPORT_FILES:  # replaced at the end of the run: only an earlier gate report's
                 if (Path(report) / name).exists() and not own(Path(report) / name):
-                    raise ConfigError(f"--gate-report {report}: its {name} is not a gate report: give another folder "
-                                      "(it is kept)")  # fmt: skip
+                    raise ConfigError(
+                        f"--gate-report {report}: its {name} is not a gate report: give another folder (it is kept)"
+                    )
         except ConfigError as e:
             sys.stderr.write(f"repro: error: {e}\n")
             return Exit.BAD_INPUT

@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from repro.judge.verdicts import LAUNCH_FAIL  # noqa: E402
+from repro.contract.verdicts import LAUNCH_FAIL  # noqa: E402
 from repro.report.results import load_json  # noqa: E402
 
 

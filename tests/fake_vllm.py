@@ -352,7 +352,7 @@ import torch
 import vllm
 import vllm.vllm_flash_attn._vllm_fa3_C  # noqa: F401  registers torch.ops._vllm_fa3_C
 BEHAVIOUR = vllm.BEHAVIOUR
-SIZES = {sizes}  # FA3 scheduler-metadata size for a batch of n (repro.attention.layout)
+SIZES = {sizes}  # FA3 scheduler-metadata size for a batch of n (repro.backends.layout)
 BUF = {{"query_start_loc": torch.zeros(17, dtype=torch.int32), "seq_lens": torch.zeros(16, dtype=torch.int32)}}
 
 
@@ -449,7 +449,7 @@ class DummyModelLoader:
 
 
 def write_fake_vllm(prefix: str | Path, version: str, behaviour: str) -> Path:
-    from repro.attention.layout import VLLM, metadata_layout
+    from repro.backends.layout import VLLM, metadata_layout
 
     if behaviour not in BEHAVIOURS:
         raise ValueError(f"unknown stand-in behaviour {behaviour!r}")

@@ -13,10 +13,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from repro.case.spec import STALLED
+from repro.contract.channel import Channel, path_for
 from repro.judge.classify import classify
 from repro.report.records import upgrade_channel, upgrade_gate_row, upgrade_result
 from repro.run import own_alloc, smcontrol
-from repro.run.channel import Channel, path_for
 from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import run as gate_run
 from repro.vllm_integration.gate.cache import KEPT_LINE

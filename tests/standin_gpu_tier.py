@@ -19,9 +19,9 @@ def probe() -> dict:
 
 def run_case(spec, log_dir, mps, executor):
     from repro.case.spec import CaseResult
+    from repro.contract.verdicts import CRASH, OOB, STALE_AUDIT, Verdict
     from repro.judge.expectations import expectation
     from repro.judge.policy import MEETS
-    from repro.judge.verdicts import CRASH, OOB, STALE_AUDIT, Verdict
 
     accepted = MEETS[expectation(spec)]
     verdict = accepted[zlib.crc32(spec.case_id.encode()) % len(accepted)]

@@ -7,8 +7,8 @@ import subprocess
 import sys
 import time
 
-from repro.run.channel import emit  # records go where a case's go: the structured channel its parent named
-from repro.run.tags import RESULT_TAG
+from repro.contract.channel import emit  # records go where a case's go: the structured channel its parent named
+from repro.contract.tags import RESULT_TAG
 
 
 def clean(argv):

@@ -210,7 +210,7 @@ def test_the_circle_finder_finds_circles():
 
 SAMPLE = (
     "import os\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import repro.case.spec\nelse:\n    import json\n"
-    "try:\n    import repro.run.tags\nexcept ImportError:\n    import repro.judge.verdicts\n"
+    "try:\n    import repro.contract.tags\nexcept ImportError:\n    import repro.contract.verdicts\n"
     "def f():\n    import repro.run.runner  # noqa: PLC0415  torch only here\n    if True:\n        import repro.attention.worker  # noqa: F401\n"
     "class C:\n    import repro.judge.policy\n    def g(self):\n        from repro import (  # the CPU model\n            report,\n        )\n"
 )
@@ -218,7 +218,7 @@ SAMPLE = (
 
 def test_imports_inside_functions_and_type_checking_blocks_are_not_top_level():
     names = [a.name for n in _top_level_imports(ast.parse(SAMPLE)) if isinstance(n, ast.Import) for a in n.names]
-    assert names == ["os", "json", "repro.run.tags", "repro.judge.verdicts", "repro.judge.policy"]
+    assert names == ["os", "json", "repro.contract.tags", "repro.contract.verdicts", "repro.judge.policy"]
 
 
 def test_imports_inside_functions_are_found_with_their_reasons():
@@ -437,12 +437,72 @@ def test_the_cycle_test_sees_the_modules_named_through_the_registry():
 GATE_WORKER = "repro.vllm_integration.gate.worker"
 
 
-def test_a_moved_modules_old_name_is_the_module_itself():
-    """docs/architecture.md's rows `old.py | moved to new.py`: importing the old name gives the very module the new name
-    does (so code that still imports the old name, and a monkeypatch through it, sees one module)."""
-    import importlib  # only this test imports modules by name
+def _project_sources() -> list[Path]:
+    """Every Python file of the project that imports repro: the package, the tests, the GPU cases, the scripts."""
+    found = [p for d in ("repro", "tests", "cases", "scripts") for p in sorted((ROOT / d).rglob("*.py"))]
+    return found + [ROOT / "conftest.py"]
 
-    moved = re.findall(r"\| `(repro/[\w/]+)\.py` \| moved to `(repro/[\w/]+)\.py`", DOC.read_text())
-    assert len(moved) >= 5, moved
-    for old, new in moved:
-        assert importlib.import_module(old.replace("/", ".")) is importlib.import_module(new.replace("/", ".")), old
+
+def test_every_import_of_repro_in_the_project_names_a_module_that_exists():
+    """No old module path is imported anywhere (tests, cases, scripts, the package): each `import repro.x` and
+    `from repro.x import y` names a module of repro/ itself, never a name kept for code that has not moved."""
+    mods = _modules()
+    wrong = set()
+    for path in _project_sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            wrong |= {f"{path.relative_to(ROOT)}: {n}" for n in names if n.startswith("repro") and n not in mods}
+    assert not wrong, f"imports of modules that do not exist: {sorted(wrong)}"
+
+
+def test_no_module_stands_in_for_another_through_sys_modules():
+    """One name per module: no module of repro/ replaces itself in sys.modules with another (an alias for an old
+    path), so a monkeypatch and an import always reach the module the doc's table names."""
+    aliases = [
+        str(p.relative_to(ROOT))
+        for p in _modules().values()
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Subscript) and ast.unparse(t.value) == "sys.modules"
+    ]
+    assert not aliases, f"modules that alias themselves in sys.modules: {aliases}"
+
+
+def _type_checking_imports(tree: ast.Module) -> list[str]:
+    """The modules imported under `if TYPE_CHECKING:` anywhere in a module."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _type_checking(node):
+            for stmt in node.body:
+                for n in ast.walk(stmt):
+                    if isinstance(n, ast.Import):
+                        out += [a.name for a in n.names]
+                    elif isinstance(n, ast.ImportFrom) and n.level == 0 and n.module:
+                        out.append(n.module)
+    return out
+
+
+def test_no_import_runs_up_the_layers_not_even_for_type_checking():
+    """The contract counts the imports under `if TYPE_CHECKING:` too (pyproject.toml: exclude_type_checking_imports
+    false), and no such import names a module of a layer above its own: 0 arrows back up."""
+    import pytest  # noqa: PLC0415  only these tests skip
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    linter = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    assert linter.get("exclude_type_checking_imports") is False
+    layers = [[x.strip() for x in layer.split("|")] for layer in _contract()["layers"]]
+
+    def level(module: str) -> int | None:
+        hits = [i for i, names in enumerate(layers) for L in names if module == L or module.startswith(L + ".")]
+        return hits[0] if hits else None
+
+    up = []
+    for name, path in _modules().items():
+        for target in _type_checking_imports(ast.parse(path.read_text())):
+            a, b = level(name), level(target)
+            if a is not None and b is not None and b < a:
+                up.append(f"{name} -> {target}")
+    assert not up, f"type-checking imports up the layers: {up}"

@@ -212,6 +212,7 @@ JUDGING = (
     "repro/vllm_integration/gate/coverage.py",
 )
 ORCHESTRATOR = "repro/vllm_integration/gate/run.py"
+OUTCOME = "repro/vllm_integration/gate/outcome.py"  # GateRun: what the orchestrator's run holds and decides
 # what a record's judging decides: once classify built it, the gate's judging never edits these in place
 JUDGED_FIELDS = {"verdict", "reason", "evidence", "kernel", "expected", "stale_fields", "flags", "history"}
 LIST_EDITS = {"append", "extend", "insert", "pop", "remove", "clear", "update"}
@@ -406,18 +407,16 @@ def _calls(tree: ast.Module, name: str) -> list[ast.Call]:
     ]
 
 
-def test_the_gates_outcome_is_decided_in_gate_run_and_every_report_reads_the_stored_one():
+def test_the_gates_outcome_is_decided_in_gate_outcome_and_every_report_reads_the_stored_one():
     """One stored decision: GateRun.judge decides the outcome once and stores it (GateJudgment); reports, the
     comparison of paths and the exit code read it (judged) and never compute it again (outcome, blind)."""
     trees = _sources("repro", "cases")
-    again = [
-        _where(p, n) for p, t in trees.items() if p != ORCHESTRATOR for f in ("outcome", "blind") for n in _calls(t, f)
-    ]
+    again = [_where(p, n) for p, t in trees.items() if p != OUTCOME for f in ("outcome", "blind") for n in _calls(t, f)]
     assert not again, "a gate outcome computed outside GateRun.judge:\n" + "\n".join(again)
     made = {p for p, t in trees.items() if _calls(t, "GateJudgment")}
-    assert made == {ORCHESTRATOR}, sorted(made)
+    assert made == {OUTCOME}, sorted(made)
     readers = {p for p, t in trees.items() if _calls(t, "judged")}
-    assert {"repro/vllm_integration/gate/report.py", "repro/cli/vllm.py"} <= readers, sorted(readers)
+    assert {"repro/vllm_integration/gate/report.py", "repro/cli/gate.py"} <= readers, sorted(readers)
 
 
 def test_a_plain_mode_crash_is_rerun_in_gate_process_reached_through_run_control_from_gate_run():
@@ -705,3 +704,117 @@ def test_the_recorded_metadata_backend_serves_the_cpu_tests_only():
     assert not users, users
     tests = [p.name for p in (ROOT / "tests").glob("test_*.py") if "repro.backends.replay" in p.read_text()]
     assert tests, "no CPU test uses the recorded metadata backend: the doc's row is stale"
+
+
+# --- the gate's run, read as its steps ------------------------------------------------------------------------------
+
+GATE_STEPS = ("plan", "launch", "collect", "judge", "report")
+# the modules a `repro gate` run goes through from its command to its report (the spine above, the gate's column)
+GATE_PATH = ("repro/cli/gate.py", ORCHESTRATOR, OUTCOME, "repro/vllm_integration/gate/report.py")
+GATE_PATH += ("repro/vllm_integration/gate/checked.py",)
+MAX_FUNCTION_LINES = 60
+
+
+def _functions(tree: ast.Module) -> list[ast.FunctionDef]:
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def test_the_gate_run_is_a_scheduler_whose_methods_are_the_steps_the_doc_names_called_in_order():
+    """`vllm_integration/gate/run.py (run_gate: a GateScheduler whose steps are plan, launch, collect, judge, report,
+    in that order)`: each step a method, called once by the scheduler's __call__ in that order, and run_gate hands
+    over to it."""
+    text = DOC.read_text()
+    assert "GateScheduler whose steps are\n                  plan, launch, collect, judge, report" in text
+    tree = _parse(ROOT / ORCHESTRATOR)
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GateScheduler")
+    methods = {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)}
+    assert set(GATE_STEPS) <= set(methods), sorted(methods)
+    calls = [
+        c
+        for c in ast.walk(methods["__call__"])
+        if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr in GATE_STEPS
+    ]
+    called = [c.func.attr for c in sorted(calls, key=lambda c: (c.lineno, c.col_offset))]
+    assert called == list(GATE_STEPS)
+    run_gate = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "run_gate")
+    assert _calls(run_gate, "GateScheduler"), "run_gate does not hand over to GateScheduler"
+
+
+def test_no_function_on_the_gates_path_is_over_60_lines():
+    """A step reads like its step: no function or method of the gate command, its run or its outcome is longer than
+    60 lines (run_gate was 188, cmd_gate 144 and the report's markdown 102)."""
+    long = [
+        f"{path}:{f.lineno} {f.name}: {f.end_lineno - f.lineno + 1} lines"
+        for path in GATE_PATH
+        for f in _functions(_parse(ROOT / path))
+        if f.end_lineno - f.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert not long, long
+
+
+def _closures_over_later_names(fn: ast.FunctionDef) -> list[str]:
+    """Names a nested function reads that its enclosing function assigns only after the nested one is defined."""
+    found = []
+    for inner in (n for n in fn.body if isinstance(n, (ast.FunctionDef, ast.Lambda))):
+        own = {a.arg for a in ast.walk(inner.args) if isinstance(a, ast.arg)}
+        own |= {n.id for n in ast.walk(inner) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        reads = {n.id for n in ast.walk(inner) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} - own
+        for later in (s for s in fn.body if s.lineno > inner.lineno):
+            stores = {n.id for n in ast.walk(later) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            found += [f"{fn.name}.{inner.name}: {name}" for name in sorted(reads & stores)]
+    return found
+
+
+def test_no_function_on_the_gates_path_closes_over_a_name_assigned_after_it():
+    """A nested function reads only what was there when it was defined (run_gate's closures read pool, budget and
+    launch, assigned further down)."""
+    late = [x for path in GATE_PATH for f in _functions(_parse(ROOT / path)) for x in _closures_over_later_names(f)]
+    assert not late, late
+
+
+def test_the_closure_finder_finds_a_name_assigned_after_the_closure():
+    tree = ast.parse(
+        "def f():\n    def g(c):\n        x = c\n        return pool, x\n    pool = c = x = 1\n    return g\n"
+    )
+    assert _closures_over_later_names(tree.body[0]) == ["f.g: pool"]
+
+
+def test_the_mps_cases_module_serves_the_matrix_and_the_gate_as_its_row_says():
+    """`repro/run/mps_cases.py`'s row: the matrix's and the vLLM gate's MPS cases alike (run_mps_cases)."""
+    row = re.search(r"^\| `repro/run/mps_cases.py` \| (.*) \|$", DOC.read_text(), re.M).group(1)
+    callers = {p for p, t in _repro().items() if _calls(t, "run_mps_cases")}
+    assert callers == {"repro/run/matrix.py", ORCHESTRATOR}, sorted(callers)
+    assert all(p.removeprefix("repro/") in row for p in callers), row
+
+
+def test_classify_reads_of_the_free_form_output_only_the_markers_the_doc_names():
+    """The spine and classify's row name every group of words classify looks for in a process's free-form output
+    (its module's *_MARKERS), and no other."""
+    tree = _parse(ROOT / "repro/judge/classify.py")
+    markers = {
+        t.id
+        for n in tree.body
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Name) and t.id.endswith("_MARKERS")
+    }
+    text = DOC.read_text()
+    row = re.search(r"^\| `repro/judge/classify.py` \| (.*) \|$", text, re.M).group(1)
+    spine = text[: text.index("The gate's judging of a case")]
+    for where in (row, spine):
+        assert set(re.findall(r"\b[A-Z]+_MARKERS\b", where)) == markers, (sorted(markers), where[:200])
+
+
+def test_the_glossary_defines_the_domain_words_the_code_keeps_once_each():
+    """docs/architecture.md's glossary: each coined or domain word the code's names keep (vouch, self control,
+    reference, forkserver, ...) has one row, and each word is used in repro/ (a row for a word gone is stale)."""
+    text = DOC.read_text()
+    table = text[text.index("<!-- glossary:") : text.index("<!-- /glossary -->")]
+    rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    words = [w.strip() for row in rows[1:] for w in re.sub(r"\(.*?\)", "", row).split(",")]
+    assert len(words) == len(set(words)), words
+    for must in ("vouch", "self control", "reference", "forkserver", "harness blind", "not applicable", "said"):
+        assert must in words, must
+    code = " ".join(p.read_text().lower() for p in (ROOT / "repro").rglob("*.py"))
+    unused = [w for w in words if w.lower().replace(" ", "_") not in code and w.lower() not in code]
+    assert not unused, f"glossary words the code no longer uses: {unused}"

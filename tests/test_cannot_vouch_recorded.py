@@ -30,7 +30,7 @@ def test_a_case_that_ran_out_of_gpu_memory_says_so(monkeypatch, tmp_path, record
 
 
 def test_memcheck_with_poisoned_or_guarded_entries_names_no_access_of_0251s_own_fault(monkeypatch, tmp_path):
-    """Issue 31's first goal, two more routes: int-max in the entries FA3 never writes makes 0.25.1 hang under memcheck
+    """memcheck:own's first goal, two more routes: int-max in the entries FA3 never writes makes 0.25.1 hang under memcheck
     (no finding in 240 s), splits-33 leaves it clean; guards as large as each tensor: a hang, no finding. The self
     control is an out-of-bounds read in FA3's main kernel under every one of them."""
     got = replayed(monkeypatch, tmp_path / "p", "h200-memcheck-own-poison")[3]

@@ -1,4 +1,4 @@
-"""The structured channel (repro.run.channel): records with a schema in a file of their own, errors under any tag, and
+"""The structured channel (repro.contract.channel): records with a schema in a file of their own, errors under any tag, and
 the tagged lines of the recorded logs still readable."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from repro.run.channel import ENV, SCHEMA, Channel, emit, path_for
-from repro.run.tags import AUDIT_TAG, PLUGIN_TAG, RESULT_TAG
+from repro.contract.channel import ENV, SCHEMA, Channel, emit, path_for
+from repro.contract.tags import AUDIT_TAG, PLUGIN_TAG, RESULT_TAG
 from tests.records import RESULTS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,7 +69,7 @@ def test_recorded_logs_read_as_before():
 
 def test_a_child_process_writes_through_the_environment(tmp_path):
     path = tmp_path / "child.channel.jsonl"
-    code = "from repro.run.channel import emit; emit('REPRO_SKIP', {'reason': 'why'}); print('free text')"
+    code = "from repro.contract.channel import emit; emit('REPRO_SKIP', {'reason': 'why'}); print('free text')"
     r = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, ENV: str(path)},
                        capture_output=True, text=True, cwd=ROOT, timeout=60)  # fmt: skip
     assert r.stdout == "free text\n" and Channel.read(path).of("REPRO_SKIP") == [{"reason": "why"}]

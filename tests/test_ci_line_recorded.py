@@ -3,7 +3,7 @@ scripts/gpu-evidence.sh ci-line): every worker count ran every case, the gate pa
 case by case whatever the number of workers; h200-ci-line-final(-2) is the line again on a session's last code, and
 h200-ci-line-last-n8 / -n4 on the last code of the session after (both worker counts); h200-ci-line-3-n8 / -n4 after
 the gate case request became one typed record and pytest --gate chose its failure line by kind; h200-ci-line-4-n8 on
-the code of 2026-12-04 (the fork launcher the default, the spec-decode case's own worker); h200-ci-line-5-n8 on that
+the code where the fork launcher became the default and the spec-decode case got its own worker; h200-ci-line-5-n8 on that
 day's final code (hangs before the captures no evidence, the new user's fifth round, records carrying their code);
 h200-ci-line-7-n8 on the one-forkserver code (14085c4: the pytest tier's cases forked from the harness's forkserver)."""
 

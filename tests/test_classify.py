@@ -7,8 +7,8 @@ import pytest
 
 from repro.case.descriptors import AttnConfig
 from repro.case.spec import CaseSpec, SmConfig
+from repro.contract.verdicts import CLEAN, CRASH, ERROR, HANG, LAUNCH_FAIL, OOB, SKIP, WRONG
 from repro.judge.classify import classify
-from repro.judge.verdicts import CLEAN, CRASH, ERROR, HANG, LAUNCH_FAIL, OOB, SKIP, WRONG
 from tests.records import RESULTS
 
 SPEC = CaseSpec("vllm", "stale", "eager", sm=SmConfig("sm_margin", 16), poison="int-max", timeout_s=90)

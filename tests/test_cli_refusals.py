@@ -66,7 +66,7 @@ BAD = [
     (["gate", "--modes", "bogus", "--vllm", "x=/nonexistent"], "unknown gate mode"),
     (["gate", "--no-installed", "--vllm", "x=/nonexistent"], "holds no vllm package"),
     (["gate", "--keep-forkserver", "60", "--launcher", "spawn"], "give --launcher fork"),
-    # issue 20, second round: tracebacks, and impossible input that was accepted
+    # tracebacks, and impossible input that was accepted
     (["matrix", "--kv-heads", "0"], "--kv-heads must be positive"),
     (["run", "--backend", "vllm", "--q-heads", "-1"], "--q-heads must be positive"),
     (["vllm-check", "@garbage.whl"], "not a wheel (not a zip archive)"),

@@ -112,7 +112,7 @@ def test_probe_coexistence_without_mps_is_exit_4(tmp_path):
 
 
 def test_vllm_check_exit_codes(tmp_path):
-    r = run_repro("vllm-check", str(tmp_path))  # not a vLLM source: bad input, as for a wheel (issue 45)
+    r = run_repro("vllm-check", str(tmp_path))  # not a vLLM source: bad input, as for a wheel
     assert r.returncode == 2 and "not a vLLM checkout (no vllm/ package)" in r.stderr
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / "__init__.py").write_text("")

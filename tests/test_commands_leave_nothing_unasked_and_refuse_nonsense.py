@@ -1,4 +1,4 @@
-"""A new user's fourth round (issue 45), each guarantee a test: no command destroys or leaves behind what the user did
+"""What a new user runs into, each guarantee a test: no command destroys or leaves behind what the user did
 not ask for (docs/outputs.md, repro/cli/outputs.py), every exit code means what docs/exit-codes.md says, values that
 make no sense are refused, messages name the right thing, README and `vllm-check` say what was measured and what was
 predicted, help texts agree with the docs, long work says what it does. Where a real process is not needed the

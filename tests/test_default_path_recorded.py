@@ -15,7 +15,7 @@ from tests.recorded_gate import FAULTS, replay, same_verdicts
 from tests.records import RESULTS
 
 V = "stale_metadata-vllm-0.34.0-"
-FINAL = RESULTS / "h200-readme-gate-9-cold"  # the same command on the code the session of 2026-12-04 ended with
+FINAL = RESULTS / "h200-readme-gate-9-cold"  # the same command on the code of the records after it
 COLD, WARM, PATHS = (
     RESULTS / n for n in ("h200-readme-gate-8-cold", "h200-readme-gate-8-warm", "h200-paths-inductor-0.34.0")
 )
@@ -66,8 +66,8 @@ def test_the_phases_name_the_model_load_and_the_jit_warmup_apart_from_the_rest_o
     """gate_bench.phases on recorded cases of 0.34.0 (the comparison's kept paths): the JIT warmup (cold: about 59 s,
     warm: about 1 s) and the models' load are phases of their own, taken out of engine_rest, which the record (written
     before they were) held them in."""
-    from repro.run.channel import Channel, path_for
-    from repro.run.tags import RESULT_TAG
+    from repro.contract.channel import Channel, path_for
+    from repro.contract.tags import RESULT_TAG
     from repro.vllm_integration.gate import bench as gate_bench
 
     paths = json.loads((PATHS / "paths.json").read_text())["paths"]
@@ -109,8 +109,8 @@ def _median_load_s(record) -> float:
 
 
 def test_the_last_bare_gate_passes_cold_and_warm_each_mode_caught_by_a_self_control_form(monkeypatch, tmp_path):
-    """The README's bare gate on the code of 2026-12-04's second session (weights built on the GPU, hangs before the
-    captures no evidence, the new user's fifth round): PASS cold and warm; in each mode at least one self-control form
+    """The README's bare gate on the code where the weights are built on the GPU and a hang before the captures is
+    no evidence: PASS cold and warm; in each mode at least one self-control form
     showed kernel evidence (policy rule 6: a form that decoded right is listed, h200-readme-gate-12-cold's plain
     stale-capture form), the build itself clean."""
     for record in (LAST_COLD, LAST_WARM, PILOT, FINAL_COLD, FINAL_WARM, ONE_COLD, ONE_WARM, ONE_FINAL):
@@ -158,7 +158,7 @@ def test_sm_margin_and_mps_cases_fork_from_the_forkserver_with_the_same_answers(
 
 
 def test_the_command_ends_within_seconds_of_its_run_its_forkserver_started_before_the_gpu_probes():
-    """On 2026-12-04's final code (h200-readme-gate-14-*): the command's start-up before the run (setup_s) and its
+    """On the code of h200-readme-gate-14-*: the command's start-up before the run (setup_s) and its
     time after the run to its reports are seconds, not the 8-10 s the reports took when each of their rows parsed the
     vLLM tree again (h200-readme-gate-13-warm: run 52.6 s, the shell's 64.3 s); the records carry both figures."""
     for record in (FINAL_COLD, FINAL_WARM, ONE_COLD, ONE_WARM, ONE_FINAL):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from repro.attention.layout import VLLM, metadata_layout
+from repro.backends.layout import VLLM, metadata_layout
 from repro.vllm_integration.plugin import backend_hooks, capture, counters
 from repro.vllm_integration.plugin.audit import (
     STALE_CONTENTS,
@@ -262,7 +262,7 @@ def test_every_right_build_passes_with_the_check_counted_in_every_capture_manage
 
 
 def test_a_consistent_build_for_another_descriptor_is_stale_descriptor_not_stale_contents(plugin_state):
-    """The mutant of issue 44: each draft prefill descriptor's metadata built, consistently, for the next one of
+    """The descriptor mutant: each draft prefill descriptor's metadata built, consistently, for the next one of
     the same capture list. The contents check passes it (every view holds what its own build wrote); the descriptor
     check does not."""
     c, kinds = _audited(wrong=True)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from repro.case.spec import CaseSpec
+from repro.contract.verdicts import ERROR, LAUNCH_FAIL, VERDICTS
 from repro.judge.classify import classify
 from repro.judge.policy import Control, decide, satisfies
-from repro.judge.verdicts import ERROR, LAUNCH_FAIL, VERDICTS
 from repro.report import results as report
 from repro.run.matrix import MatrixRun
 from tests.records import RESULTS

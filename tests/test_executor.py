@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from repro.case.spec import CaseSpec
-from repro.judge.verdicts import CLEAN, CRASH, ERROR, HANG, OOB
+from repro.contract.verdicts import CLEAN, CRASH, ERROR, HANG, OOB
 from repro.run.executor import ForkExecutor, WarmPool
 from repro.run.process import case_env
 from repro.run.runner import case_logs, make_executor, memcheck_launch_env, run_process
@@ -72,7 +72,7 @@ def test_both_paths_side_by_side_give_the_same_verdicts(tmp_path, monkeypatch):
     the parent decides. Each path must give each case its own verdict; the diff is then computed, and a changed
     verdict shows up in it."""
     from repro.case.spec import SmConfig
-    from repro.judge.verdicts import SKIP
+    from repro.contract.verdicts import SKIP
     from repro.report.benchmark import compare_executors, paths_markdown
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU for the case processes, GPU machine or not

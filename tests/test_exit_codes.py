@@ -149,6 +149,7 @@ def _returned_ints(path: Path) -> list[str]:
         "repro/cli/run.py",
         "repro/cli/serve.py",
         "repro/cli/vllm.py",
+        "repro/cli/gate.py",
         "repro/cli/reports.py",
         "repro/pytest_options.py",
         "repro/vllm_integration/releases/bisect.py",

@@ -12,8 +12,8 @@ import json
 import pytest
 
 from repro.case.spec import CaseResult
+from repro.contract.verdicts import CLEAN, CRASH
 from repro.errors import MissingKey
-from repro.judge.verdicts import CLEAN, CRASH
 from repro.report.records import upgrade_gate_row
 from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import report

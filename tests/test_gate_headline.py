@@ -38,7 +38,7 @@ def test_the_gates_terminal_headline_is_verdicts_mds_own_lines_with_the_no_gpu_l
 def test_the_gate_command_prints_the_reports_text_never_a_copy_it_edited():
     """cmd_gate's print takes gate_report.markdown's text as it is: no .replace/.split/slice on it (it once spliced
     the no-GPU caveat into markdown(run)'s text, beside markdown(run, env), which writes that line itself)."""
-    tree = ast.parse((ROOT / "repro" / "cli" / "vllm.py").read_text())
+    tree = ast.parse((ROOT / "repro" / "cli" / "gate.py").read_text())
     edited = [
         ast.unparse(node)
         for node in ast.walk(tree)

@@ -1,5 +1,5 @@
 """`records --speed`: gate speed records side by side in one table, each phase computed again from the record's own
-logs, so a benchmark is compared with its previous record on the same split (issue 47's third item)."""
+logs, so a benchmark is compared with its previous record on the same split."""
 
 from __future__ import annotations
 

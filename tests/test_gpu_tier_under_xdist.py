@@ -1,6 +1,6 @@
 """The pytest GPU tier's own plumbing (conftest.py, cases/controls.py, the gate plugin, the JUnit XML) run through
 pytest-xdist as the README's CI line runs it, on a CPU: only the machine probe and each case's process are stand-ins
-(tests/standin_gpu_tier.py). A value a case records that xdist cannot carry (a Verdict, 2026-12-01 to 12-03: every
+(tests/standin_gpu_tier.py). A value a case records that xdist cannot carry (a Verdict once did: every
 worker died at its first result) fails here."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from repro.judge.verdicts import Verdict
+from repro.contract.verdicts import Verdict
 from repro.report.pytest_gate import plain
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from repro.attention.layout import VLLM, metadata_layout
+from repro.backends.layout import VLLM, metadata_layout
 from repro.vllm_integration.plugin.inject import StaleCaptureInjector, capture_pass, capture_role
 from tests.reused_address import reborn
 

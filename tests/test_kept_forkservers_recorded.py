@@ -29,7 +29,7 @@ def test_kept_forkservers_meet_the_per_build_goals_with_the_old_paths_verdicts()
 
 
 def test_kept_forkservers_meet_the_per_build_goals_again_on_this_code():
-    # results/h200-paths-kept-2: the kept paths re-measured after this session's changes (issue 29), with the verdicts
+    # results/h200-paths-kept-2: the kept paths measured again on later code, with the verdicts
     # of results/h200-paths-kept's old path
     doc = json.loads((RESULTS / "h200-paths-kept-2" / "paths.json").read_text())
     before = json.loads((RESULTS / "h200-paths-kept" / "paths.json").read_text())["paths"]["old"]

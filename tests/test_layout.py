@@ -2,7 +2,7 @@
 
 import pytest
 
-from repro.attention.layout import (
+from repro.backends.layout import (
     UPSTREAM,
     VLLM,
     effective_causal,

@@ -1,5 +1,5 @@
 """GPU memory as a budget the matrix's case processes hold (repro.run.memory): cases whose KV caches are large run
-fewer at a time (issue 26: `--max-model-len 131072` at the default jobs put 8 of 16 cases in CUDA out of memory on the
+fewer at a time (`--max-model-len 131072` at the default jobs put 8 of 16 cases in CUDA out of memory on the
 H200), a case larger than the budget runs alone, and without a GPU there is no limit."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 from repro.case.descriptors import AttnConfig
 from repro.case.matrix import MatrixOptions, build_specs
 from repro.case.spec import CaseResult
-from repro.judge.verdicts import CLEAN
+from repro.contract.verdicts import CLEAN
 from repro.run import runner
 from repro.run.matrix import run_matrix
 from repro.run.memory import GIB, KEEP_FREE, MemoryBudget, case_bytes

@@ -149,7 +149,7 @@ def test_dflash_recorded_harness_blind_on_a_harmless_form_replays_as_a_pass_with
     assert miss.startswith(f"{plain}: clean (caught by ") and "stale-descriptor" in miss
 
 
-# 834ae10; the final code of 2026-12-04; the one-forkserver code (14085c4)
+# the code of 834ae10, a later code, and the one-forkserver code (14085c4)
 ALL_FIVE_RECORDS = ("h200-methods-0.34.0-3", "h200-methods-0.34.0-4", "h200-methods-0.34.0-5")
 
 

@@ -4,9 +4,9 @@ import time
 
 import pytest
 
-from repro.attention.layout import UPSTREAM, VLLM, metadata_layout
-from repro.attention.scheduler_inputs import SchedulerInputs
+from repro.backends.layout import UPSTREAM, VLLM, metadata_layout
 from repro.backends.replay import load_records
+from repro.backends.scheduler_inputs import SchedulerInputs
 from repro.case.descriptors import AttnConfig
 from repro.fa3_model.predict import predict_case, predict_matrix
 from repro.fa3_model.reads import combine_max_splits, predict_launch
@@ -144,7 +144,7 @@ def test_the_cpu_model_does_not_import_the_gpu_runner():
 
 
 def test_unknown_padding_gives_the_outcomes_the_model_cannot_rule_out():
-    from repro.attention.layout import UPSTREAM, VLLM
+    from repro.backends.layout import UPSTREAM, VLLM
     from repro.fa3_model.predict import predict_outcomes
 
     cfg = AttnConfig(num_splits=32)

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from repro.case.spec import RERUN_ALONE, CaseResult, CaseSpec, SmConfig
+from repro.contract.verdicts import CLEAN, CRASH, ERROR, SKIP
 from repro.errors import Unavailable
-from repro.judge.verdicts import CLEAN, CRASH, ERROR, SKIP
 from repro.run.mps_cases import PER_CASE, SHARED, run_mps_cases
 
 

@@ -4,9 +4,9 @@ neither."""
 
 from __future__ import annotations
 
+from repro.contract.channel import Channel
+from repro.contract.tags import DEVICE_TAG
 from repro.exit_codes import gate as gate_exit
-from repro.run.channel import Channel
-from repro.run.tags import DEVICE_TAG
 from tests.recorded_gate import FAULTS, replay, same_verdicts
 from tests.records import RESULTS
 

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from repro.case.spec import CaseResult
+from repro.contract.verdicts import CLEAN
 from repro.errors import ConfigError, Unavailable
-from repro.judge.verdicts import CLEAN
 from repro.run.smcontrol import GpuInfo, MigSlice
 from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import run as gate_run

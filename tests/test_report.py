@@ -8,10 +8,10 @@ import pytest
 
 from repro.case.matrix import MatrixOptions, build_specs
 from repro.case.spec import CaseSpec, SmConfig
+from repro.contract.verdicts import CLEAN, CRASH, HANG, LAUNCH_FAIL, OOB, STALE_AUDIT, WRONG
 from repro.errors import ConfigError
 from repro.judge.expectations import expectation
 from repro.judge.policy import EXPECTATIONS, satisfies
-from repro.judge.verdicts import CLEAN, CRASH, HANG, LAUNCH_FAIL, OOB, STALE_AUDIT, WRONG
 from repro.report import results as report
 from repro.report.results import is_vllm_gate_record, load_json
 from repro.run.matrix import MatrixRun
@@ -76,8 +76,8 @@ def test_harness_blind_and_disagreement_are_the_policys_judgement(expected):
     HARNESS BLIND is a positive control the gate fails (`problem`), DISAGREEMENT one it lists as evidence of another
     kind (`disagrees`); a negative control is neither, whatever its case's strategy, and a skip did not run."""
     from repro.case.spec import CaseResult
+    from repro.contract.verdicts import SKIP, VERDICTS
     from repro.judge.policy import disagrees, is_positive, problem
-    from repro.judge.verdicts import SKIP, VERDICTS
 
     for strategy in ("stale", "fresh"):
         for verdict in VERDICTS:
@@ -118,7 +118,7 @@ def test_expectations_come_from_the_model_or_a_measured_table():
 
 
 def test_features_the_model_does_not_model_expect_audit(tmp_path):
-    """A sliding window: the model predicts a fault, the H200 gave wrong-output (issue 26): no guess, `audit`."""
+    """A sliding window: the model predicts a fault, the H200 gave wrong-output: no guess, `audit`."""
     from repro.case.descriptors import AttnConfig
     from repro.case.spec import CaseResult
     from repro.judge.expectations import unmodelled

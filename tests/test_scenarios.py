@@ -76,7 +76,7 @@ def test_bad_scenario_and_strategy(replay):
 
 def test_the_matrix_pair_scenario_runs_with_its_descriptors():
     """`matrix --scenario pair` gives every case the default descriptor pair (or the one named), so the worker's
-    passes build; each case used to error on a missing --built-for/--launched (issue 26)."""
+    passes build; each case used to error on a missing --built-for/--launched."""
     from repro.case.matrix import MatrixOptions, build_specs
     from repro.case.scenarios import DEFAULT_PAIR
     from repro.case.spec import CaseSpec

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from repro.case.spec import CaseSpec
-from repro.judge.verdicts import CLEAN, CRASH, ERROR, HANG
+from repro.contract.verdicts import CLEAN, CRASH, ERROR, HANG
 from repro.run import forkserver, kept, server
 from repro.run.process import case_env
 from repro.run.runner import run_process

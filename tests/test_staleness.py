@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 from repro.attention.staleness import FieldDiff, count_fields, field_key, summarize
-from repro.run.channel import Channel
-from repro.run.tags import AUDIT_TAG
+from repro.contract.channel import Channel
+from repro.contract.tags import AUDIT_TAG
 from repro.vllm_integration.gate.judge import audit_evidence
 from repro.vllm_integration.plugin.audit import Mismatch
 

@@ -14,9 +14,9 @@ from dataclasses import replace
 import pytest
 
 from repro.case.spec import CAPTURING, STALLED
+from repro.contract.verdicts import CLEAN, ERROR, HANG
 from repro.judge import policy
 from repro.judge.policy import GateOutcome
-from repro.judge.verdicts import CLEAN, ERROR, HANG
 from repro.run.process import Stall, StallRule
 from repro.run.runner import supervise
 from repro.vllm_integration.gate import case as gate_case

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from repro.contract.tags import AUDIT_TAG, COUNTERS_TAG, ENGINE_TAG
+from repro.contract.verdicts import CANNOT_VOUCH, CLEAN, CRASH
 from repro.exit_codes import gate as gate_exit
 from repro.judge.classify import classify
 from repro.judge.policy import decide
-from repro.judge.verdicts import CANNOT_VOUCH, CLEAN, CRASH
 from repro.report.records import upgrade_channel
 from repro.run import smcontrol
-from repro.run.tags import AUDIT_TAG, COUNTERS_TAG, ENGINE_TAG
 from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import report as gate_report
 from repro.vllm_integration.gate.case import GateCase, parse_modes
@@ -161,7 +161,7 @@ def test_the_coverage_tables_come_back_from_the_logs(recorded_run):
 
 
 def _last(text: str, tag: str) -> dict:
-    """The last `<tag> <json>` line of a recorded log, parsed here (independent of repro.run.channel)."""
+    """The last `<tag> <json>` line of a recorded log, parsed here (independent of repro.contract.channel)."""
     found = [json.loads(ln[len(tag) + 1 :]) for ln in text.splitlines() if ln.startswith(tag + " {")]
     return found[-1] if found else {}
 

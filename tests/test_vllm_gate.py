@@ -19,9 +19,9 @@ from repro.case.poison import parse_poison
 from repro.case.spec import CaseResult
 from repro.cli import main as cli
 from repro.contract import request
+from repro.contract.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, STALE_AUDIT, WRONG
 from repro.errors import ConfigError
 from repro.judge.classify import classify
-from repro.judge.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, STALE_AUDIT, WRONG
 from repro.vllm_integration import plugin
 from repro.vllm_integration.gate.case import GateCase, GateMode, parse_modes
 from repro.vllm_integration.gate.judge import apply_reference, compare_tokens, not_fired
@@ -511,7 +511,7 @@ def test_the_kernel_comes_from_the_faulting_line_only(tmp_path):
 def test_the_gate_outcome_reads_failure_kinds_not_their_words(monkeypatch):
     """Rewording a policy message must not change an outcome: GateRun decides by Failure.kind and case id."""
     from repro.judge import policy
-    from repro.vllm_integration.gate.run import GateRun
+    from repro.vllm_integration.gate.outcome import GateRun
 
     build = VllmBuild("0.26.0", None, UNDER_TEST, "0.26.0")
     case = GateCase(build, GateMode.parse("plain"))
@@ -537,7 +537,7 @@ def test_the_gate_outcome_reads_failure_kinds_not_their_words(monkeypatch):
 def test_the_outcome_of_an_affected_build_and_of_one_that_gave_no_answer():
     """AFFECTED when a build under test showed the bug, CANNOT VOUCH when it gave no answer (an error), whatever the
     controls; a build under test's own failure is never the harness's blindness."""
-    from repro.vllm_integration.gate.run import GateRun
+    from repro.vllm_integration.gate.outcome import GateRun
 
     case = GateCase(VllmBuild("0.26.0", None, UNDER_TEST, "0.26.0"), GateMode.parse("plain"))
     crashed = GateRun(cases=[(case, CaseResult(case.case_id, CRASH, "fault", expected="clean"))])
@@ -553,8 +553,8 @@ def test_compare_paths_reports_the_outcome_its_exit_code_reads(tmp_path):
     path's results.json and verdicts.md and the exit code all read that one answer (paths.json once said HARNESS
     BLIND where the command exited 0)."""
     from repro.exit_codes import compare_paths as exit_of
+    from repro.vllm_integration.gate.outcome import GateRun
     from repro.vllm_integration.gate.paths import write_comparison
-    from repro.vllm_integration.gate.run import GateRun
 
     build = VllmBuild("0.26.0", None, UNDER_TEST, "0.26.0")
     case = GateCase(build, GateMode.parse("plain"))

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from repro.judge.verdicts import CLEAN
-from repro.run.channel import Channel
+from repro.contract.channel import Channel
+from repro.contract.verdicts import CLEAN
 from repro.vllm_integration.gate import bench as gate_bench
 from repro.vllm_integration.gate import report as gate_report
 from repro.vllm_integration.gate.cache import COLD, VLLM_CACHE, WARM, WRITER, GateCache, package_fingerprint
@@ -104,8 +104,8 @@ def test_phases_from_a_real_h200_case():
     """0.26.0's plain case of the release-range run: vLLM's config and model-registry inspection 38 s (two
     subprocesses that import vLLM again, what the shared model-info cache saves), torch.compile 9.98 + 2.96 s, graph
     capture 3 s; the rest from the case's own RESULT record."""
-    from repro.run.channel import Channel
-    from repro.run.tags import RESULT_TAG
+    from repro.contract.channel import Channel
+    from repro.contract.tags import RESULT_TAG
 
     log = (RECORDED / "stale_metadata-vllm-0.26.0-under-test-plain.out.log").read_text()
     result = Channel.read(RECORDED / "stale_metadata-vllm-0.26.0-under-test-plain.channel.jsonl").last(RESULT_TAG)

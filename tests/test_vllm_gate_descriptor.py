@@ -9,7 +9,7 @@ import importlib.metadata
 
 import pytest
 
-from repro.judge.verdicts import CLEAN, CRASH, STALE_AUDIT
+from repro.contract.verdicts import CLEAN, CRASH, STALE_AUDIT
 from repro.vllm_integration.gate.case import parse_modes
 from repro.vllm_integration.gate.run import run_gate
 from repro.vllm_integration.releases.builds import UNDER_TEST, parse_builds

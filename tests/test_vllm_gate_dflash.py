@@ -111,7 +111,7 @@ def _forms_run(verdicts: dict[tuple[str, str], str]):
     from `verdicts` ((mode, form) -> verdict), each result holding the expectation the gate fixes before it runs."""
     from repro.case.spec import CaseResult
     from repro.vllm_integration.gate.case import GateCase, expected
-    from repro.vllm_integration.gate.run import GateRun
+    from repro.vllm_integration.gate.outcome import GateRun
     from repro.vllm_integration.plugin.inject import INJECTIONS
     from repro.vllm_integration.releases.builds import UNDER_TEST
 

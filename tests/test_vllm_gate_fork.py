@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from repro.contract.verdicts import CLEAN, CRASH, HANG
 from repro.errors import ProtocolError
-from repro.judge.verdicts import CLEAN, CRASH, HANG
 from repro.run import forkserver as fs
 from repro.vllm_integration.gate import report as gate_report
 from repro.vllm_integration.gate.case import GateCase, GateMode, case_env, parse_modes

@@ -1,7 +1,6 @@
 """The gate's GPU memory per case process (placement.case_gib, run_gate's MemoryBudget): memcheck:own keeps a cudaMalloc
 per tensor and every graph's memory, 12-14 GiB a process on the H200 (three times that with guards), where a plain
-case takes about 4. Five gates at once there ran out of memory together (results/README.md, "Session of 2026-12-02
-(2)"); inside one gate the budget keeps the cases beside each other within the free memory."""
+case takes about 4. Five gates at once there ran out of memory together (results/README.md); inside one gate the budget keeps the cases beside each other within the free memory."""
 
 from __future__ import annotations
 

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from repro.contract.verdicts import SKIP
 from repro.judge import policy
-from repro.judge.verdicts import SKIP
 from repro.vllm_integration.gate import methods
 from repro.vllm_integration.gate.case import GateCase, GateMode, reference_for
+from repro.vllm_integration.gate.outcome import GateRun, control_of
 from repro.vllm_integration.gate.process import not_applicable_of, set_apart_not_applicable
-from repro.vllm_integration.gate.run import GateRun, control_of, plan
+from repro.vllm_integration.gate.run import plan
 from repro.vllm_integration.gate.worker import llm_kwargs, write_models
 from repro.vllm_integration.releases.builds import SITE_DIRS_ENV, VllmBuild
 
@@ -242,7 +243,7 @@ def test_a_build_prefix_pth_file_takes_effect_in_the_case_process(tmp_path):
 
 def test_the_report_has_a_row_per_method_and_a_lacking_method_reads_not_applicable(tmp_path):
     from repro.case.spec import CaseResult
-    from repro.judge.verdicts import CLEAN
+    from repro.contract.verdicts import CLEAN
     from repro.vllm_integration.gate import report
 
     prefix = _tree(tmp_path, BASE)  # EAGLE only

@@ -9,7 +9,7 @@ import threading
 import time
 
 from repro.case.spec import CaseResult
-from repro.judge.verdicts import CLEAN, CRASH, ERROR
+from repro.contract.verdicts import CLEAN, CRASH, ERROR
 from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import run as gate_run
 from repro.vllm_integration.gate.case import parse_modes
@@ -170,7 +170,7 @@ HANG_ = "hang"
 def test_the_deadline_stops_the_run_and_its_cases_are_skips_that_say_so(monkeypatch, tmp_path):
     """--deadline: a case running at it is stopped there (its timeout cut to what is left: a skip, not a hang); the
     run cannot vouch for the build; every process, a self control's further attempts too, stops by the deadline."""
-    from repro.judge.verdicts import SKIP
+    from repro.contract.verdicts import SKIP
 
     # every case decodes for 3 s; the self control in plain decodes cleanly, so it gets further attempts
     run, seen, wall = _deadline_gate(monkeypatch, tmp_path, "audit,plain", lambda c: (CLEAN, 3.0, {}), 1.0,
@@ -186,7 +186,7 @@ def test_the_deadline_stops_the_run_and_its_cases_are_skips_that_say_so(monkeypa
 
 
 def test_a_case_the_deadline_stopped_after_the_auditor_caught_stale_views_keeps_them(monkeypatch, tmp_path):
-    from repro.judge.verdicts import STALE_AUDIT
+    from repro.contract.verdicts import STALE_AUDIT
 
     builds = [VllmBuild("0.26.0", str(tmp_path / "a"), UNDER_TEST, "0.26.0"),
               VllmBuild("0.25.1", str(tmp_path / "b"), CONTROL, "0.25.1")]  # fmt: skip
@@ -203,7 +203,7 @@ def test_a_case_the_deadline_stopped_after_the_auditor_caught_stale_views_keeps_
 
 
 def test_a_process_the_deadline_leaves_no_room_for_is_not_started(monkeypatch, tmp_path):
-    from repro.judge.verdicts import SKIP
+    from repro.contract.verdicts import SKIP
 
     run, seen, wall = _deadline_gate(monkeypatch, tmp_path, "audit,plain", lambda c: (CLEAN, 0.1, {}), 0.0)
     assert seen == [] and all(r.verdict == SKIP and "not started" in r.reason for _, r in run.cases)

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
+from repro.contract.channel import Channel
+from repro.contract.tags import AUDIT_TAG, RESULT_TAG
+from repro.contract.verdicts import CLEAN, CRASH, ERROR
 from repro.judge.classify import classify, kernel_in
-from repro.judge.verdicts import CLEAN, CRASH, ERROR
-from repro.run.channel import Channel
-from repro.run.tags import AUDIT_TAG, RESULT_TAG
 from repro.vllm_integration.gate.case import GateCase
 from repro.vllm_integration.gate.judge import compare_tokens
 from tests.records import RESULTS

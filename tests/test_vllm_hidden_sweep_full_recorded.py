@@ -2,7 +2,7 @@
 0.26.0 against 0.25.1, the full GPU and sm_margin and MPS at 8, 16, 24, 40 and 66 SMs, audit and plain in each, no
 torch.compile, 247 s), judged again on a CPU: no false alarm on 0.26.0 and no miss on 0.25.1 wherever the platform
 computes right; at MPS 24 and 40 SMs the processes found bf16 products wrong, so neither build is judged there and the
-gate cannot vouch for those configurations (issue 26, item 3)."""
+gate cannot vouch for those configurations."""
 
 from __future__ import annotations
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from repro.judge.verdicts import CLEAN, ERROR
-from repro.run.channel import Channel, path_for
-from repro.run.tags import TAGS
+from repro.contract.channel import Channel, path_for
+from repro.contract.tags import TAGS
+from repro.contract.verdicts import CLEAN, ERROR
 from repro.vllm_integration.gate.report import build_summary
 from repro.vllm_integration.releases import release_range
 from tests import recorded_gate

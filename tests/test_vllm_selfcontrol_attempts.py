@@ -8,10 +8,10 @@ from __future__ import annotations
 import threading
 
 from repro.case.spec import CaseResult
-from repro.judge.verdicts import CLEAN, CRASH
-from repro.run.channel import path_for, write_record
+from repro.contract.channel import path_for, write_record
+from repro.contract.tags import RESULT_TAG
+from repro.contract.verdicts import CLEAN, CRASH
 from repro.run.runner import case_logs
-from repro.run.tags import RESULT_TAG
 from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import run as gate_run
 from repro.vllm_integration.gate.case import GateCase, parse_modes
@@ -102,7 +102,7 @@ def test_the_gate_runs_its_cases_through_the_attempts(monkeypatch, tmp_path):
 def test_a_timeout_before_the_captures_is_no_evidence_and_the_attempts_go_on(monkeypatch, tmp_path):
     """An attempt stopped at its timeout before vLLM began capturing (annotate: an error, step HUNG_EARLY) says
     nothing of the captures: it neither ends the attempts nor replaces the result as if it were evidence."""
-    from repro.judge.verdicts import ERROR, HANG
+    from repro.contract.verdicts import ERROR, HANG
     from repro.vllm_integration.gate.judge import HUNG_EARLY
 
     def early(cid):
@@ -127,7 +127,7 @@ def test_a_deadline_cut_is_a_skip_whatever_annotate_made_of_the_hang(tmp_path):
     """past_deadline: a case the run's --deadline stopped is a skip, also where annotate had revised the hang (before
     the captures, or before vLLM loaded the plugin); a stall the watch stopped stays what it is."""
     from repro.case.spec import STALLED
-    from repro.judge.verdicts import ERROR, HANG, SKIP
+    from repro.contract.verdicts import ERROR, HANG, SKIP
 
     build = VllmBuild("0.26.0", str(tmp_path), UNDER_TEST, "0.26.0")
     case = GateCase(build, parse_modes("plain")[0])

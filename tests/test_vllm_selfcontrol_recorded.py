@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 
+from repro.contract.channel import Channel
+from repro.contract.tags import DEVICE_TAG
 from repro.exit_codes import gate as gate_exit
-from repro.run.channel import Channel
-from repro.run.tags import DEVICE_TAG
 from repro.vllm_integration.gate.judge import platform_problem
 from repro.vllm_integration.gate.report import fidelity, markdown
 from tests.recorded_gate import replay

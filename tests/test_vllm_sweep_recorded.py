@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from repro.run.channel import Channel, path_for
-from repro.run.tags import RESULT_TAG
+from repro.contract.channel import Channel, path_for
+from repro.contract.tags import RESULT_TAG
 from repro.vllm_integration.gate import bench as gate_bench
 from repro.vllm_integration.gate.report import build_summary
 from repro.vllm_integration.releases import release_range
@@ -33,7 +33,7 @@ def test_the_five_release_sweep_comes_back(monkeypatch, tmp_path):
 
 
 def test_triton_attn_on_0251_is_stale_but_silent(monkeypatch, tmp_path):
-    """The open question of issue 21, answered on the H200: 0.25.1 with TRITON_ATTN bakes stale views into the draft's
+    """Does another attention backend show the bug? Answered on the H200: 0.25.1 with TRITON_ATTN bakes stale views into the draft's
     graphs (the auditor) but neither faults nor changes a decided token (the plain mode sees nothing)."""
     doc, rows, run, got = replay(monkeypatch, tmp_path, RESULTS / "h200-vllm-backends")
     for case_id, row in rows.items():

@@ -31,7 +31,7 @@ import pytest
 from repro.case.spec import CaseResult
 from repro.contract import channel
 from repro.contract.channel import RECORDED_BEFORE
-from repro.judge.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, HANG, STALE_AUDIT, WRONG
+from repro.contract.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, HANG, STALE_AUDIT, WRONG
 from repro.vllm_integration.gate import coverage
 from repro.vllm_integration.gate import judge as gate_judge
 from repro.vllm_integration.gate import steps as gate_steps
@@ -307,7 +307,7 @@ def test_a_self_control_whose_injection_never_wrote_cannot_vouch(verdict):
 
 @pytest.mark.parametrize("verdict", [CRASH, HANG, WRONG])
 def test_in_the_audit_mode_a_self_controls_fault_alone_cannot_vouch_the_auditor_must_catch_it(verdict):
-    """Issue 44: in audit mode each injection form must be caught by the auditor's own contents check, not only by a
+    """In audit mode each injection form must be caught by the auditor's own contents check, not only by a
     fault; a build with the descriptor check that saw no stale field is cannot-vouch. A record from before the
     descriptor check (no descriptor_checks counter) keeps its fault."""
     c = case("audit", inject=True)
@@ -416,8 +416,8 @@ DRAFTED = {"spec_decode_num_draft_tokens": 3, "spec_decode_num_accepted_tokens":
 
 
 def test_the_replays_upgrader_marks_only_result_records_without_their_configuration():
+    from repro.contract.tags import COUNTERS_TAG, ENGINE_TAG, RESULT_TAG
     from repro.report.records import upgrade_channel as upgrade_records
-    from repro.run.tags import COUNTERS_TAG, ENGINE_TAG, RESULT_TAG
 
     def rec(tag, data):
         return json.dumps({"schema": 1, "tag": tag, "pid": 1, "data": data})

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from repro.case.descriptors import (
     AttnConfig,
@@ -17,8 +17,18 @@ from repro.case.descriptors import (
     full_decode_descriptors,
 )
 
-if TYPE_CHECKING:  # the builder (the attention layer's) is handed in; its types name what it builds
-    from repro.attention.builder import AttnMetadata, MetadataBuilder
+
+class MetadataBuilder(Protocol):
+    """What a scenario asks of the builder it is handed (the attention layer's repro.attention.builder.MetadataBuilder,
+    one layer up: named here by what it does, so this layer imports nothing above it)."""
+
+    cfg: AttnConfig
+
+    def build(self, desc: BatchDescriptor) -> Any:
+        """The metadata for one descriptor's pass, built through the builder's persistent buffers."""
+
+
+AttnMetadata = Any  # what MetadataBuilder.build returns (repro.attention.builder.AttnMetadata): a pass carries it
 
 STALE = "stale"
 FRESH = "fresh"

@@ -38,20 +38,18 @@ def v2_capture() -> list[CaseSpec]:
 
 
 def memcheck() -> list[CaseSpec]:
+    sm, cfg = SmConfig.parse("sm_margin:16"), AttnConfig(num_splits=0)
     return [
-        CaseSpec(b, st, "eager", sm=SmConfig.parse("sm_margin:16"), cfg=AttnConfig(num_splits=0), sanitizer=True,
-                 timeout_s=180)
-        for b in BACKENDS
-        for st in STRATEGIES
-    ]  # fmt: skip
+        CaseSpec(b, st, "eager", sm=sm, cfg=cfg, sanitizer=True, timeout_s=180) for b in BACKENDS for st in STRATEGIES
+    ]
 
 
 def pair() -> list[CaseSpec]:
+    sm = SmConfig.parse("sm_margin:16")
     return [
-        CaseSpec("vllm", st, "eager", scenario="pair", pair=DEFAULT_PAIR, poison="int-max",
-                 sm=SmConfig.parse("sm_margin:16"), timeout_s=120)
+        CaseSpec("vllm", st, "eager", scenario="pair", pair=DEFAULT_PAIR, poison="int-max", sm=sm, timeout_s=120)
         for st in STRATEGIES
-    ]  # fmt: skip
+    ]
 
 
 SHAPES = {"h32-8x128": (32, 8, 128), "h16-16x128": (16, 16, 128), "h32-4x64": (32, 4, 64)}  # GQA 4, 1 and 8
@@ -95,10 +93,10 @@ def spec_decode(environ=os.environ) -> list[CaseSpec]:
         )
         for b in BACKENDS:
             for st in STRATEGIES:
+                sm = SmConfig.parse(v["sm"])
                 out.append(
-                    CaseSpec(b, st, "eager", scenario="spec-decode", sm=SmConfig.parse(v["sm"]), cfg=cfg,
-                             poison="int-max", timeout_s=300)
-                )  # fmt: skip
+                    CaseSpec(b, st, "eager", scenario="spec-decode", sm=sm, cfg=cfg, poison="int-max", timeout_s=300)
+                )
     return out
 
 

@@ -36,8 +36,10 @@ def _no_command(p: argparse.ArgumentParser, argv: list[str]) -> None:
         if arg in sub.choices:
             return
         if arg.startswith("-") and arg not in ("-h", "--help", "--version"):
-            p.error(f"unknown option {arg.split('=')[0]} before a command; give a command first: "
-                    f"python -m repro COMMAND [options] (commands: {', '.join(sub.choices)})")  # fmt: skip
+            p.error(
+                f"unknown option {arg.split('=')[0]} before a command; give a command first: "
+                f"python -m repro COMMAND [options] (commands: {', '.join(sub.choices)})"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -115,8 +115,10 @@ def _ends_contradict(a: argparse.Namespace) -> str | None:
     refuse (bad input, with its reason)."""
     if _git(a.vllm, "merge-base", "--is-ancestor", a.good, a.bad).returncode != 0:
         return None
-    for flag, rev, wrong, said in ((("--bad", a.bad, GOOD, "shows no known bad pattern")),
-                                   ("--good", a.good, BAD, "shows the bad pattern already")):  # fmt: skip
+    for flag, rev, wrong, said in (
+        (("--bad", a.bad, GOOD, "shows no known bad pattern")),
+        ("--good", a.good, BAD, "shows the bad pattern already"),
+    ):
         with tempfile.TemporaryDirectory(prefix="repro-bisect-") as tmp:
             archive = subprocess.run(["git", "-C", a.vllm, "archive", rev, "vllm"], capture_output=True)
             subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, capture_output=True)

@@ -195,8 +195,10 @@ def cmd_records(a: argparse.Namespace) -> int:
             raise ConfigError(f"{root} is not a git checkout with history: --stale compares commits")
         found = stale.check(root)
         if not found:  # nothing checked is no answer, never "every record fresh"
-            raise ConfigError(f"{root / 'README.md'} shows none of the GPU commands --stale checks: give --root this "
-                              "project's checkout")  # fmt: skip
+            raise ConfigError(
+                f"{root / 'README.md'} shows none of the GPU commands --stale checks: give --root this "
+                "project's checkout"
+            )
         for s in found:
             print(s.line())
         return exit_codes.check(not any(s.stale for s in found))

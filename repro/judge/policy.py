@@ -204,7 +204,7 @@ class Failure(str):
 
 
 class GateOutcome(StrValue):
-    """What `repro gate` answers for a run (repro.vllm_integration.gate.run.GateRun.outcome decides it from decide's
+    """What `repro gate` answers for a run (repro.vllm_integration.gate.outcome.GateRun.outcome decides it from decide's
     failures, by their kind, and from the builds under test; repro.exit_codes gives its exit code): a str that
     equals, prints and serialises as its value ("HARNESS BLIND"), as reports and results.json have always shown it."""
 

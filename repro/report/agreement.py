@@ -52,8 +52,8 @@ def compare(paths: list[str | Path]) -> list[Agreement]:
     whose features it models (repro.judge.expectations.UNMODELLED)."""
     out = []
     flavors = {"upstream": UPSTREAM, "vllm": VLLM}
-    # one prediction per distinct case: the records repeat their cases (predicted 934 times over results/ on
-    # 2026-12-04, 336 distinct); AttnConfig is frozen, a key
+    # one prediction per distinct case: the records repeat their cases (934 predictions over results/ were 336
+    # distinct cases); AttnConfig is frozen, a key
     case, outcomes_of = functools.cache(predict_case), functools.cache(predict_outcomes)
     for path in paths:
         run = load_json(path)

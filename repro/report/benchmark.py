@@ -70,9 +70,11 @@ def benchmark_markdown(plain_path: str | Path, sanitized_path: str | Path) -> st
     for path, run, memcheck in ((plain_path, plain, False), (sanitized_path, san, True)):  # each is what it is called
         if wrong := [sp.case_id for sp, _ in run.results if bool(sp.sanitizer) != memcheck]:
             ran = "ran under compute-sanitizer" if not memcheck else "did not run under compute-sanitizer"
-            raise ConfigError(f"{path}: {len(wrong)} of its {len(run.results)} cases {ran} ({wrong[0]}): not the "
-                              f"{'memcheck' if memcheck else 'plain'} run (give PLAIN MEMCHECK: matrix without and with "
-                              "--sanitizer)")  # fmt: skip
+            raise ConfigError(
+                f"{path}: {len(wrong)} of its {len(run.results)} cases {ran} ({wrong[0]}): not the "
+                f"{'memcheck' if memcheck else 'plain'} run (give PLAIN MEMCHECK: matrix without and with "
+                "--sanitizer)"
+            )
     a, b, o = summarize(plain), summarize(san), sanitizer_overhead(plain, san)
     lines = [
         "# Benchmark: the default matrix",

@@ -233,7 +233,7 @@ def load_index(results: Path) -> dict[str, dict]:
 
 
 # --- the one upgrader of recorded results ---------------------------------------------------------------------------
-# What a case result written before typed flags (CaseResult.flags, 2026-12-03) said in its reason's words instead:
+# What a case result written before typed flags (CaseResult.flags) said in its reason's words instead:
 # its stall (the Stall watch's message first), the GPU's refusal (classify's message first), its rerun alone under an
 # MPS daemon of its own (run.mps_cases' suffix). Read here, and only here: live records carry their flags.
 _WORDS_OF_FLAG = (

@@ -1,6 +1,6 @@
 """GPU memory for case processes: what the GPUs have free (nvidia-smi: no CUDA in the parent), and a budget every
 case holds its share of while its process runs, so that cases beside each other never ask for more than the GPU
-has. Measured on the H200 (issue 26): `matrix --max-model-len 131072` at the default jobs put 8 of 16 cases in CUDA
+has. Measured on the H200: `matrix --max-model-len 131072` at the default jobs put 8 of 16 cases in CUDA
 out of memory (each allocates K and V caches of 16 GiB: max_num_seqs x max_model_len); fitted to the free memory
 they run fewer at a time and every one gets its allocation. A case that alone needs more than the budget runs with
 nothing beside it (whether it fits is its own check: AttnConfig.device_bytes refuses a shape no GPU holds)."""

@@ -1,4 +1,4 @@
-"""memcheck's own allocator (the vLLM gate's `memcheck:own` mode, issue 31): one cudaMalloc per tensor, so
+"""memcheck's own allocator (the vLLM gate's `memcheck:own` mode): one cudaMalloc per tensor, so
 compute-sanitizer memcheck knows every tensor's bounds. With torch's caching allocator an over-read past a tensor
 lands in the rest of its segment, which memcheck counts as valid (0.25.1 did not fault under memcheck, 2 of 2 runs);
 cudaMallocAsync keeps each tensor apart, but a graph's allocations are unmapped until it launches, and vLLM's Triton

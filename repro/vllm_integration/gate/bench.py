@@ -200,7 +200,7 @@ def _shown(v) -> str:
     return v if isinstance(v, str) else f"{v[0]} ({'as expected' if v[1] else 'NOT as expected'})"
 
 
-PER_BUILD_GOAL_WARM_S, PER_BUILD_GOAL_COLD_S = 30.0, 60.0  # issue 29: a build with its self control
+PER_BUILD_GOAL_WARM_S, PER_BUILD_GOAL_COLD_S = 30.0, 60.0  # a build with its self control (docs/history.md)
 
 
 def _caches(ph: dict | None) -> str:

@@ -128,8 +128,8 @@ class GateMode:
         )
 
 
-# The hidden-configuration sweep (issue 26): the full GPU and five SM counts of each restriction, audit and plain in
-# each; 0.26.0 must give no false alarm in any, 0.25.1 no miss.
+# The hidden-configuration sweep: the full GPU and five SM counts of each restriction, audit and plain in each; a fixed
+# build (0.26.0) must give no false alarm in any, a known-bad one (0.25.1) no miss.
 SWEEP_SMS = (8, 16, 24, 40, 66)
 PRESETS = {
     "hidden-sweep": ("audit", "plain")
@@ -159,9 +159,9 @@ FA3_ONLY = ("sm_margin", "poison")  # modes that hook FA3's own calls
 # Silent this long once vLLM began capturing CUDA graphs, a case process hangs. Measured on the H200 in every recorded
 # case of a build under test (72 of them: 0.20.2-0.33.0, cold and warm, full GPU, sm_margin, MPS, both backends), the
 # longest gap between two log lines after the first capture was 28 s (the lines in between included); 0.25.1's draft
-# prefill captures took minutes each, printing nothing for 55, 60 and 144 s at sm_margin:66
-# (results/h200-sweep-smmargin, clean at 290 s of its 300 s timeout) and 54 and 68 s under MPS at 8 and 16 SMs
-# (results/h200-sweep-mps-a, killed at its 150 s timeout).
+# prefill captures took minutes each, printing nothing for 55, 60 and 144 s at sm_margin:66 (clean at 290 s of its
+# 300 s timeout) and 54 and 68 s under MPS at 8 and 16 SMs (killed at its 150 s timeout); the records:
+# docs/history.md.
 CAPTURE_STALL = StallRule("Capturing CUDA graphs", 45.0)
 
 

@@ -1,4 +1,4 @@
-"""The gate's kept forkservers (`gate --launcher fork --keep-forkserver S`, issue 29): how long they are kept, this
+"""The gate's kept forkservers (`gate --launcher fork --keep-forkserver S`): how long they are kept, this
 user's folder for them, and what says a build's files are the ones a kept forkserver imported. The mechanism is the
 harness's one forkserver kept at a socket (repro.run.kept, repro.run.forkserver's listen)."""
 

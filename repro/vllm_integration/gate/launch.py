@@ -33,9 +33,8 @@ FORK, SPAWN = "fork", "spawn"
 LAUNCHERS = (FORK, SPAWN)
 LAUNCHER_ENV = "REPRO_GATE_LAUNCHER"
 # fork: the spawned records on every stand-in behaviour (tests/test_vllm_gate_fork.py), and the same verdicts as spawned
-# cases on the H200 with --compile none (results/h200-paths-kept, -kept-2) and with inductor, vLLM 0.34.0 and its self
-# control's two forms (results/h200-paths-inductor-0.34.0, code 7fb1149: before the Triton cache and gc.freeze; the
-# final code's records ran forked only: h200-readme-gate-9-cold); every case it cannot fork is spawned, with why
+# cases on the H200 with --compile none and with inductor, vLLM 0.34.0 and both forms of its self control (the records:
+# docs/history.md); every case it cannot fork is spawned, with why
 DEFAULT_LAUNCHER = FORK
 PRELOAD_ENV = "REPRO_GATE_PRELOAD"  # more modules for the forkserver to import (MODULE[:ATTR],...), e.g. the runner's
 

@@ -347,8 +347,12 @@ def _speculator_of(package_dir: Path, method: str) -> tuple[str | None, str]:
             continue
         test = ast.unparse(n.test)
         if f"'{method}'" in test or f'"{method}"' in test or PREDICATES.get(method, "?") in test:
-            imported = [(i.module, a.name) for i in ast.walk(ast.Module(body=n.body, type_ignores=[]))
-                        if isinstance(i, ast.ImportFrom) and i.module for a in i.names]  # fmt: skip
+            imported = [
+                (i.module, a.name)
+                for i in ast.walk(ast.Module(body=n.body, type_ignores=[]))
+                if isinstance(i, ast.ImportFrom) and i.module
+                for a in i.names
+            ]
             if imported:
                 return f"{imported[0][0]}.{imported[0][1]}", "init_speculator"
     return None, f"init_speculator of this build has no branch for method {method!r}"

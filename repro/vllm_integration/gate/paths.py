@@ -25,7 +25,8 @@ from repro.errors import ConfigError
 from repro.vllm_integration.gate.cache import GateCache
 from repro.vllm_integration.gate.case import DEFAULT_BACKEND, GateCase, GateMode
 from repro.vllm_integration.gate.launch import FORK, SPAWN
-from repro.vllm_integration.gate.run import GateRun, run_gate
+from repro.vllm_integration.gate.outcome import GateRun
+from repro.vllm_integration.gate.run import run_gate
 from repro.vllm_integration.gate.worker import DEFAULT_COMPILE
 from repro.vllm_integration.releases.builds import VllmBuild
 

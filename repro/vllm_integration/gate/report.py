@@ -14,10 +14,11 @@ from repro.report.results import VLLM_GATE_KIND, header
 from repro.vllm_integration.gate import bench as gate_bench
 from repro.vllm_integration.gate.cache import COLD, KEPT, PRIVATE, WARM
 from repro.vllm_integration.gate.case import expected
+from repro.vllm_integration.gate.checked import acceptance_cell, captures_cell, config_cell, coverage, kinds_cell
 from repro.vllm_integration.gate.judge import passes
 from repro.vllm_integration.gate.methods import DEFAULT_METHOD
+from repro.vllm_integration.gate.outcome import GateRun, control_of
 from repro.vllm_integration.gate.process import not_applicable_of
-from repro.vllm_integration.gate.run import GateRun, control_of
 from repro.vllm_integration.plugin.inject import STALE_CAPTURE
 from repro.vllm_integration.releases import release_range
 from repro.vllm_integration.releases.source_check import check_tree
@@ -70,92 +71,6 @@ def rows(run: GateRun) -> list[dict]:
                 }
             )
     return out
-
-
-COUNTS = ("checks", "views_checked", "attention_forwards", "sched_calls", "sched_sm_margin", "fwd_sm_margin")
-COUNTS += ("poison_calls", "entries_poisoned")
-PER_KIND = ("captures", "captures_with_attention", "captures_audited", "captures_stale")
-BY_MANAGER = ("captures_by_manager", "full_captures_by_manager", "injected_by_manager")  # plugin.counters
-CONFIG = ("model_runner", "model_runner_v2", "attention_backend", "fa_version", "cudagraph_mode", "compilation_mode")
-CONFIG += ("speculative_method", "num_speculative_tokens")
-
-
-def coverage(pairs) -> dict:
-    """What a build's cases checked: counters and acceptance summed, the configuration values seen (a set per key)."""
-    counts: dict = {k: 0 for k in COUNTS}
-    kinds: dict = {k: {} for k in PER_KIND}
-    fa: dict = {}
-    managers: dict = {}  # capture manager -> [captures, FULL captures, injected captures]
-    config: dict = {k: [] for k in CONFIG}
-    acc: dict = {}
-    reported = 0
-    for _, r in pairs:
-        ident = r.backend_identity or {}
-        c, e = ident.get("counters") or {}, ident.get("engine") or {}
-        if not (c or e):
-            continue
-        reported += 1
-        for k in COUNTS:
-            counts[k] += int(c.get(k) or 0)
-        for k in PER_KIND:
-            for kind, n in (c.get(k) or {}).items():
-                kinds[k][kind] = kinds[k].get(kind, 0) + n
-        for v, n in (c.get("fa_versions") or {}).items():
-            fa[v] = fa.get(v, 0) + n
-        for i, name in enumerate(BY_MANAGER):
-            for m, n in (c.get(name) or {}).items():
-                managers.setdefault(m, [0] * len(BY_MANAGER))[i] += n
-        for k in CONFIG:
-            if e.get(k) is not None and e.get(k) not in config[k]:
-                config[k].append(e.get(k))
-        for k, v in (ident.get("acceptance") or {}).items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                acc[k] = acc.get(k, 0) + v
-            elif k == "unavailable":
-                acc.setdefault(k, v)
-    return {
-        "cases_reporting": reported,
-        **counts,
-        **kinds,
-        "fa_versions": fa,
-        "managers": managers,
-        "config": config,
-        "acceptance": acc,
-    }
-
-
-def _kinds(d: dict) -> str:
-    return ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "0"
-
-
-def _captures(c: dict) -> str:
-    """captures per kind as `kind total/with attention/audited/stale`."""
-    kinds = sorted(set(c.get("captures") or {}) | set(c.get("captures_audited") or {}))
-    parts = []
-    for k in kinds:
-        nums = [(c.get(name) or {}).get(k, 0) for name in PER_KIND]
-        parts.append(f"{k} {nums[0]}/{nums[1]}/{nums[2]}/{nums[3]}")
-    return "; ".join(parts) or "none"
-
-
-def _config(e: dict | None) -> str:
-    if not e:
-        return "-"
-    runner = "V2" if e.get("model_runner_v2") else f"not V2 ({e.get('model_runner')})"
-    backend = e.get("attention_backend") or "no hooked attention forward"
-    if backend == "FLASH_ATTN":  # the FA version is FLASH_ATTN's alone
-        fa = e.get("fa_version")
-        backend += f" FA{fa if fa is not None else '?'}"
-    return f"{runner}, {backend}, {e.get('cudagraph_mode')}, {e.get('speculative_method')} k={e.get('num_speculative_tokens')}"
-
-
-def _acceptance(a: dict | None) -> str:
-    if not a:
-        return "-"
-    if "unavailable" in a and len(a) == 1:
-        return f"not exposed ({a['unavailable'][:60]})"
-    keys = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
-    return ", ".join(f"{k.removeprefix('spec_decode_num_')} {a[k]}" for k in keys if k in a) or "-"
 
 
 def caches(run: GateRun, label: str) -> str:
@@ -264,29 +179,20 @@ def markdown(run: GateRun, env: dict | None = None, terminal: bool = False) -> s
     `gate` prints of it, the same lines (the headline and env's no-GPU line under it) up to its per-case tables, without
     its environment table."""
     lines = header(TITLE, None if terminal else env)
+    lines += _answer(run, env) + _checked(run)
+    if terminal:
+        return redact("\n".join(lines)) + "\n"
+    return redact("\n".join(lines + _per_case(run))) + "\n"
+
+
+def _answer(run: GateRun, env: dict | None) -> list[str]:
+    """verdicts.md's first part: the headline, each build's answer, the release range, what blinds or keeps the run
+    from vouching, the policy's summary, the fidelity checks, MPS reruns and how the processes started."""
+    lines: list[str] = []
     j, ran = run.judged(), f"{len(run.cases)} cases, {len(run.references)} references, {run.wall_s:.0f} s wall"
     verdict, no_gpu = j.outcome, f"\n\n**No GPU: {env[NO_GPU]}**" if (env or {}).get(NO_GPU) else ""
     lines += [f"**Gate: {verdict}** ({ran}){no_gpu}", ""]
-    lines += [
-        "| build | role | vLLM | affected | detected in | verdicts per mode | source check | wall s (caches) | ok |"
-    ]
-    lines += ["|---|---|---|---|---|---|---|---|---|"]
-    for s in build_summary(run):
-        per_mode = "; ".join(f"{m}: {', '.join(vs)}" for m, vs in s["modes"].items())
-        if s.get("not_applicable"):  # the build lacks the method: no answer either way, and no failure
-            answer = "not applicable"
-            per_mode = s["not_applicable"]
-        elif s["role"] == SELF_CONTROL:  # a positive control: was the re-created defect caught?
-            answer = "defect re-created: caught" if s["affected"] else "defect re-created: NOT caught"
-        elif not s["affected"] and s["could_not_vouch"] and len(s["could_not_vouch"]) == len(s["modes"]):
-            answer = "cannot tell"  # no case of the build gave an answer either way
-        else:
-            answer = "yes" if s["affected"] else "no"
-        lines.append(
-            f"| {s['build']} | {s['role']} | {s['vllm_version']} | **{answer}** | "
-            f"{', '.join(s['detected_in']) or '-'} | {per_mode} | {s['source_check']} | {s['wall_s']} ({s['caches']}) | "
-            f"{'ok' if s['ok'] else 'FAIL'} |"
-        )
+    lines += _builds_table(run)
     lines += [""] + release_range.markdown(releases_only(build_summary(run)))
     if j.blind and verdict != GateOutcome.BLIND:  # one headline per outcome: HARNESS BLIND only when it is the outcome
         lines.append(f"\nAlso, under this {verdict} outcome (it comes first), controls without evidence:")
@@ -308,6 +214,38 @@ def markdown(run: GateRun, env: dict | None = None, terminal: bool = False) -> s
         )
     if run.launches:  # how the case processes started, and every fallback from the launcher asked for
         lines += ["", "How the case processes started:", ""] + gate_bench.launch_lines({"": run})
+    return lines
+
+
+def _builds_table(run: GateRun) -> list[str]:
+    """One row per build: its role, whether it is affected and where the bug was detected, its verdicts per mode."""
+    lines: list[str] = []
+    lines += [
+        "| build | role | vLLM | affected | detected in | verdicts per mode | source check | wall s (caches) | ok |"
+    ]
+    lines += ["|---|---|---|---|---|---|---|---|---|"]
+    for s in build_summary(run):
+        per_mode = "; ".join(f"{m}: {', '.join(vs)}" for m, vs in s["modes"].items())
+        if s.get("not_applicable"):  # the build lacks the method: no answer either way, and no failure
+            answer = "not applicable"
+            per_mode = s["not_applicable"]
+        elif s["role"] == SELF_CONTROL:  # a positive control: was the re-created defect caught?
+            answer = "defect re-created: caught" if s["affected"] else "defect re-created: NOT caught"
+        elif not s["affected"] and s["could_not_vouch"] and len(s["could_not_vouch"]) == len(s["modes"]):
+            answer = "cannot tell"  # no case of the build gave an answer either way
+        else:
+            answer = "yes" if s["affected"] else "no"
+        lines.append(
+            f"| {s['build']} | {s['role']} | {s['vllm_version']} | **{answer}** | "
+            f"{', '.join(s['detected_in']) or '-'} | {per_mode} | {s['source_check']} | {s['wall_s']} ({s['caches']}) | "
+            f"{'ok' if s['ok'] else 'FAIL'} |"
+        )
+    return lines
+
+
+def _checked(run: GateRun) -> list[str]:
+    """What each build's cases checked: counters, captures per kind and per capture manager (the terminal's last part)."""
+    lines: list[str] = []
     lines += [
         "",
         "What each build's cases checked (sums over its cases; captures per graph kind as "
@@ -321,17 +259,21 @@ def markdown(run: GateRun, env: dict | None = None, terminal: bool = False) -> s
         cov = s["coverage"]
         seen = "; ".join(f"{k} {'/'.join(str(v) for v in vs)}" for k, vs in cov["config"].items() if vs)
         lines.append(
-            f"| {s['build']} | {seen or 'not reported (no case reached generate)'} | {_captures(cov)} | {cov['checks']} | {cov['views_checked']} | "
-            f"{cov['attention_forwards']} ({_kinds(cov['fa_versions'])}) | {cov['sched_sm_margin']}/"
-            f"{cov['fwd_sm_margin']} | {cov['entries_poisoned']} | {_acceptance(cov['acceptance'])} |"
+            f"| {s['build']} | {seen or 'not reported (no case reached generate)'} | {captures_cell(cov)} | {cov['checks']} | {cov['views_checked']} | "
+            f"{cov['attention_forwards']} ({kinds_cell(cov['fa_versions'])}) | {cov['sched_sm_margin']}/"
+            f"{cov['fwd_sm_margin']} | {cov['entries_poisoned']} | {acceptance_cell(cov['acceptance'])} |"
         )
     lines += ["", "Captures per capture manager (total/FULL/injected by the self control), per build and method:", ""]
     lines += ["| build | captures per capture manager |", "|---|---|"]
     for s in build_summary(run):
         per = "; ".join(f"{m} {'/'.join(map(str, n))}" for m, n in sorted(s["coverage"]["managers"].items()))
         lines.append(f"| {s['build']} | {per or 'none reported'} |")
-    if terminal:
-        return redact("\n".join(lines)) + "\n"
+    return lines
+
+
+def _per_case(run: GateRun) -> list[str]:
+    """verdicts.md's per-case tables: what each case checked, its verdict and evidence, and every reason."""
+    lines: list[str] = []
     lines += [
         "",
         "| case | configuration | captures per kind | checks | views | forwards | sm_margin sched/fwd | poisoned | "
@@ -343,10 +285,10 @@ def markdown(run: GateRun, env: dict | None = None, terminal: bool = False) -> s
             continue
         c = row["counters"] or {}
         lines.append(
-            f"| {row['case']} | {_config(row['engine'])} | {_captures(c)} | {c.get('checks', '-')} | "
-            f"{c.get('views_checked', '-')} | {c.get('attention_forwards', '-')} ({_kinds(c.get('fa_versions') or {})})"
+            f"| {row['case']} | {config_cell(row['engine'])} | {captures_cell(c)} | {c.get('checks', '-')} | "
+            f"{c.get('views_checked', '-')} | {c.get('attention_forwards', '-')} ({kinds_cell(c.get('fa_versions') or {})})"
             f" | {c.get('sched_sm_margin', '-')}/{c.get('fwd_sm_margin', '-')} | {c.get('entries_poisoned', '-')} | "
-            f"{_acceptance(row['acceptance'])} |"
+            f"{acceptance_cell(row['acceptance'])} |"
         )
     lines += [
         "",
@@ -360,7 +302,7 @@ def markdown(run: GateRun, env: dict | None = None, terminal: bool = False) -> s
             f"{row['expected']} | {mark} | {row['wall_s']:.0f} |"
         )
     lines += ["", "Reasons:", ""] + [f"- `{row['case']}`: {row['reason']}" for row in rows(run)]
-    return redact("\n".join(lines)) + "\n"
+    return lines
 
 
 def to_json(run: GateRun, env: dict | None = None) -> dict:

@@ -12,8 +12,8 @@ import json
 import statistics
 from pathlib import Path
 
-from repro.run.channel import Channel, path_for
-from repro.run.tags import RESULT_TAG
+from repro.contract.channel import Channel, path_for
+from repro.contract.tags import RESULT_TAG
 from repro.vllm_integration.gate import bench as gate_bench
 from repro.vllm_integration.gate.cache import KEPT_LINE
 from repro.vllm_integration.gate.paths import path_folder
@@ -53,8 +53,16 @@ def _row(
         if (vals := [p[k] for p in per_case if isinstance(p.get(k), (int, float))])
     }
     ready = _ready(launches)
-    return {"record": name, "path": path, "outcome": outcome, "wall_s": wall_s, "processes": len(per_case),
-            "forkserver": ready, "command_s": command_s, **med}  # fmt: skip
+    return {
+        "record": name,
+        "path": path,
+        "outcome": outcome,
+        "wall_s": wall_s,
+        "processes": len(per_case),
+        "forkserver": ready,
+        "command_s": command_s,
+        **med,
+    }
 
 
 def record_rows(name: str, folder: Path) -> list[dict]:
@@ -79,7 +87,7 @@ def record_rows(name: str, folder: Path) -> list[dict]:
     if doc.get("kind") != "vllm-gate" and "launches" not in doc:
         raise ValueError(f"{name}: neither a gate run (results.json of `repro gate`) nor a path comparison")
     walls = {c["case"]: c.get("wall_s") or 0.0 for c in doc.get("cases", []) + doc.get("references", [])}
-    launches, command = doc.get("launches"), doc.get("command_s")  # command_s: recorded since 2026-12-04
+    launches, command = doc.get("launches"), doc.get("command_s")  # command_s: absent from the older records
     return [_row(name, "gate", doc.get("outcome", "-"), doc.get("wall_s"), folder / "logs", walls, launches, command)]
 
 
