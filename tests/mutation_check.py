@@ -6,7 +6,7 @@ whatever happened.
 
     python tests/mutation_check.py vouch     # gate/coverage.py, gate/judge.py, gate/steps.py (annotate's checks)
     python tests/mutation_check.py reference # every reference check of gate/judge.py and gate/steps.py
-    python tests/mutation_check.py outcome   # GateRun.outcome, decision, blind and judge (repro/vllm_integration/gate/run.py)
+    python tests/mutation_check.py outcome   # GateRun.outcome, decision, blind and judge (gate/outcome.py)
     python tests/mutation_check.py policy    # repro/judge/policy.py
     python tests/mutation_check.py hang      # when a hang is evidence (gate/steps.py annotate, gate/process.py)
     python tests/mutation_check.py steps     # the judging's declared steps and the runner of their phases (gate/steps.py)
@@ -362,7 +362,7 @@ REFERENCE = [
         {"test_an_mps_case_that_got_other_sms_than_it_asked_is_an_error"},
     ),
 ]
-RUN = "repro/vllm_integration/gate/run.py"
+RUN = "repro/vllm_integration/gate/outcome.py"
 # GateRun.outcome and the one stored decision every report reads (tests/test_vllm_gate.py)
 OUTCOME_TEST = "test_the_gate_outcome_reads_failure_kinds_not_their_words"
 OUTCOME = [
