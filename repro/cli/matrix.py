@@ -242,7 +242,9 @@ def cmd_matrix(a: argparse.Namespace) -> int:
             print(s.case_id)
         return exit_codes.Exit.OK
     check_file_and_folder(a.json, a.out)
-    check_file(a.json, own=json_of(lambda doc: isinstance(doc["cases"], list)))  # a results.json
+    check_file(  # a results.json; predictions never replace a GPU run's record
+        a.json, own=json_of(lambda doc: isinstance(doc["cases"], list) and (not model or doc["source"] == report.MODEL))
+    )
     check_folder(a.out, a.overwrite)
     out = open_folder(a.out, "matrix", a.overwrite) if (a.out or not model) else None
     # Beside the run: the environment table's facts (a child that imports torch; run_matrix computes the controls'

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from repro.errors import Unavailable
-from repro.exit_codes import gate_decision, pytest_session
+from repro.exit_codes import Exit, gate_decision, pytest_session
 from repro.files import write_whole
 from repro.judge.policy import GATE_ENV as ENV
 from repro.judge.policy import GATE_WIDE, REQUIRE_ENV, Control, GateDecision, decide, parse_requirements
@@ -159,7 +159,7 @@ class Evidence:
             md.append(f"| {c.case_id} | {c.mode} | {c.expected} | **{verdict}** | {why_row[:200]} |")
         if d.failures:
             md += ["", "Failures:", ""] + [f"- {f}" for f in d.failures]
-        write_whole(folder / "gate.md", (redact("\n".join(md)) + "\n").encode(), through_link=True)
+        write_whole(folder / "gate.md", (redact("\n".join(md)) + "\n").encode())
         doc = {
             "outcome": outcome,
             "passed": why is None,
@@ -172,9 +172,7 @@ class Evidence:
             "controls": [c.__dict__ for c in self.controls],
             "unreported": self.unreported,
         }
-        write_whole(
-            folder / "gate.json", (redact(json.dumps(doc, indent=1, default=str)) + "\n").encode(), through_link=True
-        )
+        write_whole(folder / "gate.json", (redact(json.dumps(doc, indent=1, default=str)) + "\n").encode())
 
     def summary(self, d: GateDecision | None = None) -> tuple[list[str], str | None]:
         """(lines for the terminal summary, the one failure line or None), from `d` when already decided."""
@@ -252,6 +250,7 @@ class GatePlugin:
         if not self._controller(config):
             return
         _, why = self.evidence.summary()
-        session.exitstatus = pytest.ExitCode(pytest_session(session.exitstatus, gate_passed=why is None))
+        status = pytest_session(session.exitstatus, gate_passed=why is None)  # 130: no ExitCode of pytest's
+        session.exitstatus = status if status == Exit.INTERRUPTED else pytest.ExitCode(status)
         if folder := config.getoption("gate_report"):
             self.evidence.write_report(folder, time.time() - self.started, list(config.invocation_params.args))

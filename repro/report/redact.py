@@ -59,7 +59,7 @@ def redact_file(path: str | Path) -> bool:
     p = Path(path)
     new = _redacted(p)
     if new is not None:
-        write_whole(p, new, through_link=True)
+        write_whole(p, new)  # a link there is refused, never written through
     return new is not None
 
 
@@ -76,16 +76,18 @@ def redact_tree(paths: list[str | Path]) -> list[Path]:
     is rewritten, when one that would change cannot be read or written."""
     todo = []
     for root in map(Path, paths):
+        if root.is_symlink():  # it may lead anywhere: never followed, to a file or a folder
+            raise ConfigError(f"{root}: is a symbolic link, which redact never follows; nothing was rewritten")
         for f in [root] if root.is_file() else _files(root):
             new = _redacted(f)
             if new is not None:
                 todo.append((f, new))
     for f, _ in todo:  # each is written beside itself, then renamed: its folder must take a new file
-        if not os.access(f, os.W_OK) or not os.access(Path(os.path.realpath(f)).parent, os.W_OK | os.X_OK):
+        if not os.access(f, os.W_OK) or not os.access(f.absolute().parent, os.W_OK | os.X_OK):
             raise ConfigError(f"{f}: cannot write it (permission denied); nothing was rewritten")
     for f, new in todo:
         try:
-            write_whole(f, new, through_link=True)
+            write_whole(f, new)
         except OSError as e:
             raise ConfigError(f"{f}: cannot write it ({e.strerror or e})") from None
     return [f for f, _ in todo]
