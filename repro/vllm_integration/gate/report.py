@@ -8,6 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from repro.contract.verdicts import FAULTS, SKIP
+from repro.judge.excerpt import shorten
 from repro.judge.policy import NO_EVIDENCE, SELF_CONTROL, GateOutcome
 from repro.report.redact import redact
 from repro.report.results import VLLM_GATE_KIND, header
@@ -18,6 +19,7 @@ from repro.vllm_integration.gate.judge import passes
 from repro.vllm_integration.gate.methods import DEFAULT_METHOD
 from repro.vllm_integration.gate.process import not_applicable_of
 from repro.vllm_integration.gate.run import GateRun, control_of
+from repro.vllm_integration.gate.why import headline as cannot_vouch_why
 from repro.vllm_integration.plugin.inject import STALE_CAPTURE
 from repro.vllm_integration.releases import release_range
 from repro.vllm_integration.releases.source_check import check_tree
@@ -266,7 +268,8 @@ def markdown(run: GateRun, env: dict | None = None, terminal: bool = False) -> s
     lines = header(TITLE, None if terminal else env)
     j, ran = run.judged(), f"{len(run.cases)} cases, {len(run.references)} references, {run.wall_s:.0f} s wall"
     verdict, no_gpu = j.outcome, f"\n\n**No GPU: {env[NO_GPU]}**" if (env or {}).get(NO_GPU) else ""
-    lines += [f"**Gate: {verdict}** ({ran}){no_gpu}", ""]
+    because = cannot_vouch_why(run) if verdict == GateOutcome.CANNOT_VOUCH else ""  # its cause, in the user's words
+    lines += [f"**Gate: {verdict}**{because} ({ran}){no_gpu}", ""]
     lines += [
         "| build | role | vLLM | affected | detected in | verdicts per mode | source check | wall s (caches) | ok |"
     ]
@@ -294,8 +297,7 @@ def markdown(run: GateRun, env: dict | None = None, terminal: bool = False) -> s
         lines.append(
             f"\nHARNESS BLIND: {why}" if verdict == GateOutcome.BLIND else f"- {why.replace('GATE FAILED: ', '')}"
         )
-    for c, r in run.not_vouched():
-        lines.append(f"\nCANNOT VOUCH: {c.case_id}: {r.reason[:300]}")
+    lines += [f"\nCANNOT VOUCH: {c.case_id}: {shorten(r.reason)}" for c, r in run.not_vouched()]
     summary = j.decision.summary()
     if not j.need_control:  # the builds answer for themselves: their cases are not controls
         summary[0] = f"gate: {len(run.cases)} case(s) ran; no positive control needed (--no-control)"
@@ -378,9 +380,7 @@ def to_json(run: GateRun, env: dict | None = None) -> dict:
         "cannot_vouch": [c.case_id for c, _ in run.not_vouched()],
         "blind": list(j.blind),
         "decision": j.decision.summary(),
-        "wall_s": run.wall_s,
-        "setup_s": run.setup_s,
-        "command_s": run.command_s,
+        **{"wall_s": run.wall_s, "setup_s": run.setup_s, "command_s": run.command_s},
         "launches": run.launches,
         "mps_reruns": run.mps_reruns,
         "builds": build_summary(run),

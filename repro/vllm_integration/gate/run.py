@@ -372,6 +372,10 @@ def run_gate(
         run.launches = launch.summary()
         launch.close()
     run.cases = [(c, finish(c, r, outputs.get(c.case_id), *done[reference_for(c).case_id])) for c, r in run.cases]
+    # a self control's further attempts judged as its first was (a clean decode with a wrong draft is not clean)
+    run.attempts = [
+        (a, finish(a, r, result_line(log_dir, a), *done[reference_for(a).case_id])) for a, r in run.attempts
+    ]
     run.cases += skipped_na
     cases += [c for c, _ in skipped_na]
     for c, r in skipped_na if progress else ():
