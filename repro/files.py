@@ -121,10 +121,11 @@ def read_bounded(path: str | Path, limit: int = READ_LIMIT, flag: str = "") -> b
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as e:
         raise ConfigError(f"{who}: cannot read it ({e.strerror or e})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ConfigError(f"{who}: is {_kind(st.st_mode)}, not a regular file: nothing read")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"{who}: is {_kind(st.st_mode)}, not a regular file: nothing read")
         if st.st_size > limit:
             raise ConfigError(f"{who}: {st.st_size} bytes, over the {limit >> 20} MiB this command reads")
         try:

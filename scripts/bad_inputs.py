@@ -190,7 +190,7 @@ OPTIONS = [  # nonsense values of options
     ["matrix", "--model", "--strategies", "bogus"], ["matrix", "--out", ""], ["matrix", "--model", "--json", "{d}/folder"],
     ["run", "--sm", "0"], ["run", "--sm", "x"], ["run", "--timeout", "-5"], ["run", "--timeout", "nan"],
     ["run", "--out", "{d}/plain.json"], ["gate", "--modes", "bogus"], ["gate", "--modes", ""], ["gate", "--methods", "bogus"],
-    ["gate", "--methods", ""], ["gate", "--devices", "bogus"], ["gate", "--jobs", "0"], ["gate", "--jobs", "-1"],
+    ["gate", "--methods", ""], ["gate", "--jobs", "0"], ["gate", "--jobs", "-1"],
     ["gate", "--timeout", "0"], ["gate", "--timeout", "nan"], ["gate", "--deadline", "-1"], ["gate", "--vllm", "x"],
     ["gate", "--vllm", "=x"], ["gate", "--vllm", "a=b", "--vllm", "a=b"], ["gate", "--out", "{d}/plain.json"],
     ["gate", "--out", ""], ["gate", "--cache-dir", "{d}/plain.json"], ["gate", "--self-control", "bogus"],
@@ -232,6 +232,8 @@ def cases(repo: Path) -> list[Case]:
         out.append(Case("options: " + " ".join(a or "''" for a in argv), argv))
     for argv in RECORDS:
         out.append(Case("records " + " ".join(a or "''" for a in argv), ["records", *argv, "--root", "{d}/repo"]))
+    # a device name is judged against the machine's devices: with no GPU and no build here, "could not run here" (4)
+    out.append(Case("options: gate --devices bogus", ["gate", "--devices", "bogus"], {2, 4}))
     out.append(Case("redact <- a link it is given", ["redact", "{d}/redact/out.txt"]))
     out.append(Case("redact <- /dev/zero", ["redact", "/dev/zero"]))
     out.append(Case("redact <- fifo", ["redact", "{d}/fifo"]))

@@ -265,3 +265,20 @@ def test_ctrl_c_of_pytest_gate_is_130_not_bad_input():
 
     assert pytest_session(2, gate_passed=False) == Exit.INTERRUPTED == 130
     assert pytest_session(0, gate_passed=True) == 0 and pytest_session(0, gate_passed=False) == 1
+
+
+def test_redact_refuses_a_device_a_fifo_and_an_empty_name_in_one_line(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    for given, said in (("/dev/zero", "neither a file nor a folder"), (str(tmp_path / "fifo"), "neither"), ("", "''")):
+        r = main_in(["redact", given], tmp_path)
+        assert r.returncode == 2 and said in r.stderr and len(r.stderr.strip().splitlines()) == 1, (given, r.stderr)
+
+
+def test_a_record_and_its_hard_link_are_one_record_and_a_folder_is_no_input(tmp_path):
+    plain = Path(_inputs(tmp_path)["plain"])
+    os.link(plain, tmp_path / "hard.json")
+    r = main_in(["agree", str(plain), str(tmp_path / "hard.json")], tmp_path)
+    assert r.returncode == 2 and "are one record" in r.stderr, r.stderr[-500:]
+    (tmp_path / "folder").mkdir()
+    r = main_in(["agree", str(tmp_path / "folder")], tmp_path)
+    assert r.returncode == 2 and "a folder" in r.stderr, r.stderr[-500:]

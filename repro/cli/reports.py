@@ -86,9 +86,14 @@ def cmd_doctor(a: argparse.Namespace) -> int:
 
 def _each_once(given: list[str], command: str) -> None:
     """ConfigError for a record named twice (the same file however written): its cases would count twice."""
-    seen: dict[str, str] = {}
+    seen: dict[object, str] = {}
     for g in given:
-        if (real := os.path.realpath(g)) in seen:
+        try:
+            st = os.stat(g)
+            real: object = (st.st_dev, st.st_ino)  # a hard link to a record is that record
+        except OSError:
+            real = os.path.realpath(g)
+        if real in seen:
             raise ConfigError(f"{command}: {seen[real]} and {g} are one record: each case would count twice")
         seen[real] = g
 
