@@ -10,7 +10,7 @@ from pathlib import Path
 from repro.case.spec import CaseResult, CaseSpec
 from repro.contract.verdicts import KERNEL_EVIDENCE, VERDICTS, Verdict
 from repro.errors import ConfigError
-from repro.files import loads, read_bounded
+from repro.files import loads, read_bounded, write_whole
 from repro.judge.expectations import gate_mode
 from repro.judge.policy import Control, GateDecision, decide, satisfies
 from repro.report.records import upgrade_result
@@ -173,7 +173,7 @@ def write_json(run: MatrixRun, path: str | Path, env: dict | None = None) -> Non
         "setup_s": run.setup_s,
         "cases": [{**row, "result": r.to_dict()} for row, (_, r) in zip(rows(run), run.results)],
     }
-    Path(path).write_text(redact(json.dumps(doc, indent=1, default=str)) + "\n")
+    write_whole(path, redact(json.dumps(doc, indent=1, default=str)) + "\n")  # a regular file or a new one
 
 
 VLLM_GATE_KIND = "vllm-gate"  # the "kind" of a results.json written by repro.vllm_integration.gate.report

@@ -8,6 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from repro.contract.verdicts import FAULTS, SKIP
+from repro.files import write_whole
 from repro.judge.excerpt import shorten
 from repro.judge.policy import NO_EVIDENCE, SELF_CONTROL, GateOutcome
 from repro.report.redact import redact
@@ -394,6 +395,6 @@ def write(run: GateRun, out_dir: str | Path, env: dict | None = None) -> list[Pa
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     md, js = out / "verdicts.md", out / "results.json"
-    md.write_text(markdown(run, env))
-    js.write_text(redact(json.dumps(to_json(run, env), indent=1, default=str)) + "\n")
+    write_whole(md, markdown(run, env))  # each a regular file or a new one, whole
+    write_whole(js, redact(json.dumps(to_json(run, env), indent=1, default=str)) + "\n")
     return [md, js]
