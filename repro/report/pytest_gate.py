@@ -27,6 +27,7 @@ import pytest
 from repro.errors import Unavailable
 from repro.exit_codes import Exit, gate_decision, pytest_session
 from repro.files import write_whole
+from repro.judge.excerpt import shorten
 from repro.judge.policy import GATE_ENV as ENV
 from repro.judge.policy import GATE_WIDE, REQUIRE_ENV, Control, GateDecision, decide, parse_requirements
 from repro.report import environment
@@ -156,7 +157,7 @@ class Evidence:
         for c in self.controls:
             verdict = "not applicable" if c.not_applicable else c.verdict
             why_row = c.not_applicable or c.reason
-            md.append(f"| {c.case_id} | {c.mode} | {c.expected} | **{verdict}** | {why_row[:200]} |")
+            md.append(f"| {c.case_id} | {c.mode} | {c.expected} | **{verdict}** | {shorten(why_row, 200)} |")
         if d.failures:
             md += ["", "Failures:", ""] + [f"- {f}" for f in d.failures]
         write_whole(folder / "gate.md", (redact("\n".join(md)) + "\n").encode())
