@@ -26,12 +26,12 @@ JSON_DEPTH = 64  # nesting levels: a recorded document is under 10 deep
 
 
 @contextlib.contextmanager
-def replacing(path: str | Path, *, through_link: bool = False) -> Iterator[Path]:
+def replacing(path: str | Path) -> Iterator[Path]:
     """The whole file or none of it: the caller writes the temporary file this yields (beside `path`), which is
     flushed, given the mode of the regular file at `path` (a new file's: 0666 less the umask) and renamed into place
-    when the block ends. A link at `path` is replaced (a new file's mode), never written through, unless
-    `through_link`: then the file it leads to is replaced, its mode kept."""
-    target = Path(os.path.realpath(path)) if through_link else Path(path).absolute()
+    when the block ends. A path that is not a regular file (a link, a device, a fifo, a folder) is refused and kept
+    (check_target)."""
+    target = Path(path).absolute()
     check_target(target, str(path))
     tmp = None
     try:
@@ -51,9 +51,9 @@ def replacing(path: str | Path, *, through_link: bool = False) -> Iterator[Path]
         raise
 
 
-def write_whole(path: str | Path, data: bytes | str, *, through_link: bool = False) -> None:
+def write_whole(path: str | Path, data: bytes | str) -> None:
     """`data` (bytes, or text in the locale's encoding as write_text writes it) into `path` (replacing)."""
-    with replacing(path, through_link=through_link) as tmp:
+    with replacing(path) as tmp:
         if isinstance(data, bytes):
             tmp.write_bytes(data)
         else:
