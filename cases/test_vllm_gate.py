@@ -16,65 +16,23 @@ cannot-vouch and fails. The engine's configuration and the hooks' counters are r
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
 from cases.gpu_env import gpu_skip_reason
 from repro.contract.verdicts import SKIP
-from repro.errors import ConfigError
 from repro.judge import policy
 from repro.report.pytest_gate import NOT_APPLICABLE, not_applicable
-from repro.run.process import MAX_WAIT_S
 from repro.run.pytest_cases import log_dir
-from repro.vllm_integration.gate.case import DEFAULT_MODES, SELF_CONTROL_CHOICES, parse_modes
 from repro.vllm_integration.gate.judge import passes
-from repro.vllm_integration.gate.methods import DEFAULT_METHOD, DEFAULT_METHODS, parse_methods
+from repro.vllm_integration.gate.methods import DEFAULT_METHOD
+from repro.vllm_integration.gate.settings import settings  # noqa: F401  tests read it here too
 from repro.vllm_integration.releases.builds import CONTROL, find_builds
-
-SELF_CONTROL_ENV = "REPRO_SELF_CONTROL"
-METHODS_ENV = "REPRO_GATE_METHODS"  # speculative methods (gate.methods): all (default), or eagle, eagle3, draft_model, mtp, dflash
 
 
 def method_label(method: str) -> str:
     """The method's part of a test id: none for eagle (ids as recorded), else its name and a dash."""
     return "" if method == DEFAULT_METHOD else method.replace("_", "-") + "-"
-
-
-TIMEOUT_ENV = "REPRO_GATE_TIMEOUT"
-MODES_ENV = "REPRO_GATE_MODES"
-
-
-def _timeout(text: str) -> float:
-    value = float(text)  # ValueError for no number
-    if not 0 < value <= MAX_WAIT_S:  # nan too
-        raise ValueError(f"a number of seconds, more than 0 and at most {MAX_WAIT_S} (a week)")
-    return value
-
-
-def _self_control(text: str) -> str:
-    if text not in SELF_CONTROL_CHOICES:
-        raise ValueError(f"use {', '.join(SELF_CONTROL_CHOICES)}")
-    return text
-
-
-def settings(environ=os.environ) -> dict:
-    """The tier's variables, judged at collection (before any case runs, with or without a GPU), each error naming
-    its variable: a bad REPRO_GATE_TIMEOUT or REPRO_SELF_CONTROL was read only in a running test, so a CPU run
-    passed over it and a GPU run failed every test with a traceback (a timeout past a week: Python's waits overflow)."""
-    out = {}
-    for key, var, parse, default in (
-        ("modes", MODES_ENV, parse_modes, ",".join(DEFAULT_MODES)),
-        ("methods", METHODS_ENV, parse_methods, DEFAULT_METHODS),
-        ("timeout", TIMEOUT_ENV, _timeout, "300"),
-        ("self_control", SELF_CONTROL_ENV, _self_control, "under-test"),
-    ):
-        text = environ.get(var, default)
-        try:
-            out[key] = parse(text)
-        except (ConfigError, ValueError) as e:
-            raise ConfigError(f"{var}={text!r}: {e}") from None
-    return out
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -99,8 +99,14 @@ def gate_decision(passed: bool) -> Exit:
     return Exit.OK if passed else Exit.BUG
 
 
+PYTEST_INTERRUPTED = 2  # pytest's ExitCode.INTERRUPTED: the code this project gives bad input
+
+
 def pytest_session(status: int, gate_passed: bool) -> int:
-    """`pytest --gate`: pytest's own status when the gate passed, else 1 (a failed gate fails the session)."""
+    """`pytest --gate`: 130 after Ctrl-C (pytest's own 2 would read as bad input), pytest's own status when the
+    gate passed, else 1 (a failed gate fails the session)."""
+    if status == PYTEST_INTERRUPTED:
+        return Exit.INTERRUPTED
     return status if gate_passed else gate_decision(False)
 
 
@@ -211,8 +217,10 @@ EXIT_CODES: dict[str, dict[int, str]] = {
     "pytest --gate": {
         0: "the gate passed (else pytest's own status)",
         1: "the gate failed, or a test failed",
-        2: "bad input: --gate-require naming no known feature, a --gate-report that is a file or cannot be written",
+        2: "bad input: --gate-require naming no known feature, a --gate-report that is a file or cannot be written, a "
+        "REPRO_GATE_* or REPRO_SELF_CONTROL variable it cannot read (named)",
         4: "pytest's own usage error (an option it does not know, `--gate=yes`): pytest's code, not 'could not run here'",
+        130: "interrupted (Ctrl-C; pytest's own code for it, 2, would read as bad input)",
     },
     "repro.run.smcontrol --probe-coexistence": {
         0: "MPS clients and plain processes coexist",

@@ -28,6 +28,7 @@ import pytest
 from repro.cli.outputs import check_writable, is_text, json_of
 from repro.errors import ConfigError
 from repro.exit_codes import Exit
+from repro.files import check_target
 from repro.judge.policy import GATE_ENV, REQUIRE_ENV, parse_requirements
 
 
@@ -90,6 +91,14 @@ def pytest_cmdline_main(config):
             where = f"--gate-require {given}" if given is not None else f"{REQUIRE_ENV}={text}"
             sys.stderr.write(f"repro: error: {where}: {e}\n")
             return Exit.BAD_INPUT
+    if gating and not hasattr(config, "workerinput"):  # the tier's variables, each error naming its variable
+        from repro.vllm_integration.gate.settings import settings  # noqa: PLC0415  a gate run's only (the gate's modes)
+
+        try:
+            settings()
+        except ConfigError as e:
+            sys.stderr.write(f"repro: error: {e}\n")
+            return Exit.BAD_INPUT
     report = config.getoption("gate_report", default=None)
     if (
         report is not None and gating and not hasattr(config, "workerinput")
@@ -99,6 +108,7 @@ def pytest_cmdline_main(config):
                 raise ConfigError(f"--gate-report {report}: exists and is not a folder")
             check_writable(Path(report).absolute(), report, "--gate-report")
             for name, own in REPORT_FILES:  # replaced at the end of the run: only an earlier gate report's
+                check_target(Path(report) / name, f"{report}/{name}", "--gate-report")  # never a link or a device
                 if (Path(report) / name).exists() and not own(Path(report) / name):
                     raise ConfigError(
                         f"--gate-report {report}: its {name} is not a gate report: give another folder (it is kept)"

@@ -559,7 +559,7 @@ def _imported_names(tree: ast.Module) -> dict[str, set[str]]:
 
 def test_the_pytest_tiers_cases_come_from_the_modules_the_doc_names():
     """cases/test_stale_metadata.py and cases/test_spec_decode.py over case/sets.py; cases/test_vllm_gate.py over the
-    gate's run_gate, its modes DEFAULT_MODES of gate/case.py (case/sets.py holds the attention layer's lists only),
+    gate's run_gate, its modes DEFAULT_MODES of gate/case.py through gate/settings.py (case/sets.py holds the attention layer's lists only),
     one run_gate(..., only=build) per build, method and mode."""
     trees = _sources("cases")
     for name in ("cases/test_stale_metadata.py", "cases/test_spec_decode.py"):
@@ -567,7 +567,9 @@ def test_the_pytest_tiers_cases_come_from_the_modules_the_doc_names():
         assert "repro.case.sets" in imports or "sets" in imports.get("repro.case", set()), name
     gate = trees["cases/test_vllm_gate.py"]
     imports = _imported_names(gate)
-    assert "DEFAULT_MODES" in imports.get("repro.vllm_integration.gate.case", set())
+    assert "settings" in imports.get("repro.vllm_integration.gate.settings", set())  # the tier's variables, judged
+    settings = _sources("repro/vllm_integration/gate/settings.py")["repro/vllm_integration/gate/settings.py"]
+    assert "DEFAULT_MODES" in _imported_names(settings).get("repro.vllm_integration.gate.case", set())
     assert "repro.case.sets" not in imports and "sets" not in imports.get("repro.case", set())
     calls = _calls(gate, "run_gate")
     assert len(calls) == 1 and "only" in {k.arg for k in calls[0].keywords}

@@ -139,3 +139,31 @@ def test_a_deadline_cut_is_a_skip_whatever_annotate_made_of_the_hang(tmp_path):
     assert gate_process.past_deadline(case, crash) is crash
     stalled = CaseResult(case.case_id, HANG, "stalled", flags=[STALLED])
     assert gate_process.past_deadline(case, stalled) is stalled
+
+
+def test_a_later_attempts_row_with_no_draft_token_accepted_is_not_clean(monkeypatch, tmp_path):
+    # vLLM 0.30.0's plain self control: its later attempts decoded without a fault, 0 of 180 draft tokens accepted
+    # against a reference's 100%; their rows read `clean` when only the first attempt was judged against the reference
+    from repro.contract.verdicts import WRONG
+
+    def acceptance(accepted: int) -> dict:
+        return {"spec_decode_num_accepted_tokens": accepted, "spec_decode_num_draft_tokens": 180}
+
+    def stand_in(case, builds, log_dir, mps=None, cache=None, device=None, launcher=None):
+        out = path_for(case_logs(log_dir, case.case_id)[0])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_record(out, RESULT_TAG, {"tokens": [[5, 6, 7]], "margins": [[19.0, 19.0, 19.0]], "nonfinite": 0})
+        accepted = 0 if case.inject and case.mode.name == "plain" else 180
+        wrote = {"injection": [{"injection_wrote": 1}]} if case.inject else {}
+        return CaseResult(
+            case.case_id, CLEAN, "stand-in", backend_identity={"acceptance": acceptance(accepted), **wrote}
+        ), None
+
+    monkeypatch.setattr(gate_process, "run_attributed", stand_in)
+    monkeypatch.setattr(gate_run, "validate", lambda case, res, out: res)  # the stand-in reference is trusted
+    build = VllmBuild("0.26.0", str(tmp_path), UNDER_TEST, "0.26.0")
+    run = gate_run.run_gate(
+        [build], parse_modes("audit,plain"), tmp_path / "logs", jobs=1, self_control_forms=(STALE_CAPTURE,)
+    )
+    later = {x["case"]: x["verdict"] for x in rows(run) if x["kind"] == "attempt"}
+    assert later and all(v == WRONG for v in later.values()), later

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from repro.errors import ConfigError
 from repro.files import replacing, write_whole
 from tests.commands import main_in
 
@@ -75,17 +76,13 @@ def test_a_file_written_whole_leaves_no_temporary_when_the_rename_is_interrupted
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_link_is_replaced_unless_written_through_as_asked(tmp_path, umask_027):
+def test_a_link_is_refused_and_kept_never_replaced_nor_written_through(tmp_path, umask_027):
     target = tmp_path / "target.md"
     target.write_text("target\n")
-    target.chmod(0o600)
     (tmp_path / "link.md").symlink_to(target)
-    (tmp_path / "through.md").symlink_to(target)
-    write_whole(tmp_path / "link.md", "replaced\n")
-    assert not (tmp_path / "link.md").is_symlink() and _mode(tmp_path / "link.md") == umask_027
-    assert target.read_text() == "target\n"
-    write_whole(tmp_path / "through.md", "through\n", through_link=True)
-    assert (tmp_path / "through.md").is_symlink() and target.read_text() == "through\n" and _mode(target) == 0o600
+    with pytest.raises(ConfigError, match="symbolic link"):
+        write_whole(tmp_path / "link.md", "replaced\n")
+    assert (tmp_path / "link.md").is_symlink() and target.read_text() == "target\n"
 
 
 def test_a_report_file_a_command_writes_gets_the_umasks_default_mode_not_0600_or_keeps_its_own(tmp_path, umask_027):

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import time
+import zipfile
 from pathlib import Path
 
 from repro.backends import BACKENDS
@@ -232,3 +233,39 @@ def command_started_at() -> float:
         return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
         return _IMPORTED_AT
+
+
+def vllm_sources(paths: list[str]) -> dict[str, str]:
+    """`vllm-check`'s sources judged before any is read: ConfigError (bad input, 2) for one that is no vLLM checkout
+    or wheel; the wheels that begin as a zip but are cut short (damaged: untestable, 125), each with why."""
+    damaged: dict[str, str] = {}
+    for path in paths:
+        check_exists(path)
+        if os.path.isfile(os.path.join(path, "__init__.py")) and not os.path.isdir(os.path.join(path, "vllm")):
+            raise ConfigError(f"{path}: the vllm package itself; name the folder that holds it ({Path(path).parent})")
+        if os.path.isdir(path) and not os.path.isdir(os.path.join(path, "vllm")):  # as for a wheel: bad input
+            raise ConfigError(f"{path}: not a vLLM checkout (no vllm/ package)")
+        if os.path.isdir(path):
+            continue
+        if not path.endswith(".whl"):
+            raise ConfigError(f"{path}: neither a vLLM checkout folder nor a wheel (.whl)")
+        if not os.path.isfile(path):  # a device or a fifo named .whl: never read (it may not end)
+            raise ConfigError(f"{path}: not a regular file, so not a wheel")
+        if not zipfile.is_zipfile(path):
+            if _zip_start(path):  # a zip cut short (no central directory): a damaged wheel, which judges nothing
+                damaged[path] = "a zip archive cut short (no central directory)"
+                continue
+            raise ConfigError(f"{path}: not a wheel (not a zip archive)")
+        with zipfile.ZipFile(path) as z:
+            if not any(n.startswith("vllm/") for n in z.namelist()):
+                raise ConfigError(f"{path}: not a vLLM wheel (no vllm/ package inside)")
+    return damaged
+
+
+def _zip_start(path: str) -> bool:
+    """Whether the file begins as a zip archive does (a local file header)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"PK\x03\x04"
+    except OSError:
+        return False

@@ -30,7 +30,7 @@ from repro.cli.common import (
 from repro.cli.outputs import check_file, check_folder, json_of, open_folder
 from repro.errors import ConfigError
 from repro.fa3_model.scope import H200_SMS
-from repro.files import replacing
+from repro.files import replacing, write_whole
 from repro.judge.expectations import unmodelled
 from repro.report import environment
 from repro.report import results as report
@@ -242,7 +242,9 @@ def cmd_matrix(a: argparse.Namespace) -> int:
             print(s.case_id)
         return exit_codes.Exit.OK
     check_file_and_folder(a.json, a.out)
-    check_file(a.json, own=json_of(lambda doc: isinstance(doc["cases"], list)))  # a results.json
+    check_file(  # a results.json; predictions never replace a GPU run's record
+        a.json, own=json_of(lambda doc: isinstance(doc["cases"], list) and (not model or doc["source"] == report.MODEL))
+    )
     check_folder(a.out, a.overwrite)
     out = open_folder(a.out, "matrix", a.overwrite) if (a.out or not model) else None
     # Beside the run: the environment table's facts (a child that imports torch; run_matrix computes the controls'
@@ -270,10 +272,10 @@ def cmd_matrix(a: argparse.Namespace) -> int:
                 "asked in a child process); the times above count from each path's start.\n"
             )
             env = facts.result()
-            (out / "executors.md").write_text(redact("\n".join(report.header(a.title, env))) + "\n" + md_bench)
+            write_whole(out / "executors.md", redact("\n".join(report.header(a.title, env))) + "\n" + md_bench)
             for name, path_run in runs.items():
                 report.write_json(path_run, out / name / "results.json", env)
-                (out / name / "verdicts.md").write_text(report.markdown(path_run, env, title=f"{a.title} ({name})"))
+                write_whole(out / name / "verdicts.md", report.markdown(path_run, env, title=f"{a.title} ({name})"))
             print(md_bench + f"\nreports: {out}")
             return exit_codes.matrix(not (runs["new"].failures() or runs["old"].failures()))
         executor = make_executor(a.executor, a.jobs) if a.executor else default_executor(a.jobs)
@@ -297,7 +299,7 @@ def cmd_matrix(a: argparse.Namespace) -> int:
         env["cases started by"] = how + (f"; some started fresh instead: {'; '.join(fresh)}" if fresh else "")
     md = report.markdown(run, env, title=title)
     if out is not None:
-        (out / "verdicts.md").write_text(md)
+        write_whole(out / "verdicts.md", md)
         report.write_json(run, out / "results.json", env)
         report.heatmap(run, out / "heatmap.png")
     if a.json:

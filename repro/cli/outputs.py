@@ -9,9 +9,11 @@ nothing half-done after Ctrl-C or a refusal.
 - Stopped before it finished (Ctrl-C, a refusal, an error): a folder that received nothing is removed again, with
   the parent folders the command made for it (an empty folder the user gave is emptied again, never removed); one
   that holds something gets an INTERRUPTED file saying so.
-- A report file (`--json`, `--out FILE`) is never one of the command's inputs (a symbolic link to one included), an
-  existing one is replaced only when it is a report of the command's own kind, and it is written whole or not at
-  all (repro.files: a temporary file renamed into place).
+- A report file (`--json`, `--out FILE`) is a regular file or a new one, never a device node, a fifo, a folder or a
+  symbolic link (repro.files.check_target, which every write goes through too), never one of the command's inputs (a
+  hard link to one included); an existing one is replaced only when it is a report of the command's own kind (its
+  JSON, or its Markdown's own first line), and it is written whole or not at all (repro.files: a temporary file
+  renamed into place).
 - A git checkout (`bisect`) is given back as it was, on any exit: a bisect the user has in progress is refused, one
   `repro bisect` at a time per checkout.
 
@@ -33,6 +35,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from repro.errors import ConfigError
+from repro.files import check_target, read_bounded
+from repro.files import loads as json_loads
 
 MARKER = ".repro-report.json"  # {"command", "pid", "started", "state"}: which command wrote this folder, and how far
 INTERRUPTED = "INTERRUPTED"
@@ -67,6 +71,8 @@ def check_folder(path: str | None, overwrite: bool = False, flag: str = "--out")
     Leaves nothing behind."""
     if path is None:
         return
+    if not path.strip():  # '' is this folder to Path, never a folder the user named
+        raise ConfigError(f"{flag} '': give a folder name")
     p = Path(path).absolute()
     if p.exists() and not p.is_dir():
         raise ConfigError(f"{flag} {path}: exists and is not a folder")
@@ -208,9 +214,23 @@ def json_of(check: Callable[[object], bool]) -> Callable[[Path], bool]:
 
     def own(path: Path) -> bool:
         try:
-            return bool(check(json.loads(path.read_text())))
+            return bool(check(json_loads(read_bounded(path))))
         except (OSError, ValueError, UnicodeDecodeError, TypeError, KeyError, AttributeError):
+            return False  # ConfigError (too large, too deep, not JSON) is a ValueError: not a report of this kind
+
+    return own
+
+
+def markdown_of(*headings: str) -> Callable[[Path], bool]:
+    """A report-kind test for Markdown reports: text whose first line starts with one of the command's own
+    headings (any other text file, a README or a copy of a source file, is not one)."""
+
+    def own(path: Path) -> bool:
+        if not is_text(path):
             return False
+        with open(path, "rb") as f:
+            first = f.readline(4096).decode("utf-8", "replace")
+        return first.startswith(headings)
 
     return own
 
@@ -222,9 +242,10 @@ def check_file(
     report of this kind (`own`), or cannot be written. Leaves nothing behind."""
     if path is None:
         return
+    if not path.strip():
+        raise ConfigError(f"{flag} '': give a file name")
     p = Path(path)
-    if p.is_dir():
-        raise ConfigError(f"{flag} {path}: is a folder; give a file name")
+    check_target(p, path, flag)  # a link, a device, a fifo, a folder: refused, kept
     real = os.path.realpath(path)
     for given in inputs:
         if real == os.path.realpath(given) or (p.exists() and os.path.exists(given) and _same(path, given)):

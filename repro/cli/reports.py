@@ -16,7 +16,7 @@ from pathlib import Path
 from repro import exit_codes
 from repro.cli.common import check_exists
 from repro.cli.doctor import doctor
-from repro.cli.outputs import check_file
+from repro.cli.outputs import check_file, markdown_of
 from repro.errors import ConfigError
 from repro.files import write_whole
 from repro.report.benchmark import benchmark_markdown, paths_from_files
@@ -86,9 +86,14 @@ def cmd_doctor(a: argparse.Namespace) -> int:
 
 def _each_once(given: list[str], command: str) -> None:
     """ConfigError for a record named twice (the same file however written): its cases would count twice."""
-    seen: dict[str, str] = {}
+    seen: dict[object, str] = {}
     for g in given:
-        if (real := os.path.realpath(g)) in seen:
+        try:
+            st = os.stat(g)
+            real: object = (st.st_dev, st.st_ino)  # a hard link to a record is that record
+        except OSError:
+            real = os.path.realpath(g)
+        if real in seen:
             raise ConfigError(f"{command}: {seen[real]} and {g} are one record: each case would count twice")
         seen[real] = g
 
@@ -98,7 +103,7 @@ def cmd_agree(a: argparse.Namespace) -> int:
 
     for p in a.results:
         check_exists(p)
-    check_file(a.out, "--out", inputs=tuple(a.results))
+    check_file(a.out, "--out", inputs=tuple(a.results), own=markdown_of("# CPU model against the H200"))
     gate_runs = [p for p in a.results if is_vllm_gate_record(p)]
     given = [p for p in a.results if p not in gate_runs]
     runs = {p: load_json(p) for p in given}  # one line, exit 2, for anything that is not a results.json
@@ -130,6 +135,9 @@ def cmd_agree(a: argparse.Namespace) -> int:
     return exit_codes.check(all(r.verdict_agrees for r in rows))
 
 
+BENCH_HEADINGS = ("# Benchmark: the default matrix", "## Case execution paths, side by side on one matrix")
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
 
     given = [p for p in (a.plain, a.memcheck) if p]
@@ -137,7 +145,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         raise ConfigError("give two results.json (PLAIN MEMCHECK) or --paths OLD NEW, one of the two")
     for path in a.paths or given:
         check_exists(path)
-    check_file(a.out, "--out", inputs=tuple(a.paths or given))
+    check_file(a.out, "--out", inputs=tuple(a.paths or given), own=markdown_of(*BENCH_HEADINGS))
     md = paths_from_files(*a.paths) if a.paths else benchmark_markdown(a.plain, a.memcheck)
     if a.out:
         write_whole(a.out, redact(md))
@@ -150,7 +158,7 @@ def cmd_xdist(a: argparse.Namespace) -> int:
     if a.workers is not None and a.workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {a.workers}")
     check_exists(a.junit)
-    check_file(a.out, "--out", inputs=(a.junit,))
+    check_file(a.out, "--out", inputs=(a.junit,), own=markdown_of("# xdist pinning: "))
     rep = check_junit(a.junit, a.workers)
     if not rep.workers:  # nothing to check is no answer (as agree's comparison of nothing), never a report
         raise ConfigError(
@@ -204,12 +212,23 @@ def cmd_records(a: argparse.Namespace) -> int:
         return exit_codes.check(not any(s.stale for s in found))
     if a.speed:
         return _speed(results, a.speed)
-    if a.unpack:
+    if a.unpack is not None:
+        if not a.unpack.strip():  # '' is this folder to Path, never a folder the user named
+            raise ConfigError("--unpack '': give the folder to write results/ into")
         return _unpack(results, Path(a.unpack))
     names = list(dict.fromkeys(a.add or []))
     for name in names:
         if name not in records.records(results):
             raise ConfigError(f"no record results/{name}/ (or {name}{records.PACKED}) to add")
+        if (results / name).is_dir() and (results / f"{name}{records.PACKED}").exists():
+            raise ConfigError(
+                f"results/{name}/ and results/{name}{records.PACKED} both exist: --add would replace the packed "
+                "record without a word; give the new record another name, or remove the archive first (git rm)"
+            )
+        if (results / name).is_dir() and (link := records.first_link(results / name)):
+            raise ConfigError(
+                f"{link}: a symbolic link: a record holds files only (its target would be packed); nothing packed"
+            )
     described = {}  # each record read once, the index built once from them, before anything is packed or written
     for name, where in records.records(results).items():  # a damaged one: refused before any packing
         try:

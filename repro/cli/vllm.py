@@ -13,10 +13,10 @@ from repro import exit_codes
 from repro.cli.common import (
     MAX_REPEAT,
     Given,
-    check_exists,
     positive,
     repeats,
     seconds,
+    vllm_sources,
 )
 from repro.cli.gate import cmd_gate
 from repro.cli.outputs import (
@@ -24,7 +24,6 @@ from repro.cli.outputs import (
     check_file,
     json_of,
 )
-from repro.errors import ConfigError
 from repro.files import write_whole
 from repro.vllm_integration.gate.methods import add_option as add_methods_option
 from repro.vllm_integration.gate.worker import COMPILES, DEFAULT_COMPILE
@@ -225,25 +224,12 @@ def cmd_vllm_check(a: argparse.Namespace) -> int:
     from repro.vllm_integration.releases.source_check import UNTESTABLE  # as above
     from repro.vllm_integration.releases.versions import measured  # only for vllm-check
 
-    rows = []
-    for path in a.sources:
-        check_exists(path)
-        if os.path.isfile(os.path.join(path, "__init__.py")) and not os.path.isdir(os.path.join(path, "vllm")):
-            raise ConfigError(f"{path}: the vllm package itself; name the folder that holds it ({Path(path).parent})")
-        if os.path.isdir(path) and not os.path.isdir(os.path.join(path, "vllm")):  # as for a wheel: bad input
-            raise ConfigError(f"{path}: not a vLLM checkout (no vllm/ package)")
-        if os.path.isdir(path):
-            continue
-        if not path.endswith(".whl"):
-            raise ConfigError(f"{path}: neither a vLLM checkout folder nor a wheel (.whl)")
-        if not zipfile.is_zipfile(path):
-            raise ConfigError(f"{path}: not a wheel (not a zip archive)")
-        with zipfile.ZipFile(path) as z:
-            if not any(n.startswith("vllm/") for n in z.namelist()):
-                raise ConfigError(f"{path}: not a vLLM wheel (no vllm/ package inside)")
+    rows, damaged = [], vllm_sources(a.sources)  # bad input refused; a damaged wheel: untestable
     check_file(a.json, inputs=tuple(a.sources), own=json_of(lambda rows: all("verdict" in r for r in rows)))
     for path in a.sources:
         try:
+            if path in damaged:
+                raise zipfile.BadZipFile(damaged[path])
             c = check_source(path)
         except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as e:  # a damaged member: judged nothing
             c = Compat(Path(path).name, UNTESTABLE, f"cannot read the wheel ({type(e).__name__}: {e})", None, False, [])

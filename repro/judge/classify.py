@@ -14,6 +14,7 @@ from repro.case.spec import CaseResult
 from repro.contract.channel import Channel
 from repro.contract.tags import DEVICE_TAG, PASS_TAG, RESULT_TAG, SKIP_TAG
 from repro.contract.verdicts import CLEAN, CRASH, ERROR, EVIDENCE, HANG, LAUNCH_FAIL, OOB, SKIP, STALE_AUDIT, WRONG
+from repro.judge.excerpt import error_line
 from repro.judge.memcheck_log import parse_log
 
 FAULT_MARKERS = (  # the CUDA error codes of a kernel's bad memory access; a bare "CUDA error" is not one
@@ -168,7 +169,7 @@ def classify(
         if oom and (returncode or 0) != 0:
             return done(ERROR, f"{OUT_OF_MEMORY}: {oom.strip(' =')[:240]}", "", last)
         if (returncode or 0) != 0:
-            return done(ERROR, f"exit status {returncode} without a result: {tail[-300:]}", "", last)
+            return done(ERROR, f"exit status {returncode} without a result: {error_line(tail)}", "", last)
         return done(ERROR, "no result line", "", last)
     r = results[-1]
     if r.get("wrong"):

@@ -25,8 +25,9 @@ from pathlib import Path
 import pytest
 
 from repro.errors import Unavailable
-from repro.exit_codes import gate_decision, pytest_session
+from repro.exit_codes import Exit, gate_decision, pytest_session
 from repro.files import write_whole
+from repro.judge.excerpt import shorten
 from repro.judge.policy import GATE_ENV as ENV
 from repro.judge.policy import GATE_WIDE, REQUIRE_ENV, Control, GateDecision, decide, parse_requirements
 from repro.report import environment
@@ -156,10 +157,10 @@ class Evidence:
         for c in self.controls:
             verdict = "not applicable" if c.not_applicable else c.verdict
             why_row = c.not_applicable or c.reason
-            md.append(f"| {c.case_id} | {c.mode} | {c.expected} | **{verdict}** | {why_row[:200]} |")
+            md.append(f"| {c.case_id} | {c.mode} | {c.expected} | **{verdict}** | {shorten(why_row, 200)} |")
         if d.failures:
             md += ["", "Failures:", ""] + [f"- {f}" for f in d.failures]
-        write_whole(folder / "gate.md", (redact("\n".join(md)) + "\n").encode(), through_link=True)
+        write_whole(folder / "gate.md", (redact("\n".join(md)) + "\n").encode())
         doc = {
             "outcome": outcome,
             "passed": why is None,
@@ -172,9 +173,7 @@ class Evidence:
             "controls": [c.__dict__ for c in self.controls],
             "unreported": self.unreported,
         }
-        write_whole(
-            folder / "gate.json", (redact(json.dumps(doc, indent=1, default=str)) + "\n").encode(), through_link=True
-        )
+        write_whole(folder / "gate.json", (redact(json.dumps(doc, indent=1, default=str)) + "\n").encode())
 
     def summary(self, d: GateDecision | None = None) -> tuple[list[str], str | None]:
         """(lines for the terminal summary, the one failure line or None), from `d` when already decided."""
@@ -252,6 +251,7 @@ class GatePlugin:
         if not self._controller(config):
             return
         _, why = self.evidence.summary()
-        session.exitstatus = pytest.ExitCode(pytest_session(session.exitstatus, gate_passed=why is None))
+        status = pytest_session(session.exitstatus, gate_passed=why is None)  # 130: no ExitCode of pytest's
+        session.exitstatus = status if status == Exit.INTERRUPTED else pytest.ExitCode(status)
         if folder := config.getoption("gate_report"):
             self.evidence.write_report(folder, time.time() - self.started, list(config.invocation_params.args))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
 import re
 import subprocess
 import tarfile
@@ -30,6 +31,7 @@ from repro.contract.channel import (
     recorded_before,
 )
 from repro.contract.tags import COUNTERS_TAG, ENGINE_TAG, RESULT_TAG
+from repro.files import load_json
 from repro.judge.classify import REFUSED as REFUSED_WORDS
 from repro.report.record_summary import describe, indexed
 from repro.run.process import STALLED as STALLED_WORDS
@@ -66,9 +68,20 @@ def pack(folder: Path) -> Path:
     return out
 
 
+def first_link(folder: Path) -> Path | None:
+    """The first symbolic link under `folder` (never followed), or None."""
+    for top, dirs, files in os.walk(folder):
+        for n in sorted(dirs + files):
+            if Path(top, n).is_symlink():
+                return Path(top, n)
+    return None
+
+
 def packed(folder: Path) -> bytes:
     """A record folder packed as NAME.tar.xz holds it, the same bytes for the same files (sorted, no owners, no
     times). Its members are NAME/... ."""
+    if link := first_link(folder):  # what it points to is never packed
+        raise ValueError(f"{link}: a symbolic link: a record holds files only")
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:xz", preset=6) as tar:
         for p in [folder, *sorted(folder.rglob("*"))]:
@@ -229,7 +242,7 @@ def load_index(results: Path) -> dict[str, dict]:
     path = Path(results) / INDEX
     if not path.exists():
         return {}
-    return {e["name"]: e for e in json.loads(path.read_text())["records"]}
+    return {e["name"]: e for e in load_json(path)["records"]}  # bounded in size and depth
 
 
 # --- the one upgrader of recorded results ---------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from repro.errors import ConfigError
-from repro.files import write_whole
+from repro.files import read_bounded, write_whole
 
 PROJECT_DIRS = {"repro", "cases", "tests", "results", ".gpu", "scratch", ".ci"}
 # (?=/) first: the lookbehinds are tried only where a path can start (the same matches, a scan several times faster)
@@ -44,9 +44,9 @@ def _redacted(p: Path) -> bytes | None:
     as it was (bytes that are not UTF-8 pass through, line endings are kept), and a binary file (one with a NUL
     byte, such as a PNG) is left untouched."""
     try:
-        data = p.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"{p}: cannot read it ({e.strerror or e}); nothing was rewritten") from None
+        data = read_bounded(p)  # a regular file of bounded size
+    except ConfigError as e:
+        raise ConfigError(f"{e}; nothing was rewritten") from None
     if b"\0" in data:
         return None
     text = data.decode("utf-8", "surrogateescape")
@@ -59,7 +59,7 @@ def redact_file(path: str | Path) -> bool:
     p = Path(path)
     new = _redacted(p)
     if new is not None:
-        write_whole(p, new, through_link=True)
+        write_whole(p, new)  # a link there is refused, never written through
     return new is not None
 
 
@@ -75,17 +75,23 @@ def redact_tree(paths: list[str | Path]) -> list[Path]:
     """Every record named, or under a folder named (links not followed), rewritten; ConfigError, before any file
     is rewritten, when one that would change cannot be read or written."""
     todo = []
+    if any(not str(given).strip() for given in paths):  # '' is this folder to Path, never a record the user named
+        raise ConfigError("redact '': name the records' files or folder; nothing was rewritten")
     for root in map(Path, paths):
+        if root.is_symlink():  # it may lead anywhere: never followed, to a file or a folder
+            raise ConfigError(f"{root}: is a symbolic link, which redact never follows; nothing was rewritten")
+        if not root.is_file() and not root.is_dir():  # a device, a fifo: no record
+            raise ConfigError(f"{root}: neither a file nor a folder of records; nothing was rewritten")
         for f in [root] if root.is_file() else _files(root):
             new = _redacted(f)
             if new is not None:
                 todo.append((f, new))
     for f, _ in todo:  # each is written beside itself, then renamed: its folder must take a new file
-        if not os.access(f, os.W_OK) or not os.access(Path(os.path.realpath(f)).parent, os.W_OK | os.X_OK):
+        if not os.access(f, os.W_OK) or not os.access(f.absolute().parent, os.W_OK | os.X_OK):
             raise ConfigError(f"{f}: cannot write it (permission denied); nothing was rewritten")
     for f, new in todo:
         try:
-            write_whole(f, new, through_link=True)
+            write_whole(f, new)
         except OSError as e:
             raise ConfigError(f"{f}: cannot write it ({e.strerror or e})") from None
     return [f for f, _ in todo]

@@ -10,6 +10,7 @@ from pathlib import Path
 from repro.case.spec import CaseResult, CaseSpec
 from repro.contract.verdicts import KERNEL_EVIDENCE, VERDICTS, Verdict
 from repro.errors import ConfigError
+from repro.files import loads, read_bounded, write_whole
 from repro.judge.expectations import gate_mode
 from repro.judge.policy import Control, GateDecision, decide, satisfies
 from repro.report.records import upgrade_result
@@ -172,7 +173,7 @@ def write_json(run: MatrixRun, path: str | Path, env: dict | None = None) -> Non
         "setup_s": run.setup_s,
         "cases": [{**row, "result": r.to_dict()} for row, (_, r) in zip(rows(run), run.results)],
     }
-    Path(path).write_text(redact(json.dumps(doc, indent=1, default=str)) + "\n")
+    write_whole(path, redact(json.dumps(doc, indent=1, default=str)) + "\n")  # a regular file or a new one
 
 
 VLLM_GATE_KIND = "vllm-gate"  # the "kind" of a results.json written by repro.vllm_integration.gate.report
@@ -180,9 +181,10 @@ VLLM_GATE_KIND = "vllm-gate"  # the "kind" of a results.json written by repro.vl
 
 def is_vllm_gate_record(path: str | Path) -> bool:
     """A results.json written by `repro gate` (kind VLLM_GATE_KIND), not by `matrix`."""
+    data = read_bounded(path)  # a device, a fifo, a huge file: refused (ConfigError), never read without end
     try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+        doc = loads(data)
+    except ConfigError:  # not JSON: load_json says so in its own words
         return False
     return isinstance(doc, dict) and doc.get("kind") == VLLM_GATE_KIND
 
@@ -191,9 +193,16 @@ def load_json(path: str | Path) -> MatrixRun:
     """A results.json written by `matrix` (GPU run or model prediction); ConfigError, one line, when it is not one."""
 
     try:
-        doc = json.loads(Path(path).read_text())
+        data = read_bounded(path)  # a regular file of bounded size (ConfigError, one line)
+        try:
+            doc = loads(data, who="the file")  # bounded in depth
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
         if not isinstance(doc, dict) or not isinstance(doc.get("cases"), list):
             raise ValueError("no 'cases' list")
+        for key in ("wall_s", "first_positive_s", "setup_s"):  # numbers the reports compute with
+            if doc.get(key) is not None and (isinstance(doc[key], bool) or not isinstance(doc[key], (int, float))):
+                raise ValueError(f"its {key!r} is {type(doc[key]).__name__}, not a number of seconds")
         old = doc.get("schema", 1) < SCHEMA  # a recorded run of an older schema: through the one upgrader
         results = []
         for c in doc["cases"]:
@@ -204,7 +213,9 @@ def load_json(path: str | Path) -> MatrixRun:
             results.append((CaseSpec.from_json(json.dumps(r.spec)), r))
     except OSError as e:
         raise ConfigError(f"{path}: cannot read it ({e.strerror or e})") from None
-    except (ValueError, KeyError, TypeError) as e:
+    except ConfigError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         why = f"a case has no {e.args[0]!r} field" if isinstance(e, KeyError) else str(e)  # never a bare 'cfg'
         raise ConfigError(f"{path}: not a results.json written by python -m repro matrix ({why})") from None
     return MatrixRun(

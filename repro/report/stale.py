@@ -77,6 +77,11 @@ def _gate_modes(*kinds: str) -> Callable[[str], bool]:
     return runs
 
 
+def _methods_all(command: str) -> bool:
+    o = _gate(command)
+    return o is not None and "--compare-paths" not in o and "all" in o.get("--methods", "").split(",")
+
+
 def _compare_paths(command: str) -> bool:
     o = _gate(command)
     return o is not None and "--compare-paths" in o
@@ -113,6 +118,7 @@ COMMANDS = (
     ReadmeCommand(
         "gate --compare-paths", "--compare-paths --paths old,kept-cold,kept-warm", _compare_paths, GATE_ENTRIES
     ),  # noqa: E501
+    ReadmeCommand("gate --methods all (for CI)", "use `--methods all`", _methods_all, GATE_ENTRIES),
     ReadmeCommand("gate --modes hidden-sweep", "--modes hidden-sweep", _gate_modes("hidden-sweep"), GATE_ENTRIES),
     ReadmeCommand("gate --modes memcheck:own", "--modes memcheck:own", _gate_modes("memcheck:own"), GATE_ENTRIES),
     ReadmeCommand(

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from repro.errors import ConfigError
+from repro.files import read_bounded
 
 
 def _norm(uuid: str | None) -> str | None:
@@ -36,7 +37,7 @@ class PinningReport:
 def check_junit(path: str | Path, expect_workers: int | None = None) -> PinningReport:
 
     try:
-        root = ET.parse(path).getroot()
+        root = ET.fromstring(read_bounded(path))  # a regular file of bounded size (ConfigError, one line)
     except ET.ParseError as e:
         raise ConfigError(f"{path}: not a JUnit XML file ({e})") from None
     except OSError as e:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from repro.case.spec import CaseResult
 from repro.errors import ConfigError
+from repro.files import write_whole
 from repro.vllm_integration.gate.cache import GateCache
 from repro.vllm_integration.gate.case import DEFAULT_BACKEND, GateCase, GateMode
 from repro.vllm_integration.gate.launch import FORK, SPAWN
@@ -125,8 +126,8 @@ def write_comparison(runs: dict[str, GateRun], out: Path, need_control: bool) ->
         run.judge(need_control)
         gate_report.write(run, out / path_folder(name), env)
     md = gate_bench.compare_markdown(runs)
-    (out / "paths.md").write_text(redact("\n".join(report.header("vLLM gate: old and new path", env))) + "\n" + md)
-    (out / "paths.json").write_text(json.dumps({"environment": env, "paths": gate_bench.compare_json(runs)}, indent=1))
+    write_whole(out / "paths.md", redact("\n".join(report.header("vLLM gate: old and new path", env))) + "\n" + md)
+    write_whole(out / "paths.json", json.dumps({"environment": env, "paths": gate_bench.compare_json(runs)}, indent=1))
     print(md.split("### Phases")[0])
     differ = bool(gate_bench.verdict_diff(gate_bench.path_verdicts(runs)))
     if differ:

@@ -8,6 +8,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from repro.contract.verdicts import FAULTS, SKIP
+from repro.files import write_whole
+from repro.judge.excerpt import shorten
 from repro.judge.policy import NO_EVIDENCE, SELF_CONTROL, GateOutcome
 from repro.report.redact import redact
 from repro.report.results import VLLM_GATE_KIND, header
@@ -19,6 +21,7 @@ from repro.vllm_integration.gate.judge import passes
 from repro.vllm_integration.gate.methods import DEFAULT_METHOD
 from repro.vllm_integration.gate.outcome import GateRun, control_of
 from repro.vllm_integration.gate.process import not_applicable_of
+from repro.vllm_integration.gate.why import headline as cannot_vouch_why
 from repro.vllm_integration.plugin.inject import STALE_CAPTURE
 from repro.vllm_integration.releases import release_range
 from repro.vllm_integration.releases.source_check import check_tree
@@ -191,7 +194,8 @@ def _answer(run: GateRun, env: dict | None) -> list[str]:
     lines: list[str] = []
     j, ran = run.judged(), f"{len(run.cases)} cases, {len(run.references)} references, {run.wall_s:.0f} s wall"
     verdict, no_gpu = j.outcome, f"\n\n**No GPU: {env[NO_GPU]}**" if (env or {}).get(NO_GPU) else ""
-    lines += [f"**Gate: {verdict}** ({ran}){no_gpu}", ""]
+    because = cannot_vouch_why(run) if verdict == GateOutcome.CANNOT_VOUCH else ""  # its cause, in the user's words
+    lines += [f"**Gate: {verdict}**{because} ({ran}){no_gpu}", ""]
     lines += _builds_table(run)
     lines += [""] + release_range.markdown(releases_only(build_summary(run)))
     if j.blind and verdict != GateOutcome.BLIND:  # one headline per outcome: HARNESS BLIND only when it is the outcome
@@ -200,8 +204,7 @@ def _answer(run: GateRun, env: dict | None) -> list[str]:
         lines.append(
             f"\nHARNESS BLIND: {why}" if verdict == GateOutcome.BLIND else f"- {why.replace('GATE FAILED: ', '')}"
         )
-    for c, r in run.not_vouched():
-        lines.append(f"\nCANNOT VOUCH: {c.case_id}: {r.reason[:300]}")
+    lines += [f"\nCANNOT VOUCH: {c.case_id}: {shorten(r.reason)}" for c, r in run.not_vouched()]
     summary = j.decision.summary()
     if not j.need_control:  # the builds answer for themselves: their cases are not controls
         summary[0] = f"gate: {len(run.cases)} case(s) ran; no positive control needed (--no-control)"
@@ -320,9 +323,7 @@ def to_json(run: GateRun, env: dict | None = None) -> dict:
         "cannot_vouch": [c.case_id for c, _ in run.not_vouched()],
         "blind": list(j.blind),
         "decision": j.decision.summary(),
-        "wall_s": run.wall_s,
-        "setup_s": run.setup_s,
-        "command_s": run.command_s,
+        **{"wall_s": run.wall_s, "setup_s": run.setup_s, "command_s": run.command_s},
         "launches": run.launches,
         "mps_reruns": run.mps_reruns,
         "builds": build_summary(run),
@@ -336,6 +337,6 @@ def write(run: GateRun, out_dir: str | Path, env: dict | None = None) -> list[Pa
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     md, js = out / "verdicts.md", out / "results.json"
-    md.write_text(markdown(run, env))
-    js.write_text(redact(json.dumps(to_json(run, env), indent=1, default=str)) + "\n")
+    write_whole(md, markdown(run, env))  # each a regular file or a new one, whole
+    write_whole(js, redact(json.dumps(to_json(run, env), indent=1, default=str)) + "\n")
     return [md, js]

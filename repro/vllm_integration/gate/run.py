@@ -327,6 +327,10 @@ class GateScheduler:
         """Each case against its reference's finished record (steps.finish: comparison, acceptance, coverage)."""
         run, outputs, done = self.run, self.outputs, self.done
         run.cases = [(c, finish(c, r, outputs.get(c.case_id), *done[reference_for(c).case_id])) for c, r in run.cases]
+        # a self control's further attempts judged as its first was (a clean decode with a wrong draft is not clean)
+        run.attempts = [
+            (a, finish(a, r, result_line(self.log_dir, a), *done[reference_for(a).case_id])) for a, r in run.attempts
+        ]
 
     def report(self) -> GateRun:
         """The run as its reports read it: the cases set apart beside the rest, in the plan's order, its walls."""

@@ -16,6 +16,7 @@ import zipfile
 from pathlib import Path
 
 from repro import CHECKOUT
+from repro.files import write_whole
 from repro.vllm_integration.plugin import KNOWN_SPEC_LAYOUTS
 from repro.vllm_integration.plugin.backend_fields import BACKENDS
 from repro.vllm_integration.releases import compat
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    Path(a.out).write_text(json.dumps(rows, indent=1) + "\n")
+    write_whole(a.out, json.dumps(rows, indent=1) + "\n")  # a regular file or a new one
     print(f"written: {a.out} ({len(rows)} releases)")
     return 0
 
