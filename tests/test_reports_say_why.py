@@ -5,9 +5,8 @@ case process left under MPS at 56 SMs (a device assert in a batch of MPS clients
 
 from __future__ import annotations
 
-from repro.contract.verdicts import CANNOT_VOUCH, CLEAN, ERROR
-
 from repro.case.spec import CaseResult, CaseSpec, SmConfig
+from repro.contract.verdicts import CANNOT_VOUCH, CLEAN, ERROR
 from repro.judge.classify import classify
 from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import report
