@@ -201,4 +201,19 @@ def same_verdicts(got, rows, run=None):
         for k, row in rows.items():
             if (kept := recorded_attempts(upgrade_gate_row(row))) is not None:
                 assert [(a.case, a.verdict) for a in run.attempted.get(k, [])] == [(a.case, a.verdict) for a in kept], k
-    assert {k: r.verdict for k, r in got.items()} == {k: row["verdict"] for k, row in rows.items()}
+    assert {k: r.verdict for k, r in got.items()} == {k: recorded_verdict(k, row, got) for k, row in rows.items()}
+
+
+JUDGED_AGAINST_THE_REFERENCE = ("reference comparison", "draft acceptance")
+
+
+def recorded_verdict(case_id: str, row: dict, got: dict) -> str:
+    """What a row's replay must give: its recorded verdict; for a self control's further attempt recorded `clean`
+    before further attempts were judged against the reference as the first is, `wrong-output` where that judging
+    (and only it) found the draft or tokens wrong, its process's own verdict still the recorded `clean`."""
+    r = got.get(case_id)
+    if "-attempt" not in case_id or row["verdict"] != "clean" or r is None or r.verdict != "wrong-output":
+        return row["verdict"]
+    changes = [h for h in r.history if "verdict" in h.get("changed", {})]
+    by_reference = changes and all(h["step"] in JUDGED_AGAINST_THE_REFERENCE for h in changes)
+    return "wrong-output" if by_reference and changes[0]["changed"]["verdict"][0] == "clean" else row["verdict"]
