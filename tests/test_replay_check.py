@@ -139,3 +139,11 @@ def test_without_the_global_hook_the_check_is_off_and_says_so(plugin_state, monk
     assert counters.COUNTERS["replay_check"].startswith("off: torch")
     assert "register_graph_replay_start_hook" in counters.COUNTERS["replay_check"]
     assert "on" not in capture._REPLAY
+
+
+@pytest.fixture(autouse=True)
+def _asked_for(monkeypatch):
+    """The check is off by default (a false alarm on a healthy 0.34.0): these tests turn it on."""
+    from repro.vllm_integration.plugin import replay  # noqa: PLC0415  the module whose switch the test turns
+
+    monkeypatch.setattr(replay, "ON", True)

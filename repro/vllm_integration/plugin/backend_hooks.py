@@ -243,7 +243,7 @@ def _refreshed(builder: Any, md: Any, spec: BackendFields) -> None:
     if not capture._AUDIT_ON["on"] or not counters.AUDITOR.knows(md):
         return
     views = views_of(md, spec)
-    for m in refresh.judge(counters.AUDITOR, counters.COUNTERS, builder, md, spec, views):
+    for m in refresh.judge(counters.AUDITOR, counters.COUNTERS, builder, md, spec, views) if refresh.enabled() else ():
         emit(AUDIT_TAG, {"stale": m.to_dict(), "message": str(m), "capture": "eager draft refresh"})
     if counters.AUDITOR.refresh(md, views):
         counters.bump("draft_refreshes")
@@ -273,6 +273,9 @@ def _install_replay_check(cuda: Any) -> None:
 
         cuda = torch.cuda
     register, why = replay.hook_of(cuda)
+    if not replay.enabled():
+        why = "off: it raised a false alarm on a healthy vLLM 0.34.0 (plugin.replay.ON)"
+        register = None
     counters.COUNTERS["replay_check"] = why or "on"
     if register is None or "on" in capture._REPLAY:
         return

@@ -209,7 +209,9 @@ def _finish_capture(cap: _Capture, failed: bool) -> None:
         skip = _refreshed_fields(cap, md, spec, views)
         advance = MAX_DRAFT_LOOP_ADVANCE if cap.kind.startswith("draft decode") else 0
         found = auditor.check(md, views, skip, advance)
-        if md in cap.refreshed:  # what the refresh computed: the builder's answer for the step the views show
+        if (
+            md in cap.refreshed and refresh.enabled()
+        ):  # what the refresh computed: the builder's answer for the step the views show
             found += refresh.judge(auditor, counters.COUNTERS, cap.refreshed.get(md), md, spec, views)
         for m in found:
             stale = True

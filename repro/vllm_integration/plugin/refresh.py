@@ -34,6 +34,17 @@ from repro.vllm_integration.plugin.inject import Pass, StaleCaptureInjector, bum
 Rule = Callable[[Any, Any, int], Any]
 
 
+# off: on a healthy vLLM 0.34.0 (H100, results/h100-gate-default-cold) the judging found DFlash's refresh "stale"
+# in a padding entry past the batch (prepare_seqlen_q[62] of t248r62), a false alarm; off until it judges only the
+# batch's own entries and a GPU record shows it clean
+JUDGED = False
+
+
+def enabled() -> bool:
+    """Is the refresh judged (JUDGED)? Otherwise an eager refresh is its metadata's new reference, as before."""
+    return JUDGED
+
+
 def _step_seq_lens(md: Any, back: int) -> Any:
     seq = md.seq_lens
     return seq if not back else (seq - back).clamp(min=0)
