@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import signal
 import subprocess
@@ -28,12 +29,14 @@ def main() -> int:
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--start-timeout", type=float, default=600)
+    p.add_argument("--gpu-memory", type=float, default=float(os.environ.get("AUDIT_EXAMPLE_GPU_MEMORY", "0.5")))
     a = p.parse_args()
     shape = argparse.Namespace(head_dim=64, heads=4, kv_heads=1, layers=3)
     target, draft = write(Path(tempfile.mkdtemp(prefix="serve-example-")), a.method, shape)
     spec = TABLE[a.method].speculative_config(Path(draft) if draft else None, a.k, "FLASH_ATTN")
-    cmd = ["vllm", "serve", target, "--port", str(a.port), "--load-format", "dummy", "--skip-tokenizer-init",
-           "--max-model-len", "1024", "--max-num-seqs", "24", "--gpu-memory-utilization", "0.5",
+    # vLLM's own CLI through this Python (a `vllm` script need not be on PATH where vLLM is installed with --target)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", target, "--port", str(a.port), "--load-format", "dummy", "--skip-tokenizer-init",
+           "--max-model-len", "1024", "--max-num-seqs", "24", "--gpu-memory-utilization", str(a.gpu_memory),
            "--kv-cache-memory-bytes", str(1 << 30), "--attention-backend", "FLASH_ATTN",
            "--speculative-config", json.dumps(spec),
            "--compilation-config", json.dumps({"cudagraph_mode": "FULL_AND_PIECEWISE"})]  # fmt: skip

@@ -22,7 +22,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed: these are GPU tests o
 
 def _args(method: str) -> argparse.Namespace:
     return argparse.Namespace(method=method, k=4, head_dim=64, heads=4, kv_heads=1, layers=3, max_num_seqs=24,
-                              capture_sizes=None, max_tokens=24, tp=1, backend="FLASH_ATTN", gpu_memory=0.5, seed=0)  # fmt: skip
+                              capture_sizes=None, max_tokens=24, tp=1, backend="FLASH_ATTN", gpu_memory=float(os.environ.get("AUDIT_EXAMPLE_GPU_MEMORY", "0.5")), seed=0)  # fmt: skip
 
 
 @pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.repro_audit_method(m)) for m in METHODS])

@@ -106,7 +106,7 @@ def main() -> int:
     p.add_argument("--twice", action="store_true", help="`LLM` used twice in this script")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (GPUs)")
     p.add_argument("--backend", default="FLASH_ATTN")
-    p.add_argument("--gpu-memory", type=float, default=0.5)
+    p.add_argument("--gpu-memory", type=float, default=float(os.environ.get("AUDIT_EXAMPLE_GPU_MEMORY", "0.5")))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--models", help="folder for the model configs (default: a new temp folder)")
     a = p.parse_args()
