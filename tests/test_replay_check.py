@@ -239,3 +239,20 @@ def test_without_the_global_hook_the_check_is_off_and_says_so(plugin_state, monk
     assert counters.COUNTERS["replay_check"].startswith("off: torch")
     assert "register_graph_replay_start_hook" in counters.COUNTERS["replay_check"]
     assert "on" not in capture._REPLAY
+
+
+@pytest.mark.parametrize(("refresh", "check"), [(True, True), (False, True), (True, False)])
+def test_the_plugin_installs_the_auditor_with_the_checks_its_request_asks_for(monkeypatch, refresh, check):
+    from repro.contract import request  # noqa: PLC0415  the request the plugin reads
+    from repro.vllm_integration import plugin  # noqa: PLC0415  the plugin's register, as vLLM calls it
+    from tests.case_requests import plugin_request  # noqa: PLC0415  a request with every key given
+
+    seen = {}
+    monkeypatch.setattr(plugin, "install", lambda backend, spec, **kw: seen.update(kw) or False)
+    monkeypatch.setattr(plugin, "install_probe", lambda *a, **k: False)
+    monkeypatch.setattr(plugin.importlib, "import_module", lambda name: types.ModuleType(name))
+    monkeypatch.setattr(counters, "_installed", set())
+    asked = plugin_request(probe=True, audit=True, judge_refresh=refresh, check_replay=check)
+    monkeypatch.setenv(request.ENV, asked.to_json())
+    plugin.register()
+    assert seen == {"judge_refresh": refresh, "check_replay": check}
