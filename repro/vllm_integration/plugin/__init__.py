@@ -93,6 +93,7 @@ from repro.contract import request
 from repro.contract.channel import emit
 from repro.contract.request import PluginRequest
 from repro.contract.tags import PLUGIN_TAG
+from repro.errors import ConfigError
 from repro.vllm_integration.plugin import capture, counters
 from repro.vllm_integration.plugin import weights_dflash as dflash_weights
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND, backend_for
@@ -175,6 +176,16 @@ def checks_on(off: str | None) -> tuple[bool, bool]:
     if unknown := sorted(names - set(CHECKS)):
         raise ValueError(f"{unknown[0]!r}: the checks that can be turned off are {', '.join(CHECKS)}")
     return "refresh" not in names, "replay" not in names
+
+
+def checks_of(environ: dict[str, str], var: str) -> dict[str, bool]:
+    """The request's judge_refresh and check_replay from the gate's environment (its variable `var` names the checks
+    turned off, checks_on); a name it does not know is a ConfigError naming the variable."""
+    try:
+        judge_refresh, check_replay = checks_on(environ.get(var))
+    except ValueError as e:
+        raise ConfigError(f"{var}: {e}") from None
+    return {"judge_refresh": judge_refresh, "check_replay": check_replay}
 
 
 def requested(want: PluginRequest | None) -> dict[str, Any]:
