@@ -111,7 +111,8 @@ class DFlashSpeculator:
         assert capture._REPLAY["on"].kept, "the eager build was not kept as the speculator's"
 
     def replay(self, graphs, n):
-        sd.BUF["query_start_loc"][: n + 1] = torch.arange(n + 1) * 4  # prepare_dflash_inputs' kernels
+        sd.BUF["query_start_loc"][: n + 1] = torch.arange(n + 1) * 4  # prepare_dflash_inputs' kernels, which pad
+        sd.BUF["query_start_loc"][n + 1 :] = 4 * n  # the entries past the batch with its total
         sd.BUF["seq_lens"][:n] = 8
         graphs.replay(graph_of(graphs, f"t{4 * n}r{n} q4"))
 
