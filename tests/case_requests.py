@@ -17,6 +17,8 @@ PLUGIN = PluginRequest(
     inject=None,
     inject_source="first",
     weights="dummy",
+    judge_refresh=True,
+    check_replay=True,
 )
 
 

@@ -120,6 +120,8 @@ def test_a_stand_in_case_process_receives_its_request_through_the_record(tmp_pat
         "inject": None,
         "inject_source": "first",
         "weights": "agree",
+        "judge_refresh": True,
+        "check_replay": True,
     }
     assert (
         got["reference"] is False
@@ -173,6 +175,50 @@ def test_the_gate_refuses_a_bad_choice_before_any_case_starts(tmp_path, monkeypa
     with pytest.raises(ConfigError, match="REPRO_INJECT_SOURCE='middle'"):
         gate_run.run_gate([build], (GateMode.parse("plain"),), tmp_path / "logs", launcher="spawn", memory=None)
     assert not started
+
+
+@pytest.mark.parametrize(
+    ("off", "want"),
+    [(None, (True, True)), ("refresh", (False, True)), ("replay", (True, False)), (" replay,refresh ", (False, False))],
+)
+def test_the_auditors_checks_are_on_unless_the_gates_environment_turns_them_off(tmp_path, monkeypatch, off, want):
+    """The refresh judged and the replay check: on in every audited case's request by default; REPRO_CHECKS_OFF
+    turns either off, typed in the request (judge_refresh, check_replay), never a module's switch."""
+    if off is not None:
+        monkeypatch.setenv("REPRO_CHECKS_OFF", off)
+    _, env = _case_env(tmp_path, "audit")
+    req = request.read(env)
+    assert (req.plugin.judge_refresh, req.plugin.check_replay) == want and req.plugin.audit
+    asked = requested(req.plugin)
+    assert (asked["judge_refresh"], asked["check_replay"]) == want
+
+
+def test_a_check_the_auditor_does_not_have_is_refused_before_any_case_starts(tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(gate_run, "run_control", lambda c, *a, **k: started.append(c) or pytest.fail("a case ran"))
+    monkeypatch.setenv("REPRO_CHECKS_OFF", "replays")
+    build = VllmBuild("b", str(tmp_path / "prefix"), UNDER_TEST)
+    with pytest.raises(ConfigError, match="REPRO_CHECKS_OFF: 'replays': the checks that can be turned off are"):
+        gate_run.run_gate([build], (GateMode.parse("plain"),), tmp_path / "logs", launcher="spawn", memory=None)
+    assert not started
+
+
+def test_the_plugin_request_command_turns_either_check_off(capsys):
+    from repro.cli import main  # noqa: PLC0415  the command line, in this process
+
+    assert main(["plugin-request"]) == 0
+    on = json.loads(capsys.readouterr().out)["plugin"]
+    assert (on["judge_refresh"], on["check_replay"]) == (True, True)
+    assert main(["plugin-request", "--no-refresh-judging", "--no-replay-check"]) == 0
+    off = json.loads(capsys.readouterr().out)["plugin"]
+    assert (off["judge_refresh"], off["check_replay"]) == (False, False)
+
+
+def test_a_persons_repro_audit_run_has_both_checks_on():
+    from repro.vllm_integration import plugin  # noqa: PLC0415  the plugin's reading of a person's variables
+
+    want = plugin.from_environment({"REPRO_AUDIT": "1"})
+    assert want.judge_refresh and want.check_replay
 
 
 def test_the_case_process_refuses_to_run_without_a_request_or_with_a_bad_one():

@@ -41,6 +41,16 @@ def add_parsers(sub) -> None:
     p.add_argument(
         "--weights", choices=(*WEIGHTS, DUMMY), default=DUMMY, help="the model's weights (default %(default)s)"
     )
+    p.add_argument(
+        "--no-refresh-judging",
+        action="store_true",
+        help="leave the draft-decode refresh unjudged (counted in refresh_unjudged; default: judged)",
+    )
+    p.add_argument(
+        "--no-replay-check",
+        action="store_true",
+        help="no check at graph replays (default: on where torch has the hook)",
+    )
     p.set_defaults(func=cmd_plugin_request)
 
 
@@ -65,6 +75,8 @@ def cmd_plugin_request(a: argparse.Namespace) -> int:
             inject=a.inject,
             inject_source=a.inject_source or SOURCES[0],
             weights=a.weights,
+            judge_refresh=not a.no_refresh_judging,
+            check_replay=not a.no_replay_check,
         )
         requested(want)  # what the plugin would refuse inside vLLM is refused here
     except (BadRequest, ValueError) as e:

@@ -40,6 +40,8 @@ class PluginRequest:
     inject: str | None  # the self control's form (repro.vllm_integration.plugin.inject.INJECTIONS), None: none
     inject_source: str  # whose capture contents it injects: the target's first or last build (inject.SOURCES)
     weights: str  # the gate model's weights (plugin.weights: agree, margin) or dummy (vLLM's own)
+    judge_refresh: bool  # with audit: every draft-decode refresh judged (plugin.refresh); false: counted unjudged
+    check_replay: bool  # with audit: the replay check (plugin.replay) where torch has its hook; false: off, said so
 
     def __post_init__(self) -> None:
         _check_types(self)

@@ -50,7 +50,7 @@ from repro.run.sanitizer import sanitizer_env
 from repro.run.smcontrol import MpsDaemon
 from repro.vllm_integration.gate.methods import DEFAULT_METHOD
 from repro.vllm_integration.gate.worker import DEFAULT_COMPILE, INSPECT_ENV
-from repro.vllm_integration.plugin import BACKEND_ENV, FILE_ENV, RUN_ENV, RUN_VARS
+from repro.vllm_integration.plugin import BACKEND_ENV, FILE_ENV, RUN_ENV, RUN_VARS, checks_of
 from repro.vllm_integration.plugin import ENV as AUDIT_ENV
 from repro.vllm_integration.plugin.backend_fields import BACKENDS, DEFAULT_BACKEND, known_name
 from repro.vllm_integration.plugin.inject import SOURCES, STALE_CAPTURE
@@ -69,8 +69,7 @@ BASE_ENV = {
     "DO_NOT_TRACK": "1",
     "PYTHONUNBUFFERED": "1",
 }
-# a person's choices in the gate's environment for every case's request (persons_choices): weights, inject_source
-WEIGHTS_ENV, INJECT_SOURCE_ENV = "REPRO_WEIGHTS", "REPRO_INJECT_SOURCE"
+WEIGHTS_ENV, INJECT_SOURCE_ENV, CHECKS_OFF_ENV = "REPRO_WEIGHTS", "REPRO_INJECT_SOURCE", "REPRO_CHECKS_OFF"  # choices
 # the plugin's variables for a person's own vLLM run: never passed on to a gate case, whose request is the one
 PLUGIN_OWN_VARS = (AUDIT_ENV, FILE_ENV, BACKEND_ENV, RUN_ENV, *RUN_VARS)
 
@@ -331,7 +330,7 @@ def case_request(
     """What one gate case process runs and what its plugin installs (repro.contract.request), decided here once: a
     reference runs without the probe, the auditor, the poison, the injection and memcheck's allocator, with the SM
     configuration and the weights of its cases; environ is the gate's (persons_choices, worker.INSPECT_ENV)."""
-    case_only, (weights, inject_source) = not case.reference, persons_choices(environ)
+    case_only, (weights, inject_source, checks) = not case.reference, persons_choices(environ)
     plugin = PluginRequest(
         attention_backend=case.backend,
         probe=case_only,  # coverage counters in every case but the references
@@ -342,6 +341,7 @@ def case_request(
         inject=case.inject if case_only else None,
         inject_source=inject_source,
         weights=weights,
+        **checks,  # judge_refresh, check_replay: on unless REPRO_CHECKS_OFF names them
     )
     return CaseRequest(
         models=str(models),
@@ -355,14 +355,14 @@ def case_request(
     )
 
 
-def persons_choices(environ: dict[str, str]) -> tuple[str, str]:
-    """(weights, inject_source) a person chose in the gate's environment (unset: AGREE, the first source), checked
-    here and by run_gate before any case starts; the plugin checks the request again in the case (plugin.requested)."""
+def persons_choices(environ: dict[str, str]) -> tuple[str, str, dict[str, bool]]:
+    """(weights, inject_source, plugin.checks_of's) a person chose in the gate's environment (unset: AGREE, the first
+    source, every check on), checked here and by run_gate before any case starts, and again in the case (requested)."""
     weights, source = environ.get(WEIGHTS_ENV) or AGREE, environ.get(INJECT_SOURCE_ENV) or SOURCES[0]
     for var, value, allowed in ((WEIGHTS_ENV, weights, (*WEIGHTS, DUMMY)), (INJECT_SOURCE_ENV, source, SOURCES)):
         if value not in allowed:
             raise ConfigError(f"{var}={value!r}: use one of {', '.join(allowed)} (or leave it unset)")
-    return weights, source
+    return weights, source, checks_of(environ, CHECKS_OFF_ENV)
 
 
 def expected(case: GateCase) -> str:

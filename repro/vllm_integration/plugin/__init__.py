@@ -37,6 +37,12 @@ which `python -m repro plugin-request ...` prints (from_environment). The reques
                           that checks nothing, an engine core that runs the model), whichever exits first;
                           `processes` lists each (pid, name, checks, stale views), the totals are their sums, an
                           earlier run's report in the file is replaced (counters.merged_report).
+- judge_refresh, check_replay  with audit, both on unless the request turns them off (`plugin-request
+                          --no-refresh-judging`, `--no-replay-check`; the gate: REPRO_CHECKS_OFF=refresh,replay):
+                          the refresh judged (above), and the replay check (plugin.replay: at sampled replays of
+                          the draft's FULL graphs, the buffers they read against the runtime's build for that graph;
+                          where torch has the global replay hook). Off, the counters say so (refresh_judging,
+                          replay_check) and every refreshed field is counted unjudged.
 - sm_margin=N             FA3 plans and launches for N fewer SMs: sm_margin passed to vLLM's get_scheduler_metadata
                           and to every torch.ops._vllm_fa3_C.fwd call (vLLM itself always passes 0). Counted per call.
 - poison=<fill>           the entries FA3's get_scheduler_metadata never writes are filled (repro.case.poison) before vLLM
@@ -87,6 +93,7 @@ from repro.contract import request
 from repro.contract.channel import emit
 from repro.contract.request import PluginRequest
 from repro.contract.tags import PLUGIN_TAG
+from repro.errors import ConfigError
 from repro.vllm_integration.plugin import capture, counters
 from repro.vllm_integration.plugin import weights_dflash as dflash_weights
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND, backend_for
@@ -154,7 +161,31 @@ def from_environment(environ: dict[str, str] | None = None) -> PluginRequest | N
         inject=None,
         inject_source=SOURCES[0],
         weights=DUMMY,
+        judge_refresh=True,
+        check_replay=True,
     )
+
+
+CHECKS = ("refresh", "replay")  # the auditor's checks a person may turn off (checks_on)
+
+
+def checks_on(off: str | None) -> tuple[bool, bool]:
+    """(judge_refresh, check_replay) of a request, from a comma-separated list of the checks to turn off (CHECKS;
+    None or empty: both on). ValueError for a name it does not know."""
+    names = {n.strip() for n in (off or "").split(",") if n.strip()}
+    if unknown := sorted(names - set(CHECKS)):
+        raise ValueError(f"{unknown[0]!r}: the checks that can be turned off are {', '.join(CHECKS)}")
+    return "refresh" not in names, "replay" not in names
+
+
+def checks_of(environ: dict[str, str], var: str) -> dict[str, bool]:
+    """The request's judge_refresh and check_replay from the gate's environment (its variable `var` names the checks
+    turned off, checks_on); a name it does not know is a ConfigError naming the variable."""
+    try:
+        judge_refresh, check_replay = checks_on(environ.get(var))
+    except ValueError as e:
+        raise ConfigError(f"{var}: {e}") from None
+    return {"judge_refresh": judge_refresh, "check_replay": check_replay}
 
 
 def requested(want: PluginRequest | None) -> dict[str, Any]:
@@ -162,6 +193,7 @@ def requested(want: PluginRequest | None) -> dict[str, Any]:
     if want is None:
         return {"audit": False, "probe": False, "sm_margin": 0, "poison": None, "weights": None, "inject": None}
     out: dict[str, Any] = {"audit": want.audit, "probe": want.audit or want.probe, "audit_file": want.audit_file}
+    out["judge_refresh"], out["check_replay"] = want.judge_refresh, want.check_replay
     if want.sm_margin < 0:
         raise ValueError(f"sm_margin={want.sm_margin}: must not be negative")
     out["sm_margin"] = want.sm_margin
@@ -216,7 +248,7 @@ def register() -> None:
                 counters.at_exit(counters.AtExit(counters.write_counters))
                 emit(PLUGIN_TAG, {"installed": "probe", "backend": spec.name})
         if want["audit"] and "audit" not in installed:
-            if install(backend, spec=spec):
+            if install(backend, spec=spec, judge_refresh=want["judge_refresh"], check_replay=want["check_replay"]):
                 install_report(want["audit_file"])
                 emit(PLUGIN_TAG, {"installed": "audit", "backend": spec.name})
         if want["inject"] and "inject" not in installed:

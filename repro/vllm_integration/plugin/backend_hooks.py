@@ -115,9 +115,10 @@ def _record(builder: Any, md: Any, spec: BackendFields) -> None:
     shape = build_shape(builder, md) | dynamic_k.build_k(sys._getframe(2))  # the K of a K-specialized pass
     views = views_of(md, spec)
     counters.AUDITOR.record_build(md, label_of(md), views, shape)
-    if "on" in capture._REPLAY:  # the runtime's latest build of each buffer view, for the replay check
+    if "on" in capture._REPLAY:  # the speculator's runtime builds of the batch under way, for the replay check
         frame = sys._getframe(2)
-        capture._REPLAY["on"].built(label_of(md), views, capture.draft_on_stack(frame) and replay.runtime(frame))
+        draft = capture.draft_on_stack(frame) and replay.runtime(frame)
+        capture._REPLAY["on"].built(label_of(md), views, shape, draft)
 
 
 def _wrap_builder(builder_cls: Any, spec: BackendFields) -> list[str]:
@@ -243,14 +244,27 @@ def _refreshed(builder: Any, md: Any, spec: BackendFields) -> None:
     if not capture._AUDIT_ON["on"] or not counters.AUDITOR.knows(md):
         return
     views = views_of(md, spec)
-    for m in refresh.judge(counters.AUDITOR, counters.COUNTERS, builder, md, spec, views) if refresh.enabled() else ():
+    if not capture.judging_refresh():
+        refresh.not_judged(counters.COUNTERS, spec, views)
+    for m in (
+        refresh.judge(counters.AUDITOR, counters.COUNTERS, builder, md, spec, views)
+        if capture.judging_refresh()
+        else ()
+    ):
         emit(AUDIT_TAG, {"stale": m.to_dict(), "message": str(m), "capture": "eager draft refresh"})
     if counters.AUDITOR.refresh(md, views):
         counters.bump("draft_refreshes")
 
 
-def install(module: Any, cuda: Any = None, spec: BackendFields = FLASH_ATTN) -> bool:
-    """Install the freshness auditor on an attention backend module (passed in so tests can hand it a stand-in).
+def install(
+    module: Any,
+    cuda: Any = None,
+    spec: BackendFields = FLASH_ATTN,
+    judge_refresh: bool = True,
+    check_replay: bool = True,
+) -> bool:
+    """Install the freshness auditor on an attention backend module (passed in so tests can hand it a stand-in), with
+    the refresh judged (plugin.refresh) and the replay check (plugin.replay) unless the request turned them off.
     False, with a REPRO_PLUGIN error line, when the backend's classes are not there."""
     found = _classes(module, spec)
     if found is None:
@@ -260,22 +274,25 @@ def install(module: Any, cuda: Any = None, spec: BackendFields = FLASH_ATTN) -> 
     _wrap_forward(impl_cls, spec)
     if cuda is not None:
         capture.install_capture_tracker(cuda)
-    _install_replay_check(cuda)
+    capture._AUDIT_ON["refresh"] = judge_refresh
+    counters.COUNTERS["refresh_judging"] = "on" if judge_refresh else refresh.OFF
+    _install_replay_check(cuda, check_replay)
     capture._AUDIT_ON["on"] = True
     counters._installed.add("audit")
     return True
 
 
-def _install_replay_check(cuda: Any) -> None:
-    """The replay check (plugin.replay) where torch has the global replay-start hook; off, and said so, where not."""
+def _install_replay_check(cuda: Any, asked: bool = True) -> None:
+    """The replay check (plugin.replay) where torch has the global replay-start hook and the request asks for it;
+    off, and said so in the counters (replay_check: why), where not."""
+    if not asked:
+        counters.COUNTERS["replay_check"] = replay.OFF
+        return
     if cuda is None:
         import torch  # the real torch.cuda only when no stand-in is handed in (vLLM's process; the CPU tier hands one)
 
         cuda = torch.cuda
     register, why = replay.hook_of(cuda)
-    if not replay.enabled():
-        why = "off: it raised a false alarm on a healthy vLLM 0.34.0 (plugin.replay.ON)"
-        register = None
     counters.COUNTERS["replay_check"] = why or "on"
     if register is None or "on" in capture._REPLAY:
         return

@@ -46,9 +46,14 @@ class _Capture:
 
 
 _CAPTURES: list[_Capture] = []
-_AUDIT_ON = {"on": False, "strict": False}
+_AUDIT_ON = {"on": False, "strict": False, "refresh": True}  # refresh: the refresh judged (the request's judge_refresh)
 _INJECTOR: dict[str, StaleCaptureInjector] = {}  # "on" -> the injector, when the request asked for one
 _REPLAY: dict[str, ReplayChecker] = {}  # "on" -> the replay check, where torch has the global replay hook
+
+
+def judging_refresh() -> bool:
+    """Is every draft-decode refresh judged (plugin.refresh)? The request's judge_refresh, on unless it says off."""
+    return bool(_AUDIT_ON.get("refresh", True))
 
 
 def graph_kind(frame: Any, depth: int = 40) -> str:
@@ -209,9 +214,9 @@ def _finish_capture(cap: _Capture, failed: bool) -> None:
         skip = _refreshed_fields(cap, md, spec, views)
         advance = MAX_DRAFT_LOOP_ADVANCE if cap.kind.startswith("draft decode") else 0
         found = auditor.check(md, views, skip, advance)
-        if (
-            md in cap.refreshed and refresh.enabled()
-        ):  # what the refresh computed: the builder's answer for the step the views show
+        if md in cap.refreshed and not judging_refresh():
+            refresh.not_judged(counters.COUNTERS, spec, views)
+        elif md in cap.refreshed:  # what the refresh computed: the builder's answer for the step the views show
             found += refresh.judge(auditor, counters.COUNTERS, cap.refreshed.get(md), md, spec, views)
         for m in found:
             stale = True
@@ -222,7 +227,7 @@ def _finish_capture(cap: _Capture, failed: bool) -> None:
     desc = cap.descriptor[0]
     if "on" in _REPLAY and cap.kind.startswith("draft") and desc is not None and cap.metadata:  # a FULL draft graph
         views = {p: v for md, spec in cap.metadata.values() for p, v in views_of(md, spec).items()}
-        _REPLAY["on"].captured(cap.graph, f"{cap.kind} {desc.label}", views)
+        _REPLAY["on"].captured(cap.graph, f"{cap.kind} {desc.label}", desc, views)
     if known:
         counters.bump("captures_audited", cap.kind)
         counters.bump("audited_by_manager", cap.manager)

@@ -61,17 +61,19 @@ def new_counters() -> dict[str, Any]:
         # the refresh judged (refresh.judge): after each eager refresh, at the end of each capture refreshed inside it
         "refresh_checks": 0,  # fields a refresh computed, compared with what the builder gives for the step
         "refresh_stale": 0,  # judgings that found a field computed for another step or batch (stale-refresh)
-        "refresh_unjudged": {},  # "backend.field" -> refreshed fields no rule or builder method could judge
+        "refresh_judging": None,  # "on", or why not (the request's judge_refresh false)
+        "refresh_unjudged": {},  # "backend.field" -> refreshed fields not judged (no rule, no layout, judging off)
+        "refresh_entries_unjudged": {},  # "backend.field" -> entries past the refreshed batch, never compared
         # the descriptor check (audit.descriptor_mismatches) at every FULL capture pass, warmup forwards and capture ends
         "descriptor_checks": {},  # kind -> metadata compared with the descriptor being captured
         "descriptor_stale": {},  # kind -> of those, found built for another descriptor (stale-descriptor)
-        # the replay check (plugin.replay): "on", or why it is off (torch without the global replay hook)
+        # the replay check (plugin.replay): "on", or why it is off (torch without the global replay hook, the request)
         "replay_check": None,
         "replay_graphs": 0,  # FULL draft graphs whose replays it watches
         "replays_seen": 0,  # their replays
         "replay_checks": 0,  # of those, sampled and checked
         "replay_check_s": 0.0,  # seconds the checks took (their overhead)
-        "replay_unjudged": {},  # field -> views of a checked replay with no runtime build recorded since capture
+        "replay_unjudged": {},  # why -> sampled replays no build made for the graph judges; field -> views none wrote
         "slept": None,  # a sleep-and-wake scenario (gate.sleep): the level the engine slept at and woke from
         "descriptor_checks_by_k": {},  # K -> of those, in a K-specialized FULL pass (dynamic speculative decoding)
         "descriptor_unchecked": {},  # "kind: why" -> FULL passes whose metadata could not be compared (cannot vouch)

@@ -4,8 +4,13 @@ scheduler_metadata from the views' query_start_loc and seq_lens; TRITON_ATTN's a
 0.34.0). After each eager refresh, and at the end of a capture whose metadata was refreshed inside it, every field
 the refresh computes is compared with what the build's own builder gives for that draft step: the step's batch (the
 request count and query_start_loc the views show) and its seq_lens (advanced by the draft loop to this step, as the
-views show them when the refresh runs). A refresh that disagrees computed for another step or batch: a Mismatch of
-kind stale-refresh. Only then does what the views show become the metadata's new reference (audit.refresh).
+views show them when the refresh runs), in the entries that belong to that batch only: FA3 writes the first b of
+each round_up(b, 4)-entry vector and leaves the rest as its allocation found them, so entries past the batch (and
+the tile-count semaphore, the kernels' own) are counted (refresh_entries_unjudged), never compared. A refresh that
+disagrees in the batch's own entries computed for another step or batch: a Mismatch of kind stale-refresh. Only then
+does what the views show become the metadata's new reference (audit.refresh). A request may ask for no judging
+(PluginRequest.judge_refresh false): each refreshed field is then counted in refresh_unjudged, and refresh_judging
+says why.
 
 What each backend's refresh computes and how the builder gives it (REFRESHES), by field path: a field the backend's
 table says its refresh rewrites (backend_fields.refreshed_in_graph, other than the draft loop's own step fields)
@@ -24,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from repro.backends.layout import round_up
 from repro.vllm_integration.plugin.audit import STALE_REFRESH, FreshnessAuditor, Mismatch, _ints
 from repro.vllm_integration.plugin.backend_fields import DRAFT_STEP, BackendFields
 from repro.vllm_integration.plugin.identity import ByIdentity
@@ -32,17 +38,6 @@ from repro.vllm_integration.plugin.inject import Pass, StaleCaptureInjector, bum
 # a rule: (the builder, the metadata, how many draft steps back) -> what the builder gives for the field; None when
 # the builder cannot say (it lacks the method vLLM's refresh calls)
 Rule = Callable[[Any, Any, int], Any]
-
-
-# off: on a healthy vLLM 0.34.0 (H100, results/h100-gate-default-cold) the judging found DFlash's refresh "stale"
-# in a padding entry past the batch (prepare_seqlen_q[62] of t248r62), a false alarm; off until it judges only the
-# batch's own entries and a GPU record shows it clean
-JUDGED = False
-
-
-def enabled() -> bool:
-    """Is the refresh judged (JUDGED)? Otherwise an eager refresh is its metadata's new reference, as before."""
-    return JUDGED
 
 
 def _step_seq_lens(md: Any, back: int) -> Any:
@@ -70,7 +65,34 @@ def _fa3_scheduler_metadata(builder: Any, md: Any, back: int = 0) -> Any:
     )
 
 
-REFRESHES: dict[str, dict[str, Rule]] = {"FLASH_ATTN": {"scheduler_metadata": _fa3_scheduler_metadata}}
+def _fa3_batch_entries(md: Any, size: int) -> list[int] | None:
+    """The flat indices of FA3's scheduler metadata that belong to the refreshed batch of b requests: every vector of
+    it (prepare_seqlen_q, num_splits_dynamic, num_m_blocks, varlen_batch_idx, num_nheads_in_l2: which depends on the
+    FA3 build and the batch, repro.backends.layout) holds round_up(b, 4) entries, of which FA3 writes the first b;
+    the tile-count semaphore follows the vectors (FA3's prepare kernel zeroes it, its attention kernels count on it).
+    Entries [b, round_up(b, 4)) of each vector are never written: get_scheduler_metadata returns them as its
+    allocation left them (torch::empty), so two correct computations for the same step differ there. None when the
+    size fits no such layout (then nothing of the field is judged)."""
+    b = getattr(md, "num_decode_reqs", None) or _step_seq_lens(md, 0).shape[0]
+    rounded = round_up(b, 4)
+    if not b or size % rounded not in (0, 1):  # vectors of round_up(b, 4) entries, then the semaphore (or none)
+        return None
+    return [v * rounded + i for v in range(size // rounded) for i in range(b)]
+
+
+@dataclass(frozen=True)
+class Refresh:
+    """How a backend's refresh computes one field: `compute` (the builder's answer for a step, Rule) and `entries`
+    (the flat indices of the field that belong to the refreshed batch, given its size; None: no layout known)."""
+
+    compute: Rule
+    entries: Callable[[Any, int], list[int] | None]
+
+
+REFRESHES: dict[str, dict[str, Refresh]] = {
+    "FLASH_ATTN": {"scheduler_metadata": Refresh(_fa3_scheduler_metadata, _fa3_batch_entries)}
+}
+OFF = "off: the request asks for no refresh judging (judge_refresh false)"
 
 
 def computed_fields(spec: BackendFields, views: dict[str, Any]) -> list[str]:
@@ -90,41 +112,48 @@ def judge(
     spec: BackendFields,
     views: dict[str, Any],
 ) -> list[Mismatch]:
-    """Every field the refresh of md computed, against what `builder` gives for the step the views show now; the
-    mismatches (kind stale-refresh) are kept by the auditor and returned. Counted: refresh_checks (fields compared),
-    refresh_stale, refresh_unjudged (backend.field: no rule, or the builder lacks its method). Copies to the host:
-    never call it while a graph is being captured."""
+    """Every field the refresh of md computed, against what `builder` gives for the step the views show now, entry by
+    entry over the entries that belong to the refreshed batch (Refresh.entries; a length that differs is another
+    batch's too); the mismatches (kind stale-refresh) are kept by the auditor and returned. Counted: refresh_checks
+    (fields compared), refresh_stale, refresh_unjudged (backend.field: no rule, the builder lacks its method, or no
+    layout known for its size), refresh_entries_unjudged (backend.field -> entries past the batch, never compared:
+    neither clean nor stale). Copies to the host: never call it while a graph is being captured."""
     found: list[Mismatch] = []
     for path in computed_fields(spec, views):
         if views.get(path) is None:
             continue  # the refresh wrote nothing there (vLLM's returns early without scheduler metadata)
         rule = REFRESHES.get(spec.name, {}).get(path)
-        want = rule(builder, md, 0) if rule is not None else None
-        if want is None:
+        want = rule.compute(builder, md, 0) if rule is not None else None
+        now = _ints(views[path])
+        entries = rule.entries(md, len(now)) if want is not None else None
+        if want is None or entries is None:
             bump(counters, "refresh_unjudged", f"{spec.name}.{path}")
             continue
         bump(counters, "refresh_checks")
         auditor.refresh_checks += 1
-        wanted, now = _ints(want), _ints(views[path])
-        if now[: len(wanted)] == wanted and len(now) == len(wanted):
-            continue
-        i = next((j for j, (x, y) in enumerate(zip(wanted, now)) if x != y), min(len(wanted), len(now)))
-        fname, fi = auditor.field_at(md, path, len(now), i)
-        found.append(
-            Mismatch(
-                auditor.label_of(md),
-                path,
-                fname if len(now) == len(wanted) else f"len({path})",
-                fi,
-                wanted[i] if i < len(wanted) else len(wanted),
-                now[i] if i < len(now) else len(now),
-                STALE_REFRESH,
-            )
-        )
+        wanted = _ints(want)
+        if len(now) != len(wanted):  # sized for another batch (or split count) than the step's
+            fname, i, built, got = f"len({path})", 0, len(wanted), len(now)
+        else:
+            if len(now) > len(entries):
+                bump(counters, "refresh_entries_unjudged", f"{spec.name}.{path}", len(now) - len(entries))
+            i = next((j for j in entries if wanted[j] != now[j]), None)
+            if i is None:
+                continue
+            (fname, i), built, got = auditor.field_at(md, path, len(now), i), wanted[i], now[i]
+        found.append(Mismatch(auditor.label_of(md), path, fname, i, built, got, STALE_REFRESH))
     if found:
         bump(counters, "refresh_stale")
     auditor.mismatches += found
     return found
+
+
+def not_judged(counters: dict[str, Any], spec: BackendFields, views: dict[str, Any]) -> None:
+    """A refresh left unjudged because the request asked for no judging: each field it computed counted in
+    refresh_unjudged (the counters' refresh_judging says why)."""
+    for path in computed_fields(spec, views):
+        if views.get(path) is not None:
+            bump(counters, "refresh_unjudged", f"{spec.name}.{path}")
 
 
 @dataclass
@@ -132,7 +161,7 @@ class StaleRefreshInjector(StaleCaptureInjector):
     """The self control's form stale-refresh (see the module): nothing taken from the target's captures, no draft
     metadata replaced; every refresh of a draft's metadata recomputed for the previous step. Counted in inject_writes
     ("draft refresh"), inject_refresh_changed (eager refreshes whose fields it changed: a step whose previous step's
-    answer is the same is no control of that step), inject_no_source (a refresh it could not recompute)."""
+    answer is the same in the batch's own entries is no control of that step), inject_no_source (a refresh it could not recompute)."""
 
     spec: BackendFields | None = None
     refreshed: ByIdentity[None] = field(default_factory=ByIdentity)  # metadata it rewrote: reached() says so
@@ -158,12 +187,12 @@ class StaleRefreshInjector(StaleCaptureInjector):
         wrote = False
         for path in computed_fields(spec, views):
             view, rule = views.get(path), REFRESHES.get(spec.name, {}).get(path)
-            want = rule(builder, md, 1) if rule is not None and view is not None else None
+            want = rule.compute(builder, md, 1) if rule is not None and view is not None else None
             if want is None:
                 bump(self.counters, "inject_no_source", "draft refresh")
                 continue
             n = min(view.numel(), want.numel())
-            if not capturing and not bool((view[:n] == want[:n]).all()):
+            if not capturing and _batch_changed(view, want, rule.entries(md, view.numel())):
                 bump(self.counters, "inject_refresh_changed")
             view[:n].copy_(want[:n])
             wrote = True
@@ -171,6 +200,15 @@ class StaleRefreshInjector(StaleCaptureInjector):
             self.refreshed.add(md)
             self._wrote("draft refresh", views)
         return wrote
+
+
+def _batch_changed(view: Any, want: Any, entries: list[int] | None) -> bool:
+    """Does the previous step's answer differ from what the refresh wrote in an entry of the refreshed batch (every
+    entry the two share where no layout is known)? Copies to the host."""
+    now, wanted = _ints(view), _ints(want)
+    if len(now) != len(wanted):
+        return True
+    return any(now[j] != wanted[j] for j in (entries if entries is not None else range(len(now))))
 
 
 def make_refresh_injector(counters: dict[str, Any], announce: Callable[[dict], None]) -> StaleRefreshInjector:

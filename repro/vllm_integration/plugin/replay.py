@@ -1,24 +1,31 @@
 """The replay-time check: where torch has the global CUDA-graph hooks (torch 2.14:
 torch.cuda.graphs.register_graph_replay_start_hook, a hook run with each graph just before every replay), at sampled
-replays of the draft's FULL graphs, the persistent buffers the graph reads hold what the runtime last built for the
-batch being replayed. The capture-time checks see the other side of the bug class: a runtime that skips or
-half-copies a batch's metadata into the buffers a graph baked in replays that graph on another batch's.
+replays of the draft's FULL graphs, the persistent buffers the graph reads hold what the runtime built for the batch
+being replayed. The capture-time checks see the other side of the bug class: a runtime that skips or half-copies a
+batch's metadata into the buffers a graph baked in replays that graph on another batch's.
 
-What is compared: every eager metadata build the speculator makes (outside any capture, a speculator frame on its
-stack) is recorded per buffer view (the view's storage and field path: what it wrote, its descriptor); at a sampled
-replay of a FULL draft graph (captured while the auditor was on: its descriptor and the views of the metadata its
-forwards used) that follows such a build, each of those views' latest draft build must still show what it wrote,
-the draft loop's own in-place step aside (the auditor's loop-advance rule: seq_lens and slot_mapping moved uniformly
-by 1 <= d <= MAX_DRAFT_LOOP_ADVANCE). A replay with no draft build since the previous one (vLLM 0.34.0's fused draft
-decode graph refreshes its metadata in place from what the speculator's kernels wrote: no build to compare with),
-and a view no draft build wrote, are counted (replay_unjudged, by reason), never clean. A difference is a Mismatch of
-kind stale-replay naming the graph's descriptor. The target's builds are not the draft's reference: the speculator's
-kernels write the draft's inputs into the shared buffers after them.
+Which build is the replay's: a speculator makes eager metadata builds for several graphs in one draft pass (vLLM
+0.34.0's StandaloneARSpeculator builds its expanded prefill, q + 1 tokens a request, then replays its decode graph,
+one token a request, on buffers its kernels rewrote with no build; DFlash builds only where its query graph does not
+run). So each eager runtime build of the speculator (outside every capture, a speculator frame on its stack) is kept
+with its shape (tokens, requests, longest query) and its views (data pointer, length and field path: what it wrote)
+until the next replay of a watched graph, the next build that is not the speculator's (the step's target build: a new
+batch) or the next capture. A sampled replay of a FULL draft graph (captured while the auditor was on: its
+descriptor and the views of the metadata its forwards used) is judged only against a kept build made for that graph:
+its shape the graph's descriptor (the tokens and requests it was captured for, its query length: equal for a uniform
+descriptor, at most for another) and its views the graph's own. Each view the graph reads must show what the latest
+such build wrote, the draft loop's own in-place step aside (the auditor's loop-advance rule: seq_lens and slot_mapping
+moved uniformly by 1 <= d <= MAX_ADVANCE); a difference is a Mismatch of kind stale-replay naming the graph's
+descriptor. A replay with no kept build (vLLM 0.34.0's fused draft decode and DFlash query graphs compute their
+metadata in place from what the speculator's kernels wrote: no build to compare with), one whose kept builds were all
+for other graphs, and a view of the graph no such build wrote are counted (replay_unjudged, by reason), never clean.
+The target's builds are not the draft's reference: the speculator's kernels write the draft's inputs into the
+shared buffers after them.
 
 Sampling bounds the cost (each check copies the views to the host and synchronises): the first FIRST replays of each
 graph, then every EVERY-th. What it cost is counted: replays seen, checked, and the seconds the checks took
-(replay_check_s), beside the run's wall time. Where torch lacks the hook the check is off, and the counters say so
-(replay_check: the reason)."""
+(replay_check_s), beside the run's wall time. Where torch lacks the hook, or the request asks for no replay check
+(PluginRequest.check_replay false), the check is off and the counters say why (replay_check)."""
 
 from __future__ import annotations
 
@@ -26,32 +33,33 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from repro.vllm_integration.plugin.audit import STALE_REPLAY, FreshnessAuditor, Mismatch
+from repro.vllm_integration.plugin.audit import STALE_REPLAY, CaptureDescriptor, FreshnessAuditor, Mismatch, _ints
 from repro.vllm_integration.plugin.identity import ByIdentity
 from repro.vllm_integration.plugin.inject import bump as _bump
 
-# opt-in: on a healthy vLLM 0.34.0 (H100, results/h100-gate-default-cold) the check called draft_model's decode graph
-# stale at replay (query_start_loc[1] 1 where the latest runtime build wrote 2: that build was not the one replayed),
-# a false alarm, so off until it pairs each replay with the build made for it and a GPU record shows it clean
-ON = False
-
-
-def enabled() -> bool:
-    """Is the replay check on (ON)?"""
-    return ON
-
-
 HOOK = "register_graph_replay_start_hook"  # torch.cuda.graphs' global replay hook (torch 2.14)
 FIRST, EVERY = 4, 16  # per graph: its first FIRST replays, then every EVERY-th
-NO_BUILD = "no draft build since the last draft replay (the graph computes its metadata in place)"
+NO_BUILD = "no draft build for this batch (the graph computes its metadata in place)"
+OTHER_GRAPH = "the draft builds for this batch were for other graphs (another shape or other views)"
+OFF = "off: the request asks for no replay check (check_replay false)"
 MAX_ADVANCE = 8  # the draft loop's in-place step bound (capture.MAX_DRAFT_LOOP_ADVANCE)
+
+Key = tuple[int, int, str]  # a view: (its data pointer, its length, its field path)
 
 
 @dataclass
 class _Graph:
     label: str  # the graph's kind and descriptor, as the capture tracker read them
-    views: dict[tuple[int, str], Any]  # (storage pointer, field path) -> a view the graph's metadata showed
+    desc: CaptureDescriptor  # the FULL descriptor it was captured for
+    views: dict[Key, Any]  # each view its metadata showed
     replays: int = 0
+
+
+@dataclass
+class _Build:
+    label: str
+    shape: dict[str, Any]  # what it was built for (metadata_views.build_shape)
+    values: dict[Key, list]  # what it wrote, per view
 
 
 def runtime(frame: Any, depth: int = 60) -> bool:
@@ -67,8 +75,23 @@ def runtime(frame: Any, depth: int = 60) -> bool:
     return True
 
 
-def _ptr(view: Any) -> int:
-    return view.untyped_storage().data_ptr()
+def _key(path: str, view: Any) -> Key | None:
+    if view is None or not hasattr(view, "data_ptr") or not hasattr(view, "numel"):
+        return None
+    return view.data_ptr(), view.numel(), path
+
+
+def made_for(shape: dict[str, Any], desc: CaptureDescriptor) -> bool:
+    """Was a build of this shape made for a graph of this descriptor: its tokens and requests the descriptor's (a
+    FULL graph's runtime build is padded to them), its longest query the descriptor's (uniform) or within it?"""
+    if desc.num_reqs is None or shape.get("num_actual_tokens") != desc.num_tokens:
+        return False
+    if shape.get("num_reqs") != desc.num_reqs:
+        return False
+    q, longest = desc.query_len, shape.get("max_query_len")
+    if q is None:
+        return True
+    return isinstance(longest, int) and (longest == q if desc.uniform else longest <= q)
 
 
 @dataclass
@@ -77,67 +100,75 @@ class ReplayChecker:
     first: int = FIRST
     every: int = EVERY
     graphs: ByIdentity[_Graph] = field(default_factory=ByIdentity)
-    # (storage pointer, field path) -> the latest runtime build's record of that view (a FreshnessAuditor of its own:
-    # its keys are these pairs, its builds what each view's latest build wrote)
-    latest: FreshnessAuditor = field(default_factory=FreshnessAuditor)
-    live: dict[tuple[int, str], Any] = field(default_factory=dict)  # the same pairs -> that build's view
-    # each pair's one key object: `latest` knows its builds by identity, and an equal tuple made later is another object
-    keys: dict[tuple[int, str], tuple[int, str]] = field(default_factory=dict)
+    kept: list[_Build] = field(default_factory=list)  # the speculator's runtime builds for the batch under way
     mismatches: list[Mismatch] = field(default_factory=list)
 
-    fresh: bool = False  # a draft build was recorded since the last replay of a watched graph
-
-    def built(self, label: str, views: dict[str, Any], draft: bool) -> None:
-        """An eager metadata build (outside every capture): a draft's (a speculator on its stack) is the latest build
-        of each of its views' buffers. The target's are not: the speculator's own kernels write the draft's inputs
-        into shared buffers after them. Copies to the host (as the auditor's record_build does)."""
+    def built(self, label: str, views: dict[str, Any], shape: dict[str, Any], draft: bool) -> None:
+        """An eager metadata build: a runtime build of the speculator (`draft`: a speculator frame on its stack, no
+        capture loop) is kept for the replays of the batch under way (see the module); any other build (the step's
+        target build, a capture pass's) begins another batch, and no build kept before it is that batch's. Copies
+        to the host (as the auditor's record_build does)."""
         if not draft:
+            self.kept.clear()
             return
-        self.fresh = True
-        for path, view in views.items():
-            if view is None or not hasattr(view, "untyped_storage"):
-                continue
-            key = self.keys.setdefault((_ptr(view), path), (_ptr(view), path))
-            self.live[key] = view
-            self.latest.record_build(key, label, {path: view})
+        values = {k: _ints(v) for p, v in views.items() if (k := _key(p, v)) is not None}
+        self.kept.append(_Build(label, shape, values))
 
-    def captured(self, graph: Any, label: str, views: dict[str, Any]) -> None:
-        """A FULL draft graph's capture ended: the views of the metadata it read, kept for its replays."""
+    def captured(self, graph: Any, label: str, desc: CaptureDescriptor, views: dict[str, Any]) -> None:
+        """A FULL draft graph's capture ended: its descriptor and the views of the metadata it read, kept for its
+        replays."""
+        self.kept.clear()
         if graph is None:
             return
-        kept = {(_ptr(v), p): v for p, v in views.items() if v is not None and hasattr(v, "untyped_storage")}
-        self.graphs[graph] = _Graph(label, kept)
-        self.fresh = False
+        kept = {k: v for p, v in views.items() if (k := _key(p, v)) is not None}
+        self.graphs[graph] = _Graph(label, desc, kept)
         _bump(self.counters, "replay_graphs")
 
     def on_replay(self, graph: Any) -> list[Mismatch]:
-        """The replay-start hook: a sampled replay of a known graph checked (see the module); others counted."""
+        """The replay-start hook: a sampled replay of a known graph checked against the builds made for it (see the
+        module); others counted. Every replay of a watched graph ends the builds kept for it."""
         g = self.graphs.get(graph)
         if g is None:
             return []
         g.replays += 1
         _bump(self.counters, "replays_seen")
-        fresh, self.fresh = self.fresh, False
+        kept, self.kept = self.kept, []
         n = g.replays - 1
         if n >= self.first and (n - self.first) % self.every:
             return []
-        if not fresh:  # a fused draft graph computes its metadata from what the speculator's kernels wrote
-            _bump(self.counters, "replay_unjudged", NO_BUILD)
+        mine = [b for b in kept if made_for(b.shape, g.desc) and any(k in b.values for k in g.views)]
+        if not mine:
+            _bump(self.counters, "replay_unjudged", OTHER_GRAPH if kept else NO_BUILD)
             return []
         started = time.perf_counter()
-        found: list[Mismatch] = []
-        for pair in g.views:
-            key = self.keys.get(pair)
-            if key is None or not self.latest.knows(key):
-                _bump(self.counters, "replay_unjudged", pair[1])
-                continue
-            for m in self.latest.check(key, {key[1]: self.live[key]}, advance=MAX_ADVANCE):
-                found.append(Mismatch(g.label, m.buffer, m.field, m.index, m.built, m.now, STALE_REPLAY))
+        found = self._compare(g, mine)
         _bump(self.counters, "replay_checks")
         self.counters["replay_check_s"] = round(
             self.counters.get("replay_check_s", 0.0) + time.perf_counter() - started, 6
         )
         self.mismatches += found
+        return found
+
+    def _compare(self, g: _Graph, mine: list[_Build]) -> list[Mismatch]:
+        """Each view of g against the latest of `mine` that wrote it, the views of one build compared together (the
+        loop-advance rule reads seq_lens and slot_mapping of one check); a view none wrote counted unjudged."""
+        by_build: dict[int, list[Key]] = {}
+        for key in g.views:
+            i = next((i for i in range(len(mine) - 1, -1, -1) if key in mine[i].values), None)
+            if i is None:
+                _bump(self.counters, "replay_unjudged", key[2])
+                continue
+            by_build.setdefault(i, []).append(key)
+        found: list[Mismatch] = []
+        for i, keys in by_build.items():
+            b = mine[i]
+            while keys:  # one check holds one view per field path
+                one = {k[2]: k for k in keys}
+                keys = [k for k in keys if one[k[2]] is not k]
+                auditor, token = FreshnessAuditor(), object()
+                auditor.record_build(token, b.label, {p: b.values[k] for p, k in one.items()}, b.shape)
+                for m in auditor.check(token, {p: g.views[k] for p, k in one.items()}, advance=MAX_ADVANCE):
+                    found.append(Mismatch(g.label, m.buffer, m.field, m.index, m.built, m.now, STALE_REPLAY))
         return found
 
 
