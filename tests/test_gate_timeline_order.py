@@ -1,0 +1,178 @@
+"""The gate's whole-run timeline from a record (`records --speed NAME --timeline`), the scheduler's order (references
+first beside the cases, the cases longest first by measured or modelled cost) and the simulation from a record that
+predicts what an order and a number of slots make of a run's wall."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from repro.case.spec import CaseResult
+from repro.cli import main
+from repro.contract.verdicts import CLEAN
+from repro.vllm_integration.gate import order, placement, timeline
+from repro.vllm_integration.gate import process as gate_process
+from repro.vllm_integration.gate import run as gate_run
+from repro.vllm_integration.gate.cache import GateCache
+from repro.vllm_integration.gate.case import parse_modes
+from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
+from tests.records import RESULTS
+
+H100 = "h100-gate-default-cold"  # every method, inductor, cold, on the code before references ran first
+
+
+def test_the_timeline_of_a_recorded_run_shows_every_process_its_wait_and_the_chain_that_ended_last():
+    tl = timeline.load(RESULTS / H100)
+    p = timeline.profile(tl)
+    assert p["forkserver_ready"] == 19.8 and p["first_start"] == 19.8 and tl.workers == 8
+    # 47 processes with a row, and the three reruns started beside the dflash self control and dropped
+    assert p["processes"] == 50 and p["by_kind"]["beside"][0] == 3 and p["by_kind"]["reference"][0] == 5
+    assert p["cold_jit"][0] == 9 and p["cold_jit"][1] > 300  # the first wave compiled Triton's kernels, each alone
+    assert 170 < p["last_end"] < p["wall"] < 174
+    crit = [c for c, _, _ in p["critical_path"]]
+    assert crit[-1].endswith("self-control-dflash-plain")  # its two further attempts ran alone, at the end
+    refs = [q for q in tl.procs if q.kind == "reference"]
+    assert min(q.start for q in refs) > 130  # the references ran last: no self control was judged early
+    assert tl.early == {  # the eagle self control's attempts 2 and 3: its first was already wrong
+        "stale_metadata-vllm-0.34.0-self-control-plain": True,
+        "stale_metadata-vllm-0.34.0-self-control-dflash-plain": False,
+    }
+    assert p["idle_slot_seconds"] > 100
+
+
+def test_records_speed_timeline_prints_the_table_then_each_runs_timeline(capsys):
+    assert main(["records", "--speed", H100, "--timeline"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| record |") and f"## {H100}: the whole run's timeline" in out
+    assert "critical path" in out and "| self-control-dflash-plain-attempt3 | attempt |" in out
+    assert main(["records", "--speed", "h200-paths-inductor-0.34.0", "--timeline"]) == 0
+    assert "no timeline (not one gate run" in capsys.readouterr().out
+
+
+def test_the_simulation_replays_the_record_and_the_new_order_cuts_its_wall():
+    tl = timeline.load(RESULTS / H100)
+    jobs, cold_s = order.jobs_from_timeline(tl)
+    assert 40 < cold_s < 50  # Triton's warmup, CUDA's start and the compile a cold process adds
+    after = timeline.profile(tl)["after_last"]
+    replay = order.simulate(order.without_early_stop(jobs), 8, tl.ready_s, after).wall
+    assert abs(replay - tl.wall_s) < 5  # the model replays the record's own order and 8 slots within seconds
+    # the new default on that H100 (16 cores, 79 GiB free): 16 cases at once, 8 on cold caches, the references on a
+    # slot of their own; a first run on an empty cache has no measured costs: the static model orders it
+    static = order.policy_order(jobs, order.static_job_cost)
+    new = order.simulate(static, 16, tl.ready_s, after, ref_slots=1, cold_workers=8).wall
+    assert new < 150 and new < replay - 40
+    only_order = order.simulate(static, 8, tl.ready_s, after, ref_slots=1).wall  # the order alone, 8 slots as before
+    assert new < only_order < replay
+    warm, _ = order.jobs_from_timeline(tl, warm_run=True)
+    assert all(j.reference is not None for j in warm)  # a warm run keeps its references: no process
+    old_warm = order.simulate(order.without_early_stop(warm), 8, tl.ready_s, after, cold=False).wall
+    new_warm = order.simulate(order.policy_order(warm), 16, tl.ready_s, after, cold=False).wall
+    assert new_warm < 60 < old_warm
+
+
+def test_a_reference_finished_first_stops_a_wrong_self_controls_further_attempts():
+    ref = order.Job("r", (5.0,))
+    sc = order.Job("sc", (20.0, 10.0, 10.0), reference="r", early_stop=True)
+    assert order.simulate([sc, ref], 1, 0.0, cold=False).wall == 45.0  # the reference after it: every attempt
+    assert order.simulate([ref, sc], 1, 0.0, cold=False).wall == 25.0
+    assert order.simulate([sc, ref], 1, 0.0, ref_slots=1, cold=False).wall == 20.0  # beside it
+
+
+def test_longest_first_ends_sooner_than_the_plans_order_and_cold_processes_pay_once():
+    short = [order.Job(f"s{i}", (10.0,), reference="r") for i in range(4)]
+    long = order.Job("long", (40.0,), reference="r")
+    assert order.simulate([*short, long], 2, 0.0, cold=False).wall == 60.0
+    assert order.simulate(order.policy_order([*short, long]), 2, 0.0, cold=False).wall == 40.0
+    cold = [order.Job(f"c{i}", (10.0,), reference="r", cold_s=30.0) for i in range(3)]
+    assert order.simulate(cold, 2, 0.0).wall == 50.0  # two start cold (40 s), the third after them warm
+
+
+def test_the_static_model_puts_a_self_control_that_may_run_again_first_and_references_cheapest():
+    assert order.static_cost(False, True, False, 3) > order.static_cost(False, False, True, 3)
+    assert order.static_cost(False, False, True, 3) > order.static_cost(False, False, False, 3)
+    assert order.static_cost(True, False, False, 3) < order.static_cost(False, False, False, 3)
+
+
+def _gate(monkeypatch, tmp_path, jobs=2, cores=4):
+    """A gate run of stand-in processes (0.03 s each): the order they started in, how many ran at once while the
+    build's caches were cold and after, the run and its cache. The caches turn warm when the first case ends."""
+    started, lock, state = [], threading.Lock(), {"warm": False, "now": 0, "cold": 0, "warm_most": 0}
+
+    def stand_in(case, builds, log_dir, mps=None, cache=None, device=None, launcher=None):
+        with lock:
+            started.append(case.case_id)
+            state["now"] += 1
+            key = "warm_most" if state["warm"] else "cold"
+            state[key] = max(state[key], state["now"])
+        time.sleep(0.03)
+        with lock:
+            state["now"] -= 1
+            state["warm"] = state["warm"] or not case.reference
+        return CaseResult(case.case_id, CLEAN, ""), None
+
+    monkeypatch.setattr(gate_process, "run_attributed", stand_in)
+    monkeypatch.setattr(gate_run, "gpu_identity", lambda: "stand-in GPU 132 SMs")
+    monkeypatch.setattr(placement, "cpu_cores", lambda: cores)
+    monkeypatch.setattr(GateCache, "load_reference", lambda *a: None)
+    monkeypatch.setattr(GateCache, "is_warm", lambda self, build, compile: state["warm"])
+    build = VllmBuild("0.34.0", str(tmp_path), UNDER_TEST, "0.34.0")
+    cache = GateCache(tmp_path / "cache")
+    kw = dict(jobs=jobs, launcher="spawn", cache=cache, memory=None)
+    run = gate_run.run_gate([build], parse_modes("audit,plain"), tmp_path / "logs", **kw)
+    return started, run, cache, state
+
+
+def test_the_scheduler_starts_the_reference_first_and_the_cases_longest_first(monkeypatch, tmp_path):
+    started, run, cache, _ = _gate(monkeypatch, tmp_path)
+    assert started[0].endswith("-reference-sm-all")  # on its own slot, beside the first cases
+    cases = [c for c in started if not c.endswith("-reference-sm-all") and "-attempt" not in c]
+    # the build's first case expected clean writes its vLLM cache: first; then by the static model the self controls
+    # in plain (further attempts possible), then the audit cases, the plain case under test last
+    assert cases[0] == "stale_metadata-vllm-0.34.0-under-test-audit"
+    assert all(c.endswith("-plain") and "self-control" in c for c in cases[1:3])
+    assert cases[-1].endswith("under-test-plain")
+    assert len(run.cases) == 6 and len(run.references) == 1
+    costs = cache.load_costs("stand-in GPU 132 SMs")
+    assert set(costs) == {c for c in started if "-attempt" not in c}  # measured for the next run, per case
+    # a chain's seconds: the stand-in's clean self control in plain ran its three attempts (0.03 s each)
+    assert costs["stale_metadata-vllm-0.34.0-self-control-plain"] >= 0.09 > costs[cases[-1]]
+
+
+def test_the_next_run_orders_its_cases_by_what_the_last_run_measured(monkeypatch, tmp_path):
+    cache = GateCache(tmp_path / "cache")
+    gpu = "stand-in GPU 132 SMs"
+    cache.store_costs(gpu, {"stale_metadata-vllm-0.34.0-under-test-plain": 99.0})
+    started, _, cache, _ = _gate(monkeypatch, tmp_path)
+    cases = [c for c in started if not c.endswith("-reference-sm-all") and "-attempt" not in c]
+    assert cases[1] == "stale_metadata-vllm-0.34.0-under-test-plain"  # measured longest: after the cache's writer
+    assert cache.load_costs(gpu)["stale_metadata-vllm-0.34.0-under-test-plain"] < 99.0  # this run's, kept
+
+
+def test_one_case_at_a_time_runs_the_references_first_in_the_one_queue(monkeypatch, tmp_path):
+    started, _, _, _ = _gate(monkeypatch, tmp_path, jobs=1)
+    assert started[0].endswith("-reference-sm-all") and len([c for c in started if "-attempt" not in c]) == 7
+
+
+def test_cases_on_cold_caches_run_half_the_cores_at_once_and_the_rest_join_once_the_caches_are_warm(
+    monkeypatch, tmp_path
+):
+    started, run, _, state = _gate(monkeypatch, tmp_path, jobs=6, cores=4)
+    # 2 cold cases at most (half of 4 cores) and the reference beside them; once warm up to 6 cases and the reference
+    assert state["cold"] <= 3 and state["warm_most"] >= 4
+    assert len(run.cases) == 6
+
+
+def test_the_cold_slots_let_a_waiting_case_start_once_its_build_is_warm():
+    warm = {"now": False}
+    slots = placement.ColdSlots(1, lambda c: warm["now"], poll_s=0.01)
+    case = type("C", (), {"reference": False})()
+    order = []
+    with slots.hold(case):
+        t = threading.Thread(target=lambda: slots.hold(case).__enter__() or order.append("second started"))
+        t.start()
+        time.sleep(0.05)
+        assert order == [] and slots.running == 1  # cold, the one slot taken: it waits
+        warm["now"] = True
+        t.join(1)
+        assert order == ["second started"] and slots.running == 1  # warm: started without a slot
+    assert slots.running == 0 and slots.worst == 1
