@@ -45,6 +45,7 @@ def test_records_speed_timeline_prints_the_table_then_each_runs_timeline(capsys)
     out = capsys.readouterr().out
     assert out.startswith("| record |") and f"## {H100}: the whole run's timeline" in out
     assert "critical path" in out and "| self-control-dflash-plain-attempt3 | attempt |" in out
+    assert f"### {H100}: this scheduler on the record's processes (simulated" in out
     assert main(["records", "--speed", "h200-paths-inductor-0.34.0", "--timeline"]) == 0
     assert "no timeline (not one gate run" in capsys.readouterr().out
 
@@ -68,6 +69,15 @@ def test_the_simulation_replays_the_record_and_the_new_order_cuts_its_wall():
     old_warm = order.simulate(order.without_early_stop(warm), 8, tl.ready_s, after, cold=False).wall
     new_warm = order.simulate(order.policy_order(warm), 16, tl.ready_s, after, cold=False).wall
     assert new_warm < 60 < old_warm
+
+
+def test_the_prediction_fits_the_slots_to_the_machine_the_record_names():
+    tl = timeline.load(RESULTS / H100)
+    assert (tl.cpus, tl.memory) == (16, (79.0, 80.0))  # its terminal line: 16 cores, 79 of 80 GiB free
+    p = order.predict(tl, timeline.profile(tl)["after_last"])
+    assert (p["workers"], p["cold_workers"]) == (16, 8)
+    assert p["cold_static"] < 150 and p["cold_measured"] < 150 and p["warm"] < 60 < p["warm_before"]
+    assert abs(p["replay"] - p["recorded"]) < 5
 
 
 def test_a_reference_finished_first_stops_a_wrong_self_controls_further_attempts():

@@ -306,6 +306,7 @@ def _speed(results: Path, names: list[str], timeline: bool = False) -> int:
     """`records --speed`: each named record unpacked into a temporary folder (never beside the records), its rows;
     `--timeline`: each gate run's whole timeline after the table (gate.timeline)."""
     from repro.report import records  # as above
+    from repro.vllm_integration.gate import order as gate_order  # as above
     from repro.vllm_integration.gate import speed  # as above
     from repro.vllm_integration.gate import timeline as gate_timeline  # as above
 
@@ -321,7 +322,7 @@ def _speed(results: Path, names: list[str], timeline: bool = False) -> int:
                 folder = where if where.is_dir() else records.unpack(where, Path(tmp))
                 rows += speed.record_rows(name, Path(folder))
                 if timeline:
-                    timelines.append(_timeline(gate_timeline, name, Path(folder)))
+                    timelines.append(_timeline(gate_timeline, gate_order, name, Path(folder)))
             except UNREADABLE as e:
                 raise ConfigError(f"--speed {name}: {e or type(e).__name__}") from None
     print(speed.speed_table(rows), end="")
@@ -330,11 +331,14 @@ def _speed(results: Path, names: list[str], timeline: bool = False) -> int:
     return exit_codes.Exit.OK
 
 
-def _timeline(gate_timeline, name: str, folder: Path) -> str:
-    """One record's timeline, or the line that says why it has none (a path comparison, or rows without starts)."""
+def _timeline(gate_timeline, gate_order, name: str, folder: Path) -> str:
+    """One record's timeline and what this scheduler makes of its processes (simulated), or the line that says why
+    it has none (a path comparison, or rows without starts)."""
     if not (folder / "results.json").exists():
         return f"## {name}: no timeline (not one gate run: a path comparison)\n"
     try:
-        return gate_timeline.markdown(name, gate_timeline.load(folder))
+        tl = gate_timeline.load(folder)
     except ValueError as e:
         return f"## {name}: no timeline ({e})\n"
+    after = gate_timeline.profile(tl)["after_last"]
+    return gate_timeline.markdown(name, tl) + "\n" + "\n".join(gate_order.prediction_lines(name, tl, after))

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
+from repro.vllm_integration.gate.placement import cold_jobs, fit_jobs
 from repro.vllm_integration.gate.timeline import COLD_JIT_S, Timeline, chains
 
 T = TypeVar("T")
@@ -204,3 +205,45 @@ def case_order(cases: Sequence[T], measured: dict[str, float], retried: Callable
         if not c.is_control and all(w.build != c.build for w in writers):
             writers.append(c)
     return writers + [c for c in ordered if c not in writers]
+
+
+def predict(tl: Timeline, after_s: float) -> dict[str, float]:
+    """What the record's processes make of a run's wall (seconds from its start), simulated: `replay` (its own
+    order and slots: the model's check against `recorded`), `cold_static` and `cold_measured` (this scheduler on
+    empty caches, the static model's order and the measured one), `warm_before` and `warm` (on complete caches,
+    references kept: the record's order and slots, and this scheduler's). This scheduler's slots are
+    placement.fit_jobs's for the machine the record names (else the record's)."""
+    jobs, _ = jobs_from_timeline(tl)
+    warm_jobs, _ = jobs_from_timeline(tl, warm_run=True)
+    workers, cold = tl.workers, tl.workers
+    if tl.cpus and tl.memory:
+        free, total = tl.memory
+        workers, cold = fit_jobs(tl.cpus, [(total, free)])[0], cold_jobs(tl.cpus)
+    new = dict(ref_slots=1, cold_workers=min(cold, workers))
+    ready = tl.ready_s or 0.0
+    return {
+        "recorded": tl.wall_s,
+        "replay": simulate(without_early_stop(jobs), tl.workers, ready, after_s).wall,
+        "cold_static": simulate(policy_order(jobs, static_job_cost), workers, ready, after_s, **new).wall,
+        "cold_measured": simulate(policy_order(jobs), workers, ready, after_s, **new).wall,
+        "warm_before": simulate(without_early_stop(warm_jobs), tl.workers, ready, after_s, cold=False).wall,
+        "warm": simulate(policy_order(warm_jobs), workers, ready, after_s, cold=False).wall,
+        "workers": workers,
+        "cold_workers": min(cold, workers),
+    }
+
+
+def prediction_lines(name: str, tl: Timeline, after_s: float) -> list[str]:
+    p = predict(tl, after_s)
+    return [
+        f"### {name}: this scheduler on the record's processes (simulated, seconds of wall)",
+        "",
+        f"- the model's check: the record's own order on its {tl.workers} slots {p['replay']:.1f} s "
+        f"(recorded {p['recorded']:.1f} s)",
+        f"- cold, {p['workers']} at once ({p['cold_workers']} on cold caches), references on their own slot: "
+        f"{p['cold_static']:.1f} s in the static model's order (an empty cache: nothing measured), "
+        f"{p['cold_measured']:.1f} s in the measured order",
+        f"- warm (compile loaded, references kept): {p['warm_before']:.1f} s in the record's order on its slots, "
+        f"{p['warm']:.1f} s with this scheduler",
+        "",
+    ]

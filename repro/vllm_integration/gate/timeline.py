@@ -23,6 +23,8 @@ from repro.contract.verdicts import CLEAN, WRONG
 BESIDE = "launch-blocking"  # a rerun's suffix (process.run_attributed)
 _ATTEMPT = re.compile(r"-attempt\d+$")
 _WORKERS = re.compile(r"cases at a time: (\d+)")
+_CPUS = re.compile(r"(?:of (\d+) CPU cores|one a CPU core \((\d+)\))")
+_MEMORY = re.compile(r"GPU memory (\d+) of (\d+) GiB free")
 COLD_JIT_S = 5.0  # a process whose Triton warmup took longer compiled its kernels (an empty Triton cache)
 
 
@@ -56,6 +58,8 @@ class Timeline:
     # case id -> True where its further attempts ran although its first was already wrong against its reference
     # (judged so at the end): a reference finished before that attempt ended would have stopped them
     early: dict[str, bool] = field(default_factory=dict)
+    cpus: int | None = None  # the machine's CPU cores and the GPU's (free, total) GiB, as its terminal line said
+    memory: tuple[float, float] | None = None
 
 
 def load(folder: Path) -> Timeline:
@@ -85,9 +89,14 @@ def load(folder: Path) -> Timeline:
             continue
         procs.append(Proc(case, "beside", t["main_at"] - t0, t["done_at"] - t0, {"teardown": None}))
     term = folder / "terminal.log"
-    m = _WORKERS.search(term.read_text(errors="replace")) if term.exists() else None
+    said = term.read_text(errors="replace") if term.exists() else ""
+    m = _WORKERS.search(said)
     tl = Timeline(sorted(procs, key=lambda p: (p.start, p.case)), float(doc.get("wall_s") or 0.0), ready, 0, unread)
     tl.workers = int(m[1]) if m else max_at_once(chains(tl.procs))
+    if c := _CPUS.search(said):
+        tl.cpus = int(c[1] or c[2])
+    if g := _MEMORY.search(said):
+        tl.memory = (float(g[1]), float(g[2]))
     tl.early = {
         r["case"]: r.get("verdict") == WRONG.value and (r["attempts"][0] or {}).get("verdict") == CLEAN.value
         for r in doc.get("cases", [])
