@@ -57,18 +57,23 @@ def test_the_simulation_replays_the_record_and_the_new_order_cuts_its_wall():
     after = timeline.profile(tl)["after_last"]
     replay = order.simulate(order.without_early_stop(jobs), 8, tl.ready_s, after).wall
     assert abs(replay - tl.wall_s) < 5  # the model replays the record's own order and 8 slots within seconds
-    # the new default on that H100 (16 cores, 79 GiB free): 16 cases at once, 8 on cold caches, the references on a
-    # slot of their own; a first run on an empty cache has no measured costs: the static model orders it
+    # the new default on that H100 (16 cores, 79 GiB free): 16 cases at once, 8 on cold caches, 4 GiB each (8 with a
+    # rerun beside) of 71 GiB, the references on slots of their own; a first run on an empty cache has no measured
+    # costs: the static model orders it
     static = order.policy_order(jobs, order.static_job_cost)
-    new = order.simulate(static, 16, tl.ready_s, after, ref_slots=1, cold_workers=8).wall
-    assert new < 150 and new < replay - 40
-    only_order = order.simulate(static, 8, tl.ready_s, after, ref_slots=1).wall  # the order alone, 8 slots as before
+    new = order.simulate(static, 16, tl.ready_s, after, ref_slots=2, cold_workers=8, budget_gib=79 * 0.9).wall
+    assert new < 150 and new < replay - 30
+    only_order = order.simulate(static, 8, tl.ready_s, after, ref_slots=2).wall  # the order alone, 8 slots as before
     assert new < only_order < replay
     warm, _ = order.jobs_from_timeline(tl, warm_run=True)
     assert all(j.reference is not None for j in warm)  # a warm run keeps its references: no process
     old_warm = order.simulate(order.without_early_stop(warm), 8, tl.ready_s, after, cold=False).wall
-    new_warm = order.simulate(order.policy_order(warm), 16, tl.ready_s, after, cold=False).wall
-    assert new_warm < 60 < old_warm
+    new_warm = order.simulate(order.policy_order(warm), 16, tl.ready_s, after, cold=False, budget_gib=79 * 0.9).wall
+    assert new_warm < old_warm - 30
+    # the GPU memory's budget binds it on the H100: 2700 GiB-seconds of warm processes over 71 GiB is 38 s of the
+    # run; with the memory of an H200 (139 GiB) the slots bind it
+    roomy = order.simulate(order.policy_order(warm), 16, tl.ready_s, after, cold=False, budget_gib=139 * 0.9).wall
+    assert roomy < 60 < new_warm
 
 
 def test_the_prediction_fits_the_slots_to_the_machine_the_record_names():
@@ -76,7 +81,7 @@ def test_the_prediction_fits_the_slots_to_the_machine_the_record_names():
     assert (tl.cpus, tl.memory) == (16, (79.0, 80.0))  # its terminal line: 16 cores, 79 of 80 GiB free
     p = order.predict(tl, timeline.profile(tl)["after_last"])
     assert (p["workers"], p["cold_workers"]) == (16, 8)
-    assert p["cold_static"] < 150 and p["cold_measured"] < 150 and p["warm"] < 60 < p["warm_before"]
+    assert p["cold_static"] < 150 and p["cold_measured"] < 150 and p["warm"] < 70 < p["warm_before"]
     assert abs(p["replay"] - p["recorded"]) < 5
 
 
@@ -186,3 +191,11 @@ def test_the_cold_slots_let_a_waiting_case_start_once_its_build_is_warm():
         t.join(1)
         assert order == ["second started"] and slots.running == 1  # warm: started without a slot
     assert slots.running == 0 and slots.worst == 1
+
+
+def test_the_simulated_memory_budget_holds_a_case_back_until_it_fits():
+    big = [order.Job(f"b{i}", (10.0,), reference="r", gib=8.0) for i in range(2)]
+    small = order.Job("s", (10.0,), reference="r", gib=4.0)
+    assert order.simulate([*big, small], 3, 0.0, cold=False, budget_gib=12.0).wall == 20.0  # b1 waits for b0
+    assert order.simulate([*big, small], 3, 0.0, cold=False, budget_gib=20.0).wall == 10.0
+    assert order.simulate([*big, small], 3, 0.0, cold=False).wall == 10.0  # no budget: the slots alone

@@ -1,7 +1,7 @@
 """The order the gate's scheduler starts its cases in, and a simulation of a run from a record's timeline that says
 what an order and a number of slots would have made of its wall.
 
-The order (GateScheduler.collect): references first, on slots of their own beside the cases (a reference runs
+The order (GateScheduler.collect): references first, on REF_SLOTS slots of their own beside the cases (a reference runs
 eager, no compile and no capture: seconds, cold or warm; a self control's clean attempt is judged against its
 finished reference at once, and no further attempt runs: gate.process.run_control), then the cases longest first
 (the longest-processing-time rule: the longest chains must not be the last to start, leaving the other slots
@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from repro.vllm_integration.gate.placement import cold_jobs, fit_jobs
+from repro.run.memory import KEEP_FREE
+from repro.vllm_integration.gate.placement import GIB_PER_CASE, cold_jobs, fit_jobs
 from repro.vllm_integration.gate.timeline import COLD_JIT_S, Timeline, chains
 
 T = TypeVar("T")
@@ -26,6 +27,7 @@ ATTEMPT_S, AUDIT_EXTRA_S = 15.0, 4.0  # a warm case's process, and what the audi
 # What a reference adds started on empty caches: it compiles no graph and runs no JIT warmup (enforce_eager), so only
 # CUDA's start and the Triton kernels eager mode launches; an assumption until a run starts its references cold
 REF_COLD_S = 10.0
+REF_SLOTS = 2  # references at once beside the cases (the scheduler's and the simulation's)
 
 
 def static_cost(reference: bool, retried: bool, audit: bool, attempts: int) -> float:
@@ -50,6 +52,7 @@ class Job:
     reference: str | None = None  # its reference's case id (a case); None: it is a reference
     early_stop: bool = False  # its later attempts only ran because its reference had not finished
     cold_s: float = 0.0  # what it adds when it starts before the build's caches are warm
+    gib: float = 4.0  # the GPU memory it holds (placement.case_gib; twice that with a rerun beside it)
 
     @property
     def cost(self) -> float:
@@ -71,17 +74,20 @@ def simulate(
     ref_slots: int = 0,
     cold: bool = True,
     cold_workers: int | None = None,
+    budget_gib: float | None = None,
 ) -> Simulated:
     """List scheduling of the jobs in their order: `workers` slots for the cases (and the references when
     ref_slots is 0), `ref_slots` more for the references only. A case process that starts before the first cold case
     process ends (cold: the build's Triton and compile caches are empty until then) takes its cold_s more, and at
     most `cold_workers` of them run at once (None: `workers`); a later one waits for the caches. A job with early_stop
-    runs one attempt when its reference ended before its first attempt did."""
+    runs one attempt when its reference ended before its first attempt did. `budget_gib`: the GPU memory the jobs
+    hold together (each its `gib` over its chain, as run.MemoryBudget holds it); a job that does not fit waits."""
     inf = float("inf")
     ref_done: dict[str, float] = {}
     starts: dict[str, float] = {}
-    warm_at = inf if cold else ready_s
+    state = {"warm_at": inf if cold else ready_s}
     cold_ends: list[float] = []  # the cold case processes' ends
+    held: list[tuple[float, float, float]] = []  # (start, end, GiB) of every chain placed
     lanes = {"case": [(ready_s, i) for i in range(max(1, workers))]}
     lanes["ref"] = [(ready_s, i) for i in range(ref_slots)] if ref_slots else lanes["case"]
     for pool in lanes.values():
@@ -89,26 +95,44 @@ def simulate(
     queue = {"ref": [j for j in jobs if j.reference is None], "case": [j for j in jobs if j.reference is not None]}
     if not ref_slots:  # one queue, the jobs' own order
         queue = {"case": list(jobs), "ref": []}
+
+    def chain(j: Job, t: float) -> tuple[float, list[float]]:
+        """Its end started at t, and the ends of its attempts that ran cold."""
+        end = first_end = t
+        colds: list[float] = []
+        for k, d in enumerate(j.attempts):
+            if k and j.early_stop and ref_done.get(j.reference or "", inf) <= first_end:
+                break
+            extra = j.cold_s if end < min([state["warm_at"], *colds]) else 0.0  # its own cold attempt warms them
+            end += d + extra
+            if extra and j.reference is not None:
+                colds.append(end)
+            if k == 0:
+                first_end = end
+        return end, colds
+
+    def peak(t0: float, t1: float) -> float:
+        points = [t0] + [s for s, _e, _g in held if t0 < s < t1]
+        return max(sum(g for s, e, g in held if s <= p < e) for p in points)
+
     events = []
     for kind in ("ref", "case"):
         pool = lanes[kind]
         for j in queue[kind]:
             t, slot = heapq.heappop(pool)
             is_case = j.reference is not None
-            if is_case and t < warm_at and cold_workers and sum(e > t for e in cold_ends) >= cold_workers:
-                t = min(warm_at, min(e for e in cold_ends if e > t))  # waits for a cold slot or the warm caches
-            starts[j.case] = t
-            end = first_end = t
-            for k, d in enumerate(j.attempts):
-                if k and j.early_stop and ref_done.get(j.reference or "", inf) <= first_end:
+            if is_case and t < state["warm_at"] and cold_workers and sum(e > t for e in cold_ends) >= cold_workers:
+                t = min(state["warm_at"], min(e for e in cold_ends if e > t))  # a cold slot, or the warm caches
+            while budget_gib and peak(t, chain(j, t)[0]) + j.gib > budget_gib:
+                later = [e for _s, e, _g in held if e > t]
+                if not later:
                     break
-                extra = j.cold_s if end < warm_at else 0.0
-                end += d + extra
-                if extra and is_case:
-                    cold_ends.append(end)
-                    warm_at = min(warm_at, end)  # the first cold case process filled the caches (a simplification)
-                if k == 0:
-                    first_end = end
+                t = min(later)
+            starts[j.case] = t
+            end, colds = chain(j, t)
+            cold_ends += colds
+            state["warm_at"] = min([state["warm_at"], *colds])  # the first cold case filled the caches (simplified)
+            held.append((t, end, j.gib))
             if not is_case:
                 ref_done[j.case] = end
             events.append(end)
@@ -151,7 +175,9 @@ def jobs_from_timeline(tl: Timeline, warm_run: bool = False) -> tuple[list[Job],
             continue  # kept: no process
         ref = None if is_ref else _reference_of(case)
         extra = REF_COLD_S if is_ref else cold_s
-        jobs.append(Job(case, tuple(secs), ref, early_stop=tl.early.get(case, False), cold_s=extra))
+        beside = "-self-control" in case and case.endswith("-plain")  # process.attributed_beside: its rerun beside
+        gib = GIB_PER_CASE * (2 if beside else 1)
+        jobs.append(Job(case, tuple(secs), ref, early_stop=tl.early.get(case, False), cold_s=extra, gib=gib))
     return jobs, cold_s
 
 
@@ -215,11 +241,12 @@ def predict(tl: Timeline, after_s: float) -> dict[str, float]:
     placement.fit_jobs's for the machine the record names (else the record's)."""
     jobs, _ = jobs_from_timeline(tl)
     warm_jobs, _ = jobs_from_timeline(tl, warm_run=True)
-    workers, cold = tl.workers, tl.workers
+    workers, cold, budget = tl.workers, tl.workers, None
     if tl.cpus and tl.memory:
         free, total = tl.memory
         workers, cold = fit_jobs(tl.cpus, [(total, free)])[0], cold_jobs(tl.cpus)
-    new = dict(ref_slots=1, cold_workers=min(cold, workers))
+        budget = free * (1 - KEEP_FREE)  # run.MemoryBudget.of_free_gpu
+    new = dict(ref_slots=REF_SLOTS, cold_workers=min(cold, workers), budget_gib=budget)
     ready = tl.ready_s or 0.0
     return {
         "recorded": tl.wall_s,
@@ -227,7 +254,7 @@ def predict(tl: Timeline, after_s: float) -> dict[str, float]:
         "cold_static": simulate(policy_order(jobs, static_job_cost), workers, ready, after_s, **new).wall,
         "cold_measured": simulate(policy_order(jobs), workers, ready, after_s, **new).wall,
         "warm_before": simulate(without_early_stop(warm_jobs), tl.workers, ready, after_s, cold=False).wall,
-        "warm": simulate(policy_order(warm_jobs), workers, ready, after_s, cold=False).wall,
+        "warm": simulate(policy_order(warm_jobs), workers, ready, after_s, cold=False, budget_gib=budget).wall,
         "workers": workers,
         "cold_workers": min(cold, workers),
     }

@@ -39,7 +39,7 @@ from repro.vllm_integration.gate.case import (
 from repro.vllm_integration.gate.judge import PLATFORM_CHECK, platform_failed
 from repro.vllm_integration.gate.launch import FORK, Launcher, launcher_kind
 from repro.vllm_integration.gate.methods import DEFAULT_METHOD
-from repro.vllm_integration.gate.order import case_order
+from repro.vllm_integration.gate.order import REF_SLOTS, case_order
 from repro.vllm_integration.gate.outcome import GateRun
 from repro.vllm_integration.gate.placement import DevicePool, GateDevice, case_gib, kind_of, main_kind, per_device_jobs
 from repro.vllm_integration.gate.process import (
@@ -217,7 +217,7 @@ class GateScheduler:
         self.cold = placement.ColdSlots(min(self.workers, placement.cold_jobs(placement.cpu_cores())), warm)
 
     def collect(self) -> None:
-        """The MPS cases on a thread of their own (mps_part); the references first, beside the cases on a slot of their
+        """The MPS cases on a thread of their own (mps_part); the references first, beside the cases on slots of their
         own (no device pool, more than one at once); the cases `workers` at a time, longest first (gate.order)."""
         under_mps = [c for c in self.cases + self.refs if c.mode.sm.kind == "mps"]
         refs = [c for c in self.refs if c.mode.sm.kind != "mps"]
@@ -227,7 +227,10 @@ class GateScheduler:
         mps_thread = threading.Thread(target=self.mps_part, args=(under_mps, bool(refs or cases)), daemon=True)
         mps_thread.start()
         go = lambda c: self.record(c, self.run_one(c, None))  # noqa: E731
-        with ThreadPoolExecutor(max_workers=self.workers) as threads, ThreadPoolExecutor(max_workers=1) as ref_slot:
+        with (
+            ThreadPoolExecutor(max_workers=self.workers) as threads,
+            ThreadPoolExecutor(max_workers=REF_SLOTS) as ref_slot,
+        ):
             first = [ref_slot.submit(go, c) for c in refs] if beside else []
             list(threads.map(go, cases if beside else refs + cases))
             [f.result() for f in first]  # a reference's error is the run's, as a case's is
