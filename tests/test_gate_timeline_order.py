@@ -108,7 +108,7 @@ def test_the_static_model_puts_a_self_control_that_may_run_again_first_and_refer
     assert order.static_cost(True, False, False, 3) < order.static_cost(False, False, False, 3)
 
 
-def _gate(monkeypatch, tmp_path, jobs=2, cores=4):
+def _gate(monkeypatch, tmp_path, jobs=2, cold_jobs=None):
     """A gate run of stand-in processes (0.03 s each): the order they started in, how many ran at once while the
     build's caches were cold and after, the run and its cache. The caches turn warm when the first case ends."""
     started, lock, state = [], threading.Lock(), {"warm": False, "now": 0, "cold": 0, "warm_most": 0}
@@ -127,12 +127,11 @@ def _gate(monkeypatch, tmp_path, jobs=2, cores=4):
 
     monkeypatch.setattr(gate_process, "run_attributed", stand_in)
     monkeypatch.setattr(gate_run, "gpu_identity", lambda: "stand-in GPU 132 SMs")
-    monkeypatch.setattr(placement, "cpu_cores", lambda: cores)
     monkeypatch.setattr(GateCache, "load_reference", lambda *a: None)
     monkeypatch.setattr(GateCache, "is_warm", lambda self, build, compile: state["warm"])
     build = VllmBuild("0.34.0", str(tmp_path), UNDER_TEST, "0.34.0")
     cache = GateCache(tmp_path / "cache")
-    kw = dict(jobs=jobs, launcher="spawn", cache=cache, memory=None)
+    kw = dict(jobs=jobs, launcher="spawn", cache=cache, memory=None, cold_jobs=cold_jobs)
     run = gate_run.run_gate([build], parse_modes("audit,plain"), tmp_path / "logs", **kw)
     return started, run, cache, state
 
@@ -168,13 +167,13 @@ def test_one_case_at_a_time_runs_the_references_first_in_the_one_queue(monkeypat
     assert started[0].endswith("-reference-sm-all") and len([c for c in started if "-attempt" not in c]) == 7
 
 
-def test_cases_on_cold_caches_run_half_the_cores_at_once_and_the_rest_join_once_the_caches_are_warm(
-    monkeypatch, tmp_path
-):
-    started, run, _, state = _gate(monkeypatch, tmp_path, jobs=6, cores=4)
-    # 2 cold cases at most (half of 4 cores) and the reference beside them; once warm up to 6 cases and the reference
+def test_cases_on_cold_caches_run_cold_jobs_at_once_and_the_rest_join_once_the_caches_are_warm(monkeypatch, tmp_path):
+    started, run, _, state = _gate(monkeypatch, tmp_path, jobs=6, cold_jobs=2)
+    # 2 cold cases at most and the reference beside them; once warm up to 6 cases and the reference
     assert state["cold"] <= 3 and state["warm_most"] >= 4
     assert len(run.cases) == 6
+    _, _, _, state = _gate(monkeypatch, tmp_path / "given", jobs=6)  # `--jobs 6`, not fitted: 6 on cold caches too
+    assert state["cold"] >= 4
 
 
 def test_the_cold_slots_let_a_waiting_case_start_once_its_build_is_warm():

@@ -126,6 +126,7 @@ class GateScheduler:
     methods: tuple[str, ...] = (DEFAULT_METHOD,)
     self_control_forms: tuple[str, ...] = INJECTIONS
     self_control_attempts: int | None = None
+    cold_jobs: int | None = None
 
     def __post_init__(self) -> None:
         self.cases: list[GateCase] = []  # plan: the speculative cases, in their order
@@ -214,7 +215,7 @@ class GateScheduler:
         self.workers = self.pool.per_device * len(self.pool.devices) if self.pool else max(1, self.jobs)
         free = self.memory == "free GPU"
         self.budget = None if self.pool else MemoryBudget.of_free_gpu() if free else self.memory  # type: ignore[assignment]
-        self.cold = placement.ColdSlots(min(self.workers, placement.cold_jobs(placement.cpu_cores())), warm)
+        self.cold = placement.ColdSlots(min(self.workers, self.cold_jobs or self.workers), warm)
 
     def collect(self) -> None:
         """The MPS cases on a thread of their own (mps_part); the references first, beside the cases on slots of their
@@ -227,11 +228,8 @@ class GateScheduler:
         mps_thread = threading.Thread(target=self.mps_part, args=(under_mps, bool(refs or cases)), daemon=True)
         mps_thread.start()
         go = lambda c: self.record(c, self.run_one(c, None))  # noqa: E731
-        with (
-            ThreadPoolExecutor(max_workers=self.workers) as threads,
-            ThreadPoolExecutor(max_workers=REF_SLOTS) as ref_slot,
-        ):
-            first = [ref_slot.submit(go, c) for c in refs] if beside else []
+        with ThreadPoolExecutor(self.workers) as threads, ThreadPoolExecutor(REF_SLOTS) as ref_slots:
+            first = [ref_slots.submit(go, c) for c in refs] if beside else []
             list(threads.map(go, cases if beside else refs + cases))
             [f.result() for f in first]  # a reference's error is the run's, as a case's is
         mps_thread.join()
@@ -383,17 +381,19 @@ def run_gate(
     methods: tuple[str, ...] = (DEFAULT_METHOD,),
     self_control_forms: tuple[str, ...] = INJECTIONS,
     self_control_attempts: int | None = None,
+    cold_jobs: int | None = None,
 ) -> GateRun:
-    """Every case, references included, `jobs` at a time (GateScheduler's steps); MPS cases under a daemon of the run
-    (repro.run.mps_cases: controls alone, a neighbour's fault rerun alone). A cache (gate.cache) shares the build's
-    vLLM caches and a kept reference; devices (gate.placement) place each case with its reference on one SM kind.
-    `only`: that one build's cases (the pytest tier). The launcher (spawn or fork) says how case processes start
-    (GateRun.launches). deadline_s (`--deadline`) ends every process; a case it stopped is a skip, or its stale-audit
-    (gate.process.past_deadline). Each case holds its share of `memory` (placement.case_gib). self_control_forms:
-    plan's `forms`; self_control_attempts: gate.process.run_control's `attempts` (`--self-control-attempts`)."""
+    """Every case, references included, `jobs` at a time (GateScheduler's steps; `cold_jobs` of them on a build's cold
+    caches, placement.ColdSlots); MPS cases under a daemon of the run (repro.run.mps_cases: controls alone, a
+    neighbour's fault rerun alone). A cache (gate.cache) shares the build's vLLM caches and a kept reference; devices
+    (gate.placement) place each case with its reference on one SM kind. `only`: that one build's cases (the pytest
+    tier). The launcher (spawn or fork) says how case processes start (GateRun.launches). deadline_s (`--deadline`)
+    ends every process; a case it stopped is a skip, or its stale-audit (gate.process.past_deadline). Each case holds
+    its share of `memory` (placement.case_gib). self_control_forms: plan's `forms`; self_control_attempts:
+    gate.process.run_control's `attempts`."""
     return GateScheduler(**locals())()  # its parameters are GateScheduler's fields, by name
 
 
 def platform_key(case: GateCase) -> tuple[SmConfig, str | None]:
-    """What a failed platform check holds for (GateScheduler.broken): the SM configuration and the torch computing in it."""
+    """What a failed platform check holds for (GateScheduler.broken): the SM configuration and its torch."""
     return case.mode.sm, case.build.torch_prefix
