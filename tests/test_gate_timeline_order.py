@@ -40,6 +40,13 @@ def test_the_timeline_of_a_recorded_run_shows_every_process_its_wait_and_the_cha
     assert p["idle_slot_seconds"] > 100
 
 
+def test_a_warm_records_kept_reference_is_no_process_of_its_run():
+    tl = timeline.load(RESULTS / "h200-readme-gate-15-warm")
+    p = timeline.profile(tl)
+    assert "reference" not in p["by_kind"] and p["after_last"] >= 0 and p["last_end"] < tl.wall_s
+    assert 25 < p["forkserver_ready"] < 35 and p["cold_jit"][0] == 0
+
+
 def test_records_speed_timeline_prints_the_table_then_each_runs_timeline(capsys):
     assert main(["records", "--speed", H100, "--timeline"]) == 0
     out = capsys.readouterr().out

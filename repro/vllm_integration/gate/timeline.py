@@ -5,7 +5,7 @@ whose chain of processes ended last); the retries' and references' seconds; the 
 did after its last process (judging, reports).
 
 Where the times come from: results.json's rows (each process's `started_at` and wall, its phases as the run computed
-them); a dropped rerun has no row, only its logs: its RESULT record's main_at/done_at. The run's own start is the
+them; a reference kept from an earlier run ran no process and is left out); a dropped rerun has no row, only its logs: its RESULT record's main_at/done_at. The run's own start is the
 first process's start less the forkserver's ready time (no process forks before it is ready); a record from a spawn
 run has no forkserver: its start is the first process's."""
 
@@ -19,6 +19,7 @@ from pathlib import Path
 from repro.contract.channel import Channel
 from repro.contract.tags import RESULT_TAG
 from repro.contract.verdicts import CLEAN, WRONG
+from repro.vllm_integration.gate.cache import KEPT_LINE
 
 BESIDE = "launch-blocking"  # a rerun's suffix (process.run_attributed)
 _ATTEMPT = re.compile(r"-attempt\d+$")
@@ -65,7 +66,11 @@ class Timeline:
 def load(folder: Path) -> Timeline:
     """The timeline of an unpacked gate record folder (results.json, logs/, terminal.log)."""
     doc = json.loads((folder / "results.json").read_text())
-    rows = [r for r in doc.get("cases", []) + doc.get("references", []) if (r.get("result") or {}).get("started_at")]
+    rows = [
+        r
+        for r in doc.get("cases", []) + doc.get("references", [])
+        if (r.get("result") or {}).get("started_at") and not _kept(folder / "logs" / f"{r['case']}.out.log")
+    ]
     ready = max((s["forkserver"]["ready_after_s"] for s in (doc.get("launches") or {}).values() if "forkserver" in s),
                 default=None)  # fmt: skip
     if not rows:
@@ -103,6 +108,15 @@ def load(folder: Path) -> Timeline:
         if len(r.get("attempts") or ()) > 1
     }
     return tl
+
+
+def _kept(log: Path) -> bool:
+    """A reference kept from an earlier run: no process of this run (its row's start is the earlier run's)."""
+    try:
+        with log.open(errors="replace") as f:
+            return f.read(len(KEPT_LINE)) == KEPT_LINE
+    except OSError:
+        return False
 
 
 def chains(procs: list[Proc]) -> dict[str, tuple[float, float]]:
