@@ -205,3 +205,24 @@ def test_the_simulated_memory_budget_holds_a_case_back_until_it_fits():
     assert order.simulate([*big, small], 3, 0.0, cold=False, budget_gib=12.0).wall == 20.0  # b1 waits for b0
     assert order.simulate([*big, small], 3, 0.0, cold=False, budget_gib=20.0).wall == 10.0
     assert order.simulate([*big, small], 3, 0.0, cold=False).wall == 10.0  # no budget: the slots alone
+
+
+def test_a_fitted_gate_limits_cold_caches_to_half_the_cores_and_a_given_jobs_does_not(monkeypatch, tmp_path):
+    from repro.errors import ConfigError
+    from repro.run import memory
+    from tests.commands import fake_vllm
+
+    seen = []
+
+    def stand_in(*a, **k):
+        seen.append((a[4], k.get("cold_jobs")))  # jobs, cold_jobs
+        raise ConfigError("stand-in: the run itself is not this test's")
+
+    monkeypatch.setattr(gate_run, "run_gate", stand_in)
+    monkeypatch.setattr(placement, "cpu_cores", lambda: 16)
+    monkeypatch.setattr(memory, "gpu_memory_gib", lambda: [(80.0, 79.0)])
+    build = fake_vllm(tmp_path / "build", compiled=False)
+    args = ["gate", "--no-installed", "--vllm", f"a={build}", "--cache-dir", str(tmp_path / "cache")]
+    assert main([*args, "--out", str(tmp_path / "fitted")]) == 2
+    assert main([*args, "--out", str(tmp_path / "given"), "--jobs", "3"]) == 2
+    assert seen == [(16, 8), (3, None)]  # fitted: 16 at once, 8 on cold caches; --jobs 3: 3 everywhere
