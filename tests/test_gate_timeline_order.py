@@ -55,6 +55,8 @@ def test_records_speed_timeline_prints_the_table_then_each_runs_timeline(capsys)
     assert f"### {H100}: this scheduler on the record's processes (simulated" in out
     assert main(["records", "--speed", "h200-paths-inductor-0.34.0", "--timeline"]) == 0
     assert "no timeline (not one gate run" in capsys.readouterr().out
+    assert main(["records", "--index", "--timeline"]) == 2  # nothing to draw it from: refused, not ignored
+    assert "--timeline goes with --speed" in capsys.readouterr().err
 
 
 def test_the_simulation_replays_the_record_and_the_new_order_cuts_its_wall():

@@ -196,6 +196,8 @@ def cmd_records(a: argparse.Namespace) -> int:
         raise ConfigError(f"{results} is not a folder: give --root the checkout that holds results/")
     if a.note and not a.add:
         raise ConfigError("--note goes with --add")
+    if a.timeline and not a.speed:
+        raise ConfigError("--timeline goes with --speed")
     if a.stale or a.add or a.index:  # they read the index as written: a damaged one is never blamed on a record
         try:
             records.load_index(results)
