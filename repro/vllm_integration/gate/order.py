@@ -267,7 +267,7 @@ def prediction_lines(name: str, tl: Timeline, after_s: float) -> list[str]:
         "",
         f"- the model's check: the record's own order on its {tl.workers} slots {p['replay']:.1f} s "
         f"(recorded {p['recorded']:.1f} s)",
-        f"- cold, {p['workers']} at once ({p['cold_workers']} on cold caches), references on their own slot: "
+        f"- cold, {p['workers']} at once ({p['cold_workers']} on cold caches), references on slots of their own: "
         f"{p['cold_static']:.1f} s in the static model's order (an empty cache: nothing measured), "
         f"{p['cold_measured']:.1f} s in the measured order",
         f"- warm (compile loaded, references kept): {p['warm_before']:.1f} s in the record's order on its slots, "
