@@ -112,8 +112,11 @@ def test_run_gate_places_every_case_and_its_reference_on_one_kind_of_device(monk
 def test_the_default_concurrency_is_fitted_to_the_cores_and_the_gpu_memory():
     from repro.vllm_integration.gate.placement import fit_jobs
 
-    assert fit_jobs(16, [(139.8, 139.0)])[0] == 8  # the H200 machine: the cores bound it
+    assert fit_jobs(16, [(139.8, 139.0)])[0] == 16  # the H200 machine: one a core (its memory holds 31)
+    jobs, why = fit_jobs(16, [(80.0, 79.0)])  # the H100 machine: one a core (its memory holds 17)
+    assert jobs == 16 and "at most 8 at once on a build's cold caches" in why  # placement.ColdSlots: half the cores
     assert fit_jobs(16, [(139.8, 20.0)])[0] == 1  # a GPU another job fills: (20 - 14) // 4
-    assert fit_jobs(16, [(80.0, 79.0), (80.0, 40.0)], devices=2)[0] == 8  # the emptiest of two GPUs, times two
+    assert fit_jobs(16, [(80.0, 79.0), (80.0, 40.0)], devices=2)[0] == 16  # the emptiest of two GPUs, times two
+    assert fit_jobs(16, [(80.0, 30.0)])[0] == 5  # the GPU's memory bounds it: (30 - 8) // 4
     jobs, why = fit_jobs(2, [])
     assert jobs == 1 and "no GPU memory known" in why

@@ -179,7 +179,7 @@ def _run_and_report(a: argparse.Namespace, opts: _Options, found: _Builds, devic
     from repro.report.environment import collect  # the gate's modules load only for it
     from repro.run.memory import gpu_memory_gib  # as above
     from repro.vllm_integration.gate import report as gate_report  # as above
-    from repro.vllm_integration.gate.placement import cpu_cores, fit_jobs  # as above
+    from repro.vllm_integration.gate.placement import cold_jobs, cpu_cores, fit_jobs  # as above
     from repro.vllm_integration.gate.run import run_gate  # as above
     from repro.vllm_integration.releases.builds import make_overlays, needs_gpu  # as above
 
@@ -198,8 +198,10 @@ def _run_and_report(a: argparse.Namespace, opts: _Options, found: _Builds, devic
         dest = out / "overlays" if a.out else Path(tempfile.mkdtemp(prefix="repro-overlays-"))
         builds += make_overlays(found.overlays, dest, builds, found.overlay_torch)
     logs = Path(a.logs) if a.logs else out / "logs"
+    cold = None  # fitted: half the cores on a build's cold caches (placement.ColdSlots); `--jobs N`: N everywhere
     if a.jobs is None:
         a.jobs, why = fit_jobs(cpu_cores(), gpu_memory_gib(), len(devices) or 1)
+        cold = cold_jobs(cpu_cores())
         print(f"[gate] cases at a time: {why} (--jobs to choose)", flush=True)
     if a.compare_paths:
         return _compare_paths(a, opts, builds, out, logs)
@@ -207,6 +209,7 @@ def _run_and_report(a: argparse.Namespace, opts: _Options, found: _Builds, devic
         devices=devices, launcher=a.launcher, deadline_s=a.deadline, compile=a.compile, keep_forkserver=opts.keep
     )
     how |= dict(methods=a.methods, self_control_attempts=a.self_control_attempts, self_control_forms=a.forms)
+    how["cold_jobs"] = cold
     cache = _cache(a, builds)
     run = run_gate(
         builds, opts.modes, logs, a.repeat, a.jobs, a.timeout, _progress, cache, opts.backends, a.self_control, **how

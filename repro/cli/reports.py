@@ -68,6 +68,12 @@ def add_parsers(sub) -> None:
         help="gate runs and path comparisons side by side, one table: outcome, wall, median seconds per phase (a "
         "benchmark against its previous record: give both)",
     )
+    r.add_argument(
+        "--timeline",
+        action="store_true",
+        help="with --speed: each gate record's whole run too: every process's start, end and phases, the concurrency, "
+        "idle slots, the critical path, retries and references",
+    )
     r.add_argument("--note", help="with --add: one line of what the record shows, kept in its index entry")
     r.add_argument("--root", default=".", help="the checkout whose results/ to read (default: this folder)")
     sub.choices["doctor"].set_defaults(func=cmd_doctor)
@@ -190,6 +196,8 @@ def cmd_records(a: argparse.Namespace) -> int:
         raise ConfigError(f"{results} is not a folder: give --root the checkout that holds results/")
     if a.note and not a.add:
         raise ConfigError("--note goes with --add")
+    if a.timeline and not a.speed:
+        raise ConfigError("--timeline goes with --speed")
     if a.stale or a.add or a.index:  # they read the index as written: a damaged one is never blamed on a record
         try:
             records.load_index(results)
@@ -211,7 +219,7 @@ def cmd_records(a: argparse.Namespace) -> int:
             print(s.line())
         return exit_codes.check(not any(s.stale for s in found))
     if a.speed:
-        return _speed(results, a.speed)
+        return _speed(results, a.speed, a.timeline)
     if a.unpack is not None:
         if not a.unpack.strip():  # '' is this folder to Path, never a folder the user named
             raise ConfigError("--unpack '': give the folder to write results/ into")
@@ -296,23 +304,43 @@ def _unpack(results: Path, top: Path) -> int:
     return exit_codes.Exit.OK
 
 
-def _speed(results: Path, names: list[str]) -> int:
-    """`records --speed`: each named record unpacked into a temporary folder (never beside the records), its rows."""
+def _speed(results: Path, names: list[str], timeline: bool = False) -> int:
+    """`records --speed`: each named record unpacked into a temporary folder (never beside the records), its rows;
+    `--timeline`: each gate run's whole timeline after the table (gate.timeline)."""
     from repro.report import records  # as above
+    from repro.vllm_integration.gate import order as gate_order  # as above
     from repro.vllm_integration.gate import speed  # as above
+    from repro.vllm_integration.gate import timeline as gate_timeline  # as above
 
     _each_once(names, "records --speed")
     found = records.records(results)
     if missing := [n for n in names if n not in found]:
         raise ConfigError(f"no record {', '.join(missing)} under {results}")
-    rows = []
+    rows, timelines = [], []
     with tempfile.TemporaryDirectory(prefix="repro-speed-") as tmp:
         for name in names:
             where = found[name]
             try:
                 folder = where if where.is_dir() else records.unpack(where, Path(tmp))
                 rows += speed.record_rows(name, Path(folder))
+                if timeline:
+                    timelines.append(_timeline(gate_timeline, gate_order, name, Path(folder)))
             except UNREADABLE as e:
                 raise ConfigError(f"--speed {name}: {e or type(e).__name__}") from None
     print(speed.speed_table(rows), end="")
+    for t in timelines:
+        print("\n" + t, end="")
     return exit_codes.Exit.OK
+
+
+def _timeline(gate_timeline, gate_order, name: str, folder: Path) -> str:
+    """One record's timeline and what this scheduler makes of its processes (simulated), or the line that says why
+    it has none (a path comparison, or rows without starts)."""
+    if not (folder / "results.json").exists():
+        return f"## {name}: no timeline (not one gate run: a path comparison)\n"
+    try:
+        tl = gate_timeline.load(folder)
+    except ValueError as e:
+        return f"## {name}: no timeline ({e})\n"
+    after = gate_timeline.profile(tl)["after_last"]
+    return gate_timeline.markdown(name, tl) + "\n" + "\n".join(gate_order.prediction_lines(name, tl, after))

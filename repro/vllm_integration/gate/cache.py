@@ -206,6 +206,12 @@ class GateCache:
         private.mkdir(parents=True)
         return private, COLD
 
+    def is_warm(self, build: VllmBuild, compile: str = DEFAULT_COMPILE) -> bool:
+        """Is the build's vLLM cache for this compile setting complete (a case started now uses it: WARM)?"""
+        d = self.build_dir(build)
+        shared, done, _claim_name = (d / n for n in self._names(compile))
+        return done.exists() and shared.is_dir()
+
     def release(self, build: VllmBuild, compiled: bool, compile: str = DEFAULT_COMPILE) -> None:
         """The writer's case ended: its folder is the build's cache when it got past torch.compile (`compiled`: its
         probe counted captures), else it is removed; the claim is given up either way."""
@@ -263,6 +269,28 @@ class GateCache:
             },
         )
         return p
+
+    # --- what each case took (the scheduler's order: gate.order) ----------------------------------------------------
+
+    def costs_path(self, gpu: str) -> Path:
+        key = hashlib.sha256(gpu.encode()).hexdigest()[:16]
+        return self.root / "vllm-gate" / "costs" / f"{key}.json"
+
+    def load_costs(self, gpu: str) -> dict[str, float]:
+        """{case id: slot seconds} this GPU's runs from this cache folder measured ({} where none did)."""
+        try:
+            d = json.loads(self.costs_path(gpu).read_text())
+        except (OSError, ValueError):
+            return {}
+        got = d.get("costs") if isinstance(d, dict) else None
+        return {k: float(v) for k, v in (got or {}).items() if isinstance(v, (int, float))}
+
+    def store_costs(self, gpu: str, costs: dict[str, float]) -> None:
+        """The run's measured seconds per case over those kept (a case this run did not run keeps its last)."""
+        if costs:
+            merged = {**self.load_costs(gpu), **{k: round(v, 1) for k, v in costs.items()}}
+            self.costs_path(gpu).parent.mkdir(parents=True, exist_ok=True)
+            _write_json(self.costs_path(gpu), {"gpu": gpu, "costs": merged, "stored": _now()})
 
 
 def _claim(path: Path) -> bool:

@@ -17,15 +17,19 @@ each method's beside the others on one GPU.
 MPS cases stay on the first device, under one daemon (gate_run.run_gate, repro.run.mps_cases): one MPS daemon per
 device is not built yet.
 
-Without `--jobs`, the number of cases at a time is fitted to the machine (fit_jobs): half its CPU cores, and no more
-than the emptiest GPU's free memory holds at GIB_PER_CASE a case with FREE_AT_START of it left free (what each case
-asks vLLM to find free at its start), times the devices used."""
+Without `--jobs`, the number of cases at a time is fitted to the machine (fit_jobs): as many as the emptiest GPU's free
+memory holds at GIB_PER_CASE a case with FREE_AT_START of it left free (what each case asks vLLM to find free at its
+start), times the devices used, and no more than one a CPU core. While a build's caches are cold (its vLLM cache not
+complete: each such process compiles its graphs and Triton's kernels on the CPU, 40-50 s) at most half the cores'
+worth of them run at once (ColdSlots); a case on the complete caches, or a reference (no compile), starts beside
+them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from repro.errors import ConfigError, Unavailable
@@ -166,13 +170,52 @@ def cpu_cores() -> int:
 
 def fit_jobs(cpus: int, memory: list[tuple[float, float]], devices: int = 1) -> tuple[int, str]:
     """(cases at a time, why) for a machine with `cpus` cores and GPUs of (total, free) GiB, over `devices` devices."""
-    by_cpu = max(1, cpus // 2)
+    by_cpu = max(1, cpus)
     if not memory:
+        by_cpu = cold_jobs(cpus)  # nothing known of the GPU: as many as cold processes may run
         return by_cpu, f"{by_cpu}: half of {cpus} CPU cores (no GPU memory known)"
     total, free = min(memory, key=lambda m: m[1])
     by_mem = max(1, int((free - FREE_AT_START * total) // GIB_PER_CASE)) * max(1, devices)
     jobs = min(by_cpu, by_mem)
     return jobs, (
-        f"{jobs}: half of {cpus} CPU cores ({by_cpu}); GPU memory {free:.0f} of {total:.0f} GiB free at "
-        f"{GIB_PER_CASE:g} GiB a case, {FREE_AT_START:.0%} left free, {max(1, devices)} device(s) ({by_mem})"
+        f"{jobs}: GPU memory {free:.0f} of {total:.0f} GiB free at {GIB_PER_CASE:g} GiB a case, "
+        f"{FREE_AT_START:.0%} left free, {max(1, devices)} device(s) ({by_mem}); one a CPU core ({by_cpu}); "
+        f"at most {min(jobs, cold_jobs(cpus))} at once on a build's cold caches"
     )
+
+
+def cold_jobs(cpus: int) -> int:
+    """How many case processes may compile at once (a build's cold caches): half the CPU cores."""
+    return max(1, cpus // 2)
+
+
+class ColdSlots:
+    """At most `limit` case processes that start on their build's cold caches (`warm(case)` false) run at once; a
+    case that finds them warm, or a reference (it compiles nothing), starts without a slot. A case waiting for a slot
+    starts as soon as its build's caches are warm (checked each `poll_s`) or a slot frees."""
+
+    def __init__(self, limit: int, warm: Callable[[object], bool], poll_s: float = 1.0) -> None:
+        self.limit, self.warm, self.poll_s = max(1, limit), warm, poll_s
+        self.running = 0
+        self.worst = 0  # the most cold processes at once (reports and tests)
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, case) -> Iterator[None]:
+        took = False
+        if not getattr(case, "reference", False):
+            with self._cond:
+                while not self.warm(case):
+                    if self.running < self.limit:
+                        self.running += 1
+                        self.worst = max(self.worst, self.running)
+                        took = True
+                        break
+                    self._cond.wait(self.poll_s)
+        try:
+            yield
+        finally:
+            if took:
+                with self._cond:
+                    self.running -= 1
+                    self._cond.notify_all()

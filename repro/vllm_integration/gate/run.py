@@ -25,7 +25,7 @@ from repro.run.memory import GIB, MemoryBudget
 from repro.run.mps_cases import SHARED, run_mps_cases
 from repro.run.runner import case_logs, device_sm_count, set_aside_logs
 from repro.run.smcontrol import MpsDaemon, sm_refusal
-from repro.vllm_integration.gate import dynamic_k
+from repro.vllm_integration.gate import dynamic_k, placement
 from repro.vllm_integration.gate.cache import GateCache, gpu_identity, keep_in_logs, kept_reference, ref_key
 from repro.vllm_integration.gate.case import (
     FA3_ONLY,
@@ -39,12 +39,15 @@ from repro.vllm_integration.gate.case import (
 from repro.vllm_integration.gate.judge import PLATFORM_CHECK, platform_failed
 from repro.vllm_integration.gate.launch import FORK, Launcher, launcher_kind
 from repro.vllm_integration.gate.methods import DEFAULT_METHOD
+from repro.vllm_integration.gate.order import REF_SLOTS, case_order
 from repro.vllm_integration.gate.outcome import GateRun
 from repro.vllm_integration.gate.placement import DevicePool, GateDevice, case_gib, kind_of, main_kind, per_device_jobs
 from repro.vllm_integration.gate.process import (
+    SELF_CONTROL_ATTEMPTS,
     Attempt,
     attributed_beside,
     result_line,
+    retried,
     run_control,
     set_apart_not_applicable,
     skipped,
@@ -123,6 +126,7 @@ class GateScheduler:
     methods: tuple[str, ...] = (DEFAULT_METHOD,)
     self_control_forms: tuple[str, ...] = INJECTIONS
     self_control_attempts: int | None = None
+    cold_jobs: int | None = None
 
     def __post_init__(self) -> None:
         self.cases: list[GateCase] = []  # plan: the speculative cases, in their order
@@ -144,6 +148,9 @@ class GateScheduler:
         self.kind: tuple[str, int | None] | None = None  # launch: that kind
         self.workers = 1  # launch: cases at a time
         self.budget: MemoryBudget | None = None  # launch: the GPU memory each case holds its share of
+        self.cold: placement.ColdSlots  # launch: how many cases compile on a build's cold caches at once
+        # case id -> its slot's seconds: in this GPU's last run (launch; gate.order), in this run (record)
+        self.measured, self.took = dict[str, float](), dict[str, float]()
 
     def __call__(self) -> GateRun:
         """Every step in order; whatever stops the run (a failed probe, Ctrl-C, an error) stops its forkservers."""
@@ -199,6 +206,8 @@ class GateScheduler:
                 audit = Path(self.log_dir) / "forkserver.audit.json"
                 self.launched.start(b, case_env(plain, self.builds, audit, None, lambda: 0))
         self.gpu = gpu_identity() if self.cache is not None else ""
+        self.measured = self.cache.load_costs(self.gpu) if self.cache is not None else {}
+        warm = (lambda c: self.cache.is_warm(c.build, c.compile)) if self.cache else (lambda c: False)  # noqa: E731
         placed = list(self.devices or [])
         self.kind = main_kind(placed) if placed else None
         chosen = [d for d in placed if kind_of(d) == self.kind]
@@ -206,17 +215,23 @@ class GateScheduler:
         self.workers = self.pool.per_device * len(self.pool.devices) if self.pool else max(1, self.jobs)
         free = self.memory == "free GPU"
         self.budget = None if self.pool else MemoryBudget.of_free_gpu() if free else self.memory  # type: ignore[assignment]
+        self.cold = placement.ColdSlots(min(self.workers, self.cold_jobs or self.workers), warm)
 
     def collect(self) -> None:
-        """Every case and reference, speculative cases first (one of them writes the build's vLLM cache the rest then
-        use): the MPS cases on a thread of their own (mps_part), the rest `workers` at a time."""
-        everything = self.cases + self.refs
-        under_mps = [c for c in everything if c.mode.sm.kind == "mps"]
-        parallel = [c for c in everything if c.mode.sm.kind != "mps"]
-        mps_thread = threading.Thread(target=self.mps_part, args=(under_mps, bool(parallel)), daemon=True)
+        """The MPS cases on a thread of their own (mps_part); the references first, beside the cases on slots of their
+        own (no device pool, more than one at once); the cases `workers` at a time, longest first (gate.order)."""
+        under_mps = [c for c in self.cases + self.refs if c.mode.sm.kind == "mps"]
+        refs = [c for c in self.refs if c.mode.sm.kind != "mps"]
+        attempts = self.self_control_attempts or SELF_CONTROL_ATTEMPTS
+        cases = case_order([c for c in self.cases if c.mode.sm.kind != "mps"], self.measured, retried, attempts)
+        beside = refs and self.pool is None and self.workers > 1
+        mps_thread = threading.Thread(target=self.mps_part, args=(under_mps, bool(refs or cases)), daemon=True)
         mps_thread.start()
-        with ThreadPoolExecutor(max_workers=self.workers) as threads:
-            list(threads.map(lambda c: self.record(c, self.run_one(c, None)), parallel))
+        go = lambda c: self.record(c, self.run_one(c, None))  # noqa: E731
+        with ThreadPoolExecutor(self.workers) as threads, ThreadPoolExecutor(REF_SLOTS) as ref_slots:
+            first = [ref_slots.submit(go, c) for c in refs] if beside else []
+            list(threads.map(go, cases if beside else refs + cases))
+            [f.result() for f in first]  # a reference's error is the run's, as a case's is
         mps_thread.join()
         if self.mps_failed:  # the run must not be judged without its MPS cases
             raise self.mps_failed[0]
@@ -239,11 +254,12 @@ class GateScheduler:
         dev = (pool.devices[0] if mps is not None else pool.take(self.kind)) if pool else None
         try:
             need = int(case_gib(c) * GIB) * (2 if attributed_beside(c) else 1)  # its launch-blocking rerun beside it
-            with self.budget.hold(need) if self.budget is not None else contextlib.nullcontext():
-                kw = dict(device=dev, launcher=self.launched, attempts=self.self_control_attempts)
-                res, attribution, ran, tried = run_control(
-                    c, self.builds, self.log_dir, mps, cache, reference=self.reference_of(c), **kw
-                )
+            held = self.budget.hold(need) if self.budget is not None else contextlib.nullcontext()
+            with self.cold.hold(c), held:  # a cold case's compile waits for a slot (placement.ColdSlots)
+                # its reference's result and RESULT record once it finished (else None): a clean attempt judged early
+                ref = lambda: self.done.get(reference_for(c).case_id)  # noqa: E731
+                kw = dict(device=dev, launcher=self.launched, attempts=self.self_control_attempts, reference=ref)
+                res, attribution, ran, tried = run_control(c, self.builds, self.log_dir, mps, cache, **kw)
         finally:
             if dev is not None and mps is None:
                 pool.give(dev)
@@ -252,16 +268,12 @@ class GateScheduler:
             self.broken.setdefault(platform_key(c), (c.case_id, res.reason))
         return res
 
-    def reference_of(self, c: GateCase) -> Callable[[], tuple[CaseResult, dict | None] | None]:
-        """What run_control asks for a case's reference: its result and RESULT record once it finished, else None."""
-        ref_id = reference_for(c).case_id
-        return lambda: self.done.get(ref_id)
-
     def record(self, c: GateCase, res: CaseResult) -> None:
         """Keep a case's final result (of its last process): a reference validated, and kept in the cache if good."""
         ran = self.ran_last[c.case_id]
         out = ran.out
         if out is None:
+            self.took[c.case_id] = time.time() - ran.started  # its processes ran (not a kept reference, not a skip)
             out = result_line(self.log_dir, ran.logs)
             if c.reference:
                 res = validate(c, res, out)
@@ -343,6 +355,8 @@ class GateScheduler:
         run.cases.sort(key=lambda cr: order[cr[0].case_id])
         run.wall_s = round(time.time() - run.started_at, 1)
         run.build_wall_s = {k: round(v[1] - v[0], 1) for k, v in self.starts.items()}
+        if self.cache is not None:
+            self.cache.store_costs(self.gpu, self.took)
         return run
 
 
@@ -367,17 +381,19 @@ def run_gate(
     methods: tuple[str, ...] = (DEFAULT_METHOD,),
     self_control_forms: tuple[str, ...] = INJECTIONS,
     self_control_attempts: int | None = None,
+    cold_jobs: int | None = None,
 ) -> GateRun:
-    """Every case, references included, `jobs` at a time (GateScheduler's steps); MPS cases under a daemon of the run
-    (repro.run.mps_cases: controls alone, a neighbour's fault rerun alone). A cache (gate.cache) shares the build's
-    vLLM caches and a kept reference; devices (gate.placement) place each case with its reference on one SM kind.
-    `only`: that one build's cases (the pytest tier). The launcher (spawn or fork) says how case processes start
-    (GateRun.launches). deadline_s (`--deadline`) ends every process; a case it stopped is a skip, or its stale-audit
-    (gate.process.past_deadline). Each case holds its share of `memory` (placement.case_gib). self_control_forms:
-    plan's `forms`; self_control_attempts: gate.process.run_control's `attempts` (`--self-control-attempts`)."""
+    """Every case, references included, `jobs` at a time (GateScheduler's steps; `cold_jobs` of them on a build's cold
+    caches, placement.ColdSlots); MPS cases under a daemon of the run (repro.run.mps_cases: controls alone, a
+    neighbour's fault rerun alone). A cache (gate.cache) shares the build's vLLM caches and a kept reference; devices
+    (gate.placement) place each case with its reference on one SM kind. `only`: that one build's cases (the pytest
+    tier). The launcher (spawn or fork) says how case processes start (GateRun.launches). deadline_s (`--deadline`)
+    ends every process; a case it stopped is a skip, or its stale-audit (gate.process.past_deadline). Each case holds
+    its share of `memory` (placement.case_gib). self_control_forms: plan's `forms`; self_control_attempts:
+    gate.process.run_control's `attempts`."""
     return GateScheduler(**locals())()  # its parameters are GateScheduler's fields, by name
 
 
 def platform_key(case: GateCase) -> tuple[SmConfig, str | None]:
-    """What a failed platform check holds for (GateScheduler.broken): the SM configuration and the torch computing in it."""
+    """What a failed platform check holds for (GateScheduler.broken): the SM configuration and its torch."""
     return case.mode.sm, case.build.torch_prefix

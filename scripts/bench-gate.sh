@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The default gate's speed benchmark on one GPU machine: the bare `python -m repro gate` run cold (an empty cache
+# folder of its own) and then warm (the same folder), recorded under results/NAME-cold and results/NAME-warm (each
+# with the run's terminal output as terminal.log), then compared with earlier records by
+# `records --speed ... --timeline`: wall, forkserver wait, median phases, every process's timeline, and what the
+# scheduler would make of each record's processes.
+#   bash scripts/bench-gate.sh NAME [PREVIOUS ...] [-- gate flags]
+# e.g. bash scripts/bench-gate.sh h100-gate-default-2 h100-gate-default-cold
+#      bash scripts/bench-gate.sh h100-gate-sm-2 -- --modes audit,plain,sm_margin:16,mps:16
+# The gate's own exit code (0 PASS, 1 AFFECTED, ...) is printed, not this script's: a benchmark measures time.
+# It refuses a NAME whose records exist (it never writes over one) and removes only the cache folder it made.
+set -u
+name=${1:?usage: bench-gate.sh NAME [PREVIOUS ...] [-- gate flags]}
+shift
+previous=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do previous+=("$1"); shift; done
+[ "${1:-}" = "--" ] && shift
+py=$(command -v python3 || command -v python)
+for run in cold warm; do
+  if [ -e "results/$name-$run" ] || [ -e "results/$name-$run.tar.xz" ]; then
+    echo "bench-gate: results/$name-$run exists: choose another NAME" >&2
+    exit 2
+  fi
+done
+cache=$(mktemp -d "${TMPDIR:-/tmp}/bench-gate-cache.XXXX")
+said=$(mktemp -d "${TMPDIR:-/tmp}/bench-gate-said.XXXX")  # the terminal output, moved in after (--out must be empty)
+trap 'rm -rf "$cache" "$said"' EXIT
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+echo "bench-gate: $name on ${gpu:-an unknown GPU}, $(nproc) CPU cores; cache folder $cache (empty)"
+for run in cold warm; do
+  out="results/$name-$run"
+  start=$(date +%s%N)
+  "$py" -m repro gate --cache-dir "$cache" --out "$out" "$@" 2>&1 | tee "$said/$run.log"
+  rc=${PIPESTATUS[0]}
+  ms=$((($(date +%s%N) - start) / 1000000))
+  [ -d "$out" ] && mv "$said/$run.log" "$out/terminal.log"
+  echo "bench-gate: $run: exit $rc in $((ms / 1000)).$((ms % 1000 / 100)) s (the shell's clock)"
+done
+"$py" -m repro records --speed ${previous[@]+"${previous[@]}"} "$name-cold" "$name-warm" --timeline

@@ -1,0 +1,78 @@
+"""scripts/bench-gate.sh, the default gate's speed benchmark, through a stand-in python: the gate run cold then warm
+on one cache folder of its own, each record with its terminal output, the comparison with the previous record by
+`records --speed ... --timeline`, nothing written over, only its own folders removed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.records import ROOT
+
+SCRIPT = ROOT / "scripts" / "bench-gate.sh"
+
+STAND_IN = """#!/usr/bin/env bash
+# a stand-in python: `-m repro gate ... --out DIR` makes DIR as the gate would; every call is logged
+echo "$*" >> "$CALLS"
+if [ "$2" = repro ] && [ "$3" = gate ]; then
+  while [ $# -gt 0 ]; do
+    case $1 in
+      --out) mkdir "$2" && echo '{}' > "$2/results.json" ;;
+      --cache-dir) ls -A "$2" | wc -l >> "$CALLS.cache"; touch "$2/filled" ;;
+    esac
+    shift
+  done
+  echo "[gate] cases at a time: 16"
+  exit 1
+fi
+"""
+
+
+@pytest.fixture
+def bench(tmp_path):
+    if shutil.which("bash") is None:
+        pytest.skip("no bash on this machine: the benchmark script is a bash script")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("python3", "python"):
+        (bin_dir / name).write_text(STAND_IN)
+        (bin_dir / name).chmod(0o755)
+    work = tmp_path / "checkout"
+    (work / "results").mkdir(parents=True)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(tmp_path / "calls"),
+           "TMPDIR": str(tmp_path)}  # fmt: skip
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(SCRIPT), *args], cwd=work, env=env, capture_output=True, text=True)
+
+    return run, work, tmp_path
+
+
+def test_the_benchmark_runs_the_gate_cold_then_warm_on_one_cache_and_compares_with_the_previous_record(bench):
+    run, work, tmp = bench
+    done = run("h100-x", "h100-gate-default-cold", "--", "--vllm", "0.34.0=/v")
+    assert done.returncode == 0, done.stderr
+    calls = (tmp / "calls").read_text().splitlines()
+    gates = [c for c in calls if c.startswith("-m repro gate")]
+    assert len(gates) == 2 and all(c.endswith("--vllm 0.34.0=/v") for c in gates)
+    caches = {c.split("--cache-dir ")[1].split()[0] for c in gates}
+    assert len(caches) == 1  # the warm run uses the folder the cold one filled
+    assert (tmp / "calls.cache").read_text().split() == ["0", "1"]  # empty for the cold run, filled for the warm
+    assert "--out results/h100-x-cold" in gates[0] and "--out results/h100-x-warm" in gates[1]
+    assert calls[-1] == "-m repro records --speed h100-gate-default-cold h100-x-cold h100-x-warm --timeline"
+    for r in ("cold", "warm"):
+        assert "cases at a time: 16" in (work / "results" / f"h100-x-{r}" / "terminal.log").read_text()
+        assert f"bench-gate: {r}: exit 1 in" in done.stdout  # the gate's exit code, said, not the script's
+    assert not Path(next(iter(caches))).exists() and not list(tmp.glob("bench-gate-said.*"))  # its own folders only
+
+
+def test_the_benchmark_refuses_a_name_whose_record_exists(bench):
+    run, work, tmp = bench
+    (work / "results" / "h100-x-warm").mkdir()
+    done = run("h100-x")
+    assert done.returncode == 2 and "results/h100-x-warm exists" in done.stderr
+    assert not (tmp / "calls").exists()  # no gate ran
