@@ -18,7 +18,7 @@ from repro.contract.verdicts import CLEAN, SKIP
 from repro.contract.verdicts import SOURCE_BAD as BAD
 from repro.contract.verdicts import SOURCE_GOOD as GOOD
 from repro.contract.verdicts import SOURCE_NO_KNOWN_BAD as NO_KNOWN_BAD
-from repro.judge.policy import GateOutcome
+from repro.judge.decision import GateOutcome
 
 
 class Exit(IntEnum):

@@ -369,8 +369,8 @@ OUTCOME = [
     (
         "outcome: a self control that missed is never a pass",
         RUN,
-        "        return policy.GateOutcome.BLIND if self.blind(need_control) else policy.GateOutcome.PASS",
-        "        return policy.GateOutcome.PASS",
+        "        return GateOutcome.BLIND if self.blind(need_control) else GateOutcome.PASS",
+        "        return GateOutcome.PASS",
         False,
         {OUTCOME_TEST, "test_compare_paths_reports_the_outcome_its_exit_code_reads"},
     ),

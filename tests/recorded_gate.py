@@ -20,7 +20,8 @@ from repro.run import own_alloc, smcontrol
 from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import run as gate_run
 from repro.vllm_integration.gate.cache import KEPT_LINE
-from repro.vllm_integration.gate.case import GateCase, parse_backends, parse_modes
+from repro.vllm_integration.gate.case import GateCase
+from repro.vllm_integration.gate.modes import parse_backends, parse_modes
 from repro.vllm_integration.gate.process import recorded_attempts
 from repro.vllm_integration.gate.run import run_gate
 from repro.vllm_integration.plugin.inject import INJECTIONS, STALE_CAPTURE

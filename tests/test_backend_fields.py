@@ -371,7 +371,7 @@ def test_every_recorded_layout_is_one_the_plugin_knows():
 
 
 def test_gate_takes_every_backend_vllm_names_so():
-    from repro.vllm_integration.gate.case import parse_backends
+    from repro.vllm_integration.gate.modes import parse_backends
     from repro.vllm_integration.plugin.backend_fields import known_name
 
     names = "FLASH_ATTN,triton_attn,FLASHINFER,FLEX_ATTENTION,TREE_ATTN,CUTLASS_MLA,ROCM_AITER_UNIFIED_ATTN"

@@ -22,9 +22,11 @@ from repro.contract import request
 from repro.contract.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, STALE_AUDIT, WRONG
 from repro.errors import ConfigError
 from repro.judge.classify import classify
+from repro.judge.decision import MODE_WITHOUT_POSITIVE, NO_POSITIVE, Failure
 from repro.vllm_integration import plugin
-from repro.vllm_integration.gate.case import GateCase, GateMode, parse_modes
+from repro.vllm_integration.gate.case import GateCase
 from repro.vllm_integration.gate.judge import apply_reference, compare_tokens, not_fired
+from repro.vllm_integration.gate.modes import GateMode, parse_modes
 from repro.vllm_integration.gate.process import run_case
 from repro.vllm_integration.gate.run import run_gate
 from repro.vllm_integration.gate.steps import annotate
@@ -518,12 +520,12 @@ def test_the_gate_outcome_reads_failure_kinds_not_their_words(monkeypatch):
     run = GateRun(cases=[(case, CaseResult(case.case_id, CLEAN, "", expected="clean"))])
     assert run.outcome() == "HARNESS BLIND" and run.outcome(need_control=False) == "PASS"
     kinds = {f.kind for f in run.decision().failures}
-    assert kinds == {policy.MODE_WITHOUT_POSITIVE, policy.NO_POSITIVE}
+    assert kinds == {MODE_WITHOUT_POSITIVE, NO_POSITIVE}
     original = policy.decide
 
     def reworded(controls, required=frozenset()):
         d = original(controls, required)
-        d.failures = [policy.Failure("something else entirely", f.kind, f.case_id) for f in d.failures]
+        d.failures = [Failure("something else entirely", f.kind, f.case_id) for f in d.failures]
         return d
 
     monkeypatch.setattr(policy, "decide", reworded)
@@ -626,7 +628,7 @@ def test_the_pytest_tier_runs_each_build_and_mode_through_the_gates_own_run(tmp_
     quiet: dict = {}
     with pytest.raises(pytest.xfail.Exception, match="known-bad vLLM quiet silent in mode plain"):
         tier.test_stale_metadata_vllm_gate((builds[1], plain, builds, "eagle"), lambda k, v: quiet.__setitem__(k, v))
-    assert quiet["expected"] == "known-bad" and quiet["subject"] == "quiet eagle FLASH_ATTN"
+    assert quiet["expected"] == "known-bad" and quiet["subject"] == ["quiet", "eagle", "FLASH_ATTN"]
     # a method the stand-in does not dispatch (it has no init_speculator: EAGLE only): not applicable, said why
     na: dict = {}
     with pytest.raises(pytest.skip.Exception, match="not applicable here: method mtp: .*EAGLE only"):

@@ -35,7 +35,8 @@ from repro.contract.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, HANG, STA
 from repro.vllm_integration.gate import coverage
 from repro.vllm_integration.gate import judge as gate_judge
 from repro.vllm_integration.gate import steps as gate_steps
-from repro.vllm_integration.gate.case import GateCase, GateMode, reference_for
+from repro.vllm_integration.gate.case import GateCase, reference_for
+from repro.vllm_integration.gate.modes import GateMode
 from repro.vllm_integration.plugin.inject import STALE_CAPTURE
 from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
 

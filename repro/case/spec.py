@@ -147,9 +147,12 @@ class CaseSpec:
 # What happened to a case process beyond its verdict, as typed flags later steps decide by (CaseResult.flags), never by
 # words of its reason: its Stall watch stopped it as hung; the GPU (an MPS server recovering) refused its process, so
 # it never ran; it ran again alone under an MPS daemon of its own after a shared run it could not trust; it was stopped
-# at its timeout after its output showed the captures begun (the vLLM gate: its stall rule's marker).
+# at its timeout after its output showed the captures begun (the vLLM gate: its stall rule's marker); its GPU computes
+# matrix products wrong in its SM configuration, so nothing computed there can be judged (the vLLM gate's platform
+# check, or a case not run after another's in the same configuration failed it).
 STALLED, REFUSED, RERUN_ALONE, CAPTURING = "stalled", "refused", "rerun-alone", "capturing"
-FLAGS = (STALLED, REFUSED, RERUN_ALONE, CAPTURING)
+PLATFORM_FAILED = "platform-failed"
+FLAGS = (STALLED, REFUSED, RERUN_ALONE, CAPTURING, PLATFORM_FAILED)
 
 
 def positive_control(spec: CaseSpec) -> bool:
@@ -184,6 +187,7 @@ class CaseResult:
     log_tail: str = ""
     history: list[dict] = field(default_factory=list)  # the later steps that made this record from earlier ones
     flags: list[str] = field(default_factory=list)  # of FLAGS: what happened to its process, decided on by later steps
+    not_applicable: str | None = None  # why the case cannot exist on this runner (a skip, never clean), else None
 
     def revised(self, step: str, why: str, **changes) -> CaseResult:
         """A new record from a later step (the vLLM gate's reference comparison, attribution rerun, coverage check),

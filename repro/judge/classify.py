@@ -1,7 +1,12 @@
 """How a case process's output becomes a verdict (the taxonomy: repro.contract.verdicts): its records (the structured channel,
 repro.contract.channel), its exit status, the clock and compute-sanitizer's findings, read once into a CaseResult with its
 evidence. Later steps (the vLLM gate's reference comparison, attribution rerun, coverage check) never edit that record:
-they make a new one that says what changed it (repro.case.spec.revise)."""
+they make a new one that says what changed it (repro.case.spec.revise).
+
+This is the one classifier of a case process's free-form output, the only code that reads a driver's or library's
+message: a fault, a failed launch or out of memory (FAULT_MARKERS, LAUNCH_MARKERS, OOM_MARKERS: the kernel the line
+names), the MPS server's refusal of a new client (REFUSAL_MARKERS: a typed flag, REFUSED), and the last lines of a
+process that exited without a result. Every later step decides by the typed record it makes, never by those words."""
 
 from __future__ import annotations
 
@@ -86,6 +91,7 @@ def kernel_in(text: str) -> str | None:
 # How a process the GPU would not take is reported: under MPS, the server refuses new clients while it recovers from
 # a client's fault (NVIDIA's MPS guide, "error containment").
 REFUSED = "the GPU refused this process (busy or unavailable)"
+REFUSAL_MARKERS = ("busy or unavailable",)  # CUDA's words for a device it would not give this process
 
 
 def refused(res: CaseResult) -> bool:
@@ -152,7 +158,7 @@ def classify(
         return done(OOB, reason, f"{f.role} kernel, {f.access}", None if results else last)
     if timed_out:
         return done(HANG, f"no exit within {spec.timeout_s:g} s (last launch: {last})", f"{spec.timeout_s:g} s", last)
-    if not results and "busy or unavailable" in output:
+    if not results and any(m in output for m in REFUSAL_MARKERS):
         res.flags.append(REFUSED_FLAG)
         return done(ERROR, f"{REFUSED}: another client faulted it; rerun alone", "", last)
     if not results:

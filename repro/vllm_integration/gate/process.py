@@ -286,13 +286,10 @@ NOT_APPLICABLE_STEP = "not applicable"  # a result's history step: its method is
 
 def not_applicable_result(case: GateCase, why: str) -> CaseResult:
     """A case of a method its build does not have, or captures no FULL draft graph for (gate.methods.not_applicable):
-    a skip that says why, never clean; the policy lists it as not applicable (run.control_of)."""
-    return skipped(case, f"not applicable: {why}").revised(NOT_APPLICABLE_STEP, why, evidence=f"not applicable: {why}")
-
-
-def not_applicable_of(res: CaseResult) -> str | None:
-    """Why a result is not applicable (not_applicable_result), None for every other result."""
-    return next((h["why"] for h in res.history if h.get("step") == NOT_APPLICABLE_STEP), None)
+    a skip that says why in its typed field (CaseResult.not_applicable), never clean; the policy lists it as not
+    applicable (outcome.control_of)."""
+    what = f"not applicable: {why}"
+    return skipped(case, what).revised(NOT_APPLICABLE_STEP, why, evidence=what, not_applicable=why)
 
 
 def set_apart_not_applicable(cases: list[GateCase]) -> tuple[list[GateCase], list[tuple[GateCase, CaseResult]]]:
