@@ -28,7 +28,7 @@ from repro.vllm_integration.gate.case import GateCase
 from repro.vllm_integration.gate.judge import apply_reference, compare_tokens, not_fired
 from repro.vllm_integration.gate.modes import GateMode, parse_modes
 from repro.vllm_integration.gate.process import run_case
-from repro.vllm_integration.gate.run import run_gate
+from repro.vllm_integration.gate.run import plan, run_gate
 from repro.vllm_integration.gate.steps import annotate
 from repro.vllm_integration.plugin import fa3_hooks, weights
 from repro.vllm_integration.releases.builds import (
@@ -69,6 +69,20 @@ def test_modes_parse_and_refuse():
     for bad in ("bogus", "mps:x", "poison:none", "memcheck:fast", ""):
         with pytest.raises(ConfigError):
             parse_modes(bad)
+
+
+def test_a_mode_that_hooks_fa3_is_refused_beside_another_backend_alone_or_inside_another_mode():
+    """sm_margin and poison hook FA3's own calls (GateMode.hooks_fa3, from the parsed mode, never its name): with
+    another attention backend plan refuses them, inside audit+ or memcheck:own+ as well as alone."""
+    build = VllmBuild("0.26.0", None, UNDER_TEST, "0.26.0")
+    for name in ("sm_margin:16", "poison:int-max", "audit+sm_margin:16", "memcheck:own+poison:int-max"):
+        (mode,) = parse_modes(name)
+        assert mode.hooks_fa3, name
+        with pytest.raises(ConfigError, match="hooks FA3's calls"):
+            plan([build], (mode,), 1, 60.0, backends=("FLASH_ATTN", "TRITON_ATTN"))
+    others = parse_modes("audit,plain,mps:16,audit+mps:16,memcheck")
+    assert not any(m.hooks_fa3 for m in others)
+    assert len(plan([build], others, 1, 60.0, backends=("TRITON_ATTN",), self_control="none")) == len(others)
 
 
 def test_the_auditor_runs_in_an_sm_configuration_and_the_sweep_preset_lists_every_one():

@@ -198,6 +198,14 @@ class CaseResult:
             new.history.append({"step": step, "why": why, "changed": changed})
         return new
 
+    @property
+    def first_verdict(self) -> str:
+        """The verdict classify gave the case's process, before any later step revised it: the first verdict its
+        history's changes record (typed data, never a step's name), else its verdict now."""
+        return next(
+            (h["changed"]["verdict"][0] for h in self.history if "verdict" in h.get("changed", {})), self.verdict
+        )
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -134,7 +134,7 @@ def ended_without_result(res: CaseResult) -> bool:
     exit) is not asked of it."""
     if res.verdict != STALE_AUDIT:
         return False
-    first = next((h["changed"]["verdict"][0] for h in res.history if "verdict" in h.get("changed", {})), res.verdict)
+    first = res.first_verdict
     return first not in (CLEAN, STALE_AUDIT)  # STALE_AUDIT: classify's own, for a process that printed its result
 
 

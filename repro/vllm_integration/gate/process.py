@@ -269,8 +269,7 @@ def past_deadline(case: GateCase, res: CaseResult) -> CaseResult:
 
 def was_hang(res: CaseResult) -> bool:
     """Did classify make the case a hang (its process stopped at its timeout), before any later step revised it?"""
-    first = next((h["changed"]["verdict"][0] for h in res.history if "verdict" in h.get("changed", {})), res.verdict)
-    return first == HANG
+    return res.first_verdict == HANG
 
 
 def skipped(case: GateCase, reason: str) -> CaseResult:
