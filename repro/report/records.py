@@ -28,6 +28,7 @@ from repro.contract.channel import (
     DESCRIPTOR_CHECK,
     RECORDED_BEFORE,
     SPEC_LAYOUT,
+    UNCOMPARED,
     recorded_before,
 )
 from repro.contract.tags import COUNTERS_TAG, ENGINE_TAG, RESULT_TAG
@@ -259,6 +260,7 @@ _WORDS_OF_FLAG = (
 # The history steps whose record, written before its typed mark, the upgrader marks: a failed platform check
 # (PLATFORM_FAILED), a method its build lacks (CaseResult.not_applicable).
 _PLATFORM_STEP, _NOT_APPLICABLE_STEP = "platform check", "not applicable"
+_COMPARISON_STEP = "reference comparison"  # a gate row's comparison with its reference (UNCOMPARED where none)
 
 
 def upgrade_result(result: dict, row: dict | None = None) -> dict:
@@ -300,8 +302,15 @@ def upgrade_gate_row(row: dict) -> dict:
     """A recorded row of a gate results.json (gate.report.rows) as this code writes one: a row from before rows kept
     each attempt of their case (`attempts`, gate.process.Attempt) marked ATTEMPTS, so the replays read it as they read
     it then (each process remade from its row's result: a self control's first attempt is not in it where a later one's
-    result was kept). Used by the replays only; a live row lacking them is a MissingKey (gate.process.recorded_attempts)."""
-    return row if "attempts" in row else _marked(row, [ATTEMPTS])
+    result was kept); a further attempt recorded clean with no comparison with its reference in its history (every
+    clean case compared has one: the comparison adds its evidence) marked UNCOMPARED, its verdict its process's own.
+    Used by the replays only; a live row lacking them is a MissingKey (gate.process.recorded_attempts)."""
+    marks = [] if "attempts" in row else [ATTEMPTS]
+    result = row.get("result") or {}
+    compared = any(h.get("step") == _COMPARISON_STEP for h in result.get("history") or () if isinstance(h, dict))
+    if (result.get("spec") or {}).get("attempt") and result.get("verdict") == "clean" and not compared:
+        marks.append(UNCOMPARED)
+    return _marked(row, marks)
 
 
 # --- the one upgrader of recorded channel records -------------------------------------------------------------------
