@@ -56,6 +56,11 @@ def fakes(tmp_path):
     }
 
 
+def gate_args(out, modes: str, *more: str) -> list[str]:
+    """`gate` over the builds named after it (none installed) in MODES, EAGLE only, two jobs, its report in OUT."""
+    return ["gate", "--no-installed", "--modes", modes, "--methods", "eagle", "--jobs", "2", "--out", str(out), *more]
+
+
 def _verdicts(run):
     return {c.case_id.split("-vllm-")[1]: r for c, r in run.cases}
 
@@ -183,19 +188,7 @@ def test_compile_none_runs_full_graphs_without_torch_compile_in_every_speculativ
 @needs_entry_point
 def test_gate_command_exit_codes_and_report(tmp_path, fakes, capsys):
     out = tmp_path / "out"  # one folder for every run below: --overwrite replaces the report before (docs/outputs.md)
-    args = [
-        "gate",
-        "--no-installed",
-        "--modes",
-        "plain",
-        "--out",
-        str(out),
-        "--overwrite",
-        "--jobs",
-        "2",
-        "--methods",
-        "eagle",
-    ]
+    args = gate_args(out, "plain", "--overwrite")
     # forked case processes: the spawned launcher's verdicts (test_vllm_gate_fork), torch imported once per build and
     # run instead of once per case; the default launcher's CLI runs: test_the_report_of_a_build_that_gave_no_answer...
     args += ["--launcher", "fork"]
@@ -360,18 +353,7 @@ def hook_nothing_gate(tmp_path_factory):
     # forked case processes (--launcher fork): the verdicts and reasons the spawned ones give (test_vllm_gate_fork
     # compares the two launchers on every stand-in behaviour), for a third of the CPU: 78 case processes, each a fresh
     # interpreter importing torch when spawned
-    cmd = [
-        sys.executable,
-        "-m",
-        "repro",
-        "gate",
-        "--no-installed",
-        "--no-control",
-        "--modes",
-        "audit,plain",
-        "--methods",
-        "eagle",
-    ]
+    cmd = [sys.executable, "-m", "repro", *gate_args(out, "audit,plain", "--no-control")]
     cmd += ["--launcher", "fork"]
     # one attempt of each self control: three of the six (no-spec, other-backend, piecewise) decode without a fault
     # in plain whatever the injection, and a second and third attempt (12 case processes) would only repeat that
@@ -380,7 +362,7 @@ def hook_nothing_gate(tmp_path_factory):
         cmd += ["--vllm", f"{behaviour}={write_fake_vllm(root / behaviour, '0.26.0', behaviour)}"]
     # a module fixture runs before conftest's per-test private cache: it names its own, never the user's
     env = {**os.environ, "REPRO_CACHE_DIR": str(root / "repro-cache")}
-    p = subprocess.run([*cmd, "--out", str(out), "--jobs", "2"], capture_output=True, text=True, env=env)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     return p, out
 
 
@@ -424,22 +406,10 @@ def test_renamed_backend_classes_and_no_scheduler_call_through_the_cli(tmp_path)
     nosched = write_fake_vllm(tmp_path / "nosched", "0.26.0", "no-sched")
     crash = write_fake_vllm(tmp_path / "crash", "0.25.1", "stale-crash")
     out = tmp_path / "out"
-    cmd = [
-        sys.executable,
-        "-m",
-        "repro",
-        "gate",
-        "--no-installed",
-        "--jobs",
-        "2",
-        "--control",
-        f"old={crash}",
-        "--methods",
-        "eagle",
-    ]
+    cmd = [sys.executable, "-m", "repro", *gate_args(out, "audit,poison:int-max", "--control", f"old={crash}")]
     cmd += ["--launcher", "fork"]  # the spawned launcher's verdicts (test_vllm_gate_fork), torch imported per build
-    cmd += ["--modes", "audit,poison:int-max", "--vllm", f"renamed={renamed}", "--vllm", f"nosched={nosched}"]
-    p = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True)
+    cmd += ["--vllm", f"renamed={renamed}", "--vllm", f"nosched={nosched}"]
+    p = subprocess.run(cmd, capture_output=True, text=True)
     assert p.returncode == 4, p.stdout[-2000:] + p.stderr[-2000:]
     doc = json.loads((out / "results.json").read_text())
     assert doc["outcome"] == "CANNOT VOUCH"
@@ -460,18 +430,7 @@ def test_renamed_backend_classes_and_no_scheduler_call_through_the_cli(tmp_path)
 @needs_entry_point
 def test_a_control_that_hooks_nothing_is_cannot_vouch_not_blind(tmp_path, fakes):
     nospec = str(write_fake_vllm(tmp_path / "nospec", "0.25.1", "no-spec"))
-    args = [
-        "gate",
-        "--no-installed",
-        "--modes",
-        "plain",
-        "--out",
-        str(tmp_path / "out"),
-        "--jobs",
-        "2",
-        "--methods",
-        "eagle",
-    ]
+    args = gate_args(tmp_path / "out", "plain")
     args += ["--launcher", "fork"]  # the spawned launcher's verdicts (test_vllm_gate_fork), torch imported per build
     assert cli([*args, "--vllm", f"new={fakes['good']}", "--control", f"old={nospec}"]) == 4
     doc = json.loads((tmp_path / "out" / "results.json").read_text())
@@ -594,19 +553,7 @@ def test_the_report_of_a_build_that_gave_no_answer_and_of_no_control(tmp_path):
     counted as controls."""
     broken = write_fake_vllm(tmp_path / "broken", "0.27.0", "broken")
     out = tmp_path / "out"
-    args = [
-        "gate",
-        "--no-installed",
-        "--modes",
-        "plain",
-        "--out",
-        str(out),
-        "--jobs",
-        "2",
-        "--no-control",
-        "--methods",
-        "eagle",
-    ]
+    args = gate_args(out, "plain", "--no-control")
     assert cli([*args, "--vllm", f"y={broken}", "--self-control", "none"]) == 4
     md = (out / "verdicts.md").read_text()
     assert "| y | under-test | 0.27.0 | **cannot tell** |" in md
