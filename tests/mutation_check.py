@@ -8,7 +8,7 @@ whatever happened.
     python tests/mutation_check.py reference # every reference check of gate/judge.py and gate/steps.py
     python tests/mutation_check.py outcome   # GateRun.outcome, decision, blind and judge (gate/outcome.py)
     python tests/mutation_check.py policy    # repro/judge/policy.py, decision.py; GateMode.policy_mode (gate/modes.py)
-    python tests/mutation_check.py hang      # when a hang is evidence (gate/steps.py annotate, gate/process.py)
+    python tests/mutation_check.py hang      # when a hang is evidence (gate/steps.py annotate, gate/process.py, classify)
     python tests/mutation_check.py steps     # the judging's declared steps and the runner of their phases (gate/steps.py)
     python tests/mutation_check.py ends      # the auditor's count decides however a case ends; library CUDA errors
 
@@ -739,9 +739,9 @@ HANG_RULES = [
         {"test_a_hang_counts_as_evidence_only_once_the_captures_had_begun"},
     ),
     (
-        "process: vLLM's capture line sets CAPTURING",
-        GP,
-        *_off("    if res.verdict == HANG and gate_case.CAPTURE_STALL.marker in out:"),
+        "classify: vLLM's capture line sets CAPTURING",
+        "repro/judge/classify.py",
+        *_off("        if spec.begun_marker and spec.begun_marker in output:"),
         {"test_a_hang_counts_as_evidence_only_once_the_captures_had_begun"},
     ),
     (

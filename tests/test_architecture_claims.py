@@ -668,8 +668,8 @@ def test_what_happened_to_a_process_is_one_of_five_flags_set_where_the_doc_says(
     """The doc: "what happened to the process beside its verdict (stalled, refused, rerun alone under MPS, stopped
     while capturing, its GPU failing the platform check) is a typed flag (CaseResult.flags)": the five flags of
     case/spec.py, each added by the one module that saw it (a refusal by classify, from the process's records; a stall
-    by the runner; a rerun alone by the MPS scheduler; a timeout after vLLM's capture began by the gate's process step,
-    from vLLM's output; a failed platform check by the gate's step that judged it, and by the scheduler for a case it
+    by the runner; a rerun alone by the MPS scheduler; a timeout after vLLM's capture began by classify, from vLLM's
+    output, the words the case names (begun_marker); a failed platform check by the gate's step that judged it, and by the scheduler for a case it
     did not run after another's in its SM configuration failed it)."""
     spec = _sources("repro/case/spec.py")["repro/case/spec.py"]
     flags = next(n for n in spec.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "FLAGS")
@@ -699,7 +699,7 @@ def test_what_happened_to_a_process_is_one_of_five_flags_set_where_the_doc_says(
         ("repro/judge/classify.py", "REFUSED_FLAG"),
         ("repro/run/runner.py", "STALLED"),
         ("repro/run/mps_cases.py", "RERUN_ALONE"),
-        ("repro/vllm_integration/gate/process.py", "CAPTURING"),
+        ("repro/judge/classify.py", "CAPTURING"),
     }, sorted(added)
 
 

@@ -101,6 +101,12 @@ class CaseSpec:
             raise ConfigError("timeout must be positive")
 
     @property
+    def begun_marker(self) -> str | None:
+        """The words of a case's output that say its work under test had begun (classify flags a timeout after them,
+        CAPTURING): None for an attention-layer case, whose process prints no such line."""
+        return None
+
+    @property
     def case_id(self) -> str:
         """Every parameter that changes what runs, so no two different cases share an id (or a log file); the
         attention config adds only what differs from AttnConfig's defaults, so the default matrix keeps its ids."""

@@ -96,6 +96,12 @@ class GateCase:
         return None if self.mode.sanitizer else CAPTURE_STALL
 
     @property
+    def begun_marker(self) -> str:
+        """vLLM's words that its CUDA graph captures had begun (CAPTURE_STALL's marker), under memcheck too, whose stall
+        watch is off: classify flags a timeout after them (CAPTURING)."""
+        return CAPTURE_STALL.marker
+
+    @property
     def sanitizer_padding(self) -> int | None:
         """compute-sanitizer's guard bytes after every allocation (repro.run.runner): memcheck:own only."""
         return own_alloc.PADDING if self.mode.sanitizer == "own" else None

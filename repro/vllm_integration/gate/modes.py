@@ -93,6 +93,9 @@ class GateMode:
         )
 
 
+PLAIN = GateMode("plain")  # nothing added: the mode whose crash an attribution rerun names the kernel of
+
+
 # The hidden-configuration sweep: the full GPU and five SM counts of each restriction, audit and plain in each; a fixed
 # build (0.26.0) must give no false alarm in any, a known-bad one (0.25.1) no miss.
 SWEEP_SMS = (8, 16, 24, 40, 66)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from repro import entrypoints
-from repro.case.spec import CAPTURING, STALLED, CaseResult
+from repro.case.spec import STALLED, CaseResult
 from repro.contract.channel import ATTEMPTS, Channel, has
 from repro.contract.tags import COUNTERS_TAG, DEVICE_TAG, RESULT_TAG
 from repro.contract.verdicts import CLEAN, CRASH, ERROR, HANG, SKIP, STALE_AUDIT, WRONG
@@ -21,11 +21,11 @@ from repro.errors import MissingKey, Unavailable
 from repro.run.runner import case_logs, device_sm_count, run_process
 from repro.run.smcontrol import MpsDaemon
 from repro.vllm_integration.gate import bench as gate_bench
-from repro.vllm_integration.gate import case as gate_case
 from repro.vllm_integration.gate.cache import PRIVATE, TRITON_CACHE, TRITON_ENV, WRITER, GateCache
 from repro.vllm_integration.gate.case import GateCase, case_env, expected
 from repro.vllm_integration.gate.launch import Launcher
 from repro.vllm_integration.gate.methods import not_applicable
+from repro.vllm_integration.gate.modes import PLAIN
 from repro.vllm_integration.gate.placement import GateDevice
 from repro.vllm_integration.gate.steps import annotate, finish
 from repro.vllm_integration.releases.builds import VllmBuild
@@ -79,9 +79,6 @@ def run_case(
     else:
         (res, out), launched = run_process(case, cmd, env, log_dir, sanitized), {"launcher": "spawn"}
     ch = Channel.of_case(case_logs(log_dir, case.case_id)[0], out)
-    # vLLM's own words: its captures had begun (under memcheck too, whose stall watch is off)
-    if res.verdict == HANG and gate_case.CAPTURE_STALL.marker in out:
-        res.flags.append(CAPTURING)
     if vllm_cache == WRITER:  # captures ran: torch.compile had finished and saved into the build's folder
         captured = bool(sum(((ch.last(COUNTERS_TAG) or {}).get("captures") or {}).values()))
         cache.release(case.build, captured, compile=case.compile)
@@ -101,7 +98,7 @@ def run_case(
 
 def attributable(case: GateCase) -> bool:
     """Is a crash of this case rerun with CUDA_LAUNCH_BLOCKING=1 to name its kernel (run_attributed)?"""
-    return case.mode.name == "plain" and not case.rep and not case.reference
+    return case.mode == PLAIN and not case.rep and not case.reference
 
 
 def attributed_beside(case: GateCase) -> bool:
