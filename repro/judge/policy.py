@@ -14,7 +14,8 @@ What a gate run needs (`decide`):
    applicable: listed with its reason, not a failure, unless the run requires that feature (`REQUIREMENTS`).
 3. Each gating mode (the group a control belongs to: eager, graph, memcheck, or a vLLM gate mode) needs evidence
    from its OWN positive controls (a mode that ran only negative controls fails): kernel evidence, or for the modes
-   in `ENGINE_AUDIT_MODES` (alone or in an SM configuration: `audit+mps:16`) the engine's own metadata caught stale by
+   whose audit is the engine's (GatingMode.engine_audit: vLLM's auditor, alone or in an SM configuration:
+   `audit+mps:16`) the engine's own metadata caught stale by
    the auditor. The attention-layer stale-audit is the harness's bookkeeping: it meets an
    `audit` control but never counts as a mode's evidence.
 4. At least one positive control ran.
@@ -67,7 +68,7 @@ MEETS: dict[str, tuple[str, ...]] = {
     FAULT: (*MEMORY_FAULTS, LAUNCH_FAIL),
     DETECTED: KERNEL_EVIDENCE,
     AUDIT: (*KERNEL_EVIDENCE, STALE_AUDIT),
-    KNOWN_BAD_BUILD: (*KERNEL_EVIDENCE, STALE_AUDIT),  # STALE_AUDIT counts only in ENGINE_AUDIT_MODES (rule 5)
+    KNOWN_BAD_BUILD: (*KERNEL_EVIDENCE, STALE_AUDIT),  # STALE_AUDIT counts only where the audit is the engine's
     ANY_FORM: KERNEL_EVIDENCE,
     EXPECT_CLEAN: (CLEAN,),
     RECORDED: (CLEAN, *KERNEL_EVIDENCE, STALE_AUDIT),
