@@ -38,7 +38,7 @@ def run_control(spec: CaseSpec, record_property) -> None:
             pytest.skip(reason)
     exp = expectation(spec)  # fixed before the case runs
     record_property("expected", exp)
-    record_property("gate_mode", gate_mode(spec))
+    record_property("gate_mode", gate_mode(spec).name)
     if na := applicability(spec):
         pytest.skip(not_applicable(*na, record_property))
     with maybe_mps(spec.sm.kind == "mps") as mps:

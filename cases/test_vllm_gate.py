@@ -22,6 +22,7 @@ import pytest
 from cases.gpu_env import gpu_skip_reason
 from repro.contract.verdicts import SKIP
 from repro.judge import policy
+from repro.judge.decision import CONTROL_FAILED
 from repro.report.pytest_gate import NOT_APPLICABLE, not_applicable
 from repro.run.pytest_cases import log_dir
 from repro.vllm_integration.gate.judge import passes
@@ -60,7 +61,6 @@ def test_stale_metadata_vllm_gate(gate_build, record_property):
         pytest.skip(reason)
     from repro.vllm_integration.gate.cache import GateCache, default_root  # noqa: PLC0415  only with a GPU and vLLM
     from repro.vllm_integration.gate.outcome import control_of  # noqa: PLC0415  only with a GPU and vLLM
-    from repro.vllm_integration.gate.process import not_applicable_of  # noqa: PLC0415  only with a GPU and vLLM
     from repro.vllm_integration.gate.run import run_gate  # noqa: PLC0415  only with a GPU and vLLM
 
     build, mode, builds, method = gate_build
@@ -88,16 +88,18 @@ def test_stale_metadata_vllm_gate(gate_build, record_property):
     record_property("acceptance", json.dumps(ident.get("acceptance"), default=str))
     record_property("self_control", json.dumps({c.case_id: r.verdict for c, r in self_controls}))
     if res.verdict == SKIP:  # a method the build lacks says so (control_of recorded it as not applicable)
-        pytest.skip(NOT_APPLICABLE + why if (why := not_applicable_of(res)) else res.reason)
+        pytest.skip(NOT_APPLICABLE + why if (why := res.not_applicable) else res.reason)
     # the self control's forms judged as `repro gate` judges them (policy rules 1 and 6: in audit each form on its own,
     # outside it at least one form with kernel evidence, a silent form listed)
     judged = policy.decide([control_of(c, r) for c, r in self_controls])
-    failed = [f for f in judged.failures if f.kind == policy.CONTROL_FAILED]
+    failed = [f for f in judged.failures if f.kind == CONTROL_FAILED]
     assert not failed, f"HARNESS BLIND: the self control of vLLM {build.label}: {failed[0]}"
     record_property("self_control_form_misses", json.dumps(judged.form_misses))
     if build.role == CONTROL:
         assert passes(case, res), f"HARNESS BLIND: control vLLM {build.label} came back {res.verdict}: {res.reason}"
-        if not policy.counts_as_evidence(res.verdict, mode.name):  # silent in this mode: rule 5 decides over its modes
+        if not policy.counts_as_evidence(
+            res.verdict, mode.policy_mode
+        ):  # silent in this mode: rule 5 decides over its modes
             pytest.xfail(f"known-bad vLLM {build.label} silent in mode {mode.name} ({res.verdict}): policy rule 5 "
                          "judges it over all its modes (pytest --gate)")  # fmt: skip
     else:

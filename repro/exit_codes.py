@@ -1,5 +1,5 @@
 """Every command's exit code, decided in this one module from the command's typed outcome: `repro gate` (and its
-`--compare-paths`) from repro.judge.policy.GateOutcome, `matrix --gate` and `pytest --gate` from the policy's
+`--compare-paths`) from repro.judge.decision.GateOutcome, `matrix --gate` and `pytest --gate` from the policy's
 decision (GateDecision.passed), `bisect`, its step and `vllm-check` from the source check's verdicts and git
 bisect's answer, `run` from its case's verdict. Bad input is ConfigError (repro.errors) wherever it is raised:
 repro.cli.main turns it into one line and BAD_INPUT.
@@ -18,7 +18,7 @@ from repro.contract.verdicts import CLEAN, SKIP
 from repro.contract.verdicts import SOURCE_BAD as BAD
 from repro.contract.verdicts import SOURCE_GOOD as GOOD
 from repro.contract.verdicts import SOURCE_NO_KNOWN_BAD as NO_KNOWN_BAD
-from repro.judge.policy import GateOutcome
+from repro.judge.decision import GateOutcome
 
 
 class Exit(IntEnum):

@@ -7,8 +7,8 @@ whatever happened.
     python tests/mutation_check.py vouch     # gate/coverage.py, gate/judge.py, gate/steps.py (annotate's checks)
     python tests/mutation_check.py reference # every reference check of gate/judge.py and gate/steps.py
     python tests/mutation_check.py outcome   # GateRun.outcome, decision, blind and judge (gate/outcome.py)
-    python tests/mutation_check.py policy    # repro/judge/policy.py
-    python tests/mutation_check.py hang      # when a hang is evidence (gate/steps.py annotate, gate/process.py)
+    python tests/mutation_check.py policy    # repro/judge/policy.py, decision.py; GateMode.policy_mode (gate/modes.py)
+    python tests/mutation_check.py hang      # when a hang is evidence (gate/steps.py annotate, gate/process.py, classify)
     python tests/mutation_check.py steps     # the judging's declared steps and the runner of their phases (gate/steps.py)
     python tests/mutation_check.py ends      # the auditor's count decides however a case ends; library CUDA errors
 
@@ -29,6 +29,7 @@ COV, GJ, GS, POL = (
     "repro/judge/policy.py",
 )
 CHANNEL = "repro/contract/channel.py"
+DECISION, MODES = "repro/judge/decision.py", "repro/vllm_integration/gate/modes.py"
 
 
 def _row(counter: str) -> tuple[str, str, bool]:
@@ -369,8 +370,8 @@ OUTCOME = [
     (
         "outcome: a self control that missed is never a pass",
         RUN,
-        "        return policy.GateOutcome.BLIND if self.blind(need_control) else policy.GateOutcome.PASS",
-        "        return policy.GateOutcome.PASS",
+        "        return GateOutcome.BLIND if self.blind(need_control) else GateOutcome.PASS",
+        "        return GateOutcome.PASS",
         False,
         {OUTCOME_TEST, "test_compare_paths_reports_the_outcome_its_exit_code_reads"},
     ),
@@ -401,8 +402,8 @@ OUTCOME = [
     (
         "judge: the answer for the question asked",
         RUN,
-        "            need_control, self.outcome(need_control), tuple(self.blind(need_control)), d",
-        "            need_control, self.outcome(), tuple(self.blind(need_control)), d",
+        "GateJudgment(need_control, self.outcome(need_control), tuple(self.blind(need_control)), d)",
+        "GateJudgment(need_control, self.outcome(), tuple(self.blind(need_control)), d)",
         False,
         {"test_compare_paths_reports_the_outcome_its_exit_code_reads"},
     ),
@@ -496,7 +497,7 @@ POLICY = [
     (
         "counts_as_evidence: stale-audit in the engine audit mode",
         POL,
-        " or (verdict == STALE_AUDIT and engine_audit(mode))",
+        " or (verdict == STALE_AUDIT and mode.engine_audit)",
         "",
         False,
         {"test_stale_audit_counts_only_in_the_engine_audit_mode"},
@@ -504,16 +505,24 @@ POLICY = [
     (
         "counts_as_evidence: ... only there",
         POL,
-        "(verdict == STALE_AUDIT and engine_audit(mode))",
+        "(verdict == STALE_AUDIT and mode.engine_audit)",
         "(verdict == STALE_AUDIT)",
         False,
         {"test_stale_audit_counts_only_in_the_engine_audit_mode"},
     ),
     (
-        "engine_audit: the auditor in an SM configuration",
-        POL,
-        '    return mode.split("+", 1)[0] in ENGINE_AUDIT_MODES',
-        "    return mode in ENGINE_AUDIT_MODES",
+        "GateMode.parse: the auditor in an SM configuration",
+        MODES,
+        'return cls(f"audit+{inner.name}", audit=True, sm=inner.sm)',
+        'return cls(f"audit+{inner.name}", audit=False, sm=inner.sm)',
+        False,
+        {"test_stale_audit_counts_only_in_the_engine_audit_mode"},
+    ),
+    (
+        "GateMode.policy_mode: the auditor's stale-audit is the engine's",
+        MODES,
+        "return GatingMode(self.name, engine_audit=self.audit)",
+        "return GatingMode(self.name)",
         False,
         {"test_stale_audit_counts_only_in_the_engine_audit_mode"},
     ),
@@ -614,8 +623,8 @@ POLICY = [
     (
         "decide: a recorded control is no mode's evidence",
         POL,
-        "        if c.gating:\n            pos, ev = d.evidence",
-        "        if True:\n            pos, ev = d.evidence",
+        "        if c.gating:\n            modes.setdefault",
+        "        if True:\n            modes.setdefault",
         False,
         {"test_a_recorded_control_neither_fails_nor_counts_as_evidence"},
     ),
@@ -634,7 +643,7 @@ POLICY = [
     (
         "decide: ... the engine audit mode names the audit",
         POL,
-        '" or the engine\'s audit" if engine_audit(mode) else ""',
+        '" or the engine\'s audit" if modes[mode].engine_audit else ""',
         '""',
         False,
         {"test_a_mode_whose_positive_controls_showed_nothing_fails"},
@@ -699,20 +708,20 @@ POLICY = [
     (
         "rule 6: forms grouped per subject",
         POL,
-        "                forms.setdefault(c.subject or c.case_id, []).append(c)",
-        "                forms.setdefault(c.mode, []).append(c)",
+        "                forms.setdefault(c.subject or (c.case_id,), []).append(c)",
+        "                forms.setdefault((c.mode.name,), []).append(c)",
         False,
         {"test_forms_are_judged_per_subject_not_across_modes_or_methods"},
     ),
     (
         "summary: kinds only beside known-bad",
-        POL,
+        DECISION,
         *_off("            if set(kinds) <= {KNOWN_BAD}:"),
         {"test_the_summary_names_the_kinds_only_where_there_is_more_than_known_bad"},
     ),
     (
         "summary: not applicable by reason",
-        POL,
+        DECISION,
         '            lines.append(f"  not applicable ({len(cases)}): {why}")\n',
         "            pass\n",
         False,
@@ -730,9 +739,9 @@ HANG_RULES = [
         {"test_a_hang_counts_as_evidence_only_once_the_captures_had_begun"},
     ),
     (
-        "process: vLLM's capture line sets CAPTURING",
-        GP,
-        *_off("    if res.verdict == HANG and gate_case.CAPTURE_STALL.marker in out:"),
+        "classify: vLLM's capture line sets CAPTURING",
+        "repro/judge/classify.py",
+        *_off("        if spec.begun_marker and spec.begun_marker in output:"),
         {"test_a_hang_counts_as_evidence_only_once_the_captures_had_begun"},
     ),
     (

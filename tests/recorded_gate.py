@@ -13,14 +13,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from repro.case.spec import STALLED
-from repro.contract.channel import Channel, path_for
+from repro.contract.channel import UNCOMPARED, Channel, path_for, recorded_before
 from repro.judge.classify import classify
 from repro.report.records import upgrade_channel, upgrade_gate_row, upgrade_result
 from repro.run import own_alloc, smcontrol
 from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import run as gate_run
 from repro.vllm_integration.gate.cache import KEPT_LINE
-from repro.vllm_integration.gate.case import GateCase, parse_backends, parse_modes
+from repro.vllm_integration.gate.case import GateCase
+from repro.vllm_integration.gate.modes import parse_backends, parse_modes
 from repro.vllm_integration.gate.process import recorded_attempts
 from repro.vllm_integration.gate.run import run_gate
 from repro.vllm_integration.plugin.inject import INJECTIONS, STALE_CAPTURE
@@ -201,19 +202,14 @@ def same_verdicts(got, rows, run=None):
         for k, row in rows.items():
             if (kept := recorded_attempts(upgrade_gate_row(row))) is not None:
                 assert [(a.case, a.verdict) for a in run.attempted.get(k, [])] == [(a.case, a.verdict) for a in kept], k
-    assert {k: r.verdict for k, r in got.items()} == {k: recorded_verdict(k, row, got) for k, row in rows.items()}
+    replayed = {k: replayed_verdict(r, rows.get(k)) for k, r in got.items()}
+    assert replayed == {k: row["verdict"] for k, row in rows.items()}
 
 
-JUDGED_AGAINST_THE_REFERENCE = ("reference comparison", "draft acceptance")
-
-
-def recorded_verdict(case_id: str, row: dict, got: dict) -> str:
-    """What a row's replay must give: its recorded verdict; for a self control's further attempt recorded `clean`
-    before further attempts were judged against the reference as the first is, `wrong-output` where that judging
-    (and only it) found the draft or tokens wrong, its process's own verdict still the recorded `clean`."""
-    r = got.get(case_id)
-    if "-attempt" not in case_id or row["verdict"] != "clean" or r is None or r.verdict != "wrong-output":
-        return row["verdict"]
-    changes = [h for h in r.history if "verdict" in h.get("changed", {})]
-    by_reference = changes and all(h["step"] in JUDGED_AGAINST_THE_REFERENCE for h in changes)
-    return "wrong-output" if by_reference and changes[0]["changed"]["verdict"][0] == "clean" else row["verdict"]
+def replayed_verdict(res, row: dict | None) -> str:
+    """The replay's verdict to hold a row's recorded one to: its verdict, or for a row the one upgrader marks
+    UNCOMPARED (a further attempt recorded as its process ended, before further attempts were compared with their
+    reference) the verdict its replayed process gave, before any later step revised it (CaseResult.first_verdict)."""
+    if row is not None and UNCOMPARED in recorded_before(upgrade_gate_row(row)):
+        return res.first_verdict
+    return res.verdict

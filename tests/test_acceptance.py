@@ -10,7 +10,8 @@ from repro.case.spec import CaseResult
 from repro.contract.channel import ACCEPTANCE, RECORDED_BEFORE
 from repro.contract.verdicts import CANNOT_VOUCH, CLEAN, ERROR, WRONG
 from repro.vllm_integration.gate import judge as gate_judge
-from repro.vllm_integration.gate.case import GateCase, GateMode, reference_for
+from repro.vllm_integration.gate.case import GateCase, reference_for
+from repro.vllm_integration.gate.modes import GateMode
 from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
 
 

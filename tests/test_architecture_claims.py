@@ -559,7 +559,7 @@ def _imported_names(tree: ast.Module) -> dict[str, set[str]]:
 
 def test_the_pytest_tiers_cases_come_from_the_modules_the_doc_names():
     """cases/test_stale_metadata.py and cases/test_spec_decode.py over case/sets.py; cases/test_vllm_gate.py over the
-    gate's run_gate, its modes DEFAULT_MODES of gate/case.py through gate/settings.py (case/sets.py holds the attention layer's lists only),
+    gate's run_gate, its modes DEFAULT_MODES of gate/modes.py through gate/settings.py (case/sets.py holds the attention layer's lists only),
     one run_gate(..., only=build) per build, method and mode."""
     trees = _sources("cases")
     for name in ("cases/test_stale_metadata.py", "cases/test_spec_decode.py"):
@@ -569,7 +569,7 @@ def test_the_pytest_tiers_cases_come_from_the_modules_the_doc_names():
     imports = _imported_names(gate)
     assert "settings" in imports.get("repro.vllm_integration.gate.settings", set())  # the tier's variables, judged
     settings = _sources("repro/vllm_integration/gate/settings.py")["repro/vllm_integration/gate/settings.py"]
-    assert "DEFAULT_MODES" in _imported_names(settings).get("repro.vllm_integration.gate.case", set())
+    assert "DEFAULT_MODES" in _imported_names(settings).get("repro.vllm_integration.gate.modes", set())
     assert "repro.case.sets" not in imports and "sets" not in imports.get("repro.case", set())
     calls = _calls(gate, "run_gate")
     assert len(calls) == 1 and "only" in {k.arg for k in calls[0].keywords}
@@ -664,18 +664,31 @@ def test_no_case_process_module_names_a_persons_knob():
     )  # a gate case never passes them on
 
 
-def test_what_happened_to_a_process_is_one_of_four_flags_set_where_the_doc_says():
+def test_what_happened_to_a_process_is_one_of_five_flags_set_where_the_doc_says():
     """The doc: "what happened to the process beside its verdict (stalled, refused, rerun alone under MPS, stopped
-    while capturing) is a typed flag (CaseResult.flags)": the four flags of case/spec.py, each added by the one module
-    that saw it (a refusal by classify, from the process's records; a stall by the runner; a rerun alone by the MPS
-    scheduler; a timeout after vLLM's capture began by the gate's process step, from vLLM's output)."""
+    while capturing, its GPU failing the platform check) is a typed flag (CaseResult.flags)": the five flags of
+    case/spec.py, each added by the one module that saw it (a refusal by classify, from the process's records; a stall
+    by the runner; a rerun alone by the MPS scheduler; a timeout after vLLM's capture began by classify, from vLLM's
+    output, the words the case names (begun_marker); a failed platform check by the gate's step that judged it, and by the scheduler for a case it
+    did not run after another's in its SM configuration failed it)."""
     spec = _sources("repro/case/spec.py")["repro/case/spec.py"]
     flags = next(n for n in spec.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "FLAGS")
-    assert ast.unparse(flags.value) == "(STALLED, REFUSED, RERUN_ALONE, CAPTURING)"
+    assert ast.unparse(flags.value) == "(STALLED, REFUSED, RERUN_ALONE, CAPTURING, PLATFORM_FAILED)"
     assert (
-        "(stalled, refused, rerun alone under MPS, stopped while capturing) is a typed flag (`CaseResult.flags`)"
-        in (_doc())
+        "(stalled, refused, rerun alone under MPS, stopped while capturing, its GPU failing the platform check) is a "
+        "typed flag (`CaseResult.flags`)" in " ".join(_doc().split())
     )
+    given = {  # a flag given to a new record (CaseResult.revised(..., flags=[...]))
+        (p, ast.unparse(k.value))
+        for p, t in _repro().items()
+        for n in _calls(t, "revised")
+        for k in n.keywords
+        if k.arg == "flags"
+    }
+    assert given == {
+        ("repro/vllm_integration/gate/steps.py", "[*res.flags, PLATFORM_FAILED]"),
+        ("repro/vllm_integration/gate/run.py", "[PLATFORM_FAILED]"),
+    }, sorted(given)
     added = {
         (p, ast.unparse(n.args[0]))
         for p, t in _repro().items()
@@ -686,7 +699,7 @@ def test_what_happened_to_a_process_is_one_of_four_flags_set_where_the_doc_says(
         ("repro/judge/classify.py", "REFUSED_FLAG"),
         ("repro/run/runner.py", "STALLED"),
         ("repro/run/mps_cases.py", "RERUN_ALONE"),
-        ("repro/vllm_integration/gate/process.py", "CAPTURING"),
+        ("repro/judge/classify.py", "CAPTURING"),
     }, sorted(added)
 
 

@@ -19,8 +19,9 @@ from repro.contract.verdicts import CLEAN, CRASH, ERROR, FAULTS, HANG, STALE_AUD
 from repro.judge import policy
 from repro.judge.classify import QUOTE_MAX, classify
 from repro.vllm_integration.gate import steps as gate_steps
-from repro.vllm_integration.gate.case import GateCase, GateMode, expected, reference_for
+from repro.vllm_integration.gate.case import GateCase, expected, reference_for
 from repro.vllm_integration.gate.coverage import features_needed
+from repro.vllm_integration.gate.modes import GateMode
 from repro.vllm_integration.plugin.audit import STALE_DESCRIPTOR
 from repro.vllm_integration.plugin.inject import STALE_CAPTURE
 from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 
-from repro.judge.policy import GateOutcome
+from repro.judge.decision import GateOutcome
 from repro.vllm_integration.ci.judge import CommandStatus, Expect, judge
 
 MGR = "SpeculatorCudaGraphManager.prefill_cudagraph_manager of StandaloneARSpeculator"

@@ -17,6 +17,7 @@ from repro.vllm_integration.plugin import audit, backend_fields, backend_hooks, 
 from repro.vllm_integration.plugin.audit import FreshnessAuditor
 from repro.vllm_integration.plugin.backend_fields import BACKENDS, FLASHINFER, TRITON_ATTN, find_classes, generic
 from repro.vllm_integration.releases.versions import load
+from tests.capture_standin import GraphStandIn
 from tests.case_requests import case_request, plugin_request
 
 RECORD = load()
@@ -203,22 +204,6 @@ def test_forward_must_take_attn_metadata_where_vllm_passes_it(fresh_plugin, caps
 # --- the in-graph draft-decode refresh (vLLM 0.28 on) ---------------------------------------------------------------
 
 
-class _Graph:
-    """torch.cuda.graph's stand-in: says when a capture is open, so the test can forbid host copies inside it."""
-
-    open = False
-
-    def __init__(self, *a, **k):
-        pass
-
-    def __enter__(self):
-        _Graph.open = True
-
-    def __exit__(self, *exc):
-        _Graph.open = False
-        return False
-
-
 @pytest.fixture
 def draft_loop(fresh_plugin, monkeypatch):
     """FLASH_ATTN's stand-in with update_draft_decode_metadata, the capture tracker on a stand-in torch.cuda, and
@@ -229,12 +214,12 @@ def draft_loop(fresh_plugin, monkeypatch):
         "update_draft_decode_metadata": True,
     }
     mod, bufs = standin_backend("FLASH_ATTN", facts)
-    cuda = types.SimpleNamespace(graph=_Graph)
+    cuda = types.SimpleNamespace(graph=GraphStandIn)
     assert backend_hooks.install(mod, cuda=cuda, spec=BACKENDS["FLASH_ATTN"])
     real = audit._ints
 
     def no_copy_in_capture(v):
-        assert not _Graph.open, "copied a view to the host while a graph was being captured"
+        assert not GraphStandIn.open, "copied a view to the host while a graph was being captured"
         return real(v)
 
     monkeypatch.setattr(audit, "_ints", no_copy_in_capture)
@@ -371,7 +356,7 @@ def test_every_recorded_layout_is_one_the_plugin_knows():
 
 
 def test_gate_takes_every_backend_vllm_names_so():
-    from repro.vllm_integration.gate.case import parse_backends
+    from repro.vllm_integration.gate.modes import parse_backends
     from repro.vllm_integration.plugin.backend_fields import known_name
 
     names = "FLASH_ATTN,triton_attn,FLASHINFER,FLEX_ATTENTION,TREE_ATTN,CUTLASS_MLA,ROCM_AITER_UNIFIED_ATTN"

@@ -16,7 +16,8 @@ from repro.contract import request
 from repro.contract.request import CaseRequest, PluginRequest
 from repro.errors import BadRequest, ConfigError
 from repro.vllm_integration.gate import run as gate_run
-from repro.vllm_integration.gate.case import GateCase, GateMode, case_env, reference_for
+from repro.vllm_integration.gate.case import GateCase, case_env, reference_for
+from repro.vllm_integration.gate.modes import GateMode
 from repro.vllm_integration.plugin import requested
 from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
 from tests.case_requests import case_request, plugin_request

@@ -107,7 +107,8 @@ def test_the_schedule_gives_two_ks_of_at_least_two_within_the_gates_k():
 
 
 def test_dynamic_k_case_ids_are_readable_and_get_the_stale_k_self_control():
-    from repro.vllm_integration.gate.case import GateCase, GateMode
+    from repro.vllm_integration.gate.case import GateCase
+    from repro.vllm_integration.gate.modes import GateMode
     from repro.vllm_integration.gate.run import plan
     from repro.vllm_integration.releases.builds import VllmBuild
 
@@ -170,8 +171,9 @@ def test_the_stale_k_form_is_a_request_the_plugin_takes():
 def test_a_dynamic_k_case_without_a_k_specialized_capture_cannot_vouch():
     """The probe counts FULL captures per K; a dynamic-K case whose build captured none (its backend cannot refresh
     draft metadata in place, so vLLM 0.34.0 does not specialize) tested nothing of the schedule."""
-    from repro.vllm_integration.gate.case import GateCase, GateMode
+    from repro.vllm_integration.gate.case import GateCase
     from repro.vllm_integration.gate.coverage import unmet
+    from repro.vllm_integration.gate.modes import GateMode
     from repro.vllm_integration.releases.builds import VllmBuild
 
     case = GateCase(VllmBuild(label="0.34.0", prefix=None), GateMode("plain"), method="eagle_dynamic_k")

@@ -12,7 +12,8 @@ import pytest
 from repro.case.spec import CaseSpec
 from repro.contract.verdicts import ERROR, LAUNCH_FAIL, VERDICTS
 from repro.judge.classify import classify
-from repro.judge.policy import Control, decide, satisfies
+from repro.judge.control import Control, GatingMode
+from repro.judge.policy import decide, satisfies
 from repro.report import results as report
 from repro.run.matrix import MatrixRun
 from tests.records import RESULTS
@@ -54,7 +55,7 @@ def test_gate_report_renders_every_verdict(tmp_path, monkeypatch):
 
     monkeypatch.setattr("repro.report.environment.collect", lambda argv=None: {"command": "test"})
     ev = pytest_gate.Evidence()
-    ev.controls = [Control(f"case-{v}", "detected", v, "eager", f"a {v} row") for v in VERDICTS]
+    ev.controls = [Control(f"case-{v}", "detected", v, GatingMode("eager"), f"a {v} row") for v in VERDICTS]
     ev.write_report(tmp_path, 1.0, ["-m", "gpu", "--gate", "--gate-report=out"])  # pytest's args, as typed
     md = (tmp_path / "gate.md").read_text()
     assert all(f"**{v}**" in md for v in VERDICTS)
@@ -82,7 +83,7 @@ def test_recorded_sweep_meets_its_stored_expectations(run_name):
     assert all(r.verdict == ERROR and "exit status 255" in r.reason and s.strategy == "fresh" for s, r in misses)
     assert len(misses) == (1 if run_name in ("k5-page16", "k7-page16") else 0)
     assert all(satisfies(r.expected, r.verdict) for s, r in run.results if r.verdict == LAUNCH_FAIL)
-    controls = [Control(s.case_id, r.expected, r.verdict, s.mode, r.reason) for s, r in run.results if r not in
+    controls = [Control(s.case_id, r.expected, r.verdict, GatingMode(s.mode), r.reason) for s, r in run.results if r not in
                 [m for _, m in misses]]  # fmt: skip
     assert decide(controls).passed
 
@@ -93,7 +94,7 @@ def test_second_sweep_passes_a_gate_with_its_hang_as_a_disagreement(run_name):
     kernel evidence (the gate passes) of another kind (listed as a disagreement, `matrix` counts it unexpected)."""
     run = report.load_json(SWEEP2 / run_name / "results.json")
     assert not [r for _, r in run.results if r.verdict == ERROR]
-    d = decide([Control(s.case_id, r.expected, r.verdict, s.mode, r.reason) for s, r in run.results])
+    d = decide([Control(s.case_id, r.expected, r.verdict, GatingMode(s.mode), r.reason) for s, r in run.results])
     assert d.passed, d.failures
     hangs = [(s, r) for s, r in run.results if r.verdict == "hang"]
     assert len(d.disagreements) == len(hangs) == len(run.failures()) == (1 if run_name == "k5-page64" else 0)

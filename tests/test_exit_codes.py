@@ -12,7 +12,7 @@ import pytest
 
 from repro import exit_codes
 from repro.exit_codes import EXIT_CODES, Exit
-from repro.judge.policy import GateOutcome
+from repro.judge.decision import GateOutcome
 from repro.vllm_integration.releases.source_check import BAD, GOOD, NO_KNOWN_BAD, UNTESTABLE
 
 ROOT = Path(__file__).resolve().parent.parent

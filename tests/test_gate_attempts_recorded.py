@@ -18,7 +18,7 @@ from repro.report.records import upgrade_gate_row
 from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import report
 from repro.vllm_integration.gate import run as gate_run
-from repro.vllm_integration.gate.case import parse_modes
+from repro.vllm_integration.gate.modes import parse_modes
 from repro.vllm_integration.gate.process import Attempt, recorded_attempts
 from repro.vllm_integration.plugin.inject import STALE_CAPTURE
 from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild

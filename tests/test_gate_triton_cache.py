@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from repro.vllm_integration.gate.cache import TRITON_CACHE, TRITON_ENV, GateCache
-from repro.vllm_integration.gate.case import GateCase, GateMode
+from repro.vllm_integration.gate.case import GateCase
 from repro.vllm_integration.gate.forkserver import LATE_VARS, differs
+from repro.vllm_integration.gate.modes import GateMode
 from repro.vllm_integration.gate.process import run_case
 from repro.vllm_integration.releases.builds import UNDER_TEST, parse_builds
 from tests.fake_vllm import write_fake_vllm

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from repro.contract.verdicts import Verdict
+from repro.judge.control import Control
 from repro.report.pytest_gate import plain
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,7 +88,6 @@ def test_recorded_values_are_made_plain_and_read_back_typed():
     value = {"v": Verdict.CRASH, "k": (Kind.A, 1.5, None), "s": {2, 1}, "p": Path("x")}
     assert plain(value) == {"v": "crash", "k": ["a", 1.5, None], "s": [1, 2], "p": "x"}
     assert type(plain(Verdict.CRASH)) is str and json.dumps(plain(value))
-    from repro.judge.policy import Control
 
     control = Control.from_properties("c", {"verdict": "oob", "expected": "fault"})
     assert control.verdict is Verdict.OOB

@@ -10,7 +10,8 @@ from __future__ import annotations
 import copy
 
 from repro.vllm_integration.gate import coverage
-from repro.vllm_integration.gate.case import GateCase, GateMode
+from repro.vllm_integration.gate.case import GateCase
+from repro.vllm_integration.gate.modes import GateMode
 from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
 from tests.test_vouch_rules import FIRED
 

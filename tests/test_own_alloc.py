@@ -13,7 +13,7 @@ import pytest
 from repro.errors import ConfigError, Unavailable
 from repro.run import own_alloc
 from repro.run.sanitizer import sanitizer_command
-from repro.vllm_integration.gate.case import GateMode
+from repro.vllm_integration.gate.modes import GateMode
 
 HEADER = """#ifdef __cplusplus
 extern "C" {

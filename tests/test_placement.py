@@ -15,7 +15,7 @@ from repro.errors import ConfigError, Unavailable
 from repro.run.smcontrol import GpuInfo, MigSlice
 from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import run as gate_run
-from repro.vllm_integration.gate.case import parse_modes
+from repro.vllm_integration.gate.modes import parse_modes
 from repro.vllm_integration.gate.placement import DevicePool, GateDevice, gate_devices, kind_of, per_device_jobs
 from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
 

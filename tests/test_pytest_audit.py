@@ -70,6 +70,22 @@ def _run(p, *args):
     return p.runpytest_subprocess("-p", PLUGIN, "-p", "no:cacheprovider", "-p", "no:randomly", *args, timeout=240)
 
 
+def _audited(p, *args, passed: int, failed: int):
+    """The suite run with --repro-audit (in one process unless ARGS say otherwise): its tests' outcomes checked,
+    the run returned."""
+    r = _run(p, *(args or ("-p", "no:xdist")), "--repro-audit")
+    r.assert_outcomes(passed=passed, failed=failed)
+    return r
+
+
+@pytest.fixture
+def one_plain_test(pytester, monkeypatch):
+    """A suite of one test that runs no vLLM, the repro checkout importable."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join((str(ROOT), os.environ.get("PYTHONPATH", ""))))
+    pytester.makepyfile(test_plain="def test_one():\n    assert True\n")
+    return pytester
+
+
 def test_off_unless_asked(suite):
     r = _run(suite("stale-quiet"), "-p", "no:xdist")  # the plugin loaded, its option not given: every test passes
     r.assert_outcomes(passed=5)
@@ -77,9 +93,8 @@ def test_off_unless_asked(suite):
 
 
 def test_stale_tests_fail_naming_descriptor_and_fields_others_not_judged(suite):
-    r = _run(suite("stale-quiet"), "-p", "no:xdist", "--repro-audit")
+    r = _audited(suite("stale-quiet"), passed=2, failed=3)
     out = r.stdout.str()
-    r.assert_outcomes(passed=2, failed=3)
     assert "repro audit: stale during test_vllm_style.py::test_engine_in_process" in out
     assert "repro audit: stale during test_vllm_style.py::test_engine_spawned" in out
     assert "t32r8: query_start_loc[2] (stale): 0 where its build gives 8" in out
@@ -88,33 +103,25 @@ def test_stale_tests_fail_naming_descriptor_and_fields_others_not_judged(suite):
 
 
 def test_a_clean_build_passes_with_the_method_mismatch_failing_its_test(suite):
-    r = _run(suite("good"), "-p", "no:xdist", "--repro-audit")
-    out = r.stdout.str()
-    r.assert_outcomes(passed=4, failed=1)
+    out = _audited(suite("good"), passed=4, failed=1).stdout.str()
     assert "speculative method asked for: draft_model; the model runner the plugin saw capturing ran: eagle" in out
     assert "repro audit: CANNOT VOUCH: 2 test(s) judged, 0 stale, 2 not judged" in out
 
 
 def test_under_xdist_each_worker_judges_its_tests_and_the_controller_sums_them(suite):
-    r = _run(suite("stale-quiet"), "-n", "2", "--repro-audit")
-    out = r.stdout.str()
-    r.assert_outcomes(passed=2, failed=3)
+    out = _audited(suite("stale-quiet"), "-n", "2", passed=2, failed=3).stdout.str()
     assert "repro audit: AFFECTED: 3 test(s) judged, 3 stale, 2 not judged" in out
     assert "stale: test_vllm_style.py::test_engine_spawned" in out
 
 
-def test_nothing_judged_is_cannot_vouch_and_fails_the_session(pytester, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join((str(ROOT), os.environ.get("PYTHONPATH", ""))))
-    pytester.makepyfile(test_plain="def test_one():\n    assert True\n")
-    r = _run(pytester, "-p", "no:xdist", "--repro-audit")
+def test_nothing_judged_is_cannot_vouch_and_fails_the_session(one_plain_test):
+    r = _run(one_plain_test, "-p", "no:xdist", "--repro-audit")
     assert r.ret == 1 and "repro audit: CANNOT VOUCH: 0 test(s) judged" in r.stdout.str()
 
 
-def test_a_vllm_plugins_that_leaves_the_auditor_out_is_a_usage_error(pytester, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join((str(ROOT), os.environ.get("PYTHONPATH", ""))))
+def test_a_vllm_plugins_that_leaves_the_auditor_out_is_a_usage_error(one_plain_test, monkeypatch):
     monkeypatch.setenv("VLLM_PLUGINS", "other")
-    pytester.makepyfile(test_plain="def test_one():\n    assert True\n")
-    r = _run(pytester, "-p", "no:xdist", "--repro-audit")
+    r = _run(one_plain_test, "-p", "no:xdist", "--repro-audit")
     assert r.ret == pytest.ExitCode.USAGE_ERROR and "leaves out the auditor's plugin" in r.stderr.str()
 
 

@@ -18,6 +18,7 @@ import torch
 from repro.vllm_integration.plugin import audit, backend_hooks, capture, counters, inject, refresh
 from repro.vllm_integration.plugin.audit import STALE_REFRESH, FreshnessAuditor, Mismatch, in_words
 from repro.vllm_integration.plugin.backend_fields import BACKENDS, FLASH_ATTN
+from tests.capture_standin import GraphStandIn
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 4  # the stand-in's KV block: a scheduler-metadata entry changes when a sequence crosses a multiple of it
@@ -105,22 +106,6 @@ def standin_flash_attn(back: int = 0, with_get: bool = True) -> types.ModuleType
     return mod
 
 
-class _Graph:
-    """torch.cuda.graph's stand-in: says when a capture is open (host copies are forbidden inside it)."""
-
-    open = False
-
-    def __init__(self, *a, **k):
-        pass
-
-    def __enter__(self):
-        _Graph.open = True
-
-    def __exit__(self, *exc):
-        _Graph.open = False
-        return False
-
-
 @pytest.fixture
 def plugin_state(monkeypatch):
     monkeypatch.setattr(counters, "AUDITOR", FreshnessAuditor())
@@ -131,12 +116,12 @@ def plugin_state(monkeypatch):
     real = audit._ints
 
     def no_copy_in_capture(v):
-        assert not _Graph.open, "copied a view to the host while a graph was being captured"
+        assert not GraphStandIn.open, "copied a view to the host while a graph was being captured"
         return real(v)
 
     monkeypatch.setattr(audit, "_ints", no_copy_in_capture)
     monkeypatch.setattr(refresh, "_ints", no_copy_in_capture)
-    return types.SimpleNamespace(graph=_Graph)
+    return types.SimpleNamespace(graph=GraphStandIn)
 
 
 def audited(cuda, **standin):
@@ -365,7 +350,7 @@ def test_the_gate_runs_the_stale_refresh_form_when_asked_and_refuses_an_unknown_
     import argparse
 
     from repro.vllm_integration.gate import methods
-    from repro.vllm_integration.gate.case import GateMode
+    from repro.vllm_integration.gate.modes import GateMode
     from repro.vllm_integration.gate.run import plan
     from repro.vllm_integration.releases.builds import VllmBuild
 

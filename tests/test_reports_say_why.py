@@ -11,7 +11,7 @@ from repro.judge.classify import classify
 from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import report
 from repro.vllm_integration.gate import run as gate_run
-from repro.vllm_integration.gate.case import parse_modes
+from repro.vllm_integration.gate.modes import parse_modes
 from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
 
 DEVICE_ASSERT = """\

@@ -8,8 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from repro.vllm_integration.gate import methods, sleep
-from repro.vllm_integration.gate.case import GateCase, GateMode
+from repro.vllm_integration.gate.case import GateCase
 from repro.vllm_integration.gate.coverage import unmet
+from repro.vllm_integration.gate.modes import GateMode
 from repro.vllm_integration.gate.worker import llm_kwargs
 from repro.vllm_integration.releases.builds import VllmBuild
 

@@ -170,7 +170,7 @@ def test_an_sm_count_the_gpu_cannot_give_is_refused_with_the_nearest_ones():
 def test_the_gate_refuses_an_mps_count_the_gpu_cannot_give_before_any_case_runs(monkeypatch, tmp_path):
     from repro.errors import ConfigError
     from repro.vllm_integration.gate import run as gate_run
-    from repro.vllm_integration.gate.case import parse_modes
+    from repro.vllm_integration.gate.modes import parse_modes
     from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
 
     monkeypatch.setattr(gate_run, "device_sm_count", lambda: 132)

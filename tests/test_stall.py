@@ -16,12 +16,13 @@ import pytest
 from repro.case.spec import CAPTURING, STALLED
 from repro.contract.verdicts import CLEAN, ERROR, HANG
 from repro.judge import policy
-from repro.judge.policy import GateOutcome
+from repro.judge.decision import GateOutcome
 from repro.run.process import Stall, StallRule
 from repro.run.runner import supervise
 from repro.vllm_integration.gate import case as gate_case
-from repro.vllm_integration.gate.case import CAPTURE_STALL, GateCase, parse_modes
+from repro.vllm_integration.gate.case import CAPTURE_STALL, GateCase
 from repro.vllm_integration.gate.launch import FORK, SPAWN
+from repro.vllm_integration.gate.modes import parse_modes
 from repro.vllm_integration.gate.run import run_gate
 from tests.processes import gone
 from tests.test_vllm_gate_fork import _build, needs_entry_point

@@ -27,7 +27,8 @@ from repro.report.records import upgrade_channel
 from repro.run import smcontrol
 from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import report as gate_report
-from repro.vllm_integration.gate.case import GateCase, parse_modes
+from repro.vllm_integration.gate.case import GateCase
+from repro.vllm_integration.gate.modes import parse_modes
 from repro.vllm_integration.gate.run import run_gate
 from repro.vllm_integration.releases.builds import VllmBuild
 from tests.records import RESULTS

@@ -22,11 +22,13 @@ from repro.contract import request
 from repro.contract.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, STALE_AUDIT, WRONG
 from repro.errors import ConfigError
 from repro.judge.classify import classify
+from repro.judge.decision import MODE_WITHOUT_POSITIVE, NO_POSITIVE, Failure
 from repro.vllm_integration import plugin
-from repro.vllm_integration.gate.case import GateCase, GateMode, parse_modes
+from repro.vllm_integration.gate.case import GateCase
 from repro.vllm_integration.gate.judge import apply_reference, compare_tokens, not_fired
+from repro.vllm_integration.gate.modes import GateMode, parse_modes
 from repro.vllm_integration.gate.process import run_case
-from repro.vllm_integration.gate.run import run_gate
+from repro.vllm_integration.gate.run import plan, run_gate
 from repro.vllm_integration.gate.steps import annotate
 from repro.vllm_integration.plugin import fa3_hooks, weights
 from repro.vllm_integration.releases.builds import (
@@ -54,6 +56,11 @@ def fakes(tmp_path):
     }
 
 
+def gate_args(out, modes: str, *more: str) -> list[str]:
+    """`gate` over the builds named after it (none installed) in MODES, EAGLE only, two jobs, its report in OUT."""
+    return ["gate", "--no-installed", "--modes", modes, "--methods", "eagle", "--jobs", "2", "--out", str(out), *more]
+
+
 def _verdicts(run):
     return {c.case_id.split("-vllm-")[1]: r for c, r in run.cases}
 
@@ -67,6 +74,20 @@ def test_modes_parse_and_refuse():
     for bad in ("bogus", "mps:x", "poison:none", "memcheck:fast", ""):
         with pytest.raises(ConfigError):
             parse_modes(bad)
+
+
+def test_a_mode_that_hooks_fa3_is_refused_beside_another_backend_alone_or_inside_another_mode():
+    """sm_margin and poison hook FA3's own calls (GateMode.hooks_fa3, from the parsed mode, never its name): with
+    another attention backend plan refuses them, inside audit+ or memcheck:own+ as well as alone."""
+    build = VllmBuild("0.26.0", None, UNDER_TEST, "0.26.0")
+    for name in ("sm_margin:16", "poison:int-max", "audit+sm_margin:16", "memcheck:own+poison:int-max"):
+        (mode,) = parse_modes(name)
+        assert mode.hooks_fa3, name
+        with pytest.raises(ConfigError, match="hooks FA3's calls"):
+            plan([build], (mode,), 1, 60.0, backends=("FLASH_ATTN", "TRITON_ATTN"))
+    others = parse_modes("audit,plain,mps:16,audit+mps:16,memcheck")
+    assert not any(m.hooks_fa3 for m in others)
+    assert len(plan([build], others, 1, 60.0, backends=("TRITON_ATTN",), self_control="none")) == len(others)
 
 
 def test_the_auditor_runs_in_an_sm_configuration_and_the_sweep_preset_lists_every_one():
@@ -167,19 +188,7 @@ def test_compile_none_runs_full_graphs_without_torch_compile_in_every_speculativ
 @needs_entry_point
 def test_gate_command_exit_codes_and_report(tmp_path, fakes, capsys):
     out = tmp_path / "out"  # one folder for every run below: --overwrite replaces the report before (docs/outputs.md)
-    args = [
-        "gate",
-        "--no-installed",
-        "--modes",
-        "plain",
-        "--out",
-        str(out),
-        "--overwrite",
-        "--jobs",
-        "2",
-        "--methods",
-        "eagle",
-    ]
+    args = gate_args(out, "plain", "--overwrite")
     # forked case processes: the spawned launcher's verdicts (test_vllm_gate_fork), torch imported once per build and
     # run instead of once per case; the default launcher's CLI runs: test_the_report_of_a_build_that_gave_no_answer...
     args += ["--launcher", "fork"]
@@ -344,18 +353,7 @@ def hook_nothing_gate(tmp_path_factory):
     # forked case processes (--launcher fork): the verdicts and reasons the spawned ones give (test_vllm_gate_fork
     # compares the two launchers on every stand-in behaviour), for a third of the CPU: 78 case processes, each a fresh
     # interpreter importing torch when spawned
-    cmd = [
-        sys.executable,
-        "-m",
-        "repro",
-        "gate",
-        "--no-installed",
-        "--no-control",
-        "--modes",
-        "audit,plain",
-        "--methods",
-        "eagle",
-    ]
+    cmd = [sys.executable, "-m", "repro", *gate_args(out, "audit,plain", "--no-control")]
     cmd += ["--launcher", "fork"]
     # one attempt of each self control: three of the six (no-spec, other-backend, piecewise) decode without a fault
     # in plain whatever the injection, and a second and third attempt (12 case processes) would only repeat that
@@ -364,7 +362,7 @@ def hook_nothing_gate(tmp_path_factory):
         cmd += ["--vllm", f"{behaviour}={write_fake_vllm(root / behaviour, '0.26.0', behaviour)}"]
     # a module fixture runs before conftest's per-test private cache: it names its own, never the user's
     env = {**os.environ, "REPRO_CACHE_DIR": str(root / "repro-cache")}
-    p = subprocess.run([*cmd, "--out", str(out), "--jobs", "2"], capture_output=True, text=True, env=env)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     return p, out
 
 
@@ -408,22 +406,10 @@ def test_renamed_backend_classes_and_no_scheduler_call_through_the_cli(tmp_path)
     nosched = write_fake_vllm(tmp_path / "nosched", "0.26.0", "no-sched")
     crash = write_fake_vllm(tmp_path / "crash", "0.25.1", "stale-crash")
     out = tmp_path / "out"
-    cmd = [
-        sys.executable,
-        "-m",
-        "repro",
-        "gate",
-        "--no-installed",
-        "--jobs",
-        "2",
-        "--control",
-        f"old={crash}",
-        "--methods",
-        "eagle",
-    ]
+    cmd = [sys.executable, "-m", "repro", *gate_args(out, "audit,poison:int-max", "--control", f"old={crash}")]
     cmd += ["--launcher", "fork"]  # the spawned launcher's verdicts (test_vllm_gate_fork), torch imported per build
-    cmd += ["--modes", "audit,poison:int-max", "--vllm", f"renamed={renamed}", "--vllm", f"nosched={nosched}"]
-    p = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True)
+    cmd += ["--vllm", f"renamed={renamed}", "--vllm", f"nosched={nosched}"]
+    p = subprocess.run(cmd, capture_output=True, text=True)
     assert p.returncode == 4, p.stdout[-2000:] + p.stderr[-2000:]
     doc = json.loads((out / "results.json").read_text())
     assert doc["outcome"] == "CANNOT VOUCH"
@@ -444,18 +430,7 @@ def test_renamed_backend_classes_and_no_scheduler_call_through_the_cli(tmp_path)
 @needs_entry_point
 def test_a_control_that_hooks_nothing_is_cannot_vouch_not_blind(tmp_path, fakes):
     nospec = str(write_fake_vllm(tmp_path / "nospec", "0.25.1", "no-spec"))
-    args = [
-        "gate",
-        "--no-installed",
-        "--modes",
-        "plain",
-        "--out",
-        str(tmp_path / "out"),
-        "--jobs",
-        "2",
-        "--methods",
-        "eagle",
-    ]
+    args = gate_args(tmp_path / "out", "plain")
     args += ["--launcher", "fork"]  # the spawned launcher's verdicts (test_vllm_gate_fork), torch imported per build
     assert cli([*args, "--vllm", f"new={fakes['good']}", "--control", f"old={nospec}"]) == 4
     doc = json.loads((tmp_path / "out" / "results.json").read_text())
@@ -518,12 +493,12 @@ def test_the_gate_outcome_reads_failure_kinds_not_their_words(monkeypatch):
     run = GateRun(cases=[(case, CaseResult(case.case_id, CLEAN, "", expected="clean"))])
     assert run.outcome() == "HARNESS BLIND" and run.outcome(need_control=False) == "PASS"
     kinds = {f.kind for f in run.decision().failures}
-    assert kinds == {policy.MODE_WITHOUT_POSITIVE, policy.NO_POSITIVE}
+    assert kinds == {MODE_WITHOUT_POSITIVE, NO_POSITIVE}
     original = policy.decide
 
     def reworded(controls, required=frozenset()):
         d = original(controls, required)
-        d.failures = [policy.Failure("something else entirely", f.kind, f.case_id) for f in d.failures]
+        d.failures = [Failure("something else entirely", f.kind, f.case_id) for f in d.failures]
         return d
 
     monkeypatch.setattr(policy, "decide", reworded)
@@ -578,19 +553,7 @@ def test_the_report_of_a_build_that_gave_no_answer_and_of_no_control(tmp_path):
     counted as controls."""
     broken = write_fake_vllm(tmp_path / "broken", "0.27.0", "broken")
     out = tmp_path / "out"
-    args = [
-        "gate",
-        "--no-installed",
-        "--modes",
-        "plain",
-        "--out",
-        str(out),
-        "--jobs",
-        "2",
-        "--no-control",
-        "--methods",
-        "eagle",
-    ]
+    args = gate_args(out, "plain", "--no-control")
     assert cli([*args, "--vllm", f"y={broken}", "--self-control", "none"]) == 4
     md = (out / "verdicts.md").read_text()
     assert "| y | under-test | 0.27.0 | **cannot tell** |" in md
@@ -626,7 +589,7 @@ def test_the_pytest_tier_runs_each_build_and_mode_through_the_gates_own_run(tmp_
     quiet: dict = {}
     with pytest.raises(pytest.xfail.Exception, match="known-bad vLLM quiet silent in mode plain"):
         tier.test_stale_metadata_vllm_gate((builds[1], plain, builds, "eagle"), lambda k, v: quiet.__setitem__(k, v))
-    assert quiet["expected"] == "known-bad" and quiet["subject"] == "quiet eagle FLASH_ATTN"
+    assert quiet["expected"] == "known-bad" and quiet["subject"] == ["quiet", "eagle", "FLASH_ATTN"]
     # a method the stand-in does not dispatch (it has no init_speculator: EAGLE only): not applicable, said why
     na: dict = {}
     with pytest.raises(pytest.skip.Exception, match="not applicable here: method mtp: .*EAGLE only"):

@@ -14,7 +14,7 @@ from repro.contract.verdicts import CLEAN
 from repro.vllm_integration.gate import bench as gate_bench
 from repro.vllm_integration.gate import report as gate_report
 from repro.vllm_integration.gate.cache import COLD, VLLM_CACHE, WARM, WRITER, GateCache, package_fingerprint
-from repro.vllm_integration.gate.case import parse_modes
+from repro.vllm_integration.gate.modes import parse_modes
 from repro.vllm_integration.gate.paths import FORK_COLD, FORK_WARM, NEW_COLD, NEW_WARM, OLD_PATH, compare_paths
 from repro.vllm_integration.gate.report import build_summary
 from repro.vllm_integration.gate.run import run_gate

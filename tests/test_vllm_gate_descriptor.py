@@ -10,7 +10,7 @@ import importlib.metadata
 import pytest
 
 from repro.contract.verdicts import CLEAN, CRASH, STALE_AUDIT
-from repro.vllm_integration.gate.case import parse_modes
+from repro.vllm_integration.gate.modes import parse_modes
 from repro.vllm_integration.gate.run import run_gate
 from repro.vllm_integration.releases.builds import UNDER_TEST, parse_builds
 from tests.fake_vllm import write_fake_vllm

@@ -10,7 +10,8 @@ import json
 import pytest
 
 from repro.vllm_integration.gate import methods
-from repro.vllm_integration.gate.case import GateMode, reference_for
+from repro.vllm_integration.gate.case import reference_for
+from repro.vllm_integration.gate.modes import GateMode
 from repro.vllm_integration.gate.run import plan
 from repro.vllm_integration.gate.worker import llm_kwargs, write_models
 from repro.vllm_integration.plugin import weights

@@ -24,9 +24,10 @@ from repro.contract.verdicts import CLEAN, CRASH, HANG
 from repro.errors import ProtocolError
 from repro.run import forkserver as fs
 from repro.vllm_integration.gate import report as gate_report
-from repro.vllm_integration.gate.case import GateCase, GateMode, case_env, parse_modes
+from repro.vllm_integration.gate.case import GateCase, case_env
 from repro.vllm_integration.gate.forkserver import differs
 from repro.vllm_integration.gate.launch import FORK, SPAWN, Launcher, launcher_kind
+from repro.vllm_integration.gate.modes import GateMode, parse_modes
 from repro.vllm_integration.gate.process import run_case
 from repro.vllm_integration.gate.run import run_gate
 from repro.vllm_integration.releases.builds import CONTROL, UNDER_TEST, parse_builds
@@ -275,7 +276,8 @@ GATE_THAT_DIES = """
 import json, sys, threading, time
 from pathlib import Path
 from repro.vllm_integration.releases.builds import parse_builds, UNDER_TEST
-from repro.vllm_integration.gate.case import GateCase, GateMode, case_env
+from repro.vllm_integration.gate.case import GateCase, case_env
+from repro.vllm_integration.gate.modes import GateMode
 from repro.vllm_integration.gate.launch import Launcher, FORK
 from repro.vllm_integration.gate.process import run_case
 tmp = Path(sys.argv[1])

@@ -96,7 +96,7 @@ def test_the_kept_paths_of_compare_paths_fork_the_warm_run_from_the_forkserver_t
     short_dir, tmp_path, monkeypatch
 ):
     from repro.vllm_integration.gate import paths as gate_paths
-    from repro.vllm_integration.gate.case import parse_modes
+    from repro.vllm_integration.gate.modes import parse_modes
     from repro.vllm_integration.gate.paths import KEPT_COLD, KEPT_WARM, compare_paths, parse_paths
     from repro.vllm_integration.releases.builds import UNDER_TEST, parse_builds
     from tests.fake_vllm import write_fake_vllm

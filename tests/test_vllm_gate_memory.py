@@ -14,7 +14,8 @@ from repro.case.spec import CaseResult
 from repro.run import own_alloc
 from repro.run.memory import GIB, MemoryBudget
 from repro.vllm_integration.gate import process as gate_process
-from repro.vllm_integration.gate.case import GateCase, GateMode, parse_modes, reference_for
+from repro.vllm_integration.gate.case import GateCase, reference_for
+from repro.vllm_integration.gate.modes import GateMode, parse_modes
 from repro.vllm_integration.gate.placement import GIB_MEMCHECK_OWN, GIB_MEMCHECK_OWN_GUARDED, GIB_PER_CASE, case_gib
 from repro.vllm_integration.gate.run import run_gate
 from repro.vllm_integration.releases.builds import CONTROL, UNDER_TEST, VllmBuild

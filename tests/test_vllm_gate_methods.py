@@ -15,10 +15,12 @@ import pytest
 
 from repro.contract.verdicts import SKIP
 from repro.judge import policy
+from repro.judge.decision import GateOutcome
 from repro.vllm_integration.gate import methods
-from repro.vllm_integration.gate.case import GateCase, GateMode, reference_for
+from repro.vllm_integration.gate.case import GateCase, reference_for
+from repro.vllm_integration.gate.modes import GateMode
 from repro.vllm_integration.gate.outcome import GateRun, control_of
-from repro.vllm_integration.gate.process import not_applicable_of, set_apart_not_applicable
+from repro.vllm_integration.gate.process import set_apart_not_applicable
 from repro.vllm_integration.gate.run import plan
 from repro.vllm_integration.gate.worker import llm_kwargs, write_models
 from repro.vllm_integration.releases.builds import SITE_DIRS_ENV, VllmBuild
@@ -195,8 +197,8 @@ def test_a_not_applicable_method_runs_nothing_and_is_listed_never_clean(tmp_path
     # each method: the build, its self control in both injection forms
     assert [c.method for c in run_cases] == ["eagle"] * 3 and [c.method for c, _ in na] == ["mtp"] * 3
     for c, r in na:
-        assert r.verdict == SKIP and "EAGLE only" in not_applicable_of(r) and r.reason.startswith("not applicable")
-        assert control_of(c, r).not_applicable == not_applicable_of(r)
+        assert r.verdict == SKIP and "EAGLE only" in r.not_applicable and r.reason.startswith("not applicable")
+        assert control_of(c, r).not_applicable == r.not_applicable
     run = GateRun(cases=na)
     assert run.affected() == []  # not a build under test that errored or skipped: it lacks the method
     d = policy.decide(run.controls())
@@ -258,7 +260,7 @@ def test_the_report_has_a_row_per_method_and_a_lacking_method_reads_not_applicab
     assert "| 0.2x mtp | under-test | 0.2x | **not applicable** |" in md
     assert "| 0.2x | under-test | 0.2x | **no** |" in md
     assert [s["build"] for s in report.releases_only(report.build_summary(run))] == ["0.2x"]
-    assert run.outcome() != policy.GateOutcome.CANNOT_VOUCH  # a lacking method is no unanswered case
+    assert run.outcome() != GateOutcome.CANNOT_VOUCH  # a lacking method is no unanswered case
     assert {r["method"] for r in report.rows(run)} == {"eagle", "mtp"}
 
 

@@ -12,7 +12,7 @@ from repro.case.spec import CaseResult
 from repro.contract.verdicts import CLEAN, CRASH, ERROR
 from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import run as gate_run
-from repro.vllm_integration.gate.case import parse_modes
+from repro.vllm_integration.gate.modes import parse_modes
 from repro.vllm_integration.gate.report import markdown, to_json
 from repro.vllm_integration.plugin.inject import STALE_CAPTURE
 from repro.vllm_integration.releases.builds import CONTROL, UNDER_TEST, VllmBuild
@@ -121,7 +121,8 @@ def test_with_one_job_nothing_shares_a_daemon(monkeypatch, tmp_path):
 def test_a_kept_reference_leaves_its_record_in_the_runs_logs(tmp_path):
     """A reference taken from the cache writes what its process would have left (a line, its RESULT record), so a
     replay of the run's record judges its cases from the record alone."""
-    from repro.vllm_integration.gate.case import GateCase, GateMode
+    from repro.vllm_integration.gate.case import GateCase
+    from repro.vllm_integration.gate.modes import GateMode
 
     build = VllmBuild("0.26.0", str(tmp_path), UNDER_TEST, "0.26.0")
     ref = GateCase(build, GateMode.parse("plain"), reference=True)

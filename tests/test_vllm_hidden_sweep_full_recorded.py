@@ -6,7 +6,7 @@ gate cannot vouch for those configurations."""
 
 from __future__ import annotations
 
-from repro.vllm_integration.gate.case import PRESETS
+from repro.vllm_integration.gate.modes import PRESETS
 from tests.recorded_gate import replay
 from tests.records import RESULTS
 

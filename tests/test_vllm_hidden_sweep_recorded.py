@@ -8,7 +8,7 @@ where 0.25.1 decoded right and no self control ran."""
 from __future__ import annotations
 
 from repro.exit_codes import gate as gate_exit
-from repro.judge import policy
+from repro.judge.decision import MODE_WITHOUT_EVIDENCE
 from tests.recorded_gate import replay
 from tests.records import RESULTS
 
@@ -31,9 +31,7 @@ def test_no_false_alarm_and_the_audit_modes_under_sm_margin_are_evidence(monkeyp
     d = run.decision()
     for n in SMS:  # the auditor at sm_margin:N reads vLLM's own objects: its stale views are that mode's evidence
         assert d.evidence[f"audit+sm_margin:{n}"] == (1, 1)
-    blind = sorted(
-        f.split("mode ", 1)[1].split(":", 1)[0] for f in d.failures if f.kind == policy.MODE_WITHOUT_EVIDENCE
-    )
+    blind = sorted(f.split("mode ", 1)[1].split(":", 1)[0] for f in d.failures if f.kind == MODE_WITHOUT_EVIDENCE)
     assert blind == ["plain", "sm_margin"]  # plain and sm_margin:66: 0.25.1 silent, no self control asked for
     assert {f.split("mode ", 1)[1].split(": none")[0] for f in d.failures} == {"plain", "sm_margin:66"}
     assert run.outcome() == "HARNESS BLIND" and gate_exit(run.outcome()) == 3

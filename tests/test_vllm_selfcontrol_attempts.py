@@ -14,7 +14,8 @@ from repro.contract.verdicts import CLEAN, CRASH
 from repro.run.runner import case_logs
 from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import run as gate_run
-from repro.vllm_integration.gate.case import GateCase, parse_modes
+from repro.vllm_integration.gate.case import GateCase
+from repro.vllm_integration.gate.modes import parse_modes
 from repro.vllm_integration.gate.report import rows
 from repro.vllm_integration.plugin.inject import STALE_CAPTURE
 from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild

@@ -28,14 +28,16 @@ from dataclasses import replace
 
 import pytest
 
-from repro.case.spec import CaseResult
+from repro.case.spec import PLATFORM_FAILED, CaseResult
 from repro.contract import channel
 from repro.contract.channel import RECORDED_BEFORE
 from repro.contract.verdicts import CANNOT_VOUCH, CLEAN, CRASH, ERROR, HANG, STALE_AUDIT, WRONG
+from repro.report.records import upgrade_result
 from repro.vllm_integration.gate import coverage
 from repro.vllm_integration.gate import judge as gate_judge
 from repro.vllm_integration.gate import steps as gate_steps
-from repro.vllm_integration.gate.case import GateCase, GateMode, reference_for
+from repro.vllm_integration.gate.case import GateCase, reference_for
+from repro.vllm_integration.gate.modes import GateMode
 from repro.vllm_integration.plugin.inject import STALE_CAPTURE
 from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
 
@@ -363,6 +365,19 @@ def test_a_gpu_that_computes_matrix_products_wrong_makes_any_case_an_error(verdi
     good = {**bad, "sms": 132, "gemm_check": {**bad["gemm_check"], "ok": True, "max_error": 0.008}}
     lines[2] = "REPRO_DEVICE " + json.dumps(good)
     assert gate_steps.annotate(CaseResult(c.case_id, CLEAN, "ran"), c, "\n".join(lines), None).verdict == CLEAN
+    # the failure is a typed flag on the new record, what every later decision reads (gate_judge.platform_failed)
+    assert PLATFORM_FAILED in got.flags and gate_judge.platform_failed(got)
+
+
+def test_a_failed_platform_check_is_read_from_its_flag_never_from_a_history_step():
+    """platform_failed decides by the typed flag alone: a record whose history merely names the step is not one (an
+    older record gets the flag from the one upgrader of recorded results, upgrade_result, the only reader of the
+    step's name)."""
+    c = case("mps:24")
+    named = CaseResult(c.case_id, CLEAN, "ran").revised("platform check", "said so", verdict=ERROR)
+    assert not gate_judge.platform_failed(named)
+    upgraded = CaseResult(**upgrade_result({k: v for k, v in named.to_dict().items() if k != "flags"}))
+    assert gate_judge.platform_failed(upgraded) and upgraded.flags == [PLATFORM_FAILED]
 
 
 # The reference checks and the comparison each rule of reference_problems / apply_reference / annotate rests on; each

@@ -101,6 +101,12 @@ class CaseSpec:
             raise ConfigError("timeout must be positive")
 
     @property
+    def begun_marker(self) -> str | None:
+        """The words of a case's output that say its work under test had begun (classify flags a timeout after them,
+        CAPTURING): None for an attention-layer case, whose process prints no such line."""
+        return None
+
+    @property
     def case_id(self) -> str:
         """Every parameter that changes what runs, so no two different cases share an id (or a log file); the
         attention config adds only what differs from AttnConfig's defaults, so the default matrix keeps its ids."""
@@ -147,9 +153,12 @@ class CaseSpec:
 # What happened to a case process beyond its verdict, as typed flags later steps decide by (CaseResult.flags), never by
 # words of its reason: its Stall watch stopped it as hung; the GPU (an MPS server recovering) refused its process, so
 # it never ran; it ran again alone under an MPS daemon of its own after a shared run it could not trust; it was stopped
-# at its timeout after its output showed the captures begun (the vLLM gate: its stall rule's marker).
+# at its timeout after its output showed the captures begun (the vLLM gate: its stall rule's marker); its GPU computes
+# matrix products wrong in its SM configuration, so nothing computed there can be judged (the vLLM gate's platform
+# check, or a case not run after another's in the same configuration failed it).
 STALLED, REFUSED, RERUN_ALONE, CAPTURING = "stalled", "refused", "rerun-alone", "capturing"
-FLAGS = (STALLED, REFUSED, RERUN_ALONE, CAPTURING)
+PLATFORM_FAILED = "platform-failed"
+FLAGS = (STALLED, REFUSED, RERUN_ALONE, CAPTURING, PLATFORM_FAILED)
 
 
 def positive_control(spec: CaseSpec) -> bool:
@@ -184,6 +193,7 @@ class CaseResult:
     log_tail: str = ""
     history: list[dict] = field(default_factory=list)  # the later steps that made this record from earlier ones
     flags: list[str] = field(default_factory=list)  # of FLAGS: what happened to its process, decided on by later steps
+    not_applicable: str | None = None  # why the case cannot exist on this runner (a skip, never clean), else None
 
     def revised(self, step: str, why: str, **changes) -> CaseResult:
         """A new record from a later step (the vLLM gate's reference comparison, attribution rerun, coverage check),
@@ -193,6 +203,14 @@ class CaseResult:
         if changed:
             new.history.append({"step": step, "why": why, "changed": changed})
         return new
+
+    @property
+    def first_verdict(self) -> str:
+        """The verdict classify gave the case's process, before any later step revised it: the first verdict its
+        history's changes record (typed data, never a step's name), else its verdict now."""
+        return next(
+            (h["changed"]["verdict"][0] for h in self.history if "verdict" in h.get("changed", {})), self.verdict
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -11,7 +11,7 @@ import sys
 from repro import exit_codes
 from repro.cli import outputs
 from repro.errors import ConfigError
-from repro.judge.policy import GateOutcome
+from repro.judge.decision import GateOutcome
 from repro.vllm_integration.ci import command, report
 from repro.vllm_integration.ci.judge import Expect, judge
 from repro.vllm_integration.plugin.backend_fields import known_name

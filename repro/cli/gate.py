@@ -81,9 +81,10 @@ def _judge_options(a: argparse.Namespace) -> _Options:
     """Every flag's value judged, and the folders it names, before the builds are looked for (no build, no GPU:
     exit 4 only after a bad flag would have been refused)."""
     from repro.vllm_integration.gate.cache import CACHE_ENV  # the gate's modules load only for it
-    from repro.vllm_integration.gate.case import parse_backends, parse_modes, persons_choices  # as above
+    from repro.vllm_integration.gate.case import persons_choices  # as above
     from repro.vllm_integration.gate.keep import keep_seconds  # as above
     from repro.vllm_integration.gate.launch import launcher_kind  # as above
+    from repro.vllm_integration.gate.modes import parse_backends, parse_modes  # as above
     from repro.vllm_integration.gate.paths import parse_paths  # as above
 
     _refuse_moot(a)

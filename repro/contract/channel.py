@@ -144,6 +144,9 @@ SPEC_LAYOUT = "spec_layout"  # counters from before the plugin reported vLLM's s
 BACKENDS = "backends"  # counters from before forwards were counted per backend (attention_forwards: FLASH_ATTN's)
 ACCEPTANCE = "acceptance"  # an ENGINE record without the draft's acceptance counters (references ran no draft then)
 ATTEMPTS = "attempts"  # a gate results.json row from before it kept each attempt of its case (gate.process.Attempt)
+# a gate row of a self control's further attempt, clean as its process ended, from before a further attempt was
+# compared with its reference as the first is: its verdict is its process's own (CaseResult.first_verdict)
+UNCOMPARED = "uncompared_attempt"
 
 
 def recorded_before(record: dict | None) -> tuple[str, ...]:

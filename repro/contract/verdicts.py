@@ -24,7 +24,7 @@ from enum import Enum
 
 
 class StrValue(str, Enum):
-    """A str enum whose members equal, hash and print as their value: Verdict here, policy.GateOutcome."""
+    """A str enum whose members equal, hash and print as their value: Verdict here, repro.judge.decision.GateOutcome."""
 
     __str__ = str.__str__
     __format__ = str.__format__

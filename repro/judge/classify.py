@@ -1,7 +1,13 @@
 """How a case process's output becomes a verdict (the taxonomy: repro.contract.verdicts): its records (the structured channel,
 repro.contract.channel), its exit status, the clock and compute-sanitizer's findings, read once into a CaseResult with its
 evidence. Later steps (the vLLM gate's reference comparison, attribution rerun, coverage check) never edit that record:
-they make a new one that says what changed it (repro.case.spec.revise)."""
+they make a new one that says what changed it (repro.case.spec.revise).
+
+This is the one classifier of a case process's free-form output, the only code that reads a driver's or library's
+message: a fault, a failed launch or out of memory (FAULT_MARKERS, LAUNCH_MARKERS, OOM_MARKERS: the kernel the line
+names), the MPS server's refusal of a new client (REFUSAL_MARKERS: a typed flag, REFUSED), the words that say a
+case's work had begun before its timeout (its spec's begun_marker, vLLM's captures: a typed flag, CAPTURING), and the
+last lines of a process that exited without a result. Every later step decides by the typed record it makes, never by those words."""
 
 from __future__ import annotations
 
@@ -9,8 +15,8 @@ import json
 import re
 
 from repro.attention.staleness import add_counts
+from repro.case.spec import CAPTURING, CaseResult
 from repro.case.spec import REFUSED as REFUSED_FLAG
-from repro.case.spec import CaseResult
 from repro.contract.channel import Channel
 from repro.contract.tags import DEVICE_TAG, PASS_TAG, RESULT_TAG, SKIP_TAG
 from repro.contract.verdicts import CLEAN, CRASH, ERROR, EVIDENCE, HANG, LAUNCH_FAIL, OOB, SKIP, STALE_AUDIT, WRONG
@@ -86,6 +92,7 @@ def kernel_in(text: str) -> str | None:
 # How a process the GPU would not take is reported: under MPS, the server refuses new clients while it recovers from
 # a client's fault (NVIDIA's MPS guide, "error containment").
 REFUSED = "the GPU refused this process (busy or unavailable)"
+REFUSAL_MARKERS = ("busy or unavailable",)  # CUDA's words for a device it would not give this process
 
 
 def refused(res: CaseResult) -> bool:
@@ -105,8 +112,9 @@ def classify(
     """Turn what a case process left behind into a verdict with its evidence, once: its records (the structured
     channel, repro.contract.channel; for a log recorded before the channel, the tagged lines of its output), its exit, the
     clock and memcheck's findings. The free-form output is read for one thing only: the line a fault or a failed
-    launch was reported on (and the kernel that line names). Pure: the CPU tier tests it on recorded outputs.
-    `spec` needs case_id, timeout_s and to_json() (CaseSpec, the vLLM gate's GateCase)."""
+    launch was reported on (and the kernel that line names), a refusal, the words saying its work had begun
+    (`begun_marker`) before a timeout, and its last lines. Pure: the CPU tier tests it on recorded outputs.
+    `spec` needs case_id, timeout_s, begun_marker and to_json() (CaseSpec, the vLLM gate's GateCase)."""
     ch = channel if channel is not None else Channel.from_output(output)
     passes, results, skips = ch.of(PASS_TAG), ch.of(RESULT_TAG), ch.of(SKIP_TAG)
     last = passes[-1]["descriptor"] if passes else None
@@ -151,8 +159,10 @@ def classify(
         reason = f"memcheck: {f}{more}" + (f"; then no exit within {spec.timeout_s:g} s" if timed_out else "")
         return done(OOB, reason, f"{f.role} kernel, {f.access}", None if results else last)
     if timed_out:
+        if spec.begun_marker and spec.begun_marker in output:  # stopped after its work began (vLLM: its captures)
+            res.flags.append(CAPTURING)
         return done(HANG, f"no exit within {spec.timeout_s:g} s (last launch: {last})", f"{spec.timeout_s:g} s", last)
-    if not results and "busy or unavailable" in output:
+    if not results and any(m in output for m in REFUSAL_MARKERS):
         res.flags.append(REFUSED_FLAG)
         return done(ERROR, f"{REFUSED}: another client faulted it; rerun alone", "", last)
     if not results:

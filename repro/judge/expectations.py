@@ -12,7 +12,7 @@ from repro.case.scenarios import DEFAULT_PAIR, PAIR, V2
 from repro.case.spec import CaseSpec, positive_control
 from repro.contract.verdicts import OOB, WRONG
 from repro.fa3_model.scope import H200_SMS, MODEL_SM_KINDS
-from repro.judge.policy import AUDIT, DETECTED, EXPECT_CLEAN, FAULT
+from repro.judge.control import AUDIT, DETECTED, EXPECT_CLEAN, FAULT, GatingMode
 
 # Where the CPU model cannot decide: what was measured on the H200 (results/), by (scenario or SM kind, poison).
 MEASURED = {
@@ -72,6 +72,7 @@ def expectation(spec: CaseSpec) -> str:
     return MEASURED.get((key, spec.poison), AUDIT)
 
 
-def gate_mode(spec: CaseSpec) -> str:
-    """The gating mode a control belongs to (repro.judge.policy): its evidence channel."""
-    return "memcheck" if spec.sanitizer else spec.mode
+def gate_mode(spec: CaseSpec) -> GatingMode:
+    """The gating mode a control belongs to (repro.judge.policy): its evidence channel; an attention-layer case's
+    stale-audit is the harness's builder's, never the engine's (GatingMode.engine_audit)."""
+    return GatingMode("memcheck" if spec.sanitizer else spec.mode)

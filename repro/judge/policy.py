@@ -14,7 +14,8 @@ What a gate run needs (`decide`):
    applicable: listed with its reason, not a failure, unless the run requires that feature (`REQUIREMENTS`).
 3. Each gating mode (the group a control belongs to: eager, graph, memcheck, or a vLLM gate mode) needs evidence
    from its OWN positive controls (a mode that ran only negative controls fails): kernel evidence, or for the modes
-   in `ENGINE_AUDIT_MODES` (alone or in an SM configuration: `audit+mps:16`) the engine's own metadata caught stale by
+   whose audit is the engine's (GatingMode.engine_audit: vLLM's auditor, alone or in an SM configuration:
+   `audit+mps:16`) the engine's own metadata caught stale by
    the auditor. The attention-layer stale-audit is the harness's bookkeeping: it meets an
    `audit` control but never counts as a mode's evidence.
 4. At least one positive control ran.
@@ -29,7 +30,6 @@ What a gate run needs (`decide`):
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from repro.contract.verdicts import (
     CANNOT_VOUCH,
@@ -40,21 +40,35 @@ from repro.contract.verdicts import (
     MEMORY_FAULTS,
     SKIP,
     STALE_AUDIT,
-    StrValue,
-    Verdict,
+)
+from repro.judge.control import (
+    ANY_FORM,
+    AUDIT,
+    DETECTED,
+    EXPECT_CLEAN,
+    FAULT,
+    KNOWN_BAD_BUILD,
+    RECORDED,
+    Control,
+    GatingMode,
+)
+from repro.judge.decision import (
+    CONTROL_FAILED,
+    MODE_WITHOUT_EVIDENCE,
+    MODE_WITHOUT_POSITIVE,
+    NO_POSITIVE,
+    NOT_COVERED,
+    Failure,
+    GateDecision,
 )
 
-FAULT, DETECTED, AUDIT, KNOWN_BAD_BUILD = "fault", "detected", "audit", "known-bad"
-ANY_FORM, EXPECT_CLEAN, RECORDED = "any-form", "clean", "recorded"  # the order of EXPECTATIONS: MEETS's
-# kinds of positive control a vLLM gate mode relies on: a build known to be bad, or one with the defect re-created
-KNOWN_BAD, SELF_CONTROL = "known-bad build", "self-control"
 MEETS: dict[str, tuple[str, ...]] = {
     # A launch that fails after stale metadata is the kernels failing too: upstream FA3's combine launch check reports
     # "Error Internal" there on the H200 (results/h200-launch-failures), where other configurations crash.
     FAULT: (*MEMORY_FAULTS, LAUNCH_FAIL),
     DETECTED: KERNEL_EVIDENCE,
     AUDIT: (*KERNEL_EVIDENCE, STALE_AUDIT),
-    KNOWN_BAD_BUILD: (*KERNEL_EVIDENCE, STALE_AUDIT),  # STALE_AUDIT counts only in ENGINE_AUDIT_MODES (rule 5)
+    KNOWN_BAD_BUILD: (*KERNEL_EVIDENCE, STALE_AUDIT),  # STALE_AUDIT counts only where the audit is the engine's
     ANY_FORM: KERNEL_EVIDENCE,
     EXPECT_CLEAN: (CLEAN,),
     RECORDED: (CLEAN, *KERNEL_EVIDENCE, STALE_AUDIT),
@@ -71,16 +85,6 @@ AUDIT_CONTROLS = {
     "spec-decode unpoisoned": "results/h200-spec-nopoison: stale-audit 4 of 4, tokens equal",
     "vllm audit mode": "the auditor reads vLLM's own metadata objects at capture time (evidence from the engine)",
 }
-# Gate modes whose stale-audit comes from the engine's own metadata (vLLM's), not the harness's builder.
-ENGINE_AUDIT_MODES = ("audit",)
-
-
-def engine_audit(mode: str) -> bool:
-    """A mode whose stale-audit is the engine's: one of ENGINE_AUDIT_MODES, alone or in an SM configuration
-    (`audit+mps:16`, `audit+sm_margin:8`: the auditor with that restriction)."""
-    return mode.split("+", 1)[0] in ENGINE_AUDIT_MODES
-
-
 # Features a runner can be told it must cover; absent ones are then failures instead of "not applicable".
 REQUIREMENTS = {
     "mig": "a MIG slice pinned to each worker (REPRO_PINNED_DEVICE=MIG-...)",
@@ -105,9 +109,10 @@ def is_positive(expect: str) -> bool:
     return expect in (FAULT, DETECTED, AUDIT, KNOWN_BAD_BUILD, ANY_FORM)
 
 
-def counts_as_evidence(verdict: str, mode: str) -> bool:
-    """Does this verdict, from a positive control of `mode`, show that the mode sees the bug?"""
-    return verdict in KERNEL_EVIDENCE or (verdict == STALE_AUDIT and engine_audit(mode))
+def counts_as_evidence(verdict: str, mode: GatingMode) -> bool:
+    """Does this verdict, from a positive control of `mode`, show that the mode sees the bug? Stale-audit only where
+    the mode's audit is the engine's (GatingMode.engine_audit)."""
+    return verdict in KERNEL_EVIDENCE or (verdict == STALE_AUDIT and mode.engine_audit)
 
 
 def parse_requirements(text: str | None) -> frozenset[str]:
@@ -119,153 +124,9 @@ def parse_requirements(text: str | None) -> frozenset[str]:
     return frozenset(names)
 
 
-@dataclass(frozen=True)
-class Control:
-    """One case as a gate sees it."""
-
-    case_id: str
-    expected: str
-    verdict: str
-    mode: str  # the gating mode it belongs to (eager, graph, memcheck, or a vLLM gate mode)
-    reason: str = ""
-    not_applicable: str | None = None  # why this configuration cannot exist on this runner
-    needs: str | None = None  # the REQUIREMENTS feature whose absence made it not applicable
-    kind: str | None = None  # a positive control's kind where it matters (vLLM gate: known-bad build, self-control)
-    subject: str | None = None  # what rules 5 and 6 judge it over: its known-bad build, or its self control's forms
-
-    @property
-    def gating(self) -> bool:
-        return self.expected != RECORDED
-
-    def properties(self) -> list[tuple[str, object]]:
-        """The control as a pytest test records it (record_property), for `pytest --gate` to read back whole
-        (from_properties): one shape for every tier's controls."""
-        out = [
-            ("expected", self.expected),
-            ("verdict", self.verdict),
-            ("gate_mode", self.mode),
-            ("reason", self.reason),
-        ]
-        for key in ("not_applicable", "needs", "kind", "subject"):
-            if getattr(self, key) is not None:
-                out.append((key, getattr(self, key)))
-        return out
-
-    @classmethod
-    def from_properties(cls, case_id: str, props: dict) -> Control:
-        """A control from what its test recorded (properties, or a test that recorded only some before it
-        skipped: no verdict is a skip, no expectation a negative control)."""
-        verdict, reason = props.get("verdict") or SKIP, str(props.get("reason") or "")
-        try:  # recorded plain (a str, to cross xdist): typed again here, the one place
-            verdict = Verdict(verdict)
-        except ValueError:
-            verdict, reason = ERROR, f"the case recorded an unknown verdict {verdict!r}: {reason}"
-        return cls(
-            case_id,
-            str(props.get("expected") or EXPECT_CLEAN),
-            verdict,
-            str(props.get("gate_mode") or "eager"),
-            reason,
-            props.get("not_applicable"),
-            props.get("needs"),
-            kind=props.get("kind"),
-            subject=props.get("subject"),
-        )
-
-
 def disagrees(expect: str, verdict: str) -> bool:
     """A positive control that showed kernel evidence of another kind than its expectation names."""
     return is_positive(expect) and verdict in KERNEL_EVIDENCE and not satisfies(expect, verdict)
-
-
-# Kinds of gate failure (Failure.kind): callers decide by kind, never by the message's words.
-CONTROL_FAILED, NOT_COVERED, MODE_WITHOUT_POSITIVE, MODE_WITHOUT_EVIDENCE, NO_POSITIVE = (
-    "control failed",
-    "required feature absent",
-    "mode without a positive control",
-    "mode without evidence",
-    "no positive control",
-)
-NEEDS_A_CONTROL = (MODE_WITHOUT_POSITIVE, NO_POSITIVE)  # failures that only say no positive control ran
-GATE_WIDE = (MODE_WITHOUT_POSITIVE, MODE_WITHOUT_EVIDENCE, NO_POSITIVE)  # a mode's or the gate's, no one case's
-
-
-class Failure(str):
-    """One reason a gate fails: its text (what reports print and JSON keeps), its kind and, where one control failed,
-    that control's case id."""
-
-    kind: str
-    case_id: str | None
-
-    def __new__(cls, text: str, kind: str, case_id: str | None = None) -> Failure:
-        obj = super().__new__(cls, text)
-        obj.kind, obj.case_id = kind, case_id
-        return obj
-
-
-class GateOutcome(StrValue):
-    """What `repro gate` answers for a run (repro.vllm_integration.gate.outcome.GateRun.outcome decides it from decide's
-    failures, by their kind, and from the builds under test; repro.exit_codes gives its exit code): a str that
-    equals, prints and serialises as its value ("HARNESS BLIND"), as reports and results.json have always shown it."""
-
-    PASS = "PASS"
-    AFFECTED = "AFFECTED"
-    BLIND = "HARNESS BLIND"
-    CANNOT_VOUCH = "CANNOT VOUCH"
-
-
-@dataclass(frozen=True)
-class GateJudgment:
-    """A gate run's answer, decided once (GateRun.judge) for the question it was asked (need_control: False for
-    `--no-control`, where the builds answer for themselves) and stored on the run: every report, paths.json and the
-    exit code read this one record, never a decision of their own."""
-
-    need_control: bool
-    outcome: GateOutcome
-    blind: tuple[str, ...]
-    decision: GateDecision
-
-
-@dataclass
-class GateDecision:
-    failures: list[Failure] = field(default_factory=list)
-    disagreements: list[str] = field(default_factory=list)  # evidence of another kind than expected (not gating)
-    not_applicable: list[tuple[str, str]] = field(default_factory=list)  # (case, reason)
-    ran: int = 0
-    evidence: dict[str, tuple[int, int]] = field(default_factory=dict)  # mode -> (positive controls, with evidence)
-    # mode -> control kind -> (positive controls, with evidence): which kind of control each mode relied on
-    evidence_by_kind: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
-    # listed, not failed: a known-bad build silent in one mode, caught in another (5); a form beside a caught one (6)
-    misses: list[str] = field(default_factory=list)
-    form_misses: list[str] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        return not self.failures
-
-    def summary(self) -> list[str]:
-        """Lines for a person: what ran, what each mode's controls showed, what was not applicable and why."""
-        lines = [f"gate: {self.ran} control(s) ran; {len(self.not_applicable)} not applicable here"]
-        for mode, (pos, ev) in sorted(self.evidence.items()):
-            kinds = self.evidence_by_kind.get(mode) or {}
-            if set(kinds) <= {KNOWN_BAD}:  # the one kind every gate had before self controls: nothing to tell apart
-                kinds = {}
-            how = "; ".join(f"{k}: {e} of {p}" for k, (p, e) in sorted(kinds.items()))
-            lines.append(
-                f"  mode {mode}: {ev} of {pos} positive control(s) showed evidence" + (f" ({how})" if how else "")
-            )
-        for x in self.disagreements:
-            lines.append(f"  evidence of another kind than expected (not gating): {x}")
-        for x in self.misses:
-            lines.append(f"  known-bad build silent in this mode, detected in another (rule 5): {x}")
-        for x in self.form_misses:
-            lines.append(f"  self-control form silent in this mode, another form caught (rule 6): {x}")
-        by_reason: dict[str, list[str]] = {}
-        for case, why in self.not_applicable:
-            by_reason.setdefault(why, []).append(case)
-        for why, cases in by_reason.items():
-            lines.append(f"  not applicable ({len(cases)}): {why}")
-        return lines
 
 
 def problem(expect: str, verdict: str) -> str | None:
@@ -288,8 +149,9 @@ def problem(expect: str, verdict: str) -> str | None:
 def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) -> GateDecision:
     """The gate's decision over every control of a run (rules 1-6 of this module's docstring)."""
     d = GateDecision()
-    bad_builds: dict[str, list[Control]] = {}  # rule 5: subject -> its positive controls that ran
-    forms: dict[str, list[Control]] = {}  # rule 6: subject -> the injection forms of one self control that ran
+    bad_builds: dict[tuple[str, ...], list[Control]] = {}  # rule 5: subject -> its positive controls that ran
+    forms: dict[tuple[str, ...], list[Control]] = {}  # rule 6: subject -> the forms of one self control that ran
+    modes: dict[str, GatingMode] = {}  # each mode by the name its evidence is counted under
     for c in controls:
         if c.not_applicable is not None:
             if c.needs and c.needs in required:
@@ -305,25 +167,26 @@ def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) 
         elif c.gating and disagrees(c.expected, c.verdict):
             d.disagreements.append(f"{c.case_id}: {c.verdict}, the expectation was {c.expected}")
         if c.gating:
-            pos, ev = d.evidence.get(c.mode, (0, 0))
+            modes.setdefault(c.mode.name, c.mode)
+            pos, ev = d.evidence.get(c.mode.name, (0, 0))
             if c.expected == ANY_FORM and c.verdict not in NO_EVIDENCE:  # without a subject: a form alone
-                forms.setdefault(c.subject or c.case_id, []).append(c)
+                forms.setdefault(c.subject or (c.case_id,), []).append(c)
             elif c.subject is not None and is_positive(c.expected) and c.verdict not in NO_EVIDENCE:
                 bad_builds.setdefault(c.subject, []).append(c)
             if is_positive(c.expected):
                 shown = counts_as_evidence(c.verdict, c.mode)
                 pos, ev = pos + 1, ev + shown
                 if c.kind is not None:
-                    kp, ke = d.evidence_by_kind.setdefault(c.mode, {}).get(c.kind, (0, 0))
-                    d.evidence_by_kind[c.mode][c.kind] = (kp + 1, ke + shown)
-            d.evidence[c.mode] = (pos, ev)
+                    kp, ke = d.evidence_by_kind.setdefault(c.mode.name, {}).get(c.kind, (0, 0))
+                    d.evidence_by_kind[c.mode.name][c.kind] = (kp + 1, ke + shown)
+            d.evidence[c.mode.name] = (pos, ev)
     for subject, cs in bad_builds.items():
         shown = [c for c in cs if counts_as_evidence(c.verdict, c.mode)]
         silent = [c for c in cs if c.expected == KNOWN_BAD_BUILD and not counts_as_evidence(c.verdict, c.mode)]
         if silent and not shown:
             d.failures.append(
                 Failure(
-                    f"{silent[0].case_id}: known-bad build {subject} showed no evidence in any of its modes "
+                    f"{silent[0].case_id}: known-bad build {' '.join(subject)} showed no evidence in any of its modes "
                     f"({', '.join(f'{c.mode}: {c.verdict}' for c in cs)}): {silent[0].reason[:160]}",
                     CONTROL_FAILED,
                     silent[0].case_id,
@@ -331,7 +194,8 @@ def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) 
             )
         elif silent:
             d.misses += [
-                f"{c.case_id}: {c.verdict} (detected in {', '.join(sorted({x.mode for x in shown}))})" for c in silent
+                f"{c.case_id}: {c.verdict} (detected in {', '.join(sorted({x.mode.name for x in shown}))})"
+                for c in silent
             ]
     _judge_forms(d, forms)
     for mode, (pos, ev) in sorted(d.evidence.items()):
@@ -343,7 +207,7 @@ def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) 
                 )
             )
         elif not ev:
-            what = "kernel evidence" + (" or the engine's audit" if engine_audit(mode) else "")
+            what = "kernel evidence" + (" or the engine's audit" if modes[mode].engine_audit else "")
             d.failures.append(
                 Failure(
                     f"GATE FAILED: mode {mode}: none of its {pos} positive control(s) produced {what}: "
@@ -360,7 +224,7 @@ def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) 
     return d
 
 
-def _judge_forms(d: GateDecision, forms: dict[str, list[Control]]) -> None:
+def _judge_forms(d: GateDecision, forms: dict[tuple[str, ...], list[Control]]) -> None:
     """Rule 6: a self control none of whose forms showed evidence in its mode fails; a silent one beside another is listed."""
     for subject, cs in forms.items():
         shown = [c.case_id for c in cs if counts_as_evidence(c.verdict, c.mode)]
@@ -368,7 +232,7 @@ def _judge_forms(d: GateDecision, forms: dict[str, list[Control]]) -> None:
         if not shown:
             d.failures.append(
                 Failure(
-                    f"{silent[0].case_id}: positive control came back {silent[0].verdict}: self control {subject} "
+                    f"{silent[0].case_id}: positive control came back {silent[0].verdict}: self control {' '.join(subject)} "
                     f"showed no evidence in any of its injection forms "
                     f"({', '.join(f'{c.case_id}: {c.verdict}' for c in cs)}): {silent[0].reason[:160]}",
                     CONTROL_FAILED,

@@ -27,9 +27,11 @@ import pytest
 from repro.errors import Unavailable
 from repro.exit_codes import Exit, gate_decision, pytest_session
 from repro.files import write_whole
+from repro.judge.control import Control
+from repro.judge.decision import GATE_WIDE, GateDecision
 from repro.judge.excerpt import shorten
 from repro.judge.policy import GATE_ENV as ENV
-from repro.judge.policy import GATE_WIDE, REQUIRE_ENV, Control, GateDecision, decide, parse_requirements
+from repro.judge.policy import REQUIRE_ENV, decide, parse_requirements
 from repro.report import environment
 from repro.report.redact import redact
 from repro.report.results import header
@@ -67,7 +69,7 @@ def plain(value):
     """A recorded value as a plain JSON type (str, int, float, bool, None, list, dict with str keys): what xdist's
     serializer (execnet) and the JUnit XML take. A str enum (Verdict, GateOutcome) becomes its value, a dataclass its
     fields, a tuple or set a list, a path its text; anything else its str(). The one place a case's recorded values
-    are made plain; the controller makes them typed again in one place too (policy.Control.from_properties)."""
+    are made plain; the controller makes them typed again in one place too (Control.from_properties)."""
     if value is None or type(value) in (bool, int, float, str):
         return value
     if isinstance(value, Enum):

@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from repro.case.spec import REFUSED, RERUN_ALONE, STALLED, CaseResult
+from repro.case.spec import PLATFORM_FAILED, REFUSED, RERUN_ALONE, STALLED, CaseResult
 from repro.contract.channel import (
     ACCEPTANCE,
     ATTEMPTS,
@@ -28,6 +28,7 @@ from repro.contract.channel import (
     DESCRIPTOR_CHECK,
     RECORDED_BEFORE,
     SPEC_LAYOUT,
+    UNCOMPARED,
     recorded_before,
 )
 from repro.contract.tags import COUNTERS_TAG, ENGINE_TAG, RESULT_TAG
@@ -256,9 +257,16 @@ _WORDS_OF_FLAG = (
 )
 
 
+# The history steps whose record, written before its typed mark, the upgrader marks: a failed platform check
+# (PLATFORM_FAILED), a method its build lacks (CaseResult.not_applicable).
+_PLATFORM_STEP, _NOT_APPLICABLE_STEP = "platform check", "not applicable"
+_COMPARISON_STEP = "reference comparison"  # a gate row's comparison with its reference (UNCOMPARED where none)
+
+
 def upgrade_result(result: dict, row: dict | None = None) -> dict:
     """A recorded case result (a results.json's `result`, matrix or gate) as this code writes one: one from before
-    typed flags gets the flags its reason said in words (_WORDS_OF_FLAG), one from before results kept their
+    typed flags gets the flags its reason said in words (_WORDS_OF_FLAG), and the platform check's flag and the
+    not-applicable why its history's step said (the only place a step's name is read back), one from before results kept their
     expectation gets its row's, a field added after it was written its default (what reading it gave before), its
     backend_identity's engine and counters the marks of what they predate (_upgraded, as upgrade_channel marks the
     records they came from). The one upgrader of recorded results: results.load_json calls it for a record of an
@@ -270,6 +278,11 @@ def upgrade_result(result: dict, row: dict | None = None) -> dict:
     if "flags" not in out:
         reason = str(out.get("reason") or "")
         out["flags"] = [flag for flag, said in _WORDS_OF_FLAG if said(reason)]
+    steps = {h.get("step"): h for h in out.get("history") or () if isinstance(h, dict)}
+    if _PLATFORM_STEP in steps and PLATFORM_FAILED not in out["flags"]:  # from before the platform check's flag
+        out["flags"] = [*out["flags"], PLATFORM_FAILED]
+    if "not_applicable" not in out and _NOT_APPLICABLE_STEP in steps:  # from before its typed field: its step's why
+        out["not_applicable"] = steps[_NOT_APPLICABLE_STEP].get("why")
     for f in dataclasses.fields(CaseResult):  # a field the result predates: its default, as it was read before
         if f.name not in out and f.default is not dataclasses.MISSING:
             out[f.name] = f.default
@@ -289,8 +302,15 @@ def upgrade_gate_row(row: dict) -> dict:
     """A recorded row of a gate results.json (gate.report.rows) as this code writes one: a row from before rows kept
     each attempt of their case (`attempts`, gate.process.Attempt) marked ATTEMPTS, so the replays read it as they read
     it then (each process remade from its row's result: a self control's first attempt is not in it where a later one's
-    result was kept). Used by the replays only; a live row lacking them is a MissingKey (gate.process.recorded_attempts)."""
-    return row if "attempts" in row else _marked(row, [ATTEMPTS])
+    result was kept); a further attempt recorded clean with no comparison with its reference in its history (every
+    clean case compared has one: the comparison adds its evidence) marked UNCOMPARED, its verdict its process's own.
+    Used by the replays only; a live row lacking them is a MissingKey (gate.process.recorded_attempts)."""
+    marks = [] if "attempts" in row else [ATTEMPTS]
+    result = row.get("result") or {}
+    compared = any(h.get("step") == _COMPARISON_STEP for h in result.get("history") or () if isinstance(h, dict))
+    if (result.get("spec") or {}).get("attempt") and result.get("verdict") == "clean" and not compared:
+        marks.append(UNCOMPARED)
+    return _marked(row, marks)
 
 
 # --- the one upgrader of recorded channel records -------------------------------------------------------------------

@@ -11,8 +11,10 @@ from repro.case.spec import CaseResult, CaseSpec
 from repro.contract.verdicts import KERNEL_EVIDENCE, VERDICTS, Verdict
 from repro.errors import ConfigError
 from repro.files import loads, read_bounded, write_whole
+from repro.judge.control import Control
+from repro.judge.decision import GateDecision
 from repro.judge.expectations import gate_mode
-from repro.judge.policy import Control, GateDecision, decide, satisfies
+from repro.judge.policy import decide, satisfies
 from repro.report.records import upgrade_result
 from repro.report.redact import redact
 from repro.run.matrix import MatrixRun, expected_of
@@ -23,7 +25,9 @@ NOT_ATTRIBUTED = "not attributed"  # kernel evidence whose faulting line named n
 GPU, MODEL = "gpu", "model"  # results.json "source": kernels ran, or the CPU model predicted
 # 3: every case result whole, its typed flags included (CaseResult.flags); a record of an older schema is read through
 # repro.report.records.upgrade_result, one of this schema never (a key it lacks is an error)
-SCHEMA = 3
+# 4: a case not applicable here says why in a field of its own (CaseResult.not_applicable), a failed platform check is
+# a flag
+SCHEMA = 4
 RESULT_KEYS = tuple(f.name for f in fields(CaseResult))
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from repro.judge.policy import GateOutcome
+from repro.judge.decision import GateOutcome
 from repro.vllm_integration.gate.coverage import method_problems
 from repro.vllm_integration.plugin.audit import STALE_DESCRIPTOR
 

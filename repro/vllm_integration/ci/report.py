@@ -9,7 +9,7 @@ from pathlib import Path
 from xml.sax.saxutils import escape, quoteattr
 
 from repro.files import write_whole
-from repro.judge.policy import GateOutcome
+from repro.judge.decision import GateOutcome
 from repro.vllm_integration.ci.judge import CommandStatus, Judgement
 
 KIND = "repro-audit"  # results.json's `report`: what `--overwrite` and the JUnit check recognise as ours

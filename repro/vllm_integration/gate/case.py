@@ -2,17 +2,7 @@
 reference (the same build in the same SM configuration, the same speculative decoding without CUDA graphs), the
 environment of its process, and the expectation (repro.judge.policy) fixed before it runs.
 
-Detection modes (`--modes`, each a case parameter):
-  audit            the freshness auditor, loaded by vLLM through the plugin's entry point, full GPU
-  plain            nothing added; a crash is rerun once with CUDA_LAUNCH_BLOCKING=1 to name the kernel
-  mps:N            an MPS daemon owned by the run gives the case N SMs (the process must report N)
-  sm_margin:N      the plugin passes sm_margin = SMs - N to vLLM's get_scheduler_metadata and FA3 forward
-  poison:FILL      the plugin fills the scheduler-metadata entries FA3 never writes (repro.case.poison names)
-  memcheck         compute-sanitizer memcheck, caching allocator (works with torch.compile); recorded, not gating
-  memcheck:async   the same with cudaMallocAsync (what the attention-layer cases use); recorded, not gating
-  memcheck:own     memcheck with an allocator of its own (repro.run.own_alloc: one cudaMalloc per tensor, graphs'
-                   memory kept, a guard after each): an over-read past a tensor is a finding; gating
-  memcheck:own+poison:FILL  the same with the entries FA3 never writes poisoned: a read of one memcheck names
+Its detection mode (`--modes`): repro.vllm_integration.gate.modes.
 
 Every case runs one speculative method (`--methods`, repro.vllm_integration.gate.methods: eagle, eagle3, draft_model,
 mtp, dflash; its id names it unless it is eagle), with its own reference and self control; a method the build does not
@@ -33,32 +23,30 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from repro import CHECKOUT
-from repro.case.poison import parse_poison
 from repro.case.spec import SmConfig
 from repro.contract import request
 from repro.contract.request import CaseRequest, PluginRequest
 from repro.errors import ConfigError, Unavailable
 from repro.judge import policy
-from repro.judge.policy import KNOWN_BAD, SELF_CONTROL
+from repro.judge.control import KNOWN_BAD, SELF_CONTROL
 from repro.run import own_alloc
 from repro.run.process import StallRule
 from repro.run.sanitizer import sanitizer_env
 from repro.run.smcontrol import MpsDaemon
 from repro.vllm_integration.gate.methods import DEFAULT_METHOD
+from repro.vllm_integration.gate.modes import GateMode
 from repro.vllm_integration.gate.worker import DEFAULT_COMPILE, INSPECT_ENV
 from repro.vllm_integration.plugin import BACKEND_ENV, FILE_ENV, RUN_ENV, RUN_VARS, checks_of
 from repro.vllm_integration.plugin import ENV as AUDIT_ENV
-from repro.vllm_integration.plugin.backend_fields import BACKENDS, DEFAULT_BACKEND, known_name
+from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
 from repro.vllm_integration.plugin.inject import SOURCES, STALE_CAPTURE
 from repro.vllm_integration.plugin.weights import AGREE, DUMMY, WEIGHTS
 from repro.vllm_integration.releases.builds import SITE_DIRS_ENV, UNDER_TEST, VllmBuild, build_pythonpath, site_dirs
 
-DEFAULT_MODES = ("audit", "plain")
-ALL_MODES = ("audit", "plain", "mps:16", "sm_margin:16", "poison:int-max", "memcheck")
 BASE_ENV = {
     "VLLM_USE_V2_MODEL_RUNNER": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine in the case process: one process, one CUDA context
@@ -74,87 +62,6 @@ WEIGHTS_ENV, INJECT_SOURCE_ENV, CHECKS_OFF_ENV = "REPRO_WEIGHTS", "REPRO_INJECT_
 PLUGIN_OWN_VARS = (AUDIT_ENV, FILE_ENV, BACKEND_ENV, RUN_ENV, *RUN_VARS)
 
 
-@dataclass(frozen=True)
-class GateMode:
-    name: str
-    audit: bool = False
-    sm: SmConfig = field(default_factory=SmConfig)
-    poison: str | None = None
-    sanitizer: str | None = None  # None, "caching", "async" or "own"
-
-    @property
-    def gating(self) -> bool:
-        """memcheck with torch's allocators is recorded, not gating: on real vLLM it misses the fault (see results/);
-        with its own allocator (memcheck:own) it gates."""
-        return self.sanitizer in (None, "own")
-
-    @property
-    def label(self) -> str:
-        return self.name.replace("sm_margin:", "smmargin").replace(":", "-").replace("mps-", "mps").replace("+", "-")
-
-    @classmethod
-    def parse(cls, text: str) -> GateMode:
-        text = text.strip()
-        if text.startswith("audit+"):  # the auditor in an SM configuration: audit+sm_margin:N, audit+mps:N
-            inner = cls.parse(text[len("audit+") :])
-            if inner.sm.kind not in ("sm_margin", "mps") or inner.poison or inner.sanitizer or inner.audit:
-                raise ConfigError(f"gate mode {text!r}: audit+ takes an SM configuration (sm_margin:N or mps:N)")
-            return cls(f"audit+{inner.name}", audit=True, sm=inner.sm)
-        # memcheck's own allocator over the poisoned entries: memcheck:own+poison:FILL
-        if text.startswith("memcheck:own+"):
-            inner = cls.parse(text[len("memcheck:own+") :])
-            if not inner.poison or inner.sm.kind != "full" or inner.sanitizer or inner.audit:
-                raise ConfigError(f"gate mode {text!r}: memcheck:own+ takes a poison (memcheck:own+poison:FILL)")
-            return cls(f"memcheck:own+{inner.name}", poison=inner.poison, sanitizer="own")
-        kind, _, arg = text.partition(":")
-        if kind == "audit" and not arg:
-            return cls("audit", audit=True)
-        if kind == "plain" and not arg:
-            return cls("plain")
-        if kind in ("mps", "sm_margin"):
-            sm = SmConfig.parse(text.strip())
-            return cls(f"{kind}:{sm.sms}", sm=sm)
-        if kind == "poison" and arg:
-            p = parse_poison(arg)
-            if p is None:
-                raise ConfigError("poison:none is the plain mode")
-            return cls(f"poison:{p.name}", poison=p.name)
-        if kind == "memcheck" and arg in ("", "caching", "async", "own"):
-            return cls("memcheck" + (f":{arg}" if arg in ("async", "own") else ""), sanitizer=arg or "caching")
-        raise ConfigError(
-            f"unknown gate mode {text!r}: use audit, plain, mps:N, sm_margin:N, audit+mps:N, audit+sm_margin:N, "
-            f"poison:FILL, memcheck, memcheck:async, memcheck:own, memcheck:own+poison:FILL, or a preset ({', '.join(PRESETS)})"
-        )
-
-
-# The hidden-configuration sweep: the full GPU and five SM counts of each restriction, audit and plain in each; a fixed
-# build (0.26.0) must give no false alarm in any, a known-bad one (0.25.1) no miss.
-SWEEP_SMS = (8, 16, 24, 40, 66)
-PRESETS = {
-    "hidden-sweep": ("audit", "plain")
-    + tuple(f"{a}{kind}:{n}" for kind in ("sm_margin", "mps") for n in SWEEP_SMS for a in ("audit+", "")),
-}
-
-
-def parse_modes(text: str) -> tuple[GateMode, ...]:
-    """--modes: names (GateMode.parse) and presets (PRESETS), comma-separated, each mode at most once."""
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    modes = tuple(GateMode.parse(m) for x in items for m in PRESETS.get(x, (x,)))
-    if not modes:
-        raise ConfigError("no gate modes given")
-    _refuse_twice("--modes", [m.name for m in modes])
-    return modes
-
-
-def _refuse_twice(flag: str, names: list[str]) -> None:
-    """One case id per value: a value given twice (as `matrix` refuses it) would list and run one case twice."""
-    dups = sorted({n for n in names if names.count(n) > 1})
-    if dups:
-        raise ConfigError(f"{flag}: {', '.join(dups)} given twice (one case id each; use --repeat to run again)")
-
-
-FA3_ONLY = ("sm_margin", "poison")  # modes that hook FA3's own calls
-
 # Silent this long once vLLM began capturing CUDA graphs, a case process hangs. Measured on the H200 in every recorded
 # case of a build under test (72 of them: 0.20.2-0.33.0, cold and warm, full GPU, sm_margin, MPS, both backends), the
 # longest gap between two log lines after the first capture was 28 s (the lines in between included); 0.25.1's draft
@@ -162,22 +69,6 @@ FA3_ONLY = ("sm_margin", "poison")  # modes that hook FA3's own calls
 # 300 s timeout) and 54 and 68 s under MPS at 8 and 16 SMs (killed at its 150 s timeout); the records:
 # docs/history.md.
 CAPTURE_STALL = StallRule("Capturing CUDA graphs", 45.0)
-
-
-def parse_backends(text: str) -> tuple[str, ...]:
-    """--backends FLASH_ATTN,TRITON_ATTN,...: vLLM attention backend names (as vLLM spells them), each a case
-    parameter like the modes."""
-    names = tuple(x.strip().upper() for x in text.split(",") if x.strip())
-    if not names:
-        raise ConfigError("no attention backend given")
-    _refuse_twice("--backends", list(names))
-    bad = [n for n in names if not known_name(n)]
-    if bad:
-        raise ConfigError(
-            f"--backends: {bad[0]!r} is neither a backend the auditor has a table for ({', '.join(BACKENDS)}) nor "
-            "named as vLLM names its backends (*_ATTN, *_ATTENTION, *_MLA: repro/vllm_integration/plugin/backend_fields.py)"
-        )
-    return names
 
 
 @dataclass(frozen=True)
@@ -202,6 +93,12 @@ class GateCase:
         sign of a hang (results/h200-memcheck-own-guard: 0.25.1's draft prefill captures 18.7 s each, still
         advancing, when it was stopped); a memcheck case ends by its timeout."""
         return None if self.mode.sanitizer else CAPTURE_STALL
+
+    @property
+    def begun_marker(self) -> str:
+        """vLLM's words that its CUDA graph captures had begun (CAPTURE_STALL's marker), under memcheck too, whose stall
+        watch is off: classify flags a timeout after them (CAPTURING)."""
+        return CAPTURE_STALL.marker
 
     @property
     def sanitizer_padding(self) -> int | None:
@@ -381,12 +278,12 @@ def expected(case: GateCase) -> str:
     return policy.ANY_FORM if case.inject is not None else policy.KNOWN_BAD_BUILD
 
 
-def subject_of(case: GateCase, expect: str) -> str | None:
+def subject_of(case: GateCase, expect: str) -> tuple[str, ...] | None:
     """What policy rules 5 and 6 judge a control over: a known-bad build (label, method, backend, over its modes), or
     a self control outside the audit (one subject for its injection forms in one mode and repetition); None else."""
     if expect == policy.ANY_FORM:
-        return f"{case.build.label} {case.method} {case.backend} {case.mode.name} rep{case.rep}"
-    return f"{case.build.label} {case.method} {case.backend}" if case.control_kind == policy.KNOWN_BAD else None
+        return (case.build.label, case.method, case.backend, case.mode.name, f"rep{case.rep}")
+    return (case.build.label, case.method, case.backend) if case.control_kind == KNOWN_BAD else None
 
 
 SELF_CONTROL_CHOICES = ("under-test", "all", "none")

@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from repro.vllm_integration.plugin.inject import STALE_K
+from repro.vllm_integration.releases.builds import source_text
 
 SUFFIX = "_dynamic_k"
 # vLLM's schedule: inclusive batch-size ranges, the first from 1, each with its K (the gate's k is 3). vLLM captures
@@ -54,12 +55,12 @@ def not_supported(package_dir: Path, speculator: str | None, is_ar: bool) -> str
     class as the build resolves it (None: unknown, left to the base method's check); `is_ar`: whether it is an
     AutoRegressiveSpeculator or derives from one."""
     config = package_dir / "config" / "speculative.py"
-    if "num_speculative_tokens_per_batch_size" not in _text(config):
+    if "num_speculative_tokens_per_batch_size" not in source_text(config):
         return (
             "dynamic speculative decoding: this build's SpeculativeConfig has no num_speculative_tokens_per_batch_size"
         )
     manager = package_dir / "v1" / "worker" / "gpu" / "spec_decode" / "autoregressive" / "cudagraph_utils.py"
-    if "specialize_spec_tokens" not in _text(manager):
+    if "specialize_spec_tokens" not in source_text(manager):
         return (
             "dynamic speculative decoding: its draft decode graphs are not specialized by K (no specialize_spec_tokens)"
         )
@@ -68,10 +69,3 @@ def not_supported(package_dir: Path, speculator: str | None, is_ar: bool) -> str
             f"dynamic speculative decoding: its speculator {speculator} is not an autoregressive speculator ({AR_BASE})"
         )
     return None
-
-
-def _text(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""

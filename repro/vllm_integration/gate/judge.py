@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from repro.attention.staleness import count_fields
-from repro.case.spec import CaseResult
+from repro.case.spec import PLATFORM_FAILED, CaseResult
 from repro.contract.channel import ACCEPTANCE, CONFIGURATION, Channel, recorded_before
 from repro.contract.tags import AUDIT_TAG
 from repro.contract.verdicts import CANNOT_VOUCH as NOT_VOUCHED
@@ -57,8 +57,8 @@ PLATFORM_CHECK = "platform check"  # the step of a result whose process's GPU fa
 def platform_failed(res: CaseResult) -> bool:
     """Did this result's process find its platform computing matrix products wrong (annotate, platform_problem)? The
     same MPS SM configuration on the same GPU does so for every process (results/h200-mps24-gemm-check-*: every
-    process at 24 SMs; h200-sweep-mps-b: both that ran at 40)."""
-    return any(h.get("step") == PLATFORM_CHECK for h in res.history)
+    process at 24 SMs; h200-sweep-mps-b: both that ran at 40). Its typed flag, set by the step that found it."""
+    return PLATFORM_FAILED in res.flags
 
 
 def platform_problem(device: dict) -> str | None:
@@ -134,7 +134,7 @@ def ended_without_result(res: CaseResult) -> bool:
     exit) is not asked of it."""
     if res.verdict != STALE_AUDIT:
         return False
-    first = next((h["changed"]["verdict"][0] for h in res.history if "verdict" in h.get("changed", {})), res.verdict)
+    first = res.first_verdict
     return first not in (CLEAN, STALE_AUDIT)  # STALE_AUDIT: classify's own, for a process that printed its result
 
 

@@ -24,8 +24,9 @@ from repro.case.spec import CaseResult
 from repro.errors import ConfigError
 from repro.files import write_whole
 from repro.vllm_integration.gate.cache import GateCache
-from repro.vllm_integration.gate.case import DEFAULT_BACKEND, GateCase, GateMode
+from repro.vllm_integration.gate.case import DEFAULT_BACKEND, GateCase
 from repro.vllm_integration.gate.launch import FORK, SPAWN
+from repro.vllm_integration.gate.modes import GateMode
 from repro.vllm_integration.gate.outcome import GateRun
 from repro.vllm_integration.gate.run import run_gate
 from repro.vllm_integration.gate.worker import DEFAULT_COMPILE

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from repro import entrypoints
-from repro.case.spec import CAPTURING, STALLED, CaseResult
+from repro.case.spec import STALLED, CaseResult
 from repro.contract.channel import ATTEMPTS, Channel, has
 from repro.contract.tags import COUNTERS_TAG, DEVICE_TAG, RESULT_TAG
 from repro.contract.verdicts import CLEAN, CRASH, ERROR, HANG, SKIP, STALE_AUDIT, WRONG
@@ -21,11 +21,11 @@ from repro.errors import MissingKey, Unavailable
 from repro.run.runner import case_logs, device_sm_count, run_process
 from repro.run.smcontrol import MpsDaemon
 from repro.vllm_integration.gate import bench as gate_bench
-from repro.vllm_integration.gate import case as gate_case
 from repro.vllm_integration.gate.cache import PRIVATE, TRITON_CACHE, TRITON_ENV, WRITER, GateCache
 from repro.vllm_integration.gate.case import GateCase, case_env, expected
 from repro.vllm_integration.gate.launch import Launcher
 from repro.vllm_integration.gate.methods import not_applicable
+from repro.vllm_integration.gate.modes import PLAIN
 from repro.vllm_integration.gate.placement import GateDevice
 from repro.vllm_integration.gate.steps import annotate, finish
 from repro.vllm_integration.releases.builds import VllmBuild
@@ -79,9 +79,6 @@ def run_case(
     else:
         (res, out), launched = run_process(case, cmd, env, log_dir, sanitized), {"launcher": "spawn"}
     ch = Channel.of_case(case_logs(log_dir, case.case_id)[0], out)
-    # vLLM's own words: its captures had begun (under memcheck too, whose stall watch is off)
-    if res.verdict == HANG and gate_case.CAPTURE_STALL.marker in out:
-        res.flags.append(CAPTURING)
     if vllm_cache == WRITER:  # captures ran: torch.compile had finished and saved into the build's folder
         captured = bool(sum(((ch.last(COUNTERS_TAG) or {}).get("captures") or {}).values()))
         cache.release(case.build, captured, compile=case.compile)
@@ -101,7 +98,7 @@ def run_case(
 
 def attributable(case: GateCase) -> bool:
     """Is a crash of this case rerun with CUDA_LAUNCH_BLOCKING=1 to name its kernel (run_attributed)?"""
-    return case.mode.name == "plain" and not case.rep and not case.reference
+    return case.mode == PLAIN and not case.rep and not case.reference
 
 
 def attributed_beside(case: GateCase) -> bool:
@@ -269,8 +266,7 @@ def past_deadline(case: GateCase, res: CaseResult) -> CaseResult:
 
 def was_hang(res: CaseResult) -> bool:
     """Did classify make the case a hang (its process stopped at its timeout), before any later step revised it?"""
-    first = next((h["changed"]["verdict"][0] for h in res.history if "verdict" in h.get("changed", {})), res.verdict)
-    return first == HANG
+    return res.first_verdict == HANG
 
 
 def skipped(case: GateCase, reason: str) -> CaseResult:
@@ -286,13 +282,10 @@ NOT_APPLICABLE_STEP = "not applicable"  # a result's history step: its method is
 
 def not_applicable_result(case: GateCase, why: str) -> CaseResult:
     """A case of a method its build does not have, or captures no FULL draft graph for (gate.methods.not_applicable):
-    a skip that says why, never clean; the policy lists it as not applicable (run.control_of)."""
-    return skipped(case, f"not applicable: {why}").revised(NOT_APPLICABLE_STEP, why, evidence=f"not applicable: {why}")
-
-
-def not_applicable_of(res: CaseResult) -> str | None:
-    """Why a result is not applicable (not_applicable_result), None for every other result."""
-    return next((h["why"] for h in res.history if h.get("step") == NOT_APPLICABLE_STEP), None)
+    a skip that says why in its typed field (CaseResult.not_applicable), never clean; the policy lists it as not
+    applicable (outcome.control_of)."""
+    what = f"not applicable: {why}"
+    return skipped(case, what).revised(NOT_APPLICABLE_STEP, why, evidence=what, not_applicable=why)
 
 
 def set_apart_not_applicable(cases: list[GateCase]) -> tuple[list[GateCase], list[tuple[GateCase, CaseResult]]]:

@@ -9,8 +9,10 @@ from pathlib import Path
 
 from repro.contract.verdicts import FAULTS, SKIP
 from repro.files import write_whole
+from repro.judge.control import SELF_CONTROL
+from repro.judge.decision import GateOutcome
 from repro.judge.excerpt import shorten
-from repro.judge.policy import NO_EVIDENCE, SELF_CONTROL, GateOutcome
+from repro.judge.policy import NO_EVIDENCE
 from repro.report.redact import redact
 from repro.report.results import VLLM_GATE_KIND, header
 from repro.vllm_integration.gate import bench as gate_bench
@@ -20,7 +22,6 @@ from repro.vllm_integration.gate.checked import acceptance_cell, captures_cell, 
 from repro.vllm_integration.gate.judge import passes
 from repro.vllm_integration.gate.methods import DEFAULT_METHOD
 from repro.vllm_integration.gate.outcome import GateRun, control_of
-from repro.vllm_integration.gate.process import not_applicable_of
 from repro.vllm_integration.gate.why import headline as cannot_vouch_why
 from repro.vllm_integration.plugin.inject import STALE_CAPTURE
 from repro.vllm_integration.releases import release_range
@@ -37,7 +38,7 @@ def _oks(run: GateRun) -> dict[str, bool]:
     subject = {c.case_id: control_of(c, r).subject or c.case_id for c, r in run.cases}
     hit = {subject[f.case_id] for f in run.judged().decision.failures if f.case_id in subject}
     ok = {c.case_id: passes(c, r) and subject[c.case_id] not in hit for c, r in run.cases}
-    return {c.case_id: bool(not_applicable_of(r)) or ok[c.case_id] for c, r in run.cases}
+    return {c.case_id: bool(r.not_applicable) or ok[c.case_id] for c, r in run.cases}
 
 
 def rows(run: GateRun) -> list[dict]:
@@ -111,7 +112,7 @@ def build_summary(run: GateRun) -> list[dict]:
             {
                 "build": label,
                 "method": pairs[0][0].method,
-                "not_applicable": not_applicable_of(pairs[0][1]),
+                "not_applicable": pairs[0][1].not_applicable,
                 "role": SELF_CONTROL if injected else b.role,
                 "vllm_version": next((r.vllm_version for _, r in pairs if r.vllm_version), b.version)
                 or "unknown (no case reported it)",

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
-from repro.case.spec import CaseResult, SmConfig
+from repro.case.spec import PLATFORM_FAILED, CaseResult, SmConfig
 from repro.contract.channel import path_for
 from repro.contract.verdicts import CLEAN, ERROR
 from repro.errors import ConfigError, Unavailable
@@ -27,18 +27,11 @@ from repro.run.runner import case_logs, device_sm_count, set_aside_logs
 from repro.run.smcontrol import MpsDaemon, sm_refusal
 from repro.vllm_integration.gate import dynamic_k, placement
 from repro.vllm_integration.gate.cache import GateCache, gpu_identity, keep_in_logs, kept_reference, ref_key
-from repro.vllm_integration.gate.case import (
-    FA3_ONLY,
-    GateCase,
-    GateMode,
-    case_env,
-    persons_choices,
-    reference_for,
-    self_controls_for,
-)
+from repro.vllm_integration.gate.case import GateCase, case_env, persons_choices, reference_for, self_controls_for
 from repro.vllm_integration.gate.judge import PLATFORM_CHECK, platform_failed
 from repro.vllm_integration.gate.launch import FORK, Launcher, launcher_kind
 from repro.vllm_integration.gate.methods import DEFAULT_METHOD
+from repro.vllm_integration.gate.modes import GateMode
 from repro.vllm_integration.gate.order import REF_SLOTS, case_order
 from repro.vllm_integration.gate.outcome import GateRun
 from repro.vllm_integration.gate.placement import DevicePool, GateDevice, case_gib, kind_of, main_kind, per_device_jobs
@@ -87,7 +80,7 @@ def plan(
         raise ConfigError(f"--compile {compile!r}: use one of {', '.join(COMPILES)}")
     if repeat < 1:
         raise ConfigError("--repeat must be at least 1")
-    fa3_only = [m.name for m in modes if m.name.split(":")[0] in FA3_ONLY]
+    fa3_only = [m.name for m in modes if m.hooks_fa3]
     if fa3_only and any(b != DEFAULT_BACKEND for b in backends):
         raise ConfigError(f"mode {fa3_only[0]} hooks FA3's calls: run it with --backends {DEFAULT_BACKEND} only")
     return [
@@ -249,7 +242,7 @@ class GateScheduler:
         if (found := self.broken.get(platform_key(c))) is not None:  # it computes wrong here: no process of it runs
             self.ran_last[c.case_id] = _Ran(c, t, out={})
             why = f"not run: {found[0]}'s process found {found[1]}"
-            return skipped(c, why).revised(PLATFORM_CHECK, why, verdict=ERROR)
+            return skipped(c, why).revised(PLATFORM_CHECK, why, verdict=ERROR, flags=[PLATFORM_FAILED])
         pool = self.pool
         dev = (pool.devices[0] if mps is not None else pool.take(self.kind)) if pool else None
         try:

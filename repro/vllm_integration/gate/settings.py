@@ -8,8 +8,9 @@ import os
 
 from repro.errors import ConfigError
 from repro.run.process import MAX_WAIT_S
-from repro.vllm_integration.gate.case import DEFAULT_MODES, SELF_CONTROL_CHOICES, parse_modes
+from repro.vllm_integration.gate.case import SELF_CONTROL_CHOICES
 from repro.vllm_integration.gate.methods import DEFAULT_METHODS, parse_methods
+from repro.vllm_integration.gate.modes import DEFAULT_MODES, parse_modes
 
 SELF_CONTROL_ENV = "REPRO_SELF_CONTROL"
 METHODS_ENV = "REPRO_GATE_METHODS"  # speculative methods (gate.methods): all (default), or eagle, eagle3, draft_model, mtp, dflash

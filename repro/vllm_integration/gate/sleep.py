@@ -20,6 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from repro.vllm_integration.releases.builds import source_text
+
 SUFFIX = "_sleep"
 LEVELS = (1, 2)
 KEEP_EVERY_PARAMETER = ["*", "draft.*"]  # vLLM's globs: the target's parameters and the draft's own
@@ -57,8 +59,8 @@ def sleep_and_wake(llm: Any, level: int | None, reference: bool, counters: dict[
 
 def not_supported(package_dir: Path, level: int) -> str | None:
     """Why this build cannot run the scenario at `level` (None: it can), read from its files."""
-    model = _text(package_dir / "config" / "model.py")
-    entry = _text(package_dir / "entrypoints" / "llm.py")
+    model = source_text(package_dir / "config" / "model.py")
+    entry = source_text(package_dir / "entrypoints" / "llm.py")
     if "enable_sleep_mode" not in model or "def sleep(" not in entry or "def wake_up(" not in entry:
         return "sleep mode: this build has no enable_sleep_mode with LLM.sleep and LLM.wake_up"
     if level == 2 and "sleep_preserve_parameter_names" not in model:
@@ -67,10 +69,3 @@ def not_supported(package_dir: Path, level: int) -> str | None:
             "and the gate's constructed weights cannot be loaded again: its output would not be comparable"
         )
     return None
-
-
-def _text(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""

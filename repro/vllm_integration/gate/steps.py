@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from repro.case.spec import CAPTURING, STALLED, CaseResult, mps_sm_mismatch
+from repro.case.spec import CAPTURING, PLATFORM_FAILED, STALLED, CaseResult, mps_sm_mismatch
 from repro.contract.channel import Channel
 from repro.contract.tags import COUNTERS_TAG, DEVICE_TAG, ENGINE_TAG, PLUGIN_TAG, RESULT_TAG
 from repro.contract.verdicts import CLEAN, CRASH, ERROR, HANG, KERNEL_EVIDENCE, OOB, SKIP, STALE_AUDIT
@@ -136,7 +136,7 @@ def platform_check(f: Facts, res: CaseResult) -> CaseResult:
     """A process whose GPU computed bf16 matrix products wrong in its SM configuration (judge.platform_problem)."""
     devices = f.ch.of(DEVICE_TAG)
     if devices and (why := platform_problem(devices[-1])):
-        return res.revised(PLATFORM_CHECK, why, verdict=ERROR, reason=why)
+        return res.revised(PLATFORM_CHECK, why, verdict=ERROR, reason=why, flags=[*res.flags, PLATFORM_FAILED])
     return res
 
 

@@ -11,7 +11,6 @@ from collections import Counter
 from repro.contract.verdicts import CANNOT_VOUCH, CLEAN, ERROR, FAULTS, HANG, SKIP
 from repro.judge.excerpt import shorten
 from repro.vllm_integration.gate.judge import platform_failed
-from repro.vllm_integration.gate.process import not_applicable_of
 from repro.vllm_integration.gate.run import GateRun
 
 PLATFORM = "the platform computes wrong"
@@ -31,7 +30,7 @@ def _where(sm) -> str:
 
 def cause(res, is_control: bool = False) -> str | None:
     """The cause, in the user's words, of a result that gives no answer either way; None for one that answers."""
-    if not_applicable_of(res) is not None:
+    if res.not_applicable is not None:
         return None
     if platform_failed(res):
         return PLATFORM

@@ -306,3 +306,12 @@ def needs_gpu(builds: list[VllmBuild]) -> bool:
         if (pkg / "entrypoints").is_dir():
             return True
     return False
+
+
+def source_text(path: Path) -> str:
+    """A build's source file as text, read without importing vLLM; "" where the build has no such file (a release
+    from before it) or it cannot be read: what the gate's features look for in a build (dynamic_k, sleep)."""
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
