@@ -14,7 +14,7 @@ from repro.vllm_integration.gate import order, placement, timeline
 from repro.vllm_integration.gate import process as gate_process
 from repro.vllm_integration.gate import run as gate_run
 from repro.vllm_integration.gate.cache import GateCache
-from repro.vllm_integration.gate.case import parse_modes
+from repro.vllm_integration.gate.modes import parse_modes
 from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
 from tests.records import RESULTS
 
