@@ -154,7 +154,9 @@ def test_a_later_attempts_row_with_no_draft_token_accepted_is_not_clean(monkeypa
         out = path_for(case_logs(log_dir, case.case_id)[0])
         out.parent.mkdir(parents=True, exist_ok=True)
         write_record(out, RESULT_TAG, {"tokens": [[5, 6, 7]], "margins": [[19.0, 19.0, 19.0]], "nonfinite": 0})
-        accepted = 0 if case.inject and case.mode.name == "plain" else 180
+        # the first attempt accepts as the reference does (clean, so further attempts run); the later ones accept none
+        later_attempt = case.inject and case.mode.name == "plain" and "attempt" in case.case_id
+        accepted = 0 if later_attempt else 180
         wrote = {"injection": [{"injection_wrote": 1}]} if case.inject else {}
         return CaseResult(
             case.case_id, CLEAN, "stand-in", backend_identity={"acceptance": acceptance(accepted), **wrote}

@@ -212,12 +212,15 @@ class GateScheduler:
 
     def collect(self) -> None:
         """The MPS cases on a thread of their own (mps_part); the references first, beside the cases on slots of their
-        own (no device pool, more than one at once); the cases `workers` at a time, longest first (gate.order)."""
+        own (a fitted concurrency, no device pool, more than one at once); the cases `workers` at a time, longest first
+        (gate.order)."""
         under_mps = [c for c in self.cases + self.refs if c.mode.sm.kind == "mps"]
         refs = [c for c in self.refs if c.mode.sm.kind != "mps"]
         attempts = self.self_control_attempts or SELF_CONTROL_ATTEMPTS
         cases = case_order([c for c in self.cases if c.mode.sm.kind != "mps"], self.measured, retried, attempts)
-        beside = refs and self.pool is None and self.workers > 1
+        # beside only where the gate fitted its concurrency (cold_jobs set): an explicit --jobs N is N processes at most,
+        # the references then first in the one queue
+        beside = refs and self.pool is None and self.workers > 1 and self.cold_jobs is not None
         mps_thread = threading.Thread(target=self.mps_part, args=(under_mps, bool(refs or cases)), daemon=True)
         mps_thread.start()
         go = lambda c: self.record(c, self.run_one(c, None))  # noqa: E731
