@@ -168,12 +168,19 @@ def test_a_choice_the_plugin_would_refuse_is_refused_where_the_gate_builds_the_r
         requested(plugin_request(**{"weights" if var == "REPRO_WEIGHTS" else "inject_source": value}))
 
 
-def test_the_gate_refuses_a_bad_choice_before_any_case_starts(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("var", "value", "said"),
+    [
+        ("REPRO_INJECT_SOURCE", "middle", "REPRO_INJECT_SOURCE='middle'"),
+        ("REPRO_CHECKS_OFF", "replays", "REPRO_CHECKS_OFF: 'replays': the checks that can be turned off are"),
+    ],
+)
+def test_the_gate_refuses_a_bad_choice_before_any_case_starts(tmp_path, monkeypatch, var, value, said):
     started = []
     monkeypatch.setattr(gate_run, "run_control", lambda c, *a, **k: started.append(c) or pytest.fail("a case ran"))
-    monkeypatch.setenv("REPRO_INJECT_SOURCE", "middle")
+    monkeypatch.setenv(var, value)
     build = VllmBuild("b", str(tmp_path / "prefix"), UNDER_TEST)
-    with pytest.raises(ConfigError, match="REPRO_INJECT_SOURCE='middle'"):
+    with pytest.raises(ConfigError, match=said):
         gate_run.run_gate([build], (GateMode.parse("plain"),), tmp_path / "logs", launcher="spawn", memory=None)
     assert not started
 
@@ -192,16 +199,6 @@ def test_the_auditors_checks_are_on_unless_the_gates_environment_turns_them_off(
     assert (req.plugin.judge_refresh, req.plugin.check_replay) == want and req.plugin.audit
     asked = requested(req.plugin)
     assert (asked["judge_refresh"], asked["check_replay"]) == want
-
-
-def test_a_check_the_auditor_does_not_have_is_refused_before_any_case_starts(tmp_path, monkeypatch):
-    started = []
-    monkeypatch.setattr(gate_run, "run_control", lambda c, *a, **k: started.append(c) or pytest.fail("a case ran"))
-    monkeypatch.setenv("REPRO_CHECKS_OFF", "replays")
-    build = VllmBuild("b", str(tmp_path / "prefix"), UNDER_TEST)
-    with pytest.raises(ConfigError, match="REPRO_CHECKS_OFF: 'replays': the checks that can be turned off are"):
-        gate_run.run_gate([build], (GateMode.parse("plain"),), tmp_path / "logs", launcher="spawn", memory=None)
-    assert not started
 
 
 def test_the_plugin_request_command_turns_either_check_off(capsys):
