@@ -363,3 +363,21 @@ def test_the_gate_runs_the_stale_refresh_form_when_asked_and_refuses_an_unknown_
         parser.parse_args(["--self-control-forms", "stale-nothing"])
     cases = plan([VllmBuild("0.34.0", None)], (GateMode("audit"),), 1, 60.0, forms=a.forms)
     assert "stale_metadata-vllm-0.34.0-self-control-stale-refresh-audit" in {c.case_id for c in cases}
+
+
+def test_a_judging_rule_that_raises_is_counted_unjudged_and_never_stops_vllms_loop(plugin_state, monkeypatch):
+    """A build whose builder method takes other arguments than the rule passes: the refresh goes on, the field is
+    unjudged with the exception's type (the gate cannot vouch for it), nothing is called stale."""
+
+    def other_signature(builder, md, back):
+        raise TypeError("_get_scheduler_metadata() got an unexpected keyword argument 'aot_schedule'")
+
+    rule = refresh.REFRESHES["FLASH_ATTN"]["scheduler_metadata"]
+    monkeypatch.setitem(
+        refresh.REFRESHES["FLASH_ATTN"], "scheduler_metadata", refresh.Refresh(other_signature, rule.entries)
+    )
+    mod, builder, impl = audited(plugin_state)
+    md = builder.build(0, 2, seq=3)
+    draft_steps(builder, impl, md, mod.bufs, 2, steps=2)
+    assert counters.COUNTERS["refresh_unjudged"] == {"FLASH_ATTN.scheduler_metadata: TypeError": 2}
+    assert counters.COUNTERS["refresh_checks"] == 0 and not counters.AUDITOR.mismatches

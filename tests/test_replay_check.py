@@ -257,3 +257,21 @@ def test_the_plugin_installs_the_auditor_with_the_checks_its_request_asks_for(mo
     monkeypatch.setenv(request.ENV, asked.to_json())
     plugin.register()
     assert seen == {"judge_refresh": refresh, "check_replay": check}
+
+
+def test_a_replay_check_that_raises_is_counted_unjudged_and_never_stops_the_replay(hooked, monkeypatch):
+    """The replay-start hook runs inside torch's replay and the build hook inside vLLM's loop: an error of the check
+    itself is counted in replay_unjudged with its type, and the replay and the build go on."""
+    runner, graphs = hooked
+    checker = capture._REPLAY["on"]
+
+    def broken(*a, **k):
+        raise RuntimeError("the check broke")
+
+    monkeypatch.setattr(checker, "built", broken)
+    monkeypatch.setattr(checker, "on_replay", broken)
+    runtime_batch(runner, 4)
+    graphs.replay(graph_of(graphs, "t4r4 q1 k3"))
+    unjudged = counters.COUNTERS["replay_unjudged"]
+    assert unjudged["the check raised at a build: RuntimeError"] >= 1
+    assert unjudged["the check raised at a replay: RuntimeError"] == 1 and not counters.AUDITOR.mismatches

@@ -117,8 +117,12 @@ def _record(builder: Any, md: Any, spec: BackendFields) -> None:
     counters.AUDITOR.record_build(md, label_of(md), views, shape)
     if "on" in capture._REPLAY:  # the speculator's runtime builds of the batch under way, for the replay check
         frame = sys._getframe(2)
-        draft = capture.draft_on_stack(frame) and replay.runtime(frame)
-        capture._REPLAY["on"].built(label_of(md), views, shape, draft)
+
+        def kept() -> None:
+            draft = capture.draft_on_stack(frame) and replay.runtime(frame)
+            capture._REPLAY["on"].built(label_of(md), views, shape, draft)
+
+        replay.guarded(counters.COUNTERS, "a build", kept)
 
 
 def _wrap_builder(builder_cls: Any, spec: BackendFields) -> list[str]:
@@ -299,7 +303,7 @@ def _install_replay_check(cuda: Any, asked: bool = True) -> None:
     checker = capture._REPLAY["on"] = replay.ReplayChecker(counters.COUNTERS)
 
     def replayed(graph: Any) -> None:
-        for m in checker.on_replay(graph):
+        for m in replay.guarded(counters.COUNTERS, "a replay", checker.on_replay, graph, default=[]):
             counters.AUDITOR.mismatches.append(m)
             emit(AUDIT_TAG, {"stale": m.to_dict(), "message": str(m), "capture": "replay"})
 

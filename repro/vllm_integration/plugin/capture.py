@@ -21,7 +21,7 @@ from repro.vllm_integration.plugin.backend_fields import BackendFields
 from repro.vllm_integration.plugin.identity import ByIdentity
 from repro.vllm_integration.plugin.inject import StaleCaptureInjector, is_draft_frame
 from repro.vllm_integration.plugin.metadata_views import fields_of, views_of
-from repro.vllm_integration.plugin.replay import ReplayChecker
+from repro.vllm_integration.plugin.replay import ReplayChecker, guarded
 
 UNKNOWN_KIND = "unknown kind"
 # A draft decode graph runs the draft steps after the first; each but the last advances seq_lens by one in place
@@ -227,7 +227,15 @@ def _finish_capture(cap: _Capture, failed: bool) -> None:
     desc = cap.descriptor[0]
     if "on" in _REPLAY and cap.kind.startswith("draft") and desc is not None and cap.metadata:  # a FULL draft graph
         views = {p: v for md, spec in cap.metadata.values() for p, v in views_of(md, spec).items()}
-        _REPLAY["on"].captured(cap.graph, f"{cap.kind} {desc.label}", desc, views)
+        guarded(
+            counters.COUNTERS,
+            "a capture's end",
+            _REPLAY["on"].captured,
+            cap.graph,
+            f"{cap.kind} {desc.label}",
+            desc,
+            views,
+        )
     if known:
         counters.bump("captures_audited", cap.kind)
         counters.bump("audited_by_manager", cap.manager)

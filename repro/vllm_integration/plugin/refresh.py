@@ -117,15 +117,20 @@ def judge(
     batch's too); the mismatches (kind stale-refresh) are kept by the auditor and returned. Counted: refresh_checks
     (fields compared), refresh_stale, refresh_unjudged (backend.field: no rule, the builder lacks its method, or no
     layout known for its size), refresh_entries_unjudged (backend.field -> entries past the batch, never compared:
-    neither clean nor stale). Copies to the host: never call it while a graph is being captured."""
+    neither clean nor stale); a rule that raised is unjudged with the exception's type. Copies to the host: never call
+    it while a graph is being captured."""
     found: list[Mismatch] = []
     for path in computed_fields(spec, views):
         if views.get(path) is None:
             continue  # the refresh wrote nothing there (vLLM's returns early without scheduler metadata)
         rule = REFRESHES.get(spec.name, {}).get(path)
-        want = rule.compute(builder, md, 0) if rule is not None else None
-        now = _ints(views[path])
-        entries = rule.entries(md, len(now)) if want is not None else None
+        try:  # the builder's answer: a build whose method takes other arguments must not stop vLLM's draft loop
+            want = rule.compute(builder, md, 0) if rule is not None else None
+            now = _ints(views[path])
+            entries = rule.entries(md, len(now)) if want is not None else None
+        except Exception as e:  # noqa: BLE001  counted unjudged (the gate cannot vouch for the field), never raised
+            bump(counters, "refresh_unjudged", f"{spec.name}.{path}: {type(e).__name__}")
+            continue
         if want is None or entries is None:
             bump(counters, "refresh_unjudged", f"{spec.name}.{path}")
             continue

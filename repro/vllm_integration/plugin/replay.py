@@ -47,6 +47,16 @@ MAX_ADVANCE = 8  # the draft loop's in-place step bound (capture.MAX_DRAFT_LOOP_
 Key = tuple[int, int, str]  # a view: (its data pointer, its length, its field path)
 
 
+def guarded(counters: dict[str, Any], what: str, fn: Any, *args: Any, default: Any = None) -> Any:
+    """fn(*args), the replay check's part at `what` (a build, a capture's end, a replay): an exception it raises is
+    counted in replay_unjudged with its type, never raised into vLLM's loop or torch's replay hook (default returned)."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001  a check that broke judged nothing, and says so
+        _bump(counters, "replay_unjudged", f"the check raised at {what}: {type(e).__name__}")
+        return default
+
+
 @dataclass
 class _Graph:
     label: str  # the graph's kind and descriptor, as the capture tracker read them
