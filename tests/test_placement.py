@@ -120,3 +120,40 @@ def test_the_default_concurrency_is_fitted_to_the_cores_and_the_gpu_memory():
     assert fit_jobs(16, [(80.0, 30.0)])[0] == 5  # the GPU's memory bounds it: (30 - 8) // 4
     jobs, why = fit_jobs(2, [])
     assert jobs == 1 and "no GPU memory known" in why
+
+
+def test_a_fitted_gate_counts_processes_a_plain_cases_rerun_beside_it_too():
+    """A plain case's launch-blocking rerun beside it is a second process: it holds two of the fitted process slots
+    and two cold-cache slots, so the cases at once never exceed the cores; a case alone always runs."""
+    import types
+
+    from repro.vllm_integration.gate.placement import ColdSlots, ProcessSlots
+
+    slots = ProcessSlots(3)
+    got = threading.Event()
+
+    def second():
+        with slots.hold(2):
+            got.set()
+
+    with slots.hold(2):
+        threading.Thread(target=second, daemon=True).start()
+        assert not got.wait(0.2)  # 2 + 2 > 3: waits
+    assert got.wait(2.0) and slots.worst == 2
+    with ProcessSlots(1).hold(2):  # more than the limit: runs alone
+        pass
+    with ProcessSlots(None).hold(5):  # an explicit --jobs: cases counted, as before
+        pass
+    cold = ColdSlots(3, warm=lambda c: False, poll_s=0.01)
+    case = types.SimpleNamespace(reference=False)
+    with cold.hold(case, 2):
+        assert cold.running == 2
+    assert cold.running == 0
+
+
+def test_the_gates_memory_budget_leaves_what_each_case_must_find_free_at_its_start():
+    from repro.run.memory import GIB, MemoryBudget
+
+    b = MemoryBudget.of_free_gpu([(80.0, 79.0)], keep_of_total=0.1)  # vLLM's check: 8 GiB free at each start
+    assert b.total == int((79.0 - 8.0) * GIB)
+    assert MemoryBudget.of_free_gpu([(80.0, 79.0)]).total == int(79.0 * 0.9 * GIB)  # the matrix's, unchanged

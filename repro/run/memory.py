@@ -52,13 +52,17 @@ class MemoryBudget:
         self._cond = threading.Condition()
 
     @classmethod
-    def of_free_gpu(cls, memory: list[tuple[float, float]] | None = None) -> MemoryBudget | None:
-        """The emptiest GPU's free memory less KEEP_FREE of it; None where no GPU memory is known (no limit)."""
+    def of_free_gpu(
+        cls, memory: list[tuple[float, float]] | None = None, keep_of_total: float = 0.0
+    ) -> MemoryBudget | None:
+        """The emptiest GPU's free memory less KEEP_FREE of it, and less `keep_of_total` of its total where that is
+        more (what each process must still find free when it starts: vLLM's gpu_memory_utilization check); None where
+        no GPU memory is known (no limit)."""
         memory = gpu_memory_gib() if memory is None else memory
         if not memory:
             return None
-        _total, free = min(memory, key=lambda m: m[1])
-        return cls(int(free * (1 - KEEP_FREE) * GIB))
+        total, free = min(memory, key=lambda m: m[1])
+        return cls(int(min(free * (1 - KEEP_FREE), free - keep_of_total * total) * GIB))
 
     @contextlib.contextmanager
     def hold(self, nbytes: int) -> Iterator[None]:

@@ -201,15 +201,17 @@ class ColdSlots:
         self._cond = threading.Condition()
 
     @contextlib.contextmanager
-    def hold(self, case) -> Iterator[None]:
-        took = False
+    def hold(self, case, processes: int = 1) -> Iterator[None]:
+        """A slot for each of the case's `processes` (a plain case's launch-blocking rerun beside it: 2), never more
+        than the limit (a case alone always runs)."""
+        took, n = 0, min(max(1, processes), self.limit)
         if not getattr(case, "reference", False):
             with self._cond:
                 while not self.warm(case):
-                    if self.running < self.limit:
-                        self.running += 1
+                    if self.running + n <= self.limit:
+                        self.running += n
                         self.worst = max(self.worst, self.running)
-                        took = True
+                        took = n
                         break
                     self._cond.wait(self.poll_s)
         try:
@@ -217,5 +219,34 @@ class ColdSlots:
         finally:
             if took:
                 with self._cond:
-                    self.running -= 1
+                    self.running -= took
                     self._cond.notify_all()
+
+
+class ProcessSlots:
+    """At most `limit` case processes at once where the gate fitted its concurrency to the machine (one a CPU core):
+    a case holds a slot for each process it runs (a plain case's launch-blocking rerun beside it: 2), never more than
+    the limit (a case alone always runs). limit None: no limit (an explicit --jobs counts cases, as it always has)."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = None if limit is None else max(1, limit)
+        self.used = 0
+        self.worst = 0  # the most processes at once (reports and tests)
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, processes: int = 1) -> Iterator[None]:
+        if self.limit is None:
+            yield
+            return
+        n = min(max(1, processes), self.limit)
+        with self._cond:
+            self._cond.wait_for(lambda: self.used + n <= self.limit)
+            self.used += n
+            self.worst = max(self.worst, self.used)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.used -= n
+                self._cond.notify_all()

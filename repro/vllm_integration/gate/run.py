@@ -207,8 +207,10 @@ class GateScheduler:
         self.pool = DevicePool(chosen, per_device_jobs(self.jobs, chosen)) if placed else None
         self.workers = self.pool.per_device * len(self.pool.devices) if self.pool else max(1, self.jobs)
         free = self.memory == "free GPU"
-        self.budget = None if self.pool else MemoryBudget.of_free_gpu() if free else self.memory  # type: ignore[assignment]
+        of_free = lambda: MemoryBudget.of_free_gpu(keep_of_total=placement.FREE_AT_START)  # noqa: E731
+        self.budget = None if self.pool else of_free() if free else self.memory  # type: ignore[assignment]
         self.cold = placement.ColdSlots(min(self.workers, self.cold_jobs or self.workers), warm)
+        self.processes = placement.ProcessSlots(self.workers if self.cold_jobs is not None else None)
 
     def collect(self) -> None:
         """The MPS cases on a thread of their own (mps_part); the references first, beside the cases on slots of their
@@ -249,9 +251,11 @@ class GateScheduler:
         pool = self.pool
         dev = (pool.devices[0] if mps is not None else pool.take(self.kind)) if pool else None
         try:
-            need = int(case_gib(c) * GIB) * (2 if attributed_beside(c) else 1)  # its launch-blocking rerun beside it
+            procs = 2 if attributed_beside(c) else 1  # its launch-blocking rerun beside it
+            need = int(case_gib(c) * GIB) * procs
             held = self.budget.hold(need) if self.budget is not None else contextlib.nullcontext()
-            with self.cold.hold(c), held:  # a cold case's compile waits for a slot (placement.ColdSlots)
+            with self.processes.hold(procs), self.cold.hold(c, procs), held:  # in this order; placement's slots
+                t = time.time()  # its cost from here: a case's wait for a slot is no cost of its own
                 # its reference's result and RESULT record once it finished (else None): a clean attempt judged early
                 ref = lambda: self.done.get(reference_for(c).case_id)  # noqa: E731
                 kw = dict(device=dev, launcher=self.launched, attempts=self.self_control_attempts, reference=ref)
