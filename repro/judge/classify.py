@@ -19,7 +19,7 @@ from repro.attention.staleness import add_counts
 from repro.case.spec import CAPTURING, CUDA_ERROR, CaseResult
 from repro.case.spec import REFUSED as REFUSED_FLAG
 from repro.contract.channel import Channel
-from repro.contract.tags import DEVICE_TAG, PASS_TAG, RESULT_TAG, SKIP_TAG
+from repro.contract.tags import DEVICE_TAG, FIRST_STALE, PASS_TAG, RESULT_TAG, SKIP_TAG
 from repro.contract.verdicts import CLEAN, CRASH, ERROR, EVIDENCE, HANG, LAUNCH_FAIL, OOB, SKIP, STALE_AUDIT, WRONG
 from repro.judge.excerpt import error_line
 from repro.judge.memcheck_log import parse_log
@@ -204,7 +204,7 @@ def classify(
         )
         if r.get("summary"):  # what the kernels' outputs showed (spec-decode: graph against eager)
             reason += f"; outputs: {r['summary']}"
-        return done(STALE_AUDIT, reason, "", res.first_diffs[0].split(":")[0] if res.first_diffs else None)
+        return done(STALE_AUDIT, reason, "", r.get(FIRST_STALE))  # typed by the worker that found it
     if returncode not in (0, None):
         return done(ERROR, f"result printed but exit status {returncode}", "")
     if ch.problems:  # a record that could not be read: the result cannot be trusted to be whole

@@ -39,7 +39,7 @@ from repro.contract.channel import (
     UNCOMPARED,
     recorded_before,
 )
-from repro.contract.tags import COUNTERS_TAG, ENGINE_TAG, RESULT_TAG
+from repro.contract.tags import COUNTERS_TAG, ENGINE_TAG, FIRST_STALE, RESULT_TAG
 from repro.files import load_json
 from repro.judge.classify import CUDA_MARKERS
 from repro.judge.classify import REFUSED as REFUSED_WORDS
@@ -345,7 +345,8 @@ def _marked(data: dict, marks: list[str]) -> dict:
 def _upgraded(tag: str, data: dict) -> dict | None:
     """A recorded record's data with the marks of what it predates, or None when it predates nothing: a reference's
     RESULT without 'nonfinite' (CONFIGURATION), an ENGINE without 'compilation_mode' (COMPILATION) or the draft's
-    acceptance (ACCEPTANCE), counters (COUNTERS, ENGINE's own) without the descriptor check's, layout's or backends'."""
+    acceptance (ACCEPTANCE), counters (COUNTERS, ENGINE's own) without the descriptor check's, layout's or backends';
+    an attention-layer RESULT from before its first stale pass was typed given the one its first difference named."""
     if not isinstance(data, dict):
         return None
     marks = []
@@ -356,6 +357,8 @@ def _upgraded(tag: str, data: dict) -> dict | None:
     if tag == ENGINE_TAG and "spec_decode_num_draft_tokens" not in (data.get("acceptance") or {}):
         marks.append(ACCEPTANCE)
     new = dict(data)
+    if tag == RESULT_TAG and isinstance(diffs := data.get("first_diffs"), list) and FIRST_STALE not in data:
+        new[FIRST_STALE] = str(diffs[0]).split(":")[0] if diffs else None  # "<descriptor>: <difference>" then
     if tag == COUNTERS_TAG:
         new = _marked(new, [m for key, m in _COUNTERS_BEFORE if key not in data])
     elif tag == ENGINE_TAG and isinstance(data.get("counters"), dict):
