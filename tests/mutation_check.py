@@ -259,8 +259,8 @@ REFERENCE = [
     (
         "validate_reference: a broken reference is an error",
         GJ,
-        '    return res.revised("reference validation", why, verdict=ERROR, reason=why)',
-        '    return res.revised("reference validation", why, reason=why)',
+        '    return res.revised("reference validation", why, verdict=ERROR, reason=why, flags=flags)',
+        '    return res.revised("reference validation", why, reason=why, flags=flags)',
         False,
         {
             "test_a_reference_that_ran_with_cuda_graphs_is_not_trusted",
