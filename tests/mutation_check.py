@@ -259,8 +259,8 @@ REFERENCE = [
     (
         "validate_reference: a broken reference is an error",
         GJ,
-        '    return res.revised("reference validation", why, verdict=ERROR, reason=why)',
-        '    return res.revised("reference validation", why, reason=why)',
+        '    return res.revised("reference validation", why, verdict=ERROR, reason=why, flags=flags)',
+        '    return res.revised("reference validation", why, reason=why, flags=flags)',
         False,
         {
             "test_a_reference_that_ran_with_cuda_graphs_is_not_trusted",
@@ -914,6 +914,50 @@ ENDS_RULES = [
     ),
 ]
 
+WHY = "repro/vllm_integration/gate/why.py"
+WHY_FLAG = "test_an_untrusted_reference_and_its_cases_carry_the_flag_their_cause_is_read_from"
+# why a run cannot vouch rests on typed flags: each made where its fact is known, read by gate.why, never reworded away
+WHY_RULES = [
+    (
+        "validate_reference: an untrusted reference carries no flag",
+        GJ,
+        "    flags = [*res.flags, UNTRUSTED_REFERENCE]",
+        "    flags = list(res.flags)",
+        False,
+        {WHY_FLAG, "test_an_untrusted_reference_reworded_is_still_the_cause"},
+    ),
+    (
+        "apply_reference: a case judged against an unusable reference carries none of its flags",
+        GJ,
+        "        carried = [f for f in ref.flags if f in CARRIED_FROM_REFERENCE and f not in res.flags]",
+        "        carried = []",
+        False,
+        {WHY_FLAG, "test_a_case_judged_against_a_reference_with_a_cuda_error_has_the_references_cause"},
+    ),
+    (
+        "classify: a CUDA error in the quoted line sets no flag",
+        CL,
+        *_off("        if any(m in line for m in CUDA_MARKERS):"),
+        {"test_a_cuda_error_is_the_flag_classify_sets_from_the_line_it_quotes"},
+    ),
+    (
+        "why: the untrusted reference's flag is not read",
+        WHY,
+        *_off(
+            "    if UNTRUSTED_REFERENCE in res.flags:  # a reference its validation did not trust, or a case judged against one"
+        ),
+        {WHY_FLAG, "test_cannot_vouch_names_an_untrusted_reference_and_where"},
+    ),
+    (
+        "why: the CUDA error's flag is not read",
+        WHY,
+        "        return CUDA if CUDA_ERROR in res.flags else NO_RESULT",
+        "        return NO_RESULT",
+        False,
+        {"test_a_cuda_error_is_the_flag_classify_sets_from_the_line_it_quotes"},
+    ),
+]
+
 SETS = {
     "ends": ("tests/test_audit_count_decides_however_a_case_ends.py tests/test_vouch_rules.py", ENDS_RULES),
     "hang": ("tests/test_stall.py tests/test_vllm_selfcontrol_attempts.py", HANG_RULES),
@@ -922,6 +966,7 @@ SETS = {
     "outcome": ("tests/test_vllm_gate.py -k outcome", OUTCOME),
     "policy": ("tests/test_policy.py", POLICY),
     "steps": ("tests/test_vouch_rules.py tests/test_architecture_claims.py", STEPS_RULES),
+    "why": ("tests/test_why_reads_typed_flags_never_reasons.py tests/test_reports_say_why.py", WHY_RULES),
 }
 
 

@@ -664,19 +664,24 @@ def test_no_case_process_module_names_a_persons_knob():
     )  # a gate case never passes them on
 
 
-def test_what_happened_to_a_process_is_one_of_five_flags_set_where_the_doc_says():
+def test_what_happened_to_a_process_is_one_of_seven_flags_set_where_the_doc_says():
     """The doc: "what happened to the process beside its verdict (stalled, refused, rerun alone under MPS, stopped
-    while capturing, its GPU failing the platform check) is a typed flag (CaseResult.flags)": the five flags of
-    case/spec.py, each added by the one module that saw it (a refusal by classify, from the process's records; a stall
-    by the runner; a rerun alone by the MPS scheduler; a timeout after vLLM's capture began by classify, from vLLM's
-    output, the words the case names (begun_marker); a failed platform check by the gate's step that judged it, and by the scheduler for a case it
-    did not run after another's in its SM configuration failed it)."""
+    while capturing, its GPU failing the platform check, a CUDA error in its output, its reference not trusted ...) is
+    a typed flag (CaseResult.flags)": the seven flags of case/spec.py, each added by the one module that saw it (a
+    refusal and a CUDA error by classify, from the process's output, the one reader of it; a stall by the runner; a
+    rerun alone by the MPS scheduler; a timeout after vLLM's capture began by classify, from vLLM's output, the words
+    the case names (begun_marker); a failed platform check by the gate's step that judged it, and by the scheduler for
+    a case it did not run after another's in its SM configuration failed it; an untrusted reference by its validation,
+    carried by the comparison to each case judged against it)."""
     spec = _sources("repro/case/spec.py")["repro/case/spec.py"]
     flags = next(n for n in spec.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "FLAGS")
-    assert ast.unparse(flags.value) == "(STALLED, REFUSED, RERUN_ALONE, CAPTURING, PLATFORM_FAILED)"
+    assert ast.unparse(flags.value) == (
+        "(STALLED, REFUSED, RERUN_ALONE, CAPTURING, PLATFORM_FAILED, UNTRUSTED_REFERENCE, CUDA_ERROR)"
+    )
     assert (
-        "(stalled, refused, rerun alone under MPS, stopped while capturing, its GPU failing the platform check) is a "
-        "typed flag (`CaseResult.flags`)" in " ".join(_doc().split())
+        "(stalled, refused, rerun alone under MPS, stopped while capturing, its GPU failing the platform check, a CUDA "
+        "error in its output, its reference not trusted by the validation: on that reference and on every case "
+        "compared with it) is a typed flag (`CaseResult.flags`)" in " ".join(_doc().split())
     )
     given = {  # a flag given to a new record (CaseResult.revised(..., flags=[...]))
         (p, ast.unparse(k.value))
@@ -688,7 +693,11 @@ def test_what_happened_to_a_process_is_one_of_five_flags_set_where_the_doc_says(
     assert given == {
         ("repro/vllm_integration/gate/steps.py", "[*res.flags, PLATFORM_FAILED]"),
         ("repro/vllm_integration/gate/run.py", "[PLATFORM_FAILED]"),
+        ("repro/vllm_integration/gate/judge.py", "flags"),  # validate_reference: [*res.flags, UNTRUSTED_REFERENCE]
+        ("repro/vllm_integration/gate/judge.py", "[*res.flags, *carried]"),  # apply_reference: CARRIED_FROM_REFERENCE
     }, sorted(given)
+    judge = _sources("repro/vllm_integration/gate/judge.py")["repro/vllm_integration/gate/judge.py"]
+    assert "flags = [*res.flags, UNTRUSTED_REFERENCE]" in ast.unparse(judge)
     added = {
         (p, ast.unparse(n.args[0]))
         for p, t in _repro().items()
@@ -700,6 +709,7 @@ def test_what_happened_to_a_process_is_one_of_five_flags_set_where_the_doc_says(
         ("repro/run/runner.py", "STALLED"),
         ("repro/run/mps_cases.py", "RERUN_ALONE"),
         ("repro/judge/classify.py", "CAPTURING"),
+        ("repro/judge/classify.py", "CUDA_ERROR"),
     }, sorted(added)
 
 

@@ -5,7 +5,7 @@ case process left under MPS at 56 SMs (a device assert in a batch of MPS clients
 
 from __future__ import annotations
 
-from repro.case.spec import CaseResult, CaseSpec, SmConfig
+from repro.case.spec import UNTRUSTED_REFERENCE, CaseResult, CaseSpec, SmConfig
 from repro.contract.verdicts import CANNOT_VOUCH, CLEAN, ERROR
 from repro.judge.classify import classify
 from repro.vllm_integration.gate import process as gate_process
@@ -58,15 +58,16 @@ def _headline(run: gate_run.GateRun) -> str:
 def test_cannot_vouch_names_an_untrusted_reference_and_where(monkeypatch, tmp_path):
     def answer(case):
         if case.reference and case.mode.sm.kind == "sm_margin":
-            why = "reference not trusted: draft acceptance 7% without CUDA graphs"
-            return CaseResult(case.case_id, ERROR, why)
+            why = "reference not trusted: draft acceptance 7% without CUDA graphs"  # as its validation says it
+            return CaseResult(case.case_id, ERROR, why, flags=[UNTRUSTED_REFERENCE])
         if case.mode.sm.kind == "sm_margin":
-            return CaseResult(case.case_id, ERROR, f"exit status 1 without a result: {DEVICE_ASSERT.splitlines()[2]}")
+            return classify(case, DEVICE_ASSERT, 1, False, None, 7.0)  # the one classifier flags its CUDA error
         return CaseResult(case.case_id, CLEAN, "stand-in")
 
     line = _headline(_stand_in_run(monkeypatch, tmp_path, "plain,sm_margin:88", answer))
     assert line.startswith("**Gate: CANNOT VOUCH** because: "), line
     assert "the reference is untrusted at sm_margin:88" in line and "the platform there may compute wrong" in line, line
+    assert "a CUDA error at sm_margin:88 (1 case(s))" in line, line
 
 
 def test_cannot_vouch_names_a_hook_that_did_not_fire(monkeypatch, tmp_path):

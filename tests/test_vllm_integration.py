@@ -236,8 +236,8 @@ def test_git_bisect_run_finds_the_commit_that_introduced_reuse(tmp_path):
         + [MANAGER_BAD]
         + [MANAGER_BAD + f"\n# later {i}\n" for i in range(3)],
     )
-    first, log = run_bisect(str(repo), "HEAD~5", "HEAD")
-    assert first == shas[2], log
+    found = run_bisect(str(repo), "HEAD~5", "HEAD")
+    assert (found.first, found.only_skipped) == (shas[2], False), found.log
     # the checkout is left as it was
     assert (
         subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()

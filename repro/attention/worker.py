@@ -19,7 +19,7 @@ from repro.case.poison import parse_poison
 from repro.case.scenarios import CAPTURE, SPEC, WARMUP, passes_for
 from repro.case.spec import CaseSpec, mps_sm_mismatch
 from repro.contract.channel import emit
-from repro.contract.tags import DEVICE_TAG, PASS_TAG, RESULT_TAG, SKIP_TAG
+from repro.contract.tags import DEVICE_TAG, FIRST_STALE, PASS_TAG, RESULT_TAG, SKIP_TAG
 from repro.errors import BackendUnavailable, Unavailable
 
 
@@ -65,6 +65,7 @@ def run_case(spec: CaseSpec) -> dict:
     pool = torch.cuda.graph_pool_handle()
     stale_fields: dict[str, int] = {}
     first_diffs: list[str] = []
+    first_stale = None  # the descriptor of the first pass that ran on metadata differing from a fresh build
     worst, worst_tol, worst_desc = 0.0, 0.0, None  # the pass closest to (or furthest past) its tolerance
     n_passes = 0
     for p in passes_for(spec.scenario, builder, spec.strategy, spec.pair):
@@ -76,6 +77,7 @@ def run_case(spec: CaseSpec) -> dict:
         diffs = diff_snapshots(md, seen_snap, fresh_snap)
         add_counts(stale_fields, summarize(diffs))
         first_diffs += [f"{d.label}: {x}" for x in diffs[: max(0, 3 - len(first_diffs))]]
+        first_stale = d.label if diffs and first_stale is None else first_stale
         holder = builder.last_build
         emit(
             PASS_TAG,
@@ -115,6 +117,7 @@ def run_case(spec: CaseSpec) -> dict:
         "wrong": worst > worst_tol,
         "stale_fields": stale_fields,
         "first_diffs": first_diffs,
+        FIRST_STALE: first_stale,
         "sms_reported": reported,
         "sms_planned": reported - margin,
         "backend_identity": backend.identity().to_dict(),

@@ -155,10 +155,12 @@ class CaseSpec:
 # it never ran; it ran again alone under an MPS daemon of its own after a shared run it could not trust; it was stopped
 # at its timeout after its output showed the captures begun (the vLLM gate: its stall rule's marker); its GPU computes
 # matrix products wrong in its SM configuration, so nothing computed there can be judged (the vLLM gate's platform
-# check, or a case not run after another's in the same configuration failed it).
+# check, or a case not run after another's in the same configuration failed it); the reference it was judged against
+# (or, on a reference, itself) was not trusted by its validation (the vLLM gate's reference validation, carried to every
+# case compared with it); its output reported a CUDA error (a runtime error, a device-side assert: classify reads it).
 STALLED, REFUSED, RERUN_ALONE, CAPTURING = "stalled", "refused", "rerun-alone", "capturing"
-PLATFORM_FAILED = "platform-failed"
-FLAGS = (STALLED, REFUSED, RERUN_ALONE, CAPTURING, PLATFORM_FAILED)
+PLATFORM_FAILED, UNTRUSTED_REFERENCE, CUDA_ERROR = "platform-failed", "reference-untrusted", "cuda-error"
+FLAGS = (STALLED, REFUSED, RERUN_ALONE, CAPTURING, PLATFORM_FAILED, UNTRUSTED_REFERENCE, CUDA_ERROR)
 
 
 def positive_control(spec: CaseSpec) -> bool:

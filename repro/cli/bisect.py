@@ -44,11 +44,12 @@ def _git(repo: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True)
 
 
-def steps(log: str) -> list[str]:
-    """git's bisect log up to its answer: the commit it names is shown with its subject instead of git's diffstat."""
+def steps(log: str, first: str | None) -> list[str]:
+    """git's bisect log up to its answer, the line that starts with the first bad commit (in whatever language git
+    speaks): that commit is shown with its subject instead of git's diffstat."""
     kept = []
     for line in log.splitlines():
-        if line.endswith("is the first bad commit"):
+        if first and line.startswith(first):
             break
         kept.append(line)
     return kept[-LOG_LINES:]
@@ -96,9 +97,9 @@ def _bisect(a: argparse.Namespace) -> int:
         return exit_codes.bisect(None, False)
     print(f"[bisect] {a.good}..{a.bad} in {a.vllm}, one {a.check} check per commit", flush=True)
     gate_cmd = [x for x in a.gate_cmd if x != "--"] or None
-    first, log = run_bisect(a.vllm, a.good, a.bad, a.check, gate_cmd, a.overlay)
-    print("\n".join(steps(log)))
-    only_untestable = "only 'skip'ped commits left" in log
+    found = run_bisect(a.vllm, a.good, a.bad, a.check, gate_cmd, a.overlay)  # read from git's refs, never its words
+    first, only_untestable = found.first, found.only_skipped
+    print("\n".join(steps(found.log, first)))
     if first:
         subject = _git(a.vllm, "log", "-1", "--format=%s", first).stdout.strip()
         print(f"first bad commit: {first} {subject}")

@@ -3,6 +3,9 @@ attention-layer worker, the vLLM gate process and the runner that reads both."""
 
 PASS_TAG = "REPRO_PASS"  # before every launch: which descriptor runs next
 RESULT_TAG = "REPRO_RESULT"  # once, at the end: what the case produced
+# an attention-layer RESULT's key: the descriptor of the first pass that ran on metadata differing from a fresh build
+# (typed where the difference is found, never split out of a difference's words)
+FIRST_STALE = "first_stale_descriptor"
 SKIP_TAG = "REPRO_SKIP"  # the case cannot run here, and why
 DEVICE_TAG = "REPRO_DEVICE"  # the GPU (and SMs) the process sees
 # The vLLM gate (repro.vllm_integration): what the plugin inside vLLM and the gate case process report.

@@ -5,7 +5,8 @@ they make a new one that says what changed it (repro.case.spec.revise).
 
 This is the one classifier of a case process's free-form output, the only code that reads a driver's or library's
 message: a fault, a failed launch or out of memory (FAULT_MARKERS, LAUNCH_MARKERS, OOM_MARKERS: the kernel the line
-names), the MPS server's refusal of a new client (REFUSAL_MARKERS: a typed flag, REFUSED), the words that say a
+names), a CUDA error in the line it quotes (CUDA_MARKERS: a typed flag, CUDA_ERROR), the MPS server's refusal
+of a new client (REFUSAL_MARKERS: a typed flag, REFUSED), the words that say a
 case's work had begun before its timeout (its spec's begun_marker, vLLM's captures: a typed flag, CAPTURING), and the
 last lines of a process that exited without a result. Every later step decides by the typed record it makes, never by those words."""
 
@@ -15,10 +16,10 @@ import json
 import re
 
 from repro.attention.staleness import add_counts
-from repro.case.spec import CAPTURING, CaseResult
+from repro.case.spec import CAPTURING, CUDA_ERROR, CaseResult
 from repro.case.spec import REFUSED as REFUSED_FLAG
 from repro.contract.channel import Channel
-from repro.contract.tags import DEVICE_TAG, PASS_TAG, RESULT_TAG, SKIP_TAG
+from repro.contract.tags import DEVICE_TAG, FIRST_STALE, PASS_TAG, RESULT_TAG, SKIP_TAG
 from repro.contract.verdicts import CLEAN, CRASH, ERROR, EVIDENCE, HANG, LAUNCH_FAIL, OOB, SKIP, STALE_AUDIT, WRONG
 from repro.judge.excerpt import error_line
 from repro.judge.memcheck_log import parse_log
@@ -89,6 +90,11 @@ def kernel_in(text: str) -> str | None:
     return None
 
 
+# A CUDA runtime error in the line a reason quotes (a fault, a failed launch, the error a process without a result
+# ended on): torch's "CUDA error: ...", a device-side assert and the assertion it printed. A typed flag (CUDA_ERROR),
+# so that no later step (the gate's why) reads these words.
+CUDA_MARKERS = ("CUDA error", "device-side assert", "Assertion")
+
 # How a process the GPU would not take is reported: under MPS, the server refuses new clients while it recovers from
 # a client's fault (NVIDIA's MPS guide, "error containment").
 REFUSED = "the GPU refused this process (busy or unavailable)"
@@ -145,8 +151,11 @@ def classify(
     res.findings = [f.to_dict() for f in findings]
     during = f" (during {last})" if last else ""
 
-    def done(verdict: str, reason: str, evidence: str, descriptor: str | None = None) -> CaseResult:
+    def done(verdict: str, reason: str, evidence: str, descriptor: str | None = None, line: str = "") -> CaseResult:
+        """The record, with `line` (the output line its reason quotes) read for a CUDA error."""
         res.verdict, res.reason, res.descriptor = verdict, reason, descriptor
+        if any(m in line for m in CUDA_MARKERS):
+            res.flags.append(CUDA_ERROR)
         res.evidence = f"{EVIDENCE[verdict]}: {evidence}" if evidence else EVIDENCE[verdict]
         return res
 
@@ -171,15 +180,16 @@ def classify(
         launch = next((ln for ln in lines if any(m in ln for m in LAUNCH_MARKERS)), None)
         if fault:
             res.kernel = kernel_in(fault)
-            return done(CRASH, quoted(fault) + during, _marker(fault, FAULT_MARKERS), last)
+            return done(CRASH, quoted(fault) + during, _marker(fault, FAULT_MARKERS), last, fault)
         if launch:
             res.kernel = kernel_in(launch)
-            return done(LAUNCH_FAIL, quoted(launch) + during, _marker(launch, LAUNCH_MARKERS), last)
+            return done(LAUNCH_FAIL, quoted(launch) + during, _marker(launch, LAUNCH_MARKERS), last, launch)
         oom = out_of_memory(lines, sanitizer_log)
         if oom and (returncode or 0) != 0:
-            return done(ERROR, f"{OUT_OF_MEMORY}: {oom.strip(' =')[:240]}", "", last)
+            return done(ERROR, f"{OUT_OF_MEMORY}: {oom.strip(' =')[:240]}", "", last, oom.strip(" =")[:240])
         if (returncode or 0) != 0:
-            return done(ERROR, f"exit status {returncode} without a result: {error_line(tail)}", "", last)
+            said = error_line(tail)
+            return done(ERROR, f"exit status {returncode} without a result: {said}", "", last, said)
         return done(ERROR, "no result line", "", last)
     r = results[-1]
     if r.get("wrong"):
@@ -194,7 +204,7 @@ def classify(
         )
         if r.get("summary"):  # what the kernels' outputs showed (spec-decode: graph against eager)
             reason += f"; outputs: {r['summary']}"
-        return done(STALE_AUDIT, reason, "", res.first_diffs[0].split(":")[0] if res.first_diffs else None)
+        return done(STALE_AUDIT, reason, "", r.get(FIRST_STALE))  # typed by the worker that found it
     if returncode not in (0, None):
         return done(ERROR, f"result printed but exit status {returncode}", "")
     if ch.problems:  # a record that could not be read: the result cannot be trusted to be whole

@@ -18,7 +18,15 @@ import tempfile
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from repro.case.spec import PLATFORM_FAILED, REFUSED, RERUN_ALONE, STALLED, CaseResult
+from repro.case.spec import (
+    CUDA_ERROR,
+    PLATFORM_FAILED,
+    REFUSED,
+    RERUN_ALONE,
+    STALLED,
+    UNTRUSTED_REFERENCE,
+    CaseResult,
+)
 from repro.contract.channel import (
     ACCEPTANCE,
     ATTEMPTS,
@@ -31,8 +39,9 @@ from repro.contract.channel import (
     UNCOMPARED,
     recorded_before,
 )
-from repro.contract.tags import COUNTERS_TAG, ENGINE_TAG, RESULT_TAG
+from repro.contract.tags import COUNTERS_TAG, ENGINE_TAG, FIRST_STALE, RESULT_TAG
 from repro.files import load_json
+from repro.judge.classify import CUDA_MARKERS
 from repro.judge.classify import REFUSED as REFUSED_WORDS
 from repro.report.record_summary import describe, indexed
 from repro.run.process import STALLED as STALLED_WORDS
@@ -256,6 +265,13 @@ _WORDS_OF_FLAG = (
     (RERUN_ALONE, lambda reason: "(rerun alone: " in reason),
 )
 
+# What a result written before these flags existed (results.json schema 4 and every replayed row) said in words: its
+# reference's validation did not trust it, or it was judged against such a reference (the validation's and the
+# comparison's reasons quote "reference not trusted"); a CUDA error in the line its reason quotes (classify's markers).
+_WORDS_OF_LATER_FLAG = (
+    (UNTRUSTED_REFERENCE, lambda reason: "reference not trusted" in reason),
+    (CUDA_ERROR, lambda reason: any(m in reason for m in CUDA_MARKERS)),
+)
 
 # The history steps whose record, written before its typed mark, the upgrader marks: a failed platform check
 # (PLATFORM_FAILED), a method its build lacks (CaseResult.not_applicable).
@@ -265,7 +281,8 @@ _COMPARISON_STEP = "reference comparison"  # a gate row's comparison with its re
 
 def upgrade_result(result: dict, row: dict | None = None) -> dict:
     """A recorded case result (a results.json's `result`, matrix or gate) as this code writes one: one from before
-    typed flags gets the flags its reason said in words (_WORDS_OF_FLAG), and the platform check's flag and the
+    typed flags gets the flags its reason said in words (_WORDS_OF_FLAG; an untrusted reference's and a CUDA error's,
+    flags of later, _WORDS_OF_LATER_FLAG, whatever flags it has), and the platform check's flag and the
     not-applicable why its history's step said (the only place a step's name is read back), one from before results kept their
     expectation gets its row's, a field added after it was written its default (what reading it gave before), its
     backend_identity's engine and counters the marks of what they predate (_upgraded, as upgrade_channel marks the
@@ -275,9 +292,11 @@ def upgrade_result(result: dict, row: dict | None = None) -> dict:
     out = dict(result)
     if out.get("expected") is None and (row or {}).get("expected"):  # older records kept it in the row only
         out["expected"] = row["expected"]
+    reason = str(out.get("reason") or "")
     if "flags" not in out:
-        reason = str(out.get("reason") or "")
         out["flags"] = [flag for flag, said in _WORDS_OF_FLAG if said(reason)]
+    later = [flag for flag, said in _WORDS_OF_LATER_FLAG if flag not in out["flags"] and said(reason)]
+    out["flags"] = [*out["flags"], *later] if later else out["flags"]
     steps = {h.get("step"): h for h in out.get("history") or () if isinstance(h, dict)}
     if _PLATFORM_STEP in steps and PLATFORM_FAILED not in out["flags"]:  # from before the platform check's flag
         out["flags"] = [*out["flags"], PLATFORM_FAILED]
@@ -326,7 +345,8 @@ def _marked(data: dict, marks: list[str]) -> dict:
 def _upgraded(tag: str, data: dict) -> dict | None:
     """A recorded record's data with the marks of what it predates, or None when it predates nothing: a reference's
     RESULT without 'nonfinite' (CONFIGURATION), an ENGINE without 'compilation_mode' (COMPILATION) or the draft's
-    acceptance (ACCEPTANCE), counters (COUNTERS, ENGINE's own) without the descriptor check's, layout's or backends'."""
+    acceptance (ACCEPTANCE), counters (COUNTERS, ENGINE's own) without the descriptor check's, layout's or backends';
+    an attention-layer RESULT from before its first stale pass was typed given the one its first difference named."""
     if not isinstance(data, dict):
         return None
     marks = []
@@ -337,6 +357,8 @@ def _upgraded(tag: str, data: dict) -> dict | None:
     if tag == ENGINE_TAG and "spec_decode_num_draft_tokens" not in (data.get("acceptance") or {}):
         marks.append(ACCEPTANCE)
     new = dict(data)
+    if tag == RESULT_TAG and isinstance(diffs := data.get("first_diffs"), list) and FIRST_STALE not in data:
+        new[FIRST_STALE] = str(diffs[0]).split(":")[0] if diffs else None  # "<descriptor>: <difference>" then
     if tag == COUNTERS_TAG:
         new = _marked(new, [m for key, m in _COUNTERS_BEFORE if key not in data])
     elif tag == ENGINE_TAG and isinstance(data.get("counters"), dict):

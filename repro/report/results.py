@@ -27,7 +27,8 @@ GPU, MODEL = "gpu", "model"  # results.json "source": kernels ran, or the CPU mo
 # repro.report.records.upgrade_result, one of this schema never (a key it lacks is an error)
 # 4: a case not applicable here says why in a field of its own (CaseResult.not_applicable), a failed platform check is
 # a flag
-SCHEMA = 4
+# 5: an untrusted reference (and a case judged against one) and a CUDA error are flags
+SCHEMA = 5
 RESULT_KEYS = tuple(f.name for f in fields(CaseResult))
 
 

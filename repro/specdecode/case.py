@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from repro.case.spec import CaseSpec
+from repro.contract.tags import FIRST_STALE
 from repro.specdecode.models import ModelConfig
 
 PROMPTS = [[11, 12, 13, 14, 15, 16, 17], [21, 22, 23], [31, 32, 33, 34, 35], [41, 42, 43, 44]]
@@ -80,6 +81,7 @@ def run_spec_case(spec: CaseSpec, backend: Any, margin: int, poison: Any, emit, 
             f"{e.descriptor.label}: {e.model} {e.stage} ran on buffers holding {e.buffer_holds.label}"
             for e in stale_passes[:3]
         ],
+        FIRST_STALE: stale_passes[0].descriptor.label if stale_passes else None,
         "summary": (
             f"graph tokens {'==' if same else '!='} eager tokens ({len(PROMPTS)}x{max_new}); draft proposals differ "
             f"in {cmp['proposal_steps_differ']} of {cmp['steps']} verify steps; max |target logits graph - eager| "

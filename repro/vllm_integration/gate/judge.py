@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from repro.attention.staleness import count_fields
-from repro.case.spec import PLATFORM_FAILED, CaseResult
+from repro.case.spec import CUDA_ERROR, PLATFORM_FAILED, UNTRUSTED_REFERENCE, CaseResult
 from repro.contract.channel import ACCEPTANCE, CONFIGURATION, Channel, recorded_before
 from repro.contract.tags import AUDIT_TAG
 from repro.contract.verdicts import CANNOT_VOUCH as NOT_VOUCHED
@@ -222,7 +222,8 @@ def validate_reference(case: GateCase, res: CaseResult, out: dict | None) -> Cas
         )
         return res.revised("reference validation", what, evidence="; ".join(x for x in (res.evidence, what) if x))
     why = "reference not trusted: " + "; ".join(problems)
-    return res.revised("reference validation", why, verdict=ERROR, reason=why)
+    flags = [*res.flags, UNTRUSTED_REFERENCE]  # typed: what is judged later (gate.why) never reads these words
+    return res.revised("reference validation", why, verdict=ERROR, reason=why, flags=flags)
 
 
 @dataclass
@@ -271,6 +272,11 @@ def compare_tokens(
     return c
 
 
+# What a case judged against a reference that gave no answer keeps of that reference's typed flags: the cause it has
+# no answer for (an untrusted reference, a CUDA error in the reference's process), read by gate.why as its own.
+CARRIED_FROM_REFERENCE = (UNTRUSTED_REFERENCE, CUDA_ERROR)
+
+
 def apply_reference(res: CaseResult, out: dict | None, ref: CaseResult, ref_out: dict | None) -> CaseResult:
     """A finished speculative case judged against its reference (a new record): wrong-output where the greedy tokens
     differ where the reference was decided, error without a reference or with too many near ties.
@@ -280,7 +286,8 @@ def apply_reference(res: CaseResult, out: dict | None, ref: CaseResult, ref_out:
     step = "reference comparison"
     if ref.verdict != CLEAN or not ref_out or not out:
         why = f"no reference to compare with ({ref.case_id}: {ref.verdict}: {ref.reason[:200]})"
-        return res.revised(step, why, verdict=ERROR, reason=why)
+        carried = [f for f in ref.flags if f in CARRIED_FROM_REFERENCE and f not in res.flags]
+        return res.revised(step, why, verdict=ERROR, reason=why, flags=[*res.flags, *carried])
     sms, ref_sms = ((x.get("device") or {}).get("sms") for x in (out, ref_out))
     if sms is not None and ref_sms is not None and sms != ref_sms:
         why = f"the reference ran on {ref_sms} SMs, this case on {sms}: not the same SM configuration"

@@ -1,13 +1,14 @@
 """Why a gate run cannot vouch, in the user's words, for the first line of its report: each cause with the SM
 configurations it happened in and how many cases, e.g. "the platform computes wrong at mps:24 (4 cases); the
 reference is untrusted at mps:56 (3 of 3 references: the platform there may compute wrong)". A cause is read from
-each case's typed result (its verdict, its steps' history), the words of its reason only where the verdict cannot tell
-(a CUDA error in a process that left no result)."""
+each case's typed result alone (its verdict, its flags: a failed platform check, an untrusted reference, a CUDA error
+classify found in its output), never from the words of its reason."""
 
 from __future__ import annotations
 
 from collections import Counter
 
+from repro.case.spec import CUDA_ERROR, UNTRUSTED_REFERENCE
 from repro.contract.verdicts import CANNOT_VOUCH, CLEAN, ERROR, FAULTS, HANG, SKIP
 from repro.judge.excerpt import shorten
 from repro.vllm_integration.gate.judge import platform_failed
@@ -34,7 +35,7 @@ def cause(res, is_control: bool = False) -> str | None:
         return None
     if platform_failed(res):
         return PLATFORM
-    if "reference not trusted" in (res.reason or ""):
+    if UNTRUSTED_REFERENCE in res.flags:  # a reference its validation did not trust, or a case judged against one
         return UNTRUSTED
     if res.verdict == CANNOT_VOUCH:
         return NOT_FIRED
@@ -43,8 +44,7 @@ def cause(res, is_control: bool = False) -> str | None:
     if res.verdict == SKIP:
         return SKIPPED
     if res.verdict == ERROR:
-        said = res.reason or ""
-        return CUDA if any(m in said for m in ("CUDA error", "device-side assert", "Assertion")) else NO_RESULT
+        return CUDA if CUDA_ERROR in res.flags else NO_RESULT
     if is_control and res.verdict == CLEAN:
         return CONTROL
     return None

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from repro import CHECKOUT, entrypoints, exit_codes
@@ -229,13 +230,41 @@ def step(repo: str, check: str, gate_cmd: list[str] | None = None, overlay: str 
     return Exit.UNTESTABLE
 
 
-NO_STEP = "is the first bad commit"  # git's line naming the answer
+@dataclass(frozen=True)
+class Bisected:
+    """What a bisect ended with, read from git's bisect refs (plumbing), never from its messages: the first bad commit,
+    or None; whether every commit left untested but the bad one was skipped (untestable); git's log, to show."""
+
+    first: str | None
+    only_skipped: bool
+    log: str
+
+
+def bisect_state(repo: str) -> tuple[str | None, bool]:
+    """(the first bad commit, only skipped commits left) from the bisect refs git keeps under refs/bisect/ (bad,
+    good-*, skip-*): the bad commit is the first once no commit between the good ones and it is left; when every one
+    left was skipped, git cannot tell which is first. Words of git's output are never read (they are translated)."""
+
+    def out(*args: str) -> list[str]:
+        r = subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True)
+        return r.stdout.split() if r.returncode == 0 else []
+
+    bad = out("rev-parse", "--verify", "--quiet", "refs/bisect/bad")
+    if not bad:
+        return None, False
+    goods = out("for-each-ref", "--format=%(objectname)", "refs/bisect/good-*")
+    skipped = set(out("for-each-ref", "--format=%(objectname)", "refs/bisect/skip-*"))
+    left = [c for c in out("rev-list", bad[0], "--not", *goods) if c != bad[0]]
+    if not left:
+        return bad[0], False
+    return None, all(c in skipped for c in left)
 
 
 def run_bisect(
     repo: str, good: str, bad: str, check: str = "source", gate_cmd: list[str] | None = None, overlay: str | None = None
-) -> tuple[str | None, str]:
-    """git bisect over the checkout; returns (first bad commit or None, git's log). Leaves the checkout reset."""
+) -> Bisected:
+    """git bisect over the checkout, its answer read from git's bisect refs (bisect_state). Leaves the checkout
+    reset."""
 
     def git(*args: str, check_rc: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True, check=check_rc)
@@ -246,10 +275,12 @@ def run_bisect(
         git("bisect", "reset", check_rc=False)
         said = (started.stderr.strip() or started.stdout.strip()).replace("\n", " ") or "no reason given"
         raise ConfigError(f"git bisect start {bad} {good} failed: {said}")
-    if NO_STEP in started.stdout:  # nothing between --good and --bad: git named --bad, and a `git bisect run` now
+    first, _ = bisect_state(repo)
+    if first is not None:  # nothing between --good and --bad: git named --bad, and a `git bisect run` now
         git("bisect", "reset", check_rc=False)  # would judge the checkout's HEAD instead and answer out of the range
-        first = next(x.split()[0] for x in started.stdout.splitlines() if x.endswith(NO_STEP))
-        return first, f"no commit lies between --good {good} and --bad {bad}: git named --bad, no check ran\n"
+        return Bisected(
+            first, False, f"no commit lies between --good {good} and --bad {bad}: git named --bad, no check ran\n"
+        )
     # git runs each step in the checkout's top folder: a path given relative to here would name nothing there (the
     # step's exit 2, which git reads as "bad", at every commit)
     cmd = entrypoints.command(entrypoints.BISECT, "step", "--repo", os.path.abspath(repo), "--check", check)
@@ -261,13 +292,9 @@ def run_bisect(
     root = str(CHECKOUT)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run(["git", "-C", repo, "bisect", "run", *cmd], capture_output=True, text=True, env=env)
-    log = r.stdout + r.stderr
-    first = None
-    for line in log.splitlines():
-        if line.endswith("is the first bad commit"):
-            first = line.split()[0]
+    first, only_skipped = bisect_state(repo)
     git("bisect", "reset", check_rc=False)
-    return first, log
+    return Bisected(first, only_skipped, r.stdout + r.stderr)
 
 
 def add_check_option(p: argparse.ArgumentParser, whose: str) -> None:
