@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from repro.errors import ConfigError, Unavailable
 from repro.run import own_alloc
+from repro.run.memory import MemoryBudget
 from repro.run.pinning import devices_from
 from repro.run.smcontrol import GpuInfo, enumerate_gpus
 
@@ -226,27 +227,16 @@ class ColdSlots:
 class ProcessSlots:
     """At most `limit` case processes at once where the gate fitted its concurrency to the machine (one a CPU core):
     a case holds a slot for each process it runs (a plain case's launch-blocking rerun beside it: 2), never more than
-    the limit (a case alone always runs). limit None: no limit (an explicit --jobs counts cases, as it always has)."""
+    the limit (a case alone always runs). limit None: no limit (an explicit --jobs counts cases, as it always has).
+    The slots are a MemoryBudget of `limit` units: the same wait, cap and release."""
 
     def __init__(self, limit: int | None) -> None:
-        self.limit = None if limit is None else max(1, limit)
-        self.used = 0
-        self.worst = 0  # the most processes at once (reports and tests)
-        self._cond = threading.Condition()
+        self.slots = None if limit is None else MemoryBudget(max(1, limit))
 
-    @contextlib.contextmanager
-    def hold(self, processes: int = 1) -> Iterator[None]:
-        if self.limit is None:
-            yield
-            return
-        n = min(max(1, processes), self.limit)
-        with self._cond:
-            self._cond.wait_for(lambda: self.used + n <= self.limit)
-            self.used += n
-            self.worst = max(self.worst, self.used)
-        try:
-            yield
-        finally:
-            with self._cond:
-                self.used -= n
-                self._cond.notify_all()
+    @property
+    def worst(self) -> int:
+        """The most processes at once (reports and tests)."""
+        return self.slots.worst if self.slots is not None else 0
+
+    def hold(self, processes: int = 1) -> contextlib.AbstractContextManager:
+        return self.slots.hold(max(1, processes)) if self.slots is not None else contextlib.nullcontext()
