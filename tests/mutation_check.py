@@ -11,6 +11,7 @@ whatever happened.
     python tests/mutation_check.py hang      # when a hang is evidence (gate/steps.py annotate, gate/process.py, classify)
     python tests/mutation_check.py steps     # the judging's declared steps and the runner of their phases (gate/steps.py)
     python tests/mutation_check.py ends      # the auditor's count decides however a case ends; library CUDA errors
+    python tests/mutation_check.py why       # a CANNOT VOUCH's cause read from typed flags (gate/why.py, classify)
 
 Exit status 1 when a mutation matched its source other than once, or a test named for it did not fail."""
 
@@ -971,6 +972,9 @@ SETS = {
 
 
 def main(which: str) -> int:
+    if which not in SETS:  # --help, or a set that does not exist: the usage, no mutation made
+        print(__doc__.split("\n\n")[1], file=sys.stderr)
+        return 0 if which in ("-h", "--help") else 2
     test_file, mutations = SETS[which]
     bad = 0
     for name, rel, old, new, regex, want in mutations:
