@@ -66,23 +66,30 @@ def test_the_simulation_replays_the_record_and_the_new_order_cuts_its_wall():
     after = timeline.profile(tl)["after_last"]
     replay = order.simulate(order.without_early_stop(jobs), 8, tl.ready_s, after).wall
     assert abs(replay - tl.wall_s) < 5  # the model replays the record's own order and 8 slots within seconds
-    # the new default on that H100 (16 cores, 79 GiB free): 16 cases at once, 8 on cold caches, 4 GiB each (8 with a
-    # rerun beside) of 71 GiB, the references on slots of their own; a first run on an empty cache has no measured
-    # costs: the static model orders it
+    # the new default on that H100 (16 cores, 79 of 80 GiB free): 16 processes at once, 8 on cold caches (a plain
+    # control's rerun beside it is one of them), 4 GiB a process of 71 GiB (79 less 0.1 of 80), the references on
+    # slots of their own, each holding a process slot; a first run on an empty cache has no measured costs: the static
+    # model orders it
+    fitted = dict(ref_slots=2, cold_workers=8, budget_gib=79 - 0.1 * 80, per_process=True)
     static = order.policy_order(jobs, order.static_job_cost)
-    new = order.simulate(static, 16, tl.ready_s, after, ref_slots=2, cold_workers=8, budget_gib=79 * 0.9).wall
-    assert new < 150 and new < replay - 30
+    new = order.simulate(static, 16, tl.ready_s, after, **fitted).wall
+    assert new == 140.1 and new < replay - 25
     only_order = order.simulate(static, 8, tl.ready_s, after, ref_slots=2).wall  # the order alone, 8 slots as before
-    assert new < only_order < replay
+    assert new < only_order == 152.9 < replay
+    # counting cases, as the simulation did before: the reruns beside the ten plain self controls were free
+    as_cases = order.simulate(static, 16, tl.ready_s, after, **{**fitted, "per_process": False}).wall
+    assert as_cases == 132.7 < new
     warm, _ = order.jobs_from_timeline(tl, warm_run=True)
     assert all(j.reference is not None for j in warm)  # a warm run keeps its references: no process
     old_warm = order.simulate(order.without_early_stop(warm), 8, tl.ready_s, after, cold=False).wall
-    new_warm = order.simulate(order.policy_order(warm), 16, tl.ready_s, after, cold=False, budget_gib=79 * 0.9).wall
-    assert new_warm < old_warm - 30
-    # the GPU memory's budget binds it on the H100: 2700 GiB-seconds of warm processes over 71 GiB is 38 s of the
-    # run; with the memory of an H200 (139 GiB) the slots bind it
-    roomy = order.simulate(order.policy_order(warm), 16, tl.ready_s, after, cold=False, budget_gib=139 * 0.9).wall
-    assert roomy < 60 < new_warm
+    warm_kw = dict(cold=False, budget_gib=fitted["budget_gib"], per_process=True)
+    new_warm = order.simulate(order.policy_order(warm), 16, tl.ready_s, after, **warm_kw).wall
+    assert new_warm == 67.8 and new_warm < old_warm - 30 == 68.0
+    # the 16 process slots bind it, not the GPU memory: 675 process-seconds over 16 slots is 42 s of the run; an H200's
+    # memory (125 GiB of budget) changes nothing, and only counting cases (472 case-seconds) made it 57 s
+    roomy = order.simulate(order.policy_order(warm), 16, tl.ready_s, after, **{**warm_kw, "budget_gib": 125.0}).wall
+    warm_as_cases = order.simulate(order.policy_order(warm), 16, tl.ready_s, after, cold=False).wall
+    assert roomy == new_warm and warm_as_cases == 57.0 < 60 < new_warm
 
 
 def test_the_prediction_fits_the_slots_to_the_machine_the_record_names():
@@ -90,8 +97,29 @@ def test_the_prediction_fits_the_slots_to_the_machine_the_record_names():
     assert (tl.cpus, tl.memory) == (16, (79.0, 80.0))  # its terminal line: 16 cores, 79 of 80 GiB free
     p = order.predict(tl, timeline.profile(tl)["after_last"])
     assert (p["workers"], p["cold_workers"]) == (16, 8)
-    assert p["cold_static"] < 150 and p["cold_measured"] < 150 and p["warm"] < 70 < p["warm_before"]
+    assert p["budget_gib"] == 71.0  # run.MemoryBudget.of_free_gpu: 79 free less 0.1 of the 80 GiB total
+    assert (p["cold_static"], p["cold_measured"], p["warm"], p["warm_before"]) == (140.1, 138.2, 67.8, 98.0)
     assert abs(p["replay"] - p["recorded"]) < 5
+
+
+def test_a_plain_controls_rerun_beside_it_takes_two_process_slots_in_the_simulation():
+    pair = order.Job("sc-plain", (10.0,), reference="r", processes=2, gib=8.0)
+    one = order.Job("c", (10.0,), reference="r")
+    # two slots: the control and its rerun fill them, the next case waits; counting cases it ran beside them
+    assert order.simulate([pair, one], 2, 0.0, cold=False, per_process=True).wall == 20.0
+    assert order.simulate([pair, one], 2, 0.0, cold=False).wall == 10.0
+    # on cold caches: 2 cold slots, the pair holds both; the next case starts once the caches are warm (40 s)
+    cold_pair, cold_one = (order.Job(j.case, j.attempts, "r", cold_s=30.0, processes=j.processes) for j in (pair, one))
+    sim = order.simulate([cold_pair, cold_one], 4, 0.0, cold_workers=2, per_process=True)
+    assert sim.starts == {"sc-plain": 0.0, "c": 40.0} and sim.wall == 50.0
+    assert order.simulate([cold_pair, cold_one], 4, 0.0, cold_workers=2).wall == 40.0  # as cases: both cold at once
+    # a reference on its own slot holds a process slot too: the pair waits for it
+    ref = order.Job("r", (10.0,))
+    sim = order.simulate([ref, pair], 2, 0.0, ref_slots=1, cold=False, per_process=True)
+    assert sim.starts["sc-plain"] == 10.0 and sim.wall == 20.0
+    assert order.simulate([ref, pair], 2, 0.0, ref_slots=1, cold=False).wall == 10.0
+    # a pair never waits for more slots than there are: alone on one slot, it runs
+    assert order.simulate([pair], 1, 0.0, cold=False, per_process=True).wall == 10.0
 
 
 def test_a_reference_finished_first_stops_a_wrong_self_controls_further_attempts():

@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from repro.run.memory import KEEP_FREE
-from repro.vllm_integration.gate.placement import GIB_PER_CASE, cold_jobs, fit_jobs
+from repro.run.memory import GIB, MemoryBudget
+from repro.vllm_integration.gate.placement import FREE_AT_START, GIB_PER_CASE, cold_jobs, fit_jobs
 from repro.vllm_integration.gate.timeline import COLD_JIT_S, Timeline, chains
 
 T = TypeVar("T")
@@ -53,6 +53,7 @@ class Job:
     early_stop: bool = False  # its later attempts only ran because its reference had not finished
     cold_s: float = 0.0  # what it adds when it starts before the build's caches are warm
     gib: float = 4.0  # the GPU memory it holds (placement.case_gib; twice that with a rerun beside it)
+    processes: int = 1  # its processes at once (2: a plain control's launch-blocking rerun beside it)
 
     @property
     def cost(self) -> float:
@@ -75,19 +76,23 @@ def simulate(
     cold: bool = True,
     cold_workers: int | None = None,
     budget_gib: float | None = None,
+    per_process: bool = False,
 ) -> Simulated:
     """List scheduling of the jobs in their order: `workers` slots for the cases (and the references when
     ref_slots is 0), `ref_slots` more for the references only. A case process that starts before the first cold case
     process ends (cold: the build's Triton and compile caches are empty until then) takes its cold_s more, and at
     most `cold_workers` of them run at once (None: `workers`); a later one waits for the caches. A job with early_stop
     runs one attempt when its reference ended before its first attempt did. `budget_gib`: the GPU memory the jobs
-    hold together (each its `gib` over its chain, as run.MemoryBudget holds it); a job that does not fit waits."""
+    hold together (each its `gib` over its chain, as run.MemoryBudget holds it); a job that does not fit waits.
+    `per_process`: the fitted scheduler's limits (placement.ProcessSlots, ColdSlots): `workers` and `cold_workers`
+    count processes, a job holds its `processes` of each (never more than the limit), and a reference on its own
+    slots holds one of `workers` too; else they count jobs (an explicit --jobs, and the runs before)."""
     inf = float("inf")
     ref_done: dict[str, float] = {}
     starts: dict[str, float] = {}
     state = {"warm_at": inf if cold else ready_s}
-    cold_ends: list[float] = []  # the cold case processes' ends
-    held: list[tuple[float, float, float]] = []  # (start, end, GiB) of every chain placed
+    cold_ends: list[tuple[float, int]] = []  # the cold case processes' ends, and the slots each held
+    held: list[tuple[float, float, float, int]] = []  # (start, end, GiB, processes) of every chain placed
     lanes = {"case": [(ready_s, i) for i in range(max(1, workers))]}
     lanes["ref"] = [(ready_s, i) for i in range(ref_slots)] if ref_slots else lanes["case"]
     for pool in lanes.values():
@@ -111,29 +116,39 @@ def simulate(
                 first_end = end
         return end, colds
 
-    def peak(t0: float, t1: float) -> float:
-        points = [t0] + [s for s, _e, _g in held if t0 < s < t1]
-        return max(sum(g for s, e, g in held if s <= p < e) for p in points)
+    def peak(t0: float, t1: float, of: int) -> float:
+        """The most GiB (of=2) or processes (of=3) the placed chains hold at once within [t0, t1)."""
+        points = [t0] + [h[0] for h in held if t0 < h[0] < t1]
+        return max(sum(h[of] for h in held if h[0] <= p < h[1]) for p in points)
+
+    def blocked(j: Job, t: float, procs: int) -> bool:
+        """Must the job wait at t: a cold slot, the GPU memory or a process slot not free over its chain."""
+        end = chain(j, t)[0]
+        if j.reference is not None and t < state["warm_at"] and cold_workers:
+            if sum(n for e, n in cold_ends if e > t) + min(procs, cold_workers) > cold_workers:
+                return True
+        if budget_gib and peak(t, end, 2) + min(j.gib, budget_gib) > budget_gib:
+            return True
+        return per_process and peak(t, end, 3) + min(procs, workers) > workers
 
     events = []
     for kind in ("ref", "case"):
         pool = lanes[kind]
         for j in queue[kind]:
             t, slot = heapq.heappop(pool)
-            is_case = j.reference is not None
-            if is_case and t < state["warm_at"] and cold_workers and sum(e > t for e in cold_ends) >= cold_workers:
-                t = min(state["warm_at"], min(e for e in cold_ends if e > t))  # a cold slot, or the warm caches
-            while budget_gib and peak(t, chain(j, t)[0]) + j.gib > budget_gib:
-                later = [e for _s, e, _g in held if e > t]
+            procs = j.processes if per_process else 1
+            while blocked(j, t, procs):  # wait for the next chain, cold process or the warm caches to end
+                later = [h[1] for h in held if h[1] > t] + [e for e, _n in cold_ends if e > t]
+                later += [state["warm_at"]] if t < state["warm_at"] < inf else []
                 if not later:
                     break
                 t = min(later)
             starts[j.case] = t
             end, colds = chain(j, t)
-            cold_ends += colds
+            cold_ends += [(e, procs) for e in colds]
             state["warm_at"] = min([state["warm_at"], *colds])  # the first cold case filled the caches (simplified)
-            held.append((t, end, j.gib))
-            if not is_case:
+            held.append((t, end, j.gib, procs))
+            if j.reference is None:
                 ref_done[j.case] = end
             events.append(end)
             heapq.heappush(pool, (end, slot))
@@ -176,8 +191,9 @@ def jobs_from_timeline(tl: Timeline, warm_run: bool = False) -> tuple[list[Job],
         ref = None if is_ref else _reference_of(case)
         extra = REF_COLD_S if is_ref else cold_s
         beside = "-self-control" in case and case.endswith("-plain")  # process.attributed_beside: its rerun beside
-        gib = GIB_PER_CASE * (2 if beside else 1)
-        jobs.append(Job(case, tuple(secs), ref, early_stop=tl.early.get(case, False), cold_s=extra, gib=gib))
+        n = 2 if beside else 1
+        early = tl.early.get(case, False)
+        jobs.append(Job(case, tuple(secs), ref, early_stop=early, cold_s=extra, gib=GIB_PER_CASE * n, processes=n))
     return jobs, cold_s
 
 
@@ -237,37 +253,44 @@ def predict(tl: Timeline, after_s: float) -> dict[str, float]:
     """What the record's processes make of a run's wall (seconds from its start), simulated: `replay` (its own
     order and slots: the model's check against `recorded`), `cold_static` and `cold_measured` (this scheduler on
     empty caches, the static model's order and the measured one), `warm_before` and `warm` (on complete caches,
-    references kept: the record's order and slots, and this scheduler's). This scheduler's slots are
-    placement.fit_jobs's for the machine the record names (else the record's)."""
+    references kept: the record's order and slots, and this scheduler's). This scheduler's limits are what it fits to
+    the machine the record names (placement.fit_jobs, cold_jobs; counting processes) and its memory budget
+    (run.MemoryBudget.of_free_gpu, FREE_AT_START of the total left free); else the record's slots."""
     jobs, _ = jobs_from_timeline(tl)
     warm_jobs, _ = jobs_from_timeline(tl, warm_run=True)
-    workers, cold, budget = tl.workers, tl.workers, None
+    workers, cold, budget, fitted = tl.workers, tl.workers, None, False
     if tl.cpus and tl.memory:
         free, total = tl.memory
         workers, cold = fit_jobs(tl.cpus, [(total, free)])[0], cold_jobs(tl.cpus)
-        budget = free * (1 - KEEP_FREE)  # run.MemoryBudget.of_free_gpu
-    new = dict(ref_slots=REF_SLOTS, cold_workers=min(cold, workers), budget_gib=budget)
+        fitted_budget = MemoryBudget.of_free_gpu([(total, free)], keep_of_total=FREE_AT_START)
+        budget, fitted = fitted_budget.total / GIB if fitted_budget else None, True
+    new = dict(ref_slots=REF_SLOTS, cold_workers=min(cold, workers), budget_gib=budget, per_process=fitted)
     ready = tl.ready_s or 0.0
+    warm = dict(cold=False, budget_gib=budget, per_process=fitted)
     return {
         "recorded": tl.wall_s,
         "replay": simulate(without_early_stop(jobs), tl.workers, ready, after_s).wall,
         "cold_static": simulate(policy_order(jobs, static_job_cost), workers, ready, after_s, **new).wall,
         "cold_measured": simulate(policy_order(jobs), workers, ready, after_s, **new).wall,
         "warm_before": simulate(without_early_stop(warm_jobs), tl.workers, ready, after_s, cold=False).wall,
-        "warm": simulate(policy_order(warm_jobs), workers, ready, after_s, cold=False, budget_gib=budget).wall,
+        "warm": simulate(policy_order(warm_jobs), workers, ready, after_s, **warm).wall,
         "workers": workers,
         "cold_workers": min(cold, workers),
+        "budget_gib": budget,
     }
 
 
 def prediction_lines(name: str, tl: Timeline, after_s: float) -> list[str]:
     p = predict(tl, after_s)
+    gib = p["budget_gib"]
+    budget = f"{GIB_PER_CASE:g} GiB a process of {gib:.0f} GiB" if gib else "no memory budget (none recorded)"
     return [
         f"### {name}: this scheduler on the record's processes (simulated, seconds of wall)",
         "",
         f"- the model's check: the record's own order on its {tl.workers} slots {p['replay']:.1f} s "
         f"(recorded {p['recorded']:.1f} s)",
-        f"- cold, {p['workers']} at once ({p['cold_workers']} on cold caches), references on slots of their own: "
+        f"- cold, {p['workers']} processes at once ({p['cold_workers']} on cold caches; a plain control's rerun "
+        f"beside it is one of them), {budget}, references on slots of their own: "
         f"{p['cold_static']:.1f} s in the static model's order (an empty cache: nothing measured), "
         f"{p['cold_measured']:.1f} s in the measured order",
         f"- warm (compile loaded, references kept): {p['warm_before']:.1f} s in the record's order on its slots, "
