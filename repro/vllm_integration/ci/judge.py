@@ -8,7 +8,11 @@ reported, the auditor not installed or 0 checks, no FULL capture audited, the de
 run at a FULL pass, a spec-decode layout the auditor does not know, a process that installed the auditor and never
 reported (killed, or died before its exit report), a run stopped at its timeout, or a method (speculator, capture
 manager) other than the one asked for (gate.coverage.method_problems), a capture manager whose FULL captures were
-none of them audited (the hook on its metadata's builder never fired). PASS otherwise, with what it rests on."""
+none of them audited (the hook on its metadata's builder never fired). PASS otherwise, with what it rests on.
+
+Beside the answer, never in it: what the replay check and the refresh judging judged (gate.checked.judged, the
+gate's words): replays judged and left unjudged with the most common reason, or the check off with its reason. A
+PASS rests on the capture-time checks; where the replay check judged 0 replays it says "0 judged", never clean."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from repro.judge.decision import GateOutcome
+from repro.vllm_integration.gate.checked import judged
 from repro.vllm_integration.gate.coverage import method_problems
 from repro.vllm_integration.plugin.audit import STALE_DESCRIPTOR
 
@@ -63,6 +68,8 @@ class Judgement:
     stale_by_manager: dict[str, int]
     methods: dict[str, str] = field(default_factory=dict)  # "pid N (name)" -> the method its runner ran
     processes: list[dict] = field(default_factory=list)  # one row per process: reported or only started
+    replay: dict = field(default_factory=dict)  # what the replay check judged (gate.checked.judged), its words
+    refresh: dict = field(default_factory=dict)  # what the refresh judging judged, its words
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -142,7 +149,10 @@ def judge(doc: dict | None, started: list[dict], expect: Expect, command: Comman
             ):
                 reasons.append(f"{_who(p)}: {why}")
         outcome = GateOutcome.CANNOT_VOUCH if reasons else GateOutcome.PASS
-    return Judgement(outcome, reasons, stale, len(mismatches), checks, dchecks, full, audited, stale_mgr, methods, rows)
+    seen = judged([p.get("counters") or {} for p in reported])
+    return Judgement(
+        outcome, reasons, stale, len(mismatches), checks, dchecks, full, audited, stale_mgr, methods, rows, **seen
+    )
 
 
 def _cannot_vouch(

@@ -28,11 +28,27 @@ def lines(j: Judgement, status: CommandStatus | None, code: int) -> list[str]:
         )
     for who, method in sorted(j.methods.items()):
         out.append(f"  {who}: speculative method {method}")
+    out += judged_lines(j)
     what = "stale" if j.outcome == GateOutcome.AFFECTED else "cannot vouch" if j.outcome != GateOutcome.PASS else None
     if what:
         out += [f"  {what}: {r}" for r in j.reasons]
     reporting = [p for p in j.processes if p.get("reported")]
     out.append(f"processes: {len(reporting)} reported, {len(j.processes) - len(reporting)} started and never reported")
+    return out
+
+
+def judged_lines(j: Judgement) -> list[str]:
+    """What the replay check and the refresh judging judged, in the gate's words; a PASS with 0 replays judged says
+    that it rests on the capture-time checks alone."""
+    out = []
+    if j.replay:
+        out.append(f"  replay check: {j.replay['words']}")
+        if j.outcome == GateOutcome.PASS and not j.replay.get("judged"):
+            out.append(
+                "  (this PASS rests on the capture-time checks: 0 replays judged, so nothing was checked at replay)"
+            )
+    if j.refresh:
+        out.append(f"  refresh judging: {j.refresh['words']}")
     return out
 
 
@@ -47,6 +63,7 @@ def markdown(j: Judgement, status: CommandStatus | None, code: int) -> str:
             f"{j.stale_by_manager.get(mgr, 0)} |"
         )
     out += ["", f"Checks {j.checks}, descriptor checks {j.descriptor_checks}, stale fields {j.stale_fields}.", ""]
+    out += [f"- {line.strip()}" for line in judged_lines(j)] + [""]
     if j.reasons:
         out += ["## Why" if j.outcome != GateOutcome.AFFECTED else "## Stale descriptors", ""]
         out += [f"- {r}" for r in j.reasons] + [""]

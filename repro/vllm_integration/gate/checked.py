@@ -1,8 +1,15 @@
 """What a gate run's cases checked, as the reports show it: each build's counters, captures per graph kind and per
 capture manager, the configuration vLLM resolved and the draft's acceptance summed over its cases (`coverage`), and
-each as a report's cell (`*_cell`). Read from the plugin's records (repro.vllm_integration.plugin.counters)."""
+each as a report's cell (`*_cell`). Read from the plugin's records (repro.vllm_integration.plugin.counters).
+
+What the replay check and the refresh judging judged (`judged`, shared with `repro audit`'s report): replays judged
+and left unjudged (with the most common reason), refreshed fields judged, stale and left unjudged, or the check off
+with its reason. A check that judged nothing says "0 judged", never clean: a PASS does not say replays were
+checked."""
 
 from __future__ import annotations
+
+from repro.vllm_integration.plugin.replay import NO_BUILD, OTHER_GRAPH
 
 COUNTS = ("checks", "views_checked", "attention_forwards", "sched_calls", "sched_sm_margin", "fwd_sm_margin")
 COUNTS += ("poison_calls", "entries_poisoned")
@@ -47,6 +54,7 @@ def coverage(pairs) -> dict:
                 acc.setdefault(k, v)
     return {
         "cases_reporting": reported,
+        **judged([(r.backend_identity or {}).get("counters") or {} for _, r in pairs]),
         **counts,
         **kinds,
         "fa_versions": fa,
@@ -88,3 +96,83 @@ def acceptance_cell(a: dict | None) -> str:
         return f"not exposed ({a['unavailable'][:60]})"
     keys = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
     return ", ".join(f"{k.removeprefix('spec_decode_num_')} {a[k]}" for k in keys if k in a) or "-"
+
+
+RAISED_AT_REPLAY = "the check raised at a replay"  # plugin.replay.guarded's reason at the replay hook
+
+
+def _top(d: dict) -> tuple[str, int] | None:
+    return max(sorted(d.items()), key=lambda kv: kv[1]) if d else None
+
+
+def _states(counters: list[dict], key: str) -> dict[str, int]:
+    """How many of the reports had the check `key` in each state ("on", or why it was off); None (not reported) left out."""
+    out: dict[str, int] = {}
+    for c in counters:
+        if c.get(key) is not None:
+            out[str(c[key])] = out.get(str(c[key]), 0) + 1
+    return out
+
+
+def _sum(counters: list[dict], key: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counters:
+        for k, n in (c.get(key) or {}).items():
+            out[k] = out.get(k, 0) + int(n or 0)
+    return out
+
+
+def _off_words(what: str, states: dict[str, int], n: int) -> str:
+    why = "; ".join(k.removeprefix("off: ") for k in sorted(states) if k != "on")
+    return f"{what} off: {why}" + (f" (in {n} of {sum(states.values())} reports)" if n != sum(states.values()) else "")
+
+
+def judged(counters: list[dict]) -> dict:
+    """What the replay check and the refresh judging judged, summed over reports (one per case or process): counts,
+    unjudged by reason (the replays' reasons apart from views no build wrote) and their words (`replay`, `refresh`)."""
+    states = _states(counters, "replay_check")
+    seen, checks = (sum(int(c.get(k) or 0) for c in counters) for k in ("replays_seen", "replay_checks"))
+    why = _sum(counters, "replay_unjudged")
+    per_replay = {k: n for k, n in why.items() if k in (NO_BUILD, OTHER_GRAPH) or k.startswith(RAISED_AT_REPLAY)}
+    views = {k: n for k, n in why.items() if k not in per_replay}
+    replay = {"check": states, "seen": seen, "judged": checks, "unjudged": sum(per_replay.values())}
+    replay |= {"unjudged_by_reason": per_replay, "views_unjudged": views, "top_reason": (_top(per_replay) or [None])[0]}
+    off = sum(n for k, n in states.items() if k != "on")
+    if not states:
+        words = "replay check not reported"
+    elif not states.get("on"):
+        words = _off_words("replay check", states, off)
+    else:
+        words = f"{checks} judged of {seen} replays seen" + (" (nothing checked at replay)" if not checks else "")
+        words += f", {replay['unjudged']} sampled and left unjudged"
+        if top := _top(per_replay):
+            words += f" (most: {top[0]}: {top[1]})"
+        if views:
+            words += f", {sum(views.values())} view(s) no build wrote"
+        if off:
+            words += f"; {_off_words('replay check', states, off)}"
+    replay["words"] = words
+    r_states, stale = _states(counters, "refresh_judging"), sum(int(c.get("refresh_stale") or 0) for c in counters)
+    r_checks = sum(int(c.get("refresh_checks") or 0) for c in counters)
+    r_why = _sum(counters, "refresh_unjudged")
+    refresh = {"judging": r_states, "judged": r_checks, "stale": stale, "unjudged": sum(r_why.values())}
+    refresh |= {"unjudged_by_field": r_why, "top_reason": (_top(r_why) or [None])[0]}
+    r_off = sum(n for k, n in r_states.items() if k != "on")
+    if not r_states:
+        words = "refresh judging not reported"
+    elif not r_states.get("on"):
+        words = _off_words("refresh judging", r_states, r_off)
+    else:
+        words = f"{r_checks} refreshed field(s) judged" + (" (no refresh judged)" if not r_checks else "")
+        words += f", {stale} stale, {refresh['unjudged']} unjudged"
+        if top := _top(r_why):
+            words += f" (most: {top[0]}: {top[1]})"
+        if r_off:
+            words += f"; {_off_words('refresh judging', r_states, r_off)}"
+    refresh["words"] = words
+    return {"replay": replay, "refresh": refresh}
+
+
+def judged_cell(cov: dict) -> str:
+    """The replay check's words and the refresh judging's, for a report's cell."""
+    return f"replay: {cov['replay']['words']}; refresh: {cov['refresh']['words']}"

@@ -18,7 +18,14 @@ from repro.report.results import VLLM_GATE_KIND, header
 from repro.vllm_integration.gate import bench as gate_bench
 from repro.vllm_integration.gate.cache import COLD, KEPT, PRIVATE, WARM
 from repro.vllm_integration.gate.case import expected
-from repro.vllm_integration.gate.checked import acceptance_cell, captures_cell, config_cell, coverage, kinds_cell
+from repro.vllm_integration.gate.checked import (
+    acceptance_cell,
+    captures_cell,
+    config_cell,
+    coverage,
+    judged_cell,
+    kinds_cell,
+)
 from repro.vllm_integration.gate.judge import passes
 from repro.vllm_integration.gate.methods import DEFAULT_METHOD
 from repro.vllm_integration.gate.outcome import GateRun, control_of
@@ -256,8 +263,8 @@ def _checked(run: GateRun) -> list[str]:
         "total/with an attention forward/audited at capture end/stale):",
         "",
         "| build | configuration seen | captures per kind | audit checks | views checked | attention forwards "
-        "(FA version) | sm_margin calls (sched/fwd) | entries poisoned | acceptance |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "(FA version) | sm_margin calls (sched/fwd) | entries poisoned | acceptance | judged at replay / refresh |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in build_summary(run):
         cov = s["coverage"]
@@ -265,7 +272,8 @@ def _checked(run: GateRun) -> list[str]:
         lines.append(
             f"| {s['build']} | {seen or 'not reported (no case reached generate)'} | {captures_cell(cov)} | {cov['checks']} | {cov['views_checked']} | "
             f"{cov['attention_forwards']} ({kinds_cell(cov['fa_versions'])}) | {cov['sched_sm_margin']}/"
-            f"{cov['fwd_sm_margin']} | {cov['entries_poisoned']} | {acceptance_cell(cov['acceptance'])} |"
+            f"{cov['fwd_sm_margin']} | {cov['entries_poisoned']} | {acceptance_cell(cov['acceptance'])} | "
+            f"{judged_cell(cov)} |"
         )
     lines += ["", "Captures per capture manager (total/FULL/injected by the self control), per build and method:", ""]
     lines += ["| build | captures per capture manager |", "|---|---|"]
