@@ -22,7 +22,10 @@ scheduler metadata computes for the previous draft step; only the auditor's refr
 it in audit. The dynamic-K mutant (`dynamic-k-one-build-per-shape`, autoregressive/cudagraph_utils.py): a
 K-specialized capture builds each batch shape's metadata once, in its first K's pass, for every K's capture of that
 shape; only the descriptor check keyed by K (plugin/dynamic_k.py) sees it, with a dynamic-K method
-(`--methods eagle_dynamic_k`). The wrong-descriptor mutants follow.
+(`--methods eagle_dynamic_k`). The replay path's mutant (`standalone-partial-copy`, standalone_ar/speculator.py):
+StandaloneARSpeculator's runtime expanded prefill replays its FULL graph with the last request's seq_lens entry left
+at the previous batch's value after the batch's build; only the replay check (plugin/replay.py) sees it in audit,
+with method draft_model. The wrong-descriptor mutants follow.
 
 The bug class each wrong-descriptor mutant re-creates (vLLM 0.21-0.25, fixed by PR #48261 for the AR prefill manager): a draft FULL
 CUDA-graph capture runs with attention metadata built for ANOTHER descriptor than the one being captured. Here the
@@ -207,6 +210,46 @@ MUTANTS["refresh-previous-step"] = Mutant(
     "its views show. Every FULL draft decode graph records it (and DFlash's query graph); builds are untouched.",
     ("eagle", "eagle3", "mtp", "draft_model", "dflash"),
     "every speculator's draft-decode refresh (FLASH_ATTN)",
+)
+
+
+# The replay path's mutant: StandaloneARSpeculator's runtime expanded prefill (propose, never a capture) copies every
+# request's seq_lens into the persistent buffer and builds the batch's metadata, then, in the FULL branch only and
+# after the build, the last request's entry goes back to what it held in the previous FULL prefill (the previous
+# batch's last request): a partial copy, the graph replayed on one entry of another batch's metadata.
+_PREFILL_REPLAY_ANCHOR = """\
+            if prefill_batch_desc.cg_mode == CUDAGraphMode.FULL:
+                assert self.prefill_cudagraph_manager is not None
+                self.prefill_cudagraph_manager.run_fullgraph(prefill_batch_desc)
+"""
+_LAST_ENTRY_PREVIOUS_BATCH = """\
+            if prefill_batch_desc.cg_mode == CUDAGraphMode.FULL:
+                assert self.prefill_cudagraph_manager is not None
+                if num_reqs:
+                    _last = self.input_buffers.seq_lens[num_reqs - 1 : num_reqs]
+                    _previous = getattr(self, "_partial_copy_previous", None)
+                    self._partial_copy_previous = _last.clone()
+                    if _previous is not None:
+                        _last.copy_(_previous)
+                self.prefill_cudagraph_manager.run_fullgraph(prefill_batch_desc)
+"""
+MUTANTS["standalone-partial-copy"] = Mutant(
+    "standalone-partial-copy",
+    f"{SPEC}/standalone_ar/speculator.py",
+    _PREFILL_REPLAY_ANCHOR,
+    _LAST_ENTRY_PREVIOUS_BATCH,
+    "StandaloneARSpeculator.propose (method draft_model), at runtime only: the expanded-prefill inputs are prepared "
+    "and the batch's attention metadata built, then, where the expanded prefill replays a FULL graph, the last "
+    "request's entry of the persistent seq_lens buffer (input_buffers.seq_lens) holds the previous FULL prefill's "
+    "last-request value, so the FULL prefill graph replays one request's seqlen_k from another batch (FA3's "
+    "scheduler_metadata planned for this batch's). Captures, the descriptor check, eager and PIECEWISE prefills and "
+    "the draft decode graphs (their inputs rewritten by _prepare_decode_inputs) are untouched: in audit only the "
+    "replay check sees it (stale-replay at seq_lens of the StandaloneAR prefill descriptor, at a sampled replay "
+    "whose previous batch's last entry differs). Plain mode likely sees at most a lower draft acceptance (the last "
+    "request's draft attends over too few or too many KV entries; greedy verification keeps the output right), "
+    "and may see nothing; a seqlen_k past the planned splits may fault in FA3.",
+    ("draft_model",),
+    "SpeculatorCudaGraphManager (StandaloneAR prefill, at replay)",
 )
 
 
