@@ -127,6 +127,18 @@ def _off_words(what: str, states: dict[str, int], n: int) -> str:
     return f"{what} off: {why}" + (f" (in {n} of {sum(states.values())} reports)" if n != sum(states.values()) else "")
 
 
+def _words(what: str, states: dict[str, int], body: str, top: tuple | None, extra: str = "") -> str:
+    """A check's words: not reported, off (why), or what it judged (`body`), its most frequent unjudged reason, what
+    else it left (`extra`), and the reports where it was off."""
+    off = sum(n for k, n in states.items() if k != "on")
+    if not states:
+        return f"{what} not reported"
+    if not states.get("on"):
+        return _off_words(what, states, off)
+    words = body + (f" (most: {top[0]}: {top[1]})" if top else "") + extra
+    return words + (f"; {_off_words(what, states, off)}" if off else "")
+
+
 def judged(counters: list[dict]) -> dict:
     """What the replay check and the refresh judging judged, summed over reports (one per case or process): counts,
     unjudged by reason (the replays' reasons apart from views no build wrote) and their words (`replay`, `refresh`)."""
@@ -137,38 +149,19 @@ def judged(counters: list[dict]) -> dict:
     views = {k: n for k, n in why.items() if k not in per_replay}
     replay = {"check": states, "seen": seen, "judged": checks, "unjudged": sum(per_replay.values())}
     replay |= {"unjudged_by_reason": per_replay, "views_unjudged": views, "top_reason": (_top(per_replay) or [None])[0]}
-    off = sum(n for k, n in states.items() if k != "on")
-    if not states:
-        words = "replay check not reported"
-    elif not states.get("on"):
-        words = _off_words("replay check", states, off)
-    else:
-        words = f"{checks} judged of {seen} replays seen" + (" (nothing checked at replay)" if not checks else "")
-        words += f", {replay['unjudged']} sampled and left unjudged"
-        if top := _top(per_replay):
-            words += f" (most: {top[0]}: {top[1]})"
-        if views:
-            words += f", {sum(views.values())} view(s) no build wrote"
-        if off:
-            words += f"; {_off_words('replay check', states, off)}"
+    body = f"{checks} judged of {seen} replays seen" + (" (nothing checked at replay)" if not checks else "")
+    body += f", {replay['unjudged']} sampled and left unjudged"
+    extra = f", {sum(views.values())} view(s) no build wrote" if views else ""
+    words = _words("replay check", states, body, _top(per_replay), extra)
     replay["words"] = words
     r_states, stale = _states(counters, "refresh_judging"), sum(int(c.get("refresh_stale") or 0) for c in counters)
     r_checks = sum(int(c.get("refresh_checks") or 0) for c in counters)
     r_why = _sum(counters, "refresh_unjudged")
     refresh = {"judging": r_states, "judged": r_checks, "stale": stale, "unjudged": sum(r_why.values())}
     refresh |= {"unjudged_by_field": r_why, "top_reason": (_top(r_why) or [None])[0]}
-    r_off = sum(n for k, n in r_states.items() if k != "on")
-    if not r_states:
-        words = "refresh judging not reported"
-    elif not r_states.get("on"):
-        words = _off_words("refresh judging", r_states, r_off)
-    else:
-        words = f"{r_checks} refreshed field(s) judged" + (" (no refresh judged)" if not r_checks else "")
-        words += f", {stale} stale, {refresh['unjudged']} unjudged"
-        if top := _top(r_why):
-            words += f" (most: {top[0]}: {top[1]})"
-        if r_off:
-            words += f"; {_off_words('refresh judging', r_states, r_off)}"
+    body = f"{r_checks} refreshed field(s) judged" + (" (no refresh judged)" if not r_checks else "")
+    body += f", {stale} stale, {refresh['unjudged']} unjudged"
+    words = _words("refresh judging", r_states, body, _top(r_why))
     refresh["words"] = words
     return {"replay": replay, "refresh": refresh}
 
