@@ -106,12 +106,15 @@ def test_a_clean_build_passes_with_the_method_mismatch_failing_its_test(suite):
     out = _audited(suite("good"), passed=4, failed=1).stdout.str()
     assert "speculative method asked for: draft_model; the model runner the plugin saw capturing ran: eagle" in out
     assert "repro audit: CANNOT VOUCH: 2 test(s) judged, 0 stale, 2 not judged" in out
+    # what the replay check judged over the session: its stand-in engines replay no graph, and it says so
+    assert "replay check: 0 judged of 0 replays seen (nothing checked at replay" in out
 
 
 def test_under_xdist_each_worker_judges_its_tests_and_the_controller_sums_them(suite):
     out = _audited(suite("stale-quiet"), "-n", "2", passed=2, failed=3).stdout.str()
     assert "repro audit: AFFECTED: 3 test(s) judged, 3 stale, 2 not judged" in out
     assert "stale: test_vllm_style.py::test_engine_spawned" in out
+    assert "replay check: 0 judged of 0 replays seen" in out  # the workers' counts summed by the controller
 
 
 def test_nothing_judged_is_cannot_vouch_and_fails_the_session(one_plain_test):
@@ -143,3 +146,12 @@ def test_under_repro_audit_the_per_test_failures_and_the_command_s_answer_both(s
     assert "t32r8" in doc["judgement"]["stale"]
     in_process = [q for q in doc["judgement"]["processes"] if q["process"] == "pytest (in-process engine)"]
     assert in_process and all(q["reported"] for q in doc["judgement"]["processes"])
+
+
+def test_the_sessions_replay_and_refresh_counts_are_the_sum_of_its_tests():
+    from repro.vllm_integration.ci.pytest_audit import summary
+
+    one = {"status": "clean", "reasons": [], "replays_seen": 12, "replays_judged": 3, "refreshes_judged": 5}
+    two = {"status": "clean", "reasons": [], "replays_seen": 4, "replays_judged": 0, "refreshes_judged": 0}
+    s = summary({"t1": one, "t2": two, "t3": {"status": "not judged", "reasons": []}}, [])
+    assert (s["replays_seen"], s["replays_judged"], s["refreshes_judged"]) == (16, 3, 5) and s["outcome"] == "PASS"

@@ -31,6 +31,7 @@ PROP = "repro_audit"  # a report's user_properties key: the test's judgement (JS
 LATE = "repro_audit_late"  # a worker's findings after its tests (config.workeroutput)
 MARK = "repro_audit_method"
 NOT_JUDGED = "not judged"
+REPLAY_KEYS = ("replays_seen", "replays_judged", "refreshes_judged")  # summed over the session's tests
 
 
 def pytest_addoption(parser) -> None:
@@ -195,6 +196,9 @@ class AuditPlugin:
             tr.write_line(f"  cannot vouch: {line}")
         for nodeid in s["not_judged"]:
             tr.write_line(f"  {NOT_JUDGED}: {nodeid}")
+        seen, replays, refreshes = (s[k] for k in REPLAY_KEYS)
+        nothing = " (nothing checked at replay: the answer rests on the capture-time checks)" if not replays else ""
+        tr.write_line(f"  replay check: {replays} judged of {seen} replays seen{nothing}; refresh: {refreshes} judged")
         (self.folder / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
 
 
@@ -212,8 +216,10 @@ def _verdict(j) -> dict:
         status = "cannot vouch"
     else:
         status = "clean"
+    rp, rf = j.replay or {}, j.refresh or {}  # what the replay check and the refresh judging judged in the test
     return {"status": status, "reasons": j.reasons, "stale_fields": j.stale_fields, "audited": audited,
-            "descriptor_checks": j.descriptor_checks, "methods": j.methods}  # fmt: skip
+            "descriptor_checks": j.descriptor_checks, "methods": j.methods, "replays_seen": rp.get("seen", 0),
+            "replays_judged": rp.get("judged", 0), "refreshes_judged": rf.get("judged", 0)}  # fmt: skip
 
 
 def summary(results: dict[str, dict], late: list[str]) -> dict:
@@ -234,7 +240,9 @@ def summary(results: dict[str, dict], late: list[str]) -> dict:
     if not judged and not cannot:
         cannot.append("no test had a FULL capture audited: nothing was judged")
     not_judged = [k for k, v in results.items() if v["status"] == NOT_JUDGED]
-    return {"outcome": outcome, "judged": judged, "stale": stale, "cannot_vouch": cannot, "not_judged": not_judged}
+    checked = {k: sum(int(v.get(k) or 0) for v in results.values()) for k in REPLAY_KEYS}
+    return {"outcome": outcome, "judged": judged, "stale": stale, "cannot_vouch": cannot, "not_judged": not_judged,
+            **checked}  # fmt: skip
 
 
 def _reports(doc: dict | None, run: str | None) -> list[tuple[dict, list[dict]]]:
