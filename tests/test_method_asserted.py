@@ -60,3 +60,40 @@ def test_method_problems_names_an_expected_capture_manager_missing_from_the_full
         "CudaGraphManager.cudagraph_manager of GPUModelRunner"
     ]
     assert coverage.method_problems(None, {}, counters, manager="CudaGraphManager") == []
+
+
+def _method_reasons(case: GateCase, identity: dict) -> list[str]:
+    return [w for w in coverage.not_fired(case, identity) if w.startswith("speculative method")]
+
+
+def test_a_scenario_method_vouches_where_vllm_ran_its_base_method():
+    """A dynamic-K or sleep-and-wake case asks vLLM for its base method: the H100 record h100-dynamic-sleep-0.34.0
+    (eagle_dynamic_k run as eagle, dflash_sleep1 as dflash) was a false CANNOT VOUCH on the old code."""
+    for method, base in (
+        ("eagle_dynamic_k", "eagle"),
+        ("draft_model_dynamic_k", "draft_model"),
+        ("dflash_sleep1", "dflash"),
+    ):
+        ident = _identity(
+            engine={"method": method, "speculative_method": base}, counters={"speculative_methods": {base: 3}}
+        )
+        assert _method_reasons(_case(method), ident) == []
+
+
+def test_a_scenario_method_run_as_another_base_cannot_vouch_with_both_named():
+    ident = _identity(
+        engine={"method": "eagle_dynamic_k", "speculative_method": "eagle3"},
+        counters={"speculative_methods": {"eagle": 3}},
+    )
+    assert _method_reasons(_case("eagle_dynamic_k"), ident) == [
+        "speculative method asked for: eagle_dynamic_k (vLLM's method eagle); vLLM's speculative config ran: eagle3"
+    ]
+
+
+def test_a_scenario_case_whose_process_requested_another_method_cannot_vouch():
+    ident = _identity(
+        engine={"method": "eagle", "speculative_method": "eagle"}, counters={"speculative_methods": {"eagle": 3}}
+    )
+    assert _method_reasons(_case("eagle_sleep2"), ident) == [
+        "speculative method asked for: eagle_sleep2; the case process's request ran: eagle"
+    ]

@@ -21,7 +21,7 @@ from repro.contract.channel import (  # the marks of what a recorded record pred
 from repro.errors import MissingKey
 from repro.vllm_integration.gate import dynamic_k, sleep
 from repro.vllm_integration.gate.case import GateCase
-from repro.vllm_integration.gate.methods import speculator_class
+from repro.vllm_integration.gate.methods import speculator_class, vllm_method
 from repro.vllm_integration.gate.worker import DEFAULT_COMPILE
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
 
@@ -290,17 +290,20 @@ def not_fired(case: GateCase, identity: dict | None) -> list[str]:
             f"speculative-decoding layout {c.get('spec_layout') or 'none found'} is not one the auditor knows "
             "(plugin.KNOWN_SPEC_LAYOUTS)"
         )
-    speculator = speculator_class(case.build.package_dir, case.method) if c.get("speculator") else None
-    return out + method_problems(case.method, e, c, speculator=speculator) + unmet(case, c)
+    runs_as = vllm_method(case.method)
+    speculator = speculator_class(case.build.package_dir, runs_as) if c.get("speculator") else None
+    return out + method_problems(case.method, e, c, speculator=speculator, runs_as=runs_as) + unmet(case, c)
 
 
-def _ran(engine: dict, counters: dict) -> list[tuple[str, str]]:
-    """(where it was read, the method) for each record of the speculative method vLLM ran."""
-    out = [("the case process's request", engine.get("method"))]  # the pair the worker built and configured
-    out += [("vLLM's speculative config", engine.get("speculative_method"))]
+def _ran(engine: dict, counters: dict, asked: str, runs_as: str) -> list[tuple[str, str, str]]:
+    """(where it was read, the method, what it should say) for each record of the speculative method vLLM ran: the
+    case process's request names the gate's method (`asked`), vLLM's own records the method vLLM was configured with
+    (`runs_as`: a scenario's base method)."""
+    out = [("the case process's request", engine.get("method"), asked)]  # the pair the worker built and configured
+    out += [("vLLM's speculative config", engine.get("speculative_method"), runs_as)]
     seen = [*(counters.get("speculative_methods") or {})] or [counters.get("speculative_method")]
-    out += [("the model runner the plugin saw capturing", m) for m in seen]
-    return [(where, str(m)) for where, m in out if m]
+    out += [("the model runner the plugin saw capturing", m, runs_as) for m in seen]
+    return [(where, str(m), want) for where, m, want in out if m]
 
 
 def method_problems(
@@ -309,16 +312,20 @@ def method_problems(
     counters: dict | None,
     speculator: str | None = None,
     manager: str | None = None,
+    runs_as: str | None = None,
 ) -> list[str]:
     """The speculative method (and speculator and capture-manager classes) vLLM ran against what was asked for: one
     reason per disagreement, both named (a mismatch cannot vouch: the run judged is not the run asked for). `asked`
     None: no method asked for (nothing compared); `speculator`, `manager`: the class names expected, compared only
-    where the plugin recorded them (counters' speculator; the capture managers of full_captures_by_manager)."""
+    where the plugin recorded them (counters' speculator; the capture managers of full_captures_by_manager); `runs_as`:
+    the method vLLM is configured with for `asked` (a gate scenario's base method, methods.vllm_method; default
+    `asked`)."""
     e, c, out = engine or {}, counters or {}, []
     if asked:
-        for where, ran in _ran(e, c):
-            if ran != asked:
-                out.append(f"speculative method asked for: {asked}; {where} ran: {ran}")
+        for where, ran, want in _ran(e, c, asked, runs_as or asked):
+            if ran != want:
+                shown = asked if want == asked else f"{asked} (vLLM's method {want})"
+                out.append(f"speculative method asked for: {shown}; {where} ran: {ran}")
     seen = c.get("speculator")
     if speculator and seen and seen != speculator:
         out.append(f"speculator class expected: {speculator}; vLLM ran: {seen}")

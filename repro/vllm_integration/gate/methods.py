@@ -358,6 +358,13 @@ def _speculator_of(package_dir: Path, method: str) -> tuple[str | None, str]:
     return None, f"init_speculator of this build has no branch for method {method!r}"
 
 
+def vllm_method(method: str) -> str:
+    """The speculative method vLLM is configured with for a gate method: a scenario's (dynamic K, sleep and wake)
+    base method, any other name itself (SpecMethod.speculative_config writes the same)."""
+    spec = TABLE.get(method)
+    return (spec.base or spec.name) if spec is not None else method
+
+
 def speculator_class(package_dir: Path | None, method: str) -> str | None:
     """The class name of the speculator this build's files resolve `method` to (None: its files do not say)."""
     if package_dir is None or not (package_dir / SPEC).is_dir():
