@@ -382,3 +382,10 @@ def keep_in_logs(log_dir: str | Path, case: GateCase, kept: dict) -> None:
         channel.write_text(kept["records"])
     else:
         write_record(channel, RESULT_TAG, kept["result"])
+
+
+def forkserver_ready(launches: dict | None) -> float | None:
+    """How long a run's slowest forkserver took to be ready from its start, from its record's `launches` (0: kept from
+    an earlier run; the run's GPU probes ran beside it); None: spawned (no forkserver)."""
+    waits = [s["forkserver"]["ready_after_s"] for s in (launches or {}).values() if "forkserver" in s]
+    return max(waits) if waits else None

@@ -15,17 +15,10 @@ from pathlib import Path
 from repro.contract.channel import Channel, path_for
 from repro.contract.tags import RESULT_TAG
 from repro.vllm_integration.gate import bench as gate_bench
-from repro.vllm_integration.gate.cache import KEPT_LINE
+from repro.vllm_integration.gate.cache import KEPT_LINE, forkserver_ready
 from repro.vllm_integration.gate.paths import path_folder
 
 COLUMNS = ("import", "load", "compile", "jit", "capture", "engine_rest", "decode")
-
-
-def _ready(launches: dict | None) -> float | None:
-    """How long its slowest forkserver took to be ready from its start (0: kept from an earlier run; the run's GPU
-    probes ran beside it); None: spawned."""
-    waits = [s["forkserver"]["ready_after_s"] for s in (launches or {}).values() if "forkserver" in s]
-    return max(waits) if waits else None
 
 
 def _row(
@@ -52,7 +45,7 @@ def _row(
         for k in ("wall", *COLUMNS)
         if (vals := [p[k] for p in per_case if isinstance(p.get(k), (int, float))])
     }
-    ready = _ready(launches)
+    ready = forkserver_ready(launches)
     return {
         "record": name,
         "path": path,

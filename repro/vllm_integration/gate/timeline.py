@@ -19,7 +19,7 @@ from pathlib import Path
 from repro.contract.channel import Channel
 from repro.contract.tags import RESULT_TAG
 from repro.contract.verdicts import CLEAN, WRONG
-from repro.vllm_integration.gate.cache import KEPT_LINE
+from repro.vllm_integration.gate.cache import KEPT_LINE, forkserver_ready
 
 BESIDE = "launch-blocking"  # a rerun's suffix (process.run_attributed)
 _ATTEMPT = re.compile(r"-attempt\d+$")
@@ -71,8 +71,7 @@ def load(folder: Path) -> Timeline:
         for r in doc.get("cases", []) + doc.get("references", [])
         if (r.get("result") or {}).get("started_at") and not _kept(folder / "logs" / f"{r['case']}.out.log")
     ]
-    ready = max((s["forkserver"]["ready_after_s"] for s in (doc.get("launches") or {}).values() if "forkserver" in s),
-                default=None)  # fmt: skip
+    ready = forkserver_ready(doc.get("launches"))
     if not rows:
         raise ValueError("no process in this record kept its start (results.json rows without started_at)")
     t0 = min(r["result"]["started_at"] for r in rows) - (ready or 0.0)
