@@ -19,7 +19,8 @@ its replacement, and the unified diff.
 
 The refresh's mutant (`refresh-previous-step`, vLLM 0.34.0's flash_attn.py): the draft-decode refresh of FA3's
 scheduler metadata computes for the previous draft step; only the auditor's refresh judging (plugin/refresh.py) sees
-it in audit. The dynamic-K mutant (`dynamic-k-one-build-per-shape`, autoregressive/cudagraph_utils.py): a
+it in audit, and only where a sequence crosses a KV block (FA3's metadata depends on seq_lens through block counts:
+a one-token shift changes nothing elsewhere; the self control's stale-refresh form shifts far ahead instead). The dynamic-K mutant (`dynamic-k-one-build-per-shape`, autoregressive/cudagraph_utils.py): a
 K-specialized capture builds each batch shape's metadata once, in its first K's pass, for every K's capture of that
 shape; only the descriptor check keyed by K (plugin/dynamic_k.py) sees it, with a dynamic-K method
 (`--methods eagle_dynamic_k`). The replay path's mutant (`standalone-partial-copy`, standalone_ar/speculator.py):
@@ -195,7 +196,8 @@ MUTANTS["dynamic-k-one-build-per-shape"] = Mutant(
 )
 # The refresh's mutant: FA3's draft-decode refresh (FlashAttentionMetadataBuilder.update_draft_decode_metadata, run
 # eagerly in a draft capture's warmup pass and recorded into every fused draft decode graph) computes the scheduler
-# metadata for the previous draft step (every seq_lens entry one less) instead of the step its views show.
+# metadata for the previous draft step (every seq_lens entry one less) instead of the step its views show: the faithful
+# one-step defect, visible only at a step where a sequence crosses a KV block (FA3's metadata counts blocks).
 _REFRESH_ANCHOR = """\
             max_query_len=metadata.max_query_len,
             seqlens=metadata.seq_lens,

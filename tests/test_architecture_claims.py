@@ -664,24 +664,25 @@ def test_no_case_process_module_names_a_persons_knob():
     )  # a gate case never passes them on
 
 
-def test_what_happened_to_a_process_is_one_of_seven_flags_set_where_the_doc_says():
+def test_what_happened_to_a_process_is_one_of_eight_flags_set_where_the_doc_says():
     """The doc: "what happened to the process beside its verdict (stalled, refused, rerun alone under MPS, stopped
-    while capturing, its GPU failing the platform check, a CUDA error in its output, its reference not trusted ...) is
-    a typed flag (CaseResult.flags)": the seven flags of case/spec.py, each added by the one module that saw it (a
-    refusal and a CUDA error by classify, from the process's output, the one reader of it; a stall by the runner; a
-    rerun alone by the MPS scheduler; a timeout after vLLM's capture began by classify, from vLLM's output, the words
-    the case names (begun_marker); a failed platform check by the gate's step that judged it, and by the scheduler for
+    while capturing, its GPU failing the platform check, a CUDA error in its output, its reference not trusted ..., a
+    self control that re-created no defect) is a typed flag (CaseResult.flags)": the eight flags of case/spec.py,
+    each added by the one module that saw it (a refusal and a CUDA error by classify, from the process's output, the
+    one reader of it; a stall by the runner; a rerun alone by the MPS scheduler; a timeout after vLLM's capture began
+    by classify, from vLLM's output, the words the case names (begun_marker); a failed platform check by the gate's step that judged it, and by the scheduler for
     a case it did not run after another's in its SM configuration failed it; an untrusted reference by its validation,
-    carried by the comparison to each case judged against it)."""
+    carried by the comparison to each case judged against it; a self control that re-created no defect by vouch)."""
     spec = _sources("repro/case/spec.py")["repro/case/spec.py"]
     flags = next(n for n in spec.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "FLAGS")
     assert ast.unparse(flags.value) == (
-        "(STALLED, REFUSED, RERUN_ALONE, CAPTURING, PLATFORM_FAILED, UNTRUSTED_REFERENCE, CUDA_ERROR)"
+        "(STALLED, REFUSED, RERUN_ALONE, CAPTURING, PLATFORM_FAILED, UNTRUSTED_REFERENCE, CUDA_ERROR, RECREATED_NOTHING)"
     )
     assert (
         "(stalled, refused, rerun alone under MPS, stopped while capturing, its GPU failing the platform check, a CUDA "
         "error in its output, its reference not trusted by the validation: on that reference and on every case "
-        "compared with it) is a typed flag (`CaseResult.flags`)" in " ".join(_doc().split())
+        "compared with it, a self control that re-created no defect) is a typed flag (`CaseResult.flags`)"
+        in " ".join(_doc().split())
     )
     given = {  # a flag given to a new record (CaseResult.revised(..., flags=[...]))
         (p, ast.unparse(k.value))
@@ -695,9 +696,10 @@ def test_what_happened_to_a_process_is_one_of_seven_flags_set_where_the_doc_says
         ("repro/vllm_integration/gate/run.py", "[PLATFORM_FAILED]"),
         ("repro/vllm_integration/gate/judge.py", "flags"),  # validate_reference: [*res.flags, UNTRUSTED_REFERENCE]
         ("repro/vllm_integration/gate/judge.py", "[*res.flags, *carried]"),  # apply_reference: CARRIED_FROM_REFERENCE
-    }, sorted(given)
+    }, sorted(given)  # vouch's `flags` too: [*res.flags, RECREATED_NOTHING] where coverage.recreated_nothing says so
     judge = _sources("repro/vllm_integration/gate/judge.py")["repro/vllm_integration/gate/judge.py"]
     assert "flags = [*res.flags, UNTRUSTED_REFERENCE]" in ast.unparse(judge)
+    assert "flags = [*res.flags, RECREATED_NOTHING] if nothing is not None else res.flags" in ast.unparse(judge)
     added = {
         (p, ast.unparse(n.args[0]))
         for p, t in _repro().items()

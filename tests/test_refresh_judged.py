@@ -2,7 +2,7 @@
 builder whose update_draft_decode_metadata recomputes FA3's scheduler metadata the way vLLM 0.34.0's does (from the
 views' query_start_loc and seq_lens, through _get_scheduler_metadata, stored into the persistent buffer): a refresh
 that computes for the previous draft step is stale (eager, and at the end of a capture it ran in), a correct one is
-not; its self-control form and source mutant are caught by the same judging."""
+not; its self-control form (a step far ahead) and source mutant (the previous step) are caught by the same judging."""
 
 from __future__ import annotations
 
@@ -267,7 +267,7 @@ def test_a_refresh_the_builder_cannot_judge_is_counted_not_trusted_silently(plug
 
 
 def test_the_self_control_form_stale_refresh_is_caught_by_the_judging(plugin_state):
-    """inject=stale-refresh: a correct build's refresh written again for the previous step, eagerly and inside a
+    """inject=stale-refresh: a correct build's refresh written again for a step far ahead, eagerly and inside a
     capture (recorded there); the auditor's stale-refresh count catches it, the injection says it wrote and which
     captures it reached."""
     mod, builder, impl = audited(plugin_state)

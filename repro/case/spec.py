@@ -157,10 +157,13 @@ class CaseSpec:
 # matrix products wrong in its SM configuration, so nothing computed there can be judged (the vLLM gate's platform
 # check, or a case not run after another's in the same configuration failed it); the reference it was judged against
 # (or, on a reference, itself) was not trusted by its validation (the vLLM gate's reference validation, carried to every
-# case compared with it); its output reported a CUDA error (a runtime error, a device-side assert: classify reads it).
+# case compared with it); its output reported a CUDA error (a runtime error, a device-side assert: classify reads it);
+# it is a self control whose injection re-created no defect, so nothing it showed is evidence (the vLLM gate's
+# stale-refresh form that changed no refreshed entry: gate.coverage.recreated_nothing, set by gate.judge.vouch).
 STALLED, REFUSED, RERUN_ALONE, CAPTURING = "stalled", "refused", "rerun-alone", "capturing"
 PLATFORM_FAILED, UNTRUSTED_REFERENCE, CUDA_ERROR = "platform-failed", "reference-untrusted", "cuda-error"
-FLAGS = (STALLED, REFUSED, RERUN_ALONE, CAPTURING, PLATFORM_FAILED, UNTRUSTED_REFERENCE, CUDA_ERROR)
+RECREATED_NOTHING = "recreated-nothing"
+FLAGS = (STALLED, REFUSED, RERUN_ALONE, CAPTURING, PLATFORM_FAILED, UNTRUSTED_REFERENCE, CUDA_ERROR, RECREATED_NOTHING)
 
 
 def positive_control(spec: CaseSpec) -> bool:

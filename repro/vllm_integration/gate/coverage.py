@@ -3,7 +3,8 @@ mode kind, the plugin feature that must be installed, the counter that must reac
 did not), and `not_fired`, which adds the engine's own checks (ENGINE_CHECKS, as code). `annotate` (gate_judge)
 takes the features a case needs from NEEDS (`features_needed`); `not_fired` and `reference_problems` take the
 counters from it. So "what does this PASS rest on?" is answered here: every row that applies to the case, and every
-engine check."""
+engine check. `recreated_nothing` says when a self control's injection wrote but re-created no defect (the
+stale-refresh form), which no verdict of it can be evidence of: gate.judge.vouch makes such a control cannot-vouch."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from repro.vllm_integration.gate.case import GateCase
 from repro.vllm_integration.gate.methods import speculator_class, vllm_method
 from repro.vllm_integration.gate.worker import DEFAULT_COMPILE
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
+from repro.vllm_integration.plugin.inject import STALE_REFRESH
 
 FULL_MODES = ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 
@@ -75,6 +77,22 @@ def _injection_missed(c: dict) -> str:
         f"{c.get('inject_builds_by_manager') or 'none'}): "
         "this layout or backend keeps the draft's capture out of its reach"
     )
+
+
+REFRESH_RECREATED_NOTHING = (
+    "the stale-refresh injection changed no refreshed entry of a batch (inject_refresh_changed 0): it re-created no "
+    "defect to catch"
+)
+
+
+def recreated_nothing(case: GateCase, counters: dict) -> str | None:
+    """Why a self control re-created no defect, None when it did or is not known not to have: the stale-refresh form
+    whose injection rewrote refreshes (inject_writes "draft refresh" above 0) but changed no eager refresh in a batch's
+    own entries (inject_refresh_changed 0, or absent: the plugin counts it from its first change). One that wrote
+    nothing is the captures_injected row's (NEEDS): its injection reached no capture."""
+    if case.inject != STALE_REFRESH or not (counters.get("inject_writes") or {}).get("draft refresh"):
+        return None
+    return None if counters.get("inject_refresh_changed") else REFRESH_RECREATED_NOTHING
 
 
 def _descriptors_unchecked(c: dict) -> str:

@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from repro.attention.staleness import count_fields
-from repro.case.spec import CUDA_ERROR, PLATFORM_FAILED, UNTRUSTED_REFERENCE, CaseResult
+from repro.case.spec import CUDA_ERROR, PLATFORM_FAILED, RECREATED_NOTHING, UNTRUSTED_REFERENCE, CaseResult
 from repro.contract.channel import ACCEPTANCE, CONFIGURATION, Channel, recorded_before
 from repro.contract.tags import AUDIT_TAG
 from repro.contract.verdicts import CANNOT_VOUCH as NOT_VOUCHED
 from repro.contract.verdicts import CLEAN, ERROR, SKIP, STALE_AUDIT, WRONG
 from repro.judge import policy
 from repro.vllm_integration.gate.case import GateCase, expected
-from repro.vllm_integration.gate.coverage import applying, descriptor_check_existed, not_fired
+from repro.vllm_integration.gate.coverage import applying, descriptor_check_existed, not_fired, recreated_nothing
 from repro.vllm_integration.plugin.audit import STALE_DESCRIPTOR, in_words
 
 TIE_MARGIN = 0.1  # nats: a reference token whose top-2 margin is below this is a tie, not a reference
@@ -107,24 +107,30 @@ def audit_evidence(ch: Channel, audit_file: Path | None) -> dict:
 
 def vouch(case: GateCase, res: CaseResult) -> CaseResult:
     """A clean or stale-audit case whose feature did not fire becomes cannot-vouch; kernel evidence stays, except in a
-    self control whose injection never wrote before it or, in an audit mode, that the auditor caught nothing of."""
+    self control whose injection never wrote before it or, in an audit mode, that the auditor caught nothing of. A self
+    control that re-created no defect (coverage.recreated_nothing) cannot vouch whatever it showed: flagged
+    RECREATED_NOTHING, its cause for reports (gate.why), never read from its reason."""
     if case.reference or res.verdict in (ERROR, SKIP):  # no evidence to discount, nothing fired to vouch for
         return res
+    counters = (res.backend_identity or {}).get("counters") or {}
+    nothing = recreated_nothing(case, counters)
     if res.verdict not in (CLEAN, STALE_AUDIT) or ended_without_result(res):
-        counters = (res.backend_identity or {}).get("counters") or {}
         blind = case.mode.audit and not res.stale_fields and descriptor_check_existed(counters)
         wrote = (res.backend_identity or {}).get("injection")
-        if not case.inject or wrote and not blind:
-            return res
         missing = [f"the self control's injection never wrote before this {res.verdict}: not the re-created defect's"]
-        if wrote:
+        if not case.inject or wrote and not blind:
+            missing = []
+        elif wrote:
             missing = [f"the auditor caught nothing of the re-created defect ({case.inject}): the {res.verdict} alone"]
     else:
         missing = not_fired(case, res.backend_identity)
+    if nothing is not None:
+        missing = [nothing, *missing]
     if not missing:
         return res
     reason = f"{'; '.join(missing)} (case verdict would have been {res.verdict}: {res.reason[:200]})"
-    return res.revised("coverage", "; ".join(missing), verdict=NOT_VOUCHED, reason=reason)
+    flags = [*res.flags, RECREATED_NOTHING] if nothing is not None else res.flags
+    return res.revised("coverage", "; ".join(missing), verdict=NOT_VOUCHED, reason=reason, flags=flags)
 
 
 def ended_without_result(res: CaseResult) -> bool:

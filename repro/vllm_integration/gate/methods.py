@@ -199,8 +199,8 @@ def add_option(parser: argparse.ArgumentParser) -> None:
         dest="forms",
         type=forms,
         default=INJECTIONS,
-        help="the self control's injection forms, comma-separated (stale-refresh: every draft-decode refresh for the "
-        "previous step, a build with update_draft_decode_metadata only) (default %(default)s)",
+        help="the self control's injection forms, comma-separated (stale-refresh: every draft-decode refresh for a "
+        "step far ahead, a build with update_draft_decode_metadata only) (default %(default)s)",
     )
 
     def methods(text: str) -> tuple[str, ...]:

@@ -7,6 +7,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from repro.case.spec import RECREATED_NOTHING
 from repro.contract.verdicts import FAULTS, SKIP
 from repro.files import write_whole
 from repro.judge.control import SELF_CONTROL
@@ -126,6 +127,7 @@ def build_summary(run: GateRun) -> list[dict]:
                 "affected": bool(detected),
                 "detected_in": detected,
                 "could_not_vouch": unsure,
+                "recreated_nothing": any(RECREATED_NOTHING in r.flags for _, r in pairs),  # a self control's (vouch)
                 "modes": {m: vs for m, vs in modes.items()},
                 "source_check": run.source_checks.get(b.prefix or "", "-"),
                 "wall_s": run.build_wall_s.get(b.label),
@@ -241,7 +243,7 @@ def _builds_table(run: GateRun) -> list[str]:
             answer = "not applicable"
             per_mode = s["not_applicable"]
         elif s["role"] == SELF_CONTROL:  # a positive control: was the re-created defect caught?
-            answer = "defect re-created: caught" if s["affected"] else "defect re-created: NOT caught"
+            answer = _control_answer(s)
         elif not s["affected"] and s["could_not_vouch"] and len(s["could_not_vouch"]) == len(s["modes"]):
             answer = "cannot tell"  # no case of the build gave an answer either way
         else:
@@ -252,6 +254,17 @@ def _builds_table(run: GateRun) -> list[str]:
             f"{'ok' if s['ok'] else 'FAIL'} |"
         )
     return lines
+
+
+def _control_answer(s: dict) -> str:
+    """A self control's row: caught where a mode showed the defect; NOT caught only where a mode answered without
+    showing it; where no mode answered, never NOT caught (that claims the auditor missed a defect): no defect
+    re-created (a case flagged RECREATED_NOTHING by gate.judge.vouch), else cannot tell."""
+    if s["affected"]:
+        return "defect re-created: caught"
+    if len(s["could_not_vouch"]) < len(s["modes"]):
+        return "defect re-created: NOT caught"
+    return "no defect re-created: cannot vouch" if s["recreated_nothing"] else "cannot tell"
 
 
 def _checked(run: GateRun) -> list[str]:

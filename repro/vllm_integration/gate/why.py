@@ -2,13 +2,13 @@
 configurations it happened in and how many cases, e.g. "the platform computes wrong at mps:24 (4 cases); the
 reference is untrusted at mps:56 (3 of 3 references: the platform there may compute wrong)". A cause is read from
 each case's typed result alone (its verdict, its flags: a failed platform check, an untrusted reference, a CUDA error
-classify found in its output), never from the words of its reason."""
+classify found in its output, a self control that re-created no defect), never from the words of its reason."""
 
 from __future__ import annotations
 
 from collections import Counter
 
-from repro.case.spec import CUDA_ERROR, UNTRUSTED_REFERENCE
+from repro.case.spec import CUDA_ERROR, RECREATED_NOTHING, UNTRUSTED_REFERENCE
 from repro.contract.verdicts import CANNOT_VOUCH, CLEAN, ERROR, FAULTS, HANG, SKIP
 from repro.judge.excerpt import shorten
 from repro.vllm_integration.gate.judge import platform_failed
@@ -22,6 +22,7 @@ HUNG = "a case hung"
 SKIPPED = "a case could not run here"
 NO_RESULT = "a case ended without a result"
 CONTROL = "a control showed nothing"
+RECREATED = "a self control re-created no defect"
 
 
 def _where(sm) -> str:
@@ -38,7 +39,7 @@ def cause(res, is_control: bool = False) -> str | None:
     if UNTRUSTED_REFERENCE in res.flags:  # a reference its validation did not trust, or a case judged against one
         return UNTRUSTED
     if res.verdict == CANNOT_VOUCH:
-        return NOT_FIRED
+        return RECREATED if RECREATED_NOTHING in res.flags else NOT_FIRED
     if res.verdict == HANG:
         return HUNG
     if res.verdict == SKIP:

@@ -56,7 +56,7 @@ which `python -m repro plugin-request ...` prints (from_environment). The reques
                           only the auditor's descriptor check can see it. inject_source: whose capture
                           contents (first, last).
   inject=stale-refresh    its third form, asked for by a request (not a gate default): every draft-decode refresh
-                          computes for the previous draft step (plugin.refresh.StaleRefreshInjector): only the
+                          computes for a step FAR tokens ahead (plugin.refresh.StaleRefreshInjector): only the
                           refresh judged sees it.
   inject=stale-k          its fourth, the gate's for its dynamic-K methods: each K-specialized draft FULL pass
                           gets another K's metadata of the same batch shape (plugin.dynamic_k): only the

@@ -18,9 +18,18 @@ without a rule here, or a builder without the method the rule calls, is counted 
 the gate cannot vouch for it, and says so.
 
 The self control's form stale-refresh (StaleRefreshInjector): after every refresh of a draft's metadata, the fields
-it computes are computed again by the same builder for the previous draft step (seq_lens one less, clamped at 0) and
-written into the same views; inside a capture those writes are recorded into the graph, so every replay computes for
-the previous step, as the source mutant `refresh-previous-step` (scripts/mutate_vllm.py) does."""
+it computes are computed again by the same builder for another step of the sequence, FAR tokens ahead (seq_lens +
+FAR), and written into the same views; inside a capture those writes are recorded into the graph, so every replay
+computes for that step. The step is far ahead rather than one back (as the source mutant `refresh-previous-step`,
+scripts/mutate_vllm.py, computes) because FA3's scheduler metadata depends on seq_lens only through each request's
+KV block count (ceil(seqlen_k / kBlockN), kBlockN 128-192): a one-token shift changes it only where a sequence
+crosses a block, which the gate's short sequences rarely do (results/h100-dynamic-sleep-0.34.0: every eager refresh
+rewritten for the previous step, none changed in a batch's own entries). FAR tokens ahead, every request's block count
+differs, so num_splits_dynamic differs for every request whose own split count is below the metadata's cap
+(max_num_splits: the gate's short sequences); it never exceeds that cap, which the forward's buffers are sized for
+(shifting down instead could leave FA3's prepare kernel a block count of 0 to divide by). inject_refresh_changed
+counts the eager refreshes it changed in a batch's own entries: a control with none re-created no defect, and the gate
+cannot vouch for it (gate.coverage.recreated_nothing)."""
 
 from __future__ import annotations
 
@@ -35,12 +44,18 @@ from repro.vllm_integration.plugin.backend_fields import DRAFT_STEP, BackendFiel
 from repro.vllm_integration.plugin.identity import ByIdentity
 from repro.vllm_integration.plugin.inject import Pass, StaleCaptureInjector, bump
 
-# a rule: (the builder, the metadata, how many draft steps back) -> what the builder gives for the field; None when
-# the builder cannot say (it lacks the method vLLM's refresh calls)
+# a rule: (the builder, the metadata, `back`: how many tokens before the step its views show the answer is for; 0
+# that step's own, negative a step ahead) -> what the builder gives for the field; None when the builder cannot say (it
+# lacks the method vLLM's refresh calls)
 Rule = Callable[[Any, Any, int], Any]
+
+# The self control's shift, in tokens ahead: the refresh computed for another step of the sequence, far enough that
+# FA3's block counts (a block of 128-192 tokens) differ for every request.
+FAR = 4096
 
 
 def _step_seq_lens(md: Any, back: int) -> Any:
+    """The views' seq_lens `back` tokens before the step they show (negative: ahead), never below 0."""
     seq = md.seq_lens
     return seq if not back else (seq - back).clamp(min=0)
 
@@ -164,9 +179,9 @@ def not_judged(counters: dict[str, Any], spec: BackendFields, views: dict[str, A
 @dataclass
 class StaleRefreshInjector(StaleCaptureInjector):
     """The self control's form stale-refresh (see the module): nothing taken from the target's captures, no draft
-    metadata replaced; every refresh of a draft's metadata recomputed for the previous step. Counted in inject_writes
-    ("draft refresh"), inject_refresh_changed (eager refreshes whose fields it changed: a step whose previous step's
-    answer is the same in the batch's own entries is no control of that step), inject_no_source (a refresh it could not recompute)."""
+    metadata replaced; every refresh of a draft's metadata recomputed for the step FAR tokens ahead. Counted in
+    inject_writes ("draft refresh"), inject_refresh_changed (eager refreshes whose fields it changed in a batch's own
+    entries: one it did not change is no control of that step), inject_no_source (a refresh it could not recompute)."""
 
     spec: BackendFields | None = None
     refreshed: ByIdentity[None] = field(default_factory=ByIdentity)  # metadata it rewrote: reached() says so
@@ -187,12 +202,12 @@ class StaleRefreshInjector(StaleCaptureInjector):
         return md is not None and md in self.refreshed
 
     def after_refresh(self, builder: Any, md: Any, spec: BackendFields, views: dict[str, Any], capturing: bool) -> bool:
-        """vLLM's refresh of md returned: its computed fields written again for the previous step (recorded into
-        the graph when `capturing`). True when something was written."""
+        """vLLM's refresh of md returned: its computed fields written again for the step FAR tokens ahead (recorded
+        into the graph when `capturing`). True when something was written."""
         wrote = False
         for path in computed_fields(spec, views):
             view, rule = views.get(path), REFRESHES.get(spec.name, {}).get(path)
-            want = rule.compute(builder, md, 1) if rule is not None and view is not None else None
+            want = rule.compute(builder, md, -FAR) if rule is not None and view is not None else None
             if want is None:
                 bump(self.counters, "inject_no_source", "draft refresh")
                 continue
@@ -208,7 +223,7 @@ class StaleRefreshInjector(StaleCaptureInjector):
 
 
 def _batch_changed(view: Any, want: Any, entries: list[int] | None) -> bool:
-    """Does the previous step's answer differ from what the refresh wrote in an entry of the refreshed batch (every
+    """Does the injected answer differ from what the refresh wrote in an entry of the refreshed batch (every
     entry the two share where no layout is known)? Copies to the host."""
     now, wanted = _ints(view), _ints(want)
     if len(now) != len(wanted):
