@@ -78,7 +78,7 @@ def test_a_process_killed_after_a_capture_pass_is_judged_from_its_snapshot(tmp_p
     assert not any("never reported" in r for r in j.reasons)
     (row,) = j.processes
     assert row["reported"] and row["snapshot"].startswith(
-        f"killed before its exit report; last snapshot after a FULL capture (draft decode) by {MGR}"
+        f"no exit report (killed, or still running when read); last snapshot after a FULL capture (draft decode) by {MGR}"
         + (" (a stale finding)" if what == "stale" else "")
     )
     assert "UTC; checks after " in row["snapshot"] and row["snapshot"].endswith("UTC not seen")
@@ -160,7 +160,7 @@ def fresh(monkeypatch):
     return clock, written, cb
 
 
-def test_snapshots_are_rate_limited_but_a_stale_finding_or_a_capture_end_is_written_at_once(fresh):
+def test_snapshots_are_rate_limited_but_the_first_stale_finding_is_written_at_once(fresh):
     clock, written, exit_report = fresh
     a = counters.AUDITOR
     a.checks = 1
@@ -171,18 +171,25 @@ def test_snapshots_are_rate_limited_but_a_stale_finding_or_a_capture_end_is_writ
     assert written == ["a replay"]
     clock.now += 0.5
     a.mismatches.append(Mismatch("FULL t8r8 q4", "seq_lens", "seq_lens", 2, 9, 7))
-    counters.keep_snapshot("a replay")  # a stale finding: at once, whatever the interval
+    counters.keep_snapshot("a replay")  # the process's first stale finding: at once, whatever the interval
     assert written[-1] == "a replay (a stale finding)"
+    clock.now += 0.5
+    a.mismatches.append(Mismatch("FULL t4r4 q4", "seq_lens", "seq_lens", 1, 9, 7))
+    counters.keep_snapshot("a FULL capture")  # a later finding, a capture's end: rate-limited
+    assert len(written) == 2
+    clock.now += 2.0
+    counters.keep_snapshot("a FULL capture")  # 2 s on, counts moved: written
+    assert written[-1] == "a FULL capture"
     clock.now += 2.5
     counters.keep_snapshot("a replay")  # counts unchanged since the last snapshot: nothing to write
-    assert len(written) == 2
+    assert len(written) == 3
     a.checks = 3
     counters.keep_snapshot("an eager forward's check")  # changed, 2.5 s on: written
     clock.now += 0.1
-    counters.keep_snapshot("a FULL capture", now=True)  # a capture's end: at once
-    assert written[2:] == ["an eager forward's check", "a FULL capture"]
+    counters.keep_snapshot("asked", now=True)  # `now`: at once
+    assert written[3:] == ["an eager forward's check", "asked"]
     exit_report()
     a.checks = 4
     clock.now += 10
     counters.keep_snapshot("a FULL capture", now=True)  # after the exit report: never replaced by a snapshot
-    assert written[4:] == ["exit"]
+    assert written[5:] == ["exit"]

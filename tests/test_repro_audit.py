@@ -123,10 +123,16 @@ def test_an_engine_core_killed_after_its_captures_is_judged_from_its_last_snapsh
     assert r.returncode == code and doc["outcome"] == ("PASS" if code == 0 else "AFFECTED"), r.stderr
     core = [p for p in doc["judgement"]["processes"] if p["process"] == "EngineCore"]
     assert len(core) == 1 and core[0]["reported"] and core[0]["checks"] > 0
-    assert core[0]["snapshot"].startswith("killed before its exit report; last snapshot after ")
-    assert f"pid {core[0]['pid']} (EngineCore): killed before its exit report; last snapshot after" in r.stderr
+    assert core[0]["snapshot"].startswith("no exit report (killed, or still running when read); last snapshot after ")
+    assert (
+        f"pid {core[0]['pid']} (EngineCore): no exit report (killed, or still running when read); last snapshot after"
+        in r.stderr
+    )
     assert "checks after" in r.stderr and "(1 by a snapshot only)" in r.stderr
-    assert "| snapshot only: killed before its exit report" in (tmp_path / "report" / "verdicts.md").read_text()
+    assert (
+        "| snapshot only: no exit report (killed, or still running when read)"
+        in (tmp_path / "report" / "verdicts.md").read_text()
+    )
     assert not any(p["snapshot"] for p in doc["judgement"]["processes"] if p["process"] != "EngineCore")
 
 

@@ -13,10 +13,10 @@ with what it rests on.
 
 A process whose last report is a snapshot (plugin.counters.keep_snapshot: `final` false; killed before its exit
 report, as `vllm serve`'s shutdown force-kills its engine core) reported: its counts and findings are judged as any
-report's, and the report says "killed before its exit report; last snapshot after <event> at <time>; checks after
-<time> not seen". A snapshot proves what was checked up to it: the plugin writes one at every FULL capture's end and
-at once after every stale finding, so nothing stale it found is missing; the checks after it (clean ones, their
-counts) are not seen.
+report's, and the report says "no exit report (killed, or still running when read); last snapshot after <event> at <time>; checks after
+<time> not seen". A snapshot proves what was checked up to it: the plugin writes one at every FULL capture's end while
+nothing was found and at once at the first stale finding (later ones within 2 s), so a process that found anything
+stale says so; the checks after it (clean ones, their counts) are not seen.
 
 Beside the answer, never in it: what the replay check and the refresh judging judged (gate.checked.judged, the
 gate's words): replays judged and left unjudged with the most common reason, or the check off with its reason. A
@@ -123,7 +123,7 @@ def last_snapshot(p: dict) -> str | None:
     at = p.get("written")
     when = time.strftime("%H:%M:%S UTC", time.gmtime(at)) if isinstance(at, (int, float)) and at else None
     why = p.get("snapshot_reason") or "an event not named"
-    said = f"killed before its exit report; last snapshot after {why}"
+    said = f"no exit report (killed, or still running when read); last snapshot after {why}"
     return f"{said} at {when}; checks after {when} not seen" if when else f"{said}; checks after it not seen"
 
 

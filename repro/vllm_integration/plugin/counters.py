@@ -196,12 +196,13 @@ def _progress() -> tuple:
 def keep_snapshot(reason: str, now: bool = False) -> None:
     """This process's report kept on disk while it runs (write_snapshot: `final` false), so that a process killed by
     SIGKILL (vllm serve's shutdown force-kills its engine core) still leaves what it checked: at once where `now`
-    (the end of a FULL capture) or where a stale finding was made since the last snapshot (a finding is never
-    lost), else at most once every SNAPSHOT_EVERY_S and only if the counts moved. `reason`: the event, as the
-    report says it (snapshot_reason). Only time and counts are read here: no tensor, no host sync."""
+    or at the process's first stale finding (its verdict is never lost), else at most once every SNAPSHOT_EVERY_S
+    and only if the counts moved (later findings: a self control finds something at nearly every capture, and
+    each snapshot rewrites the whole audit file). A FULL capture's end asks `now` while nothing was found. `reason`: the event, as the report says
+    it (snapshot_reason). Only time and counts are read here: no tensor, no host sync."""
     if not any(c.snap is not None for c in _REPORTS):
         return
-    found = len(AUDITOR.mismatches) != _SNAP["stale"]
+    found = bool(AUDITOR.mismatches) and not _SNAP["stale"]
     t = time.monotonic()
     if not (now or found) and (t - _SNAP["at"] < SNAPSHOT_EVERY_S or _progress() == _SNAP["progress"]):
         return
@@ -300,14 +301,19 @@ def is_final(report: dict) -> bool:
 
 
 def merge_into(path: str, reports: list[tuple[dict, list[dict]]]) -> None:
-    """Each (process report, its mismatches) merged into the audit file at path (merged_report), under the lock of
-    `.<name>.lock` beside it, the file replaced whole (a temporary beside it, then os.replace): a reader, or a
-    process killed in the middle of its write, never leaves half a file. A process's own exit report or snapshot,
-    or those `pytest --repro-audit` forwards to the `repro audit` around it."""
+    """Each (process report, its mismatches) merged into the audit file at path (merged_report), under a lock file
+    of its own in the temporary folder (named by the audit file's absolute path: nothing left beside the user's
+    file), the file replaced whole (a temporary beside it, then os.replace): a reader, or a process killed in the
+    middle of its write, never leaves half a file. A process's own exit report or snapshot, or those `pytest
+    --repro-audit` forwards to the `repro audit` around it."""
     import fcntl  # noqa: PLC0415  one lock per audit file, only where there is one (Linux, as vLLM)
+    import hashlib  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
 
     folder, name = os.path.split(os.path.abspath(path))
-    with open(os.open(os.path.join(folder, f".{name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)) as lock:
+    key = hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:20]
+    lock_path = os.path.join(tempfile.gettempdir(), f"repro-audit-{key}.lock")
+    with open(os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)) as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             with open(path) as f:
@@ -317,7 +323,7 @@ def merge_into(path: str, reports: list[tuple[dict, list[dict]]]) -> None:
         for mine, mismatches in reports:
             doc = merged_report(doc, mine, mismatches)
         # not fsynced: the file must outlive its writer's SIGKILL (the page cache keeps it), not the machine's loss,
-        # and a snapshot is written at every FULL capture
+        # and a clean process writes a snapshot at every FULL capture
         tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), "w") as f:
             json.dump(doc, f, indent=1)
