@@ -10,7 +10,9 @@ prefix). `python tests/audit_standin.py LAYOUT [METHOD] [EXIT]`:
   serve       `vllm serve`: the front-end, the engine core a process of its own (not multiprocessing's), its
               requests from a bounded driver
   dp:N        data/tensor parallel: N engine processes at once
-  die         the engine core is killed (SIGKILL) before it could report
+  die         the engine core is killed (SIGKILL) after its captures and requests, before its exit report (as
+              `vllm serve`'s shutdown force-kills its engine core): it leaves its last snapshot
+  die-early   an engine process is killed (SIGKILL) as soon as it loaded the plugin: no report at all
 EXIT: the script's own exit status (default 0)."""
 
 import multiprocessing
@@ -48,16 +50,22 @@ def killed() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def killed_early() -> None:
+    front_end()  # a spawned process loads the plugin anew: the auditor installs and leaves its start mark
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 if __name__ == "__main__":
     if LAYOUT == "inproc":
         engine()
-    elif LAYOUT in ("fork", "spawn", "twice", "die") or LAYOUT.startswith("dp:"):
+    elif LAYOUT in ("fork", "spawn", "twice", "die", "die-early") or LAYOUT.startswith("dp:"):
         front_end()
-        ctx = multiprocessing.get_context("spawn" if LAYOUT == "spawn" else "fork")
+        ctx = multiprocessing.get_context("spawn" if LAYOUT in ("spawn", "die-early") else "fork")
         n = int(LAYOUT.split(":")[1]) if LAYOUT.startswith("dp:") else 1
         rounds = 2 if LAYOUT == "twice" else 1
+        target = {"die": killed, "die-early": killed_early}.get(LAYOUT, engine)
         for _ in range(rounds):
-            procs = [ctx.Process(target=killed if LAYOUT == "die" else engine, name="EngineCore") for _ in range(n)]
+            procs = [ctx.Process(target=target, name="EngineCore") for _ in range(n)]
             for p in procs:
                 p.start()
             for p in procs:

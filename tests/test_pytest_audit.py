@@ -99,6 +99,9 @@ def test_stale_tests_fail_naming_descriptor_and_fields_others_not_judged(suite):
     assert "repro audit: stale during test_vllm_style.py::test_engine_spawned" in out
     assert "t32r8: query_start_loc[2] (stale): 0 where its build gives 8" in out
     assert "repro audit: AFFECTED" in out and "not judged: test_vllm_style.py::test_eager_engine" in out
+    # pytest's own process (the in-process engine) writes snapshots into a test's file: judged in-process, never
+    # as a process killed before its exit report
+    assert "judged from its snapshot" not in out
     assert r.ret == 1
 
 
@@ -155,3 +158,35 @@ def test_the_sessions_replay_and_refresh_counts_are_the_sum_of_its_tests():
     two = {"status": "clean", "reasons": [], "replays_seen": 4, "replays_judged": 0, "refreshes_judged": 0}
     s = summary({"t1": one, "t2": two, "t3": {"status": "not judged", "reasons": []}}, [])
     assert (s["replays_seen"], s["replays_judged"], s["refreshes_judged"]) == (16, 3, 5) and s["outcome"] == "PASS"
+
+
+KILLED_SUITE = """
+import multiprocessing, os, signal
+from vllm import LLM, SamplingParams
+
+
+def engine_then_killed():
+    llm = LLM(model="tiny", speculative_config={"method": "eagle", "num_speculative_tokens": 3},
+              compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"})
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4))
+    os.kill(os.getpid(), signal.SIGKILL)  # as `vllm serve`'s shutdown force-kills its engine core
+
+
+def test_engine_killed():
+    p = multiprocessing.get_context("spawn").Process(target=engine_then_killed, name="EngineCore")
+    p.start()
+    p.join()
+    assert p.exitcode == -signal.SIGKILL
+"""
+
+
+def test_an_engine_killed_after_its_captures_is_judged_from_its_snapshot_never_as_unreported(suite):
+    p = suite("good")
+    p.makepyfile(test_vllm_style=KILLED_SUITE)
+    r = _audited(p, passed=1, failed=0)
+    out = r.stdout.str()
+    assert r.ret == 0 and "repro audit: PASS: 1 test(s) judged, 0 stale" in out and "never reported" not in out
+    assert "judged from its snapshot: test_vllm_style.py::test_engine_killed: pid " in out
+    assert (
+        "(EngineCore): no exit report (killed, or still running when read); last snapshot after a FULL capture" in out
+    )

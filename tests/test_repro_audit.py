@@ -2,7 +2,8 @@
 the gate's words from every process's report. Stand-ins: a person's script (tests/audit_standin.py) over the stand-in
 vLLM of tests/fake_vllm.py, whose LLM loads the real plugin through its entry point, in every process layout users run
 (the engine in-process, vLLM's multi-process engine by fork and by spawn, `LLM` twice, `vllm serve`'s engine core in a
-process of its own, N engine processes at once, an engine process killed before it reported). On the old code the
+process of its own, N engine processes at once, an engine process killed after its captures (judged from its last
+snapshot) and one killed before it left any report). On the old code the
 command does not exist: a person's REPRO_AUDIT=1 run over stale metadata exits 0, which the first test shows."""
 
 from __future__ import annotations
@@ -106,12 +107,33 @@ def test_a_command_that_fails_with_nothing_stale_is_not_affected_and_its_status_
     assert r.returncode == 1 and doc["outcome"] == "PASS"
 
 
-def test_an_engine_process_killed_before_it_reported_is_cannot_vouch_naming_it(tmp_path, builds):
-    r, doc = audit(tmp_path, builds["good"], *script("die"))
+def test_an_engine_process_killed_before_any_report_is_cannot_vouch_naming_it(tmp_path, builds):
+    r, doc = audit(tmp_path, builds["good"], *script("die-early"))
     assert r.returncode == 4 and doc["outcome"] == "CANNOT VOUCH"
     lost = [p for p in doc["judgement"]["processes"] if not p["reported"]]
     assert len(lost) == 1 and lost[0]["process"] == "EngineCore"
     assert f"pid {lost[0]['pid']} (EngineCore) installed the auditor and never reported" in r.stderr
+
+
+@pytest.mark.parametrize(("build", "code"), [("good", 0), ("stale-quiet", 1)])
+def test_an_engine_core_killed_after_its_captures_is_judged_from_its_last_snapshot(tmp_path, builds, build, code):
+    """`vllm serve`'s shutdown force-kills its engine core (SIGKILL): what it checked is on disk from its snapshots,
+    judged as a report (clean: PASS; stale: AFFECTED), the process said to be killed before its exit report."""
+    r, doc = audit(tmp_path, builds[build], *script("die"))
+    assert r.returncode == code and doc["outcome"] == ("PASS" if code == 0 else "AFFECTED"), r.stderr
+    core = [p for p in doc["judgement"]["processes"] if p["process"] == "EngineCore"]
+    assert len(core) == 1 and core[0]["reported"] and core[0]["checks"] > 0
+    assert core[0]["snapshot"].startswith("no exit report (killed, or still running when read); last snapshot after ")
+    assert (
+        f"pid {core[0]['pid']} (EngineCore): no exit report (killed, or still running when read); last snapshot after"
+        in r.stderr
+    )
+    assert "checks after" in r.stderr and "(1 by a snapshot only)" in r.stderr
+    assert (
+        "| snapshot only: no exit report (killed, or still running when read)"
+        in (tmp_path / "report" / "verdicts.md").read_text()
+    )
+    assert not any(p["snapshot"] for p in doc["judgement"]["processes"] if p["process"] != "EngineCore")
 
 
 def test_no_full_capture_audited_or_no_vllm_at_all_is_cannot_vouch_never_clean(tmp_path, builds):

@@ -6,9 +6,17 @@ answer, never in it: a command that fails with nothing stale is not AFFECTED, on
 AFFECTED: any stale view or stale-descriptor field, each descriptor named with its fields. CANNOT VOUCH: no process
 reported, the auditor not installed or 0 checks, no FULL capture audited, the descriptor check never ran or could not
 run at a FULL pass, a spec-decode layout the auditor does not know, a process that installed the auditor and never
-reported (killed, or died before its exit report), a run stopped at its timeout, or a method (speculator, capture
-manager) other than the one asked for (gate.coverage.method_problems), a capture manager whose FULL captures were
-none of them audited (the hook on its metadata's builder never fired). PASS otherwise, with what it rests on.
+reported (killed, or died before its exit report, leaving no snapshot either), a run stopped at its timeout, or a
+method (speculator, capture manager) other than the one asked for (gate.coverage.method_problems), a capture manager
+whose FULL captures were none of them audited (the hook on its metadata's builder never fired). PASS otherwise,
+with what it rests on.
+
+A process whose last report is a snapshot (plugin.counters.keep_snapshot: `final` false; killed before its exit
+report, as `vllm serve`'s shutdown force-kills its engine core) reported: its counts and findings are judged as any
+report's, and the report says "no exit report (killed, or still running when read); last snapshot after <event> at <time>; checks after
+<time> not seen". A snapshot proves what was checked up to it: the plugin writes one at every FULL capture's end while
+nothing was found and at once at the first stale finding (later ones within 2 s), so a process that found anything
+stale says so; the checks after it (clean ones, their counts) are not seen.
 
 Beside the answer, never in it: what the replay check and the refresh judging judged (gate.checked.judged, the
 gate's words): replays judged and left unjudged with the most common reason, or the check off with its reason. A
@@ -16,6 +24,7 @@ PASS rests on the capture-time checks; where the replay check judged 0 replays i
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -23,6 +32,7 @@ from repro.judge.decision import GateOutcome
 from repro.vllm_integration.gate.checked import judged
 from repro.vllm_integration.gate.coverage import method_problems
 from repro.vllm_integration.plugin.audit import STALE_DESCRIPTOR
+from repro.vllm_integration.plugin.counters import is_final
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,7 @@ class Judgement:
     stale_by_manager: dict[str, int]
     methods: dict[str, str] = field(default_factory=dict)  # "pid N (name)" -> the method its runner ran
     processes: list[dict] = field(default_factory=list)  # one row per process: reported or only started
+    snapshots: list[str] = field(default_factory=list)  # "pid N (name): killed before its exit report; ..." each
     replay: dict = field(default_factory=dict)  # what the replay check judged (gate.checked.judged), its words
     refresh: dict = field(default_factory=dict)  # what the refresh judging judged, its words
 
@@ -105,6 +116,17 @@ def _who(p: dict) -> str:
     return f"pid {p.get('pid')} ({p.get('process') or 'unnamed'})"
 
 
+def last_snapshot(p: dict) -> str | None:
+    """What a process's report is, where it is a snapshot (None: its exit report), in the report's words."""
+    if is_final(p):
+        return None
+    at = p.get("written")
+    when = time.strftime("%H:%M:%S UTC", time.gmtime(at)) if isinstance(at, (int, float)) and at else None
+    why = p.get("snapshot_reason") or "an event not named"
+    said = f"no exit report (killed, or still running when read); last snapshot after {why}"
+    return f"{said} at {when}; checks after {when} not seen" if when else f"{said}; checks after it not seen"
+
+
 def judge(doc: dict | None, started: list[dict], expect: Expect, command: CommandStatus | None = None) -> Judgement:
     """The run's answer from its merged audit file (`doc`, None when no process wrote one) and its start marks."""
     reported = [p for p in (doc or {}).get("processes") or [] if isinstance(p, dict)]
@@ -129,8 +151,10 @@ def judge(doc: dict | None, started: list[dict], expect: Expect, command: Comman
     dchecks = sum(int(p.get("descriptor_checks") or 0) for p in reported)
     pids = {p.get("pid") for p in reported}
     lost = [s for s in started if s.get("pid") not in pids]
-    rows = [{**{k: p.get(k) for k in ("pid", "process", "checks", "descriptor_checks", "stale")}, "reported": True}
-            for p in reported] + [{"pid": s.get("pid"), "process": s.get("process"), "reported": False} for s in lost]  # fmt: skip
+    rows = [{**{k: p.get(k) for k in ("pid", "process", "checks", "descriptor_checks", "stale")}, "reported": True,
+             "snapshot": last_snapshot(p)} for p in reported]  # fmt: skip
+    rows += [{"pid": s.get("pid"), "process": s.get("process"), "reported": False} for s in lost]
+    snapshots = [f"{_who(p)}: {last_snapshot(p)}" for p in reported if not is_final(p)]
     stale = stale_by_descriptor(mismatches)
     reasons: list[str] = []
     if mismatches:
@@ -150,9 +174,8 @@ def judge(doc: dict | None, started: list[dict], expect: Expect, command: Comman
                 reasons.append(f"{_who(p)}: {why}")
         outcome = GateOutcome.CANNOT_VOUCH if reasons else GateOutcome.PASS
     seen = judged([p.get("counters") or {} for p in reported])
-    return Judgement(
-        outcome, reasons, stale, len(mismatches), checks, dchecks, full, audited, stale_mgr, methods, rows, **seen
-    )
+    found = (stale, len(mismatches), checks, dchecks, full, audited, stale_mgr)
+    return Judgement(outcome, reasons, *found, methods, rows, snapshots, **seen)
 
 
 def _cannot_vouch(

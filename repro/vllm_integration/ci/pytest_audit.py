@@ -9,8 +9,11 @@ it exits); an engine in pytest's own process is judged by what its auditor found
 - a test with no FULL capture audited is "not judged" (listed, its outcome unchanged);
 - a method other than the one asked for (`--repro-audit-method M`, or a test's `@pytest.mark.repro_audit_method(M)`)
   fails the test, both named;
-- the session summary gives the gate's words: PASS, AFFECTED, or CANNOT VOUCH (no test judged, a process that never
-  reported, a descriptor check that could not run); anything but PASS fails the session (exit_codes.pytest_audit).
+- the session summary gives the gate's words: PASS, AFFECTED, or CANNOT VOUCH (no test judged, a process that left
+  no report at all, a descriptor check that could not run); anything but PASS fails the session
+  (exit_codes.pytest_audit). A process killed before its exit report is judged from its last snapshot, as `repro
+  audit` judges it, and listed ("judged from its snapshot"); pytest's own process's snapshots are left out of the
+  files it reads (what its engine found is judged in-process).
 Under xdist each worker judges its own tests; the controller's summary reads their reports and their late findings."""
 
 from __future__ import annotations
@@ -105,7 +108,7 @@ class AuditPlugin:
         from repro.vllm_integration.ci.judge import judge  # noqa: PLC0415  as __init__
 
         doc, _marks, _ = self.command.read_back(self._test_folder(item.nodeid))
-        doc = _with_in_process(doc, self.baseline, _in_process())
+        doc = _with_in_process(_others(doc), self.baseline, _in_process())
         return judge(doc, [], self._expect(item))
 
     @pytest.hookimpl(hookwrapper=True)
@@ -136,7 +139,7 @@ class AuditPlugin:
             judged = self.results[nodeid]
             doc, marks, _ = self.command.read_back(self._test_folder(nodeid))
             own = [m for m in marks if m.get("pid") != os.getpid()]  # this process's engine: judged in-process
-            j = judge(doc, own, Expect())
+            j = judge(_others(doc), own, Expect())
             if j.stale_fields > judged.get("stale_fields", 0):
                 self.late.append(f"{nodeid}: stale after the test ended: " + "; ".join(j.reasons))
             lost = [r for r in j.reasons if "never reported" in r]
@@ -158,7 +161,7 @@ class AuditPlugin:
         c, reports = self.command, []
         for nodeid in sorted(self.ran):
             doc, marks, _ = c.read_back(self._test_folder(nodeid))
-            reports += _reports(doc, self.outer[c.RUN_ENV])
+            reports += _reports(_others(doc), self.outer[c.RUN_ENV])
             for m in marks:
                 if m.get("pid") != os.getpid() and self.outer[c.STARTED_ENV]:
                     Path(self.outer[c.STARTED_ENV], f"{m.get('pid')}.json").write_text(json.dumps(m))
@@ -196,6 +199,8 @@ class AuditPlugin:
             tr.write_line(f"  cannot vouch: {line}")
         for nodeid in s["not_judged"]:
             tr.write_line(f"  {NOT_JUDGED}: {nodeid}")
+        for line in s["snapshots"]:
+            tr.write_line(f"  judged from its snapshot: {line}")
         seen, replays, refreshes = (s[k] for k in REPLAY_KEYS)
         nothing = " (nothing checked at replay: the answer rests on the capture-time checks)" if not replays else ""
         tr.write_line(f"  replay check: {replays} judged of {seen} replays seen{nothing}; refresh: {refreshes} judged")
@@ -219,7 +224,8 @@ def _verdict(j) -> dict:
     rp, rf = j.replay or {}, j.refresh or {}  # what the replay check and the refresh judging judged in the test
     return {"status": status, "reasons": j.reasons, "stale_fields": j.stale_fields, "audited": audited,
             "descriptor_checks": j.descriptor_checks, "methods": j.methods, "replays_seen": rp.get("seen", 0),
-            "replays_judged": rp.get("judged", 0), "refreshes_judged": rf.get("judged", 0)}  # fmt: skip
+            "replays_judged": rp.get("judged", 0), "refreshes_judged": rf.get("judged", 0),
+            "snapshots": j.snapshots}  # fmt: skip
 
 
 def summary(results: dict[str, dict], late: list[str]) -> dict:
@@ -241,8 +247,9 @@ def summary(results: dict[str, dict], late: list[str]) -> dict:
         cannot.append("no test had a FULL capture audited: nothing was judged")
     not_judged = [k for k, v in results.items() if v["status"] == NOT_JUDGED]
     checked = {k: sum(int(v.get(k) or 0) for v in results.values()) for k in REPLAY_KEYS}
+    snapshots = [f"{k}: {line}" for k, v in results.items() for line in v.get("snapshots") or []]
     return {"outcome": outcome, "judged": judged, "stale": stale, "cannot_vouch": cannot, "not_judged": not_judged,
-            **checked}  # fmt: skip
+            "snapshots": snapshots, **checked}  # fmt: skip
 
 
 def _reports(doc: dict | None, run: str | None) -> list[tuple[dict, list[dict]]]:
@@ -255,6 +262,15 @@ def _reports(doc: dict | None, run: str | None) -> list[tuple[dict, list[dict]]]
         out.append(({**base, **p, "run": run}, mismatches[at : at + n]))
         at += n
     return out
+
+
+def _others(doc: dict | None) -> dict | None:
+    """A test's audit file without pytest's own process (with its mismatches): its engine's snapshots land in the
+    file of the test during which it installed, and what it found is judged in-process (_with_in_process)."""
+    if not doc or not any(p.get("pid") == os.getpid() for p in doc.get("processes") or []):
+        return doc
+    kept = [(p, ms) for p, ms in _reports(doc, None) if p.get("pid") != os.getpid()]
+    return {**doc, "processes": [p for p, _ in kept], "mismatches": [m for _, ms in kept for m in ms]}
 
 
 def _in_process() -> dict | None:

@@ -1,6 +1,7 @@
 """`repro audit`'s report, in its folder as the gate's is (verdicts.md, results.json; `--junit FILE` on request) and
 its last lines on the terminal: the gate's words, what they rest on (the FULL captures audited per capture manager,
-the descriptor checks), each stale descriptor with its fields, the command's own exit status beside the answer."""
+the descriptor checks), each stale descriptor with its fields, the command's own exit status beside the answer, and
+each process judged from its last snapshot (killed before its exit report: judge.last_snapshot's words)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,11 @@ def lines(j: Judgement, status: CommandStatus | None, code: int) -> list[str]:
     if what:
         out += [f"  {what}: {r}" for r in j.reasons]
     reporting = [p for p in j.processes if p.get("reported")]
-    out.append(f"processes: {len(reporting)} reported, {len(j.processes) - len(reporting)} started and never reported")
+    snap = f" ({len(j.snapshots)} by a snapshot only)" if j.snapshots else ""
+    out.append(
+        f"processes: {len(reporting)} reported{snap}, {len(j.processes) - len(reporting)} started and never reported"
+    )
+    out += [f"  {line}" for line in j.snapshots]
     return out
 
 
@@ -74,9 +79,10 @@ def markdown(j: Judgement, status: CommandStatus | None, code: int) -> str:
         "|---|---|---|---|---|---|",
     ]
     for p in j.processes:
+        said = f"snapshot only: {p['snapshot']}" if p.get("snapshot") else "yes"
         out.append(
             f"| {p.get('pid')} | {p.get('process')} | {p.get('checks', '')} | {p.get('descriptor_checks', '')} | "
-            f"{p.get('stale', '')} | {'yes' if p.get('reported') else 'no: died before its exit report'} |"
+            f"{p.get('stale', '')} | {said if p.get('reported') else 'no: died before its exit report'} |"
         )
     return "\n".join(out) + "\n"
 

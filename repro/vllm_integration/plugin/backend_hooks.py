@@ -69,6 +69,7 @@ def _wrap_forward(impl_cls: Any, spec: BackendFields = FLASH_ATTN) -> None:
             where = capture.capture_descriptor(frame)  # a FULL capture's eager warmup pass: (None, None) elsewhere
             if where != (None, None):
                 capture.audit_descriptor(attn_metadata, spec, where, capture.graph_kind(frame))
+            counters.keep_snapshot("an eager forward's check")  # at once after a stale finding, else rate-limited
         return orig_forward(self, layer, query, key, value, kv_cache, attn_metadata, *a, **k)
 
     forward._repro_wrapped = True  # type: ignore[attr-defined]
@@ -258,6 +259,7 @@ def _refreshed(builder: Any, md: Any, spec: BackendFields) -> None:
         emit(AUDIT_TAG, {"stale": m.to_dict(), "message": str(m), "capture": "eager draft refresh"})
     if counters.AUDITOR.refresh(md, views):
         counters.bump("draft_refreshes")
+    counters.keep_snapshot("a draft refresh judged")  # at once after a stale-refresh, else rate-limited
 
 
 def install(
@@ -306,5 +308,6 @@ def _install_replay_check(cuda: Any, asked: bool = True) -> None:
         for m in replay.guarded(counters.COUNTERS, "a replay", checker.on_replay, graph, default=[]):
             counters.AUDITOR.mismatches.append(m)
             emit(AUDIT_TAG, {"stale": m.to_dict(), "message": str(m), "capture": "replay"})
+        counters.keep_snapshot("a replay")  # at once after a stale-replay, else rate-limited
 
     register(replayed)

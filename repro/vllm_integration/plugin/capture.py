@@ -242,6 +242,10 @@ def _finish_capture(cap: _Capture, failed: bool) -> None:
     if stale:
         counters.bump("captures_stale", cap.kind)
         counters.bump("stale_by_manager", cap.manager)
+    if cap.forwards or known:  # what a FULL capture checked, on disk for a SIGKILL after it: at once while the
+        # process found nothing (a small report, under a millisecond), else rate-limited (its first finding is written)
+        counters.keep_snapshot(f"a FULL capture ({cap.kind}) by {cap.manager}", now=not counters.AUDITOR.mismatches)
+    if stale:
         stop_if_strict(cap)
 
 

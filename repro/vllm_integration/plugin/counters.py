@@ -1,9 +1,10 @@
 """The plugin's shared state and what it reports: the counters (COUNTERS, printed at exit as `REPRO_COUNTERS <json>`),
 the freshness auditor's one instance (AUDITOR), the features installed in this process (_installed), and the report
 the auditor writes at exit (stderr lines and the request's audit_file, one file every process of the run reports to:
-report_at_exit, registered by at_exit). Every hook module of repro.vllm_integration reads
-and bumps these objects through this module (`counters.COUNTERS`, never a copy), so a test that replaces one here
-replaces it for all of them."""
+report_at_exit, registered by at_exit) and keeps on disk while the process runs (keep_snapshot: the same report,
+`final` false, so that a process killed by SIGKILL still leaves what it checked). Every hook module of
+repro.vllm_integration reads and bumps these objects through this module (`counters.COUNTERS`, never a copy), so a
+test that replaces one here replaces it for all of them."""
 
 from __future__ import annotations
 
@@ -121,17 +122,30 @@ def _done() -> tuple[int, ...]:
 class AtExit:
     """A report made once at a process's exit however the process ends (at_exit): `report(base)`, base None, or in a
     fork child what its parent had done by the fork (_done): such a child reports only what it did since, and
-    nothing when it did nothing (a pool worker forked from a process that checks never reports its parent's again)."""
+    nothing when it did nothing (a pool worker forked from a process that checks never reports its parent's again).
+    `snap(base, reason)`, where given: the same report as a snapshot while the process runs (keep_snapshot), never
+    once its exit report was made (a snapshot never replaces it)."""
 
-    def __init__(self, report: Callable[[tuple[int, ...] | None], None]) -> None:
-        self.report, self.pid, self.base = report, None, None
+    def __init__(
+        self,
+        report: Callable[[tuple[int, ...] | None], None],
+        snap: Callable[[tuple[int, ...] | None, str], None] | None = None,
+    ) -> None:
+        self.report, self.snap, self.pid, self.base = report, snap, None, None
+
+    def _says(self) -> bool:
+        return self.base is None or _done() != self.base or _MARKED["pid"] == os.getpid()  # a marked one always says
 
     def __call__(self) -> None:
         if self.pid == os.getpid():  # atexit and multiprocessing's finalizers both run in some processes: once
             return
         self.pid = os.getpid()
-        if self.base is None or _done() != self.base or _MARKED["pid"] == os.getpid():  # a marked one always says
+        if self._says():
             self.report(self.base)
+
+    def snapshot(self, reason: str) -> None:
+        if self.snap is not None and self.pid != os.getpid() and self._says():
+            self.snap(self.base, reason)
 
     def forked(self) -> None:
         self.pid, self.base = None, _done()
@@ -168,6 +182,35 @@ def report_now() -> None:
         callback()
 
 
+SNAPSHOT_EVERY_S = 2.0  # the rate-limited snapshot's least interval (eager checks, replays, refreshes)
+# the last snapshot's time (time.monotonic), what had been done by then (_progress), its count of stale findings
+_SNAP: dict[str, Any] = {"at": 0.0, "progress": None, "stale": 0}
+
+
+def _progress() -> tuple:
+    """What the counting paths move: the checks and findings (_done) and the replay and refresh counts."""
+    c = COUNTERS
+    return (*_done(), c["replays_seen"], c["replay_checks"], c["draft_refreshes"], AUDITOR.refresh_checks)
+
+
+def keep_snapshot(reason: str, now: bool = False) -> None:
+    """This process's report kept on disk while it runs (write_snapshot: `final` false), so that a process killed by
+    SIGKILL (vllm serve's shutdown force-kills its engine core) still leaves what it checked: at once where `now`
+    or at the process's first stale finding (its verdict is never lost), else at most once every SNAPSHOT_EVERY_S
+    and only if the counts moved (later findings: a self control finds something at nearly every capture, and
+    each snapshot rewrites the whole audit file). A FULL capture's end asks `now` while nothing was found. `reason`: the event, as the report says
+    it (snapshot_reason). Only time and counts are read here: no tensor, no host sync."""
+    if not any(c.snap is not None for c in _REPORTS):
+        return
+    found = bool(AUDITOR.mismatches) and not _SNAP["stale"]
+    t = time.monotonic()
+    if not (now or found) and (t - _SNAP["at"] < SNAPSHOT_EVERY_S or _progress() == _SNAP["progress"]):
+        return
+    _SNAP.update(at=t, progress=_progress(), stale=len(AUDITOR.mismatches))
+    for callback in _REPORTS:
+        callback.snapshot(f"{reason} (a stale finding)" if found else reason)
+
+
 _MARKED = {"pid": None}
 
 
@@ -195,7 +238,10 @@ def report_at_exit(path: str | None) -> AtExit:
     """What the plugin registers at exit once its auditor installed (at_exit): write_report, with the time it
     installed and, with an audit file, the run's token (which reports in the file belong to this run: merged_report)."""
     installed, run = time.time(), run_token() if path else None
-    callback = AtExit(lambda base: write_report(path, installed, run, base))
+    callback = AtExit(
+        lambda base: write_report(path, installed, run, base),
+        (lambda base, reason: write_snapshot(path, installed, run, base, reason)) if path else None,
+    )
     _REPORTS.append(callback)
     return callback
 
@@ -204,58 +250,84 @@ def write_report(
     path: str | None, installed: float | None = None, run: str | None = None, base: tuple[int, ...] | None = None
 ) -> None:
     """At exit, with the auditor on: its summary as an AUDIT_TAG line and, when the request names an audit file
-    (path), this process's whole report (every mismatch, the counters) merged into that file (merged_report): every
-    process vLLM starts loads the plugin and reports at its exit (its multi-process engine: the front-end, which
-    checks nothing, and the engine core, which runs the model), so none overwrites another's. `base`: what a fork
-    child's parent had done by the fork (AtExit), not counted again."""
-    b = base or (0, 0, 0, 0, 0)
-    checks, views, descriptor_checks = AUDITOR.checks - b[0], AUDITOR.views - b[1], AUDITOR.descriptor_checks - b[2]
-    mismatches = AUDITOR.mismatches[b[3] :]
-    emit(
-        AUDIT_TAG,
-        {
-            "summary": AUDITOR.report(),
-            "checks": checks,
-            "views": views,
-            "stale": len(mismatches),
-            "descriptor_checks": descriptor_checks,
-        },
-    )
+    (path), this process's whole report (every mismatch, the counters; `final` true) merged into that file
+    (merged_report), replacing its snapshot there: every process vLLM starts loads the plugin and reports at its exit
+    (its multi-process engine: the front-end, which checks nothing, and the engine core, which runs the model), so
+    none overwrites another's. `base`: what a fork child's parent had done by the fork (AtExit), not counted again."""
+    mine, mismatches = own_report(installed, run, base)
+    emit(AUDIT_TAG, {k: mine[k] for k in ("summary", "checks", "views", "stale", "descriptor_checks")})
     if path:
-        import multiprocessing  # noqa: PLC0415  the process's name (vLLM names its engine core's), only with a file
+        merge_into(path, [({**mine, "final": True}, mismatches)])
 
-        mine = {
-            "pid": os.getpid(),
-            "process": multiprocessing.current_process().name,
-            "run": run_token() if run is None else run,
-            "installed": time.time() if installed is None else installed,
-            "written": time.time(),
-            "checks": checks,
-            "views": views,
-            "descriptor_checks": descriptor_checks,
-            "stale": len(mismatches),
-            "summary": AUDITOR.report(),
-            "counters": snapshot(),
-        }
-        merge_into(path, [(mine, [m.to_dict() for m in mismatches])])
+
+def write_snapshot(
+    path: str, installed: float | None, run: str | None, base: tuple[int, ...] | None, reason: str
+) -> None:
+    """The same report while the process runs (keep_snapshot): `final` false, `snapshot_reason` the event after
+    which it was written; no AUDIT_TAG line (that one is the exit's). A file that cannot be written is a snapshot
+    missing, never a crash inside vLLM (the exit report still tries)."""
+    mine, mismatches = own_report(installed, run, base)
+    with contextlib.suppress(OSError):
+        merge_into(path, [({**mine, "final": False, "snapshot_reason": reason}, mismatches)])
+
+
+def own_report(
+    installed: float | None, run: str | None, base: tuple[int, ...] | None
+) -> tuple[dict[str, Any], list[dict]]:
+    """This process's report as it stands (what it did since `base`) and its mismatches as dicts."""
+    import multiprocessing  # noqa: PLC0415  the process's name (vLLM names its engine core's)
+
+    b = base or (0, 0, 0, 0, 0)
+    mismatches = AUDITOR.mismatches[b[3] :]
+    mine = {
+        "pid": os.getpid(),
+        "process": multiprocessing.current_process().name,
+        "run": run_token() if run is None else run,
+        "installed": time.time() if installed is None else installed,
+        "written": time.time(),
+        "checks": AUDITOR.checks - b[0],
+        "views": AUDITOR.views - b[1],
+        "descriptor_checks": AUDITOR.descriptor_checks - b[2],
+        "stale": len(mismatches),
+        "summary": AUDITOR.report(),
+        "counters": snapshot(),
+    }
+    return mine, [m.to_dict() for m in mismatches]
+
+
+def is_final(report: dict) -> bool:
+    """Is a process's report its exit report? A report without `final` was written before snapshots were: at exit."""
+    return report.get("final", True) is not False
 
 
 def merge_into(path: str, reports: list[tuple[dict, list[dict]]]) -> None:
-    """Each (process report, its mismatches) merged into the audit file at path, under its lock (merged_report):
-    a process's own exit report, or those `pytest --repro-audit` forwards to the `repro audit` around it."""
+    """Each (process report, its mismatches) merged into the audit file at path (merged_report), under a lock file
+    of its own in the temporary folder (named by the audit file's absolute path: nothing left beside the user's
+    file), the file replaced whole (a temporary beside it, then os.replace): a reader, or a process killed in the
+    middle of its write, never leaves half a file. A process's own exit report or snapshot, or those `pytest
+    --repro-audit` forwards to the `repro audit` around it."""
     import fcntl  # noqa: PLC0415  one lock per audit file, only where there is one (Linux, as vLLM)
+    import hashlib  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
 
-    with open(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+") as f:  # read, merged, written under its lock
-        fcntl.flock(f, fcntl.LOCK_EX)
+    folder, name = os.path.split(os.path.abspath(path))
+    key = hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:20]
+    lock_path = os.path.join(tempfile.gettempdir(), f"repro-audit-{key}.lock")
+    with open(os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)) as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            doc = json.loads(f.read())
-        except ValueError:  # empty (just made) or not a report: nothing of this run's
+            with open(path) as f:
+                doc = json.loads(f.read())
+        except (FileNotFoundError, ValueError):  # none yet, or not a report: nothing of this run's
             doc = None
         for mine, mismatches in reports:
             doc = merged_report(doc, mine, mismatches)
-        f.seek(0)
-        f.truncate()
-        json.dump(doc, f, indent=1)
+        # not fsynced: the file must outlive its writer's SIGKILL (the page cache keeps it), not the machine's loss,
+        # and a clean process writes a snapshot at every FULL capture
+        tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), "w") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(tmp, path)
 
 
 def merged_report(earlier: Any, mine: dict, mismatches: list[dict]) -> dict:
@@ -271,7 +343,7 @@ def merged_report(earlier: Any, mine: dict, mismatches: list[dict]) -> dict:
         for p in earlier["processes"]:
             n = p.get("stale", 0) if isinstance(p, dict) else 0
             if isinstance(p, dict) and p.get("run") == mine["run"] and p.get("pid") != mine["pid"]:
-                kept.append(({k: p.get(k, 0) for k in mine}, list(earlier.get("mismatches") or [])[at : at + n]))
+                kept.append((_kept(p, mine), list(earlier.get("mismatches") or [])[at : at + n]))
             at += n
     kept.append((mine, mismatches))
     processes = [p for p, _ in kept]
@@ -285,6 +357,15 @@ def merged_report(earlier: Any, mine: dict, mismatches: list[dict]) -> dict:
         "summary": f"{len(processes)} process(es) reported, {len(checked)} with checks: {said}",
         "processes": processes,
     }
+
+
+def _kept(p: dict, mine: dict) -> dict:
+    """An earlier report of the run in the shape of `mine` (a key it lacks: 0), final or a snapshot as it was."""
+    out = {k: p.get(k, 0) for k in mine if k not in ("final", "snapshot_reason")}
+    out["final"] = is_final(p)
+    if not out["final"]:
+        out["snapshot_reason"] = p.get("snapshot_reason") or "an event not named"
+    return out
 
 
 def write_counters(base: tuple[int, ...] | None = None) -> None:

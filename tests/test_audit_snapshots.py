@@ -1,0 +1,195 @@
+"""A process's report kept on disk while it runs (plugin.counters.keep_snapshot): `vllm serve`'s shutdown force-kills
+its engine core (SIGKILL), no exit report is written, and its snapshot is what it checked. Stand-ins: real processes
+that install the plugin's report as the plugin does (counters.at_exit, report_at_exit, mark_started), take a snapshot
+as a FULL capture's end does, and are killed with SIGKILL in a tmp folder; `repro audit`'s judgement and exit code
+read what they left (ci.command.read_back, ci.judge.judge, exit_codes.audit)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import types
+
+import pytest
+
+from repro import exit_codes
+from repro.judge.decision import GateOutcome
+from repro.vllm_integration.ci import command, report
+from repro.vllm_integration.ci.judge import Expect, judge
+from repro.vllm_integration.plugin import counters
+from repro.vllm_integration.plugin.audit import FreshnessAuditor, Mismatch
+from tests.commands import ROOT
+
+MGR = "SpeculatorCudaGraphManager.decode_cudagraph_manager of Speculator"
+# an engine core: the auditor installed with the run's audit file and start mark; `snap` a FULL capture pass audited
+# (and `stale` a stale finding in it), its snapshot taken as the capture's end takes it; then it waits to be killed
+PROCESS = """
+import os, sys
+from repro.vllm_integration.plugin import counters
+from repro.vllm_integration.plugin.audit import Mismatch
+path, folder, what, mgr = sys.argv[1:]
+counters.at_exit(counters.report_at_exit(path))
+counters.mark_started(folder)
+if what != "none":
+    a, c = counters.AUDITOR, counters.COUNTERS
+    a.checks, a.views, a.descriptor_checks = 40, 160, 12
+    counters._installed.update(("audit", "probe"))
+    c["full_captures_by_manager"] = c["audited_by_manager"] = {mgr: 6}
+    c["spec_layout_known"], c["speculative_methods"] = True, {"eagle": 6}
+    if what == "stale":
+        a.mismatches.append(Mismatch("FULL t8r8 q4", "seq_lens", "seq_lens", 2, 9, 7))
+    counters.keep_snapshot("a FULL capture (draft decode) by " + mgr, now=True)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def _engine(tmp_path, what: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != counters.RUN_ENV} | {counters.RUN_ENV: "serve-1"}
+    args = [str(tmp_path / command.AUDIT_FILE), str(tmp_path / command.STARTED), what, MGR]
+    p = subprocess.Popen(
+        [sys.executable, "-c", PROCESS, *args], cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert p.stdout.readline().strip() == b"ready"
+    return p
+
+
+def _kill(p: subprocess.Popen) -> None:
+    p.send_signal(signal.SIGKILL)
+    assert p.wait(timeout=30) == -signal.SIGKILL
+
+
+def _judged(tmp_path):
+    doc, marks, unreadable = command.read_back(tmp_path)
+    assert unreadable is None
+    j = judge(doc, marks, Expect(method="eagle"))
+    return j, int(exit_codes.audit(j.outcome))
+
+
+@pytest.mark.parametrize(("what", "outcome", "code"), [("clean", "PASS", 0), ("stale", "AFFECTED", 1)])
+def test_a_process_killed_after_a_capture_pass_is_judged_from_its_snapshot(tmp_path, what, outcome, code):
+    (tmp_path / command.STARTED).mkdir()
+    _kill(_engine(tmp_path, what))
+    j, exit_code = _judged(tmp_path)
+    assert (j.outcome.value, exit_code) == (outcome, code), j.reasons
+    assert j.checks == 40 and j.audited_by_manager == {MGR: 6} and j.stale_fields == (what == "stale")
+    assert not any("never reported" in r for r in j.reasons)
+    (row,) = j.processes
+    assert row["reported"] and row["snapshot"].startswith(
+        f"no exit report (killed, or still running when read); last snapshot after a FULL capture (draft decode) by {MGR}"
+        + (" (a stale finding)" if what == "stale" else "")
+    )
+    assert "UTC; checks after " in row["snapshot"] and row["snapshot"].endswith("UTC not seen")
+    said = report.lines(j, None, code)
+    assert f"  pid {row['pid']} (MainProcess): {row['snapshot']}" in said
+    assert "processes: 1 reported (1 by a snapshot only), 0 started and never reported" in said
+    assert f"| snapshot only: {row['snapshot']} |" in report.markdown(j, None, code)
+
+
+def test_a_process_killed_before_any_snapshot_stays_cannot_vouch_beside_one_judged_from_its_snapshot(tmp_path):
+    (tmp_path / command.STARTED).mkdir()
+    snapped, bare = _engine(tmp_path, "clean"), _engine(tmp_path, "none")
+    _kill(snapped)
+    _kill(bare)
+    j, exit_code = _judged(tmp_path)
+    assert (j.outcome, exit_code) == (GateOutcome.CANNOT_VOUCH, 4)
+    assert j.reasons == [
+        f"pid {bare.pid} (MainProcess) installed the auditor and never reported (killed, or died before its exit report)"
+    ]
+    assert [(r["pid"], r["reported"], bool(r.get("snapshot"))) for r in j.processes] == [
+        (snapped.pid, True, True),
+        (bare.pid, False, False),
+    ]
+
+
+def test_the_exit_report_replaces_the_snapshot(tmp_path):
+    (tmp_path / command.STARTED).mkdir()
+    p = _engine(tmp_path, "clean")
+    p.stdin.close()
+    assert p.wait(timeout=30) == 0
+    doc, _, _ = command.read_back(tmp_path)
+    (mine,) = doc["processes"]
+    assert mine["final"] is True and "snapshot_reason" not in mine and mine["checks"] == 40
+    j, exit_code = _judged(tmp_path)
+    assert exit_code == 0 and j.snapshots == [] and j.processes[0]["snapshot"] is None
+
+
+# a process that merged one report, then is killed (SIGKILL) half-way through writing its next
+HALF = """
+import json, os, signal, sys
+from repro.vllm_integration.plugin import counters
+path = sys.argv[1]
+report = {"pid": 1, "process": "EngineCore", "run": "r", "installed": 1.0, "written": 2.0, "checks": 7, "views": 9,
+          "descriptor_checks": 3, "stale": 0, "summary": "s", "counters": {}, "final": False, "snapshot_reason": "x"}
+counters.merge_into(path, [(report, [])])
+def half(doc, f, **kw):
+    f.write(json.dumps(doc)[:40])
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+json.dump = half
+counters.merge_into(path, [({**report, "checks": 8}, [])])
+"""
+
+
+def test_a_writer_killed_mid_write_leaves_the_last_whole_report_where_the_judge_reads(tmp_path):
+    (tmp_path / command.STARTED).mkdir()
+    path = tmp_path / command.AUDIT_FILE
+    p = subprocess.run([sys.executable, "-c", HALF, str(path)], cwd=ROOT, capture_output=True, timeout=60)
+    assert p.returncode == -signal.SIGKILL
+    doc, _, unreadable = command.read_back(tmp_path)
+    assert unreadable is None and doc["checks"] == 7  # the first report whole, never the half second one
+    halves = [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+    assert len(halves) == 1 and halves[0] != command.AUDIT_FILE and halves[0].startswith(".")
+    assert (tmp_path / halves[0]).read_text() != path.read_text()
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """The plugin's state for this test alone: its own counters, auditor, reports and a clock the test moves."""
+    clock = types.SimpleNamespace(now=1000.0)
+    monkeypatch.setattr(counters, "COUNTERS", counters.new_counters())
+    monkeypatch.setattr(counters, "AUDITOR", FreshnessAuditor())
+    monkeypatch.setattr(counters, "_REPORTS", [])
+    monkeypatch.setattr(counters, "_SNAP", {"at": 0.0, "progress": None, "stale": 0})
+    monkeypatch.setattr(counters, "time", types.SimpleNamespace(monotonic=lambda: clock.now, time=lambda: 5.0))
+    written: list[str] = []
+    cb = counters.AtExit(lambda base: written.append("exit"), lambda base, reason: written.append(reason))
+    counters._REPORTS.append(cb)
+    return clock, written, cb
+
+
+def test_snapshots_are_rate_limited_but_the_first_stale_finding_is_written_at_once(fresh):
+    clock, written, exit_report = fresh
+    a = counters.AUDITOR
+    a.checks = 1
+    counters.keep_snapshot("a replay")  # counts moved, none written yet
+    a.checks = 2
+    clock.now += 1.0
+    counters.keep_snapshot("a replay")  # 1 s later: rate-limited
+    assert written == ["a replay"]
+    clock.now += 0.5
+    a.mismatches.append(Mismatch("FULL t8r8 q4", "seq_lens", "seq_lens", 2, 9, 7))
+    counters.keep_snapshot("a replay")  # the process's first stale finding: at once, whatever the interval
+    assert written[-1] == "a replay (a stale finding)"
+    clock.now += 0.5
+    a.mismatches.append(Mismatch("FULL t4r4 q4", "seq_lens", "seq_lens", 1, 9, 7))
+    counters.keep_snapshot("a FULL capture")  # a later finding, a capture's end: rate-limited
+    assert len(written) == 2
+    clock.now += 2.0
+    counters.keep_snapshot("a FULL capture")  # 2 s on, counts moved: written
+    assert written[-1] == "a FULL capture"
+    clock.now += 2.5
+    counters.keep_snapshot("a replay")  # counts unchanged since the last snapshot: nothing to write
+    assert len(written) == 3
+    a.checks = 3
+    counters.keep_snapshot("an eager forward's check")  # changed, 2.5 s on: written
+    clock.now += 0.1
+    counters.keep_snapshot("asked", now=True)  # `now`: at once
+    assert written[3:] == ["an eager forward's check", "asked"]
+    exit_report()
+    a.checks = 4
+    clock.now += 10
+    counters.keep_snapshot("a FULL capture", now=True)  # after the exit report: never replaced by a snapshot
+    assert written[5:] == ["exit"]
