@@ -359,10 +359,8 @@ def _speculator_of(package_dir: Path, method: str) -> tuple[str | None, str]:
 
 
 def vllm_method(method: str) -> str:
-    """The speculative method vLLM is configured with for a gate method: a scenario's (dynamic K, sleep and wake)
-    base method, any other name itself (SpecMethod.speculative_config writes the same)."""
-    spec = TABLE.get(method)
-    return (spec.base or spec.name) if spec is not None else method
+    """The method vLLM is configured with for a gate method (SpecMethod.speculative_config): a scenario's base."""
+    return (TABLE[method].base or method) if method in TABLE else method
 
 
 def speculator_class(package_dir: Path | None, method: str) -> str | None:
