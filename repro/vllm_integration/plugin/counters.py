@@ -307,8 +307,8 @@ def merge_into(path: str, reports: list[tuple[dict, list[dict]]]) -> None:
     middle of its write, never leaves half a file. A process's own exit report or snapshot, or those `pytest
     --repro-audit` forwards to the `repro audit` around it."""
     import fcntl  # noqa: PLC0415  one lock per audit file, only where there is one (Linux, as vLLM)
-    import hashlib  # noqa: PLC0415
-    import tempfile  # noqa: PLC0415
+    import hashlib  # noqa: PLC0415  the lock's name, only where there is an audit file
+    import tempfile  # noqa: PLC0415  the lock's folder, likewise
 
     folder, name = os.path.split(os.path.abspath(path))
     key = hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:20]
