@@ -1,5 +1,5 @@
 """The self control's form stale-refresh re-creates a defect the auditor can see, and one that re-created none is never
-read as a miss (issue 58). FA3's scheduler metadata depends on seq_lens only through each request's KV block count
+read as a miss. FA3's scheduler metadata depends on seq_lens only through each request's KV block count
 (ceil(seqlen_k / kBlockN)): a refresh recomputed one step back changed no entry on the H100
 (results/h100-dynamic-sleep-0.34.0: inject_refresh_changed absent, refresh_stale 0), and the gate's table called
 every such control "defect re-created: NOT caught". Here: the injection, through a stand-in builder whose answer
