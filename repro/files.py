@@ -26,11 +26,12 @@ JSON_DEPTH = 64  # nesting levels: a recorded document is under 10 deep
 
 
 @contextlib.contextmanager
-def replacing(path: str | Path) -> Iterator[Path]:
+def replacing(path: str | Path, durable: bool = True) -> Iterator[Path]:
     """The whole file or none of it: the caller writes the temporary file this yields (beside `path`), which is
-    flushed, given the mode of the regular file at `path` (a new file's: 0666 less the umask) and renamed into place
-    when the block ends. A path that is not a regular file (a link, a device, a fifo, a folder) is refused and kept
-    (check_target)."""
+    flushed (fsync, unless not `durable`: a file that must outlive its writer's kill, which the page cache keeps, not
+    the machine's loss), given the mode of the regular file at `path` (a new file's: 0666 less the umask) and renamed
+    into place when the block ends. A path that is not a regular file (a link, a device, a fifo, a folder) is refused
+    and kept (check_target)."""
     target = Path(path).absolute()
     check_target(target, str(path))
     tmp = None
@@ -38,11 +39,12 @@ def replacing(path: str | Path) -> Iterator[Path]:
         tmp = _new_beside(target)
         yield tmp
         _keep_mode(target, tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        if durable:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         os.replace(tmp, target)
     except BaseException:
         if tmp is not None:
@@ -51,9 +53,9 @@ def replacing(path: str | Path) -> Iterator[Path]:
         raise
 
 
-def write_whole(path: str | Path, data: bytes | str) -> None:
+def write_whole(path: str | Path, data: bytes | str, durable: bool = True) -> None:
     """`data` (bytes, or text in the locale's encoding as write_text writes it) into `path` (replacing)."""
-    with replacing(path) as tmp:
+    with replacing(path, durable) as tmp:
         if isinstance(data, bytes):
             tmp.write_bytes(data)
         else:

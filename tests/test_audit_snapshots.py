@@ -118,17 +118,18 @@ def test_the_exit_report_replaces_the_snapshot(tmp_path):
 
 # a process that merged one report, then is killed (SIGKILL) half-way through writing its next
 HALF = """
-import json, os, signal, sys
+import os, pathlib, signal, sys
 from repro.vllm_integration.plugin import counters
 path = sys.argv[1]
 report = {"pid": 1, "process": "EngineCore", "run": "r", "installed": 1.0, "written": 2.0, "checks": 7, "views": 9,
           "descriptor_checks": 3, "stale": 0, "summary": "s", "counters": {}, "final": False, "snapshot_reason": "x"}
 counters.merge_into(path, [(report, [])])
-def half(doc, f, **kw):
-    f.write(json.dumps(doc)[:40])
-    f.flush()
+def half(self, data, *a, **kw):
+    with open(self, "w") as f:
+        f.write(data[:40])
+        f.flush()
     os.kill(os.getpid(), signal.SIGKILL)
-json.dump = half
+pathlib.Path.write_text = half
 counters.merge_into(path, [({**report, "checks": 8}, [])])
 """
 
@@ -140,8 +141,8 @@ def test_a_writer_killed_mid_write_leaves_the_last_whole_report_where_the_judge_
     assert p.returncode == -signal.SIGKILL
     doc, _, unreadable = command.read_back(tmp_path)
     assert unreadable is None and doc["checks"] == 7  # the first report whole, never the half second one
-    halves = [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
-    assert len(halves) == 1 and halves[0] != command.AUDIT_FILE and halves[0].startswith(".")
+    halves = [f for f in os.listdir(tmp_path) if f.startswith(f".{command.AUDIT_FILE}.")]
+    assert len(halves) == 1 and halves[0] != command.AUDIT_FILE
     assert (tmp_path / halves[0]).read_text() != path.read_text()
 
 

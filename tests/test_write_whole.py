@@ -123,3 +123,14 @@ def test_every_file_written_whole_goes_through_the_one_helper():
             own[rel] = found
     assert not own, own
     assert all(_renames(ROOT / rel) for rel in OWN_RENAMES), "a rename listed in OWN_RENAMES is gone: drop it"
+
+
+def test_a_file_written_whole_is_fsynced_unless_asked_not_to_be(tmp_path, monkeypatch):
+    """The audit file's snapshots (plugin counters.merge_into) must outlive their writer's kill, not the machine's:
+    `durable=False` skips the fsync, and only that."""
+    synced: list[int] = []
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd))
+    write_whole(tmp_path / "a", "x")
+    assert len(synced) == 1
+    write_whole(tmp_path / "b", "y", durable=False)
+    assert len(synced) == 1 and (tmp_path / "b").read_text() == "y"

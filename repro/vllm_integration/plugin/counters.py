@@ -18,6 +18,8 @@ from typing import Any
 
 from repro.contract.channel import emit
 from repro.contract.tags import AUDIT_TAG, COUNTERS_TAG
+from repro.errors import ConfigError
+from repro.files import write_whole
 from repro.vllm_integration.plugin.audit import FreshnessAuditor
 from repro.vllm_integration.plugin.inject import bump as bump_counter
 
@@ -267,7 +269,7 @@ def write_snapshot(
     which it was written; no AUDIT_TAG line (that one is the exit's). A file that cannot be written is a snapshot
     missing, never a crash inside vLLM (the exit report still tries)."""
     mine, mismatches = own_report(installed, run, base)
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError, ConfigError):
         merge_into(path, [({**mine, "final": False, "snapshot_reason": reason}, mismatches)])
 
 
@@ -302,21 +304,22 @@ def is_final(report: dict) -> bool:
 
 def merge_into(path: str, reports: list[tuple[dict, list[dict]]]) -> None:
     """Each (process report, its mismatches) merged into the audit file at path (merged_report), under a lock file
-    of its own in the temporary folder (named by the audit file's absolute path: nothing left beside the user's
-    file), the file replaced whole (a temporary beside it, then os.replace): a reader, or a process killed in the
-    middle of its write, never leaves half a file. A process's own exit report or snapshot, or those `pytest
+    of its own in the temporary folder (named by the audit file's real path: nothing left beside the user's file),
+    the file written whole (repro.files.write_whole: a temporary beside it, renamed into place; a link written
+    through to its file): a reader, or a process killed in the middle of its write, never sees half a file; a path
+    that is not a regular file is refused (ConfigError). A process's own exit report or snapshot, or those `pytest
     --repro-audit` forwards to the `repro audit` around it."""
     import fcntl  # noqa: PLC0415  one lock per audit file, only where there is one (Linux, as vLLM)
     import hashlib  # noqa: PLC0415  the lock's name, only where there is an audit file
     import tempfile  # noqa: PLC0415  the lock's folder, likewise
 
-    folder, name = os.path.split(os.path.abspath(path))
-    key = hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:20]
+    real = os.path.realpath(path)
+    key = hashlib.sha1(real.encode()).hexdigest()[:20]
     lock_path = os.path.join(tempfile.gettempdir(), f"repro-audit-{key}.lock")
     with open(os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)) as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            with open(path) as f:
+            with open(real) as f:
                 doc = json.loads(f.read())
         except (FileNotFoundError, ValueError):  # none yet, or not a report: nothing of this run's
             doc = None
@@ -324,10 +327,7 @@ def merge_into(path: str, reports: list[tuple[dict, list[dict]]]) -> None:
             doc = merged_report(doc, mine, mismatches)
         # not fsynced: the file must outlive its writer's SIGKILL (the page cache keeps it), not the machine's loss,
         # and a clean process writes a snapshot at every FULL capture
-        tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), "w") as f:
-            json.dump(doc, f, indent=1)
-        os.replace(tmp, path)
+        write_whole(real, json.dumps(doc, indent=1), durable=False)
 
 
 def merged_report(earlier: Any, mine: dict, mismatches: list[dict]) -> dict:
