@@ -153,7 +153,7 @@ def fresh(monkeypatch):
     monkeypatch.setattr(counters, "COUNTERS", counters.new_counters())
     monkeypatch.setattr(counters, "AUDITOR", FreshnessAuditor())
     monkeypatch.setattr(counters, "_REPORTS", [])
-    monkeypatch.setattr(counters, "_SNAP", {"at": 0.0, "progress": None, "stale": 0})
+    monkeypatch.setattr(counters, "_SNAP", {"at": 0.0, "progress": None, "stale": 0, "base": 0})
     monkeypatch.setattr(counters, "time", types.SimpleNamespace(monotonic=lambda: clock.now, time=lambda: 5.0))
     written: list[str] = []
     cb = counters.AtExit(lambda base: written.append("exit"), lambda base, reason: written.append(reason))
@@ -194,3 +194,41 @@ def test_snapshots_are_rate_limited_but_the_first_stale_finding_is_written_at_on
     clock.now += 10
     counters.keep_snapshot("a FULL capture", now=True)  # after the exit report: never replaced by a snapshot
     assert written[5:] == ["exit"]
+
+
+def _report(pid: int, checks: int, final: bool) -> dict:
+    return {"pid": pid, "process": "EngineCore", "run": "r", "installed": 1.0, "written": 2.0, "checks": checks,
+            "views": 1, "descriptor_checks": 1, "stale": 0, "summary": "s", "counters": {}, "final": final}  # fmt: skip
+
+
+def test_a_snapshot_never_replaces_its_process_s_exit_report_in_the_file(tmp_path):
+    """A snapshot that raced the exit report (its check before the lock) or came later: the exit report stays."""
+    path = str(tmp_path / "audit.json")
+    counters.merge_into(path, [(_report(7, 5, final=True), [])])
+    counters.merge_into(path, [(_report(7, 3, final=False), [])])
+    doc = counters.json.loads((tmp_path / "audit.json").read_text())
+    assert [(p["pid"], p["checks"], p["final"]) for p in doc["processes"]] == [(7, 5, True)] and doc["checks"] == 5
+    counters.merge_into(path, [(_report(7, 6, final=True), [])])  # an exit report replaces whatever was there
+    assert counters.json.loads((tmp_path / "audit.json").read_text())["checks"] == 6
+
+
+def test_a_snapshot_never_raises_into_vllm_whatever_the_file_holds(tmp_path, monkeypatch):
+    path = tmp_path / "audit.json"
+    path.write_text('{"processes": [{"pid": 1, "run": "r", "stale": null}], "mismatches": []}')
+    counters.write_snapshot(str(path), 1.0, "r", None, "a replay")  # a malformed entry: counts no mismatches
+    assert any(p.get("final") is False for p in counters.json.loads(path.read_text())["processes"])
+    monkeypatch.setattr(counters, "own_report", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    counters.write_snapshot(str(path), 1.0, "r", None, "a replay")  # swallowed: a snapshot missing, never a crash
+
+
+def test_a_fork_child_s_first_stale_finding_is_written_at_once_after_its_parent_s(fresh):
+    clock, written, cb = fresh
+    counters.AUDITOR.mismatches.append(Mismatch("FULL t8r8 q4", "seq_lens", "seq_lens", 2, 9, 7))
+    counters.keep_snapshot("parent")
+    assert written == ["parent (a stale finding)"]
+    cb.forked()  # the child: what its parent found is not its own
+    counters.keep_snapshot("child, nothing new")
+    assert written == ["parent (a stale finding)"]  # rate-limited: nothing of its own found
+    counters.AUDITOR.mismatches.append(Mismatch("FULL t4r4 q4", "seq_lens", "seq_lens", 1, 9, 7))
+    counters.keep_snapshot("child")
+    assert written[-1] == "child (a stale finding)"

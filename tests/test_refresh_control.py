@@ -148,3 +148,13 @@ def test_the_gates_table_says_no_defect_re_created_never_not_caught_and_caught_w
     headline = next(line for line in report.markdown(GateRun(cases=nothing)).splitlines() if line.startswith("**Gate:"))
     assert headline.startswith("**Gate: CANNOT VOUCH** because: a self control re-created no defect"), headline
     assert "**defect re-created: caught**" in _row(GateRun(cases=caught))
+
+
+def test_a_repetition_that_answered_clean_is_a_miss_whatever_the_other_repetitions_said():
+    """With --repeat, a mode whose repetitions were clean and cannot-vouch answered once: the row says NOT caught."""
+    cases = []
+    for mode in ("plain", "audit"):
+        c = _stale_refresh(mode)
+        cases.append((c, gate_judge.vouch(c, CaseResult(c.case_id, CLEAN, "x", backend_identity=_wrote_refreshes(0)))))
+        cases.append((c, CaseResult(c.case_id, CLEAN, "decoded", backend_identity=_wrote_refreshes(216))))
+    assert "**defect re-created: NOT caught**" in _row(GateRun(cases=cases))

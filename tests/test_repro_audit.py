@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from repro.vllm_integration.ci import command
 from tests.commands import ROOT, isolated_env
 from tests.fake_vllm import write_fake_vllm
 
@@ -202,3 +203,29 @@ def test_junit_on_request_and_a_report_folder_that_is_not_empty_refused(tmp_path
     assert r.returncode == 1 and 'failures="2"' in xml and "prefill_cudagraph_manager of Speculator" in xml
     r, _ = audit(tmp_path, builds["good"], *script("fork"))
     assert r.returncode == 2 and "holds a report of an earlier run" in r.stderr
+
+
+LEFT = """
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+open(sys.argv[1], "w").write(str(child.pid))
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] in ("Z", "X")  # a zombie: ended
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+def test_what_the_command_left_running_in_its_session_is_stopped_before_any_report_is_read(tmp_path, capfd):
+    """A process still running when the command ends (an engine core shutting down, a server it started) would be
+    judged from its snapshot while it can still find something stale: it is stopped first, SIGTERM then SIGKILL."""
+    pid_file = tmp_path / "child.pid"
+    t0 = time.monotonic()
+    ran = command.run([sys.executable, "-c", LEFT, str(pid_file)], tmp_path / "folder", timeout=60, grace=2.0)
+    child = int(pid_file.read_text())
+    assert ran.status.returncode == 0 and time.monotonic() - t0 < 30
+    assert _gone(child)
+    assert "left processes running in its session: stopped" in capfd.readouterr().err

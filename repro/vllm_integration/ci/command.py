@@ -9,10 +9,12 @@ request of the plugin's wins over REPRO_AUDIT, and would send the reports elsewh
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +83,43 @@ def _stop(p: subprocess.Popen, sig: int, grace: float) -> None:
     p.wait()
 
 
+def _group_alive(pgid: int) -> bool:
+    """Does a process of the group still run? A zombie does not (an orphan whose reaper is slow, or none in a
+    container): read from /proc where there is one, else whether the group can still be signalled."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command's name: state, ppid, pgrp, ...
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
+def end_leftovers(pgid: int, grace: float) -> bool:
+    """After the command exited: what it left running in its session (an engine core still shutting down, a server
+    it started) is asked to end (SIGTERM), given `grace` s to write its exit report, then SIGKILLed, so that no
+    process is judged while it runs (its snapshot would be read as its whole run). True when something was left."""
+    if not _group_alive(pgid):
+        return False
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGTERM)
+    end = time.monotonic() + grace
+    while _group_alive(pgid) and time.monotonic() < end:
+        time.sleep(0.1)
+    kill_group(pgid)
+    return True
+
+
 def run(argv: list[str], folder: Path, timeout: float, strict: bool = False, backend: str | None = None,
         environ: dict[str, str] | None = None, grace: float = GRACE_S) -> Ran:  # fmt: skip
     """Run the command with the auditor under `folder` (made empty by the caller), bounded by `timeout` s."""
@@ -105,6 +144,10 @@ def run(argv: list[str], folder: Path, timeout: float, strict: bool = False, bac
         finally:
             signal.signal(signal.SIGINT, sigint)
         raise
+    else:  # ended by itself: what it left running in its session is stopped before any report is read
+        if end_leftovers(p.pid, grace):
+            print(f"repro audit: the command left processes running in its session: stopped (SIGTERM, {grace:g} s)",
+                  file=sys.stderr)  # fmt: skip
     finally:
         signal.signal(signal.SIGTERM, term)
     status = CommandStatus(tuple(argv), None if timed_out else p.returncode, timed_out, time.time() - t0, strict)

@@ -262,7 +262,7 @@ def _control_answer(s: dict) -> str:
     re-created (a case flagged RECREATED_NOTHING by gate.judge.vouch), else cannot tell."""
     if s["affected"]:
         return "defect re-created: caught"
-    if len(s["could_not_vouch"]) < len(s["modes"]):
+    if any(v not in NO_EVIDENCE for vs in s["modes"].values() for v in vs):  # one repetition answered: a miss
         return "defect re-created: NOT caught"
     return "no defect re-created: cannot vouch" if s["recreated_nothing"] else "cannot tell"
 

@@ -18,7 +18,6 @@ from typing import Any
 
 from repro.contract.channel import emit
 from repro.contract.tags import AUDIT_TAG, COUNTERS_TAG
-from repro.errors import ConfigError
 from repro.files import write_whole
 from repro.vllm_integration.plugin.audit import FreshnessAuditor
 from repro.vllm_integration.plugin.inject import bump as bump_counter
@@ -151,6 +150,7 @@ class AtExit:
 
     def forked(self) -> None:
         self.pid, self.base = None, _done()
+        _SNAP.update(at=0.0, progress=None, stale=0, base=len(AUDITOR.mismatches))  # the child's snapshots its own
 
 
 def _refinalize(callback: AtExit) -> None:
@@ -186,7 +186,8 @@ def report_now() -> None:
 
 SNAPSHOT_EVERY_S = 2.0  # the rate-limited snapshot's least interval (eager checks, replays, refreshes)
 # the last snapshot's time (time.monotonic), what had been done by then (_progress), its count of stale findings
-_SNAP: dict[str, Any] = {"at": 0.0, "progress": None, "stale": 0}
+# and `base`, the findings a fork child's parent had made by the fork (AtExit.forked): the child's first is after it
+_SNAP: dict[str, Any] = {"at": 0.0, "progress": None, "stale": 0, "base": 0}
 
 
 def _progress() -> tuple:
@@ -204,7 +205,8 @@ def keep_snapshot(reason: str, now: bool = False) -> None:
     it (snapshot_reason). Only time and counts are read here: no tensor, no host sync."""
     if not any(c.snap is not None for c in _REPORTS):
         return
-    found = bool(AUDITOR.mismatches) and not _SNAP["stale"]
+    base = _SNAP.get("base", 0)
+    found = len(AUDITOR.mismatches) > base and _SNAP["stale"] <= base
     t = time.monotonic()
     if not (now or found) and (t - _SNAP["at"] < SNAPSHOT_EVERY_S or _progress() == _SNAP["progress"]):
         return
@@ -268,8 +270,8 @@ def write_snapshot(
     """The same report while the process runs (keep_snapshot): `final` false, `snapshot_reason` the event after
     which it was written; no AUDIT_TAG line (that one is the exit's). A file that cannot be written is a snapshot
     missing, never a crash inside vLLM (the exit report still tries)."""
-    mine, mismatches = own_report(installed, run, base)
-    with contextlib.suppress(OSError, ConfigError):
+    with contextlib.suppress(Exception):  # noqa: BLE001  called from vLLM's forward, replay and capture paths
+        mine, mismatches = own_report(installed, run, base)
         merge_into(path, [({**mine, "final": False, "snapshot_reason": reason}, mismatches)])
 
 
@@ -338,14 +340,20 @@ def merged_report(earlier: Any, mine: dict, mismatches: list[dict]) -> dict:
     `processes` (each process's count of them its `stale`), `summary` naming each process and what it checked. A
     process that checked nothing is listed, never in place of one that did."""
     kept: list[tuple[dict, list]] = []
+    final: tuple[dict, list] | None = None  # this process's exit report already there: a snapshot never replaces it
     if isinstance(earlier, dict) and isinstance(earlier.get("processes"), list):
         at = 0
         for p in earlier["processes"]:
-            n = p.get("stale", 0) if isinstance(p, dict) else 0
-            if isinstance(p, dict) and p.get("run") == mine["run"] and p.get("pid") != mine["pid"]:
-                kept.append((_kept(p, mine), list(earlier.get("mismatches") or [])[at : at + n]))
+            n = p.get("stale") if isinstance(p, dict) else 0
+            n = n if isinstance(n, int) and n > 0 else 0  # a malformed entry counts no mismatches
+            if isinstance(p, dict) and p.get("run") == mine["run"]:
+                own = list(earlier.get("mismatches") or [])[at : at + n]
+                if p.get("pid") != mine["pid"]:
+                    kept.append((_kept(p, mine), own))
+                elif is_final(p) and not is_final(mine):
+                    final = (p, own)
             at += n
-    kept.append((mine, mismatches))
+    kept.append(final or (mine, mismatches))
     processes = [p for p, _ in kept]
     checked = [p for p in processes if p["checks"]]
     said = "; ".join(f"{p['process']} (pid {p['pid']}): {p['summary']}" for p in processes)
