@@ -17,13 +17,15 @@ from repro.vllm_integration.gate import run as gate_run
 from repro.vllm_integration.gate.case import GateCase
 from repro.vllm_integration.gate.modes import parse_modes
 from repro.vllm_integration.gate.report import rows
-from repro.vllm_integration.plugin.inject import STALE_CAPTURE
+from repro.vllm_integration.plugin.inject import STALE_CAPTURE, STALE_DESCRIPTOR
 from repro.vllm_integration.releases.builds import UNDER_TEST, VllmBuild
 
 V = "stale_metadata-vllm-0.26.0-"
 
 
-def _control(monkeypatch, tmp_path, mode, inject, verdicts, reference=lambda: None, tokens=None, wrote=None):
+def _control(
+    monkeypatch, tmp_path, mode, inject, verdicts, reference=lambda: None, tokens=None, wrote=None, caught=lambda: None
+):
     """run_control on one case; the stand-in processes answer `verdicts` in turn (and write `tokens` as their RESULT
     record, when given); `reference`: run_control's, the reference's result and record once it finished; `wrote`:
     whether each attempt's injection wrote (judge.vouch discounts a self control's evidence without), all by default."""
@@ -39,7 +41,7 @@ def _control(monkeypatch, tmp_path, mode, inject, verdicts, reference=lambda: No
     monkeypatch.setattr(gate_process, "run_attributed", stand_in)
     build = VllmBuild("0.26.0", str(tmp_path), UNDER_TEST, "0.26.0")
     case = GateCase(build, parse_modes(mode)[0], inject=inject)
-    res, _, ran, tried = gate_process.run_control(case, [build], tmp_path, reference=reference)
+    res, _, ran, tried = gate_process.run_control(case, [build], tmp_path, reference=reference, caught_beside=caught)
     assert [c.case_id for c, _ in tried] == seen  # every attempt comes back, the first and the kept one among them
     return case, res, ran, seen
 
@@ -170,3 +172,34 @@ def test_a_later_attempts_row_with_no_draft_token_accepted_is_not_clean(monkeypa
     )
     later = {x["case"]: x["verdict"] for x in rows(run) if x["kind"] == "attempt"}
     assert later and all(v == WRONG for v in later.values()), later
+
+
+def test_no_further_attempt_once_another_form_of_the_self_control_was_caught_in_its_mode(monkeypatch, tmp_path):
+    """DFlash's stale-capture control decodes right in plain (policy rule 6 lists it beside its caught stale-descriptor
+    form): its two further attempts were the warm gate's critical path on the H100 (h100-gate-default-2-warm)."""
+    why = "the self control's form stale-descriptor in this mode showed crash (x)"
+    case, res, ran, seen = _control(monkeypatch, tmp_path, "plain", STALE_CAPTURE, [CLEAN] * 3, caught=lambda: why)
+    assert seen == [V + "self-control-plain"] and res.verdict == CLEAN and ran is case
+    assert res.reason.endswith(f"no further attempt: {why}") and res.history[-1]["why"] == why
+
+
+def _form(build, mode, inject, method="eagle"):
+    return GateCase(build, parse_modes(mode)[0], inject=inject, method=method)
+
+
+def test_a_form_counts_as_caught_only_with_kernel_evidence_its_injection_wrote_in_the_same_mode_and_method(tmp_path):
+    build = VllmBuild("0.26.0", str(tmp_path), UNDER_TEST, "0.26.0")
+    me = _form(build, "plain", STALE_CAPTURE)
+    wrote = {"injection": [{"injection_wrote": 1}]}
+
+    def caught(other, verdict, identity=wrote):
+        return gate_process.form_caught(me, [(other, CaseResult(other.case_id, verdict, "x", backend_identity=identity))],
+                                        threading.Lock())  # fmt: skip
+
+    assert caught(_form(build, "plain", STALE_DESCRIPTOR), CRASH).startswith("the self control's form stale-descriptor")
+    assert caught(_form(build, "plain", STALE_DESCRIPTOR), CLEAN) is None
+    assert caught(_form(build, "plain", STALE_DESCRIPTOR), CRASH, {"injection": []}) is None  # never wrote
+    assert caught(_form(build, "audit", STALE_DESCRIPTOR), CRASH) is None  # another mode
+    assert caught(_form(build, "plain", STALE_DESCRIPTOR, method="dflash"), CRASH) is None  # another method
+    assert caught(_form(build, "plain", STALE_CAPTURE), CRASH) is None  # its own form (another attempt's)
+    assert caught(_form(build, "plain", None), CRASH) is None  # the build under test

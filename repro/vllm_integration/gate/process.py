@@ -16,7 +16,7 @@ from repro import entrypoints
 from repro.case.spec import STALLED, CaseResult
 from repro.contract.channel import ATTEMPTS, Channel, has
 from repro.contract.tags import COUNTERS_TAG, DEVICE_TAG, RESULT_TAG
-from repro.contract.verdicts import CLEAN, CRASH, ERROR, HANG, SKIP, STALE_AUDIT, WRONG
+from repro.contract.verdicts import CLEAN, CRASH, ERROR, HANG, KERNEL_EVIDENCE, SKIP, STALE_AUDIT, WRONG
 from repro.errors import MissingKey, Unavailable
 from repro.run.runner import case_logs, device_sm_count, run_process
 from repro.run.smcontrol import MpsDaemon
@@ -163,6 +163,20 @@ def retried(case: GateCase) -> bool:
     return case.inject is not None and case.mode.gating and not case.mode.audit and not case.reference
 
 
+def form_caught(c: GateCase, cases: list[tuple[GateCase, CaseResult]], lock: Any) -> str | None:
+    """Another form of c's self control among the run's cases (same build, method, backend, compile, mode and
+    repetition) whose process showed kernel evidence with its injection written: c's further attempts would add
+    nothing the policy reads (rule 6 lists a form's miss beside a caught one). None: none yet."""
+    with lock:
+        for o, r in cases:
+            same = (o.build, o.method, o.backend, o.compile, o.mode, o.rep) == (
+                c.build, c.method, c.backend, c.compile, c.mode, c.rep)  # fmt: skip
+            wrote = (r.backend_identity or {}).get("injection")
+            if same and o.inject and o.inject != c.inject and r.verdict in KERNEL_EVIDENCE and wrote:
+                return f"the self control's form {o.inject} in this mode showed {r.verdict} ({o.case_id})"
+    return None
+
+
 def run_control(
     case: GateCase,
     builds: list[VllmBuild],
@@ -170,6 +184,7 @@ def run_control(
     *where: Any,
     reference: Callable[[], tuple[CaseResult, dict | None] | None] = lambda: None,
     attempts: int | None = None,
+    caught_beside: Callable[[], str | None] = lambda: None,
     **how: Any,
 ) -> tuple[CaseResult, tuple[GateCase, CaseResult] | None, GateCase, list[tuple[GateCase, CaseResult]]]:
     """run_attributed (with the same arguments after the case: builds, log_dir, mps, cache, device, launcher), then,
@@ -181,7 +196,10 @@ def run_control(
     early (0.21.0's self control: a silently wrong draft, which further attempts only repeated, 100 s each). Returns the result kept under the case's own id (the first attempt
     with evidence, revised to say which; else the first), its attribution rerun, the case whose logs hold it, and
     every attempt as it came back, the first included (results.json keeps each, its further attempts' results whole and
-    every attempt's exit as an Attempt, so a replay makes the attempts the run made, each as its process ended)."""
+    every attempt's exit as an Attempt, so a replay makes the attempts the run made, each as its process ended).
+    `caught_beside()`: why no further attempt is needed (another form of this self control in the same mode already
+    showed kernel evidence: the policy lists this form's miss beside it, rule 6), else None; asked before each
+    further attempt, and said in the result's reason."""
 
     def evident(ran: GateCase, res: CaseResult) -> bool:
         if res.verdict != CLEAN:  # a timeout that annotate made an error (before the captures) is no evidence: again
@@ -195,6 +213,9 @@ def run_control(
     found = not retried(case) or evident(case, res)  # each attempt is judged once
     for k in range(1, attempts):
         if found:
+            break
+        if why := caught_beside():
+            res = res.revised("self-control attempt", why, reason=f"{res.reason}; no further attempt: {why}")
             break
         again = replace(case, attempt=k)
         r, a = run_attributed(again, builds, log_dir, *where, **how)

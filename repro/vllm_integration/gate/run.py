@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -39,6 +40,7 @@ from repro.vllm_integration.gate.process import (
     SELF_CONTROL_ATTEMPTS,
     Attempt,
     attributed_beside,
+    form_caught,
     result_line,
     retried,
     run_control,
@@ -214,14 +216,12 @@ class GateScheduler:
 
     def collect(self) -> None:
         """The MPS cases on a thread of their own (mps_part); the references first, beside the cases on slots of their
-        own (a fitted concurrency, no device pool, more than one at once); the cases `workers` at a time, longest first
-        (gate.order)."""
+        own (a fitted concurrency, no device pool, several at once); the cases `workers` at a time, longest first."""
         under_mps = [c for c in self.cases + self.refs if c.mode.sm.kind == "mps"]
         refs = [c for c in self.refs if c.mode.sm.kind != "mps"]
         attempts = self.self_control_attempts or SELF_CONTROL_ATTEMPTS
         cases = case_order([c for c in self.cases if c.mode.sm.kind != "mps"], self.measured, retried, attempts)
-        # beside only where the gate fitted its concurrency (cold_jobs set): an explicit --jobs N is N processes at most,
-        # the references then first in the one queue
+        # beside where the gate fitted its concurrency (cold_jobs set); an explicit --jobs N: references first, one queue
         beside = refs and self.pool is None and self.workers > 1 and self.cold_jobs is not None
         mps_thread = threading.Thread(target=self.mps_part, args=(under_mps, bool(refs or cases)), daemon=True)
         mps_thread.start()
@@ -259,6 +259,7 @@ class GateScheduler:
                 # its reference's result and RESULT record once it finished (else None): a clean attempt judged early
                 ref = lambda: self.done.get(reference_for(c).case_id)  # noqa: E731
                 kw = dict(device=dev, launcher=self.launched, attempts=self.self_control_attempts, reference=ref)
+                kw["caught_beside"] = partial(form_caught, c, self.run.cases, self.lock)  # none further once caught
                 res, attribution, ran, tried = run_control(c, self.builds, self.log_dir, mps, cache, **kw)
         finally:
             if dev is not None and mps is None:

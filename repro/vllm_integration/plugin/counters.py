@@ -201,8 +201,14 @@ def keep_snapshot(reason: str, now: bool = False) -> None:
     SIGKILL (vllm serve's shutdown force-kills its engine core) still leaves what it checked: at once where `now`
     or at the process's first stale finding (its verdict is never lost), else at most once every SNAPSHOT_EVERY_S
     and only if the counts moved (later findings: a self control finds something at nearly every capture, and
-    each snapshot rewrites the whole audit file). A FULL capture's end asks `now` while nothing was found. `reason`: the event, as the report says
-    it (snapshot_reason). Only time and counts are read here: no tensor, no host sync."""
+    each snapshot rewrites the whole audit file). A FULL capture's end asks `now` while nothing was found.
+    `reason`: the event, as the report says it (snapshot_reason). Only time and counts are read here: no tensor, no
+    host sync; nothing raised reaches vLLM's forward, replay or capture paths (a snapshot missing, never a crash)."""
+    with contextlib.suppress(Exception):  # noqa: BLE001
+        _keep_snapshot(reason, now)
+
+
+def _keep_snapshot(reason: str, now: bool) -> None:
     if not any(c.snap is not None for c in _REPORTS):
         return
     base = _SNAP.get("base", 0)
