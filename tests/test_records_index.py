@@ -216,6 +216,26 @@ def test_a_record_whose_run_says_it_ran_other_code_than_its_commit_is_stale(repo
         assert "harness code is not that commit's" in r.stdout
 
 
+def test_a_record_added_after_later_commits_is_judged_from_the_commit_whose_code_it_ran(repo):
+    """A record made on one commit and added after more (a GPU run, then fixes, then the record): its run's digest
+    names the earlier commit, and `--stale` says what changed since that one, where it is indexed too."""
+    from repro.report.environment import harness_code
+
+    ran = _commit(repo, "the code a GPU run ran")
+    doc = json.loads((repo / "results" / "rec-a" / "results.json").read_text())
+    doc["environment"]["harness_code"] = harness_code(repo)  # the code of `ran`
+    doc["environment"]["when"] = "2099-01-01T00:00:00+00:00"  # the newest record of the command
+    _write(repo, {"repro/vllm_integration/gate/fork.py": "SERVES = 2  # a fix after the run\n"})
+    fixed = _commit(repo, "a fix after the GPU run")
+    _write(repo, {"results/rec-b/results.json": json.dumps(doc)})
+    assert _records("--add", "rec-b", root=repo).returncode == 0  # indexed at HEAD: the fix
+    _commit(repo, "the record added")
+    r = _records("--stale", root=repo)
+    assert r.returncode == 1, r.stdout
+    want = f"STALE  gate: results/rec-b ({ran[:10]}, indexed at {fixed[:10]}) is older than {fixed[:10]}, which changed"
+    assert r.stdout.startswith(want) and "repro/vllm_integration/gate/fork.py" in r.stdout, r.stdout
+
+
 def test_stale_counts_a_readme_command_with_no_record(repo):
     _write(repo, {"README.md": f"{COMMANDS[0].readme}\n{COMMANDS[-1].readme} here\n"})
     _commit(repo, "readme gives the matrix too")

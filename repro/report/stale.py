@@ -203,6 +203,7 @@ class Staleness:
     changed: tuple[str, ...]  # the files changed between the record's commit and that one
     text_only: bool = False  # changed since, but in comments and docstrings only
     other_code: bool = False  # its run says it ran other harness code than its commit's (environment.harness_code)
+    indexed_at: str | None = None  # where its index dates it, when its run's code is an earlier commit's (`commit`)
 
     @property
     def stale(self) -> bool:
@@ -212,7 +213,8 @@ class Staleness:
         head = f"{'STALE' if self.stale else 'fresh'}  {self.command.name}: "
         if self.record is None:
             return head + "no record of it in results/index.json"
-        at = f"results/{self.record} ({(self.commit or '?')[:10]})"
+        dated = f", indexed at {self.indexed_at[:10]}" if self.indexed_at else ""
+        at = f"results/{self.record} ({(self.commit or '?')[:10]}{dated})"
         if self.other_code:
             return head + f"{at}: its run's harness code is not that commit's (it ran other code than it is dated to)"
         if not self.stale:
@@ -239,10 +241,13 @@ def check(root: Path) -> list[Staleness]:
         last = max(ran, key=lambda e: (e.get("recorded") or e.get("added") or "", e["name"]))
         paths = code_paths(root, cmd.entries)
         changed_in = git(root, "log", "-1", "--format=%H", "--", *paths)
-        commit = last.get("commit")
+        commit, indexed_at = last.get("commit"), None
         if commit and last.get("harness_code") and last["harness_code"] != code_at(root, commit):
-            out.append(Staleness(cmd, last["name"], commit, changed_in or commit, ("",), other_code=True))
-            continue
+            ran_at = code_commit(root, commit, last["harness_code"])
+            if ran_at is None:
+                out.append(Staleness(cmd, last["name"], commit, changed_in or commit, ("",), other_code=True))
+                continue
+            commit, indexed_at = ran_at, commit  # added after the commits that followed its run: judged from its code
         fresh = bool(commit) and _ancestor(root, changed_in, commit)
         changed = (
             () if fresh else tuple(git(root, "diff", "--name-only", f"{commit}..{changed_in}", "--", *paths).split())
@@ -250,10 +255,20 @@ def check(root: Path) -> list[Staleness]:
         if changed and commit:  # a change of comments and docstrings alone is no change of the code that ran
             changed = tuple(p for p in changed if not _same_code(root, p, commit, changed_in)) or ("",)
         if changed == ("",):
-            out.append(Staleness(cmd, last["name"], commit, changed_in, (), text_only=True))
+            out.append(Staleness(cmd, last["name"], commit, changed_in, (), text_only=True, indexed_at=indexed_at))
             continue
-        out.append(Staleness(cmd, last["name"], commit, changed_in, changed or (() if fresh else ("(unknown)",))))
+        changed = changed or (() if fresh else ("(unknown)",))
+        out.append(Staleness(cmd, last["name"], commit, changed_in, changed, indexed_at=indexed_at))
     return out
+
+
+def code_commit(root: Path, commit: str, digest: str, depth: int = 40) -> str | None:
+    """The latest commit at or before `commit` (at most `depth` back) whose harness code is `digest`: the code a
+    record's run ran, where it was added after later commits; None when none of them is."""
+    for c in git(root, "rev-list", f"--max-count={depth}", commit).split():
+        if code_at(root, c) == digest:
+            return c
+    return None
 
 
 def _code(text: str) -> str | None:
