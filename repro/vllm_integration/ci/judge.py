@@ -13,10 +13,10 @@ with what it rests on.
 
 A process whose last report is a snapshot (plugin.counters.keep_snapshot: `final` false; killed before its exit
 report, as `vllm serve`'s shutdown force-kills its engine core) reported: its counts and findings are judged as any
-report's, and the report says "no exit report (killed, or still running when read); last snapshot after <event> at <time>; checks after
-<time> not seen". A snapshot proves what was checked up to it: the plugin writes one at every FULL capture's end while
-nothing was found and at once at the first stale finding (later ones within 2 s), so a process that found anything
-stale says so; the checks after it (clean ones, their counts) are not seen.
+report's, and the report says "no exit report (killed, or still running when read); last snapshot after <event> at
+<time>; checks after <time> not seen". A snapshot proves what was checked up to it: the plugin writes one at every
+FULL capture's end while nothing was found and at once at the first stale finding (later ones within 2 s), so a
+process that found anything stale says so; the checks after it (clean ones, their counts) are not seen.
 
 Beside the answer, never in it: what the replay check and the refresh judging judged (gate.checked.judged, the
 gate's words): replays judged and left unjudged with the most common reason, or the check off with its reason. A
@@ -78,7 +78,7 @@ class Judgement:
     stale_by_manager: dict[str, int]
     methods: dict[str, str] = field(default_factory=dict)  # "pid N (name)" -> the method its runner ran
     processes: list[dict] = field(default_factory=list)  # one row per process: reported or only started
-    snapshots: list[str] = field(default_factory=list)  # "pid N (name): killed before its exit report; ..." each
+    snapshots: list[str] = field(default_factory=list)  # "pid N (name): no exit report ...; last snapshot ..." each
     replay: dict = field(default_factory=dict)  # what the replay check judged (gate.checked.judged), its words
     refresh: dict = field(default_factory=dict)  # what the refresh judging judged, its words
 

@@ -1,7 +1,7 @@
 """`repro audit`'s report, in its folder as the gate's is (verdicts.md, results.json; `--junit FILE` on request) and
 its last lines on the terminal: the gate's words, what they rest on (the FULL captures audited per capture manager,
 the descriptor checks), each stale descriptor with its fields, the command's own exit status beside the answer, and
-each process judged from its last snapshot (killed before its exit report: judge.last_snapshot's words)."""
+each process judged from its last snapshot (no exit report: judge.last_snapshot's words)."""
 
 from __future__ import annotations
 

@@ -221,7 +221,7 @@ class GateScheduler:
         refs = [c for c in self.refs if c.mode.sm.kind != "mps"]
         attempts = self.self_control_attempts or SELF_CONTROL_ATTEMPTS
         cases = case_order([c for c in self.cases if c.mode.sm.kind != "mps"], self.measured, retried, attempts)
-        # beside where the gate fitted its concurrency (cold_jobs set); an explicit --jobs N: references first, one queue
+        # beside where the gate fitted its concurrency (cold_jobs set); an explicit --jobs N: references first
         beside = refs and self.pool is None and self.workers > 1 and self.cold_jobs is not None
         mps_thread = threading.Thread(target=self.mps_part, args=(under_mps, bool(refs or cases)), daemon=True)
         mps_thread.start()

@@ -53,8 +53,8 @@ STALE_CAPTURE = "stale-capture"
 STALE_DESCRIPTOR = "stale-descriptor"
 INJECTIONS = (STALE_CAPTURE, STALE_DESCRIPTOR)  # the gate's self-control forms, every build, every mode
 # the third form (repro.vllm_integration.plugin.refresh, StaleRefreshInjector): every draft-decode refresh computes
-# for a step far ahead (refresh.FAR tokens); a request may ask for it (python -m repro plugin-request --inject), the gate's default
-# forms leave it out (only a build with update_draft_decode_metadata has something for it to change)
+# for a step far ahead (refresh.FAR tokens); a request may ask for it (python -m repro plugin-request --inject), the
+# gate's default forms leave it out (only a build with update_draft_decode_metadata has something for it to change)
 STALE_REFRESH = "stale-refresh"
 # the fourth (repro.vllm_integration.plugin.dynamic_k, StaleKInjector): a K-specialized draft FULL pass gets another
 # K's metadata of the same batch shape; the gate runs it for its dynamic-K methods (gate/dynamic_k.py)
