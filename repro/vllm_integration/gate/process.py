@@ -22,7 +22,7 @@ from repro.run.runner import case_logs, device_sm_count, run_process
 from repro.run.smcontrol import MpsDaemon
 from repro.vllm_integration.gate import bench as gate_bench
 from repro.vllm_integration.gate.cache import PRIVATE, TRITON_CACHE, TRITON_ENV, WRITER, GateCache
-from repro.vllm_integration.gate.case import GateCase, case_env, expected
+from repro.vllm_integration.gate.case import GateCase, case_env, expected, subject_of
 from repro.vllm_integration.gate.launch import Launcher
 from repro.vllm_integration.gate.methods import not_applicable
 from repro.vllm_integration.gate.modes import PLAIN
@@ -164,16 +164,18 @@ def retried(case: GateCase) -> bool:
 
 
 def form_caught(c: GateCase, cases: list[tuple[GateCase, CaseResult]], lock: Any) -> str | None:
-    """Another form of c's self control among the run's cases (same build, method, backend, compile, mode and
-    repetition) whose process showed kernel evidence with its injection written: c's further attempts would add
+    """Another form of c's self control among the run's cases (the same subject_of: what policy rule 6 judges its
+    forms over) whose process showed kernel evidence with its injection written: c's further attempts would add
     nothing the policy reads (rule 6 lists a form's miss beside a caught one). None: none yet."""
+    subject = subject_of(c, expected(c))
+    if subject is None:
+        return None
     with lock:
         for o, r in cases:
-            same = (o.build, o.method, o.backend, o.compile, o.mode, o.rep) == (
-                c.build, c.method, c.backend, c.compile, c.mode, c.rep)  # fmt: skip
             wrote = (r.backend_identity or {}).get("injection")
-            if same and o.inject and o.inject != c.inject and r.verdict in KERNEL_EVIDENCE and wrote:
-                return f"the self control's form {o.inject} in this mode showed {r.verdict} ({o.case_id})"
+            if o.inject not in (None, c.inject) and r.verdict in KERNEL_EVIDENCE and wrote:
+                if subject_of(o, expected(o)) == subject:
+                    return f"the self control's form {o.inject} in this mode showed {r.verdict} ({o.case_id})"
     return None
 
 
