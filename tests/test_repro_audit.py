@@ -21,6 +21,7 @@ import pytest
 from repro.vllm_integration.ci import command
 from tests.commands import ROOT, isolated_env
 from tests.fake_vllm import write_fake_vllm
+from tests.processes import alive
 
 SCRIPT = str(ROOT / "tests" / "audit_standin.py")
 
@@ -212,13 +213,6 @@ open(sys.argv[1], "w").write(str(child.pid))
 """
 
 
-def _gone(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] in ("Z", "X")  # a zombie: ended
-    except (FileNotFoundError, IndexError):
-        return True
-
-
 def test_what_the_command_left_running_in_its_session_is_stopped_before_any_report_is_read(tmp_path, capfd):
     """A process still running when the command ends (an engine core shutting down, a server it started) would be
     judged from its snapshot while it can still find something stale: it is stopped first, SIGTERM then SIGKILL."""
@@ -227,5 +221,5 @@ def test_what_the_command_left_running_in_its_session_is_stopped_before_any_repo
     ran = command.run([sys.executable, "-c", LEFT, str(pid_file)], tmp_path / "folder", timeout=60, grace=2.0)
     child = int(pid_file.read_text())
     assert ran.status.returncode == 0 and time.monotonic() - t0 < 30
-    assert _gone(child)
+    assert not alive(child)  # a zombie waiting for a reaper counts as ended
     assert "left processes running in its session: stopped" in capfd.readouterr().err

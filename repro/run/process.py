@@ -119,6 +119,16 @@ def run_child(target: str, argv: list[str], env: dict[str, str], out_path: str) 
         os._exit(code)
 
 
+def stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command's name (state, ppid, pgrp, ...: a name may hold spaces and
+    parentheses, so they are read after its last ')'); None where the file cannot be read (no such process, no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def kill_group(pid: int) -> None:
     """SIGKILL a case process's session (it leads one) with everything it started; gone already is fine."""
     with contextlib.suppress(ProcessLookupError, PermissionError):

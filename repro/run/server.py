@@ -26,7 +26,7 @@ from repro.errors import ConfigError, ProtocolError
 from repro.run import forkclient, forkserver, kept
 from repro.run.executor import LATE_VARS, PRELOAD, TARGETS, ForkExecutor, read_at_import
 from repro.run.kept import user_dir
-from repro.run.process import case_env
+from repro.run.process import case_env, stat_fields
 
 SOCKET_ENV = "REPRO_SERVER"  # the socket to use instead of the default one, or "off": never use a server
 DEFAULT_IDLE_S = 1800.0
@@ -192,11 +192,8 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:  # a zombie (its parent, the command that started it, has not reaped it) has stopped
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
+    fields = stat_fields(pid)  # a zombie (its parent, the command that started it, has not reaped it) has stopped
+    return not fields or fields[0] != "Z"
 
 
 def tidy(path: Path) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from repro.contract.request import ENV as REQUEST_ENV
 from repro.errors import ConfigError
-from repro.run.process import kill_group
+from repro.run.process import kill_group, stat_fields
 from repro.vllm_integration.ci.judge import CommandStatus
 from repro.vllm_integration.plugin import BACKEND_ENV, ENV, FILE_ENV, RUN_ENV
 from repro.vllm_integration.plugin.counters import STARTED_ENV, STRICT_ENV
@@ -95,12 +95,9 @@ def _group_alive(pgid: int) -> bool:
         except PermissionError:
             return True
         return True
-    for stat in proc.glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command's name: state, ppid, pgrp, ...
-        except (OSError, IndexError):
-            continue
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+    for pid in proc.glob("[0-9]*"):
+        fields = stat_fields(pid.name)
+        if fields and len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
             return True
     return False
 
