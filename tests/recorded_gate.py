@@ -147,6 +147,9 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
         methods=tuple(m[1].split(",")) if (m := re.search(r"--methods (\S+)", command)) else ("eagle",),
         # the self control's forms the run made (a record from before the second form has the first alone)
         self_control_forms=INJECTIONS if any("-stale-descriptor-" in c for c in rows) else (STALE_CAPTURE,),
+        # a self control's plain crash was rerun beside it to name its kernel in records from before it was asked for
+        control_kernels="--name-control-kernels" in command
+        or any("-self-control" in c and c.endswith("-launch-blocking") for c in rows),
     )
     got = {c.case_id: r for pairs in (run.cases, run.references, run.attributions) for c, r in pairs}
     return doc, rows, run, got

@@ -98,7 +98,9 @@ def test_the_prediction_fits_the_slots_to_the_machine_the_record_names():
     p = order.predict(tl, timeline.profile(tl)["after_last"])
     assert (p["workers"], p["cold_workers"]) == (16, 8)
     assert p["budget_gib"] == 71.0  # run.MemoryBudget.of_free_gpu: 79 free less 0.1 of the 80 GiB total
-    assert (p["cold_static"], p["cold_measured"], p["warm"], p["warm_before"]) == (140.1, 138.2, 67.8, 98.0)
+    # this scheduler starts no launch-blocking rerun beside a self control (GateCase.name_kernel): the record's ten
+    # reruns beside its plain self controls are left out of its predictions (140.1, 138.2 and 67.8 s with them)
+    assert (p["cold_static"], p["cold_measured"], p["warm"], p["warm_before"]) == (120.0, 118.7, 57.0, 98.0)
     assert abs(p["replay"] - p["recorded"]) < 5
 
 

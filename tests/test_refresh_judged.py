@@ -350,8 +350,8 @@ def test_the_gate_runs_the_stale_refresh_form_when_asked_and_refuses_an_unknown_
     import argparse
 
     from repro.vllm_integration.gate import methods
+    from repro.vllm_integration.gate.case import plan
     from repro.vllm_integration.gate.modes import GateMode
-    from repro.vllm_integration.gate.run import plan
     from repro.vllm_integration.releases.builds import VllmBuild
 
     parser = argparse.ArgumentParser()

@@ -24,11 +24,11 @@ from repro.errors import ConfigError
 from repro.judge.classify import classify
 from repro.judge.decision import MODE_WITHOUT_POSITIVE, NO_POSITIVE, Failure
 from repro.vllm_integration import plugin
-from repro.vllm_integration.gate.case import GateCase
+from repro.vllm_integration.gate.case import GateCase, plan
 from repro.vllm_integration.gate.judge import apply_reference, compare_tokens, not_fired
 from repro.vllm_integration.gate.modes import GateMode, parse_modes
 from repro.vllm_integration.gate.process import run_case
-from repro.vllm_integration.gate.run import plan, run_gate
+from repro.vllm_integration.gate.run import run_gate
 from repro.vllm_integration.gate.steps import annotate
 from repro.vllm_integration.plugin import fa3_hooks, weights
 from repro.vllm_integration.releases.builds import (

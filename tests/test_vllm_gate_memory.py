@@ -67,9 +67,11 @@ def test_memcheck_own_cases_run_beside_each_other_only_as_far_as_the_budget_hold
     assert budget.worst <= budget.total
 
 
-def test_a_plain_control_holds_room_for_its_launch_blocking_rerun_beside_it(monkeypatch, tmp_path):
-    """A control in plain is expected to crash: its CUDA_LAUNCH_BLOCKING=1 rerun starts at once beside it (two
-    processes), so it holds twice a case's memory; everything else holds one case's."""
+@pytest.mark.parametrize("control_kernels", [False, True], ids=["default", "name-control-kernels"])
+def test_a_plain_control_holds_room_for_its_launch_blocking_rerun_beside_it(monkeypatch, tmp_path, control_kernels):
+    """A known-bad build in plain is expected to crash: its CUDA_LAUNCH_BLOCKING=1 rerun starts at once beside it (two
+    processes), so it holds twice a case's memory; a self control in plain too where its kernel is asked for
+    (`--name-control-kernels`), else it starts no rerun and holds one case's, as everything else does."""
     _stand_in(monkeypatch)
     asked = []
 
@@ -82,6 +84,9 @@ def test_a_plain_control_holds_room_for_its_launch_blocking_rerun_beside_it(monk
         VllmBuild("0.26.0", str(tmp_path / "good"), UNDER_TEST),
         VllmBuild("0.25.1", str(tmp_path / "bad"), CONTROL),
     ]
-    run_gate(builds, parse_modes("plain"), tmp_path / "logs", jobs=4, memory=Spy(100 * GIB), launcher="spawn")
-    # the build and both references hold one case's; its self control (both forms) and the known-bad build, two
-    assert sorted(asked) == [GIB_PER_CASE] * 3 + [2 * GIB_PER_CASE] * 3
+    kw = dict(jobs=4, memory=Spy(100 * GIB), launcher="spawn", control_kernels=control_kernels)
+    run_gate(builds, parse_modes("plain"), tmp_path / "logs", **kw)
+    # the build and both references hold one case's, the known-bad build two; its self control (both forms) two
+    # where their kernel is asked for, else one
+    twice = 3 if control_kernels else 1
+    assert sorted(asked) == [GIB_PER_CASE] * (6 - twice) + [2 * GIB_PER_CASE] * twice

@@ -79,6 +79,16 @@ class Given(argparse.Action):
         namespace.given = {*getattr(namespace, "given", ()), self.dest}
 
 
+class GivenFlag(Given):
+    """A flag (store_true) told apart from its default as Given tells an option."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=False, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, True, option_string)
+
+
 def parse_ints(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x)

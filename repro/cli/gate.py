@@ -66,10 +66,19 @@ def cmd_gate(a: argparse.Namespace) -> int:
 def _refuse_moot(a: argparse.Namespace) -> None:
     """An option another makes moot is refused, never ignored."""
     given = getattr(a, "given", ())
-    no_attempts = "self_control_attempts" in given and a.self_control == "none"
+    no_controls = a.self_control == "none"
     moot = (
         ("--cache-keep", "cache_keep" in given and a.no_cache, "--no-cache keeps no cache"),
-        ("--self-control-attempts", no_attempts, "--self-control none runs no self control"),
+        (
+            "--self-control-attempts",
+            "self_control_attempts" in given and no_controls,
+            "--self-control none runs no self control",
+        ),
+        (
+            "--name-control-kernels",
+            "name_control_kernels" in given and no_controls,
+            "--self-control none runs no self control",
+        ),
         ("--out", a.out is not None and a.dry_run, "--dry-run only lists the case ids, writing nothing"),
     )
     for flag, refused, why in moot:
@@ -159,7 +168,7 @@ def _cannot_run(why: str, no_gpu: str | None) -> int:
 
 def _dry_run(a: argparse.Namespace, opts: _Options, found: _Builds) -> int:
     """`--dry-run`: every case id the run would start, one a line; nothing written."""
-    from repro.vllm_integration.gate.run import plan  # the gate's modules load only for it
+    from repro.vllm_integration.gate.case import plan  # the gate's modules load only for it
 
     listed = found.builds + [o.listed() for o in found.overlays]
     for c in plan(
@@ -210,7 +219,7 @@ def _run_and_report(a: argparse.Namespace, opts: _Options, found: _Builds, devic
         devices=devices, launcher=a.launcher, deadline_s=a.deadline, compile=a.compile, keep_forkserver=opts.keep
     )
     how |= dict(methods=a.methods, self_control_attempts=a.self_control_attempts, self_control_forms=a.forms)
-    how["cold_jobs"] = cold
+    how |= dict(cold_jobs=cold, control_kernels=a.name_control_kernels)
     cache = _cache(a, builds)
     run = run_gate(
         builds, opts.modes, logs, a.repeat, a.jobs, a.timeout, _progress, cache, opts.backends, a.self_control, **how

@@ -13,6 +13,7 @@ from repro import exit_codes
 from repro.cli.common import (
     MAX_REPEAT,
     Given,
+    GivenFlag,
     positive,
     repeats,
     seconds,
@@ -137,6 +138,13 @@ def _gate_run_options(gt: argparse.ArgumentParser) -> None:
         default=3,
         help="attempts in all of a self control outside the audit mode that decoded without a fault, until one "
         "faults or hangs (default %(default)s; 1: no second attempt)",
+    )
+    gt.add_argument(
+        "--name-control-kernels",
+        action=GivenFlag,
+        help="rerun a self control's plain-mode crash with CUDA_LAUNCH_BLOCKING=1 beside it, to name the kernel that "
+        "faulted (default: only a build's own crash is rerun; a self control's fault is its mode's evidence whichever "
+        "kernel faulted)",
     )
     gt.add_argument(
         "--jobs",

@@ -37,13 +37,14 @@ from repro.run import own_alloc
 from repro.run.process import StallRule
 from repro.run.sanitizer import sanitizer_env
 from repro.run.smcontrol import MpsDaemon
+from repro.vllm_integration.gate import dynamic_k
 from repro.vllm_integration.gate.methods import DEFAULT_METHOD
 from repro.vllm_integration.gate.modes import GateMode
-from repro.vllm_integration.gate.worker import DEFAULT_COMPILE, INSPECT_ENV
+from repro.vllm_integration.gate.worker import COMPILES, DEFAULT_COMPILE, INSPECT_ENV
 from repro.vllm_integration.plugin import BACKEND_ENV, FILE_ENV, RUN_ENV, RUN_VARS, checks_of
 from repro.vllm_integration.plugin import ENV as AUDIT_ENV
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
-from repro.vllm_integration.plugin.inject import SOURCES, STALE_CAPTURE
+from repro.vllm_integration.plugin.inject import INJECTIONS, SOURCES, STALE_CAPTURE
 from repro.vllm_integration.plugin.weights import AGREE, DUMMY, WEIGHTS
 from repro.vllm_integration.releases.builds import SITE_DIRS_ENV, UNDER_TEST, VllmBuild, build_pythonpath, site_dirs
 
@@ -85,6 +86,10 @@ class GateCase:
     inject: str | None = None  # the self control's injection (vllm_integration.plugin.inject), None: the build as is
     deadline_at: float | None = None  # `gate --deadline`: when (time.time()) the run ends; every process stops by then
     method: str = DEFAULT_METHOD  # the speculative method (repro.vllm_integration.gate.methods), a case parameter
+    # a plain-mode crash rerun with CUDA_LAUNCH_BLOCKING=1 to name its kernel (gate.process.attributable); plan leaves
+    # a self control's off unless asked (`gate --name-control-kernels`): its fault is the mode's evidence whichever
+    # kernel faulted, and its rerun beside it was a third of a warm default run's process-seconds
+    name_kernel: bool = True
 
     @property
     def stall(self) -> StallRule | None:
@@ -153,7 +158,15 @@ def reference_for(case: GateCase) -> GateCase:
     same draft: gate.llm_kwargs), nothing injected (a self control is judged against its build's own reference)."""
     mode = GateMode(f"reference-{case.mode.sm.label}", sm=case.mode.sm)
     return replace(
-        case, mode=mode, reference=True, rep=0, attempt=0, launch_blocking=False, inject=None, compile=DEFAULT_COMPILE
+        case,
+        mode=mode,
+        reference=True,
+        rep=0,
+        attempt=0,
+        launch_blocking=False,
+        inject=None,
+        compile=DEFAULT_COMPILE,
+        name_kernel=True,
     )
 
 
@@ -295,3 +308,38 @@ def self_controls_for(build: VllmBuild, which: str) -> bool:
     if which not in SELF_CONTROL_CHOICES:
         raise ConfigError(f"--self-control {which!r}: use {', '.join(SELF_CONTROL_CHOICES)}")
     return which == "all" or which == "under-test" and build.role == UNDER_TEST
+
+
+def plan(
+    builds: list[VllmBuild],
+    modes: tuple[GateMode, ...],
+    repeat: int,
+    timeout_s: float,
+    backends: tuple[str, ...] = (DEFAULT_BACKEND,),
+    self_control: str = "under-test",
+    compile: str = DEFAULT_COMPILE,
+    methods: tuple[str, ...] = (DEFAULT_METHOD,),
+    forms: tuple[str, ...] = INJECTIONS,
+    control_kernels: bool = False,
+) -> list[GateCase]:
+    """Every case: build x method x backend x mode x repetition, and each build's self controls (self_controls_for:
+    one per injection form, `forms`) in every method and mode beside its cases. sm_margin and poison hook FA3's calls:
+    with another backend they are refused. `compile`: COMPILES. A method the build lacks: methods.not_applicable.
+    control_kernels: a self control's plain crash rerun to name its kernel too (GateCase.name_kernel)."""
+    if compile not in COMPILES:
+        raise ConfigError(f"--compile {compile!r}: use one of {', '.join(COMPILES)}")
+    if repeat < 1:
+        raise ConfigError("--repeat must be at least 1")
+    fa3_only = [m.name for m in modes if m.hooks_fa3]
+    if fa3_only and any(b != DEFAULT_BACKEND for b in backends):
+        raise ConfigError(f"mode {fa3_only[0]} hooks FA3's calls: run it with --backends {DEFAULT_BACKEND} only")
+    return [
+        GateCase(b, m, rep=r, timeout_s=timeout_s, backend=be, inject=inj, compile=compile, method=meth, name_kernel=k)
+        for b in builds
+        for meth in methods
+        for inj in ((None, *forms, *dynamic_k.forms_for(meth)) if self_controls_for(b, self_control) else (None,))
+        for k in (inj is None or control_kernels,)
+        for be in backends
+        for m in modes
+        for r in range(repeat)
+    ]

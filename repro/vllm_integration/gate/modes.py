@@ -3,7 +3,8 @@ parameter parsed and checked here once; the case itself: repro.vllm_integration.
 
 Detection modes (`--modes`, each a case parameter):
   audit            the freshness auditor, loaded by vLLM through the plugin's entry point, full GPU
-  plain            nothing added; a crash is rerun once with CUDA_LAUNCH_BLOCKING=1 to name the kernel
+  plain            nothing added; a crash is rerun once with CUDA_LAUNCH_BLOCKING=1 to name the kernel (a self
+                   control's only with --name-control-kernels: GateCase.name_kernel)
   mps:N            an MPS daemon owned by the run gives the case N SMs (the process must report N)
   sm_margin:N      the plugin passes sm_margin = SMs - N to vLLM's get_scheduler_metadata and FA3 forward
   poison:FILL      the plugin fills the scheduler-metadata entries FA3 never writes (repro.case.poison names)

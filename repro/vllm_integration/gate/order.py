@@ -156,11 +156,12 @@ def simulate(
     return Simulated(round(last + after_s, 1), round(last, 1), starts)
 
 
-def jobs_from_timeline(tl: Timeline, warm_run: bool = False) -> tuple[list[Job], float]:
+def jobs_from_timeline(tl: Timeline, warm_run: bool = False, now: bool = False) -> tuple[list[Job], float]:
     """(the record's chains as Jobs in the order they started, the cold seconds a process added) from a
     gate.timeline.Timeline. A chain's warm seconds are its recorded ones less the cold seconds where its process
     compiled Triton's kernels; `warm_run`: as a warm run would take them (compile loaded from the build's cache,
-    references kept: no process)."""
+    references kept: no process). `now`: as this scheduler would start them: a self control's launch-blocking rerun
+    (started beside it in records before GateCase.name_kernel) left out, a known-bad build's plain case's kept."""
     procs = tl.procs
 
     def startup(p) -> float:
@@ -172,7 +173,8 @@ def jobs_from_timeline(tl: Timeline, warm_run: bool = False) -> tuple[list[Job],
     loaded = min((p.phases["compile"] for p in warm if p.phases.get("compile")), default=0.0)
     jobs = []
     for case, _span in sorted(chains(procs).items(), key=lambda kv: kv[1]):
-        mine = [p for p in procs if p.chain == case]
+        control = "-self-control" in case
+        mine = [p for p in procs if p.chain == case and not (now and control and p.case.endswith("-launch-blocking"))]
         tries: dict[str, list] = {}
         for p in mine:
             tries.setdefault(p.case.removesuffix("-launch-blocking"), []).append(p)
@@ -190,7 +192,8 @@ def jobs_from_timeline(tl: Timeline, warm_run: bool = False) -> tuple[list[Job],
             continue  # kept: no process
         ref = None if is_ref else _reference_of(case)
         extra = REF_COLD_S if is_ref else cold_s
-        beside = "-self-control" in case and case.endswith("-plain")  # process.attributed_beside: its rerun beside
+        # process.attributed_beside: its rerun beside (a record's self control; now a known-bad build's)
+        beside = case.endswith("-plain") and (not control and "-under-test" not in case if now else control)
         n = 2 if beside else 1
         early = tl.early.get(case, False)
         jobs.append(Job(case, tuple(secs), ref, early_stop=early, cold_s=extra, gib=GIB_PER_CASE * n, processes=n))
@@ -258,6 +261,8 @@ def predict(tl: Timeline, after_s: float) -> dict[str, float]:
     (run.MemoryBudget.of_free_gpu, FREE_AT_START of the total left free); else the record's slots."""
     jobs, _ = jobs_from_timeline(tl)
     warm_jobs, _ = jobs_from_timeline(tl, warm_run=True)
+    now, _ = jobs_from_timeline(tl, now=True)
+    warm_now, _ = jobs_from_timeline(tl, warm_run=True, now=True)
     workers, cold, budget, fitted = tl.workers, tl.workers, None, False
     if tl.cpus and tl.memory:
         free, total = tl.memory
@@ -270,10 +275,10 @@ def predict(tl: Timeline, after_s: float) -> dict[str, float]:
     return {
         "recorded": tl.wall_s,
         "replay": simulate(without_early_stop(jobs), tl.workers, ready, after_s).wall,
-        "cold_static": simulate(policy_order(jobs, static_job_cost), workers, ready, after_s, **new).wall,
-        "cold_measured": simulate(policy_order(jobs), workers, ready, after_s, **new).wall,
+        "cold_static": simulate(policy_order(now, static_job_cost), workers, ready, after_s, **new).wall,
+        "cold_measured": simulate(policy_order(now), workers, ready, after_s, **new).wall,
         "warm_before": simulate(without_early_stop(warm_jobs), tl.workers, ready, after_s, cold=False).wall,
-        "warm": simulate(policy_order(warm_jobs), workers, ready, after_s, **warm).wall,
+        "warm": simulate(policy_order(warm_now), workers, ready, after_s, **warm).wall,
         "workers": workers,
         "cold_workers": min(cold, workers),
         "budget_gib": budget,
@@ -289,8 +294,8 @@ def prediction_lines(name: str, tl: Timeline, after_s: float) -> list[str]:
         "",
         f"- the model's check: the record's own order on its {tl.workers} slots {p['replay']:.1f} s "
         f"(recorded {p['recorded']:.1f} s)",
-        f"- cold, {p['workers']} processes at once ({p['cold_workers']} on cold caches; a plain control's rerun "
-        f"beside it is one of them), {budget}, references on slots of their own: "
+        f"- cold, {p['workers']} processes at once ({p['cold_workers']} on cold caches; a known-bad build's plain "
+        f"rerun beside it is one of them, a self control's is not run), {budget}, references on slots of their own: "
         f"{p['cold_static']:.1f} s in the static model's order (an empty cache: nothing measured), "
         f"{p['cold_measured']:.1f} s in the measured order",
         f"- warm (compile loaded, references kept): {p['warm_before']:.1f} s in the record's order on its slots, "

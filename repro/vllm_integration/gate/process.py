@@ -97,8 +97,9 @@ def run_case(
 
 
 def attributable(case: GateCase) -> bool:
-    """Is a crash of this case rerun with CUDA_LAUNCH_BLOCKING=1 to name its kernel (run_attributed)?"""
-    return case.mode == PLAIN and not case.rep and not case.reference
+    """Is a crash of this case rerun with CUDA_LAUNCH_BLOCKING=1 to name its kernel (run_attributed)? Not where
+    plan turned it off (`GateCase.name_kernel`: a self control unless asked)."""
+    return case.mode == PLAIN and not case.rep and not case.reference and case.name_kernel
 
 
 def attributed_beside(case: GateCase) -> bool:

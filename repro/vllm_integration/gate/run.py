@@ -26,9 +26,9 @@ from repro.run.memory import GIB, MemoryBudget
 from repro.run.mps_cases import SHARED, run_mps_cases
 from repro.run.runner import case_logs, device_sm_count, set_aside_logs
 from repro.run.smcontrol import MpsDaemon, sm_refusal
-from repro.vllm_integration.gate import dynamic_k, placement
+from repro.vllm_integration.gate import placement
 from repro.vllm_integration.gate.cache import GateCache, gpu_identity, keep_in_logs, kept_reference, ref_key
-from repro.vllm_integration.gate.case import GateCase, case_env, persons_choices, reference_for, self_controls_for
+from repro.vllm_integration.gate.case import GateCase, case_env, persons_choices, plan, reference_for
 from repro.vllm_integration.gate.judge import PLATFORM_CHECK, platform_failed
 from repro.vllm_integration.gate.launch import FORK, Launcher, launcher_kind
 from repro.vllm_integration.gate.methods import DEFAULT_METHOD
@@ -48,7 +48,7 @@ from repro.vllm_integration.gate.process import (
     skipped,
 )
 from repro.vllm_integration.gate.steps import finish, validate
-from repro.vllm_integration.gate.worker import COMPILES, DEFAULT_COMPILE
+from repro.vllm_integration.gate.worker import DEFAULT_COMPILE
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
 from repro.vllm_integration.plugin.inject import INJECTIONS
 from repro.vllm_integration.releases.builds import VllmBuild
@@ -62,38 +62,6 @@ class _Ran(NamedTuple):
     attribution: tuple[GateCase, CaseResult] | None = None  # its launch-blocking rerun
     attempts: Sequence[tuple[GateCase, CaseResult]] = ()  # every attempt (run_control), the first included
     out: dict | None = None  # its RESULT record where no process left one (a kept reference, a skip); None: read it
-
-
-def plan(
-    builds: list[VllmBuild],
-    modes: tuple[GateMode, ...],
-    repeat: int,
-    timeout_s: float,
-    backends: tuple[str, ...] = (DEFAULT_BACKEND,),
-    self_control: str = "under-test",
-    compile: str = DEFAULT_COMPILE,
-    methods: tuple[str, ...] = (DEFAULT_METHOD,),
-    forms: tuple[str, ...] = INJECTIONS,
-) -> list[GateCase]:
-    """Every case: build x method x backend x mode x repetition, and each build's self controls (self_controls_for:
-    one per injection form, `forms`) in every method and mode beside its cases. sm_margin and poison hook FA3's calls:
-    with another backend they are refused. `compile`: COMPILES. A method the build lacks: methods.not_applicable."""
-    if compile not in COMPILES:
-        raise ConfigError(f"--compile {compile!r}: use one of {', '.join(COMPILES)}")
-    if repeat < 1:
-        raise ConfigError("--repeat must be at least 1")
-    fa3_only = [m.name for m in modes if m.hooks_fa3]
-    if fa3_only and any(b != DEFAULT_BACKEND for b in backends):
-        raise ConfigError(f"mode {fa3_only[0]} hooks FA3's calls: run it with --backends {DEFAULT_BACKEND} only")
-    return [
-        GateCase(b, m, rep=r, timeout_s=timeout_s, backend=be, inject=inj, compile=compile, method=meth)
-        for b in builds
-        for meth in methods
-        for inj in ((None, *forms, *dynamic_k.forms_for(meth)) if self_controls_for(b, self_control) else (None,))
-        for be in backends
-        for m in modes
-        for r in range(repeat)
-    ]
 
 
 @dataclass
@@ -122,6 +90,7 @@ class GateScheduler:
     self_control_forms: tuple[str, ...] = INJECTIONS
     self_control_attempts: int | None = None
     cold_jobs: int | None = None
+    control_kernels: bool = False
 
     def __post_init__(self) -> None:
         self.cases: list[GateCase] = []  # plan: the speculative cases, in their order
@@ -169,7 +138,7 @@ class GateScheduler:
         persons_choices(os.environ)  # a bad REPRO_WEIGHTS or REPRO_INJECT_SOURCE stops the run before any case starts
         which = [self.only] if self.only is not None else self.builds
         options = (self.backends, self.self_control, self.compile, self.methods, self.self_control_forms)
-        cases = plan(which, self.modes, self.repeat, self.timeout_s, *options)
+        cases = plan(which, self.modes, self.repeat, self.timeout_s, *options, self.control_kernels)
         cases, self.skipped_na = set_apart_not_applicable(cases)  # a method the build lacks: no process, no reference
         self.refuse_sm_counts()
         refs = list(dict.fromkeys(reference_for(c) for c in cases))
@@ -383,6 +352,7 @@ def run_gate(
     self_control_forms: tuple[str, ...] = INJECTIONS,
     self_control_attempts: int | None = None,
     cold_jobs: int | None = None,
+    control_kernels: bool = False,
 ) -> GateRun:
     """Every case, references included, `jobs` at a time (GateScheduler's steps; `cold_jobs` of them on a build's cold
     caches, placement.ColdSlots); MPS cases under a daemon of the run (repro.run.mps_cases: controls alone, a
@@ -390,8 +360,8 @@ def run_gate(
     (gate.placement) place each case with its reference on one SM kind. `only`: that one build's cases (the pytest
     tier). The launcher (spawn or fork) says how case processes start (GateRun.launches). deadline_s (`--deadline`)
     ends every process; a case it stopped is a skip, or its stale-audit (gate.process.past_deadline). Each case holds
-    its share of `memory` (placement.case_gib). self_control_forms: plan's `forms`; self_control_attempts:
-    gate.process.run_control's `attempts`."""
+    its share of `memory` (placement.case_gib). self_control_forms, control_kernels: plan's `forms`,
+    `control_kernels`; self_control_attempts: gate.process.run_control's `attempts`."""
     return GateScheduler(**locals())()  # its parameters are GateScheduler's fields, by name
 
 
