@@ -144,7 +144,7 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
         self_control=self_control,
         launcher="spawn",  # the processes are replayed: no forkserver to start
         compile=m[1] if (m := re.search(r"--compile (\S+)", command)) else "inductor",
-        methods=tuple(m[1].split(",")) if (m := re.search(r"--methods (\S+)", command)) else ("eagle",),
+        methods=tuple(m[1].split(",")) if (m := re.search(r"--methods (\S+)", command)) else _default_methods(rows),
         # the self control's forms the run made (a record from before the second form has the first alone)
         self_control_forms=INJECTIONS if any("-stale-descriptor-" in c for c in rows) else (STALE_CAPTURE,),
         # a self control's plain crash was rerun beside it to name its kernel in records from before it was asked for
@@ -184,6 +184,15 @@ def _gate_default(option: str):
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return sub.choices["gate"].get_default(option)
+
+
+def _default_methods(rows) -> tuple[str, ...]:
+    """The methods a record's command without `--methods` ran: EAGLE alone before every method was the default (its
+    case ids name no method), else the default's."""
+    from repro.vllm_integration.gate.methods import METHODS, parse_methods
+
+    named = any(f"-{m.replace('_', '-')}-" in c for c in rows for m in METHODS if m != "eagle")
+    return parse_methods(_gate_default("methods")) if named else ("eagle",)
 
 
 FAULTS = ("crash", "hang", "oob")  # kernel evidence a replayed self control shows
