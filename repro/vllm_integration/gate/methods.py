@@ -34,6 +34,7 @@ from pathlib import Path
 
 from repro.errors import ConfigError
 from repro.vllm_integration.gate import dynamic_k, sleep
+from repro.vllm_integration.releases.source_classes import assigned, lookup, parse, strings
 
 EAGLE, EAGLE3, DRAFT_MODEL, MTP = "eagle", "eagle3", "draft_model", "mtp"
 DFLASH = "dflash"
@@ -225,75 +226,6 @@ def add_option(parser: argparse.ArgumentParser) -> None:
 SPEC = Path("v1") / "worker" / "gpu" / "spec_decode"
 
 
-def _parse(path: Path) -> ast.Module | None:
-    try:
-        return ast.parse(path.read_text())
-    except (OSError, SyntaxError, ValueError):
-        return None
-
-
-def _module_file(package_dir: Path, module: str) -> Path:
-    rel = Path(*module.split(".")[1:])  # vllm.a.b -> <package_dir>/a/b.py
-    return (
-        package_dir / rel.with_suffix(".py")
-        if (package_dir / rel.with_suffix(".py")).exists()
-        else package_dir / rel / "__init__.py"
-    )
-
-
-def _strings(node: ast.AST) -> list[str]:
-    return [n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
-
-
-def _imports(tree: ast.Module) -> dict[str, str]:
-    """name -> the module it is imported from, for every `from X import name` in a file (function bodies too)."""
-    return {
-        a.asname or a.name: n.module
-        for n in ast.walk(tree)
-        if isinstance(n, ast.ImportFrom) and n.module
-        for a in n.names
-    }
-
-
-def _find_class(
-    package_dir: Path, module: str, name: str, depth: int = 0
-) -> tuple[ast.ClassDef, ast.Module, str] | None:
-    tree = _parse(_module_file(package_dir, module))
-    if tree is None or depth > 8:
-        return None
-    for n in tree.body:
-        if isinstance(n, ast.ClassDef) and n.name == name:
-            return n, tree, module
-    src = _imports(tree).get(name)
-    return _find_class(package_dir, src, name, depth + 1) if src else None
-
-
-def _lookup(package_dir: Path, module: str, cls: str, want, depth: int = 0):
-    """The first of `cls` and its bases (in order, across files) for which want(class node) is not None."""
-    found = _find_class(package_dir, module, cls)
-    if found is None or depth > 8:
-        return None
-    node, tree, where = found
-    if (got := want(node)) is not None:
-        return got
-    imports = _imports(tree)
-    for b in node.bases:
-        base = ast.unparse(b).split(".")[-1]
-        got = _lookup(package_dir, imports.get(base, where), base, want, depth + 1)
-        if got is not None:
-            return got
-    return None
-
-
-def _assigned(node: ast.ClassDef, attr: str) -> str | None:
-    for n in node.body:
-        targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) else []
-        if any(isinstance(t, ast.Name) and t.id == attr for t in targets) and n.value is not None:
-            value = "".join(_strings(n.value))
-            return value or "None"
-    return None
-
-
 def _capture_body(node: ast.ClassDef) -> list[ast.stmt] | None:
     for n in node.body:
         if isinstance(n, ast.FunctionDef) and n.name == "capture":
@@ -319,20 +251,20 @@ PREDICATES = {EAGLE: "use_eagle()", EAGLE3: "use_eagle()", DRAFT_MODEL: "uses_dr
 def _speculator_of(package_dir: Path, method: str) -> tuple[str | None, str]:
     """(the speculator class's qualified name or None, where it was read / why none)."""
     spec = package_dir / SPEC
-    table = _parse(spec / "speculator_config.py")
+    table = parse(spec / "speculator_config.py")
     if table is not None:  # 0.27+: a method table of config classes, each naming its speculator class
         for n in ast.walk(table):
             if isinstance(n, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == EAGLE for k in n.keys):
                 entries = {k.value: v for k, v in zip(n.keys, n.values) if isinstance(k, ast.Constant)}
                 if method not in entries:
                     return None, f"not a speculative method of this build (its methods: {', '.join(sorted(entries))})"
-                parts = _strings(entries[method])
+                parts = strings(entries[method])
                 cfg_module, cfg_cls = f"vllm.v1.worker.gpu.spec_decode.{parts[0]}", parts[-1]
-                qual = _lookup(package_dir, cfg_module, cfg_cls, lambda c: _assigned(c, "speculator_class"))
+                qual = lookup(package_dir, cfg_module, cfg_cls, lambda c: assigned(c, "speculator_class"))
                 if not qual or qual == "None":
                     return None, f"{cfg_cls} names no V2 speculator class"
                 return qual, "speculator_config"
-    init = _parse(spec / "__init__.py")
+    init = parse(spec / "__init__.py")
     fn = (
         next((n for n in ast.walk(init) if isinstance(n, ast.FunctionDef) and n.name == "init_speculator"), None)
         if init
@@ -384,7 +316,7 @@ def not_applicable(package_dir: Path | None, method: str) -> str | None:
             return why
         qual, _ = _speculator_of(package_dir, base)
         module, _, cls = (qual or "").rpartition(".")
-        is_ar = bool(cls) and _lookup(package_dir, module, cls, lambda c: c.name == dynamic_k.AR_BASE or None)
+        is_ar = bool(cls) and lookup(package_dir, module, cls, lambda c: c.name == dynamic_k.AR_BASE or None)
         return dynamic_k.not_supported(package_dir, cls or None, bool(is_ar))
     qual, where = _speculator_of(package_dir, method)
     if qual is None:
@@ -392,7 +324,7 @@ def not_applicable(package_dir: Path | None, method: str) -> str | None:
     if not qual:
         return None
     module, _, cls = qual.rpartition(".")
-    body = _lookup(package_dir, module, cls, _capture_body)
+    body = lookup(package_dir, module, cls, _capture_body)
     if body is None:
         return f"method {method}: its speculator {cls} ({where}) has no capture()"
     if _noop(body):
