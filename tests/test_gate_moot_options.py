@@ -22,6 +22,15 @@ from tests.commands import fake_vllm, main_in, refused_in
             "--self-control-attempts would be ignored: --self-control none runs no self control",
         ),
         (["--dry-run", "--out", "report"], "--out would be ignored: --dry-run only lists the case ids"),
+        (
+            ["--self-control", "none", "--name-control-kernels"],
+            "--name-control-kernels would be ignored: --self-control none runs no self control",
+        ),
+        (["--modes", "audit", "--name-control-kernels"], "--name-control-kernels would be ignored: no plain mode"),
+        (
+            ["--compare-paths", "--name-control-kernels"],
+            "--name-control-kernels would be ignored: --compare-paths runs its paths without it",
+        ),
     ],
 )
 def test_the_gate_refuses_an_option_another_makes_moot_before_anything_runs(tmp_path, args, msg):
@@ -32,7 +41,13 @@ def test_the_gate_refuses_an_option_another_makes_moot_before_anything_runs(tmp_
 def test_the_gate_takes_each_of_those_options_alone_and_their_defaults_beside_the_other(tmp_path):
     build = fake_vllm(tmp_path / "b", compiled=True)
     base = ["gate", "--dry-run", "--no-installed", "--vllm", f"x={build}"]
-    for args in (["--no-cache"], ["--cache-keep", "5"], ["--self-control", "none"], ["--self-control-attempts", "2"]):
+    for args in (
+        ["--no-cache"],
+        ["--cache-keep", "5"],
+        ["--self-control", "none"],
+        ["--self-control-attempts", "2"],
+        ["--name-control-kernels"],
+    ):
         r = main_in([*base, *args], tmp_path)
         assert r.returncode == 0 and "stale_metadata-vllm-x-" in r.stdout, (args, r.stderr[-2000:])
 

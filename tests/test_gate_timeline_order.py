@@ -258,3 +258,16 @@ def test_a_fitted_gate_limits_cold_caches_to_half_the_cores_and_a_given_jobs_doe
     assert main([*args, "--out", str(tmp_path / "fitted")]) == 2
     assert main([*args, "--out", str(tmp_path / "given"), "--jobs", "3"]) == 2
     assert seen == [(16, 8), (3, None)]  # fitted: 16 at once, 8 on cold caches; --jobs 3: 3 everywhere
+
+
+def test_a_record_without_self_control_reruns_simulates_one_process_per_plain_control():
+    """A run that started no rerun beside its plain self controls (GateCase.name_kernel, h100-gate-default-3-warm):
+    its own order is simulated with one process each, and the model replays it within a second; the earlier record's
+    controls held two."""
+    tl = timeline.load(RESULTS / "h100-gate-default-3-warm")
+    jobs, _ = order.jobs_from_timeline(tl)
+    assert {j.processes for j in jobs} == {1} and any("self-control" in j.case and j.case.endswith("-plain") for j in jobs)
+    replay = order.simulate(order.without_early_stop(jobs), tl.workers, tl.ready_s, 0.0).wall
+    assert abs(replay - tl.wall_s) < 1.5
+    before, _ = order.jobs_from_timeline(timeline.load(RESULTS / "h100-gate-default-2-warm"))
+    assert sum(j.processes == 2 for j in before) == 10  # each plain self control, both forms, five methods

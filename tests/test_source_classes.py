@@ -67,11 +67,50 @@ def test_a_relative_import_resolves_against_the_importing_module(tmp_path):
     assert methods.not_applicable(root, dynamic_k.name_of("eagle")) is None
     tree = ast.parse("from . import x\nfrom .a import b\nfrom ..c import d\nfrom .... import e\n")
     got = sc.imports(tree, "vllm.v1.pkg.mod")
-    assert got == {"x": "vllm.v1.pkg", "b": "vllm.v1.pkg.a", "d": "vllm.v1.c"}  # past the top: left out
-    assert sc.imports(tree, "vllm.v1.pkg", is_package=True)["b"] == "vllm.v1.pkg.a"  # a package's __init__
+    want = {"x": ("vllm.v1.pkg", "x"), "b": ("vllm.v1.pkg.a", "b"), "d": ("vllm.v1.c", "d")}
+    assert got == want  # past the top: left out
+    assert sc.imports(tree, "vllm.v1.pkg", is_package=True)["b"] == ("vllm.v1.pkg.a", "b")  # a package's __init__
 
 
 def test_a_missing_or_broken_file_is_no_answer(tmp_path):
     root = _write(tmp_path / "v", {Path("a.py"): "def (:\n"})
     assert sc.parse(None) is None and sc.parse(root / "a.py") is None and sc.parse(root / "missing.py") is None
     assert sc.find_class(root, "vllm.a", "X") is None and sc.module_file(root, "vllm") == root / "__init__.py"
+
+
+def test_a_class_is_found_through_an_alias_a_module_attribute_and_a_subscript(tmp_path):
+    root = _write(
+        tmp_path / "v",
+        {
+            Path("a") / "__init__.py": "from .impl import Real as Alias\nfrom . import basemod\n",
+            Path("a") / "impl.py": "class Real:\n    pass\n",
+            Path("a") / "basemod.py": "class Base:\n    marker = 'here'\n",
+            Path("a") / "gen.py": "class Gen:\n    marker = 'generic'\n",
+            Path("b.py"): "import vllm.a.gen as g\nfrom vllm.a import basemod, Alias\nimport vllm.a.basemod\n"
+            "class ByModule(basemod.Base):\n    pass\n"
+            "class ByGeneric(g.Gen[int]):\n    pass\n"
+            "class ByDotted(vllm.a.basemod.Base):\n    pass\n"
+            "class ByAlias(Alias):\n    pass\n",
+        },
+    )
+    found = sc.find_class(root, "vllm.a", "Alias")  # re-exported under another name: the class is Real
+    assert found is not None and found[0].name == "Real" and found[2] == "vllm.a.impl"
+    marker = lambda c: sc.assigned(c, "marker")  # noqa: E731
+    assert sc.lookup(root, "vllm.b", "ByModule", marker) == "here"
+    assert sc.lookup(root, "vllm.b", "ByGeneric", marker) == "generic"
+    assert sc.lookup(root, "vllm.b", "ByDotted", marker) == "here"
+    assert sc.lookup(root, "vllm.b", "ByAlias", lambda c: c.name if c.name == "Real" else None) == "Real"
+
+
+def test_init_speculators_relative_import_names_the_speculator(tmp_path):
+    """0.24-0.26 dispatch in init_speculator: a branch importing its speculator relatively still names it."""
+    root = _write(
+        tmp_path / "v",
+        {
+            SPEC / "__init__.py": "def init_speculator(cfg):\n    if cfg.method == 'eagle':\n"
+            "        from .eagle import EagleSpeculator\n        return EagleSpeculator()\n",
+            SPEC / "eagle.py": "class EagleSpeculator:\n    def capture(self):\n        self.graph()\n",
+        },
+    )
+    assert methods.speculator_class(root, "eagle") == "EagleSpeculator"
+    assert methods.not_applicable(root, "eagle") is None

@@ -93,11 +93,16 @@ def _judge_options(a: argparse.Namespace) -> _Options:
     from repro.vllm_integration.gate.case import persons_choices  # as above
     from repro.vllm_integration.gate.keep import keep_seconds  # as above
     from repro.vllm_integration.gate.launch import launcher_kind  # as above
-    from repro.vllm_integration.gate.modes import parse_backends, parse_modes  # as above
+    from repro.vllm_integration.gate.modes import PLAIN, parse_backends, parse_modes  # as above
     from repro.vllm_integration.gate.paths import parse_paths  # as above
 
     _refuse_moot(a)
     modes, backends = parse_modes(a.modes), parse_backends(a.backends)
+    if a.name_control_kernels and (a.compare_paths or PLAIN not in modes):
+        why = "--compare-paths runs its paths without it" if a.compare_paths else "no plain mode in --modes"
+        raise ConfigError(
+            f"--name-control-kernels would be ignored: {why} (a self control's plain crash is what it reruns)"
+        )
     if a.compile not in COMPILES:  # argparse checks a choice typed, never its default, read from the variable
         raise ConfigError(f"REPRO_GATE_COMPILE={a.compile!r}: use one of {', '.join(COMPILES)} (or --compile)")
     persons_choices(os.environ)  # REPRO_WEIGHTS, REPRO_INJECT_SOURCE: judged before anything is written

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from repro.errors import ConfigError
 from repro.vllm_integration.gate import dynamic_k, sleep
-from repro.vllm_integration.releases.source_classes import assigned, lookup, parse, strings
+from repro.vllm_integration.releases.source_classes import assigned, imports, lookup, parse, strings
 
 EAGLE, EAGLE3, DRAFT_MODEL, MTP = "eagle", "eagle3", "draft_model", "mtp"
 DFLASH = "dflash"
@@ -279,12 +279,8 @@ def _speculator_of(package_dir: Path, method: str) -> tuple[str | None, str]:
             continue
         test = ast.unparse(n.test)
         if f"'{method}'" in test or f'"{method}"' in test or PREDICATES.get(method, "?") in test:
-            imported = [
-                (i.module, a.name)
-                for i in ast.walk(ast.Module(body=n.body, type_ignores=[]))
-                if isinstance(i, ast.ImportFrom) and i.module
-                for a in i.names
-            ]
+            branch = ast.Module(body=n.body, type_ignores=[])  # its imports, a relative one read from spec_decode/
+            imported = [(m, a) for m, a in imports(branch, "vllm.v1.worker.gpu.spec_decode", True).values() if a]
             if imported:
                 return f"{imported[0][0]}.{imported[0][1]}", "init_speculator"
     return None, f"init_speculator of this build has no branch for method {method!r}"

@@ -171,6 +171,8 @@ def jobs_from_timeline(tl: Timeline, warm_run: bool = False, now: bool = False) 
     warm = [p for p in procs if 0 < (p.phases.get("jit") or 0) <= COLD_JIT_S]
     cold_s = statistics.median(map(startup, cold)) - statistics.median(map(startup, warm)) if cold and warm else 0.0
     loaded = min((p.phases["compile"] for p in warm if p.phases.get("compile")), default=0.0)
+    # a run that started a rerun beside each plain self control (a dropped one may have left no time in its logs)
+    controls_rerun = any("-self-control" in p.case and p.case.endswith("-launch-blocking") for p in procs)
     jobs = []
     for case, _span in sorted(chains(procs).items(), key=lambda kv: kv[1]):
         control = "-self-control" in case
@@ -192,8 +194,12 @@ def jobs_from_timeline(tl: Timeline, warm_run: bool = False, now: bool = False) 
             continue  # kept: no process
         ref = None if is_ref else _reference_of(case)
         extra = REF_COLD_S if is_ref else cold_s
-        # process.attributed_beside: its rerun beside (a record's self control; now a known-bad build's)
-        beside = case.endswith("-plain") and (not control and "-under-test" not in case if now else control)
+        # process.attributed_beside: a rerun beside it (now a known-bad build's plain case; in a record, one that
+        # started with its attempt, a self control's before GateCase.name_kernel)
+        reruns = [p.start for p in mine if p.case.endswith("-launch-blocking")]
+        starts = [p.start for p in mine if not p.case.endswith("-launch-blocking")]
+        with_it = any(abs(r - s) < 1.0 for r in reruns for s in starts) or control and controls_rerun
+        beside = case.endswith("-plain") and (not control and "-under-test" not in case if now else with_it)
         n = 2 if beside else 1
         early = tl.early.get(case, False)
         jobs.append(Job(case, tuple(secs), ref, early_stop=early, cold_s=extra, gib=GIB_PER_CASE * n, processes=n))

@@ -41,13 +41,18 @@ def strings(node: ast.AST) -> list[str]:
     return [n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
 
 
-def imports(tree: ast.Module, module: str = "", is_package: bool = False) -> dict[str, str]:
-    """name -> the module it is imported from, for every `from X import name` in a file (function bodies too); a
-    relative one (`from .x import name`) resolved against `module`, the importing file's own module (a package's
-    __init__ when is_package); one that climbs past the top is left out."""
+def imports(tree: ast.Module, module: str = "", is_package: bool = False) -> dict[str, tuple[str, str | None]]:
+    """name -> (the module it comes from, its name there), for every import in a file (function bodies too):
+    `from X import a as b` gives b -> (X, a); `import X.Y as m` gives m -> (X.Y, None), a module. A relative one
+    (`from .x import a`) is resolved against `module`, the importing file's own module (a package's __init__ when
+    is_package); one that climbs past the top is left out."""
     here = module.split(".") if module else []
-    out = {}
+    out: dict[str, tuple[str, str | None]] = {}
     for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            out.update({a.asname: (a.name, None) for a in n.names if a.asname})
+            out.update({a.name.split(".")[0]: (a.name.split(".")[0], None) for a in n.names if not a.asname})
+            continue
         if not isinstance(n, ast.ImportFrom):
             continue
         source = n.module
@@ -57,24 +62,46 @@ def imports(tree: ast.Module, module: str = "", is_package: bool = False) -> dic
                 continue
             source = ".".join(here[:keep] + ([n.module] if n.module else []))
         if source:
-            out.update({a.asname or a.name: source for a in n.names})
+            out.update({a.asname or a.name: (source, a.name) for a in n.names})
     return out
+
+
+def _is_package(package_dir: Path, module: str) -> bool:
+    path = module_file(package_dir, module)
+    return path is not None and path.name == "__init__.py"
 
 
 def find_class(
     package_dir: Path, module: str, name: str, depth: int = 0
 ) -> tuple[ast.ClassDef, ast.Module, str] | None:
-    """(the class, its file's tree, the module defining it), following the imports that re-export it; None: not in
-    vLLM's files."""
-    path = module_file(package_dir, module)
-    tree = parse(path)
+    """(the class, its file's tree, the module defining it), following the imports that re-export it (under an
+    alias too); None: not in vLLM's files."""
+    tree = parse(module_file(package_dir, module))
     if tree is None or depth > MAX_DEPTH:
         return None
     for n in tree.body:
         if isinstance(n, ast.ClassDef) and n.name == name:
             return n, tree, module
-    src = imports(tree, module, path is not None and path.name == "__init__.py").get(name)
-    return find_class(package_dir, src, name, depth + 1) if src else None
+    src, orig = imports(tree, module, _is_package(package_dir, module)).get(name, (None, None))
+    return find_class(package_dir, src, orig, depth + 1) if src and orig else None
+
+
+def base_of(b: ast.expr, names: dict[str, tuple[str, str | None]], where: str) -> tuple[str, str] | None:
+    """(module, class name) a class's base expression names: `Base`, `Base[T]`, `mod.Base` or `pkg.mod.Base`
+    through the file's imports; a name the file does not import is looked for in the file itself (`where`)."""
+    if isinstance(b, ast.Subscript):
+        b = b.value
+    if isinstance(b, ast.Name):
+        src, orig = names.get(b.id, (where, b.id))
+        return (src, orig) if orig else None
+    parts: list[str] = []
+    while isinstance(b, ast.Attribute):
+        parts.insert(0, b.attr)
+        b = b.value
+    if not isinstance(b, ast.Name) or not parts or b.id not in names:
+        return None
+    src, orig = names[b.id]
+    return ".".join([src, *([orig] if orig else []), *parts[:-1]]), parts[-1]
 
 
 def lookup(package_dir: Path, module: str, cls: str, want: Callable[[ast.ClassDef], Any], depth: int = 0) -> Any:
@@ -85,12 +112,11 @@ def lookup(package_dir: Path, module: str, cls: str, want: Callable[[ast.ClassDe
     node, tree, where = found
     if (got := want(node)) is not None:
         return got
-    names = imports(tree, where, (module_file(package_dir, where) or Path()).name == "__init__.py")
+    names = imports(tree, where, _is_package(package_dir, where))
     for b in node.bases:
-        base = ast.unparse(b).split(".")[-1]
-        got = lookup(package_dir, names.get(base, where), base, want, depth + 1)
-        if got is not None:
-            return got
+        if (base := base_of(b, names, where)) is not None:
+            if (got := lookup(package_dir, *base, want, depth + 1)) is not None:
+                return got
     return None
 
 
