@@ -168,7 +168,7 @@ EXIT_CODES: dict[str, dict[int, str]] = {
         1: "AFFECTED",
         2: "bad input",
         3: "HARNESS BLIND (--compare-paths: also when the paths' verdicts differ)",
-        4: "CANNOT VOUCH, no GPU (--devices all: none found), or no vLLM build that can run here",
+        4: "CANNOT VOUCH (among its causes: none of the methods asked for applies to a build under test, each named with why), no GPU (--devices all: none found), or no vLLM build that can run here",
     },
     "bisect": {
         0: "found the first bad commit (--status: no known bad pattern in this commit's source)",

@@ -385,7 +385,7 @@ OUTCOME = [
     (
         "outcome: CANNOT VOUCH when a build under test gave no answer",
         RUN,
-        *_off("        if affected or self.not_vouched():"),
+        *_off("        if affected or self.not_vouched() or self.unanswered():"),
         {"test_the_outcome_of_an_affected_build_and_of_one_that_gave_no_answer"},
     ),
     (

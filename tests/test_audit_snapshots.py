@@ -212,6 +212,31 @@ def test_a_snapshot_never_replaces_its_process_s_exit_report_in_the_file(tmp_pat
     assert counters.json.loads((tmp_path / "audit.json").read_text())["checks"] == 6
 
 
+MERGER = """
+import sys
+from repro.vllm_integration.plugin import counters
+report = {"pid": int(sys.argv[2]), "process": "EngineCore", "run": "r", "installed": 1.0, "written": 2.0,
+          "checks": 1, "views": 1, "descriptor_checks": 1, "stale": 0, "summary": "s", "counters": {}, "final": True}
+for k in range(40):
+    counters.merge_into(sys.argv[1], [({**report, "checks": k + 1}, [])])
+"""
+
+
+def test_the_audit_file_lock_leaves_nothing_behind_and_concurrent_writers_lose_no_report(tmp_path):
+    """The lock is the audit folder's own (flock on the folder): nothing made in the temp folder or beside the
+    file (a lock file a run in the temp folder was left by each run: 1,600 of them on one machine), and four
+    processes merging at once keep every one's report."""
+    tmp, out = tmp_path / "tmp", tmp_path / "out"
+    tmp.mkdir(), out.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT)}
+    path = str(out / "audit.json")
+    ps = [subprocess.Popen([sys.executable, "-c", MERGER, path, str(pid)], cwd=ROOT, env=env) for pid in range(4)]
+    assert [p.wait(timeout=120) for p in ps] == [0] * 4
+    doc = counters.json.loads((out / "audit.json").read_text())
+    assert sorted(p["pid"] for p in doc["processes"]) == [0, 1, 2, 3] and doc["checks"] == 4 * 40
+    assert list(tmp.iterdir()) == [] and sorted(f.name for f in out.iterdir()) == ["audit.json"]
+
+
 def test_a_snapshot_never_raises_into_vllm_whatever_the_file_holds(tmp_path, monkeypatch):
     path = tmp_path / "audit.json"
     path.write_text('{"processes": [{"pid": 1, "run": "r", "stale": null}], "mismatches": []}')

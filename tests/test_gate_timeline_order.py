@@ -266,7 +266,9 @@ def test_a_record_without_self_control_reruns_simulates_one_process_per_plain_co
     controls held two."""
     tl = timeline.load(RESULTS / "h100-gate-default-3-warm")
     jobs, _ = order.jobs_from_timeline(tl)
-    assert {j.processes for j in jobs} == {1} and any("self-control" in j.case and j.case.endswith("-plain") for j in jobs)
+    assert {j.processes for j in jobs} == {1} and any(
+        "self-control" in j.case and j.case.endswith("-plain") for j in jobs
+    )
     replay = order.simulate(order.without_early_stop(jobs), tl.workers, tl.ready_s, 0.0).wall
     assert abs(replay - tl.wall_s) < 1.5
     before, _ = order.jobs_from_timeline(timeline.load(RESULTS / "h100-gate-default-2-warm"))

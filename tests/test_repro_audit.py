@@ -92,6 +92,10 @@ def test_a_command_that_passes_over_stale_metadata_is_affected_each_descriptor_a
     stale = doc["judgement"]["stale"]
     assert "t32r8" in stale and any("seq_lens" in f for f in stale["t32r8"])
     assert "stale: t32r8: query_start_loc[2] (stale)" in r.stderr and "exit 0 (passed)" in r.stderr
+    # each finding counted (a field found at a forward of the capture and again at its end), each field named once
+    j = doc["judgement"]
+    assert j["distinct_stale_fields"] == sum(map(len, stale.values())) <= j["stale_fields"]
+    assert f"stale findings: {j['stale_fields']} (distinct fields: {j['distinct_stale_fields']})" in r.stderr
 
 
 def test_metadata_built_for_another_descriptor_is_affected_with_the_descriptor_check_s_fields(tmp_path, builds):
@@ -167,6 +171,17 @@ def test_strict_stops_the_engine_at_the_first_stale_capture_its_report_written_f
     assert sum(j["audited_by_manager"].values()) < 6 and j["stale_fields"] > 0
 
 
+@pytest.mark.parametrize(
+    "bound", [["--timeout", "nan"], ["--timeout", "inf"], ["--timeout", "0"], ["--grace", "-1"], ["--grace", "nan"]]
+)
+def test_a_timeout_or_grace_that_bounds_nothing_is_refused_before_the_command_starts(tmp_path, bound):
+    """nan compares false with everything: `--timeout nan` once ran the command unbounded."""
+    marker = tmp_path / "ran"
+    r, _ = audit(tmp_path, None, *bound, "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "a number of seconds up to" in r.stderr, r.stderr
+    assert not marker.exists() and not (tmp_path / "report").exists()
+
+
 def test_a_vllm_plugins_that_leaves_the_auditor_out_or_a_request_set_is_refused_and_nothing_written(tmp_path, builds):
     for extra in ({"VLLM_PLUGINS": "other_plugin"}, {"VLLM_PLUGINS": ""}, {"REPRO_REQUEST": "{}"}):
         r, _ = audit(tmp_path, builds["good"], *script("fork"), **extra)
@@ -183,8 +198,10 @@ def test_the_timeout_stops_the_command_s_whole_process_group_and_cannot_vouch(tm
     assert not Path(f"/proc/{helper}").exists() or "Z" in Path(f"/proc/{helper}/stat").read_text().split()[2]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_ctrl_c_or_sigterm_stops_the_command_and_marks_the_report_folder_interrupted(tmp_path, builds, sig):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_ctrl_c_sigterm_or_a_hang_up_stops_the_command_and_marks_the_report_folder_interrupted(tmp_path, builds, sig):
+    """Ctrl-C, a cancelled CI job (SIGTERM) and a closed terminal or ssh session (SIGHUP) alike: the command's whole
+    session stopped, nothing left running, the folder marked interrupted."""
     cmd = [sys.executable, "-m", "repro", "audit", "--out", str(tmp_path / "r"), "--grace", "2", *script("inproc")]
     p = subprocess.Popen(cmd, cwd=tmp_path, env=env_for(tmp_path, builds["hang"]), stdout=subprocess.PIPE, text=True)
     line = p.stdout.readline()

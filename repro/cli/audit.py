@@ -12,6 +12,7 @@ from repro import exit_codes
 from repro.cli import outputs
 from repro.errors import ConfigError
 from repro.judge.decision import GateOutcome
+from repro.run.process import MAX_WAIT_S
 from repro.vllm_integration.ci import command, report
 from repro.vllm_integration.ci.judge import Expect, judge
 from repro.vllm_integration.plugin.backend_fields import known_name
@@ -47,8 +48,11 @@ def cmd_audit(a: argparse.Namespace) -> int:
     argv = a.argv[1:] if a.argv[:1] == ["--"] else a.argv
     if not argv:
         raise ConfigError("no command to audit: give it after --, e.g. python -m repro audit -- python script.py")
-    if a.timeout <= 0 or a.grace < 0:
-        raise ConfigError(f"--timeout {a.timeout:g}, --grace {a.grace:g}: a timeout over 0 s, a grace of 0 s or more")
+    if not (0 < a.timeout <= MAX_WAIT_S and 0 <= a.grace <= MAX_WAIT_S):  # nan and inf too: no bound at all
+        raise ConfigError(
+            f"--timeout {a.timeout:g}, --grace {a.grace:g}: a timeout over 0 s and a grace of 0 s or more, each a "
+            f"number of seconds up to {MAX_WAIT_S:g} (a week)"
+        )
     if a.backend is not None and not known_name(a.backend):
         raise ConfigError(f"--backend {a.backend}: not a name vLLM gives a backend (FLASH_ATTN, TRITON_ATTN, ...)")
     why = command.refusal(dict(os.environ))

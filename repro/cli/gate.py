@@ -89,15 +89,22 @@ def _refuse_moot(a: argparse.Namespace) -> None:
 def _judge_options(a: argparse.Namespace) -> _Options:
     """Every flag's value judged, and the folders it names, before the builds are looked for (no build, no GPU:
     exit 4 only after a bad flag would have been refused)."""
+    from repro.vllm_integration.gate import dynamic_k  # as above
     from repro.vllm_integration.gate.cache import CACHE_ENV  # the gate's modules load only for it
     from repro.vllm_integration.gate.case import persons_choices  # as above
     from repro.vllm_integration.gate.keep import keep_seconds  # as above
     from repro.vllm_integration.gate.launch import launcher_kind  # as above
     from repro.vllm_integration.gate.modes import PLAIN, parse_backends, parse_modes  # as above
     from repro.vllm_integration.gate.paths import parse_paths  # as above
+    from repro.vllm_integration.plugin.inject import STALE_K  # as above
 
     _refuse_moot(a)
     modes, backends = parse_modes(a.modes), parse_backends(a.backends)
+    if STALE_K in a.forms and not any(dynamic_k.base_of(m) for m in a.methods):
+        raise ConfigError(
+            "--self-control-forms stale-k would be ignored: it is the dynamic-K methods' own form (added for them), "
+            f"and none of --methods {','.join(a.methods)} is one"
+        )
     if a.name_control_kernels and (a.compare_paths or PLAIN not in modes):
         why = "--compare-paths runs its paths without it" if a.compare_paths else "no plain mode in --modes"
         raise ConfigError(
@@ -172,14 +179,21 @@ def _cannot_run(why: str, no_gpu: str | None) -> int:
 
 
 def _dry_run(a: argparse.Namespace, opts: _Options, found: _Builds) -> int:
-    """`--dry-run`: every case id the run would start, one a line; nothing written."""
+    """`--dry-run`: every case id the run would start, one a line on stdout; each case of a method its build lacks
+    on stderr with the reason (the run starts no process for it); nothing written."""
     from repro.vllm_integration.gate.case import plan  # the gate's modules load only for it
+    from repro.vllm_integration.gate.process import set_apart_not_applicable  # as above
 
     listed = found.builds + [o.listed() for o in found.overlays]
-    for c in plan(
-        listed, opts.modes, a.repeat, a.timeout, opts.backends, a.self_control, a.compile, a.methods, a.forms
-    ):
+    cases = plan(listed, opts.modes, a.repeat, a.timeout, opts.backends, a.self_control, a.compile, a.methods, a.forms)
+    runs, na = set_apart_not_applicable(cases)
+    for c in runs:
         print(c.case_id)
+    for c, r in na:
+        print(f"not applicable (no process): {c.case_id}: {r.not_applicable}", file=sys.stderr)
+    if not any(not c.is_control for c in runs) and any(not c.is_control for c, _ in na):
+        print("gate --dry-run: none of the methods asked for applies to a build under test: the run would answer "
+              "CANNOT VOUCH", file=sys.stderr)  # fmt: skip
     return exit_codes.Exit.OK
 
 

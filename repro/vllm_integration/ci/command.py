@@ -128,7 +128,9 @@ def run(argv: list[str], folder: Path, timeout: float, strict: bool = False, bac
     except OSError as e:
         raise ConfigError(f"cannot start {argv[0]}: {e.strerror or e}") from None
     timed_out = False
-    term = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM (a CI job cancelled) as Ctrl-C
+    # SIGTERM (a CI job cancelled) and SIGHUP (its terminal or ssh session gone) as Ctrl-C: the command stopped
+    term = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    hup = signal.signal(signal.SIGHUP, signal.default_int_handler)
     try:
         p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -147,6 +149,7 @@ def run(argv: list[str], folder: Path, timeout: float, strict: bool = False, bac
                   file=sys.stderr)  # fmt: skip
     finally:
         signal.signal(signal.SIGTERM, term)
+        signal.signal(signal.SIGHUP, hup)
     status = CommandStatus(tuple(argv), None if timed_out else p.returncode, timed_out, time.time() - t0, strict)
     return Ran(status, *read_back(folder))
 

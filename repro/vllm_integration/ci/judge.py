@@ -70,7 +70,7 @@ class Judgement:
     outcome: GateOutcome
     reasons: list[str]
     stale: dict[str, list[str]]  # descriptor -> "field (kind): now vs built" for each stale field
-    stale_fields: int
+    stale_fields: int  # stale findings, each one (a field may be found at a forward and again at its capture's end)
     checks: int
     descriptor_checks: int
     full_by_manager: dict[str, int]  # capture manager -> FULL captures (an attention forward inside)
@@ -82,9 +82,15 @@ class Judgement:
     replay: dict = field(default_factory=dict)  # what the replay check judged (gate.checked.judged), its words
     refresh: dict = field(default_factory=dict)  # what the refresh judging judged, its words
 
+    @property
+    def distinct_stale_fields(self) -> int:
+        """The distinct fields the stale findings name (`stale`: each descriptor's fields, each once)."""
+        return sum(len(fields) for fields in self.stale.values())
+
     def to_dict(self) -> dict:
         out = asdict(self)
         out["outcome"] = str(self.outcome.value)
+        out["distinct_stale_fields"] = self.distinct_stale_fields
         return out
 
 

@@ -6,6 +6,7 @@ each process judged from its last snapshot (no exit report: judge.last_snapshot'
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from xml.sax.saxutils import escape, quoteattr
 
@@ -16,12 +17,18 @@ from repro.vllm_integration.ci.judge import CommandStatus, Judgement
 KIND = "repro-audit"  # results.json's `report`: what `--overwrite` and the JUnit check recognise as ours
 
 
+def _stale_words(j: Judgement) -> str:
+    """How many stale findings and how many distinct fields they name (a field is found stale at a forward of the
+    capture and again at its end: each finding counts, the fields are named once)."""
+    return f"stale findings: {j.stale_fields} (distinct fields: {j.distinct_stale_fields})"
+
+
 def lines(j: Judgement, status: CommandStatus | None, code: int) -> list[str]:
     """The answer in words, the gate's first."""
     out = [f"repro audit: {j.outcome.value} (exit {code})"]
     if status is not None:
-        out.append(f"command: {' '.join(status.argv)}: {status.words} (its own status, kept apart from the audit's)")
-    out.append(f"checks: {j.checks}, descriptor checks: {j.descriptor_checks}, stale fields: {j.stale_fields}")
+        out.append(f"command: {shlex.join(status.argv)}: {status.words} (its own status, kept apart from the audit's)")
+    out.append(f"checks: {j.checks}, descriptor checks: {j.descriptor_checks}, {_stale_words(j)}")
     for mgr, n in sorted(j.full_by_manager.items()):
         out.append(
             f"  FULL captures by {mgr}: {n}, audited {j.audited_by_manager.get(mgr, 0)}, "
@@ -67,7 +74,7 @@ def markdown(j: Judgement, status: CommandStatus | None, code: int) -> str:
             f"| {mgr} | {j.full_by_manager.get(mgr, 0)} | {j.audited_by_manager.get(mgr, 0)} | "
             f"{j.stale_by_manager.get(mgr, 0)} |"
         )
-    out += ["", f"Checks {j.checks}, descriptor checks {j.descriptor_checks}, stale fields {j.stale_fields}.", ""]
+    out += ["", f"Checks {j.checks}, descriptor checks {j.descriptor_checks}, {_stale_words(j)}.", ""]
     out += [f"- {line.strip()}" for line in judged_lines(j)] + [""]
     if j.reasons:
         out += ["## Why" if j.outcome != GateOutcome.AFFECTED else "## Stale descriptors", ""]

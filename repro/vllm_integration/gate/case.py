@@ -44,7 +44,7 @@ from repro.vllm_integration.gate.worker import COMPILES, DEFAULT_COMPILE, INSPEC
 from repro.vllm_integration.plugin import BACKEND_ENV, FILE_ENV, RUN_ENV, RUN_VARS, checks_of
 from repro.vllm_integration.plugin import ENV as AUDIT_ENV
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
-from repro.vllm_integration.plugin.inject import INJECTIONS, SOURCES, STALE_CAPTURE
+from repro.vllm_integration.plugin.inject import INJECTIONS, SOURCES, STALE_CAPTURE, STALE_K
 from repro.vllm_integration.plugin.weights import AGREE, DUMMY, WEIGHTS
 from repro.vllm_integration.releases.builds import SITE_DIRS_ENV, UNDER_TEST, VllmBuild, build_pythonpath, site_dirs
 
@@ -310,6 +310,13 @@ def self_controls_for(build: VllmBuild, which: str) -> bool:
     return which == "all" or which == "under-test" and build.role == UNDER_TEST
 
 
+def _forms(method: str, forms: tuple[str, ...]) -> tuple[str | None, ...]:
+    """A method's cases: the build as is (None), then each self-control form asked for, its own forms added (stale-k
+    for a dynamic-K method, which no other method has), each once."""
+    own = dynamic_k.forms_for(method)
+    return tuple(dict.fromkeys((None, *(f for f in forms if f != STALE_K or own), *own)))
+
+
 def plan(
     builds: list[VllmBuild],
     modes: tuple[GateMode, ...],
@@ -337,7 +344,7 @@ def plan(
         GateCase(b, m, rep=r, timeout_s=timeout_s, backend=be, inject=inj, compile=compile, method=meth, name_kernel=k)
         for b in builds
         for meth in methods
-        for inj in ((None, *forms, *dynamic_k.forms_for(meth)) if self_controls_for(b, self_control) else (None,))
+        for inj in (_forms(meth, forms) if self_controls_for(b, self_control) else (None,))
         for k in (inj is None or control_kernels,)
         for be in backends
         for m in modes

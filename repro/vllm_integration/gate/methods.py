@@ -34,6 +34,9 @@ from pathlib import Path
 
 from repro.errors import ConfigError
 from repro.vllm_integration.gate import dynamic_k, sleep
+from repro.vllm_integration.plugin.backend_fields import BACKENDS
+from repro.vllm_integration.plugin.inject import STALE_REFRESH
+from repro.vllm_integration.releases.builds import source_text
 from repro.vllm_integration.releases.source_classes import assigned, imports, lookup, parse, strings
 
 EAGLE, EAGLE3, DRAFT_MODEL, MTP = "eagle", "eagle3", "draft_model", "mtp"
@@ -325,4 +328,18 @@ def not_applicable(package_dir: Path | None, method: str) -> str | None:
         return f"method {method}: its speculator {cls} ({where}) has no capture()"
     if _noop(body):
         return f"method {method}: its speculator {cls}'s capture() records nothing (no FULL draft graph)"
+    return None
+
+
+def form_not_applicable(package_dir: Path | None, inject: str | None, backend: str) -> str | None:
+    """Why a self-control form cannot re-create its defect in this build (None: it can, or its files cannot tell):
+    stale-refresh needs the backend's draft-decode refresh (its builder's update_draft_decode_metadata)."""
+    known = BACKENDS.get(backend)
+    if inject != STALE_REFRESH or package_dir is None or known is None:
+        return None
+    path = package_dir.joinpath(*known.module.split(".")[1:]).with_suffix(".py")
+    if not path.exists():
+        return None
+    if "def update_draft_decode_metadata" not in source_text(path):
+        return f"self-control form {STALE_REFRESH}: this build's {backend} builder has no update_draft_decode_metadata"
     return None

@@ -54,6 +54,19 @@ class GateRun:
         have is neither (not applicable)."""
         return [(c, r) for c, r in self.cases if not c.is_control and not passes(c, r) and r.not_applicable is None]
 
+    def unanswered(self) -> dict[str, str]:
+        """Builds under test none of whose cases could run (every method asked for is one the build lacks) -> the
+        first reason: no answer for them either way, never a PASS nor a blind harness."""
+        under: dict[str, list[CaseResult]] = {}
+        for c, r in self.cases:
+            if not c.is_control:
+                under.setdefault(c.build.label, []).append(r)
+        return {
+            label: rs[0].not_applicable or ""
+            for label, rs in under.items()
+            if all(r.not_applicable is not None for r in rs)
+        }
+
     def not_vouched(self) -> list[tuple[GateCase, CaseResult]]:
         """Cases (under test or control) whose checked feature did not fire."""
         return [(c, r) for c, r in self.cases if r.verdict == NOT_VOUCHED]
@@ -76,12 +89,13 @@ class GateRun:
     def outcome(self, need_control: bool = True) -> GateOutcome:
         """AFFECTED (a build under test showed the bug), CANNOT VOUCH (a case's checked feature did not fire, or a
         build under test errored or skipped), HARNESS BLIND (repro.judge.policy.decide failed on the controls: a control
-        missed, or a gating mode has no evidence from its own control, or none ran while one is needed) or PASS;
+        missed, or a gating mode has no evidence from its own control, or none ran while one is needed; before it, a
+        build under test none of whose cases applies: CANNOT VOUCH) or PASS;
         repro.exit_codes.gate gives its exit code."""
         affected = self.affected()
         if any(r.verdict in FAULTS for _, r in affected):
             return GateOutcome.AFFECTED
-        if affected or self.not_vouched():
+        if affected or self.not_vouched() or self.unanswered():
             return GateOutcome.CANNOT_VOUCH
         return GateOutcome.BLIND if self.blind(need_control) else GateOutcome.PASS
 

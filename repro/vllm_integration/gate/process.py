@@ -24,7 +24,7 @@ from repro.vllm_integration.gate import bench as gate_bench
 from repro.vllm_integration.gate.cache import PRIVATE, TRITON_CACHE, TRITON_ENV, WRITER, GateCache
 from repro.vllm_integration.gate.case import GateCase, case_env, expected, subject_of
 from repro.vllm_integration.gate.launch import Launcher
-from repro.vllm_integration.gate.methods import not_applicable
+from repro.vllm_integration.gate.methods import form_not_applicable, not_applicable
 from repro.vllm_integration.gate.modes import PLAIN
 from repro.vllm_integration.gate.placement import GateDevice
 from repro.vllm_integration.gate.steps import annotate, finish
@@ -313,12 +313,18 @@ def not_applicable_result(case: GateCase, why: str) -> CaseResult:
 
 
 def set_apart_not_applicable(cases: list[GateCase]) -> tuple[list[GateCase], list[tuple[GateCase, CaseResult]]]:
-    """(the cases to run, the cases of a method their build does not have with their not-applicable results), read
-    from each build's files once per method (gate.methods.not_applicable)."""
-    why = {}
-    for c in cases:
-        key = (c.build, c.method)
+    """(the cases to run, the cases of a method their build does not have, or of a self-control form it cannot
+    re-create, with their not-applicable results), read from each build's files once per method, form and backend
+    (gate.methods.not_applicable, form_not_applicable)."""
+    why: dict[tuple, str | None] = {}
+
+    def of(c: GateCase) -> str | None:  # the method's answer, then the self-control form's
+        key = (c.build, c.method, c.inject, c.backend)
         if key not in why:
-            why[key] = not_applicable(c.build.package_dir, c.method)
-    run = [c for c in cases if not why[(c.build, c.method)]]
-    return run, [(c, not_applicable_result(c, why[(c.build, c.method)])) for c in cases if why[(c.build, c.method)]]
+            why[key] = not_applicable(c.build.package_dir, c.method) or form_not_applicable(
+                c.build.package_dir, c.inject, c.backend
+            )
+        return why[key]
+
+    run = [c for c in cases if not of(c)]
+    return run, [(c, not_applicable_result(c, of(c))) for c in cases if of(c)]

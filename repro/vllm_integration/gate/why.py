@@ -23,6 +23,7 @@ SKIPPED = "a case could not run here"
 NO_RESULT = "a case ended without a result"
 CONTROL = "a control showed nothing"
 RECREATED = "a self control re-created no defect"
+NOTHING_APPLIES = "none of the methods asked for applies to build"
 
 
 def _where(sm) -> str:
@@ -62,7 +63,7 @@ def causes(run: GateRun) -> list[str]:
             continue  # the bug: AFFECTED, not a reason to be unable to vouch
         if (why := cause(r, c.is_control and not c.reference)) is not None:
             seen[(why, _where(c.mode.sm), c.reference)] += 1
-    out = []
+    out = [f"{NOTHING_APPLIES} {label}: {why}" for label, why in run.unanswered().items()]
     for (why, sm, is_ref), n in seen.most_common():
         if not is_ref and why == UNTRUSTED and (UNTRUSTED, sm, True) in seen:
             continue  # its cases' cause is that reference's, said once

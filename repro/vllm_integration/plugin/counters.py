@@ -311,9 +311,9 @@ def is_final(report: dict) -> bool:
 
 
 def merge_into(path: str, reports: list[tuple[dict, list[dict]]]) -> None:
-    """Each (process report, its mismatches) merged into the audit file at path (merged_report), under a lock file
-    of its own in the temporary folder (named by the audit file's real path: nothing left beside the user's file),
-    the file written whole (repro.files.write_whole: a temporary beside it, renamed into place; a link written
+    """Each (process report, its mismatches) merged into the audit file at path (merged_report), under a lock on
+    the audit file's folder itself (flock on the folder: no file made anywhere; where this process cannot open the
+    folder, a lock file in the temporary folder named by the audit file's real path), the file written whole (repro.files.write_whole: a temporary beside it, renamed into place; a link written
     through to its file): a reader, or a process killed in the middle of its write, never sees half a file; a path
     that is not a regular file is refused (ConfigError). A process's own exit report or snapshot, or those `pytest
     --repro-audit` forwards to the `repro audit` around it."""
@@ -322,9 +322,12 @@ def merge_into(path: str, reports: list[tuple[dict, list[dict]]]) -> None:
     import tempfile  # noqa: PLC0415  the lock's folder, likewise
 
     real = os.path.realpath(path)
-    key = hashlib.sha1(real.encode()).hexdigest()[:20]
-    lock_path = os.path.join(tempfile.gettempdir(), f"repro-audit-{key}.lock")
-    with open(os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)) as lock:
+    try:
+        lock = os.open(os.path.dirname(real) or ".", os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        key = hashlib.sha1(real.encode()).hexdigest()[:20]
+        lock = os.open(os.path.join(tempfile.gettempdir(), f"repro-audit-{key}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             with open(real) as f:
@@ -336,6 +339,8 @@ def merge_into(path: str, reports: list[tuple[dict, list[dict]]]) -> None:
         # not fsynced: the file must outlive its writer's SIGKILL (the page cache keeps it), not the machine's loss,
         # and a clean process writes a snapshot at every FULL capture
         write_whole(real, json.dumps(doc, indent=1), durable=False)
+    finally:
+        os.close(lock)  # the flock goes with it
 
 
 def merged_report(earlier: Any, mine: dict, mismatches: list[dict]) -> dict:
