@@ -199,7 +199,8 @@ def _dry_run(a: argparse.Namespace, opts: _Options, found: _Builds) -> int:
 
 def _progress(c, r) -> None:
     """A line per finished case, as the run reports it."""
-    print(f"[gate] {c.case_id}: {r.verdict} ({r.wall_s:.0f} s) {r.evidence or ''} {r.reason[:160]}", flush=True)
+    said = "" if r.evidence == r.reason else f"{r.evidence or ''} "  # a not-applicable case's reason is its evidence
+    print(f"[gate] {c.case_id}: {r.verdict} ({r.wall_s:.0f} s) {said}{r.reason[:160]}", flush=True)
 
 
 def _run_and_report(a: argparse.Namespace, opts: _Options, found: _Builds, devices: list) -> int:
