@@ -237,6 +237,29 @@ def test_the_audit_file_lock_leaves_nothing_behind_and_concurrent_writers_lose_n
     assert list(tmp.iterdir()) == [] and sorted(f.name for f in out.iterdir()) == ["audit.json"]
 
 
+def test_a_folder_the_filesystem_will_not_flock_falls_back_to_a_lock_file_in_the_temp_folder(tmp_path, monkeypatch):
+    """NFS may refuse a flock on a folder opened read-only (EBADF), Lustre without -o flock any flock on it: the
+    merge takes a lock file in the temp folder instead, never drops the report."""
+    import errno
+    import fcntl
+    import tempfile
+
+    real_flock = fcntl.flock
+
+    def nfs_flock(fd, op):
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", nfs_flock)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    path = str(tmp_path / "audit.json")
+    counters.merge_into(path, [(_report(7, 5, final=True), [])])
+    assert counters.json.loads((tmp_path / "audit.json").read_text())["checks"] == 5
+    assert [f.name.startswith("repro-audit-") for f in (tmp_path / "tmp").iterdir()] == [True]
+
+
 def test_a_snapshot_never_raises_into_vllm_whatever_the_file_holds(tmp_path, monkeypatch):
     path = tmp_path / "audit.json"
     path.write_text('{"processes": [{"pid": 1, "run": "r", "stale": null}], "mismatches": []}')

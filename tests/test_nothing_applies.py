@@ -38,6 +38,12 @@ def test_the_dry_run_lists_only_what_would_start_and_says_what_does_not_apply(tm
     assert "would answer CANNOT VOUCH" in r.stderr
     r = main_in([*base, "--methods", "eagle,eagle_dynamic_k"], tmp_path)
     assert r.returncode == 0 and len(r.stdout.split()) == 6 and "would answer" not in r.stderr
+    other = write_fake_vllm(tmp_path / "other", "0.34.0", "good")  # each build under test answered for itself
+    r = main_in([*base, "--vllm", f"y={other}", "--methods", "eagle_dynamic_k"], tmp_path)
+    assert [ln.split(": ")[1] for ln in r.stderr.splitlines() if "would answer" in ln] == [
+        "none of the methods asked for applies to build x",
+        "none of the methods asked for applies to build y",
+    ]
 
 
 def test_a_self_control_form_the_build_cannot_re_create_is_not_applicable_and_stale_k_is_the_dynamic_methods(tmp_path):

@@ -198,21 +198,43 @@ def test_the_timeout_stops_the_command_s_whole_process_group_and_cannot_vouch(tm
     assert not Path(f"/proc/{helper}").exists() or "Z" in Path(f"/proc/{helper}/stat").read_text().split()[2]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
-def test_ctrl_c_sigterm_or_a_hang_up_stops_the_command_and_marks_the_report_folder_interrupted(tmp_path, builds, sig):
-    """Ctrl-C, a cancelled CI job (SIGTERM) and a closed terminal or ssh session (SIGHUP) alike: the command's whole
-    session stopped, nothing left running, the folder marked interrupted."""
+@pytest.mark.parametrize(
+    ("sig", "times"), [(signal.SIGINT, 1), (signal.SIGTERM, 1), (signal.SIGHUP, 1), (signal.SIGHUP, 2)]
+)
+def test_ctrl_c_sigterm_or_a_hang_up_stops_the_command_and_marks_the_report_folder_interrupted(
+    tmp_path, builds, sig, times
+):
+    """Ctrl-C, a cancelled CI job (SIGTERM) and a closed terminal or ssh session (SIGHUP, which a closing terminal
+    may send twice: the second arrives while the command is being stopped) alike: the command's whole session
+    stopped, nothing left running, the folder marked interrupted."""
     cmd = [sys.executable, "-m", "repro", "audit", "--out", str(tmp_path / "r"), "--grace", "2", *script("inproc")]
     p = subprocess.Popen(cmd, cwd=tmp_path, env=env_for(tmp_path, builds["hang"]), stdout=subprocess.PIPE, text=True)
     line = p.stdout.readline()
     while "helper process" not in line:
         line = p.stdout.readline()
     helper = int(line.split()[-1])
-    p.send_signal(sig)
+    for k in range(times):
+        if k:
+            time.sleep(0.5)  # within the 2 s grace of the stop the first one began
+        p.send_signal(sig)
     assert p.wait(timeout=60) == 130
     assert (tmp_path / "r" / "INTERRUPTED").exists() and not (tmp_path / "r" / "results.json").exists()
     time.sleep(0.5)
     assert not Path(f"/proc/{helper}").exists() or "Z" in Path(f"/proc/{helper}/stat").read_text().split()[2]
+
+
+def test_a_hang_up_the_caller_ignores_nohup_leaves_the_command_running_to_its_end(tmp_path):
+    """`nohup repro audit ... &`: SIGHUP stays ignored (the handler is installed only where it was not), the command
+    runs to its end and is judged (no vLLM in it: CANNOT VOUCH), the folder not marked interrupted."""
+    marker = tmp_path / "done"
+    code = f"import time; time.sleep(2); open({str(marker)!r}, 'w')"
+    cmd = [sys.executable, "-m", "repro", "audit", "--out", str(tmp_path / "r"), "--", sys.executable, "-c", code]
+    nohup = lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)  # noqa: E731
+    p = subprocess.Popen(cmd, cwd=tmp_path, env=env_for(tmp_path, None), preexec_fn=nohup, stderr=subprocess.PIPE)
+    time.sleep(1.0)
+    p.send_signal(signal.SIGHUP)
+    assert p.wait(timeout=60) == 4 and marker.exists()
+    assert not (tmp_path / "r" / "INTERRUPTED").exists() and (tmp_path / "r" / "results.json").exists()
 
 
 def test_junit_on_request_and_a_report_folder_that_is_not_empty_refused(tmp_path, builds):

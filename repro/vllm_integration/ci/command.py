@@ -117,39 +117,55 @@ def end_leftovers(pgid: int, grace: float) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _undisturbed():
+    """Ctrl-C, SIGTERM and SIGHUP held off while the command is being stopped (a closed terminal sends SIGHUP twice:
+    the second would leave the command running)."""
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    was = {sig: signal.signal(sig, signal.SIG_IGN) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, handler in was.items():
+            signal.signal(sig, handler)
+
+
 def run(argv: list[str], folder: Path, timeout: float, strict: bool = False, backend: str | None = None,
         environ: dict[str, str] | None = None, grace: float = GRACE_S) -> Ran:  # fmt: skip
     """Run the command with the auditor under `folder` (made empty by the caller), bounded by `timeout` s."""
     env = command_env(folder, strict, backend, dict(os.environ if environ is None else environ))
     (folder / STARTED).mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    try:
-        p = subprocess.Popen(argv, env=env, start_new_session=True)
-    except OSError as e:
-        raise ConfigError(f"cannot start {argv[0]}: {e.strerror or e}") from None
+    # SIGTERM (a CI job cancelled) and SIGHUP (its terminal or ssh session gone) end it as Ctrl-C does, the command
+    # stopped first; a SIGHUP the caller ignores (nohup) stays ignored. Installed before the command starts: no
+    # moment where the command runs and a signal would leave it behind.
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    for sig, was in before.items():
+        if was is not signal.SIG_IGN:
+            signal.signal(sig, signal.default_int_handler)
     timed_out = False
-    # SIGTERM (a CI job cancelled) and SIGHUP (its terminal or ssh session gone) as Ctrl-C: the command stopped
-    term = signal.signal(signal.SIGTERM, signal.default_int_handler)
-    hup = signal.signal(signal.SIGHUP, signal.default_int_handler)
     try:
-        p.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _stop(p, signal.SIGTERM, grace)
-    except KeyboardInterrupt:  # the command's group is not the terminal's: stopped here, then the caller's Ctrl-C
-        sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C cannot cut the stop short
         try:
-            _stop(p, signal.SIGINT, grace)
-        finally:
-            signal.signal(signal.SIGINT, sigint)
-        raise
-    else:  # ended by itself: what it left running in its session is stopped before any report is read
-        if end_leftovers(p.pid, grace):
-            print(f"repro audit: the command left processes running in its session: stopped (SIGTERM, {grace:g} s)",
-                  file=sys.stderr)  # fmt: skip
+            p = subprocess.Popen(argv, env=env, start_new_session=True)
+        except OSError as e:
+            raise ConfigError(f"cannot start {argv[0]}: {e.strerror or e}") from None
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            with _undisturbed():
+                _stop(p, signal.SIGTERM, grace)
+        except KeyboardInterrupt:  # the command's group is not the terminal's: stopped here, then the caller's Ctrl-C
+            with _undisturbed():  # a second Ctrl-C, SIGTERM or hang-up cannot cut the stop short
+                _stop(p, signal.SIGINT, grace)
+            raise
+        else:  # ended by itself: what it left running in its session is stopped before any report is read
+            if end_leftovers(p.pid, grace):
+                print(f"repro audit: the command left processes running in its session: stopped (SIGTERM, "
+                      f"{grace:g} s)", file=sys.stderr)  # fmt: skip
     finally:
-        signal.signal(signal.SIGTERM, term)
-        signal.signal(signal.SIGHUP, hup)
+        for sig, was in before.items():
+            signal.signal(sig, was)
     status = CommandStatus(tuple(argv), None if timed_out else p.returncode, timed_out, time.time() - t0, strict)
     return Ran(status, *read_back(folder))
 

@@ -55,14 +55,14 @@ class GateRun:
         return [(c, r) for c, r in self.cases if not c.is_control and not passes(c, r) and r.not_applicable is None]
 
     def unanswered(self) -> dict[str, str]:
-        """Builds under test none of whose cases could run (every method asked for is one the build lacks) -> the
-        first reason: no answer for them either way, never a PASS nor a blind harness."""
+        """Builds under test none of whose cases could run (every method asked for is one the build lacks) -> each
+        distinct reason: no answer for them either way, never a PASS nor a blind harness."""
         under: dict[str, list[CaseResult]] = {}
         for c, r in self.cases:
             if not c.is_control:
                 under.setdefault(c.build.label, []).append(r)
         return {
-            label: rs[0].not_applicable or ""
+            label: "; ".join(dict.fromkeys(r.not_applicable or "" for r in rs))
             for label, rs in under.items()
             if all(r.not_applicable is not None for r in rs)
         }

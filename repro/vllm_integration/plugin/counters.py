@@ -312,8 +312,9 @@ def is_final(report: dict) -> bool:
 
 def merge_into(path: str, reports: list[tuple[dict, list[dict]]]) -> None:
     """Each (process report, its mismatches) merged into the audit file at path (merged_report), under a lock on
-    the audit file's folder itself (flock on the folder: no file made anywhere; where this process cannot open the
-    folder, a lock file in the temporary folder named by the audit file's real path), the file written whole (repro.files.write_whole: a temporary beside it, renamed into place; a link written
+    the audit file's folder itself (flock on the folder: no file made anywhere; where this process cannot open or
+    flock the folder (NFS, Lustre), a lock file in the temporary folder named by the audit file's real path), the
+    file written whole (repro.files.write_whole: a temporary beside it, renamed into place; a link written
     through to its file): a reader, or a process killed in the middle of its write, never sees half a file; a path
     that is not a regular file is refused (ConfigError). A process's own exit report or snapshot, or those `pytest
     --repro-audit` forwards to the `repro audit` around it."""
@@ -322,13 +323,20 @@ def merge_into(path: str, reports: list[tuple[dict, list[dict]]]) -> None:
     import tempfile  # noqa: PLC0415  the lock's folder, likewise
 
     real = os.path.realpath(path)
-    try:
+    lock = None
+    with contextlib.suppress(OSError):  # NFS and Lustre may refuse a flock on a folder: then the lock file
         lock = os.open(os.path.dirname(real) or ".", os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError:
+            os.close(lock)
+            lock = None
+            raise
+    if lock is None:
         key = hashlib.sha1(real.encode()).hexdigest()[:20]
         lock = os.open(os.path.join(tempfile.gettempdir(), f"repro-audit-{key}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
         try:
             with open(real) as f:
                 doc = json.loads(f.read())
