@@ -269,7 +269,8 @@ def test_ctrl_c_during_matrix_leaves_no_unmarked_report_folder_and_stops_at_once
     os.killpg(p.pid, signal.SIGINT)
     t0 = time.time()
     code = p.wait(timeout=60)
-    assert time.time() - t0 < 5  # it waited for its environment probe before: 10 s
+    # it waited for its environment probe before: 10 s; a loaded 2-core CI machine took 7.2 s to exit after the stop
+    assert time.time() - t0 < 9
     if code == 130:
         assert not out.exists() or (out / outputs.INTERRUPTED).exists(), sorted(map(str, tree(out)))
     else:  # it finished first: a complete report
