@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from repro import exit_codes
-from repro.cli.common import check_out_dir, command_started_at, gpu_present
+from repro.cli.common import check_out_dir, command_started_at, ended_as_ctrl_c, gpu_present
 from repro.cli.outputs import check_folder, check_inputs_kept, open_folder
 from repro.errors import ConfigError, Unavailable
 from repro.vllm_integration.gate.worker import COMPILES
@@ -60,7 +60,8 @@ def cmd_gate(a: argparse.Namespace) -> int:
         )
     if a.dry_run:
         return _dry_run(a, opts, found)
-    return _run_and_report(a, opts, found, devices)
+    with ended_as_ctrl_c():
+        return _run_and_report(a, opts, found, devices)
 
 
 def _refuse_moot(a: argparse.Namespace) -> None:

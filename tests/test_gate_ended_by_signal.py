@@ -1,0 +1,60 @@
+"""`gate` ended by a cancelled CI job (SIGTERM) or a closed terminal (SIGHUP) as by Ctrl-C: its case processes
+stopped, its report folder marked INTERRUPTED with no results.json, exit 130; before, SIGTERM killed it at once and
+left a folder of logs without the mark. A SIGHUP the caller ignores (nohup) stays ignored: the run goes on to its
+answer. Stand-in builds (tests/fake_vllm.py) through the real launcher, no GPU."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.commands import ROOT, isolated_env
+from tests.fake_vllm import write_fake_vllm
+
+
+def _gate(tmp_path, ignore_hup: bool = False) -> subprocess.Popen:
+    prefix = write_fake_vllm(tmp_path / "good", "0.34.0", "good")
+    env = {**isolated_env(tmp_path), "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "repro", "gate", "--no-installed", "--vllm", f"g={prefix}", "--methods", "eagle",
+           "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"), "--jobs", "1"]  # fmt: skip
+    pre = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if ignore_hup else None
+    return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, preexec_fn=pre)  # fmt: skip
+
+
+def _first_case(p: subprocess.Popen) -> None:
+    for line in p.stdout:
+        if line.startswith("[gate] stale_metadata-"):  # a case has finished: the run is at work
+            return
+    raise AssertionError("the gate ended before any case")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_or_a_hang_up_ends_the_gate_as_ctrl_c_does(tmp_path, sig):
+    p = _gate(tmp_path)
+    _first_case(p)
+    p.send_signal(sig)
+    assert p.wait(timeout=120) == 130
+    out = tmp_path / "out"
+    assert (out / "INTERRUPTED").exists() and not (out / "results.json").exists()
+    assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and str(tmp_path) in _cmdline(pid)]
+
+
+def test_a_hang_up_ignored_by_the_caller_nohup_lets_the_gate_answer(tmp_path):
+    p = _gate(tmp_path, ignore_hup=True)
+    _first_case(p)
+    p.send_signal(signal.SIGHUP)
+    assert p.wait(timeout=300) == 0  # PASS: the stand-in build clean, its self control caught
+    assert (tmp_path / "out" / "results.json").exists() and not (tmp_path / "out" / "INTERRUPTED").exists()
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
