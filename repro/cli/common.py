@@ -4,10 +4,8 @@ output folders and files that fail before any work, the attention-shape flags.""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
-import signal
 import subprocess
 import time
 import zipfile
@@ -281,19 +279,3 @@ def _zip_start(path: str) -> bool:
             return f.read(4) == b"PK\x03\x04"
     except OSError:
         return False
-
-
-@contextlib.contextmanager
-def ended_as_ctrl_c():
-    """SIGTERM (a cancelled CI job) and SIGHUP (a closed terminal or ssh session) end the command as Ctrl-C does: its
-    processes stopped, its report folder marked interrupted, exit 130; a signal the caller ignores (nohup) stays
-    ignored."""
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    for sig, was in before.items():
-        if was is not signal.SIG_IGN:
-            signal.signal(sig, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        for sig, was in before.items():
-            signal.signal(sig, was)

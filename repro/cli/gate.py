@@ -6,7 +6,9 @@ anything is written; the gate's modules load only when it runs (the imports insi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -14,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from repro import exit_codes
-from repro.cli.common import check_out_dir, command_started_at, ended_as_ctrl_c, gpu_present
+from repro.cli.common import check_out_dir, command_started_at, gpu_present
 from repro.cli.outputs import check_folder, check_inputs_kept, open_folder
 from repro.errors import ConfigError, Unavailable
 from repro.vllm_integration.gate.worker import COMPILES
@@ -62,6 +64,22 @@ def cmd_gate(a: argparse.Namespace) -> int:
         return _dry_run(a, opts, found)
     with ended_as_ctrl_c():
         return _run_and_report(a, opts, found, devices)
+
+
+@contextlib.contextmanager
+def ended_as_ctrl_c():
+    """SIGTERM (a cancelled CI job) and SIGHUP (a closed terminal or ssh session) end the run as Ctrl-C does: its
+    processes stopped, its report folder marked interrupted, exit 130; a signal the caller ignores (nohup) stays
+    ignored."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    for sig, was in before.items():
+        if was is not signal.SIG_IGN:
+            signal.signal(sig, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        for sig, was in before.items():
+            signal.signal(sig, was)
 
 
 def _refuse_moot(a: argparse.Namespace) -> None:
