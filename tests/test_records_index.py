@@ -194,6 +194,23 @@ def test_a_change_of_comments_and_docstrings_alone_leaves_a_record_fresh_and_say
     assert r.returncode == 1 and "repro/vllm_integration/gate/run.py" in r.stdout, r.stdout
 
 
+def test_a_change_undone_since_leaves_a_record_fresh(repo):
+    """Code changed after the record, then put back as it was: no difference between what the record ran and what the
+    command runs now, so fresh (it said STALE with "(unknown)" changed)."""
+    _commit(repo, "record rec-a")
+    assert _records("--add", "rec-a", root=repo).returncode == 0
+    _commit(repo, "packed")
+    run = repo / "repro/vllm_integration/gate/run.py"
+    before = run.read_text()
+    _write(repo, {"repro/vllm_integration/gate/run.py": before + "X = 1\n"})
+    _commit(repo, "a change")
+    assert _records("--stale", root=repo).returncode == 1
+    _write(repo, {"repro/vllm_integration/gate/run.py": before})
+    _commit(repo, "undone")
+    r = _records("--stale", root=repo)
+    assert r.returncode == 0 and "ran the code it runs now" in r.stdout and "(unknown)" not in r.stdout, r.stdout
+
+
 @pytest.mark.parametrize("ran", ["this commit's code", "other code"])
 def test_a_record_whose_run_says_it_ran_other_code_than_its_commit_is_stale(repo, ran):
     """A record carries the digest of the harness code its run ran (environment.harness_code); `--stale` checks it

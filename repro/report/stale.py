@@ -257,7 +257,8 @@ def check(root: Path) -> list[Staleness]:
         if changed == ("",):
             out.append(Staleness(cmd, last["name"], commit, changed_in, (), text_only=True, indexed_at=indexed_at))
             continue
-        changed = changed or (() if fresh else ("(unknown)",))
+        # a change undone since (no difference between the record's code and today's): nothing it ran changed
+        changed = changed or (() if fresh or commit else ("(unknown)",))
         out.append(Staleness(cmd, last["name"], commit, changed_in, changed, indexed_at=indexed_at))
     return out
 
