@@ -6,9 +6,7 @@ anything is written; the gate's modules load only when it runs (the imports insi
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -62,24 +60,10 @@ def cmd_gate(a: argparse.Namespace) -> int:
         )
     if a.dry_run:
         return _dry_run(a, opts, found)
-    with ended_as_ctrl_c():
+    from repro.vllm_integration.ci.command import ended_as_ctrl_c  # as gate_devices: loaded only for a run
+
+    with ended_as_ctrl_c():  # a cancelled CI job's SIGTERM, a closed terminal's SIGHUP: as Ctrl-C
         return _run_and_report(a, opts, found, devices)
-
-
-@contextlib.contextmanager
-def ended_as_ctrl_c():
-    """SIGTERM (a cancelled CI job) and SIGHUP (a closed terminal or ssh session) end the run as Ctrl-C does: its
-    processes stopped, its report folder marked interrupted, exit 130; a signal the caller ignores (nohup) stays
-    ignored."""
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    for sig, was in before.items():
-        if was is not signal.SIG_IGN:
-            signal.signal(sig, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        for sig, was in before.items():
-            signal.signal(sig, was)
 
 
 def _refuse_moot(a: argparse.Namespace) -> None:

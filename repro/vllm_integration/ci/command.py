@@ -118,6 +118,22 @@ def end_leftovers(pgid: int, grace: float) -> bool:
 
 
 @contextlib.contextmanager
+def ended_as_ctrl_c():
+    """SIGTERM (a cancelled CI job) and SIGHUP (a closed terminal or ssh session) raise KeyboardInterrupt as Ctrl-C
+    does, so the command that holds this stops its processes and marks its report folder (`repro audit`, `gate`); a
+    signal the caller ignores (nohup) stays ignored."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    for sig, was in before.items():
+        if was is not signal.SIG_IGN:
+            signal.signal(sig, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        for sig, was in before.items():
+            signal.signal(sig, was)
+
+
+@contextlib.contextmanager
 def _undisturbed():
     """Ctrl-C, SIGTERM and SIGHUP held off while the command is being stopped (a closed terminal sends SIGHUP twice:
     the second would leave the command running)."""
@@ -136,15 +152,9 @@ def run(argv: list[str], folder: Path, timeout: float, strict: bool = False, bac
     env = command_env(folder, strict, backend, dict(os.environ if environ is None else environ))
     (folder / STARTED).mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    # SIGTERM (a CI job cancelled) and SIGHUP (its terminal or ssh session gone) end it as Ctrl-C does, the command
-    # stopped first; a SIGHUP the caller ignores (nohup) stays ignored. Installed before the command starts: no
-    # moment where the command runs and a signal would leave it behind.
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    for sig, was in before.items():
-        if was is not signal.SIG_IGN:
-            signal.signal(sig, signal.default_int_handler)
     timed_out = False
-    try:
+    # in place before the command starts: no moment where it runs and a signal would leave it behind
+    with ended_as_ctrl_c():
         try:
             p = subprocess.Popen(argv, env=env, start_new_session=True)
         except OSError as e:
@@ -163,9 +173,6 @@ def run(argv: list[str], folder: Path, timeout: float, strict: bool = False, bac
             if end_leftovers(p.pid, grace):
                 print(f"repro audit: the command left processes running in its session: stopped (SIGTERM, "
                       f"{grace:g} s)", file=sys.stderr)  # fmt: skip
-    finally:
-        for sig, was in before.items():
-            signal.signal(sig, was)
     status = CommandStatus(tuple(argv), None if timed_out else p.returncode, timed_out, time.time() - t0, strict)
     return Ran(status, *read_back(folder))
 
