@@ -7,6 +7,9 @@
 #   bash scripts/bench-gate.sh NAME [PREVIOUS ...] [-- gate flags]
 # e.g. bash scripts/bench-gate.sh h100-gate-default-2 h100-gate-default-cold
 #      bash scripts/bench-gate.sh h100-gate-sm-2 -- --modes audit,plain,sm_margin:16,mps:16
+# BENCH_KEEP=S adds a third run, NAME-kept: the warm run is given --keep-forkserver S (its forkserver, started as
+# the warm run's is, then outlives it) and the kept run, the same command again, forks its cases from that forkserver
+# with no import of its own (a runner that keeps its processes between jobs); the forkserver ends S seconds idle.
 # The gate's own exit code (0 PASS, 1 AFFECTED, ...) is printed, not this script's: a benchmark measures time.
 # It refuses a NAME whose records exist (it never writes over one) and removes only the cache folder it made.
 set -u
@@ -16,7 +19,13 @@ previous=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do previous+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
 py=$(command -v python3 || command -v python)
-for run in cold warm; do
+runs="cold warm"
+keep=${BENCH_KEEP:-}
+if [ -n "$keep" ]; then
+  case $keep in *[!0-9]*) echo "bench-gate: BENCH_KEEP=$keep: a whole number of seconds" >&2; exit 2;; esac
+  runs="cold warm kept"
+fi
+for run in $runs; do
   if [ -e "results/$name-$run" ] || [ -e "results/$name-$run.tar.xz" ]; then
     echo "bench-gate: results/$name-$run exists: choose another NAME" >&2
     exit 2
@@ -27,13 +36,15 @@ said=$(mktemp -d "${TMPDIR:-/tmp}/bench-gate-said.XXXX")  # the terminal output,
 trap 'rm -rf "$cache" "$said"' EXIT
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 echo "bench-gate: $name on ${gpu:-an unknown GPU}, $(nproc) CPU cores; cache folder $cache (empty)"
-for run in cold warm; do
+for run in $runs; do
   out="results/$name-$run"
+  kept=()
+  [ "$run" != cold ] && [ -n "$keep" ] && kept=(--keep-forkserver "$keep")
   start=$(date +%s%N)
-  "$py" -m repro gate --cache-dir "$cache" --out "$out" "$@" 2>&1 | tee "$said/$run.log"
+  "$py" -m repro gate --cache-dir "$cache" --out "$out" ${kept[@]+"${kept[@]}"} "$@" 2>&1 | tee "$said/$run.log"
   rc=${PIPESTATUS[0]}
   ms=$((($(date +%s%N) - start) / 1000000))
   [ -d "$out" ] && mv "$said/$run.log" "$out/terminal.log"
   echo "bench-gate: $run: exit $rc in $((ms / 1000)).$((ms % 1000 / 100)) s (the shell's clock)"
 done
-"$py" -m repro records --speed ${previous[@]+"${previous[@]}"} "$name-cold" "$name-warm" --timeline
+"$py" -m repro records --speed ${previous[@]+"${previous[@]}"} $(for run in $runs; do echo "$name-$run"; done) --timeline

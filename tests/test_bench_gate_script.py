@@ -76,3 +76,27 @@ def test_the_benchmark_refuses_a_name_whose_record_exists(bench):
     done = run("h100-x")
     assert done.returncode == 2 and "results/h100-x-warm exists" in done.stderr
     assert not (tmp / "calls").exists()  # no gate ran
+
+
+def test_bench_keep_adds_a_kept_run_that_reuses_the_warm_runs_forkserver(bench):
+    run, work, tmp = bench
+    done = subprocess.run(
+        ["bash", str(SCRIPT), "h100-k", "--", "--vllm", "0.34.0=/v"], cwd=work, capture_output=True, text=True,
+        env={**os.environ, "PATH": f"{tmp / 'bin'}:{os.environ['PATH']}", "CALLS": str(tmp / "calls"),
+             "TMPDIR": str(tmp), "BENCH_KEEP": "60"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    gates = [c for c in (tmp / "calls").read_text().splitlines() if c.startswith("-m repro gate")]
+    assert [("--keep-forkserver 60" in g) for g in gates] == [False, True, True]  # cold stays the bare command
+    assert [g.split("--out ")[1].split()[0] for g in gates] == [f"results/h100-k-{r}" for r in ("cold", "warm", "kept")]
+    assert (tmp / "calls").read_text().splitlines()[-1].endswith("h100-k-cold h100-k-warm h100-k-kept --timeline")
+
+
+def test_bench_keep_refuses_a_value_that_is_no_whole_number_of_seconds(bench):
+    run, work, tmp = bench
+    done = subprocess.run(
+        ["bash", str(SCRIPT), "h100-k"], cwd=work, capture_output=True, text=True,
+        env={**os.environ, "PATH": f"{tmp / 'bin'}:{os.environ['PATH']}", "CALLS": str(tmp / "calls"),
+             "TMPDIR": str(tmp), "BENCH_KEEP": "1e9; rm"},
+    )  # fmt: skip
+    assert done.returncode == 2 and "BENCH_KEEP" in done.stderr and not (tmp / "calls").exists()
