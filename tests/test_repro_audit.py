@@ -154,7 +154,14 @@ def test_another_method_than_the_one_expected_is_cannot_vouch_with_both_named(tm
     assert r.returncode == 4
     assert "speculative method asked for: eagle; the model runner the plugin saw capturing ran: draft_model" in r.stderr
     r, doc = audit(tmp_path, builds["good"], "--expect-method", "eagle", *script("spawn"), out="same")
-    assert r.returncode == 0 and doc["judgement"]["methods"]
+    assert r.returncode == 0 and doc["judgement"]["methods"] and "warning" not in r.stderr
+
+
+def test_an_expected_method_vllm_never_names_is_warned_of_before_the_run_and_judged_as_given():
+    from repro.cli.audit import unknown_method
+
+    assert "--expect-method eagel: not a speculative method vLLM names" in unknown_method("eagel")
+    assert [unknown_method(m) for m in ("eagle3", "deepseek_mtp", "draft_model", None)] == [None] * 4
 
 
 def test_expected_speculator_and_capture_manager_classes_are_compared_where_recorded(tmp_path, builds):

@@ -17,6 +17,23 @@ from repro.vllm_integration.ci import command, report
 from repro.vllm_integration.ci.judge import Expect, judge
 from repro.vllm_integration.plugin.backend_fields import known_name
 
+# vLLM's speculative method names over the releases the harness covers (SpeculativeConfig.method; an MTP model type
+# ends in _mtp and vLLM reports it as mtp): another name is compared as given, with a warning before the run
+KNOWN_METHODS = frozenset(
+    {"ngram", "ngram_gpu", "draft_model", "suffix", "eagle", "eagle3", "extract_hidden_states", "mtp", "dflash",
+     "dspark", "medusa", "mlp_speculator"}
+)  # fmt: skip
+
+
+def unknown_method(name: str | None) -> str | None:
+    """Why --expect-method NAME is likely a typo (no method vLLM names so), or None."""
+    if name is None or name in KNOWN_METHODS or name.endswith("_mtp"):
+        return None
+    return (
+        f"--expect-method {name}: not a speculative method vLLM names ({', '.join(sorted(KNOWN_METHODS))}, or an "
+        "MTP model type): compared as given, so a run of any method will be CANNOT VOUCH"
+    )
+
 
 def add_parsers(sub) -> None:
     what = (
@@ -58,6 +75,8 @@ def cmd_audit(a: argparse.Namespace) -> int:
     why = command.refusal(dict(os.environ))
     if why:
         raise ConfigError(why)
+    if warning := unknown_method(a.expect_method):
+        print(f"warning: {warning}", file=sys.stderr)
     outputs.check_folder(a.out, a.overwrite)
     if a.junit:
         outputs.check_file(a.junit, "--junit", own=lambda p: outputs.is_text(p) and "<testsuites" in p.read_text())
