@@ -132,6 +132,18 @@ def test_a_mode_with_only_negative_controls_fails_the_gate():
     assert why and "mode audit: no positive control ran" in why
 
 
+def test_a_run_where_no_case_applies_fails_saying_it_checked_nothing_and_why():
+    """repro gate answers CANNOT VOUCH for a build none of whose methods applies; the pytest tier fails the same way,
+    naming the reasons, not as a blind harness."""
+    ev = pytest_gate.Evidence()
+    for mode in ("audit", "plain"):
+        ev.add(_report("not-applicable", "clean", mode=mode, na="no specialize_spec_tokens in 0.33.0"))
+    _, why = ev.summary()
+    assert why == (
+        "GATE FAILED: cannot vouch: no case applies here, so nothing was checked (no specialize_spec_tokens in 0.33.0)"
+    )
+
+
 def test_cpu_tests_and_crashed_workers_in_a_gate_run():
     ev = pytest_gate.Evidence()
     cpu = types.SimpleNamespace(**{**vars(_report("clean", "clean")), "keywords": {"test_redact": 1}})

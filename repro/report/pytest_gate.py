@@ -184,6 +184,9 @@ class Evidence:
         if self.unreported:
             lines.append(f"  {len(self.unreported)} GPU case(s) could not run here (no verdict): {self.unreported[0]}")
         why = d.failures[-1] if d.failures and d.failures[-1].kind in GATE_WIDE else None
+        if d.failures and self.controls and all(c.not_applicable for c in self.controls):
+            reasons = "; ".join(dict.fromkeys(c.not_applicable for c in self.controls))
+            why = f"GATE FAILED: cannot vouch: no case applies here, so nothing was checked ({shorten(reasons, 300)})"
         if why is None and d.failures:
             why = f"GATE FAILED: {len(d.failures)} control(s) failed, first: {d.failures[0]}"
         if why is None and self.unreported:
