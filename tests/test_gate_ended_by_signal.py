@@ -58,3 +58,30 @@ def _cmdline(pid: str) -> str:
             return f.read().decode(errors="replace")
     except OSError:
         return ""
+
+
+def test_ctrl_c_stops_the_case_processes_in_flight_at_once_not_after_them(tmp_path):
+    """A case that hangs (its captures never finish) must not hold Ctrl-C (here SIGTERM, its mapping) until its
+    timeout: the case processes are stopped first, then the run ends, marked INTERRUPTED."""
+    import time
+
+    prefix = write_fake_vllm(tmp_path / "hang", "0.34.0", "hang")
+    env = {**isolated_env(tmp_path), "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "repro", "gate", "--no-installed", "--vllm", f"h={prefix}", "--methods", "eagle",
+           "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"), "--jobs", "1",
+           "--self-control", "none", "--timeout", "200"]  # fmt: skip
+    p = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)  # fmt: skip
+    logs = tmp_path / "out" / "logs"
+    deadline = time.time() + 120
+    while time.time() < deadline and not any("stand-in hang" in f.read_text(errors="replace")
+                                              for f in logs.glob("*.out.log")):  # fmt: skip
+        assert p.poll() is None, p.stdout.read()
+        time.sleep(0.2)
+    assert time.time() < deadline, "no case reached its hang"
+    t0 = time.time()
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=120) == 130
+    assert time.time() - t0 < 12  # the hanging case stopped at once (its own timeout: 200 s)
+    assert (tmp_path / "out" / "INTERRUPTED").exists()
+    assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and str(tmp_path) in _cmdline(pid)]

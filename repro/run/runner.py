@@ -7,6 +7,7 @@ server, the same forkserver kept between commands)."""
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -31,6 +32,8 @@ from repro.run.smcontrol import MpsDaemon, device_sm_count
 # A memcheck case is stopped this long after memcheck finished writing its first error (a stale case may never end
 # and its verdict rests on that first error); the grace only lets the error count grow.
 EARLY_STOP_GRACE_S = 0.5
+_watched: set[int] = set()  # the case processes watch() waits on now (their session leaders' pids), any thread's
+_watched_lock = threading.Lock()
 
 
 def memcheck_launch_env(base: dict[str, str] | None = None) -> dict[str, str]:
@@ -197,6 +200,8 @@ def watch(
     stale case may never finish)."""
     timed_out, stopped_early, hung = False, False, False
     first_finding: float | None = None
+    with _watched_lock:
+        _watched.add(proc.pid)
     try:
         while True:
             try:
@@ -222,7 +227,20 @@ def watch(
         kill_group(proc.pid)
         proc.wait()
         raise
+    finally:
+        with _watched_lock:
+            _watched.discard(proc.pid)
     return ProcessRun(proc.returncode, timed_out, stopped_early, time.time() - t0, t0, stalled=hung)
+
+
+def stop_watched() -> int:
+    """Kill the session of every case process watch() waits on now, in any thread (the main thread's Ctrl-C reaches
+    no other thread): each watch returns as for a crash. How many there were."""
+    with _watched_lock:
+        pids = list(_watched)
+    for pid in pids:
+        kill_group(pid)
+    return len(pids)
 
 
 def _has_finding(path: Path) -> bool:

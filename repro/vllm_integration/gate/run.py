@@ -24,7 +24,7 @@ from repro.contract.verdicts import CLEAN, ERROR
 from repro.errors import ConfigError, Unavailable
 from repro.run.memory import GIB, MemoryBudget
 from repro.run.mps_cases import SHARED, run_mps_cases
-from repro.run.runner import case_logs, device_sm_count, set_aside_logs
+from repro.run.runner import case_logs, device_sm_count, set_aside_logs, stop_watched
 from repro.run.smcontrol import MpsDaemon, sm_refusal
 from repro.vllm_integration.gate import placement
 from repro.vllm_integration.gate.cache import GateCache, gpu_identity, keep_in_logs, kept_reference, ref_key
@@ -196,9 +196,14 @@ class GateScheduler:
         mps_thread.start()
         go = lambda c: self.record(c, self.run_one(c, None))  # noqa: E731
         with ThreadPoolExecutor(self.workers) as threads, ThreadPoolExecutor(REF_SLOTS) as ref_slots:
-            first = [ref_slots.submit(go, c) for c in refs] if beside else []
-            list(threads.map(go, cases if beside else refs + cases))
-            [f.result() for f in first]  # a reference's error is the run's, as a case's is
+            futures = [ref_slots.submit(go, c) for c in refs] if beside else []
+            futures += [threads.submit(go, c) for c in (cases if beside else refs + cases)]
+            try:
+                [f.result() for f in futures]  # in order: a reference's error is the run's, as a case's is
+            except BaseException:
+                self.progress = None  # the cases killed now are no verdicts to print
+                stop_in_flight(futures, self.launched)
+                raise
         mps_thread.join()
         if self.mps_failed:  # the run must not be judged without its MPS cases
             raise self.mps_failed[0]
@@ -330,6 +335,9 @@ class GateScheduler:
         return run
 
 
+STOP_S = 20.0  # how long Ctrl-C waits for the threads of killed case processes to end
+
+
 def run_gate(
     builds: list[VllmBuild],
     modes: tuple[GateMode, ...],
@@ -363,6 +371,20 @@ def run_gate(
     its share of `memory` (placement.case_gib). self_control_forms, control_kernels: plan's `forms`,
     `control_kernels`; self_control_attempts: gate.process.run_control's `attempts`."""
     return GateScheduler(**locals())()  # its parameters are GateScheduler's fields, by name
+
+
+def stop_in_flight(futures: list, launched: Launcher | None, within_s: float = STOP_S) -> None:
+    """Ctrl-C (or an error) in the main thread: no case starts any more, and the case processes in flight are killed
+    (the forked ones with their forkservers, the spawned ones as watch() waits on them, again while an attempt or a
+    rerun starts after a kill) until their threads end, within `within_s`: a hanging case would hold the run."""
+    for f in futures:
+        f.cancel()
+    if launched is not None:
+        launched.close()
+    end = time.time() + within_s
+    while not all(f.done() for f in futures) and time.time() < end:
+        stop_watched()
+        time.sleep(0.1)
 
 
 def platform_key(case: GateCase) -> tuple[SmConfig, str | None]:
