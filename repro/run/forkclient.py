@@ -294,6 +294,8 @@ class ForkServer:
         self.close()
 
     def close(self) -> None:
+        if self.closing:  # closed once already (Ctrl-C closes early, the run's end again): its fd numbers may be reused
+            return
         self.closing = True
         if self.proc is None and self.socket is None:  # never started (unavailable)
             return
