@@ -43,6 +43,10 @@ class ForkServerDied(Exception):
     """The forkserver died while the case ran; the case's process group was killed."""
 
 
+class Stopped(RuntimeError):
+    """The run is being stopped (Ctrl-C, SIGTERM, an error): no further case process starts."""
+
+
 class ProtocolError(ValueError):
     """A line that is not a record of this schema."""
 

@@ -22,7 +22,7 @@ py=$(command -v python3 || command -v python)
 runs="cold warm"
 keep=${BENCH_KEEP:-}
 if [ -n "$keep" ]; then
-  case $keep in *[!0-9]*) echo "bench-gate: BENCH_KEEP=$keep: a whole number of seconds" >&2; exit 2;; esac
+  case $keep in *[!0-9]* | 0*) echo "bench-gate: BENCH_KEEP=$keep: a whole number of seconds, 1 or more" >&2; exit 2;; esac
   runs="cold warm kept"
 fi
 for run in $runs; do
@@ -47,4 +47,6 @@ for run in $runs; do
   [ -d "$out" ] && mv "$said/$run.log" "$out/terminal.log"
   echo "bench-gate: $run: exit $rc in $((ms / 1000)).$((ms % 1000 / 100)) s (the shell's clock)"
 done
-"$py" -m repro records --speed ${previous[@]+"${previous[@]}"} $(for run in $runs; do echo "$name-$run"; done) --timeline
+records=()
+for run in $runs; do records+=("$name-$run"); done
+"$py" -m repro records --speed ${previous[@]+"${previous[@]}"} "${records[@]}" --timeline

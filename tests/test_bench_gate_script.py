@@ -92,11 +92,12 @@ def test_bench_keep_adds_a_kept_run_that_reuses_the_warm_runs_forkserver(bench):
     assert (tmp / "calls").read_text().splitlines()[-1].endswith("h100-k-cold h100-k-warm h100-k-kept --timeline")
 
 
-def test_bench_keep_refuses_a_value_that_is_no_whole_number_of_seconds(bench):
+@pytest.mark.parametrize("keep", ["1e9; rm", "0", "-5"])
+def test_bench_keep_refuses_a_value_that_is_no_whole_number_of_seconds(bench, keep):
     run, work, tmp = bench
     done = subprocess.run(
         ["bash", str(SCRIPT), "h100-k"], cwd=work, capture_output=True, text=True,
         env={**os.environ, "PATH": f"{tmp / 'bin'}:{os.environ['PATH']}", "CALLS": str(tmp / "calls"),
-             "TMPDIR": str(tmp), "BENCH_KEEP": "1e9; rm"},
+             "TMPDIR": str(tmp), "BENCH_KEEP": keep},
     )  # fmt: skip
     assert done.returncode == 2 and "BENCH_KEEP" in done.stderr and not (tmp / "calls").exists()

@@ -60,9 +60,11 @@ def _cmdline(pid: str) -> str:
         return ""
 
 
-def test_ctrl_c_stops_the_case_processes_in_flight_at_once_not_after_them(tmp_path):
+@pytest.mark.parametrize("signals", [1, 2], ids=["once", "twice"])
+def test_ctrl_c_stops_the_case_processes_in_flight_at_once_not_after_them(tmp_path, signals):
     """A case that hangs (its captures never finish) must not hold Ctrl-C (here SIGTERM, its mapping) until its
-    timeout: the case processes are stopped first, then the run ends, marked INTERRUPTED."""
+    timeout: the case processes are stopped first, then the run ends, marked INTERRUPTED. A second signal (a closed
+    terminal's second hang-up, Ctrl-C pressed twice) does not cut the stop short."""
     import time
 
     prefix = write_fake_vllm(tmp_path / "hang", "0.34.0", "hang")
@@ -80,7 +82,9 @@ def test_ctrl_c_stops_the_case_processes_in_flight_at_once_not_after_them(tmp_pa
         time.sleep(0.2)
     assert time.time() < deadline, "no case reached its hang"
     t0 = time.time()
-    p.send_signal(signal.SIGTERM)
+    for _ in range(signals):
+        p.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
     assert p.wait(timeout=120) == 130
     assert time.time() - t0 < 12  # the hanging case stopped at once (its own timeout: 200 s)
     assert (tmp_path / "out" / "INTERRUPTED").exists()

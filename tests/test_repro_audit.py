@@ -157,11 +157,15 @@ def test_another_method_than_the_one_expected_is_cannot_vouch_with_both_named(tm
     assert r.returncode == 0 and doc["judgement"]["methods"] and "warning" not in r.stderr
 
 
-def test_an_expected_method_vllm_never_names_is_warned_of_before_the_run_and_judged_as_given():
-    from repro.cli.audit import unknown_method
+def test_an_expected_method_vllm_never_names_is_warned_of_and_an_mtp_model_type_is_compared_as_mtp():
+    from repro.cli.audit import expected_method
 
-    assert "--expect-method eagel: not a speculative method vLLM names" in unknown_method("eagel")
-    assert [unknown_method(m) for m in ("eagle3", "deepseek_mtp", "draft_model", None)] == [None] * 4
+    name, warning = expected_method("eagel")
+    assert name == "eagel" and "--expect-method eagel: not a speculative method vLLM names" in warning
+    name, warning = expected_method("deepseek_mtp")
+    assert name == "mtp" and "compared as mtp" in warning
+    assert [expected_method(m) for m in ("eagle3", "draft_model", None)] == [("eagle3", None), ("draft_model", None),
+                                                                             (None, None)]  # fmt: skip
 
 
 def test_expected_speculator_and_capture_manager_classes_are_compared_where_recorded(tmp_path, builds):

@@ -18,18 +18,24 @@ from repro.vllm_integration.ci.judge import Expect, judge
 from repro.vllm_integration.plugin.backend_fields import known_name
 
 # vLLM's speculative method names over the releases the harness covers (SpeculativeConfig.method; an MTP model type
-# ends in _mtp and vLLM reports it as mtp): another name is compared as given, with a warning before the run
+# ends in _mtp and vLLM reports it as mtp): see expected_method
 KNOWN_METHODS = frozenset(
     {"ngram", "ngram_gpu", "draft_model", "suffix", "eagle", "eagle3", "extract_hidden_states", "mtp", "dflash",
      "dspark", "medusa", "mlp_speculator"}
 )  # fmt: skip
 
 
-def unknown_method(name: str | None) -> str | None:
-    """Why --expect-method NAME is likely a typo (no method vLLM names so), or None."""
-    if name is None or name in KNOWN_METHODS or name.endswith("_mtp"):
-        return None
-    return (
+def expected_method(name: str | None) -> tuple[str | None, str | None]:
+    """--expect-method NAME as vLLM reports it (an MTP model type, deepseek_mtp & co., runs as mtp), and a warning
+    for a name vLLM never gives a method (likely a typo: compared as given, any run would be CANNOT VOUCH), or None."""
+    if name is None or name in KNOWN_METHODS:
+        return name, None
+    if name.endswith("_mtp"):
+        return (
+            "mtp",
+            f"--expect-method {name}: an MTP model type, which vLLM runs and reports as method mtp: compared as mtp",
+        )
+    return name, (
         f"--expect-method {name}: not a speculative method vLLM names ({', '.join(sorted(KNOWN_METHODS))}, or an "
         "MTP model type): compared as given, so a run of any method will be CANNOT VOUCH"
     )
@@ -75,14 +81,15 @@ def cmd_audit(a: argparse.Namespace) -> int:
     why = command.refusal(dict(os.environ))
     if why:
         raise ConfigError(why)
-    if warning := unknown_method(a.expect_method):
+    method, warning = expected_method(a.expect_method)
+    if warning:
         print(f"warning: {warning}", file=sys.stderr)
     outputs.check_folder(a.out, a.overwrite)
     if a.junit:
         outputs.check_file(a.junit, "--junit", own=lambda p: outputs.is_text(p) and "<testsuites" in p.read_text())
     folder = outputs.open_folder(a.out, "audit", a.overwrite)
     ran = command.run(argv, folder / "audit", a.timeout, a.strict, a.backend, grace=a.grace)
-    j = judge(ran.doc, ran.started, Expect(a.expect_method, a.expect_speculator, a.expect_manager), ran.status)
+    j = judge(ran.doc, ran.started, Expect(method, a.expect_speculator, a.expect_manager), ran.status)
     if ran.unreadable:  # an audit file that is not a report: never read as clean
         j.reasons.insert(0, f"the audit file could not be read: {ran.unreadable}")
         if j.outcome == GateOutcome.PASS:

@@ -28,7 +28,7 @@ from repro.errors import Unavailable
 from repro.exit_codes import Exit, gate_decision, pytest_session
 from repro.files import write_whole
 from repro.judge.control import Control
-from repro.judge.decision import GATE_WIDE, GateDecision
+from repro.judge.decision import GATE_WIDE, NOT_COVERED, GateDecision
 from repro.judge.excerpt import shorten
 from repro.judge.policy import GATE_ENV as ENV
 from repro.judge.policy import REQUIRE_ENV, decide, parse_requirements
@@ -184,7 +184,14 @@ class Evidence:
         if self.unreported:
             lines.append(f"  {len(self.unreported)} GPU case(s) could not run here (no verdict): {self.unreported[0]}")
         why = d.failures[-1] if d.failures and d.failures[-1].kind in GATE_WIDE else None
-        if d.failures and self.controls and all(c.not_applicable for c in self.controls):
+        covered = not any(f.kind == NOT_COVERED for f in d.failures)  # a required feature's miss says so itself
+        if (
+            d.failures
+            and covered
+            and not self.unreported
+            and self.controls
+            and all(c.not_applicable for c in self.controls)
+        ):
             reasons = "; ".join(dict.fromkeys(c.not_applicable for c in self.controls))
             why = f"GATE FAILED: cannot vouch: no case applies here, so nothing was checked ({shorten(reasons, 300)})"
         if why is None and d.failures:

@@ -88,6 +88,8 @@ class ForkServer:
         self.refusal: dict | None = None  # its REFUSED record, when it refused (busy: a kept one serving another run)
         self.ready_at: float | None = None
         self.closing = False
+        self._closed = False  # close() done to its end
+        self._req: int | None = None  # the request pipe or socket (None: closed or never opened)
         self.failed: str | None = None
         self.import_log = b""  # what its imports printed: each case's log starts with it, as a fresh process's does
         self._cv = threading.Condition()
@@ -195,6 +197,8 @@ class ForkServer:
     def _send(self, kind: str, **fields) -> None:
         data = memoryview(fs.encode(kind, **fields))
         with self._wlock:
+            if self._req is None:  # closed: its number may belong to another file by now
+                raise OSError("the forkserver's connection is closed")
             while data:
                 data = data[os.write(self._req, data) :]
 
@@ -294,28 +298,39 @@ class ForkServer:
         self.close()
 
     def close(self) -> None:
-        if self.closing:  # closed once already (Ctrl-C closes early, the run's end again): its fd numbers may be reused
+        """End this command's use of the forkserver (its cases killed). Safe to call again, also after a close that
+        was cut short: each step is done once, and a descriptor closed here is never closed again (its number may
+        be another file's by then)."""
+        if self._closed:
             return
         self.closing = True
         if self.proc is None and self.socket is None:  # never started (unavailable)
+            self._closed = True
             return
         if self.socket is not None:  # STOP ends this run's connection; the forkserver waits for the next run
             sock = getattr(self, "_sock", None)
             if sock is not None:
                 with contextlib.suppress(OSError):
                     self._send(fs.STOP)
+                with self._wlock:
+                    self._req, self._sock = None, None
                 sock.close()
             if self.proc is not None and self.ready is None:  # started here and never ready: nobody will take it
                 kill_group(self.proc.pid)
+            self._closed = True
             return
         if self.ready is None:  # still importing (it reads requests once ready): stopped now, not after 10 s
             kill_group(self.proc.pid)
         with contextlib.suppress(OSError):
             self._send(fs.STOP)
-        with contextlib.suppress(OSError):
-            os.close(self._req)
+        with self._wlock:
+            req, self._req = self._req, None
+        if req is not None:
+            with contextlib.suppress(OSError):
+                os.close(req)
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             kill_group(self.proc.pid)
             self.proc.wait()
+        self._closed = True

@@ -8,6 +8,7 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,6 +20,23 @@ from repro import CHECKOUT, entrypoints
 # Python's waits overflow past about 24.8 days (poll's milliseconds in a C int): a longer --timeout was taken, then
 # ended the run with an OverflowError once its first case waited.
 MAX_WAIT_S = 7 * 24 * 3600
+
+
+@contextlib.contextmanager
+def undisturbed() -> Iterator[None]:
+    """Ctrl-C, SIGTERM and SIGHUP held off while a command stops its processes (a closed terminal sends SIGHUP twice,
+    a user presses Ctrl-C twice: the second would cut the stop short and leave processes running). Only the main
+    thread can set handlers: elsewhere nothing is held."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    was = {sig: signal.signal(sig, signal.SIG_IGN) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, handler in was.items():
+            signal.signal(sig, handler)
 
 
 def case_env(base: dict[str, str] | None = None) -> dict[str, str]:

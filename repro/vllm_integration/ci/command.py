@@ -21,7 +21,7 @@ from pathlib import Path
 
 from repro.contract.request import ENV as REQUEST_ENV
 from repro.errors import ConfigError
-from repro.run.process import kill_group, stat_fields
+from repro.run.process import kill_group, stat_fields, undisturbed
 from repro.vllm_integration.ci.judge import CommandStatus
 from repro.vllm_integration.plugin import BACKEND_ENV, ENV, FILE_ENV, RUN_ENV
 from repro.vllm_integration.plugin.counters import STARTED_ENV, STRICT_ENV
@@ -133,19 +133,6 @@ def ended_as_ctrl_c():
             signal.signal(sig, was)
 
 
-@contextlib.contextmanager
-def _undisturbed():
-    """Ctrl-C, SIGTERM and SIGHUP held off while the command is being stopped (a closed terminal sends SIGHUP twice:
-    the second would leave the command running)."""
-    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    was = {sig: signal.signal(sig, signal.SIG_IGN) for sig in sigs}
-    try:
-        yield
-    finally:
-        for sig, handler in was.items():
-            signal.signal(sig, handler)
-
-
 def run(argv: list[str], folder: Path, timeout: float, strict: bool = False, backend: str | None = None,
         environ: dict[str, str] | None = None, grace: float = GRACE_S) -> Ran:  # fmt: skip
     """Run the command with the auditor under `folder` (made empty by the caller), bounded by `timeout` s."""
@@ -163,10 +150,10 @@ def run(argv: list[str], folder: Path, timeout: float, strict: bool = False, bac
             p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
-            with _undisturbed():
+            with undisturbed():
                 _stop(p, signal.SIGTERM, grace)
         except KeyboardInterrupt:  # the command's group is not the terminal's: stopped here, then the caller's Ctrl-C
-            with _undisturbed():  # a second Ctrl-C, SIGTERM or hang-up cannot cut the stop short
+            with undisturbed():  # a second Ctrl-C, SIGTERM or hang-up cannot cut the stop short
                 _stop(p, signal.SIGINT, grace)
             raise
         else:  # ended by itself: what it left running in its session is stopped before any report is read

@@ -25,7 +25,7 @@ import os
 import threading
 from pathlib import Path
 
-from repro.errors import ConfigError, ForkServerDied, ForkUnavailable
+from repro.errors import ConfigError, ForkServerDied, ForkUnavailable, Stopped
 from repro.vllm_integration.gate import keep as gate_keep
 from repro.vllm_integration.gate.forkserver import PRELOAD, TARGET_MAIN, GateForkServer
 
@@ -65,6 +65,7 @@ class Launcher:
         self._servers: dict[object, GateForkServer] = {}
         self._lock = threading.RLock()
         self._stats: dict[str, dict] = {}
+        self.closed = False  # close(): the run ended or is stopping
 
     def _stat(self, label: str) -> dict:
         return self._stats.setdefault(label, {"forked": 0, "spawned": 0, "notes": []})
@@ -109,6 +110,7 @@ class Launcher:
         """One case process through `run_process` (repro.run.runner's, as gate_run holds it): forked from its build's
         forkserver where it can be, else spawned as `cmd`. (result, output, what the record's phases get: the
         launcher that started it and, when that is not the one asked for, why)."""
+        self.refuse_when_closed()
         server, why = (None, "memcheck runs under compute-sanitizer") if sanitized else self.server_for(case.build, env)
         if server is not None:
             try:
@@ -121,6 +123,7 @@ class Launcher:
                 self._note(case.build.label, f"forkserver died under {case.case_id}: it ran again, launched plainly")
             except ForkUnavailable as e:
                 why = str(e)
+        self.refuse_when_closed()  # a forkserver closed by a stop is no reason to launch plainly
         res, out = run_process(case, cmd, env, log_dir, sanitized)
         self.count(case.build.label, False, why, case.case_id)
         return res, out, {"launcher": SPAWN, **({"launch_note": why} if why and self.kind == FORK else {})}
@@ -177,5 +180,11 @@ class Launcher:
         return out
 
     def close(self) -> None:
+        """No case launches any more (Stopped), and each forkserver is closed (its children killed)."""
+        self.closed = True
         for server in [s for s in self._servers.values() if s is not None]:
             server.close()
+
+    def refuse_when_closed(self) -> None:
+        if self.closed:
+            raise Stopped("the gate run is stopping: no case process starts")

@@ -24,7 +24,7 @@ from repro.contract.verdicts import CLEAN, ERROR
 from repro.errors import ConfigError, Unavailable
 from repro.run.memory import GIB, MemoryBudget
 from repro.run.mps_cases import SHARED, run_mps_cases
-from repro.run.runner import case_logs, device_sm_count, set_aside_logs, stop_watched
+from repro.run.runner import case_logs, device_sm_count, set_aside_logs
 from repro.run.smcontrol import MpsDaemon, sm_refusal
 from repro.vllm_integration.gate import placement
 from repro.vllm_integration.gate.cache import GateCache, gpu_identity, keep_in_logs, kept_reference, ref_key
@@ -48,6 +48,7 @@ from repro.vllm_integration.gate.process import (
     skipped,
 )
 from repro.vllm_integration.gate.steps import finish, validate
+from repro.vllm_integration.gate.stopping import results_in_order, stop_in_flight
 from repro.vllm_integration.gate.worker import DEFAULT_COMPILE
 from repro.vllm_integration.plugin.backend_fields import DEFAULT_BACKEND
 from repro.vllm_integration.plugin.inject import INJECTIONS
@@ -195,16 +196,18 @@ class GateScheduler:
         mps_thread = threading.Thread(target=self.mps_part, args=(under_mps, bool(refs or cases)), daemon=True)
         mps_thread.start()
         go = lambda c: self.record(c, self.run_one(c, None))  # noqa: E731
-        with ThreadPoolExecutor(self.workers) as threads, ThreadPoolExecutor(REF_SLOTS) as ref_slots:
-            futures = [ref_slots.submit(go, c) for c in refs] if beside else []
-            futures += [threads.submit(go, c) for c in (cases if beside else refs + cases)]
-            try:
-                [f.result() for f in futures]  # in order: a reference's error is the run's, as a case's is
-            except BaseException:
-                self.progress = None  # the cases killed now are no verdicts to print
-                stop_in_flight(futures, self.launched)
-                raise
-        mps_thread.join()
+        threads, ref_slots = ThreadPoolExecutor(self.workers), ThreadPoolExecutor(REF_SLOTS)
+        futures = [ref_slots.submit(go, c) for c in refs] if beside else []
+        futures += [threads.submit(go, c) for c in (cases if beside else refs + cases)]
+        try:
+            results_in_order(futures)  # a reference's error is the run's, as a case's is
+            mps_thread.join()
+        except BaseException:  # Ctrl-C, SIGTERM, a case's error: what is in flight stops now (gate.stopping)
+            self.progress = None  # the cases killed now are no verdicts to print
+            stop_in_flight(futures, [threads, ref_slots], self.launched.close, mps_thread.is_alive)
+            raise
+        threads.shutdown()
+        ref_slots.shutdown()
         if self.mps_failed:  # the run must not be judged without its MPS cases
             raise self.mps_failed[0]
 
@@ -258,8 +261,8 @@ class GateScheduler:
                 self.cache.store_reference(c.build, ref_key(c), self.gpu, out, res.to_dict(), text)
         with self.lock:
             self.keep(c, res, out, ran)
-        if self.progress:
-            self.progress(c, res)
+        if progress := self.progress:  # read once: a stop sets it None meanwhile
+            progress(c, res)
 
     def keep(self, c: GateCase, res: CaseResult, out: dict | None, ran: _Ran) -> None:
         """A recorded case into the run (record, under the lock): its result, attribution, attempts, its build's span."""
@@ -335,9 +338,6 @@ class GateScheduler:
         return run
 
 
-STOP_S = 20.0  # how long Ctrl-C waits for the threads of killed case processes to end
-
-
 def run_gate(
     builds: list[VllmBuild],
     modes: tuple[GateMode, ...],
@@ -371,20 +371,6 @@ def run_gate(
     its share of `memory` (placement.case_gib). self_control_forms, control_kernels: plan's `forms`,
     `control_kernels`; self_control_attempts: gate.process.run_control's `attempts`."""
     return GateScheduler(**locals())()  # its parameters are GateScheduler's fields, by name
-
-
-def stop_in_flight(futures: list, launched: Launcher | None, within_s: float = STOP_S) -> None:
-    """Ctrl-C (or an error) in the main thread: no case starts any more, and the case processes in flight are killed
-    (the forked ones with their forkservers, the spawned ones as watch() waits on them, again while an attempt or a
-    rerun starts after a kill) until their threads end, within `within_s`: a hanging case would hold the run."""
-    for f in futures:
-        f.cancel()
-    if launched is not None:
-        launched.close()
-    end = time.time() + within_s
-    while not all(f.done() for f in futures) and time.time() < end:
-        stop_watched()
-        time.sleep(0.1)
 
 
 def platform_key(case: GateCase) -> tuple[SmConfig, str | None]:
