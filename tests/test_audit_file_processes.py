@@ -16,14 +16,14 @@ import sys
 
 import pytest
 
-from repro.vllm_integration.plugin import counters
+from repro.vllm_integration.plugin import audit_file, counters
 from tests.commands import ROOT
 
 # one process of a vLLM run with the auditor installed: its checks (and, with any, one stale view) reported at exit,
 # which comes when the test closes its stdin; `slow`: its merge takes 0.05 s (a slow file system), inside the lock
 PROCESS = """
 import sys, time
-from repro.vllm_integration.plugin import counters
+from repro.vllm_integration.plugin import audit_file, counters
 from repro.vllm_integration.plugin.audit import Mismatch
 path, checks, slow = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "slow"
 counters.at_exit(counters.report_at_exit(path))  # as plugin.register does once the auditor installed
@@ -31,8 +31,8 @@ counters.AUDITOR.checks, counters.AUDITOR.views, counters.AUDITOR.descriptor_che
 if checks:
     counters.AUDITOR.mismatches.append(Mismatch("t4r4", "seq_lens", "seq_lens", 0, 5, 7))
 if slow:
-    merge = counters.merged_report
-    counters.merged_report = lambda *a: (time.sleep(0.05), merge(*a))[1]
+    merge = audit_file.merged_report
+    audit_file.merged_report = lambda *a: (time.sleep(0.05), merge(*a))[1]
 print("installed", flush=True)
 sys.stdin.read()
 """
@@ -135,7 +135,7 @@ def test_processes_that_report_at_once_each_keep_their_report(tmp_path):
 # report its parent's checks again)
 STARTS = """
 import multiprocessing, sys
-from repro.vllm_integration.plugin import counters
+from repro.vllm_integration.plugin import audit_file, counters
 from repro.vllm_integration.plugin.audit import Mismatch
 
 def run_checks(n):
@@ -198,8 +198,8 @@ def test_the_merge_keeps_each_processs_mismatches_with_it():
     b = {**a, "pid": 2, "process": "B", "run": "earlier", "installed": 5.0, "written": 30.0, "stale": 1, "summary": "b"}
     earlier = {"processes": [b, a], "mismatches": [{"m": "b1"}, {"m": "a1"}, {"m": "a2"}]}
     mine = {**a, "pid": 3, "process": "C", "installed": 15.0, "written": 30.0, "checks": 0, "stale": 1}
-    doc = counters.merged_report(earlier, mine, [{"m": "c1"}])
+    doc = audit_file.merged_report(earlier, mine, [{"m": "c1"}])
     assert [p["pid"] for p in doc["processes"]] == [1, 3]  # A wrote before C installed, of C's run; B another run's
     assert doc["mismatches"] == [{"m": "a1"}, {"m": "a2"}, {"m": "c1"}] and doc["checks"] == 2
     old_shape = {"checks": 9, "mismatches": [{"m": "x"}], "summary": "s", "counters": {}}  # before `processes`
-    assert counters.merged_report(old_shape, mine, [])["checks"] == 0
+    assert audit_file.merged_report(old_shape, mine, [])["checks"] == 0

@@ -18,7 +18,7 @@ from repro import exit_codes
 from repro.judge.decision import GateOutcome
 from repro.vllm_integration.ci import command, report
 from repro.vllm_integration.ci.judge import Expect, judge
-from repro.vllm_integration.plugin import counters
+from repro.vllm_integration.plugin import audit_file, counters
 from repro.vllm_integration.plugin.audit import FreshnessAuditor, Mismatch
 from tests.commands import ROOT
 
@@ -27,7 +27,7 @@ MGR = "SpeculatorCudaGraphManager.decode_cudagraph_manager of Speculator"
 # (and `stale` a stale finding in it), its snapshot taken as the capture's end takes it; then it waits to be killed
 PROCESS = """
 import os, sys
-from repro.vllm_integration.plugin import counters
+from repro.vllm_integration.plugin import audit_file, counters
 from repro.vllm_integration.plugin.audit import Mismatch
 path, folder, what, mgr = sys.argv[1:]
 counters.at_exit(counters.report_at_exit(path))
@@ -119,18 +119,18 @@ def test_the_exit_report_replaces_the_snapshot(tmp_path):
 # a process that merged one report, then is killed (SIGKILL) half-way through writing its next
 HALF = """
 import os, pathlib, signal, sys
-from repro.vllm_integration.plugin import counters
+from repro.vllm_integration.plugin import audit_file, counters
 path = sys.argv[1]
 report = {"pid": 1, "process": "EngineCore", "run": "r", "installed": 1.0, "written": 2.0, "checks": 7, "views": 9,
           "descriptor_checks": 3, "stale": 0, "summary": "s", "counters": {}, "final": False, "snapshot_reason": "x"}
-counters.merge_into(path, [(report, [])])
+audit_file.merge_into(path, [(report, [])])
 def half(self, data, *a, **kw):
     with open(self, "w") as f:
         f.write(data[:40])
         f.flush()
     os.kill(os.getpid(), signal.SIGKILL)
 pathlib.Path.write_text = half
-counters.merge_into(path, [({**report, "checks": 8}, [])])
+audit_file.merge_into(path, [({**report, "checks": 8}, [])])
 """
 
 
@@ -204,21 +204,21 @@ def _report(pid: int, checks: int, final: bool) -> dict:
 def test_a_snapshot_never_replaces_its_process_s_exit_report_in_the_file(tmp_path):
     """A snapshot that raced the exit report (its check before the lock) or came later: the exit report stays."""
     path = str(tmp_path / "audit.json")
-    counters.merge_into(path, [(_report(7, 5, final=True), [])])
-    counters.merge_into(path, [(_report(7, 3, final=False), [])])
+    audit_file.merge_into(path, [(_report(7, 5, final=True), [])])
+    audit_file.merge_into(path, [(_report(7, 3, final=False), [])])
     doc = counters.json.loads((tmp_path / "audit.json").read_text())
     assert [(p["pid"], p["checks"], p["final"]) for p in doc["processes"]] == [(7, 5, True)] and doc["checks"] == 5
-    counters.merge_into(path, [(_report(7, 6, final=True), [])])  # an exit report replaces whatever was there
+    audit_file.merge_into(path, [(_report(7, 6, final=True), [])])  # an exit report replaces whatever was there
     assert counters.json.loads((tmp_path / "audit.json").read_text())["checks"] == 6
 
 
 MERGER = """
 import sys
-from repro.vllm_integration.plugin import counters
+from repro.vllm_integration.plugin import audit_file, counters
 report = {"pid": int(sys.argv[2]), "process": "EngineCore", "run": "r", "installed": 1.0, "written": 2.0,
           "checks": 1, "views": 1, "descriptor_checks": 1, "stale": 0, "summary": "s", "counters": {}, "final": True}
 for k in range(40):
-    counters.merge_into(sys.argv[1], [({**report, "checks": k + 1}, [])])
+    audit_file.merge_into(sys.argv[1], [({**report, "checks": k + 1}, [])])
 """
 
 
@@ -255,7 +255,7 @@ def test_a_folder_the_filesystem_will_not_flock_falls_back_to_a_lock_file_in_the
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     path = str(tmp_path / "audit.json")
-    counters.merge_into(path, [(_report(7, 5, final=True), [])])
+    audit_file.merge_into(path, [(_report(7, 5, final=True), [])])
     assert counters.json.loads((tmp_path / "audit.json").read_text())["checks"] == 5
     assert [f.name.startswith("repro-audit-") for f in (tmp_path / "tmp").iterdir()] == [True]
 

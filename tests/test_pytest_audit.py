@@ -190,3 +190,48 @@ def test_an_engine_killed_after_its_captures_is_judged_from_its_snapshot_never_a
     assert (
         "(EngineCore): no exit report (killed, or still running when read); last snapshot after a FULL capture" in out
     )
+
+
+FORKED_AFTER_IN_PROCESS = """
+import multiprocessing
+from vllm import LLM, SamplingParams
+
+
+def engine():
+    llm = LLM(model="tiny", speculative_config={"method": "eagle", "num_speculative_tokens": 3},
+              compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"})
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4))
+
+
+def test_a_in_process():
+    engine()  # the auditor installs in pytest's own process, this test's audit file its destination
+
+
+def test_b_forked():
+    p = multiprocessing.get_context("fork").Process(target=engine, name="EngineCore")
+    p.start()
+    p.join()
+    assert p.exitcode == 0
+"""
+
+
+@pytest.mark.parametrize(("behaviour", "passed", "failed"), [("good", 2, 0), ("stale-quiet", 0, 2)])
+def test_an_engine_forked_in_a_later_test_reports_to_that_test_not_to_the_one_that_installed_the_auditor(
+    pytester, monkeypatch, tmp_path_factory, behaviour, passed, failed
+):
+    """vLLM's engine core forked from pytest's process (vLLM used as a library) inherits an auditor installed there
+    during an earlier test: its reports must reach its own test's file, as its start mark does (on the H100 the last
+    test of a clean run was CANNOT VOUCH, its engine's reports filed under the first test)."""
+    build = write_fake_vllm(tmp_path_factory.mktemp(behaviour), "0.34.0", behaviour)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join((str(build), str(ROOT), os.environ.get("PYTHONPATH", ""))))
+    for k in ("REPRO_AUDIT", "REPRO_AUDIT_FILE", "REPRO_AUDIT_RUN", "REPRO_REQUEST", "VLLM_PLUGINS"):
+        monkeypatch.delenv(k, raising=False)
+    pytester.makepyfile(test_forked=FORKED_AFTER_IN_PROCESS)
+    r = _audited(pytester, passed=passed, failed=failed)
+    out = r.stdout.str()
+    assert "cannot vouch: test_forked.py::test_b_forked" not in out  # its engine's reports reached its own folder
+    if behaviour == "stale-quiet":
+        assert "repro audit: stale during test_forked.py::test_b_forked" in out
+        assert "repro audit: AFFECTED: 2 test(s) judged, 2 stale, 0 not judged" in out
+    else:
+        assert "repro audit: PASS: 2 test(s) judged, 0 stale, 0 not judged" in out

@@ -126,7 +126,7 @@ def test_every_file_written_whole_goes_through_the_one_helper():
 
 
 def test_a_file_written_whole_is_fsynced_unless_asked_not_to_be(tmp_path, monkeypatch):
-    """The audit file's snapshots (plugin counters.merge_into) must outlive their writer's kill, not the machine's:
+    """The audit file's snapshots (plugin audit_file.merge_into) must outlive their writer's kill, not the machine's:
     `durable=False` skips the fsync, and only that."""
     synced: list[int] = []
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd))

@@ -1,5 +1,5 @@
 """What an audited run shows, judged in the gate's words (PASS / AFFECTED / CANNOT VOUCH) from the typed records the
-plugin left: the merged audit file (every process's report: plugin.counters.merged_report) and the marks of the
+plugin left: the merged audit file (every process's report: plugin.audit_file.merged_report) and the marks of the
 processes that installed the auditor (plugin.counters.mark_started). The command's own exit status is kept beside the
 answer, never in it: a command that fails with nothing stale is not AFFECTED, one that passes with stale metadata is.
 
@@ -32,7 +32,7 @@ from repro.judge.decision import GateOutcome
 from repro.vllm_integration.gate.checked import judged
 from repro.vllm_integration.gate.coverage import method_problems
 from repro.vllm_integration.plugin.audit import STALE_DESCRIPTOR
-from repro.vllm_integration.plugin.counters import is_final
+from repro.vllm_integration.plugin.audit_file import is_final
 
 
 @dataclass(frozen=True)

@@ -168,7 +168,7 @@ class AuditPlugin:
         mine = _with_in_process(None, self.session_base, _in_process())
         reports += _reports(mine, self.outer[c.RUN_ENV])
         if reports:
-            from repro.vllm_integration.plugin.counters import merge_into  # noqa: PLC0415  as __init__
+            from repro.vllm_integration.plugin.audit_file import merge_into  # noqa: PLC0415  as __init__
 
             merge_into(self.outer[c.FILE_ENV], reports)
 

@@ -36,7 +36,7 @@ which `python -m repro plugin-request ...` prints (from_environment). The reques
                           REPRO_AUDIT_RUN, inherited) merges its own into (vLLM's multi-process engine: a front-end
                           that checks nothing, an engine core that runs the model), whichever exits first;
                           `processes` lists each (pid, name, checks, stale views), the totals are their sums, an
-                          earlier run's report in the file is replaced (counters.merged_report). While the
+                          earlier run's report in the file is replaced (audit_file.merged_report). While the
                           process runs its report is kept there as a snapshot (`final` false: at a FULL
                           capture's end while nothing was found, at once at the first stale finding, else at
                           most every 2 s;

@@ -18,8 +18,8 @@ from typing import Any
 
 from repro.contract.channel import emit
 from repro.contract.tags import AUDIT_TAG, COUNTERS_TAG
-from repro.files import write_whole
 from repro.vllm_integration.plugin.audit import FreshnessAuditor
+from repro.vllm_integration.plugin.audit_file import merge_into
 from repro.vllm_integration.plugin.inject import bump as bump_counter
 
 FILE_ENV = "REPRO_AUDIT_FILE"  # the audit file of a person's REPRO_AUDIT=1 run (plugin.from_environment)
@@ -131,8 +131,10 @@ class AtExit:
         self,
         report: Callable[[tuple[int, ...] | None], None],
         snap: Callable[[tuple[int, ...] | None, str], None] | None = None,
+        on_fork: Callable[[], None] | None = None,
     ) -> None:
         self.report, self.snap, self.pid, self.base = report, snap, None, None
+        self.on_fork = on_fork  # in a fork child, before anything is reported (report_at_exit: where to)
 
     def _says(self) -> bool:
         return self.base is None or _done() != self.base or _MARKED["pid"] == os.getpid()  # a marked one always says
@@ -150,6 +152,8 @@ class AtExit:
 
     def forked(self) -> None:
         self.pid, self.base = None, _done()
+        if self.on_fork is not None:
+            self.on_fork()
         _SNAP.update(at=0.0, progress=None, stale=0, base=len(AUDITOR.mismatches))  # the child's snapshots its own
 
 
@@ -247,10 +251,21 @@ def run_token() -> str:
 def report_at_exit(path: str | None) -> AtExit:
     """What the plugin registers at exit once its auditor installed (at_exit): write_report, with the time it
     installed and, with an audit file, the run's token (which reports in the file belong to this run: merged_report)."""
-    installed, run = time.time(), run_token() if path else None
+    installed = time.time()
+    to = {"path": path, "run": run_token() if path else None}
+    from_env = path is not None and path == os.environ.get(FILE_ENV)
+
+    def follow_environment() -> None:
+        """A fork child whose audit file came from FILE_ENV reports where its own environment says, as its start
+        mark does (mark_started): pytest --repro-audit moves FILE_ENV and RUN_ENV to each test's folder, and vLLM's
+        engine core forked in a later test inherits an auditor installed in pytest's process during an earlier one."""
+        if from_env and (now := os.environ.get(FILE_ENV)) and now != to["path"]:
+            to.update(path=now, run=run_token())
+
     callback = AtExit(
-        lambda base: write_report(path, installed, run, base),
-        (lambda base, reason: write_snapshot(path, installed, run, base, reason)) if path else None,
+        lambda base: write_report(to["path"], installed, to["run"], base),
+        (lambda base, reason: write_snapshot(to["path"], installed, to["run"], base, reason)) if path else None,
+        follow_environment,
     )
     _REPORTS.append(callback)
     return callback
@@ -303,96 +318,6 @@ def own_report(
         "counters": snapshot(),
     }
     return mine, [m.to_dict() for m in mismatches]
-
-
-def is_final(report: dict) -> bool:
-    """Is a process's report its exit report? A report without `final` was written before snapshots were: at exit."""
-    return report.get("final", True) is not False
-
-
-def merge_into(path: str, reports: list[tuple[dict, list[dict]]]) -> None:
-    """Each (process report, its mismatches) merged into the audit file at path (merged_report), under a lock on
-    the audit file's folder itself (flock on the folder: no file made anywhere; where this process cannot open or
-    flock the folder (NFS, Lustre), a lock file in the temporary folder named by the audit file's real path), the
-    file written whole (repro.files.write_whole: a temporary beside it, renamed into place; a link written
-    through to its file): a reader, or a process killed in the middle of its write, never sees half a file; a path
-    that is not a regular file is refused (ConfigError). A process's own exit report or snapshot, or those `pytest
-    --repro-audit` forwards to the `repro audit` around it."""
-    import fcntl  # noqa: PLC0415  one lock per audit file, only where there is one (Linux, as vLLM)
-    import hashlib  # noqa: PLC0415  the lock's name, only where there is an audit file
-    import tempfile  # noqa: PLC0415  the lock's folder, likewise
-
-    real = os.path.realpath(path)
-    lock = None
-    with contextlib.suppress(OSError):  # NFS and Lustre may refuse a flock on a folder: then the lock file
-        lock = os.open(os.path.dirname(real) or ".", os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        except OSError:
-            os.close(lock)
-            lock = None
-            raise
-    if lock is None:
-        key = hashlib.sha1(real.encode()).hexdigest()[:20]
-        lock = os.open(os.path.join(tempfile.gettempdir(), f"repro-audit-{key}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(lock, fcntl.LOCK_EX)
-    try:
-        try:
-            with open(real) as f:
-                doc = json.loads(f.read())
-        except (FileNotFoundError, ValueError):  # none yet, or not a report: nothing of this run's
-            doc = None
-        for mine, mismatches in reports:
-            doc = merged_report(doc, mine, mismatches)
-        # not fsynced: the file must outlive its writer's SIGKILL (the page cache keeps it), not the machine's loss,
-        # and a clean process writes a snapshot at every FULL capture
-        write_whole(real, json.dumps(doc, indent=1), durable=False)
-    finally:
-        os.close(lock)  # the flock goes with it
-
-
-def merged_report(earlier: Any, mine: dict, mismatches: list[dict]) -> dict:
-    """The audit file once this process (`mine`, with its `mismatches`) reported into it: the reports of this run's
-    other processes kept (those with its token, `run`: started by the same first process, before or after this one
-    installed its auditor; an earlier run's, or a file of another shape, is replaced), then the totals every reader
-    reads as one report: `checks`, `views`, `descriptor_checks` summed, `mismatches` every process's in the order of
-    `processes` (each process's count of them its `stale`), `summary` naming each process and what it checked. A
-    process that checked nothing is listed, never in place of one that did."""
-    kept: list[tuple[dict, list]] = []
-    final: tuple[dict, list] | None = None  # this process's exit report already there: a snapshot never replaces it
-    if isinstance(earlier, dict) and isinstance(earlier.get("processes"), list):
-        at = 0
-        for p in earlier["processes"]:
-            n = p.get("stale") if isinstance(p, dict) else 0
-            n = n if isinstance(n, int) and n > 0 else 0  # a malformed entry counts no mismatches
-            if isinstance(p, dict) and p.get("run") == mine["run"]:
-                own = list(earlier.get("mismatches") or [])[at : at + n]
-                if p.get("pid") != mine["pid"]:
-                    kept.append((_kept(p, mine), own))
-                elif is_final(p) and not is_final(mine):
-                    final = (p, own)
-            at += n
-    kept.append(final or (mine, mismatches))
-    processes = [p for p, _ in kept]
-    checked = [p for p in processes if p["checks"]]
-    said = "; ".join(f"{p['process']} (pid {p['pid']}): {p['summary']}" for p in processes)
-    return {
-        "checks": sum(p["checks"] for p in processes),
-        "views": sum(p["views"] for p in processes),
-        "descriptor_checks": sum(p["descriptor_checks"] for p in processes),
-        "mismatches": [m for _, ms in kept for m in ms],
-        "summary": f"{len(processes)} process(es) reported, {len(checked)} with checks: {said}",
-        "processes": processes,
-    }
-
-
-def _kept(p: dict, mine: dict) -> dict:
-    """An earlier report of the run in the shape of `mine` (a key it lacks: 0), final or a snapshot as it was."""
-    out = {k: p.get(k, 0) for k in mine if k not in ("final", "snapshot_reason")}
-    out["final"] = is_final(p)
-    if not out["final"]:
-        out["snapshot_reason"] = p.get("snapshot_reason") or "an event not named"
-    return out
 
 
 def write_counters(base: tuple[int, ...] | None = None) -> None:
