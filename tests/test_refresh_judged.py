@@ -51,7 +51,7 @@ def _scheduler(batch_size: int, seqlens: torch.Tensor, cu_query_lens: torch.Tens
     return out
 
 
-def standin_flash_attn(back: int = 0, with_get: bool = True) -> types.ModuleType:
+def standin_flash_attn(back: int = 0, with_get: bool = True, via_get: bool = False) -> types.ModuleType:
     """FLASH_ATTN's classes: build writes the persistent buffers (query_start_loc, seq_lens, scheduler_metadata) for n
     requests of q tokens; update_draft_decode_metadata recomputes the scheduler metadata from the views, as vLLM's
     does (a new tensor from _get_scheduler_metadata, copied into the builder's persistent buffer, the rest of it
@@ -90,7 +90,14 @@ def standin_flash_attn(back: int = 0, with_get: bool = True) -> types.ModuleType
     def update_draft_decode_metadata(self, metadata):
         seq = metadata.seq_lens if not back else (metadata.seq_lens - back).clamp(min=0)
         n = metadata.num_decode_reqs or metadata.seq_lens.shape[0]
-        metadata.scheduler_metadata = self._store_scheduler_metadata(_scheduler(n, seq, metadata.query_start_loc))
+        if via_get:  # as vLLM 0.34.0's: through the builder's _get_scheduler_metadata, by keyword
+            sched = self._get_scheduler_metadata(
+                aot_schedule=True, batch_size=n, cu_query_lens=metadata.query_start_loc, max_query_len=1,
+                seqlens=seq, max_seq_len=1024, causal=True, max_num_splits=32,
+            )  # fmt: skip
+        else:
+            sched = _scheduler(n, seq, metadata.query_start_loc)
+        metadata.scheduler_metadata = self._store_scheduler_metadata(sched)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None):
         return "ran"
@@ -381,3 +388,38 @@ def test_a_judging_rule_that_raises_is_counted_unjudged_and_never_stops_vllms_lo
     draft_steps(builder, impl, md, mod.bufs, 2, steps=2)
     assert counters.COUNTERS["refresh_unjudged"] == {"FLASH_ATTN.scheduler_metadata: TypeError": 2}
     assert counters.COUNTERS["refresh_checks"] == 0 and not counters.AUDITOR.mismatches
+
+
+def test_a_refresh_for_the_previous_step_is_stale_by_what_it_handed_fa3_even_where_its_answer_agrees(plugin_state):
+    """On the H100 the refresh-previous-step mutant wrote what the builder gives at every judged refresh (no draft
+    step of the gate's shapes crossed a block) and was not caught. What the refresh handed FA3's scheduler (seq_lens
+    one less than its views show) is judged too: stale at the first eager refresh, within one block."""
+    mod, builder, impl = audited(plugin_state, back=1, via_get=True)
+    md = builder.build(0, 2, seq=6)  # 6,7 -> 5,6: the same blocks of 4, so FA3's answer is the builder's
+    builder.update_draft_decode_metadata(md)
+    found = stale_refresh_findings()
+    assert not [m for m in found if m.buffer == "scheduler_metadata"]  # what it wrote agrees
+    inputs = [m for m in found if m.buffer == "scheduler input"]
+    assert inputs and inputs[0].field == "seqlens" and (inputs[0].built, inputs[0].now) == (6, 5)
+    assert "seqlens[0] is 5, the builder gives 6 for the step its views show" in str(inputs[0])
+    assert counters.COUNTERS["refresh_stale"] == 1  # one refresh, counted once
+    assert builder._get_scheduler_metadata.__func__ is type(builder)._get_scheduler_metadata  # given back
+
+
+def test_a_correct_refresh_passes_its_own_views_and_its_inputs_agree(plugin_state):
+    mod, builder, impl = audited(plugin_state, via_get=True)
+    md = builder.build(0, 3, seq=3)
+    draft_steps(builder, impl, md, mod.bufs, 3, steps=3)
+    assert stale_refresh_findings() == []
+    assert counters.COUNTERS["refresh_input_checks"] == 6  # seqlens and cu_query_lens at each of 3 refreshes
+    assert counters.COUNTERS["refresh_stale"] == 0
+
+
+def test_inside_a_capture_nothing_is_watched_and_nothing_copied(plugin_state):
+    mod, builder, impl = audited(plugin_state, back=1, via_get=True)
+    md = builder.build(0, 2, seq=5)
+    capture._AUDIT_ON["on"] = True
+    with plugin_state.graph():
+        builder.update_draft_decode_metadata(md)
+        assert "_get_scheduler_metadata" not in vars(builder)
+    assert counters.COUNTERS.get("refresh_input_checks", 0) == 0

@@ -157,9 +157,11 @@ def judged(counters: list[dict]) -> dict:
     r_states, stale = _states(counters, "refresh_judging"), sum(int(c.get("refresh_stale") or 0) for c in counters)
     r_checks = sum(int(c.get("refresh_checks") or 0) for c in counters)
     r_why = _sum(counters, "refresh_unjudged")
+    r_inputs = sum(int(c.get("refresh_input_checks") or 0) for c in counters)  # what the refresh handed FA3
     refresh = {"judging": r_states, "judged": r_checks, "stale": stale, "unjudged": sum(r_why.values())}
-    refresh |= {"unjudged_by_field": r_why, "top_reason": (_top(r_why) or [None])[0]}
-    body = f"{r_checks} refreshed field(s) judged" + (" (no refresh judged)" if not r_checks else "")
+    refresh |= {"unjudged_by_field": r_why, "top_reason": (_top(r_why) or [None])[0], "inputs_judged": r_inputs}
+    body = f"{r_checks} refreshed field(s) judged" + (f" and {r_inputs} input(s)" if r_inputs else "")
+    body += " (no refresh judged)" if not r_checks else ""
     body += f", {stale} stale, {refresh['unjudged']} unjudged"
     words = _words("refresh judging", r_states, body, _top(r_why))
     refresh["words"] = words

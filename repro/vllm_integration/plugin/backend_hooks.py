@@ -159,12 +159,14 @@ def _wrap_builder(builder_cls: Any, spec: BackendFields) -> list[str]:
 
         @functools.wraps(orig_update)
         def update_draft_decode_metadata(self: Any, metadata: Any, *args: Any, **kwargs: Any) -> Any:
-            out = orig_update(self, metadata, *args, **kwargs)
+            busy = bool(capture._CAPTURES) or capture.capturing()
+            judged = metadata is not None and not busy and capture._AUDIT_ON["on"] and capture.judging_refresh()
+            with refresh.InputWatch(self, spec, judged) as watch:  # what it hands FA3, judged with what it wrote
+                out = orig_update(self, metadata, *args, **kwargs)
             injector = capture._INJECTOR.get("on")
             if isinstance(injector, refresh.StaleRefreshInjector) and metadata is not None:  # before it is judged
-                busy = bool(capture._CAPTURES) or capture.capturing()
                 injector.after_refresh(self, metadata, spec, tensor_fields(metadata, spec)[0], busy)
-            _refreshed(self, metadata, spec)
+            _refreshed(self, metadata, spec, watch.calls)
             return out
 
         update_draft_decode_metadata._repro_wrapped = True  # type: ignore[attr-defined]
@@ -234,7 +236,7 @@ def install_inject(
     return True
 
 
-def _refreshed(builder: Any, md: Any, spec: BackendFields) -> None:
+def _refreshed(builder: Any, md: Any, spec: BackendFields, calls: list[dict] | None = None) -> None:
     """After vLLM refreshed a metadata object in place: inside a capture, marked on the capture with its builder
     (judged at the capture's end, nothing copied now); outside, with the auditor on, what it computed judged against
     the builder's answer for this step (refresh.judge: each finding an AUDIT_TAG line, kind stale-refresh), then what
@@ -251,11 +253,11 @@ def _refreshed(builder: Any, md: Any, spec: BackendFields) -> None:
     views = views_of(md, spec)
     if not capture.judging_refresh():
         refresh.not_judged(counters.COUNTERS, spec, views)
-    for m in (
-        refresh.judge(counters.AUDITOR, counters.COUNTERS, builder, md, spec, views)
-        if capture.judging_refresh()
-        else ()
-    ):
+    found = []
+    if capture.judging_refresh():
+        found = refresh.judge(counters.AUDITOR, counters.COUNTERS, builder, md, spec, views)
+        found += refresh.judge_inputs(counters.AUDITOR, counters.COUNTERS, md, spec, calls or [], not found)
+    for m in found:
         emit(AUDIT_TAG, {"stale": m.to_dict(), "message": str(m), "capture": "eager draft refresh"})
     if counters.AUDITOR.refresh(md, views):
         counters.bump("draft_refreshes")

@@ -33,6 +33,7 @@ cannot vouch for it (gate.coverage.recreated_nothing)."""
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -163,6 +164,93 @@ def judge(
             (fname, i), built, got = auditor.field_at(md, path, len(now), i), wanted[i], now[i]
         found.append(Mismatch(auditor.label_of(md), path, fname, i, built, got, STALE_REFRESH))
     if found:
+        bump(counters, "refresh_stale")
+    auditor.mismatches += found
+    return found
+
+
+# What a backend's refresh must hand the call that computes its fields, for the step its views show: the builder's
+# method it calls and, per argument, the view the argument must equal and how many entries past the batch's request
+# count belong to it (vLLM 0.34.0's FLASH_ATTN: _get_scheduler_metadata(seqlens=metadata.seq_lens,
+# cu_query_lens=metadata.query_start_loc)). FA3's answer depends on seq_lens only through block counts, so a refresh
+# computed for the previous step (the source mutant refresh-previous-step) writes what the builder gives unless a
+# sequence crosses a block at that step (on the H100 the gate's shapes never did: not caught); what it passed shows it
+# at every eager refresh.
+INPUTS: dict[str, tuple[str, dict[str, tuple[Callable[[Any], Any], int]]]] = {
+    "FLASH_ATTN": (
+        "_get_scheduler_metadata",
+        {"seqlens": (lambda md: md.seq_lens, 0), "cu_query_lens": (lambda md: md.query_start_loc, 1)},
+    )
+}
+
+
+class InputWatch:
+    """The calls an eager refresh makes to its builder's computing method (INPUTS), their keyword arguments kept
+    (`calls`): the method shadowed on the builder instance for the refresh's duration, then given back. Off (no
+    shadow, no calls) inside a capture, where `on` is false, for a backend without such a method, or where the
+    instance already holds that name."""
+
+    def __init__(self, builder: Any, spec: BackendFields, on: bool) -> None:
+        self.builder, self.calls = builder, []
+        name = INPUTS.get(spec.name, ("", {}))[0]
+        orig = getattr(builder, name, None) if on and name else None
+        self.name = name if callable(orig) and name not in getattr(builder, "__dict__", {name: 0}) else None
+        self.orig = orig
+
+    def __enter__(self) -> InputWatch:
+        if self.name is not None:
+            orig, calls = self.orig, self.calls
+
+            def watched(*args: Any, **kwargs: Any) -> Any:
+                calls.append(dict(kwargs))
+                return orig(*args, **kwargs)
+
+            setattr(self.builder, self.name, watched)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.name is not None:
+            with contextlib.suppress(AttributeError):
+                delattr(self.builder, self.name)
+
+
+def judge_inputs(
+    auditor: FreshnessAuditor,
+    counters: dict[str, Any],
+    md: Any,
+    spec: BackendFields,
+    calls: list[dict],
+    count_stale: bool = True,
+) -> list[Mismatch]:
+    """What an eager refresh passed to its computing method (InputWatch) against the views of the step it refreshed,
+    over the batch's own entries: another step's seq_lens or another batch's query_start_loc is a Mismatch of kind
+    stale-refresh at buffer "scheduler input". The very view passed is equal without a copy (vLLM's own refresh);
+    another tensor is copied to the host and compared. Counted: refresh_input_checks; an argument that could not be
+    read is refresh_unjudged (never raised into vLLM's loop); refresh_stale once for the refresh (`count_stale`:
+    not where judge already counted it)."""
+    found: list[Mismatch] = []
+    for kwargs in calls:
+        b = kwargs.get("batch_size")
+        for arg, (view_of, extra) in INPUTS.get(spec.name, ("", {}))[1].items():
+            passed = kwargs.get(arg)
+            try:
+                want = view_of(md)
+                if passed is None or want is None:
+                    continue
+                bump(counters, "refresh_input_checks")
+                if passed is want:
+                    continue
+                got, wanted = _ints(passed), _ints(want)
+            except Exception as e:  # noqa: BLE001  counted, never raised into vLLM's draft loop
+                bump(counters, "refresh_unjudged", f"{spec.name}.input {arg}: {type(e).__name__}")
+                continue
+            n = min(len(got), len(wanted), b + extra if isinstance(b, int) and b > 0 else len(wanted))
+            i = next((j for j in range(n) if got[j] != wanted[j]), None)
+            if i is not None:
+                found.append(
+                    Mismatch(auditor.label_of(md), "scheduler input", arg, i, wanted[i], got[i], STALE_REFRESH)
+                )
+    if found and count_stale:
         bump(counters, "refresh_stale")
     auditor.mismatches += found
     return found
