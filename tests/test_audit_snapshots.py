@@ -260,6 +260,26 @@ def test_a_folder_the_filesystem_will_not_flock_falls_back_to_a_lock_file_in_the
     assert [f.name.startswith("repro-audit-") for f in (tmp_path / "tmp").iterdir()] == [True]
 
 
+def test_a_lock_that_cannot_be_taken_leaves_no_descriptor_open(tmp_path, monkeypatch):
+    """No flock anywhere (ENOLCK): the merge fails (a snapshot missing, never a crash: keep_snapshot suppresses it),
+    and the lock file's descriptor is closed: snapshots come every 2 s for the engine's whole run."""
+    import errno
+    import fcntl
+    import tempfile
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        with pytest.raises(OSError):
+            audit_file.merge_into(str(tmp_path / "audit.json"), [(_report(7, 5, final=True), [])])
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
 def test_a_snapshot_never_raises_into_vllm_whatever_the_file_holds(tmp_path, monkeypatch):
     path = tmp_path / "audit.json"
     path.write_text('{"processes": [{"pid": 1, "run": "r", "stale": null}], "mismatches": []}')

@@ -235,3 +235,49 @@ def test_an_engine_forked_in_a_later_test_reports_to_that_test_not_to_the_one_th
         assert "repro audit: AFFECTED: 2 test(s) judged, 2 stale, 0 not judged" in out
     else:
         assert "repro audit: PASS: 2 test(s) judged, 0 stale, 0 not judged" in out
+
+
+METHODS_ACROSS_A_FORK = """
+import multiprocessing
+import pytest
+from vllm import LLM, SamplingParams
+
+
+def engine(method):
+    llm = LLM(model="tiny", speculative_config={"method": method, "num_speculative_tokens": 3},
+              compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"})
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4))
+
+
+@pytest.mark.repro_audit_method("eagle")
+def test_a_eagle_in_process():
+    engine("eagle")
+
+
+@pytest.mark.repro_audit_method("draft_model")
+def test_b_draft_model_forked():
+    p = multiprocessing.get_context("fork").Process(target=engine, args=("draft_model",), name="EngineCore")
+    p.start()
+    p.join()
+    assert p.exitcode == 0
+
+
+def test_c_eager_forked():
+    p = multiprocessing.get_context("fork").Process(target=lambda: LLM(model="tiny", enforce_eager=True))
+    p.start()
+    p.join()
+"""
+
+
+def test_a_forked_engine_reports_its_own_counts_not_those_it_inherited(pytester, monkeypatch, tmp_path_factory):
+    """A fork child inherits its parent's counters: the method pytest's process ran, the captures it audited. Its
+    report says what it did itself, so a later test's draft_model engine is not judged as eagle, and an eager engine
+    is not vouched for on captures it never made."""
+    build = write_fake_vllm(tmp_path_factory.mktemp("good"), "0.34.0", "good")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join((str(build), str(ROOT), os.environ.get("PYTHONPATH", ""))))
+    for k in ("REPRO_AUDIT", "REPRO_AUDIT_FILE", "REPRO_AUDIT_RUN", "REPRO_REQUEST", "VLLM_PLUGINS"):
+        monkeypatch.delenv(k, raising=False)
+    pytester.makepyfile(test_methods=METHODS_ACROSS_A_FORK)
+    out = _audited(pytester, passed=3, failed=0).stdout.str()
+    assert "speculative method asked for: draft_model" not in out
+    assert "not judged: test_methods.py::test_c_eager_forked" in out

@@ -284,25 +284,12 @@ def _in_process() -> dict | None:
     return snap
 
 
-def _delta(now: dict, then: dict | None) -> dict:
-    out = {}
-    for k, v in now.items():
-        was = (then or {}).get(k)
-        if isinstance(v, dict):
-            out[k] = {kk: vv - (was or {}).get(kk, 0) for kk, vv in v.items() if isinstance(vv, int)}
-        elif isinstance(v, int) and not isinstance(v, bool):
-            out[k] = v - (was or 0)
-        else:
-            out[k] = v
-    return out
-
-
 def _with_in_process(doc: dict | None, then: dict | None, now: dict | None) -> dict | None:
     """The test's audit file with pytest's own process added as one more process: what its auditor found during the
     test (the counters' and mismatches' growth since the test's setup)."""
     if now is None:
         return doc
-    d = _delta(now, then)
+    d = sys.modules[PLUGIN_COUNTERS].delta(now, then)  # now: the plugin's counters module is loaded
     mismatches = now["mismatches"][len((then or {}).get("mismatches") or []) :]
     if not d.get("checks") and not mismatches:
         return doc

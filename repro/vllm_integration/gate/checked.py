@@ -161,7 +161,7 @@ def judged(counters: list[dict]) -> dict:
     refresh = {"judging": r_states, "judged": r_checks, "stale": stale, "unjudged": sum(r_why.values())}
     refresh |= {"unjudged_by_field": r_why, "top_reason": (_top(r_why) or [None])[0], "inputs_judged": r_inputs}
     body = f"{r_checks} refreshed field(s) judged" + (f" and {r_inputs} input(s)" if r_inputs else "")
-    body += " (no refresh judged)" if not r_checks else ""
+    body += " (no refresh judged)" if not r_checks and not r_inputs else ""
     body += f", {stale} stale, {refresh['unjudged']} unjudged"
     words = _words("refresh judging", r_states, body, _top(r_why))
     refresh["words"] = words

@@ -103,5 +103,9 @@ def _locked(real: str) -> int:
             raise
     key = hashlib.sha1(real.encode()).hexdigest()[:20]
     lock = os.open(os.path.join(tempfile.gettempdir(), f"repro-audit-{key}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
-    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    except BaseException:  # no lock (ENOLCK, Ctrl-C): the descriptor goes too (snapshots come every 2 s)
+        os.close(lock)
+        raise
     return lock

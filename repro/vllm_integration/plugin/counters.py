@@ -62,6 +62,7 @@ def new_counters() -> dict[str, Any]:
         "captures_refreshed_in_graph": {},  # kind -> captures whose metadata was refreshed inside them
         # the refresh judged (refresh.judge): after each eager refresh, at the end of each capture refreshed inside it
         "refresh_checks": 0,  # fields a refresh computed, compared with what the builder gives for the step
+        "refresh_input_checks": 0,  # what an eager refresh handed its computing call, compared with its views
         "refresh_stale": 0,  # judgings that found a field computed for another step or batch (stale-refresh)
         "refresh_judging": None,  # "on", or why not (the request's judge_refresh false)
         "refresh_unjudged": {},  # "backend.field" -> refreshed fields not judged (no rule, no layout, judging off)
@@ -152,9 +153,30 @@ class AtExit:
 
     def forked(self) -> None:
         self.pid, self.base = None, _done()
+        _AT_FORK["counters"] = snapshot()  # the child reports its own counts: what they grew by since
         if self.on_fork is not None:
             self.on_fork()
         _SNAP.update(at=0.0, progress=None, stale=0, base=len(AUDITOR.mismatches))  # the child's snapshots its own
+
+
+_AT_FORK: dict[str, Any] = {"counters": None}  # the counters a fork child inherited (AtExit.forked; own_report)
+
+
+def delta(now: dict, then: dict | None) -> dict:
+    """The counters `now` less those `then` (None: nothing before): an integer counter its growth, a counter per key
+    the keys that grew (by how much; those that did not are left out: a method the parent ran is not the child's), any
+    other value (a list, a word) as it is now."""
+    out: dict[str, Any] = {}
+    for k, v in now.items():
+        was = (then or {}).get(k)
+        if isinstance(v, dict):
+            grew = {kk: vv - (was or {}).get(kk, 0) for kk, vv in v.items() if isinstance(vv, int)}
+            out[k] = {kk: n for kk, n in grew.items() if n} if then is not None else grew
+        elif isinstance(v, int) and not isinstance(v, bool):
+            out[k] = v - (was or 0)
+        else:
+            out[k] = v
+    return out
 
 
 def _refinalize(callback: AtExit) -> None:
@@ -315,7 +337,7 @@ def own_report(
         "descriptor_checks": AUDITOR.descriptor_checks - b[2],
         "stale": len(mismatches),
         "summary": AUDITOR.report(),
-        "counters": snapshot(),
+        "counters": delta(snapshot(), _AT_FORK["counters"]) if base is not None else snapshot(),
     }
     return mine, [m.to_dict() for m in mismatches]
 

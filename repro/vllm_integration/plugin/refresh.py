@@ -202,7 +202,7 @@ class InputWatch:
             orig, calls = self.orig, self.calls
 
             def watched(*args: Any, **kwargs: Any) -> Any:
-                calls.append(dict(kwargs))
+                calls.append({} if args else dict(kwargs))  # a positional call is not read by name: unjudged
                 return orig(*args, **kwargs)
 
             setattr(self.builder, self.name, watched)
@@ -230,6 +230,9 @@ def judge_inputs(
     not where judge already counted it)."""
     found: list[Mismatch] = []
     for kwargs in calls:
+        if not kwargs:  # called with positional arguments only: nothing to read by name
+            bump(counters, "refresh_unjudged", f"{spec.name}.input: a call without keyword arguments")
+            continue
         b = kwargs.get("batch_size")
         for arg, (view_of, extra) in INPUTS.get(spec.name, ("", {}))[1].items():
             passed = kwargs.get(arg)
