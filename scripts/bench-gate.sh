@@ -10,11 +10,19 @@
 # BENCH_KEEP=S adds a third run, NAME-kept: the warm run is given --keep-forkserver S (its forkserver, started as
 # the warm run's is, then outlives it) and the kept run, the same command again, forks its cases from that forkserver
 # with no import of its own (a runner that keeps its processes between jobs); the forkserver ends S seconds idle.
-# The gate's own exit code (0 PASS, 1 AFFECTED, ...) is printed, not this script's: a benchmark measures time.
+# The gate's own exit code (0 PASS, 1 AFFECTED, ...) is printed, not this script's: a benchmark measures time. A run
+# that leaves no record (refused, or no GPU here) stops it there, with that run's exit code.
 # It refuses a NAME whose records exist (it never writes over one) and removes only the cache folder it made.
 set -u
 name=${1:?usage: bench-gate.sh NAME [PREVIOUS ...] [-- gate flags]}
 shift
+case $name in  # a record's name: results/NAME-cold and the rest, never a path out of results/ nor an option
+  [A-Za-z0-9]*) ;;
+  *) echo "bench-gate: NAME $name: letters, digits, '.', '_' and '-', beginning with a letter or digit" >&2; exit 2;;
+esac
+case $name in *[!A-Za-z0-9._-]* | *..*)
+  echo "bench-gate: NAME $name: letters, digits, '.', '_' and '-', beginning with a letter or digit" >&2; exit 2;;
+esac
 previous=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do previous+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
@@ -22,7 +30,11 @@ py=$(command -v python3 || command -v python)
 runs="cold warm"
 keep=${BENCH_KEEP:-}
 if [ -n "$keep" ]; then
-  case $keep in *[!0-9]* | 0*) echo "bench-gate: BENCH_KEEP=$keep: a whole number of seconds, 1 or more" >&2; exit 2;; esac
+  case $keep in *[!0-9]* | 0*) keep_bad=1;; *) [ ${#keep} -le 6 ] && [ "$keep" -le 604800 ] || keep_bad=1;; esac
+  if [ -n "${keep_bad:-}" ]; then  # the gate's own bound (a week), checked before the cold run spends minutes
+    echo "bench-gate: BENCH_KEEP=$keep: a whole number of seconds, 1 to 604800 (a week)" >&2
+    exit 2
+  fi
   runs="cold warm kept"
 fi
 for run in $runs; do
@@ -46,6 +58,10 @@ for run in $runs; do
   ms=$((($(date +%s%N) - start) / 1000000))
   [ -d "$out" ] && mv "$said/$run.log" "$out/terminal.log"
   echo "bench-gate: $run: exit $rc in $((ms / 1000)).$((ms % 1000 / 100)) s (the shell's clock)"
+  if [ ! -e "$out/results.json" ]; then  # refused, or could not run here: nothing to measure warm either
+    echo "bench-gate: the $run run left no record (exit $rc): stopping" >&2
+    exit "$rc"
+  fi
 done
 records=()
 for run in $runs; do records+=("$name-$run"); done

@@ -92,7 +92,7 @@ def test_bench_keep_adds_a_kept_run_that_reuses_the_warm_runs_forkserver(bench):
     assert (tmp / "calls").read_text().splitlines()[-1].endswith("h100-k-cold h100-k-warm h100-k-kept --timeline")
 
 
-@pytest.mark.parametrize("keep", ["1e9; rm", "0", "-5"])
+@pytest.mark.parametrize("keep", ["1e9; rm", "0", "-5", "604801", "99999999999999999999"])
 def test_bench_keep_refuses_a_value_that_is_no_whole_number_of_seconds(bench, keep):
     run, work, tmp = bench
     done = subprocess.run(
@@ -101,3 +101,20 @@ def test_bench_keep_refuses_a_value_that_is_no_whole_number_of_seconds(bench, ke
              "TMPDIR": str(tmp), "BENCH_KEEP": keep},
     )  # fmt: skip
     assert done.returncode == 2 and "BENCH_KEEP" in done.stderr and not (tmp / "calls").exists()
+
+
+@pytest.mark.parametrize("name", ["../../escape", "--help", "a b", ".hidden", "x/y"])
+def test_a_name_that_is_no_record_name_is_refused_before_any_run(bench, name):
+    run, work, tmp = bench
+    done = run(name)
+    assert done.returncode == 2 and "NAME" in done.stderr and not (tmp / "calls").exists()
+
+
+def test_a_cold_run_that_left_no_record_stops_the_benchmark(bench, monkeypatch):
+    run, work, tmp = bench
+    for py in ("python3", "python"):  # a gate that refuses: no --out folder made
+        (tmp / "bin" / py).write_text('#!/usr/bin/env bash\necho "$*" >> "$CALLS"\necho refused >&2\nexit 2\n')
+    done = run("h100-y")
+    calls = (tmp / "calls").read_text().splitlines()
+    assert done.returncode == 2 and len([c for c in calls if c.startswith("-m repro gate")]) == 1
+    assert "the cold run left no record" in done.stderr

@@ -281,3 +281,11 @@ def test_a_forked_engine_reports_its_own_counts_not_those_it_inherited(pytester,
     out = _audited(pytester, passed=3, failed=0).stdout.str()
     assert "speculative method asked for: draft_model" not in out
     assert "not judged: test_methods.py::test_c_eager_forked" in out
+
+
+@pytest.mark.parametrize(("option", "said"), [("--repro-audit-method=eagel", "not a speculative method vLLM names"),
+                                               ("--repro-audit-method=", "give a method name"),
+                                               ("--repro-audit-dir=", "--repro-audit-dir '': give a new or empty folder")])  # fmt: skip
+def test_a_method_typo_or_an_empty_value_is_a_usage_error_before_any_test_runs(one_plain_test, option, said):
+    r = _run(one_plain_test, "-p", "no:xdist", "--repro-audit", option)
+    assert r.ret == pytest.ExitCode.USAGE_ERROR and said in r.stderr.str()

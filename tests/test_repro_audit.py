@@ -157,15 +157,38 @@ def test_another_method_than_the_one_expected_is_cannot_vouch_with_both_named(tm
     assert r.returncode == 0 and doc["judgement"]["methods"] and "warning" not in r.stderr
 
 
-def test_an_expected_method_vllm_never_names_is_warned_of_and_an_mtp_model_type_is_compared_as_mtp():
-    from repro.cli.audit import expected_method
+@pytest.mark.parametrize("method", ["eagel", "", "  "])
+def test_an_expected_method_vllm_never_names_or_an_empty_one_is_refused_before_the_command_runs(tmp_path, method):
+    r, doc = audit(tmp_path, None, "--expect-method", method, *script("inproc"))
+    assert (
+        r.returncode == 2
+        and "--expect-method" in r.stderr
+        and "give a method name" in r.stderr
+        or ("not a speculative method vLLM names: dflash, draft_model" in r.stderr)
+    )
+    assert doc is None and not (tmp_path / "report").exists()  # nothing ran, nothing written
 
-    name, warning = expected_method("eagel")
-    assert name == "eagel" and "--expect-method eagel: not a speculative method vLLM names" in warning
-    name, warning = expected_method("deepseek_mtp")
-    assert name == "mtp" and "compared as mtp" in warning
-    assert [expected_method(m) for m in ("eagle3", "draft_model", None)] == [("eagle3", None), ("draft_model", None),
-                                                                             (None, None)]  # fmt: skip
+
+def test_an_mtp_model_type_or_a_name_in_capitals_is_compared_as_vllm_reports_it():
+    from repro.vllm_integration.ci.judge import expected_method
+
+    assert expected_method("deepseek_mtp")[0] == "mtp" and "compared as mtp" in expected_method("deepseek_mtp")[1]
+    assert [expected_method(m) for m in ("EAGLE", "draft_model", None)] == [("eagle", None), ("draft_model", None),
+                                                                           (None, None)]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["results.json", "verdicts.md", ".repro-report.json", "audit/x.xml"])
+def test_a_junit_file_onto_one_the_report_folder_holds_is_refused_and_nothing_is_written(tmp_path, builds, name):
+    out = tmp_path / "report"
+    out.mkdir()  # new and empty, as --out may be
+    r, doc = audit(tmp_path, builds["good"], "--junit", str(out / name), *script("inproc"))
+    assert r.returncode == 2 and "is a file this command writes into" in r.stderr
+    assert list(out.iterdir()) == []
+
+
+def test_an_empty_junit_name_is_refused(tmp_path, builds):
+    r, _ = audit(tmp_path, builds["good"], "--junit", "", *script("inproc"))
+    assert r.returncode == 2 and "--junit '': give a file name" in r.stderr
 
 
 def test_expected_speculator_and_capture_manager_classes_are_compared_where_recorded(tmp_path, builds):

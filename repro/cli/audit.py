@@ -14,31 +14,8 @@ from repro.errors import ConfigError
 from repro.judge.decision import GateOutcome
 from repro.run.process import MAX_WAIT_S
 from repro.vllm_integration.ci import command, report
-from repro.vllm_integration.ci.judge import Expect, judge
+from repro.vllm_integration.ci.judge import Expect, expected_method, judge
 from repro.vllm_integration.plugin.backend_fields import known_name
-
-# vLLM's speculative method names over the releases the harness covers (SpeculativeConfig.method; an MTP model type
-# ends in _mtp and vLLM reports it as mtp): see expected_method
-KNOWN_METHODS = frozenset(
-    {"ngram", "ngram_gpu", "draft_model", "suffix", "eagle", "eagle3", "extract_hidden_states", "mtp", "dflash",
-     "dspark", "medusa", "mlp_speculator"}
-)  # fmt: skip
-
-
-def expected_method(name: str | None) -> tuple[str | None, str | None]:
-    """--expect-method NAME as vLLM reports it (an MTP model type, deepseek_mtp & co., runs as mtp), and a warning
-    for a name vLLM never gives a method (likely a typo: compared as given, any run would be CANNOT VOUCH), or None."""
-    if name is None or name in KNOWN_METHODS:
-        return name, None
-    if name.endswith("_mtp"):
-        return (
-            "mtp",
-            f"--expect-method {name}: an MTP model type, which vLLM runs and reports as method mtp: compared as mtp",
-        )
-    return name, (
-        f"--expect-method {name}: not a speculative method vLLM names ({', '.join(sorted(KNOWN_METHODS))}, or an "
-        "MTP model type): compared as given, so a run of any method will be CANNOT VOUCH"
-    )
 
 
 def add_parsers(sub) -> None:
@@ -81,11 +58,15 @@ def cmd_audit(a: argparse.Namespace) -> int:
     why = command.refusal(dict(os.environ))
     if why:
         raise ConfigError(why)
-    method, warning = expected_method(a.expect_method)
-    if warning:
-        print(f"warning: {warning}", file=sys.stderr)
+    try:
+        method, note = expected_method(a.expect_method)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     outputs.check_folder(a.out, a.overwrite)
-    if a.junit:
+    if a.junit is not None:
+        outputs.check_not_the_folders_own(a.junit, "--junit", a.out, ("audit",))
         outputs.check_file(a.junit, "--junit", own=lambda p: outputs.is_text(p) and "<testsuites" in p.read_text())
     folder = outputs.open_folder(a.out, "audit", a.overwrite)
     ran = command.run(argv, folder / "audit", a.timeout, a.strict, a.backend, grace=a.grace)

@@ -264,6 +264,20 @@ def check_file(
         p.unlink()
 
 
+def check_not_the_folders_own(path: str, flag: str, folder: str | None, subfolders: tuple[str, ...] = ()) -> None:
+    """ConfigError when a report file given beside a report folder (`--out`) is one of the files the command writes
+    into that folder (REPORT_FILES, or anything under its `subfolders`): the one would overwrite the other. Another
+    name inside the folder is the user's choice."""
+    if folder is None or not folder.strip():
+        return
+    try:
+        rel = Path(os.path.realpath(path)).relative_to(os.path.realpath(folder))
+    except ValueError:
+        return
+    if rel.parts and (rel.parts[0] in REPORT_FILES or rel.parts[0] in subfolders):
+        raise ConfigError(f"{flag} {path}: is a file this command writes into {folder}: give another file name")
+
+
 def _git(repo: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True)
 

@@ -34,6 +34,31 @@ from repro.vllm_integration.gate.coverage import method_problems
 from repro.vllm_integration.plugin.audit import STALE_DESCRIPTOR
 from repro.vllm_integration.plugin.audit_file import is_final
 
+# vLLM's speculative method names over the releases the harness covers (SpeculativeConfig.method; an MTP model type
+# ends in _mtp and vLLM runs and reports it as mtp)
+KNOWN_METHODS = frozenset(
+    {"ngram", "ngram_gpu", "draft_model", "suffix", "eagle", "eagle3", "extract_hidden_states", "mtp", "dflash",
+     "dspark", "medusa", "mlp_speculator"}
+)  # fmt: skip
+
+
+def expected_method(name: str | None, flag: str = "--expect-method") -> tuple[str | None, str | None]:
+    """(the method a run must show, as vLLM reports it, or None; a note for the user or None). An MTP model type
+    (deepseek_mtp & co.) is compared as mtp, a name in capitals as the name; ValueError for an empty name or one vLLM
+    never gives a method (a typo would cost a whole run and answer CANNOT VOUCH): refused before anything runs."""
+    if name is None:
+        return None, None
+    low = name.strip().lower()
+    if not low:
+        raise ValueError(f"{flag} '': give a method name ({', '.join(sorted(KNOWN_METHODS))})")
+    if low in KNOWN_METHODS:
+        return low, None
+    if low.endswith("_mtp"):
+        return "mtp", f"{flag} {name}: an MTP model type, which vLLM runs and reports as method mtp: compared as mtp"
+    raise ValueError(
+        f"{flag} {name}: not a speculative method vLLM names: {', '.join(sorted(KNOWN_METHODS))}, or an MTP model type"
+    )
+
 
 @dataclass(frozen=True)
 class Expect:

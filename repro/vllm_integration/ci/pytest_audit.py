@@ -65,9 +65,17 @@ class AuditPlugin:
         why = command.refusal(dict(os.environ))
         if why:
             raise pytest.UsageError(f"{OPTION}: {why}")
+        from repro.vllm_integration.ci.judge import expected_method  # noqa: PLC0415  as above
+
+        try:  # a typo in the method would fail every test: refused before any runs
+            self.method = expected_method(config.getoption("--repro-audit-method"), "--repro-audit-method")[0]
+        except ValueError as e:
+            raise pytest.UsageError(str(e)) from None
         folder = os.environ.get(DIR_ENV) if self.worker else None
         if folder is None:
             given = config.getoption("--repro-audit-dir")
+            if given is not None and not given.strip():
+                raise pytest.UsageError("--repro-audit-dir '': give a new or empty folder")
             if given:
                 p = Path(given)
                 if p.exists() and (not p.is_dir() or any(p.iterdir())):
@@ -98,11 +106,15 @@ class AuditPlugin:
         self.baseline = _in_process()
 
     def _expect(self, item):
-        from repro.vllm_integration.ci.judge import Expect  # noqa: PLC0415  as __init__
+        from repro.vllm_integration.ci.judge import Expect, expected_method  # noqa: PLC0415  as __init__
 
         mark = item.get_closest_marker(MARK)
-        method = mark.args[0] if mark and mark.args else self.config.getoption("--repro-audit-method")
-        return Expect(method=method)
+        if not (mark and mark.args):
+            return Expect(method=self.method)
+        try:
+            return Expect(method=expected_method(mark.args[0], f"@pytest.mark.{MARK}")[0])
+        except ValueError:  # a mark's typo: compared as given, so the test fails naming both methods
+            return Expect(method=mark.args[0])
 
     def _judge(self, item):
         from repro.vllm_integration.ci.judge import judge  # noqa: PLC0415  as __init__
