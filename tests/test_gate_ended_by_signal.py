@@ -41,6 +41,7 @@ def test_sigterm_or_a_hang_up_ends_the_gate_as_ctrl_c_does(tmp_path, sig):
     assert p.wait(timeout=120) == 130
     out = tmp_path / "out"
     assert (out / "INTERRUPTED").exists() and not (out / "results.json").exists()
+    assert f"{signal.Signals(sig).name} (taken as Ctrl-C)" in (out / "INTERRUPTED").read_text()
     assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and str(tmp_path) in _cmdline(pid)]
 
 

@@ -52,8 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         outputs.abandon("refused")
         sys.stderr.write(f"repro: error: {e}\n")
         return Exit.BAD_INPUT
-    except KeyboardInterrupt:
-        outputs.abandon("interrupted with Ctrl-C")
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM/SIGHUP taken as Ctrl-C (ci.command.ended_as_ctrl_c): named
+        how = f"{e.args[0]} (taken as Ctrl-C)" if e.args and isinstance(e.args[0], str) else "Ctrl-C"
+        outputs.abandon(f"interrupted with {how}")
         sys.stderr.write("repro: interrupted\n")
         return Exit.INTERRUPTED
     except BrokenPipeError:  # output piped into head & co.

@@ -117,6 +117,11 @@ def end_leftovers(pgid: int, grace: float) -> bool:
     return True
 
 
+def _as_ctrl_c(signum: int, frame: object) -> None:
+    """SIGTERM or SIGHUP raised as Ctrl-C's KeyboardInterrupt, naming the signal (the INTERRUPTED mark says which)."""
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 @contextlib.contextmanager
 def ended_as_ctrl_c():
     """SIGTERM (a cancelled CI job) and SIGHUP (a closed terminal or ssh session) raise KeyboardInterrupt as Ctrl-C
@@ -125,7 +130,7 @@ def ended_as_ctrl_c():
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
     for sig, was in before.items():
         if was is not signal.SIG_IGN:
-            signal.signal(sig, signal.default_int_handler)
+            signal.signal(sig, _as_ctrl_c)
     try:
         yield
     finally:
