@@ -17,11 +17,8 @@ set -u
 name=${1:?usage: bench-gate.sh NAME [PREVIOUS ...] [-- gate flags]}
 shift
 case $name in  # a record's name: results/NAME-cold and the rest, never a path out of results/ nor an option
-  [A-Za-z0-9]*) ;;
-  *) echo "bench-gate: NAME $name: letters, digits, '.', '_' and '-', beginning with a letter or digit" >&2; exit 2;;
-esac
-case $name in *[!A-Za-z0-9._-]* | *..*)
-  echo "bench-gate: NAME $name: letters, digits, '.', '_' and '-', beginning with a letter or digit" >&2; exit 2;;
+  [!A-Za-z0-9]* | *[!A-Za-z0-9._-]* | *..*)
+    echo "bench-gate: NAME $name: letters, digits, '.', '_' and '-', beginning with a letter or digit" >&2; exit 2;;
 esac
 previous=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do previous+=("$1"); shift; done

@@ -314,17 +314,20 @@ def not_applicable_result(case: GateCase, why: str) -> CaseResult:
 
 def set_apart_not_applicable(cases: list[GateCase]) -> tuple[list[GateCase], list[tuple[GateCase, CaseResult]]]:
     """(the cases to run, the cases of a method their build does not have, or of a self-control form it cannot
-    re-create, with their not-applicable results), read from each build's files once per method, form and backend
-    (gate.methods.not_applicable, form_not_applicable)."""
-    why: dict[tuple, str | None] = {}
+    re-create, with their not-applicable results), read from each build's files once per method and once per form and
+    backend (gate.methods.not_applicable, form_not_applicable)."""
+    method_why: dict[tuple, str | None] = {}
+    form_why: dict[tuple, str | None] = {}
 
-    def of(c: GateCase) -> str | None:  # the method's answer, then the self-control form's
-        key = (c.build, c.method, c.inject, c.backend)
-        if key not in why:
-            why[key] = not_applicable(c.build.package_dir, c.method) or form_not_applicable(
-                c.build.package_dir, c.inject, c.backend
-            )
-        return why[key]
+    def of(c: GateCase) -> str | None:  # the method's answer, then the self-control form's: each read once
+        m, f = (c.build, c.method), (c.build, c.inject, c.backend)
+        if m not in method_why:
+            method_why[m] = not_applicable(c.build.package_dir, c.method)
+        if method_why[m]:
+            return method_why[m]
+        if f not in form_why:
+            form_why[f] = form_not_applicable(c.build.package_dir, c.inject, c.backend)
+        return form_why[f]
 
     run = [c for c in cases if not of(c)]
     return run, [(c, not_applicable_result(c, of(c))) for c in cases if of(c)]

@@ -36,16 +36,14 @@ def stop_in_flight(
     busy: Callable[[], bool] = lambda: False,
     within_s: float = STOP_S,
 ) -> None:
-    """Stop the run's case threads (see the module): pending ones cancelled, the launcher closed, the watched
-    processes killed until every future is done and `busy` (another thread of cases) says no, within `within_s`; the
-    executors then let go without waiting further."""
+    """Stop the run's case threads (see the module): the executors' pending cases cancelled and the executors let go
+    without waiting, the launcher closed, the watched processes killed until every future is done and `busy`
+    (another thread of cases) says no, within `within_s`."""
     with undisturbed():
-        for f in futures:
-            f.cancel()
+        for ex in executors:  # the pending cases cancelled, the threads let go without waiting for them
+            ex.shutdown(wait=False, cancel_futures=True)
         close_launcher()
         end = time.time() + within_s
         while (not all(f.done() for f in futures) or busy()) and time.time() < end:
             stop_watched()
             time.sleep(0.1)
-        for ex in executors:
-            ex.shutdown(wait=False, cancel_futures=True)
