@@ -90,3 +90,28 @@ def test_ctrl_c_stops_the_case_processes_in_flight_at_once_not_after_them(tmp_pa
     assert time.time() - t0 < 12  # the hanging case stopped at once (its own timeout: 200 s)
     assert (tmp_path / "out" / "INTERRUPTED").exists()
     assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and str(tmp_path) in _cmdline(pid)]
+
+
+def test_once_ended_by_ctrl_c_a_further_sigterm_or_hang_up_cannot_kill_the_command_before_it_marks_its_folder():
+    """CI saw it: a second SIGTERM landed after the stop, under the default handler restored on the way out, and
+    killed the gate (-15) before its folder was marked. The mapping leaves both ignored once its body ended by
+    Ctrl-C; a body that ended otherwise gets the caller's handlers back."""
+    code = """
+import signal
+from repro.vllm_integration.ci.command import ended_as_ctrl_c
+try:
+    with ended_as_ctrl_c():
+        raise KeyboardInterrupt("SIGTERM")
+except KeyboardInterrupt:
+    pass
+print(signal.getsignal(signal.SIGTERM) is signal.SIG_IGN, signal.getsignal(signal.SIGHUP) is signal.SIG_IGN)
+with ended_as_ctrl_c():
+    pass
+print(signal.getsignal(signal.SIGTERM) is signal.SIG_IGN)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.stdout.split() == ["True", "True", "True"], r.stderr
+    fresh = subprocess.run([sys.executable, "-c", code.split("try:")[0] + "with ended_as_ctrl_c():\n    pass\n"
+                            "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)"],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT)  # fmt: skip
+    assert fresh.stdout.split() == ["True"], fresh.stderr

@@ -13,6 +13,7 @@ from repro import __version__
 from repro.cli import audit, bisect, matrix, outputs, plugin, reports, run, serve, vllm
 from repro.errors import ConfigError
 from repro.exit_codes import Exit, Parser
+from repro.run.process import undisturbed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         return Exit.BAD_INPUT
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM/SIGHUP taken as Ctrl-C (ci.command.ended_as_ctrl_c): named
         how = f"{e.args[0]} (taken as Ctrl-C)" if e.args and isinstance(e.args[0], str) else "Ctrl-C"
-        outputs.abandon(f"interrupted with {how}")
+        with undisturbed():  # a second Ctrl-C must not cut the folder's marking short
+            outputs.abandon(f"interrupted with {how}")
         sys.stderr.write("repro: interrupted\n")
         return Exit.INTERRUPTED
     except BrokenPipeError:  # output piped into head & co.

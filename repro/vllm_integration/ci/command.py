@@ -126,16 +126,26 @@ def _as_ctrl_c(signum: int, frame: object) -> None:
 def ended_as_ctrl_c():
     """SIGTERM (a cancelled CI job) and SIGHUP (a closed terminal or ssh session) raise KeyboardInterrupt as Ctrl-C
     does, so the command that holds this stops its processes and marks its report folder (`repro audit`, `gate`); a
-    signal the caller ignores (nohup) stays ignored."""
+    signal the caller ignores (nohup) stays ignored. Once its body ended by Ctrl-C, both stay ignored: the command is
+    ending, and a second one must not kill it before it marks its folder."""
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
     for sig, was in before.items():
         if was is not signal.SIG_IGN:
             signal.signal(sig, _as_ctrl_c)
+    ending = False
     try:
         yield
+    except KeyboardInterrupt:
+        # the command is ending (its processes stopped): a second SIGTERM or hang-up, under the handler restored here
+        # (the default: killed at once), would kill it before its report folder is marked INTERRUPTED
+        ending = True
+        for sig in before:
+            signal.signal(sig, signal.SIG_IGN)
+        raise
     finally:
-        for sig, was in before.items():
-            signal.signal(sig, was)
+        if not ending:
+            for sig, was in before.items():
+                signal.signal(sig, was)
 
 
 def run(argv: list[str], folder: Path, timeout: float, strict: bool = False, backend: str | None = None,
