@@ -415,11 +415,33 @@ def test_a_correct_refresh_passes_its_own_views_and_its_inputs_agree(plugin_stat
     assert counters.COUNTERS["refresh_stale"] == 0
 
 
-def test_inside_a_capture_nothing_is_watched_and_nothing_copied(plugin_state):
+def test_inside_a_capture_a_refresh_that_hands_fa3_another_tensor_is_named_unjudged_and_nothing_copied(plugin_state):
+    """In a capture nothing can be read (the fixture fails a host copy while a graph is open): the refresh-previous-step
+    mutant's seq_lens - 1, a tensor the graph computes, is named in refresh_unjudged; the view it passed as
+    cu_query_lens is judged by identity. The shadow is given back."""
     mod, builder, impl = audited(plugin_state, back=1, via_get=True)
     md = builder.build(0, 2, seq=5)
     capture._AUDIT_ON["on"] = True
     with plugin_state.graph():
         builder.update_draft_decode_metadata(md)
         assert "_get_scheduler_metadata" not in vars(builder)
-    assert counters.COUNTERS.get("refresh_input_checks", 0) == 0
+    assert counters.COUNTERS["refresh_unjudged"] == {"FLASH_ATTN.input seqlens in a capture: not the step's view": 1}
+    assert counters.COUNTERS["refresh_input_checks"] == 1  # cu_query_lens: the step's own view
+    assert stale_refresh_findings() == []  # nothing claimed stale from what could not be read
+
+
+def test_inside_a_capture_a_refresh_that_hands_fa3_its_own_views_is_judged_by_identity(plugin_state):
+    mod, builder, impl = audited(plugin_state, via_get=True)
+    md = builder.build(0, 3, seq=5)
+    capture._AUDIT_ON["on"] = True
+    with plugin_state.graph():
+        builder.update_draft_decode_metadata(md)
+    assert counters.COUNTERS["refresh_input_checks"] == 2
+    assert not counters.COUNTERS.get("refresh_unjudged")
+
+
+def test_a_slice_of_the_view_reads_its_memory_and_a_copy_does_not():
+    seq = torch.arange(8, dtype=torch.int32)
+    assert refresh.same_memory(seq, seq) and refresh.same_memory(seq[:3], seq)
+    assert not refresh.same_memory(seq.clone(), seq) and not refresh.same_memory(seq[1:], seq)
+    assert not refresh.same_memory(seq.long(), seq) and not refresh.same_memory(None, seq)

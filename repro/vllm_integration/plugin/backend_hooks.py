@@ -160,8 +160,8 @@ def _wrap_builder(builder_cls: Any, spec: BackendFields) -> list[str]:
         @functools.wraps(orig_update)
         def update_draft_decode_metadata(self: Any, metadata: Any, *args: Any, **kwargs: Any) -> Any:
             busy = bool(capture._CAPTURES) or capture.capturing()
-            judged = metadata is not None and not busy and capture._AUDIT_ON["on"] and capture.judging_refresh()
-            with refresh.InputWatch(self, spec, judged) as watch:  # what it hands FA3, judged with what it wrote
+            judged = metadata is not None and capture._AUDIT_ON["on"] and capture.judging_refresh()
+            with refresh.InputWatch(self, spec, judged) as watch:  # what it hands FA3 (in a capture: which tensors)
                 out = orig_update(self, metadata, *args, **kwargs)
             injector = capture._INJECTOR.get("on")
             if isinstance(injector, refresh.StaleRefreshInjector) and metadata is not None:  # before it is judged
@@ -247,6 +247,8 @@ def _refreshed(builder: Any, md: Any, spec: BackendFields, calls: list[dict] | N
         counters.bump("draft_refreshes_in_graph")
         if capture._CAPTURES:
             capture._CAPTURES[-1].refreshed[md] = builder
+        if capture._AUDIT_ON["on"] and capture.judging_refresh():  # which tensors it handed FA3: no copy in a capture
+            refresh.judge_inputs_in_capture(counters.COUNTERS, md, spec, calls or [])
         return
     if not capture._AUDIT_ON["on"] or not counters.AUDITOR.knows(md):
         return

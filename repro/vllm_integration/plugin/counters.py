@@ -62,7 +62,7 @@ def new_counters() -> dict[str, Any]:
         "captures_refreshed_in_graph": {},  # kind -> captures whose metadata was refreshed inside them
         # the refresh judged (refresh.judge): after each eager refresh, at the end of each capture refreshed inside it
         "refresh_checks": 0,  # fields a refresh computed, compared with what the builder gives for the step
-        "refresh_input_checks": 0,  # what an eager refresh handed its computing call, compared with its views
+        "refresh_input_checks": 0,  # what a refresh handed its computing call: eager by value, in a capture by tensor
         "refresh_stale": 0,  # judgings that found a field computed for another step or batch (stale-refresh)
         "refresh_judging": None,  # "on", or why not (the request's judge_refresh false)
         "refresh_unjudged": {},  # "backend.field" -> refreshed fields not judged (no rule, no layout, judging off)

@@ -185,10 +185,9 @@ INPUTS: dict[str, tuple[str, dict[str, tuple[Callable[[Any], Any], int]]]] = {
 
 
 class InputWatch:
-    """The calls an eager refresh makes to its builder's computing method (INPUTS), their keyword arguments kept
-    (`calls`): the method shadowed on the builder instance for the refresh's duration, then given back. Off (no
-    shadow, no calls) inside a capture, where `on` is false, for a backend without such a method, or where the
-    instance already holds that name."""
+    """The calls a refresh makes to its builder's computing method (INPUTS), their keyword arguments kept (`calls`):
+    the method shadowed on the builder instance for the refresh's duration, then given back. Off (no shadow, no calls)
+    where `on` is false, for a backend without such a method, or where the instance already holds that name."""
 
     def __init__(self, builder: Any, spec: BackendFields, on: bool) -> None:
         self.builder, self.calls = builder, []
@@ -257,6 +256,47 @@ def judge_inputs(
         bump(counters, "refresh_stale")
     auditor.mismatches += found
     return found
+
+
+def same_memory(passed: Any, view: Any) -> bool:
+    """`passed` reads the view's own memory from its first entry on (the view itself, or a slice or view of it with
+    the same start, dtype and stride): what the graph records reads what every replay's batch wrote there."""
+    if passed is view:
+        return True
+    try:
+        return (
+            passed.data_ptr() == view.data_ptr()
+            and passed.dtype == view.dtype
+            and tuple(passed.stride()) == tuple(view.stride())
+            and passed.numel() <= view.numel()
+        )
+    except (AttributeError, TypeError, RuntimeError):
+        return False
+
+
+def judge_inputs_in_capture(counters: dict[str, Any], md: Any, spec: BackendFields, calls: list[dict]) -> None:
+    """A refresh recorded inside a capture: which tensors it handed its computing method (InputWatch), never their
+    contents (nothing may be copied to the host while a graph is captured, and a tensor the graph computes holds
+    nothing until it replays). An argument that reads the view's own memory (same_memory) counts in
+    refresh_input_checks; another tensor (one computed from the views, as the source mutant refresh-previous-step's
+    seq_lens - 1, or a copy taken before the capture, which every replay would read unchanged) is counted in
+    refresh_unjudged, named: what it holds at replay is not seen here (its eager twin is judged by value)."""
+    for kwargs in calls:
+        if not kwargs:
+            bump(counters, "refresh_unjudged", f"{spec.name}.input: a call without keyword arguments")
+            continue
+        for arg, (view_of, _extra) in INPUTS.get(spec.name, ("", {}))[1].items():
+            passed = kwargs.get(arg)
+            try:
+                want = view_of(md)
+            except Exception:  # noqa: BLE001  counted, never raised into vLLM's capture
+                want = None
+            if passed is None or want is None:
+                continue
+            if same_memory(passed, want):
+                bump(counters, "refresh_input_checks")
+            else:
+                bump(counters, "refresh_unjudged", f"{spec.name}.input {arg} in a capture: not the step's view")
 
 
 def not_judged(counters: dict[str, Any], spec: BackendFields, views: dict[str, Any]) -> None:
