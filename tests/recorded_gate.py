@@ -86,6 +86,21 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
         return classify(case, out, returncode, timed_out, san, wall_s, ch), out
 
     monkeypatch.setattr(gate_process, "run_process", recorded_process)
+    # a method or form the build lacked was read from its files on the GPU machine (absent here): as recorded
+    recorded_na = {c: row["result"]["not_applicable"] for c, row in rows.items() if row["result"].get("not_applicable")}
+    if recorded_na:
+
+        def as_recorded_not_applicable(cases):
+            return (
+                [c for c in cases if c.case_id not in recorded_na],
+                [
+                    (c, gate_process.not_applicable_result(c, recorded_na[c.case_id]))
+                    for c in cases
+                    if c.case_id in recorded_na
+                ],
+            )
+
+        monkeypatch.setattr(gate_run, "set_apart_not_applicable", as_recorded_not_applicable)
     # memcheck:own's allocator was built on the H200 (nvcc): here its case environment only names it
     monkeypatch.setattr(
         own_alloc, "build", lambda folder=None, guard=False: Path(folder or "own-alloc") / "own_alloc-replayed.so"
@@ -104,9 +119,15 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
             further[base] = max(further.get(base, 0), k)
     recorded_control = gate_process.run_control
 
+    def recorded_forms_beside(case) -> bool:
+        """The recorded result of the case says that no further attempt ran because another form was caught."""
+        return "no further attempt" in (rows.get(case.case_id, {}).get("result", {}).get("reason") or "")
+
     def run_control_as_recorded(case, builds, log_dir, *where, reference=lambda: None, **how):
         how.pop("caught_beside", None)  # the record's attempts as they ran (a replay's processes end in any order)
         asked, n = [], further.get(case.case_id, 0)
+        if n == 0 and recorded_forms_beside(case):  # the run stopped at its first attempt: another form had caught
+            how["attempts"] = 1
 
         def as_then():
             asked.append(1)
@@ -146,7 +167,11 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
         compile=m[1] if (m := re.search(r"--compile (\S+)", command)) else "inductor",
         methods=tuple(m[1].split(",")) if (m := re.search(r"--methods (\S+)", command)) else _default_methods(rows),
         # the self control's forms the run made (a record from before the second form has the first alone)
-        self_control_forms=INJECTIONS if any("-stale-descriptor-" in c for c in rows) else (STALE_CAPTURE,),
+        self_control_forms=tuple(m[1].split(","))
+        if (m := re.search(r"--self-control-forms (\S+)", command))
+        else INJECTIONS
+        if any("-stale-descriptor-" in c for c in rows)
+        else (STALE_CAPTURE,),
         # a self control's plain crash was rerun beside it to name its kernel in records from before it was asked for
         control_kernels="--name-control-kernels" in command
         or any("-self-control" in c and c.endswith("-launch-blocking") for c in rows),

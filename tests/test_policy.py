@@ -270,7 +270,7 @@ def test_a_known_bad_build_silent_in_one_mode_but_caught_in_another_is_a_listed_
     assert d.passed, d.failures
     assert d.misses == ["kb-plain: clean (detected in audit)"]
     assert (
-        "  known-bad build silent in this mode, detected in another (rule 5): kb-plain: clean (detected in audit)"
+        "  known-bad build silent here, detected in another mode or variant (rule 5): kb-plain: clean (detected in audit)"
         in (d.summary())
     )
 
@@ -388,3 +388,54 @@ def test_a_control_recorded_by_a_pytest_test_reads_back_whole():
     # through xdist's plain values (a tuple a list): the mode's engine audit and the subject typed again
     audit = Control("a", "audit", "stale-audit", M("audit+mps:16"), kind=KNOWN_BAD, subject=("0.25.1", "eagle"))
     assert Control.from_properties("a", {k: plain(v) for k, v in audit.properties()}) == audit
+
+
+def test_a_known_bad_build_caught_with_one_method_and_clean_with_another_passes_naming_the_clean_one():
+    """A defect lives on one capture path: the DFlash builder's mutant leaves EAGLE clean
+    (results/h100-scenarios-mutants-0.33.0), which the gate had called HARNESS BLIND."""
+    dfl, eag = ("0.33.0-dfl", "dflash", "FLASH_ATTN"), ("0.33.0-dfl", "eagle", "FLASH_ATTN")
+    d = decide(
+        [
+            Control("kb-dflash-audit", "known-bad", "wrong-output", M("audit"), kind=KB, subject=dfl),
+            Control("kb-dflash-plain", "known-bad", "wrong-output", M("plain"), kind=KB, subject=dfl),
+            Control("kb-eagle-audit", "known-bad", "clean", M("audit"), kind=KB, subject=eag),
+            Control("kb-eagle-plain", "known-bad", "clean", M("plain"), kind=KB, subject=eag),
+            Control("sc-audit", "audit", "crash", M("audit"), kind=SC),
+            Control("sc-plain", "detected", "crash", M("plain"), kind=SC),
+        ]
+    )
+    assert d.passed, d.failures
+    assert d.misses == [
+        "kb-eagle-audit: clean (not with eagle FLASH_ATTN; detected with dflash FLASH_ATTN)",
+        "kb-eagle-plain: clean (not with eagle FLASH_ATTN; detected with dflash FLASH_ATTN)",
+    ]
+
+
+def test_a_known_bad_build_silent_with_every_method_and_mode_fails_naming_each():
+    eag, dfl = ("0.33.0-x", "eagle", "FLASH_ATTN"), ("0.33.0-x", "dflash", "FLASH_ATTN")
+    d = decide(
+        [
+            Control("kb-eagle-plain", "known-bad", "clean", M("plain"), "decoded", kind=KB, subject=eag),
+            Control("kb-dflash-plain", "known-bad", "clean", M("plain"), "decoded", kind=KB, subject=dfl),
+            Control("sc-plain", "detected", "crash", M("plain"), kind=SC),
+        ]
+    )
+    (f,) = d.failures
+    assert f.kind == CONTROL_FAILED and f.case_id == "kb-eagle-plain"
+    assert (
+        "known-bad build 0.33.0-x showed no evidence in any of its variants and modes "
+        "(eagle FLASH_ATTN plain: clean, dflash FLASH_ATTN plain: clean)"
+    ) in f
+
+
+def test_two_known_bad_builds_are_judged_apart():
+    a, b = ("0.25.1", "eagle", "FLASH_ATTN"), ("0.24.0", "eagle", "FLASH_ATTN")
+    d = decide(
+        [
+            Control("a-audit", "known-bad", "stale-audit", M("audit"), kind=KB, subject=a),
+            Control("b-audit", "known-bad", "clean", M("audit"), kind=KB, subject=b),
+            Control("b-plain", "known-bad", "clean", M("plain"), kind=KB, subject=b),
+            Control("sc-plain", "detected", "crash", M("plain"), kind=SC),
+        ]
+    )
+    assert [f.case_id for f in d.failures] == ["b-audit"]

@@ -160,7 +160,8 @@ def test_gate_end_to_end_on_stand_in_builds(tmp_path, fakes):
     assert not run.blind() and [m.split("-vllm-")[1] for m in run.decision().misses] == [
         "quiet-control-plain: clean (detected in audit)"
     ]
-    assert v["quiet-control-audit"].expected == "audit" and v["crash-control-plain"].expected == "known-bad"
+    # a known-bad build expects `known-bad` in every mode, the audit too (judged over its modes and methods: rule 5)
+    assert v["quiet-control-audit"].expected == v["crash-control-plain"].expected == "known-bad"
     assert all(r.vllm_version in ("0.25.1", "0.26.0") for _, r in run.cases)
 
 

@@ -89,7 +89,7 @@ class GateDecision:
         for x in self.disagreements:
             lines.append(f"  evidence of another kind than expected (not gating): {x}")
         for x in self.misses:
-            lines.append(f"  known-bad build silent in this mode, detected in another (rule 5): {x}")
+            lines.append(f"  known-bad build silent here, detected in another mode or variant (rule 5): {x}")
         for x in self.form_misses:
             lines.append(f"  self-control form silent in this mode, another form caught (rule 6): {x}")
         by_reason: dict[str, list[str]] = {}

@@ -19,9 +19,12 @@ What a gate run needs (`decide`):
    the auditor. The attention-layer stale-audit is the harness's bookkeeping: it meets an
    `audit` control but never counts as a mode's evidence.
 4. At least one positive control ran.
-5. A known-bad build (`known-bad` controls, grouped by `Control.subject`) shows evidence in at least one of its modes;
-   a mode's miss is listed (`GateDecision.misses`): whether the real defect faults outside the audit depends on
-   memory leftovers (docs/policy.md). The mode still needs evidence from a positive control of its own (rule 3).
+5. A known-bad build (`known-bad` controls, grouped by the first element of `Control.subject`: the build; the rest
+   names the variant, a method and backend) shows evidence in at least one of its variants and modes; a silent one
+   is listed (`GateDecision.misses`): whether the real defect faults outside the audit depends on memory leftovers
+   (docs/policy.md), and a source mutant or a release is bad on its own capture path only (a DFlash builder's defect
+   leaves EAGLE clean: results/h100-scenarios-mutants-0.33.0). The mode still needs evidence from a positive control
+   of its own (rule 3), and every method its own self control.
 6. A self control outside the audit (`any-form` controls, grouped by `Control.subject`: build, method, backend, mode,
    repetition) shows kernel evidence in at least one of its injection forms; a silent form beside a caught one is
    listed (`GateDecision.form_misses`): whether a form faults depends on what the speculator's capture recomputes at
@@ -180,23 +183,7 @@ def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) 
                     kp, ke = d.evidence_by_kind.setdefault(c.mode.name, {}).get(c.kind, (0, 0))
                     d.evidence_by_kind[c.mode.name][c.kind] = (kp + 1, ke + shown)
             d.evidence[c.mode.name] = (pos, ev)
-    for subject, cs in bad_builds.items():
-        shown = [c for c in cs if counts_as_evidence(c.verdict, c.mode)]
-        silent = [c for c in cs if c.expected == KNOWN_BAD_BUILD and not counts_as_evidence(c.verdict, c.mode)]
-        if silent and not shown:
-            d.failures.append(
-                Failure(
-                    f"{silent[0].case_id}: known-bad build {' '.join(subject)} showed no evidence in any of its modes "
-                    f"({', '.join(f'{c.mode}: {c.verdict}' for c in cs)}): {silent[0].reason[:160]}",
-                    CONTROL_FAILED,
-                    silent[0].case_id,
-                )
-            )
-        elif silent:
-            d.misses += [
-                f"{c.case_id}: {c.verdict} (detected in {', '.join(sorted({x.mode.name for x in shown}))})"
-                for c in silent
-            ]
+    _judge_bad_builds(d, bad_builds)
     _judge_forms(d, forms)
     for mode, (pos, ev) in sorted(d.evidence.items()):
         if not pos:  # only negative controls in this mode: nothing shows that the mode could see the bug
@@ -222,6 +209,43 @@ def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) 
             )
         )
     return d
+
+
+def _variant(c: Control) -> str:
+    return " ".join((c.subject or ())[1:])
+
+
+def _judge_bad_builds(d: GateDecision, bad_builds: dict[tuple[str, ...], list[Control]]) -> None:
+    """Rule 5 over each build (the subject's first element): none of its variants and modes showed evidence fails; a
+    silent one beside evidence is listed, with the modes its own variant was detected in, else the variants that
+    were."""
+    builds: dict[str, list[Control]] = {}
+    for subject, cs in bad_builds.items():
+        builds.setdefault(subject[0], []).extend(cs)
+    for build, cs in builds.items():
+        shown = [c for c in cs if counts_as_evidence(c.verdict, c.mode)]
+        silent = [c for c in cs if c.expected == KNOWN_BAD_BUILD and not counts_as_evidence(c.verdict, c.mode)]
+        several = len({_variant(c) for c in cs}) > 1
+        if silent and not shown:
+            each = ", ".join(f"{_variant(c) + ' ' if several else ''}{c.mode}: {c.verdict}" for c in cs)
+            d.failures.append(
+                Failure(
+                    f"{silent[0].case_id}: known-bad build {build} showed no evidence in any of its "
+                    f"{'variants and ' if several else ''}modes ({each}): {silent[0].reason[:160]}",
+                    CONTROL_FAILED,
+                    silent[0].case_id,
+                )
+            )
+            continue
+        for c in silent:
+            own = sorted({x.mode.name for x in shown if x.subject == c.subject})
+            if own:
+                d.misses.append(f"{c.case_id}: {c.verdict} (detected in {', '.join(own)})")
+            else:
+                other = ", ".join(sorted({_variant(x) or x.mode.name for x in shown}))
+                d.misses.append(
+                    f"{c.case_id}: {c.verdict} (not with {_variant(c) or 'this variant'}; detected with {other})"
+                )
 
 
 def _judge_forms(d: GateDecision, forms: dict[tuple[str, ...], list[Control]]) -> None:

@@ -276,24 +276,26 @@ def persons_choices(environ: dict[str, str]) -> tuple[str, str, dict[str, bool]]
 
 
 def expected(case: GateCase) -> str:
-    """The policy expectation (repro.judge.policy) of a gate case: clean (a build under test), audit (a control in the
-    audit mode: the auditor's stale views from the engine count too), any-form (a self control outside the audit:
-    kernel evidence from it or from another injection form of it in the same mode, a silent form listed: policy
-    rule 6; the injection fills FA3's never-written entries, so its symptom does not hang on leftovers), known-bad (a known-bad
-    build outside the audit mode: kernel evidence, but a silent mode is listed, not failed, when another of its modes
-    caught it: policy rule 5) or recorded (memcheck on a control: what it finds is recorded, not required)."""
+    """The policy expectation (repro.judge.policy) of a gate case: clean (a build under test), audit (a self control in
+    the audit mode, each form its own: the auditor's stale views from the engine count too), any-form (a self control
+    outside the audit: kernel evidence from it or from another injection form of it in the same mode, a silent form
+    listed: policy rule 6; the injection fills FA3's never-written entries, so its symptom does not hang on
+    leftovers), known-bad (a known-bad build in any mode: kernel evidence, or in the audit the engine's stale views;
+    a silent mode or method is listed, not failed, when another caught the build: policy rule 5, since a defect lives
+    on one capture path) or recorded (memcheck on a control: what it finds is recorded, not required)."""
     if not case.is_control:
         return policy.EXPECT_CLEAN
     if not case.mode.gating:
         return policy.RECORDED
-    if case.mode.audit:
-        return policy.AUDIT
-    return policy.ANY_FORM if case.inject is not None else policy.KNOWN_BAD_BUILD
+    if case.inject is not None:
+        return policy.AUDIT if case.mode.audit else policy.ANY_FORM
+    return policy.KNOWN_BAD_BUILD
 
 
 def subject_of(case: GateCase, expect: str) -> tuple[str, ...] | None:
-    """What policy rules 5 and 6 judge a control over: a known-bad build (label, method, backend, over its modes), or
-    a self control outside the audit (one subject for its injection forms in one mode and repetition); None else."""
+    """What policy rules 5 and 6 judge a control over: a known-bad build (label, then its variant: method, backend;
+    rule 5 judges the build over every variant and mode), or a self control outside the audit (one subject for its
+    injection forms in one mode and repetition); None else."""
     if expect == policy.ANY_FORM:
         return (case.build.label, case.method, case.backend, case.mode.name, f"rep{case.rep}")
     return (case.build.label, case.method, case.backend) if case.control_kind == KNOWN_BAD else None
