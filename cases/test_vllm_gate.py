@@ -101,6 +101,6 @@ def test_stale_metadata_vllm_gate(gate_build, record_property):
             res.verdict, mode.policy_mode
         ):  # silent in this mode: rule 5 decides over its modes
             pytest.xfail(f"known-bad vLLM {build.label} silent in mode {mode.name} ({res.verdict}): policy rule 5 "
-                         "judges it over all its modes (pytest --gate)")  # fmt: skip
+                         "judges it over its modes and methods (pytest --gate)")  # fmt: skip
     else:
         assert passes(case, res), f"vLLM {build.label} ({mode.name}): {res.verdict}: {res.reason}"

@@ -43,7 +43,7 @@ def test_every_method_is_clean_and_its_self_control_caught_under_inductor(monkey
 
 def test_every_method_with_two_sm_configurations_passes_each_mode_caught(monkeypatch, tmp_path):
     """`gate --modes audit,plain,sm_margin:16,mps:16` (every method, inductor) on the H100, empty cache
-    (results/h100-gate-sm-1207-cold: 230 s, issue 59's < 240 s): judged again under the current policy."""
+    (results/h100-gate-sm-1207-cold: 230 s, under 240 s): judged again under the current policy."""
     doc, rows, run, got = replay(monkeypatch, tmp_path, RESULTS / "h100-gate-sm-1207-cold")
     same_verdicts(got, rows, run)
     assert run.outcome() == doc["outcome"] == "PASS" and gate_exit(run.outcome()) == 0

@@ -396,12 +396,12 @@ def test_a_known_bad_build_caught_with_one_method_and_clean_with_another_passes_
     dfl, eag = ("0.33.0-dfl", "dflash", "FLASH_ATTN"), ("0.33.0-dfl", "eagle", "FLASH_ATTN")
     d = decide(
         [
-            Control("kb-dflash-audit", "known-bad", "wrong-output", M("audit"), kind=KB, subject=dfl),
-            Control("kb-dflash-plain", "known-bad", "wrong-output", M("plain"), kind=KB, subject=dfl),
-            Control("kb-eagle-audit", "known-bad", "clean", M("audit"), kind=KB, subject=eag),
-            Control("kb-eagle-plain", "known-bad", "clean", M("plain"), kind=KB, subject=eag),
-            Control("sc-audit", "audit", "crash", M("audit"), kind=SC),
-            Control("sc-plain", "detected", "crash", M("plain"), kind=SC),
+            Control("kb-dflash-audit", "known-bad", "wrong-output", M("audit"), kind=KB, subject=dfl, variant=dfl[1:]),
+            Control("kb-dflash-plain", "known-bad", "wrong-output", M("plain"), kind=KB, subject=dfl, variant=dfl[1:]),
+            Control("kb-eagle-audit", "known-bad", "clean", M("audit"), kind=KB, subject=eag, variant=eag[1:]),
+            Control("kb-eagle-plain", "known-bad", "clean", M("plain"), kind=KB, subject=eag, variant=eag[1:]),
+            Control("sc-audit", "audit", "crash", M("audit"), kind=SC, variant=eag[1:]),  # eagle's path sees the bug
+            Control("sc-plain", "detected", "crash", M("plain"), kind=SC, variant=eag[1:]),
         ]
     )
     assert d.passed, d.failures
@@ -439,3 +439,33 @@ def test_two_known_bad_builds_are_judged_apart():
         ]
     )
     assert [f.case_id for f in d.failures] == ["b-audit"]
+
+
+@pytest.mark.parametrize(
+    "other", [("eagle", "FLASH_ATTN"), ("dflash", "TRITON_ATTN")], ids=["another-method", "another-backend"]
+)
+def test_a_known_bad_builds_clean_path_that_nothing_showed_the_bug_on_fails(other):
+    """Without a self control of that path (`--self-control none`), a method or backend the known-bad build leaves
+    clean has no evidence that the harness could see the bug there: it fails, as before rule 5 spanned methods."""
+    build = ("0.25.1",)
+    caught, clean = ("dflash", "FLASH_ATTN"), other
+    d = decide(
+        [
+            Control(
+                "kb-caught-plain", "known-bad", "crash", M("plain"), kind=KB, subject=build + caught, variant=caught
+            ),
+            Control(
+                "kb-clean-plain",
+                "known-bad",
+                "clean",
+                M("plain"),
+                "decoded",
+                kind=KB,
+                subject=build + clean,
+                variant=clean,
+            ),
+        ]
+    )
+    (f,) = d.failures
+    assert f.kind == CONTROL_FAILED and f.case_id == "kb-clean-plain"
+    assert "no positive control of that path did" in f and " ".join(clean) in f

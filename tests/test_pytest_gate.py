@@ -122,6 +122,20 @@ def test_skipped_case_fails_a_gate_unless_not_applicable():
     assert r.outcome == "failed" and "required by this run" in r.longrepr
 
 
+def test_a_known_bad_build_silent_in_one_case_is_left_to_the_sessions_rule_5_not_failed_as_unrun():
+    """cases/test_vllm_gate.py xfails a known-bad build's silent case (pytest reports it skipped, with wasxfail): it
+    ran and recorded its verdict, so the session decides over its modes and methods (policy rule 5)."""
+    item = types.SimpleNamespace(get_closest_marker=lambda m: m == "gpu", nodeid="cases/x.py::t")
+    props = [("expected", "known-bad"), ("verdict", "clean")]
+    r = types.SimpleNamespace(skipped=True, user_properties=props, longrepr=("f", 1, "silent"), wasxfail="silent")
+    pytest_gate.skipped_to_failure(item, r, frozenset())
+    assert not hasattr(r, "outcome")  # stays an xfail
+    for other in ([("expected", "clean"), ("verdict", "clean")], [("expected", "known-bad")]):  # not such a case
+        r = types.SimpleNamespace(skipped=True, user_properties=other, longrepr=("f", 1, "x"), wasxfail="x")
+        pytest_gate.skipped_to_failure(item, r, frozenset())
+        assert r.outcome == "failed"
+
+
 def test_a_mode_with_only_negative_controls_fails_the_gate():
     """vLLM installed, no control named: the audit and plain cases are clean negatives only; the attention-layer
     controls must not stand in for them (repro gate says HARNESS BLIND there too)."""

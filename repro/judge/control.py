@@ -48,6 +48,7 @@ class Control:
     needs: str | None = None  # the REQUIREMENTS feature whose absence made it not applicable
     kind: str | None = None  # a positive control's kind where it matters (vLLM gate: known-bad build, self-control)
     subject: tuple[str, ...] | None = None  # what rules 5 and 6 judge it over: its known-bad build, or its self control
+    variant: tuple[str, ...] | None = None  # the path a vLLM case runs (method, backend): rule 5's evidence per path
 
     @property
     def gating(self) -> bool:
@@ -66,8 +67,9 @@ class Control:
         for key in ("not_applicable", "needs", "kind"):
             if getattr(self, key) is not None:
                 out.append((key, getattr(self, key)))
-        if self.subject is not None:
-            out.append(("subject", list(self.subject)))
+        for key in ("subject", "variant"):
+            if getattr(self, key) is not None:
+                out.append((key, list(getattr(self, key))))
         return out
 
     @classmethod
@@ -79,7 +81,7 @@ class Control:
             verdict = Verdict(verdict)
         except ValueError:
             verdict, reason = ERROR, f"the case recorded an unknown verdict {verdict!r}: {reason}"
-        subject = props.get("subject")
+        subject, variant = props.get("subject"), props.get("variant")
         return cls(
             case_id,
             str(props.get("expected") or EXPECT_CLEAN),
@@ -90,4 +92,5 @@ class Control:
             props.get("needs"),
             kind=props.get("kind"),
             subject=tuple(str(x) for x in subject) if subject is not None else None,
+            variant=tuple(str(x) for x in variant) if variant is not None else None,
         )

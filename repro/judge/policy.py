@@ -23,8 +23,10 @@ What a gate run needs (`decide`):
    names the variant, a method and backend) shows evidence in at least one of its variants and modes; a silent one
    is listed (`GateDecision.misses`): whether the real defect faults outside the audit depends on memory leftovers
    (docs/policy.md), and a source mutant or a release is bad on its own capture path only (a DFlash builder's defect
-   leaves EAGLE clean: results/h100-scenarios-mutants-0.33.0). The mode still needs evidence from a positive control
-   of its own (rule 3), and every method its own self control.
+   leaves EAGLE clean: results/h100-scenarios-mutants-0.33.0). A silent variant is listed only where some positive
+   control of that path (`Control.variant`: a self control, the build in another mode) showed evidence in the run;
+   a path nothing showed the bug on fails, as the build silent everywhere does. The mode still needs evidence from a
+   positive control of its own (rule 3).
 6. A self control outside the audit (`any-form` controls, grouped by `Control.subject`: build, method, backend, mode,
    repetition) shows kernel evidence in at least one of its injection forms; a silent form beside a caught one is
    listed (`GateDecision.form_misses`): whether a form faults depends on what the speculator's capture recomputes at
@@ -155,6 +157,7 @@ def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) 
     bad_builds: dict[tuple[str, ...], list[Control]] = {}  # rule 5: subject -> its positive controls that ran
     forms: dict[tuple[str, ...], list[Control]] = {}  # rule 6: subject -> the forms of one self control that ran
     modes: dict[str, GatingMode] = {}  # each mode by the name its evidence is counted under
+    ran: list[Control] = []
     for c in controls:
         if c.not_applicable is not None:
             if c.needs and c.needs in required:
@@ -165,6 +168,7 @@ def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) 
                 d.not_applicable.append((c.case_id, c.not_applicable))
             continue
         d.ran += 1
+        ran.append(c)
         if c.gating and (why := problem(c.expected, c.verdict)):
             d.failures.append(Failure(f"{c.case_id}: {why}: {c.reason[:160]}", CONTROL_FAILED, c.case_id))
         elif c.gating and disagrees(c.expected, c.verdict):
@@ -183,7 +187,8 @@ def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) 
                     kp, ke = d.evidence_by_kind.setdefault(c.mode.name, {}).get(c.kind, (0, 0))
                     d.evidence_by_kind[c.mode.name][c.kind] = (kp + 1, ke + shown)
             d.evidence[c.mode.name] = (pos, ev)
-    _judge_bad_builds(d, bad_builds)
+    seen = {c.variant for c in ran if c.variant and is_positive(c.expected) and counts_as_evidence(c.verdict, c.mode)}
+    _judge_bad_builds(d, bad_builds, seen)
     _judge_forms(d, forms)
     for mode, (pos, ev) in sorted(d.evidence.items()):
         if not pos:  # only negative controls in this mode: nothing shows that the mode could see the bug
@@ -215,10 +220,12 @@ def _variant(c: Control) -> str:
     return " ".join((c.subject or ())[1:])
 
 
-def _judge_bad_builds(d: GateDecision, bad_builds: dict[tuple[str, ...], list[Control]]) -> None:
+def _judge_bad_builds(
+    d: GateDecision, bad_builds: dict[tuple[str, ...], list[Control]], seen: set[tuple[str, ...]]
+) -> None:
     """Rule 5 over each build (the subject's first element): none of its variants and modes showed evidence fails; a
     silent one beside evidence is listed, with the modes its own variant was detected in, else the variants that
-    were."""
+    were, where a positive control of its path showed evidence (`seen`: Control.variant); else it fails."""
     builds: dict[str, list[Control]] = {}
     for subject, cs in bad_builds.items():
         builds.setdefault(subject[0], []).extend(cs)
@@ -241,6 +248,15 @@ def _judge_bad_builds(d: GateDecision, bad_builds: dict[tuple[str, ...], list[Co
             own = sorted({x.mode.name for x in shown if x.subject == c.subject})
             if own:
                 d.misses.append(f"{c.case_id}: {c.verdict} (detected in {', '.join(own)})")
+            elif c.variant is not None and c.variant not in seen:  # nothing showed the bug on this path
+                d.failures.append(
+                    Failure(
+                        f"{c.case_id}: known-bad build {build} showed no evidence with {_variant(c) or 'this variant'}"
+                        f", and no positive control of that path did ({' '.join(c.variant)}): {c.reason[:160]}",
+                        CONTROL_FAILED,
+                        c.case_id,
+                    )
+                )
             else:
                 other = ", ".join(sorted({_variant(x) or x.mode.name for x in shown}))
                 d.misses.append(
@@ -273,7 +289,8 @@ def markdown() -> str:
         FAULT: "the kernels failed: a memory fault, or a launch that failed after stale metadata",
         DETECTED: "kernel evidence",
         AUDIT: "kernel evidence, or the capture-time audit's stale views",
-        KNOWN_BAD_BUILD: "a known-bad vLLM build: evidence in at least one of its modes (a mode's miss is listed)",
+        KNOWN_BAD_BUILD: "a known-bad vLLM build: evidence in at least one of its modes and methods (a silent one is "
+        "listed where a control of its path showed the bug)",
         ANY_FORM: "a self control outside the audit: evidence from at least one of its injection forms in the mode "
         "(a silent form is listed)",
         EXPECT_CLEAN: "ran, output equals the reference, nothing stale",

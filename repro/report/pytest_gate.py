@@ -27,7 +27,7 @@ import pytest
 from repro.errors import Unavailable
 from repro.exit_codes import Exit, gate_decision, pytest_session
 from repro.files import write_whole
-from repro.judge.control import Control
+from repro.judge.control import KNOWN_BAD_BUILD, Control
 from repro.judge.decision import GATE_WIDE, NOT_COVERED, GateDecision
 from repro.judge.excerpt import shorten
 from repro.judge.policy import GATE_ENV as ENV
@@ -113,6 +113,12 @@ def skipped_to_failure(item, report, needed: frozenset[str]) -> None:
     props = dict(report.user_properties)
     if props.get("not_applicable") and props.get("needs") not in needed:
         return
+    if (
+        getattr(report, "wasxfail", None) is not None
+        and props.get("expected") == KNOWN_BAD_BUILD
+        and props.get("verdict")
+    ):
+        return  # a known-bad build silent here ran and recorded its verdict: the session judges it (policy rule 5)
     reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
     report.outcome = "failed"
     why = "required by this run" if props.get("not_applicable") else "could not run here"

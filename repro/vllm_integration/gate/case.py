@@ -15,8 +15,9 @@ re-created inside it (repro.vllm_integration.plugin.inject), a positive control 
 audit modes a self control must be caught by the auditor itself (judge.vouch), not by a fault alone. Builds under test
 must be `clean` in every mode and repetition; a control (a known-bad build, or a self control) must be detected with
 kernel evidence (fault, hang, wrong tokens) in every gating mode, or by the audit in the audit mode (`expected`): a
-known-bad build in at least one of its modes (policy rule 5), a self control outside the audit in at least one of its
-injection forms per mode (rule 6), every form by the audit."""
+known-bad build in at least one of its modes and methods, a silent path listed where another control showed the bug
+on it (policy rule 5), a self control outside the audit in at least one of its injection forms per mode (rule 6),
+every form by the audit."""
 
 from __future__ import annotations
 

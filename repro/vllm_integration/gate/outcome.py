@@ -124,4 +124,5 @@ def control_of(case: GateCase, res: CaseResult) -> Control:
         res.not_applicable,
         kind=case.control_kind,
         subject=subject_of(case, expect),
+        variant=(case.method, case.backend),
     )

@@ -13,7 +13,7 @@ from repro.files import write_whole
 from repro.judge.control import KNOWN_BAD, SELF_CONTROL
 from repro.judge.decision import GateOutcome
 from repro.judge.excerpt import shorten
-from repro.judge.policy import NO_EVIDENCE
+from repro.judge.policy import NO_EVIDENCE, counts_as_evidence
 from repro.report.redact import redact
 from repro.report.results import VLLM_GATE_KIND, header
 from repro.vllm_integration.gate import bench as gate_bench
@@ -42,16 +42,24 @@ NO_GPU = "no_gpu"  # the environment's caveat where the builds ran without a GPU
 
 def _oks(run: GateRun) -> dict[str, bool]:
     """Each case's ok: not applicable, or it met its expectation and the run's stored decision fails no control of its
-    subject (a failure names one control; policy rules 5 and 6 fail every mode or form of its subject with it, rule 5
-    a known-bad build's every method too: its subject's first element)."""
-
-    def subject_key(c, r) -> tuple[str, ...] | str:
-        s = control_of(c, r).subject
-        return c.case_id if s is None else s[:1] if c.control_kind == KNOWN_BAD else s
-
-    subject = {c.case_id: subject_key(c, r) for c, r in run.cases}
+    subject (a failure names one control; policy rules 5 and 6 fail every mode or form of its subject with it), and,
+    for a known-bad build, the build showed evidence somewhere (rule 5 fails a build silent everywhere: every row)."""
+    controls = {c.case_id: control_of(c, r) for c, r in run.cases}
+    subject = {k: x.subject or k for k, x in controls.items()}
     hit = {subject[f.case_id] for f in run.judged().decision.failures if f.case_id in subject}
-    ok = {c.case_id: passes(c, r) and subject[c.case_id] not in hit for c, r in run.cases}
+    bad = {x.subject[0] for x in controls.values() if x.kind == KNOWN_BAD and x.subject and x.not_applicable is None}
+    shown = {
+        x.subject[0]
+        for x in controls.values()
+        if x.kind == KNOWN_BAD and x.subject and counts_as_evidence(x.verdict, x.mode)
+    }
+    silent = bad - shown
+    ok = {
+        c.case_id: passes(c, r)
+        and subject[c.case_id] not in hit
+        and not (c.control_kind == KNOWN_BAD and c.build.label in silent)
+        for c, r in run.cases
+    }
     return {c.case_id: bool(r.not_applicable) or ok[c.case_id] for c, r in run.cases}
 
 
