@@ -686,7 +686,9 @@ POLICY = [
     (
         "rule 5: a path no control showed the bug on fails",
         POL,
-        *_off("            elif c.variant is not None and c.variant not in seen:  # nothing showed the bug on this path"),
+        *_off(
+            "            elif c.variant is not None and c.variant not in seen:  # nothing showed the bug on this path"
+        ),
         {"test_a_known_bad_builds_clean_path_that_nothing_showed_the_bug_on_fails"},
     ),
     (
