@@ -379,9 +379,17 @@ def test_a_control_recorded_by_a_pytest_test_reads_back_whole():
     (Control.from_properties): the same control, kind and rule 5's subject included; a test that skipped before it
     recorded a verdict reads back as a skip of a negative control; its mode and subject read back typed."""
     c = Control(
-        "n", "known-bad", "clean", M("plain"), "decoded right", kind=KNOWN_BAD, subject=("0.25.1", "FLASH_ATTN")
+        "n",
+        "known-bad",
+        "clean",
+        M("plain"),
+        "decoded right",
+        kind=KNOWN_BAD,
+        subject=("0.25.1", "eagle", "FLASH_ATTN"),
+        variant=("eagle", "FLASH_ATTN"),
     )
     assert Control.from_properties("n", dict(c.properties())) == c
+    assert Control.from_properties("n", {k: plain(v) for k, v in c.properties()}).variant == ("eagle", "FLASH_ATTN")
     na = Control("m", "fault", "skip", M("mig"), "", not_applicable="no MIG here", needs="mig")
     assert Control.from_properties("m", dict(na.properties())) == na
     assert Control.from_properties("k", {}) == Control("k", "clean", "skip", M("eager"), "")

@@ -10,7 +10,7 @@ from pathlib import Path
 from repro.case.spec import RECREATED_NOTHING
 from repro.contract.verdicts import FAULTS, SKIP
 from repro.files import write_whole
-from repro.judge.control import KNOWN_BAD, SELF_CONTROL
+from repro.judge.control import KNOWN_BAD, KNOWN_BAD_BUILD, SELF_CONTROL
 from repro.judge.decision import GateOutcome
 from repro.judge.excerpt import shorten
 from repro.judge.policy import NO_EVIDENCE, counts_as_evidence
@@ -47,12 +47,9 @@ def _oks(run: GateRun) -> dict[str, bool]:
     controls = {c.case_id: control_of(c, r) for c, r in run.cases}
     subject = {k: x.subject or k for k, x in controls.items()}
     hit = {subject[f.case_id] for f in run.judged().decision.failures if f.case_id in subject}
-    bad = {x.subject[0] for x in controls.values() if x.kind == KNOWN_BAD and x.subject and x.not_applicable is None}
-    shown = {
-        x.subject[0]
-        for x in controls.values()
-        if x.kind == KNOWN_BAD and x.subject and counts_as_evidence(x.verdict, x.mode)
-    }
+    judged = [x for x in controls.values() if x.kind == KNOWN_BAD and x.subject and x.expected == KNOWN_BAD_BUILD]
+    bad = {x.subject[0] for x in judged if x.not_applicable is None}
+    shown = {x.subject[0] for x in judged if counts_as_evidence(x.verdict, x.mode)}  # rule 5's evidence, not memcheck's
     silent = bad - shown
     ok = {
         c.case_id: passes(c, r)
