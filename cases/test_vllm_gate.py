@@ -80,7 +80,8 @@ def test_stale_metadata_vllm_gate(gate_build, record_property):
         record_property(k, getattr(res, k))
     record_property("role", build.role)
     record_property("method", method)
-    for k, v in control_of(case, res).properties():  # what `pytest --gate` decides over, as `repro gate` sees it
+    control = control_of(case, res)
+    for k, v in control.properties():  # what `pytest --gate` decides over, as `repro gate` sees it
         record_property(k, v)
     ident = res.backend_identity or {}
     record_property("engine", json.dumps(ident.get("engine"), default=str))
@@ -97,7 +98,6 @@ def test_stale_metadata_vllm_gate(gate_build, record_property):
     record_property("self_control_form_misses", json.dumps(judged.form_misses))
     if build.role == CONTROL:
         assert passes(case, res), f"HARNESS BLIND: control vLLM {build.label} came back {res.verdict}: {res.reason}"
-        control = control_of(case, res)
         if policy.is_positive(control.expected) and not policy.counts_as_evidence(
             res.verdict, mode.policy_mode
         ):  # silent in this mode: rule 5 decides over its modes (a recorded memcheck case is no control to xfail)

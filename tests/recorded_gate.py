@@ -119,15 +119,10 @@ def replay(monkeypatch, tmp_path: Path, record: Path, edit_channel=None, more_lo
             further[base] = max(further.get(base, 0), k)
     recorded_control = gate_process.run_control
 
-    def recorded_forms_beside(case) -> bool:
-        """The recorded result of the case says that no further attempt ran because another form was caught."""
-        return "no further attempt" in (rows.get(case.case_id, {}).get("result", {}).get("reason") or "")
-
     def run_control_as_recorded(case, builds, log_dir, *where, reference=lambda: None, **how):
         how.pop("caught_beside", None)  # the record's attempts as they ran (a replay's processes end in any order)
         asked, n = [], further.get(case.case_id, 0)
-        if n == 0 and recorded_forms_beside(case):  # the run stopped at its first attempt: another form had caught
-            how["attempts"] = 1
+        how["attempts"] = 1 + n  # the attempts the run made, never more (it stopped where another form had caught)
 
         def as_then():
             asked.append(1)

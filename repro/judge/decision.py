@@ -70,6 +70,7 @@ class GateDecision:
     # listed, not failed: a known-bad build silent in one mode, caught in another (5); a form beside a caught one (6)
     misses: list[str] = field(default_factory=list)
     form_misses: list[str] = field(default_factory=list)
+    silent_builds: list[str] = field(default_factory=list)  # known-bad builds silent in every mode and method (5)
 
     @property
     def passed(self) -> bool:

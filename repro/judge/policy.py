@@ -157,7 +157,7 @@ def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) 
     bad_builds: dict[tuple[str, ...], list[Control]] = {}  # rule 5: subject -> its positive controls that ran
     forms: dict[tuple[str, ...], list[Control]] = {}  # rule 6: subject -> the forms of one self control that ran
     modes: dict[str, GatingMode] = {}  # each mode by the name its evidence is counted under
-    ran: list[Control] = []
+    seen: set[tuple[str, ...]] = set()  # rule 5: the paths (Control.variant) a positive control showed the bug on
     for c in controls:
         if c.not_applicable is not None:
             if c.needs and c.needs in required:
@@ -168,7 +168,6 @@ def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) 
                 d.not_applicable.append((c.case_id, c.not_applicable))
             continue
         d.ran += 1
-        ran.append(c)
         if c.gating and (why := problem(c.expected, c.verdict)):
             d.failures.append(Failure(f"{c.case_id}: {why}: {c.reason[:160]}", CONTROL_FAILED, c.case_id))
         elif c.gating and disagrees(c.expected, c.verdict):
@@ -183,11 +182,12 @@ def decide(controls: Iterable[Control], required: frozenset[str] = frozenset()) 
             if is_positive(c.expected):
                 shown = counts_as_evidence(c.verdict, c.mode)
                 pos, ev = pos + 1, ev + shown
+                if shown and c.variant:
+                    seen.add(c.variant)
                 if c.kind is not None:
                     kp, ke = d.evidence_by_kind.setdefault(c.mode.name, {}).get(c.kind, (0, 0))
                     d.evidence_by_kind[c.mode.name][c.kind] = (kp + 1, ke + shown)
             d.evidence[c.mode.name] = (pos, ev)
-    seen = {c.variant for c in ran if c.variant and is_positive(c.expected) and counts_as_evidence(c.verdict, c.mode)}
     _judge_bad_builds(d, bad_builds, seen)
     _judge_forms(d, forms)
     for mode, (pos, ev) in sorted(d.evidence.items()):
@@ -234,6 +234,7 @@ def _judge_bad_builds(
         silent = [c for c in cs if c.expected == KNOWN_BAD_BUILD and not counts_as_evidence(c.verdict, c.mode)]
         several = len({_variant(c) for c in cs}) > 1
         if silent and not shown:
+            d.silent_builds.append(build)
             each = ", ".join(f"{_variant(c) + ' ' if several else ''}{c.mode}: {c.verdict}" for c in cs)
             d.failures.append(
                 Failure(

@@ -10,10 +10,10 @@ from pathlib import Path
 from repro.case.spec import RECREATED_NOTHING
 from repro.contract.verdicts import FAULTS, SKIP
 from repro.files import write_whole
-from repro.judge.control import KNOWN_BAD, KNOWN_BAD_BUILD, SELF_CONTROL
+from repro.judge.control import KNOWN_BAD, SELF_CONTROL
 from repro.judge.decision import GateOutcome
 from repro.judge.excerpt import shorten
-from repro.judge.policy import NO_EVIDENCE, counts_as_evidence
+from repro.judge.policy import NO_EVIDENCE
 from repro.report.redact import redact
 from repro.report.results import VLLM_GATE_KIND, header
 from repro.vllm_integration.gate import bench as gate_bench
@@ -44,13 +44,10 @@ def _oks(run: GateRun) -> dict[str, bool]:
     """Each case's ok: not applicable, or it met its expectation and the run's stored decision fails no control of its
     subject (a failure names one control; policy rules 5 and 6 fail every mode or form of its subject with it), and,
     for a known-bad build, the build showed evidence somewhere (rule 5 fails a build silent everywhere: every row)."""
-    controls = {c.case_id: control_of(c, r) for c, r in run.cases}
-    subject = {k: x.subject or k for k, x in controls.items()}
-    hit = {subject[f.case_id] for f in run.judged().decision.failures if f.case_id in subject}
-    judged = [x for x in controls.values() if x.kind == KNOWN_BAD and x.subject and x.expected == KNOWN_BAD_BUILD]
-    bad = {x.subject[0] for x in judged if x.not_applicable is None}
-    shown = {x.subject[0] for x in judged if counts_as_evidence(x.verdict, x.mode)}  # rule 5's evidence, not memcheck's
-    silent = bad - shown
+    decision = run.judged().decision
+    subject = {c.case_id: control_of(c, r).subject or c.case_id for c, r in run.cases}
+    hit = {subject[f.case_id] for f in decision.failures if f.case_id in subject}
+    silent = set(decision.silent_builds)  # rule 5 failed these builds whole: every row
     ok = {
         c.case_id: passes(c, r)
         and subject[c.case_id] not in hit

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -213,6 +213,16 @@ class InputWatch:
                 delattr(self.builder, self.name)
 
 
+def _by_keyword(counters: dict[str, Any], spec: BackendFields, calls: list[dict]) -> Iterator[dict]:
+    """The calls' keyword arguments; a call with positional arguments only (InputWatch kept {}: nothing to read by
+    name) counted in refresh_unjudged instead."""
+    for kwargs in calls:
+        if kwargs:
+            yield kwargs
+        else:
+            bump(counters, "refresh_unjudged", f"{spec.name}.input: a call without keyword arguments")
+
+
 def judge_inputs(
     auditor: FreshnessAuditor,
     counters: dict[str, Any],
@@ -228,10 +238,7 @@ def judge_inputs(
     read is refresh_unjudged (never raised into vLLM's loop); refresh_stale once for the refresh (`count_stale`:
     not where judge already counted it)."""
     found: list[Mismatch] = []
-    for kwargs in calls:
-        if not kwargs:  # called with positional arguments only: nothing to read by name
-            bump(counters, "refresh_unjudged", f"{spec.name}.input: a call without keyword arguments")
-            continue
+    for kwargs in _by_keyword(counters, spec, calls):
         b = kwargs.get("batch_size")
         for arg, (view_of, extra) in INPUTS.get(spec.name, ("", {}))[1].items():
             passed = kwargs.get(arg)
@@ -281,10 +288,7 @@ def judge_inputs_in_capture(counters: dict[str, Any], md: Any, spec: BackendFiel
     refresh_input_checks; another tensor (one computed from the views, as the source mutant refresh-previous-step's
     seq_lens - 1, or a copy taken before the capture, which every replay would read unchanged) is counted in
     refresh_unjudged, named: what it holds at replay is not seen here (its eager twin is judged by value)."""
-    for kwargs in calls:
-        if not kwargs:
-            bump(counters, "refresh_unjudged", f"{spec.name}.input: a call without keyword arguments")
-            continue
+    for kwargs in _by_keyword(counters, spec, calls):
         for arg, (view_of, _extra) in INPUTS.get(spec.name, ("", {}))[1].items():
             passed = kwargs.get(arg)
             try:
